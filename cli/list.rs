@@ -1,0 +1,19 @@
+//! `ft list`: what the registry holds.
+
+use ft_core::Registry;
+
+pub fn run() {
+    let registry = Registry::builtin();
+    println!("strategies:");
+    if registry.strategies().is_empty() {
+        println!("  (none registered)");
+    }
+    for s in registry.strategies() {
+        let aliases = if s.aliases.is_empty() { String::new() } else { format!(" (alias {})", s.aliases.join(", ")) };
+        println!("  {:<16} {}{aliases} [{}]", s.name, s.summary, s.origin);
+    }
+    println!("metrics sinks:");
+    for s in registry.sinks() {
+        println!("  {:<16} {} [{}]", s.name, s.summary, s.origin);
+    }
+}

@@ -1,0 +1,300 @@
+//! The communicator: PyTorch's own c10d (TCPStore rendezvous, Gloo on CPU,
+//! NCCL on CUDA) behind a small Rust API with asynchronous work handles and
+//! sub-groups.
+
+use crate::env::DistEnv;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use tch::{Device, Tensor};
+
+pub use ft_sys::Reduction;
+
+/// Which c10d backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// NCCL when this rank has a CUDA device, else Gloo.
+    #[default]
+    Auto,
+    Gloo,
+    Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = anyhow::Error;
+    fn from_str(text: &str) -> Result<Backend> {
+        match text {
+            "auto" => Ok(Backend::Auto),
+            "gloo" => Ok(Backend::Gloo),
+            "nccl" => Ok(Backend::Nccl),
+            other => bail!("unknown backend {other:?}: expected auto, gloo or nccl"),
+        }
+    }
+}
+
+/// A collective that failed, with where it failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} on group '{group}' failed on rank {rank} of {size}: {message}")]
+pub struct CommError {
+    pub op: &'static str,
+    pub group: String,
+    pub rank: usize,
+    pub size: usize,
+    pub message: String,
+}
+
+/// A set of ranks that run collectives together: the world, or a sub-group.
+pub struct ProcessGroup {
+    inner: ft_sys::Group,
+    name: String,
+    rank: usize,
+    ranks: Vec<usize>,
+}
+
+/// A collective in flight. Do not read or write its tensors before `wait`.
+#[must_use = "a collective's result is only valid after wait()"]
+pub struct Work {
+    inner: ft_sys::Work,
+    op: &'static str,
+    group: String,
+    rank: usize,
+    size: usize,
+}
+
+impl Work {
+    /// Gloo: blocks until done. NCCL: orders the current CUDA stream after the
+    /// collective and returns at once. Errors (a dead peer, a timeout) come back
+    /// as `CommError`.
+    pub fn wait(self) -> Result<(), CommError> {
+        let Work { inner, op, group, rank, size } = self;
+        inner
+            .wait(Duration::ZERO)
+            .map_err(|e| CommError { op, group, rank, size, message: e.0 })
+    }
+}
+
+impl ProcessGroup {
+    /// This rank's index inside the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Global ranks of the members, in group-rank order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn work(&self, op: &'static str, launched: ft_sys::Result<ft_sys::Work>) -> Result<Work, CommError> {
+        let (group, rank, size) = (self.name.clone(), self.rank, self.size());
+        match launched {
+            Ok(inner) => Ok(Work { inner, op, group, rank, size }),
+            Err(e) => Err(CommError { op, group, rank, size, message: e.0 }),
+        }
+    }
+
+    /// In place: every member ends with the reduction of all members' `tensor`.
+    pub fn all_reduce(&self, tensor: &mut Tensor, reduction: Reduction) -> Result<Work, CommError> {
+        self.work("all_reduce", self.inner.all_reduce(tensor, reduction))
+    }
+
+    /// `output` (size × input's length) receives every member's `input`, in group-rank order.
+    pub fn all_gather_into_tensor(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
+        self.work("all_gather", self.inner.all_gather_into_tensor(output, input))
+    }
+
+    /// `output` receives this rank's chunk of the reduction of all members' `input`.
+    pub fn reduce_scatter_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+        reduction: Reduction,
+    ) -> Result<Work, CommError> {
+        self.work("reduce_scatter", self.inner.reduce_scatter_tensor(output, input, reduction))
+    }
+
+    /// Every member's `tensor` becomes the group-rank `root`'s.
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<Work, CommError> {
+        self.work("broadcast", self.inner.broadcast(tensor, root))
+    }
+
+    pub fn barrier(&self) -> Result<Work, CommError> {
+        self.work("barrier", self.inner.barrier())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    pub backend: Backend,
+    /// How long rendezvous and each collective may take before failing.
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions { backend: Backend::Auto, timeout: Duration::from_secs(300) }
+    }
+}
+
+/// This process's membership in the job: the world group, and what is
+/// needed to build sub-groups.
+pub struct Communicator {
+    env: DistEnv,
+    device: Device,
+    groups: GroupBuilder,
+    world: ProcessGroup,
+}
+
+/// What every group of this rank is made with.
+struct GroupBuilder {
+    store: ft_sys::Store,
+    kind: ft_sys::BackendKind,
+    timeout: Duration,
+    gloo_hostname: String,
+    device_index: usize,
+    global_rank: usize,
+}
+
+impl GroupBuilder {
+    /// Creates the c10d group of `members` (this rank among them), rendezvousing
+    /// under `prefix` in the store so that groups never share keys.
+    fn build(&self, name: &str, prefix: &str, members: &[usize]) -> Result<ProcessGroup> {
+        let rank = members.iter().position(|r| *r == self.global_rank).expect("this rank is a member");
+        let store = self.store.prefixed(prefix).map_err(anyhow::Error::msg)?;
+        let options = ft_sys::GroupOptions {
+            kind: self.kind,
+            rank,
+            size: members.len(),
+            timeout: self.timeout,
+            device_index: self.device_index,
+            gloo_hostname: &self.gloo_hostname,
+        };
+        let inner = ft_sys::Group::new(&store, &options)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("creating process group '{name}' (ranks {members:?})"))?;
+        Ok(ProcessGroup { inner, name: name.to_string(), rank, ranks: members.to_vec() })
+    }
+}
+
+impl Communicator {
+    /// Rendezvous with every rank through the TCPStore at MASTER_ADDR:MASTER_PORT
+    /// (rank 0 hosts it) and create the world group.
+    pub fn init(env: DistEnv, options: &CommOptions) -> Result<Communicator> {
+        let kind = match options.backend {
+            Backend::Gloo => ft_sys::BackendKind::Gloo,
+            Backend::Nccl => ft_sys::BackendKind::Nccl,
+            Backend::Auto if tch::Cuda::is_available() => ft_sys::BackendKind::Nccl,
+            Backend::Auto => ft_sys::BackendKind::Gloo,
+        };
+        let device = match kind {
+            ft_sys::BackendKind::Gloo => Device::Cpu,
+            ft_sys::BackendKind::Nccl => {
+                let visible = tch::Cuda::device_count() as usize;
+                if env.local_rank >= visible {
+                    bail!(
+                        "rank {} needs CUDA device {} (LOCAL_RANK) but {visible} are visible: run at most {visible} ranks per node",
+                        env.rank,
+                        env.local_rank
+                    );
+                }
+                ft_sys::cuda_set_device(env.local_rank).map_err(anyhow::Error::msg)?;
+                Device::Cuda(env.local_rank)
+            }
+        };
+        // GLOO_SOCKET_IFNAME, when set, is Gloo's to honour; otherwise bind the
+        // interface that routes to the master so peers on other nodes reach us.
+        let gloo_hostname =
+            if std::env::var_os("GLOO_SOCKET_IFNAME").is_some() { String::new() } else { env.local_address()? };
+        let store = ft_sys::Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, options.timeout)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| {
+                format!(
+                    "rendezvous at {}:{} failed for rank {} of {} (timeout {} s)",
+                    env.master_addr,
+                    env.master_port,
+                    env.rank,
+                    env.world_size,
+                    options.timeout.as_secs()
+                )
+            })?;
+        let groups = GroupBuilder {
+            store,
+            kind,
+            timeout: options.timeout,
+            gloo_hostname,
+            device_index: env.local_rank,
+            global_rank: env.rank,
+        };
+        let everyone: Vec<usize> = (0..env.world_size).collect();
+        let world = groups.build("world", "ft/world/", &everyone)?;
+        Ok(Communicator { env, device, groups, world })
+    }
+
+    pub fn env(&self) -> &DistEnv {
+        &self.env
+    }
+
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    /// The device this rank computes on: CPU with Gloo, its local GPU with NCCL.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        match self.groups.kind {
+            ft_sys::BackendKind::Gloo => "gloo",
+            ft_sys::BackendKind::Nccl => "nccl",
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.groups.timeout
+    }
+
+    /// Splits the world into disjoint groups; every rank calls this with the
+    /// same partition and gets back the group it belongs to.
+    pub fn split(&self, name: &str, partition: &[Vec<usize>]) -> Result<ProcessGroup> {
+        let mut seen = vec![false; self.env.world_size];
+        for rank in partition.iter().flatten() {
+            if *rank >= seen.len() || std::mem::replace(&mut seen[*rank], true) {
+                bail!("group partition {partition:?} of '{name}' is not a partition of ranks 0..{}", seen.len());
+            }
+        }
+        if seen.iter().any(|s| !s) {
+            bail!("group partition {partition:?} of '{name}' leaves ranks out of 0..{}", seen.len());
+        }
+        let (index, members) = partition
+            .iter()
+            .enumerate()
+            .find(|(_, members)| members.contains(&self.env.rank))
+            .expect("checked above: every rank is in the partition");
+        self.groups.build(&format!("{name}{index}"), &format!("ft/{name}/{index}/"), members)
+    }
+
+    /// The two groups of hybrid sharding: `shard` holds `shard_size` consecutive
+    /// ranks (by default one node), `replica` holds the ranks with the same
+    /// position in every shard group.
+    pub fn hybrid_groups(&self, shard_size: usize) -> Result<(ProcessGroup, ProcessGroup)> {
+        let world = self.env.world_size;
+        if shard_size == 0 || world % shard_size != 0 {
+            bail!("shard group size {shard_size} must divide the world size {world}");
+        }
+        let shards: Vec<Vec<usize>> = (0..world / shard_size)
+            .map(|g| (g * shard_size..(g + 1) * shard_size).collect())
+            .collect();
+        let replicas: Vec<Vec<usize>> =
+            (0..shard_size).map(|i| (i..world).step_by(shard_size).collect()).collect();
+        Ok((self.split("shard", &shards)?, self.split("replica", &replicas)?))
+    }
+}

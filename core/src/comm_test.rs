@@ -1,0 +1,363 @@
+//! `ft comm-test`: the collective bandwidth self-test run before a
+//! multi-node job. Each collective is first checked for correct values with
+//! every reduction it supports, then timed; bandwidth uses nccl-tests'
+//! definitions so the numbers compare with nccl-tests and with
+//! `bench/peers/comm_bench.py` (PyTorch's own torch.distributed).
+
+use crate::comm::{CommError, ProcessGroup, Reduction};
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+}
+
+impl Collective {
+    pub const ALL: [Collective; 4] =
+        [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::Broadcast => "broadcast",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Collective> {
+        Collective::ALL
+            .into_iter()
+            .find(|c| c.name() == text)
+            .ok_or_else(|| anyhow::anyhow!("unknown collective {text:?}: expected one of all_reduce, all_gather, reduce_scatter, broadcast"))
+    }
+
+    /// nccl-tests' bus bandwidth factor for `n` ranks: busbw = algbw × factor.
+    /// It makes numbers comparable across world sizes with the hardware's peak.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+            Collective::Broadcast => 1.0,
+        }
+    }
+
+    /// Reductions whose results are checked (broadcast and all_gather have none).
+    fn checked_reductions(self) -> &'static [Reduction] {
+        match self {
+            Collective::AllReduce => &[Reduction::Sum, Reduction::Avg, Reduction::Max],
+            Collective::ReduceScatter => &[Reduction::Sum, Reduction::Avg],
+            Collective::AllGather | Collective::Broadcast => &[Reduction::Sum],
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CommTestOptions {
+    pub collectives: Vec<Collective>,
+    /// Sizes in bytes, as nccl-tests counts them: the whole buffer (the gathered
+    /// output of all_gather, the input of reduce_scatter).
+    pub sizes: Vec<usize>,
+    pub kind: Kind,
+    pub warmup: usize,
+    pub iters: usize,
+    pub check: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CommTestRow {
+    pub op: String,
+    pub group: String,
+    pub group_size: usize,
+    pub bytes: usize,
+    pub elements: usize,
+    pub dtype: String,
+    /// Mean time per collective on the slowest rank.
+    pub time_us: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+    /// None when checking was switched off.
+    pub correct: Option<bool>,
+}
+
+pub fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Float => "f32",
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        Kind::Double => "f64",
+        _ => "other",
+    }
+}
+
+pub fn parse_dtype(text: &str) -> Result<Kind> {
+    Ok(match text {
+        "f32" | "fp32" | "float32" => Kind::Float,
+        "bf16" | "bfloat16" => Kind::BFloat16,
+        "f16" | "fp16" | "float16" => Kind::Half,
+        other => bail!("unknown dtype {other:?}: expected f32, bf16 or f16"),
+    })
+}
+
+/// Sizes from `min` to `max` bytes, multiplying by `factor` (nccl-tests' -b/-e/-f).
+pub fn size_sweep(min: usize, max: usize, factor: usize) -> Result<Vec<usize>> {
+    if min == 0 || min > max || factor < 2 {
+        bail!("size sweep needs 0 < min ({min}) <= max ({max}) and factor ({factor}) >= 2");
+    }
+    let mut sizes = vec![];
+    let mut size = min;
+    while size <= max {
+        sizes.push(size);
+        size = size.saturating_mul(factor);
+    }
+    Ok(sizes)
+}
+
+/// Parses "64", "4K", "1M", "2G" (powers of 1024) into bytes.
+pub fn parse_bytes(text: &str) -> Result<usize> {
+    let text = text.trim();
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => text.split_at(i),
+        None => (text, ""),
+    };
+    let scale: usize = match unit.trim_end_matches(['B', 'b', 'i']) {
+        "" => 1,
+        "K" | "k" => 1 << 10,
+        "M" | "m" => 1 << 20,
+        "G" | "g" => 1 << 30,
+        _ => bail!("cannot read size {text:?}: use a number with an optional K, M or G suffix"),
+    };
+    let value: usize = digits.parse().map_err(|_| anyhow::anyhow!("cannot read size {text:?}"))?;
+    Ok(value * scale)
+}
+
+pub fn format_bytes(bytes: usize) -> String {
+    const UNITS: [(&str, usize); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (name, scale) in UNITS {
+        if bytes >= scale && bytes % scale == 0 {
+            return format!("{} {name}", bytes / scale);
+        }
+    }
+    format!("{bytes} B")
+}
+
+/// The values rank `member` (0-based in its group) contributes: integers
+/// scaled by member+1, exact in bf16 for the group sizes a node holds, so that
+/// sums and maxima can be compared exactly.
+fn pattern(elements: usize, offset: usize, scale: f64, device: Device) -> Tensor {
+    let index = Tensor::arange_start((offset) as i64, (offset + elements) as i64, (Kind::Int64, device));
+    (index.remainder(3) + 1).to_kind(Kind::Double) * scale
+}
+
+fn matches(actual: &Tensor, expected: &Tensor, kind: Kind, exact: bool) -> bool {
+    let expected = expected.to_kind(kind).to_kind(Kind::Double);
+    let actual = actual.to_kind(Kind::Double);
+    let tolerance = if exact {
+        0.0
+    } else {
+        match kind {
+            Kind::BFloat16 => 1e-2,
+            Kind::Half => 1e-3,
+            _ => 1e-6,
+        }
+    };
+    let error = (&actual - &expected).abs().max().double_value(&[]);
+    let scale = expected.abs().max().double_value(&[]).max(1.0);
+    error <= tolerance * scale
+}
+
+struct Buffers {
+    input: Tensor,
+    output: Tensor,
+    /// Elements in the buffer nccl-tests sizes by.
+    elements: usize,
+}
+
+/// Allocates `op`'s buffers for `bytes`, rounded down so every rank gets an equal chunk.
+fn buffers(op: Collective, bytes: usize, group: &ProcessGroup, kind: Kind, device: Device) -> Result<Buffers> {
+    let n = group.size();
+    let element_size = kind.elt_size_in_bytes();
+    let elements = (bytes / element_size / n) * n;
+    if elements == 0 {
+        bail!("{} bytes is too small for {} over {n} ranks in {}", bytes, op.name(), dtype_name(kind));
+    }
+    let options = (kind, device);
+    let (input, output) = match op {
+        Collective::AllReduce | Collective::Broadcast => {
+            let t = Tensor::empty([elements as i64], options);
+            (t.shallow_clone(), t)
+        }
+        Collective::AllGather => {
+            (Tensor::empty([(elements / n) as i64], options), Tensor::empty([elements as i64], options))
+        }
+        Collective::ReduceScatter => {
+            (Tensor::empty([elements as i64], options), Tensor::empty([(elements / n) as i64], options))
+        }
+    };
+    Ok(Buffers { input, output, elements })
+}
+
+/// Launches `op` once on `b` and waits for it.
+fn run_once(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction) -> Result<(), CommError> {
+    let root = group.size() - 1;
+    let work = match op {
+        Collective::AllReduce => group.all_reduce(&mut b.output, reduction)?,
+        Collective::AllGather => group.all_gather_into_tensor(&mut b.output, &b.input)?,
+        Collective::ReduceScatter => group.reduce_scatter_tensor(&mut b.output, &b.input, reduction)?,
+        Collective::Broadcast => group.broadcast(&mut b.output, root)?,
+    };
+    work.wait()
+}
+
+/// Fills the input with this rank's pattern, runs `op`, and compares with
+/// what the group must produce. Broadcast's root is the last member, so a
+/// root other than 0 is exercised.
+fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction, kind: Kind) -> Result<bool> {
+    let (n, me) = (group.size(), group.rank());
+    let device = b.input.device();
+    let input_len = b.input.numel();
+    let _ = b.input.copy_(&pattern(input_len, 0, (me + 1) as f64, device));
+    run_once(op, group, b, reduction)?;
+    let sum_of_scales = (n * (n + 1) / 2) as f64;
+    let output_len = b.output.numel();
+    let expected = match (op, reduction) {
+        (Collective::AllReduce, Reduction::Sum) => pattern(output_len, 0, sum_of_scales, device),
+        (Collective::AllReduce, Reduction::Avg) => pattern(output_len, 0, sum_of_scales / n as f64, device),
+        (Collective::AllReduce, Reduction::Max) => pattern(output_len, 0, n as f64, device),
+        (Collective::AllGather, _) => {
+            let chunks: Vec<Tensor> = (0..n).map(|j| pattern(input_len, 0, (j + 1) as f64, device)).collect();
+            Tensor::cat(&chunks, 0)
+        }
+        (Collective::ReduceScatter, Reduction::Sum) => pattern(output_len, me * output_len, sum_of_scales, device),
+        (Collective::ReduceScatter, Reduction::Avg) => {
+            pattern(output_len, me * output_len, sum_of_scales / n as f64, device)
+        }
+        (Collective::Broadcast, _) => pattern(output_len, 0, n as f64, device),
+        (op, reduction) => bail!("no expected values for {} with {reduction:?}", op.name()),
+    };
+    Ok(matches(&b.output, &expected, kind, reduction != Reduction::Avg))
+}
+
+fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
+/// Runs the sweep over `group`. Every member must call it with the same options;
+/// all members get the same rows (times are the slowest member's).
+pub fn run(group: &ProcessGroup, device: Device, options: &CommTestOptions) -> Result<Vec<CommTestRow>> {
+    let mut rows = vec![];
+    for &op in &options.collectives {
+        for &bytes in &options.sizes {
+            let mut b = buffers(op, bytes, group, options.kind, device)?;
+            let correct = if options.check {
+                let mut all_correct = true;
+                for &reduction in op.checked_reductions() {
+                    all_correct &= check(op, group, &mut b, reduction, options.kind)?;
+                }
+                Some(all_correct)
+            } else {
+                None
+            };
+            for _ in 0..options.warmup {
+                run_once(op, group, &mut b, Reduction::Sum)?;
+            }
+            synchronize(device);
+            group.barrier()?.wait()?;
+            let start = Instant::now();
+            for _ in 0..options.iters {
+                run_once(op, group, &mut b, Reduction::Sum)?;
+            }
+            synchronize(device);
+            let seconds = start.elapsed().as_secs_f64() / options.iters.max(1) as f64;
+            // The slowest member's time, and whether every member's check passed.
+            let mut summary = Tensor::from_slice(&[seconds, if correct == Some(false) { 1.0 } else { 0.0 }])
+                .to_device(device);
+            group.all_reduce(&mut summary, Reduction::Max)?.wait()?;
+            let summary: Vec<f64> = Vec::<f64>::try_from(summary.to_device(Device::Cpu))?;
+            let (seconds, any_failed) = (summary[0], summary[1] > 0.0);
+            let bytes_moved = b.elements * options.kind.elt_size_in_bytes();
+            let algbw = bytes_moved as f64 / seconds / 1e9;
+            rows.push(CommTestRow {
+                op: op.name().into(),
+                group: group.name().into(),
+                group_size: group.size(),
+                bytes: bytes_moved,
+                elements: b.elements,
+                dtype: dtype_name(options.kind).into(),
+                time_us: seconds * 1e6,
+                algbw_gbps: algbw,
+                busbw_gbps: algbw * op.bus_factor(group.size()),
+                correct: correct.map(|_| !any_failed),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+pub fn format_table(rows: &[CommTestRow]) -> String {
+    let mut out = format!(
+        "{:<15} {:<10} {:>10} {:>12} {:>5} {:>12} {:>12} {:>12} {:>6}\n",
+        "collective", "group", "size", "elements", "dtype", "time (us)", "algbw GB/s", "busbw GB/s", "check"
+    );
+    for r in rows {
+        let check = match r.correct {
+            Some(true) => "ok",
+            Some(false) => "WRONG",
+            None => "-",
+        };
+        out += &format!(
+            "{:<15} {:<10} {:>10} {:>12} {:>5} {:>12.1} {:>12.2} {:>12.2} {:>6}\n",
+            r.op,
+            format!("{}({})", r.group, r.group_size),
+            format_bytes(r.bytes),
+            r.elements,
+            r.dtype,
+            r.time_us,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            check
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_factors_follow_nccl_tests() {
+        assert_eq!(Collective::AllReduce.bus_factor(4), 1.5);
+        assert_eq!(Collective::AllGather.bus_factor(4), 0.75);
+        assert_eq!(Collective::ReduceScatter.bus_factor(2), 0.5);
+        assert_eq!(Collective::Broadcast.bus_factor(8), 1.0);
+    }
+
+    #[test]
+    fn sizes_parse_and_sweep() {
+        assert_eq!(parse_bytes("64").unwrap(), 64);
+        assert_eq!(parse_bytes("4K").unwrap(), 4096);
+        assert_eq!(parse_bytes("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_bytes("2G").unwrap(), 2 << 30);
+        assert!(parse_bytes("3X").is_err());
+        assert_eq!(size_sweep(1024, 8192, 2).unwrap(), vec![1024, 2048, 4096, 8192]);
+        assert!(size_sweep(0, 8, 2).is_err());
+        assert_eq!(format_bytes(64 << 20), "64 MiB");
+    }
+
+    #[test]
+    fn pattern_values_are_exact_in_bf16() {
+        let p = pattern(6, 1, 10.0, Device::Cpu).to_kind(Kind::BFloat16).to_kind(Kind::Double);
+        assert_eq!(Vec::<f64>::try_from(p).unwrap(), vec![20.0, 30.0, 10.0, 20.0, 30.0, 10.0]);
+    }
+}

@@ -1,0 +1,24 @@
+//! `ft-core`: the traits a fine-tuning run is composed of (`Model`, `Dataset`,
+//! `ShardingStrategy`, `Offload`, `MetricsSink`), the registry that finds
+//! them by name, the configuration, and the communicator over PyTorch's c10d.
+
+pub mod comm;
+pub mod comm_test;
+pub mod config;
+pub mod dataset;
+pub mod env;
+pub mod metrics;
+pub mod model;
+pub mod offload;
+pub mod registry;
+pub mod strategy;
+
+pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
+pub use config::Config;
+pub use dataset::{Dataset, Example};
+pub use env::DistEnv;
+pub use metrics::MetricsSink;
+pub use model::Model;
+pub use offload::Offload;
+pub use registry::Registry;
+pub use strategy::ShardingStrategy;

@@ -1,0 +1,86 @@
+//! Metrics go to sinks: each step's values (loss, throughput, memory, …) and
+//! the run's final summary. Built-in sinks register themselves in the registry.
+
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// Named values at one step, e.g. {"loss": 2.31, "tokens_per_s": 41000.0}.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Record {
+    pub step: u64,
+    pub values: BTreeMap<String, f64>,
+}
+
+pub trait MetricsSink: Send {
+    fn name(&self) -> &str;
+    fn record(&mut self, record: &Record) -> Result<()>;
+    /// Flushes everything; called once at the end of the run.
+    fn finish(&mut self) -> Result<()>;
+}
+
+/// One JSON object per line: `{"step": 3, "loss": 2.31, …}`.
+pub struct JsonlSink {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl JsonlSink {
+    pub fn create(dir: &Path) -> Result<JsonlSink> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
+        let path = dir.join("metrics.jsonl");
+        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(JsonlSink { path, out: BufWriter::new(file) })
+    }
+}
+
+impl MetricsSink for JsonlSink {
+    fn name(&self) -> &str {
+        "jsonl"
+    }
+
+    fn record(&mut self, record: &Record) -> Result<()> {
+        let mut line = serde_json::Map::new();
+        line.insert("step".into(), record.step.into());
+        for (key, value) in &record.values {
+            line.insert(key.clone(), serde_json::Value::from(*value));
+        }
+        serde_json::to_writer(&mut self.out, &line)?;
+        writeln!(self.out).with_context(|| format!("cannot write {}", self.path.display()))
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.out.flush().with_context(|| format!("cannot write {}", self.path.display()))
+    }
+}
+
+inventory::submit! {
+    crate::registry::SinkRegistration {
+        name: "jsonl",
+        summary: "one JSON object per step in <output>/metrics.jsonl",
+        create: |dir| Ok(Box::new(JsonlSink::create(dir)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_writes_one_object_per_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sink = JsonlSink::create(dir.path()).unwrap();
+        for step in 1..=2 {
+            let values = BTreeMap::from([("loss".to_string(), 1.5 / step as f64)]);
+            sink.record(&Record { step, values }).unwrap();
+        }
+        sink.finish().unwrap();
+        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["step"], 2);
+        assert_eq!(lines[1]["loss"], 0.75);
+    }
+}

@@ -1,0 +1,197 @@
+//! What `ft` can be composed from, looked up by name. Built-in crates
+//! register with `inventory::submit!`; plug-ins loaded at run time add
+//! entries to the same registry.
+
+use crate::metrics::MetricsSink;
+use crate::strategy::ShardingStrategy;
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+
+/// A strategy crate's registration: `inventory::submit! { StrategyRegistration { … } }`.
+pub struct StrategyRegistration {
+    pub name: &'static str,
+    /// Other names that select it (e.g. `zero3` for `full_shard`).
+    pub aliases: &'static [&'static str],
+    pub summary: &'static str,
+    pub create: fn() -> Box<dyn ShardingStrategy>,
+}
+inventory::collect!(StrategyRegistration);
+
+/// A metrics sink's registration; `create` gets the run's output directory.
+pub struct SinkRegistration {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub create: fn(&Path) -> Result<Box<dyn MetricsSink>>,
+}
+inventory::collect!(SinkRegistration);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    BuiltIn,
+    Plugin(PathBuf),
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::BuiltIn => f.write_str("built-in"),
+            Origin::Plugin(path) => write!(f, "plug-in {}", path.display()),
+        }
+    }
+}
+
+pub struct StrategyEntry {
+    pub name: String,
+    pub aliases: Vec<String>,
+    pub summary: String,
+    pub origin: Origin,
+    pub create: Box<dyn Fn() -> Box<dyn ShardingStrategy> + Send + Sync>,
+}
+
+pub struct SinkEntry {
+    pub name: String,
+    pub summary: String,
+    pub origin: Origin,
+    pub create: Box<dyn Fn(&Path) -> Result<Box<dyn MetricsSink>> + Send + Sync>,
+}
+
+#[derive(Default)]
+pub struct Registry {
+    strategies: Vec<StrategyEntry>,
+    sinks: Vec<SinkEntry>,
+}
+
+impl Registry {
+    /// Everything linked into this binary.
+    pub fn builtin() -> Registry {
+        let mut registry = Registry::default();
+        for r in inventory::iter::<StrategyRegistration> {
+            let create = r.create;
+            registry.strategies.push(StrategyEntry {
+                name: r.name.into(),
+                aliases: r.aliases.iter().map(|a| a.to_string()).collect(),
+                summary: r.summary.into(),
+                origin: Origin::BuiltIn,
+                create: Box::new(create),
+            });
+        }
+        for r in inventory::iter::<SinkRegistration> {
+            let create = r.create;
+            registry.sinks.push(SinkEntry {
+                name: r.name.into(),
+                summary: r.summary.into(),
+                origin: Origin::BuiltIn,
+                create: Box::new(create),
+            });
+        }
+        registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
+        registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
+        registry
+    }
+
+    pub fn strategies(&self) -> &[StrategyEntry] {
+        &self.strategies
+    }
+
+    pub fn sinks(&self) -> &[SinkEntry] {
+        &self.sinks
+    }
+
+    /// Adds a strategy; a name or alias already taken is an error naming both origins.
+    pub fn add_strategy(&mut self, entry: StrategyEntry) -> Result<()> {
+        for name in std::iter::once(&entry.name).chain(&entry.aliases) {
+            if let Some(existing) = self.find_strategy(name) {
+                bail!("strategy name `{name}` from {} is already registered by {}", entry.origin, existing.origin);
+            }
+        }
+        self.strategies.push(entry);
+        Ok(())
+    }
+
+    fn find_strategy(&self, name: &str) -> Option<&StrategyEntry> {
+        self.strategies.iter().find(|s| s.name == name || s.aliases.iter().any(|a| a == name))
+    }
+
+    pub fn strategy(&self, name: &str) -> Result<&StrategyEntry> {
+        self.find_strategy(name).ok_or_else(|| {
+            let names: Vec<&str> = self
+                .strategies
+                .iter()
+                .flat_map(|s| std::iter::once(s.name.as_str()).chain(s.aliases.iter().map(String::as_str)))
+                .collect();
+            unknown("strategy", name, &names)
+        })
+    }
+
+    pub fn sink(&self, name: &str) -> Result<&SinkEntry> {
+        self.sinks.iter().find(|s| s.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.sinks.iter().map(|s| s.name.as_str()).collect();
+            unknown("metrics sink", name, &names)
+        })
+    }
+}
+
+/// "unknown strategy `ful_shard`; did you mean `full_shard`? (registered: …)"
+fn unknown(what: &str, name: &str, known: &[&str]) -> anyhow::Error {
+    let suggestion = known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(name, k), *k))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| format!("; did you mean `{k}`?"))
+        .unwrap_or_default();
+    let known = if known.is_empty() { "none".to_string() } else { known.join(", ") };
+    anyhow::anyhow!("unknown {what} `{name}`{suggestion} (registered: {known}; `ft list` shows them)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::*;
+
+    struct Replicated;
+    impl ShardingStrategy for Replicated {
+        fn name(&self) -> &str {
+            "test_replicated"
+        }
+        fn policy(&self) -> ShardingPolicy {
+            ShardingPolicy {
+                params: ParamPlacement::Replicated,
+                grads: GradReduction::AllReduce,
+                optimizer_state_sharded: false,
+                shard_group: ShardGroup::World,
+            }
+        }
+    }
+
+    fn entry(name: &str, aliases: &[&str], origin: Origin) -> StrategyEntry {
+        StrategyEntry {
+            name: name.into(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            summary: String::new(),
+            origin,
+            create: Box::new(|| Box::new(Replicated)),
+        }
+    }
+
+    #[test]
+    fn builtin_sinks_are_registered() {
+        let registry = Registry::builtin();
+        assert!(registry.sink("jsonl").is_ok());
+        let err = registry.sink("jsonn").err().unwrap().to_string();
+        assert!(err.contains("did you mean `jsonl`?"), "{err}");
+    }
+
+    #[test]
+    fn lookup_by_alias_and_duplicate_refused() {
+        let mut registry = Registry::default();
+        registry.add_strategy(entry("full_shard_test", &["zero3_test"], Origin::BuiltIn)).unwrap();
+        assert_eq!(registry.strategy("zero3_test").unwrap().name, "full_shard_test");
+        let plugin = Origin::Plugin(PathBuf::from("/tmp/libx.so"));
+        let err = registry.add_strategy(entry("other", &["zero3_test"], plugin)).unwrap_err().to_string();
+        assert!(err.contains("`zero3_test` from plug-in /tmp/libx.so is already registered by built-in"), "{err}");
+        let err = registry.strategy("full_shard_tst").err().unwrap().to_string();
+        assert!(err.contains("did you mean `full_shard_test`?"), "{err}");
+        assert_eq!((registry.strategy("zero3_test").unwrap().create)().policy().grads, GradReduction::AllReduce);
+    }
+}

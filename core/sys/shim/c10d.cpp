@@ -1,0 +1,248 @@
+// C ABI over PyTorch's c10d: TCPStore rendezvous, ProcessGroupGloo (CPU) and
+// ProcessGroupNCCL (CUDA) backends, and their asynchronous collectives.
+//
+// Every entry point catches every C++ exception and returns its message as a
+// malloc'd string (NULL on success) so that Rust turns it into an error instead
+// of the process aborting. Tensors arrive as `at::Tensor*`, which is what tch's
+// `Tensor::as_ptr()` points at.
+
+#define USE_C10D_GLOO 1
+#define USE_C10D_NCCL 1
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+enum BackendKind : int { kGloo = 0, kNccl = 1 };
+enum Reduction : int { kSum = 0, kAvg = 1, kMax = 2, kMin = 3 };
+
+char* copy_message(const char* message) {
+  size_t length = std::strlen(message);
+  char* copy = static_cast<char*>(std::malloc(length + 1));
+  if (copy != nullptr) {
+    std::memcpy(copy, message, length + 1);
+  }
+  return copy;
+}
+
+// Runs `body`; returns NULL or the exception's message. c10::Error carries a
+// C++ backtrace in what(); the short form is what a user needs to read.
+template <typename Body>
+char* guarded(Body&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& error) {
+    return copy_message(error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    return copy_message(error.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception");
+  }
+}
+
+c10d::ReduceOp to_reduce_op(int reduction) {
+  switch (reduction) {
+    case kSum:
+      return c10d::ReduceOp::SUM;
+    case kAvg:
+      return c10d::ReduceOp::AVG;
+    case kMax:
+      return c10d::ReduceOp::MAX;
+    case kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  throw std::invalid_argument("unknown reduction " + std::to_string(reduction));
+}
+
+}  // namespace
+
+struct FtStore {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+struct FtGroup {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int kind;
+  int size;
+};
+
+// Gloo has no AVG reduction: it sums, and `wait` divides afterwards.
+struct FtWork {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor divide_after_wait;
+  int64_t divisor = 1;
+};
+
+extern "C" {
+
+void ft_free_error(char* error) { std::free(error); }
+
+char* ft_store_create(const char* host, uint16_t port, bool is_server,
+                      int64_t world_size, int64_t timeout_ms, FtStore** out) {
+  return guarded([&] {
+    c10d::TCPStoreOptions options;
+    options.port = port;
+    options.isServer = is_server;
+    options.numWorkers = static_cast<size_t>(world_size);
+    options.waitWorkers = true;
+    options.timeout = std::chrono::milliseconds(timeout_ms);
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), options);
+    *out = new FtStore{store};
+  });
+}
+
+char* ft_store_prefixed(FtStore* base, const char* prefix, FtStore** out) {
+  return guarded([&] {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base->store);
+    *out = new FtStore{store};
+  });
+}
+
+void ft_store_free(FtStore* store) { delete store; }
+
+// `gloo_hostname`: the address this rank's Gloo device binds to; empty means
+// Gloo's own default (GLOO_SOCKET_IFNAME, else the host name's address).
+char* ft_group_create(FtStore* store, int kind, int rank, int size, int64_t timeout_ms,
+                      int device_index, const char* gloo_hostname, FtGroup** out) {
+  return guarded([&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10::intrusive_ptr<c10d::Backend> backend;
+    if (kind == kGloo) {
+      c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options;
+      if (std::strlen(gloo_hostname) == 0) {
+        options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+      } else {
+        options = c10d::ProcessGroupGloo::Options::create(timeout);
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname(gloo_hostname));
+      }
+      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store->store, rank, size, options);
+    } else if (kind == kNccl) {
+      // What Python's init_process_group(device_id=...) does: bind the group
+      // to one device and connect eagerly, so that every rank does not open a
+      // context on GPU 0 and the first collective does not pay for set-up.
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index));
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store->store, rank, size, options);
+      at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+      nccl->setBoundDeviceId(device);
+      nccl->setSequenceNumberForGroup();
+      nccl->eagerConnectSingleDevice(device);
+      backend = nccl;
+    } else {
+      throw std::invalid_argument("unknown backend kind " + std::to_string(kind));
+    }
+    *out = new FtGroup{backend, kind, size};
+  });
+}
+
+void ft_group_free(FtGroup* group) {
+  if (group == nullptr) {
+    return;
+  }
+  // NCCL communicators must be shut down before the backend is destroyed, or
+  // its watchdog reports the group as leaked. Errors at shutdown are moot.
+  try {
+    group->backend->shutdown();
+  } catch (...) {
+  }
+  delete group;
+}
+
+char* ft_cuda_set_device(int device_index) {
+  return guarded([&] { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index)); });
+}
+
+char* ft_all_reduce(FtGroup* group, at::Tensor* tensor, int reduction, FtWork** out) {
+  return guarded([&] {
+    c10d::AllreduceOptions options;
+    auto result = std::make_unique<FtWork>();
+    if (reduction == kAvg && group->kind == kGloo) {
+      options.reduceOp = c10d::ReduceOp::SUM;
+      result->divide_after_wait = *tensor;
+      result->divisor = group->size;
+    } else {
+      options.reduceOp = to_reduce_op(reduction);
+    }
+    std::vector<at::Tensor> tensors{*tensor};
+    result->work = group->backend->allreduce(tensors, options);
+    *out = result.release();
+  });
+}
+
+char* ft_all_gather_into_tensor(FtGroup* group, at::Tensor* output, at::Tensor* input,
+                                FtWork** out) {
+  return guarded([&] {
+    auto result = std::make_unique<FtWork>();
+    result->work = group->backend->_allgather_base(*output, *input, c10d::AllgatherOptions());
+    *out = result.release();
+  });
+}
+
+char* ft_reduce_scatter_tensor(FtGroup* group, at::Tensor* output, at::Tensor* input,
+                               int reduction, FtWork** out) {
+  return guarded([&] {
+    c10d::ReduceScatterOptions options;
+    auto result = std::make_unique<FtWork>();
+    if (reduction == kAvg && group->kind == kGloo) {
+      options.reduceOp = c10d::ReduceOp::SUM;
+      result->divide_after_wait = *output;
+      result->divisor = group->size;
+    } else {
+      options.reduceOp = to_reduce_op(reduction);
+    }
+    result->work = group->backend->_reduce_scatter_base(*output, *input, options);
+    *out = result.release();
+  });
+}
+
+char* ft_broadcast(FtGroup* group, at::Tensor* tensor, int root, FtWork** out) {
+  return guarded([&] {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    std::vector<at::Tensor> tensors{*tensor};
+    auto result = std::make_unique<FtWork>();
+    result->work = group->backend->broadcast(tensors, options);
+    *out = result.release();
+  });
+}
+
+char* ft_barrier(FtGroup* group, FtWork** out) {
+  return guarded([&] {
+    auto result = std::make_unique<FtWork>();
+    result->work = group->backend->barrier(c10d::BarrierOptions());
+    *out = result.release();
+  });
+}
+
+// Gloo: blocks until the collective is done. NCCL: makes the caller's current
+// CUDA stream wait for the collective's stream; the CPU does not block.
+char* ft_work_wait(FtWork* work, int64_t timeout_ms) {
+  return guarded([&] {
+    // 0 means "no timeout of its own": the group's timeout still applies.
+    auto timeout = std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+    if (!work->work->wait(timeout)) {
+      throw std::runtime_error("collective did not complete within " +
+                               std::to_string(timeout_ms) + " ms");
+    }
+    if (work->divisor != 1) {
+      work->divide_after_wait.div_(work->divisor);
+      work->divisor = 1;
+    }
+  });
+}
+
+void ft_work_free(FtWork* work) { delete work; }
+
+}  // extern "C"

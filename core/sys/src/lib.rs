@@ -1,0 +1,261 @@
+//! The only crate of `ft` with `unsafe` and C++: a thin, safe face over the
+//! c10d shim (`shim/c10d.cpp`). Every fallible call returns the C++
+//! exception's message as `ShimError`; nothing here aborts the process.
+//!
+//! Ownership mirrors c10d's: a `Group` keeps its store alive, a `Work` keeps
+//! its tensors alive until it is dropped (c10d holds references), so dropping
+//! Rust handles early never frees memory a collective still uses.
+
+use std::ffi::{c_char, CStr, CString};
+use std::fmt;
+use std::time::Duration;
+use tch::Tensor;
+
+#[repr(C)]
+struct RawStore {
+    _private: [u8; 0],
+}
+#[repr(C)]
+struct RawGroup {
+    _private: [u8; 0],
+}
+#[repr(C)]
+struct RawWork {
+    _private: [u8; 0],
+}
+/// tch's `C_tensor` is an `at::Tensor`; the shim takes `at::Tensor*`.
+type RawTensor = torch_sys::C_tensor;
+
+extern "C" {
+    fn ft_free_error(error: *mut c_char);
+    fn ft_store_create(
+        host: *const c_char,
+        port: u16,
+        is_server: bool,
+        world_size: i64,
+        timeout_ms: i64,
+        out: *mut *mut RawStore,
+    ) -> *mut c_char;
+    fn ft_store_prefixed(base: *mut RawStore, prefix: *const c_char, out: *mut *mut RawStore) -> *mut c_char;
+    fn ft_store_free(store: *mut RawStore);
+    fn ft_group_create(
+        store: *mut RawStore,
+        kind: i32,
+        rank: i32,
+        size: i32,
+        timeout_ms: i64,
+        device_index: i32,
+        gloo_hostname: *const c_char,
+        out: *mut *mut RawGroup,
+    ) -> *mut c_char;
+    fn ft_group_free(group: *mut RawGroup);
+    fn ft_cuda_set_device(device_index: i32) -> *mut c_char;
+    fn ft_all_reduce(group: *mut RawGroup, tensor: *mut RawTensor, reduction: i32, out: *mut *mut RawWork) -> *mut c_char;
+    fn ft_all_gather_into_tensor(
+        group: *mut RawGroup,
+        output: *mut RawTensor,
+        input: *mut RawTensor,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    fn ft_reduce_scatter_tensor(
+        group: *mut RawGroup,
+        output: *mut RawTensor,
+        input: *mut RawTensor,
+        reduction: i32,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    fn ft_broadcast(group: *mut RawGroup, tensor: *mut RawTensor, root: i32, out: *mut *mut RawWork) -> *mut c_char;
+    fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
+    fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
+    fn ft_work_free(work: *mut RawWork);
+}
+
+/// A C++ exception's message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimError(pub String);
+
+impl fmt::Display for ShimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ShimError {}
+
+pub type Result<T> = std::result::Result<T, ShimError>;
+
+fn check(error: *mut c_char) -> Result<()> {
+    if error.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated malloc'd string that we own.
+    let message = unsafe { CStr::from_ptr(error) }.to_string_lossy().into_owned();
+    unsafe { ft_free_error(error) };
+    Err(ShimError(message))
+}
+
+fn c_string(text: &str) -> Result<CString> {
+    CString::new(text).map_err(|_| ShimError(format!("{text:?} contains a NUL byte")))
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn tensor_ptr(tensor: &Tensor) -> *mut RawTensor {
+    tensor.as_ptr() as *mut RawTensor
+}
+
+/// c10d's key-value store (TCPStore, or a prefixed view of one).
+pub struct Store {
+    raw: *mut RawStore,
+}
+
+// SAFETY: c10d stores are thread-safe (their own locks); the handle is an owned pointer.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// Connects to (or, with `is_server`, hosts) the TCPStore at host:port and
+    /// waits until `world_size` clients have joined or `timeout` passes.
+    pub fn tcp(host: &str, port: u16, is_server: bool, world_size: usize, timeout: Duration) -> Result<Store> {
+        let host = c_string(host)?;
+        let mut raw = std::ptr::null_mut();
+        check(unsafe {
+            ft_store_create(host.as_ptr(), port, is_server, world_size as i64, millis(timeout), &mut raw)
+        })?;
+        Ok(Store { raw })
+    }
+
+    /// A view of this store whose keys all start with `prefix`, so that each
+    /// process group rendezvouses in its own key space.
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        let prefix = c_string(prefix)?;
+        let mut raw = std::ptr::null_mut();
+        check(unsafe { ft_store_prefixed(self.raw, prefix.as_ptr(), &mut raw) })?;
+        Ok(Store { raw })
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        unsafe { ft_store_free(self.raw) }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Gloo = 0,
+    Nccl = 1,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    Sum = 0,
+    /// Native on NCCL; on Gloo a sum divided by the group size at `wait`.
+    Avg = 1,
+    Max = 2,
+    Min = 3,
+}
+
+/// One c10d backend instance (ProcessGroupGloo or ProcessGroupNCCL).
+pub struct Group {
+    raw: *mut RawGroup,
+}
+
+// SAFETY: c10d backends are used from several threads by PyTorch itself.
+unsafe impl Send for Group {}
+unsafe impl Sync for Group {}
+
+/// What a `Group` is made of: who this rank is in it, and how to reach peers.
+pub struct GroupOptions<'a> {
+    pub kind: BackendKind,
+    pub rank: usize,
+    pub size: usize,
+    pub timeout: Duration,
+    /// CUDA device this rank drives (NCCL only).
+    pub device_index: usize,
+    /// Address the Gloo device binds to; "" lets Gloo choose (GLOO_SOCKET_IFNAME or the host name).
+    pub gloo_hostname: &'a str,
+}
+
+impl Group {
+    pub fn new(store: &Store, options: &GroupOptions<'_>) -> Result<Group> {
+        let hostname = c_string(options.gloo_hostname)?;
+        let mut raw = std::ptr::null_mut();
+        check(unsafe {
+            ft_group_create(
+                store.raw,
+                options.kind as i32,
+                options.rank as i32,
+                options.size as i32,
+                millis(options.timeout),
+                options.device_index as i32,
+                hostname.as_ptr(),
+                &mut raw,
+            )
+        })?;
+        Ok(Group { raw })
+    }
+
+    pub fn all_reduce(&self, tensor: &Tensor, reduction: Reduction) -> Result<Work> {
+        self.launch(|out| unsafe { ft_all_reduce(self.raw, tensor_ptr(tensor), reduction as i32, out) })
+    }
+
+    pub fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        self.launch(|out| unsafe { ft_all_gather_into_tensor(self.raw, tensor_ptr(output), tensor_ptr(input), out) })
+    }
+
+    pub fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, reduction: Reduction) -> Result<Work> {
+        self.launch(|out| unsafe {
+            ft_reduce_scatter_tensor(self.raw, tensor_ptr(output), tensor_ptr(input), reduction as i32, out)
+        })
+    }
+
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        self.launch(|out| unsafe { ft_broadcast(self.raw, tensor_ptr(tensor), root as i32, out) })
+    }
+
+    pub fn barrier(&self) -> Result<Work> {
+        self.launch(|out| unsafe { ft_barrier(self.raw, out) })
+    }
+
+    fn launch(&self, call: impl FnOnce(*mut *mut RawWork) -> *mut c_char) -> Result<Work> {
+        let mut raw = std::ptr::null_mut();
+        check(call(&mut raw))?;
+        Ok(Work { raw })
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        unsafe { ft_group_free(self.raw) }
+    }
+}
+
+/// An asynchronous collective in flight.
+pub struct Work {
+    raw: *mut RawWork,
+}
+
+// SAFETY: c10d work objects are waited on from other threads by PyTorch itself.
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Gloo: blocks until done. NCCL: orders the current CUDA stream after the
+    /// collective without blocking the CPU. `timeout` of zero defers to the group's.
+    pub fn wait(self, timeout: Duration) -> Result<()> {
+        check(unsafe { ft_work_wait(self.raw, millis(timeout)) })
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        unsafe { ft_work_free(self.raw) }
+    }
+}
+
+/// Makes `device_index` the current CUDA device of this thread (tch has no such call).
+pub fn cuda_set_device(device_index: usize) -> Result<()> {
+    check(unsafe { ft_cuda_set_device(device_index as i32) })
+}

@@ -1,0 +1,19 @@
+# Source this to build and run with plain cargo:
+#   source scripts/env.sh && cargo build
+# The Makefile's targets source it too. It points the build at the project's
+# venv (scripts/setup.sh makes it): torch-sys finds libtorch through the venv's
+# python (LIBTORCH_USE_PYTORCH=1), and every binary gets an rpath to the
+# wheel's torch/lib, so nothing needs LD_LIBRARY_PATH on this machine.
+# DT_RPATH (--disable-new-dtags) rather than RUNPATH: it also serves the
+# libraries libtorch pulls in, and LD_LIBRARY_PATH still wins where this path
+# does not exist (a binary carried to another machine).
+FT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
+export VIRTUAL_ENV="$FT_ROOT/.venv"
+export PATH="$VIRTUAL_ENV/bin:$PATH"
+export LIBTORCH_USE_PYTORCH=1
+FT_TORCH_LIB="$(ls -d "$VIRTUAL_ENV"/lib/python3*/site-packages/torch/lib 2>/dev/null | head -n1)"
+if [ -z "$FT_TORCH_LIB" ]; then
+  echo "scripts/env.sh: no torch in $VIRTUAL_ENV; run scripts/setup.sh first" >&2
+else
+  export RUSTFLAGS="-C link-arg=-Wl,--disable-new-dtags,-rpath,$FT_TORCH_LIB"
+fi

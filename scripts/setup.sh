@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up everything the build needs, from the registries only:
+#   - Debian's libgloo-dev: Gloo's headers (the torch wheel ships c10d's
+#     headers but not Gloo's; Debian's 2022 headers match libtorch's layout);
+#   - .venv with PyPI's torch==2.11.0 (the libtorch that tch 0.24 is built
+#     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
+#     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
+#     at the versions torch's own cuda-toolkit pin names).
+# Safe to re-run: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.11.0
+CUDA_TOOLKIT_VERSION=13.0.2
+
+if [ ! -f /usr/include/gloo/config.h ]; then
+  echo "setup: installing Gloo headers (Debian libgloo-dev)"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null \
+   || [ ! -d .venv/lib/python3*/site-packages/nvidia/cu13/include/crt ]; then
+  echo "setup: installing torch==$TORCH_VERSION and CUDA headers into .venv (several GB, a few minutes)"
+  .venv/bin/pip install --quiet --disable-pip-version-check \
+    "torch==$TORCH_VERSION" "cuda-toolkit[crt,cccl]==$CUDA_TOOLKIT_VERSION"
+fi
+echo "setup: done ($(du -sh .venv | cut -f1) in .venv)"
