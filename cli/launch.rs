@@ -65,12 +65,12 @@ fn forward(rank: usize, source: impl Read + Send + 'static, to_stderr: bool) -> 
     })
 }
 
+/// Signals each worker's whole process group, so that programs a worker
+/// started (and which hold its output pipes) stop with it.
 fn signal_all(children: &mut [(usize, Child)], signal: i32) {
     for (_, child) in children.iter_mut() {
-        if let Ok(None) = child.try_wait() {
-            // SAFETY: kill(2) on a child's pid that we have not reaped yet.
-            unsafe { libc::kill(child.id() as i32, signal) };
-        }
+        // SAFETY: kill(2) on a process group led by our own child.
+        unsafe { libc::kill(-(child.id() as i32), signal) };
     }
 }
 
@@ -115,10 +115,12 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // SAFETY: prctl is async-signal-safe. Workers die with the launcher,
+        // SAFETY: setpgid and prctl are async-signal-safe. Each worker leads
+        // its own process group (stopped as one), and dies with the launcher,
         // so a killed launcher never leaves ranks waiting on a dead job.
         unsafe {
             command.pre_exec(|| {
+                libc::setpgid(0, 0);
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 Ok(())
             });

@@ -356,6 +356,19 @@ mod tests {
     }
 
     #[test]
+    fn wrong_values_fail_the_check() {
+        let expected = pattern(9, 0, 3.0, Device::Cpu);
+        let mut actual = expected.to_kind(Kind::BFloat16);
+        assert!(matches(&actual, &expected, Kind::BFloat16, true));
+        let _ = actual.get(4).fill_(100.0);
+        assert!(!matches(&actual, &expected, Kind::BFloat16, true));
+        // Avg tolerates rounding, not a wrong value.
+        let close = &expected * 1.001;
+        assert!(matches(&close, &expected, Kind::BFloat16, false));
+        assert!(!matches(&(&expected * 1.1), &expected, Kind::BFloat16, false));
+    }
+
+    #[test]
     fn pattern_values_are_exact_in_bf16() {
         let p = pattern(6, 1, 10.0, Device::Cpu).to_kind(Kind::BFloat16).to_kind(Kind::Double);
         assert_eq!(Vec::<f64>::try_from(p).unwrap(), vec![20.0, 30.0, 10.0, 20.0, 30.0, 10.0]);

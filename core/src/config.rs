@@ -75,8 +75,8 @@ fn describe(error: figment::Error) -> String {
         let location = source.map(|s| format!(" in {s}")).unwrap_or_default();
         let line = match &e.kind {
             figment::error::Kind::UnknownField(field, expected) => {
-                let mut path = e.path.clone();
-                path.push(field.clone());
+                // figment's path already ends with the unknown field.
+                let path = e.path.clone();
                 let suggestion = expected
                     .iter()
                     .map(|known| (strsim::jaro_winkler(field, known), *known))
@@ -138,7 +138,7 @@ mod tests {
     fn unknown_keys_are_named_with_a_suggestion() {
         let (_dir, path) = file("ft.toml", "[dist]\ntimout_secs = 10\n");
         let err = Config::load_with_env(Some(&path), &[], no_env()).unwrap_err().to_string();
-        assert!(err.contains("unknown config key `dist.timout_secs`"), "{err}");
+        assert!(err.contains("unknown config key `dist.timout_secs` in TOML file"), "{err}");
         assert!(err.contains("did you mean `timeout_secs`?"), "{err}");
         assert!(err.contains("ft.toml"), "{err}");
     }

@@ -1,0 +1,225 @@
+//! Real processes over c10d Gloo: collective values on 2 and 4 ranks (with
+//! hybrid sub-groups and as two "nodes"), failure propagation, dead peers,
+//! and bad input rejected with clear messages.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const FT: &str = env!("CARGO_BIN_EXE_ft");
+
+fn ft(args: &[&str]) -> Command {
+    let mut command = Command::new(FT);
+    command.args(args).env("RUST_LOG", "info");
+    // A test's own environment must not look like a torchrun worker's.
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"] {
+        command.env_remove(var);
+    }
+    command
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A comm-test over Gloo small enough for CI, checking f32 and bf16 values.
+const SMALL_SWEEP: &[&str] = &[
+    "comm-test", "--backend", "gloo", "--timeout-secs", "60", "--min-bytes", "4K", "--max-bytes", "16K",
+    "--dtype", "f32,bf16", "--warmup", "0", "--iters", "1",
+];
+
+fn rows(json: &Path) -> Vec<Value> {
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    report["rows"].as_array().unwrap().clone()
+}
+
+/// Every (collective, size, dtype) of the sweep appears for each group and is correct.
+fn assert_all_checked(rows: &[Value], groups: &[&str]) {
+    let per_group = 4 * 2 * 2; // collectives × sizes (4K, 16K) × dtypes
+    assert_eq!(rows.len(), per_group * groups.len(), "{rows:#?}");
+    for row in rows {
+        assert_eq!(row["correct"], Value::Bool(true), "{row}");
+        assert!(groups.contains(&row["group"].as_str().unwrap()), "{row}");
+    }
+}
+
+#[test]
+fn collectives_are_correct_on_2_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let mut args = vec!["launch", "--nproc-per-node", "2", "--"];
+    args.extend_from_slice(SMALL_SWEEP);
+    args.extend_from_slice(&["--json", json.to_str().unwrap()]);
+    let output = ft(&args).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("all collectives gave the expected values on all 2 ranks"));
+    assert_all_checked(&rows(&json), &["world"]);
+}
+
+#[test]
+fn collectives_are_correct_on_4_ranks_with_hybrid_subgroups() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let mut args = vec!["launch", "--nproc-per-node", "4", "--"];
+    args.extend_from_slice(SMALL_SWEEP);
+    args.extend_from_slice(&["--group-size", "2", "--json", json.to_str().unwrap()]);
+    let output = ft(&args).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let rows = rows(&json);
+    assert_all_checked(&rows, &["world", "shard0", "replica0"]);
+    let sizes: Vec<u64> = rows.iter().map(|r| r["group_size"].as_u64().unwrap()).collect();
+    assert!(sizes.contains(&4) && sizes.contains(&2));
+}
+
+#[test]
+fn two_nodes_rendezvous_and_split_by_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let port = free_port().to_string();
+    let nodes: Vec<_> = (0..2)
+        .map(|node| {
+            let node_rank = node.to_string();
+            let mut args = vec![
+                "launch", "--nnodes", "2", "--node-rank", &node_rank, "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", &port, "--",
+            ];
+            args.extend_from_slice(SMALL_SWEEP);
+            args.extend_from_slice(&["--group-size", "2", "--json", json.to_str().unwrap()]);
+            ft(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for node in nodes {
+        let output = node.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+    }
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["nodes"], 2);
+    assert_all_checked(report["rows"].as_array().unwrap(), &["world", "shard0", "replica0"]);
+}
+
+#[test]
+fn launch_sets_torchrun_environment_and_prefixes_output() {
+    let output = ft(&[
+        "launch", "--nproc-per-node", "2", "--exec", "--", "sh", "-c",
+        "echo \"$RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR\"",
+    ])
+    .output()
+    .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("[rank 0] 0/2/0/2/127.0.0.1"), "{stdout}");
+    assert!(stdout.contains("[rank 1] 1/2/1/2/127.0.0.1"), "{stdout}");
+}
+
+#[test]
+fn launch_stops_the_others_and_propagates_a_failing_exit_code() {
+    let started = Instant::now();
+    let output = ft(&[
+        "launch", "--nproc-per-node", "3", "--grace-secs", "2", "--exec", "--", "sh", "-c",
+        "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(output.status.code(), Some(3), "{}", text(&output));
+    assert!(started.elapsed() < Duration::from_secs(20), "the sleeping ranks were not stopped");
+    assert!(text(&output).contains("rank 1 exited with code 3; stopping the other ranks"), "{}", text(&output));
+}
+
+/// Starts one comm-test worker by hand (as torchrun would) with a long timed loop.
+fn worker(rank: usize, port: u16, timeout_secs: &str) -> std::process::Child {
+    ft(&[
+        "comm-test", "--backend", "gloo", "--timeout-secs", timeout_secs, "--min-bytes", "1M", "--max-bytes", "1M",
+        "--ops", "all_reduce", "--iters", "100000000",
+    ])
+    .env("RANK", rank.to_string())
+    .env("WORLD_SIZE", "2")
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", port.to_string())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap()
+}
+
+#[test]
+fn a_killed_rank_makes_the_others_fail_with_a_clear_error_not_hang() {
+    let port = free_port();
+    let timeout_secs = 10;
+    let mut survivor = worker(0, port, &timeout_secs.to_string());
+    let mut victim = worker(1, port, &timeout_secs.to_string());
+    // Kill the victim once it is inside the collectives loop.
+    let mut victim_log = BufReader::new(victim.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("rendezvous complete") {
+        line.clear();
+        assert!(victim_log.read_line(&mut line).unwrap() > 0, "rank 1 ended before rendezvous");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed_at = Instant::now();
+    let output = survivor.wait_with_output().unwrap();
+    let waited = killed_at.elapsed();
+    assert!(!output.status.success());
+    assert!(waited < Duration::from_secs(timeout_secs + 10), "rank 0 took {waited:?} to notice");
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(message.contains("on group 'world' failed on rank 0 of 2"), "{message}");
+}
+
+#[test]
+fn a_missing_rank_fails_rendezvous_within_the_timeout() {
+    let started = Instant::now();
+    let mut lonely = worker(0, free_port(), "3");
+    let status = lonely.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut lonely.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
+    assert!(stderr.contains("rendezvous at 127.0.0.1:"), "{stderr}");
+    assert!(stderr.contains("rank 0 of 2 (timeout 3 s)"), "{stderr}");
+}
+
+#[test]
+fn bad_input_is_rejected_with_clear_messages() {
+    let output = ft(&["comm-test", "--dtype", "f8"]).output().unwrap();
+    assert!(!output.status.success());
+    assert!(text(&output).contains("unknown dtype \"f8\": expected f32, bf16 or f16"), "{}", text(&output));
+
+    let output = ft(&["comm-test", "--ops", "all_to_all"]).output().unwrap();
+    assert!(text(&output).contains("unknown collective \"all_to_all\""), "{}", text(&output));
+
+    let output = ft(&["comm-test"]).env("RANK", "3").env("WORLD_SIZE", "2").env("MASTER_PORT", "1").output().unwrap();
+    assert!(text(&output).contains("RANK=3 must be below WORLD_SIZE=2"), "{}", text(&output));
+
+    let output = ft(&["launch", "--nproc-per-node", "0", "--", "list"]).output().unwrap();
+    assert!(text(&output).contains("--nproc-per-node and --nnodes must be at least 1"), "{}", text(&output));
+
+    let output = ft(&["launch", "--nnodes", "2", "--node-rank", "2", "--", "list"]).output().unwrap();
+    assert!(text(&output).contains("--node-rank 2 must be below --nnodes 2"), "{}", text(&output));
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ft.toml");
+    std::fs::write(&config, "[dist]\nbackend = 'gloo'\ntimeout_sec = 5\n").unwrap();
+    let output = ft(&["--config", config.to_str().unwrap(), "list"]).output().unwrap();
+    assert!(!output.status.success());
+    let message = text(&output);
+    assert!(message.contains("unknown config key `dist.timeout_sec`"), "{message}");
+    assert!(message.contains("did you mean `timeout_secs`?"), "{message}");
+
+    let output = ft(&["list"]).env("FT_DIST__BAKEND", "gloo").output().unwrap();
+    assert!(text(&output).contains("unknown config key `dist.bakend`"), "{}", text(&output));
+}
+
+#[test]
+fn list_shows_the_registry() {
+    let output = ft(&["list"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("strategies:") && stdout.contains("jsonl"), "{stdout}");
+}
