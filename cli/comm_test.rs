@@ -10,6 +10,8 @@ use std::time::Duration;
 
 #[derive(Args)]
 pub struct CommTestArgs {
+    #[command(flatten)]
+    pub config: crate::ConfigFile,
     /// auto, gloo or nccl (overrides dist.backend).
     #[arg(long)]
     backend: Option<Backend>,

@@ -4,6 +4,10 @@ use ft_core::Registry;
 
 pub fn run() {
     let registry = Registry::builtin();
+    println!("models (config.json model_type):");
+    for m in registry.models() {
+        println!("  {:<16} {}", m.model_type, m.summary);
+    }
     println!("strategies:");
     if registry.strategies().is_empty() {
         println!("  (none registered)");

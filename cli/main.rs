@@ -3,6 +3,7 @@
 mod comm_test;
 mod launch;
 mod list;
+mod model_commands;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -12,12 +13,16 @@ use std::path::PathBuf;
 #[derive(Parser)]
 #[command(name = "ft", version, about = "Fine-tune language models on one GPU, many GPUs and many nodes")]
 struct Cli {
-    /// Configuration file (.toml, .yaml or .json); FT_SECTION__KEY variables and flags override it.
-    #[arg(long, global = true, env = "FT_CONFIG_FILE")]
-    config: Option<PathBuf>,
-
     #[command(subcommand)]
     command: Command,
+}
+
+/// The run configuration file, for the subcommands that read one.
+#[derive(clap::Args)]
+pub struct ConfigFile {
+    /// Configuration file (.toml, .yaml or .json); FT_SECTION__KEY variables and flags override it.
+    #[arg(long = "config", env = "FT_CONFIG_FILE")]
+    pub path: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -26,8 +31,14 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Measure and check collectives (all_reduce, all_gather, reduce_scatter, broadcast).
     CommTest(comm_test::CommTestArgs),
-    /// Show the registered strategies and metrics sinks.
-    List,
+    /// Show the registered models, strategies and metrics sinks.
+    List(ConfigFile),
+    /// Write a randomly initialised Hugging Face checkpoint of a config.
+    InitModel(model_commands::InitModelArgs),
+    /// Continue a prompt greedily (KV cache).
+    Generate(model_commands::GenerateArgs),
+    /// Run a forward (and backward) pass on token ids; write logits, loss and gradients.
+    Forward(model_commands::ForwardArgs),
 }
 
 fn main() {
@@ -54,13 +65,16 @@ fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Launch(args) => launch::run(args),
         Command::CommTest(args) => {
-            let config = Config::load(cli.config.as_deref(), &args.config_overrides())?;
+            let config = Config::load(args.config.path.as_deref(), &args.config_overrides())?;
             comm_test::run(args, &config)
         }
-        Command::List => {
-            Config::load(cli.config.as_deref(), &[])?;
+        Command::List(config) => {
+            Config::load(config.path.as_deref(), &[])?;
             list::run();
             Ok(0)
         }
+        Command::InitModel(args) => model_commands::init_model(args),
+        Command::Generate(args) => model_commands::generate(args),
+        Command::Forward(args) => model_commands::forward(args),
     }
 }

@@ -7,6 +7,7 @@ pub mod comm_test;
 pub mod config;
 pub mod dataset;
 pub mod env;
+pub mod generate;
 pub mod metrics;
 pub mod model;
 pub mod offload;

@@ -1,10 +1,15 @@
 //! What a model is to `ft`: named units of parameters (the sharding
-//! granularity) and the math of each unit. A model owns no parameter storage:
-//! the sharding strategy owns it and hands the model views before each unit
-//! runs, so every strategy works with every model.
+//! granularity) and the math of each stage. A model owns no parameter
+//! storage: whoever runs it (a sharding strategy, `ft generate`) owns the
+//! storage and hands the model views before each stage, so every strategy
+//! works with every model.
+//!
+//! A forward pass runs `stages()` in order. A unit may serve several stages:
+//! a tied embedding unit runs first (embed) and last (head), so its gradient
+//! accumulates over both uses.
 
-use anyhow::Result;
-use tch::Tensor;
+use anyhow::{bail, Result};
+use tch::{Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -16,22 +21,26 @@ pub enum Init {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSpec {
-    /// Name inside the unit, e.g. `attn.qkv.weight`.
-    pub name: String,
-    /// Tensor name in the Hugging Face checkpoint.
+    /// Tensor name in the Hugging Face checkpoint, e.g. `transformer.h.3.mlp.dense_4h_to_h.weight`.
     pub hf_name: String,
+    /// Name inside the unit, what the model's math asks for, e.g. `mlp.dense_4h_to_h.weight`.
+    pub name: String,
     pub shape: Vec<i64>,
     pub init: Init,
 }
 
 impl ParamSpec {
+    pub fn new(prefix: &str, name: &str, shape: &[i64], init: Init) -> ParamSpec {
+        ParamSpec { hf_name: format!("{prefix}{name}"), name: name.into(), shape: shape.to_vec(), init }
+    }
+
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
     }
 }
 
-/// A group of parameters gathered, run and reduced together (embeddings, one
-/// transformer block, the final norm and head).
+/// A group of parameters gathered, run and reduced together (embeddings,
+/// one transformer block, the final norm and head).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitSpec {
     pub name: String,
@@ -44,10 +53,249 @@ impl UnitSpec {
     }
 }
 
-pub trait Model: Send + Sync {
-    fn units(&self) -> &[UnitSpec];
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StageKind {
+    /// Token ids → hidden states.
+    Embed,
+    /// Hidden states → hidden states (one transformer block).
+    Block,
+    /// Hidden states → normalised hidden states and the LM head's weight.
+    Head,
+}
 
-    /// Runs unit `unit` on `input`; `params[i]` is a view shaped like
-    /// `units()[unit].params[i]`.
-    fn forward_unit(&self, unit: usize, params: &[Tensor], input: &Tensor) -> Result<Tensor>;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stage {
+    pub unit: usize,
+    pub kind: StageKind,
+}
+
+/// The tensors of one unit, looked up by their in-unit name.
+pub struct Params<'a> {
+    spec: &'a UnitSpec,
+    tensors: &'a [Tensor],
+}
+
+impl<'a> Params<'a> {
+    pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
+        assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
+        Params { spec, tensors }
+    }
+
+    /// Panics on a name the unit does not declare: that is a bug in the model file.
+    pub fn get(&self, name: &str) -> &'a Tensor {
+        match self.spec.params.iter().position(|p| p.name == name) {
+            Some(i) => &self.tensors[i],
+            None => panic!("unit {} has no parameter {name}", self.spec.name),
+        }
+    }
+
+    pub fn maybe(&self, name: &str) -> Option<&'a Tensor> {
+        self.spec.params.iter().position(|p| p.name == name).map(|i| &self.tensors[i])
+    }
+}
+
+/// Per-batch inputs every block needs, built once by `Model::context`.
+pub struct Context {
+    /// Dropout is active.
+    pub train: bool,
+    /// Absolute position of every token, [batch, seq] (counts the KV cache).
+    pub positions: Tensor,
+    /// Additive attention bias broadcastable to [batch, heads, seq, keys], in the
+    /// compute dtype, with the causal and padding masks folded in; `None` means
+    /// plain causal attention (SDPA's `is_causal`, no materialised mask).
+    pub attention_bias: Option<Tensor>,
+    /// RoPE's cos and sin, [batch, 1, seq, head_dim], when the model rotates.
+    pub rope: Option<(Tensor, Tensor)>,
+}
+
+/// Keys and values of earlier positions for one block, [batch, kv_heads, len, head_dim].
+#[derive(Default)]
+pub struct KvCache {
+    pub key: Option<Tensor>,
+    pub value: Option<Tensor>,
+}
+
+impl KvCache {
+    /// Appends this step's keys and values; returns all of them.
+    pub fn extend(&mut self, key: Tensor, value: Tensor) -> (Tensor, Tensor) {
+        let key = match self.key.take() {
+            Some(past) => Tensor::cat(&[past, key], 2),
+            None => key,
+        };
+        let value = match self.value.take() {
+            Some(past) => Tensor::cat(&[past, value], 2),
+            None => value,
+        };
+        self.key = Some(key.shallow_clone());
+        self.value = Some(value.shallow_clone());
+        (key, value)
+    }
+
+    pub fn len(&self) -> i64 {
+        self.key.as_ref().map_or(0, |k| k.size()[2])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Sizes that throughput and MFU figures need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub layers: i64,
+    pub hidden: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub vocab: i64,
+    /// Longest sequence the model accepts (learned positions), or None (RoPE, ALiBi).
+    pub max_positions: Option<i64>,
+}
+
+pub trait Model: Send + Sync {
+    /// The Hugging Face `model_type`.
+    fn model_type(&self) -> &str;
+    fn units(&self) -> &[UnitSpec];
+    fn stages(&self) -> &[Stage];
+    fn dims(&self) -> Dims;
+    /// The config.json this model was built from (written back on export).
+    fn hf_config(&self) -> &serde_json::Value;
+
+    /// Builds what the blocks share for a batch of `input_ids` [batch, seq]
+    /// that follows `past` cached positions. `padding_mask` [batch, past+seq]
+    /// is 1 for real tokens, 0 for padding.
+    fn context(
+        &self,
+        input_ids: &Tensor,
+        past: i64,
+        padding_mask: Option<&Tensor>,
+        dtype: Kind,
+        train: bool,
+    ) -> Result<Context>;
+
+    fn embed(&self, params: &Params, input_ids: &Tensor, ctx: &Context) -> Tensor;
+
+    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor;
+
+    /// Final norm (and projection): the hidden states the LM head multiplies,
+    /// and the head's weight [vocab, dim] (the embedding's, when tied).
+    fn head(&self, params: &Params, x: &Tensor) -> (Tensor, Tensor);
+
+    /// Total parameters.
+    fn numel(&self) -> i64 {
+        self.units().iter().map(UnitSpec::numel).sum()
+    }
+
+    /// Training FLOPs per token at sequence length `seq`: 6N for the matmuls
+    /// over parameters plus 12·L·d·S for attention (PaLM's MFU formula).
+    fn train_flops_per_token(&self, seq: i64) -> f64 {
+        let d = self.dims();
+        6.0 * self.numel() as f64 + 12.0 * (d.layers * d.hidden * seq) as f64
+    }
+}
+
+/// Runs every stage with full parameters `params[unit]` (views in the compute
+/// dtype); returns the head's normalised hidden states and weight.
+pub fn forward_hidden(
+    model: &dyn Model,
+    params: &[Vec<Tensor>],
+    input_ids: &Tensor,
+    ctx: &Context,
+    mut caches: Option<&mut [KvCache]>,
+) -> (Tensor, Tensor) {
+    let units = model.units();
+    let mut x = None;
+    let mut block = 0;
+    for stage in model.stages() {
+        let p = Params::new(&units[stage.unit], &params[stage.unit]);
+        match stage.kind {
+            StageKind::Embed => x = Some(model.embed(&p, input_ids, ctx)),
+            StageKind::Block => {
+                let cache = caches.as_deref_mut().map(|c| &mut c[block]);
+                x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, cache));
+                block += 1;
+            }
+            StageKind::Head => return model.head(&p, x.as_ref().expect("embed runs first")),
+        }
+    }
+    panic!("model {} has no head stage", model.model_type());
+}
+
+/// Mean next-token cross-entropy over labels that are not `IGNORE_INDEX`,
+/// with `labels` aligned to the inputs (shifted here, as Hugging Face does).
+/// Logits exist `chunk` tokens at a time, in fp32 only for the chunk.
+pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<Tensor> {
+    let (batch, seq, dim) = hidden.size3()?;
+    if labels.size() != [batch, seq] {
+        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+    }
+    let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
+    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
+    let count = targets.ne(crate::dataset::IGNORE_INDEX).sum(Kind::Float).clamp_min(1.0);
+    let tokens = targets.size()[0];
+    let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
+    let mut start = 0;
+    while start < tokens {
+        let len = chunk.min(tokens - start);
+        let logits = hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float);
+        let sum = logits.cross_entropy_loss::<Tensor>(
+            &targets.narrow(0, start, len),
+            None,
+            tch::Reduction::Sum,
+            crate::dataset::IGNORE_INDEX,
+            0.0,
+        );
+        total = total + sum;
+        start += len;
+    }
+    Ok(total / count)
+}
+
+/// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
+pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
+    hidden.matmul(&weight.tr()).to_kind(Kind::Float)
+}
+
+/// Scaled-dot-product attention over [batch, heads, seq, head_dim] tensors:
+/// causal without a materialised mask when there is no bias and no cache.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: bool) -> Tensor {
+    let (seq, keys) = (q.size()[2], k.size()[2]);
+    match &ctx.attention_bias {
+        Some(bias) => Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, None, grouped_kv),
+        // One new token attends to every cached key: nothing to mask.
+        None if seq == 1 => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, false, None, grouped_kv),
+        None if seq == keys => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, grouped_kv),
+        None => {
+            let bias = causal_bias(seq, keys - seq, q.kind(), q.device());
+            Tensor::scaled_dot_product_attention(q, k, v, Some(&bias), 0.0, false, None, grouped_kv)
+        }
+    }
+}
+
+/// [seq, past+seq] additive mask: 0 where query i may see key j (j <= past+i), -inf elsewhere.
+pub fn causal_bias(seq: i64, past: i64, dtype: Kind, device: tch::Device) -> Tensor {
+    let q = Tensor::arange(seq, (Kind::Int64, device)).unsqueeze(1) + past;
+    let k = Tensor::arange(past + seq, (Kind::Int64, device)).unsqueeze(0);
+    Tensor::zeros([seq, past + seq], (dtype, device)).masked_fill(&k.gt_tensor(&q), f64::NEG_INFINITY)
+}
+
+/// Folds a padding mask [batch, keys] (1 = token, 0 = padding) into an
+/// additive bias [batch, 1, 1, keys].
+pub fn padding_bias(padding_mask: &Tensor, dtype: Kind) -> Tensor {
+    let keep = padding_mask.to_kind(Kind::Bool).unsqueeze(1).unsqueeze(1);
+    Tensor::zeros(keep.size(), (dtype, padding_mask.device())).masked_fill(&keep.logical_not(), f64::NEG_INFINITY)
+}
+
+/// Positions [batch, seq] of tokens after `past` cached ones: counted over
+/// real tokens only when a padding mask is given (left padding), as Hugging
+/// Face does.
+pub fn positions(input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>) -> Tensor {
+    let (batch, seq) = (input_ids.size()[0], input_ids.size()[1]);
+    match padding_mask {
+        Some(mask) => {
+            let counted = mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1;
+            counted.clamp_min(0).narrow(1, past, seq)
+        }
+        None => (Tensor::arange(seq, (Kind::Int64, input_ids.device())) + past).unsqueeze(0).expand([batch, seq], true),
+    }
 }

@@ -25,6 +25,14 @@ pub struct SinkRegistration {
 }
 inventory::collect!(SinkRegistration);
 
+/// A model architecture's registration, keyed by config.json's `model_type`.
+pub struct ModelRegistration {
+    pub model_type: &'static str,
+    pub summary: &'static str,
+    pub build: fn(serde_json::Value) -> Result<Box<dyn crate::model::Model>>,
+}
+inventory::collect!(ModelRegistration);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
     BuiltIn,
@@ -59,6 +67,7 @@ pub struct SinkEntry {
 pub struct Registry {
     strategies: Vec<StrategyEntry>,
     sinks: Vec<SinkEntry>,
+    models: Vec<&'static ModelRegistration>,
 }
 
 impl Registry {
@@ -84,6 +93,8 @@ impl Registry {
                 create: Box::new(create),
             });
         }
+        registry.models = inventory::iter::<ModelRegistration>.into_iter().collect();
+        registry.models.sort_by_key(|m| m.model_type);
         registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
         registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
         registry
@@ -120,6 +131,17 @@ impl Registry {
                 .flat_map(|s| std::iter::once(s.name.as_str()).chain(s.aliases.iter().map(String::as_str)))
                 .collect();
             unknown("strategy", name, &names)
+        })
+    }
+
+    pub fn models(&self) -> &[&'static ModelRegistration] {
+        &self.models
+    }
+
+    pub fn model(&self, model_type: &str) -> Result<&'static ModelRegistration> {
+        self.models.iter().copied().find(|m| m.model_type == model_type).ok_or_else(|| {
+            let names: Vec<&str> = self.models.iter().map(|m| m.model_type).collect();
+            unknown("model_type", model_type, &names)
         })
     }
 

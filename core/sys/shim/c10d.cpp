@@ -1,4 +1,4 @@
-// C ABI over PyTorch's c10d: TCPStore rendezvous, ProcessGroupGloo (CPU) and
+// C ABI over PyTorch's c10d and the few ATen/autograd calls tch lacks: TCPStore rendezvous, ProcessGroupGloo (CPU) and
 // ProcessGroupNCCL (CUDA) backends, and their asynchronous collectives.
 //
 // Every entry point catches every C++ exception and returns its message as a
@@ -14,6 +14,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <ATen/ATen.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -244,5 +246,38 @@ char* ft_work_wait(FtWork* work, int64_t timeout_ms) {
 }
 
 void ft_work_free(FtWork* work) { delete work; }
+
+// torch::autograd::backward(outputs, grad_outputs): tch's run_backward
+// always seeds with ones, so a unit's output cannot receive its gradient.
+char* ft_backward(at::Tensor** outputs, at::Tensor** grad_outputs, int count) {
+  return guarded([&] {
+    std::vector<at::Tensor> outs, grads;
+    for (int i = 0; i < count; ++i) {
+      outs.push_back(*outputs[i]);
+      grads.push_back(*grad_outputs[i]);
+    }
+    torch::autograd::backward(outs, grads);
+  });
+}
+
+// One fused AdamW step over lists of tensors (ATen's multi-tensor kernel on
+// CUDA, its vectorised loop on CPU). `steps` are float tensors the caller has
+// already incremented, as torch.optim.AdamW does before the same call.
+char* ft_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
+                     at::Tensor** exp_avg_sqs, at::Tensor** steps, int count, double lr,
+                     double beta1, double beta2, double weight_decay, double eps) {
+  return guarded([&] {
+    std::vector<at::Tensor> p, g, m, v, t;
+    for (int i = 0; i < count; ++i) {
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+      m.push_back(*exp_avgs[i]);
+      v.push_back(*exp_avg_sqs[i]);
+      t.push_back(*steps[i]);
+    }
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+  });
+}
 
 }  // extern "C"

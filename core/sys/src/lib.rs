@@ -68,6 +68,20 @@ extern "C" {
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
     fn ft_work_free(work: *mut RawWork);
+    fn ft_backward(outputs: *const *mut RawTensor, grad_outputs: *const *mut RawTensor, count: i32) -> *mut c_char;
+    fn ft_fused_adamw(
+        params: *const *mut RawTensor,
+        grads: *const *mut RawTensor,
+        exp_avgs: *const *mut RawTensor,
+        exp_avg_sqs: *const *mut RawTensor,
+        steps: *const *mut RawTensor,
+        count: i32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> *mut c_char;
 }
 
 /// A C++ exception's message.
@@ -258,4 +272,56 @@ impl Drop for Work {
 /// Makes `device_index` the current CUDA device of this thread (tch has no such call).
 pub fn cuda_set_device(device_index: usize) -> Result<()> {
     check(unsafe { ft_cuda_set_device(device_index as i32) })
+}
+
+fn pointers(tensors: &[&Tensor]) -> Vec<*mut RawTensor> {
+    tensors.iter().map(|t| tensor_ptr(t)).collect()
+}
+
+/// Backpropagates `grad_outputs[i]` into `outputs[i]`'s graph, accumulating
+/// into the leaves' `.grad` (what tch's `backward` cannot: it seeds with ones).
+pub fn backward(outputs: &[&Tensor], grad_outputs: &[&Tensor]) -> Result<()> {
+    assert_eq!(outputs.len(), grad_outputs.len(), "one gradient per output");
+    let (outs, grads) = (pointers(outputs), pointers(grad_outputs));
+    check(unsafe { ft_backward(outs.as_ptr(), grads.as_ptr(), outs.len() as i32) })
+}
+
+/// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamW {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// ATen's `_fused_adamw_` over parallel lists; `steps` must already count this step.
+pub fn fused_adamw(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+    steps: &[&Tensor],
+    hyper: AdamW,
+) -> Result<()> {
+    let n = params.len();
+    assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|l| *l == n));
+    let (p, g, m, v, t) =
+        (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs), pointers(steps));
+    check(unsafe {
+        ft_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            t.as_ptr(),
+            n as i32,
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.weight_decay,
+            hyper.eps,
+        )
+    })
 }

@@ -1,0 +1,177 @@
+//! `ft init-model`, `ft generate`, `ft forward`: models from Hugging Face files.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ft_core::model::{forward_hidden, lm_loss, logits};
+use ft_models::{hf, init};
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+pub fn parse_device(text: &str) -> Result<Device> {
+    match text {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").map(str::parse) {
+            Some(Ok(index)) => Ok(Device::Cuda(index)),
+            _ => bail!("unknown device {other:?}: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+fn parse_dtype(text: &str) -> Result<Kind> {
+    ft_core::comm_test::parse_dtype(text)
+}
+
+/// `--config` may be a config.json, a directory holding one, or a hub id in the local cache.
+fn read_config_arg(spec: &str) -> Result<serde_json::Value> {
+    let path = Path::new(spec);
+    if path.is_file() {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {spec}"))?;
+        return serde_json::from_str(&text).with_context(|| format!("{spec} is not valid JSON"));
+    }
+    hf::read_config(&hf::resolve(spec)?)
+}
+
+#[derive(Args)]
+pub struct InitModelArgs {
+    /// config.json, a model directory, or a hub id in the local Hugging Face cache.
+    #[arg(long)]
+    config: String,
+    /// Output directory (config.json + model.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
+    /// Weight dtype on disk: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Override config keys, e.g. --set num_hidden_layers=2 (values are JSON).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Copy this tokenizer.json next to the weights.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+pub fn init_model(args: InitModelArgs) -> Result<i32> {
+    let mut config = read_config_arg(&args.config)?;
+    for assignment in &args.overrides {
+        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
+        let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+        config[key] = value;
+    }
+    let dtype = parse_dtype(&args.dtype)?;
+    let model = hf::model_from_config(config)?;
+    let params = init::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
+    hf::save(model.as_ref(), &params, &args.out, dtype)?;
+    if let Some(tokenizer) = &args.tokenizer {
+        hf::load_tokenizer(tokenizer.parent().unwrap_or(Path::new(".")))?;
+        std::fs::copy(tokenizer, args.out.join("tokenizer.json"))
+            .with_context(|| format!("cannot copy {}", tokenizer.display()))?;
+    }
+    println!(
+        "wrote a random {} model ({:.1}M parameters, seed {}) to {}",
+        model.model_type(),
+        model.numel() as f64 / 1e6,
+        args.seed,
+        args.out.display()
+    );
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model directory (or hub id in the local cache).
+    #[arg(long)]
+    model: String,
+    /// Text to continue (needs the model's tokenizer.json).
+    #[arg(long, conflicts_with = "ids")]
+    prompt: Option<String>,
+    /// Token ids to continue, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    ids: Vec<i64>,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Stop at this token id (default: config.json's eos_token_id).
+    #[arg(long)]
+    eos: Option<i64>,
+}
+
+pub fn generate(args: GenerateArgs) -> Result<i32> {
+    let dir = hf::resolve(&args.model)?;
+    let model = hf::load_model(&dir)?;
+    let (dtype, device) = (parse_dtype(&args.dtype)?, parse_device(&args.device)?);
+    let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
+    let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
+        (Some(text), Some(tokenizer)) => {
+            let encoding = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?;
+            encoding.get_ids().iter().map(|&id| id as i64).collect()
+        }
+        _ => args.ids.clone(),
+    };
+    let eos = args.eos.or_else(|| model.hf_config()["eos_token_id"].as_i64());
+    let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
+    let tokens = ft_core::generate::greedy(model.as_ref(), &params, &prompt, args.max_new_tokens, eos, dtype)?;
+    match tokenizer {
+        Some(tokenizer) => {
+            let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+            println!("{}", tokenizer.decode(&ids, true).map_err(anyhow::Error::msg)?);
+        }
+        None => println!("{}", serde_json::to_string(&tokens)?),
+    }
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct ForwardArgs {
+    #[arg(long)]
+    model: String,
+    /// JSON file with token ids, [[...], ...] (one row per sequence).
+    #[arg(long)]
+    ids: PathBuf,
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Also backpropagate the LM loss (labels = ids) and write every parameter's gradient.
+    #[arg(long)]
+    grads: bool,
+    /// Output safetensors: `logits`, `loss`, and `grad.<hf name>` with --grads.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn forward(args: ForwardArgs) -> Result<i32> {
+    let dir = hf::resolve(&args.model)?;
+    let model = hf::load_model(&dir)?;
+    let (dtype, device) = (parse_dtype(&args.dtype)?, parse_device(&args.device)?);
+    let rows: Vec<Vec<i64>> = serde_json::from_str(
+        &std::fs::read_to_string(&args.ids).with_context(|| format!("cannot read {}", args.ids.display()))?,
+    )
+    .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
+    let ids = Tensor::from_slice2(&rows).to_device(device);
+    let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
+    for tensor in params.iter().flatten() {
+        let _ = tensor.set_requires_grad(args.grads);
+    }
+    let ctx = model.context(&ids, 0, None, dtype, false)?;
+    let (hidden, weight) = forward_hidden(model.as_ref(), &params, &ids, &ctx, None);
+    let loss = lm_loss(&hidden, &weight, &ids, 1024)?;
+    let mut out = vec![("logits".to_string(), logits(&hidden, &weight).detach()), ("loss".to_string(), loss.detach())];
+    if args.grads {
+        loss.backward();
+        for (unit, tensors) in model.units().iter().zip(&params) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
+                out.push((format!("grad.{}", spec.hf_name), tensor.grad().to_kind(Kind::Float)));
+            }
+        }
+    }
+    let out: Vec<(String, Tensor)> = out.into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu).contiguous())).collect();
+    Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
+    println!("loss {:.6}", out[1].1.double_value(&[]));
+    Ok(0)
+}

@@ -1,0 +1,40 @@
+//! Greedy decoding with a KV cache: the prompt runs once, then one token a step.
+
+use crate::model::{forward_hidden, logits, KvCache, Model, StageKind};
+use anyhow::{bail, Result};
+use tch::{Kind, Tensor};
+
+/// Continues `prompt` (token ids) by up to `max_new_tokens` greedy tokens,
+/// stopping after `eos`. `params[unit]` are full parameters in `dtype`.
+pub fn greedy(
+    model: &dyn Model,
+    params: &[Vec<Tensor>],
+    prompt: &[i64],
+    max_new_tokens: usize,
+    eos: Option<i64>,
+    dtype: Kind,
+) -> Result<Vec<i64>> {
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let device = params[0][0].device();
+    let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
+    let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::default()).collect();
+    let _no_grad = tch::no_grad_guard();
+    let mut input = Tensor::from_slice(prompt).to_device(device).unsqueeze(0);
+    let mut past = 0;
+    let mut generated = vec![];
+    while generated.len() < max_new_tokens {
+        let ctx = model.context(&input, past, None, dtype, false)?;
+        let (hidden, weight) = forward_hidden(model, params, &input, &ctx, Some(&mut caches));
+        past += input.size()[1];
+        let last = hidden.narrow(1, hidden.size()[1] - 1, 1);
+        let next = logits(&last, &weight).argmax(-1, false).int64_value(&[0, 0]);
+        generated.push(next);
+        if Some(next) == eos {
+            break;
+        }
+        input = Tensor::from_slice(&[next]).to_device(device).unsqueeze(0);
+    }
+    Ok(generated)
+}

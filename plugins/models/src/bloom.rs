@@ -1,0 +1,188 @@
+//! BLOOM (bigscience/bloom-*): ALiBi attention, LayerNorm after the
+//! embedding, fused per-head QKV, tanh-GELU MLP, LM head tied to the embedding.
+
+use crate::config_field;
+use anyhow::Result;
+use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    #[serde(alias = "n_embed")]
+    pub hidden_size: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub vocab_size: i64,
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    #[serde(default = "default_std")]
+    pub initializer_range: f64,
+    #[serde(default)]
+    pub apply_residual_connection_post_layernorm: bool,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_std() -> f64 {
+    0.02
+}
+
+pub struct Bloom {
+    config: Config,
+    hf_config: serde_json::Value,
+    units: Vec<UnitSpec>,
+    stages: Vec<Stage>,
+    /// ALiBi slope of each head.
+    slopes: Vec<f64>,
+}
+
+/// ALiBi slopes: a geometric series per head, interleaved when the head
+/// count is not a power of two (as in the BLOOM paper and transformers).
+fn alibi_slopes(heads: i64) -> Vec<f64> {
+    let closest = 2f64.powi((heads as f64).log2().floor() as i32) as i64;
+    let base = 2f64.powf(-(2f64.powf(-((closest as f64).log2() - 3.0))));
+    let mut slopes: Vec<f64> = (1..=closest).map(|i| base.powi(i as i32)).collect();
+    if closest != heads {
+        let extra_base = 2f64.powf(-(2f64.powf(-((2 * closest) as f64).log2() + 3.0)));
+        let extra = (heads - closest).min(closest);
+        slopes.extend((0..extra).map(|i| extra_base.powi((1 + 2 * i) as i32)));
+    }
+    slopes
+}
+
+impl Bloom {
+    pub fn new(hf_config: serde_json::Value) -> Result<Bloom> {
+        let config: Config = config_field(&hf_config)?;
+        let (d, std) = (config.hidden_size, config.initializer_range);
+        let norm = |prefix: &str, name: &str| {
+            vec![
+                ParamSpec::new(prefix, &format!("{name}.weight"), &[d], Init::Ones),
+                ParamSpec::new(prefix, &format!("{name}.bias"), &[d], Init::Zeros),
+            ]
+        };
+        let mut embed = vec![ParamSpec::new("transformer.", "word_embeddings.weight", &[config.vocab_size, d], Init::Normal { std })];
+        embed.extend(norm("transformer.", "word_embeddings_layernorm"));
+        embed.extend(norm("transformer.", "ln_f"));
+        let mut units = vec![UnitSpec { name: "embed+head".into(), params: embed }];
+        for layer in 0..config.n_layer {
+            let prefix = format!("transformer.h.{layer}.");
+            let mut params = norm(&prefix, "input_layernorm");
+            for (name, out, inp) in [
+                ("self_attention.query_key_value", 3 * d, d),
+                ("self_attention.dense", d, d),
+                ("mlp.dense_h_to_4h", 4 * d, d),
+                ("mlp.dense_4h_to_h", d, 4 * d),
+            ] {
+                params.push(ParamSpec::new(&prefix, &format!("{name}.weight"), &[out, inp], Init::Normal { std }));
+                params.push(ParamSpec::new(&prefix, &format!("{name}.bias"), &[out], Init::Zeros));
+            }
+            params.extend(norm(&prefix, "post_attention_layernorm"));
+            units.push(UnitSpec { name: format!("block {layer}"), params });
+        }
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
+        stages.extend((1..=config.n_layer as usize).map(|unit| Stage { unit, kind: StageKind::Block }));
+        stages.push(Stage { unit: 0, kind: StageKind::Head });
+        Ok(Bloom { slopes: alibi_slopes(config.n_head), config, hf_config, units, stages })
+    }
+
+    fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
+        let (w, b) = (p.get(&format!("{name}.weight")), p.get(&format!("{name}.bias")));
+        x.layer_norm([self.config.hidden_size], Some(w), Some(b), self.config.layer_norm_epsilon, true)
+    }
+}
+
+impl Model for Bloom {
+    fn model_type(&self) -> &str {
+        "bloom"
+    }
+    fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+    fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+    fn hf_config(&self) -> &serde_json::Value {
+        &self.hf_config
+    }
+    fn dims(&self) -> Dims {
+        let c = &self.config;
+        Dims { layers: c.n_layer, hidden: c.hidden_size, heads: c.n_head, kv_heads: c.n_head, vocab: c.vocab_size, max_positions: None }
+    }
+
+    /// ALiBi adds slope·(key − query) to each score: transformers adds
+    /// slope·key, which differs by a per-row constant that softmax ignores,
+    /// but the relative form stays small near the diagonal and so loses less
+    /// in bf16.
+    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+        let device = input_ids.device();
+        let positions = model::positions(input_ids, past, padding_mask);
+        let seq = input_ids.size()[1];
+        // Positions count real tokens only, as transformers' ALiBi does under left padding.
+        let (query, key) = match padding_mask {
+            Some(mask) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
+            None => (positions.narrow(0, 0, 1), Tensor::arange(past + seq, (Kind::Int64, device)).unsqueeze(0)),
+        };
+        let distance = (key.unsqueeze(1).unsqueeze(1) - query.unsqueeze(1).unsqueeze(3)).to_kind(Kind::Float);
+        let slopes = Tensor::from_slice(&self.slopes).to_device(device).to_kind(Kind::Float).view([1, -1, 1, 1]);
+        let mut bias = (slopes * distance).to_kind(dtype) + model::causal_bias(seq, past, dtype, device);
+        if let Some(mask) = padding_mask {
+            bias = bias + model::padding_bias(mask, dtype);
+        }
+        Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
+    }
+
+    fn embed(&self, p: &Params, input_ids: &Tensor, _ctx: &Context) -> Tensor {
+        let x = Tensor::embedding(p.get("word_embeddings.weight"), input_ids, -1, false, false);
+        self.layer_norm(&x, p, "word_embeddings_layernorm")
+    }
+
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+        let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
+        let heads = self.config.n_head;
+        let head_dim = d / heads;
+        let normed = self.layer_norm(x, p, "input_layernorm");
+        let residual = if self.config.apply_residual_connection_post_layernorm { &normed } else { x };
+        // BLOOM's fused QKV is laid out per head: [.., heads, 3, head_dim].
+        let qkv = normed
+            .linear(p.get("self_attention.query_key_value.weight"), Some(p.get("self_attention.query_key_value.bias")))
+            .view([batch, seq, heads, 3, head_dim]);
+        let split = |i: i64| qkv.select(3, i).transpose(1, 2);
+        let (q, mut k, mut v) = (split(0), split(1), split(2));
+        if let Some(cache) = cache {
+            (k, v) = cache.extend(k, v);
+        }
+        let attn = model::attention(&q, &k, &v, ctx, false).transpose(1, 2).reshape([batch, seq, d]);
+        let attn = attn.linear(p.get("self_attention.dense.weight"), Some(p.get("self_attention.dense.bias")));
+        let x = residual + attn;
+        let normed = self.layer_norm(&x, p, "post_attention_layernorm");
+        let residual = if self.config.apply_residual_connection_post_layernorm { &normed } else { &x };
+        let h = normed
+            .linear(p.get("mlp.dense_h_to_4h.weight"), Some(p.get("mlp.dense_h_to_4h.bias")))
+            .gelu("tanh")
+            .linear(p.get("mlp.dense_4h_to_h.weight"), Some(p.get("mlp.dense_4h_to_h.bias")));
+        residual + h
+    }
+
+    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
+        (self.layer_norm(x, p, "ln_f"), p.get("word_embeddings.weight").shallow_clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alibi_slopes_match_transformers() {
+        // transformers' build_alibi_tensor for 16 heads: 2^(-0.5 i), i = 1..16.
+        let s = alibi_slopes(16);
+        assert!((s[0] - 2f64.powf(-0.5)).abs() < 1e-12 && (s[15] - 2f64.powf(-8.0)).abs() < 1e-12);
+        // 12 heads: 8 powers of 2^-1, then odd powers of 2^-0.5.
+        let s = alibi_slopes(12);
+        assert_eq!(s.len(), 12);
+        assert!((s[7] - 2f64.powi(-8)).abs() < 1e-12 && (s[8] - 2f64.powf(-0.5)).abs() < 1e-12);
+        assert!((s[9] - 2f64.powf(-1.5)).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,223 @@
+//! Hugging Face model directories: `config.json`, `model.safetensors` or a
+//! sharded `model.safetensors.index.json`, `tokenizer.json`; hub ids resolve
+//! through the local cache only (ft never downloads).
+
+use anyhow::{bail, Context as _, Result};
+use ft_core::model::Model;
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+/// A directory, or a hub id (`org/name`) found in the local Hugging Face cache.
+pub fn resolve(spec: &str) -> Result<PathBuf> {
+    let path = PathBuf::from(spec);
+    if path.is_dir() {
+        return Ok(path);
+    }
+    if path.exists() {
+        bail!("{spec} is a file; give the model's directory (with config.json and *.safetensors)");
+    }
+    let cache = match (std::env::var_os("HF_HUB_CACHE"), std::env::var_os("HF_HOME"), std::env::var_os("HOME")) {
+        (Some(hub), _, _) => PathBuf::from(hub),
+        (None, Some(home), _) => PathBuf::from(home).join("hub"),
+        (None, None, Some(home)) => PathBuf::from(home).join(".cache/huggingface/hub"),
+        _ => PathBuf::from(".cache/huggingface/hub"),
+    };
+    let entry = cache.join(format!("models--{}", spec.replace('/', "--")));
+    let snapshot = std::fs::read_to_string(entry.join("refs/main"))
+        .map(|hash| entry.join("snapshots").join(hash.trim()))
+        .ok()
+        .filter(|dir| dir.is_dir())
+        .or_else(|| {
+            let mut dirs: Vec<PathBuf> =
+                std::fs::read_dir(entry.join("snapshots")).ok()?.flatten().map(|e| e.path()).collect();
+            dirs.sort();
+            dirs.pop()
+        });
+    snapshot.with_context(|| {
+        format!(
+            "model {spec:?} not found locally: it is not a directory and the Hugging Face cache has no {} \
+             (ft never downloads: fetch it where there is network, or pass a directory)",
+            entry.display()
+        )
+    })
+}
+
+pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    if !config.is_object() {
+        bail!("{} must hold a JSON object", path.display());
+    }
+    Ok(config)
+}
+
+/// Builds the architecture named by config.json's `model_type`.
+pub fn model_from_config(config: serde_json::Value) -> Result<Box<dyn Model>> {
+    let model_type = config
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .context("config.json has no \"model_type\"")?
+        .to_string();
+    let registry = ft_core::Registry::builtin();
+    let build = registry.model(&model_type)?.build;
+    build(config).with_context(|| format!("config.json of a {model_type} model"))
+}
+
+pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {
+    model_from_config(read_config(dir)?)
+}
+
+/// The safetensors files of a directory, memory-mapped.
+struct WeightFiles {
+    files: Vec<(PathBuf, Mmap)>,
+}
+
+impl WeightFiles {
+    fn open(dir: &Path) -> Result<WeightFiles> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let paths: Vec<PathBuf> = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
+            let map = json["weight_map"].as_object().with_context(|| format!("{} has no weight_map", index.display()))?;
+            let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            names.into_iter().map(|name| dir.join(name)).collect()
+        } else {
+            bail!(
+                "{} has no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not read: \
+                 save with safe_serialization=True)",
+                dir.display()
+            );
+        };
+        let mut files = vec![];
+        for path in paths {
+            let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+            // SAFETY: the file is only read; a concurrent writer would be a user error caught by the header check.
+            let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+            SafeTensors::deserialize(&map)
+                .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file (truncated or corrupt?): {e}", path.display()))?;
+            files.push((path, map));
+        }
+        Ok(WeightFiles { files })
+    }
+
+    fn tensors(&self) -> Vec<(&Path, SafeTensors<'_>)> {
+        self.files
+            .iter()
+            .map(|(path, map)| (path.as_path(), SafeTensors::deserialize(map).expect("validated in open")))
+            .collect()
+    }
+}
+
+fn kind_of(dtype: Dtype) -> Result<Kind> {
+    Ok(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F16 => Kind::Half,
+        Dtype::F64 => Kind::Double,
+        other => bail!("tensor dtype {other:?} is not a floating-point weight type"),
+    })
+}
+
+/// Names a checkpoint may hold that no model parameter reads.
+fn ignorable(name: &str) -> bool {
+    name.ends_with(".rotary_emb.inv_freq") || name.ends_with(".attn.masked_bias") || name.ends_with(".attn.bias")
+}
+
+/// Reads every parameter of `model` from `dir`, as `dtype` on `device`, in
+/// unit order. All problems (missing, unexpected, mis-shaped tensors) are
+/// reported together, by name and shape.
+pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -> Result<Vec<Vec<Tensor>>> {
+    let files = WeightFiles::open(dir)?;
+    let tensors = files.tensors();
+    let mut available: BTreeMap<String, (&Path, safetensors::tensor::TensorView<'_>)> = BTreeMap::new();
+    for (path, file) in &tensors {
+        for (name, view) in file.tensors() {
+            available.insert(name, (*path, view));
+        }
+    }
+    let mut used = BTreeSet::new();
+    let (mut missing, mut misshapen) = (vec![], vec![]);
+    let mut params = vec![];
+    for unit in model.units() {
+        let mut unit_params = vec![];
+        for spec in &unit.params {
+            // Base-model checkpoints (BloomModel, OPTModel, …) drop the "transformer." / "model." prefix.
+            let short = spec.hf_name.split_once('.').map(|(_, rest)| rest.to_string());
+            let name = [Some(spec.hf_name.clone()), short].into_iter().flatten().find(|n| available.contains_key(n));
+            let Some(name) = name else {
+                missing.push(format!("{} {:?}", spec.hf_name, spec.shape));
+                continue;
+            };
+            let (path, view) = &available[&name];
+            let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
+            if shape != spec.shape {
+                misshapen.push(format!("{name}: {:?} in {}, expected {:?}", shape, path.display(), spec.shape));
+                continue;
+            }
+            used.insert(name.clone());
+            let kind = kind_of(view.dtype()).with_context(|| format!("{name} in {}", path.display()))?;
+            let tensor = Tensor::from_data_size(view.data(), &shape, kind);
+            unit_params.push(tensor.to_kind(dtype).to_device(device));
+        }
+        params.push(unit_params);
+    }
+    let tied_head_copy = |name: &str| name == "lm_head.weight" && !model.units().iter().flat_map(|u| &u.params).any(|p| p.hf_name == name);
+    let unexpected: Vec<String> = available
+        .iter()
+        .filter(|(name, _)| !used.contains(*name) && !ignorable(name) && !tied_head_copy(name))
+        .map(|(name, (_, view))| format!("{name} {:?}", view.shape()))
+        .collect();
+    if !missing.is_empty() || !misshapen.is_empty() || !unexpected.is_empty() {
+        let mut message = format!("the checkpoint in {} does not fit this {} model:", dir.display(), model.model_type());
+        for (what, list) in [("missing", &missing), ("wrong shape", &misshapen), ("unexpected", &unexpected)] {
+            if !list.is_empty() {
+                message += &format!("\n  {what} ({}): {}", list.len(), list.join(", "));
+            }
+        }
+        bail!(message);
+    }
+    Ok(params)
+}
+
+/// Writes config.json and model.safetensors (HF names) in `dtype`. Each file
+/// is written beside its final name and renamed, so a crash never leaves a
+/// half-written file under the real name.
+pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut config = model.hf_config().clone();
+    config["torch_dtype"] = serde_json::Value::from(match dtype {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    });
+    let mut named = vec![];
+    for (unit, tensors) in model.units().iter().zip(params) {
+        for (spec, tensor) in unit.params.iter().zip(tensors) {
+            named.push((spec.hf_name.clone(), tensor.to_kind(dtype).to_device(Device::Cpu).contiguous()));
+        }
+    }
+    let weights = dir.join("model.safetensors");
+    let partial = dir.join("model.safetensors.partial");
+    Tensor::write_safetensors(&named, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    File::open(&partial)?.sync_all()?;
+    std::fs::rename(&partial, &weights)?;
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, serde_json::to_string_pretty(&config)? + "\n")
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    Ok(())
+}
+
+pub fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    tokenizers::Tokenizer::from_file(&path).map_err(|e| anyhow::anyhow!("cannot load {}: {e}", path.display()))
+}

@@ -1,0 +1,212 @@
+//! Llama / CodeLlama: RMSNorm, rotary position embeddings (`rope_theta`),
+//! SwiGLU MLP, grouped-query attention, LM head untied unless
+//! `tie_word_embeddings`.
+
+use crate::config_field;
+use anyhow::{bail, Result};
+use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    pub factor: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    #[serde(default)]
+    pub num_key_value_heads: Option<i64>,
+    #[serde(default)]
+    pub head_dim: Option<i64>,
+    pub vocab_size: i64,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    #[serde(default = "default_std")]
+    pub initializer_range: f64,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn silu() -> String {
+    "silu".into()
+}
+fn default_std() -> f64 {
+    0.02
+}
+
+pub struct Llama {
+    config: Config,
+    hf_config: serde_json::Value,
+    units: Vec<UnitSpec>,
+    stages: Vec<Stage>,
+    head_dim: i64,
+    kv_heads: i64,
+    /// Positions are divided by this before rotation (linear RoPE scaling).
+    position_scale: f64,
+}
+
+impl Llama {
+    pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
+        let config: Config = config_field(&hf_config)?;
+        if config.hidden_act != "silu" {
+            bail!("Llama hidden_act {:?} is not supported (only silu)", config.hidden_act);
+        }
+        let position_scale = match &config.rope_scaling {
+            None => 1.0,
+            Some(s) if s.rope_type == "linear" => s.factor,
+            Some(s) => bail!("rope_scaling type {:?} is not supported (none or linear)", s.rope_type),
+        };
+        let (d, heads) = (config.hidden_size, config.num_attention_heads);
+        let head_dim = config.head_dim.unwrap_or(d / heads);
+        let kv_heads = config.num_key_value_heads.unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            bail!("num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})");
+        }
+        let normal = Init::Normal { std: config.initializer_range };
+        let embed = ParamSpec::new("model.", "embed_tokens.weight", &[config.vocab_size, d], normal);
+        let norm = ParamSpec::new("model.", "norm.weight", &[d], Init::Ones);
+        let mut units = vec![UnitSpec { name: "embed".into(), params: vec![embed] }];
+        for layer in 0..config.num_hidden_layers {
+            let prefix = format!("model.layers.{layer}.");
+            let mut params = vec![ParamSpec::new(&prefix, "input_layernorm.weight", &[d], Init::Ones)];
+            let linears = [
+                ("self_attn.q_proj", heads * head_dim, d, config.attention_bias),
+                ("self_attn.k_proj", kv_heads * head_dim, d, config.attention_bias),
+                ("self_attn.v_proj", kv_heads * head_dim, d, config.attention_bias),
+                ("self_attn.o_proj", d, heads * head_dim, config.attention_bias),
+                ("mlp.gate_proj", config.intermediate_size, d, config.mlp_bias),
+                ("mlp.up_proj", config.intermediate_size, d, config.mlp_bias),
+                ("mlp.down_proj", d, config.intermediate_size, config.mlp_bias),
+            ];
+            for (name, out, inp, bias) in linears {
+                params.push(ParamSpec::new(&prefix, &format!("{name}.weight"), &[out, inp], normal));
+                if bias {
+                    params.push(ParamSpec::new(&prefix, &format!("{name}.bias"), &[out], Init::Zeros));
+                }
+            }
+            params.push(ParamSpec::new(&prefix, "post_attention_layernorm.weight", &[d], Init::Ones));
+            units.push(UnitSpec { name: format!("block {layer}"), params });
+        }
+        let blocks = (1..=config.num_hidden_layers as usize).map(|unit| Stage { unit, kind: StageKind::Block });
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
+        stages.extend(blocks);
+        if config.tie_word_embeddings {
+            units[0].params.push(norm);
+            units[0].name = "embed+head".into();
+            stages.push(Stage { unit: 0, kind: StageKind::Head });
+        } else {
+            let lm_head = ParamSpec::new("", "lm_head.weight", &[config.vocab_size, d], normal);
+            units.push(UnitSpec { name: "head".into(), params: vec![norm, lm_head] });
+            stages.push(Stage { unit: units.len() - 1, kind: StageKind::Head });
+        }
+        Ok(Llama { config, hf_config, units, stages, head_dim, kv_heads, position_scale })
+    }
+
+    fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
+        x.linear(p.get(&format!("{name}.weight")), p.maybe(&format!("{name}.bias")))
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        x.rms_norm([self.config.hidden_size], Some(weight), Some(self.config.rms_norm_eps))
+    }
+}
+
+/// (x1, x2) → (−x2, x1) over the two halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    Tensor::cat(&[-x.narrow(3, half, half), x.narrow(3, 0, half)], 3)
+}
+
+impl Model for Llama {
+    fn model_type(&self) -> &str {
+        "llama"
+    }
+    fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+    fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+    fn hf_config(&self) -> &serde_json::Value {
+        &self.hf_config
+    }
+    fn dims(&self) -> Dims {
+        let c = &self.config;
+        Dims {
+            layers: c.num_hidden_layers,
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            kv_heads: self.kv_heads,
+            vocab: c.vocab_size,
+            max_positions: None,
+        }
+    }
+
+    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+        let device = input_ids.device();
+        let positions = model::positions(input_ids, past, padding_mask);
+        let exponents = Tensor::arange_start_step(0, self.head_dim, 2, (Kind::Float, device)) / self.head_dim as f64;
+        let inv_freq = Tensor::from(self.config.rope_theta).to_device(device).pow(&exponents).reciprocal();
+        let scaled = positions.to_kind(Kind::Float) / self.position_scale;
+        let freqs = scaled.unsqueeze(2) * inv_freq.view([1, 1, -1]);
+        let angles = Tensor::cat(&[&freqs, &freqs], 2).unsqueeze(1);
+        let rope = Some((angles.cos().to_kind(dtype), angles.sin().to_kind(dtype)));
+        let attention_bias = padding_mask.map(|mask| {
+            model::padding_bias(mask, dtype) + model::causal_bias(input_ids.size()[1], past, dtype, device)
+        });
+        Ok(Context { train, positions, attention_bias, rope })
+    }
+
+    fn embed(&self, p: &Params, input_ids: &Tensor, _ctx: &Context) -> Tensor {
+        Tensor::embedding(p.get("embed_tokens.weight"), input_ids, -1, false, false)
+    }
+
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+        let (batch, seq, _) = x.size3().expect("hidden states are [batch, seq, dim]");
+        let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
+        let h = self.rms_norm(x, p.get("input_layernorm.weight"));
+        let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]).transpose(1, 2);
+        let (cos, sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
+        let rotate = |t: Tensor| &t * cos + rotate_half(&t) * sin;
+        let q = rotate(split(Self::linear(&h, p, "self_attn.q_proj"), heads));
+        let mut k = rotate(split(Self::linear(&h, p, "self_attn.k_proj"), self.kv_heads));
+        let mut v = split(Self::linear(&h, p, "self_attn.v_proj"), self.kv_heads);
+        if let Some(cache) = cache {
+            (k, v) = cache.extend(k, v);
+        }
+        let grouped = self.kv_heads != heads;
+        let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
+        let x = x + Self::linear(&attn, p, "self_attn.o_proj");
+        let h = self.rms_norm(&x, p.get("post_attention_layernorm.weight"));
+        let gated = Self::linear(&h, p, "mlp.gate_proj").silu() * Self::linear(&h, p, "mlp.up_proj");
+        x + Self::linear(&gated, p, "mlp.down_proj")
+    }
+
+    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
+        let weight = p.maybe("lm_head.weight").unwrap_or_else(|| p.get("embed_tokens.weight"));
+        (self.rms_norm(x, p.get("norm.weight")), weight.shallow_clone())
+    }
+}

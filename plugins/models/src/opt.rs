@@ -1,0 +1,209 @@
+//! OPT (facebook/opt-*): learned positions offset by 2, ReLU MLP, pre- or
+//! post-LayerNorm (`do_layer_norm_before`), optional project_in/out when the
+//! embedding is narrower than the model, LM head tied to the embedding.
+
+use crate::config_field;
+use anyhow::{bail, Result};
+use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+/// OPT's learned position table starts at row 2 (rows 0 and 1 are legacy padding slots).
+const POSITION_OFFSET: i64 = 2;
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub hidden_size: i64,
+    pub ffn_dim: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub vocab_size: i64,
+    pub max_position_embeddings: i64,
+    #[serde(default)]
+    pub word_embed_proj_dim: Option<i64>,
+    #[serde(default = "yes")]
+    pub do_layer_norm_before: bool,
+    #[serde(default, rename = "_remove_final_layer_norm")]
+    pub remove_final_layer_norm: bool,
+    #[serde(default = "yes")]
+    pub enable_bias: bool,
+    #[serde(default = "yes")]
+    pub layer_norm_elementwise_affine: bool,
+    #[serde(default = "relu")]
+    pub activation_function: String,
+    #[serde(default)]
+    pub dropout: f64,
+    #[serde(default = "default_std")]
+    pub init_std: f64,
+}
+
+fn yes() -> bool {
+    true
+}
+fn relu() -> String {
+    "relu".into()
+}
+fn default_std() -> f64 {
+    0.02
+}
+
+pub struct Opt {
+    config: Config,
+    hf_config: serde_json::Value,
+    units: Vec<UnitSpec>,
+    stages: Vec<Stage>,
+}
+
+impl Opt {
+    pub fn new(hf_config: serde_json::Value) -> Result<Opt> {
+        let config: Config = config_field(&hf_config)?;
+        if config.activation_function != "relu" {
+            bail!("OPT activation_function {:?} is not supported (only relu)", config.activation_function);
+        }
+        if !config.enable_bias || !config.layer_norm_elementwise_affine {
+            bail!("OPT without biases or LayerNorm affine parameters is not supported");
+        }
+        let (d, std) = (config.hidden_size, config.init_std);
+        let proj = config.word_embed_proj_dim.unwrap_or(d);
+        let normal = Init::Normal { std };
+        let prefix = "model.decoder.";
+        let norm = |prefix: &str, name: &str| {
+            vec![
+                ParamSpec::new(prefix, &format!("{name}.weight"), &[d], Init::Ones),
+                ParamSpec::new(prefix, &format!("{name}.bias"), &[d], Init::Zeros),
+            ]
+        };
+        let mut embed = vec![
+            ParamSpec::new(prefix, "embed_tokens.weight", &[config.vocab_size, proj], normal),
+            ParamSpec::new(prefix, "embed_positions.weight", &[config.max_position_embeddings + POSITION_OFFSET, d], normal),
+        ];
+        if proj != d {
+            embed.push(ParamSpec::new(prefix, "project_in.weight", &[d, proj], normal));
+            embed.push(ParamSpec::new(prefix, "project_out.weight", &[proj, d], normal));
+        }
+        if config.do_layer_norm_before && !config.remove_final_layer_norm {
+            embed.extend(norm(prefix, "final_layer_norm"));
+        }
+        let mut units = vec![UnitSpec { name: "embed+head".into(), params: embed }];
+        for layer in 0..config.num_hidden_layers {
+            let prefix = format!("{prefix}layers.{layer}.");
+            let mut params = vec![];
+            for (name, out, inp) in [
+                ("self_attn.q_proj", d, d),
+                ("self_attn.k_proj", d, d),
+                ("self_attn.v_proj", d, d),
+                ("self_attn.out_proj", d, d),
+                ("fc1", config.ffn_dim, d),
+                ("fc2", d, config.ffn_dim),
+            ] {
+                params.push(ParamSpec::new(&prefix, &format!("{name}.weight"), &[out, inp], normal));
+                params.push(ParamSpec::new(&prefix, &format!("{name}.bias"), &[out], Init::Zeros));
+            }
+            params.extend(norm(&prefix, "self_attn_layer_norm"));
+            params.extend(norm(&prefix, "final_layer_norm"));
+            units.push(UnitSpec { name: format!("block {layer}"), params });
+        }
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
+        stages.extend((1..=config.num_hidden_layers as usize).map(|unit| Stage { unit, kind: StageKind::Block }));
+        stages.push(Stage { unit: 0, kind: StageKind::Head });
+        Ok(Opt { config, hf_config, units, stages })
+    }
+
+    fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
+        let (w, b) = (p.get(&format!("{name}.weight")), p.get(&format!("{name}.bias")));
+        x.layer_norm([self.config.hidden_size], Some(w), Some(b), 1e-5, true)
+    }
+
+    fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
+        x.linear(p.get(&format!("{name}.weight")), Some(p.get(&format!("{name}.bias"))))
+    }
+}
+
+impl Model for Opt {
+    fn model_type(&self) -> &str {
+        "opt"
+    }
+    fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+    fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+    fn hf_config(&self) -> &serde_json::Value {
+        &self.hf_config
+    }
+    fn dims(&self) -> Dims {
+        let c = &self.config;
+        Dims {
+            layers: c.num_hidden_layers,
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_attention_heads,
+            vocab: c.vocab_size,
+            max_positions: Some(c.max_position_embeddings),
+        }
+    }
+
+    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+        let longest = past + input_ids.size()[1];
+        if longest > self.config.max_position_embeddings {
+            bail!("sequence of {longest} tokens is longer than OPT's max_position_embeddings ({})", self.config.max_position_embeddings);
+        }
+        let positions = model::positions(input_ids, past, padding_mask);
+        let attention_bias = padding_mask.map(|mask| {
+            model::padding_bias(mask, dtype) + model::causal_bias(input_ids.size()[1], past, dtype, input_ids.device())
+        });
+        Ok(Context { train, positions, attention_bias, rope: None })
+    }
+
+    fn embed(&self, p: &Params, input_ids: &Tensor, ctx: &Context) -> Tensor {
+        let mut x = Tensor::embedding(p.get("embed_tokens.weight"), input_ids, -1, false, false);
+        if let Some(project_in) = p.maybe("project_in.weight") {
+            x = x.linear::<Tensor>(project_in, None);
+        }
+        let positions = Tensor::embedding(p.get("embed_positions.weight"), &(&ctx.positions + POSITION_OFFSET), -1, false, false);
+        x + positions
+    }
+
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+        let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
+        let heads = self.config.num_attention_heads;
+        let pre_norm = self.config.do_layer_norm_before;
+        let (dropout, train) = (self.config.dropout, ctx.train);
+
+        let h = if pre_norm { self.layer_norm(x, p, "self_attn_layer_norm") } else { x.shallow_clone() };
+        let split_heads = |t: Tensor| t.view([batch, seq, heads, d / heads]).transpose(1, 2);
+        let q = split_heads(Self::linear(&h, p, "self_attn.q_proj"));
+        let mut k = split_heads(Self::linear(&h, p, "self_attn.k_proj"));
+        let mut v = split_heads(Self::linear(&h, p, "self_attn.v_proj"));
+        if let Some(cache) = cache {
+            (k, v) = cache.extend(k, v);
+        }
+        let attn = model::attention(&q, &k, &v, ctx, false).transpose(1, 2).reshape([batch, seq, d]);
+        let attn = Self::linear(&attn, p, "self_attn.out_proj").dropout(dropout, train);
+        let mut x = x + attn;
+        if !pre_norm {
+            x = self.layer_norm(&x, p, "self_attn_layer_norm");
+        }
+
+        let h = if pre_norm { self.layer_norm(&x, p, "final_layer_norm") } else { x.shallow_clone() };
+        let h = Self::linear(&Self::linear(&h, p, "fc1").relu(), p, "fc2").dropout(dropout, train);
+        let x = x + h;
+        if pre_norm {
+            x
+        } else {
+            self.layer_norm(&x, p, "final_layer_norm")
+        }
+    }
+
+    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
+        let mut h = match p.maybe("final_layer_norm.weight") {
+            Some(_) => self.layer_norm(x, p, "final_layer_norm"),
+            None => x.shallow_clone(),
+        };
+        if let Some(project_out) = p.maybe("project_out.weight") {
+            h = h.linear::<Tensor>(project_out, None);
+        }
+        (h, p.get("embed_tokens.weight").shallow_clone())
+    }
+}
