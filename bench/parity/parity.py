@@ -48,7 +48,9 @@ def hf_reference(model_dir, ids, dtype, device, grads):
         prompt = ids_t[:1, :8]
         # No EOS: 32 tokens always (min_new_tokens would instead forbid the EOS token).
         model.generation_config.eos_token_id = None
-        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
+                                   do_sample=False, pad_token_id=0)
     result["generated"] = generated[0, prompt.shape[1]:].cpu()
     return result
 

@@ -1,0 +1,187 @@
+//! Models against transformers' outputs stored by bench/parity/make_fixtures.sh
+//! (tiny BLOOM, OPT, Llama and GQA-Llama), and every loading error's message.
+
+use ft_core::generate::greedy;
+use ft_core::model::{forward_hidden, lm_loss, logits, Model};
+use ft_models::hf;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+const FIXTURES: [&str; 4] = ["bloom", "opt", "llama", "llama-gqa"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn relative(actual: &Tensor, expected: &Tensor, floor: f64) -> f64 {
+    let error = (actual.to_kind(Kind::Double) - expected.to_kind(Kind::Double)).abs().max().double_value(&[]);
+    error / expected.abs().max().double_value(&[]).max(floor).max(1e-30)
+}
+
+#[test]
+fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let reference: std::collections::HashMap<String, Tensor> =
+            Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap().into_iter().collect();
+        let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(dir.join("ids.json")).unwrap()).unwrap();
+        let ids = Tensor::from_slice2(&rows);
+        let model = hf::load_model(&dir).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        for t in params.iter().flatten() {
+            let _ = t.set_requires_grad(true);
+        }
+        let ctx = model.context(&ids, 0, None, Kind::Float, false).unwrap();
+        let (hidden, weight) = forward_hidden(model.as_ref(), &params, &ids, &ctx, None);
+        let loss = lm_loss(&hidden, &weight, &ids, 7).unwrap();
+        let error = relative(&logits(&hidden, &weight), &reference["logits"], 0.0);
+        assert!(error <= 1e-4, "{name}: logits differ by {error:e}");
+        let error = relative(&loss, &reference["loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: loss {} vs {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
+
+        loss.backward();
+        let grads: Vec<(&String, &Tensor)> = reference.iter().filter(|(k, _)| k.starts_with("grad.")).collect();
+        let floor = 1e-3 * grads.iter().map(|(_, g)| g.abs().max().double_value(&[])).fold(0.0, f64::max);
+        let mut compared = 0;
+        for (unit, tensors) in model.units().iter().zip(&params) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
+                let expected = &reference[&format!("grad.{}", spec.hf_name)];
+                let error = relative(&tensor.grad(), expected, floor);
+                assert!(error <= 1e-3, "{name}: gradient of {} differs by {error:e}", spec.hf_name);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, grads.len(), "{name}: every reference gradient has a parameter");
+
+        let _ = tch::no_grad_guard();
+        let frozen: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(Tensor::detach).collect()).collect();
+        let tokens = greedy(model.as_ref(), &frozen, &rows[0][..8], 32, None, Kind::Float).unwrap();
+        assert_eq!(tokens, Vec::<i64>::try_from(&reference["generated"]).unwrap(), "{name}: greedy tokens");
+    }
+}
+
+/// A copy of a fixture model in a temporary directory, to break.
+fn copy_of(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture(name).join(file), dir.path().join(file)).unwrap();
+    }
+    dir
+}
+
+fn load_error(dir: &Path) -> String {
+    let result = hf::load_model(dir).and_then(|m| hf::load_params(m.as_ref(), dir, Kind::Float, Device::Cpu));
+    format!("{:#}", result.err().expect("loading must fail"))
+}
+
+fn edit_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config[key] = value;
+    std::fs::write(path, config.to_string()).unwrap();
+}
+
+#[test]
+fn missing_weights_file_is_named() {
+    let dir = copy_of("bloom");
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let message = load_error(dir.path());
+    assert!(message.contains("has no model.safetensors or model.safetensors.index.json"), "{message}");
+}
+
+#[test]
+fn wrong_shapes_missing_and_unexpected_tensors_are_listed_by_name() {
+    let dir = copy_of("bloom");
+    edit_config(dir.path(), "vocab_size", 100.into());
+    let message = load_error(dir.path());
+    assert!(
+        message.contains("wrong shape (1): transformer.word_embeddings.weight: [128, 32]") && message.contains("expected [100, 32]"),
+        "{message}"
+    );
+
+    // One tensor removed and one foreign tensor added.
+    let dir = copy_of("llama");
+    let path = dir.path().join("model.safetensors");
+    let mut tensors = Tensor::read_safetensors(&path).unwrap();
+    tensors.retain(|(name, _)| name != "model.layers.1.mlp.up_proj.weight");
+    tensors.push(("model.layers.9.extra.weight".into(), Tensor::zeros([2, 2], (Kind::Float, Device::Cpu))));
+    Tensor::write_safetensors(&tensors, &path).unwrap();
+    let message = load_error(dir.path());
+    assert!(message.contains("missing (1): model.layers.1.mlp.up_proj.weight [64, 32]"), "{message}");
+    assert!(message.contains("unexpected (1): model.layers.9.extra.weight [2, 2]"), "{message}");
+}
+
+#[test]
+fn truncated_safetensors_is_rejected() {
+    let dir = copy_of("opt");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let message = load_error(dir.path());
+    assert!(message.contains("is not a valid safetensors file (truncated or corrupt?)"), "{message}");
+}
+
+#[test]
+fn unknown_model_type_and_bad_config_are_rejected() {
+    let dir = copy_of("bloom");
+    edit_config(dir.path(), "model_type", "blom".into());
+    let message = load_error(dir.path());
+    assert!(message.contains("unknown model_type `blom`; did you mean `bloom`?"), "{message}");
+    std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
+    assert!(load_error(dir.path()).contains("config.json is not valid JSON"));
+    let dir = copy_of("llama");
+    edit_config(dir.path(), "num_key_value_heads", 3.into());
+    let message = load_error(dir.path());
+    assert!(message.contains("must be a multiple of num_key_value_heads (3)"), "{message}");
+}
+
+#[test]
+fn hub_ids_resolve_only_through_the_local_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    std::env::set_var("HF_HUB_CACHE", cache.path());
+    let message = format!("{:#}", hf::resolve("nobody/absent-model").unwrap_err());
+    assert!(message.contains("model \"nobody/absent-model\" not found locally"), "{message}");
+    let snapshot = cache.path().join("models--org--tiny/snapshots/abc123");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(cache.path().join("models--org--tiny/refs")).unwrap();
+    std::fs::write(cache.path().join("models--org--tiny/refs/main"), "abc123\n").unwrap();
+    assert_eq!(hf::resolve("org/tiny").unwrap(), snapshot);
+}
+
+#[test]
+fn sharded_checkpoints_load_like_single_files() {
+    let dir = copy_of("opt");
+    let single = hf::load_model(dir.path()).unwrap();
+    let expected = hf::load_params(single.as_ref(), dir.path(), Kind::Float, Device::Cpu).unwrap();
+    let tensors = Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let (first, second) = tensors.split_at(tensors.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (file, part) in [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)] {
+        Tensor::write_safetensors(part, dir.path().join(file)).unwrap();
+        for (name, _) in part {
+            weight_map.insert(name.clone(), file.into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let loaded = hf::load_params(single.as_ref(), dir.path(), Kind::Float, Device::Cpu).unwrap();
+    for (a, b) in loaded.iter().flatten().zip(expected.iter().flatten()) {
+        assert!(a.equal(b));
+    }
+}
+
+#[test]
+fn saved_models_load_back_identically_in_each_dtype() {
+    let dir = fixture("llama-gqa");
+    let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
+    let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+    for dtype in [Kind::Float, Kind::BFloat16] {
+        let out = tempfile::tempdir().unwrap();
+        hf::save(model.as_ref(), &params, out.path(), dtype).unwrap();
+        let back = hf::load_params(model.as_ref(), out.path(), Kind::Float, Device::Cpu).unwrap();
+        for (a, b) in back.iter().flatten().zip(params.iter().flatten()) {
+            assert!(a.equal(&b.to_kind(dtype).to_kind(Kind::Float)));
+        }
+    }
+}
