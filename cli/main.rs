@@ -1,5 +1,6 @@
 //! The `ft` command line: argument parsing and wiring only; the work is in ft-core.
 
+mod bench;
 mod comm_test;
 mod launch;
 mod list;
@@ -37,6 +38,8 @@ enum Command {
     InitModel(model_commands::InitModelArgs),
     /// Continue a prompt greedily (KV cache).
     Generate(model_commands::GenerateArgs),
+    /// Training-step throughput and memory of a model shape, random weights.
+    Bench(bench::BenchArgs),
     /// Run a forward (and backward) pass on token ids; write logits, loss and gradients.
     Forward(model_commands::ForwardArgs),
 }
@@ -76,5 +79,6 @@ fn run(cli: Cli) -> Result<i32> {
         Command::InitModel(args) => model_commands::init_model(args),
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

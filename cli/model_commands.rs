@@ -23,13 +23,22 @@ fn parse_dtype(text: &str) -> Result<Kind> {
 }
 
 /// `--config` may be a config.json, a directory holding one, or a hub id in the local cache.
-fn read_config_arg(spec: &str) -> Result<serde_json::Value> {
+pub fn read_config_arg(spec: &str) -> Result<serde_json::Value> {
     let path = Path::new(spec);
     if path.is_file() {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {spec}"))?;
         return serde_json::from_str(&text).with_context(|| format!("{spec} is not valid JSON"));
     }
     hf::read_config(&hf::resolve(spec)?)
+}
+
+/// Applies `--set KEY=VALUE` (VALUE as JSON, else as a string).
+pub fn apply_overrides(mut config: serde_json::Value, overrides: &[String]) -> Result<serde_json::Value> {
+    for assignment in overrides {
+        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
+        config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+    }
+    Ok(config)
 }
 
 #[derive(Args)]
@@ -54,12 +63,7 @@ pub struct InitModelArgs {
 }
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
-    let mut config = read_config_arg(&args.config)?;
-    for assignment in &args.overrides {
-        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
-        let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
-        config[key] = value;
-    }
+    let config = apply_overrides(read_config_arg(&args.config)?, &args.overrides)?;
     let dtype = parse_dtype(&args.dtype)?;
     let model = hf::model_from_config(config)?;
     let params = init::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);

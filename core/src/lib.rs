@@ -13,6 +13,12 @@ pub mod model;
 pub mod offload;
 pub mod registry;
 pub mod strategy;
+pub mod train;
+
+/// AdamW's hyper-parameters (the fused step itself is in the shim).
+pub use ft_sys::AdamW;
+/// The CUDA caching allocator's counters (current and peak, allocated and reserved).
+pub use ft_sys::{cuda_memory, CudaMemory};
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
 pub use config::Config;

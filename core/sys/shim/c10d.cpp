@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <ATen/ATen.h>
@@ -246,6 +247,23 @@ char* ft_work_wait(FtWork* work, int64_t timeout_ms) {
 }
 
 void ft_work_free(FtWork* work) { delete work; }
+
+// The CUDA caching allocator's counters for `device`: bytes allocated now and
+// at peak, reserved now and at peak. `reset_peak` starts a new peak window.
+char* ft_cuda_memory_stats(int device, bool reset_peak, int64_t* out) {
+  return guarded([&] {
+    auto index = static_cast<c10::DeviceIndex>(device);
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    constexpr size_t kAggregate = 0;
+    out[0] = stats.allocated_bytes[kAggregate].current;
+    out[1] = stats.allocated_bytes[kAggregate].peak;
+    out[2] = stats.reserved_bytes[kAggregate].current;
+    out[3] = stats.reserved_bytes[kAggregate].peak;
+    if (reset_peak) {
+      c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+    }
+  });
+}
 
 // torch::autograd::backward(outputs, grad_outputs): tch's run_backward
 // always seeds with ones, so a unit's output cannot receive its gradient.

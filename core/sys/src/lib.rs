@@ -68,6 +68,7 @@ extern "C" {
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
     fn ft_work_free(work: *mut RawWork);
+    fn ft_cuda_memory_stats(device: i32, reset_peak: bool, out: *mut i64) -> *mut c_char;
     fn ft_backward(outputs: *const *mut RawTensor, grad_outputs: *const *mut RawTensor, count: i32) -> *mut c_char;
     fn ft_fused_adamw(
         params: *const *mut RawTensor,
@@ -324,4 +325,20 @@ pub fn fused_adamw(
             hyper.eps,
         )
     })
+}
+
+/// The CUDA caching allocator's view of one device, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaMemory {
+    pub allocated: i64,
+    pub peak_allocated: i64,
+    pub reserved: i64,
+    pub peak_reserved: i64,
+}
+
+/// Reads the allocator's counters; `reset_peak` starts a new peak window.
+pub fn cuda_memory(device_index: usize, reset_peak: bool) -> Result<CudaMemory> {
+    let mut out = [0i64; 4];
+    check(unsafe { ft_cuda_memory_stats(device_index as i32, reset_peak, out.as_mut_ptr()) })?;
+    Ok(CudaMemory { allocated: out[0], peak_allocated: out[1], reserved: out[2], peak_reserved: out[3] })
 }

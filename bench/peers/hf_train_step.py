@@ -1,0 +1,67 @@
+"""The PyTorch side of `ft bench` on one GPU: transformers' *ForCausalLM from
+a config.json with random weights, fp32 parameters, bf16 autocast, fused
+AdamW, loss on every token — eager, or under torch.compile with --compile.
+
+    python3 bench/peers/hf_train_step.py --config CONFIG.json --batch 8 --seq 512 [--compile]
+"""
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    forward = torch.compile(model) if args.compile else model
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda") for _ in range(4)]
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens_per_s = args.batch * args.seq * args.steps / seconds
+    n = sum(p.numel() for p in model.parameters())
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    mfu = (6 * n + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    name = f"transformers {'compiled' if args.compile else 'eager'}"
+    print(f"{name}: {config.model_type} {n / 1e6:.0f}M params, batch {args.batch}x{args.seq}: {tokens_per_s:.0f} tokens/s, "
+          f"{seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, peak allocated {peak:.1f} GB, "
+          f"peak reserved {torch.cuda.max_memory_reserved() / 1e9:.1f} GB, last loss {loss.item():.4f}")
+    if args.json:
+        json.dump(dict(tool=name, model_type=config.model_type, params=n, batch=args.batch, seq=args.seq,
+                       tokens_per_s=tokens_per_s, mfu=mfu, peak_allocated_gb=peak, torch=torch.__version__),
+                  open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+//! The training step, unit by unit (DESIGN.md §4).
+//!
+//! Each unit's parameters live in flat buffers: an fp32 master, a copy in
+//! the compute dtype whose views the model reads (a leaf, so autograd gives
+//! one flat gradient per unit, as FSDP's FlatParameter does), an fp32
+//! gradient accumulator and AdamW's moments. Forward runs the model's stages
+//! with the activation detached between stages; backward walks them in
+//! reverse, feeding each stage's output its gradient. A unit's gradient is
+//! complete after its first stage's backward: that is where a sharding
+//! strategy reduces it.
+//!
+//! Inside a unit's flat buffers the matrices come first and the vectors
+//! (biases, norm weights) after, so AdamW's weight decay — which, as in
+//! Hugging Face's Trainer, skips biases and norms — applies to one prefix.
+
+use crate::model::{Context, Model, Params, StageKind, UnitSpec};
+use anyhow::{bail, Result};
+use ft_sys::AdamW;
+use tch::{Kind, Tensor};
+
+pub struct FlatUnit {
+    spec: UnitSpec,
+    /// Offset of each parameter (in `spec` order) in the flat buffers.
+    offsets: Vec<i64>,
+    /// Elements of the weight-decayed prefix.
+    decayed: i64,
+    master: Tensor,
+    /// In the compute dtype; the same tensor as `master` when that is fp32.
+    compute: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+fn is_decayed(shape: &[i64]) -> bool {
+    shape.len() >= 2
+}
+
+impl FlatUnit {
+    /// Flattens `tensors` (one per parameter of `spec`) onto their device.
+    pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind) -> FlatUnit {
+        let order: Vec<usize> = (0..spec.params.len())
+            .filter(|&i| is_decayed(&spec.params[i].shape))
+            .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
+            .collect();
+        let mut offsets = vec![0; spec.params.len()];
+        let (mut offset, mut decayed) = (0, 0);
+        for &i in &order {
+            offsets[i] = offset;
+            offset += spec.params[i].numel();
+            if is_decayed(&spec.params[i].shape) {
+                decayed = offset;
+            }
+        }
+        let pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
+        let master = Tensor::cat(&pieces, 0);
+        let compute = if dtype == Kind::Float { master.shallow_clone() } else { master.to_kind(dtype) };
+        let compute = compute.set_requires_grad(true);
+        FlatUnit {
+            spec: spec.clone(),
+            offsets,
+            decayed,
+            grad: master.zeros_like(),
+            exp_avg: master.zeros_like(),
+            exp_avg_sq: master.zeros_like(),
+            master,
+            compute,
+        }
+    }
+
+    /// Views of the compute buffer: what the model reads, what autograd differentiates.
+    fn views(&self) -> Vec<Tensor> {
+        self.shaped(&self.compute)
+    }
+
+    /// Views of a flat buffer shaped like the unit's parameters, in `spec` order.
+    fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
+        self.spec
+            .params
+            .iter()
+            .zip(&self.offsets)
+            .map(|(p, &offset)| flat.narrow(0, offset, p.numel()).view(p.shape.as_slice()))
+            .collect()
+    }
+
+    /// The fp32 master values (for saving).
+    pub fn master_params(&self) -> Vec<Tensor> {
+        self.shaped(&self.master)
+    }
+
+    /// The accumulated fp32 gradient.
+    pub fn grad_views(&self) -> Vec<Tensor> {
+        self.shaped(&self.grad)
+    }
+
+    /// Adds the compute buffer's gradient into the fp32 accumulator.
+    fn accumulate_grad(&mut self) {
+        let grad = self.compute.grad();
+        if grad.defined() {
+            let _ = self.grad.g_add_(&grad);
+            let _ = self.compute.zero_grad();
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Compute dtype (fp32 masters are kept whatever this is).
+    pub dtype: Kind,
+    pub adamw: AdamW,
+    pub max_grad_norm: Option<f64>,
+    /// Tokens per chunk of the LM head's logits.
+    pub loss_chunk_tokens: i64,
+    /// Keep only each block's input and recompute the block in backward.
+    pub activation_checkpointing: bool,
+    /// Seeds dropout, so recomputation repeats the same masks.
+    pub seed: i64,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            dtype: Kind::Float,
+            adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+            max_grad_norm: Some(1.0),
+            loss_chunk_tokens: 1024,
+            activation_checkpointing: false,
+            seed: 0,
+        }
+    }
+}
+
+/// Loss and gradients of the LM head, `chunk` tokens at a time, without
+/// autograd: logits exist in fp32 for one chunk only. `labels` are aligned
+/// with the inputs (shifted here); the loss is the sum over target tokens
+/// divided by `normalizer` (the target tokens of the whole global batch, so
+/// micro-batches and ranks add up to the global mean). Returns the loss and
+/// the gradients of `hidden` and `weight`.
+pub fn lm_head_loss_and_grads(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    normalizer: f64,
+    chunk: i64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let _no_grad = tch::no_grad_guard();
+    let (batch, seq, dim) = hidden.size3()?;
+    if labels.size() != [batch, seq] {
+        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+    }
+    let inputs = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
+    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
+    let tokens = targets.size()[0];
+    let mut grad_inputs = Vec::new();
+    let mut grad_weight = Tensor::zeros(weight.size(), (Kind::Float, weight.device()));
+    let mut loss = Tensor::zeros([], (Kind::Float, hidden.device()));
+    let mut start = 0;
+    while start < tokens {
+        let len = chunk.min(tokens - start);
+        let h = inputs.narrow(0, start, len);
+        let target = targets.narrow(0, start, len);
+        let valid = target.ne(crate::dataset::IGNORE_INDEX);
+        let scale = valid.to_kind(Kind::Float) / normalizer;
+        let safe_target = target.clamp_min(0).unsqueeze(1);
+        let logits = h.matmul(&weight.tr()).to_kind(Kind::Float);
+        let log_norm = logits.logsumexp([-1], true);
+        let picked = logits.gather(1, &safe_target, false);
+        loss += ((&log_norm - picked).squeeze_dim(1) * &scale).sum(Kind::Float);
+        // d loss / d logits = (softmax − one-hot(target)) · scale, computed in the logits' memory.
+        let mut grad_logits = logits;
+        let _ = grad_logits.g_sub_(&log_norm).exp_();
+        let _ = grad_logits.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+        let _ = grad_logits.g_mul_(&scale.unsqueeze(1));
+        let grad_logits = grad_logits.to_kind(weight.kind());
+        grad_inputs.push(grad_logits.matmul(weight));
+        let _ = grad_weight.g_add_(&grad_logits.tr().matmul(&h));
+        start += len;
+    }
+    // The last position predicts nothing: its gradient is zero.
+    let grad_hidden = Tensor::cat(&grad_inputs, 0).view([batch, seq - 1, dim]);
+    let grad_hidden = Tensor::cat(&[grad_hidden, hidden.zeros_like().narrow(1, 0, 1)], 1);
+    Ok((loss, grad_hidden, grad_weight.to_kind(weight.kind())))
+}
+
+fn refs(list: &[Tensor]) -> Vec<&Tensor> {
+    list.iter().collect()
+}
+
+/// What forward keeps of one stage for backward.
+struct Saved {
+    /// The stage's detached input (None for the embedding).
+    input: Option<Tensor>,
+    /// Outputs to backpropagate into (empty when the block is recomputed).
+    outputs: Vec<Tensor>,
+    /// Their gradients, when forward already knows them (the head).
+    grads: Vec<Tensor>,
+}
+
+/// One process's training state: the model's units as flat buffers and the
+/// optimizer. (Sharding strategies distribute the same mechanism.)
+pub struct Trainer<'m> {
+    model: &'m dyn Model,
+    units: Vec<FlatUnit>,
+    options: TrainOptions,
+    /// AdamW's step count, on the device, shared by every buffer.
+    step: Tensor,
+    micro_steps: i64,
+}
+
+impl<'m> Trainer<'m> {
+    /// `params[unit]` are the initial parameters, already on the training device.
+    pub fn new(model: &'m dyn Model, params: &[Vec<Tensor>], options: TrainOptions) -> Trainer<'m> {
+        let units: Vec<FlatUnit> =
+            model.units().iter().zip(params).map(|(spec, t)| FlatUnit::new(spec, t, options.dtype)).collect();
+        let device = units[0].master.device();
+        Trainer { model, units, options, step: Tensor::zeros([], (Kind::Float, device)), micro_steps: 0 }
+    }
+
+    pub fn units(&self) -> &[FlatUnit] {
+        &self.units
+    }
+
+    /// Forward and backward of one micro-batch; gradients add up until `step`.
+    /// Returns this micro-batch's share of the loss (sum / `normalizer`), on the device.
+    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &Tensor, normalizer: f64) -> Result<Tensor> {
+        let model = self.model;
+        let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
+        let ctx = model.context(input_ids, 0, None, dtype, true)?;
+        let views: Vec<Vec<Tensor>> = self.units.iter().map(FlatUnit::views).collect();
+        let specs = model.units();
+        let stages = model.stages();
+        let seed_for = |stage: usize| self.options.seed.wrapping_mul(1_000_003).wrapping_add(self.micro_steps * 4099 + stage as i64);
+
+        let mut saved: Vec<Saved> = Vec::with_capacity(stages.len());
+        let mut x: Option<Tensor> = None;
+        let mut loss = None;
+        for (index, stage) in stages.iter().enumerate() {
+            let params = Params::new(&specs[stage.unit], &views[stage.unit]);
+            let input = x.take().map(|t| t.set_requires_grad(true));
+            match stage.kind {
+                StageKind::Embed => {
+                    let y = model.embed(&params, input_ids, &ctx);
+                    x = Some(y.detach());
+                    saved.push(Saved { input: None, outputs: vec![y], grads: vec![] });
+                }
+                StageKind::Block => {
+                    let input = input.expect("a block follows the embedding");
+                    if checkpoint {
+                        tch::manual_seed(seed_for(index));
+                        let y = tch::no_grad(|| model.block(&params, &input, &ctx, None));
+                        x = Some(y);
+                        saved.push(Saved { input: Some(input), outputs: vec![], grads: vec![] });
+                    } else {
+                        let y = model.block(&params, &input, &ctx, None);
+                        x = Some(y.detach());
+                        saved.push(Saved { input: Some(input), outputs: vec![y], grads: vec![] });
+                    }
+                }
+                StageKind::Head => {
+                    let input = input.expect("the head follows the blocks");
+                    let (hidden, weight) = model.head(&params, &input);
+                    let (stage_loss, grad_hidden, grad_weight) = lm_head_loss_and_grads(
+                        &hidden,
+                        &weight,
+                        labels,
+                        normalizer,
+                        self.options.loss_chunk_tokens,
+                    )?;
+                    loss = Some(stage_loss);
+                    saved.push(Saved { input: Some(input), outputs: vec![hidden, weight], grads: vec![grad_hidden, grad_weight] });
+                }
+            }
+        }
+
+        let mut grad: Option<Tensor> = None;
+        for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
+            if s.outputs.is_empty() {
+                // Recompute the checkpointed block, with the same dropout masks.
+                let params = Params::new(&specs[stage.unit], &views[stage.unit]);
+                tch::manual_seed(seed_for(index));
+                s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, None)];
+            }
+            if s.grads.is_empty() {
+                s.grads = vec![grad.take().expect("a later stage passed a gradient back")];
+            }
+            let outputs: Vec<&Tensor> = s.outputs.iter().collect();
+            let grads: Vec<&Tensor> = s.grads.iter().collect();
+            ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
+            grad = s.input.as_ref().map(Tensor::grad);
+            if stages.iter().position(|st| st.unit == stage.unit) == Some(index) {
+                self.units[stage.unit].accumulate_grad();
+            }
+        }
+        self.micro_steps += 1;
+        Ok(loss.expect("the model has a head stage"))
+    }
+
+    /// Clips by the global gradient norm (if configured), takes one AdamW step
+    /// at `lr`, refreshes the compute copies and clears the gradients.
+    /// Returns the gradient norm before clipping, on the device.
+    pub fn step(&mut self, lr: f64) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let norms: Vec<Tensor> = self.units.iter().map(|u| u.grad.norm()).collect();
+        let total_norm = Tensor::stack(&norms, 0).norm();
+        if let Some(max_norm) = self.options.max_grad_norm {
+            let coefficient = (max_norm / (&total_norm + 1e-6)).clamp_max(1.0);
+            for unit in &mut self.units {
+                let _ = unit.grad.g_mul_(&coefficient);
+            }
+        }
+        let _ = self.step.g_add_scalar_(1.0);
+        let hyper = AdamW { lr, ..self.options.adamw };
+        for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
+            let part = |t: &Tensor, u: &FlatUnit| {
+                if decayed {
+                    t.narrow(0, 0, u.decayed)
+                } else {
+                    t.narrow(0, u.decayed, t.size()[0] - u.decayed)
+                }
+            };
+            let chosen: Vec<&FlatUnit> =
+                self.units.iter().filter(|u| if decayed { u.decayed > 0 } else { u.decayed < u.master.size()[0] }).collect();
+            if chosen.is_empty() {
+                continue;
+            }
+            let params: Vec<Tensor> = chosen.iter().map(|u| part(&u.master, u)).collect();
+            let grads: Vec<Tensor> = chosen.iter().map(|u| part(&u.grad, u)).collect();
+            let m: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg, u)).collect();
+            let v: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg_sq, u)).collect();
+            let steps: Vec<&Tensor> = chosen.iter().map(|_| &self.step).collect();
+            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper)
+                .map_err(anyhow::Error::msg)?;
+        }
+        for unit in &mut self.units {
+            if unit.compute.kind() != Kind::Float {
+                let _ = unit.compute.copy_(&unit.master);
+            }
+            let _ = unit.grad.zero_();
+        }
+        Ok(total_norm)
+    }
+
+    /// The current fp32 parameters, per unit, shaped as the model declares them.
+    pub fn params(&self) -> Vec<Vec<Tensor>> {
+        self.units.iter().map(FlatUnit::master_params).collect()
+    }
+
+    pub fn model(&self) -> &dyn Model {
+        self.model
+    }
+
+    /// Context for evaluation with the current compute weights.
+    pub fn eval_context(&self, input_ids: &Tensor) -> Result<Context> {
+        self.model.context(input_ids, 0, None, self.options.dtype, false)
+    }
+}
