@@ -39,6 +39,10 @@ pub struct BenchArgs {
     activation_checkpointing: bool,
     #[arg(long, default_value_t = 1024)]
     loss_chunk_tokens: i64,
+    /// Also time the phases apart (synchronising between them): forward+backward,
+    /// the LM head's loss alone, the optimizer step.
+    #[arg(long)]
+    breakdown: bool,
     /// Also write the result as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -106,6 +110,12 @@ pub fn run(args: BenchArgs) -> Result<i32> {
         memory.map_or("n/a".into(), |m| format!("{:.1} GB", gb(m.peak_reserved))),
         loss
     );
+    let breakdown = if args.breakdown { Some(time_phases(&mut trainer, &batches[0], normalizer, &synchronize)?) } else { None };
+    if let Some((forward_backward, head, step)) = breakdown {
+        println!(
+            "breakdown (ms per step): forward+backward {forward_backward:.1} (LM head loss and grads {head:.1}), optimizer step {step:.1}"
+        );
+    }
     if let Some(path) = &args.json {
         let report = serde_json::json!({
             "tool": "ft", "model_type": model.model_type(), "params": model.numel(),
@@ -114,8 +124,41 @@ pub fn run(args: BenchArgs) -> Result<i32> {
             "tokens_per_s": tokens_per_s, "step_ms": seconds / args.steps as f64 * 1e3, "mfu": mfu,
             "peak_allocated_gb": memory.map(|m| gb(m.peak_allocated)),
             "peak_reserved_gb": memory.map(|m| gb(m.peak_reserved)), "loss": loss,
+            "breakdown_ms": breakdown.map(|(fb, head, step)| serde_json::json!({"forward_backward": fb, "lm_head": head, "step": step})),
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }
     Ok(0)
+}
+
+/// Milliseconds per call of forward+backward, of the LM head's fused loss on
+/// the same shapes, and of the optimizer step, each timed between synchronisations.
+fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<(f64, f64, f64)> {
+    const REPEATS: usize = 5;
+    let (mut forward_backward, mut step) = (0.0, 0.0);
+    for _ in 0..REPEATS {
+        synchronize();
+        let start = Instant::now();
+        let _loss = trainer.forward_backward(ids, ids, normalizer)?;
+        synchronize();
+        forward_backward += start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let _grad_norm = trainer.step(1e-5)?;
+        synchronize();
+        step += start.elapsed().as_secs_f64();
+    }
+    let dims = trainer.model().dims();
+    let (batch, seq) = (ids.size()[0], ids.size()[1]);
+    let dtype = trainer.units()[0].compute_kind();
+    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, ids.device()));
+    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, ids.device())) * 0.02;
+    synchronize();
+    let start = Instant::now();
+    for _ in 0..REPEATS {
+        let _outputs = ft_core::train::lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens())?;
+    }
+    synchronize();
+    let head = start.elapsed().as_secs_f64();
+    let ms = |seconds: f64| seconds / REPEATS as f64 * 1e3;
+    Ok((ms(forward_backward), ms(head), ms(step)))
 }

@@ -92,3 +92,28 @@ fn adamw_step_follows_the_reference_formula() {
         }
     }
 }
+
+#[test]
+fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
+    let (model, params, ids) = fixture("bloom");
+    // A large eps makes Adam's first step depend on the gradient's scale: g / (|g| + eps).
+    let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-3 };
+    let max_norm = 0.05;
+    let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
+    let mut trainer = Trainer::new(model.as_ref(), &params, options);
+    let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
+    let _loss = trainer.forward_backward(&ids, &ids, count).unwrap();
+    let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
+    let norm = trainer.step(hyper.lr).unwrap().double_value(&[]);
+    let expected_norm = grads.iter().flatten().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
+    assert!((norm - expected_norm).abs() < 1e-6 * expected_norm);
+    assert!(norm > max_norm, "the test needs a gradient above the clip ({norm})");
+    let clip = max_norm / norm;
+    for ((before, grads), after) in params.iter().zip(&grads).zip(trainer.params()) {
+        for ((p, g), new) in before.iter().zip(grads).zip(after) {
+            let g = g * clip;
+            let expected = p - (&g / (g.abs() + hyper.eps)) * hyper.lr;
+            assert!(max_relative(&new, &expected) < 1e-5);
+        }
+    }
+}

@@ -185,3 +185,14 @@ fn saved_models_load_back_identically_in_each_dtype() {
         }
     }
 }
+
+#[test]
+fn gpt2_tokenizer_loads_and_round_trips() {
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/gpt2");
+    let tokenizer = hf::load_tokenizer(&shared).unwrap();
+    let encoding = tokenizer.encode("Hello world", false).unwrap();
+    assert_eq!(encoding.get_ids(), &[15496, 995]); // GPT-2's ids for "Hello" and " world"
+    assert_eq!(tokenizer.decode(encoding.get_ids(), true).unwrap(), "Hello world");
+    let message = format!("{:#}", hf::load_tokenizer(Path::new("/nonexistent")).unwrap_err());
+    assert!(message.contains("cannot load /nonexistent/tokenizer.json"), "{message}");
+}

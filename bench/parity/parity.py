@@ -32,7 +32,7 @@ def relative(a, b, floor=0.0):
     return ((a - b).abs().max() / b.abs().max().clamp_min(max(floor, 1e-30))).item()
 
 
-def hf_reference(model_dir, ids, dtype, device, grads):
+def hf_reference(model_dir, ids, dtype, device, grads, generate=True):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device)
     model.eval()
     ids_t = torch.tensor(ids, device=device)
@@ -44,6 +44,8 @@ def hf_reference(model_dir, ids, dtype, device, grads):
         names = dict(model.named_parameters())
         for name, param in names.items():
             result["grad." + name] = param.grad.float().cpu()
+    if not generate:
+        return result
     with torch.no_grad():
         prompt = ids_t[:1, :8]
         # No EOS: 32 tokens always (min_new_tokens would instead forbid the EOS token).
@@ -80,6 +82,8 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--f64", action="store_true",
+                        help="also compare both fp32 gradients with transformers in float64 (the ground truth)")
     parser.add_argument("--write-fixtures", action="store_true",
                         help="store transformers' fp32 outputs as <model>/reference.safetensors + ids.json")
     args = parser.parse_args()
@@ -93,6 +97,8 @@ def main():
             ref32 = hf_reference(model_dir, ids, torch.float32, args.device, grads=True)
             ours32 = ft_outputs(args.ft, model_dir, ids, "f32", args.device, True, work)
             ref16 = hf_reference(model_dir, ids, torch.bfloat16, args.device, grads=False)
+            # The ground truth both fp32 implementations approximate.
+            ref64 = hf_reference(model_dir, ids, torch.float64, args.device, grads=True, generate=False) if args.f64 else None
             ours16 = ft_outputs(args.ft, model_dir, ids, "bf16", args.device, False, work)
         tied = config.get("tie_word_embeddings", config["model_type"] in ("bloom", "opt"))
         grad_errors = {}
@@ -105,6 +111,11 @@ def main():
                 continue  # the same tensor as the embedding's, already compared
             grad_errors[name] = relative(ours32[name], grad, floor)
         worst_grad = max(grad_errors, key=grad_errors.get)
+        truth = ""
+        if ref64 is not None:
+            ft_vs_64 = max(relative(ours32[n], ref64[n], floor) for n in grad_errors)
+            hf_vs_64 = max(relative(ref32[n], ref64[n], floor) for n in grad_errors)
+            truth = f"  grads vs fp64: ft {ft_vs_64:.2e}, transformers {hf_vs_64:.2e}"
         errors = {
             "logits_f32": relative(ours32["logits"], ref32["logits"]),
             "logits_bf16": relative(ours16["logits"], ref16["logits"]),
@@ -115,7 +126,7 @@ def main():
         failed |= not ok
         print(f"{os.path.basename(model_dir.rstrip('/')):<28} {errors['logits_f32']:>11.2e} {errors['logits_bf16']:>12.2e} "
               f"{errors['grads_f32']:>10.2e} {ours32['loss'].item():>10.5f} {ref32['loss'].item():>10.5f} "
-              f"{'same' if same_tokens else 'DIFFERENT':>10}{'' if ok else '  <-- FAIL (worst grad ' + worst_grad + ')'}")
+              f"{'same' if same_tokens else 'DIFFERENT':>10}{'' if ok else '  <-- FAIL (worst grad ' + worst_grad + ')'}{truth}")
         if args.write_fixtures:
             json.dump(ids, open(os.path.join(model_dir, "ids.json"), "w"))
             keep = {k: v.contiguous() for k, v in ref32.items() if not (k == "grad.lm_head.weight" and tied)}

@@ -74,13 +74,28 @@ impl FlatUnit {
     }
 
     /// Views of a flat buffer shaped like the unit's parameters, in `spec` order.
+    /// One `split_with_sizes` makes them all, so autograd returns the
+    /// gradient of the compute buffer with one concatenation (a narrow per
+    /// parameter would zero-fill a buffer-sized tensor per parameter).
     fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
-        self.spec
-            .params
-            .iter()
-            .zip(&self.offsets)
-            .map(|(p, &offset)| flat.narrow(0, offset, p.numel()).view(p.shape.as_slice()))
+        let mut flat_order: Vec<usize> = (0..self.spec.params.len()).collect();
+        flat_order.sort_by_key(|&i| self.offsets[i]);
+        let sizes: Vec<i64> = flat_order.iter().map(|&i| self.spec.params[i].numel()).collect();
+        let mut pieces: Vec<Option<Tensor>> = flat.split_with_sizes(&sizes, 0).into_iter().map(Some).collect();
+        let mut by_spec: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
+        for (piece, &i) in pieces.iter_mut().zip(&flat_order) {
+            by_spec[i] = piece.take();
+        }
+        by_spec
+            .into_iter()
+            .zip(&self.spec.params)
+            .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
             .collect()
+    }
+
+    /// The dtype the model computes in.
+    pub fn compute_kind(&self) -> Kind {
+        self.compute.kind()
     }
 
     /// The fp32 master values (for saving).
@@ -93,13 +108,21 @@ impl FlatUnit {
         self.shaped(&self.grad)
     }
 
-    /// Adds the compute buffer's gradient into the fp32 accumulator.
-    fn accumulate_grad(&mut self) {
+    /// Moves the compute buffer's gradient into the fp32 accumulator (a copy
+    /// for the first micro-batch after a step, a sum after that) and drops it.
+    fn accumulate_grad(&mut self, first_micro_batch: bool) -> Result<()> {
         let grad = self.compute.grad();
         if grad.defined() {
-            let _ = self.grad.g_add_(&grad);
-            let _ = self.compute.zero_grad();
+            if first_micro_batch {
+                self.grad.copy_(&grad);
+            } else {
+                let _ = self.grad.g_add_(&grad);
+            }
+            ft_sys::clear_grad(&self.compute).map_err(anyhow::Error::msg)?;
+        } else if first_micro_batch {
+            let _ = self.grad.zero_();
         }
+        Ok(())
     }
 }
 
@@ -152,7 +175,8 @@ pub fn lm_head_loss_and_grads(
     let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
     let tokens = targets.size()[0];
     let mut grad_inputs = Vec::new();
-    let mut grad_weight = Tensor::zeros(weight.size(), (Kind::Float, weight.device()));
+    // Accumulated in the weight's dtype by the matmul itself (fp32 inside cuBLAS).
+    let mut grad_weight: Option<Tensor> = None;
     let mut loss = Tensor::zeros([], (Kind::Float, hidden.device()));
     let mut start = 0;
     while start < tokens {
@@ -162,24 +186,32 @@ pub fn lm_head_loss_and_grads(
         let valid = target.ne(crate::dataset::IGNORE_INDEX);
         let scale = valid.to_kind(Kind::Float) / normalizer;
         let safe_target = target.clamp_min(0).unsqueeze(1);
-        let logits = h.matmul(&weight.tr()).to_kind(Kind::Float);
-        let log_norm = logits.logsumexp([-1], true);
-        let picked = logits.gather(1, &safe_target, false);
-        loss += ((&log_norm - picked).squeeze_dim(1) * &scale).sum(Kind::Float);
-        // d loss / d logits = (softmax − one-hot(target)) · scale, computed in the logits' memory.
-        let mut grad_logits = logits;
-        let _ = grad_logits.g_sub_(&log_norm).exp_();
-        let _ = grad_logits.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
-        let _ = grad_logits.g_mul_(&scale.unsqueeze(1));
-        let grad_logits = grad_logits.to_kind(weight.kind());
+        // Four passes over the [len, vocab] logits: log-softmax (bf16 in, fp32
+        // out), exp in place, the cast back, the scale.
+        let log_probs = h.matmul(&weight.tr()).log_softmax(-1, Kind::Float);
+        let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
+        loss -= (picked * &scale).sum(Kind::Float);
+        // d loss / d logits = (softmax − one-hot(target)) · scale.
+        let mut probs = log_probs;
+        let _ = probs.exp_();
+        let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+        let mut grad_logits = probs.to_kind(weight.kind());
+        let _ = grad_logits.g_mul_(&scale.to_kind(weight.kind()).unsqueeze(1));
         grad_inputs.push(grad_logits.matmul(weight));
-        let _ = grad_weight.g_add_(&grad_logits.tr().matmul(&h));
+        grad_weight = Some(match grad_weight {
+            None => grad_logits.tr().matmul(&h),
+            Some(mut sum) => {
+                let _ = sum.addmm_(&grad_logits.tr(), &h);
+                sum
+            }
+        });
         start += len;
     }
     // The last position predicts nothing: its gradient is zero.
     let grad_hidden = Tensor::cat(&grad_inputs, 0).view([batch, seq - 1, dim]);
     let grad_hidden = Tensor::cat(&[grad_hidden, hidden.zeros_like().narrow(1, 0, 1)], 1);
-    Ok((loss, grad_hidden, grad_weight.to_kind(weight.kind())))
+    let grad_weight = grad_weight.unwrap_or_else(|| weight.zeros_like());
+    Ok((loss, grad_hidden, grad_weight))
 }
 
 fn refs(list: &[Tensor]) -> Vec<&Tensor> {
@@ -205,6 +237,8 @@ pub struct Trainer<'m> {
     /// AdamW's step count, on the device, shared by every buffer.
     step: Tensor,
     micro_steps: i64,
+    /// Micro-batches since the last optimizer step.
+    pending_micro_batches: usize,
 }
 
 impl<'m> Trainer<'m> {
@@ -213,7 +247,14 @@ impl<'m> Trainer<'m> {
         let units: Vec<FlatUnit> =
             model.units().iter().zip(params).map(|(spec, t)| FlatUnit::new(spec, t, options.dtype)).collect();
         let device = units[0].master.device();
-        Trainer { model, units, options, step: Tensor::zeros([], (Kind::Float, device)), micro_steps: 0 }
+        Trainer {
+            model,
+            units,
+            options,
+            step: Tensor::zeros([], (Kind::Float, device)),
+            micro_steps: 0,
+            pending_micro_batches: 0,
+        }
     }
 
     pub fn units(&self) -> &[FlatUnit] {
@@ -288,10 +329,11 @@ impl<'m> Trainer<'m> {
             ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
             grad = s.input.as_ref().map(Tensor::grad);
             if stages.iter().position(|st| st.unit == stage.unit) == Some(index) {
-                self.units[stage.unit].accumulate_grad();
+                self.units[stage.unit].accumulate_grad(self.pending_micro_batches == 0)?;
             }
         }
         self.micro_steps += 1;
+        self.pending_micro_batches += 1;
         Ok(loss.expect("the model has a head stage"))
     }
 
@@ -300,14 +342,13 @@ impl<'m> Trainer<'m> {
     /// Returns the gradient norm before clipping, on the device.
     pub fn step(&mut self, lr: f64) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
+        if self.pending_micro_batches == 0 {
+            bail!("step() without a forward_backward() since the last step");
+        }
         let norms: Vec<Tensor> = self.units.iter().map(|u| u.grad.norm()).collect();
         let total_norm = Tensor::stack(&norms, 0).norm();
-        if let Some(max_norm) = self.options.max_grad_norm {
-            let coefficient = (max_norm / (&total_norm + 1e-6)).clamp_max(1.0);
-            for unit in &mut self.units {
-                let _ = unit.grad.g_mul_(&coefficient);
-            }
-        }
+        // Clipping divides every gradient by max(1, norm / max_norm), inside AdamW's kernel.
+        let grad_scale = self.options.max_grad_norm.map(|max_norm| (&total_norm / max_norm).clamp_min(1.0));
         let _ = self.step.g_add_scalar_(1.0);
         let hyper = AdamW { lr, ..self.options.adamw };
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
@@ -328,21 +369,25 @@ impl<'m> Trainer<'m> {
             let m: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg, u)).collect();
             let v: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg_sq, u)).collect();
             let steps: Vec<&Tensor> = chosen.iter().map(|_| &self.step).collect();
-            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper)
+            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref())
                 .map_err(anyhow::Error::msg)?;
         }
         for unit in &mut self.units {
             if unit.compute.kind() != Kind::Float {
                 let _ = unit.compute.copy_(&unit.master);
             }
-            let _ = unit.grad.zero_();
         }
+        self.pending_micro_batches = 0;
         Ok(total_norm)
     }
 
     /// The current fp32 parameters, per unit, shaped as the model declares them.
     pub fn params(&self) -> Vec<Vec<Tensor>> {
         self.units.iter().map(FlatUnit::master_params).collect()
+    }
+
+    pub fn loss_chunk_tokens(&self) -> i64 {
+        self.options.loss_chunk_tokens
     }
 
     pub fn model(&self) -> &dyn Model {

@@ -248,6 +248,12 @@ char* ft_work_wait(FtWork* work, int64_t timeout_ms) {
 
 void ft_work_free(FtWork* work) { delete work; }
 
+// Drops a tensor's .grad (Python's `p.grad = None`): the next backward then
+// writes a fresh gradient instead of adding into a zeroed one.
+char* ft_clear_grad(at::Tensor* tensor) {
+  return guarded([&] { tensor->mutable_grad() = at::Tensor(); });
+}
+
 // The CUDA caching allocator's counters for `device`: bytes allocated now and
 // at peak, reserved now and at peak. `reset_peak` starts a new peak window.
 char* ft_cuda_memory_stats(int device, bool reset_peak, int64_t* out) {
@@ -281,9 +287,12 @@ char* ft_backward(at::Tensor** outputs, at::Tensor** grad_outputs, int count) {
 // One fused AdamW step over lists of tensors (ATen's multi-tensor kernel on
 // CUDA, its vectorised loop on CPU). `steps` are float tensors the caller has
 // already incremented, as torch.optim.AdamW does before the same call.
+// `grad_scale` (may be NULL) divides every gradient inside the kernel: the
+// global-norm clip factor rides along instead of costing its own pass.
 char* ft_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
                      at::Tensor** exp_avg_sqs, at::Tensor** steps, int count, double lr,
-                     double beta1, double beta2, double weight_decay, double eps) {
+                     double beta1, double beta2, double weight_decay, double eps,
+                     at::Tensor* grad_scale) {
   return guarded([&] {
     std::vector<at::Tensor> p, g, m, v, t;
     for (int i = 0; i < count; ++i) {
@@ -293,8 +302,12 @@ char* ft_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_a
       v.push_back(*exp_avg_sqs[i]);
       t.push_back(*steps[i]);
     }
+    std::optional<at::Tensor> scale;
+    if (grad_scale != nullptr) {
+      scale = *grad_scale;
+    }
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
+                      /*amsgrad=*/false, /*maximize=*/false, scale, /*found_inf=*/std::nullopt);
   });
 }
 

@@ -82,7 +82,9 @@ extern "C" {
         beta2: f64,
         weight_decay: f64,
         eps: f64,
+        grad_scale: *mut RawTensor,
     ) -> *mut c_char;
+    fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
 }
 
 /// A C++ exception's message.
@@ -297,7 +299,8 @@ pub struct AdamW {
     pub eps: f64,
 }
 
-/// ATen's `_fused_adamw_` over parallel lists; `steps` must already count this step.
+/// ATen's `_fused_adamw_` over parallel lists; `steps` must already count
+/// this step. `grad_scale`, a one-element tensor, divides every gradient.
 pub fn fused_adamw(
     params: &[&Tensor],
     grads: &[&Tensor],
@@ -305,6 +308,7 @@ pub fn fused_adamw(
     exp_avg_sqs: &[&Tensor],
     steps: &[&Tensor],
     hyper: AdamW,
+    grad_scale: Option<&Tensor>,
 ) -> Result<()> {
     let n = params.len();
     assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|l| *l == n));
@@ -323,8 +327,14 @@ pub fn fused_adamw(
             hyper.beta2,
             hyper.weight_decay,
             hyper.eps,
+            grad_scale.map_or(std::ptr::null_mut(), tensor_ptr),
         )
     })
+}
+
+/// Sets `tensor.grad` to undefined (Python's `p.grad = None`).
+pub fn clear_grad(tensor: &Tensor) -> Result<()> {
+    check(unsafe { ft_clear_grad(tensor_ptr(tensor)) })
 }
 
 /// The CUDA caching allocator's view of one device, in bytes.
