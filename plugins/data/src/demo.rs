@@ -1,0 +1,139 @@
+//! The embedded demo: a question-answering set about invented countries,
+//! generated from a seed (so the answers must be read from the context, not
+//! remembered: evaluation countries never occur in training), written as
+//! SQuAD v2.0 JSON, and a byte-level BPE tokenizer trained on it with the
+//! `tokenizers` crate. Nothing is downloaded.
+
+use anyhow::{Context, Result};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, TokenizerBuilder};
+
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+const TOKENIZER_VOCAB: usize = 800;
+
+pub struct DemoFiles {
+    pub train: PathBuf,
+    pub eval: PathBuf,
+    pub tokenizer: PathBuf,
+}
+
+const SYLLABLES: &[&str] = &[
+    "ka", "lo", "mi", "ra", "ve", "dun", "tor", "sel", "bri", "an", "ostr", "ul", "quen", "zar", "pel", "mor", "ith",
+    "gal", "den", "sha", "vo", "rin", "tek", "bal", "cor", "fen", "hal", "jor", "nim", "pra",
+];
+const ANIMALS: &[&str] =
+    &["lynx", "heron", "otter", "ibex", "falcon", "tortoise", "badger", "crane", "marten", "stag", "owl", "seal"];
+const GIVEN: &[&str] = &["Ada", "Boris", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Luca"];
+
+fn name(rng: &mut ChaCha8Rng, parts: usize) -> String {
+    let mut word: String = (0..parts).map(|_| *SYLLABLES.choose(rng).expect("syllables")).collect();
+    word[..1].make_ascii_uppercase();
+    word
+}
+
+/// One paragraph about an invented country and the questions it answers.
+fn paragraph(rng: &mut ChaCha8Rng, id: usize) -> serde_json::Value {
+    let country = name(rng, 3);
+    let capital = name(rng, 2);
+    let river = name(rng, 2);
+    let founder = format!("{} {}", GIVEN.choose(rng).expect("names"), name(rng, 2));
+    let year = rng.gen_range(1100..2000).to_string();
+    let animal = ANIMALS.choose(rng).expect("animals").to_string();
+    let mut facts = vec![
+        (format!("The capital of {country} is {capital}."), format!("What is the capital of {country}?"), capital.clone()),
+        (format!("The river {river} flows through {capital}."), format!("Which river flows through {capital}?"), river),
+        (format!("{country} was founded in {year}."), format!("When was {country} founded?"), year),
+        (format!("It was founded by {founder}."), format!("Who founded {country}?"), founder),
+        (format!("Its national animal is the {animal}."), format!("What is the national animal of {country}?"), animal),
+    ];
+    facts.shuffle(rng);
+    facts.truncate(rng.gen_range(3..=5));
+    let context = facts.iter().map(|(sentence, _, _)| sentence.as_str()).collect::<Vec<_>>().join(" ");
+    let qas: Vec<serde_json::Value> = facts
+        .iter()
+        .enumerate()
+        .map(|(n, (_, question, answer))| {
+            let start = context.find(answer.as_str()).expect("the answer is in the context");
+            json!({"id": format!("demo-{id}-{n}"), "question": question, "is_impossible": false,
+                   "answers": [{"text": answer, "answer_start": context[..start].chars().count()}]})
+        })
+        .collect();
+    json!({"context": context, "qas": qas})
+}
+
+fn squad_file(rng: &mut ChaCha8Rng, paragraphs: usize, first_id: usize) -> serde_json::Value {
+    let paragraphs: Vec<serde_json::Value> = (0..paragraphs).map(|i| paragraph(rng, first_id + i)).collect();
+    json!({"version": "v2.0", "data": [{"title": "Invented countries", "paragraphs": paragraphs}]})
+}
+
+/// Writes `demo-train.json`, `demo-eval.json` (SQuAD v2.0 layout) and
+/// `tokenizer.json` into `dir`; the same seed gives the same files.
+pub fn write(dir: &Path, train_paragraphs: usize, eval_paragraphs: usize, seed: u64) -> Result<DemoFiles> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let train = squad_file(&mut rng, train_paragraphs, 0);
+    let eval = squad_file(&mut rng, eval_paragraphs, train_paragraphs);
+    let files = DemoFiles {
+        train: dir.join("demo-train.json"),
+        eval: dir.join("demo-eval.json"),
+        tokenizer: dir.join("tokenizer.json"),
+    };
+    std::fs::write(&files.train, serde_json::to_string(&train)?)?;
+    std::fs::write(&files.eval, serde_json::to_string(&eval)?)?;
+
+    // The tokenizer sees every text the prompts are made of.
+    let mut corpus = vec!["Question: Context: Answer:".to_string()];
+    for file in [&train, &eval] {
+        for p in file["data"][0]["paragraphs"].as_array().expect("paragraphs") {
+            corpus.push(p["context"].as_str().expect("context").to_string());
+            for qa in p["qas"].as_array().expect("qas") {
+                corpus.push(qa["question"].as_str().expect("question").to_string());
+            }
+        }
+    }
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(TOKENIZER_VOCAB)
+        .min_frequency(2)
+        .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut tokenizer = TokenizerBuilder::<BPE, tokenizers::NormalizerWrapper, ByteLevel, tokenizers::PostProcessorWrapper, ByteLevel>::new()
+        .with_model(BPE::default())
+        // As GPT-2's: no space is added before the text.
+        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+        .with_decoder(Some(ByteLevel::default().add_prefix_space(false)))
+        .build()
+        .map_err(anyhow::Error::msg)?;
+    tokenizer.train(&mut trainer, corpus.iter()).map_err(anyhow::Error::msg)?;
+    tokenizer.save(&files.tokenizer, false).map_err(anyhow::Error::msg)?;
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demo_files_are_valid_squad_and_reproducible() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let files = write(a.path(), 30, 10, 7).unwrap();
+        write(b.path(), 30, 10, 7).unwrap();
+        for name in ["demo-train.json", "demo-eval.json", "tokenizer.json"] {
+            assert_eq!(std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap(), "{name}");
+        }
+        let (train, stats) = crate::squad::read(&files.train, false).unwrap();
+        assert_eq!(stats.bad_offsets_skipped, 0);
+        assert!(train.len() >= 90 && train.iter().all(|e| e.context.contains(&e.answers[0])));
+        let tokenizer = tokenizers::Tokenizer::from_file(&files.tokenizer).unwrap();
+        let ids = tokenizer.encode(train[0].context.as_str(), false).unwrap();
+        assert_eq!(tokenizer.decode(ids.get_ids(), false).unwrap(), train[0].context);
+        assert!(tokenizer.token_to_id(END_OF_TEXT).is_some());
+    }
+}

@@ -1,0 +1,161 @@
+//! SQuAD v1.1 and v2.0 JSON (`data[].paragraphs[].qas[]`), read into
+//! question-answer examples. v2's unanswerable questions are skipped unless
+//! asked for; answers whose offsets do not match the context are counted and
+//! logged, never fatal; a file that is not SQuAD is an error naming where.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct QaExample {
+    pub id: String,
+    pub title: String,
+    pub question: String,
+    pub context: String,
+    /// Gold answers (several annotators); empty for an unanswerable question.
+    pub answers: Vec<String>,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SquadStats {
+    pub articles: usize,
+    pub questions: usize,
+    pub unanswerable_skipped: usize,
+    pub bad_offsets_skipped: usize,
+}
+
+#[derive(Deserialize)]
+struct Article {
+    #[serde(default)]
+    title: String,
+    paragraphs: Vec<Paragraph>,
+}
+#[derive(Deserialize)]
+struct Paragraph {
+    context: String,
+    qas: Vec<Qa>,
+}
+#[derive(Deserialize)]
+struct Qa {
+    id: String,
+    question: String,
+    #[serde(default)]
+    answers: Vec<Answer>,
+    #[serde(default)]
+    is_impossible: bool,
+}
+#[derive(Deserialize)]
+struct Answer {
+    text: String,
+    answer_start: usize,
+}
+
+/// `answer_start` counts characters (Python string indices), not bytes.
+fn offsets_match(context: &str, answer: &Answer) -> bool {
+    let found: String = context.chars().skip(answer.answer_start).take(answer.text.chars().count()).collect();
+    found == answer.text
+}
+
+pub fn read(path: &Path, include_unanswerable: bool) -> Result<(Vec<QaExample>, SquadStats)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read SQuAD file {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    parse(value, &path.display().to_string(), include_unanswerable)
+}
+
+pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool) -> Result<(Vec<QaExample>, SquadStats)> {
+    if value.get("data").is_none() {
+        bail!("{source} is not SQuAD JSON: it has no top-level \"data\" list");
+    }
+    // Articles are decoded one by one so that an error can name the article.
+    let articles = value["data"].as_array().with_context(|| format!("{source}: \"data\" must be a list"))?;
+    let mut stats = SquadStats::default();
+    let mut examples = vec![];
+    for (index, article) in articles.iter().enumerate() {
+        let article: Article = serde_json::from_value(article.clone()).map_err(|e| {
+            let title = article.get("title").and_then(|t| t.as_str()).unwrap_or("?");
+            anyhow::anyhow!("{source}: article {index} ({title:?}) is not in SQuAD layout: {e}")
+        })?;
+        stats.articles += 1;
+        for paragraph in article.paragraphs {
+            for qa in paragraph.qas {
+                stats.questions += 1;
+                if qa.is_impossible || qa.answers.is_empty() {
+                    if include_unanswerable {
+                        examples.push(QaExample {
+                            id: qa.id,
+                            title: article.title.clone(),
+                            question: qa.question,
+                            context: paragraph.context.clone(),
+                            answers: vec![],
+                        });
+                    } else {
+                        stats.unanswerable_skipped += 1;
+                    }
+                    continue;
+                }
+                if let Some(bad) = qa.answers.iter().find(|a| !offsets_match(&paragraph.context, a)) {
+                    tracing::warn!(
+                        "{source}: skipping question {} in article {:?}: answer {:?} is not at offset {} of its context",
+                        qa.id,
+                        article.title,
+                        bad.text,
+                        bad.answer_start
+                    );
+                    stats.bad_offsets_skipped += 1;
+                    continue;
+                }
+                let mut answers: Vec<String> = vec![];
+                for answer in qa.answers {
+                    if !answers.contains(&answer.text) {
+                        answers.push(answer.text);
+                    }
+                }
+                examples.push(QaExample {
+                    id: qa.id,
+                    title: article.title.clone(),
+                    question: qa.question,
+                    context: paragraph.context.clone(),
+                    answers,
+                });
+            }
+        }
+    }
+    Ok((examples, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn v1_layout_and_character_offsets() {
+        let file = json!({"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": "Café au lait is brown.",
+            "qas": [{"id": "q1", "question": "What colour?", "answers": [{"text": "brown", "answer_start": 16}, {"text": "brown", "answer_start": 16}]}]}]}]});
+        let (examples, stats) = parse(file, "test", false).unwrap();
+        assert_eq!(examples.len(), 1);
+        assert_eq!(examples[0].answers, vec!["brown"]);
+        assert_eq!(stats, SquadStats { articles: 1, questions: 1, ..Default::default() });
+    }
+
+    #[test]
+    fn bad_offsets_are_counted_and_skipped() {
+        let file = json!({"data": [{"title": "T", "paragraphs": [{"context": "abc def",
+            "qas": [{"id": "q1", "question": "?", "answers": [{"text": "def", "answer_start": 1}]},
+                    {"id": "q2", "question": "?", "answers": [{"text": "def", "answer_start": 4}]}]}]}]});
+        let (examples, stats) = parse(file, "test", false).unwrap();
+        assert_eq!(examples.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), vec!["q2"]);
+        assert_eq!(stats.bad_offsets_skipped, 1);
+    }
+
+    #[test]
+    fn wrong_layout_names_the_article() {
+        let file = json!({"data": [{"title": "Good", "paragraphs": []}, {"title": "Broken", "paragraphs": [{"qas": []}]}]});
+        let err = parse(file, "f.json", false).unwrap_err().to_string();
+        assert!(err.contains("f.json: article 1 (\"Broken\") is not in SQuAD layout"), "{err}");
+        let err = parse(json!({"rows": []}), "f.json", false).unwrap_err().to_string();
+        assert!(err.contains("has no top-level \"data\" list"), "{err}");
+    }
+}

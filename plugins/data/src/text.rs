@@ -1,0 +1,61 @@
+//! Plain text and JSONL (`{"text": …}` per line) for causal-LM fine-tuning,
+//! packed into fixed-length sequences with an end token between documents.
+
+use anyhow::{bail, Context, Result};
+use ft_core::dataset::Example;
+use std::path::Path;
+use tokenizers::Tokenizer;
+
+/// Documents of a file: JSONL lines' `text` fields, or a text file's
+/// paragraphs (separated by blank lines).
+pub fn read_documents(path: &Path) -> Result<Vec<String>> {
+    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if path.extension().and_then(|e| e.to_str()) == Some("jsonl") {
+        let mut documents = vec![];
+        for (number, line) in content.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let value: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{} line {}: not valid JSON", path.display(), number + 1))?;
+            match value.get("text").and_then(|t| t.as_str()) {
+                Some(text) => documents.push(text.to_string()),
+                None => bail!("{} line {}: no string field \"text\"", path.display(), number + 1),
+            }
+        }
+        Ok(documents)
+    } else {
+        Ok(content.split("\n\n").map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
+    }
+}
+
+/// Concatenates the documents' tokens (each followed by `eos`) and cuts them
+/// into sequences of `seq_len`; the remainder that does not fill one is dropped.
+pub fn pack(tokenizer: &Tokenizer, documents: &[String], seq_len: usize, eos: Option<i64>) -> Result<Vec<Example>> {
+    let mut stream: Vec<i64> = vec![];
+    for document in documents {
+        let encoding = tokenizer.encode(document.as_str(), false).map_err(anyhow::Error::msg)?;
+        stream.extend(encoding.get_ids().iter().map(|&id| id as i64));
+        stream.extend(eos);
+    }
+    Ok(stream
+        .chunks_exact(seq_len)
+        .map(|chunk| Example { input_ids: chunk.to_vec(), labels: chunk.to_vec() })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_errors_name_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(&path, "{\"text\": \"a\"}\n\n{\"body\": \"b\"}\n").unwrap();
+        let err = read_documents(&path).unwrap_err().to_string();
+        assert!(err.contains("d.jsonl line 3: no string field \"text\""), "{err}");
+        std::fs::write(&path, "{\"text\": \"a\"}\nnot json\n").unwrap();
+        assert!(read_documents(&path).unwrap_err().to_string().contains("line 2: not valid JSON"));
+        let txt = dir.path().join("d.txt");
+        std::fs::write(&txt, "one\ntwo\n\n\nthree").unwrap();
+        assert_eq!(read_documents(&txt).unwrap(), vec!["one\ntwo", "three"]);
+    }
+}
