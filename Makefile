@@ -11,9 +11,10 @@ setup:
 build: setup
 	$(ENV) cargo build --release
 
-# The main job on an embedded default: 2 CPU ranks over Gloo.
+# The main job on the embedded default: fine-tune a small BLOOM on generated
+# question-answer data with its own tokenizer, 2 CPU ranks over Gloo.
 demo: build
-	$(ENV) target/release/ft launch --nproc-per-node 2 -- comm-test --backend gloo --min-bytes 1M --max-bytes 16M --dtype f32,bf16 --group-size 1
+	$(ENV) target/release/ft train
 
 test: setup
 	$(ENV) cargo test --workspace --all-targets

@@ -77,7 +77,7 @@ pub fn run(args: BenchArgs) -> Result<i32> {
         let mut last = None;
         for step in 0..count {
             let ids = &batches[step % batches.len()];
-            let loss = trainer.forward_backward(ids, ids, normalizer)?;
+            let loss = trainer.forward_backward(ids, ids, normalizer, true)?;
             let _grad_norm = trainer.step(1e-5)?;
             last = Some(loss);
         }
@@ -139,7 +139,7 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     for _ in 0..REPEATS {
         synchronize();
         let start = Instant::now();
-        let _loss = trainer.forward_backward(ids, ids, normalizer)?;
+        let _loss = trainer.forward_backward(ids, ids, normalizer, true)?;
         synchronize();
         forward_backward += start.elapsed().as_secs_f64();
         let start = Instant::now();

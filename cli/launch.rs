@@ -74,6 +74,21 @@ fn signal_all(children: &mut [(usize, Child)], signal: i32) {
     }
 }
 
+/// Starts `nproc` local workers running `ft <arguments>` (what `ft train`
+/// does when no launcher started it).
+pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
+    run(LaunchArgs {
+        nproc_per_node: nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: None,
+        grace_secs: 5,
+        exec: false,
+        command: arguments,
+    })
+}
+
 pub fn run(args: LaunchArgs) -> Result<i32> {
     if args.nproc_per_node == 0 || args.nnodes == 0 {
         bail!("--nproc-per-node and --nnodes must be at least 1");

@@ -5,6 +5,7 @@ mod comm_test;
 mod launch;
 mod list;
 mod model_commands;
+mod train;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ pub struct ConfigFile {
 enum Command {
     /// Start local worker processes with torchrun's environment (RANK, WORLD_SIZE, …).
     Launch(launch::LaunchArgs),
+    /// Fine-tune a model (with no arguments: the embedded demo on two CPU ranks).
+    Train(train::TrainArgs),
     /// Measure and check collectives (all_reduce, all_gather, reduce_scatter, broadcast).
     CommTest(comm_test::CommTestArgs),
     /// Show the registered models, strategies and metrics sinks.
@@ -80,5 +83,6 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args),
+        Command::Train(args) => train::run(args),
     }
 }

@@ -60,7 +60,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
             let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
             let mut trainer = Trainer::new(model.as_ref(), &params, options);
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
-            let loss = trainer.forward_backward(&ids, &ids, count).unwrap();
+            let loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
             assert!((loss.double_value(&[]) - expected_loss).abs() < 1e-5 * expected_loss, "{name}");
             // The accumulated flat gradient, viewed per parameter, equals autograd's.
             for (unit, expected_unit) in trainer.units().iter().zip(&expected) {
@@ -79,7 +79,7 @@ fn adamw_step_follows_the_reference_formula() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: None, ..Default::default() };
     let mut trainer = Trainer::new(model.as_ref(), &params, options);
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&ids, &ids, count).unwrap();
+    let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(hyper.lr).unwrap();
     for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params())) {
@@ -102,7 +102,7 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
     let mut trainer = Trainer::new(model.as_ref(), &params, options);
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&ids, &ids, count).unwrap();
+    let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let norm = trainer.step(hyper.lr).unwrap().double_value(&[]);
     let expected_norm = grads.iter().flatten().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();

@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn wrong_values_fail_the_check() {
         let expected = pattern(9, 0, 3.0, Device::Cpu);
-        let mut actual = expected.to_kind(Kind::BFloat16);
+        let actual = expected.to_kind(Kind::BFloat16);
         assert!(matches(&actual, &expected, Kind::BFloat16, true));
         let _ = actual.get(4).fill_(100.0);
         assert!(!matches(&actual, &expected, Kind::BFloat16, true));

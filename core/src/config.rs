@@ -15,6 +15,158 @@ use std::path::Path;
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub dist: DistConfig,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub output: OutputConfig,
+    pub launch: LaunchConfig,
+}
+
+/// The model to fine-tune.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// A Hugging Face model directory, a hub id in the local cache, a
+    /// config.json (random weights), or "demo" (the embedded example).
+    pub source: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { source: DEMO.into() }
+    }
+}
+
+/// The name that selects the embedded demo (model, data and tokenizer).
+pub const DEMO: &str = "demo";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// SQuAD JSON (.json), JSONL with a "text" field (.jsonl) or plain text.
+    pub train: Option<std::path::PathBuf>,
+    /// SQuAD JSON for eval loss and EM/F1 (or text/JSONL for eval loss only).
+    pub eval: Option<std::path::PathBuf>,
+    /// tokenizer.json (default: the model directory's).
+    pub tokenizer: Option<std::path::PathBuf>,
+    pub max_seq_len: usize,
+    /// Use the first N training examples (None: all).
+    pub train_samples: Option<usize>,
+    pub eval_samples: Option<usize>,
+    /// Keep SQuAD v2's unanswerable questions (their target is the empty answer).
+    pub include_unanswerable: bool,
+    pub shuffle: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            train: None,
+            eval: None,
+            tokenizer: None,
+            max_seq_len: 512,
+            train_samples: None,
+            eval_samples: None,
+            include_unanswerable: false,
+            shuffle: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub epochs: usize,
+    /// Examples per micro-batch on each rank.
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_eps: f64,
+    pub warmup_steps: usize,
+    /// Warm-up as a fraction of all steps (used when warmup_steps is 0).
+    pub warmup_ratio: f64,
+    pub schedule: crate::schedule::Schedule,
+    /// 0 disables clipping.
+    pub max_grad_norm: f64,
+    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32 or bf16.
+    pub dtype: String,
+    /// auto (the rank's GPU when there is one), cpu or cuda.
+    pub device: String,
+    pub seed: u64,
+    pub activation_checkpointing: bool,
+    pub loss_chunk_tokens: i64,
+    /// Longest generated answer for EM/F1.
+    pub eval_max_new_tokens: usize,
+    /// Optimizer steps between progress/metrics records.
+    pub log_every: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 3,
+            batch_size: 8,
+            grad_accum: 1,
+            lr: 5e-5,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_eps: 1e-8,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            schedule: crate::schedule::Schedule::Linear,
+            max_grad_norm: 1.0,
+            dtype: "auto".into(),
+            device: "auto".into(),
+            seed: 42,
+            activation_checkpointing: false,
+            loss_chunk_tokens: 1024,
+            eval_max_new_tokens: 32,
+            log_every: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutputConfig {
+    pub dir: std::path::PathBuf,
+    /// Metrics sinks by name (`ft list` shows them).
+    pub sinks: Vec<String>,
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        OutputConfig { dir: "ft-output".into(), sinks: vec!["jsonl".into(), "csv".into()] }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LaunchConfig {
+    /// Local workers `ft train` starts itself when no launcher started it.
+    pub nproc_per_node: usize,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        LaunchConfig { nproc_per_node: 1 }
+    }
+}
+
+/// The embedded demo's settings, between the defaults and the user's layers:
+/// a small BLOOM learning to answer questions about invented countries on
+/// two CPU ranks in a couple of minutes.
+fn demo_preset() -> serde_json::Value {
+    serde_json::json!({
+        "data": {"max_seq_len": 96},
+        "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "warmup_ratio": 0.05, "weight_decay": 0.01,
+                  "eval_max_new_tokens": 8, "seed": 0},
+        "launch": {"nproc_per_node": 2},
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,7 +195,16 @@ impl Config {
     }
 
     fn load_with_env(file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Config> {
-        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        let user = Config::layers(Figment::new(), file, overrides, env.clone())?;
+        let base = Figment::from(Serialized::defaults(Config::default()));
+        let demo = user.extract_inner::<String>("model.source").map(|s| s == DEMO).unwrap_or(true);
+        let base = if demo { base.merge(Serialized::defaults(demo_preset())) } else { base };
+        let figment = Config::layers(base, file, overrides, env)?;
+        figment.extract().map_err(|e| anyhow::anyhow!(describe(e)))
+    }
+
+    /// The user's layers over `figment`: file, then environment, then flags.
+    fn layers(mut figment: Figment, file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Figment> {
         if let Some(path) = file {
             if !path.is_file() {
                 bail!("config file {} does not exist", path.display());
@@ -60,7 +221,7 @@ impl Config {
         for (key, value) in overrides {
             figment = figment.merge(Serialized::default(key, value.clone()));
         }
-        figment.extract().map_err(|e| anyhow::anyhow!(describe(e)))
+        Ok(figment)
     }
 }
 
@@ -124,6 +285,17 @@ mod tests {
         std::env::set_var("FT_CFGTEST_DIST__TIMEOUT_SECS", "7");
         let env = Env::prefixed("FT_CFGTEST_").split("__");
         assert_eq!(Config::load_with_env(Some(&path), &[], env).unwrap().dist.timeout_secs, 7);
+    }
+
+    #[test]
+    fn the_demo_preset_sits_under_the_user_layers() {
+        let config = Config::load_with_env(None, &[], no_env()).unwrap();
+        assert_eq!((config.model.source.as_str(), config.launch.nproc_per_node, config.train.lr), (DEMO, 2, 2e-3));
+        let config = Config::load_with_env(None, &[("train.lr", 0.5.into())], no_env()).unwrap();
+        assert_eq!((config.train.lr, config.train.epochs), (0.5, 6));
+        // A real model gets the ordinary defaults, not the demo's.
+        let config = Config::load_with_env(None, &[("model.source", "some/model".into())], no_env()).unwrap();
+        assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
     }
 
     #[test]

@@ -5,13 +5,16 @@
 pub mod comm;
 pub mod comm_test;
 pub mod config;
+pub mod data;
 pub mod dataset;
 pub mod env;
+pub mod fit;
 pub mod generate;
 pub mod metrics;
 pub mod model;
 pub mod offload;
 pub mod registry;
+pub mod schedule;
 pub mod strategy;
 pub mod train;
 

@@ -56,6 +56,51 @@ impl MetricsSink for JsonlSink {
     }
 }
 
+/// One row per record in `<output>/metrics.csv`; the columns are the first
+/// record's keys (later keys that were not there are dropped).
+pub struct CsvSink {
+    path: PathBuf,
+    out: BufWriter<File>,
+    columns: Option<Vec<String>>,
+}
+
+impl CsvSink {
+    pub fn create(dir: &Path) -> Result<CsvSink> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
+        let path = dir.join("metrics.csv");
+        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(CsvSink { path, out: BufWriter::new(file), columns: None })
+    }
+}
+
+impl MetricsSink for CsvSink {
+    fn name(&self) -> &str {
+        "csv"
+    }
+
+    fn record(&mut self, record: &Record) -> Result<()> {
+        let columns = self.columns.get_or_insert_with(|| record.values.keys().cloned().collect());
+        if self.out.get_ref().metadata().map(|m| m.len()).unwrap_or(0) == 0 && self.out.buffer().is_empty() {
+            writeln!(self.out, "step,{}", columns.join(","))?;
+        }
+        let cells: Vec<String> =
+            columns.iter().map(|c| record.values.get(c).map(|v| v.to_string()).unwrap_or_default()).collect();
+        writeln!(self.out, "{},{}", record.step, cells.join(",")).with_context(|| format!("cannot write {}", self.path.display()))
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.out.flush().with_context(|| format!("cannot write {}", self.path.display()))
+    }
+}
+
+inventory::submit! {
+    crate::registry::SinkRegistration {
+        name: "csv",
+        summary: "one row per step in <output>/metrics.csv",
+        create: |dir| Ok(Box::new(CsvSink::create(dir)?)),
+    }
+}
+
 inventory::submit! {
     crate::registry::SinkRegistration {
         name: "jsonl",
@@ -64,9 +109,34 @@ inventory::submit! {
     }
 }
 
+/// This process's resident memory now and at its peak (Linux), in bytes.
+pub fn process_memory() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn csv_has_a_header_and_a_row_per_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sink = CsvSink::create(dir.path()).unwrap();
+        for step in 1..=2 {
+            let values = BTreeMap::from([("loss".to_string(), step as f64), ("lr".to_string(), 0.5)]);
+            sink.record(&Record { step, values }).unwrap();
+        }
+        sink.finish().unwrap();
+        let text = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
+        assert_eq!(text, "step,loss,lr\n1,1,0.5\n2,2,0.5\n");
+        let (now, peak) = process_memory().unwrap();
+        assert!(now > 0 && peak >= now);
+    }
 
     #[test]
     fn jsonl_writes_one_object_per_record() {

@@ -225,13 +225,19 @@ pub fn forward_hidden(
 /// with `labels` aligned to the inputs (shifted here, as Hugging Face does).
 /// Logits exist `chunk` tokens at a time, in fp32 only for the chunk.
 pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<Tensor> {
+    let (sum, count) = lm_loss_sum(hidden, weight, labels, chunk)?;
+    Ok(sum / count.clamp_min(1.0))
+}
+
+/// The summed next-token cross-entropy and the number of target tokens.
+pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<(Tensor, Tensor)> {
     let (batch, seq, dim) = hidden.size3()?;
     if labels.size() != [batch, seq] {
         bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
     }
     let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
     let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
-    let count = targets.ne(crate::dataset::IGNORE_INDEX).sum(Kind::Float).clamp_min(1.0);
+    let count = targets.ne(crate::dataset::IGNORE_INDEX).sum(Kind::Float);
     let tokens = targets.size()[0];
     let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
     let mut start = 0;
@@ -248,7 +254,7 @@ pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) ->
         total = total + sum;
         start += len;
     }
-    Ok(total / count)
+    Ok((total, count))
 }
 
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).

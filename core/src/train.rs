@@ -13,6 +13,7 @@
 //! (biases, norm weights) after, so AdamW's weight decay — which, as in
 //! Hugging Face's Trainer, skips biases and norms — applies to one prefix.
 
+use crate::comm::{ProcessGroup, Reduction, Work};
 use crate::model::{Context, Model, Params, StageKind, UnitSpec};
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
@@ -239,6 +240,8 @@ pub struct Trainer<'m> {
     micro_steps: i64,
     /// Micro-batches since the last optimizer step.
     pending_micro_batches: usize,
+    /// Replicas whose gradients are summed (data parallelism), if any.
+    replicas: Option<&'m ProcessGroup>,
 }
 
 impl<'m> Trainer<'m> {
@@ -254,7 +257,16 @@ impl<'m> Trainer<'m> {
             step: Tensor::zeros([], (Kind::Float, device)),
             micro_steps: 0,
             pending_micro_batches: 0,
+            replicas: None,
         }
+    }
+
+    /// Sums gradients over `group` (every member holds the whole model): each
+    /// unit's all-reduce starts as soon as its gradient is complete and runs
+    /// while backward continues with earlier units.
+    pub fn with_data_parallel(mut self, group: &'m ProcessGroup) -> Trainer<'m> {
+        self.replicas = Some(group);
+        self
     }
 
     pub fn units(&self) -> &[FlatUnit] {
@@ -262,8 +274,16 @@ impl<'m> Trainer<'m> {
     }
 
     /// Forward and backward of one micro-batch; gradients add up until `step`.
+    /// `normalizer` is the target-token count of the whole global batch.
+    /// `last_micro_batch` synchronises gradients across replicas.
     /// Returns this micro-batch's share of the loss (sum / `normalizer`), on the device.
-    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &Tensor, normalizer: f64) -> Result<Tensor> {
+    pub fn forward_backward(
+        &mut self,
+        input_ids: &Tensor,
+        labels: &Tensor,
+        normalizer: f64,
+        last_micro_batch: bool,
+    ) -> Result<Tensor> {
         let model = self.model;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
         let ctx = model.context(input_ids, 0, None, dtype, true)?;
@@ -314,6 +334,7 @@ impl<'m> Trainer<'m> {
         }
 
         let mut grad: Option<Tensor> = None;
+        let mut reductions: Vec<Work> = vec![];
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
@@ -329,8 +350,15 @@ impl<'m> Trainer<'m> {
             ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
             grad = s.input.as_ref().map(Tensor::grad);
             if stages.iter().position(|st| st.unit == stage.unit) == Some(index) {
-                self.units[stage.unit].accumulate_grad(self.pending_micro_batches == 0)?;
+                let unit = &mut self.units[stage.unit];
+                unit.accumulate_grad(self.pending_micro_batches == 0)?;
+                if let (Some(group), true) = (self.replicas, last_micro_batch) {
+                    reductions.push(group.all_reduce(&mut unit.grad, Reduction::Sum)?);
+                }
             }
+        }
+        for work in reductions {
+            work.wait()?;
         }
         self.micro_steps += 1;
         self.pending_micro_batches += 1;
@@ -379,6 +407,11 @@ impl<'m> Trainer<'m> {
         }
         self.pending_micro_batches = 0;
         Ok(total_norm)
+    }
+
+    /// The parameters the model computes with (compute dtype), detached, per unit.
+    pub fn compute_params(&self) -> Vec<Vec<Tensor>> {
+        self.units.iter().map(|u| u.views().iter().map(Tensor::detach).collect()).collect()
     }
 
     /// The current fp32 parameters, per unit, shaped as the model declares them.

@@ -1,0 +1,483 @@
+//! `ft train`: wiring from the configuration to ft_core::fit — data and
+//! tokenizer, model, communicator, metrics — and the summary at the end.
+//! With no arguments it runs the embedded demo on two local CPU ranks.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use figment::value::Value;
+use ft_core::config::{Config, DEMO};
+use ft_core::dataset::Example;
+use ft_core::fit::{self, Fit, GenerationEval, Summary};
+use ft_core::model::Model;
+use ft_core::{CommOptions, Communicator, DistEnv, Registry};
+use ft_data::{demo, metrics, prompt, squad, text};
+use ft_models::{hf, init};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+use tokenizers::Tokenizer;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub config: crate::ConfigFile,
+    /// Model directory, hub id in the local cache, config.json, or "demo" (model.source).
+    #[arg(long)]
+    model: Option<String>,
+    /// Training data: SQuAD .json, .jsonl or text (data.train).
+    #[arg(long)]
+    train_file: Option<PathBuf>,
+    /// Evaluation data (data.eval).
+    #[arg(long)]
+    eval_file: Option<PathBuf>,
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    #[arg(long)]
+    train_samples: Option<usize>,
+    #[arg(long)]
+    eval_samples: Option<usize>,
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// Examples per micro-batch on each rank.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// auto, f32 or bf16.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// auto, cpu or cuda.
+    #[arg(long)]
+    device: Option<String>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    activation_checkpointing: bool,
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    /// Local ranks to start when no launcher started this process.
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+    /// Print the resolved configuration and the planned run, then stop.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl TrainArgs {
+    fn overrides(&self) -> Vec<(&'static str, Value)> {
+        let mut o: Vec<(&'static str, Value)> = vec![];
+        let path = |p: &PathBuf| Value::from(p.display().to_string());
+        if let Some(v) = &self.model {
+            o.push(("model.source", v.as_str().into()));
+        }
+        if let Some(v) = &self.train_file {
+            o.push(("data.train", path(v)));
+        }
+        if let Some(v) = &self.eval_file {
+            o.push(("data.eval", path(v)));
+        }
+        if let Some(v) = &self.tokenizer {
+            o.push(("data.tokenizer", path(v)));
+        }
+        for (key, value) in [
+            ("data.max_seq_len", self.max_seq_len),
+            ("data.train_samples", self.train_samples),
+            ("data.eval_samples", self.eval_samples),
+            ("train.epochs", self.epochs),
+            ("train.batch_size", self.batch_size),
+            ("train.grad_accum", self.grad_accum),
+            ("launch.nproc_per_node", self.nproc_per_node),
+        ] {
+            if let Some(v) = value {
+                o.push((key, v.into()));
+            }
+        }
+        for (key, value) in [("train.lr", self.lr), ("train.weight_decay", self.weight_decay)] {
+            if let Some(v) = value {
+                o.push((key, v.into()));
+            }
+        }
+        if let Some(v) = &self.dtype {
+            o.push(("train.dtype", v.as_str().into()));
+        }
+        if let Some(v) = &self.device {
+            o.push(("train.device", v.as_str().into()));
+        }
+        if let Some(v) = self.seed {
+            o.push(("train.seed", v.into()));
+        }
+        if self.activation_checkpointing {
+            o.push(("train.activation_checkpointing", true.into()));
+        }
+        if let Some(v) = &self.output_dir {
+            o.push(("output.dir", path(v)));
+        }
+        o
+    }
+}
+
+pub fn run(args: TrainArgs) -> Result<i32> {
+    let config = Config::load(args.config.path.as_deref(), &args.overrides())?;
+    validate(&config)?;
+    let env = DistEnv::from_env()?;
+    if args.dry_run {
+        print_plan(&config, &env);
+        return Ok(0);
+    }
+    if env.source == ft_core::env::EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
+        // Not started by a launcher: become one, with the same arguments.
+        let arguments: Vec<String> = std::env::args().skip(1).collect();
+        return crate::launch::spawn_local(config.launch.nproc_per_node, arguments);
+    }
+    worker(&config, env)
+}
+
+fn validate(config: &Config) -> Result<()> {
+    let t = &config.train;
+    if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
+        bail!("train.epochs, train.batch_size and train.grad_accum must be at least 1");
+    }
+    if !(t.lr > 0.0) {
+        bail!("train.lr must be positive (got {})", t.lr);
+    }
+    if config.data.max_seq_len < 8 {
+        bail!("data.max_seq_len must be at least 8 (got {})", config.data.max_seq_len);
+    }
+    if config.model.source != DEMO && config.data.train.is_none() {
+        bail!("set data.train (--train-file) to train {}; only the demo model brings its own data", config.model.source);
+    }
+    match t.dtype.as_str() {
+        "auto" | "f32" | "fp32" | "bf16" => {}
+        "fp16" | "f16" => bail!("train.dtype fp16 (with loss scaling) is not supported yet: use bf16 or f32"),
+        other => bail!("train.dtype {other:?} is not one of auto, f32, bf16"),
+    }
+    let registry = Registry::builtin();
+    for sink in &config.output.sinks {
+        registry.sink(sink)?;
+    }
+    Ok(())
+}
+
+fn print_plan(config: &Config, env: &DistEnv) {
+    println!("resolved configuration:\n{}", toml_like(config));
+    let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
+    let t = &config.train;
+    println!(
+        "plan: {world} rank(s); micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+        t.batch_size,
+        t.grad_accum,
+        t.batch_size * t.grad_accum * world,
+        t.epochs,
+        config.output.dir.display()
+    );
+}
+
+fn toml_like(config: &Config) -> String {
+    serde_json::to_string_pretty(config).unwrap_or_default()
+}
+
+/// The device and dtype of this rank: its GPU and bf16 when there is one.
+fn device_and_dtype(config: &Config, env: &DistEnv) -> Result<(Device, Kind)> {
+    let device = match config.train.device.as_str() {
+        "auto" if tch::Cuda::is_available() => Device::Cuda(env.local_rank),
+        "auto" | "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(env.local_rank),
+        other => bail!("train.device {other:?} is not one of auto, cpu, cuda"),
+    };
+    let dtype = match (config.train.dtype.as_str(), device) {
+        ("auto", Device::Cuda(_)) | ("bf16", _) => Kind::BFloat16,
+        _ => Kind::Float,
+    };
+    Ok((device, dtype))
+}
+
+/// Where the model, tokenizer and data come from.
+struct Sources {
+    model_config: serde_json::Value,
+    /// Directory with weights to start from (None: random initialisation).
+    weights: Option<PathBuf>,
+    tokenizer: PathBuf,
+    train: PathBuf,
+    eval: Option<PathBuf>,
+}
+
+/// The demo's model: a small BLOOM sized to the demo tokenizer.
+fn demo_model_config(vocab: usize) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom",
+        "hidden_size": 128, "n_layer": 4, "n_head": 4, "vocab_size": vocab,
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "apply_residual_connection_post_layernorm": false, "hidden_dropout": 0.0, "attention_dropout": 0.0
+    })
+}
+
+fn sources(config: &Config, comm: &Communicator) -> Result<Sources> {
+    if config.model.source == DEMO {
+        let dir = config.output.dir.join("demo-data");
+        if comm.env().rank == 0 {
+            demo::write(&dir, 400, 40, config.train.seed)?;
+        }
+        comm.world().barrier()?.wait()?;
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(anyhow::Error::msg)?;
+        return Ok(Sources {
+            model_config: demo_model_config(tokenizer.get_vocab_size(true)),
+            weights: None,
+            tokenizer: config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json")),
+            train: config.data.train.clone().unwrap_or(dir.join("demo-train.json")),
+            eval: config.data.eval.clone().or(Some(dir.join("demo-eval.json"))),
+        });
+    }
+    let source = Path::new(&config.model.source);
+    let (model_config, dir) = if source.is_file() {
+        let text = std::fs::read_to_string(source).with_context(|| format!("cannot read {}", source.display()))?;
+        (serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", source.display()))?, None)
+    } else {
+        let dir = hf::resolve(&config.model.source)?;
+        (hf::read_config(&dir)?, Some(dir))
+    };
+    let tokenizer = match (&config.data.tokenizer, &dir) {
+        (Some(path), _) => path.clone(),
+        (None, Some(dir)) => dir.join("tokenizer.json"),
+        (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", source.display()),
+    };
+    Ok(Sources {
+        model_config,
+        weights: dir,
+        tokenizer,
+        train: config.data.train.clone().expect("validated"),
+        eval: config.data.eval.clone(),
+    })
+}
+
+fn is_squad(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()) == Some("json")
+}
+
+/// Tokenised examples of a file, and its questions when it is SQuAD.
+fn load_examples(
+    path: &Path,
+    tokenizer: &Tokenizer,
+    config: &Config,
+    limit: Option<usize>,
+) -> Result<(Vec<Example>, Vec<squad::QaExample>)> {
+    let max_len = config.data.max_seq_len;
+    if is_squad(path) {
+        let (mut questions, stats) = squad::read(path, config.data.include_unanswerable)?;
+        if let Some(limit) = limit {
+            questions.truncate(limit);
+        }
+        let mut examples = vec![];
+        let mut too_long = 0;
+        for question in &questions {
+            match prompt::encode(tokenizer, question, max_len)? {
+                Some(example) => examples.push(example),
+                None => too_long += 1,
+            }
+        }
+        tracing::info!(
+            "{}: {} questions from {} articles ({} unanswerable and {} with bad offsets skipped, {} too long for max_seq_len {max_len})",
+            path.display(),
+            examples.len(),
+            stats.articles,
+            stats.unanswerable_skipped,
+            stats.bad_offsets_skipped,
+            too_long
+        );
+        Ok((examples, questions))
+    } else {
+        let documents = text::read_documents(path)?;
+        let mut examples = text::pack(tokenizer, &documents, max_len, prompt::eos_id(tokenizer))?;
+        if let Some(limit) = limit {
+            examples.truncate(limit);
+        }
+        tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len());
+        Ok((examples, vec![]))
+    }
+}
+
+/// EM/F1 by greedy generation on this rank's share of the questions.
+struct QaEval<'a> {
+    tokenizer: &'a Tokenizer,
+    questions: Vec<&'a squad::QaExample>,
+    max_seq_len: usize,
+    max_new_tokens: usize,
+    eos: Option<i64>,
+    predictions: BTreeMap<String, String>,
+}
+
+impl GenerationEval for QaEval<'_> {
+    fn evaluate(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, _epoch: usize) -> Result<(BTreeMap<String, f64>, usize)> {
+        let (mut em, mut f1) = (0.0, 0.0);
+        let budget = self.max_seq_len.saturating_sub(self.max_new_tokens);
+        self.predictions.clear();
+        for question in &self.questions {
+            let Some(ids) = prompt::prompt_ids(self.tokenizer, question, budget)? else { continue };
+            let generated = ft_core::generate::greedy(model, params, &ids, self.max_new_tokens, self.eos, dtype)?;
+            let answer_ids: Vec<u32> = generated.iter().filter(|&&t| Some(t) != self.eos).map(|&t| t as u32).collect();
+            let text = self.tokenizer.decode(&answer_ids, true).map_err(anyhow::Error::msg)?;
+            let answer = text.lines().next().unwrap_or("").trim().to_string();
+            let (e, f) = metrics::score(&answer, &question.answers);
+            em += e;
+            f1 += f;
+            self.predictions.insert(question.id.clone(), answer);
+        }
+        Ok((BTreeMap::from([("em".into(), 100.0 * em), ("f1".into(), 100.0 * f1)]), self.questions.len()))
+    }
+}
+
+fn worker(config: &Config, env: DistEnv) -> Result<i32> {
+    let (device, dtype) = device_and_dtype(config, &env)?;
+    if device == Device::Cpu {
+        // Share the cores among the local ranks instead of oversubscribing them (as torchrun does).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / env.local_world_size).max(1) as i32);
+    }
+    let backend = match (config.dist.backend, device) {
+        (ft_core::Backend::Auto, Device::Cpu) => ft_core::Backend::Gloo,
+        (backend, _) => backend,
+    };
+    let comm = Communicator::init(env, &CommOptions { backend, timeout: Duration::from_secs(config.dist.timeout_secs) })?;
+    let rank = comm.env().rank;
+    if rank == 0 {
+        std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
+    }
+    let sources = sources(config, &comm)?;
+    let tokenizer = Tokenizer::from_file(&sources.tokenizer)
+        .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", sources.tokenizer.display()))?;
+    let model = hf::model_from_config(sources.model_config.clone())?;
+    let params = match &sources.weights {
+        Some(dir) if dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists() => {
+            hf::load_params(model.as_ref(), dir, Kind::Float, device)?
+        }
+        _ => init::init_params(model.as_ref(), config.train.seed as i64, Kind::Float, device),
+    };
+    let (train, _) = load_examples(&sources.train, &tokenizer, config, config.data.train_samples)?;
+    let (eval, questions) = match &sources.eval {
+        Some(path) => load_examples(path, &tokenizer, config, config.data.eval_samples)?,
+        None => (vec![], vec![]),
+    };
+    let pad_id = tokenizer.get_padding().map(|p| p.pad_id as i64).or(prompt::eos_id(&tokenizer)).unwrap_or(0);
+    let world = comm.env().world_size;
+    let mut qa_eval = QaEval {
+        tokenizer: &tokenizer,
+        questions: questions.iter().skip(rank).step_by(world).collect(),
+        max_seq_len: config.data.max_seq_len,
+        max_new_tokens: config.train.eval_max_new_tokens,
+        eos: prompt::eos_id(&tokenizer),
+        predictions: BTreeMap::new(),
+    };
+    let registry = Registry::builtin();
+    let sinks = if rank == 0 {
+        config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir)).collect::<Result<Vec<_>>>()?
+    } else {
+        vec![]
+    };
+    let progress = indicatif::ProgressBar::new(0);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed} < {eta}]").expect("template"),
+    );
+    if rank != 0 {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut on_step = |step: usize, total: usize, record: &ft_core::metrics::Record| {
+        progress.set_length(total as u64);
+        progress.set_position(step as u64);
+        progress.set_message(format!("loss {:.4} lr {:.2e}", record.values["loss"], record.values["lr"]));
+    };
+    if rank == 0 {
+        tracing::info!(
+            "training a {}M-parameter {} on {} examples, {world} rank(s), {:?}, {:?}",
+            model.numel() as f64 / 1e6,
+            model.model_type(),
+            train.len(),
+            device,
+            dtype
+        );
+    }
+    let fit = Fit {
+        model: model.as_ref(),
+        comm: &comm,
+        train: &train,
+        eval: &eval,
+        config: &config.train,
+        dtype,
+        pad_id,
+        sinks,
+        generation_eval: if questions.is_empty() { None } else { Some(&mut qa_eval) },
+        on_step: Some(&mut on_step),
+    };
+    let (summary, final_params) = fit::run(fit, params)?;
+    progress.finish_and_clear();
+    write_predictions(config, &comm, &qa_eval.predictions)?;
+    if rank == 0 {
+        let final_dir = config.output.dir.join("final");
+        hf::save(model.as_ref(), &final_params, &final_dir, Kind::Float)?;
+        std::fs::copy(&sources.tokenizer, final_dir.join("tokenizer.json"))?;
+        std::fs::write(config.output.dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+        print!("{}", summary_table(&summary));
+        println!(
+            "outputs in {}: final/ (Hugging Face model + tokenizer), summary.json, predictions.json, {}",
+            config.output.dir.display(),
+            config.output.sinks.iter().map(|s| format!("metrics.{s}")).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(0)
+}
+
+/// Each rank writes its predictions; rank 0 merges them into the official `{id: answer}` file.
+fn write_predictions(config: &Config, comm: &Communicator, mine: &BTreeMap<String, String>) -> Result<()> {
+    let dir = &config.output.dir;
+    let rank = comm.env().rank;
+    std::fs::write(dir.join(format!("predictions.rank{rank}.json")), serde_json::to_string(mine)?)?;
+    comm.world().barrier()?.wait()?;
+    if rank == 0 {
+        let mut all: BTreeMap<String, String> = BTreeMap::new();
+        for r in 0..comm.env().world_size {
+            let part = dir.join(format!("predictions.rank{r}.json"));
+            all.extend(serde_json::from_str::<BTreeMap<String, String>>(&std::fs::read_to_string(&part)?)?);
+            std::fs::remove_file(part)?;
+        }
+        std::fs::write(dir.join("predictions.json"), serde_json::to_string_pretty(&all)?)?;
+    }
+    Ok(())
+}
+
+pub fn summary_table(s: &Summary) -> String {
+    let mut out = String::from("\n== ft train summary ==\n");
+    let row = |name: &str, value: String| format!("{name:<28} {value}\n");
+    out += &row("ranks / device", format!("{} / {}", s.world_size, s.device));
+    out += &row("final train loss", format!("{:.4}", s.final_train_loss));
+    for e in &s.epochs {
+        let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{} {v:.1}", k.to_uppercase())).collect();
+        out += &row(
+            &format!("epoch {}", e.epoch),
+            format!(
+                "train loss {:.4}, eval loss {}{}",
+                e.train_loss,
+                e.eval_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
+                if scores.is_empty() { String::new() } else { format!(", {}", scores.join(", ")) }
+            ),
+        );
+    }
+    out += &row("steps per epoch", s.steps_per_epoch.to_string());
+    out += &row("train samples/s", format!("{:.1}", s.train_samples_per_s));
+    out += &row("train tokens/s", format!("{:.0}", s.train_tokens_per_s));
+    out += &row("eval samples/s", s.eval_samples_per_s.map_or("n/a".into(), |v| format!("{v:.1}")));
+    out += &row("MFU", s.mfu.map_or("n/a (CPU)".into(), |m| format!("{:.1}%", m * 100.0)));
+    out += &row("GPU utilisation", "n/a".into());
+    for (rank, m) in s.memory_per_rank.iter().enumerate() {
+        out += &row(
+            &format!("memory rank {rank} ({})", s.memory_kind),
+            format!("peak {:.2} GB, mean {:.2} GB, min {:.2} GB", m.peak / 1e9, m.mean / 1e9, m.min / 1e9),
+        );
+    }
+    out
+}

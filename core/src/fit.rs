@@ -1,0 +1,273 @@
+//! The fine-tuning loop: epochs of global batches over the training set,
+//! one optimizer step per global batch, evaluation after each epoch, metrics
+//! to the sinks, and a summary at the end.
+
+use crate::comm::{Communicator, Reduction};
+use crate::config::TrainConfig;
+use crate::data::{collate, epoch_order, target_tokens, BatchLayout};
+use crate::dataset::Example;
+use crate::metrics::{process_memory, MetricsSink, Record};
+use crate::model::{forward_hidden, lm_loss_sum, Model};
+use crate::schedule::lr_at;
+use crate::train::{TrainOptions, Trainer};
+use anyhow::{bail, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// Scores an epoch's model by generation (EM/F1 on question answering).
+pub trait GenerationEval {
+    /// Returns named scores (e.g. {"em": 41.0, "f1": 55.2}) summed over this
+    /// rank's share, and how many examples that share had.
+    fn evaluate(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, epoch: usize) -> Result<(BTreeMap<String, f64>, usize)>;
+}
+
+/// Memory of one rank over the run, in bytes.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct RankMemory {
+    pub peak: f64,
+    pub mean: f64,
+    pub min: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EpochResult {
+    pub epoch: usize,
+    pub train_loss: f64,
+    pub eval_loss: Option<f64>,
+    pub scores: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub world_size: usize,
+    pub device: String,
+    pub steps_per_epoch: usize,
+    pub optimizer_steps: usize,
+    pub epochs: Vec<EpochResult>,
+    pub final_train_loss: f64,
+    pub train_seconds: f64,
+    pub train_samples_per_s: f64,
+    pub train_tokens_per_s: f64,
+    pub eval_samples_per_s: Option<f64>,
+    pub mfu: Option<f64>,
+    /// What memory means here: CUDA allocator (allocated) or process RSS.
+    pub memory_kind: String,
+    pub memory_per_rank: Vec<RankMemory>,
+}
+
+pub struct Fit<'a> {
+    pub model: &'a dyn Model,
+    pub comm: &'a Communicator,
+    pub train: &'a [Example],
+    pub eval: &'a [Example],
+    pub config: &'a TrainConfig,
+    pub dtype: Kind,
+    pub pad_id: i64,
+    pub sinks: Vec<Box<dyn MetricsSink>>,
+    pub generation_eval: Option<&'a mut dyn GenerationEval>,
+    /// Called on rank 0 after each logged step: (step, total steps, record).
+    pub on_step: Option<&'a mut dyn FnMut(usize, usize, &Record)>,
+}
+
+/// Bytes in use now on this rank (CUDA allocator or process RSS).
+fn memory_now(device: Device) -> f64 {
+    match device {
+        Device::Cuda(index) => crate::cuda_memory(index, false).map(|m| m.allocated as f64).unwrap_or(0.0),
+        _ => process_memory().map(|(now, _)| now as f64).unwrap_or(0.0),
+    }
+}
+
+fn memory_peak(device: Device) -> f64 {
+    match device {
+        Device::Cuda(index) => crate::cuda_memory(index, false).map(|m| m.peak_allocated as f64).unwrap_or(0.0),
+        _ => process_memory().map(|(_, peak)| peak as f64).unwrap_or(0.0),
+    }
+}
+
+/// Sums `values` over every rank.
+fn sum_over_ranks(comm: &Communicator, values: &[f64]) -> Result<Vec<f64>> {
+    let mut t = Tensor::from_slice(values).to_device(comm.device());
+    comm.world().all_reduce(&mut t, Reduction::Sum)?.wait()?;
+    Ok(Vec::<f64>::try_from(t.to_device(Device::Cpu))?)
+}
+
+/// Mean eval loss over the eval set (each rank its share), with the current weights.
+fn eval_loss(fit: &Fit, trainer: &Trainer) -> Result<f64> {
+    let _no_grad = tch::no_grad_guard();
+    let (rank, world) = (fit.comm.env().rank, fit.comm.env().world_size);
+    let params = trainer.compute_params();
+    let mine: Vec<&Example> = fit.eval.iter().skip(rank).step_by(world).collect();
+    let (mut sum, mut count) = (0.0, 0.0);
+    for batch in mine.chunks(fit.config.batch_size) {
+        let (ids, labels) = collate(batch, fit.pad_id, fit.comm.device());
+        let ctx = fit.model.context(&ids, 0, None, fit.dtype, false)?;
+        let (hidden, weight) = forward_hidden(fit.model, &params, &ids, &ctx, None);
+        let (s, c) = lm_loss_sum(&hidden, &weight, &labels, fit.config.loss_chunk_tokens)?;
+        sum += s.double_value(&[]);
+        count += c.double_value(&[]);
+    }
+    let totals = sum_over_ranks(fit.comm, &[sum, count])?;
+    Ok(totals[0] / totals[1].max(1.0))
+}
+
+pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tensor>>)> {
+    let config = fit.config;
+    let (rank, world) = (fit.comm.env().rank, fit.comm.env().world_size);
+    let device = fit.comm.device();
+    let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world };
+    let steps_per_epoch = layout.steps_per_epoch(fit.train.len());
+    if steps_per_epoch == 0 {
+        bail!(
+            "{} training examples do not fill one global batch of {} (batch_size {} x grad_accum {} x {world} ranks)",
+            fit.train.len(),
+            layout.global_batch(),
+            config.batch_size,
+            config.grad_accum
+        );
+    }
+    let total_steps = steps_per_epoch * config.epochs;
+    let warmup = if config.warmup_steps > 0 {
+        config.warmup_steps
+    } else {
+        (config.warmup_ratio * total_steps as f64).ceil() as usize
+    };
+    let options = TrainOptions {
+        dtype: fit.dtype,
+        adamw: crate::AdamW {
+            lr: config.lr,
+            beta1: config.adam_beta1,
+            beta2: config.adam_beta2,
+            weight_decay: config.weight_decay,
+            eps: config.adam_eps,
+        },
+        max_grad_norm: (config.max_grad_norm > 0.0).then_some(config.max_grad_norm),
+        loss_chunk_tokens: config.loss_chunk_tokens,
+        activation_checkpointing: config.activation_checkpointing,
+        seed: config.seed as i64,
+    };
+    let mut trainer = Trainer::new(fit.model, &params, options);
+    drop(params);
+    if world > 1 {
+        trainer = trainer.with_data_parallel(fit.comm.world());
+    }
+
+    let (mut memory_sum, mut memory_min, mut memory_samples) = (0.0, f64::INFINITY, 0usize);
+    let (mut train_seconds, mut train_tokens, mut train_samples) = (0.0, 0usize, 0usize);
+    let (mut eval_seconds, mut eval_examples) = (0.0, 0usize);
+    let mut epochs = vec![];
+    let mut step = 0;
+    let mut last_loss = f64::NAN;
+    for epoch in 0..config.epochs {
+        let order = epoch_order(fit.train.len(), epoch as u64, config.seed, true);
+        let mut epoch_loss = 0.0;
+        for epoch_step in 0..steps_per_epoch {
+            let started = Instant::now();
+            let global: Vec<&Example> = layout.global(&order, epoch_step).iter().map(|&i| &fit.train[i]).collect();
+            // Every rank knows the whole global batch, so the exact normaliser needs no communication.
+            let normalizer = target_tokens(global.iter().copied()).max(1) as f64;
+            let mut loss = Tensor::zeros([], (Kind::Float, device));
+            for micro in 0..config.grad_accum {
+                let batch: Vec<&Example> = layout.micro(&order, epoch_step, rank, micro).iter().map(|&i| &fit.train[i]).collect();
+                let (ids, labels) = collate(&batch, fit.pad_id, device);
+                train_tokens += ids.numel();
+                loss += trainer.forward_backward(&ids, &labels, normalizer, micro + 1 == config.grad_accum)?;
+            }
+            let lr = lr_at(config.schedule, config.lr, step, total_steps, warmup);
+            let grad_norm = trainer.step(lr)?;
+            step += 1;
+            train_samples += layout.global_batch();
+            let memory = memory_now(device);
+            memory_sum += memory;
+            memory_min = memory_min.min(memory);
+            memory_samples += 1;
+            if step % config.log_every.max(1) == 0 || epoch_step + 1 == steps_per_epoch {
+                let global_loss = sum_over_ranks(fit.comm, &[loss.double_value(&[])])?[0];
+                last_loss = global_loss;
+                epoch_loss = global_loss;
+                train_seconds += started.elapsed().as_secs_f64();
+                let record = Record {
+                    step: step as u64,
+                    values: BTreeMap::from([
+                        ("epoch".to_string(), epoch as f64 + (epoch_step + 1) as f64 / steps_per_epoch as f64),
+                        ("loss".to_string(), global_loss),
+                        ("lr".to_string(), lr),
+                        ("grad_norm".to_string(), grad_norm.double_value(&[])),
+                        ("step_seconds".to_string(), started.elapsed().as_secs_f64()),
+                        ("memory_bytes".to_string(), memory),
+                    ]),
+                };
+                if rank == 0 {
+                    for sink in &mut fit.sinks {
+                        sink.record(&record)?;
+                    }
+                    if let Some(on_step) = fit.on_step.as_mut() {
+                        on_step(step, total_steps, &record);
+                    }
+                }
+            } else {
+                train_seconds += started.elapsed().as_secs_f64();
+            }
+        }
+        let eval_started = Instant::now();
+        let eval_loss = if fit.eval.is_empty() { None } else { Some(eval_loss(&fit, &trainer)?) };
+        let mut scores = BTreeMap::new();
+        if let Some(evaluator) = fit.generation_eval.as_mut() {
+            let (sums, count) = evaluator.evaluate(fit.model, &trainer.compute_params(), fit.dtype, epoch)?;
+            let keys: Vec<String> = sums.keys().cloned().collect();
+            let mut values: Vec<f64> = keys.iter().map(|k| sums[k]).collect();
+            values.push(count as f64);
+            let totals = sum_over_ranks(fit.comm, &values)?;
+            let examples = totals[keys.len()].max(1.0);
+            eval_examples += examples as usize;
+            for (key, total) in keys.into_iter().zip(totals) {
+                scores.insert(key, total / examples);
+            }
+        }
+        eval_seconds += eval_started.elapsed().as_secs_f64();
+        let result = EpochResult { epoch: epoch + 1, train_loss: epoch_loss, eval_loss, scores };
+        if rank == 0 {
+            let mut values = BTreeMap::from([("epoch".to_string(), (epoch + 1) as f64)]);
+            values.extend(result.eval_loss.map(|l| ("eval_loss".to_string(), l)));
+            values.extend(result.scores.iter().map(|(k, v)| (format!("eval_{k}"), *v)));
+            for sink in &mut fit.sinks {
+                sink.record(&Record { step: step as u64, values: values.clone() })?;
+            }
+        }
+        epochs.push(result);
+    }
+    for sink in &mut fit.sinks {
+        sink.finish()?;
+    }
+
+    // Every rank's memory, gathered as a [world, 3] table.
+    let mine = [memory_peak(device), memory_sum / memory_samples.max(1) as f64, memory_min];
+    let mut table = vec![0.0; 3 * world];
+    table[3 * rank..3 * rank + 3].copy_from_slice(&mine);
+    let table = sum_over_ranks(fit.comm, &table)?;
+    let memory_per_rank = table.chunks(3).map(|m| RankMemory { peak: m[0], mean: m[1], min: m[2] }).collect();
+    let seconds = sum_over_ranks(fit.comm, &[train_seconds])?[0] / world as f64;
+    let tokens = sum_over_ranks(fit.comm, &[train_tokens as f64])?[0];
+    let tokens_per_s = tokens / seconds;
+    let mfu = matches!(device, Device::Cuda(_)).then(|| {
+        let seq = fit.train.iter().map(|e| e.input_ids.len()).sum::<usize>() as f64 / fit.train.len() as f64;
+        fit.model.train_flops_per_token(seq as i64) * tokens_per_s / world as f64 / 989e12
+    });
+    let summary = Summary {
+        world_size: world,
+        device: format!("{device:?}"),
+        steps_per_epoch,
+        optimizer_steps: step,
+        epochs,
+        final_train_loss: last_loss,
+        train_seconds: seconds,
+        train_samples_per_s: train_samples as f64 / seconds,
+        train_tokens_per_s: tokens_per_s,
+        eval_samples_per_s: (eval_examples > 0).then(|| eval_examples as f64 / eval_seconds),
+        mfu,
+        memory_kind: if matches!(device, Device::Cuda(_)) { "CUDA allocated" } else { "process RSS" }.into(),
+        memory_per_rank,
+    };
+    Ok((summary, trainer.params()))
+}
