@@ -33,6 +33,10 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Fine-tune a model (with no arguments: the embedded demo on two CPU ranks).
     Train(train::TrainArgs),
+    /// Evaluate a model: loss, and EM/F1 by greedy generation on SQuAD data.
+    Eval(train::EvalArgs),
+    /// Write a checkpoint as a Hugging Face model directory.
+    Export(train::ExportArgs),
     /// Measure and check collectives (all_reduce, all_gather, reduce_scatter, broadcast).
     CommTest(comm_test::CommTestArgs),
     /// Show the registered models, strategies and metrics sinks.
@@ -84,5 +88,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args),
         Command::Train(args) => train::run(args),
+        Command::Eval(args) => train::eval(args),
+        Command::Export(args) => train::export(args),
     }
 }

@@ -62,6 +62,15 @@ pub struct TrainArgs {
     activation_checkpointing: bool,
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// Optimizer steps between checkpoints (train.save_every; 0: none).
+    #[arg(long)]
+    save_every: Option<usize>,
+    /// Checkpoints kept (train.save_total_limit; 0: all).
+    #[arg(long)]
+    save_total_limit: Option<usize>,
+    /// Continue from a checkpoint: "latest" or its directory (train.resume).
+    #[arg(long)]
+    resume: Option<String>,
     /// Local ranks to start when no launcher started this process.
     #[arg(long)]
     nproc_per_node: Option<usize>,
@@ -94,6 +103,8 @@ impl TrainArgs {
             ("train.batch_size", self.batch_size),
             ("train.grad_accum", self.grad_accum),
             ("launch.nproc_per_node", self.nproc_per_node),
+            ("train.save_every", self.save_every),
+            ("train.save_total_limit", self.save_total_limit),
         ] {
             if let Some(v) = value {
                 o.push((key, v.into()));
@@ -106,6 +117,9 @@ impl TrainArgs {
         }
         if let Some(v) = &self.dtype {
             o.push(("train.dtype", v.as_str().into()));
+        }
+        if let Some(v) = &self.resume {
+            o.push(("train.resume", v.as_str().into()));
         }
         if let Some(v) = &self.device {
             o.push(("train.device", v.as_str().into()));
@@ -376,7 +390,8 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
     };
     let registry = Registry::builtin();
     let sinks = if rank == 0 {
-        config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir)).collect::<Result<Vec<_>>>()?
+        let append = config.train.resume.is_some();
+        config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir, append)).collect::<Result<Vec<_>>>()?
     } else {
         vec![]
     };
@@ -413,6 +428,11 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
         sinks,
         generation_eval: if questions.is_empty() { None } else { Some(&mut qa_eval) },
         on_step: Some(&mut on_step),
+        checkpoints: fit::CheckpointPlan {
+            output: &config.output.dir,
+            model_config: &sources.model_config,
+            tokenizer: Some(&sources.tokenizer),
+        },
     };
     let (summary, final_params) = fit::run(fit, params)?;
     progress.finish_and_clear();
@@ -480,4 +500,133 @@ pub fn summary_table(s: &Summary) -> String {
         );
     }
     out
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory, or "latest" in --output-dir.
+    #[arg(long)]
+    checkpoint: String,
+    /// The run's output directory (where "latest" is looked for).
+    #[arg(long, default_value = "ft-output")]
+    output_dir: PathBuf,
+    /// The Hugging Face directory to write (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight dtype on disk: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+pub fn export(args: ExportArgs) -> Result<i32> {
+    let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
+    let manifest = ft_core::checkpoint::read_manifest(&dir)?;
+    let model = hf::model_from_config(manifest.model_config.clone())?;
+    let params = ft_core::checkpoint::load_params(&dir, model.as_ref())?;
+    hf::save(model.as_ref(), &params, &args.out, ft_core::comm_test::parse_dtype(&args.dtype)?)?;
+    if dir.join("tokenizer.json").exists() {
+        std::fs::copy(dir.join("tokenizer.json"), args.out.join("tokenizer.json"))?;
+    }
+    println!("exported step {} of {} to {}", manifest.step, dir.display(), args.out.display());
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub config: crate::ConfigFile,
+    /// Model directory (weights and tokenizer.json), e.g. a run's final/.
+    #[arg(long)]
+    model: String,
+    /// SQuAD JSON (loss, EM and F1) or text/JSONL (loss).
+    #[arg(long)]
+    eval_file: PathBuf,
+    #[arg(long)]
+    eval_samples: Option<usize>,
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    dtype: Option<String>,
+    #[arg(long)]
+    device: Option<String>,
+    /// Where predictions.json goes.
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+}
+
+pub fn eval(args: EvalArgs) -> Result<i32> {
+    let mut overrides: Vec<(&'static str, Value)> = vec![
+        ("model.source", args.model.as_str().into()),
+        ("data.eval", args.eval_file.display().to_string().into()),
+    ];
+    for (key, value) in [
+        ("data.eval_samples", args.eval_samples),
+        ("data.max_seq_len", args.max_seq_len),
+        ("train.batch_size", args.batch_size),
+        ("launch.nproc_per_node", args.nproc_per_node),
+    ] {
+        if let Some(v) = value {
+            overrides.push((key, v.into()));
+        }
+    }
+    for (key, value) in [("train.dtype", &args.dtype), ("train.device", &args.device)] {
+        if let Some(v) = value {
+            overrides.push((key, v.as_str().into()));
+        }
+    }
+    if let Some(dir) = &args.output_dir {
+        overrides.push(("output.dir", dir.display().to_string().into()));
+    }
+    let config = Config::load(args.config.path.as_deref(), &overrides)?;
+    let env = DistEnv::from_env()?;
+    if env.source == ft_core::env::EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
+        return crate::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
+    }
+    let (device, dtype) = device_and_dtype(&config, &env)?;
+    let backend = if device == Device::Cpu { ft_core::Backend::Gloo } else { config.dist.backend };
+    let comm = Communicator::init(env, &CommOptions { backend, timeout: Duration::from_secs(config.dist.timeout_secs) })?;
+    let dir = hf::resolve(&config.model.source)?;
+    let tokenizer_path = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
+    let tokenizer = Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tokenizer_path.display()))?;
+    let model = hf::load_model(&dir)?;
+    let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
+    let (examples, questions) = load_examples(&args.eval_file, &tokenizer, &config, config.data.eval_samples)?;
+    let set = fit::EvalSet {
+        examples: &examples,
+        batch_size: config.train.batch_size,
+        pad_id: prompt::eos_id(&tokenizer).unwrap_or(0),
+        dtype,
+        loss_chunk_tokens: config.train.loss_chunk_tokens,
+    };
+    let loss = fit::eval_loss(model.as_ref(), &params, &set, &comm)?;
+    let (rank, world) = (comm.env().rank, comm.env().world_size);
+    let mut qa_eval = QaEval {
+        tokenizer: &tokenizer,
+        questions: questions.iter().skip(rank).step_by(world).collect(),
+        max_seq_len: config.data.max_seq_len,
+        max_new_tokens: config.train.eval_max_new_tokens,
+        eos: prompt::eos_id(&tokenizer),
+        predictions: BTreeMap::new(),
+    };
+    let scores = if questions.is_empty() {
+        BTreeMap::new()
+    } else {
+        fit::generation_scores(&mut qa_eval, model.as_ref(), &params, dtype, 0, &comm)?.0
+    };
+    if rank == 0 {
+        std::fs::create_dir_all(&config.output.dir)?;
+    }
+    comm.world().barrier()?.wait()?;
+    write_predictions(&config, &comm, &qa_eval.predictions)?;
+    if rank == 0 {
+        let scores: Vec<String> = scores.iter().map(|(k, v)| format!("{} {v:.2}", k.to_uppercase())).collect();
+        println!("{}: eval loss {loss:.4} over {} examples{}", args.eval_file.display(), examples.len(),
+            if scores.is_empty() { String::new() } else { format!(", {}", scores.join(", ")) });
+    }
+    Ok(0)
 }

@@ -14,15 +14,24 @@ fn text(output: &Output) -> String {
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
+    let output = train_command(dir, extra).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    losses(dir)
+}
+
+fn train_command(dir: &Path, extra: &[&str]) -> Command {
     let mut command = Command::new(FT);
     command
         .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
         .args(extra);
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FT_FAULT_INJECT"] {
         command.env_remove(var);
     }
-    let output = command.output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
+    command
+}
+
+/// Each optimizer step's loss in a run's metrics.jsonl.
+fn losses(dir: &Path) -> Vec<f64> {
     let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
     metrics
         .lines()
@@ -138,4 +147,91 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
     let (v1_examples, v1_stats) = ft_data::squad::read(&path, false).unwrap();
     assert_eq!(v1_stats.questions, 705);
     assert_eq!(v1_examples, examples);
+}
+
+const CHECKPOINTED: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "3", "--save-total-limit", "0"];
+
+fn crash(dir: &Path, point: &str) {
+    let output = train_command(dir, CHECKPOINTED).env("FT_FAULT_INJECT", point).output().unwrap();
+    assert!(!output.status.success(), "the injected crash did not happen: {}", text(&output));
+    assert!(text(&output).contains("FT_FAULT_INJECT: aborting"), "{}", text(&output));
+}
+
+fn steps_saved(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_checkpoint() {
+    let whole = tempfile::tempdir().unwrap();
+    let expected = train(whole.path(), CHECKPOINTED);
+    assert_eq!(expected.len(), 12);
+
+    // Killed right after step 7: the checkpoint of step 6 is the latest.
+    let killed = tempfile::tempdir().unwrap();
+    crash(killed.path(), "after-step:7");
+    assert_eq!(steps_saved(killed.path()), vec!["step-00000003", "step-00000006"]);
+    let mut resumed = CHECKPOINTED.to_vec();
+    resumed.extend(["--resume", "latest"]);
+    let all = train(killed.path(), &resumed);
+    // Steps 1-7 from the first run, then 7-12 again from the checkpoint of step 6.
+    assert_eq!(&all[..7], &expected[..7]);
+    assert_eq!(&all[7..], &expected[6..], "resumed losses differ from the uninterrupted run");
+
+    // A crash between writing checkpoint 9 and renaming it into place.
+    let torn = tempfile::tempdir().unwrap();
+    crash(torn.path(), "checkpoint-before-rename:9");
+    let names = steps_saved(torn.path());
+    assert!(names.contains(&"step-00000006".to_string()) && !names.contains(&"step-00000009".to_string()), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with(".step-00000009.tmp")), "the partial save stays hidden: {names:?}");
+    let exported = torn.path().join("exported");
+    let output = Command::new(FT)
+        .args(["export", "--checkpoint", "latest", "--output-dir", torn.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(text(&output).contains("exported step 6"), "{}", text(&output));
+    let all = train(torn.path(), &resumed);
+    assert_eq!(all[all.len() - 6..], expected[6..]);
+}
+
+#[test]
+fn export_and_eval_reproduce_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    train(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);
+    let exported = dir.path().join("exported");
+    let output = Command::new(FT)
+        .args(["export", "--checkpoint", "latest", "--output-dir", dir.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    // The exported checkpoint of the last step holds the final weights.
+    let final_weights = tch::Tensor::read_safetensors(dir.path().join("final/model.safetensors")).unwrap();
+    let exported_weights: std::collections::HashMap<String, tch::Tensor> =
+        tch::Tensor::read_safetensors(exported.join("model.safetensors")).unwrap().into_iter().collect();
+    for (name, tensor) in &final_weights {
+        assert!(tensor.equal(&exported_weights[name]), "{name}");
+    }
+
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let last_eval_loss = summary["epochs"][0]["eval_loss"].as_f64().unwrap();
+    let eval_file = dir.path().join("demo-data/demo-eval.json");
+    let output = Command::new(FT)
+        .args(["eval", "--model", exported.to_str().unwrap(), "--eval-file", eval_file.to_str().unwrap(),
+               "--eval-samples", "8", "--max-seq-len", "96", "--nproc-per-node", "2",
+               "--output-dir", dir.path().join("eval").to_str().unwrap()])
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    let reported: f64 = log.split("eval loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!((reported - last_eval_loss).abs() < 1e-4, "{reported} vs {last_eval_loss}");
+    assert!(log.contains("EM ") && log.contains("F1 "), "{log}");
+    assert!(dir.path().join("eval/predictions.json").exists());
 }

@@ -102,6 +102,12 @@ pub struct TrainConfig {
     pub eval_max_new_tokens: usize,
     /// Optimizer steps between progress/metrics records.
     pub log_every: usize,
+    /// Optimizer steps between checkpoints (0: none).
+    pub save_every: usize,
+    /// Checkpoints kept, newest first (0: all).
+    pub save_total_limit: usize,
+    /// Continue from a checkpoint: "latest" (in output.dir) or its directory.
+    pub resume: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -126,6 +132,9 @@ impl Default for TrainConfig {
             loss_chunk_tokens: 1024,
             eval_max_new_tokens: 32,
             log_every: 1,
+            save_every: 0,
+            save_total_limit: 2,
+            resume: None,
         }
     }
 }
@@ -187,11 +196,15 @@ impl Default for DistConfig {
 /// Environment variables `FT_SECTION__KEY` set `section.key`.
 pub const ENV_PREFIX: &str = "FT_";
 
+/// `FT_*` variables that are not configuration keys.
+const NOT_CONFIG: [&str; 2] = ["config_file", "fault_inject"];
+
 impl Config {
     /// Resolves the configuration. `overrides` are dotted keys from flags
     /// (e.g. `("dist.timeout_secs", 30.into())`), applied last.
     pub fn load(file: Option<&Path>, overrides: &[(&str, Value)]) -> Result<Config> {
-        Config::load_with_env(file, overrides, Env::prefixed(ENV_PREFIX).split("__"))
+        let env = Env::prefixed(ENV_PREFIX).filter(|key| !NOT_CONFIG.iter().any(|n| key.as_str().eq_ignore_ascii_case(n)));
+        Config::load_with_env(file, overrides, env.split("__"))
     }
 
     fn load_with_env(file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Config> {

@@ -2,6 +2,7 @@
 //! one optimizer step per global batch, evaluation after each epoch, metrics
 //! to the sinks, and a summary at the end.
 
+use crate::checkpoint;
 use crate::comm::{Communicator, Reduction};
 use crate::config::TrainConfig;
 use crate::data::{collate, epoch_order, target_tokens, BatchLayout};
@@ -69,6 +70,14 @@ pub struct Fit<'a> {
     pub generation_eval: Option<&'a mut dyn GenerationEval>,
     /// Called on rank 0 after each logged step: (step, total steps, record).
     pub on_step: Option<&'a mut dyn FnMut(usize, usize, &Record)>,
+    /// Where checkpoints go and what they describe.
+    pub checkpoints: CheckpointPlan<'a>,
+}
+
+pub struct CheckpointPlan<'a> {
+    pub output: &'a std::path::Path,
+    pub model_config: &'a serde_json::Value,
+    pub tokenizer: Option<&'a std::path::Path>,
 }
 
 /// Bytes in use now on this rank (CUDA allocator or process RSS).
@@ -93,23 +102,49 @@ fn sum_over_ranks(comm: &Communicator, values: &[f64]) -> Result<Vec<f64>> {
     Ok(Vec::<f64>::try_from(t.to_device(Device::Cpu))?)
 }
 
-/// Mean eval loss over the eval set (each rank its share), with the current weights.
-fn eval_loss(fit: &Fit, trainer: &Trainer) -> Result<f64> {
+/// What evaluation needs besides the weights.
+pub struct EvalSet<'a> {
+    pub examples: &'a [Example],
+    pub batch_size: usize,
+    pub pad_id: i64,
+    pub dtype: Kind,
+    pub loss_chunk_tokens: i64,
+}
+
+/// Mean loss over the eval set (each rank its share), with `params`.
+pub fn eval_loss(model: &dyn Model, params: &[Vec<Tensor>], set: &EvalSet, comm: &Communicator) -> Result<f64> {
     let _no_grad = tch::no_grad_guard();
-    let (rank, world) = (fit.comm.env().rank, fit.comm.env().world_size);
-    let params = trainer.compute_params();
-    let mine: Vec<&Example> = fit.eval.iter().skip(rank).step_by(world).collect();
+    let (rank, world) = (comm.env().rank, comm.env().world_size);
+    let mine: Vec<&Example> = set.examples.iter().skip(rank).step_by(world).collect();
     let (mut sum, mut count) = (0.0, 0.0);
-    for batch in mine.chunks(fit.config.batch_size) {
-        let (ids, labels) = collate(batch, fit.pad_id, fit.comm.device());
-        let ctx = fit.model.context(&ids, 0, None, fit.dtype, false)?;
-        let (hidden, weight) = forward_hidden(fit.model, &params, &ids, &ctx, None);
-        let (s, c) = lm_loss_sum(&hidden, &weight, &labels, fit.config.loss_chunk_tokens)?;
+    for batch in mine.chunks(set.batch_size) {
+        let (ids, labels) = collate(batch, set.pad_id, comm.device());
+        let ctx = model.context(&ids, 0, None, set.dtype, false)?;
+        let (hidden, weight) = forward_hidden(model, params, &ids, &ctx, None);
+        let (s, c) = lm_loss_sum(&hidden, &weight, &labels, set.loss_chunk_tokens)?;
         sum += s.double_value(&[]);
         count += c.double_value(&[]);
     }
-    let totals = sum_over_ranks(fit.comm, &[sum, count])?;
+    let totals = sum_over_ranks(comm, &[sum, count])?;
     Ok(totals[0] / totals[1].max(1.0))
+}
+
+/// Runs a generation evaluator on every rank and averages its scores over all examples.
+pub fn generation_scores(
+    evaluator: &mut dyn GenerationEval,
+    model: &dyn Model,
+    params: &[Vec<Tensor>],
+    dtype: Kind,
+    epoch: usize,
+    comm: &Communicator,
+) -> Result<(BTreeMap<String, f64>, usize)> {
+    let (sums, count) = evaluator.evaluate(model, params, dtype, epoch)?;
+    let keys: Vec<String> = sums.keys().cloned().collect();
+    let mut values: Vec<f64> = keys.iter().map(|k| sums[k]).collect();
+    values.push(count as f64);
+    let totals = sum_over_ranks(comm, &values)?;
+    let examples = totals[keys.len()].max(1.0);
+    Ok((keys.into_iter().zip(totals).map(|(k, total)| (k, total / examples)).collect(), examples as usize))
 }
 
 pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tensor>>)> {
@@ -152,18 +187,29 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     if world > 1 {
         trainer = trainer.with_data_parallel(fit.comm.world());
     }
+    let (mut first_epoch, mut first_epoch_step, mut step) = (0, 0, 0);
+    if let Some(spec) = &config.resume {
+        let dir = checkpoint::resolve(spec, fit.checkpoints.output)?;
+        let manifest = checkpoint::load_into(&dir, &mut trainer)?;
+        (first_epoch, first_epoch_step, step) = (manifest.epoch, manifest.epoch_step, manifest.step);
+        if rank == 0 {
+            tracing::info!("resumed from {} at step {step} (epoch {}, batch {})", dir.display(), first_epoch + 1, first_epoch_step);
+        }
+    }
 
     let (mut memory_sum, mut memory_min, mut memory_samples) = (0.0, f64::INFINITY, 0usize);
     let (mut train_seconds, mut train_tokens, mut train_samples) = (0.0, 0usize, 0usize);
     let (mut eval_seconds, mut eval_examples) = (0.0, 0usize);
     let mut epochs = vec![];
-    let mut step = 0;
     let mut last_loss = f64::NAN;
-    for epoch in 0..config.epochs {
+    for epoch in first_epoch..config.epochs {
         let order = epoch_order(fit.train.len(), epoch as u64, config.seed, true);
         let mut epoch_loss = 0.0;
-        for epoch_step in 0..steps_per_epoch {
+        let start = if epoch == first_epoch { first_epoch_step } else { 0 };
+        for epoch_step in start..steps_per_epoch {
             let started = Instant::now();
+            // Dropout's masks follow from (seed, step), so a resumed run repeats them.
+            tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
             let global: Vec<&Example> = layout.global(&order, epoch_step).iter().map(|&i| &fit.train[i]).collect();
             // Every rank knows the whole global batch, so the exact normaliser needs no communication.
             let normalizer = target_tokens(global.iter().copied()).max(1) as f64;
@@ -209,22 +255,46 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             } else {
                 train_seconds += started.elapsed().as_secs_f64();
             }
+            if config.save_every > 0 && step % config.save_every == 0 {
+                let (next_epoch, next_step) =
+                    if epoch_step + 1 == steps_per_epoch { (epoch + 1, 0) } else { (epoch, epoch_step + 1) };
+                let manifest = checkpoint::Manifest {
+                    format_version: checkpoint::FORMAT_VERSION,
+                    ft_version: env!("CARGO_PKG_VERSION").into(),
+                    step,
+                    epoch: next_epoch,
+                    epoch_step: next_step,
+                    micro_steps: trainer.micro_steps(),
+                    world_size: world,
+                    strategy: "replicated".into(),
+                    units: trainer.layout(),
+                    model_config: fit.checkpoints.model_config.clone(),
+                };
+                // Every rank holds the same state: rank 0 writes it, the others wait.
+                if rank == 0 {
+                    checkpoint::save(fit.checkpoints.output, &trainer, &manifest, fit.checkpoints.tokenizer, config.save_total_limit)?;
+                }
+                fit.comm.world().barrier()?.wait()?;
+            }
+            checkpoint::fault_point("after-step", step);
         }
         let eval_started = Instant::now();
-        let eval_loss = if fit.eval.is_empty() { None } else { Some(eval_loss(&fit, &trainer)?) };
+        let params = trainer.compute_params();
+        let set = EvalSet {
+            examples: fit.eval,
+            batch_size: config.batch_size,
+            pad_id: fit.pad_id,
+            dtype: fit.dtype,
+            loss_chunk_tokens: config.loss_chunk_tokens,
+        };
+        let eval_loss = if fit.eval.is_empty() { None } else { Some(eval_loss(fit.model, &params, &set, fit.comm)?) };
         let mut scores = BTreeMap::new();
         if let Some(evaluator) = fit.generation_eval.as_mut() {
-            let (sums, count) = evaluator.evaluate(fit.model, &trainer.compute_params(), fit.dtype, epoch)?;
-            let keys: Vec<String> = sums.keys().cloned().collect();
-            let mut values: Vec<f64> = keys.iter().map(|k| sums[k]).collect();
-            values.push(count as f64);
-            let totals = sum_over_ranks(fit.comm, &values)?;
-            let examples = totals[keys.len()].max(1.0);
-            eval_examples += examples as usize;
-            for (key, total) in keys.into_iter().zip(totals) {
-                scores.insert(key, total / examples);
-            }
+            let (averages, examples) = generation_scores(*evaluator, fit.model, &params, fit.dtype, epoch, fit.comm)?;
+            eval_examples += examples;
+            scores = averages;
         }
+        drop(params);
         eval_seconds += eval_started.elapsed().as_secs_f64();
         let result = EpochResult { epoch: epoch + 1, train_loss: epoch_loss, eval_loss, scores };
         if rank == 0 {

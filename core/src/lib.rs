@@ -2,6 +2,7 @@
 //! `ShardingStrategy`, `Offload`, `MetricsSink`), the registry that finds
 //! them by name, the configuration, and the communicator over PyTorch's c10d.
 
+pub mod checkpoint;
 pub mod comm;
 pub mod comm_test;
 pub mod config;

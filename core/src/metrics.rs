@@ -27,11 +27,23 @@ pub struct JsonlSink {
     out: BufWriter<File>,
 }
 
+/// Opens `dir/name` for a sink: appended to when a run resumes, else new.
+fn open_metrics_file(dir: &Path, name: &str, append: bool) -> Result<(PathBuf, File)> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
+    let path = dir.join(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    Ok((path, file))
+}
+
 impl JsonlSink {
-    pub fn create(dir: &Path) -> Result<JsonlSink> {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
-        let path = dir.join("metrics.jsonl");
-        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+    pub fn create(dir: &Path, append: bool) -> Result<JsonlSink> {
+        let (path, file) = open_metrics_file(dir, "metrics.jsonl", append)?;
         Ok(JsonlSink { path, out: BufWriter::new(file) })
     }
 }
@@ -48,7 +60,9 @@ impl MetricsSink for JsonlSink {
             line.insert(key.clone(), serde_json::Value::from(*value));
         }
         serde_json::to_writer(&mut self.out, &line)?;
-        writeln!(self.out).with_context(|| format!("cannot write {}", self.path.display()))
+        writeln!(self.out).with_context(|| format!("cannot write {}", self.path.display()))?;
+        // Each record reaches the file at once, so a crash loses none.
+        self.out.flush().with_context(|| format!("cannot write {}", self.path.display()))
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -65,10 +79,8 @@ pub struct CsvSink {
 }
 
 impl CsvSink {
-    pub fn create(dir: &Path) -> Result<CsvSink> {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
-        let path = dir.join("metrics.csv");
-        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+    pub fn create(dir: &Path, append: bool) -> Result<CsvSink> {
+        let (path, file) = open_metrics_file(dir, "metrics.csv", append)?;
         Ok(CsvSink { path, out: BufWriter::new(file), columns: None })
     }
 }
@@ -80,12 +92,13 @@ impl MetricsSink for CsvSink {
 
     fn record(&mut self, record: &Record) -> Result<()> {
         let columns = self.columns.get_or_insert_with(|| record.values.keys().cloned().collect());
-        if self.out.get_ref().metadata().map(|m| m.len()).unwrap_or(0) == 0 && self.out.buffer().is_empty() {
+        if self.out.get_ref().metadata().map(|m| m.len()).unwrap_or(0) == 0 {
             writeln!(self.out, "step,{}", columns.join(","))?;
         }
         let cells: Vec<String> =
             columns.iter().map(|c| record.values.get(c).map(|v| v.to_string()).unwrap_or_default()).collect();
-        writeln!(self.out, "{},{}", record.step, cells.join(",")).with_context(|| format!("cannot write {}", self.path.display()))
+        writeln!(self.out, "{},{}", record.step, cells.join(",")).with_context(|| format!("cannot write {}", self.path.display()))?;
+        self.out.flush().with_context(|| format!("cannot write {}", self.path.display()))
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -97,7 +110,7 @@ inventory::submit! {
     crate::registry::SinkRegistration {
         name: "csv",
         summary: "one row per step in <output>/metrics.csv",
-        create: |dir| Ok(Box::new(CsvSink::create(dir)?)),
+        create: |dir, append| Ok(Box::new(CsvSink::create(dir, append)?)),
     }
 }
 
@@ -105,7 +118,7 @@ inventory::submit! {
     crate::registry::SinkRegistration {
         name: "jsonl",
         summary: "one JSON object per step in <output>/metrics.jsonl",
-        create: |dir| Ok(Box::new(JsonlSink::create(dir)?)),
+        create: |dir, append| Ok(Box::new(JsonlSink::create(dir, append)?)),
     }
 }
 
@@ -126,7 +139,7 @@ mod tests {
     #[test]
     fn csv_has_a_header_and_a_row_per_record() {
         let dir = tempfile::tempdir().unwrap();
-        let mut sink = CsvSink::create(dir.path()).unwrap();
+        let mut sink = CsvSink::create(dir.path(), false).unwrap();
         for step in 1..=2 {
             let values = BTreeMap::from([("loss".to_string(), step as f64), ("lr".to_string(), 0.5)]);
             sink.record(&Record { step, values }).unwrap();
@@ -141,7 +154,7 @@ mod tests {
     #[test]
     fn jsonl_writes_one_object_per_record() {
         let dir = tempfile::tempdir().unwrap();
-        let mut sink = JsonlSink::create(dir.path()).unwrap();
+        let mut sink = JsonlSink::create(dir.path(), false).unwrap();
         for step in 1..=2 {
             let values = BTreeMap::from([("loss".to_string(), 1.5 / step as f64)]);
             sink.record(&Record { step, values }).unwrap();

@@ -17,11 +17,12 @@ pub struct StrategyRegistration {
 }
 inventory::collect!(StrategyRegistration);
 
-/// A metrics sink's registration; `create` gets the run's output directory.
+/// A metrics sink's registration; `create` gets the run's output directory
+/// and whether the run resumes (append rather than start anew).
 pub struct SinkRegistration {
     pub name: &'static str,
     pub summary: &'static str,
-    pub create: fn(&Path) -> Result<Box<dyn MetricsSink>>,
+    pub create: fn(&Path, bool) -> Result<Box<dyn MetricsSink>>,
 }
 inventory::collect!(SinkRegistration);
 
@@ -60,7 +61,7 @@ pub struct SinkEntry {
     pub name: String,
     pub summary: String,
     pub origin: Origin,
-    pub create: Box<dyn Fn(&Path) -> Result<Box<dyn MetricsSink>> + Send + Sync>,
+    pub create: Box<dyn Fn(&Path, bool) -> Result<Box<dyn MetricsSink>> + Send + Sync>,
 }
 
 #[derive(Default)]

@@ -37,22 +37,36 @@ fn is_decayed(shape: &[i64]) -> bool {
     shape.len() >= 2
 }
 
+/// Where each parameter of `spec` sits in its unit's flat buffer: the order
+/// of parameters in the buffer, each parameter's offset (in `spec` order),
+/// and the end of the weight-decayed prefix.
+fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, Vec<i64>, i64) {
+    let order: Vec<usize> = (0..spec.params.len())
+        .filter(|&i| is_decayed(&spec.params[i].shape))
+        .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
+        .collect();
+    let mut offsets = vec![0; spec.params.len()];
+    let (mut offset, mut decayed) = (0, 0);
+    for &i in &order {
+        offsets[i] = offset;
+        offset += spec.params[i].numel();
+        if is_decayed(&spec.params[i].shape) {
+            decayed = offset;
+        }
+    }
+    (order, offsets, decayed)
+}
+
+/// A unit's parameters (in `spec` order, shaped) as views of its flat buffer.
+pub fn unflatten(spec: &UnitSpec, flat: &Tensor) -> Vec<Tensor> {
+    let (_, offsets, _) = flat_layout(spec);
+    spec.params.iter().zip(offsets).map(|(p, offset)| flat.narrow(0, offset, p.numel()).view(p.shape.as_slice())).collect()
+}
+
 impl FlatUnit {
     /// Flattens `tensors` (one per parameter of `spec`) onto their device.
     pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind) -> FlatUnit {
-        let order: Vec<usize> = (0..spec.params.len())
-            .filter(|&i| is_decayed(&spec.params[i].shape))
-            .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
-            .collect();
-        let mut offsets = vec![0; spec.params.len()];
-        let (mut offset, mut decayed) = (0, 0);
-        for &i in &order {
-            offsets[i] = offset;
-            offset += spec.params[i].numel();
-            if is_decayed(&spec.params[i].shape) {
-                decayed = offset;
-            }
-        }
+        let (order, offsets, decayed) = flat_layout(spec);
         let pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
         let master = Tensor::cat(&pieces, 0);
         let compute = if dtype == Kind::Float { master.shallow_clone() } else { master.to_kind(dtype) };
@@ -92,6 +106,11 @@ impl FlatUnit {
             .zip(&self.spec.params)
             .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
             .collect()
+    }
+
+    /// What a checkpoint stores: the fp32 master and AdamW's moments.
+    pub fn state(&self) -> [(&'static str, &Tensor); 3] {
+        [("master", &self.master), ("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)]
     }
 
     /// The dtype the model computes in.
@@ -407,6 +426,38 @@ impl<'m> Trainer<'m> {
         }
         self.pending_micro_batches = 0;
         Ok(total_norm)
+    }
+
+    /// Unit names and sizes, which a checkpoint must match.
+    pub fn layout(&self) -> Vec<crate::checkpoint::UnitLayout> {
+        self.units.iter().map(|u| crate::checkpoint::UnitLayout { name: u.spec.name.clone(), numel: u.master.numel() as i64 }).collect()
+    }
+
+    pub fn adamw_step(&self) -> &Tensor {
+        &self.step
+    }
+
+    pub fn micro_steps(&self) -> i64 {
+        self.micro_steps
+    }
+
+    /// Puts back a checkpoint's state: per unit [master, exp_avg, exp_avg_sq].
+    pub fn restore(&mut self, units: &[Vec<Tensor>], step: &Tensor, micro_steps: i64) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        for (unit, state) in self.units.iter_mut().zip(units) {
+            for (target, source) in [&unit.master, &unit.exp_avg, &unit.exp_avg_sq].into_iter().zip(state) {
+                if target.size() != source.size() {
+                    bail!("unit {}: checkpoint tensor {:?} does not fit {:?}", unit.spec.name, source.size(), target.size());
+                }
+                target.shallow_clone().copy_(source);
+            }
+            if unit.compute.kind() != Kind::Float {
+                unit.compute.shallow_clone().copy_(&unit.master);
+            }
+        }
+        self.step.shallow_clone().copy_(step);
+        self.micro_steps = micro_steps;
+        Ok(())
     }
 
     /// The parameters the model computes with (compute dtype), detached, per unit.

@@ -1,0 +1,205 @@
+//! Checkpoints: a directory per save, `<output>/checkpoints/step-NNNNNNNN/`,
+//! holding `state.safetensors` (each unit's fp32 master, AdamW moments),
+//! `manifest.json` (step, data cursor, unit layout, world, model config) and
+//! the tokenizer. A save is written into a hidden temporary directory,
+//! fsynced, then renamed into place, so a crash at any moment leaves the last
+//! complete checkpoint as it was; readers never see a partial one.
+
+use crate::train::Trainer;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnitLayout {
+    pub name: String,
+    pub numel: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub ft_version: String,
+    /// Optimizer steps taken.
+    pub step: usize,
+    /// The data cursor: the epoch, and global batches done in it.
+    pub epoch: usize,
+    pub epoch_step: usize,
+    pub micro_steps: i64,
+    pub world_size: usize,
+    /// How the state is laid out across ranks' files.
+    pub strategy: String,
+    pub units: Vec<UnitLayout>,
+    pub model_config: serde_json::Value,
+}
+
+pub fn checkpoints_dir(output: &Path) -> PathBuf {
+    output.join("checkpoints")
+}
+
+fn name_of(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// Complete checkpoints under `output`, oldest first (temporary ones are not listed).
+pub fn list(output: &Path) -> Result<Vec<PathBuf>> {
+    let dir = checkpoints_dir(output);
+    if !dir.exists() {
+        return Ok(vec![]);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-")))
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+/// `latest` (the newest complete checkpoint under `output`) or a directory.
+pub fn resolve(spec: &str, output: &Path) -> Result<PathBuf> {
+    if spec == "latest" {
+        return list(output)?
+            .pop()
+            .with_context(|| format!("--resume latest: no complete checkpoint under {}", checkpoints_dir(output).display()));
+    }
+    let path = PathBuf::from(spec);
+    if !path.join("manifest.json").is_file() {
+        bail!("--resume {spec}: {} is not a checkpoint (no manifest.json)", path.display());
+    }
+    Ok(path)
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("cannot sync {}", dir.display()))
+}
+
+/// A fault-injection point for crash tests: `FT_FAULT_INJECT=<point>:<step>`
+/// aborts the process there, as a crash or a kill would.
+pub fn fault_point(point: &str, step: usize) {
+    if let Ok(spec) = std::env::var("FT_FAULT_INJECT") {
+        if spec == format!("{point}:{step}") {
+            eprintln!("FT_FAULT_INJECT: aborting at {point} of step {step}");
+            std::process::abort();
+        }
+    }
+}
+
+/// Writes the trainer's state as checkpoint `manifest.step` under `output`,
+/// then deletes all but the newest `keep` checkpoints (0 keeps all).
+pub fn save(output: &Path, trainer: &Trainer, manifest: &Manifest, tokenizer: Option<&Path>, keep: usize) -> Result<PathBuf> {
+    let dir = checkpoints_dir(output);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let final_path = dir.join(name_of(manifest.step));
+    let temporary = dir.join(format!(".{}.tmp-{}", name_of(manifest.step), std::process::id()));
+    if temporary.exists() {
+        std::fs::remove_dir_all(&temporary)?;
+    }
+    std::fs::create_dir_all(&temporary)?;
+    let mut tensors: Vec<(String, Tensor)> = vec![];
+    for (index, unit) in trainer.units().iter().enumerate() {
+        for (kind, tensor) in unit.state() {
+            tensors.push((format!("unit{index}.{kind}"), tensor.to_device(tch::Device::Cpu)));
+        }
+    }
+    tensors.push(("adamw.step".into(), trainer.adamw_step().to_device(tch::Device::Cpu)));
+    let state = temporary.join("state.safetensors");
+    Tensor::write_safetensors(&tensors, &state).with_context(|| format!("cannot write {}", state.display()))?;
+    std::fs::write(temporary.join("manifest.json"), serde_json::to_string_pretty(manifest)?)?;
+    if let Some(tokenizer) = tokenizer {
+        std::fs::copy(tokenizer, temporary.join("tokenizer.json"))?;
+    }
+    for file in std::fs::read_dir(&temporary)?.flatten() {
+        File::open(file.path())?.sync_all()?;
+    }
+    sync_dir(&temporary)?;
+    fault_point("checkpoint-before-rename", manifest.step);
+    if final_path.exists() {
+        std::fs::remove_dir_all(&final_path)?;
+    }
+    std::fs::rename(&temporary, &final_path)
+        .with_context(|| format!("cannot move {} to {}", temporary.display(), final_path.display()))?;
+    sync_dir(&dir)?;
+    if keep > 0 {
+        let all = list(output)?;
+        for old in &all[..all.len().saturating_sub(keep)] {
+            std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+        }
+    }
+    Ok(final_path)
+}
+
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let manifest: Manifest = serde_json::from_str(&text).with_context(|| format!("{} is not a valid ft manifest", path.display()))?;
+    if manifest.format_version != FORMAT_VERSION {
+        bail!("{} has checkpoint format {}, this ft reads {FORMAT_VERSION}", path.display(), manifest.format_version);
+    }
+    Ok(manifest)
+}
+
+/// Checks that a checkpoint was made for this model's unit layout.
+pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) -> Result<()> {
+    if manifest.units != expected {
+        let describe = |u: &[UnitLayout]| u.iter().map(|l| format!("{} ({})", l.name, l.numel)).collect::<Vec<_>>().join(", ");
+        bail!(
+            "checkpoint {} was written for another model: its units are [{}], this model's are [{}]",
+            dir.display(),
+            describe(&manifest.units),
+            describe(expected)
+        );
+    }
+    Ok(())
+}
+
+/// Restores the trainer from checkpoint `dir` (written by `save`).
+pub fn load_into(dir: &Path, trainer: &mut Trainer) -> Result<Manifest> {
+    let manifest = read_manifest(dir)?;
+    check_layout(&manifest, &trainer.layout(), dir)?;
+    let path = dir.join("state.safetensors");
+    let tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+        .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
+        .into_iter()
+        .collect();
+    let get = |name: &str| tensors.get(name).with_context(|| format!("{} has no tensor {name}", path.display()));
+    let mut restored = vec![];
+    for index in 0..trainer.units().len() {
+        let state: Vec<Tensor> = ["master", "exp_avg", "exp_avg_sq"]
+            .iter()
+            .map(|kind| get(&format!("unit{index}.{kind}")).map(Tensor::shallow_clone))
+            .collect::<Result<_>>()?;
+        restored.push(state);
+    }
+    trainer.restore(&restored, get("adamw.step")?, manifest.micro_steps)?;
+    Ok(manifest)
+}
+
+/// The model parameters (fp32, shaped per `model`'s units) stored in checkpoint `dir`.
+pub fn load_params(dir: &Path, model: &dyn crate::model::Model) -> Result<Vec<Vec<Tensor>>> {
+    let manifest = read_manifest(dir)?;
+    let expected: Vec<UnitLayout> =
+        model.units().iter().map(|u| UnitLayout { name: u.name.clone(), numel: u.numel() }).collect();
+    check_layout(&manifest, &expected, dir)?;
+    let path = dir.join("state.safetensors");
+    let mut tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+        .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
+        .into_iter()
+        .collect();
+    model
+        .units()
+        .iter()
+        .enumerate()
+        .map(|(index, spec)| {
+            let name = format!("unit{index}.master");
+            let flat = tensors.remove(&name).with_context(|| format!("{} has no tensor {name}", path.display()))?;
+            Ok(crate::train::unflatten(spec, &flat))
+        })
+        .collect()
+}
