@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.11.0
 CUDA_TOOLKIT_VERSION=13.0.2
+TENSORBOARD_VERSION=2.21.0
 
 if [ ! -f /usr/include/gloo/config.h ]; then
   echo "setup: installing Gloo headers (Debian libgloo-dev)"
@@ -30,5 +31,10 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   echo "setup: installing torch==$TORCH_VERSION and CUDA headers into .venv (several GB, a few minutes)"
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "torch==$TORCH_VERSION" "cuda-toolkit[crt,cccl]==$CUDA_TOOLKIT_VERSION"
+fi
+# The tests read ft's TensorBoard files with TensorBoard's own reader.
+if ! .venv/bin/python -c "import tensorboard" 2>/dev/null; then
+  echo "setup: installing tensorboard into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION"
 fi
 echo "setup: done ($(du -sh .venv | cut -f1) in .venv)"

@@ -92,6 +92,22 @@ fn the_demo_trains_evaluates_and_writes_its_outputs() {
     assert!(epochs[1]["scores"]["f1"].as_f64().is_some());
     let predictions: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("predictions.json")).unwrap()).unwrap();
     assert!(predictions.as_object().unwrap().len() > 100, "every eval question has a prediction");
+    // TensorBoard's own reader sees the same losses as metrics.jsonl.
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let script = "import json, sys\n\
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+ea = EventAccumulator(sys.argv[1]); ea.Reload()\n\
+print(json.dumps([[e.step, e.value] for e in ea.Scalars('loss')]))";
+    let output = Command::new(python).args(["-c", script, dir.path().join("tensorboard").to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let scalars: Vec<(u64, f64)> = serde_json::from_slice(&output.stdout).unwrap();
+    let expected = losses(dir.path());
+    assert_eq!(scalars.len(), expected.len());
+    for ((step, value), loss) in scalars.iter().zip(&expected) {
+        assert!((value - loss).abs() <= 1e-6 * loss.abs(), "step {step}: {value} vs {loss}");
+    }
+    assert_eq!(scalars.last().unwrap().0, expected.len() as u64);
+
     // The exported model loads back and has the demo's architecture.
     let model = ft_models::hf::load_model(&dir.path().join("final")).unwrap();
     assert_eq!(model.model_type(), "bloom");

@@ -149,7 +149,7 @@ pub struct OutputConfig {
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        OutputConfig { dir: "ft-output".into(), sinks: vec!["jsonl".into(), "csv".into()] }
+        OutputConfig { dir: "ft-output".into(), sinks: vec!["jsonl".into(), "csv".into(), "tensorboard".into()] }
     }
 }
 
