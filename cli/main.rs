@@ -52,6 +52,11 @@ enum Command {
 }
 
 fn main() {
+    // Variable-length batches fragment the CUDA caching allocator's fixed
+    // segments; expandable segments avoid that. A user's own setting wins.
+    if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
+        std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

@@ -212,6 +212,11 @@ fn device_and_dtype(config: &Config, env: &DistEnv) -> Result<(Device, Kind)> {
     Ok((device, dtype))
 }
 
+/// Padded lengths round up to this: few shapes on a GPU, exact lengths on a CPU.
+fn pad_multiple(config: &Config, device: Device) -> usize {
+    config.data.pad_to_multiple_of.unwrap_or(if device == Device::Cpu { 1 } else { 64 })
+}
+
 /// Where the model, tokenizer and data come from.
 struct Sources {
     model_config: serde_json::Value,
@@ -425,6 +430,7 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
         config: &config.train,
         dtype,
         pad_id,
+        pad_to_multiple_of: pad_multiple(config, device),
         sinks,
         generation_eval: if questions.is_empty() { None } else { Some(&mut qa_eval) },
         on_step: Some(&mut on_step),
@@ -492,7 +498,12 @@ pub fn summary_table(s: &Summary) -> String {
     out += &row("train tokens/s", format!("{:.0}", s.train_tokens_per_s));
     out += &row("eval samples/s", s.eval_samples_per_s.map_or("n/a".into(), |v| format!("{v:.1}")));
     out += &row("MFU", s.mfu.map_or("n/a (CPU)".into(), |m| format!("{:.1}%", m * 100.0)));
-    out += &row("GPU utilisation", "n/a".into());
+    out += &row(
+        "GPU utilisation",
+        s.gpu_utilisation_per_rank.as_ref().map_or("n/a (no NVML or no GPU)".into(), |u| {
+            u.iter().enumerate().map(|(r, u)| format!("rank {r} {u:.0}%")).collect::<Vec<_>>().join(", ")
+        }),
+    );
     for (rank, m) in s.memory_per_rank.iter().enumerate() {
         out += &row(
             &format!("memory rank {rank} ({})", s.memory_kind),
@@ -600,6 +611,7 @@ pub fn eval(args: EvalArgs) -> Result<i32> {
         examples: &examples,
         batch_size: config.train.batch_size,
         pad_id: prompt::eos_id(&tokenizer).unwrap_or(0),
+        pad_to_multiple_of: pad_multiple(&config, device),
         dtype,
         loss_chunk_tokens: config.train.loss_chunk_tokens,
     };

@@ -206,7 +206,7 @@ fn bad_input_is_rejected_with_clear_messages() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("ft.toml");
     std::fs::write(&config, "[dist]\nbackend = 'gloo'\ntimeout_sec = 5\n").unwrap();
-    let output = ft(&["--config", config.to_str().unwrap(), "list"]).output().unwrap();
+    let output = ft(&["list", "--config", config.to_str().unwrap()]).output().unwrap();
     assert!(!output.status.success());
     let message = text(&output);
     assert!(message.contains("unknown config key `dist.timeout_sec`"), "{message}");

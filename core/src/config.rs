@@ -56,6 +56,8 @@ pub struct DataConfig {
     /// Keep SQuAD v2's unanswerable questions (their target is the empty answer).
     pub include_unanswerable: bool,
     pub shuffle: bool,
+    /// Round padded lengths up to a multiple of this (default: 64 on GPU, 1 on CPU).
+    pub pad_to_multiple_of: Option<usize>,
 }
 
 impl Default for DataConfig {
@@ -69,6 +71,7 @@ impl Default for DataConfig {
             eval_samples: None,
             include_unanswerable: false,
             shuffle: true,
+            pad_to_multiple_of: None,
         }
     }
 }

@@ -56,6 +56,8 @@ pub struct Summary {
     /// What memory means here: CUDA allocator (allocated) or process RSS.
     pub memory_kind: String,
     pub memory_per_rank: Vec<RankMemory>,
+    /// Mean GPU utilisation (%) of each rank while training; None without NVML.
+    pub gpu_utilisation_per_rank: Option<Vec<f64>>,
 }
 
 pub struct Fit<'a> {
@@ -66,6 +68,7 @@ pub struct Fit<'a> {
     pub config: &'a TrainConfig,
     pub dtype: Kind,
     pub pad_id: i64,
+    pub pad_to_multiple_of: usize,
     pub sinks: Vec<Box<dyn MetricsSink>>,
     pub generation_eval: Option<&'a mut dyn GenerationEval>,
     /// Called on rank 0 after each logged step: (step, total steps, record).
@@ -107,6 +110,7 @@ pub struct EvalSet<'a> {
     pub examples: &'a [Example],
     pub batch_size: usize,
     pub pad_id: i64,
+    pub pad_to_multiple_of: usize,
     pub dtype: Kind,
     pub loss_chunk_tokens: i64,
 }
@@ -118,7 +122,7 @@ pub fn eval_loss(model: &dyn Model, params: &[Vec<Tensor>], set: &EvalSet, comm:
     let mine: Vec<&Example> = set.examples.iter().skip(rank).step_by(world).collect();
     let (mut sum, mut count) = (0.0, 0.0);
     for batch in mine.chunks(set.batch_size) {
-        let (ids, labels) = collate(batch, set.pad_id, comm.device());
+        let (ids, labels) = collate(batch, set.pad_id, set.pad_to_multiple_of, comm.device());
         let ctx = model.context(&ids, 0, None, set.dtype, false)?;
         let (hidden, weight) = forward_hidden(model, params, &ids, &ctx, None);
         let (s, c) = lm_loss_sum(&hidden, &weight, &labels, set.loss_chunk_tokens)?;
@@ -197,6 +201,10 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         }
     }
 
+    let sampler = match device {
+        Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
+        _ => None,
+    };
     let (mut memory_sum, mut memory_min, mut memory_samples) = (0.0, f64::INFINITY, 0usize);
     let (mut train_seconds, mut train_tokens, mut train_samples) = (0.0, 0usize, 0usize);
     let (mut eval_seconds, mut eval_examples) = (0.0, 0usize);
@@ -216,7 +224,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             let mut loss = Tensor::zeros([], (Kind::Float, device));
             for micro in 0..config.grad_accum {
                 let batch: Vec<&Example> = layout.micro(&order, epoch_step, rank, micro).iter().map(|&i| &fit.train[i]).collect();
-                let (ids, labels) = collate(&batch, fit.pad_id, device);
+                let (ids, labels) = collate(&batch, fit.pad_id, fit.pad_to_multiple_of, device);
                 train_tokens += ids.numel();
                 loss += trainer.forward_backward(&ids, &labels, normalizer, micro + 1 == config.grad_accum)?;
             }
@@ -284,6 +292,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             examples: fit.eval,
             batch_size: config.batch_size,
             pad_id: fit.pad_id,
+            pad_to_multiple_of: fit.pad_to_multiple_of,
             dtype: fit.dtype,
             loss_chunk_tokens: config.loss_chunk_tokens,
         };
@@ -311,7 +320,12 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         sink.finish()?;
     }
 
-    // Every rank's memory, gathered as a [world, 3] table.
+    // Every rank's utilisation (-1 where NVML was absent), then memory as a [world, 3] table.
+    let utilisation = sampler.and_then(|s| s.finish()).unwrap_or(-1.0);
+    let mut per_rank = vec![0.0; world];
+    per_rank[rank] = utilisation + 1.0;
+    let per_rank: Vec<f64> = sum_over_ranks(fit.comm, &per_rank)?.into_iter().map(|u| u - 1.0).collect();
+    let gpu_utilisation_per_rank = per_rank.iter().all(|u| *u >= 0.0).then_some(per_rank);
     let mine = [memory_peak(device), memory_sum / memory_samples.max(1) as f64, memory_min];
     let mut table = vec![0.0; 3 * world];
     table[3 * rank..3 * rank + 3].copy_from_slice(&mine);
@@ -338,6 +352,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         mfu,
         memory_kind: if matches!(device, Device::Cuda(_)) { "CUDA allocated" } else { "process RSS" }.into(),
         memory_per_rank,
+        gpu_utilisation_per_rank,
     };
     Ok((summary, trainer.params()))
 }

@@ -11,6 +11,7 @@ pub mod dataset;
 pub mod env;
 pub mod fit;
 pub mod generate;
+pub mod gpu;
 pub mod metrics;
 pub mod model;
 pub mod offload;
