@@ -61,6 +61,7 @@ pub fn run(args: BenchArgs) -> Result<i32> {
         loss_chunk_tokens: args.loss_chunk_tokens,
         activation_checkpointing: args.activation_checkpointing,
         seed: 0,
+        ..TrainOptions::default()
     };
     let mut trainer = Trainer::new(model.as_ref(), &params, options);
     drop(params);
@@ -155,7 +156,7 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     synchronize();
     let start = Instant::now();
     for _ in 0..REPEATS {
-        let _outputs = ft_core::train::lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens())?;
+        let _outputs = ft_core::train::lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None)?;
     }
     synchronize();
     let head = start.elapsed().as_secs_f64();

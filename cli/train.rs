@@ -50,7 +50,7 @@ pub struct TrainArgs {
     lr: Option<f64>,
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// auto, f32 or bf16.
+    /// auto, f32, bf16 or fp16 (dynamic loss scaling).
     #[arg(long)]
     dtype: Option<String>,
     /// auto, cpu or cuda.
@@ -168,9 +168,11 @@ fn validate(config: &Config) -> Result<()> {
         bail!("set data.train (--train-file) to train {}; only the demo model brings its own data", config.model.source);
     }
     match t.dtype.as_str() {
-        "auto" | "f32" | "fp32" | "bf16" => {}
-        "fp16" | "f16" => bail!("train.dtype fp16 (with loss scaling) is not supported yet: use bf16 or f32"),
-        other => bail!("train.dtype {other:?} is not one of auto, f32, bf16"),
+        "auto" | "f32" | "fp32" | "bf16" | "fp16" | "f16" => {}
+        other => bail!("train.dtype {other:?} is not one of auto, f32, bf16, fp16"),
+    }
+    if !(t.initial_loss_scale >= 1.0) {
+        bail!("train.initial_loss_scale must be at least 1 (got {})", t.initial_loss_scale);
     }
     let registry = Registry::builtin();
     for sink in &config.output.sinks {
@@ -207,6 +209,7 @@ fn device_and_dtype(config: &Config, env: &DistEnv) -> Result<(Device, Kind)> {
     };
     let dtype = match (config.train.dtype.as_str(), device) {
         ("auto", Device::Cuda(_)) | ("bf16", _) => Kind::BFloat16,
+        ("fp16" | "f16", _) => Kind::Half,
         _ => Kind::Float,
     };
     Ok((device, dtype))

@@ -32,7 +32,7 @@ fn fused_head_loss_equals_autograd_cross_entropy() {
     let count = labels.narrow(1, 1, 8).ne(-100).sum(Kind::Float).double_value(&[]);
     for chunk in [3, 100] {
         let (loss, grad_hidden, grad_weight) =
-            lm_head_loss_and_grads(&hidden.detach(), &weight.detach(), &labels, count, chunk).unwrap();
+            lm_head_loss_and_grads(&hidden.detach(), &weight.detach(), &labels, count, chunk, None).unwrap();
         assert!(max_relative(&loss.to_kind(Kind::Double), &reference.detach()) < 1e-6);
         assert!(max_relative(&grad_hidden, &hidden.grad()) < 1e-6, "hidden grad, chunk {chunk}");
         assert!(max_relative(&grad_weight, &weight.grad()) < 1e-6, "weight grad, chunk {chunk}");
@@ -115,5 +115,38 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
             let expected = p - (&g / (g.abs() + hyper.eps)) * hyper.lr;
             assert!(max_relative(&new, &expected) < 1e-5);
         }
+    }
+}
+
+#[test]
+fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
+    let (model, params, ids) = fixture("bloom");
+    let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
+    let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
+    let run = |dtype: Kind, initial_loss_scale: f64, steps: usize| {
+        let options = TrainOptions { dtype, adamw: hyper, initial_loss_scale, ..Default::default() };
+        let mut trainer = Trainer::new(model.as_ref(), &params, options);
+        let mut losses = vec![];
+        for _ in 0..steps {
+            losses.push(trainer.forward_backward(&ids, &ids, count, true).unwrap().double_value(&[]));
+            let _norm = trainer.step(hyper.lr).unwrap();
+        }
+        (losses, trainer.loss_scale(), trainer.params())
+    };
+    let (fp32, no_scale, _) = run(Kind::Float, 1.0, 5);
+    assert_eq!(no_scale, None);
+    let (fp16, scale, _) = run(Kind::Half, 1024.0, 5);
+    assert_eq!(scale, Some(1024.0), "no overflow, no growth before 2000 clean steps");
+    for (a, b) in fp16.iter().zip(&fp32) {
+        assert!((a - b).abs() < 1e-2 * b, "fp16 {a} vs fp32 {b}");
+    }
+    assert!(fp16[4] < fp16[0], "fp16 training lowers the loss: {fp16:?}");
+
+    // A scale that overflows fp16 gradients: the step is skipped and the scale halves.
+    let huge = 2f64.powi(100);
+    let (_, scale, after) = run(Kind::Half, huge, 1);
+    assert_eq!(scale, Some(huge / 2.0));
+    for (a, b) in after.iter().flatten().zip(params.iter().flatten()) {
+        assert!(a.equal(b), "a skipped step leaves the weights alone");
     }
 }

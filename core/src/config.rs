@@ -94,8 +94,11 @@ pub struct TrainConfig {
     pub schedule: crate::schedule::Schedule,
     /// 0 disables clipping.
     pub max_grad_norm: f64,
-    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32 or bf16.
+    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, or fp16
+    /// (with dynamic loss scaling).
     pub dtype: String,
+    /// fp16's first loss scale.
+    pub initial_loss_scale: f64,
     /// auto (the rank's GPU when there is one), cpu or cuda.
     pub device: String,
     pub seed: u64,
@@ -129,6 +132,7 @@ impl Default for TrainConfig {
             schedule: crate::schedule::Schedule::Linear,
             max_grad_norm: 1.0,
             dtype: "auto".into(),
+            initial_loss_scale: 65536.0,
             device: "auto".into(),
             seed: 42,
             activation_checkpointing: false,

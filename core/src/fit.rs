@@ -185,6 +185,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         loss_chunk_tokens: config.loss_chunk_tokens,
         activation_checkpointing: config.activation_checkpointing,
         seed: config.seed as i64,
+        initial_loss_scale: config.initial_loss_scale,
     };
     let mut trainer = Trainer::new(fit.model, &params, options);
     drop(params);

@@ -158,6 +158,9 @@ pub struct TrainOptions {
     pub activation_checkpointing: bool,
     /// Seeds dropout, so recomputation repeats the same masks.
     pub seed: i64,
+    /// fp16's first loss scale (dynamic: halved on overflow, doubled after
+    /// 2000 clean steps, as torch.amp.GradScaler does).
+    pub initial_loss_scale: f64,
 }
 
 impl Default for TrainOptions {
@@ -169,8 +172,15 @@ impl Default for TrainOptions {
             loss_chunk_tokens: 1024,
             activation_checkpointing: false,
             seed: 0,
+            initial_loss_scale: 65536.0,
         }
     }
+}
+
+/// fp16's dynamic loss scale, on the device (no host synchronisation).
+struct LossScaler {
+    scale: Tensor,
+    growth_tracker: Tensor,
 }
 
 /// Loss and gradients of the LM head, `chunk` tokens at a time, without
@@ -185,6 +195,7 @@ pub fn lm_head_loss_and_grads(
     labels: &Tensor,
     normalizer: f64,
     chunk: i64,
+    grad_multiplier: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
@@ -215,8 +226,12 @@ pub fn lm_head_loss_and_grads(
         let mut probs = log_probs;
         let _ = probs.exp_();
         let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+        let row_scale = match grad_multiplier {
+            Some(multiplier) => &scale * multiplier,
+            None => scale.shallow_clone(),
+        };
         let mut grad_logits = probs.to_kind(weight.kind());
-        let _ = grad_logits.g_mul_(&scale.to_kind(weight.kind()).unsqueeze(1));
+        let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
         grad_inputs.push(grad_logits.matmul(weight));
         grad_weight = Some(match grad_weight {
             None => grad_logits.tr().matmul(&h),
@@ -261,6 +276,8 @@ pub struct Trainer<'m> {
     pending_micro_batches: usize,
     /// Replicas whose gradients are summed (data parallelism), if any.
     replicas: Option<&'m ProcessGroup>,
+    /// Present when computing in fp16.
+    scaler: Option<LossScaler>,
 }
 
 impl<'m> Trainer<'m> {
@@ -269,7 +286,12 @@ impl<'m> Trainer<'m> {
         let units: Vec<FlatUnit> =
             model.units().iter().zip(params).map(|(spec, t)| FlatUnit::new(spec, t, options.dtype)).collect();
         let device = units[0].master.device();
+        let scaler = (options.dtype == Kind::Half).then(|| LossScaler {
+            scale: Tensor::from_slice(&[options.initial_loss_scale as f32]).to_device(device),
+            growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
+        });
         Trainer {
+            scaler,
             model,
             units,
             options,
@@ -345,6 +367,7 @@ impl<'m> Trainer<'m> {
                         labels,
                         normalizer,
                         self.options.loss_chunk_tokens,
+                        self.scaler.as_ref().map(|s| &s.scale),
                     )?;
                     loss = Some(stage_loss);
                     saved.push(Saved { input: Some(input), outputs: vec![hidden, weight], grads: vec![grad_hidden, grad_weight] });
@@ -393,9 +416,19 @@ impl<'m> Trainer<'m> {
             bail!("step() without a forward_backward() since the last step");
         }
         let norms: Vec<Tensor> = self.units.iter().map(|u| u.grad.norm()).collect();
-        let total_norm = Tensor::stack(&norms, 0).norm();
+        let mut total_norm = Tensor::stack(&norms, 0).norm();
+        // fp16: gradients carry the loss scale; an overflow skips the step.
+        let found_inf = self.scaler.is_some().then(|| total_norm.isfinite().logical_not().to_kind(Kind::Float).reshape([1]));
+        if let Some(scaler) = &self.scaler {
+            total_norm = &total_norm / scaler.scale.squeeze();
+        }
         // Clipping divides every gradient by max(1, norm / max_norm), inside AdamW's kernel.
-        let grad_scale = self.options.max_grad_norm.map(|max_norm| (&total_norm / max_norm).clamp_min(1.0));
+        let clip = self.options.max_grad_norm.map(|max_norm| (&total_norm / max_norm).clamp_min(1.0));
+        let grad_scale = match (&self.scaler, clip) {
+            (Some(scaler), Some(clip)) => Some(scaler.scale.squeeze() * clip),
+            (Some(scaler), None) => Some(scaler.scale.squeeze()),
+            (None, clip) => clip,
+        };
         let _ = self.step.g_add_scalar_(1.0);
         let hyper = AdamW { lr, ..self.options.adamw };
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
@@ -416,8 +449,13 @@ impl<'m> Trainer<'m> {
             let m: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg, u)).collect();
             let v: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg_sq, u)).collect();
             let steps: Vec<&Tensor> = chosen.iter().map(|_| &self.step).collect();
-            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref())
+            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
                 .map_err(anyhow::Error::msg)?;
+        }
+        if let (Some(scaler), Some(found_inf)) = (&mut self.scaler, &found_inf) {
+            // A skipped step does not count (as torch.optim's fused AdamW does).
+            let _ = self.step.g_sub_(&found_inf.squeeze());
+            let _ = scaler.scale.internal_amp_update_scale_(&scaler.growth_tracker, found_inf, 2.0, 0.5, 2000);
         }
         for unit in &mut self.units {
             if unit.compute.kind() != Kind::Float {
@@ -468,6 +506,11 @@ impl<'m> Trainer<'m> {
     /// The current fp32 parameters, per unit, shaped as the model declares them.
     pub fn params(&self) -> Vec<Vec<Tensor>> {
         self.units.iter().map(FlatUnit::master_params).collect()
+    }
+
+    /// fp16's current loss scale (None in other dtypes).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
     }
 
     pub fn loss_chunk_tokens(&self) -> i64 {

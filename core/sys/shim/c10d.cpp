@@ -288,11 +288,12 @@ char* ft_backward(at::Tensor** outputs, at::Tensor** grad_outputs, int count) {
 // CUDA, its vectorised loop on CPU). `steps` are float tensors the caller has
 // already incremented, as torch.optim.AdamW does before the same call.
 // `grad_scale` (may be NULL) divides every gradient inside the kernel: the
-// global-norm clip factor rides along instead of costing its own pass.
+// global-norm clip factor and fp16's loss scale ride along instead of costing
+// their own passes. A non-zero `found_inf` (may be NULL) skips the update.
 char* ft_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
                      at::Tensor** exp_avg_sqs, at::Tensor** steps, int count, double lr,
                      double beta1, double beta2, double weight_decay, double eps,
-                     at::Tensor* grad_scale) {
+                     at::Tensor* grad_scale, at::Tensor* found_inf) {
   return guarded([&] {
     std::vector<at::Tensor> p, g, m, v, t;
     for (int i = 0; i < count; ++i) {
@@ -302,12 +303,15 @@ char* ft_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_a
       v.push_back(*exp_avg_sqs[i]);
       t.push_back(*steps[i]);
     }
-    std::optional<at::Tensor> scale;
+    std::optional<at::Tensor> scale, inf;
     if (grad_scale != nullptr) {
       scale = *grad_scale;
     }
+    if (found_inf != nullptr) {
+      inf = *found_inf;
+    }
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false, scale, /*found_inf=*/std::nullopt);
+                      /*amsgrad=*/false, /*maximize=*/false, scale, inf);
   });
 }
 

@@ -83,6 +83,7 @@ extern "C" {
         weight_decay: f64,
         eps: f64,
         grad_scale: *mut RawTensor,
+        found_inf: *mut RawTensor,
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
 }
@@ -300,7 +301,8 @@ pub struct AdamW {
 }
 
 /// ATen's `_fused_adamw_` over parallel lists; `steps` must already count
-/// this step. `grad_scale`, a one-element tensor, divides every gradient.
+/// this step. `grad_scale`, a one-element tensor, divides every gradient;
+/// a non-zero `found_inf` (one element) makes the step a no-op.
 pub fn fused_adamw(
     params: &[&Tensor],
     grads: &[&Tensor],
@@ -309,6 +311,7 @@ pub fn fused_adamw(
     steps: &[&Tensor],
     hyper: AdamW,
     grad_scale: Option<&Tensor>,
+    found_inf: Option<&Tensor>,
 ) -> Result<()> {
     let n = params.len();
     assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|l| *l == n));
@@ -328,6 +331,7 @@ pub fn fused_adamw(
             hyper.weight_decay,
             hyper.eps,
             grad_scale.map_or(std::ptr::null_mut(), tensor_ptr),
+            found_inf.map_or(std::ptr::null_mut(), tensor_ptr),
         )
     })
 }
