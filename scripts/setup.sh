@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
 CUDA_TOOLKIT_VERSION=13.0.2
 TENSORBOARD_VERSION=2.21.0
+TRANSFORMERS_VERSION=5.23.0
 
 if [ ! -f /usr/include/gloo/config.h ]; then
   echo "setup: installing Gloo headers (Debian libgloo-dev)"
@@ -32,9 +33,11 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "torch==$TORCH_VERSION" "cuda-toolkit[crt,cccl]==$CUDA_TOOLKIT_VERSION"
 fi
-# The tests read ft's TensorBoard files with TensorBoard's own reader.
-if ! .venv/bin/python -c "import tensorboard" 2>/dev/null; then
-  echo "setup: installing tensorboard into .venv (for the tests)"
-  .venv/bin/pip install --quiet --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION"
+# The tests check ft's outputs with the reference readers: TensorBoard's for
+# event files, transformers' for exported models.
+if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
+  echo "setup: installing tensorboard and transformers into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check \
+    "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
 fi
 echo "setup: done ($(du -sh .venv | cut -f1) in .venv)"

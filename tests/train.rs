@@ -251,3 +251,42 @@ fn export_and_eval_reproduce_the_run() {
     assert!(log.contains("EM ") && log.contains("F1 "), "{log}");
     assert!(dir.path().join("eval/predictions.json").exists());
 }
+
+#[test]
+fn an_exported_model_loads_in_transformers_with_equal_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    train(dir.path(), &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "12"]);
+    let exported = dir.path().join("exported");
+    let output = Command::new(FT)
+        .args(["export", "--checkpoint", "latest", "--output-dir", dir.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+
+    let ids: Vec<Vec<i64>> = vec![vec![5, 17, 42, 99, 3, 250, 7, 64, 12, 300]];
+    let ids_file = dir.path().join("ids.json");
+    std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
+    let ours = dir.path().join("ft-logits.safetensors");
+    let output = Command::new(FT)
+        .args(["forward", "--model", exported.to_str().unwrap(), "--ids", ids_file.to_str().unwrap(), "--out", ours.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let script = "import json, sys, torch\n\
+from safetensors.torch import load_file\n\
+from transformers import AutoModelForCausalLM\n\
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n\
+ids = torch.tensor(json.load(open(sys.argv[2])))\n\
+with torch.no_grad(): theirs = model(input_ids=ids).logits\n\
+ours = load_file(sys.argv[3])['logits']\n\
+print(((ours - theirs).abs().max() / theirs.abs().max()).item())";
+    let output = Command::new(python)
+        .args(["-c", script, exported.to_str().unwrap(), ids_file.to_str().unwrap(), ours.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let error: f64 = String::from_utf8_lossy(&output.stdout).trim().lines().last().unwrap().parse().unwrap();
+    assert!(error < 1e-5, "transformers' logits differ from ft's by {error:e}");
+}
