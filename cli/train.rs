@@ -79,61 +79,48 @@ pub struct TrainArgs {
     dry_run: bool,
 }
 
+/// Config overrides from flags: each given flag sets its dotted key.
+#[derive(Default)]
+struct Overrides(Vec<(&'static str, Value)>);
+
+impl Overrides {
+    fn set<T: Into<Value>>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        if let Some(value) = value {
+            self.0.push((key, value.into()));
+        }
+        self
+    }
+
+    fn path(&mut self, key: &'static str, value: Option<&PathBuf>) -> &mut Self {
+        self.set(key, value.map(|p| p.display().to_string()))
+    }
+}
+
 impl TrainArgs {
     fn overrides(&self) -> Vec<(&'static str, Value)> {
-        let mut o: Vec<(&'static str, Value)> = vec![];
-        let path = |p: &PathBuf| Value::from(p.display().to_string());
-        if let Some(v) = &self.model {
-            o.push(("model.source", v.as_str().into()));
-        }
-        if let Some(v) = &self.train_file {
-            o.push(("data.train", path(v)));
-        }
-        if let Some(v) = &self.eval_file {
-            o.push(("data.eval", path(v)));
-        }
-        if let Some(v) = &self.tokenizer {
-            o.push(("data.tokenizer", path(v)));
-        }
-        for (key, value) in [
-            ("data.max_seq_len", self.max_seq_len),
-            ("data.train_samples", self.train_samples),
-            ("data.eval_samples", self.eval_samples),
-            ("train.epochs", self.epochs),
-            ("train.batch_size", self.batch_size),
-            ("train.grad_accum", self.grad_accum),
-            ("launch.nproc_per_node", self.nproc_per_node),
-            ("train.save_every", self.save_every),
-            ("train.save_total_limit", self.save_total_limit),
-        ] {
-            if let Some(v) = value {
-                o.push((key, v.into()));
-            }
-        }
-        for (key, value) in [("train.lr", self.lr), ("train.weight_decay", self.weight_decay)] {
-            if let Some(v) = value {
-                o.push((key, v.into()));
-            }
-        }
-        if let Some(v) = &self.dtype {
-            o.push(("train.dtype", v.as_str().into()));
-        }
-        if let Some(v) = &self.resume {
-            o.push(("train.resume", v.as_str().into()));
-        }
-        if let Some(v) = &self.device {
-            o.push(("train.device", v.as_str().into()));
-        }
-        if let Some(v) = self.seed {
-            o.push(("train.seed", v.into()));
-        }
-        if self.activation_checkpointing {
-            o.push(("train.activation_checkpointing", true.into()));
-        }
-        if let Some(v) = &self.output_dir {
-            o.push(("output.dir", path(v)));
-        }
-        o
+        let mut o = Overrides::default();
+        o.set("model.source", self.model.clone())
+            .path("data.train", self.train_file.as_ref())
+            .path("data.eval", self.eval_file.as_ref())
+            .path("data.tokenizer", self.tokenizer.as_ref())
+            .set("data.max_seq_len", self.max_seq_len)
+            .set("data.train_samples", self.train_samples)
+            .set("data.eval_samples", self.eval_samples)
+            .set("train.epochs", self.epochs)
+            .set("train.batch_size", self.batch_size)
+            .set("train.grad_accum", self.grad_accum)
+            .set("train.lr", self.lr)
+            .set("train.weight_decay", self.weight_decay)
+            .set("train.dtype", self.dtype.clone())
+            .set("train.device", self.device.clone())
+            .set("train.seed", self.seed)
+            .set("train.activation_checkpointing", self.activation_checkpointing.then_some(true))
+            .set("train.save_every", self.save_every)
+            .set("train.save_total_limit", self.save_total_limit)
+            .set("train.resume", self.resume.clone())
+            .path("output.dir", self.output_dir.as_ref())
+            .set("launch.nproc_per_node", self.nproc_per_node);
+        o.0
     }
 }
 
@@ -335,6 +322,26 @@ struct QaEval<'a> {
     predictions: BTreeMap<String, String>,
 }
 
+impl<'a> QaEval<'a> {
+    /// The evaluator of this rank's share of `questions`.
+    fn new(tokenizer: &'a Tokenizer, questions: &'a [squad::QaExample], config: &Config, comm: &Communicator) -> QaEval<'a> {
+        let (rank, world) = (comm.env().rank, comm.env().world_size);
+        QaEval {
+            tokenizer,
+            questions: questions.iter().skip(rank).step_by(world).collect(),
+            max_seq_len: config.data.max_seq_len,
+            max_new_tokens: config.train.eval_max_new_tokens,
+            eos: prompt::eos_id(tokenizer),
+            predictions: BTreeMap::new(),
+        }
+    }
+}
+
+/// Padding uses the tokenizer's pad token, else its end token (never read: no loss, causal).
+fn pad_id(tokenizer: &Tokenizer) -> i64 {
+    tokenizer.get_padding().map(|p| p.pad_id as i64).or(prompt::eos_id(tokenizer)).unwrap_or(0)
+}
+
 impl GenerationEval for QaEval<'_> {
     fn evaluate(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, _epoch: usize) -> Result<(BTreeMap<String, f64>, usize)> {
         let (mut em, mut f1) = (0.0, 0.0);
@@ -386,16 +393,9 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
         Some(path) => load_examples(path, &tokenizer, config, config.data.eval_samples)?,
         None => (vec![], vec![]),
     };
-    let pad_id = tokenizer.get_padding().map(|p| p.pad_id as i64).or(prompt::eos_id(&tokenizer)).unwrap_or(0);
+    let pad_id = pad_id(&tokenizer);
     let world = comm.env().world_size;
-    let mut qa_eval = QaEval {
-        tokenizer: &tokenizer,
-        questions: questions.iter().skip(rank).step_by(world).collect(),
-        max_seq_len: config.data.max_seq_len,
-        max_new_tokens: config.train.eval_max_new_tokens,
-        eos: prompt::eos_id(&tokenizer),
-        predictions: BTreeMap::new(),
-    };
+    let mut qa_eval = QaEval::new(&tokenizer, &questions, config, &comm);
     let registry = Registry::builtin();
     let sinks = if rank == 0 {
         let append = config.train.resume.is_some();
@@ -573,28 +573,18 @@ pub struct EvalArgs {
 }
 
 pub fn eval(args: EvalArgs) -> Result<i32> {
-    let mut overrides: Vec<(&'static str, Value)> = vec![
-        ("model.source", args.model.as_str().into()),
-        ("data.eval", args.eval_file.display().to_string().into()),
-    ];
-    for (key, value) in [
-        ("data.eval_samples", args.eval_samples),
-        ("data.max_seq_len", args.max_seq_len),
-        ("train.batch_size", args.batch_size),
-        ("launch.nproc_per_node", args.nproc_per_node),
-    ] {
-        if let Some(v) = value {
-            overrides.push((key, v.into()));
-        }
-    }
-    for (key, value) in [("train.dtype", &args.dtype), ("train.device", &args.device)] {
-        if let Some(v) = value {
-            overrides.push((key, v.as_str().into()));
-        }
-    }
-    if let Some(dir) = &args.output_dir {
-        overrides.push(("output.dir", dir.display().to_string().into()));
-    }
+    let mut overrides = Overrides::default();
+    overrides
+        .set("model.source", Some(args.model.clone()))
+        .path("data.eval", Some(&args.eval_file))
+        .set("data.eval_samples", args.eval_samples)
+        .set("data.max_seq_len", args.max_seq_len)
+        .set("train.batch_size", args.batch_size)
+        .set("train.dtype", args.dtype.clone())
+        .set("train.device", args.device.clone())
+        .path("output.dir", args.output_dir.as_ref())
+        .set("launch.nproc_per_node", args.nproc_per_node);
+    let overrides = overrides.0;
     let config = Config::load(args.config.path.as_deref(), &overrides)?;
     let env = DistEnv::from_env()?;
     if env.source == ft_core::env::EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
@@ -613,21 +603,14 @@ pub fn eval(args: EvalArgs) -> Result<i32> {
     let set = fit::EvalSet {
         examples: &examples,
         batch_size: config.train.batch_size,
-        pad_id: prompt::eos_id(&tokenizer).unwrap_or(0),
+        pad_id: pad_id(&tokenizer),
         pad_to_multiple_of: pad_multiple(&config, device),
         dtype,
         loss_chunk_tokens: config.train.loss_chunk_tokens,
     };
     let loss = fit::eval_loss(model.as_ref(), &params, &set, &comm)?;
-    let (rank, world) = (comm.env().rank, comm.env().world_size);
-    let mut qa_eval = QaEval {
-        tokenizer: &tokenizer,
-        questions: questions.iter().skip(rank).step_by(world).collect(),
-        max_seq_len: config.data.max_seq_len,
-        max_new_tokens: config.train.eval_max_new_tokens,
-        eos: prompt::eos_id(&tokenizer),
-        predictions: BTreeMap::new(),
-    };
+    let rank = comm.env().rank;
+    let mut qa_eval = QaEval::new(&tokenizer, &questions, &config, &comm);
     let scores = if questions.is_empty() {
         BTreeMap::new()
     } else {

@@ -167,6 +167,14 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
 
 const CHECKPOINTED: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "3", "--save-total-limit", "0"];
 
+/// `ft export` of the latest checkpoint in `dir` to `out`.
+fn export_latest(dir: &Path, out: &Path) -> Output {
+    Command::new(FT)
+        .args(["export", "--checkpoint", "latest", "--output-dir", dir.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap()
+}
+
 fn crash(dir: &Path, point: &str) {
     let output = train_command(dir, CHECKPOINTED).env("FT_FAULT_INJECT", point).output().unwrap();
     assert!(!output.status.success(), "the injected crash did not happen: {}", text(&output));
@@ -206,10 +214,7 @@ fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_c
     assert!(names.contains(&"step-00000006".to_string()) && !names.contains(&"step-00000009".to_string()), "{names:?}");
     assert!(names.iter().any(|n| n.starts_with(".step-00000009.tmp")), "the partial save stays hidden: {names:?}");
     let exported = torn.path().join("exported");
-    let output = Command::new(FT)
-        .args(["export", "--checkpoint", "latest", "--output-dir", torn.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let output = export_latest(torn.path(), &exported);
     assert!(text(&output).contains("exported step 6"), "{}", text(&output));
     let all = train(torn.path(), &resumed);
     assert_eq!(all[all.len() - 6..], expected[6..]);
@@ -220,10 +225,7 @@ fn export_and_eval_reproduce_the_run() {
     let dir = tempfile::tempdir().unwrap();
     train(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);
     let exported = dir.path().join("exported");
-    let output = Command::new(FT)
-        .args(["export", "--checkpoint", "latest", "--output-dir", dir.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let output = export_latest(dir.path(), &exported);
     assert!(output.status.success(), "{}", text(&output));
     // The exported checkpoint of the last step holds the final weights.
     let final_weights = tch::Tensor::read_safetensors(dir.path().join("final/model.safetensors")).unwrap();
@@ -257,10 +259,7 @@ fn an_exported_model_loads_in_transformers_with_equal_logits() {
     let dir = tempfile::tempdir().unwrap();
     train(dir.path(), &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "12"]);
     let exported = dir.path().join("exported");
-    let output = Command::new(FT)
-        .args(["export", "--checkpoint", "latest", "--output-dir", dir.path().to_str().unwrap(), "--out", exported.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let output = export_latest(dir.path(), &exported);
     assert!(output.status.success(), "{}", text(&output));
 
     let ids: Vec<Vec<i64>> = vec![vec![5, 17, 42, 99, 3, 250, 7, 64, 12, 300]];

@@ -258,13 +258,7 @@ fn describe(error: figment::Error) -> String {
             figment::error::Kind::UnknownField(field, expected) => {
                 // figment's path already ends with the unknown field.
                 let path = e.path.clone();
-                let suggestion = expected
-                    .iter()
-                    .map(|known| (strsim::jaro_winkler(field, known), *known))
-                    .filter(|(score, _)| *score > 0.8)
-                    .max_by(|a, b| a.0.total_cmp(&b.0))
-                    .map(|(_, known)| format!("; did you mean `{known}`?"))
-                    .unwrap_or_default();
+                let suggestion = crate::registry::did_you_mean(field, expected);
                 format!(
                     "unknown config key `{}`{location}{suggestion} (known keys here: {})",
                     path.join("."),

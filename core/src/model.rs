@@ -152,14 +152,42 @@ pub struct Dims {
     pub max_positions: Option<i64>,
 }
 
+/// What an architecture declares once, from its config.json: its units and
+/// the order its stages run in.
+pub struct Layout {
+    /// The config.json the model was built from (written back on export).
+    pub hf_config: serde_json::Value,
+    pub units: Vec<UnitSpec>,
+    pub stages: Vec<Stage>,
+}
+
+impl Layout {
+    /// Embedding on unit 0, one block per unit of `blocks`, head on `head_unit`.
+    pub fn new(hf_config: serde_json::Value, units: Vec<UnitSpec>, blocks: std::ops::Range<usize>, head_unit: usize) -> Layout {
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
+        stages.extend(blocks.map(|unit| Stage { unit, kind: StageKind::Block }));
+        stages.push(Stage { unit: head_unit, kind: StageKind::Head });
+        Layout { hf_config, units, stages }
+    }
+}
+
 pub trait Model: Send + Sync {
-    /// The Hugging Face `model_type`.
-    fn model_type(&self) -> &str;
-    fn units(&self) -> &[UnitSpec];
-    fn stages(&self) -> &[Stage];
+    fn layout(&self) -> &Layout;
     fn dims(&self) -> Dims;
-    /// The config.json this model was built from (written back on export).
-    fn hf_config(&self) -> &serde_json::Value;
+
+    /// The Hugging Face `model_type`.
+    fn model_type(&self) -> &str {
+        self.layout().hf_config["model_type"].as_str().unwrap_or("unknown")
+    }
+    fn units(&self) -> &[UnitSpec] {
+        &self.layout().units
+    }
+    fn stages(&self) -> &[Stage] {
+        &self.layout().stages
+    }
+    fn hf_config(&self) -> &serde_json::Value {
+        &self.layout().hf_config
+    }
 
     /// Builds what the blocks share for a batch of `input_ids` [batch, seq]
     /// that follows `past` cached positions. `padding_mask` [batch, past+seq]

@@ -3,7 +3,7 @@
 
 use crate::config_field;
 use anyhow::Result;
-use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -31,9 +31,7 @@ fn default_std() -> f64 {
 
 pub struct Bloom {
     config: Config,
-    hf_config: serde_json::Value,
-    units: Vec<UnitSpec>,
-    stages: Vec<Stage>,
+    layout: Layout,
     /// ALiBi slope of each head.
     slopes: Vec<f64>,
 }
@@ -81,10 +79,9 @@ impl Bloom {
             params.extend(norm(&prefix, "post_attention_layernorm"));
             units.push(UnitSpec { name: format!("block {layer}"), params });
         }
-        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
-        stages.extend((1..=config.n_layer as usize).map(|unit| Stage { unit, kind: StageKind::Block }));
-        stages.push(Stage { unit: 0, kind: StageKind::Head });
-        Ok(Bloom { slopes: alibi_slopes(config.n_head), config, hf_config, units, stages })
+        // The embedding unit runs again as the head: the LM head is the embedding.
+        let layout = Layout::new(hf_config, units, 1..config.n_layer as usize + 1, 0);
+        Ok(Bloom { slopes: alibi_slopes(config.n_head), config, layout })
     }
 
     fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
@@ -94,17 +91,8 @@ impl Bloom {
 }
 
 impl Model for Bloom {
-    fn model_type(&self) -> &str {
-        "bloom"
-    }
-    fn units(&self) -> &[UnitSpec] {
-        &self.units
-    }
-    fn stages(&self) -> &[Stage] {
-        &self.stages
-    }
-    fn hf_config(&self) -> &serde_json::Value {
-        &self.hf_config
+    fn layout(&self) -> &Layout {
+        &self.layout
     }
     fn dims(&self) -> Dims {
         let c = &self.config;

@@ -4,7 +4,7 @@
 
 use crate::config_field;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -59,9 +59,7 @@ fn default_std() -> f64 {
 
 pub struct Llama {
     config: Config,
-    hf_config: serde_json::Value,
-    units: Vec<UnitSpec>,
-    stages: Vec<Stage>,
+    layout: Layout,
     head_dim: i64,
     kv_heads: i64,
     /// Positions are divided by this before rotation (linear RoPE scaling).
@@ -110,19 +108,18 @@ impl Llama {
             params.push(ParamSpec::new(&prefix, "post_attention_layernorm.weight", &[d], Init::Ones));
             units.push(UnitSpec { name: format!("block {layer}"), params });
         }
-        let blocks = (1..=config.num_hidden_layers as usize).map(|unit| Stage { unit, kind: StageKind::Block });
-        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
-        stages.extend(blocks);
-        if config.tie_word_embeddings {
+        let blocks = 1..config.num_hidden_layers as usize + 1;
+        let head_unit = if config.tie_word_embeddings {
             units[0].params.push(norm);
             units[0].name = "embed+head".into();
-            stages.push(Stage { unit: 0, kind: StageKind::Head });
+            0
         } else {
             let lm_head = ParamSpec::new("", "lm_head.weight", &[config.vocab_size, d], normal);
             units.push(UnitSpec { name: "head".into(), params: vec![norm, lm_head] });
-            stages.push(Stage { unit: units.len() - 1, kind: StageKind::Head });
-        }
-        Ok(Llama { config, hf_config, units, stages, head_dim, kv_heads, position_scale })
+            units.len() - 1
+        };
+        let layout = Layout::new(hf_config, units, blocks, head_unit);
+        Ok(Llama { config, layout, head_dim, kv_heads, position_scale })
     }
 
     fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
@@ -141,17 +138,8 @@ fn rotate_half(x: &Tensor) -> Tensor {
 }
 
 impl Model for Llama {
-    fn model_type(&self) -> &str {
-        "llama"
-    }
-    fn units(&self) -> &[UnitSpec] {
-        &self.units
-    }
-    fn stages(&self) -> &[Stage] {
-        &self.stages
-    }
-    fn hf_config(&self) -> &serde_json::Value {
-        &self.hf_config
+    fn layout(&self) -> &Layout {
+        &self.layout
     }
     fn dims(&self) -> Dims {
         let c = &self.config;

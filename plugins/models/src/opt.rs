@@ -4,7 +4,7 @@
 
 use crate::config_field;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, KvCache, Model, ParamSpec, Params, Stage, StageKind, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -49,9 +49,7 @@ fn default_std() -> f64 {
 
 pub struct Opt {
     config: Config,
-    hf_config: serde_json::Value,
-    units: Vec<UnitSpec>,
-    stages: Vec<Stage>,
+    layout: Layout,
 }
 
 impl Opt {
@@ -103,10 +101,9 @@ impl Opt {
             params.extend(norm(&prefix, "final_layer_norm"));
             units.push(UnitSpec { name: format!("block {layer}"), params });
         }
-        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
-        stages.extend((1..=config.num_hidden_layers as usize).map(|unit| Stage { unit, kind: StageKind::Block }));
-        stages.push(Stage { unit: 0, kind: StageKind::Head });
-        Ok(Opt { config, hf_config, units, stages })
+        // The embedding unit runs again as the head: the LM head is the embedding.
+        let layout = Layout::new(hf_config, units, 1..config.num_hidden_layers as usize + 1, 0);
+        Ok(Opt { config, layout })
     }
 
     fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
@@ -120,17 +117,8 @@ impl Opt {
 }
 
 impl Model for Opt {
-    fn model_type(&self) -> &str {
-        "opt"
-    }
-    fn units(&self) -> &[UnitSpec] {
-        &self.units
-    }
-    fn stages(&self) -> &[Stage] {
-        &self.stages
-    }
-    fn hf_config(&self) -> &serde_json::Value {
-        &self.hf_config
+    fn layout(&self) -> &Layout {
+        &self.layout
     }
     fn dims(&self) -> Dims {
         let c = &self.config;
