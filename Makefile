@@ -17,4 +17,4 @@ demo: build
 	$(ENV) target/release/ft train
 
 test: setup
-	$(ENV) cargo test --workspace --all-targets
+	@scripts/test.sh

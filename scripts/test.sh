@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test suite (what `make test` and CI run): every crate's unit tests,
+# the integration tests and the benches in test mode, then one total line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+log="$(mktemp)"
+cargo test --workspace --all-targets 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+awk '/^test result:/ { passed += $4; failed += $6 } END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"
+rm -f "$log"
+exit "$status"
