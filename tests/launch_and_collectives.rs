@@ -223,3 +223,20 @@ fn list_shows_the_registry() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("strategies:") && stdout.contains("jsonl"), "{stdout}");
 }
+
+#[test]
+fn torchrun_no_python_launches_ft_workers() {
+    let torchrun = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/torchrun");
+    let mut command = Command::new(torchrun);
+    command.args(["--nproc-per-node", "2", "--master-port", &free_port().to_string(), "--no-python", FT]);
+    command.args(["comm-test", "--backend", "gloo", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1", "--warmup", "0"]);
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        command.env_remove(var);
+    }
+    let output = command.output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("all collectives gave the expected values on all 2 ranks"), "{log}");
+    // Ranks join torchrun's own store instead of trying to host a second one on its port.
+    assert!(!log.contains("failed to bind"), "{log}");
+}

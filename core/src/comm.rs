@@ -186,7 +186,7 @@ impl GroupBuilder {
 
 impl Communicator {
     /// Rendezvous with every rank through the TCPStore at MASTER_ADDR:MASTER_PORT
-    /// (rank 0 hosts it) and create the world group.
+    /// (rank 0 hosts it, unless torchrun's agent does) and create the world group.
     pub fn init(env: DistEnv, options: &CommOptions) -> Result<Communicator> {
         let kind = match options.backend {
             Backend::Gloo => ft_sys::BackendKind::Gloo,
@@ -213,7 +213,8 @@ impl Communicator {
         // interface that routes to the master so peers on other nodes reach us.
         let gloo_hostname =
             if std::env::var_os("GLOO_SOCKET_IFNAME").is_some() { String::new() } else { env.local_address()? };
-        let store = ft_sys::Store::tcp(&env.master_addr, env.master_port, env.rank == 0, env.world_size, options.timeout)
+        let hosts_store = env.rank == 0 && !env.agent_store;
+        let store = ft_sys::Store::tcp(&env.master_addr, env.master_port, hosts_store, env.world_size, options.timeout)
             .map_err(anyhow::Error::msg)
             .with_context(|| {
                 format!(

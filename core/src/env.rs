@@ -25,6 +25,9 @@ pub struct DistEnv {
     pub master_addr: String,
     pub master_port: u16,
     pub source: EnvSource,
+    /// torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT
+    /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
+    pub agent_store: bool,
 }
 
 fn parse<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
@@ -63,6 +66,7 @@ impl DistEnv {
                 master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
                 master_port: parse("MASTER_PORT", &required("MASTER_PORT")?)?,
                 source: EnvSource::Torchrun,
+                agent_store: get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")),
             }
         } else if let Some(procid) = get("SLURM_PROCID") {
             let world_size = parse("SLURM_NTASKS", &required("SLURM_NTASKS")?)?;
@@ -85,6 +89,7 @@ impl DistEnv {
                     None => 20000 + (job_id % 20000) as u16,
                 },
                 source: EnvSource::Slurm,
+                agent_store: false,
             }
         } else {
             DistEnv {
@@ -95,6 +100,7 @@ impl DistEnv {
                 master_addr: "127.0.0.1".into(),
                 master_port: free_port()?,
                 source: EnvSource::SingleProcess,
+                agent_store: false,
             }
         };
         env.validate()?;
@@ -173,6 +179,7 @@ mod tests {
         .unwrap();
         assert_eq!((e.rank, e.world_size, e.local_rank, e.node_rank(), e.num_nodes()), (5, 8, 1, 1, 2));
         assert_eq!(e.source, EnvSource::Torchrun);
+        assert!(!e.agent_store);
     }
 
     #[test]
