@@ -71,7 +71,21 @@ pub fn collate(examples: &[&Example], pad_id: i64, multiple: usize, device: Devi
     };
     let ids: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.input_ids, pad_id)).collect();
     let labels: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.labels, IGNORE_INDEX)).collect();
-    (Tensor::from_slice2(&ids).to_device(device), Tensor::from_slice2(&labels).to_device(device))
+    (to_device_async(&Tensor::from_slice2(&ids), device), to_device_async(&Tensor::from_slice2(&labels), device))
+}
+
+/// Copies a host tensor to `device` without making the host wait for the
+/// GPU: through pinned memory, asynchronously (a pageable copy would block
+/// until every queued kernel had run, so the host could not run ahead).
+pub fn to_device_async(host: &Tensor, device: Device) -> Tensor {
+    match device {
+        Device::Cpu => host.shallow_clone(),
+        _ => match ft_sys::pin_memory(host) {
+            Ok(pinned) => pinned.to_device_(device, host.kind(), true, false),
+            // Without pinned memory (none left, no driver) the copy is merely synchronous.
+            Err(_) => host.to_device(device),
+        },
+    }
 }
 
 #[cfg(test)]

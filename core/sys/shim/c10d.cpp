@@ -248,6 +248,12 @@ char* ft_work_wait(FtWork* work, int64_t timeout_ms) {
 
 void ft_work_free(FtWork* work) { delete work; }
 
+// A page-locked copy of a host tensor, so that a copy to the GPU can be
+// asynchronous. (tch's pin_memory passes the deprecated device argument.)
+char* ft_pin_memory(at::Tensor* tensor, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(tensor->pin_memory()); });
+}
+
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then
 // writes a fresh gradient instead of adding into a zeroed one.
 char* ft_clear_grad(at::Tensor* tensor) {

@@ -86,6 +86,7 @@ extern "C" {
         found_inf: *mut RawTensor,
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
+    fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
 }
 
 /// A C++ exception's message.
@@ -355,4 +356,12 @@ pub fn cuda_memory(device_index: usize, reset_peak: bool) -> Result<CudaMemory> 
     let mut out = [0i64; 4];
     check(unsafe { ft_cuda_memory_stats(device_index as i32, reset_peak, out.as_mut_ptr()) })?;
     Ok(CudaMemory { allocated: out[0], peak_allocated: out[1], reserved: out[2], peak_reserved: out[3] })
+}
+
+/// A page-locked (pinned) copy of a host tensor.
+pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_pin_memory(tensor_ptr(tensor), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
 }
