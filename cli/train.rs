@@ -169,7 +169,7 @@ fn validate(config: &Config) -> Result<()> {
 }
 
 fn print_plan(config: &Config, env: &DistEnv) {
-    println!("resolved configuration:\n{}", toml_like(config));
+    println!("resolved configuration:\n{}", serde_json::to_string_pretty(config).unwrap_or_default());
     let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
     let t = &config.train;
     println!(
@@ -180,10 +180,6 @@ fn print_plan(config: &Config, env: &DistEnv) {
         t.epochs,
         config.output.dir.display()
     );
-}
-
-fn toml_like(config: &Config) -> String {
-    serde_json::to_string_pretty(config).unwrap_or_default()
 }
 
 /// The device and dtype of this rank: its GPU and bf16 when there is one.

@@ -151,7 +151,7 @@ fn worker(rank: usize, port: u16, timeout_secs: &str) -> std::process::Child {
 fn a_killed_rank_makes_the_others_fail_with_a_clear_error_not_hang() {
     let port = free_port();
     let timeout_secs = 10;
-    let mut survivor = worker(0, port, &timeout_secs.to_string());
+    let survivor = worker(0, port, &timeout_secs.to_string());
     let mut victim = worker(1, port, &timeout_secs.to_string());
     // Kill the victim once it is inside the collectives loop.
     let mut victim_log = BufReader::new(victim.stderr.take().unwrap());

@@ -167,6 +167,15 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
 
 const CHECKPOINTED: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "3", "--save-total-limit", "0"];
 
+/// Trains into `dir` with `extra` flags, then exports its latest checkpoint to `dir/exported`.
+fn train_and_export(dir: &Path, extra: &[&str]) -> std::path::PathBuf {
+    train(dir, extra);
+    let exported = dir.join("exported");
+    let output = export_latest(dir, &exported);
+    assert!(output.status.success(), "{}", text(&output));
+    exported
+}
+
 /// `ft export` of the latest checkpoint in `dir` to `out`.
 fn export_latest(dir: &Path, out: &Path) -> Output {
     Command::new(FT)
@@ -223,10 +232,7 @@ fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_c
 #[test]
 fn export_and_eval_reproduce_the_run() {
     let dir = tempfile::tempdir().unwrap();
-    train(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);
-    let exported = dir.path().join("exported");
-    let output = export_latest(dir.path(), &exported);
-    assert!(output.status.success(), "{}", text(&output));
+    let exported = train_and_export(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);
     // The exported checkpoint of the last step holds the final weights.
     let final_weights = tch::Tensor::read_safetensors(dir.path().join("final/model.safetensors")).unwrap();
     let exported_weights: std::collections::HashMap<String, tch::Tensor> =
@@ -257,10 +263,7 @@ fn export_and_eval_reproduce_the_run() {
 #[test]
 fn an_exported_model_loads_in_transformers_with_equal_logits() {
     let dir = tempfile::tempdir().unwrap();
-    train(dir.path(), &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "12"]);
-    let exported = dir.path().join("exported");
-    let output = export_latest(dir.path(), &exported);
-    assert!(output.status.success(), "{}", text(&output));
+    let exported = train_and_export(dir.path(), &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "12"]);
 
     let ids: Vec<Vec<i64>> = vec![vec![5, 17, 42, 99, 3, 250, 7, 64, 12, 300]];
     let ids_file = dir.path().join("ids.json");

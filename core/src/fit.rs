@@ -83,18 +83,13 @@ pub struct CheckpointPlan<'a> {
     pub tokenizer: Option<&'a std::path::Path>,
 }
 
-/// Bytes in use now on this rank (CUDA allocator or process RSS).
-fn memory_now(device: Device) -> f64 {
+/// Bytes in use on this rank now and at the peak (CUDA allocator or process RSS).
+fn memory(device: Device) -> (f64, f64) {
     match device {
-        Device::Cuda(index) => crate::cuda_memory(index, false).map(|m| m.allocated as f64).unwrap_or(0.0),
-        _ => process_memory().map(|(now, _)| now as f64).unwrap_or(0.0),
-    }
-}
-
-fn memory_peak(device: Device) -> f64 {
-    match device {
-        Device::Cuda(index) => crate::cuda_memory(index, false).map(|m| m.peak_allocated as f64).unwrap_or(0.0),
-        _ => process_memory().map(|(_, peak)| peak as f64).unwrap_or(0.0),
+        Device::Cuda(index) => {
+            crate::cuda_memory(index, false).map(|m| (m.allocated as f64, m.peak_allocated as f64)).unwrap_or_default()
+        }
+        _ => process_memory().map(|(now, peak)| (now as f64, peak as f64)).unwrap_or_default(),
     }
 }
 
@@ -233,9 +228,9 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             let grad_norm = trainer.step(lr)?;
             step += 1;
             train_samples += layout.global_batch();
-            let memory = memory_now(device);
-            memory_sum += memory;
-            memory_min = memory_min.min(memory);
+            let (in_use, _) = memory(device);
+            memory_sum += in_use;
+            memory_min = memory_min.min(in_use);
             memory_samples += 1;
             if step % config.log_every.max(1) == 0 || epoch_step + 1 == steps_per_epoch {
                 let global_loss = sum_over_ranks(fit.comm, &[loss.double_value(&[])])?[0];
@@ -250,7 +245,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                         ("lr".to_string(), lr),
                         ("grad_norm".to_string(), grad_norm.double_value(&[])),
                         ("step_seconds".to_string(), started.elapsed().as_secs_f64()),
-                        ("memory_bytes".to_string(), memory),
+                        ("memory_bytes".to_string(), in_use),
                     ]),
                 };
                 if rank == 0 {
@@ -327,7 +322,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     per_rank[rank] = utilisation + 1.0;
     let per_rank: Vec<f64> = sum_over_ranks(fit.comm, &per_rank)?.into_iter().map(|u| u - 1.0).collect();
     let gpu_utilisation_per_rank = per_rank.iter().all(|u| *u >= 0.0).then_some(per_rank);
-    let mine = [memory_peak(device), memory_sum / memory_samples.max(1) as f64, memory_min];
+    let mine = [memory(device).1, memory_sum / memory_samples.max(1) as f64, memory_min];
     let mut table = vec![0.0; 3 * world];
     table[3 * rank..3 * rank + 3].copy_from_slice(&mine);
     let table = sum_over_ranks(fit.comm, &table)?;

@@ -148,8 +148,6 @@ pub struct Dims {
     pub heads: i64,
     pub kv_heads: i64,
     pub vocab: i64,
-    /// Longest sequence the model accepts (learned positions), or None (RoPE, ALiBi).
-    pub max_positions: Option<i64>,
 }
 
 /// What an architecture declares once, from its config.json: its units and

@@ -14,15 +14,15 @@
 //! Hugging Face's Trainer, skips biases and norms — applies to one prefix.
 
 use crate::comm::{ProcessGroup, Reduction, Work};
-use crate::model::{Context, Model, Params, StageKind, UnitSpec};
+use crate::model::{Model, Params, StageKind, UnitSpec};
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
 use tch::{Kind, Tensor};
 
 pub struct FlatUnit {
     spec: UnitSpec,
-    /// Offset of each parameter (in `spec` order) in the flat buffers.
-    offsets: Vec<i64>,
+    /// The parameters (indices into `spec`) in the order the flat buffers hold them.
+    order: Vec<usize>,
     /// Elements of the weight-decayed prefix.
     decayed: i64,
     master: Tensor,
@@ -37,43 +37,50 @@ fn is_decayed(shape: &[i64]) -> bool {
     shape.len() >= 2
 }
 
-/// Where each parameter of `spec` sits in its unit's flat buffer: the order
-/// of parameters in the buffer, each parameter's offset (in `spec` order),
-/// and the end of the weight-decayed prefix.
-fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, Vec<i64>, i64) {
+/// How `spec`'s parameters sit in its unit's flat buffer: their order
+/// (matrices first), and the end of the weight-decayed prefix.
+fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, i64) {
     let order: Vec<usize> = (0..spec.params.len())
         .filter(|&i| is_decayed(&spec.params[i].shape))
         .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
         .collect();
-    let mut offsets = vec![0; spec.params.len()];
-    let (mut offset, mut decayed) = (0, 0);
-    for &i in &order {
-        offsets[i] = offset;
-        offset += spec.params[i].numel();
-        if is_decayed(&spec.params[i].shape) {
-            decayed = offset;
-        }
+    let decayed = order.iter().filter(|&&i| is_decayed(&spec.params[i].shape)).map(|&i| spec.params[i].numel()).sum();
+    (order, decayed)
+}
+
+/// Views of a flat buffer laid out in `order`, returned in `spec` order and
+/// shaped. One `split_with_sizes` makes them all, so autograd returns the
+/// gradient of the buffer with one concatenation (a narrow per parameter
+/// would zero-fill a buffer-sized tensor per parameter).
+fn split_views(spec: &UnitSpec, order: &[usize], flat: &Tensor) -> Vec<Tensor> {
+    let sizes: Vec<i64> = order.iter().map(|&i| spec.params[i].numel()).collect();
+    let mut by_spec: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
+    for (piece, &i) in flat.split_with_sizes(&sizes, 0).into_iter().zip(order) {
+        by_spec[i] = Some(piece);
     }
-    (order, offsets, decayed)
+    by_spec
+        .into_iter()
+        .zip(&spec.params)
+        .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
+        .collect()
 }
 
 /// A unit's parameters (in `spec` order, shaped) as views of its flat buffer.
 pub fn unflatten(spec: &UnitSpec, flat: &Tensor) -> Vec<Tensor> {
-    let (_, offsets, _) = flat_layout(spec);
-    spec.params.iter().zip(offsets).map(|(p, offset)| flat.narrow(0, offset, p.numel()).view(p.shape.as_slice())).collect()
+    split_views(spec, &flat_layout(spec).0, flat)
 }
 
 impl FlatUnit {
     /// Flattens `tensors` (one per parameter of `spec`) onto their device.
     pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind) -> FlatUnit {
-        let (order, offsets, decayed) = flat_layout(spec);
+        let (order, decayed) = flat_layout(spec);
         let pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
         let master = Tensor::cat(&pieces, 0);
         let compute = if dtype == Kind::Float { master.shallow_clone() } else { master.to_kind(dtype) };
         let compute = compute.set_requires_grad(true);
         FlatUnit {
             spec: spec.clone(),
-            offsets,
+            order,
             decayed,
             grad: master.zeros_like(),
             exp_avg: master.zeros_like(),
@@ -88,24 +95,9 @@ impl FlatUnit {
         self.shaped(&self.compute)
     }
 
-    /// Views of a flat buffer shaped like the unit's parameters, in `spec` order.
-    /// One `split_with_sizes` makes them all, so autograd returns the
-    /// gradient of the compute buffer with one concatenation (a narrow per
-    /// parameter would zero-fill a buffer-sized tensor per parameter).
+    /// Views of one of the unit's flat buffers, shaped like its parameters.
     fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
-        let mut flat_order: Vec<usize> = (0..self.spec.params.len()).collect();
-        flat_order.sort_by_key(|&i| self.offsets[i]);
-        let sizes: Vec<i64> = flat_order.iter().map(|&i| self.spec.params[i].numel()).collect();
-        let mut pieces: Vec<Option<Tensor>> = flat.split_with_sizes(&sizes, 0).into_iter().map(Some).collect();
-        let mut by_spec: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
-        for (piece, &i) in pieces.iter_mut().zip(&flat_order) {
-            by_spec[i] = piece.take();
-        }
-        by_spec
-            .into_iter()
-            .zip(&self.spec.params)
-            .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
-            .collect()
+        split_views(&self.spec, &self.order, flat)
     }
 
     /// What a checkpoint stores: the fp32 master and AdamW's moments.
@@ -519,10 +511,5 @@ impl<'m> Trainer<'m> {
 
     pub fn model(&self) -> &dyn Model {
         self.model
-    }
-
-    /// Context for evaluation with the current compute weights.
-    pub fn eval_context(&self, input_ids: &Tensor) -> Result<Context> {
-        self.model.context(input_ids, 0, None, self.options.dtype, false)
     }
 }

@@ -96,7 +96,7 @@ impl Model for Bloom {
     }
     fn dims(&self) -> Dims {
         let c = &self.config;
-        Dims { layers: c.n_layer, hidden: c.hidden_size, heads: c.n_head, kv_heads: c.n_head, vocab: c.vocab_size, max_positions: None }
+        Dims { layers: c.n_layer, hidden: c.hidden_size, heads: c.n_head, kv_heads: c.n_head, vocab: c.vocab_size }
     }
 
     /// ALiBi adds slope·(key − query) to each score: transformers adds

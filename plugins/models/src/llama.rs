@@ -149,7 +149,6 @@ impl Model for Llama {
             heads: c.num_attention_heads,
             kv_heads: self.kv_heads,
             vocab: c.vocab_size,
-            max_positions: None,
         }
     }
 

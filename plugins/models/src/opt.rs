@@ -128,7 +128,6 @@ impl Model for Opt {
             heads: c.num_attention_heads,
             kv_heads: c.num_attention_heads,
             vocab: c.vocab_size,
-            max_positions: Some(c.max_position_embeddings),
         }
     }
 
