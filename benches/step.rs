@@ -23,7 +23,7 @@ fn training_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("train_step");
     for name in ["bloom", "llama-gqa"] {
         let (model, params, ids) = fixture(name);
-        let mut trainer = Trainer::new(model.as_ref(), &params, TrainOptions::default());
+        let mut trainer = Trainer::new(model.as_ref(), &params, TrainOptions::default()).unwrap();
         let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {

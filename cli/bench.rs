@@ -63,7 +63,7 @@ pub fn run(args: BenchArgs) -> Result<i32> {
         seed: 0,
         ..TrainOptions::default()
     };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options);
+    let mut trainer = Trainer::new(model.as_ref(), &params, options)?;
     drop(params);
     let vocab = model.dims().vocab;
     let batches: Vec<Tensor> =

@@ -2,8 +2,7 @@
 
 use ft_core::Registry;
 
-pub fn run() {
-    let registry = Registry::builtin();
+pub fn run(registry: &Registry) {
     println!("models (config.json model_type):");
     for m in registry.models() {
         println!("  {:<16} {}", m.model_type, m.summary);

@@ -9,14 +9,34 @@ mod train;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ft_core::Config;
-use std::path::PathBuf;
+use ft_core::{Config, Registry};
+use std::path::{Path, PathBuf};
+
+// The built-in strategies register themselves with `inventory`; naming the
+// crates links them in.
+use ft_strategy_ddp as _;
+use ft_strategy_full_shard as _;
+use ft_strategy_hybrid_shard as _;
+use ft_strategy_shard_grad_op as _;
+use ft_strategy_zero1 as _;
 
 #[derive(Parser)]
 #[command(name = "ft", version, about = "Fine-tune language models on one GPU, many GPUs and many nodes")]
 struct Cli {
+    /// Load a strategy plug-in (a cdylib built against this ft-core); repeatable.
+    #[arg(long = "plugin", global = true, value_name = "LIB")]
+    plugins: Vec<PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The built-in registry plus the strategies of the given plug-ins.
+pub fn registry(plugins: &[PathBuf]) -> Result<Registry> {
+    let mut registry = Registry::builtin();
+    for plugin in plugins {
+        ft_core::plugin::load(Path::new(plugin), &mut registry)?;
+    }
+    Ok(registry)
 }
 
 /// The run configuration file, for the subcommands that read one.
@@ -85,14 +105,14 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Command::List(config) => {
             Config::load(config.path.as_deref(), &[])?;
-            list::run();
+            list::run(&registry(&cli.plugins)?);
             Ok(0)
         }
         Command::InitModel(args) => model_commands::init_model(args),
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args),
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(args, &cli.plugins),
         Command::Eval(args) => train::eval(args),
         Command::Export(args) => train::export(args),
     }

@@ -74,6 +74,23 @@ pub struct TrainArgs {
     /// Local ranks to start when no launcher started this process.
     #[arg(long)]
     nproc_per_node: Option<usize>,
+    /// Sharding strategy (train.strategy): ddp, zero1, shard_grad_op/zero2,
+    /// full_shard/zero3, hybrid_shard, or a plug-in's (`ft list`).
+    #[arg(long)]
+    strategy: Option<String>,
+    /// Ranks per shard group (train.shard_group_size; hybrid_shard's default: one node).
+    #[arg(long)]
+    shard_group_size: Option<usize>,
+    /// dtype gradients are reduced in: fp32 or compute (train.reduce_dtype).
+    #[arg(long)]
+    reduce_dtype: Option<String>,
+    /// Where master weights and optimizer state live: none or cpu (train.offload).
+    #[arg(long)]
+    offload: Option<String>,
+    /// A DeepSpeed ds_config.json; its settings apply under the flags, and
+    /// fields ft does not act on are reported.
+    #[arg(long)]
+    ds_config: Option<PathBuf>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
@@ -119,15 +136,41 @@ impl TrainArgs {
             .set("train.save_total_limit", self.save_total_limit)
             .set("train.resume", self.resume.clone())
             .path("output.dir", self.output_dir.as_ref())
-            .set("launch.nproc_per_node", self.nproc_per_node);
+            .set("launch.nproc_per_node", self.nproc_per_node)
+            .set("train.strategy", self.strategy.clone())
+            .set("train.shard_group_size", self.shard_group_size)
+            .set("train.reduce_dtype", self.reduce_dtype.clone())
+            .set("train.offload", self.offload.clone());
         o.0
     }
 }
 
-pub fn run(args: TrainArgs) -> Result<i32> {
-    let config = Config::load(args.config.path.as_deref(), &args.overrides())?;
-    validate(&config)?;
+pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
+    let deepspeed = args.ds_config.as_deref().map(ft_core::ds_config::read).transpose()?;
+    let mut overrides = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
+    overrides.extend(args.overrides());
+    let config = Config::load(args.config.path.as_deref(), &overrides)?;
+    let registry = crate::registry(plugins)?;
+    validate(&config, &registry)?;
     let env = DistEnv::from_env()?;
+    if let Some(deepspeed) = &deepspeed {
+        if env.rank == 0 {
+            for field in &deepspeed.ignored {
+                tracing::warn!("ds_config field not used: {field}");
+            }
+        }
+        if let Some(expected) = deepspeed.train_batch_size {
+            let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
+            let global = config.train.batch_size * config.train.grad_accum * world;
+            if expected != global {
+                bail!(
+                    "ds_config train_batch_size {expected} != micro-batch {} x grad_accum {} x {world} ranks = {global}",
+                    config.train.batch_size,
+                    config.train.grad_accum
+                );
+            }
+        }
+    }
     if args.dry_run {
         print_plan(&config, &env);
         return Ok(0);
@@ -137,10 +180,10 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         let arguments: Vec<String> = std::env::args().skip(1).collect();
         return crate::launch::spawn_local(config.launch.nproc_per_node, arguments);
     }
-    worker(&config, env)
+    worker(&config, env, &registry)
 }
 
-fn validate(config: &Config) -> Result<()> {
+fn validate(config: &Config, registry: &Registry) -> Result<()> {
     let t = &config.train;
     if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
         bail!("train.epochs, train.batch_size and train.grad_accum must be at least 1");
@@ -161,9 +204,15 @@ fn validate(config: &Config) -> Result<()> {
     if !(t.initial_loss_scale >= 1.0) {
         bail!("train.initial_loss_scale must be at least 1 (got {})", t.initial_loss_scale);
     }
-    let registry = Registry::builtin();
     for sink in &config.output.sinks {
         registry.sink(sink)?;
+    }
+    let strategy = registry.strategy(&t.strategy)?;
+    (strategy.create)().policy().validate(&strategy.name)?;
+    match t.offload.as_str() {
+        "none" => {}
+        "cpu" => bail!("train.offload cpu is not available in this build yet; use none"),
+        other => bail!("train.offload {other:?} is not one of none, cpu"),
     }
     Ok(())
 }
@@ -173,7 +222,8 @@ fn print_plan(config: &Config, env: &DistEnv) {
     let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
     let t = &config.train;
     println!(
-        "plan: {world} rank(s); micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+        "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+        t.strategy,
         t.batch_size,
         t.grad_accum,
         t.batch_size * t.grad_accum * world,
@@ -358,7 +408,7 @@ impl GenerationEval for QaEval<'_> {
     }
 }
 
-fn worker(config: &Config, env: DistEnv) -> Result<i32> {
+fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
     let (device, dtype) = device_and_dtype(config, &env)?;
     if device == Device::Cpu {
         // Share the cores among the local ranks instead of oversubscribing them (as torchrun does).
@@ -392,7 +442,7 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
     let pad_id = pad_id(&tokenizer);
     let world = comm.env().world_size;
     let mut qa_eval = QaEval::new(&tokenizer, &questions, config, &comm);
-    let registry = Registry::builtin();
+    let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let sinks = if rank == 0 {
         let append = config.train.resume.is_some();
         config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir, append)).collect::<Result<Vec<_>>>()?
@@ -424,6 +474,7 @@ fn worker(config: &Config, env: DistEnv) -> Result<i32> {
     let fit = Fit {
         model: model.as_ref(),
         comm: &comm,
+        strategy: strategy.as_ref(),
         train: &train,
         eval: &eval,
         config: &config.train,
@@ -479,6 +530,7 @@ pub fn summary_table(s: &Summary) -> String {
     let mut out = String::from("\n== ft train summary ==\n");
     let row = |name: &str, value: String| format!("{name:<28} {value}\n");
     out += &row("ranks / device", format!("{} / {}", s.world_size, s.device));
+    out += &row("strategy", format!("{} (shard group of {})", s.strategy, s.shard_group_size));
     out += &row("final train loss", format!("{:.4}", s.final_train_loss));
     for e in &s.epochs {
         let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{} {v:.1}", k.to_uppercase())).collect();
@@ -507,6 +559,18 @@ pub fn summary_table(s: &Summary) -> String {
         out += &row(
             &format!("memory rank {rank} ({})", s.memory_kind),
             format!("peak {:.2} GB, mean {:.2} GB, min {:.2} GB", m.peak / 1e9, m.mean / 1e9, m.min / 1e9),
+        );
+    }
+    for (rank, m) in s.state_per_rank.iter().enumerate() {
+        out += &row(
+            &format!("state held rank {rank}"),
+            format!(
+                "params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB",
+                m.params / 1e6,
+                m.grads / 1e6,
+                m.optimizer_state / 1e6,
+                m.gathered_peak / 1e6
+            ),
         );
     }
     out

@@ -58,7 +58,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
         let (expected_loss, expected) = reference_grads(model.as_ref(), &params, &ids);
         for checkpointing in [false, true] {
             let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
-            let mut trainer = Trainer::new(model.as_ref(), &params, options);
+            let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
             let loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
             assert!((loss.double_value(&[]) - expected_loss).abs() < 1e-5 * expected_loss, "{name}");
@@ -77,12 +77,12 @@ fn adamw_step_follows_the_reference_formula() {
     let (model, params, ids) = fixture("llama");
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, eps: 1e-8 };
     let options = TrainOptions { adamw: hyper, max_grad_norm: None, ..Default::default() };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options);
+    let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
     let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(hyper.lr).unwrap();
-    for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params())) {
+    for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params().unwrap())) {
         for (((spec, p), g), new) in unit.params.iter().zip(before).zip(grads).zip(after) {
             // Step 1: m = (1-b1) g, v = (1-b2) g², bias-corrected m̂ = g, v̂ = g².
             let decay = if spec.shape.len() >= 2 { hyper.weight_decay } else { 0.0 };
@@ -100,7 +100,7 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-3 };
     let max_norm = 0.05;
     let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options);
+    let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
     let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
@@ -109,7 +109,7 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     assert!((norm - expected_norm).abs() < 1e-6 * expected_norm);
     assert!(norm > max_norm, "the test needs a gradient above the clip ({norm})");
     let clip = max_norm / norm;
-    for ((before, grads), after) in params.iter().zip(&grads).zip(trainer.params()) {
+    for ((before, grads), after) in params.iter().zip(&grads).zip(trainer.params().unwrap()) {
         for ((p, g), new) in before.iter().zip(grads).zip(after) {
             let g = g * clip;
             let expected = p - (&g / (g.abs() + hyper.eps)) * hyper.lr;
@@ -125,13 +125,13 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
     let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
     let run = |dtype: Kind, initial_loss_scale: f64, steps: usize| {
         let options = TrainOptions { dtype, adamw: hyper, initial_loss_scale, ..Default::default() };
-        let mut trainer = Trainer::new(model.as_ref(), &params, options);
+        let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
         let mut losses = vec![];
         for _ in 0..steps {
             losses.push(trainer.forward_backward(&ids, &ids, count, true).unwrap().double_value(&[]));
             let _norm = trainer.step(hyper.lr).unwrap();
         }
-        (losses, trainer.loss_scale(), trainer.params())
+        (losses, trainer.loss_scale(), trainer.params().unwrap())
     };
     let (fp32, no_scale, _) = run(Kind::Float, 1.0, 5);
     assert_eq!(no_scale, None);

@@ -14,6 +14,9 @@ use tch::Tensor;
 
 pub const FORMAT_VERSION: u32 = 1;
 
+/// What each unit stores, in `State::units` order.
+const STATE_KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitLayout {
     pub name: String,
@@ -31,7 +34,7 @@ pub struct Manifest {
     pub epoch_step: usize,
     pub micro_steps: i64,
     pub world_size: usize,
-    /// How the state is laid out across ranks' files.
+    /// The strategy that wrote it (the state itself is whole, whatever the strategy).
     pub strategy: String,
     pub units: Vec<UnitLayout>,
     pub model_config: serde_json::Value,
@@ -91,9 +94,17 @@ pub fn fault_point(point: &str, step: usize) {
     }
 }
 
-/// Writes the trainer's state as checkpoint `manifest.step` under `output`,
+/// The state a checkpoint holds: per unit the whole fp32 [master, exp_avg,
+/// exp_avg_sq] (`Trainer::whole_state`), and AdamW's step count. Whole, so
+/// a run resumes under any strategy and world size.
+pub struct State<'a> {
+    pub units: &'a [[Tensor; 3]],
+    pub adamw_step: &'a Tensor,
+}
+
+/// Writes `state` as checkpoint `manifest.step` under `output`,
 /// then deletes all but the newest `keep` checkpoints (0 keeps all).
-pub fn save(output: &Path, trainer: &Trainer, manifest: &Manifest, tokenizer: Option<&Path>, keep: usize) -> Result<PathBuf> {
+pub fn save(output: &Path, state: &State, manifest: &Manifest, tokenizer: Option<&Path>, keep: usize) -> Result<PathBuf> {
     let dir = checkpoints_dir(output);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let final_path = dir.join(name_of(manifest.step));
@@ -103,12 +114,12 @@ pub fn save(output: &Path, trainer: &Trainer, manifest: &Manifest, tokenizer: Op
     }
     std::fs::create_dir_all(&temporary)?;
     let mut tensors: Vec<(String, Tensor)> = vec![];
-    for (index, unit) in trainer.units().iter().enumerate() {
-        for (kind, tensor) in unit.state() {
+    for (index, unit) in state.units.iter().enumerate() {
+        for (kind, tensor) in STATE_KINDS.iter().zip(unit) {
             tensors.push((format!("unit{index}.{kind}"), tensor.to_device(tch::Device::Cpu)));
         }
     }
-    tensors.push(("adamw.step".into(), trainer.adamw_step().to_device(tch::Device::Cpu)));
+    tensors.push(("adamw.step".into(), state.adamw_step.to_device(tch::Device::Cpu)));
     let state = temporary.join("state.safetensors");
     Tensor::write_safetensors(&tensors, &state).with_context(|| format!("cannot write {}", state.display()))?;
     std::fs::write(temporary.join("manifest.json"), serde_json::to_string_pretty(manifest)?)?;
@@ -171,7 +182,7 @@ pub fn load_into(dir: &Path, trainer: &mut Trainer) -> Result<Manifest> {
     let get = |name: &str| tensors.get(name).with_context(|| format!("{} has no tensor {name}", path.display()));
     let mut restored = vec![];
     for index in 0..trainer.units().len() {
-        let state: Vec<Tensor> = ["master", "exp_avg", "exp_avg_sq"]
+        let state: Vec<Tensor> = STATE_KINDS
             .iter()
             .map(|kind| get(&format!("unit{index}.{kind}")).map(Tensor::shallow_clone))
             .collect::<Result<_>>()?;

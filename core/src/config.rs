@@ -114,6 +114,15 @@ pub struct TrainConfig {
     pub save_total_limit: usize,
     /// Continue from a checkpoint: "latest" (in output.dir) or its directory.
     pub resume: Option<String>,
+    /// Sharding strategy by name or alias (`ft list` shows them).
+    pub strategy: String,
+    /// Ranks per shard group for sharded strategies (default: the
+    /// strategy's — the world, or one node for hybrid_shard).
+    pub shard_group_size: Option<usize>,
+    /// dtype gradients are reduced in: fp32, or compute (bf16 halves the bytes).
+    pub reduce_dtype: crate::strategy::ReduceDtype,
+    /// Where optimizer state and master shards live: none (the device) or cpu.
+    pub offload: String,
 }
 
 impl Default for TrainConfig {
@@ -142,6 +151,10 @@ impl Default for TrainConfig {
             save_every: 0,
             save_total_limit: 2,
             resume: None,
+            strategy: "ddp".into(),
+            shard_group_size: None,
+            reduce_dtype: crate::strategy::ReduceDtype::Fp32,
+            offload: "none".into(),
         }
     }
 }

@@ -10,7 +10,10 @@ use crate::dataset::Example;
 use crate::metrics::{process_memory, MetricsSink, Record};
 use crate::model::{forward_hidden, lm_loss_sum, Model};
 use crate::schedule::lr_at;
-use crate::train::{TrainOptions, Trainer};
+use crate::flat::MemoryAccount;
+use crate::strategy::{ReduceDtype, ShardGroup, ShardingStrategy};
+use crate::train::{Parallel, TrainOptions, Trainer};
+use crate::ProcessGroup;
 use anyhow::{bail, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -56,6 +59,10 @@ pub struct Summary {
     /// What memory means here: CUDA allocator (allocated) or process RSS.
     pub memory_kind: String,
     pub memory_per_rank: Vec<RankMemory>,
+    /// The strategy and what each rank held under it.
+    pub strategy: String,
+    pub shard_group_size: usize,
+    pub state_per_rank: Vec<MemoryAccount>,
     /// Mean GPU utilisation (%) of each rank while training; None without NVML.
     pub gpu_utilisation_per_rank: Option<Vec<f64>>,
 }
@@ -63,6 +70,7 @@ pub struct Summary {
 pub struct Fit<'a> {
     pub model: &'a dyn Model,
     pub comm: &'a Communicator,
+    pub strategy: &'a dyn ShardingStrategy,
     pub train: &'a [Example],
     pub eval: &'a [Example],
     pub config: &'a TrainConfig,
@@ -182,11 +190,19 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         seed: config.seed as i64,
         initial_loss_scale: config.initial_loss_scale,
     };
-    let mut trainer = Trainer::new(fit.model, &params, options);
+    let groups = ShardGroups::new(fit.strategy, config.shard_group_size, fit.comm)?;
+    let parallel = (world > 1).then(|| Parallel {
+        policy: fit.strategy.policy(),
+        world: fit.comm.world(),
+        shard: groups.shard(fit.comm),
+        replicas: groups.replicas.as_ref(),
+        reduce_dtype: match fit.strategy.policy().reduce_dtype.unwrap_or(config.reduce_dtype) {
+            ReduceDtype::Fp32 => Kind::Float,
+            ReduceDtype::Compute => fit.dtype,
+        },
+    });
+    let mut trainer = Trainer::with_parallel(fit.model, &params, options, parallel)?;
     drop(params);
-    if world > 1 {
-        trainer = trainer.with_data_parallel(fit.comm.world());
-    }
     let (mut first_epoch, mut first_epoch_step, mut step) = (0, 0, 0);
     if let Some(spec) = &config.resume {
         let dir = checkpoint::resolve(spec, fit.checkpoints.output)?;
@@ -270,20 +286,23 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                     epoch_step: next_step,
                     micro_steps: trainer.micro_steps(),
                     world_size: world,
-                    strategy: "replicated".into(),
+                    strategy: fit.strategy.name().into(),
                     units: trainer.layout(),
                     model_config: fit.checkpoints.model_config.clone(),
                 };
-                // Every rank holds the same state: rank 0 writes it, the others wait.
+                // Every rank helps gather the whole state; rank 0 writes it, the others wait.
+                let units = trainer.whole_state()?;
                 if rank == 0 {
-                    checkpoint::save(fit.checkpoints.output, &trainer, &manifest, fit.checkpoints.tokenizer, config.save_total_limit)?;
+                    let state = checkpoint::State { units: &units, adamw_step: trainer.adamw_step() };
+                    checkpoint::save(fit.checkpoints.output, &state, &manifest, fit.checkpoints.tokenizer, config.save_total_limit)?;
                 }
+                drop(units);
                 fit.comm.world().barrier()?.wait()?;
             }
             checkpoint::fault_point("after-step", step);
         }
         let eval_started = Instant::now();
-        let params = trainer.compute_params();
+        let params = trainer.compute_params()?;
         let set = EvalSet {
             examples: fit.eval,
             batch_size: config.batch_size,
@@ -327,6 +346,13 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     table[3 * rank..3 * rank + 3].copy_from_slice(&mine);
     let table = sum_over_ranks(fit.comm, &table)?;
     let memory_per_rank = table.chunks(3).map(|m| RankMemory { peak: m[0], mean: m[1], min: m[2] }).collect();
+    let held = trainer.memory();
+    let mut table = vec![0.0; 4 * world];
+    table[4 * rank..4 * rank + 4].copy_from_slice(&[held.params, held.grads, held.optimizer_state, held.gathered_peak]);
+    let state_per_rank = sum_over_ranks(fit.comm, &table)?
+        .chunks(4)
+        .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3] })
+        .collect();
     let seconds = sum_over_ranks(fit.comm, &[train_seconds])?[0] / world as f64;
     let tokens = sum_over_ranks(fit.comm, &[train_tokens as f64])?[0];
     let tokens_per_s = tokens / seconds;
@@ -348,7 +374,55 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         mfu,
         memory_kind: if matches!(device, Device::Cuda(_)) { "CUDA allocated" } else { "process RSS" }.into(),
         memory_per_rank,
+        strategy: fit.strategy.name().into(),
+        shard_group_size: groups.shard_size,
+        state_per_rank,
         gpu_utilisation_per_rank,
     };
-    Ok((summary, trainer.params()))
+    Ok((summary, trainer.params()?))
+}
+
+/// The sub-groups a strategy needs: its shard group (None when it shards
+/// nothing, or when it is the whole world, which the communicator already
+/// has) and, for hybrid sharding, the replica groups across shard groups.
+struct ShardGroups {
+    shard_size: usize,
+    sub_group: Option<ProcessGroup>,
+    replicas: Option<ProcessGroup>,
+}
+
+impl ShardGroups {
+    fn new(strategy: &dyn ShardingStrategy, size_override: Option<usize>, comm: &Communicator) -> Result<ShardGroups> {
+        let policy = strategy.policy();
+        policy.validate(strategy.name())?;
+        let env = comm.env();
+        let world = env.world_size;
+        if !policy.optimizer_state_sharded {
+            if let Some(size) = size_override {
+                bail!("--shard-group-size {size}: strategy `{}` shards nothing", strategy.name());
+            }
+            return Ok(ShardGroups { shard_size: 1, sub_group: None, replicas: None });
+        }
+        let size = size_override.unwrap_or(match policy.shard_group {
+            ShardGroup::World => world,
+            ShardGroup::Node => env.local_world_size,
+            ShardGroup::Size(n) => n,
+        });
+        if size == 0 || world % size != 0 {
+            bail!("shard group size {size} must divide the world size {world} (strategy `{}`)", strategy.name());
+        }
+        if size == world || size == 1 {
+            return Ok(ShardGroups { shard_size: size, sub_group: None, replicas: None });
+        }
+        let (shard, replicas) = comm.hybrid_groups(size)?;
+        Ok(ShardGroups { shard_size: size, sub_group: Some(shard), replicas: Some(replicas) })
+    }
+
+    fn shard<'c>(&'c self, comm: &'c Communicator) -> Option<&'c ProcessGroup> {
+        match (&self.sub_group, self.shard_size) {
+            (Some(group), _) => Some(group),
+            (None, 1) => None,
+            (None, _) => Some(comm.world()),
+        }
+    }
 }

@@ -1,6 +1,10 @@
 //! Sharding strategies are policies over one mechanism that core owns (flat
 //! per-unit buffers, gather/release, gradient reduction, optimizer over
-//! shards). A strategy says *what* to do; DESIGN.md §5 tabulates the built-ins.
+//! shards: `flat.rs` and `train.rs`). A strategy says *what* to do; DESIGN.md
+//! §5 tabulates the built-ins, each a crate under `strategies/`.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
 
 /// Where a unit's parameters live between uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,7 +20,10 @@ pub enum ParamPlacement {
 /// How a unit's gradient is combined across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GradReduction {
+    /// Every rank ends with the whole summed gradient (over all ranks).
     AllReduce,
+    /// Each rank ends with the sum of its shard (inside the shard group,
+    /// then all-reduced across replica groups).
     ReduceScatter,
 }
 
@@ -30,15 +37,80 @@ pub enum ShardGroup {
     Size(usize),
 }
 
+/// The dtype gradients travel in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    /// Exact sums whatever the compute dtype (FSDP2's `reduce_dtype=float32`).
+    #[default]
+    Fp32,
+    /// The compute dtype: half the bytes under bf16/fp16, rounded sums.
+    Compute,
+}
+
+impl std::str::FromStr for ReduceDtype {
+    type Err = anyhow::Error;
+    fn from_str(text: &str) -> Result<ReduceDtype> {
+        match text {
+            "fp32" | "f32" | "float32" => Ok(ReduceDtype::Fp32),
+            "compute" => Ok(ReduceDtype::Compute),
+            other => bail!("unknown reduce dtype {other:?}: expected fp32 or compute"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardingPolicy {
     pub params: ParamPlacement,
     pub grads: GradReduction,
     pub optimizer_state_sharded: bool,
     pub shard_group: ShardGroup,
+    /// Overrides the run's `train.reduce_dtype` (None: the run decides).
+    pub reduce_dtype: Option<ReduceDtype>,
+}
+
+impl ShardingPolicy {
+    /// Refuses combinations the mechanism cannot run, saying why.
+    pub fn validate(&self, strategy: &str) -> Result<()> {
+        let sharded_params = matches!(self.params, ParamPlacement::Sharded { .. });
+        if sharded_params && self.grads == GradReduction::AllReduce {
+            bail!("strategy `{strategy}`: sharded parameters need reduce-scattered gradients (each rank updates only its shard)");
+        }
+        if (sharded_params || self.grads == GradReduction::ReduceScatter) && !self.optimizer_state_sharded {
+            bail!("strategy `{strategy}`: with sharded parameters or gradients the optimizer state must be sharded too (a rank only has its shard's gradient)");
+        }
+        Ok(())
+    }
+
+    /// Whether any state is split across ranks (and so a shard group is needed).
+    pub fn shards_anything(&self) -> bool {
+        self.optimizer_state_sharded
+    }
 }
 
 pub trait ShardingStrategy: Send + Sync {
     fn name(&self) -> &str;
     fn policy(&self) -> ShardingPolicy;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn impossible_policies_are_refused_with_the_reason() {
+        let policy = ShardingPolicy {
+            params: ParamPlacement::Sharded { reshard_after_forward: true },
+            grads: GradReduction::AllReduce,
+            optimizer_state_sharded: true,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        };
+        let err = policy.validate("odd").unwrap_err().to_string();
+        assert!(err.contains("`odd`: sharded parameters need reduce-scattered gradients"), "{err}");
+        let policy = ShardingPolicy { grads: GradReduction::ReduceScatter, optimizer_state_sharded: false, ..policy };
+        assert!(policy.validate("odd").unwrap_err().to_string().contains("optimizer state must be sharded"));
+        let zero3 = ShardingPolicy { optimizer_state_sharded: true, ..policy };
+        zero3.validate("zero3").unwrap();
+    }
 }

@@ -1,142 +1,27 @@
-//! The training step, unit by unit (DESIGN.md §4).
+//! The training step, unit by unit (DESIGN.md §4), and the data-parallel
+//! mechanism every sharding strategy shares (§5).
 //!
-//! Each unit's parameters live in flat buffers: an fp32 master, a copy in
-//! the compute dtype whose views the model reads (a leaf, so autograd gives
-//! one flat gradient per unit, as FSDP's FlatParameter does), an fp32
-//! gradient accumulator and AdamW's moments. Forward runs the model's stages
-//! with the activation detached between stages; backward walks them in
-//! reverse, feeding each stage's output its gradient. A unit's gradient is
-//! complete after its first stage's backward: that is where a sharding
-//! strategy reduces it.
-//!
-//! Inside a unit's flat buffers the matrices come first and the vectors
-//! (biases, norm weights) after, so AdamW's weight decay — which, as in
-//! Hugging Face's Trainer, skips biases and norms — applies to one prefix.
+//! Each unit's parameters live in flat buffers (`flat.rs`). Forward runs the
+//! model's stages with the activation detached between stages; backward
+//! walks them in reverse, feeding each stage's output its gradient. Around
+//! each stage the trainer applies the strategy's policy: a sharded unit is
+//! gathered before use (the next unit's gather is issued before this one
+//! computes, so it overlaps), released after forward (full_shard) or after
+//! its backward (shard_grad_op). A unit's gradient is complete after its
+//! first stage's backward: it is reduce-scattered (or accumulated and
+//! all-reduced on the last micro-batch) while backward goes on with earlier
+//! units; a reduction is waited for only when its result is needed.
 
 use crate::comm::{ProcessGroup, Reduction, Work};
-use crate::model::{Model, Params, StageKind, UnitSpec};
+use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::model::{Model, Params, StageKind};
+use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
+use std::collections::VecDeque;
 use tch::{Kind, Tensor};
 
-pub struct FlatUnit {
-    spec: UnitSpec,
-    /// The parameters (indices into `spec`) in the order the flat buffers hold them.
-    order: Vec<usize>,
-    /// Elements of the weight-decayed prefix.
-    decayed: i64,
-    master: Tensor,
-    /// In the compute dtype; the same tensor as `master` when that is fp32.
-    compute: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-}
-
-fn is_decayed(shape: &[i64]) -> bool {
-    shape.len() >= 2
-}
-
-/// How `spec`'s parameters sit in its unit's flat buffer: their order
-/// (matrices first), and the end of the weight-decayed prefix.
-fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, i64) {
-    let order: Vec<usize> = (0..spec.params.len())
-        .filter(|&i| is_decayed(&spec.params[i].shape))
-        .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
-        .collect();
-    let decayed = order.iter().filter(|&&i| is_decayed(&spec.params[i].shape)).map(|&i| spec.params[i].numel()).sum();
-    (order, decayed)
-}
-
-/// Views of a flat buffer laid out in `order`, returned in `spec` order and
-/// shaped. One `split_with_sizes` makes them all, so autograd returns the
-/// gradient of the buffer with one concatenation (a narrow per parameter
-/// would zero-fill a buffer-sized tensor per parameter).
-fn split_views(spec: &UnitSpec, order: &[usize], flat: &Tensor) -> Vec<Tensor> {
-    let sizes: Vec<i64> = order.iter().map(|&i| spec.params[i].numel()).collect();
-    let mut by_spec: Vec<Option<Tensor>> = (0..sizes.len()).map(|_| None).collect();
-    for (piece, &i) in flat.split_with_sizes(&sizes, 0).into_iter().zip(order) {
-        by_spec[i] = Some(piece);
-    }
-    by_spec
-        .into_iter()
-        .zip(&spec.params)
-        .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
-        .collect()
-}
-
-/// A unit's parameters (in `spec` order, shaped) as views of its flat buffer.
-pub fn unflatten(spec: &UnitSpec, flat: &Tensor) -> Vec<Tensor> {
-    split_views(spec, &flat_layout(spec).0, flat)
-}
-
-impl FlatUnit {
-    /// Flattens `tensors` (one per parameter of `spec`) onto their device.
-    pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind) -> FlatUnit {
-        let (order, decayed) = flat_layout(spec);
-        let pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
-        let master = Tensor::cat(&pieces, 0);
-        let compute = if dtype == Kind::Float { master.shallow_clone() } else { master.to_kind(dtype) };
-        let compute = compute.set_requires_grad(true);
-        FlatUnit {
-            spec: spec.clone(),
-            order,
-            decayed,
-            grad: master.zeros_like(),
-            exp_avg: master.zeros_like(),
-            exp_avg_sq: master.zeros_like(),
-            master,
-            compute,
-        }
-    }
-
-    /// Views of the compute buffer: what the model reads, what autograd differentiates.
-    fn views(&self) -> Vec<Tensor> {
-        self.shaped(&self.compute)
-    }
-
-    /// Views of one of the unit's flat buffers, shaped like its parameters.
-    fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
-        split_views(&self.spec, &self.order, flat)
-    }
-
-    /// What a checkpoint stores: the fp32 master and AdamW's moments.
-    pub fn state(&self) -> [(&'static str, &Tensor); 3] {
-        [("master", &self.master), ("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)]
-    }
-
-    /// The dtype the model computes in.
-    pub fn compute_kind(&self) -> Kind {
-        self.compute.kind()
-    }
-
-    /// The fp32 master values (for saving).
-    pub fn master_params(&self) -> Vec<Tensor> {
-        self.shaped(&self.master)
-    }
-
-    /// The accumulated fp32 gradient.
-    pub fn grad_views(&self) -> Vec<Tensor> {
-        self.shaped(&self.grad)
-    }
-
-    /// Moves the compute buffer's gradient into the fp32 accumulator (a copy
-    /// for the first micro-batch after a step, a sum after that) and drops it.
-    fn accumulate_grad(&mut self, first_micro_batch: bool) -> Result<()> {
-        let grad = self.compute.grad();
-        if grad.defined() {
-            if first_micro_batch {
-                self.grad.copy_(&grad);
-            } else {
-                let _ = self.grad.g_add_(&grad);
-            }
-            ft_sys::clear_grad(&self.compute).map_err(anyhow::Error::msg)?;
-        } else if first_micro_batch {
-            let _ = self.grad.zero_();
-        }
-        Ok(())
-    }
-}
+pub use crate::flat::unflatten;
 
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
@@ -255,8 +140,44 @@ struct Saved {
     grads: Vec<Tensor>,
 }
 
+/// The ranks a trainer works with and the strategy's policy over them.
+pub struct Parallel<'g> {
+    pub policy: ShardingPolicy,
+    /// Every data-parallel rank (all-reduced gradients are summed over it).
+    pub world: &'g ProcessGroup,
+    /// The ranks that split parameters/gradients/optimizer state between
+    /// them (None when the policy shards nothing).
+    pub shard: Option<&'g ProcessGroup>,
+    /// Hybrid sharding: the ranks holding the same shard in other shard
+    /// groups, across which reduced gradient shards are all-reduced.
+    pub replicas: Option<&'g ProcessGroup>,
+    /// The dtype gradients travel in.
+    pub reduce_dtype: Kind,
+}
+
+/// A gradient reduction in flight, and what to do with its result.
+struct PendingReduction {
+    unit: usize,
+    work: Work,
+    result: Tensor,
+    then: AfterReduction,
+}
+
+enum AfterReduction {
+    /// A reduce-scattered micro-batch gradient: add it to the unit's shard.
+    AddToShard { first_micro_batch: bool, last_micro_batch: bool },
+    /// A gradient all-reduced in a narrower dtype: copy it back to fp32.
+    CopyToGrad,
+    Nothing,
+}
+
+/// Reduce-scatters allowed in flight before backward waits for the oldest:
+/// enough to overlap communication with the next units' backward, few
+/// enough that whole gradients do not pile up.
+const REDUCTIONS_IN_FLIGHT: usize = 2;
+
 /// One process's training state: the model's units as flat buffers and the
-/// optimizer. (Sharding strategies distribute the same mechanism.)
+/// optimizer, data-parallel as the strategy's policy says.
 pub struct Trainer<'m> {
     model: &'m dyn Model,
     units: Vec<FlatUnit>,
@@ -266,23 +187,58 @@ pub struct Trainer<'m> {
     micro_steps: i64,
     /// Micro-batches since the last optimizer step.
     pending_micro_batches: usize,
-    /// Replicas whose gradients are summed (data parallelism), if any.
-    replicas: Option<&'m ProcessGroup>,
+    parallel: Option<Parallel<'m>>,
     /// Present when computing in fp16.
     scaler: Option<LossScaler>,
+    /// Bytes of sharded units gathered now, and the most at once.
+    gathered_bytes: i64,
+    gathered_peak: i64,
 }
 
 impl<'m> Trainer<'m> {
-    /// `params[unit]` are the initial parameters, already on the training device.
-    pub fn new(model: &'m dyn Model, params: &[Vec<Tensor>], options: TrainOptions) -> Trainer<'m> {
-        let units: Vec<FlatUnit> =
-            model.units().iter().zip(params).map(|(spec, t)| FlatUnit::new(spec, t, options.dtype)).collect();
-        let device = units[0].master.device();
+    /// A single-process trainer. `params[unit]` are the initial parameters,
+    /// already on the training device.
+    pub fn new(model: &'m dyn Model, params: &[Vec<Tensor>], options: TrainOptions) -> Result<Trainer<'m>> {
+        Trainer::with_parallel(model, params, options, None)
+    }
+
+    /// A data-parallel trainer: every rank passes the same initial
+    /// `params` and keeps what the policy assigns it.
+    pub fn with_parallel(
+        model: &'m dyn Model,
+        params: &[Vec<Tensor>],
+        options: TrainOptions,
+        parallel: Option<Parallel<'m>>,
+    ) -> Result<Trainer<'m>> {
+        let placement = |numel: i64| match &parallel {
+            Some(p) if p.shard.is_some_and(|g| g.size() > 1) => {
+                let group = p.shard.expect("checked");
+                UnitPlacement {
+                    shard: ShardLayout::new(numel, group.size(), group.rank()),
+                    params_sharded: matches!(p.policy.params, ParamPlacement::Sharded { .. }),
+                    optimizer_sharded: p.policy.optimizer_state_sharded,
+                    grads_sharded: p.policy.grads == GradReduction::ReduceScatter,
+                }
+            }
+            _ => UnitPlacement {
+                shard: ShardLayout::new(numel, 1, 0),
+                params_sharded: false,
+                optimizer_sharded: false,
+                grads_sharded: false,
+            },
+        };
+        let units = model
+            .units()
+            .iter()
+            .zip(params)
+            .map(|(spec, t)| FlatUnit::new(spec, t, options.dtype, placement(spec.numel())))
+            .collect::<Result<Vec<_>>>()?;
+        let device = params[0][0].device();
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler {
             scale: Tensor::from_slice(&[options.initial_loss_scale as f32]).to_device(device),
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
         });
-        Trainer {
+        Ok(Trainer {
             scaler,
             model,
             units,
@@ -290,20 +246,49 @@ impl<'m> Trainer<'m> {
             step: Tensor::zeros([], (Kind::Float, device)),
             micro_steps: 0,
             pending_micro_batches: 0,
-            replicas: None,
-        }
-    }
-
-    /// Sums gradients over `group` (every member holds the whole model): each
-    /// unit's all-reduce starts as soon as its gradient is complete and runs
-    /// while backward continues with earlier units.
-    pub fn with_data_parallel(mut self, group: &'m ProcessGroup) -> Trainer<'m> {
-        self.replicas = Some(group);
-        self
+            parallel,
+            gathered_bytes: 0,
+            gathered_peak: 0,
+        })
     }
 
     pub fn units(&self) -> &[FlatUnit] {
         &self.units
+    }
+
+    fn shard_group(&self) -> Option<&'m ProcessGroup> {
+        self.parallel.as_ref().and_then(|p| p.shard)
+    }
+
+    fn reshard_after_forward(&self) -> bool {
+        self.parallel.as_ref().is_some_and(|p| p.policy.params == ParamPlacement::Sharded { reshard_after_forward: true })
+    }
+
+    /// Starts gathering unit `u` if it is sharded and released (a prefetch).
+    fn prefetch(&mut self, u: usize) -> Result<()> {
+        if let Some(group) = self.shard_group() {
+            let bytes = self.units[u].start_gather(group)?;
+            self.count_gathered(bytes);
+        }
+        Ok(())
+    }
+
+    /// Makes unit `u` usable, waiting for its gather if one is in flight.
+    fn gather(&mut self, u: usize) -> Result<()> {
+        let group = self.shard_group();
+        let bytes = self.units[u].finish_gather(group)?;
+        self.count_gathered(bytes);
+        Ok(())
+    }
+
+    fn release(&mut self, u: usize) -> Result<()> {
+        self.gathered_bytes -= self.units[u].release()?;
+        Ok(())
+    }
+
+    fn count_gathered(&mut self, bytes: i64) {
+        self.gathered_bytes += bytes;
+        self.gathered_peak = self.gathered_peak.max(self.gathered_bytes);
     }
 
     /// Forward and backward of one micro-batch; gradients add up until `step`.
@@ -320,16 +305,27 @@ impl<'m> Trainer<'m> {
         let model = self.model;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
         let ctx = model.context(input_ids, 0, None, dtype, true)?;
-        let views: Vec<Vec<Tensor>> = self.units.iter().map(FlatUnit::views).collect();
         let specs = model.units();
         let stages = model.stages();
-        let seed_for = |stage: usize| self.options.seed.wrapping_mul(1_000_003).wrapping_add(self.micro_steps * 4099 + stage as i64);
+        let seed = self.options.seed;
+        let micro_steps = self.micro_steps;
+        let seed_for = |stage: usize| seed.wrapping_mul(1_000_003).wrapping_add(micro_steps * 4099 + stage as i64);
+        let reshard_after_forward = self.reshard_after_forward();
+        // Views are made once per unit per micro-batch, while it is gathered;
+        // the graph keeps them valid across a release and the refill.
+        let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
 
         let mut saved: Vec<Saved> = Vec::with_capacity(stages.len());
         let mut x: Option<Tensor> = None;
         let mut loss = None;
         for (index, stage) in stages.iter().enumerate() {
-            let params = Params::new(&specs[stage.unit], &views[stage.unit]);
+            let unit = stage.unit;
+            self.gather(unit)?;
+            if let Some(next) = stages.get(index + 1) {
+                self.prefetch(next.unit)?;
+            }
+            let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
+            let params = Params::new(&specs[unit], unit_views);
             let input = x.take().map(|t| t.set_requires_grad(true));
             match stage.kind {
                 StageKind::Embed => {
@@ -365,14 +361,27 @@ impl<'m> Trainer<'m> {
                     saved.push(Saved { input: Some(input), outputs: vec![hidden, weight], grads: vec![grad_hidden, grad_weight] });
                 }
             }
+            // The last stage's unit is the first backward needs: keep it.
+            let used_next = stages.get(index + 1).is_none_or(|next| next.unit == unit);
+            if reshard_after_forward && !used_next {
+                self.release(unit)?;
+            }
         }
 
         let mut grad: Option<Tensor> = None;
-        let mut reductions: Vec<Work> = vec![];
+        let mut pending: VecDeque<PendingReduction> = VecDeque::new();
+        let mut replica_reductions: Vec<Work> = vec![];
+        let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
+            let unit = stage.unit;
+            self.gather(unit)?;
+            if index > 0 {
+                self.prefetch(stages[index - 1].unit)?;
+            }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
-                let params = Params::new(&specs[stage.unit], &views[stage.unit]);
+                let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
+                let params = Params::new(&specs[unit], unit_views);
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, None)];
             }
@@ -383,20 +392,89 @@ impl<'m> Trainer<'m> {
             let grads: Vec<&Tensor> = s.grads.iter().collect();
             ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
             grad = s.input.as_ref().map(Tensor::grad);
-            if stages.iter().position(|st| st.unit == stage.unit) == Some(index) {
-                let unit = &mut self.units[stage.unit];
-                unit.accumulate_grad(self.pending_micro_batches == 0)?;
-                if let (Some(group), true) = (self.replicas, last_micro_batch) {
-                    reductions.push(group.all_reduce(&mut unit.grad, Reduction::Sum)?);
+            drop(s);
+            let gradient_complete = stages.iter().position(|st| st.unit == unit) == Some(index);
+            if gradient_complete {
+                self.reduce(unit, first_micro_batch, last_micro_batch, &mut pending)?;
+                while pending.len() > REDUCTIONS_IN_FLIGHT {
+                    let oldest = pending.pop_front().expect("non-empty");
+                    self.finish_reduction(oldest, &mut replica_reductions)?;
                 }
+                self.release(unit)?;
+            } else if reshard_after_forward && stages[index - 1].unit != unit {
+                self.release(unit)?;
             }
         }
-        for work in reductions {
+        while let Some(oldest) = pending.pop_front() {
+            self.finish_reduction(oldest, &mut replica_reductions)?;
+        }
+        for work in replica_reductions {
             work.wait()?;
         }
         self.micro_steps += 1;
         self.pending_micro_batches += 1;
         Ok(loss.expect("the model has a head stage"))
+    }
+
+    /// Hands unit `u`'s complete micro-batch gradient to the reduction the
+    /// policy asks for: reduce-scatter it now, or accumulate it and
+    /// all-reduce the sum on the last micro-batch.
+    fn reduce(&mut self, u: usize, first: bool, last: bool, pending: &mut VecDeque<PendingReduction>) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let unit = &mut self.units[u];
+        let fresh = unit.take_compute_grad()?;
+        let reduce_dtype = self.parallel.as_ref().map_or(Kind::Float, |p| p.reduce_dtype);
+        if unit.placement().grads_sharded {
+            let group = self.parallel.as_ref().and_then(|p| p.shard).expect("sharded gradients have a shard group");
+            let input = if fresh.defined() {
+                fresh.to_kind(reduce_dtype)
+            } else {
+                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.grad.device()))
+            };
+            let mut result = Tensor::empty([unit.placement().shard.len], (reduce_dtype, input.device()));
+            let work = group.reduce_scatter_tensor(&mut result, &input, Reduction::Sum)?;
+            pending.push_back(PendingReduction {
+                unit: u,
+                work,
+                result,
+                then: AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last },
+            });
+            return Ok(());
+        }
+        accumulate(&mut unit.grad, &fresh, first);
+        if let (Some(parallel), true) = (&self.parallel, last) {
+            if reduce_dtype == Kind::Float {
+                let work = parallel.world.all_reduce(&mut unit.grad, Reduction::Sum)?;
+                pending.push_back(PendingReduction { unit: u, work, result: unit.grad.shallow_clone(), then: AfterReduction::Nothing });
+            } else {
+                let mut result = unit.grad.to_kind(reduce_dtype);
+                let work = parallel.world.all_reduce(&mut result, Reduction::Sum)?;
+                pending.push_back(PendingReduction { unit: u, work, result, then: AfterReduction::CopyToGrad });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for one reduction and files its result; a gradient shard complete
+    /// on the last micro-batch is then all-reduced across replica groups.
+    fn finish_reduction(&mut self, reduction: PendingReduction, replica_reductions: &mut Vec<Work>) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        reduction.work.wait()?;
+        let unit = &mut self.units[reduction.unit];
+        match reduction.then {
+            AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
+                accumulate(&mut unit.grad, &reduction.result, first_micro_batch);
+                let replicas = self.parallel.as_ref().and_then(|p| p.replicas);
+                if let (Some(replicas), true) = (replicas, last_micro_batch) {
+                    replica_reductions.push(replicas.all_reduce(&mut unit.grad, Reduction::Sum)?);
+                }
+            }
+            AfterReduction::CopyToGrad => {
+                unit.grad.copy_(&reduction.result);
+            }
+            AfterReduction::Nothing => {}
+        }
+        Ok(())
     }
 
     /// Clips by the global gradient norm (if configured), takes one AdamW step
@@ -407,8 +485,16 @@ impl<'m> Trainer<'m> {
         if self.pending_micro_batches == 0 {
             bail!("step() without a forward_backward() since the last step");
         }
-        let norms: Vec<Tensor> = self.units.iter().map(|u| u.grad.norm()).collect();
-        let mut total_norm = Tensor::stack(&norms, 0).norm();
+        // Each rank's optimizer covers its owned gradient; when that is a
+        // shard, the squares are summed over the shard group (replica
+        // groups hold the same shards after their all-reduce).
+        let owned: Vec<Tensor> = self.units.iter().map(FlatUnit::owned_grad).collect();
+        let squares: Vec<Tensor> = owned.iter().map(|g| g.square().sum(Kind::Float)).collect();
+        let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
+        if let Some(group) = self.shard_group().filter(|_| self.units[0].placement().optimizer_sharded) {
+            group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
+        }
+        let mut total_norm = sum_of_squares.sqrt();
         // fp16: gradients carry the loss scale; an overflow skips the step.
         let found_inf = self.scaler.is_some().then(|| total_norm.isfinite().logical_not().to_kind(Kind::Float).reshape([1]));
         if let Some(scaler) = &self.scaler {
@@ -424,23 +510,22 @@ impl<'m> Trainer<'m> {
         let _ = self.step.g_add_scalar_(1.0);
         let hyper = AdamW { lr, ..self.options.adamw };
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
-            let part = |t: &Tensor, u: &FlatUnit| {
-                if decayed {
-                    t.narrow(0, 0, u.decayed)
-                } else {
-                    t.narrow(0, u.decayed, t.size()[0] - u.decayed)
+            let (mut params, mut grads, mut m, mut v) = (vec![], vec![], vec![], vec![]);
+            for (unit, grad) in self.units.iter().zip(&owned) {
+                let (split, len) = (unit.decayed_in_master(), unit.master.size()[0]);
+                let (start, count) = if decayed { (0, split) } else { (split, len - split) };
+                if count == 0 {
+                    continue;
                 }
-            };
-            let chosen: Vec<&FlatUnit> =
-                self.units.iter().filter(|u| if decayed { u.decayed > 0 } else { u.decayed < u.master.size()[0] }).collect();
-            if chosen.is_empty() {
+                params.push(unit.master.narrow(0, start, count));
+                grads.push(grad.narrow(0, start, count));
+                m.push(unit.exp_avg.narrow(0, start, count));
+                v.push(unit.exp_avg_sq.narrow(0, start, count));
+            }
+            if params.is_empty() {
                 continue;
             }
-            let params: Vec<Tensor> = chosen.iter().map(|u| part(&u.master, u)).collect();
-            let grads: Vec<Tensor> = chosen.iter().map(|u| part(&u.grad, u)).collect();
-            let m: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg, u)).collect();
-            let v: Vec<Tensor> = chosen.iter().map(|u| part(&u.exp_avg_sq, u)).collect();
-            let steps: Vec<&Tensor> = chosen.iter().map(|_| &self.step).collect();
+            let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
             ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
                 .map_err(anyhow::Error::msg)?;
         }
@@ -449,10 +534,13 @@ impl<'m> Trainer<'m> {
             let _ = self.step.g_sub_(&found_inf.squeeze());
             let _ = scaler.scale.internal_amp_update_scale_(&scaler.growth_tracker, found_inf, 2.0, 0.5, 2000);
         }
+        let shard_group = self.shard_group();
+        let mut gathers = vec![];
         for unit in &mut self.units {
-            if unit.compute.kind() != Kind::Float {
-                let _ = unit.compute.copy_(&unit.master);
-            }
+            gathers.extend(unit.refresh_compute(shard_group)?);
+        }
+        for work in gathers {
+            work.wait()?;
         }
         self.pending_micro_batches = 0;
         Ok(total_norm)
@@ -460,7 +548,7 @@ impl<'m> Trainer<'m> {
 
     /// Unit names and sizes, which a checkpoint must match.
     pub fn layout(&self) -> Vec<crate::checkpoint::UnitLayout> {
-        self.units.iter().map(|u| crate::checkpoint::UnitLayout { name: u.spec.name.clone(), numel: u.master.numel() as i64 }).collect()
+        self.units.iter().map(|u| crate::checkpoint::UnitLayout { name: u.name().to_string(), numel: u.numel() }).collect()
     }
 
     pub fn adamw_step(&self) -> &Tensor {
@@ -471,33 +559,52 @@ impl<'m> Trainer<'m> {
         self.micro_steps
     }
 
-    /// Puts back a checkpoint's state: per unit [master, exp_avg, exp_avg_sq].
+    /// The whole optimizer state per unit — [master, exp_avg, exp_avg_sq],
+    /// fp32, unpadded — gathered from the shard group where it is sharded.
+    /// Every rank must call this (it is collective when sharded).
+    pub fn whole_state(&self) -> Result<Vec<[Tensor; 3]>> {
+        let group = self.shard_group();
+        self.units
+            .iter()
+            .map(|u| Ok([u.whole(&u.master, group)?, u.whole(&u.exp_avg, group)?, u.whole(&u.exp_avg_sq, group)?]))
+            .collect()
+    }
+
+    /// Puts back whole state (as `whole_state` returns it), each rank keeping its part.
     pub fn restore(&mut self, units: &[Vec<Tensor>], step: &Tensor, micro_steps: i64) -> Result<()> {
-        let _no_grad = tch::no_grad_guard();
         for (unit, state) in self.units.iter_mut().zip(units) {
-            for (target, source) in [&unit.master, &unit.exp_avg, &unit.exp_avg_sq].into_iter().zip(state) {
-                if target.size() != source.size() {
-                    bail!("unit {}: checkpoint tensor {:?} does not fit {:?}", unit.spec.name, source.size(), target.size());
-                }
-                target.shallow_clone().copy_(source);
-            }
-            if unit.compute.kind() != Kind::Float {
-                unit.compute.shallow_clone().copy_(&unit.master);
-            }
+            unit.restore(state)?;
         }
         self.step.shallow_clone().copy_(step);
         self.micro_steps = micro_steps;
         Ok(())
     }
 
-    /// The parameters the model computes with (compute dtype), detached, per unit.
-    pub fn compute_params(&self) -> Vec<Vec<Tensor>> {
-        self.units.iter().map(|u| u.views().iter().map(Tensor::detach).collect()).collect()
+    /// The whole parameters in the compute dtype, detached, per unit
+    /// (gathered when sharded; collective then).
+    pub fn compute_params(&self) -> Result<Vec<Vec<Tensor>>> {
+        let group = self.shard_group();
+        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole_compute(group)?.detach()))).collect()
     }
 
-    /// The current fp32 parameters, per unit, shaped as the model declares them.
-    pub fn params(&self) -> Vec<Vec<Tensor>> {
-        self.units.iter().map(FlatUnit::master_params).collect()
+    /// The current fp32 parameters, per unit, shaped as the model declares
+    /// them (gathered when sharded; collective then).
+    pub fn params(&self) -> Result<Vec<Vec<Tensor>>> {
+        let group = self.shard_group();
+        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole(&u.master, group)?))).collect()
+    }
+
+    /// What this rank holds for parameters, gradients and optimizer state,
+    /// and the peak of gathered units so far.
+    pub fn memory(&self) -> MemoryAccount {
+        let mut total = MemoryAccount { gathered_peak: self.gathered_peak as f64, ..MemoryAccount::default() };
+        for unit in &self.units {
+            let m = unit.memory();
+            total.params += m.params;
+            total.grads += m.grads;
+            total.optimizer_state += m.optimizer_state;
+        }
+        total
     }
 
     /// fp16's current loss scale (None in other dtypes).
@@ -511,5 +618,20 @@ impl<'m> Trainer<'m> {
 
     pub fn model(&self) -> &dyn Model {
         self.model
+    }
+}
+
+/// `into` = `fresh` on the first micro-batch after a step, `into += fresh`
+/// after that (an undefined `fresh` contributes zero).
+fn accumulate(into: &mut Tensor, fresh: &Tensor, first_micro_batch: bool) {
+    match (fresh.defined(), first_micro_batch) {
+        (true, true) => into.copy_(fresh),
+        (true, false) => {
+            let _ = into.g_add_(fresh);
+        }
+        (false, true) => {
+            let _ = into.zero_();
+        }
+        (false, false) => {}
     }
 }

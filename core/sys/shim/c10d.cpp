@@ -254,6 +254,37 @@ char* ft_pin_memory(at::Tensor* tensor, at::Tensor** out) {
   return guarded([&] { *out = new at::Tensor(tensor->pin_memory()); });
 }
 
+// Sets the bytes of `tensor`'s storage: 0 frees them, a size allocates that
+// many (contents undefined) from the storage's own allocator (the CUDA caching
+// allocator on a GPU, so a released unit's block is reused by the next gather).
+// Every tensor and view over the storage sees the change — this is how a
+// sharded unit's gathered buffer is freed after use and refilled before
+// backward while the autograd graph's saved views stay valid (FSDP's
+// `untyped_storage().resize_`).
+char* ft_resize_storage(at::Tensor* tensor, int64_t nbytes) {
+  return guarded([&] {
+    auto* storage = tensor->storage().unsafeGetStorageImpl();
+    if (nbytes == 0) {
+      storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+    } else {
+      TORCH_CHECK(storage->allocator() != nullptr, "storage has no allocator to grow with");
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+    }
+    storage->set_nbytes(static_cast<size_t>(nbytes));
+  });
+}
+
+// A new tensor over `tensor`'s storage, shape and strides, without autograd
+// state: writing through it (a gather refilling a unit) does not bump the
+// version counter of the leaf whose views the autograd graph saved.
+char* ft_storage_alias(at::Tensor* tensor, at::Tensor** out) {
+  return guarded([&] {
+    auto alias = at::empty({0}, tensor->options().requires_grad(false));
+    alias.set_(tensor->storage(), tensor->storage_offset(), tensor->sizes(), tensor->strides());
+    *out = new at::Tensor(alias);
+  });
+}
+
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then
 // writes a fresh gradient instead of adding into a zeroed one.
 char* ft_clear_grad(at::Tensor* tensor) {

@@ -86,6 +86,8 @@ extern "C" {
         found_inf: *mut RawTensor,
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
+    fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
+    fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
 }
 
@@ -362,6 +364,22 @@ pub fn cuda_memory(device_index: usize, reset_peak: bool) -> Result<CudaMemory> 
 pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
     check(unsafe { ft_pin_memory(tensor_ptr(tensor), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Frees (`nbytes` 0) or re-allocates the storage under `tensor` and every
+/// view of it; re-allocated contents are undefined until written.
+pub fn resize_storage(tensor: &Tensor, nbytes: usize) -> Result<()> {
+    check(unsafe { ft_resize_storage(tensor_ptr(tensor), nbytes as i64) })
+}
+
+/// A tensor sharing `tensor`'s storage and shape, outside autograd (its own
+/// version counter): in-place writes through it do not invalidate graphs
+/// that saved views of `tensor`.
+pub fn storage_alias(tensor: &Tensor) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_storage_alias(tensor_ptr(tensor), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
 }

@@ -1,0 +1,380 @@
+//! A unit's parameters as flat buffers, whole or sharded (DESIGN.md §4–5).
+//!
+//! Each unit has:
+//! - `compute`: the whole unit in the compute dtype, padded to a multiple of
+//!   the shard group. It is the autograd leaf the model's views come from, so
+//!   backward yields one flat gradient per unit (FSDP's FlatParameter). When
+//!   parameters are sharded, its storage is freed between uses and refilled
+//!   by an all-gather before each use.
+//! - `master`: fp32 values the optimizer updates: the whole buffer, or only
+//!   this rank's shard when optimizer state is sharded. Under fp32 compute
+//!   with replicated parameters it is (a slice of) `compute` itself.
+//! - `grad`: the fp32 gradient, whole when all-reduced or this rank's shard
+//!   when reduce-scattered; `exp_avg`/`exp_avg_sq` cover what `master` covers.
+//!
+//! Inside the buffers the matrices come first and the vectors (biases, norm
+//! weights) after, so AdamW's weight decay — which, as in Hugging Face's
+//! Trainer, skips biases and norms — applies to one prefix.
+
+use crate::comm::{ProcessGroup, Work};
+use crate::model::UnitSpec;
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+fn is_decayed(shape: &[i64]) -> bool {
+    shape.len() >= 2
+}
+
+/// How `spec`'s parameters sit in its unit's flat buffer: their order
+/// (matrices first), and the end of the weight-decayed prefix.
+fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, i64) {
+    let order: Vec<usize> = (0..spec.params.len())
+        .filter(|&i| is_decayed(&spec.params[i].shape))
+        .chain((0..spec.params.len()).filter(|&i| !is_decayed(&spec.params[i].shape)))
+        .collect();
+    let decayed = order.iter().filter(|&&i| is_decayed(&spec.params[i].shape)).map(|&i| spec.params[i].numel()).sum();
+    (order, decayed)
+}
+
+/// Views of a flat buffer laid out in `order`, returned in `spec` order and
+/// shaped; padding past the parameters is left out. One `split_with_sizes`
+/// makes them all, so autograd returns the gradient of the buffer with one
+/// concatenation (a narrow per parameter would zero-fill a buffer-sized
+/// tensor per parameter).
+fn split_views(spec: &UnitSpec, order: &[usize], flat: &Tensor) -> Vec<Tensor> {
+    let mut sizes: Vec<i64> = order.iter().map(|&i| spec.params[i].numel()).collect();
+    let padding = flat.size()[0] - sizes.iter().sum::<i64>();
+    if padding > 0 {
+        sizes.push(padding);
+    }
+    let mut by_spec: Vec<Option<Tensor>> = (0..order.len()).map(|_| None).collect();
+    for (piece, &i) in flat.split_with_sizes(&sizes, 0).into_iter().zip(order) {
+        by_spec[i] = Some(piece);
+    }
+    by_spec
+        .into_iter()
+        .zip(&spec.params)
+        .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
+        .collect()
+}
+
+/// A unit's parameters (in `spec` order, shaped) as views of its flat buffer.
+pub fn unflatten(spec: &UnitSpec, flat: &Tensor) -> Vec<Tensor> {
+    split_views(spec, &flat_layout(spec).0, flat)
+}
+
+/// Bytes a rank holds for one purpose, summed over units (what a strategy buys).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryAccount {
+    /// fp32 masters plus the compute-dtype copies kept between steps.
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer_state: f64,
+    /// The most bytes of gathered (temporarily whole) sharded units at once.
+    pub gathered_peak: f64,
+}
+
+/// How one unit is split over its shard group.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardLayout {
+    /// Elements of the flat buffers (the parameters plus padding).
+    pub padded: i64,
+    /// This rank's slice of them.
+    pub start: i64,
+    pub len: i64,
+}
+
+impl ShardLayout {
+    pub fn new(numel: i64, group_size: usize, group_rank: usize) -> ShardLayout {
+        let n = group_size.max(1) as i64;
+        let len = (numel + n - 1) / n;
+        ShardLayout { padded: len * n, start: len * group_rank as i64, len }
+    }
+}
+
+/// Where a unit keeps what (see the module comment); chosen by the trainer from the strategy's policy.
+#[derive(Debug, Clone, Copy)]
+pub struct UnitPlacement {
+    pub shard: ShardLayout,
+    pub params_sharded: bool,
+    pub optimizer_sharded: bool,
+    pub grads_sharded: bool,
+}
+
+pub struct FlatUnit {
+    pub(crate) spec: UnitSpec,
+    /// The parameters (indices into `spec`) in the order the flat buffers hold them.
+    order: Vec<usize>,
+    /// Elements of the weight-decayed prefix.
+    decayed: i64,
+    numel: i64,
+    placement: UnitPlacement,
+    compute: Tensor,
+    /// `compute`'s storage without autograd state: gathers and updates write
+    /// through it without bumping the version counter of the graph's views.
+    compute_alias: Tensor,
+    gathering: Option<Work>,
+    gathered: bool,
+    pub(crate) master: Tensor,
+    /// `master` is (a slice of) `compute`, not memory of its own.
+    master_is_compute: bool,
+    /// Sharded parameters in a compute dtype other than fp32: this rank's
+    /// shard in that dtype, what gathers send (half the bytes under bf16).
+    compute_shard: Option<Tensor>,
+    pub(crate) grad: Tensor,
+    pub(crate) exp_avg: Tensor,
+    pub(crate) exp_avg_sq: Tensor,
+}
+
+impl FlatUnit {
+    /// Flattens `tensors` (one per parameter of `spec`, on the training
+    /// device) and keeps what `placement` says this rank keeps.
+    pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind, placement: UnitPlacement) -> Result<FlatUnit> {
+        let _no_grad = tch::no_grad_guard();
+        let (order, decayed) = flat_layout(spec);
+        let numel = spec.numel();
+        let ShardLayout { padded, start, len } = placement.shard;
+        let mut pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
+        let device = tensors[0].device();
+        if padded > numel {
+            pieces.push(Tensor::zeros([padded - numel], (Kind::Float, device)));
+        }
+        let full = Tensor::cat(&pieces, 0);
+        drop(pieces);
+        let (compute, master, master_is_compute, compute_shard);
+        if placement.params_sharded {
+            master = full.narrow(0, start, len).copy();
+            compute_shard = (dtype != Kind::Float).then(|| master.to_kind(dtype));
+            compute = Tensor::empty([padded], (dtype, device)).set_requires_grad(true);
+            master_is_compute = false;
+        } else {
+            compute = if dtype == Kind::Float { full.shallow_clone() } else { full.to_kind(dtype) }.set_requires_grad(true);
+            compute_shard = None;
+            master_is_compute = dtype == Kind::Float;
+            master = match (placement.optimizer_sharded, master_is_compute) {
+                (true, true) => ft_sys::storage_alias(&compute)?.narrow(0, start, len),
+                (true, false) => full.narrow(0, start, len).copy(),
+                (false, true) => ft_sys::storage_alias(&compute)?,
+                (false, false) => full,
+            };
+        }
+        let compute_alias = ft_sys::storage_alias(&compute)?;
+        let grad_len = if placement.grads_sharded { len } else { padded };
+        let mut unit = FlatUnit {
+            spec: spec.clone(),
+            order,
+            decayed,
+            numel,
+            placement,
+            grad: Tensor::zeros([grad_len], (Kind::Float, device)),
+            exp_avg: master.zeros_like(),
+            exp_avg_sq: master.zeros_like(),
+            compute,
+            compute_alias,
+            gathering: None,
+            gathered: true,
+            master,
+            master_is_compute,
+            compute_shard,
+        };
+        unit.release()?;
+        Ok(unit)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// Elements of the parameters (without padding).
+    pub fn numel(&self) -> i64 {
+        self.numel
+    }
+
+    pub fn placement(&self) -> &UnitPlacement {
+        &self.placement
+    }
+
+    /// The dtype the model computes in.
+    pub fn compute_kind(&self) -> Kind {
+        self.compute.kind()
+    }
+
+    /// Views of the compute buffer: what the model reads, what autograd
+    /// differentiates. Only while the unit is gathered.
+    pub(crate) fn views(&self) -> Vec<Tensor> {
+        assert!(self.gathered, "unit {} used while released", self.spec.name);
+        split_views(&self.spec, &self.order, &self.compute)
+    }
+
+    /// Views of one of the unit's whole flat buffers, shaped like its parameters.
+    pub(crate) fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
+        split_views(&self.spec, &self.order, flat)
+    }
+
+    /// The accumulated fp32 gradient, shaped (only when it is whole).
+    pub fn grad_views(&self) -> Vec<Tensor> {
+        assert!(!self.placement.grads_sharded, "unit {}: the gradient is sharded", self.spec.name);
+        self.shaped(&self.grad)
+    }
+
+    /// The compute buffer's fresh gradient (undefined if backward gave none), dropped from the leaf.
+    pub(crate) fn take_compute_grad(&self) -> Result<Tensor> {
+        let grad = self.compute.grad();
+        ft_sys::clear_grad(&self.compute).map_err(anyhow::Error::msg)?;
+        Ok(grad)
+    }
+
+    /// The part of `grad` that `master` covers (what this rank's optimizer reads).
+    pub(crate) fn owned_grad(&self) -> Tensor {
+        if self.grad.size() == self.master.size() {
+            self.grad.shallow_clone()
+        } else {
+            self.grad.narrow(0, self.placement.shard.start, self.placement.shard.len)
+        }
+    }
+
+    /// Elements of `master` under weight decay: the decayed prefix, cut to the slice `master` covers.
+    pub(crate) fn decayed_in_master(&self) -> i64 {
+        let master_start = if self.master_is_whole() { 0 } else { self.placement.shard.start };
+        (self.decayed - master_start).clamp(0, self.master.size()[0])
+    }
+
+    fn master_is_whole(&self) -> bool {
+        self.master.size()[0] == self.placement.shard.padded
+    }
+
+    /// Sharded parameters: the shard a gather sends (compute dtype).
+    fn gather_source(&self) -> Tensor {
+        match &self.compute_shard {
+            Some(shard) => shard.shallow_clone(),
+            None => self.master.shallow_clone(),
+        }
+    }
+
+    /// Starts gathering a released sharded unit (allocating its buffer);
+    /// returns the bytes allocated. A no-op when gathered or in flight.
+    pub(crate) fn start_gather(&mut self, group: &ProcessGroup) -> Result<i64> {
+        if self.gathered || self.gathering.is_some() {
+            return Ok(0);
+        }
+        let bytes = self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64;
+        ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
+        let source = self.gather_source();
+        self.gathering = Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?);
+        Ok(bytes)
+    }
+
+    /// Makes the unit usable: starts its gather if needed and waits for it.
+    pub(crate) fn finish_gather(&mut self, group: Option<&ProcessGroup>) -> Result<i64> {
+        let mut bytes = 0;
+        if !self.gathered {
+            bytes = self.start_gather(group.expect("a sharded unit has a shard group"))?;
+        }
+        if let Some(work) = self.gathering.take() {
+            work.wait()?;
+        }
+        self.gathered = true;
+        Ok(bytes)
+    }
+
+    /// Frees a sharded unit's gathered buffer; returns the bytes freed.
+    pub(crate) fn release(&mut self) -> Result<i64> {
+        if !self.placement.params_sharded || !self.gathered {
+            return Ok(0);
+        }
+        ft_sys::resize_storage(&self.compute_alias, 0)?;
+        self.gathered = false;
+        Ok(self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64)
+    }
+
+    /// After an optimizer step: brings the compute copy up to date with the
+    /// master. Returns the all-gather in flight when parameters are
+    /// replicated but the master is sharded (zero1).
+    pub(crate) fn refresh_compute(&mut self, shard_group: Option<&ProcessGroup>) -> Result<Option<Work>> {
+        let _no_grad = tch::no_grad_guard();
+        let dtype = self.compute.kind();
+        if let Some(shard) = &mut self.compute_shard {
+            shard.copy_(&self.master);
+            return Ok(None);
+        }
+        if self.placement.params_sharded {
+            return Ok(None);
+        }
+        if self.master_is_whole() {
+            if !self.master_is_compute {
+                self.compute_alias.copy_(&self.master);
+            }
+            return Ok(None);
+        }
+        // Each rank updated its slice: gather the slices into everyone's whole copy
+        // (from a separate tensor: the fp32 master may be a slice of the destination).
+        let source = self.master.to_kind(dtype).copy();
+        let group = shard_group.expect("a sharded master has a shard group");
+        Ok(Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?))
+    }
+
+    /// Puts back whole fp32 state ([master, exp_avg, exp_avg_sq], each of the
+    /// unit's numel), keeping this rank's part.
+    pub(crate) fn restore(&mut self, state: &[Tensor]) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let shard = self.placement.shard;
+        for (target, source) in [&self.master, &self.exp_avg, &self.exp_avg_sq].into_iter().zip(state) {
+            if source.size() != [self.numel] {
+                anyhow::bail!("unit {}: checkpoint tensor {:?} does not fit [{}]", self.spec.name, source.size(), self.numel);
+            }
+            let padded = source.to_device(target.device()).constant_pad_nd([0, shard.padded - self.numel]);
+            let mine = if target.size()[0] == shard.padded { padded } else { padded.narrow(0, shard.start, shard.len) };
+            target.shallow_clone().copy_(&mine);
+        }
+        if !self.placement.params_sharded && !self.master_is_whole() {
+            // zero1: every rank read the whole master; refresh the whole compute copy from it.
+            let whole = state[0].to_device(self.compute.device()).constant_pad_nd([0, shard.padded - self.numel]);
+            self.compute_alias.copy_(&whole);
+            return Ok(());
+        }
+        if let Some(work) = self.refresh_compute(None)? {
+            work.wait()?;
+        }
+        Ok(())
+    }
+
+    /// `tensor` whole (unpadded), gathering the slices from the shard group when it is this rank's slice only.
+    pub(crate) fn whole(&self, tensor: &Tensor, group: Option<&ProcessGroup>) -> Result<Tensor> {
+        let shard = self.placement.shard;
+        if tensor.size()[0] == shard.padded {
+            return Ok(tensor.narrow(0, 0, self.numel));
+        }
+        let mut out = Tensor::empty([shard.padded], (tensor.kind(), tensor.device()));
+        let group = group.expect("a sharded tensor has a shard group");
+        group.all_gather_into_tensor(&mut out, &tensor.contiguous())?.wait()?;
+        Ok(out.narrow(0, 0, self.numel))
+    }
+
+    /// The whole parameters in the compute dtype (gathered if sharded), detached.
+    pub(crate) fn whole_compute(&self, group: Option<&ProcessGroup>) -> Result<Tensor> {
+        if self.placement.params_sharded {
+            self.whole(&self.gather_source(), group)
+        } else {
+            Ok(self.compute_alias.shallow_clone())
+        }
+    }
+
+    /// What this rank holds for the unit between steps.
+    pub(crate) fn memory(&self) -> MemoryAccount {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as f64;
+        let mut params = self.compute_shard.as_ref().map_or(0.0, bytes);
+        if !self.master_is_compute {
+            params += bytes(&self.master);
+        }
+        if !self.placement.params_sharded {
+            params += bytes(&self.compute);
+        }
+        MemoryAccount {
+            params,
+            grads: bytes(&self.grad),
+            optimizer_state: bytes(&self.exp_avg) + bytes(&self.exp_avg_sq),
+            gathered_peak: 0.0,
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Third-party strategies loaded at run time (DESIGN.md §6).
+//!
+//! A plug-in is a `cdylib` depending on `ft-core`. It exports one C symbol,
+//! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the plug-in
+//! ABI version, the ft-core version and the rustc version it was built
+//! with, and a registration function. Plug-ins share Rust types (trait
+//! objects) with ft, which is only sound when all three match, so the
+//! loader compares them — reading nothing else from the library first —
+//! and refuses a mismatch naming the field. [`export_plugin!`] writes the
+//! symbol; `plugins/ddp_compute_dtype_comm` is a complete example.
+
+use crate::registry::{Origin, Registry, StrategyEntry};
+use crate::strategy::ShardingStrategy;
+use anyhow::{anyhow, bail, Context, Result};
+use std::ffi::{c_char, CStr};
+use std::path::{Path, PathBuf};
+
+/// Bumped whenever `PluginDeclaration` or `PluginRegistrar` change shape.
+pub const ABI_VERSION: u32 = 1;
+/// NUL-terminated, for the declaration.
+#[doc(hidden)]
+pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
+#[doc(hidden)]
+pub const RUSTC_VERSION: &str = concat!(env!("FT_RUSTC_VERSION"), "\0");
+/// The symbol every plug-in exports.
+pub const ENTRY_POINT: &str = "ft_plugin_declaration";
+
+/// What a plug-in declares. The three version fields come first and are
+/// plain C data, so any library's declaration can be checked safely.
+#[repr(C)]
+pub struct PluginDeclaration {
+    pub abi_version: u32,
+    /// NUL-terminated ft-core version the plug-in was built against.
+    pub core_version: *const c_char,
+    /// NUL-terminated `rustc --version` of the plug-in's build.
+    pub rustc_version: *const c_char,
+    /// Called once, after the checks, to add the plug-in's strategies.
+    pub register: fn(&mut PluginRegistrar),
+}
+
+// SAFETY: the pointers are to 'static string literals, never written.
+unsafe impl Sync for PluginDeclaration {}
+
+/// Collects what a plug-in registers.
+pub struct PluginRegistrar {
+    origin: Origin,
+    strategies: Vec<StrategyEntry>,
+}
+
+impl PluginRegistrar {
+    /// Adds a strategy (`create` makes a fresh instance per run).
+    pub fn add_strategy(
+        &mut self,
+        name: &str,
+        aliases: &[&str],
+        summary: &str,
+        create: fn() -> Box<dyn ShardingStrategy>,
+    ) {
+        self.strategies.push(StrategyEntry {
+            name: name.into(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            summary: summary.into(),
+            origin: self.origin.clone(),
+            create: Box::new(create),
+        });
+    }
+}
+
+/// Exports `ft_plugin_declaration` for a plug-in whose registration
+/// function is `$register: fn(&mut PluginRegistrar)`.
+#[macro_export]
+macro_rules! export_plugin {
+    ($register:path) => {
+        #[no_mangle]
+        pub extern "C" fn ft_plugin_declaration() -> *const $crate::plugin::PluginDeclaration {
+            static DECLARATION: $crate::plugin::PluginDeclaration = $crate::plugin::PluginDeclaration {
+                abi_version: $crate::plugin::ABI_VERSION,
+                core_version: $crate::plugin::CORE_VERSION.as_ptr() as *const ::std::ffi::c_char,
+                rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr() as *const ::std::ffi::c_char,
+                register: $register,
+            };
+            &DECLARATION
+        }
+    };
+}
+
+fn field(value: *const c_char, name: &str, path: &Path) -> Result<String> {
+    if value.is_null() {
+        bail!("plug-in {}: its declaration has no {name}", path.display());
+    }
+    // SAFETY: non-null and, by the declaration's contract, NUL-terminated static data.
+    Ok(unsafe { CStr::from_ptr(value) }.to_string_lossy().into_owned())
+}
+
+/// Loads the plug-in at `path` and adds its strategies to `registry`.
+/// The library stays loaded for the life of the process (its code backs
+/// the strategies it registered).
+pub fn load(path: &Path, registry: &mut Registry) -> Result<()> {
+    if !path.is_file() {
+        bail!("plug-in {} does not exist (build it with `cargo build --release -p <crate>`; the file is lib<crate>.so)", path.display());
+    }
+    let canonical = path.canonicalize().unwrap_or_else(|_| PathBuf::from(path));
+    // SAFETY: loading runs the library's initialisers; a Rust cdylib has none beyond std's.
+    let library = unsafe { libloading::Library::new(&canonical) }
+        .map_err(|e| anyhow!("cannot load plug-in {}: not a loadable shared library ({e})", path.display()))?;
+    // SAFETY: the signature is the one `export_plugin!` defines; a library
+    // without the symbol is refused before anything is called.
+    let entry: libloading::Symbol<extern "C" fn() -> *const PluginDeclaration> =
+        unsafe { library.get(ENTRY_POINT.as_bytes()) }.map_err(|_| {
+            anyhow!("{} is not an ft plug-in: it exports no `{ENTRY_POINT}` (use ft_core::export_plugin!)", path.display())
+        })?;
+    let declaration = entry();
+    if declaration.is_null() {
+        bail!("plug-in {}: `{ENTRY_POINT}` returned no declaration", path.display());
+    }
+    // SAFETY: non-null, and the first fields are repr(C) plain data in every ABI version.
+    let declaration = unsafe { &*declaration };
+    if declaration.abi_version != ABI_VERSION {
+        bail!(
+            "plug-in {}: abi_version is {}, this ft loads {ABI_VERSION} — rebuild the plug-in against this ft-core",
+            path.display(),
+            declaration.abi_version
+        );
+    }
+    let expected = [
+        ("ft-core version", field(declaration.core_version, "ft-core version", path)?, CORE_VERSION.trim_end_matches('\0')),
+        ("rustc version", field(declaration.rustc_version, "rustc version", path)?, RUSTC_VERSION.trim_end_matches('\0')),
+    ];
+    for (name, theirs, ours) in expected {
+        if theirs != ours {
+            bail!("plug-in {}: built with {name} `{theirs}`, this ft has `{ours}` — rebuild the plug-in with the same", path.display());
+        }
+    }
+    let mut registrar = PluginRegistrar { origin: Origin::Plugin(canonical), strategies: vec![] };
+    let register = declaration.register;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| register(&mut registrar)))
+        .map_err(|_| anyhow!("plug-in {} panicked while registering", path.display()))?;
+    if registrar.strategies.is_empty() {
+        bail!("plug-in {} registered nothing", path.display());
+    }
+    for strategy in registrar.strategies {
+        registry.add_strategy(strategy).with_context(|| format!("loading plug-in {}", path.display()))?;
+    }
+    std::mem::forget(library);
+    Ok(())
+}

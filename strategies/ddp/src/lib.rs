@@ -1,0 +1,37 @@
+//! `ddp` (ZeRO stage 0, FSDP's NO_SHARD): every rank holds the whole model and
+//! optimizer state. A unit is the all-reduce bucket: its gradient is
+//! all-reduced as soon as backward completes it, while backward goes on with
+//! the units before it; with gradient accumulation only the last
+//! micro-batch communicates.
+
+use ft_core::registry::StrategyRegistration;
+use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+
+const NAME: &str = "ddp";
+
+pub struct Ddp;
+
+impl ShardingStrategy for Ddp {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Replicated,
+            grads: GradReduction::AllReduce,
+            optimizer_state_sharded: false,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        }
+    }
+}
+
+inventory::submit! {
+    StrategyRegistration {
+        name: NAME,
+        aliases: &["zero0", "no_shard"],
+        summary: "Replicated parameters and optimizer; gradients all-reduced per unit, overlapped with backward",
+        create: || Box::new(Ddp),
+    }
+}

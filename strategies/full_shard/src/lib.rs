@@ -1,0 +1,37 @@
+//! `full_shard` (FSDP's FULL_SHARD, ZeRO stage 3): each rank keeps 1/N of
+//! every unit's parameters, gradients and optimizer state. A unit is
+//! all-gathered before its forward and freed after it, gathered again before
+//! its backward, and its gradient is reduce-scattered: the least memory, at
+//! two gathers per unit per micro-batch.
+
+use ft_core::registry::StrategyRegistration;
+use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+
+const NAME: &str = "full_shard";
+
+pub struct FullShard;
+
+impl ShardingStrategy for FullShard {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Sharded { reshard_after_forward: true },
+            grads: GradReduction::ReduceScatter,
+            optimizer_state_sharded: true,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        }
+    }
+}
+
+inventory::submit! {
+    StrategyRegistration {
+        name: NAME,
+        aliases: &["zero3"],
+        summary: "Parameters, gradients and optimizer state sharded; units gathered for forward and again for backward",
+        create: || Box::new(FullShard),
+    }
+}

@@ -1,0 +1,37 @@
+//! `hybrid_shard` (FSDP's HYBRID_SHARD): full_shard inside a shard group —
+//! by default the ranks of one node, so parameter gathers stay on NVLink —
+//! and replicas across shard groups: each gradient shard, once reduce-
+//! scattered inside the group, is all-reduced with the same shard of the
+//! other groups. `--shard-group-size` sets the group.
+
+use ft_core::registry::StrategyRegistration;
+use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+
+const NAME: &str = "hybrid_shard";
+
+pub struct HybridShard;
+
+impl ShardingStrategy for HybridShard {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Sharded { reshard_after_forward: true },
+            grads: GradReduction::ReduceScatter,
+            optimizer_state_sharded: true,
+            shard_group: ShardGroup::Node,
+            reduce_dtype: None,
+        }
+    }
+}
+
+inventory::submit! {
+    StrategyRegistration {
+        name: NAME,
+        aliases: &[],
+        summary: "full_shard inside each node (or --shard-group-size ranks), gradient shards all-reduced across nodes",
+        create: || Box::new(HybridShard),
+    }
+}

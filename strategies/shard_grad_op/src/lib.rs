@@ -1,0 +1,37 @@
+//! `shard_grad_op` (FSDP's SHARD_GRAD_OP, ZeRO stage 2 with sharded
+//! parameters): each rank keeps 1/N of every unit's parameters, gradients and
+//! optimizer state. A unit is all-gathered before its forward and kept until
+//! its backward is done (one gather per micro-batch), and its gradient is
+//! reduce-scattered.
+
+use ft_core::registry::StrategyRegistration;
+use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+
+const NAME: &str = "shard_grad_op";
+
+pub struct ShardGradOp;
+
+impl ShardingStrategy for ShardGradOp {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Sharded { reshard_after_forward: false },
+            grads: GradReduction::ReduceScatter,
+            optimizer_state_sharded: true,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        }
+    }
+}
+
+inventory::submit! {
+    StrategyRegistration {
+        name: NAME,
+        aliases: &["zero2"],
+        summary: "Parameters, gradients and optimizer state sharded; gathered once per step (kept from forward through backward)",
+        create: || Box::new(ShardGradOp),
+    }
+}

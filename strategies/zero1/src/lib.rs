@@ -1,0 +1,36 @@
+//! `zero1` (ZeRO stage 1): parameters and gradients whole on every rank, as
+//! in ddp, but each rank keeps the fp32 master and AdamW moments of only its
+//! 1/N slice of every unit, updates that slice, and all-gathers the updated
+//! slices into everyone's parameters after the step.
+
+use ft_core::registry::StrategyRegistration;
+use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+
+const NAME: &str = "zero1";
+
+pub struct Zero1;
+
+impl ShardingStrategy for Zero1 {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Replicated,
+            grads: GradReduction::AllReduce,
+            optimizer_state_sharded: true,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        }
+    }
+}
+
+inventory::submit! {
+    StrategyRegistration {
+        name: NAME,
+        aliases: &[],
+        summary: "Replicated parameters and gradients, optimizer state sharded; parameters all-gathered after the step",
+        create: || Box::new(Zero1),
+    }
+}
