@@ -15,6 +15,10 @@ pub fn run(registry: &Registry) {
         let aliases = if s.aliases.is_empty() { String::new() } else { format!(" (alias {})", s.aliases.join(", ")) };
         println!("  {:<16} {}{aliases} [{}]", s.name, s.summary, s.origin);
     }
+    println!("offload (--offload):");
+    for o in registry.offloads() {
+        println!("  {:<16} {} [built-in]", o.name, o.summary);
+    }
     println!("metrics sinks:");
     for s in registry.sinks() {
         println!("  {:<16} {} [{}]", s.name, s.summary, s.origin);

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 // The built-in strategies register themselves with `inventory`; naming the
 // crates links them in.
+use ft_strategy_cpu_offload as _;
 use ft_strategy_ddp as _;
 use ft_strategy_full_shard as _;
 use ft_strategy_hybrid_shard as _;

@@ -209,11 +209,7 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
     }
     let strategy = registry.strategy(&t.strategy)?;
     (strategy.create)().policy().validate(&strategy.name)?;
-    match t.offload.as_str() {
-        "none" => {}
-        "cpu" => bail!("train.offload cpu is not available in this build yet; use none"),
-        other => bail!("train.offload {other:?} is not one of none, cpu"),
-    }
+    registry.offload(&t.offload)?;
     Ok(())
 }
 
@@ -443,6 +439,12 @@ fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
     let world = comm.env().world_size;
     let mut qa_eval = QaEval::new(&tokenizer, &questions, config, &comm);
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
+    let offload = (registry.offload(&config.train.offload)?.create)();
+    if offload.to_host() {
+        // The CPU optimizer's threads: this host's cores shared among its ranks.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        ft_core::set_cpu_threads(cores / comm.env().local_world_size);
+    }
     let sinks = if rank == 0 {
         let append = config.train.resume.is_some();
         config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir, append)).collect::<Result<Vec<_>>>()?
@@ -475,6 +477,7 @@ fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
         model: model.as_ref(),
         comm: &comm,
         strategy: strategy.as_ref(),
+        offload: offload.as_ref(),
         train: &train,
         eval: &eval,
         config: &config.train,
@@ -565,11 +568,12 @@ pub fn summary_table(s: &Summary) -> String {
         out += &row(
             &format!("state held rank {rank}"),
             format!(
-                "params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB",
+                "params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB, of which in host memory {:.1} MB",
                 m.params / 1e6,
                 m.grads / 1e6,
                 m.optimizer_state / 1e6,
-                m.gathered_peak / 1e6
+                m.gathered_peak / 1e6,
+                m.host / 1e6
             ),
         );
     }

@@ -71,6 +71,7 @@ pub struct Fit<'a> {
     pub model: &'a dyn Model,
     pub comm: &'a Communicator,
     pub strategy: &'a dyn ShardingStrategy,
+    pub offload: &'a dyn crate::Offload,
     pub train: &'a [Example],
     pub eval: &'a [Example],
     pub config: &'a TrainConfig,
@@ -189,6 +190,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         activation_checkpointing: config.activation_checkpointing,
         seed: config.seed as i64,
         initial_loss_scale: config.initial_loss_scale,
+        offload_to_host: fit.offload.to_host(),
     };
     let groups = ShardGroups::new(fit.strategy, config.shard_group_size, fit.comm)?;
     let parallel = (world > 1).then(|| Parallel {
@@ -347,11 +349,11 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     let table = sum_over_ranks(fit.comm, &table)?;
     let memory_per_rank = table.chunks(3).map(|m| RankMemory { peak: m[0], mean: m[1], min: m[2] }).collect();
     let held = trainer.memory();
-    let mut table = vec![0.0; 4 * world];
-    table[4 * rank..4 * rank + 4].copy_from_slice(&[held.params, held.grads, held.optimizer_state, held.gathered_peak]);
+    let mut table = vec![0.0; 5 * world];
+    table[5 * rank..5 * rank + 5].copy_from_slice(&[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host]);
     let state_per_rank = sum_over_ranks(fit.comm, &table)?
-        .chunks(4)
-        .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3] })
+        .chunks(5)
+        .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4] })
         .collect();
     let seconds = sum_over_ranks(fit.comm, &[train_seconds])?[0] / world as f64;
     let tokens = sum_over_ranks(fit.comm, &[train_tokens as f64])?[0];

@@ -12,6 +12,12 @@
 //! - `grad`: the fp32 gradient, whole when all-reduced or this rank's shard
 //!   when reduce-scattered; `exp_avg`/`exp_avg_sq` cover what `master` covers.
 //!
+//! Offloaded (`--offload cpu`), `master`, `grad` and the moments live in host
+//! memory (the master pinned, for asynchronous uploads); the GPU keeps only
+//! the compute-dtype copy the model reads (whole, or this rank's shard to
+//! gather from), and each micro-batch's reduced gradient is copied back as a
+//! host piece as soon as its reduction is done.
+//!
 //! Inside the buffers the matrices come first and the vectors (biases, norm
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
 //! Trainer, skips biases and norms — applies to one prefix.
@@ -73,6 +79,8 @@ pub struct MemoryAccount {
     pub optimizer_state: f64,
     /// The most bytes of gathered (temporarily whole) sharded units at once.
     pub gathered_peak: f64,
+    /// How much of params + grads + optimizer state is in host memory (offload).
+    pub host: f64,
 }
 
 /// How one unit is split over its shard group.
@@ -100,6 +108,8 @@ pub struct UnitPlacement {
     pub params_sharded: bool,
     pub optimizer_sharded: bool,
     pub grads_sharded: bool,
+    /// Master, gradient and optimizer state in host memory.
+    pub offload: bool,
 }
 
 pub struct FlatUnit {
@@ -125,6 +135,9 @@ pub struct FlatUnit {
     pub(crate) grad: Tensor,
     pub(crate) exp_avg: Tensor,
     pub(crate) exp_avg_sq: Tensor,
+    /// Offloaded: this step's reduced gradients (the part `master` covers),
+    /// one per micro-batch, on their way to or in host memory.
+    host_pieces: Vec<Tensor>,
 }
 
 impl FlatUnit {
@@ -142,6 +155,9 @@ impl FlatUnit {
         }
         let full = Tensor::cat(&pieces, 0);
         drop(pieces);
+        if placement.offload {
+            return FlatUnit::offloaded(spec, order, decayed, full, dtype, placement);
+        }
         let (compute, master, master_is_compute, compute_shard);
         if placement.params_sharded {
             master = full.narrow(0, start, len).copy();
@@ -177,11 +193,89 @@ impl FlatUnit {
             master,
             master_is_compute,
             compute_shard,
+            host_pieces: vec![],
         };
         unit.release()?;
         Ok(unit)
     }
 
+    /// The offloaded layout: fp32 state on the host, the compute copy (whole,
+    /// or this rank's shard when parameters are sharded) on the device.
+    fn offloaded(spec: &UnitSpec, order: Vec<usize>, decayed: i64, full: Tensor, dtype: Kind, placement: UnitPlacement) -> Result<FlatUnit> {
+        let ShardLayout { padded, start, len } = placement.shard;
+        let device = full.device();
+        let host = |t: Tensor| -> Result<Tensor> {
+            let t = t.to_device(tch::Device::Cpu).contiguous();
+            // Pinned, so uploads of the updated master are asynchronous.
+            Ok(if device.is_cuda() { ft_sys::pin_memory(&t)? } else { t })
+        };
+        let owned = if placement.optimizer_sharded { full.narrow(0, start, len) } else { full.shallow_clone() };
+        let master = host(owned.copy())?;
+        let (compute, compute_shard) = if placement.params_sharded {
+            (Tensor::empty([padded], (dtype, device)).set_requires_grad(true), Some(owned.to_kind(dtype)))
+        } else {
+            (full.to_kind(dtype).copy().set_requires_grad(true), None)
+        };
+        drop(full);
+        let compute_alias = ft_sys::storage_alias(&compute)?;
+        let mut unit = FlatUnit {
+            spec: spec.clone(),
+            order,
+            decayed,
+            numel: spec.numel(),
+            placement,
+            grad: master.zeros_like(),
+            exp_avg: Tensor::zeros_like(&master),
+            exp_avg_sq: Tensor::zeros_like(&master),
+            compute,
+            compute_alias,
+            gathering: None,
+            gathered: true,
+            master,
+            master_is_compute: false,
+            compute_shard,
+            host_pieces: vec![],
+        };
+        unit.release()?;
+        Ok(unit)
+    }
+
+    /// The device the model computes on.
+    pub fn device(&self) -> tch::Device {
+        self.compute.device()
+    }
+
+    pub fn offloaded_to_host(&self) -> bool {
+        self.placement.offload
+    }
+
+    /// Offloaded: starts copying a reduced micro-batch gradient (whole, or
+    /// this rank's shard) back to host memory; returns the bytes moved.
+    pub(crate) fn send_to_host(&mut self, reduced: &Tensor) -> i64 {
+        let owned = if reduced.size()[0] == self.master.size()[0] {
+            reduced.shallow_clone()
+        } else {
+            reduced.narrow(0, self.placement.shard.start, self.placement.shard.len)
+        };
+        let bytes = (owned.numel() * owned.kind().elt_size_in_bytes()) as i64;
+        // Non-blocking into pinned memory: the copy queues behind the reduction.
+        self.host_pieces.push(owned.to_device_(tch::Device::Cpu, owned.kind(), true, false));
+        bytes
+    }
+
+    /// Offloaded, once the device's queued copies are done: this step's host
+    /// gradient is the sum of its micro-batch pieces, in fp32.
+    pub(crate) fn collect_host_grad(&mut self) {
+        let mut pieces = std::mem::take(&mut self.host_pieces).into_iter();
+        if let Some(first) = pieces.next() {
+            self.grad = first.to_kind(Kind::Float).contiguous();
+            for piece in pieces {
+                let _ = self.grad.g_add_(&piece);
+            }
+        } else {
+            let _ = self.grad.zero_();
+        }
+    }
     pub fn name(&self) -> &str {
         &self.spec.name
     }
@@ -294,8 +388,10 @@ impl FlatUnit {
     pub(crate) fn refresh_compute(&mut self, shard_group: Option<&ProcessGroup>) -> Result<Option<Work>> {
         let _no_grad = tch::no_grad_guard();
         let dtype = self.compute.kind();
+        // Offloaded: upload the host master asynchronously (it is pinned).
+        let master = self.master.to_device_(self.compute.device(), Kind::Float, true, false);
         if let Some(shard) = &mut self.compute_shard {
-            shard.copy_(&self.master);
+            shard.copy_(&master);
             return Ok(None);
         }
         if self.placement.params_sharded {
@@ -303,13 +399,13 @@ impl FlatUnit {
         }
         if self.master_is_whole() {
             if !self.master_is_compute {
-                self.compute_alias.copy_(&self.master);
+                self.compute_alias.copy_(&master);
             }
             return Ok(None);
         }
         // Each rank updated its slice: gather the slices into everyone's whole copy
         // (from a separate tensor: the fp32 master may be a slice of the destination).
-        let source = self.master.to_kind(dtype).copy();
+        let source = master.to_kind(dtype).copy();
         let group = shard_group.expect("a sharded master has a shard group");
         Ok(Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?))
     }
@@ -345,9 +441,11 @@ impl FlatUnit {
         if tensor.size()[0] == shard.padded {
             return Ok(tensor.narrow(0, 0, self.numel));
         }
-        let mut out = Tensor::empty([shard.padded], (tensor.kind(), tensor.device()));
+        // Collectives run on the compute device (an offloaded tensor is on the host).
+        let device = self.compute.device();
+        let mut out = Tensor::empty([shard.padded], (tensor.kind(), device));
         let group = group.expect("a sharded tensor has a shard group");
-        group.all_gather_into_tensor(&mut out, &tensor.contiguous())?.wait()?;
+        group.all_gather_into_tensor(&mut out, &tensor.to_device(device).contiguous())?.wait()?;
         Ok(out.narrow(0, 0, self.numel))
     }
 
@@ -370,11 +468,8 @@ impl FlatUnit {
         if !self.placement.params_sharded {
             params += bytes(&self.compute);
         }
-        MemoryAccount {
-            params,
-            grads: bytes(&self.grad),
-            optimizer_state: bytes(&self.exp_avg) + bytes(&self.exp_avg_sq),
-            gathered_peak: 0.0,
-        }
+        let optimizer_state = bytes(&self.exp_avg) + bytes(&self.exp_avg_sq);
+        let host = if self.placement.offload { bytes(&self.master) + bytes(&self.grad) + optimizer_state } else { 0.0 };
+        MemoryAccount { params, grads: bytes(&self.grad), optimizer_state, gathered_peak: 0.0, host }
     }
 }

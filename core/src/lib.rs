@@ -27,6 +27,8 @@ pub mod train;
 pub use ft_sys::AdamW;
 /// The CUDA caching allocator's counters (current and peak, allocated and reserved).
 pub use ft_sys::{cuda_memory, CudaMemory};
+/// Sizes the CPU optimizer's thread pool (offload).
+pub use ft_sys::set_cpu_threads;
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
 pub use config::Config;

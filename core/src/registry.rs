@@ -26,6 +26,14 @@ pub struct SinkRegistration {
 }
 inventory::collect!(SinkRegistration);
 
+/// An `Offload`'s registration (`--offload NAME`).
+pub struct OffloadRegistration {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub create: fn() -> Box<dyn crate::offload::Offload>,
+}
+inventory::collect!(OffloadRegistration);
+
 /// A model architecture's registration, keyed by config.json's `model_type`.
 pub struct ModelRegistration {
     pub model_type: &'static str,
@@ -69,6 +77,7 @@ pub struct Registry {
     strategies: Vec<StrategyEntry>,
     sinks: Vec<SinkEntry>,
     models: Vec<&'static ModelRegistration>,
+    offloads: Vec<&'static OffloadRegistration>,
 }
 
 impl Registry {
@@ -96,6 +105,8 @@ impl Registry {
         }
         registry.models = inventory::iter::<ModelRegistration>.into_iter().collect();
         registry.models.sort_by_key(|m| m.model_type);
+        registry.offloads = inventory::iter::<OffloadRegistration>.into_iter().collect();
+        registry.offloads.sort_by_key(|o| o.name);
         registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
         registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
         registry
@@ -146,6 +157,17 @@ impl Registry {
         })
     }
 
+    pub fn offloads(&self) -> &[&'static OffloadRegistration] {
+        &self.offloads
+    }
+
+    pub fn offload(&self, name: &str) -> Result<&'static OffloadRegistration> {
+        self.offloads.iter().copied().find(|o| o.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.offloads.iter().map(|o| o.name).collect();
+            unknown("offload", name, &names)
+        })
+    }
+
     pub fn sink(&self, name: &str) -> Result<&SinkEntry> {
         self.sinks.iter().find(|s| s.name == name).ok_or_else(|| {
             let names: Vec<&str> = self.sinks.iter().map(|s| s.name.as_str()).collect();
@@ -188,6 +210,7 @@ mod tests {
                 grads: GradReduction::AllReduce,
                 optimizer_state_sharded: false,
                 shard_group: ShardGroup::World,
+                reduce_dtype: None,
             }
         }
     }

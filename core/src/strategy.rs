@@ -81,11 +81,6 @@ impl ShardingPolicy {
         }
         Ok(())
     }
-
-    /// Whether any state is split across ranks (and so a shard group is needed).
-    pub fn shards_anything(&self) -> bool {
-        self.optimizer_state_sharded
-    }
 }
 
 pub trait ShardingStrategy: Send + Sync {

@@ -38,6 +38,9 @@ pub struct TrainOptions {
     /// fp16's first loss scale (dynamic: halved on overflow, doubled after
     /// 2000 clean steps, as torch.amp.GradScaler does).
     pub initial_loss_scale: f64,
+    /// Keep fp32 masters, gradients and optimizer state in host memory and
+    /// step them with the CPU AdamW (`--offload cpu`).
+    pub offload_to_host: bool,
 }
 
 impl Default for TrainOptions {
@@ -50,6 +53,7 @@ impl Default for TrainOptions {
             activation_checkpointing: false,
             seed: 0,
             initial_loss_scale: 65536.0,
+            offload_to_host: false,
         }
     }
 }
@@ -168,7 +172,18 @@ enum AfterReduction {
     AddToShard { first_micro_batch: bool, last_micro_batch: bool },
     /// A gradient all-reduced in a narrower dtype: copy it back to fp32.
     CopyToGrad,
+    /// Offloaded: (all-reduce across replicas, then) copy it to the host.
+    ToHost,
     Nothing,
+}
+
+/// What offloading moved and cost, cumulative over the run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OffloadStats {
+    pub device_to_host_bytes: f64,
+    pub host_to_device_bytes: f64,
+    /// Time in the CPU optimizer step (clip norm and AdamW on the host).
+    pub cpu_step_seconds: f64,
 }
 
 /// Reduce-scatters allowed in flight before backward waits for the oldest:
@@ -193,6 +208,7 @@ pub struct Trainer<'m> {
     /// Bytes of sharded units gathered now, and the most at once.
     gathered_bytes: i64,
     gathered_peak: i64,
+    offload_stats: OffloadStats,
 }
 
 impl<'m> Trainer<'m> {
@@ -218,6 +234,7 @@ impl<'m> Trainer<'m> {
                     params_sharded: matches!(p.policy.params, ParamPlacement::Sharded { .. }),
                     optimizer_sharded: p.policy.optimizer_state_sharded,
                     grads_sharded: p.policy.grads == GradReduction::ReduceScatter,
+                    offload: options.offload_to_host,
                 }
             }
             _ => UnitPlacement {
@@ -225,6 +242,7 @@ impl<'m> Trainer<'m> {
                 params_sharded: false,
                 optimizer_sharded: false,
                 grads_sharded: false,
+                offload: options.offload_to_host,
             },
         };
         let units = model
@@ -249,6 +267,7 @@ impl<'m> Trainer<'m> {
             parallel,
             gathered_bytes: 0,
             gathered_peak: 0,
+            offload_stats: OffloadStats::default(),
         })
     }
 
@@ -424,21 +443,38 @@ impl<'m> Trainer<'m> {
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
         let reduce_dtype = self.parallel.as_ref().map_or(Kind::Float, |p| p.reduce_dtype);
+        if unit.offloaded_to_host() && !unit.placement().grads_sharded {
+            // Every micro-batch's gradient goes to the host as soon as it is
+            // reduced (summed there), so no fp32 gradient stays on the device.
+            let mut reduced = if fresh.defined() {
+                fresh.to_kind(reduce_dtype)
+            } else {
+                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.device()))
+            };
+            match &self.parallel {
+                Some(parallel) => {
+                    let work = parallel.world.all_reduce(&mut reduced, Reduction::Sum)?;
+                    pending.push_back(PendingReduction { unit: u, work, result: reduced, then: AfterReduction::ToHost });
+                }
+                None => self.offload_stats.device_to_host_bytes += unit.send_to_host(&reduced) as f64,
+            }
+            return Ok(());
+        }
         if unit.placement().grads_sharded {
             let group = self.parallel.as_ref().and_then(|p| p.shard).expect("sharded gradients have a shard group");
             let input = if fresh.defined() {
                 fresh.to_kind(reduce_dtype)
             } else {
-                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.grad.device()))
+                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.device()))
             };
             let mut result = Tensor::empty([unit.placement().shard.len], (reduce_dtype, input.device()));
             let work = group.reduce_scatter_tensor(&mut result, &input, Reduction::Sum)?;
-            pending.push_back(PendingReduction {
-                unit: u,
-                work,
-                result,
-                then: AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last },
-            });
+            let then = if unit.offloaded_to_host() {
+                AfterReduction::ToHost
+            } else {
+                AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last }
+            };
+            pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
         accumulate(&mut unit.grad, &fresh, first);
@@ -472,6 +508,15 @@ impl<'m> Trainer<'m> {
             AfterReduction::CopyToGrad => {
                 unit.grad.copy_(&reduction.result);
             }
+            AfterReduction::ToHost => {
+                // Accumulation happens on the host, so replicas sum every micro-batch.
+                let mut result = reduction.result;
+                let replicas = self.parallel.as_ref().and_then(|p| p.replicas);
+                if let (Some(replicas), true) = (replicas, unit.placement().grads_sharded) {
+                    replicas.all_reduce(&mut result, Reduction::Sum)?.wait()?;
+                }
+                self.offload_stats.device_to_host_bytes += unit.send_to_host(&result) as f64;
+            }
             AfterReduction::Nothing => {}
         }
         Ok(())
@@ -485,11 +530,23 @@ impl<'m> Trainer<'m> {
         if self.pending_micro_batches == 0 {
             bail!("step() without a forward_backward() since the last step");
         }
+        let device = self.units[0].device();
+        let offloaded = self.units.iter().any(FlatUnit::offloaded_to_host);
+        let host_started = std::time::Instant::now();
+        if offloaded {
+            // The host pieces were queued behind the reductions on this stream.
+            if let tch::Device::Cuda(index) = device {
+                ft_sys::cuda_stream_synchronize(index)?;
+            }
+            for unit in self.units.iter_mut().filter(|u| u.offloaded_to_host()) {
+                unit.collect_host_grad();
+            }
+        }
         // Each rank's optimizer covers its owned gradient; when that is a
         // shard, the squares are summed over the shard group (replica
         // groups hold the same shards after their all-reduce).
         let owned: Vec<Tensor> = self.units.iter().map(FlatUnit::owned_grad).collect();
-        let squares: Vec<Tensor> = owned.iter().map(|g| g.square().sum(Kind::Float)).collect();
+        let squares: Vec<Tensor> = owned.iter().map(|g| g.square().sum(Kind::Float).to_device(device)).collect();
         let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
         if let Some(group) = self.shard_group().filter(|_| self.units[0].placement().optimizer_sharded) {
             group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
@@ -511,32 +568,51 @@ impl<'m> Trainer<'m> {
         let hyper = AdamW { lr, ..self.options.adamw };
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
             let (mut params, mut grads, mut m, mut v) = (vec![], vec![], vec![], vec![]);
+            let mut host = vec![];
             for (unit, grad) in self.units.iter().zip(&owned) {
                 let (split, len) = (unit.decayed_in_master(), unit.master.size()[0]);
                 let (start, count) = if decayed { (0, split) } else { (split, len - split) };
                 if count == 0 {
                     continue;
                 }
-                params.push(unit.master.narrow(0, start, count));
-                grads.push(grad.narrow(0, start, count));
-                m.push(unit.exp_avg.narrow(0, start, count));
-                v.push(unit.exp_avg_sq.narrow(0, start, count));
+                let part = [&unit.master, grad, &unit.exp_avg, &unit.exp_avg_sq].map(|t| t.narrow(0, start, count));
+                if unit.offloaded_to_host() {
+                    host.push(part);
+                } else {
+                    let [p, g, mm, vv] = part;
+                    params.push(p);
+                    grads.push(g);
+                    m.push(mm);
+                    v.push(vv);
+                }
             }
-            if params.is_empty() {
-                continue;
+            if !params.is_empty() {
+                let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
+                ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
+                    .map_err(anyhow::Error::msg)?;
             }
-            let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
-            ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
-                .map_err(anyhow::Error::msg)?;
+            if !host.is_empty() && !found_inf.as_ref().is_some_and(|inf| inf.double_value(&[0]) != 0.0) {
+                let scale = grad_scale.as_ref().map_or(1.0, |s| s.double_value(&[]));
+                let step = self.step.double_value(&[]);
+                for [p, g, mm, vv] in &host {
+                    ft_sys::cpu_adamw(p, g, mm, vv, hyper, step, scale)?;
+                }
+            }
         }
         if let (Some(scaler), Some(found_inf)) = (&mut self.scaler, &found_inf) {
             // A skipped step does not count (as torch.optim's fused AdamW does).
             let _ = self.step.g_sub_(&found_inf.squeeze());
             let _ = scaler.scale.internal_amp_update_scale_(&scaler.growth_tracker, found_inf, 2.0, 0.5, 2000);
         }
+        if offloaded {
+            self.offload_stats.cpu_step_seconds += host_started.elapsed().as_secs_f64();
+        }
         let shard_group = self.shard_group();
         let mut gathers = vec![];
         for unit in &mut self.units {
+            if unit.offloaded_to_host() {
+                self.offload_stats.host_to_device_bytes += (unit.master.numel() * 4) as f64;
+            }
             gathers.extend(unit.refresh_compute(shard_group)?);
         }
         for work in gathers {
@@ -544,6 +620,11 @@ impl<'m> Trainer<'m> {
         }
         self.pending_micro_batches = 0;
         Ok(total_norm)
+    }
+
+    /// What offloading has moved and how long the host optimizer took, so far.
+    pub fn offload_stats(&self) -> OffloadStats {
+        self.offload_stats
     }
 
     /// Unit names and sizes, which a checkpoint must match.
@@ -603,6 +684,7 @@ impl<'m> Trainer<'m> {
             total.params += m.params;
             total.grads += m.grads;
             total.optimizer_state += m.optimizer_state;
+            total.host += m.host;
         }
         total
     }

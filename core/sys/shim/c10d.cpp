@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <ATen/ATen.h>
 
@@ -283,6 +284,13 @@ char* ft_storage_alias(at::Tensor* tensor, at::Tensor** out) {
     alias.set_(tensor->storage(), tensor->storage_offset(), tensor->sizes(), tensor->strides());
     *out = new at::Tensor(alias);
   });
+}
+
+// Waits on the host until `device`'s current stream has finished its queued
+// work (what an offloaded step needs before reading copied-back gradients;
+// unlike a device synchronisation it ignores NCCL's and other streams).
+char* ft_cuda_stream_synchronize(int device) {
+  return guarded([&] { c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).synchronize(); });
 }
 
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then

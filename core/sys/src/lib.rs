@@ -6,6 +6,10 @@
 //! its tensors alive until it is dropped (c10d holds references), so dropping
 //! Rust handles early never frees memory a collective still uses.
 
+mod cpu_adamw;
+
+pub use cpu_adamw::{cpu_adamw, set_cpu_threads};
+
 use std::ffi::{c_char, CStr, CString};
 use std::fmt;
 use std::time::Duration;
@@ -86,6 +90,7 @@ extern "C" {
         found_inf: *mut RawTensor,
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
+    fn ft_cuda_stream_synchronize(device: i32) -> *mut c_char;
     fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
     fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
@@ -382,4 +387,9 @@ pub fn storage_alias(tensor: &Tensor) -> Result<Tensor> {
     check(unsafe { ft_storage_alias(tensor_ptr(tensor), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Blocks until the current CUDA stream of `device_index` has drained.
+pub fn cuda_stream_synchronize(device_index: usize) -> Result<()> {
+    check(unsafe { ft_cuda_stream_synchronize(device_index as i32) })
 }
