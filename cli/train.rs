@@ -424,6 +424,15 @@ fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
     let tokenizer = Tokenizer::from_file(&sources.tokenizer)
         .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", sources.tokenizer.display()))?;
     let model = hf::model_from_config(sources.model_config.clone())?;
+    let tokens = tokenizer.get_vocab_size(true);
+    if tokens as i64 > model.dims().vocab {
+        // Token ids past the embedding would fail deep inside a GPU kernel.
+        bail!(
+            "tokenizer {} has {tokens} tokens but the model's vocab_size is {}: use the model's own tokenizer",
+            sources.tokenizer.display(),
+            model.dims().vocab
+        );
+    }
     let params = match &sources.weights {
         Some(dir) if dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists() => {
             hf::load_params(model.as_ref(), dir, Kind::Float, device)?
@@ -562,6 +571,18 @@ pub fn summary_table(s: &Summary) -> String {
         out += &row(
             &format!("memory rank {rank} ({})", s.memory_kind),
             format!("peak {:.2} GB, mean {:.2} GB, min {:.2} GB", m.peak / 1e9, m.mean / 1e9, m.min / 1e9),
+        );
+    }
+    if let Some(o) = &s.offload {
+        out += &row(
+            "offload (rank 0)",
+            format!(
+                "waited {:.2} s for the device, host optimizer {:.2} s, moved {:.2} GB to host and {:.2} GB to device",
+                o.wait_seconds,
+                o.cpu_step_seconds,
+                o.device_to_host_bytes / 1e9,
+                o.host_to_device_bytes / 1e9
+            ),
         );
     }
     for (rank, m) in s.state_per_rank.iter().enumerate() {

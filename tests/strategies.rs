@@ -77,12 +77,18 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
 
 /// Runs `ft [plugin] train` with `ranks` local ranks; returns the output directory.
 fn train(workload: Workload, scratch: &Path, name: &str, ranks: usize, extra: &[&str]) -> PathBuf {
+    train_with_batch(workload, scratch, name, ranks, extra, false)
+}
+
+/// `train`, where `extra` may set its own `--batch-size`.
+fn train_with_batch(workload: Workload, scratch: &Path, name: &str, ranks: usize, extra: &[&str], own_batch: bool) -> PathBuf {
     let dir = scratch.join(name);
     let batch = (GLOBAL_BATCH / ranks).to_string();
     let output = ft()
         .args(["--plugin", plugin().to_str().unwrap(), "train", "--output-dir", dir.to_str().unwrap()])
         .args(workload_args(workload, scratch))
-        .args(["--nproc-per-node", &ranks.to_string(), "--batch-size", &batch])
+        .args(["--nproc-per-node", &ranks.to_string()])
+        .args(if own_batch { vec![] } else { vec!["--batch-size", batch.as_str()] })
         .args(if extra.contains(&"--dtype") { &[][..] } else { &["--dtype", "f32"][..] })
         .args(extra)
         .output()
@@ -337,4 +343,35 @@ fn strategy_and_deepspeed_mistakes_are_rejected_clearly() {
     std::fs::write(&ds, "{ not json").unwrap();
     let (ok, message) = run(&["--ds-config", ds.to_str().unwrap()]);
     assert!(!ok && message.contains("is not valid JSON"), "{message}");
+}
+
+#[test]
+fn offloaded_runs_equal_the_baseline_for_every_sharded_strategy() {
+    let scratch = tempfile::tempdir().unwrap();
+    let baseline = train(Workload::Bloom, scratch.path(), "baseline", 1, &[]);
+    let mut runs: Vec<(usize, Vec<&str>)> = vec![];
+    for ranks in [2, 4] {
+        for strategy in ["zero1", "shard_grad_op", "full_shard"] {
+            runs.push((ranks, vec!["--strategy", strategy]));
+        }
+    }
+    runs.push((4, vec!["--strategy", "hybrid_shard", "--shard-group-size", "2"]));
+    // Host-side accumulation of two micro-batches, and one process alone.
+    runs.push((2, vec!["--strategy", "full_shard", "--grad-accum", "2"]));
+    runs.push((1, vec!["--strategy", "full_shard"]));
+    for (ranks, flags) in runs {
+        let name = format!("offload-{}-{ranks}", flags[1..].join("-"));
+        let accumulation = flags.contains(&"--grad-accum");
+        let mut extra = [&flags[..], &["--offload", "cpu"]].concat();
+        let batch = (GLOBAL_BATCH / ranks / if accumulation { 2 } else { 1 }).to_string();
+        if accumulation {
+            extra.extend(["--batch-size", &batch]);
+        }
+        let run = train_with_batch(Workload::Bloom, scratch.path(), &name, ranks, &extra, accumulation);
+        assert_same_run(&name, &run, &baseline, 1e-5);
+        let held = &summary(&run)["state_per_rank"][0];
+        let on_host = held["host"].as_f64().unwrap();
+        let expected = held["grads"].as_f64().unwrap() + held["optimizer_state"].as_f64().unwrap();
+        assert!(on_host > expected, "{name}: {on_host} bytes on the host, expected grads + optimizer state + masters");
+    }
 }

@@ -59,6 +59,10 @@ pub struct Summary {
     /// What memory means here: CUDA allocator (allocated) or process RSS.
     pub memory_kind: String,
     pub memory_per_rank: Vec<RankMemory>,
+    /// Rank 0's offload traffic and host optimizer time (None without offload).
+    pub offload: Option<crate::train::OffloadStats>,
+    /// Peak resident host memory of each rank's process (bytes).
+    pub host_peak_per_rank: Vec<f64>,
     /// The strategy and what each rank held under it.
     pub strategy: String,
     pub shard_group_size: usize,
@@ -236,6 +240,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             // Every rank knows the whole global batch, so the exact normaliser needs no communication.
             let normalizer = target_tokens(global.iter().copied()).max(1) as f64;
             let mut loss = Tensor::zeros([], (Kind::Float, device));
+            let offloaded_before = trainer.offload_stats();
             for micro in 0..config.grad_accum {
                 let batch: Vec<&Example> = layout.micro(&order, epoch_step, rank, micro).iter().map(|&i| &fit.train[i]).collect();
                 let (ids, labels) = collate(&batch, fit.pad_id, fit.pad_to_multiple_of, device);
@@ -244,6 +249,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             }
             let lr = lr_at(config.schedule, config.lr, step, total_steps, warmup);
             let grad_norm = trainer.step(lr)?;
+            let offloaded = trainer.offload_stats();
             step += 1;
             train_samples += layout.global_batch();
             let (in_use, _) = memory(device);
@@ -255,7 +261,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                 last_loss = global_loss;
                 epoch_loss = global_loss;
                 train_seconds += started.elapsed().as_secs_f64();
-                let record = Record {
+                let mut record = Record {
                     step: step as u64,
                     values: BTreeMap::from([
                         ("epoch".to_string(), epoch as f64 + (epoch_step + 1) as f64 / steps_per_epoch as f64),
@@ -266,6 +272,15 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                         ("memory_bytes".to_string(), in_use),
                     ]),
                 };
+                if fit.offload.to_host() {
+                    // What this step moved between device and host, and its host optimizer time.
+                    record.values.extend([
+                        ("offload_wait_seconds".to_string(), offloaded.wait_seconds - offloaded_before.wait_seconds),
+                        ("offload_cpu_step_seconds".to_string(), offloaded.cpu_step_seconds - offloaded_before.cpu_step_seconds),
+                        ("offload_d2h_bytes".to_string(), offloaded.device_to_host_bytes - offloaded_before.device_to_host_bytes),
+                        ("offload_h2d_bytes".to_string(), offloaded.host_to_device_bytes - offloaded_before.host_to_device_bytes),
+                    ]);
+                }
                 if rank == 0 {
                     for sink in &mut fit.sinks {
                         sink.record(&record)?;
@@ -348,6 +363,9 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     table[3 * rank..3 * rank + 3].copy_from_slice(&mine);
     let table = sum_over_ranks(fit.comm, &table)?;
     let memory_per_rank = table.chunks(3).map(|m| RankMemory { peak: m[0], mean: m[1], min: m[2] }).collect();
+    let mut host = vec![0.0; world];
+    host[rank] = process_memory().map_or(0.0, |(_, peak)| peak as f64);
+    let host_peak_per_rank = sum_over_ranks(fit.comm, &host)?;
     let held = trainer.memory();
     let mut table = vec![0.0; 5 * world];
     table[5 * rank..5 * rank + 5].copy_from_slice(&[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host]);
@@ -376,6 +394,8 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         mfu,
         memory_kind: if matches!(device, Device::Cuda(_)) { "CUDA allocated" } else { "process RSS" }.into(),
         memory_per_rank,
+        offload: fit.offload.to_host().then(|| trainer.offload_stats()),
+        host_peak_per_rank,
         strategy: fit.strategy.name().into(),
         shard_group_size: groups.shard_size,
         state_per_rank,

@@ -178,11 +178,13 @@ enum AfterReduction {
 }
 
 /// What offloading moved and cost, cumulative over the run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct OffloadStats {
     pub device_to_host_bytes: f64,
     pub host_to_device_bytes: f64,
-    /// Time in the CPU optimizer step (clip norm and AdamW on the host).
+    /// Time the step waited for the device's backward and copies to finish.
+    pub wait_seconds: f64,
+    /// Time in the host optimizer step after that (gradient norm and AdamW).
     pub cpu_step_seconds: f64,
 }
 
@@ -532,12 +534,14 @@ impl<'m> Trainer<'m> {
         }
         let device = self.units[0].device();
         let offloaded = self.units.iter().any(FlatUnit::offloaded_to_host);
-        let host_started = std::time::Instant::now();
+        let mut host_started = std::time::Instant::now();
         if offloaded {
             // The host pieces were queued behind the reductions on this stream.
             if let tch::Device::Cuda(index) = device {
                 ft_sys::cuda_stream_synchronize(index)?;
             }
+            self.offload_stats.wait_seconds += host_started.elapsed().as_secs_f64();
+            host_started = std::time::Instant::now();
             for unit in self.units.iter_mut().filter(|u| u.offloaded_to_host()) {
                 unit.collect_host_grad();
             }
@@ -546,7 +550,13 @@ impl<'m> Trainer<'m> {
         // shard, the squares are summed over the shard group (replica
         // groups hold the same shards after their all-reduce).
         let owned: Vec<Tensor> = self.units.iter().map(FlatUnit::owned_grad).collect();
-        let squares: Vec<Tensor> = owned.iter().map(|g| g.square().sum(Kind::Float).to_device(device)).collect();
+        let squares = owned
+            .iter()
+            .map(|g| match g.device() {
+                tch::Device::Cpu if offloaded => Ok(Tensor::from(ft_sys::cpu_sum_of_squares(g)? as f32).to_device(device)),
+                _ => Ok(g.square().sum(Kind::Float)),
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
         let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
         if let Some(group) = self.shard_group().filter(|_| self.units[0].placement().optimizer_sharded) {
             group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;

@@ -6,7 +6,19 @@
 
 use crate::{AdamW, Result, ShimError};
 use rayon::prelude::*;
+use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
+
+/// The optimizer's own threads, apart from rayon's global pool (which other
+/// libraries, the tokenizer among them, size for the whole machine).
+static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+
+fn pool() -> &'static rayon::ThreadPool {
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
+    })
+}
 
 /// Elements per parallel task: large enough to amortise scheduling, small
 /// enough to balance a shard over many cores.
@@ -108,18 +120,29 @@ pub fn cpu_adamw(
             std::slice::from_raw_parts_mut(v, n),
         )
     };
-    p.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, c));
+    pool().install(|| {
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, c))
+    });
     Ok(())
 }
 
-/// Sizes the thread pool the CPU optimizer runs on (once per process; later
-/// calls keep the first size). Ranks sharing a host should split its cores.
+/// The sum of squares of an f32 host tensor (for the gradient norm), on the
+/// optimizer's threads, accumulated in f64.
+pub fn cpu_sum_of_squares(tensor: &Tensor) -> Result<f64> {
+    let (x, n) = host_f32(tensor, "tensor")?;
+    // SAFETY: a checked contiguous f32 buffer of n elements, read during this call only.
+    let x = unsafe { std::slice::from_raw_parts(x as *const f32, n) };
+    Ok(pool().install(|| x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>()).sum()))
+}
+
+/// Sizes the CPU optimizer's thread pool (the first call wins; the default
+/// is every core). Ranks sharing a host should split its cores.
 pub fn set_cpu_threads(threads: usize) {
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build_global();
+    let _ = POOL.set(rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build().expect("a thread pool"));
 }
 
 #[cfg(test)]
@@ -150,6 +173,14 @@ mod tests {
                 assert!(relative <= 1e-6, "step {t}: relative difference {relative:e}");
             }
         }
+    }
+
+    #[test]
+    fn sum_of_squares_equals_atens() {
+        let x = Tensor::randn([100_003], (Kind::Float, Device::Cpu));
+        let ours = cpu_sum_of_squares(&x).unwrap();
+        let theirs = x.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]);
+        assert!((ours - theirs).abs() <= 1e-9 * theirs, "{ours} vs {theirs}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 mod cpu_adamw;
 
-pub use cpu_adamw::{cpu_adamw, set_cpu_threads};
+pub use cpu_adamw::{cpu_adamw, cpu_sum_of_squares, set_cpu_threads};
 
 use std::ffi::{c_char, CStr, CString};
 use std::fmt;
