@@ -1,0 +1,51 @@
+# Sourced by the side-by-side scripts: ft runs on packed text with
+# steady-state figures from its metrics, and the PyTorch/DeepSpeed peers.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+D=.device
+
+# Packed text for ft (every sequence exactly --max-seq-len tokens).
+make_text() {
+  python3 - > /tmp/words.txt <<'PY'
+import random
+random.seed(0)
+words = [w.strip() for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
+for _ in range(12000):
+    print(" ".join(random.choice(words) for _ in range(60)))
+PY
+}
+
+# ft_run NAME GPUS CONFIG_DIR SEQ BATCH STEPS [ft train flags…]: one JSON line,
+# step time = median after 5 warm-up steps.
+ft_run() {
+  local name=$1 gpus=$2 model=$3 seq=$4 batch=$5 steps=$6; shift 6
+  "$FT" train --model $D/configs/$model/config.json --tokenizer $D/gpt2-tokenizer.json --train-file /tmp/words.txt \
+    --max-seq-len $seq --batch-size $batch --epochs 1 --train-samples $((batch * gpus * steps)) --eval-samples 0 \
+    --dtype bf16 --lr 1e-5 --nproc-per-node $gpus --output-dir $OUT/$name "$@" > $OUT/$name.log 2>&1 \
+    || { echo "FAILED $name"; tail -15 $OUT/$name.log; return; }
+  python3 - $OUT/$name $gpus $batch $seq <<'PY'
+import json, statistics, sys
+d, gpus, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"step_seconds"' in l]
+s = json.load(open(f"{d}/summary.json"))
+step = statistics.median(r["step_seconds"] for r in rows[5:])
+median = lambda key: (statistics.median(r[key] for r in rows[5:]) * 1e3) if key in rows[-1] else None
+print(json.dumps({"ft": d.split("/")[-1], "gpus": gpus, "step_ms": step * 1e3, "tokens_per_s_per_gpu": batch * seq / step,
+  "peak_allocated_gb": s["memory_per_rank"][0]["peak"] / 1e9, "host_peak_gb": s["host_peak_per_rank"][0] / 1e9,
+  "cpu_step_ms": median("offload_cpu_step_seconds"), "wait_ms": median("offload_wait_seconds"),
+  "state": s["state_per_rank"][0], "loss": s["final_train_loss"]}))
+PY
+  rm -rf $OUT/$name/final $OUT/$name/tensorboard $OUT/$name/metrics.csv $OUT/$name/predictions*.json
+}
+
+# fsdp2 GPUS CONFIG_DIR [fsdp2_train_step.py flags…]
+fsdp2() { torchrun --nproc-per-node $1 bench/peers/fsdp2_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
+
+# DeepSpeed from the carried sdist and wheels (.whl), into /tmp/site.
+install_deepspeed() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz \
+    && export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 || echo "FAILED deepspeed install"
+}
+
+# deepspeed GPUS CONFIG_DIR [deepspeed_train_step.py flags…]
+deepspeed_peer() { torchrun --nproc-per-node $1 bench/peers/deepspeed_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
