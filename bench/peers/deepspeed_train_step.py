@@ -10,12 +10,13 @@ needs TORCH_CUDA_ARCH_LIST=9.0.
 """
 import argparse
 import json
-import time
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from timing import record, time_steps
 
 
 def main():
@@ -57,24 +58,10 @@ def main():
         engine.step()
         return loss
 
-    for i in range(args.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for i in range(args.steps):
-        loss = step(i)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / args.steps
+    seconds, loss = time_steps(step, args.warmup, args.steps)
     if dist.get_rank() == 0:
-        print(json.dumps({
-            "peer": f"deepspeed-zero{args.stage}" + ("-offload" if args.offload else ""), "gpus": dist.get_world_size(),
-            "batch": args.batch, "seq": args.seq, "step_ms": seconds * 1e3,
-            "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
-            "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "loss": loss.item(),
-        }), flush=True)
-
+        name = f"deepspeed-zero{args.stage}" + ("-offload" if args.offload else "")
+        print(json.dumps(record(name, dist.get_world_size(), args.batch, args.seq, seconds, loss)), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -12,11 +12,12 @@ of random batches. Prints one JSON line per run (rank 0).
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from timing import record, time_steps
 
 
 def blocks(model):
@@ -90,25 +91,11 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    for i in range(args.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for i in range(args.steps):
-        loss = step(i)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / args.steps
+    seconds, loss = time_steps(step, args.warmup, args.steps)
     if dist.get_rank() == 0:
         name = args.mode + ("-noreshard" if args.no_reshard else "") + ("-offload" if args.offload else "") + ("-compiled" if args.compile else "")
-        print(json.dumps({
-            "peer": name, "gpus": world, "batch": args.batch, "seq": args.seq,
-            "step_ms": seconds * 1e3, "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
-            "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "loss": loss.item(),
-        }), flush=True)
+        print(json.dumps(record(name, world, args.batch, args.seq, seconds, loss)), flush=True)
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -199,29 +199,24 @@ mod tests {
     use super::*;
     use crate::strategy::*;
 
-    struct Replicated;
-    impl ShardingStrategy for Replicated {
-        fn name(&self) -> &str {
-            "test_replicated"
-        }
-        fn policy(&self) -> ShardingPolicy {
-            ShardingPolicy {
-                params: ParamPlacement::Replicated,
-                grads: GradReduction::AllReduce,
-                optimizer_state_sharded: false,
-                shard_group: ShardGroup::World,
-                reduce_dtype: None,
-            }
-        }
-    }
-
     fn entry(name: &str, aliases: &[&str], origin: Origin) -> StrategyEntry {
         StrategyEntry {
             name: name.into(),
             aliases: aliases.iter().map(|a| a.to_string()).collect(),
             summary: String::new(),
             origin,
-            create: Box::new(|| Box::new(Replicated)),
+            create: Box::new(|| {
+                Box::new(FixedPolicy {
+                    name: "test_replicated",
+                    policy: ShardingPolicy {
+                        params: ParamPlacement::Replicated,
+                        grads: GradReduction::AllReduce,
+                        optimizer_state_sharded: false,
+                        shard_group: ShardGroup::World,
+                        reduce_dtype: None,
+                    },
+                })
+            }),
         }
     }
 

@@ -88,6 +88,22 @@ pub trait ShardingStrategy: Send + Sync {
     fn policy(&self) -> ShardingPolicy;
 }
 
+/// A strategy that is a named, fixed policy — every built-in one is.
+pub struct FixedPolicy {
+    pub name: &'static str,
+    pub policy: ShardingPolicy,
+}
+
+impl ShardingStrategy for FixedPolicy {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        self.policy
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,32 +5,24 @@
 //! The README next to this file is the guide to writing one.
 
 use ft_core::plugin::PluginRegistrar;
-use ft_core::strategy::{GradReduction, ParamPlacement, ReduceDtype, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ReduceDtype, ShardGroup, ShardingPolicy};
 
-struct DdpBf16Grads;
+const NAME: &str = "ddp_bf16_grads";
 
-impl ShardingStrategy for DdpBf16Grads {
-    fn name(&self) -> &str {
-        "ddp_bf16_grads"
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Replicated,
-            grads: GradReduction::AllReduce,
-            optimizer_state_sharded: false,
-            shard_group: ShardGroup::World,
-            reduce_dtype: Some(ReduceDtype::Compute),
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Replicated,
+    grads: GradReduction::AllReduce,
+    optimizer_state_sharded: false,
+    shard_group: ShardGroup::World,
+    reduce_dtype: Some(ReduceDtype::Compute),
+};
 
 fn register(registrar: &mut PluginRegistrar) {
     registrar.add_strategy(
-        "ddp_bf16_grads",
+        NAME,
         &[],
         "ddp with gradients all-reduced in the compute dtype (bf16: half the bytes)",
-        || Box::new(DdpBf16Grads),
+        || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     );
 }
 

@@ -5,33 +5,23 @@
 //! micro-batch communicates.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "ddp";
 
-pub struct Ddp;
-
-impl ShardingStrategy for Ddp {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Replicated,
-            grads: GradReduction::AllReduce,
-            optimizer_state_sharded: false,
-            shard_group: ShardGroup::World,
-            reduce_dtype: None,
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Replicated,
+    grads: GradReduction::AllReduce,
+    optimizer_state_sharded: false,
+    shard_group: ShardGroup::World,
+    reduce_dtype: None,
+};
 
 inventory::submit! {
     StrategyRegistration {
         name: NAME,
         aliases: &["zero0", "no_shard"],
         summary: "Replicated parameters and optimizer; gradients all-reduced per unit, overlapped with backward",
-        create: || Box::new(Ddp),
+        create: || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     }
 }

@@ -5,33 +5,23 @@
 //! two gathers per unit per micro-batch.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "full_shard";
 
-pub struct FullShard;
-
-impl ShardingStrategy for FullShard {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Sharded { reshard_after_forward: true },
-            grads: GradReduction::ReduceScatter,
-            optimizer_state_sharded: true,
-            shard_group: ShardGroup::World,
-            reduce_dtype: None,
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Sharded { reshard_after_forward: true },
+    grads: GradReduction::ReduceScatter,
+    optimizer_state_sharded: true,
+    shard_group: ShardGroup::World,
+    reduce_dtype: None,
+};
 
 inventory::submit! {
     StrategyRegistration {
         name: NAME,
         aliases: &["zero3"],
         summary: "Parameters, gradients and optimizer state sharded; units gathered for forward and again for backward",
-        create: || Box::new(FullShard),
+        create: || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     }
 }

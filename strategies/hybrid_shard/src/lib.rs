@@ -5,33 +5,23 @@
 //! other groups. `--shard-group-size` sets the group.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "hybrid_shard";
 
-pub struct HybridShard;
-
-impl ShardingStrategy for HybridShard {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Sharded { reshard_after_forward: true },
-            grads: GradReduction::ReduceScatter,
-            optimizer_state_sharded: true,
-            shard_group: ShardGroup::Node,
-            reduce_dtype: None,
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Sharded { reshard_after_forward: true },
+    grads: GradReduction::ReduceScatter,
+    optimizer_state_sharded: true,
+    shard_group: ShardGroup::Node,
+    reduce_dtype: None,
+};
 
 inventory::submit! {
     StrategyRegistration {
         name: NAME,
         aliases: &[],
         summary: "full_shard inside each node (or --shard-group-size ranks), gradient shards all-reduced across nodes",
-        create: || Box::new(HybridShard),
+        create: || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     }
 }

@@ -5,33 +5,23 @@
 //! reduce-scattered.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "shard_grad_op";
 
-pub struct ShardGradOp;
-
-impl ShardingStrategy for ShardGradOp {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Sharded { reshard_after_forward: false },
-            grads: GradReduction::ReduceScatter,
-            optimizer_state_sharded: true,
-            shard_group: ShardGroup::World,
-            reduce_dtype: None,
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Sharded { reshard_after_forward: false },
+    grads: GradReduction::ReduceScatter,
+    optimizer_state_sharded: true,
+    shard_group: ShardGroup::World,
+    reduce_dtype: None,
+};
 
 inventory::submit! {
     StrategyRegistration {
         name: NAME,
         aliases: &["zero2"],
         summary: "Parameters, gradients and optimizer state sharded; gathered once per step (kept from forward through backward)",
-        create: || Box::new(ShardGradOp),
+        create: || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     }
 }

@@ -4,33 +4,23 @@
 //! slices into everyone's parameters after the step.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{GradReduction, ParamPlacement, ShardGroup, ShardingPolicy, ShardingStrategy};
+use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "zero1";
 
-pub struct Zero1;
-
-impl ShardingStrategy for Zero1 {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    fn policy(&self) -> ShardingPolicy {
-        ShardingPolicy {
-            params: ParamPlacement::Replicated,
-            grads: GradReduction::AllReduce,
-            optimizer_state_sharded: true,
-            shard_group: ShardGroup::World,
-            reduce_dtype: None,
-        }
-    }
-}
+const POLICY: ShardingPolicy = ShardingPolicy {
+    params: ParamPlacement::Replicated,
+    grads: GradReduction::AllReduce,
+    optimizer_state_sharded: true,
+    shard_group: ShardGroup::World,
+    reduce_dtype: None,
+};
 
 inventory::submit! {
     StrategyRegistration {
         name: NAME,
         aliases: &[],
         summary: "Replicated parameters and gradients, optimizer state sharded; parameters all-gathered after the step",
-        create: || Box::new(Zero1),
+        create: || Box::new(FixedPolicy { name: NAME, policy: POLICY }),
     }
 }
