@@ -1,14 +1,23 @@
-//! `ft bench`: training-step throughput and memory of a model shape with
-//! random weights (one process; the sharded matrix builds on the same step).
+//! `ft bench`: training-step throughput and memory over a matrix of model
+//! shapes × strategies × GPU counts × batch × sequence length, with random
+//! weights of the real shapes and random tokens. The command launches its own
+//! workers for each configuration (a fresh process group, so memory figures
+//! are the configuration's own), collects rank 0's row, and prints one table
+//! (and JSON). Exposed communication is a configuration's step time minus the
+//! same model, batch and length on one GPU.
 
-use crate::model_commands::{parse_device, read_config_arg};
-use anyhow::Result;
+use crate::model_commands::read_config_arg;
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use ft_core::fit::ShardGroups;
+use ft_core::flat::MemoryAccount;
+use ft_core::strategy::ReduceDtype;
 use ft_core::train::{TrainOptions, Trainer};
-use ft_core::AdamW;
+use ft_core::{AdamW, CommOptions, Communicator, DistEnv, Reduction};
 use ft_models::{hf, init};
-use std::path::PathBuf;
-use std::time::Instant;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 /// Dense bf16 peak of an H100/H200 SXM, the denominator of MFU.
@@ -16,16 +25,24 @@ const PEAK_FLOPS: f64 = 989e12;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// config.json, a model directory, or a hub id in the local cache.
-    #[arg(long)]
-    config: String,
-    /// Override config keys, e.g. --set num_hidden_layers=2.
+    /// config.json, a model directory, or a hub id in the local cache; repeat for several models.
+    #[arg(long = "config", required = true)]
+    configs: Vec<String>,
+    /// Override config keys of every model, e.g. --set num_hidden_layers=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-    #[arg(long, default_value_t = 8)]
-    batch: i64,
-    #[arg(long, default_value_t = 512)]
-    seq: i64,
+    /// Strategies to compare (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "ddp")]
+    strategy: Vec<String>,
+    /// GPU (or, with --device cpu, process) counts (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    gpus: Vec<usize>,
+    /// Micro-batch sizes per GPU (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    batch: Vec<i64>,
+    /// Sequence lengths (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    seq: Vec<i64>,
     #[arg(long, default_value_t = 5)]
     warmup: usize,
     #[arg(long, default_value_t = 20)]
@@ -33,26 +50,181 @@ pub struct BenchArgs {
     /// Compute dtype (masters stay fp32).
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// cuda or cpu (Gloo).
     #[arg(long, default_value = "cuda")]
     device: String,
+    /// none or cpu.
+    #[arg(long, default_value = "none")]
+    offload: String,
+    #[arg(long)]
+    shard_group_size: Option<usize>,
     #[arg(long)]
     activation_checkpointing: bool,
     #[arg(long, default_value_t = 1024)]
     loss_chunk_tokens: i64,
-    /// Also time the phases apart (synchronising between them): forward+backward,
-    /// the LM head's loss alone, the optimizer step.
+    /// On one GPU, also time the phases apart (synchronising between them):
+    /// forward+backward, the LM head's loss alone, the optimizer step.
     #[arg(long)]
     breakdown: bool,
-    /// Also write the result as JSON.
+    /// Write the rows as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Set on the workers `ft bench` launches: where rank 0 writes its row.
+    #[arg(long, hide = true)]
+    result_file: Option<PathBuf>,
 }
 
-pub fn run(args: BenchArgs) -> Result<i32> {
-    let config = crate::model_commands::apply_overrides(read_config_arg(&args.config)?, &args.overrides)?;
-    let model = hf::model_from_config(config)?;
-    let device = parse_device(&args.device)?;
+/// One configuration's result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub model: String,
+    pub params: i64,
+    pub strategy: String,
+    pub offload: String,
+    pub gpus: usize,
+    pub batch: i64,
+    pub seq: i64,
+    pub step_ms: f64,
+    pub tokens_per_s_per_gpu: f64,
+    pub mfu: f64,
+    /// The largest peak over the ranks (CUDA allocator; process RSS on CPU).
+    pub peak_allocated_gb: f64,
+    pub peak_reserved_gb: f64,
+    /// Step time beyond the same shape on one GPU (None without that row).
+    pub exposed_comm_ms: Option<f64>,
+    /// What rank 0 holds between steps.
+    pub state: MemoryAccount,
+    pub loss: f64,
+    /// forward+backward, LM head, optimizer (ms), with --breakdown on one GPU.
+    pub breakdown_ms: Option<[f64; 3]>,
+    pub error: Option<String>,
+}
+
+pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
+    if let Some(result_file) = &args.result_file {
+        return worker(&args, plugins, result_file);
+    }
+    let mut rows: Vec<Row> = vec![];
+    let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    for config in &args.configs {
+        for &batch in &args.batch {
+            for &seq in &args.seq {
+                for &gpus in &args.gpus {
+                    for strategy in &args.strategy {
+                        let result = scratch.join(format!("row-{}.json", rows.len()));
+                        let row = launch_one(&args, plugins, config, strategy, gpus, batch, seq, &result)
+                            .unwrap_or_else(|e| failed_row(config, strategy, &args.offload, gpus, batch, seq, format!("{e:#}")));
+                        eprintln!("{}", describe(&row));
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    fill_exposed_comm(&mut rows);
+    print!("{}", table(&rows));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
+}
+
+/// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
+#[allow(clippy::too_many_arguments)]
+fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
+    let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
+    argv.extend(["bench", "--config", config, "--strategy", strategy].map(String::from));
+    for (flag, value) in [
+        ("--gpus", gpus.to_string()),
+        ("--batch", batch.to_string()),
+        ("--seq", seq.to_string()),
+        ("--warmup", args.warmup.to_string()),
+        ("--steps", args.steps.to_string()),
+        ("--dtype", args.dtype.clone()),
+        ("--device", args.device.clone()),
+        ("--offload", args.offload.clone()),
+        ("--loss-chunk-tokens", args.loss_chunk_tokens.to_string()),
+        ("--result-file", result.display().to_string()),
+    ] {
+        argv.extend([flag.to_string(), value]);
+    }
+    for set in &args.overrides {
+        argv.extend(["--set".to_string(), set.clone()]);
+    }
+    if let Some(size) = args.shard_group_size {
+        argv.extend(["--shard-group-size".to_string(), size.to_string()]);
+    }
+    if args.activation_checkpointing {
+        argv.push("--activation-checkpointing".into());
+    }
+    if args.breakdown {
+        argv.push("--breakdown".into());
+    }
+    let code = crate::launch::spawn_local(gpus, argv)?;
+    if code != 0 {
+        bail!("workers exited with code {code} (their output is above)");
+    }
+    let text = std::fs::read_to_string(result).with_context(|| format!("rank 0 wrote no result to {}", result.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn failed_row(config: &str, strategy: &str, offload: &str, gpus: usize, batch: i64, seq: i64, error: String) -> Row {
+    Row {
+        model: config.into(),
+        params: 0,
+        strategy: strategy.into(),
+        offload: offload.into(),
+        gpus,
+        batch,
+        seq,
+        step_ms: f64::NAN,
+        tokens_per_s_per_gpu: f64::NAN,
+        mfu: f64::NAN,
+        peak_allocated_gb: f64::NAN,
+        peak_reserved_gb: f64::NAN,
+        exposed_comm_ms: None,
+        state: MemoryAccount::default(),
+        loss: f64::NAN,
+        breakdown_ms: None,
+        error: Some(error),
+    }
+}
+
+/// One configuration, run by each of its workers.
+fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i32> {
+    let single = |name: &str, count: usize| if count == 1 { Ok(()) } else { Err(anyhow::anyhow!("a bench worker takes one {name}")) };
+    single("--config", args.configs.len())?;
+    single("--strategy", args.strategy.len())?;
+    single("--batch", args.batch.len())?;
+    single("--seq", args.seq.len())?;
+    let (batch, seq) = (args.batch[0], args.seq[0]);
+    let env = DistEnv::from_env()?;
+    let device = match args.device.as_str() {
+        "cuda" => Device::Cuda(env.local_rank),
+        "cpu" => Device::Cpu,
+        other => bail!("--device {other:?} is not one of cuda, cpu"),
+    };
+    if device == Device::Cpu {
+        // Share the cores among the local ranks instead of oversubscribing them.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / env.local_world_size).max(1) as i32);
+    }
+    let comm = Communicator::init(env, &CommOptions { backend: ft_core::Backend::Auto, timeout: Duration::from_secs(600) })?;
+    let (rank, world) = (comm.env().rank, comm.env().world_size);
+    let registry = crate::registry(plugins)?;
+    let strategy = (registry.strategy(&args.strategy[0])?.create)();
+    let offload = (registry.offload(&args.offload)?.create)();
+    if offload.to_host() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        ft_core::set_cpu_threads(cores / comm.env().local_world_size);
+    }
     let dtype = ft_core::comm_test::parse_dtype(&args.dtype)?;
+    let groups = ShardGroups::new(strategy.as_ref(), args.shard_group_size, &comm)?;
+    let parallel = groups.parallel(strategy.as_ref(), &comm, ReduceDtype::Fp32, dtype);
+    let config = crate::model_commands::apply_overrides(read_config_arg(&args.configs[0])?, &args.overrides)?;
+    let model = hf::model_from_config(config)?;
     let params = init::init_params(model.as_ref(), 0, Kind::Float, device);
     let options = TrainOptions {
         dtype,
@@ -61,14 +233,16 @@ pub fn run(args: BenchArgs) -> Result<i32> {
         loss_chunk_tokens: args.loss_chunk_tokens,
         activation_checkpointing: args.activation_checkpointing,
         seed: 0,
+        offload_to_host: offload.to_host(),
         ..TrainOptions::default()
     };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options)?;
+    let mut trainer = Trainer::with_parallel(model.as_ref(), &params, options, parallel)?;
     drop(params);
+    tch::manual_seed(1 + rank as i64);
     let vocab = model.dims().vocab;
-    let batches: Vec<Tensor> =
-        (0..4).map(|_| Tensor::randint(vocab, [args.batch, args.seq], (Kind::Int64, device))).collect();
-    let normalizer = (args.batch * (args.seq - 1)) as f64;
+    let batches: Vec<Tensor> = (0..4).map(|_| Tensor::randint(vocab, [batch, seq], (Kind::Int64, device))).collect();
+    // Every rank's micro-batch is a share of one global batch.
+    let normalizer = (batch * (seq - 1) * world as i64) as f64;
     let synchronize = || {
         if let Device::Cuda(index) = device {
             tch::Cuda::synchronize(index as i64);
@@ -86,55 +260,54 @@ pub fn run(args: BenchArgs) -> Result<i32> {
     };
     run_steps(args.warmup)?;
     synchronize();
+    if let Device::Cuda(index) = device {
+        ft_core::cuda_memory(index, true).map_err(anyhow::Error::msg)?;
+    }
     let start = Instant::now();
     let loss = run_steps(args.steps)?;
     synchronize();
-    let seconds = start.elapsed().as_secs_f64();
-    let tokens_per_s = (args.batch * args.seq) as f64 * args.steps as f64 / seconds;
-    let mfu = model.train_flops_per_token(args.seq) * tokens_per_s / PEAK_FLOPS;
-    let memory = match device {
-        Device::Cuda(index) => Some(ft_core::cuda_memory(index, false).map_err(anyhow::Error::msg)?),
-        _ => None,
+    let step_seconds = start.elapsed().as_secs_f64() / args.steps as f64;
+    let (allocated, reserved) = match device {
+        Device::Cuda(index) => {
+            let m = ft_core::cuda_memory(index, false).map_err(anyhow::Error::msg)?;
+            (m.peak_allocated as f64, m.peak_reserved as f64)
+        }
+        _ => ft_core::metrics::process_memory().map_or((0.0, 0.0), |(_, peak)| (peak as f64, peak as f64)),
     };
-    let gb = |bytes: i64| bytes as f64 / 1e9;
-    println!(
-        "{} {:.0}M params, batch {}x{}, {}: {:.0} tokens/s, {:.1} ms/step, MFU {:.1}%, peak allocated {}, peak reserved {}, last loss {:.4}",
-        model.model_type(),
-        model.numel() as f64 / 1e6,
-        args.batch,
-        args.seq,
-        args.dtype,
-        tokens_per_s,
-        seconds / args.steps as f64 * 1e3,
-        mfu * 100.0,
-        memory.map_or("n/a".into(), |m| format!("{:.1} GB", gb(m.peak_allocated))),
-        memory.map_or("n/a".into(), |m| format!("{:.1} GB", gb(m.peak_reserved))),
-        loss
-    );
-    let breakdown = if args.breakdown { Some(time_phases(&mut trainer, &batches[0], normalizer, &synchronize)?) } else { None };
-    if let Some((forward_backward, head, step)) = breakdown {
-        println!(
-            "breakdown (ms per step): forward+backward {forward_backward:.1} (LM head loss and grads {head:.1}), optimizer step {step:.1}"
-        );
+    let mut peaks = Tensor::from_slice(&[allocated, reserved]).to_device(comm.device());
+    comm.world().all_reduce(&mut peaks, Reduction::Max)?.wait()?;
+    let peaks = Vec::<f64>::try_from(peaks.to_device(Device::Cpu))?;
+    let breakdown = (args.breakdown && world == 1).then(|| time_phases(&mut trainer, &batches[0], normalizer, &synchronize)).transpose()?;
+    let tokens_per_s_per_gpu = (batch * seq) as f64 / step_seconds;
+    if rank == 0 {
+        let row = Row {
+            model: format!("{} {:.1}M", model.model_type(), model.numel() as f64 / 1e6),
+            params: model.numel(),
+            strategy: strategy.name().into(),
+            offload: offload.name().into(),
+            gpus: world,
+            batch,
+            seq,
+            step_ms: step_seconds * 1e3,
+            tokens_per_s_per_gpu,
+            mfu: model.train_flops_per_token(seq) * tokens_per_s_per_gpu / PEAK_FLOPS,
+            peak_allocated_gb: peaks[0] / 1e9,
+            peak_reserved_gb: peaks[1] / 1e9,
+            exposed_comm_ms: None,
+            state: trainer.memory(),
+            loss,
+            breakdown_ms: breakdown,
+            error: None,
+        };
+        std::fs::write(result_file, serde_json::to_string(&row)?)?;
     }
-    if let Some(path) = &args.json {
-        let report = serde_json::json!({
-            "tool": "ft", "model_type": model.model_type(), "params": model.numel(),
-            "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "steps": args.steps,
-            "activation_checkpointing": args.activation_checkpointing,
-            "tokens_per_s": tokens_per_s, "step_ms": seconds / args.steps as f64 * 1e3, "mfu": mfu,
-            "peak_allocated_gb": memory.map(|m| gb(m.peak_allocated)),
-            "peak_reserved_gb": memory.map(|m| gb(m.peak_reserved)), "loss": loss,
-            "breakdown_ms": breakdown.map(|(fb, head, step)| serde_json::json!({"forward_backward": fb, "lm_head": head, "step": step})),
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
-    }
+    comm.world().barrier()?.wait()?;
     Ok(0)
 }
 
 /// Milliseconds per call of forward+backward, of the LM head's fused loss on
 /// the same shapes, and of the optimizer step, each timed between synchronisations.
-fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<(f64, f64, f64)> {
+fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<[f64; 3]> {
     const REPEATS: usize = 5;
     let (mut forward_backward, mut step) = (0.0, 0.0);
     for _ in 0..REPEATS {
@@ -161,5 +334,73 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     synchronize();
     let head = start.elapsed().as_secs_f64();
     let ms = |seconds: f64| seconds / REPEATS as f64 * 1e3;
-    Ok((ms(forward_backward), ms(head), ms(step)))
+    Ok([ms(forward_backward), ms(head), ms(step)])
+}
+
+/// Exposed communication: step time beyond the same model/batch/length on one GPU.
+fn fill_exposed_comm(rows: &mut [Row]) {
+    let single: Vec<(String, i64, i64, String, f64)> = rows
+        .iter()
+        .filter(|r| r.gpus == 1 && r.error.is_none())
+        .map(|r| (r.model.clone(), r.batch, r.seq, r.offload.clone(), r.step_ms))
+        .collect();
+    for row in rows.iter_mut().filter(|r| r.gpus > 1 && r.error.is_none()) {
+        row.exposed_comm_ms = single
+            .iter()
+            .find(|(m, b, s, o, _)| *m == row.model && *b == row.batch && *s == row.seq && *o == row.offload)
+            .map(|(.., one)| (row.step_ms - one).max(0.0));
+    }
+}
+
+fn describe(row: &Row) -> String {
+    match &row.error {
+        Some(e) => format!("{} {} x{} batch {}x{}: FAILED: {e}", row.model, row.strategy, row.gpus, row.batch, row.seq),
+        None => format!(
+            "{} {} x{} batch {}x{}: {:.0} tokens/s/GPU, {:.1} ms/step, MFU {:.1}%, peak {:.1} GB{}",
+            row.model,
+            row.strategy,
+            row.gpus,
+            row.batch,
+            row.seq,
+            row.tokens_per_s_per_gpu,
+            row.step_ms,
+            row.mfu * 100.0,
+            row.peak_allocated_gb,
+            row.breakdown_ms.map_or(String::new(), |[fb, head, step]| format!(
+                "; forward+backward {fb:.1} ms (LM head {head:.1}), optimizer {step:.1} ms"
+            ))
+        ),
+    }
+}
+
+/// The matrix as a Markdown table.
+fn table(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "\n| model | strategy | offload | GPUs | batch x seq | tokens/s/GPU | step ms | MFU | peak alloc GB | peak reserved GB | comm exposed ms | held GB (params/grads/optim) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        if let Some(e) = &r.error {
+            out += &format!("| {} | {} | {} | {} | {}x{} | failed: {} |\n", r.model, r.strategy, r.offload, r.gpus, r.batch, r.seq, e.lines().next().unwrap_or(""));
+            continue;
+        }
+        out += &format!(
+            "| {} | {} | {} | {} | {}x{} | {:.0} | {:.1} | {:.1}% | {:.2} | {:.2} | {} | {:.2}/{:.2}/{:.2} |\n",
+            r.model,
+            r.strategy,
+            r.offload,
+            r.gpus,
+            r.batch,
+            r.seq,
+            r.tokens_per_s_per_gpu,
+            r.step_ms,
+            r.mfu * 100.0,
+            r.peak_allocated_gb,
+            r.peak_reserved_gb,
+            r.exposed_comm_ms.map_or("—".into(), |ms| format!("{ms:.1}")),
+            r.state.params / 1e9,
+            r.state.grads / 1e9,
+            r.state.optimizer_state / 1e9
+        );
+    }
+    out
 }

@@ -112,7 +112,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::InitModel(args) => model_commands::init_model(args),
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(args, &cli.plugins),
         Command::Train(args) => train::run(args, &cli.plugins),
         Command::Eval(args) => train::eval(args),
         Command::Export(args) => train::export(args),

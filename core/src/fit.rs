@@ -197,16 +197,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
         offload_to_host: fit.offload.to_host(),
     };
     let groups = ShardGroups::new(fit.strategy, config.shard_group_size, fit.comm)?;
-    let parallel = (world > 1).then(|| Parallel {
-        policy: fit.strategy.policy(),
-        world: fit.comm.world(),
-        shard: groups.shard(fit.comm),
-        replicas: groups.replicas.as_ref(),
-        reduce_dtype: match fit.strategy.policy().reduce_dtype.unwrap_or(config.reduce_dtype) {
-            ReduceDtype::Fp32 => Kind::Float,
-            ReduceDtype::Compute => fit.dtype,
-        },
-    });
+    let parallel = groups.parallel(fit.strategy, fit.comm, config.reduce_dtype, fit.dtype);
     let mut trainer = Trainer::with_parallel(fit.model, &params, options, parallel)?;
     drop(params);
     let (mut first_epoch, mut first_epoch_step, mut step) = (0, 0, 0);
@@ -407,14 +398,16 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
 /// The sub-groups a strategy needs: its shard group (None when it shards
 /// nothing, or when it is the whole world, which the communicator already
 /// has) and, for hybrid sharding, the replica groups across shard groups.
-struct ShardGroups {
-    shard_size: usize,
+pub struct ShardGroups {
+    pub shard_size: usize,
     sub_group: Option<ProcessGroup>,
     replicas: Option<ProcessGroup>,
 }
 
 impl ShardGroups {
-    fn new(strategy: &dyn ShardingStrategy, size_override: Option<usize>, comm: &Communicator) -> Result<ShardGroups> {
+    /// Builds the strategy's groups (collective: every rank calls it);
+    /// `size_override` is `--shard-group-size`.
+    pub fn new(strategy: &dyn ShardingStrategy, size_override: Option<usize>, comm: &Communicator) -> Result<ShardGroups> {
         let policy = strategy.policy();
         policy.validate(strategy.name())?;
         let env = comm.env();
@@ -438,6 +431,20 @@ impl ShardGroups {
         }
         let (shard, replicas) = comm.hybrid_groups(size)?;
         Ok(ShardGroups { shard_size: size, sub_group: Some(shard), replicas: Some(replicas) })
+    }
+
+    /// What a trainer needs to run `strategy` over these groups (None on one rank).
+    pub fn parallel<'c>(&'c self, strategy: &dyn ShardingStrategy, comm: &'c Communicator, reduce: ReduceDtype, dtype: Kind) -> Option<Parallel<'c>> {
+        (comm.env().world_size > 1).then(|| Parallel {
+            policy: strategy.policy(),
+            world: comm.world(),
+            shard: self.shard(comm),
+            replicas: self.replicas.as_ref(),
+            reduce_dtype: match strategy.policy().reduce_dtype.unwrap_or(reduce) {
+                ReduceDtype::Fp32 => Kind::Float,
+                ReduceDtype::Compute => dtype,
+            },
+        })
     }
 
     fn shard<'c>(&'c self, comm: &'c Communicator) -> Option<&'c ProcessGroup> {
