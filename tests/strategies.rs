@@ -375,3 +375,23 @@ fn offloaded_runs_equal_the_baseline_for_every_sharded_strategy() {
         assert!(on_host > expected, "{name}: {on_host} bytes on the host, expected grads + optimizer state + masters");
     }
 }
+
+#[test]
+fn sharded_checkpoints_resume_exactly_and_under_another_strategy() {
+    let scratch = tempfile::tempdir().unwrap();
+    let saving = ["--strategy", "full_shard", "--offload", "cpu", "--save-every", "10", "--save-total-limit", "0"];
+    let original = train(Workload::Bloom, scratch.path(), "original", 2, &saving);
+    let expected = losses(&original);
+    let checkpoint = original.join("checkpoints/step-00000010");
+    let checkpoint = checkpoint.to_str().unwrap();
+    // The same strategy and ranks continue bit for bit.
+    let same = train(Workload::Bloom, scratch.path(), "same", 2, &["--strategy", "full_shard", "--offload", "cpu", "--resume", checkpoint]);
+    assert_eq!(losses(&same), expected[10..].to_vec());
+    // The whole state is in the checkpoint: ddp on 4 ranks continues the same run.
+    let other = train(Workload::Bloom, scratch.path(), "other", 4, &["--strategy", "ddp", "--resume", checkpoint]);
+    let resumed = losses(&other);
+    assert_eq!(resumed.len(), STEPS - 10);
+    for (step, (x, y)) in resumed.iter().zip(&expected[10..]).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} vs {y}", step + 11);
+    }
+}
