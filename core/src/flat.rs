@@ -129,8 +129,8 @@ pub struct FlatUnit {
     pub(crate) master: Tensor,
     /// `master` is (a slice of) `compute`, not memory of its own.
     master_is_compute: bool,
-    /// Sharded parameters in a compute dtype other than fp32: this rank's
-    /// shard in that dtype, what gathers send (half the bytes under bf16).
+    /// Offloaded sharded parameters: this rank's shard on the device in the
+    /// compute dtype, uploaded after each step (what gathers send).
     compute_shard: Option<Tensor>,
     pub(crate) grad: Tensor,
     pub(crate) exp_avg: Tensor,
@@ -158,15 +158,14 @@ impl FlatUnit {
         if placement.offload {
             return FlatUnit::offloaded(spec, order, decayed, full, dtype, placement);
         }
-        let (compute, master, master_is_compute, compute_shard);
+        let (compute, master, master_is_compute);
         if placement.params_sharded {
+            // Gathers cast the fp32 shard as they send it: no second copy is kept.
             master = full.narrow(0, start, len).copy();
-            compute_shard = (dtype != Kind::Float).then(|| master.to_kind(dtype));
             compute = Tensor::empty([padded], (dtype, device)).set_requires_grad(true);
             master_is_compute = false;
         } else {
             compute = if dtype == Kind::Float { full.shallow_clone() } else { full.to_kind(dtype) }.set_requires_grad(true);
-            compute_shard = None;
             master_is_compute = dtype == Kind::Float;
             master = match (placement.optimizer_sharded, master_is_compute) {
                 (true, true) => ft_sys::storage_alias(&compute)?.narrow(0, start, len),
@@ -192,7 +191,7 @@ impl FlatUnit {
             gathered: true,
             master,
             master_is_compute,
-            compute_shard,
+            compute_shard: None,
             host_pieces: vec![],
         };
         unit.release()?;
@@ -338,11 +337,12 @@ impl FlatUnit {
         self.master.size()[0] == self.placement.shard.padded
     }
 
-    /// Sharded parameters: the shard a gather sends (compute dtype).
+    /// Sharded parameters: the shard a gather sends, in the compute dtype
+    /// (half the bytes of fp32 under bf16; a cast of this rank's shard).
     fn gather_source(&self) -> Tensor {
         match &self.compute_shard {
             Some(shard) => shard.shallow_clone(),
-            None => self.master.shallow_clone(),
+            None => self.master.to_kind(self.compute.kind()),
         }
     }
 
