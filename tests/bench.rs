@@ -1,0 +1,42 @@
+//! `ft bench` runs its matrix in its own workers and reports each row, over
+//! real Gloo ranks on the CPU; a configuration that fails is reported as a
+//! failed row and the command exits non-zero.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn bench_runs_a_matrix_and_reports_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rows.json");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bloom");
+    let output = Command::new(env!("CARGO_BIN_EXE_ft"))
+        .args(["bench", "--config", fixture.to_str().unwrap(), "--device", "cpu", "--dtype", "f32"])
+        .args(["--gpus", "1,2", "--strategy", "ddp,full_shard,not_a_strategy", "--batch", "2", "--seq", "32"])
+        .args(["--warmup", "1", "--steps", "2", "--json", json.to_str().unwrap()])
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert_eq!(output.status.code(), Some(1), "a failed configuration fails the command: {log}");
+    assert!(log.contains("| model | strategy |"), "{log}");
+    let rows: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 6, "2 GPU counts x 3 strategies");
+    let row = |gpus: u64, strategy: &str| rows.iter().find(|r| r["gpus"] == gpus && r["strategy"] == strategy).unwrap();
+    for gpus in [1, 2] {
+        for strategy in ["ddp", "full_shard"] {
+            let r = row(gpus, strategy);
+            assert!(r["error"].is_null(), "{r}");
+            assert!(r["tokens_per_s_per_gpu"].as_f64().unwrap() > 0.0 && r["loss"].as_f64().unwrap().is_finite(), "{r}");
+        }
+        let failed = row(gpus, "not_a_strategy");
+        assert!(failed["error"].as_str().unwrap().contains("exited with code"), "{failed}");
+    }
+    // Sharding halves what a rank holds; exposed communication is measured against one GPU.
+    let held = |gpus: u64, strategy: &str| row(gpus, strategy)["state"]["optimizer_state"].as_f64().unwrap();
+    assert!((held(2, "full_shard") / held(2, "ddp") - 0.5).abs() < 0.01);
+    assert!(row(2, "full_shard")["exposed_comm_ms"].as_f64().is_some());
+    assert!(row(1, "ddp")["exposed_comm_ms"].is_null());
+}
