@@ -69,6 +69,9 @@ pub struct BenchArgs {
     /// Write the rows as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write a PNG chart of tokens/s and peak memory per configuration.
+    #[arg(long)]
+    chart: Option<PathBuf>,
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
@@ -127,6 +130,9 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     print!("{}", table(&rows));
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.chart {
+        crate::chart::write(&rows, path)?;
     }
     Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
 }

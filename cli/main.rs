@@ -1,6 +1,7 @@
 //! The `ft` command line: argument parsing and wiring only; the work is in ft-core.
 
 mod bench;
+mod chart;
 mod comm_test;
 mod launch;
 mod list;

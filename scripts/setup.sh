@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the build needs, from the registries only:
 #   - Debian's libgloo-dev: Gloo's headers (the torch wheel ships c10d's
-#     headers but not Gloo's; Debian's 2022 headers match libtorch's layout);
+#     headers but not Gloo's; Debian's 2022 headers match libtorch's layout),
+#     and fonts-dejavu-core (the text of `ft bench --chart`);
 #   - .venv with PyPI's torch==2.11.0 (the libtorch that tch 0.24 is built
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
@@ -15,12 +16,12 @@ CUDA_TOOLKIT_VERSION=13.0.2
 TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
 
-if [ ! -f /usr/include/gloo/config.h ]; then
-  echo "setup: installing Gloo headers (Debian libgloo-dev)"
+if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
+  echo "setup: installing Gloo headers and a font (Debian libgloo-dev, fonts-dejavu-core)"
   SUDO=""
   if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev fonts-dejavu-core >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -1,6 +1,7 @@
 //! `ft bench` runs its matrix in its own workers and reports each row, over
-//! real Gloo ranks on the CPU; a configuration that fails is reported as a
-//! failed row and the command exits non-zero.
+//! real Gloo ranks on the CPU, with a JSON file and a PNG chart; a
+//! configuration that fails is reported as a failed row and the command
+//! exits non-zero.
 
 use serde_json::Value;
 use std::path::Path;
@@ -9,12 +10,12 @@ use std::process::Command;
 #[test]
 fn bench_runs_a_matrix_and_reports_every_row() {
     let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("rows.json");
+    let (json, chart) = (dir.path().join("rows.json"), dir.path().join("chart.png"));
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bloom");
     let output = Command::new(env!("CARGO_BIN_EXE_ft"))
         .args(["bench", "--config", fixture.to_str().unwrap(), "--device", "cpu", "--dtype", "f32"])
         .args(["--gpus", "1,2", "--strategy", "ddp,full_shard,not_a_strategy", "--batch", "2", "--seq", "32"])
-        .args(["--warmup", "1", "--steps", "2", "--json", json.to_str().unwrap()])
+        .args(["--warmup", "1", "--steps", "2", "--json", json.to_str().unwrap(), "--chart", chart.to_str().unwrap()])
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .output()
@@ -39,4 +40,6 @@ fn bench_runs_a_matrix_and_reports_every_row() {
     assert!((held(2, "full_shard") / held(2, "ddp") - 0.5).abs() < 0.01);
     assert!(row(2, "full_shard")["exposed_comm_ms"].as_f64().is_some());
     assert!(row(1, "ddp")["exposed_comm_ms"].is_null());
+    let png = std::fs::read(&chart).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "a PNG chart of the successful rows");
 }

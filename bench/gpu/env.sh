@@ -7,3 +7,5 @@ LD_LIBRARY_PATH="$SITE/torch/lib:$(ls -d "$SITE"/nvidia/*/lib | tr '\n' ':')${LD
 export LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1
 FT="${FT:-.device/ft}"
+# `ft bench --chart` text: matplotlib's copy of DejaVu Sans where the system has none.
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || export FT_CHART_FONT="$SITE/matplotlib/mpl-data/fonts/ttf/DejaVuSans.ttf"
