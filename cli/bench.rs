@@ -26,7 +26,7 @@ const PEAK_FLOPS: f64 = 989e12;
 #[derive(Args)]
 pub struct BenchArgs {
     /// config.json, a model directory, or a hub id in the local cache; repeat for several models.
-    #[arg(long = "config", required = true)]
+    #[arg(long = "config", required_unless_present = "from_json")]
     configs: Vec<String>,
     /// Override config keys of every model, e.g. --set num_hidden_layers=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -72,6 +72,9 @@ pub struct BenchArgs {
     /// Write a PNG chart of tokens/s and peak memory per configuration.
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// Run nothing: print the table and draw the chart of rows saved with --json (repeatable).
+    #[arg(long, value_name = "ROWS_JSON")]
+    from_json: Vec<PathBuf>,
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
@@ -107,6 +110,14 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     if let Some(result_file) = &args.result_file {
         return worker(&args, plugins, result_file);
     }
+    if !args.from_json.is_empty() {
+        let mut rows: Vec<Row> = vec![];
+        for path in &args.from_json {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
+        }
+        return report(&args, rows);
+    }
     let mut rows: Vec<Row> = vec![];
     let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
@@ -126,6 +137,11 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
+    report(&args, rows)
+}
+
+/// The table, and the JSON and chart when asked for; fails when a configuration did.
+fn report(args: &BenchArgs, mut rows: Vec<Row>) -> Result<i32> {
     fill_exposed_comm(&mut rows);
     print!("{}", table(&rows));
     if let Some(path) = &args.json {
