@@ -13,6 +13,8 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
+from fsdp2_train_step import blocks
+
 
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, vocab, seq, count):
@@ -36,7 +38,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = AutoConfig.from_pretrained(args.config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    block = type(model.base_model.layers[0] if hasattr(model.base_model, "layers") else model.base_model.h[0]).__name__
+    block = type(blocks(model)[0]).__name__
     training = TrainingArguments(
         output_dir="/tmp/hf-trainer-fsdp", per_device_train_batch_size=args.batch, max_steps=args.steps,
         bf16=True, learning_rate=1e-5, max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10 ** 9,
