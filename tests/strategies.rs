@@ -301,6 +301,18 @@ fn list_shows_a_loaded_plugin_and_bad_plugins_are_refused() {
     };
     let message = refused(&library("ft_test_plugin_bad_abi"));
     assert!(message.contains("abi_version is 999, this ft loads 1"), "{message}");
+    let with_fault = |fault: &str| {
+        let output = ft()
+            .args(["--plugin", library("ft_test_plugin_bad_abi").to_str().unwrap(), "list"])
+            .env("PLUGIN_FIXTURE_FAULT", fault)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        text(&output)
+    };
+    let message = with_fault("core_version");
+    assert!(message.contains("built with ft-core version `0.0.0-other`, this ft has `0.1.0`"), "{message}");
+    assert!(with_fault("null").contains("returned no declaration"));
     let scratch = tempfile::tempdir().unwrap();
     let not_a_library = scratch.path().join("libnotes.so");
     std::fs::write(&not_a_library, "just text").unwrap();

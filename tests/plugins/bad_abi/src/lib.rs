@@ -1,6 +1,8 @@
-//! Test fixture: exports `ft_plugin_declaration` with an ABI version no ft
-//! has, laid out as ft-core's `PluginDeclaration` (whose leading fields are
-//! plain C data). The loader must refuse it before calling anything else.
+//! Test fixture: exports `ft_plugin_declaration` laid out as ft-core's
+//! `PluginDeclaration` (whose leading fields are plain C data) but wrong in
+//! the way `PLUGIN_FIXTURE_FAULT` says: `abi` (the default: an ABI version
+//! no ft has), `core_version` (another ft-core), or `null` (no declaration
+//! at all). The loader must refuse each before calling anything.
 
 use std::ffi::c_char;
 
@@ -15,13 +17,21 @@ pub struct Declaration {
 unsafe impl Sync for Declaration {}
 
 fn never_called() {
-    panic!("the loader called a plug-in whose ABI version it does not know");
+    panic!("the loader called a plug-in it should have refused");
 }
 
-static DECLARATION: Declaration =
-    Declaration { abi_version: 999, core_version: c"0.0.0".as_ptr(), rustc_version: c"rustc 0.0.0".as_ptr(), register: never_called };
+const fn declaration(abi_version: u32, core_version: &'static std::ffi::CStr, rustc_version: &'static std::ffi::CStr) -> Declaration {
+    Declaration { abi_version, core_version: core_version.as_ptr(), rustc_version: rustc_version.as_ptr(), register: never_called }
+}
+
+static WRONG_ABI: Declaration = declaration(999, c"0.0.0", c"rustc 0.0.0");
+static WRONG_CORE: Declaration = declaration(1, c"0.0.0-other", c"rustc 0.0.0");
 
 #[no_mangle]
 pub extern "C" fn ft_plugin_declaration() -> *const Declaration {
-    &DECLARATION
+    match std::env::var("PLUGIN_FIXTURE_FAULT").as_deref() {
+        Ok("core_version") => &WRONG_CORE,
+        Ok("null") => std::ptr::null(),
+        _ => &WRONG_ABI,
+    }
 }
