@@ -63,11 +63,9 @@ pub fn write(rows: &[Row], path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (width, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("chart: {e}"))?;
     let (top, bottom) = root.split_vertically(380);
-    let panels: [(&DrawingArea<_, _>, &str, Box<dyn Fn(&Row) -> f64>); 2] = [
-        (&top, "tokens/s per GPU", Box::new(|r: &Row| r.tokens_per_s_per_gpu)),
-        (&bottom, "peak allocated GB per GPU", Box::new(|r: &Row| r.peak_allocated_gb)),
-    ];
-    for (area, title, value) in panels {
+    let tokens: fn(&Row) -> f64 = |r| r.tokens_per_s_per_gpu;
+    let memory: fn(&Row) -> f64 = |r| r.peak_allocated_gb;
+    for (area, title, value) in [(&top, "tokens/s per GPU", tokens), (&bottom, "peak allocated GB per GPU", memory)] {
         let highest = rows.iter().map(|r| value(r)).fold(0.0, f64::max) * 1.15;
         let mut chart = ChartBuilder::on(area)
             .caption(title, ("sans-serif", 22))
