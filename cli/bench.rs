@@ -228,20 +228,12 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
         "cpu" => Device::Cpu,
         other => bail!("--device {other:?} is not one of cuda, cpu"),
     };
-    if device == Device::Cpu {
-        // Share the cores among the local ranks instead of oversubscribing them.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / env.local_world_size).max(1) as i32);
-    }
-    let comm = Communicator::init(env, &CommOptions { backend: ft_core::Backend::Auto, timeout: Duration::from_secs(600) })?;
-    let (rank, world) = (comm.env().rank, comm.env().world_size);
     let registry = crate::registry(plugins)?;
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();
-    if offload.to_host() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        ft_core::set_cpu_threads(cores / comm.env().local_world_size);
-    }
+    crate::share_host_cores(env.local_world_size, device, offload.to_host());
+    let comm = Communicator::init(env, &CommOptions { backend: ft_core::Backend::Auto, timeout: Duration::from_secs(600) })?;
+    let (rank, world) = (comm.env().rank, comm.env().world_size);
     let dtype = ft_core::comm_test::parse_dtype(&args.dtype)?;
     let groups = ShardGroups::new(strategy.as_ref(), args.shard_group_size, &comm)?;
     let parallel = groups.parallel(strategy.as_ref(), &comm, ReduceDtype::Fp32, dtype);

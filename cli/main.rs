@@ -32,6 +32,19 @@ struct Cli {
     command: Command,
 }
 
+/// Splits this host's cores among its `local_ranks` workers (as torchrun
+/// does) instead of oversubscribing them: ATen's threads when computing on
+/// the CPU, the CPU optimizer's when state is offloaded to the host.
+pub fn share_host_cores(local_ranks: usize, device: tch::Device, offload_to_host: bool) {
+    let share = (std::thread::available_parallelism().map_or(1, |n| n.get()) / local_ranks.max(1)).max(1);
+    if device == tch::Device::Cpu {
+        tch::set_num_threads(share as i32);
+    }
+    if offload_to_host {
+        ft_core::set_cpu_threads(share);
+    }
+}
+
 /// The built-in registry plus the strategies of the given plug-ins.
 pub fn registry(plugins: &[PathBuf]) -> Result<Registry> {
     let mut registry = Registry::builtin();

@@ -160,7 +160,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
             }
         }
         if let Some(expected) = deepspeed.train_batch_size {
-            let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
+            let world = planned_world(&config, &env);
             let global = config.train.batch_size * config.train.grad_accum * world;
             if expected != global {
                 bail!(
@@ -213,9 +213,19 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
     Ok(())
 }
 
+/// The ranks the run will have: the launcher's world, or the local workers
+/// `ft train` is about to start itself.
+fn planned_world(config: &Config, env: &DistEnv) -> usize {
+    if env.source == ft_core::env::EnvSource::SingleProcess {
+        config.launch.nproc_per_node
+    } else {
+        env.world_size
+    }
+}
+
 fn print_plan(config: &Config, env: &DistEnv) {
     println!("resolved configuration:\n{}", serde_json::to_string_pretty(config).unwrap_or_default());
-    let world = if env.source == ft_core::env::EnvSource::SingleProcess { config.launch.nproc_per_node } else { env.world_size };
+    let world = planned_world(config, env);
     let t = &config.train;
     println!(
         "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
@@ -406,11 +416,9 @@ impl GenerationEval for QaEval<'_> {
 
 fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
     let (device, dtype) = device_and_dtype(config, &env)?;
-    if device == Device::Cpu {
-        // Share the cores among the local ranks instead of oversubscribing them (as torchrun does).
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / env.local_world_size).max(1) as i32);
-    }
+    let strategy = (registry.strategy(&config.train.strategy)?.create)();
+    let offload = (registry.offload(&config.train.offload)?.create)();
+    crate::share_host_cores(env.local_world_size, device, offload.to_host());
     let backend = match (config.dist.backend, device) {
         (ft_core::Backend::Auto, Device::Cpu) => ft_core::Backend::Gloo,
         (backend, _) => backend,
@@ -447,13 +455,6 @@ fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
     let pad_id = pad_id(&tokenizer);
     let world = comm.env().world_size;
     let mut qa_eval = QaEval::new(&tokenizer, &questions, config, &comm);
-    let strategy = (registry.strategy(&config.train.strategy)?.create)();
-    let offload = (registry.offload(&config.train.offload)?.create)();
-    if offload.to_host() {
-        // The CPU optimizer's threads: this host's cores shared among its ranks.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        ft_core::set_cpu_threads(cores / comm.env().local_world_size);
-    }
     let sinks = if rank == 0 {
         let append = config.train.resume.is_some();
         config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&config.output.dir, append)).collect::<Result<Vec<_>>>()?

@@ -3,24 +3,23 @@
 //! configuration that fails is reported as a failed row and the command
 //! exits non-zero.
 
+mod common;
+use common::{ft, text};
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
 
 #[test]
 fn bench_runs_a_matrix_and_reports_every_row() {
     let dir = tempfile::tempdir().unwrap();
     let (json, chart) = (dir.path().join("rows.json"), dir.path().join("chart.png"));
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bloom");
-    let output = Command::new(env!("CARGO_BIN_EXE_ft"))
+    let output = ft()
         .args(["bench", "--config", fixture.to_str().unwrap(), "--device", "cpu", "--dtype", "f32"])
         .args(["--gpus", "1,2", "--strategy", "ddp,full_shard,not_a_strategy", "--batch", "2", "--seq", "32"])
         .args(["--warmup", "1", "--steps", "2", "--json", json.to_str().unwrap(), "--chart", chart.to_str().unwrap()])
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
         .output()
         .unwrap();
-    let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    let log = text(&output);
     assert_eq!(output.status.code(), Some(1), "a failed configuration fails the command: {log}");
     assert!(log.contains("| model | strategy |"), "{log}");
     let rows: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

@@ -5,23 +5,16 @@
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const FT: &str = env!("CARGO_BIN_EXE_ft");
+mod common;
+use common::{text, without_launcher_env, FT};
 
 fn ft(args: &[&str]) -> Command {
-    let mut command = Command::new(FT);
+    let mut command = common::ft();
     command.args(args).env("RUST_LOG", "info");
-    // A test's own environment must not look like a torchrun worker's.
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"] {
-        command.env_remove(var);
-    }
     command
-}
-
-fn text(output: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
 fn free_port() -> u16 {
@@ -230,10 +223,7 @@ fn torchrun_no_python_launches_ft_workers() {
     let mut command = Command::new(torchrun);
     command.args(["--nproc-per-node", "2", "--master-port", &free_port().to_string(), "--no-python", FT]);
     command.args(["comm-test", "--backend", "gloo", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1", "--warmup", "0"]);
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
-        command.env_remove(var);
-    }
-    let output = command.output().unwrap();
+    let output = without_launcher_env(&mut command).output().unwrap();
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("all collectives gave the expected values on all 2 ranks"), "{log}");

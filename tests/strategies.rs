@@ -8,16 +8,14 @@
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use tch::Tensor;
 
-const FT: &str = env!("CARGO_BIN_EXE_ft");
+mod common;
+use common::{ft, text};
+
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
-
-fn text(output: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
-}
 
 /// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
 fn library(name: &str) -> PathBuf {
@@ -95,14 +93,6 @@ fn train_with_batch(workload: Workload, scratch: &Path, name: &str, ranks: usize
         .unwrap();
     assert!(output.status.success(), "{name}: {}", text(&output));
     dir
-}
-
-fn ft() -> Command {
-    let mut command = Command::new(FT);
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FT_FAULT_INJECT"] {
-        command.env_remove(var);
-    }
-    command
 }
 
 fn losses(dir: &Path) -> Vec<f64> {

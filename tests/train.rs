@@ -6,11 +6,8 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
 
-const FT: &str = env!("CARGO_BIN_EXE_ft");
-
-fn text(output: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
-}
+mod common;
+use common::{ft, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
@@ -20,13 +17,10 @@ fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
 }
 
 fn train_command(dir: &Path, extra: &[&str]) -> Command {
-    let mut command = Command::new(FT);
+    let mut command = ft();
     command
         .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
         .args(extra);
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FT_FAULT_INJECT"] {
-        command.env_remove(var);
-    }
     command
 }
 
@@ -75,10 +69,8 @@ fn two_data_parallel_ranks_equal_one_rank_with_the_whole_batch() {
 #[test]
 fn the_demo_trains_evaluates_and_writes_its_outputs() {
     let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(FT)
+    let output = ft()
         .args(["train", "--epochs", "2", "--output-dir", dir.path().to_str().unwrap()])
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
         .output()
         .unwrap();
     let log = text(&output);
@@ -120,7 +112,7 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     let run = |args: &[&str]| {
         let mut all = vec!["train", "--output-dir", dir.path().to_str().unwrap()];
         all.extend_from_slice(args);
-        text(&Command::new(FT).args(&all).env_remove("RANK").env_remove("WORLD_SIZE").output().unwrap())
+        text(&ft().args(&all).output().unwrap())
     };
     assert!(run(&["--model", "some/model"]).contains("set data.train (--train-file)"));
     assert!(run(&["--batch-size", "0"]).contains("must be at least 1"));
@@ -178,7 +170,7 @@ fn train_and_export(dir: &Path, extra: &[&str]) -> std::path::PathBuf {
 
 /// `ft export` of the latest checkpoint in `dir` to `out`.
 fn export_latest(dir: &Path, out: &Path) -> Output {
-    Command::new(FT)
+    ft()
         .args(["export", "--checkpoint", "latest", "--output-dir", dir.to_str().unwrap(), "--out", out.to_str().unwrap()])
         .output()
         .unwrap()
@@ -244,12 +236,10 @@ fn export_and_eval_reproduce_the_run() {
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
     let last_eval_loss = summary["epochs"][0]["eval_loss"].as_f64().unwrap();
     let eval_file = dir.path().join("demo-data/demo-eval.json");
-    let output = Command::new(FT)
+    let output = ft()
         .args(["eval", "--model", exported.to_str().unwrap(), "--eval-file", eval_file.to_str().unwrap(),
                "--eval-samples", "8", "--max-seq-len", "96", "--nproc-per-node", "2",
                "--output-dir", dir.path().join("eval").to_str().unwrap()])
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
         .output()
         .unwrap();
     let log = text(&output);
@@ -269,7 +259,7 @@ fn an_exported_model_loads_in_transformers_with_equal_logits() {
     let ids_file = dir.path().join("ids.json");
     std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
     let ours = dir.path().join("ft-logits.safetensors");
-    let output = Command::new(FT)
+    let output = ft()
         .args(["forward", "--model", exported.to_str().unwrap(), "--ids", ids_file.to_str().unwrap(), "--out", ours.to_str().unwrap()])
         .output()
         .unwrap();

@@ -251,11 +251,7 @@ impl FlatUnit {
     /// Offloaded: starts copying a reduced micro-batch gradient (whole, or
     /// this rank's shard) back to host memory; returns the bytes moved.
     pub(crate) fn send_to_host(&mut self, reduced: &Tensor) -> i64 {
-        let owned = if reduced.size()[0] == self.master.size()[0] {
-            reduced.shallow_clone()
-        } else {
-            reduced.narrow(0, self.placement.shard.start, self.placement.shard.len)
-        };
+        let owned = self.owned_part(reduced);
         let bytes = (owned.numel() * owned.kind().elt_size_in_bytes()) as i64;
         // Non-blocking into pinned memory: the copy queues behind the reduction.
         self.host_pieces.push(owned.to_device_(tch::Device::Cpu, owned.kind(), true, false));
@@ -320,10 +316,15 @@ impl FlatUnit {
 
     /// The part of `grad` that `master` covers (what this rank's optimizer reads).
     pub(crate) fn owned_grad(&self) -> Tensor {
-        if self.grad.size() == self.master.size() {
-            self.grad.shallow_clone()
+        self.owned_part(&self.grad)
+    }
+
+    /// The part of a whole-or-shard flat tensor that `master` covers.
+    fn owned_part(&self, flat: &Tensor) -> Tensor {
+        if flat.size()[0] == self.master.size()[0] {
+            flat.shallow_clone()
         } else {
-            self.grad.narrow(0, self.placement.shard.start, self.placement.shard.len)
+            flat.narrow(0, self.placement.shard.start, self.placement.shard.len)
         }
     }
 
@@ -352,7 +353,7 @@ impl FlatUnit {
         if self.gathered || self.gathering.is_some() {
             return Ok(0);
         }
-        let bytes = self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64;
+        let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
         let source = self.gather_source();
         self.gathering = Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?);
@@ -379,7 +380,12 @@ impl FlatUnit {
         }
         ft_sys::resize_storage(&self.compute_alias, 0)?;
         self.gathered = false;
-        Ok(self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64)
+        Ok(self.gathered_bytes())
+    }
+
+    /// Bytes of the unit's buffer while gathered.
+    fn gathered_bytes(&self) -> i64 {
+        self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64
     }
 
     /// After an optimizer step: brings the compute copy up to date with the

@@ -48,17 +48,6 @@ pub enum ReduceDtype {
     Compute,
 }
 
-impl std::str::FromStr for ReduceDtype {
-    type Err = anyhow::Error;
-    fn from_str(text: &str) -> Result<ReduceDtype> {
-        match text {
-            "fp32" | "f32" | "float32" => Ok(ReduceDtype::Fp32),
-            "compute" => Ok(ReduceDtype::Compute),
-            other => bail!("unknown reduce dtype {other:?}: expected fp32 or compute"),
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardingPolicy {
     pub params: ParamPlacement,

@@ -445,36 +445,32 @@ impl<'m> Trainer<'m> {
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
         let reduce_dtype = self.parallel.as_ref().map_or(Kind::Float, |p| p.reduce_dtype);
-        if unit.offloaded_to_host() && !unit.placement().grads_sharded {
-            // Every micro-batch's gradient goes to the host as soon as it is
-            // reduced (summed there), so no fp32 gradient stays on the device.
-            let mut reduced = if fresh.defined() {
+        let placement = *unit.placement();
+        if placement.grads_sharded || placement.offload {
+            // Reduced every micro-batch: into this rank's shard, or (offloaded)
+            // on to the host, where micro-batches are summed, so no fp32
+            // gradient stays on the device.
+            let mut input = if fresh.defined() {
                 fresh.to_kind(reduce_dtype)
             } else {
-                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.device()))
+                Tensor::zeros([placement.shard.padded], (reduce_dtype, unit.device()))
             };
-            match &self.parallel {
-                Some(parallel) => {
-                    let work = parallel.world.all_reduce(&mut reduced, Reduction::Sum)?;
-                    pending.push_back(PendingReduction { unit: u, work, result: reduced, then: AfterReduction::ToHost });
-                }
-                None => self.offload_stats.device_to_host_bytes += unit.send_to_host(&reduced) as f64,
-            }
-            return Ok(());
-        }
-        if unit.placement().grads_sharded {
-            let group = self.parallel.as_ref().and_then(|p| p.shard).expect("sharded gradients have a shard group");
-            let input = if fresh.defined() {
-                fresh.to_kind(reduce_dtype)
-            } else {
-                Tensor::zeros([unit.placement().shard.padded], (reduce_dtype, unit.device()))
-            };
-            let mut result = Tensor::empty([unit.placement().shard.len], (reduce_dtype, input.device()));
-            let work = group.reduce_scatter_tensor(&mut result, &input, Reduction::Sum)?;
-            let then = if unit.offloaded_to_host() {
+            let then = if placement.offload {
                 AfterReduction::ToHost
             } else {
                 AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last }
+            };
+            let (work, result) = match (&self.parallel, placement.grads_sharded) {
+                (Some(parallel), true) => {
+                    let group = parallel.shard.expect("sharded gradients have a shard group");
+                    let mut result = Tensor::empty([placement.shard.len], (reduce_dtype, input.device()));
+                    (group.reduce_scatter_tensor(&mut result, &input, Reduction::Sum)?, result)
+                }
+                (Some(parallel), false) => (parallel.world.all_reduce(&mut input, Reduction::Sum)?, input),
+                (None, _) => {
+                    self.offload_stats.device_to_host_bytes += unit.send_to_host(&input) as f64;
+                    return Ok(());
+                }
             };
             pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
