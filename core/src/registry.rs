@@ -206,16 +206,7 @@ mod tests {
             summary: String::new(),
             origin,
             create: Box::new(|| {
-                Box::new(FixedPolicy {
-                    name: "test_replicated",
-                    policy: ShardingPolicy {
-                        params: ParamPlacement::Replicated,
-                        grads: GradReduction::AllReduce,
-                        optimizer_state_sharded: false,
-                        shard_group: ShardGroup::World,
-                        reduce_dtype: None,
-                    },
-                })
+                Box::new(FixedPolicy { name: "test_replicated", policy: ShardingPolicy::replicated(false) })
             }),
         }
     }

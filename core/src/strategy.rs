@@ -59,6 +59,30 @@ pub struct ShardingPolicy {
 }
 
 impl ShardingPolicy {
+    /// Whole parameters on every rank, gradients all-reduced; optimizer
+    /// state whole (ddp) or sharded over the world (zero1).
+    pub const fn replicated(optimizer_state_sharded: bool) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Replicated,
+            grads: GradReduction::AllReduce,
+            optimizer_state_sharded,
+            shard_group: ShardGroup::World,
+            reduce_dtype: None,
+        }
+    }
+
+    /// Parameters, gradients (reduce-scattered) and optimizer state sharded
+    /// over `shard_group`.
+    pub const fn sharded(reshard_after_forward: bool, shard_group: ShardGroup) -> ShardingPolicy {
+        ShardingPolicy {
+            params: ParamPlacement::Sharded { reshard_after_forward },
+            grads: GradReduction::ReduceScatter,
+            optimizer_state_sharded: true,
+            shard_group,
+            reduce_dtype: None,
+        }
+    }
+
     /// Refuses combinations the mechanism cannot run, saying why.
     pub fn validate(&self, strategy: &str) -> Result<()> {
         let sharded_params = matches!(self.params, ParamPlacement::Sharded { .. });

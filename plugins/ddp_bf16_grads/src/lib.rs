@@ -5,17 +5,11 @@
 //! The README next to this file is the guide to writing one.
 
 use ft_core::plugin::PluginRegistrar;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ReduceDtype, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ReduceDtype, ShardingPolicy};
 
 const NAME: &str = "ddp_bf16_grads";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Replicated,
-    grads: GradReduction::AllReduce,
-    optimizer_state_sharded: false,
-    shard_group: ShardGroup::World,
-    reduce_dtype: Some(ReduceDtype::Compute),
-};
+const POLICY: ShardingPolicy = ShardingPolicy { reduce_dtype: Some(ReduceDtype::Compute), ..ShardingPolicy::replicated(false) };
 
 fn register(registrar: &mut PluginRegistrar) {
     registrar.add_strategy(

@@ -5,17 +5,11 @@
 //! micro-batch communicates.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardingPolicy};
 
 const NAME: &str = "ddp";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Replicated,
-    grads: GradReduction::AllReduce,
-    optimizer_state_sharded: false,
-    shard_group: ShardGroup::World,
-    reduce_dtype: None,
-};
+const POLICY: ShardingPolicy = ShardingPolicy::replicated(false);
 
 inventory::submit! {
     StrategyRegistration {

@@ -5,17 +5,11 @@
 //! two gathers per unit per micro-batch.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "full_shard";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Sharded { reshard_after_forward: true },
-    grads: GradReduction::ReduceScatter,
-    optimizer_state_sharded: true,
-    shard_group: ShardGroup::World,
-    reduce_dtype: None,
-};
+const POLICY: ShardingPolicy = ShardingPolicy::sharded(true, ShardGroup::World);
 
 inventory::submit! {
     StrategyRegistration {

@@ -5,17 +5,11 @@
 //! other groups. `--shard-group-size` sets the group.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "hybrid_shard";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Sharded { reshard_after_forward: true },
-    grads: GradReduction::ReduceScatter,
-    optimizer_state_sharded: true,
-    shard_group: ShardGroup::Node,
-    reduce_dtype: None,
-};
+const POLICY: ShardingPolicy = ShardingPolicy::sharded(true, ShardGroup::Node);
 
 inventory::submit! {
     StrategyRegistration {

@@ -5,17 +5,11 @@
 //! reduce-scattered.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy};
 
 const NAME: &str = "shard_grad_op";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Sharded { reshard_after_forward: false },
-    grads: GradReduction::ReduceScatter,
-    optimizer_state_sharded: true,
-    shard_group: ShardGroup::World,
-    reduce_dtype: None,
-};
+const POLICY: ShardingPolicy = ShardingPolicy::sharded(false, ShardGroup::World);
 
 inventory::submit! {
     StrategyRegistration {

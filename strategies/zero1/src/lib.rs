@@ -4,17 +4,11 @@
 //! slices into everyone's parameters after the step.
 
 use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, GradReduction, ParamPlacement, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardingPolicy};
 
 const NAME: &str = "zero1";
 
-const POLICY: ShardingPolicy = ShardingPolicy {
-    params: ParamPlacement::Replicated,
-    grads: GradReduction::AllReduce,
-    optimizer_state_sharded: true,
-    shard_group: ShardGroup::World,
-    reduce_dtype: None,
-};
+const POLICY: ShardingPolicy = ShardingPolicy::replicated(true);
 
 inventory::submit! {
     StrategyRegistration {
