@@ -50,7 +50,7 @@ pub struct BenchArgs {
     /// Compute dtype (masters stay fp32).
     #[arg(long, default_value = "bf16")]
     dtype: String,
-    /// cuda or cpu (Gloo).
+    /// cuda, cpu (Gloo), or auto (the GPU when there is one).
     #[arg(long, default_value = "cuda")]
     device: String,
     /// none or cpu.
@@ -223,11 +223,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     single("--seq", args.seq.len())?;
     let (batch, seq) = (args.batch[0], args.seq[0]);
     let env = DistEnv::from_env()?;
-    let device = match args.device.as_str() {
-        "cuda" => Device::Cuda(env.local_rank),
-        "cpu" => Device::Cpu,
-        other => bail!("--device {other:?} is not one of cuda, cpu"),
-    };
+    let device = crate::train::rank_device(&args.device, env.local_rank).context("--device")?;
     let registry = crate::registry(plugins)?;
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();

@@ -240,18 +240,24 @@ fn print_plan(config: &Config, env: &DistEnv) {
 
 /// The device and dtype of this rank: its GPU and bf16 when there is one.
 fn device_and_dtype(config: &Config, env: &DistEnv) -> Result<(Device, Kind)> {
-    let device = match config.train.device.as_str() {
-        "auto" if tch::Cuda::is_available() => Device::Cuda(env.local_rank),
-        "auto" | "cpu" => Device::Cpu,
-        "cuda" => Device::Cuda(env.local_rank),
-        other => bail!("train.device {other:?} is not one of auto, cpu, cuda"),
-    };
+    let device = rank_device(&config.train.device, env.local_rank).context("train.device")?;
     let dtype = match (config.train.dtype.as_str(), device) {
         ("auto", Device::Cuda(_)) | ("bf16", _) => Kind::BFloat16,
         ("fp16" | "f16", _) => Kind::Half,
         _ => Kind::Float,
     };
     Ok((device, dtype))
+}
+
+/// The device of the worker with local rank `local_rank`: `auto` (its GPU
+/// when there is one), `cpu` or `cuda`.
+pub fn rank_device(name: &str, local_rank: usize) -> Result<Device> {
+    Ok(match name {
+        "auto" if tch::Cuda::is_available() => Device::Cuda(local_rank),
+        "auto" | "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(local_rank),
+        other => bail!("{other:?} is not one of auto, cpu, cuda"),
+    })
 }
 
 /// Padded lengths round up to this: few shapes on a GPU, exact lengths on a CPU.
