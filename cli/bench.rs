@@ -12,7 +12,7 @@ use clap::Args;
 use ft_core::fit::ShardGroups;
 use ft_core::flat::MemoryAccount;
 use ft_core::strategy::ReduceDtype;
-use ft_core::train::{TrainOptions, Trainer};
+use ft_core::train::{lm_head_loss_and_grads, LossKernel, TrainOptions, Trainer};
 use ft_core::{AdamW, CommOptions, Communicator, DistEnv, Reduction};
 use ft_models::{hf, init};
 use serde::{Deserialize, Serialize};
@@ -66,6 +66,11 @@ pub struct BenchArgs {
     /// forward+backward, the LM head's loss alone, the optimizer step.
     #[arg(long)]
     breakdown: bool,
+    /// Profile 3 more steps of each configuration on rank 0 with PyTorch's
+    /// profiler: a Chrome trace (chrome://tracing, Perfetto) and the GPU time per
+    /// kernel in this directory, and the top kernels on stderr.
+    #[arg(long, value_name = "DIR")]
+    profile: Option<PathBuf>,
     /// Write the rows as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -78,6 +83,17 @@ pub struct BenchArgs {
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
+}
+
+/// The fused cross-entropy kernel beside ATen's ops, on the same random head inputs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HeadCheck {
+    pub fused_ms: f64,
+    pub aten_ms: f64,
+    /// |loss_fused − loss_aten| / |loss_aten|.
+    pub loss_relative_diff: f64,
+    /// max |g_fused − g_aten| / max |g_aten| over the hidden states' and the weight's gradients.
+    pub grad_relative_diff: f64,
 }
 
 /// One configuration's result.
@@ -103,6 +119,9 @@ pub struct Row {
     pub loss: f64,
     /// forward+backward, LM head, optimizer (ms), with --breakdown on one GPU.
     pub breakdown_ms: Option<[f64; 3]>,
+    /// With --breakdown: the LM head's fused kernel against ATen's ops on the same inputs.
+    #[serde(default)]
+    pub head_check: Option<HeadCheck>,
     pub error: Option<String>,
 }
 
@@ -184,6 +203,9 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
     if args.breakdown {
         argv.push("--breakdown".into());
     }
+    if let Some(dir) = &args.profile {
+        argv.extend(["--profile".to_string(), dir.display().to_string()]);
+    }
     let code = crate::launch::spawn_local(gpus, argv)?;
     if code != 0 {
         bail!("workers exited with code {code} (their output is above)");
@@ -210,6 +232,7 @@ fn failed_row(config: &str, strategy: &str, offload: &str, gpus: usize, batch: i
         state: MemoryAccount::default(),
         loss: f64::NAN,
         breakdown_ms: None,
+        head_check: None,
         error: Some(error),
     }
 }
@@ -258,23 +281,13 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
             tch::Cuda::synchronize(index as i64);
         }
     };
-    let mut run_steps = |count: usize| -> Result<f64> {
-        let mut last = None;
-        for step in 0..count {
-            let ids = &batches[step % batches.len()];
-            let loss = trainer.forward_backward(ids, ids, normalizer, true)?;
-            let _grad_norm = trainer.step(1e-5)?;
-            last = Some(loss);
-        }
-        Ok(last.map_or(f64::NAN, |l| l.double_value(&[])))
-    };
-    run_steps(args.warmup)?;
+    run_steps(&mut trainer, &batches, normalizer, args.warmup)?;
     synchronize();
     if let Device::Cuda(index) = device {
         ft_core::cuda_memory(index, true).map_err(anyhow::Error::msg)?;
     }
     let start = Instant::now();
-    let loss = run_steps(args.steps)?;
+    let loss = run_steps(&mut trainer, &batches, normalizer, args.steps)?;
     synchronize();
     let step_seconds = start.elapsed().as_secs_f64() / args.steps as f64;
     let (allocated, reserved) = match device {
@@ -288,6 +301,13 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     comm.world().all_reduce(&mut peaks, Reduction::Max)?.wait()?;
     let peaks = Vec::<f64>::try_from(peaks.to_device(Device::Cpu))?;
     let breakdown = (args.breakdown && world == 1).then(|| time_phases(&mut trainer, &batches[0], normalizer, &synchronize)).transpose()?;
+    let head_check = (args.breakdown && trainer.loss_kernel() == LossKernel::Fused)
+        .then(|| check_head_kernel(&trainer, &batches[0], normalizer, &synchronize))
+        .transpose()?;
+    if let Some(dir) = &args.profile {
+        let label = format!("{}-{}-{}gpu-{batch}x{seq}", model.model_type(), strategy.name(), world);
+        profile_steps(dir, &label, rank == 0, device.is_cuda(), &mut |count| run_steps(&mut trainer, &batches, normalizer, count))?;
+    }
     let tokens_per_s_per_gpu = (batch * seq) as f64 / step_seconds;
     if rank == 0 {
         let row = Row {
@@ -307,12 +327,25 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
             state: trainer.memory(),
             loss,
             breakdown_ms: breakdown,
+            head_check,
             error: None,
         };
         std::fs::write(result_file, serde_json::to_string(&row)?)?;
     }
     comm.world().barrier()?.wait()?;
     Ok(0)
+}
+
+/// `count` training steps over the batches in turn; the last step's loss.
+fn run_steps(trainer: &mut Trainer, batches: &[Tensor], normalizer: f64, count: usize) -> Result<f64> {
+    let mut last = None;
+    for step in 0..count {
+        let ids = &batches[step % batches.len()];
+        let loss = trainer.forward_backward(ids, ids, normalizer, true)?;
+        let _grad_norm = trainer.step(1e-5)?;
+        last = Some(loss);
+    }
+    Ok(last.map_or(f64::NAN, |l| l.double_value(&[])))
 }
 
 /// Milliseconds per call of forward+backward, of the LM head's fused loss on
@@ -339,12 +372,78 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     synchronize();
     let start = Instant::now();
     for _ in 0..REPEATS {
-        let _outputs = ft_core::train::lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None)?;
+        let _outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, trainer.loss_kernel())?;
     }
     synchronize();
     let head = start.elapsed().as_secs_f64();
     let ms = |seconds: f64| seconds / REPEATS as f64 * 1e3;
     Ok([ms(forward_backward), ms(head), ms(step)])
+}
+
+/// Times the LM head with the fused kernel and with ATen's ops on the same
+/// random inputs, and compares their loss and gradients.
+fn check_head_kernel(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<HeadCheck> {
+    const REPEATS: usize = 5;
+    let dims = trainer.model().dims();
+    let (batch, seq) = (ids.size()[0], ids.size()[1]);
+    let dtype = trainer.units()[0].compute_kind();
+    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, ids.device()));
+    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, ids.device())) * 0.02;
+    let run = |kernel: LossKernel| -> Result<(f64, (Tensor, Tensor, Tensor))> {
+        let outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernel)?;
+        synchronize();
+        let start = Instant::now();
+        for _ in 0..REPEATS {
+            let _outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernel)?;
+        }
+        synchronize();
+        Ok((start.elapsed().as_secs_f64() / REPEATS as f64 * 1e3, outputs))
+    };
+    let (fused_ms, (fused_loss, fused_hidden, fused_weight)) = run(LossKernel::Fused)?;
+    let (aten_ms, (aten_loss, aten_hidden, aten_weight)) = run(LossKernel::Aten)?;
+    let relative = |a: &Tensor, b: &Tensor| {
+        let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+        (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
+    };
+    Ok(HeadCheck {
+        fused_ms,
+        aten_ms,
+        loss_relative_diff: relative(&fused_loss, &aten_loss),
+        grad_relative_diff: relative(&fused_hidden, &aten_hidden).max(relative(&fused_weight, &aten_weight)),
+    })
+}
+
+/// Runs 3 steps under PyTorch's profiler (on the rank that `records`; the
+/// others run the same steps so collectives match): writes
+/// `<dir>/<label>.trace.json` and `<dir>/<label>.kernels.tsv` (GPU time per
+/// kernel, largest first) and prints the top kernels.
+fn profile_steps(dir: &Path, label: &str, records: bool, cuda: bool, steps: &mut dyn FnMut(usize) -> Result<f64>) -> Result<()> {
+    const STEPS: usize = 3;
+    if !records {
+        steps(STEPS)?;
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    ft_core::profiler_start(cuda).map_err(anyhow::Error::msg)?;
+    let result = steps(STEPS);
+    let trace = dir.join(format!("{label}.trace.json"));
+    let events = ft_core::profiler_stop(&trace).map_err(anyhow::Error::msg)?;
+    result?;
+    let mut kernels: Vec<_> = events.into_iter().filter(|e| e.on_device == cuda).collect();
+    kernels.sort_by(|a, b| b.total_ns.cmp(&a.total_ns));
+    let total: u64 = kernels.iter().map(|e| e.total_ns).sum();
+    let mut tsv = String::from("ms_per_step\tshare\tcalls_per_step\tname\n");
+    for e in &kernels {
+        let ms = e.total_ns as f64 / 1e6 / STEPS as f64;
+        tsv += &format!("{ms:.3}\t{:.4}\t{}\t{}\n", e.total_ns as f64 / total.max(1) as f64, e.calls / STEPS as i64, e.name);
+    }
+    let table = dir.join(format!("{label}.kernels.tsv"));
+    std::fs::write(&table, &tsv).with_context(|| format!("cannot write {}", table.display()))?;
+    eprintln!("{label}: {:.1} ms of {} per step in {} kinds of event; trace {}", total as f64 / 1e6 / STEPS as f64, if cuda { "GPU time" } else { "host time" }, kernels.len(), trace.display());
+    for line in tsv.lines().take(21) {
+        eprintln!("  {}", line.chars().take(160).collect::<String>());
+    }
+    Ok(())
 }
 
 /// Exposed communication: step time beyond the same model/batch/length on one GPU.

@@ -15,5 +15,7 @@ FT_TORCH_LIB="$(ls -d "$VIRTUAL_ENV"/lib/python3*/site-packages/torch/lib 2>/dev
 if [ -z "$FT_TORCH_LIB" ]; then
   echo "scripts/env.sh: no torch in $VIRTUAL_ENV; run scripts/setup.sh first" >&2
 else
-  export RUSTFLAGS="-C link-arg=-Wl,--disable-new-dtags,-rpath,$FT_TORCH_LIB"
+  # The wheel's CUDA libraries too: NVRTC compiles ft's fused kernels at run time.
+  FT_CUDA_LIB="$(cd "$FT_TORCH_LIB/../../nvidia/cu13/lib" 2>/dev/null && pwd)"
+  export RUSTFLAGS="-C link-arg=-Wl,--disable-new-dtags,-rpath,$FT_TORCH_LIB${FT_CUDA_LIB:+:$FT_CUDA_LIB}"
 fi

@@ -11,6 +11,9 @@
 //!   with replicated parameters it is (a slice of) `compute` itself.
 //! - `grad`: the fp32 gradient, whole when all-reduced or this rank's shard
 //!   when reduce-scattered; `exp_avg`/`exp_avg_sq` cover what `master` covers.
+//!   On the device it exists only from a step's first reduction to the
+//!   optimizer (FSDP's `set_to_none`), so it never sits beside the next
+//!   forward's activations.
 //!
 //! Offloaded (`--offload cpu`), `master`, `grad` and the moments live in host
 //! memory (the master pinned, for asynchronous uploads); the GPU keeps only
@@ -175,14 +178,13 @@ impl FlatUnit {
             };
         }
         let compute_alias = ft_sys::storage_alias(&compute)?;
-        let grad_len = if placement.grads_sharded { len } else { padded };
         let mut unit = FlatUnit {
             spec: spec.clone(),
             order,
             decayed,
             numel,
             placement,
-            grad: Tensor::zeros([grad_len], (Kind::Float, device)),
+            grad: Tensor::new(),
             exp_avg: master.zeros_like(),
             exp_avg_sq: master.zeros_like(),
             compute,
@@ -299,6 +301,32 @@ impl FlatUnit {
     /// Views of one of the unit's whole flat buffers, shaped like its parameters.
     pub(crate) fn shaped(&self, flat: &Tensor) -> Vec<Tensor> {
         split_views(&self.spec, &self.order, flat)
+    }
+
+    /// Elements of the gradient: this rank's shard, or the padded whole unit.
+    fn grad_len(&self) -> i64 {
+        if self.placement.grads_sharded { self.placement.shard.len } else { self.placement.shard.padded }
+    }
+
+    /// Adds a micro-batch's fp32 gradient (`fresh`, undefined when backward
+    /// gave none) into `grad`; the first micro-batch of a step takes it as
+    /// the gradient (no copy, no zeroed buffer).
+    pub(crate) fn accumulate_grad(&mut self, fresh: &Tensor, first_micro_batch: bool) {
+        match (fresh.defined(), first_micro_batch) {
+            (true, true) => self.grad = fresh.to_kind(Kind::Float),
+            (true, false) => {
+                let _ = self.grad.g_add_(fresh);
+            }
+            (false, true) => self.grad = Tensor::zeros([self.grad_len()], (Kind::Float, self.device())),
+            (false, false) => {}
+        }
+    }
+
+    /// Frees the device gradient once the optimizer has used it.
+    pub(crate) fn release_grad(&mut self) {
+        if !self.placement.offload {
+            self.grad = Tensor::new();
+        }
     }
 
     /// The accumulated fp32 gradient, shaped (only when it is whole).
@@ -464,7 +492,8 @@ impl FlatUnit {
         }
     }
 
-    /// What this rank holds for the unit between steps.
+    /// What this rank holds for the unit: parameters and optimizer state
+    /// between steps, the gradient from backward to the optimizer step.
     pub(crate) fn memory(&self) -> MemoryAccount {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as f64;
         let mut params = self.compute_shard.as_ref().map_or(0.0, bytes);
@@ -475,7 +504,8 @@ impl FlatUnit {
             params += bytes(&self.compute);
         }
         let optimizer_state = bytes(&self.exp_avg) + bytes(&self.exp_avg_sq);
-        let host = if self.placement.offload { bytes(&self.master) + bytes(&self.grad) + optimizer_state } else { 0.0 };
-        MemoryAccount { params, grads: bytes(&self.grad), optimizer_state, gathered_peak: 0.0, host }
+        let grads = if self.placement.offload { bytes(&self.grad) } else { (self.grad_len() * 4) as f64 };
+        let host = if self.placement.offload { bytes(&self.master) + grads + optimizer_state } else { 0.0 };
+        MemoryAccount { params, grads, optimizer_state, gathered_peak: 0.0, host }
     }
 }

@@ -64,8 +64,35 @@ struct LossScaler {
     growth_tracker: Tensor,
 }
 
+/// How the LM head turns each chunk of logits into the loss and d loss / d logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossKernel {
+    /// ATen ops, any device and dtype: log-softmax in fp32, exp, the cast
+    /// back and the scale (four passes, an fp32 copy of the chunk).
+    Aten,
+    /// ft's CUDA kernel for bf16 (`ft_sys::xent`): two reads of the logits,
+    /// the gradient written over them.
+    Fused,
+}
+
+impl LossKernel {
+    /// The fused kernel where it serves `device` and `dtype` (compiled here,
+    /// once per process), ATen elsewhere.
+    pub fn select(device: tch::Device, dtype: Kind) -> LossKernel {
+        match ft_sys::xent::available(device, dtype) {
+            Ok(()) => LossKernel::Fused,
+            Err(why) => {
+                if device.is_cuda() && dtype == Kind::BFloat16 {
+                    tracing::warn!("{why}; the LM head uses ATen's cross-entropy instead (slower, more memory)");
+                }
+                LossKernel::Aten
+            }
+        }
+    }
+}
+
 /// Loss and gradients of the LM head, `chunk` tokens at a time, without
-/// autograd: logits exist in fp32 for one chunk only. `labels` are aligned
+/// autograd: logits exist for one chunk only. `labels` are aligned
 /// with the inputs (shifted here); the loss is the sum over target tokens
 /// divided by `normalizer` (the target tokens of the whole global batch, so
 /// micro-batches and ranks add up to the global mean). Returns the loss and
@@ -77,6 +104,7 @@ pub fn lm_head_loss_and_grads(
     normalizer: f64,
     chunk: i64,
     grad_multiplier: Option<&Tensor>,
+    kernel: LossKernel,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
@@ -94,25 +122,36 @@ pub fn lm_head_loss_and_grads(
     while start < tokens {
         let len = chunk.min(tokens - start);
         let h = inputs.narrow(0, start, len);
-        let target = targets.narrow(0, start, len);
+        let target = targets.narrow(0, start, len).contiguous();
         let valid = target.ne(crate::dataset::IGNORE_INDEX);
         let scale = valid.to_kind(Kind::Float) / normalizer;
-        let safe_target = target.clamp_min(0).unsqueeze(1);
-        // Four passes over the [len, vocab] logits: log-softmax (bf16 in, fp32
-        // out), exp in place, the cast back, the scale.
-        let log_probs = h.matmul(&weight.tr()).log_softmax(-1, Kind::Float);
-        let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
-        loss -= (picked * &scale).sum(Kind::Float);
-        // d loss / d logits = (softmax − one-hot(target)) · scale.
-        let mut probs = log_probs;
-        let _ = probs.exp_();
-        let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
         let row_scale = match grad_multiplier {
             Some(multiplier) => &scale * multiplier,
             None => scale.shallow_clone(),
         };
-        let mut grad_logits = probs.to_kind(weight.kind());
-        let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
+        let mut logits = h.matmul(&weight.tr());
+        // d loss / d logits = (softmax − one-hot(target)) · scale.
+        let grad_logits = match kernel {
+            LossKernel::Fused => {
+                let mut row_loss = Tensor::empty([len], (Kind::Float, hidden.device()));
+                ft_sys::xent::softmax_xent_backward_(&mut logits, &target, &row_scale, &mut row_loss, crate::dataset::IGNORE_INDEX)?;
+                loss += (row_loss * &scale).sum(Kind::Float);
+                logits
+            }
+            LossKernel::Aten => {
+                let safe_target = target.clamp_min(0).unsqueeze(1);
+                let log_probs = logits.log_softmax(-1, Kind::Float);
+                drop(logits);
+                let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
+                loss -= (picked * &scale).sum(Kind::Float);
+                let mut probs = log_probs;
+                let _ = probs.exp_();
+                let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+                let mut grad_logits = probs.to_kind(weight.kind());
+                let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
+                grad_logits
+            }
+        };
         grad_inputs.push(grad_logits.matmul(weight));
         grad_weight = Some(match grad_weight {
             None => grad_logits.tr().matmul(&h),
@@ -211,6 +250,7 @@ pub struct Trainer<'m> {
     gathered_bytes: i64,
     gathered_peak: i64,
     offload_stats: OffloadStats,
+    loss_kernel: LossKernel,
 }
 
 impl<'m> Trainer<'m> {
@@ -254,6 +294,7 @@ impl<'m> Trainer<'m> {
             .map(|(spec, t)| FlatUnit::new(spec, t, options.dtype, placement(spec.numel())))
             .collect::<Result<Vec<_>>>()?;
         let device = params[0][0].device();
+        let loss_kernel = LossKernel::select(device, options.dtype);
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler {
             scale: Tensor::from_slice(&[options.initial_loss_scale as f32]).to_device(device),
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
@@ -270,6 +311,7 @@ impl<'m> Trainer<'m> {
             gathered_bytes: 0,
             gathered_peak: 0,
             offload_stats: OffloadStats::default(),
+            loss_kernel,
         })
     }
 
@@ -377,6 +419,7 @@ impl<'m> Trainer<'m> {
                         normalizer,
                         self.options.loss_chunk_tokens,
                         self.scaler.as_ref().map(|s| &s.scale),
+                        self.loss_kernel,
                     )?;
                     loss = Some(stage_loss);
                     saved.push(Saved { input: Some(input), outputs: vec![hidden, weight], grads: vec![grad_hidden, grad_weight] });
@@ -475,7 +518,7 @@ impl<'m> Trainer<'m> {
             pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
-        accumulate(&mut unit.grad, &fresh, first);
+        unit.accumulate_grad(&fresh, first);
         if let (Some(parallel), true) = (&self.parallel, last) {
             if reduce_dtype == Kind::Float {
                 let work = parallel.world.all_reduce(&mut unit.grad, Reduction::Sum)?;
@@ -497,7 +540,7 @@ impl<'m> Trainer<'m> {
         let unit = &mut self.units[reduction.unit];
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
-                accumulate(&mut unit.grad, &reduction.result, first_micro_batch);
+                unit.accumulate_grad(&reduction.result, first_micro_batch);
                 let replicas = self.parallel.as_ref().and_then(|p| p.replicas);
                 if let (Some(replicas), true) = (replicas, last_micro_batch) {
                     replica_reductions.push(replicas.all_reduce(&mut unit.grad, Reduction::Sum)?);
@@ -550,7 +593,8 @@ impl<'m> Trainer<'m> {
             .iter()
             .map(|g| match g.device() {
                 tch::Device::Cpu if offloaded => Ok(Tensor::from(ft_sys::cpu_sum_of_squares(g)? as f32).to_device(device)),
-                _ => Ok(g.square().sum(Kind::Float)),
+                // One reduction reading the gradient once (square().sum() writes an fp32 copy first).
+                _ => Ok(g.norm().square()),
             })
             .collect::<Result<Vec<Tensor>>>()?;
         let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
@@ -616,6 +660,7 @@ impl<'m> Trainer<'m> {
         let shard_group = self.shard_group();
         let mut gathers = vec![];
         for unit in &mut self.units {
+            unit.release_grad();
             if unit.offloaded_to_host() {
                 self.offload_stats.host_to_device_bytes += (unit.master.numel() * 4) as f64;
             }
@@ -700,26 +745,16 @@ impl<'m> Trainer<'m> {
         self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
     }
 
+    /// The LM head's loss kernel this trainer runs.
+    pub fn loss_kernel(&self) -> LossKernel {
+        self.loss_kernel
+    }
+
     pub fn loss_chunk_tokens(&self) -> i64 {
         self.options.loss_chunk_tokens
     }
 
     pub fn model(&self) -> &dyn Model {
         self.model
-    }
-}
-
-/// `into` = `fresh` on the first micro-batch after a step, `into += fresh`
-/// after that (an undefined `fresh` contributes zero).
-fn accumulate(into: &mut Tensor, fresh: &Tensor, first_micro_batch: bool) {
-    match (fresh.defined(), first_micro_batch) {
-        (true, true) => into.copy_(fresh),
-        (true, false) => {
-            let _ = into.g_add_(fresh);
-        }
-        (false, true) => {
-            let _ = into.zero_();
-        }
-        (false, false) => {}
     }
 }

@@ -17,11 +17,14 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -291,6 +294,49 @@ char* ft_storage_alias(at::Tensor* tensor, at::Tensor** out) {
 // unlike a device synchronisation it ignores NCCL's and other streams).
 char* ft_cuda_stream_synchronize(int device) {
   return guarded([&] { c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).synchronize(); });
+}
+
+// The raw cudaStream_t of `device`'s current stream: where kernels ft
+// launches itself must go to stay ordered with ATen's.
+char* ft_cuda_current_stream(int device, void** out) {
+  return guarded([&] { *out = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(); });
+}
+
+// Starts PyTorch's Kineto profiler on this thread: host-side ATen calls, and
+// CUDA kernels, copies and memsets through CUPTI when `cuda` is set.
+char* ft_profiler_start(bool cuda) {
+  return guarded([&] {
+    using namespace torch::profiler::impl;
+    ProfilerConfig config(ProfilerState::KINETO);
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda) {
+      activities.insert(ActivityType::CUDA);
+    }
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  });
+}
+
+// Stops the profiler, writes its Chrome trace to `trace_path`, and returns
+// (malloc'd, in *summary) one "device\tname\tcalls\ttotal_ns" line per
+// distinct event name, so callers can rank kernels without parsing the trace.
+char* ft_profiler_stop(const char* trace_path, char** summary) {
+  return guarded([&] {
+    auto result = torch::autograd::profiler::disableProfiler();
+    result->save(trace_path);
+    std::map<std::pair<std::string, std::string>, std::pair<int64_t, uint64_t>> totals;
+    for (const auto& event : result->events()) {
+      std::string device = event.deviceType() == c10::DeviceType::CUDA ? "cuda" : "cpu";
+      auto& total = totals[{device, event.name()}];
+      total.first += 1;
+      total.second += event.durationNs();
+    }
+    std::ostringstream lines;
+    for (const auto& [key, total] : totals) {
+      lines << key.first << '\t' << key.second << '\t' << total.first << '\t' << total.second << '\n';
+    }
+    *summary = copy_message(lines.str().c_str());
+  });
 }
 
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then

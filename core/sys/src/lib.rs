@@ -7,10 +7,11 @@
 //! Rust handles early never frees memory a collective still uses.
 
 mod cpu_adamw;
+pub mod xent;
 
 pub use cpu_adamw::{cpu_adamw, cpu_sum_of_squares, set_cpu_threads};
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::fmt;
 use std::time::Duration;
 use tch::Tensor;
@@ -94,6 +95,9 @@ extern "C" {
     fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
     fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn ft_profiler_start(cuda: bool) -> *mut c_char;
+    fn ft_profiler_stop(trace_path: *const c_char, summary: *mut *mut c_char) -> *mut c_char;
 }
 
 /// A C++ exception's message.
@@ -392,4 +396,46 @@ pub fn storage_alias(tensor: &Tensor) -> Result<Tensor> {
 /// Blocks until the current CUDA stream of `device_index` has drained.
 pub fn cuda_stream_synchronize(device_index: usize) -> Result<()> {
     check(unsafe { ft_cuda_stream_synchronize(device_index as i32) })
+}
+
+/// The raw `cudaStream_t` of `device_index`'s current stream.
+pub fn cuda_current_stream(device_index: usize) -> Result<*mut c_void> {
+    let mut stream = std::ptr::null_mut();
+    check(unsafe { ft_cuda_current_stream(device_index as i32, &mut stream) })?;
+    Ok(stream)
+}
+
+/// One event name's totals over a profiled span.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfiledEvent {
+    /// A CUDA kernel, copy or memset (true), or a host-side call.
+    pub on_device: bool,
+    pub name: String,
+    pub calls: i64,
+    pub total_ns: u64,
+}
+
+/// Starts PyTorch's Kineto profiler on this thread (with CUDA activity through CUPTI when `cuda`).
+pub fn profiler_start(cuda: bool) -> Result<()> {
+    check(unsafe { ft_profiler_start(cuda) })
+}
+
+/// Stops the profiler started by `profiler_start`, writes the Chrome trace
+/// (chrome://tracing, Perfetto) to `trace_path`, and returns the totals per
+/// event name.
+pub fn profiler_stop(trace_path: &std::path::Path) -> Result<Vec<ProfiledEvent>> {
+    let path = c_string(&trace_path.to_string_lossy())?;
+    let mut summary: *mut c_char = std::ptr::null_mut();
+    check(unsafe { ft_profiler_stop(path.as_ptr(), &mut summary) })?;
+    // SAFETY: on success the shim sets `summary` to a malloc'd C string.
+    let text = unsafe { CStr::from_ptr(summary) }.to_string_lossy().into_owned();
+    unsafe { ft_free_error(summary) };
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split('\t');
+            let (device, name, calls, total) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+            Some(ProfiledEvent { on_device: device == "cuda", name: name.into(), calls: calls.parse().ok()?, total_ns: total.parse().ok()? })
+        })
+        .collect())
 }

@@ -176,12 +176,16 @@ impl Model for Llama {
         let (batch, seq, _) = x.size3().expect("hidden states are [batch, seq, dim]");
         let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
-        let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]).transpose(1, 2);
+        let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]);
         let (cos, sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
-        let rotate = |t: Tensor| &t * cos + rotate_half(&t) * sin;
+        // RoPE in the projections' own [batch, seq, heads, head_dim] layout
+        // (cos and sin as [batch, seq, 1, head_dim]): its elementwise kernels
+        // then walk memory in order instead of through a transposed view.
+        let (cos, sin) = (cos.transpose(1, 2), sin.transpose(1, 2));
+        let rotate = |t: Tensor| (&t * &cos + rotate_half(&t) * &sin).transpose(1, 2);
         let q = rotate(split(Self::linear(&h, p, "self_attn.q_proj"), heads));
         let mut k = rotate(split(Self::linear(&h, p, "self_attn.k_proj"), self.kv_heads));
-        let mut v = split(Self::linear(&h, p, "self_attn.v_proj"), self.kv_heads);
+        let mut v = split(Self::linear(&h, p, "self_attn.v_proj"), self.kv_heads).transpose(1, 2);
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
