@@ -12,7 +12,7 @@ use clap::Args;
 use ft_core::fit::ShardGroups;
 use ft_core::flat::MemoryAccount;
 use ft_core::strategy::ReduceDtype;
-use ft_core::train::{lm_head_loss_and_grads, LossKernel, TrainOptions, Trainer};
+use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
 use ft_core::{AdamW, CommOptions, Communicator, DistEnv, Reduction};
 use ft_models::{hf, init};
 use serde::{Deserialize, Serialize};
@@ -58,6 +58,9 @@ pub struct BenchArgs {
     offload: String,
     #[arg(long)]
     shard_group_size: Option<usize>,
+    /// dtype gradients are reduced in: fp32 (exact sums, FSDP2's reduce_dtype=float32) or compute.
+    #[arg(long, default_value = "fp32")]
+    reduce_dtype: String,
     #[arg(long)]
     activation_checkpointing: bool,
     #[arg(long, default_value_t = 1024)]
@@ -85,15 +88,21 @@ pub struct BenchArgs {
     result_file: Option<PathBuf>,
 }
 
-/// The fused cross-entropy kernel beside ATen's ops, on the same random head inputs.
+/// ft's CUDA kernels beside ATen's ops on the same random inputs: the LM
+/// head (this model's vocabulary and width) and AdamW (64M parameters).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct HeadCheck {
-    pub fused_ms: f64,
-    pub aten_ms: f64,
-    /// |loss_fused − loss_aten| / |loss_aten|.
-    pub loss_relative_diff: f64,
-    /// max |g_fused − g_aten| / max |g_aten| over the hidden states' and the weight's gradients.
-    pub grad_relative_diff: f64,
+pub struct KernelCheck {
+    pub head_ft_ms: f64,
+    pub head_aten_ms: f64,
+    /// |loss_ft − loss_aten| / |loss_aten|.
+    pub head_loss_relative_diff: f64,
+    /// max |g_ft − g_aten| / max |g_aten| over the hidden states' and the weight's gradients.
+    pub head_grad_relative_diff: f64,
+    pub adamw_ft_ms: f64,
+    pub adamw_aten_ms: f64,
+    /// max |p_ft − p_aten| / max |p_aten − p_before| after one step: the
+    /// difference relative to the update itself.
+    pub adamw_update_relative_diff: f64,
 }
 
 /// One configuration's result.
@@ -103,6 +112,8 @@ pub struct Row {
     pub params: i64,
     pub strategy: String,
     pub offload: String,
+    #[serde(default)]
+    pub reduce_dtype: ReduceDtype,
     pub gpus: usize,
     pub batch: i64,
     pub seq: i64,
@@ -119,9 +130,9 @@ pub struct Row {
     pub loss: f64,
     /// forward+backward, LM head, optimizer (ms), with --breakdown on one GPU.
     pub breakdown_ms: Option<[f64; 3]>,
-    /// With --breakdown: the LM head's fused kernel against ATen's ops on the same inputs.
+    /// With --breakdown on a GPU: ft's kernels against ATen's ops on the same inputs.
     #[serde(default)]
-    pub head_check: Option<HeadCheck>,
+    pub kernel_check: Option<KernelCheck>,
     pub error: Option<String>,
 }
 
@@ -129,6 +140,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     if let Some(result_file) = &args.result_file {
         return worker(&args, plugins, result_file);
     }
+    parse_reduce_dtype(&args.reduce_dtype)?;
     if !args.from_json.is_empty() {
         let mut rows: Vec<Row> = vec![];
         for path in &args.from_json {
@@ -187,6 +199,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
         ("--device", args.device.clone()),
         ("--offload", args.offload.clone()),
         ("--loss-chunk-tokens", args.loss_chunk_tokens.to_string()),
+        ("--reduce-dtype", args.reduce_dtype.clone()),
         ("--result-file", result.display().to_string()),
     ] {
         argv.extend([flag.to_string(), value]);
@@ -220,6 +233,7 @@ fn failed_row(config: &str, strategy: &str, offload: &str, gpus: usize, batch: i
         params: 0,
         strategy: strategy.into(),
         offload: offload.into(),
+        reduce_dtype: ReduceDtype::default(),
         gpus,
         batch,
         seq,
@@ -232,9 +246,13 @@ fn failed_row(config: &str, strategy: &str, offload: &str, gpus: usize, batch: i
         state: MemoryAccount::default(),
         loss: f64::NAN,
         breakdown_ms: None,
-        head_check: None,
+        kernel_check: None,
         error: Some(error),
     }
+}
+
+fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| anyhow::anyhow!("--reduce-dtype {text:?}: expected fp32 or compute"))
 }
 
 /// One configuration, run by each of its workers.
@@ -255,7 +273,8 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let (rank, world) = (comm.env().rank, comm.env().world_size);
     let dtype = ft_core::comm_test::parse_dtype(&args.dtype)?;
     let groups = ShardGroups::new(strategy.as_ref(), args.shard_group_size, &comm)?;
-    let parallel = groups.parallel(strategy.as_ref(), &comm, ReduceDtype::Fp32, dtype);
+    let reduce_dtype = parse_reduce_dtype(&args.reduce_dtype)?;
+    let parallel = groups.parallel(strategy.as_ref(), &comm, reduce_dtype, dtype);
     let config = crate::model_commands::apply_overrides(read_config_arg(&args.configs[0])?, &args.overrides)?;
     let model = hf::model_from_config(config)?;
     let params = init::init_params(model.as_ref(), 0, Kind::Float, device);
@@ -301,9 +320,8 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     comm.world().all_reduce(&mut peaks, Reduction::Max)?.wait()?;
     let peaks = Vec::<f64>::try_from(peaks.to_device(Device::Cpu))?;
     let breakdown = (args.breakdown && world == 1).then(|| time_phases(&mut trainer, &batches[0], normalizer, &synchronize)).transpose()?;
-    let head_check = (args.breakdown && trainer.loss_kernel() == LossKernel::Fused)
-        .then(|| check_head_kernel(&trainer, &batches[0], normalizer, &synchronize))
-        .transpose()?;
+    let kernel_check =
+        (args.breakdown && trainer.kernels() == Kernels::Ft).then(|| check_kernels(&trainer, &batches[0], normalizer, &synchronize)).transpose()?;
     if let Some(dir) = &args.profile {
         let label = format!("{}-{}-{}gpu-{batch}x{seq}", model.model_type(), strategy.name(), world);
         profile_steps(dir, &label, rank == 0, device.is_cuda(), &mut |count| run_steps(&mut trainer, &batches, normalizer, count))?;
@@ -315,6 +333,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
             params: model.numel(),
             strategy: strategy.name().into(),
             offload: offload.name().into(),
+            reduce_dtype,
             gpus: world,
             batch,
             seq,
@@ -327,7 +346,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
             state: trainer.memory(),
             loss,
             breakdown_ms: breakdown,
-            head_check,
+            kernel_check,
             error: None,
         };
         std::fs::write(result_file, serde_json::to_string(&row)?)?;
@@ -372,7 +391,7 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     synchronize();
     let start = Instant::now();
     for _ in 0..REPEATS {
-        let _outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, trainer.loss_kernel())?;
+        let _outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, trainer.kernels())?;
     }
     synchronize();
     let head = start.elapsed().as_secs_f64();
@@ -380,36 +399,66 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     Ok([ms(forward_backward), ms(head), ms(step)])
 }
 
-/// Times the LM head with the fused kernel and with ATen's ops on the same
-/// random inputs, and compares their loss and gradients.
-fn check_head_kernel(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<HeadCheck> {
+/// Times ft's kernels and ATen's on the same random inputs and compares
+/// their results.
+fn check_kernels(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: &dyn Fn()) -> Result<KernelCheck> {
     const REPEATS: usize = 5;
-    let dims = trainer.model().dims();
-    let (batch, seq) = (ids.size()[0], ids.size()[1]);
-    let dtype = trainer.units()[0].compute_kind();
-    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, ids.device()));
-    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, ids.device())) * 0.02;
-    let run = |kernel: LossKernel| -> Result<(f64, (Tensor, Tensor, Tensor))> {
-        let outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernel)?;
+    let timed = |run: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        run()?;
         synchronize();
         let start = Instant::now();
         for _ in 0..REPEATS {
-            let _outputs = lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernel)?;
+            run()?;
         }
         synchronize();
-        Ok((start.elapsed().as_secs_f64() / REPEATS as f64 * 1e3, outputs))
+        Ok(start.elapsed().as_secs_f64() / REPEATS as f64 * 1e3)
     };
-    let (fused_ms, (fused_loss, fused_hidden, fused_weight)) = run(LossKernel::Fused)?;
-    let (aten_ms, (aten_loss, aten_hidden, aten_weight)) = run(LossKernel::Aten)?;
-    let relative = |a: &Tensor, b: &Tensor| {
+    let relative = |a: &Tensor, b: &Tensor, scale: &Tensor| {
         let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
-        (a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
+        (a - &b).abs().max().double_value(&[]) / scale.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
     };
-    Ok(HeadCheck {
-        fused_ms,
-        aten_ms,
-        loss_relative_diff: relative(&fused_loss, &aten_loss),
-        grad_relative_diff: relative(&fused_hidden, &aten_hidden).max(relative(&fused_weight, &aten_weight)),
+
+    let dims = trainer.model().dims();
+    let (batch, seq, device) = (ids.size()[0], ids.size()[1], ids.device());
+    let dtype = trainer.units()[0].compute_kind();
+    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, device));
+    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, device)) * 0.02;
+    let head = |kernels| lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernels);
+    let head_ft_ms = timed(&mut || head(Kernels::Ft).map(drop))?;
+    let head_aten_ms = timed(&mut || head(Kernels::Aten).map(drop))?;
+    let ((ft_loss, ft_hidden, ft_weight), (aten_loss, aten_hidden, aten_weight)) = (head(Kernels::Ft)?, head(Kernels::Aten)?);
+
+    let hyper = ft_core::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
+    let numel = 64 << 20;
+    let [grad, exp_avg, exp_avg_sq] = [1.0, 0.1, 0.01].map(|std| (Tensor::randn([numel], (Kind::Float, device)) * std).abs_());
+    let param = Tensor::randn([numel], (Kind::Float, device));
+    let (step, grad_scale) = (Tensor::from(1f32).to_device(device), Tensor::from(2f32).to_device(device));
+    let fresh = || [&param, &exp_avg, &exp_avg_sq].map(Tensor::copy);
+    let ft_step = |[p, m, v]: &[Tensor; 3]| ft_core::kernels::adamw_(p, &grad, m, v, hyper, &step, Some(&grad_scale), None).map_err(anyhow::Error::msg);
+    // ATen writes the unscaled gradient back: it gets a copy.
+    let aten_step = |[p, m, v]: &[Tensor; 3]| {
+        ft_core::fused_adamw(&[p], &[&grad.copy()], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)
+    };
+    let (ft_state, aten_state) = (fresh(), fresh());
+    ft_step(&ft_state)?;
+    aten_step(&aten_state)?;
+    let aten_grad = grad.copy();
+    let adamw_ft_ms = timed(&mut || ft_step(&ft_state))?;
+    let adamw_aten_ms = timed(&mut || {
+        let [p, m, v] = &aten_state;
+        ft_core::fused_adamw(&[p], &[&aten_grad], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)
+    })?;
+    let ([ft_param, ..], [aten_param, ..]) = (fresh(), fresh());
+    ft_step(&[ft_param.shallow_clone(), exp_avg.copy(), exp_avg_sq.copy()])?;
+    aten_step(&[aten_param.shallow_clone(), exp_avg.copy(), exp_avg_sq.copy()])?;
+    Ok(KernelCheck {
+        head_ft_ms,
+        head_aten_ms,
+        head_loss_relative_diff: relative(&ft_loss, &aten_loss, &aten_loss),
+        head_grad_relative_diff: relative(&ft_hidden, &aten_hidden, &aten_hidden).max(relative(&ft_weight, &aten_weight, &aten_weight)),
+        adamw_ft_ms,
+        adamw_aten_ms,
+        adamw_update_relative_diff: relative(&ft_param, &aten_param, &(&aten_param - &param)),
     })
 }
 
@@ -477,6 +526,9 @@ fn describe(row: &Row) -> String {
             row.peak_allocated_gb,
             row.breakdown_ms.map_or(String::new(), |[fb, head, step]| format!(
                 "; forward+backward {fb:.1} ms (LM head {head:.1}), optimizer {step:.1} ms"
+            )) + &row.kernel_check.as_ref().map_or(String::new(), |k| format!(
+                "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
+                k.head_ft_ms, k.head_aten_ms, k.head_loss_relative_diff, k.head_grad_relative_diff, k.adamw_ft_ms, k.adamw_aten_ms, k.adamw_update_relative_diff
             ))
         ),
     }
@@ -493,9 +545,10 @@ fn table(rows: &[Row]) -> String {
             continue;
         }
         out += &format!(
-            "| {} | {} | {} | {} | {}x{} | {:.0} | {:.1} | {:.1}% | {:.2} | {:.2} | {} | {:.2}/{:.2}/{:.2} |\n",
+            "| {} | {}{} | {} | {} | {}x{} | {:.0} | {:.1} | {:.1}% | {:.2} | {:.2} | {} | {:.2}/{:.2}/{:.2} |\n",
             r.model,
             r.strategy,
+            if r.reduce_dtype == ReduceDtype::Compute { " (reduce in compute dtype)" } else { "" },
             r.offload,
             r.gpus,
             r.batch,

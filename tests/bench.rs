@@ -42,3 +42,22 @@ fn bench_runs_a_matrix_and_reports_every_row() {
     let png = std::fs::read(&chart).unwrap();
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "a PNG chart of the successful rows");
 }
+
+#[test]
+fn bench_profiles_steps_and_refuses_a_bad_reduce_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bloom");
+    let base = ["bench", "--config", fixture.to_str().unwrap(), "--device", "cpu", "--dtype", "f32", "--batch", "2", "--seq", "32"];
+    let output = ft().args(base).args(["--warmup", "1", "--steps", "1", "--profile", profile.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    // A Chrome trace PyTorch's profiler wrote, and the time per op, largest first.
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(profile.join("bloom-ddp-1gpu-2x32.trace.json")).unwrap()).unwrap();
+    assert!(trace["traceEvents"].as_array().is_some_and(|events| events.iter().any(|e| e["name"] == "aten::mm")), "no aten::mm in the trace");
+    let table = std::fs::read_to_string(profile.join("bloom-ddp-1gpu-2x32.kernels.tsv")).unwrap();
+    let ms: Vec<f64> = table.lines().skip(1).map(|l| l.split('\t').next().unwrap().parse().unwrap()).collect();
+    assert!(ms.len() > 10 && ms.windows(2).all(|w| w[0] >= w[1]), "{table}");
+
+    let output = ft().args(base).args(["--reduce-dtype", "fp8"]).output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("expected fp32 or compute"), "{}", text(&output));
+}

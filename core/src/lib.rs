@@ -27,7 +27,7 @@ pub mod train;
 pub use ft_sys::AdamW;
 /// The CUDA caching allocator's counters (current and peak, allocated and reserved).
 pub use ft_sys::{cuda_memory, CudaMemory};
-pub use ft_sys::{profiler_start, profiler_stop, ProfiledEvent};
+pub use ft_sys::{fused_adamw, kernels, profiler_start, profiler_stop, ProfiledEvent};
 /// Sizes the CPU optimizer's thread pool (offload).
 pub use ft_sys::set_cpu_threads;
 

@@ -104,7 +104,9 @@ pub struct Context {
     /// compute dtype, with the causal and padding masks folded in; `None` means
     /// plain causal attention (SDPA's `is_causal`, no materialised mask).
     pub attention_bias: Option<Tensor>,
-    /// RoPE's cos and sin, [batch, 1, seq, head_dim], when the model rotates.
+    /// RoPE's cos and sign-folded sin (−sin on the first half of head_dim,
+    /// +sin on the second), [batch, seq, 1, head_dim], when the model rotates:
+    /// a rotation is x·cos + roll(x, head_dim/2)·signed_sin.
     pub rope: Option<(Tensor, Tensor)>,
 }
 
@@ -286,6 +288,13 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
 pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
     hidden.matmul(&weight.tr()).to_kind(Kind::Float)
+}
+
+/// SwiGLU's gating, silu(gate) · up, as one autograd node that keeps only
+/// `gate` and `up` for backward (`ft_sys::swiglu`). Panics only on inputs
+/// that do not broadcast, a bug in the model file.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    ft_sys::swiglu(gate, up).unwrap_or_else(|e| panic!("swiglu: {e}"))
 }
 
 /// Scaled-dot-product attention over [batch, heads, seq, head_dim] tensors:

@@ -64,28 +64,32 @@ struct LossScaler {
     growth_tracker: Tensor,
 }
 
-/// How the LM head turns each chunk of logits into the loss and d loss / d logits.
+/// Which kernels the step runs where ATen and ft's own CUDA kernels
+/// (`ft_sys::kernels`) both could.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossKernel {
-    /// ATen ops, any device and dtype: log-softmax in fp32, exp, the cast
-    /// back and the scale (four passes, an fp32 copy of the chunk).
+pub enum Kernels {
+    /// ATen's ops: any device and dtype.
     Aten,
-    /// ft's CUDA kernel for bf16 (`ft_sys::xent`): two reads of the logits,
-    /// the gradient written over them.
-    Fused,
+    /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
+    /// logits, the gradient written over them; ATen's ops otherwise) and ft's
+    /// one-pass AdamW.
+    Ft,
 }
 
-impl LossKernel {
-    /// The fused kernel where it serves `device` and `dtype` (compiled here,
-    /// once per process), ATen elsewhere.
-    pub fn select(device: tch::Device, dtype: Kind) -> LossKernel {
-        match ft_sys::xent::available(device, dtype) {
-            Ok(()) => LossKernel::Fused,
+impl Kernels {
+    /// ft's kernels on a GPU where they compile and load (once per process),
+    /// ATen elsewhere or when the environment sets `FT_KERNELS=aten`.
+    pub fn select(device: tch::Device) -> Kernels {
+        if std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten") {
+            return Kernels::Aten;
+        }
+        match ft_sys::kernels::available(device) {
+            Ok(()) => Kernels::Ft,
             Err(why) => {
-                if device.is_cuda() && dtype == Kind::BFloat16 {
-                    tracing::warn!("{why}; the LM head uses ATen's cross-entropy instead (slower, more memory)");
+                if device.is_cuda() {
+                    tracing::warn!("{why}; using ATen's cross-entropy and AdamW instead (slower, more memory)");
                 }
-                LossKernel::Aten
+                Kernels::Aten
             }
         }
     }
@@ -104,7 +108,7 @@ pub fn lm_head_loss_and_grads(
     normalizer: f64,
     chunk: i64,
     grad_multiplier: Option<&Tensor>,
-    kernel: LossKernel,
+    kernels: Kernels,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
@@ -131,14 +135,15 @@ pub fn lm_head_loss_and_grads(
         };
         let mut logits = h.matmul(&weight.tr());
         // d loss / d logits = (softmax − one-hot(target)) · scale.
-        let grad_logits = match kernel {
-            LossKernel::Fused => {
+        let fused = kernels == Kernels::Ft && logits.kind() == Kind::BFloat16;
+        let grad_logits = match fused {
+            true => {
                 let mut row_loss = Tensor::empty([len], (Kind::Float, hidden.device()));
-                ft_sys::xent::softmax_xent_backward_(&mut logits, &target, &row_scale, &mut row_loss, crate::dataset::IGNORE_INDEX)?;
+                ft_sys::kernels::softmax_xent_backward_(&mut logits, &target, &row_scale, &mut row_loss, crate::dataset::IGNORE_INDEX)?;
                 loss += (row_loss * &scale).sum(Kind::Float);
                 logits
             }
-            LossKernel::Aten => {
+            false => {
                 let safe_target = target.clamp_min(0).unsqueeze(1);
                 let log_probs = logits.log_softmax(-1, Kind::Float);
                 drop(logits);
@@ -250,7 +255,7 @@ pub struct Trainer<'m> {
     gathered_bytes: i64,
     gathered_peak: i64,
     offload_stats: OffloadStats,
-    loss_kernel: LossKernel,
+    kernels: Kernels,
 }
 
 impl<'m> Trainer<'m> {
@@ -294,7 +299,7 @@ impl<'m> Trainer<'m> {
             .map(|(spec, t)| FlatUnit::new(spec, t, options.dtype, placement(spec.numel())))
             .collect::<Result<Vec<_>>>()?;
         let device = params[0][0].device();
-        let loss_kernel = LossKernel::select(device, options.dtype);
+        let kernels = Kernels::select(device);
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler {
             scale: Tensor::from_slice(&[options.initial_loss_scale as f32]).to_device(device),
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
@@ -311,7 +316,7 @@ impl<'m> Trainer<'m> {
             gathered_bytes: 0,
             gathered_peak: 0,
             offload_stats: OffloadStats::default(),
-            loss_kernel,
+            kernels,
         })
     }
 
@@ -419,7 +424,7 @@ impl<'m> Trainer<'m> {
                         normalizer,
                         self.options.loss_chunk_tokens,
                         self.scaler.as_ref().map(|s| &s.scale),
-                        self.loss_kernel,
+                        self.kernels,
                     )?;
                     loss = Some(stage_loss);
                     saved.push(Saved { input: Some(input), outputs: vec![hidden, weight], grads: vec![grad_hidden, grad_weight] });
@@ -636,7 +641,11 @@ impl<'m> Trainer<'m> {
                     v.push(vv);
                 }
             }
-            if !params.is_empty() {
+            if !params.is_empty() && self.kernels == Kernels::Ft {
+                for (((p, g), mm), vv) in params.iter().zip(&grads).zip(&m).zip(&v) {
+                    ft_sys::kernels::adamw_(p, g, mm, vv, hyper, &self.step, grad_scale.as_ref(), found_inf.as_ref())?;
+                }
+            } else if !params.is_empty() {
                 let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
                 ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
                     .map_err(anyhow::Error::msg)?;
@@ -745,9 +754,9 @@ impl<'m> Trainer<'m> {
         self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
     }
 
-    /// The LM head's loss kernel this trainer runs.
-    pub fn loss_kernel(&self) -> LossKernel {
-        self.loss_kernel
+    /// Whether this trainer runs ATen's or ft's kernels.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     pub fn loss_chunk_tokens(&self) -> i64 {

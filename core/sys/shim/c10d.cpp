@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <ATen/ATen.h>
 
@@ -337,6 +338,31 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
     }
     *summary = copy_message(lines.str().c_str());
   });
+}
+
+// silu(gate) * up as one autograd node that saves only its two inputs:
+// ATen's silu and mul would also keep silu(gate), a third [tokens, ffn]
+// activation per block, for the mul's backward. Backward recomputes it.
+struct SwiGlu : public torch::autograd::Function<SwiGlu> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return at::silu(gate).mul_(up);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& gate = saved[0];
+    const at::Tensor& up = saved[1];
+    const at::Tensor& grad = grads[0];
+    at::Tensor grad_up = at::silu(gate).mul_(grad);
+    at::Tensor grad_gate = at::silu_backward(grad * up, gate);
+    return {grad_gate, grad_up};
+  }
+};
+
+char* ft_swiglu(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(SwiGlu::apply(*gate, *up)); });
 }
 
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then

@@ -132,11 +132,6 @@ impl Llama {
 }
 
 /// (x1, x2) → (−x2, x1) over the two halves of the last dimension.
-fn rotate_half(x: &Tensor) -> Tensor {
-    let half = x.size()[3] / 2;
-    Tensor::cat(&[-x.narrow(3, half, half), x.narrow(3, 0, half)], 3)
-}
-
 impl Model for Llama {
     fn layout(&self) -> &Layout {
         &self.layout
@@ -160,8 +155,11 @@ impl Model for Llama {
         let inv_freq = theta.pow(&exponents).reciprocal();
         let scaled = positions.to_kind(Kind::Float) / self.position_scale;
         let freqs = scaled.unsqueeze(2) * inv_freq.view([1, 1, -1]);
-        let angles = Tensor::cat(&[&freqs, &freqs], 2).unsqueeze(1);
-        let rope = Some((angles.cos().to_kind(dtype), angles.sin().to_kind(dtype)));
+        let angles = Tensor::cat(&[&freqs, &freqs], 2).unsqueeze(2);
+        // rotate_half(x)·sin = roll(x, half)·[−sin, +sin]: the sign folded in once per batch.
+        let half = self.head_dim / 2;
+        let sign = Tensor::cat(&[Tensor::full([half], -1.0, (Kind::Float, device)), Tensor::ones([half], (Kind::Float, device))], 0);
+        let rope = Some((angles.cos().to_kind(dtype), (angles.sin() * sign).to_kind(dtype)));
         let attention_bias = padding_mask.map(|mask| {
             model::padding_bias(mask, dtype) + model::causal_bias(input_ids.size()[1], past, dtype, device)
         });
@@ -177,12 +175,11 @@ impl Model for Llama {
         let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
         let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]);
-        let (cos, sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
-        // RoPE in the projections' own [batch, seq, heads, head_dim] layout
-        // (cos and sin as [batch, seq, 1, head_dim]): its elementwise kernels
-        // then walk memory in order instead of through a transposed view.
-        let (cos, sin) = (cos.transpose(1, 2), sin.transpose(1, 2));
-        let rotate = |t: Tensor| (&t * &cos + rotate_half(&t) * &sin).transpose(1, 2);
+        let (cos, signed_sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
+        // RoPE in the projections' own [batch, seq, heads, head_dim] layout,
+        // three kernels forward and four backward (rotate_half's neg and cat
+        // cost more, and their backward zero-fills).
+        let rotate = |t: Tensor| (&t * cos).addcmul(&t.roll([head_dim / 2], [3]), signed_sin).transpose(1, 2);
         let q = rotate(split(Self::linear(&h, p, "self_attn.q_proj"), heads));
         let mut k = rotate(split(Self::linear(&h, p, "self_attn.k_proj"), self.kv_heads));
         let mut v = split(Self::linear(&h, p, "self_attn.v_proj"), self.kv_heads).transpose(1, 2);
@@ -193,7 +190,7 @@ impl Model for Llama {
         let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
         let x = x + Self::linear(&attn, p, "self_attn.o_proj");
         let h = self.rms_norm(&x, p.get("post_attention_layernorm.weight"));
-        let gated = Self::linear(&h, p, "mlp.gate_proj").silu() * Self::linear(&h, p, "mlp.up_proj");
+        let gated = model::swiglu(&Self::linear(&h, p, "mlp.gate_proj"), &Self::linear(&h, p, "mlp.up_proj"));
         x + Self::linear(&gated, p, "mlp.down_proj")
     }
 
