@@ -479,7 +479,7 @@ fn profile_steps(dir: &Path, label: &str, records: bool, cuda: bool, steps: &mut
     let events = ft_core::profiler_stop(&trace).map_err(anyhow::Error::msg)?;
     result?;
     let mut kernels: Vec<_> = events.into_iter().filter(|e| e.on_device == cuda).collect();
-    kernels.sort_by(|a, b| b.total_ns.cmp(&a.total_ns));
+    kernels.sort_by_key(|e| std::cmp::Reverse(e.total_ns));
     let total: u64 = kernels.iter().map(|e| e.total_ns).sum();
     let mut tsv = String::from("ms_per_step\tshare\tcalls_per_step\tname\n");
     for e in &kernels {
