@@ -9,7 +9,8 @@ log="$(mktemp)"
 cargo build --workspace 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -eq 0 ]; then
-    cargo test --workspace --all-targets 2>&1 | tee -a "$log"
+    # Every test binary runs even after one fails, so one run shows every failure.
+    cargo test --workspace --all-targets --no-fail-fast 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
 fi
 awk '/^test result:/ { passed += $4; failed += $6 } END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"

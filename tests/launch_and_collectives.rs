@@ -220,12 +220,23 @@ fn list_shows_the_registry() {
 #[test]
 fn torchrun_no_python_launches_ft_workers() {
     let torchrun = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/torchrun");
-    let mut command = Command::new(torchrun);
-    command.args(["--nproc-per-node", "2", "--master-port", &free_port().to_string(), "--no-python", FT]);
-    command.args(["comm-test", "--backend", "gloo", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1", "--warmup", "0"]);
-    let output = without_launcher_env(&mut command).output().unwrap();
-    let log = text(&output);
-    assert!(output.status.success(), "{log}");
+    let run = || {
+        let mut command = Command::new(&torchrun);
+        command.args(["--nproc-per-node", "2", "--master-port", &free_port().to_string(), "--no-python", FT]);
+        command.args(["comm-test", "--backend", "gloo", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1", "--warmup", "0"]);
+        let output = without_launcher_env(&mut command).output().unwrap();
+        (output.status.success(), text(&output))
+    };
+    // The free port can be taken by a test running beside this one before
+    // torchrun binds it: that (and only that) earns another try.
+    let (mut success, mut log) = run();
+    for _ in 0..2 {
+        if success || !log.contains("EADDRINUSE") {
+            break;
+        }
+        (success, log) = run();
+    }
+    assert!(success, "{log}");
     assert!(log.contains("all collectives gave the expected values on all 2 ranks"), "{log}");
     // Ranks join torchrun's own store instead of trying to host a second one on its port.
     assert!(!log.contains("failed to bind"), "{log}");
