@@ -135,27 +135,25 @@ pub fn lm_head_loss_and_grads(
         };
         let mut logits = h.matmul(&weight.tr());
         // d loss / d logits = (softmax − one-hot(target)) · scale.
-        let fused = kernels == Kernels::Ft && logits.kind() == Kind::BFloat16;
-        let grad_logits = match fused {
-            true => {
-                let mut row_loss = Tensor::empty([len], (Kind::Float, hidden.device()));
-                ft_sys::kernels::softmax_xent_backward_(&mut logits, &target, &row_scale, &mut row_loss, crate::dataset::IGNORE_INDEX)?;
-                loss += (row_loss * &scale).sum(Kind::Float);
-                logits
-            }
-            false => {
-                let safe_target = target.clamp_min(0).unsqueeze(1);
-                let log_probs = logits.log_softmax(-1, Kind::Float);
-                drop(logits);
-                let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
-                loss -= (picked * &scale).sum(Kind::Float);
-                let mut probs = log_probs;
-                let _ = probs.exp_();
-                let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
-                let mut grad_logits = probs.to_kind(weight.kind());
-                let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
-                grad_logits
-            }
+        let grad_logits = if kernels == Kernels::Ft && logits.kind() == Kind::BFloat16 {
+            let mut row_loss = Tensor::empty([len], (Kind::Float, hidden.device()));
+            ft_sys::kernels::softmax_xent_backward_(&mut logits, &target, &row_scale, &mut row_loss, crate::dataset::IGNORE_INDEX)?;
+            loss += (row_loss * &scale).sum(Kind::Float);
+            logits
+        } else {
+            // Four passes over the [len, vocab] logits: log-softmax (fp32
+            // out), exp in place, the cast back, the scale.
+            let safe_target = target.clamp_min(0).unsqueeze(1);
+            let log_probs = logits.log_softmax(-1, Kind::Float);
+            drop(logits);
+            let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
+            loss -= (picked * &scale).sum(Kind::Float);
+            let mut probs = log_probs;
+            let _ = probs.exp_();
+            let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+            let mut grad_logits = probs.to_kind(weight.kind());
+            let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
+            grad_logits
         };
         grad_inputs.push(grad_logits.matmul(weight));
         grad_weight = Some(match grad_weight {
