@@ -26,8 +26,11 @@ const ADAMW: &str = "adamw_fp32";
 const XENT_THREADS: u32 = 512;
 const ADAMW_THREADS: u32 = 256;
 
-/// One block per row: pass 1 finds the row's log-sum-exp (online max and sum
-/// in fp32), pass 2 overwrites the row with (softmax − one-hot) · scale.
+/// The kernels' CUDA source. The cross-entropy runs one block per row: pass 1
+/// finds the row's log-sum-exp (online max and sum in fp32), pass 2
+/// overwrites the row with (softmax − one-hot) · scale. AdamW is a
+/// grid-stride loop over float4s (a scalar loop when a buffer is not
+/// 16-byte aligned).
 const SOURCE: &str = r#"
 typedef unsigned short bf16;
 #define NEG_INF __int_as_float(0xff800000)
