@@ -463,35 +463,18 @@ fn check_kernels(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: 
 }
 
 /// Runs 3 steps under PyTorch's profiler (on the rank that `records`; the
-/// others run the same steps so collectives match): writes
-/// `<dir>/<label>.trace.json` and `<dir>/<label>.kernels.tsv` (GPU time per
-/// kernel, largest first) and prints the top kernels.
+/// others run the same steps so collectives match) and prints the top kernels.
 fn profile_steps(dir: &Path, label: &str, records: bool, cuda: bool, steps: &mut dyn FnMut(usize) -> Result<f64>) -> Result<()> {
     const STEPS: usize = 3;
     if !records {
         steps(STEPS)?;
         return Ok(());
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    ft_core::profiler_start(cuda).map_err(anyhow::Error::msg)?;
+    ft_core::profile::start(cuda)?;
     let result = steps(STEPS);
-    let trace = dir.join(format!("{label}.trace.json"));
-    let events = ft_core::profiler_stop(&trace).map_err(anyhow::Error::msg)?;
+    let report = ft_core::profile::stop(dir, label, cuda, STEPS)?;
     result?;
-    let mut kernels: Vec<_> = events.into_iter().filter(|e| e.on_device == cuda).collect();
-    kernels.sort_by_key(|e| std::cmp::Reverse(e.total_ns));
-    let total: u64 = kernels.iter().map(|e| e.total_ns).sum();
-    let mut tsv = String::from("ms_per_step\tshare\tcalls_per_step\tname\n");
-    for e in &kernels {
-        let ms = e.total_ns as f64 / 1e6 / STEPS as f64;
-        tsv += &format!("{ms:.3}\t{:.4}\t{}\t{}\n", e.total_ns as f64 / total.max(1) as f64, e.calls / STEPS as i64, e.name);
-    }
-    let table = dir.join(format!("{label}.kernels.tsv"));
-    std::fs::write(&table, &tsv).with_context(|| format!("cannot write {}", table.display()))?;
-    eprintln!("{label}: {:.1} ms of {} per step in {} kinds of event; trace {}", total as f64 / 1e6 / STEPS as f64, if cuda { "GPU time" } else { "host time" }, kernels.len(), trace.display());
-    for line in tsv.lines().take(21) {
-        eprintln!("  {}", line.chars().take(160).collect::<String>());
-    }
+    eprint!("{label}: {}", report.top(20));
     Ok(())
 }
 

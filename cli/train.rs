@@ -87,6 +87,11 @@ pub struct TrainArgs {
     /// Where master weights and optimizer state live: none or cpu (train.offload).
     #[arg(long)]
     offload: Option<String>,
+    /// Record optimizer steps FIRST:LAST (from 1) with PyTorch's profiler on
+    /// rank 0: a Chrome trace and the GPU time per kernel in OUTPUT_DIR/profile
+    /// (train.profile_steps).
+    #[arg(long, value_name = "FIRST:LAST", value_parser = parse_step_range)]
+    profile_steps: Option<[usize; 2]>,
     /// A DeepSpeed ds_config.json; its settings apply under the flags, and
     /// fields ft does not act on are reported.
     #[arg(long)]
@@ -140,7 +145,8 @@ impl TrainArgs {
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
-            .set("train.offload", self.offload.clone());
+            .set("train.offload", self.offload.clone())
+            .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
         o.0
     }
 }
@@ -183,6 +189,15 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     worker(&config, env, &registry)
 }
 
+fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
+    let parse = |part: Option<&str>| part.and_then(|p| p.trim().parse::<usize>().ok());
+    let mut parts = text.splitn(2, ':');
+    match (parse(parts.next()), parse(parts.next())) {
+        (Some(first), Some(last)) => Ok([first, last]),
+        _ => Err(format!("{text:?} is not FIRST:LAST, e.g. 10:12")),
+    }
+}
+
 fn validate(config: &Config, registry: &Registry) -> Result<()> {
     let t = &config.train;
     if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
@@ -210,6 +225,11 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
     let strategy = registry.strategy(&t.strategy)?;
     (strategy.create)().policy().validate(&strategy.name)?;
     registry.offload(&t.offload)?;
+    if let Some([first, last]) = t.profile_steps {
+        if first == 0 || first > last {
+            bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");
+        }
+    }
     Ok(())
 }
 

@@ -125,6 +125,25 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     assert!(message.contains("3 training examples do not fill one global batch of 8"), "{message}");
     let plan = run(&["--dry-run", "--grad-accum", "2"]);
     assert!(plan.contains("global batch 32") && plan.contains("\"source\": \"demo\""), "{plan}");
+    assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
+    assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));
+}
+
+#[test]
+fn profiled_steps_leave_a_trace_and_a_table_of_op_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = train_command(dir.path(), &["--profile-steps", "2:3", "--nproc-per-node", "1"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let profile = dir.path().join("profile");
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(profile.join("steps-2-3.trace.json")).unwrap()).unwrap();
+    // Exactly steps 2 and 3: one embedding lookup per forward, one AdamW call per parameter group
+    // (decayed and not) per step.
+    let calls = |name: &str| trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == name && e["ph"] == "X").count();
+    assert_eq!((calls("aten::embedding"), calls("aten::_fused_adamw_")), (2, 4));
+    let table = std::fs::read_to_string(profile.join("steps-2-3.kernels.tsv")).unwrap();
+    let rows: Vec<Vec<&str>> = table.lines().skip(1).map(|l| l.split('\t').collect()).collect();
+    assert!(rows.len() > 10 && rows.iter().all(|r| r.len() == 4), "{table}");
+    assert!(text(&output).contains("profile of steps 2-3"), "{}", text(&output));
 }
 
 #[test]

@@ -123,6 +123,9 @@ pub struct TrainConfig {
     pub reduce_dtype: crate::strategy::ReduceDtype,
     /// Where optimizer state and master shards live: none (the device) or cpu.
     pub offload: String,
+    /// Optimizer steps [first, last] (counted from 1, as in the metrics) that
+    /// rank 0 records with PyTorch's profiler into `<output.dir>/profile/`.
+    pub profile_steps: Option<[usize; 2]>,
 }
 
 impl Default for TrainConfig {
@@ -155,6 +158,7 @@ impl Default for TrainConfig {
             shard_group_size: None,
             reduce_dtype: crate::strategy::ReduceDtype::Fp32,
             offload: "none".into(),
+            profile_steps: None,
         }
     }
 }

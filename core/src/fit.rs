@@ -106,6 +106,13 @@ fn memory(device: Device) -> (f64, f64) {
     }
 }
 
+/// Ends rank 0's profiler recording of steps `first..=last` and logs the top kernels.
+fn finish_profile(dir: &std::path::Path, first: usize, last: usize, cuda: bool) -> Result<()> {
+    let report = crate::profile::stop(dir, &format!("steps-{first}-{last}"), cuda, last + 1 - first)?;
+    tracing::info!("profile of steps {first}-{last}: {}", report.top(15));
+    Ok(())
+}
+
 /// Sums `values` over every rank.
 fn sum_over_ranks(comm: &Communicator, values: &[f64]) -> Result<Vec<f64>> {
     let mut t = Tensor::from_slice(values).to_device(comm.device());
@@ -219,12 +226,19 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
     let (mut eval_seconds, mut eval_examples) = (0.0, 0usize);
     let mut epochs = vec![];
     let mut last_loss = f64::NAN;
+    // The first step of rank 0's profiler recording while it runs.
+    let mut profiling: Option<usize> = None;
+    let profile_dir = fit.checkpoints.output.join("profile");
     for epoch in first_epoch..config.epochs {
         let order = epoch_order(fit.train.len(), epoch as u64, config.seed, true);
         let mut epoch_loss = 0.0;
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
         for epoch_step in start..steps_per_epoch {
             let started = Instant::now();
+            if rank == 0 && config.profile_steps.is_some_and(|[first, _]| step + 1 == first) {
+                crate::profile::start(device.is_cuda())?;
+                profiling = Some(step + 1);
+            }
             // Dropout's masks follow from (seed, step), so a resumed run repeats them.
             tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
             let global: Vec<&Example> = layout.global(&order, epoch_step).iter().map(|&i| &fit.train[i]).collect();
@@ -242,6 +256,12 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
             let grad_norm = trainer.step(lr)?;
             let offloaded = trainer.offload_stats();
             step += 1;
+            if let (Some(first), Some([_, last])) = (profiling, config.profile_steps) {
+                if step == last {
+                    finish_profile(&profile_dir, first, last, device.is_cuda())?;
+                    profiling = None;
+                }
+            }
             train_samples += layout.global_batch();
             let (in_use, _) = memory(device);
             memory_sum += in_use;
@@ -308,6 +328,10 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                 fit.comm.world().barrier()?.wait()?;
             }
             checkpoint::fault_point("after-step", step);
+        }
+        // The epoch ended inside the profiled steps: stop before evaluation.
+        if let Some(first) = profiling.take() {
+            finish_profile(&profile_dir, first, step, device.is_cuda())?;
         }
         let eval_started = Instant::now();
         let params = trainer.compute_params()?;

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod offload;
 pub mod plugin;
+pub mod profile;
 pub mod registry;
 pub mod schedule;
 pub mod strategy;
@@ -27,7 +28,7 @@ pub mod train;
 pub use ft_sys::AdamW;
 /// The CUDA caching allocator's counters (current and peak, allocated and reserved).
 pub use ft_sys::{cuda_memory, CudaMemory};
-pub use ft_sys::{fused_adamw, kernels, profiler_start, profiler_stop, ProfiledEvent};
+pub use ft_sys::{fused_adamw, kernels};
 /// Sizes the CPU optimizer's thread pool (offload).
 pub use ft_sys::set_cpu_threads;
 
