@@ -203,7 +203,8 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
         bail!("train.epochs, train.batch_size and train.grad_accum must be at least 1");
     }
-    if !(t.lr > 0.0) {
+    // Written to refuse NaN too.
+    if t.lr.is_nan() || t.lr <= 0.0 {
         bail!("train.lr must be positive (got {})", t.lr);
     }
     if config.data.max_seq_len < 8 {
@@ -216,7 +217,7 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
         "auto" | "f32" | "fp32" | "bf16" | "fp16" | "f16" => {}
         other => bail!("train.dtype {other:?} is not one of auto, f32, bf16, fp16"),
     }
-    if !(t.initial_loss_scale >= 1.0) {
+    if t.initial_loss_scale.is_nan() || t.initial_loss_scale < 1.0 {
         bail!("train.initial_loss_scale must be at least 1 (got {})", t.initial_loss_scale);
     }
     for sink in &config.output.sinks {

@@ -224,7 +224,7 @@ fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduc
     let (n, me) = (group.size(), group.rank());
     let device = b.input.device();
     let input_len = b.input.numel();
-    let _ = b.input.copy_(&pattern(input_len, 0, (me + 1) as f64, device));
+    b.input.copy_(&pattern(input_len, 0, (me + 1) as f64, device));
     run_once(op, group, b, reduction)?;
     let sum_of_scales = (n * (n + 1) / 2) as f64;
     let output_len = b.output.numel();

@@ -71,6 +71,9 @@ pub struct Summary {
     pub gpu_utilisation_per_rank: Option<Vec<f64>>,
 }
 
+/// (step, total steps, record): what `Fit::on_step` receives.
+pub type StepCallback<'c> = dyn FnMut(usize, usize, &Record) + 'c;
+
 pub struct Fit<'a> {
     pub model: &'a dyn Model,
     pub comm: &'a Communicator,
@@ -85,7 +88,7 @@ pub struct Fit<'a> {
     pub sinks: Vec<Box<dyn MetricsSink>>,
     pub generation_eval: Option<&'a mut dyn GenerationEval>,
     /// Called on rank 0 after each logged step: (step, total steps, record).
-    pub on_step: Option<&'a mut dyn FnMut(usize, usize, &Record)>,
+    pub on_step: Option<&'a mut StepCallback<'a>>,
     /// Where checkpoints go and what they describe.
     pub checkpoints: CheckpointPlan<'a>,
 }

@@ -279,7 +279,7 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
             crate::dataset::IGNORE_INDEX,
             0.0,
         );
-        total = total + sum;
+        total += sum;
         start += len;
     }
     Ok((total, count))

@@ -69,8 +69,11 @@ pub struct SinkEntry {
     pub name: String,
     pub summary: String,
     pub origin: Origin,
-    pub create: Box<dyn Fn(&Path, bool) -> Result<Box<dyn MetricsSink>> + Send + Sync>,
+    pub create: SinkFactory,
 }
+
+/// Makes a sink under the run's output directory; `true` when the run resumes (append).
+pub type SinkFactory = Box<dyn Fn(&Path, bool) -> Result<Box<dyn MetricsSink>> + Send + Sync>;
 
 #[derive(Default)]
 pub struct Registry {

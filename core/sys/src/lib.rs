@@ -316,6 +316,7 @@ pub struct AdamW {
 /// ATen's `_fused_adamw_` over parallel lists; `steps` must already count
 /// this step. `grad_scale`, a one-element tensor, divides every gradient;
 /// a non-zero `found_inf` (one element) makes the step a no-op.
+#[allow(clippy::too_many_arguments)]
 pub fn fused_adamw(
     params: &[&Tensor],
     grads: &[&Tensor],

@@ -116,7 +116,7 @@ impl Model for Bloom {
         let slopes = ft_core::data::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
         let mut bias = (slopes * distance).to_kind(dtype) + model::causal_bias(seq, past, dtype, device);
         if let Some(mask) = padding_mask {
-            bias = bias + model::padding_bias(mask, dtype);
+            bias += model::padding_bias(mask, dtype);
         }
         Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
     }
