@@ -140,7 +140,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     if let Some(result_file) = &args.result_file {
         return worker(&args, plugins, result_file);
     }
-    parse_reduce_dtype(&args.reduce_dtype)?;
+    let reduce_dtype = parse_reduce_dtype(&args.reduce_dtype)?;
     if !args.from_json.is_empty() {
         let mut rows: Vec<Row> = vec![];
         for path in &args.from_json {
@@ -159,7 +159,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
                     for strategy in &args.strategy {
                         let result = scratch.join(format!("row-{}.json", rows.len()));
                         let row = launch_one(&args, plugins, config, strategy, gpus, batch, seq, &result)
-                            .unwrap_or_else(|e| failed_row(config, strategy, &args.offload, gpus, batch, seq, format!("{e:#}")));
+                            .unwrap_or_else(|e| failed_row(config, strategy, &args.offload, reduce_dtype, gpus, batch, seq, format!("{e:#}")));
                         eprintln!("{}", describe(&row));
                         rows.push(row);
                     }
@@ -227,13 +227,14 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
     Ok(serde_json::from_str(&text)?)
 }
 
-fn failed_row(config: &str, strategy: &str, offload: &str, gpus: usize, batch: i64, seq: i64, error: String) -> Row {
+#[allow(clippy::too_many_arguments)]
+fn failed_row(config: &str, strategy: &str, offload: &str, reduce_dtype: ReduceDtype, gpus: usize, batch: i64, seq: i64, error: String) -> Row {
     Row {
         model: config.into(),
         params: 0,
         strategy: strategy.into(),
         offload: offload.into(),
-        reduce_dtype: ReduceDtype::default(),
+        reduce_dtype,
         gpus,
         batch,
         seq,
@@ -383,11 +384,7 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
         synchronize();
         step += start.elapsed().as_secs_f64();
     }
-    let dims = trainer.model().dims();
-    let (batch, seq) = (ids.size()[0], ids.size()[1]);
-    let dtype = trainer.units()[0].compute_kind();
-    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, ids.device()));
-    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, ids.device())) * 0.02;
+    let (hidden, weight) = random_head_inputs(trainer, ids);
     synchronize();
     let start = Instant::now();
     for _ in 0..REPEATS {
@@ -397,6 +394,14 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     let head = start.elapsed().as_secs_f64();
     let ms = |seconds: f64| seconds / REPEATS as f64 * 1e3;
     Ok([ms(forward_backward), ms(head), ms(step)])
+}
+
+/// Random hidden states and head weight of the model's shapes for `ids`, in the compute dtype.
+fn random_head_inputs(trainer: &Trainer, ids: &Tensor) -> (Tensor, Tensor) {
+    let dims = trainer.model().dims();
+    let (batch, seq, device) = (ids.size()[0], ids.size()[1], ids.device());
+    let dtype = trainer.units()[0].compute_kind();
+    (Tensor::randn([batch, seq, dims.hidden], (dtype, device)), Tensor::randn([dims.vocab, dims.hidden], (dtype, device)) * 0.02)
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -418,11 +423,8 @@ fn check_kernels(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: 
         (a - &b).abs().max().double_value(&[]) / scale.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
     };
 
-    let dims = trainer.model().dims();
-    let (batch, seq, device) = (ids.size()[0], ids.size()[1], ids.device());
-    let dtype = trainer.units()[0].compute_kind();
-    let hidden = Tensor::randn([batch, seq, dims.hidden], (dtype, device));
-    let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, device)) * 0.02;
+    let (hidden, weight) = random_head_inputs(trainer, ids);
+    let device = ids.device();
     let head = |kernels| lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, trainer.loss_chunk_tokens(), None, kernels);
     let head_ft_ms = timed(&mut || head(Kernels::Ft).map(drop))?;
     let head_aten_ms = timed(&mut || head(Kernels::Aten).map(drop))?;
@@ -435,22 +437,18 @@ fn check_kernels(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: 
     let (step, grad_scale) = (Tensor::from(1f32).to_device(device), Tensor::from(2f32).to_device(device));
     let fresh = || [&param, &exp_avg, &exp_avg_sq].map(Tensor::copy);
     let ft_step = |[p, m, v]: &[Tensor; 3]| ft_core::kernels::adamw_(p, &grad, m, v, hyper, &step, Some(&grad_scale), None).map_err(anyhow::Error::msg);
-    // ATen writes the unscaled gradient back: it gets a copy.
-    let aten_step = |[p, m, v]: &[Tensor; 3]| {
-        ft_core::fused_adamw(&[p], &[&grad.copy()], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)
+    // ATen writes the unscaled gradient back into `grad`: it gets its own copy.
+    let aten_step = |[p, m, v]: &[Tensor; 3], grad: &Tensor| {
+        ft_core::fused_adamw(&[p], &[grad], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)
     };
+    let (ft_state, aten_state, aten_grad) = (fresh(), fresh(), grad.copy());
+    let adamw_ft_ms = timed(&mut || ft_step(&ft_state))?;
+    let adamw_aten_ms = timed(&mut || aten_step(&aten_state, &aten_grad))?;
+    // One step each from the same state, for the comparison.
     let (ft_state, aten_state) = (fresh(), fresh());
     ft_step(&ft_state)?;
-    aten_step(&aten_state)?;
-    let aten_grad = grad.copy();
-    let adamw_ft_ms = timed(&mut || ft_step(&ft_state))?;
-    let adamw_aten_ms = timed(&mut || {
-        let [p, m, v] = &aten_state;
-        ft_core::fused_adamw(&[p], &[&aten_grad], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)
-    })?;
-    let ([ft_param, ..], [aten_param, ..]) = (fresh(), fresh());
-    ft_step(&[ft_param.shallow_clone(), exp_avg.copy(), exp_avg_sq.copy()])?;
-    aten_step(&[aten_param.shallow_clone(), exp_avg.copy(), exp_avg_sq.copy()])?;
+    aten_step(&aten_state, &grad.copy())?;
+    let (ft_param, aten_param) = (&ft_state[0], &aten_state[0]);
     Ok(KernelCheck {
         head_ft_ms,
         head_aten_ms,
@@ -458,7 +456,7 @@ fn check_kernels(trainer: &Trainer, ids: &Tensor, normalizer: f64, synchronize: 
         head_grad_relative_diff: relative(&ft_hidden, &aten_hidden, &aten_hidden).max(relative(&ft_weight, &aten_weight, &aten_weight)),
         adamw_ft_ms,
         adamw_aten_ms,
-        adamw_update_relative_diff: relative(&ft_param, &aten_param, &(&aten_param - &param)),
+        adamw_update_relative_diff: relative(ft_param, aten_param, &(aten_param - &param)),
     })
 }
 

@@ -37,8 +37,8 @@ PY
   rm -rf $OUT/$name/final $OUT/$name/tensorboard $OUT/$name/metrics.csv $OUT/$name/predictions*.json
 }
 
-# fsdp2 GPUS CONFIG_DIR [fsdp2_train_step.py flags…]
-fsdp2() { torchrun --nproc-per-node $1 bench/peers/fsdp2_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
+# fsdp2 GPUS CONFIG_DIR [fsdp2_train_step.py flags…] (stopped after LIMIT seconds, default 300)
+fsdp2() { timeout ${LIMIT:-300} torchrun --nproc-per-node $1 bench/peers/fsdp2_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
 
 # DeepSpeed from the carried sdist and wheels (.whl), into /tmp/site.
 install_deepspeed() {
@@ -47,5 +47,5 @@ install_deepspeed() {
     && export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 || echo "FAILED deepspeed install"
 }
 
-# deepspeed GPUS CONFIG_DIR [deepspeed_train_step.py flags…]
-deepspeed_peer() { torchrun --nproc-per-node $1 bench/peers/deepspeed_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
+# deepspeed GPUS CONFIG_DIR [deepspeed_train_step.py flags…] (stopped after LIMIT seconds, default 300)
+deepspeed_peer() { timeout ${LIMIT:-300} torchrun --nproc-per-node $1 bench/peers/deepspeed_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }

@@ -14,7 +14,6 @@ source "$(dirname "$0")/lib.sh"
 cfg() { echo $D/configs/$1/config.json; }
 bench() { timeout ${LIMIT:-200} "$FT" bench "$@" 2>&1 | grep -vE "^\[rank|DeviceProperties" | tail -14; }
 peer() { timeout ${LIMIT:-200} "$@" 2>&1 | grep -E '^\{|tokens/s|Error' | tail -2; }
-fsdp2_peer() { peer torchrun --nproc-per-node 2 bench/peers/fsdp2_train_step.py --config "$@"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 case "${1:?bloom, large or trainer}" in
   bloom)
@@ -28,16 +27,16 @@ sys.exit(0 if ok else 1)
 PY
     peer python3 bench/peers/hf_train_step.py --config $(cfg bloom-560m) --compile
     bench --config $(cfg bloom-560m) --gpus 2 --strategy full_shard,shard_grad_op --json $OUT/ft-bloom-2gpu.json
-    fsdp2_peer $(cfg bloom-560m) --mode fsdp2 --compile
+    fsdp2 2 bloom-560m --mode fsdp2 --compile
     install_deepspeed
-    peer torchrun --nproc-per-node 2 bench/peers/deepspeed_train_step.py --config $(cfg bloom-560m) --stage 2
+    deepspeed_peer 2 bloom-560m --stage 2
     ;;
   large)
     bench --config $(cfg opt-1.3b) --gpus 1,2 --strategy full_shard --json $OUT/ft-opt.json
-    fsdp2_peer $(cfg opt-1.3b) --mode fsdp2
-    fsdp2_peer $(cfg opt-1.3b) --mode fsdp2 --compile
+    fsdp2 2 opt-1.3b --mode fsdp2
+    fsdp2 2 opt-1.3b --mode fsdp2 --compile
     LIMIT=240 bench --config $(cfg codellama-7b) --gpus 2 --strategy full_shard --batch 2 --seq 2048 --warmup 3 --steps 8 --json $OUT/ft-llama.json
-    LIMIT=300 fsdp2_peer $(cfg codellama-7b) --mode fsdp2 --compile --batch 2 --seq 2048 --warmup 2 --steps 6
+    fsdp2 2 codellama-7b --mode fsdp2 --compile --batch 2 --seq 2048 --warmup 2 --steps 6
     ;;
   trainer)
     bench --config $(cfg bloom-560m) --gpus 2 --strategy full_shard --json $OUT/ft-bloom-full_shard.json

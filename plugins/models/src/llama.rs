@@ -131,7 +131,6 @@ impl Llama {
     }
 }
 
-/// (x1, x2) → (−x2, x1) over the two halves of the last dimension.
 impl Model for Llama {
     fn layout(&self) -> &Layout {
         &self.layout
