@@ -4,7 +4,7 @@
 //! `cargo bench --bench step` (after `source scripts/env.sh`).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use ft_core::model::{lm_loss, Model};
+use ft_core::model::{lm_loss, Inputs, Model};
 use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
 use ft_models::hf;
 use std::path::Path;
@@ -27,7 +27,7 @@ fn training_step(c: &mut Criterion) {
         let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
-                let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
+                let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
                 trainer.step(1e-3).unwrap()
             })
         });

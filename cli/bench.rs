@@ -10,6 +10,7 @@ use crate::model_commands::read_config_arg;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::fit::ShardGroups;
+use ft_core::model::Inputs;
 use ft_core::flat::MemoryAccount;
 use ft_core::strategy::ReduceDtype;
 use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
@@ -361,7 +362,7 @@ fn run_steps(trainer: &mut Trainer, batches: &[Tensor], normalizer: f64, count: 
     let mut last = None;
     for step in 0..count {
         let ids = &batches[step % batches.len()];
-        let loss = trainer.forward_backward(ids, ids, normalizer, true)?;
+        let loss = trainer.forward_backward(&Inputs::ids(ids), ids, normalizer, true)?;
         let _grad_norm = trainer.step(1e-5)?;
         last = Some(loss);
     }
@@ -376,7 +377,7 @@ fn time_phases(trainer: &mut Trainer, ids: &Tensor, normalizer: f64, synchronize
     for _ in 0..REPEATS {
         synchronize();
         let start = Instant::now();
-        let _loss = trainer.forward_backward(ids, ids, normalizer, true)?;
+        let _loss = trainer.forward_backward(&Inputs::ids(ids), ids, normalizer, true)?;
         synchronize();
         forward_backward += start.elapsed().as_secs_f64();
         let start = Instant::now();

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ft_core::model::{forward_hidden, lm_loss, logits};
+use ft_core::model::{self, lm_loss, lm_outputs, logits, Inputs};
 use ft_models::{hf, init};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
@@ -162,8 +162,9 @@ pub fn forward(args: ForwardArgs) -> Result<i32> {
     for tensor in params.iter().flatten() {
         let _ = tensor.set_requires_grad(args.grads);
     }
-    let ctx = model.context(&ids, 0, None, dtype, false)?;
-    let (hidden, weight) = forward_hidden(model.as_ref(), &params, &ids, &ctx, None);
+    let inputs = Inputs::ids(&ids);
+    let ctx = model.context(&inputs, 0, dtype, false)?;
+    let (hidden, weight) = lm_outputs(model::forward(model.as_ref(), &params, &inputs, &ctx, None))?;
     let loss = lm_loss(&hidden, &weight, &ids, 1024)?;
     let mut out = vec![("logits".to_string(), logits(&hidden, &weight).detach()), ("loss".to_string(), loss.detach())];
     if args.grads {

@@ -1,6 +1,6 @@
 //! The unit-by-unit training step against plain autograd and the AdamW formula.
 
-use ft_core::model::{forward_hidden, lm_loss, Model};
+use ft_core::model::{forward, lm_loss, lm_outputs, Inputs, Model};
 use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
 use ft_models::hf;
 use ft_core::AdamW;
@@ -43,8 +43,9 @@ fn fused_head_loss_equals_autograd_cross_entropy() {
 fn reference_grads(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor) -> (f64, Vec<Vec<Tensor>>) {
     let leaves: Vec<Vec<Tensor>> =
         params.iter().map(|u| u.iter().map(|t| t.detach().copy().set_requires_grad(true)).collect()).collect();
-    let ctx = model.context(ids, 0, None, Kind::Float, true).unwrap();
-    let (hidden, weight) = forward_hidden(model, &leaves, ids, &ctx, None);
+    let inputs = Inputs::ids(ids);
+    let ctx = model.context(&inputs, 0, Kind::Float, true).unwrap();
+    let (hidden, weight) = lm_outputs(forward(model, &leaves, &inputs, &ctx, None)).unwrap();
     let loss = lm_loss(&hidden, &weight, ids, 1024).unwrap();
     loss.backward();
     (loss.double_value(&[]), leaves.iter().map(|u| u.iter().map(Tensor::grad).collect()).collect())
@@ -60,7 +61,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
             let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
             let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
-            let loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
+            let loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
             assert!((loss.double_value(&[]) - expected_loss).abs() < 1e-5 * expected_loss, "{name}");
             // The accumulated flat gradient, viewed per parameter, equals autograd's.
             for (unit, expected_unit) in trainer.units().iter().zip(&expected) {
@@ -79,7 +80,7 @@ fn adamw_step_follows_the_reference_formula() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: None, ..Default::default() };
     let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
+    let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(hyper.lr).unwrap();
     for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params().unwrap())) {
@@ -102,7 +103,7 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
     let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&ids, &ids, count, true).unwrap();
+    let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let norm = trainer.step(hyper.lr).unwrap().double_value(&[]);
     let expected_norm = grads.iter().flatten().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
@@ -128,7 +129,7 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
         let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
         let mut losses = vec![];
         for _ in 0..steps {
-            losses.push(trainer.forward_backward(&ids, &ids, count, true).unwrap().double_value(&[]));
+            losses.push(trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap().double_value(&[]));
             let _norm = trainer.step(hyper.lr).unwrap();
         }
         (losses, trainer.loss_scale(), trainer.params().unwrap())

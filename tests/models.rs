@@ -2,7 +2,7 @@
 //! (tiny BLOOM, OPT, Llama and GQA-Llama), and every loading error's message.
 
 use ft_core::generate::greedy;
-use ft_core::model::{forward_hidden, lm_loss, logits, Model};
+use ft_core::model::{forward, lm_loss, lm_outputs, Inputs, logits, Model};
 use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
@@ -31,8 +31,9 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
         for t in params.iter().flatten() {
             let _ = t.set_requires_grad(true);
         }
-        let ctx = model.context(&ids, 0, None, Kind::Float, false).unwrap();
-        let (hidden, weight) = forward_hidden(model.as_ref(), &params, &ids, &ctx, None);
+        let inputs = Inputs::ids(&ids);
+        let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
+        let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, &inputs, &ctx, None)).unwrap();
         let loss = lm_loss(&hidden, &weight, &ids, 7).unwrap();
         let error = relative(&logits(&hidden, &weight), &reference["logits"], 0.0);
         assert!(error <= 1e-4, "{name}: logits differ by {error:e}");

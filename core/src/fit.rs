@@ -8,7 +8,7 @@ use crate::config::TrainConfig;
 use crate::data::{collate, epoch_order, target_tokens, BatchLayout};
 use crate::dataset::Example;
 use crate::metrics::{process_memory, MetricsSink, Record};
-use crate::model::{forward_hidden, lm_loss_sum, Model};
+use crate::model::{forward, lm_loss_sum, lm_outputs, Inputs, Model};
 use crate::schedule::lr_at;
 use crate::flat::MemoryAccount;
 use crate::strategy::{ReduceDtype, ShardGroup, ShardingStrategy};
@@ -141,8 +141,9 @@ pub fn eval_loss(model: &dyn Model, params: &[Vec<Tensor>], set: &EvalSet, comm:
     let (mut sum, mut count) = (0.0, 0.0);
     for batch in mine.chunks(set.batch_size) {
         let (ids, labels) = collate(batch, set.pad_id, set.pad_to_multiple_of, comm.device());
-        let ctx = model.context(&ids, 0, None, set.dtype, false)?;
-        let (hidden, weight) = forward_hidden(model, params, &ids, &ctx, None);
+        let inputs = Inputs::ids(&ids);
+        let ctx = model.context(&inputs, 0, set.dtype, false)?;
+        let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, None))?;
         let (s, c) = lm_loss_sum(&hidden, &weight, &labels, set.loss_chunk_tokens)?;
         sum += s.double_value(&[]);
         count += c.double_value(&[]);
@@ -253,7 +254,7 @@ pub fn run(mut fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<T
                 let batch: Vec<&Example> = layout.micro(&order, epoch_step, rank, micro).iter().map(|&i| &fit.train[i]).collect();
                 let (ids, labels) = collate(&batch, fit.pad_id, fit.pad_to_multiple_of, device);
                 train_tokens += ids.numel();
-                loss += trainer.forward_backward(&ids, &labels, normalizer, micro + 1 == config.grad_accum)?;
+                loss += trainer.forward_backward(&Inputs::ids(&ids), &labels, normalizer, micro + 1 == config.grad_accum)?;
             }
             let lr = lr_at(config.schedule, config.lr, step, total_steps, warmup);
             let grad_norm = trainer.step(lr)?;

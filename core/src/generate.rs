@@ -1,6 +1,6 @@
 //! Greedy decoding with a KV cache: the prompt runs once, then one token a step.
 
-use crate::model::{forward_hidden, logits, KvCache, Model, StageKind};
+use crate::model::{forward, lm_outputs, logits, Inputs, KvCache, Model, StageKind};
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
@@ -25,8 +25,9 @@ pub fn greedy(
     let mut past = 0;
     let mut generated = vec![];
     while generated.len() < max_new_tokens {
-        let ctx = model.context(&input, past, None, dtype, false)?;
-        let (hidden, weight) = forward_hidden(model, params, &input, &ctx, Some(&mut caches));
+        let inputs = Inputs::ids(&input);
+        let ctx = model.context(&inputs, past, dtype, false)?;
+        let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
         past += input.size()[1];
         let last = hidden.narrow(1, hidden.size()[1] - 1, 1);
         let next = logits(&last, &weight).argmax(-1, false).int64_value(&[0, 0]);

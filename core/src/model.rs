@@ -94,6 +94,24 @@ impl<'a> Params<'a> {
     }
 }
 
+/// A batch's inputs, each [batch, seq] of int64.
+pub struct Inputs {
+    pub input_ids: Tensor,
+    /// 1 for real tokens, 0 for padding, over the cached and the new
+    /// positions ([batch, past+seq]). None: no position attends to padding
+    /// (no padding, or right padding under a causal mask).
+    pub attention_mask: Option<Tensor>,
+    /// Each token's segment (BERT's token_type_ids); None: segment 0 everywhere.
+    pub token_type_ids: Option<Tensor>,
+}
+
+impl Inputs {
+    /// Token ids alone: no padding mask, one segment.
+    pub fn ids(input_ids: &Tensor) -> Inputs {
+        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None }
+    }
+}
+
 /// Per-batch inputs every block needs, built once by `Model::context`.
 pub struct Context {
     /// Dropout is active.
@@ -171,9 +189,29 @@ impl Layout {
     }
 }
 
+/// What a head stage returns, by the name of its kind (`Model::head_kind`);
+/// a task checks the model has the head it trains.
+pub mod head {
+    /// `[normalised hidden states [batch, seq, dim], LM weight [vocab, dim]]`:
+    /// the logits are their product, which the loss forms chunk by chunk.
+    pub const CAUSAL_LM: &str = "causal_lm";
+}
+
+/// An architecture's registration, keyed by config.json's `model_type`:
+/// `inventory::submit! { ModelRegistration { … } }` beside its file.
+pub struct ModelRegistration {
+    pub model_type: &'static str,
+    pub summary: &'static str,
+    pub build: fn(serde_json::Value) -> Result<Box<dyn Model>>,
+}
+inventory::collect!(ModelRegistration);
+
 pub trait Model: Send + Sync {
     fn layout(&self) -> &Layout;
     fn dims(&self) -> Dims;
+
+    /// The kind of head the last stage is, e.g. [`head::CAUSAL_LM`].
+    fn head_kind(&self) -> &str;
 
     /// The Hugging Face `model_type`.
     fn model_type(&self) -> &str {
@@ -189,25 +227,18 @@ pub trait Model: Send + Sync {
         &self.layout().hf_config
     }
 
-    /// Builds what the blocks share for a batch of `input_ids` [batch, seq]
-    /// that follows `past` cached positions. `padding_mask` [batch, past+seq]
-    /// is 1 for real tokens, 0 for padding.
-    fn context(
-        &self,
-        input_ids: &Tensor,
-        past: i64,
-        padding_mask: Option<&Tensor>,
-        dtype: Kind,
-        train: bool,
-    ) -> Result<Context>;
+    /// Builds what the blocks share for a batch of `inputs` that follows
+    /// `past` cached positions.
+    fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context>;
 
-    fn embed(&self, params: &Params, input_ids: &Tensor, ctx: &Context) -> Tensor;
+    fn embed(&self, params: &Params, inputs: &Inputs, ctx: &Context) -> Tensor;
 
     fn block(&self, params: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor;
 
-    /// Final norm (and projection): the hidden states the LM head multiplies,
-    /// and the head's weight [vocab, dim] (the embedding's, when tied).
-    fn head(&self, params: &Params, x: &Tensor) -> (Tensor, Tensor);
+    /// The head's outputs, as its kind defines them (see [`head`]); a
+    /// causal LM returns the final norm's hidden states and the LM weight
+    /// (the embedding's, when tied).
+    fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor>;
 
     /// Total parameters.
     fn numel(&self) -> i64 {
@@ -223,21 +254,15 @@ pub trait Model: Send + Sync {
 }
 
 /// Runs every stage with full parameters `params[unit]` (views in the compute
-/// dtype); returns the head's normalised hidden states and weight.
-pub fn forward_hidden(
-    model: &dyn Model,
-    params: &[Vec<Tensor>],
-    input_ids: &Tensor,
-    ctx: &Context,
-    mut caches: Option<&mut [KvCache]>,
-) -> (Tensor, Tensor) {
+/// dtype); returns the head's outputs.
+pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> Vec<Tensor> {
     let units = model.units();
     let mut x = None;
     let mut block = 0;
     for stage in model.stages() {
         let p = Params::new(&units[stage.unit], &params[stage.unit]);
         match stage.kind {
-            StageKind::Embed => x = Some(model.embed(&p, input_ids, ctx)),
+            StageKind::Embed => x = Some(model.embed(&p, inputs, ctx)),
             StageKind::Block => {
                 let cache = caches.as_deref_mut().map(|c| &mut c[block]);
                 x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, cache));
@@ -247,6 +272,14 @@ pub fn forward_hidden(
         }
     }
     panic!("model {} has no head stage", model.model_type());
+}
+
+/// A causal LM's head outputs: (normalised hidden states, LM weight).
+pub fn lm_outputs(outputs: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
+    match <[Tensor; 2]>::try_from(outputs) {
+        Ok([hidden, weight]) => Ok((hidden, weight)),
+        Err(outputs) => bail!("a causal LM head returns [hidden, weight], this one returned {} tensors", outputs.len()),
+    }
 }
 
 /// Mean next-token cross-entropy over labels that are not `IGNORE_INDEX`,

@@ -3,6 +3,7 @@
 //! entries to the same registry.
 
 use crate::metrics::MetricsSink;
+use crate::model::ModelRegistration;
 use crate::strategy::ShardingStrategy;
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
@@ -33,14 +34,6 @@ pub struct OffloadRegistration {
     pub create: fn() -> Box<dyn crate::offload::Offload>,
 }
 inventory::collect!(OffloadRegistration);
-
-/// A model architecture's registration, keyed by config.json's `model_type`.
-pub struct ModelRegistration {
-    pub model_type: &'static str,
-    pub summary: &'static str,
-    pub build: fn(serde_json::Value) -> Result<Box<dyn crate::model::Model>>,
-}
-inventory::collect!(ModelRegistration);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {

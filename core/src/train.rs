@@ -14,7 +14,7 @@
 
 use crate::comm::{ProcessGroup, Reduction, Work};
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
-use crate::model::{Model, Params, StageKind};
+use crate::model::{Inputs, Model, Params, StageKind};
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
@@ -363,14 +363,14 @@ impl<'m> Trainer<'m> {
     /// Returns this micro-batch's share of the loss (sum / `normalizer`), on the device.
     pub fn forward_backward(
         &mut self,
-        input_ids: &Tensor,
+        inputs: &Inputs,
         labels: &Tensor,
         normalizer: f64,
         last_micro_batch: bool,
     ) -> Result<Tensor> {
         let model = self.model;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
-        let ctx = model.context(input_ids, 0, None, dtype, true)?;
+        let ctx = model.context(inputs, 0, dtype, true)?;
         let specs = model.units();
         let stages = model.stages();
         let seed = self.options.seed;
@@ -395,7 +395,7 @@ impl<'m> Trainer<'m> {
             let input = x.take().map(|t| t.set_requires_grad(true));
             match stage.kind {
                 StageKind::Embed => {
-                    let y = model.embed(&params, input_ids, &ctx);
+                    let y = model.embed(&params, inputs, &ctx);
                     x = Some(y.detach());
                     saved.push(Saved { input: None, outputs: vec![y], grads: vec![] });
                 }
@@ -414,7 +414,7 @@ impl<'m> Trainer<'m> {
                 }
                 StageKind::Head => {
                     let input = input.expect("the head follows the blocks");
-                    let (hidden, weight) = model.head(&params, &input);
+                    let (hidden, weight) = crate::model::lm_outputs(model.head(&params, &input))?;
                     let (stage_loss, grad_hidden, grad_weight) = lm_head_loss_and_grads(
                         &hidden,
                         &weight,

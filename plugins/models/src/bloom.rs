@@ -3,7 +3,7 @@
 
 use crate::config_field;
 use anyhow::Result;
-use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -94,6 +94,9 @@ impl Model for Bloom {
     fn layout(&self) -> &Layout {
         &self.layout
     }
+    fn head_kind(&self) -> &str {
+        model::head::CAUSAL_LM
+    }
     fn dims(&self) -> Dims {
         let c = &self.config;
         Dims { layers: c.n_layer, hidden: c.hidden_size, heads: c.n_head, kv_heads: c.n_head, vocab: c.vocab_size }
@@ -103,7 +106,8 @@ impl Model for Bloom {
     /// slope·key, which differs by a per-row constant that softmax ignores,
     /// but the relative form stays small near the diagonal and so loses less
     /// in bf16.
-    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+    fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
+        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
         let device = input_ids.device();
         let positions = model::positions(input_ids, past, padding_mask);
         let seq = input_ids.size()[1];
@@ -121,8 +125,8 @@ impl Model for Bloom {
         Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
     }
 
-    fn embed(&self, p: &Params, input_ids: &Tensor, _ctx: &Context) -> Tensor {
-        let x = Tensor::embedding(p.get("word_embeddings.weight"), input_ids, -1, false, false);
+    fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
+        let x = Tensor::embedding(p.get("word_embeddings.weight"), &inputs.input_ids, -1, false, false);
         self.layer_norm(&x, p, "word_embeddings_layernorm")
     }
 
@@ -153,9 +157,13 @@ impl Model for Bloom {
         residual + h
     }
 
-    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
-        (self.layer_norm(x, p, "ln_f"), p.get("word_embeddings.weight").shallow_clone())
+    fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
+        vec![self.layer_norm(x, p, "ln_f"), p.get("word_embeddings.weight").shallow_clone()]
     }
+}
+
+inventory::submit! {
+    ModelRegistration { model_type: "bloom", summary: "BLOOM (ALiBi, tied head)", build: |c| Ok(Box::new(Bloom::new(c)?)) }
 }
 
 #[cfg(test)]

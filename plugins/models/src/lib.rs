@@ -9,19 +9,8 @@ pub mod llama;
 pub mod opt;
 
 use anyhow::{Context, Result};
-use ft_core::registry::ModelRegistration;
 
 /// Reads an architecture's config struct from config.json's JSON.
 pub(crate) fn config_field<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Result<T> {
     serde_json::from_value(config.clone()).context("config.json does not describe this architecture")
-}
-
-inventory::submit! {
-    ModelRegistration { model_type: "bloom", summary: "BLOOM (ALiBi, tied head)", build: |c| Ok(Box::new(bloom::Bloom::new(c)?)) }
-}
-inventory::submit! {
-    ModelRegistration { model_type: "opt", summary: "OPT (learned positions, ReLU, tied head)", build: |c| Ok(Box::new(opt::Opt::new(c)?)) }
-}
-inventory::submit! {
-    ModelRegistration { model_type: "llama", summary: "Llama / CodeLlama (RoPE, SwiGLU, GQA)", build: |c| Ok(Box::new(llama::Llama::new(c)?)) }
 }

@@ -4,7 +4,7 @@
 
 use crate::config_field;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -135,6 +135,9 @@ impl Model for Llama {
     fn layout(&self) -> &Layout {
         &self.layout
     }
+    fn head_kind(&self) -> &str {
+        model::head::CAUSAL_LM
+    }
     fn dims(&self) -> Dims {
         let c = &self.config;
         Dims {
@@ -146,7 +149,8 @@ impl Model for Llama {
         }
     }
 
-    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+    fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
+        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
         let device = input_ids.device();
         let positions = model::positions(input_ids, past, padding_mask);
         let exponents = Tensor::arange_start_step(0, self.head_dim, 2, (Kind::Float, device)) / self.head_dim as f64;
@@ -165,8 +169,8 @@ impl Model for Llama {
         Ok(Context { train, positions, attention_bias, rope })
     }
 
-    fn embed(&self, p: &Params, input_ids: &Tensor, _ctx: &Context) -> Tensor {
-        Tensor::embedding(p.get("embed_tokens.weight"), input_ids, -1, false, false)
+    fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
+        Tensor::embedding(p.get("embed_tokens.weight"), &inputs.input_ids, -1, false, false)
     }
 
     fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
@@ -193,8 +197,12 @@ impl Model for Llama {
         x + Self::linear(&gated, p, "mlp.down_proj")
     }
 
-    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
+    fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
         let weight = p.maybe("lm_head.weight").unwrap_or_else(|| p.get("embed_tokens.weight"));
-        (self.rms_norm(x, p.get("norm.weight")), weight.shallow_clone())
+        vec![self.rms_norm(x, p.get("norm.weight")), weight.shallow_clone()]
     }
+}
+
+inventory::submit! {
+    ModelRegistration { model_type: "llama", summary: "Llama / CodeLlama (RoPE, SwiGLU, GQA)", build: |c| Ok(Box::new(Llama::new(c)?)) }
 }

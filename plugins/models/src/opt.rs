@@ -4,7 +4,7 @@
 
 use crate::config_field;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, KvCache, Layout, Model, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -120,6 +120,9 @@ impl Model for Opt {
     fn layout(&self) -> &Layout {
         &self.layout
     }
+    fn head_kind(&self) -> &str {
+        model::head::CAUSAL_LM
+    }
     fn dims(&self) -> Dims {
         let c = &self.config;
         Dims {
@@ -131,7 +134,8 @@ impl Model for Opt {
         }
     }
 
-    fn context(&self, input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>, dtype: Kind, train: bool) -> Result<Context> {
+    fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
+        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
         let longest = past + input_ids.size()[1];
         if longest > self.config.max_position_embeddings {
             bail!("sequence of {longest} tokens is longer than OPT's max_position_embeddings ({})", self.config.max_position_embeddings);
@@ -143,8 +147,8 @@ impl Model for Opt {
         Ok(Context { train, positions, attention_bias, rope: None })
     }
 
-    fn embed(&self, p: &Params, input_ids: &Tensor, ctx: &Context) -> Tensor {
-        let mut x = Tensor::embedding(p.get("embed_tokens.weight"), input_ids, -1, false, false);
+    fn embed(&self, p: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {
+        let mut x = Tensor::embedding(p.get("embed_tokens.weight"), &inputs.input_ids, -1, false, false);
         if let Some(project_in) = p.maybe("project_in.weight") {
             x = x.linear::<Tensor>(project_in, None);
         }
@@ -183,7 +187,7 @@ impl Model for Opt {
         }
     }
 
-    fn head(&self, p: &Params, x: &Tensor) -> (Tensor, Tensor) {
+    fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
         let mut h = match p.maybe("final_layer_norm.weight") {
             Some(_) => self.layer_norm(x, p, "final_layer_norm"),
             None => x.shallow_clone(),
@@ -191,6 +195,10 @@ impl Model for Opt {
         if let Some(project_out) = p.maybe("project_out.weight") {
             h = h.linear::<Tensor>(project_out, None);
         }
-        (h, p.get("embed_tokens.weight").shallow_clone())
+        vec![h, p.get("embed_tokens.weight").shallow_clone()]
     }
+}
+
+inventory::submit! {
+    ModelRegistration { model_type: "opt", summary: "OPT (learned positions, ReLU, tied head)", build: |c| Ok(Box::new(Opt::new(c)?)) }
 }
