@@ -14,11 +14,12 @@ use ft_core::model::Inputs;
 use ft_core::flat::MemoryAccount;
 use ft_core::strategy::ReduceDtype;
 use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
-use ft_core::{AdamW, CommOptions, Communicator, DistEnv, Reduction};
+use ft_core::setup::{DType, DeviceSpec, Rank};
+use ft_core::{AdamW, Config, Reduction, Registry};
 use ft_models::{hf, init};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 /// Dense bf16 peak of an H100/H200 SXM, the denominator of MFU.
@@ -50,10 +51,10 @@ pub struct BenchArgs {
     steps: usize,
     /// Compute dtype (masters stay fp32).
     #[arg(long, default_value = "bf16")]
-    dtype: String,
+    dtype: DType,
     /// cuda, cpu (Gloo), or auto (the GPU when there is one).
     #[arg(long, default_value = "cuda")]
-    device: String,
+    device: DeviceSpec,
     /// none or cpu.
     #[arg(long, default_value = "none")]
     offload: String,
@@ -196,8 +197,8 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
         ("--seq", seq.to_string()),
         ("--warmup", args.warmup.to_string()),
         ("--steps", args.steps.to_string()),
-        ("--dtype", args.dtype.clone()),
-        ("--device", args.device.clone()),
+        ("--dtype", args.dtype.to_string()),
+        ("--device", args.device.to_string()),
         ("--offload", args.offload.clone()),
         ("--loss-chunk-tokens", args.loss_chunk_tokens.to_string()),
         ("--reduce-dtype", args.reduce_dtype.clone()),
@@ -265,15 +266,13 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     single("--batch", args.batch.len())?;
     single("--seq", args.seq.len())?;
     let (batch, seq) = (args.batch[0], args.seq[0]);
-    let env = DistEnv::from_env()?;
-    let device = crate::train::rank_device(&args.device, env.local_rank).context("--device")?;
-    let registry = crate::registry(plugins)?;
+    let registry = Registry::with_plugins(plugins)?;
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();
-    crate::share_host_cores(env.local_world_size, device, offload.to_host());
-    let comm = Communicator::init(env, &CommOptions { backend: ft_core::Backend::Auto, timeout: Duration::from_secs(600) })?;
+    // dist.* from FT_DIST__* variables, like every other command.
+    let config = Config::load(None, &[("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())])?;
+    let Rank { comm, device, dtype } = Rank::start(&config, offload.to_host())?;
     let (rank, world) = (comm.env().rank, comm.env().world_size);
-    let dtype = ft_core::comm_test::parse_dtype(&args.dtype)?;
     let groups = ShardGroups::new(strategy.as_ref(), args.shard_group_size, &comm)?;
     let reduce_dtype = parse_reduce_dtype(&args.reduce_dtype)?;
     let parallel = groups.parallel(strategy.as_ref(), &comm, reduce_dtype, dtype);

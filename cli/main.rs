@@ -11,7 +11,7 @@ mod train;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ft_core::{Config, Registry};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 // The built-in strategies register themselves with `inventory`; naming the
 // crates links them in.
@@ -30,28 +30,6 @@ struct Cli {
     plugins: Vec<PathBuf>,
     #[command(subcommand)]
     command: Command,
-}
-
-/// Splits this host's cores among its `local_ranks` workers (as torchrun
-/// does) instead of oversubscribing them: ATen's threads when computing on
-/// the CPU, the CPU optimizer's when state is offloaded to the host.
-pub fn share_host_cores(local_ranks: usize, device: tch::Device, offload_to_host: bool) {
-    let share = (std::thread::available_parallelism().map_or(1, |n| n.get()) / local_ranks.max(1)).max(1);
-    if device == tch::Device::Cpu {
-        tch::set_num_threads(share as i32);
-    }
-    if offload_to_host {
-        ft_core::set_cpu_threads(share);
-    }
-}
-
-/// The built-in registry plus the strategies of the given plug-ins.
-pub fn registry(plugins: &[PathBuf]) -> Result<Registry> {
-    let mut registry = Registry::builtin();
-    for plugin in plugins {
-        ft_core::plugin::load(Path::new(plugin), &mut registry)?;
-    }
-    Ok(registry)
 }
 
 /// The run configuration file, for the subcommands that read one.
@@ -114,13 +92,10 @@ fn main() {
 fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Launch(args) => launch::run(args),
-        Command::CommTest(args) => {
-            let config = Config::load(args.config.path.as_deref(), &args.config_overrides())?;
-            comm_test::run(args, &config)
-        }
+        Command::CommTest(args) => comm_test::run(args),
         Command::List(config) => {
             Config::load(config.path.as_deref(), &[])?;
-            list::run(&registry(&cli.plugins)?);
+            list::run(&Registry::with_plugins(&cli.plugins)?);
             Ok(0)
         }
         Command::InitModel(args) => model_commands::init_model(args),

@@ -1,26 +1,12 @@
 //! `ft init-model`, `ft generate`, `ft forward`: models from Hugging Face files.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use ft_core::setup::{DType, DeviceSpec};
 use clap::Args;
 use ft_core::model::{self, lm_loss, lm_outputs, logits, Inputs};
 use ft_models::{hf, init};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
-
-pub fn parse_device(text: &str) -> Result<Device> {
-    match text {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        other => match other.strip_prefix("cuda:").map(str::parse) {
-            Some(Ok(index)) => Ok(Device::Cuda(index)),
-            _ => bail!("unknown device {other:?}: expected cpu, cuda or cuda:N"),
-        },
-    }
-}
-
-fn parse_dtype(text: &str) -> Result<Kind> {
-    ft_core::comm_test::parse_dtype(text)
-}
 
 /// `--config` may be a config.json, a directory holding one, or a hub id in the local cache.
 pub fn read_config_arg(spec: &str) -> Result<serde_json::Value> {
@@ -53,7 +39,7 @@ pub struct InitModelArgs {
     seed: i64,
     /// Weight dtype on disk: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
-    dtype: String,
+    dtype: DType,
     /// Override config keys, e.g. --set num_hidden_layers=2 (values are JSON).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
@@ -64,7 +50,7 @@ pub struct InitModelArgs {
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
     let config = apply_overrides(read_config_arg(&args.config)?, &args.overrides)?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.storage_kind();
     let model = hf::model_from_config(config)?;
     let params = init::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
     hf::save(model.as_ref(), &params, &args.out, dtype)?;
@@ -97,9 +83,9 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
     #[arg(long, default_value = "f32")]
-    dtype: String,
+    dtype: DType,
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: DeviceSpec,
     /// Stop at this token id (default: config.json's eos_token_id).
     #[arg(long)]
     eos: Option<i64>,
@@ -108,7 +94,8 @@ pub struct GenerateArgs {
 pub fn generate(args: GenerateArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
     let model = hf::load_model(&dir)?;
-    let (dtype, device) = (parse_dtype(&args.dtype)?, parse_device(&args.device)?);
+    let device = args.device.for_rank(0);
+    let dtype = args.dtype.kind(device);
     let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
     let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
         (Some(text), Some(tokenizer)) => {
@@ -138,9 +125,9 @@ pub struct ForwardArgs {
     #[arg(long)]
     ids: PathBuf,
     #[arg(long, default_value = "f32")]
-    dtype: String,
+    dtype: DType,
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: DeviceSpec,
     /// Also backpropagate the LM loss (labels = ids) and write every parameter's gradient.
     #[arg(long)]
     grads: bool,
@@ -152,7 +139,8 @@ pub struct ForwardArgs {
 pub fn forward(args: ForwardArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
     let model = hf::load_model(&dir)?;
-    let (dtype, device) = (parse_dtype(&args.dtype)?, parse_device(&args.device)?);
+    let device = args.device.for_rank(0);
+    let dtype = args.dtype.kind(device);
     let rows: Vec<Vec<i64>> = serde_json::from_str(
         &std::fs::read_to_string(&args.ids).with_context(|| format!("cannot read {}", args.ids.display()))?,
     )

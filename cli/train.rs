@@ -9,12 +9,12 @@ use ft_core::config::{Config, DEMO};
 use ft_core::dataset::Example;
 use ft_core::fit::{self, Fit, GenerationEval, Summary};
 use ft_core::model::Model;
-use ft_core::{CommOptions, Communicator, DistEnv, Registry};
+use ft_core::setup::{DType, DeviceSpec, Rank};
+use ft_core::{Communicator, DistEnv, Registry};
 use ft_data::{demo, metrics, prompt, squad, text};
 use ft_models::{hf, init};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 use tokenizers::Tokenizer;
 
@@ -52,10 +52,10 @@ pub struct TrainArgs {
     weight_decay: Option<f64>,
     /// auto, f32, bf16 or fp16 (dynamic loss scaling).
     #[arg(long)]
-    dtype: Option<String>,
-    /// auto, cpu or cuda.
+    dtype: Option<DType>,
+    /// auto, cpu, cuda or cuda:N.
     #[arg(long)]
-    device: Option<String>,
+    device: Option<DeviceSpec>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -116,6 +116,11 @@ impl Overrides {
     fn path(&mut self, key: &'static str, value: Option<&PathBuf>) -> &mut Self {
         self.set(key, value.map(|p| p.display().to_string()))
     }
+
+    /// A value the configuration reads with serde (an enum such as a dtype).
+    fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums serialize")))
+    }
 }
 
 impl TrainArgs {
@@ -133,8 +138,8 @@ impl TrainArgs {
             .set("train.grad_accum", self.grad_accum)
             .set("train.lr", self.lr)
             .set("train.weight_decay", self.weight_decay)
-            .set("train.dtype", self.dtype.clone())
-            .set("train.device", self.device.clone())
+            .serialized("train.dtype", self.dtype)
+            .serialized("train.device", self.device)
             .set("train.seed", self.seed)
             .set("train.activation_checkpointing", self.activation_checkpointing.then_some(true))
             .set("train.save_every", self.save_every)
@@ -156,7 +161,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut overrides = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
     overrides.extend(args.overrides());
     let config = Config::load(args.config.path.as_deref(), &overrides)?;
-    let registry = crate::registry(plugins)?;
+    let registry = Registry::with_plugins(plugins)?;
     validate(&config, &registry)?;
     let env = DistEnv::from_env()?;
     if let Some(deepspeed) = &deepspeed {
@@ -186,7 +191,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
         let arguments: Vec<String> = std::env::args().skip(1).collect();
         return crate::launch::spawn_local(config.launch.nproc_per_node, arguments);
     }
-    worker(&config, env, &registry)
+    worker(&config, &registry)
 }
 
 fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
@@ -212,10 +217,6 @@ fn validate(config: &Config, registry: &Registry) -> Result<()> {
     }
     if config.model.source != DEMO && config.data.train.is_none() {
         bail!("set data.train (--train-file) to train {}; only the demo model brings its own data", config.model.source);
-    }
-    match t.dtype.as_str() {
-        "auto" | "f32" | "fp32" | "bf16" | "fp16" | "f16" => {}
-        other => bail!("train.dtype {other:?} is not one of auto, f32, bf16, fp16"),
     }
     if t.initial_loss_scale.is_nan() || t.initial_loss_scale < 1.0 {
         bail!("train.initial_loss_scale must be at least 1 (got {})", t.initial_loss_scale);
@@ -257,28 +258,6 @@ fn print_plan(config: &Config, env: &DistEnv) {
         t.epochs,
         config.output.dir.display()
     );
-}
-
-/// The device and dtype of this rank: its GPU and bf16 when there is one.
-fn device_and_dtype(config: &Config, env: &DistEnv) -> Result<(Device, Kind)> {
-    let device = rank_device(&config.train.device, env.local_rank).context("train.device")?;
-    let dtype = match (config.train.dtype.as_str(), device) {
-        ("auto", Device::Cuda(_)) | ("bf16", _) => Kind::BFloat16,
-        ("fp16" | "f16", _) => Kind::Half,
-        _ => Kind::Float,
-    };
-    Ok((device, dtype))
-}
-
-/// The device of the worker with local rank `local_rank`: `auto` (its GPU
-/// when there is one), `cpu` or `cuda`.
-pub fn rank_device(name: &str, local_rank: usize) -> Result<Device> {
-    Ok(match name {
-        "auto" if tch::Cuda::is_available() => Device::Cuda(local_rank),
-        "auto" | "cpu" => Device::Cpu,
-        "cuda" => Device::Cuda(local_rank),
-        other => bail!("{other:?} is not one of auto, cpu, cuda"),
-    })
 }
 
 /// Padded lengths round up to this: few shapes on a GPU, exact lengths on a CPU.
@@ -441,16 +420,10 @@ impl GenerationEval for QaEval<'_> {
     }
 }
 
-fn worker(config: &Config, env: DistEnv, registry: &Registry) -> Result<i32> {
-    let (device, dtype) = device_and_dtype(config, &env)?;
+fn worker(config: &Config, registry: &Registry) -> Result<i32> {
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let offload = (registry.offload(&config.train.offload)?.create)();
-    crate::share_host_cores(env.local_world_size, device, offload.to_host());
-    let backend = match (config.dist.backend, device) {
-        (ft_core::Backend::Auto, Device::Cpu) => ft_core::Backend::Gloo,
-        (backend, _) => backend,
-    };
-    let comm = Communicator::init(env, &CommOptions { backend, timeout: Duration::from_secs(config.dist.timeout_secs) })?;
+    let Rank { comm, device, dtype } = Rank::start(config, offload.to_host())?;
     let rank = comm.env().rank;
     if rank == 0 {
         std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
@@ -642,7 +615,7 @@ pub struct ExportArgs {
     out: PathBuf,
     /// Weight dtype on disk: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
-    dtype: String,
+    dtype: DType,
 }
 
 pub fn export(args: ExportArgs) -> Result<i32> {
@@ -650,7 +623,7 @@ pub fn export(args: ExportArgs) -> Result<i32> {
     let manifest = ft_core::checkpoint::read_manifest(&dir)?;
     let model = hf::model_from_config(manifest.model_config.clone())?;
     let params = ft_core::checkpoint::load_params(&dir, model.as_ref())?;
-    hf::save(model.as_ref(), &params, &args.out, ft_core::comm_test::parse_dtype(&args.dtype)?)?;
+    hf::save(model.as_ref(), &params, &args.out, args.dtype.storage_kind())?;
     if dir.join("tokenizer.json").exists() {
         std::fs::copy(dir.join("tokenizer.json"), args.out.join("tokenizer.json"))?;
     }
@@ -675,9 +648,9 @@ pub struct EvalArgs {
     #[arg(long)]
     batch_size: Option<usize>,
     #[arg(long)]
-    dtype: Option<String>,
+    dtype: Option<DType>,
     #[arg(long)]
-    device: Option<String>,
+    device: Option<DeviceSpec>,
     /// Where predictions.json goes.
     #[arg(long)]
     output_dir: Option<PathBuf>,
@@ -693,8 +666,8 @@ pub fn eval(args: EvalArgs) -> Result<i32> {
         .set("data.eval_samples", args.eval_samples)
         .set("data.max_seq_len", args.max_seq_len)
         .set("train.batch_size", args.batch_size)
-        .set("train.dtype", args.dtype.clone())
-        .set("train.device", args.device.clone())
+        .serialized("train.dtype", args.dtype)
+        .serialized("train.device", args.device)
         .path("output.dir", args.output_dir.as_ref())
         .set("launch.nproc_per_node", args.nproc_per_node);
     let overrides = overrides.0;
@@ -703,9 +676,7 @@ pub fn eval(args: EvalArgs) -> Result<i32> {
     if env.source == ft_core::env::EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
         return crate::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
     }
-    let (device, dtype) = device_and_dtype(&config, &env)?;
-    let backend = if device == Device::Cpu { ft_core::Backend::Gloo } else { config.dist.backend };
-    let comm = Communicator::init(env, &CommOptions { backend, timeout: Duration::from_secs(config.dist.timeout_secs) })?;
+    let Rank { comm, device, dtype } = Rank::start(&config, false)?;
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer_path = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tokenizer_path)

@@ -182,7 +182,7 @@ fn a_missing_rank_fails_rendezvous_within_the_timeout() {
 fn bad_input_is_rejected_with_clear_messages() {
     let output = ft(&["comm-test", "--dtype", "f8"]).output().unwrap();
     assert!(!output.status.success());
-    assert!(text(&output).contains("unknown dtype \"f8\": expected f32, bf16 or f16"), "{}", text(&output));
+    assert!(text(&output).contains("unknown dtype \"f8\": expected auto, f32 (fp32, float32), bf16 (bfloat16) or f16 (fp16, float16)"), "{}", text(&output));
 
     let output = ft(&["comm-test", "--ops", "all_to_all"]).output().unwrap();
     assert!(text(&output).contains("unknown collective \"all_to_all\""), "{}", text(&output));

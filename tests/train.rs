@@ -116,7 +116,7 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     };
     assert!(run(&["--model", "some/model"]).contains("set data.train (--train-file)"));
     assert!(run(&["--batch-size", "0"]).contains("must be at least 1"));
-    assert!(run(&["--dtype", "fp8"]).contains("train.dtype \"fp8\" is not one of auto, f32, bf16, fp16"));
+    assert!(run(&["--dtype", "fp8"]).contains("unknown dtype \"fp8\": expected auto, f32"));
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "[1, 2").unwrap();
     let message = run(&["--train-file", bad.to_str().unwrap(), "--nproc-per-node", "1"]);

@@ -4,6 +4,7 @@
 //! closest known key.
 
 use crate::comm::Backend;
+use crate::setup::{DType, DeviceSpec};
 use anyhow::{bail, Result};
 use figment::providers::{Env, Format, Json, Serialized, Toml, Yaml};
 use figment::value::Value;
@@ -96,11 +97,11 @@ pub struct TrainConfig {
     pub max_grad_norm: f64,
     /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, or fp16
     /// (with dynamic loss scaling).
-    pub dtype: String,
+    pub dtype: DType,
     /// fp16's first loss scale.
     pub initial_loss_scale: f64,
-    /// auto (the rank's GPU when there is one), cpu or cuda.
-    pub device: String,
+    /// auto (the rank's GPU when there is one), cpu, cuda or cuda:N.
+    pub device: DeviceSpec,
     pub seed: u64,
     pub activation_checkpointing: bool,
     pub loss_chunk_tokens: i64,
@@ -143,9 +144,9 @@ impl Default for TrainConfig {
             warmup_ratio: 0.0,
             schedule: crate::schedule::Schedule::Linear,
             max_grad_norm: 1.0,
-            dtype: "auto".into(),
+            dtype: DType::Auto,
             initial_loss_scale: 65536.0,
-            device: "auto".into(),
+            device: DeviceSpec::Auto,
             seed: 42,
             activation_checkpointing: false,
             loss_chunk_tokens: 1024,

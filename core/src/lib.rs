@@ -4,7 +4,7 @@
 
 pub mod checkpoint;
 pub mod comm;
-pub mod comm_test;
+pub mod collectives_bench;
 pub mod config;
 pub mod data;
 pub mod dataset;
@@ -21,6 +21,7 @@ pub mod plugin;
 pub mod profile;
 pub mod registry;
 pub mod schedule;
+pub mod setup;
 pub mod strategy;
 pub mod train;
 

@@ -108,6 +108,15 @@ impl Registry {
         registry
     }
 
+    /// The built-in registry plus what the plug-ins at `paths` register.
+    pub fn with_plugins(paths: &[PathBuf]) -> Result<Registry> {
+        let mut registry = Registry::builtin();
+        for path in paths {
+            crate::plugin::load(path, &mut registry)?;
+        }
+        Ok(registry)
+    }
+
     pub fn strategies(&self) -> &[StrategyEntry] {
         &self.strategies
     }

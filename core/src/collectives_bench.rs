@@ -1,10 +1,10 @@
-//! `ft comm-test`: the collective bandwidth self-test run before a
-//! multi-node job. Each collective is first checked for correct values with
+//! The collectives benchmark behind `ft comm-test`: the bandwidth
+//! self-test run before a multi-node job. Each collective is first checked for correct values with
 //! every reduction it supports, then timed; bandwidth uses nccl-tests'
 //! definitions so the numbers compare with nccl-tests and with
 //! `bench/peers/comm_bench.py` (PyTorch's own torch.distributed).
 
-use crate::comm::{CommError, ProcessGroup, Reduction};
+use crate::comm::{CommError, Communicator, ProcessGroup, Reduction};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -96,15 +96,6 @@ pub fn dtype_name(kind: Kind) -> &'static str {
         Kind::Double => "f64",
         _ => "other",
     }
-}
-
-pub fn parse_dtype(text: &str) -> Result<Kind> {
-    Ok(match text {
-        "f32" | "fp32" | "float32" => Kind::Float,
-        "bf16" | "bfloat16" => Kind::BFloat16,
-        "f16" | "fp16" | "float16" => Kind::Half,
-        other => bail!("unknown dtype {other:?}: expected f32, bf16 or f16"),
-    })
 }
 
 /// Sizes from `min` to `max` bytes, multiplying by `factor` (nccl-tests' -b/-e/-f).
@@ -302,6 +293,40 @@ pub fn run(group: &ProcessGroup, device: Device, options: &CommTestOptions) -> R
         }
     }
     Ok(rows)
+}
+
+/// What a whole job's benchmark found: every row of this rank's groups,
+/// and how many checks failed on any rank.
+pub struct JobReport {
+    pub rows: Vec<CommTestRow>,
+    pub failures_on_any_rank: usize,
+}
+
+/// Runs the sweep for every dtype over the world and, with `group_size`,
+/// over hybrid sharding's shard and replica sub-groups too (collective:
+/// every rank calls it with the same arguments).
+pub fn run_job(comm: &Communicator, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>) -> Result<JobReport> {
+    let mut groups = vec![];
+    if let Some(size) = group_size {
+        let (shard, replica) = comm.hybrid_groups(size)?;
+        groups.push(shard);
+        groups.push(replica);
+    }
+    let mut rows = vec![];
+    for &kind in dtypes {
+        let options = CommTestOptions { kind, ..options.clone() };
+        rows.extend(run(comm.world(), comm.device(), &options)?);
+        for group in &groups {
+            rows.extend(run(group, comm.device(), &options)?);
+        }
+    }
+    let failed: Vec<&CommTestRow> = rows.iter().filter(|r| r.correct == Some(false)).collect();
+    for row in &failed {
+        tracing::error!("rank {}: {} on {} ({} bytes, {}) gave wrong values", comm.env().rank, row.op, row.group, row.bytes, row.dtype);
+    }
+    let mut failures = Tensor::from_slice(&[failed.len() as f64]).to_device(comm.device());
+    comm.world().all_reduce(&mut failures, Reduction::Sum)?.wait()?;
+    Ok(JobReport { rows, failures_on_any_rank: failures.double_value(&[]) as usize })
 }
 
 pub fn format_table(rows: &[CommTestRow]) -> String {
