@@ -13,9 +13,9 @@ use clap::{Parser, Subcommand};
 use ft_core::{Config, Registry};
 use std::path::PathBuf;
 
-// The built-in strategies register themselves with `inventory`; naming the
-// crates links them in.
-use ft_strategy_cpu_offload as _;
+// The built-in strategies and sinks register themselves with `inventory`;
+// naming the crates links them in.
+use ft_sinks as _;
 use ft_strategy_ddp as _;
 use ft_strategy_full_shard as _;
 use ft_strategy_hybrid_shard as _;

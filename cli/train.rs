@@ -157,11 +157,11 @@ impl TrainArgs {
 }
 
 pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
-    let deepspeed = args.ds_config.as_deref().map(ft_core::ds_config::read).transpose()?;
+    let registry = Registry::with_plugins(plugins)?;
+    let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
     let mut overrides = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
     overrides.extend(args.overrides());
     let config = Config::load(args.config.path.as_deref(), &overrides)?;
-    let registry = Registry::with_plugins(plugins)?;
     validate(&config, &registry)?;
     let env = DistEnv::from_env()?;
     if let Some(deepspeed) = &deepspeed {

@@ -337,7 +337,7 @@ fn strategy_and_deepspeed_mistakes_are_rejected_clearly() {
     std::fs::write(&ds, r#"{"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}, "train_batch_size": 16, "flops_profiler": {}}"#).unwrap();
     let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--dry-run"]);
     assert!(ok, "{message}");
-    assert!(message.contains("strategy zero3"), "{message}");
+    assert!(message.contains("strategy full_shard"), "ZeRO stage 3 is full_shard: {message}");
     assert!(message.contains("zero_optimization.stage3_max_live_parameters") && message.contains("flops_profiler"), "{message}");
     std::fs::write(&ds, r#"{"train_batch_size": 12}"#).unwrap();
     let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--dry-run"]);

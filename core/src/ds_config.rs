@@ -8,6 +8,7 @@
 use anyhow::{bail, Context, Result};
 use figment::value::Value;
 use serde_json::Value as Json;
+use crate::registry::Registry;
 use std::path::Path;
 
 /// What a ds_config translates to.
@@ -15,6 +16,8 @@ use std::path::Path;
 pub struct Translation {
     /// Dotted ft config keys and their values.
     pub overrides: Vec<(&'static str, Value)>,
+    /// `zero_optimization.stage`, which picks the strategy that is that stage.
+    pub zero_stage: Option<u8>,
     /// DeepSpeed's `train_batch_size`, checked against ft's global batch once the world size is known.
     pub train_batch_size: Option<usize>,
     /// Fields read but not acted on, each with why.
@@ -55,10 +58,16 @@ const PER_UNIT: [&str; 12] = [
     "round_robin_gradients",
 ];
 
-pub fn read(path: &Path) -> Result<Translation> {
+/// Reads a ds_config; its ZeRO stage selects the registry's strategy of that stage.
+pub fn read(path: &Path, registry: &Registry) -> Result<Translation> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read ds_config {}", path.display()))?;
     let json: Json = serde_json::from_str(&text).with_context(|| format!("ds_config {} is not valid JSON", path.display()))?;
-    translate(&json).with_context(|| format!("in ds_config {}", path.display()))
+    let mut t = translate(&json).with_context(|| format!("in ds_config {}", path.display()))?;
+    if let Some(stage) = t.zero_stage {
+        let strategy = registry.strategy_for_zero_stage(stage)?;
+        t.overrides.push(("train.strategy", strategy.name.clone().into()));
+    }
+    Ok(t)
 }
 
 pub fn translate(json: &Json) -> Result<Translation> {
@@ -110,14 +119,11 @@ fn zero(section: &Json, t: &mut Translation) -> Result<()> {
         let Some(value) = given(value) else { continue };
         match key.as_str() {
             "stage" => {
-                let strategy = match count(value, "zero_optimization.stage")? {
-                    0 => "ddp",
-                    1 => "zero1",
-                    2 => "zero2",
-                    3 => "zero3",
-                    stage => bail!("zero_optimization.stage {stage} does not exist (0 to 3)"),
-                };
-                t.overrides.push(("train.strategy", strategy.into()));
+                let stage = count(value, "zero_optimization.stage")?;
+                if stage > 3 {
+                    bail!("zero_optimization.stage {stage} does not exist (0 to 3)");
+                }
+                t.zero_stage = Some(stage as u8);
             }
             "offload_optimizer" | "offload_param" => {
                 let device = value.get("device").and_then(Json::as_str).unwrap_or("none");
@@ -206,11 +212,11 @@ mod tests {
         let t = translate(&json).unwrap();
         let keys = keys(&t);
         let has = |k: &str| keys.iter().any(|(key, _)| key == k);
-        for k in ["train.batch_size", "train.max_grad_norm", "train.dtype", "train.strategy", "train.offload", "train.lr", "train.adam_beta2", "train.weight_decay", "train.schedule", "train.warmup_steps"] {
+        for k in ["train.batch_size", "train.max_grad_norm", "train.dtype", "train.offload", "train.lr", "train.adam_beta2", "train.weight_decay", "train.schedule", "train.warmup_steps"] {
             assert!(has(k), "{k} missing from {keys:?}");
         }
         assert!(!has("train.grad_accum"), "\"auto\" keeps ft's value");
-        assert!(keys.iter().any(|(k, v)| k == "train.strategy" && v.contains("zero3")), "{keys:?}");
+        assert_eq!(t.zero_stage, Some(3));
         assert_eq!(t.train_batch_size, Some(32));
         let ignored = t.ignored.join("\n");
         for field in ["zero_optimization.offload_optimizer.pin_memory", "zero_optimization.overlap_comm", "zero_optimization.stage3_prefetch_bucket_size", "scheduler.params.total_num_steps", "flops_profiler"] {

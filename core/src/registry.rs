@@ -1,39 +1,14 @@
-//! What `ft` can be composed from, looked up by name. Built-in crates
-//! register with `inventory::submit!`; plug-ins loaded at run time add
-//! entries to the same registry.
+//! What `ft` can be composed from, looked up by name. Each kind's
+//! registration struct lives beside its trait (`StrategyRegistration` in
+//! strategy.rs, …); built-in crates submit theirs with `inventory::submit!`,
+//! and plug-ins loaded at run time add entries to the same registry.
 
-use crate::metrics::MetricsSink;
+use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::model::ModelRegistration;
-use crate::strategy::ShardingStrategy;
-use anyhow::{bail, Result};
+use crate::offload::OffloadRegistration;
+use crate::strategy::{ShardingStrategy, StrategyRegistration};
+use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-
-/// A strategy crate's registration: `inventory::submit! { StrategyRegistration { … } }`.
-pub struct StrategyRegistration {
-    pub name: &'static str,
-    /// Other names that select it (e.g. `zero3` for `full_shard`).
-    pub aliases: &'static [&'static str],
-    pub summary: &'static str,
-    pub create: fn() -> Box<dyn ShardingStrategy>,
-}
-inventory::collect!(StrategyRegistration);
-
-/// A metrics sink's registration; `create` gets the run's output directory
-/// and whether the run resumes (append rather than start anew).
-pub struct SinkRegistration {
-    pub name: &'static str,
-    pub summary: &'static str,
-    pub create: fn(&Path, bool) -> Result<Box<dyn MetricsSink>>,
-}
-inventory::collect!(SinkRegistration);
-
-/// An `Offload`'s registration (`--offload NAME`).
-pub struct OffloadRegistration {
-    pub name: &'static str,
-    pub summary: &'static str,
-    pub create: fn() -> Box<dyn crate::offload::Offload>,
-}
-inventory::collect!(OffloadRegistration);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
@@ -151,6 +126,15 @@ impl Registry {
         })
     }
 
+    /// The built-in strategy that is DeepSpeed's ZeRO stage `stage`.
+    pub fn strategy_for_zero_stage(&self, stage: u8) -> Result<&StrategyEntry> {
+        self.strategies
+            .iter()
+            .filter(|s| s.origin == Origin::BuiltIn)
+            .find(|s| (s.create)().policy().zero_stage() == Some(stage))
+            .with_context(|| format!("no registered strategy is ZeRO stage {stage} (`ft list` shows the strategies)"))
+    }
+
     pub fn models(&self) -> &[&'static ModelRegistration] {
         &self.models
     }
@@ -217,11 +201,11 @@ mod tests {
     }
 
     #[test]
-    fn builtin_sinks_are_registered() {
+    fn builtin_offloads_are_registered_and_misspellings_suggested() {
         let registry = Registry::builtin();
-        assert!(registry.sink("jsonl").is_ok());
-        let err = registry.sink("jsonn").err().unwrap().to_string();
-        assert!(err.contains("did you mean `jsonl`?"), "{err}");
+        assert!((registry.offload("cpu").unwrap().create)().to_host());
+        let err = registry.offload("cpux").err().unwrap().to_string();
+        assert!(err.contains("did you mean `cpu`?"), "{err}");
     }
 
     #[test]

@@ -83,6 +83,23 @@ impl ShardingPolicy {
         }
     }
 
+    /// The DeepSpeed ZeRO stage this policy is, if it is one: over the whole
+    /// world with the run's reduce dtype, stage 0 replicates everything, 1
+    /// shards optimizer state, 2 gradients too (FSDP's SHARD_GRAD_OP), 3
+    /// parameters between uses too (FULL_SHARD).
+    pub fn zero_stage(&self) -> Option<u8> {
+        if self.shard_group != ShardGroup::World || self.reduce_dtype.is_some() {
+            return None;
+        }
+        match (self.params, self.grads, self.optimizer_state_sharded) {
+            (ParamPlacement::Replicated, GradReduction::AllReduce, false) => Some(0),
+            (ParamPlacement::Replicated, GradReduction::AllReduce, true) => Some(1),
+            (ParamPlacement::Replicated | ParamPlacement::Sharded { reshard_after_forward: false }, GradReduction::ReduceScatter, true) => Some(2),
+            (ParamPlacement::Sharded { reshard_after_forward: true }, GradReduction::ReduceScatter, true) => Some(3),
+            _ => None,
+        }
+    }
+
     /// Refuses combinations the mechanism cannot run, saying why.
     pub fn validate(&self, strategy: &str) -> Result<()> {
         let sharded_params = matches!(self.params, ParamPlacement::Sharded { .. });
@@ -95,6 +112,16 @@ impl ShardingPolicy {
         Ok(())
     }
 }
+
+/// A strategy crate's registration: `inventory::submit! { StrategyRegistration { … } }`.
+pub struct StrategyRegistration {
+    pub name: &'static str,
+    /// Other names that select it (e.g. `zero3` for `full_shard`).
+    pub aliases: &'static [&'static str],
+    pub summary: &'static str,
+    pub create: fn() -> Box<dyn ShardingStrategy>,
+}
+inventory::collect!(StrategyRegistration);
 
 pub trait ShardingStrategy: Send + Sync {
     fn name(&self) -> &str;
@@ -136,5 +163,16 @@ mod tests {
         assert!(policy.validate("odd").unwrap_err().to_string().contains("optimizer state must be sharded"));
         let zero3 = ShardingPolicy { optimizer_state_sharded: true, ..policy };
         zero3.validate("zero3").unwrap();
+    }
+
+    #[test]
+    fn zero_stages_follow_deepspeed() {
+        assert_eq!(ShardingPolicy::replicated(false).zero_stage(), Some(0));
+        assert_eq!(ShardingPolicy::replicated(true).zero_stage(), Some(1));
+        assert_eq!(ShardingPolicy::sharded(false, ShardGroup::World).zero_stage(), Some(2));
+        assert_eq!(ShardingPolicy::sharded(true, ShardGroup::World).zero_stage(), Some(3));
+        assert_eq!(ShardingPolicy::sharded(true, ShardGroup::Node).zero_stage(), None, "hybrid is no ZeRO stage");
+        let compute = ShardingPolicy { reduce_dtype: Some(ReduceDtype::Compute), ..ShardingPolicy::replicated(false) };
+        assert_eq!(compute.zero_stage(), None);
     }
 }

@@ -4,8 +4,7 @@
 //! the units before it; with gradient accumulation only the last
 //! micro-batch communicates.
 
-use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "ddp";
 

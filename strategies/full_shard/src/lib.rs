@@ -4,8 +4,7 @@
 //! its backward, and its gradient is reduce-scattered: the least memory, at
 //! two gathers per unit per micro-batch.
 
-use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "full_shard";
 

@@ -4,8 +4,7 @@
 //! its backward is done (one gather per micro-batch), and its gradient is
 //! reduce-scattered.
 
-use ft_core::registry::StrategyRegistration;
-use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy};
+use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "shard_grad_op";
 
