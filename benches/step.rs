@@ -4,11 +4,21 @@
 //! `cargo bench --bench step` (after `source scripts/env.sh`).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use ft_core::model::{lm_loss, Inputs, Model};
-use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
+use ft_core::dataset::Batch;
+use ft_core::model::{Inputs, Model};
+use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss};
+use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_tasks::causal_lm::CausalLmLoss;
 use ft_models::hf;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
+
+/// The causal-LM objective over labels equal to the inputs (ATen's kernels, any device).
+const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten };
+
+fn lm_batch(ids: &Tensor) -> Batch {
+    Batch { inputs: Inputs::ids(ids), targets: vec![ids.shallow_clone()] }
+}
 
 fn fixture(name: &str) -> (Box<dyn Model>, Vec<Vec<Tensor>>, Tensor) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
@@ -23,11 +33,11 @@ fn training_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("train_step");
     for name in ["bloom", "llama-gqa"] {
         let (model, params, ids) = fixture(name);
-        let mut trainer = Trainer::new(model.as_ref(), &params, TrainOptions::default()).unwrap();
+        let mut trainer = TrainerBuilder::new(model.as_ref(), TrainOptions::default()).build(&params).unwrap();
         let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
-                let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
+                let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
                 trainer.step(1e-3).unwrap()
             })
         });

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub struct CommTestArgs {
     #[command(flatten)]
-    pub config: crate::ConfigFile,
+    pub config: crate::args::ConfigFile,
     /// auto, gloo (on the CPU) or nccl (overrides dist.backend).
     #[arg(long)]
     backend: Option<Backend>,
@@ -91,15 +91,7 @@ pub fn run(args: CommTestArgs) -> Result<i32> {
     if rank.rank() == 0 {
         print!("{}", collectives_bench::format_table(&report.rows));
         if let Some(path) = &args.json {
-            let json = serde_json::json!({
-                "tool": "ft",
-                "backend": comm.backend_name(),
-                "world_size": world,
-                "nodes": comm.env().num_nodes(),
-                "warmup": args.warmup,
-                "iters": args.iters,
-                "rows": report.rows,
-            });
+            let json = report.to_json(comm, &options);
             std::fs::write(path, serde_json::to_string_pretty(&json)?).with_context(|| format!("cannot write {}", path.display()))?;
         }
     }

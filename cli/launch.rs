@@ -1,15 +1,8 @@
-//! `ft launch`: what torchrun does for one node. Starts `--nproc-per-node`
-//! workers with torchrun's environment, prefixes their output with the rank,
-//! and when one fails stops the others and exits with its code.
+//! `ft launch`: flags → ft_core::launch.
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Args;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use ft_core::launch::LaunchOptions;
 
 #[derive(Args)]
 pub struct LaunchArgs {
@@ -39,143 +32,7 @@ pub struct LaunchArgs {
     command: Vec<String>,
 }
 
-fn describe(status: ExitStatus) -> (String, i32) {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => (format!("exited with code {code}"), code),
-        (None, Some(signal)) => (format!("was killed by signal {signal}"), 128 + signal),
-        _ => ("ended".into(), 1),
-    }
-}
-
-/// Copies a worker's output line by line, each line prefixed with its rank.
-fn forward(rank: usize, source: impl Read + Send + 'static, to_stderr: bool) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(source);
-        let mut line = Vec::new();
-        while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
-            let text = String::from_utf8_lossy(&line);
-            let text = text.trim_end_matches('\n');
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
-            } else {
-                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
-            }
-            line.clear();
-        }
-    })
-}
-
-/// Signals each worker's whole process group, so that programs a worker
-/// started (and which hold its output pipes) stop with it.
-fn signal_all(children: &mut [(usize, Child)], signal: i32) {
-    for (_, child) in children.iter_mut() {
-        // SAFETY: kill(2) on a process group led by our own child.
-        unsafe { libc::kill(-(child.id() as i32), signal) };
-    }
-}
-
-/// Starts `nproc` local workers running `ft <arguments>` (what `ft train`
-/// does when no launcher started it).
-pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
-    run(LaunchArgs {
-        nproc_per_node: nproc,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: None,
-        grace_secs: 5,
-        exec: false,
-        command: arguments,
-    })
-}
-
 pub fn run(args: LaunchArgs) -> Result<i32> {
-    if args.nproc_per_node == 0 || args.nnodes == 0 {
-        bail!("--nproc-per-node and --nnodes must be at least 1");
-    }
-    if args.node_rank >= args.nnodes {
-        bail!("--node-rank {} must be below --nnodes {}", args.node_rank, args.nnodes);
-    }
-    let master_port = match args.master_port {
-        Some(port) => port,
-        None if args.nnodes == 1 => ft_core::env::free_port()?,
-        None => 29500,
-    };
-    let world_size = args.nproc_per_node * args.nnodes;
-    let (program, program_args) = if args.exec {
-        (std::path::PathBuf::from(&args.command[0]), &args.command[1..])
-    } else {
-        (std::env::current_exe().context("cannot find the ft executable")?, &args.command[..])
-    };
-
-    let stop_requested = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, Arc::clone(&stop_requested))?;
-    }
-
-    let mut children = vec![];
-    let mut forwarders = vec![];
-    for local_rank in 0..args.nproc_per_node {
-        let rank = args.node_rank * args.nproc_per_node + local_rank;
-        let mut command = Command::new(&program);
-        command
-            .args(program_args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
-            .env("MASTER_PORT", master_port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: setpgid and prctl are async-signal-safe. Each worker leads
-        // its own process group (stopped as one), and dies with the launcher,
-        // so a killed launcher never leaves ranks waiting on a dead job.
-        unsafe {
-            command.pre_exec(|| {
-                libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
-        forwarders.push(forward(rank, child.stdout.take().expect("piped"), false));
-        forwarders.push(forward(rank, child.stderr.take().expect("piped"), true));
-        children.push((rank, child));
-    }
-
-    let mut exit_code = 0;
-    let mut stopping_since: Option<Instant> = None;
-    let mut running = children.len();
-    while running > 0 {
-        running = 0;
-        for (rank, child) in children.iter_mut() {
-            match child.try_wait()? {
-                None => running += 1,
-                Some(status) if !status.success() && exit_code == 0 && stopping_since.is_none() => {
-                    let (what, code) = describe(status);
-                    eprintln!("ft launch: rank {rank} {what}; stopping the other ranks");
-                    exit_code = code;
-                    stopping_since = Some(Instant::now());
-                }
-                Some(_) => {}
-            }
-        }
-        if stop_requested.load(Ordering::Relaxed) && stopping_since.is_none() {
-            eprintln!("ft launch: interrupted; stopping all ranks");
-            exit_code = 130;
-            stopping_since = Some(Instant::now());
-        }
-        if let Some(since) = stopping_since {
-            let grace = Duration::from_secs(args.grace_secs);
-            signal_all(&mut children, if since.elapsed() < grace { libc::SIGTERM } else { libc::SIGKILL });
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for handle in forwarders {
-        let _ = handle.join();
-    }
-    Ok(exit_code)
+    let LaunchArgs { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, exec, command } = args;
+    ft_core::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, exec, command })
 }

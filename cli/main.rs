@@ -1,8 +1,9 @@
 //! The `ft` command line: argument parsing and wiring only; the work is in ft-core.
 
+mod args;
 mod bench;
-mod chart;
 mod comm_test;
+mod eval;
 mod launch;
 mod list;
 mod model_commands;
@@ -11,19 +12,32 @@ mod train;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ft_core::{Config, Registry};
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 // The built-in strategies and sinks register themselves with `inventory`;
 // naming the crates links them in.
 use ft_sinks as _;
+use ft_tasks as _;
 use ft_strategy_ddp as _;
 use ft_strategy_full_shard as _;
 use ft_strategy_hybrid_shard as _;
 use ft_strategy_shard_grad_op as _;
 use ft_strategy_zero1 as _;
 
+/// What `ft` alone prints first: where to start.
+const START_HERE: &str = "Start here: `ft train` fine-tunes the embedded demo (a small BLOOM learning to answer \
+questions about invented countries, with its own data and tokenizer, on two CPU ranks, about a minute). \
+Flags without a command are `ft train`'s: `ft --strategy hybrid_shard --offload cpu --model DIR --train-file F`.";
+
 #[derive(Parser)]
-#[command(name = "ft", version, about = "Fine-tune language models on one GPU, many GPUs and many nodes")]
+#[command(
+    name = "ft",
+    version,
+    about = "Fine-tune language models on one GPU, many GPUs and many nodes",
+    before_help = START_HERE,
+    arg_required_else_help = true
+)]
 struct Cli {
     /// Load a strategy plug-in (a cdylib built against this ft-core); repeatable.
     #[arg(long = "plugin", global = true, value_name = "LIB")]
@@ -32,12 +46,21 @@ struct Cli {
     command: Command,
 }
 
-/// The run configuration file, for the subcommands that read one.
-#[derive(clap::Args)]
-pub struct ConfigFile {
-    /// Configuration file (.toml, .yaml or .json); FT_SECTION__KEY variables and flags override it.
-    #[arg(long = "config", env = "FT_CONFIG_FILE")]
-    pub path: Option<PathBuf>,
+/// `ft --strategy x …` is `ft train --strategy x …`: when the first
+/// argument after the global `--plugin LIB` pairs is a flag other than help
+/// or version, the command is `train`.
+fn with_default_command(mut args: Vec<OsString>) -> Vec<OsString> {
+    let mut first = 1;
+    while args.get(first).is_some_and(|a| a == "--plugin") {
+        first += 2;
+    }
+    let is_train_flag = args.get(first).and_then(|a| a.to_str()).is_some_and(|a| {
+        a.starts_with('-') && !matches!(a, "-h" | "--help" | "-V" | "--version") && !a.starts_with("--plugin=")
+    });
+    if is_train_flag {
+        args.insert(first, "train".into());
+    }
+    args
 }
 
 #[derive(Subcommand)]
@@ -46,14 +69,14 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Fine-tune a model (with no arguments: the embedded demo on two CPU ranks).
     Train(train::TrainArgs),
-    /// Evaluate a model: loss, and EM/F1 by greedy generation on SQuAD data.
-    Eval(train::EvalArgs),
+    /// Evaluate a model on its task: loss and scores (e.g. EM/F1 on SQuAD data).
+    Eval(eval::EvalArgs),
     /// Write a checkpoint as a Hugging Face model directory.
-    Export(train::ExportArgs),
+    Export(eval::ExportArgs),
     /// Measure and check collectives (all_reduce, all_gather, reduce_scatter, broadcast).
     CommTest(comm_test::CommTestArgs),
-    /// Show the registered models, strategies and metrics sinks.
-    List(ConfigFile),
+    /// Show what the registry holds: models, tasks, strategies, offloads, sinks, presets.
+    List(args::ConfigFile),
     /// Write a randomly initialised Hugging Face checkpoint of a config.
     InitModel(model_commands::InitModelArgs),
     /// Continue a prompt greedily (KV cache).
@@ -78,7 +101,7 @@ fn main() {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(with_default_command(std::env::args_os().collect()));
     let code = match run(cli) {
         Ok(code) => code,
         Err(error) => {
@@ -103,7 +126,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args, &cli.plugins),
         Command::Train(args) => train::run(args, &cli.plugins),
-        Command::Eval(args) => train::eval(args),
-        Command::Export(args) => train::export(args),
+        Command::Eval(args) => eval::eval(args, &cli.plugins),
+        Command::Export(args) => eval::export(args),
     }
 }

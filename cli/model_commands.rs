@@ -1,31 +1,11 @@
 //! `ft init-model`, `ft generate`, `ft forward`: models from Hugging Face files.
 
 use anyhow::{Context, Result};
-use ft_core::setup::{DType, DeviceSpec};
 use clap::Args;
-use ft_core::model::{self, lm_loss, lm_outputs, logits, Inputs};
-use ft_models::{hf, init};
+use ft_core::setup::{DType, DeviceSpec};
+use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
-
-/// `--config` may be a config.json, a directory holding one, or a hub id in the local cache.
-pub fn read_config_arg(spec: &str) -> Result<serde_json::Value> {
-    let path = Path::new(spec);
-    if path.is_file() {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {spec}"))?;
-        return serde_json::from_str(&text).with_context(|| format!("{spec} is not valid JSON"));
-    }
-    hf::read_config(&hf::resolve(spec)?)
-}
-
-/// Applies `--set KEY=VALUE` (VALUE as JSON, else as a string).
-pub fn apply_overrides(mut config: serde_json::Value, overrides: &[String]) -> Result<serde_json::Value> {
-    for assignment in overrides {
-        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
-        config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
-    }
-    Ok(config)
-}
 
 #[derive(Args)]
 pub struct InitModelArgs {
@@ -49,10 +29,10 @@ pub struct InitModelArgs {
 }
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
-    let config = apply_overrides(read_config_arg(&args.config)?, &args.overrides)?;
+    let config = hf::set_config_keys(hf::ModelSource::resolve(&args.config)?.config, &args.overrides)?;
     let dtype = args.dtype.storage_kind();
     let model = hf::model_from_config(config)?;
-    let params = init::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
+    let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
     hf::save(model.as_ref(), &params, &args.out, dtype)?;
     if let Some(tokenizer) = &args.tokenizer {
         hf::load_tokenizer(tokenizer.parent().unwrap_or(Path::new(".")))?;
@@ -147,24 +127,8 @@ pub fn forward(args: ForwardArgs) -> Result<i32> {
     .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
     let ids = Tensor::from_slice2(&rows).to_device(device);
     let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
-    for tensor in params.iter().flatten() {
-        let _ = tensor.set_requires_grad(args.grads);
-    }
-    let inputs = Inputs::ids(&ids);
-    let ctx = model.context(&inputs, 0, dtype, false)?;
-    let (hidden, weight) = lm_outputs(model::forward(model.as_ref(), &params, &inputs, &ctx, None))?;
-    let loss = lm_loss(&hidden, &weight, &ids, 1024)?;
-    let mut out = vec![("logits".to_string(), logits(&hidden, &weight).detach()), ("loss".to_string(), loss.detach())];
-    if args.grads {
-        loss.backward();
-        for (unit, tensors) in model.units().iter().zip(&params) {
-            for (spec, tensor) in unit.params.iter().zip(tensors) {
-                out.push((format!("grad.{}", spec.hf_name), tensor.grad().to_kind(Kind::Float)));
-            }
-        }
-    }
-    let out: Vec<(String, Tensor)> = out.into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu).contiguous())).collect();
+    let out = ft_core::train::loss::lm_inspection(model.as_ref(), &params, &ids, dtype, args.grads)?;
     Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
-    println!("loss {:.6}", out[1].1.double_value(&[]));
+    println!("loss {:.6}", out.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])));
     Ok(0)
 }

@@ -1,11 +1,21 @@
 //! The unit-by-unit training step against plain autograd and the AdamW formula.
 
-use ft_core::model::{forward, lm_loss, lm_outputs, Inputs, Model};
-use ft_core::train::{lm_head_loss_and_grads, Kernels, TrainOptions, Trainer};
+use ft_core::dataset::Batch;
+use ft_core::model::{forward, lm_outputs, Inputs, Model};
+use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss};
+use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_tasks::causal_lm::CausalLmLoss;
 use ft_models::hf;
 use ft_core::AdamW;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
+
+/// The causal-LM objective over labels equal to the inputs (ATen's kernels, any device).
+const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten };
+
+fn lm_batch(ids: &Tensor) -> Batch {
+    Batch { inputs: Inputs::ids(ids), targets: vec![ids.shallow_clone()] }
+}
 
 fn fixture(name: &str) -> (Box<dyn Model>, Vec<Vec<Tensor>>, Tensor) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
@@ -59,9 +69,9 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
         let (expected_loss, expected) = reference_grads(model.as_ref(), &params, &ids);
         for checkpointing in [false, true] {
             let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
-            let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
+            let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
-            let loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
+            let loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
             assert!((loss.double_value(&[]) - expected_loss).abs() < 1e-5 * expected_loss, "{name}");
             // The accumulated flat gradient, viewed per parameter, equals autograd's.
             for (unit, expected_unit) in trainer.units().iter().zip(&expected) {
@@ -78,9 +88,9 @@ fn adamw_step_follows_the_reference_formula() {
     let (model, params, ids) = fixture("llama");
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, eps: 1e-8 };
     let options = TrainOptions { adamw: hyper, max_grad_norm: None, ..Default::default() };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
+    let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
+    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(hyper.lr).unwrap();
     for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params().unwrap())) {
@@ -101,9 +111,9 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-3 };
     let max_norm = 0.05;
     let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
-    let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
+    let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap();
+    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let norm = trainer.step(hyper.lr).unwrap().double_value(&[]);
     let expected_norm = grads.iter().flatten().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
@@ -126,10 +136,10 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
     let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
     let run = |dtype: Kind, initial_loss_scale: f64, steps: usize| {
         let options = TrainOptions { dtype, adamw: hyper, initial_loss_scale, ..Default::default() };
-        let mut trainer = Trainer::new(model.as_ref(), &params, options).unwrap();
+        let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
         let mut losses = vec![];
         for _ in 0..steps {
-            losses.push(trainer.forward_backward(&Inputs::ids(&ids), &ids, count, true).unwrap().double_value(&[]));
+            losses.push(trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap().double_value(&[]));
             let _norm = trainer.step(hyper.lr).unwrap();
         }
         (losses, trainer.loss_scale(), trainer.params().unwrap())

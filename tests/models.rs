@@ -2,7 +2,8 @@
 //! (tiny BLOOM, OPT, Llama and GQA-Llama), and every loading error's message.
 
 use ft_core::generate::greedy;
-use ft_core::model::{forward, lm_loss, lm_outputs, Inputs, logits, Model};
+use ft_core::model::{forward, lm_outputs, Inputs, Model};
+use ft_core::train::loss::{lm_loss, logits};
 use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};

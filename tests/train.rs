@@ -265,7 +265,7 @@ fn export_and_eval_reproduce_the_run() {
     assert!(output.status.success(), "{log}");
     let reported: f64 = log.split("eval loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
     assert!((reported - last_eval_loss).abs() < 1e-4, "{reported} vs {last_eval_loss}");
-    assert!(log.contains("EM ") && log.contains("F1 "), "{log}");
+    assert!(log.contains(", em ") && log.contains(", f1 "), "{log}");
     assert!(dir.path().join("eval/predictions.json").exists());
 }
 

@@ -5,7 +5,8 @@
 //! fsynced, then renamed into place, so a crash at any moment leaves the last
 //! complete checkpoint as it was; readers never see a partial one.
 
-use crate::train::Trainer;
+use crate::flat::unflatten;
+use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -17,10 +18,17 @@ pub const FORMAT_VERSION: u32 = 1;
 /// What each unit stores, in `State::units` order.
 const STATE_KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
+/// A unit's name and size: what a checkpoint must match to load into a model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitLayout {
     pub name: String,
     pub numel: i64,
+}
+
+impl UnitLayout {
+    pub fn of(model: &dyn Model) -> Vec<UnitLayout> {
+        model.units().iter().map(|u| UnitLayout { name: u.name.clone(), numel: u.numel() }).collect()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -170,34 +178,34 @@ pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) ->
     Ok(())
 }
 
-/// Restores the trainer from checkpoint `dir` (written by `save`).
-pub fn load_into(dir: &Path, trainer: &mut Trainer) -> Result<Manifest> {
+/// What a checkpoint restores: per unit the whole fp32 [master, exp_avg,
+/// exp_avg_sq] as `State` saved them, and AdamW's step count.
+pub struct SavedState {
+    pub units: Vec<Vec<Tensor>>,
+    pub adamw_step: Tensor,
+}
+
+/// Reads checkpoint `dir` (written by `save`) for `model`.
+pub fn read_state(dir: &Path, model: &dyn Model) -> Result<(Manifest, SavedState)> {
     let manifest = read_manifest(dir)?;
-    check_layout(&manifest, &trainer.layout(), dir)?;
+    check_layout(&manifest, &UnitLayout::of(model), dir)?;
     let path = dir.join("state.safetensors");
-    let tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+    let mut tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
         .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
         .into_iter()
         .collect();
-    let get = |name: &str| tensors.get(name).with_context(|| format!("{} has no tensor {name}", path.display()));
-    let mut restored = vec![];
-    for index in 0..trainer.units().len() {
-        let state: Vec<Tensor> = STATE_KINDS
-            .iter()
-            .map(|kind| get(&format!("unit{index}.{kind}")).map(Tensor::shallow_clone))
-            .collect::<Result<_>>()?;
-        restored.push(state);
-    }
-    trainer.restore(&restored, get("adamw.step")?, manifest.micro_steps)?;
-    Ok(manifest)
+    let mut take = |name: &str| tensors.remove(name).with_context(|| format!("{} has no tensor {name}", path.display()));
+    let units = (0..model.units().len())
+        .map(|index| STATE_KINDS.iter().map(|kind| take(&format!("unit{index}.{kind}"))).collect::<Result<Vec<_>>>())
+        .collect::<Result<Vec<_>>>()?;
+    let adamw_step = take("adamw.step")?;
+    Ok((manifest, SavedState { units, adamw_step }))
 }
 
 /// The model parameters (fp32, shaped per `model`'s units) stored in checkpoint `dir`.
-pub fn load_params(dir: &Path, model: &dyn crate::model::Model) -> Result<Vec<Vec<Tensor>>> {
+pub fn load_params(dir: &Path, model: &dyn Model) -> Result<Vec<Vec<Tensor>>> {
     let manifest = read_manifest(dir)?;
-    let expected: Vec<UnitLayout> =
-        model.units().iter().map(|u| UnitLayout { name: u.name.clone(), numel: u.numel() }).collect();
-    check_layout(&manifest, &expected, dir)?;
+    check_layout(&manifest, &UnitLayout::of(model), dir)?;
     let path = dir.join("state.safetensors");
     let mut tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
         .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
@@ -210,7 +218,7 @@ pub fn load_params(dir: &Path, model: &dyn crate::model::Model) -> Result<Vec<Ve
         .map(|(index, spec)| {
             let name = format!("unit{index}.master");
             let flat = tensors.remove(&name).with_context(|| format!("{} has no tensor {name}", path.display()))?;
-            Ok(crate::train::unflatten(spec, &flat))
+            Ok(unflatten(spec, &flat))
         })
         .collect()
 }

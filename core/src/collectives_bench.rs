@@ -329,6 +329,21 @@ pub fn run_job(comm: &Communicator, options: &CommTestOptions, dtypes: &[Kind], 
     Ok(JobReport { rows, failures_on_any_rank: failures.double_value(&[]) as usize })
 }
 
+impl JobReport {
+    /// The report as `ft comm-test --json` writes it (`bench/peers/comm_bench.py` writes the same).
+    pub fn to_json(&self, comm: &Communicator, options: &CommTestOptions) -> serde_json::Value {
+        serde_json::json!({
+            "tool": "ft",
+            "backend": comm.backend_name(),
+            "world_size": comm.env().world_size,
+            "nodes": comm.env().num_nodes(),
+            "warmup": options.warmup,
+            "iters": options.iters,
+            "rows": self.rows,
+        })
+    }
+}
+
 pub fn format_table(rows: &[CommTestRow]) -> String {
     let mut out = format!(
         "{:<15} {:<10} {:>10} {:>12} {:>5} {:>12} {:>12} {:>12} {:>6}\n",

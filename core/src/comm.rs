@@ -263,6 +263,30 @@ impl Communicator {
         self.groups.timeout
     }
 
+    /// Sums `values` over every rank (collective); every rank gets the sums.
+    pub fn sum_over_ranks(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let mut t = Tensor::from_slice(values).to_device(self.device);
+        self.world.all_reduce(&mut t, Reduction::Sum)?.wait()?;
+        Ok(Vec::<f64>::try_from(t.to_device(Device::Cpu))?)
+    }
+
+    /// Every rank's `bytes`, in rank order, on every rank (collective): the
+    /// lengths first, then the bytes padded to the longest.
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let world = self.env.world_size;
+        let mut lengths = vec![0.0; world];
+        lengths[self.env.rank] = bytes.len() as f64;
+        let lengths: Vec<usize> = self.sum_over_ranks(&lengths)?.into_iter().map(|l| l as usize).collect();
+        let longest = lengths.iter().copied().max().unwrap_or(0).max(1);
+        let mut mine = bytes.to_vec();
+        mine.resize(longest, 0);
+        let input = Tensor::from_slice(&mine).to_device(self.device);
+        let mut output = Tensor::empty([(longest * world) as i64], (tch::Kind::Uint8, self.device));
+        self.world.all_gather_into_tensor(&mut output, &input)?.wait()?;
+        let all = Vec::<u8>::try_from(output.to_device(Device::Cpu))?;
+        Ok(all.chunks(longest).zip(lengths).map(|(chunk, len)| chunk[..len].to_vec()).collect())
+    }
+
     /// Splits the world into disjoint groups; every rank calls this with the
     /// same partition and gets back the group it belongs to.
     pub fn split(&self, name: &str, partition: &[Vec<usize>]) -> Result<ProcessGroup> {

@@ -1,7 +1,8 @@
-//! The run's configuration, layered with figment:
-//! defaults ← config file (TOML, YAML or JSON) ← `FT_*` environment ← command-line flags.
-//! Unknown keys are errors that name the key, where it came from, and the
-//! closest known key.
+//! The run's configuration, layered with figment: defaults ← a preset
+//! (when `model.source` names one, e.g. the embedded demo) ← config file
+//! (TOML, YAML or JSON) ← `FT_*` environment ← command-line flags. Unknown
+//! keys are errors that name the key, where it came from, and the closest
+//! known key; `task.*` keys belong to the task, which checks them.
 
 use crate::comm::Backend;
 use crate::setup::{DType, DeviceSpec};
@@ -21,25 +22,48 @@ pub struct Config {
     pub train: TrainConfig,
     pub output: OutputConfig,
     pub launch: LaunchConfig,
+    pub task: TaskConfig,
 }
 
 /// The model to fine-tune.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// A Hugging Face model directory, a hub id in the local cache, a
-    /// config.json (random weights), or "demo" (the embedded example).
+    /// config.json (random weights), or a preset's name (`ft list`); by
+    /// default the default preset (the embedded demo).
     pub source: String,
 }
 
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig { source: DEMO.into() }
-    }
+/// What the run trains: a task by name (`ft list`), by default the one
+/// registered for the model's head, and the task's own keys, which the task
+/// reads and checks (e.g. `task.max_new_tokens`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct TaskConfig {
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub options: serde_json::Map<String, serde_json::Value>,
 }
 
-/// The name that selects the embedded demo (model, data and tokenizer).
-pub const DEMO: &str = "demo";
+/// Settings a plug-in bundles under a model name (the embedded demo): they
+/// apply between the defaults and the user's layers when `model.source` is
+/// that name; the `default` preset is the model when none is set.
+pub struct PresetRegistration {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub default: bool,
+    pub values: fn() -> serde_json::Value,
+}
+inventory::collect!(PresetRegistration);
+
+/// The preset `model.source` names (or the default preset when it is unset).
+pub fn preset(source: Option<&str>) -> Option<&'static PresetRegistration> {
+    inventory::iter::<PresetRegistration>.into_iter().find(|p| match source {
+        Some(name) => p.name == name,
+        None => p.default,
+    })
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -54,9 +78,6 @@ pub struct DataConfig {
     /// Use the first N training examples (None: all).
     pub train_samples: Option<usize>,
     pub eval_samples: Option<usize>,
-    /// Keep SQuAD v2's unanswerable questions (their target is the empty answer).
-    pub include_unanswerable: bool,
-    pub shuffle: bool,
     /// Round padded lengths up to a multiple of this (default: 64 on GPU, 1 on CPU).
     pub pad_to_multiple_of: Option<usize>,
 }
@@ -70,8 +91,6 @@ impl Default for DataConfig {
             max_seq_len: 512,
             train_samples: None,
             eval_samples: None,
-            include_unanswerable: false,
-            shuffle: true,
             pad_to_multiple_of: None,
         }
     }
@@ -105,8 +124,6 @@ pub struct TrainConfig {
     pub seed: u64,
     pub activation_checkpointing: bool,
     pub loss_chunk_tokens: i64,
-    /// Longest generated answer for EM/F1.
-    pub eval_max_new_tokens: usize,
     /// Optimizer steps between progress/metrics records.
     pub log_every: usize,
     /// Optimizer steps between checkpoints (0: none).
@@ -127,6 +144,9 @@ pub struct TrainConfig {
     /// Optimizer steps [first, last] (counted from 1, as in the metrics) that
     /// rank 0 records with PyTorch's profiler into `<output.dir>/profile/`.
     pub profile_steps: Option<[usize; 2]>,
+    /// The GPU's dense peak TFLOP/s in the compute dtype, for MFU (default:
+    /// ft's table by GPU name; MFU is n/a for a GPU not in it).
+    pub peak_tflops: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -150,7 +170,6 @@ impl Default for TrainConfig {
             seed: 42,
             activation_checkpointing: false,
             loss_chunk_tokens: 1024,
-            eval_max_new_tokens: 32,
             log_every: 1,
             save_every: 0,
             save_total_limit: 2,
@@ -160,6 +179,7 @@ impl Default for TrainConfig {
             reduce_dtype: crate::strategy::ReduceDtype::Fp32,
             offload: "none".into(),
             profile_steps: None,
+            peak_tflops: None,
         }
     }
 }
@@ -189,18 +209,6 @@ impl Default for LaunchConfig {
     fn default() -> Self {
         LaunchConfig { nproc_per_node: 1 }
     }
-}
-
-/// The embedded demo's settings, between the defaults and the user's layers:
-/// a small BLOOM learning to answer questions about invented countries on
-/// two CPU ranks in a couple of minutes.
-fn demo_preset() -> serde_json::Value {
-    serde_json::json!({
-        "data": {"max_seq_len": 96},
-        "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "warmup_ratio": 0.05, "weight_decay": 0.01,
-                  "eval_max_new_tokens": 8, "seed": 0},
-        "launch": {"nproc_per_node": 2},
-    })
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -234,11 +242,33 @@ impl Config {
 
     fn load_with_env(file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Config> {
         let user = Config::layers(Figment::new(), file, overrides, env.clone())?;
-        let base = Figment::from(Serialized::defaults(Config::default()));
-        let demo = user.extract_inner::<String>("model.source").map(|s| s == DEMO).unwrap_or(true);
-        let base = if demo { base.merge(Serialized::defaults(demo_preset())) } else { base };
+        let mut base = Figment::from(Serialized::defaults(Config::default()));
+        let source = user.extract_inner::<String>("model.source").ok();
+        if let Some(preset) = preset(source.as_deref()) {
+            base = base.merge(Serialized::defaults(serde_json::json!({"model": {"source": preset.name}})));
+            base = base.merge(Serialized::defaults((preset.values)()));
+        }
         let figment = Config::layers(base, file, overrides, env)?;
         figment.extract().map_err(|e| anyhow::anyhow!(describe(e)))
+    }
+
+    /// One line saying what a run of `world` ranks will do (`ft train --dry-run`).
+    pub fn plan(&self, world: usize) -> String {
+        let t = &self.train;
+        format!(
+            "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+            t.strategy,
+            t.batch_size,
+            t.grad_accum,
+            t.batch_size * t.grad_accum * world,
+            t.epochs,
+            self.output.dir.display()
+        )
+    }
+
+    /// Whether `model.source` is a preset (which brings its own model and data).
+    pub fn uses_preset(&self) -> bool {
+        preset(Some(&self.model.source)).is_some()
     }
 
     /// The user's layers over `figment`: file, then environment, then flags.
@@ -276,7 +306,7 @@ fn describe(error: figment::Error) -> String {
             figment::error::Kind::UnknownField(field, expected) => {
                 // figment's path already ends with the unknown field.
                 let path = e.path.clone();
-                let suggestion = crate::registry::did_you_mean(field, expected);
+                let suggestion = crate::names::did_you_mean(field, expected);
                 format!(
                     "unknown config key `{}`{location}{suggestion} (known keys here: {})",
                     path.join("."),
@@ -319,15 +349,32 @@ mod tests {
         assert_eq!(Config::load_with_env(Some(&path), &[], env).unwrap().dist.timeout_secs, 7);
     }
 
+    inventory::submit! {
+        PresetRegistration {
+            name: "config-test-preset",
+            summary: "",
+            default: false,
+            values: || serde_json::json!({"train": {"epochs": 6, "lr": 2e-3}, "launch": {"nproc_per_node": 2}, "task": {"max_new_tokens": 8}}),
+        }
+    }
+
     #[test]
-    fn the_demo_preset_sits_under_the_user_layers() {
-        let config = Config::load_with_env(None, &[], no_env()).unwrap();
-        assert_eq!((config.model.source.as_str(), config.launch.nproc_per_node, config.train.lr), (DEMO, 2, 2e-3));
-        let config = Config::load_with_env(None, &[("train.lr", 0.5.into())], no_env()).unwrap();
+    fn a_preset_sits_under_the_user_layers() {
+        let named = |more: &[(&str, Value)]| {
+            let mut overrides = vec![("model.source", Value::from("config-test-preset"))];
+            overrides.extend(more.iter().cloned());
+            Config::load_with_env(None, &overrides, no_env()).unwrap()
+        };
+        let config = named(&[]);
+        assert_eq!((config.launch.nproc_per_node, config.train.lr), (2, 2e-3));
+        assert_eq!(config.task.options["max_new_tokens"], 8);
+        assert!(config.uses_preset());
+        let config = named(&[("train.lr", 0.5.into())]);
         assert_eq!((config.train.lr, config.train.epochs), (0.5, 6));
-        // A real model gets the ordinary defaults, not the demo's.
+        // A real model gets the ordinary defaults, not the preset's.
         let config = Config::load_with_env(None, &[("model.source", "some/model".into())], no_env()).unwrap();
         assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
+        assert!(!config.uses_preset());
     }
 
     #[test]

@@ -1,17 +1,20 @@
-//! Training examples as token ids, ready for a causal language model.
+//! A task's examples as the loop sees them: indexable (so the loop can
+//! shuffle, split over ranks and cut micro-batches without knowing what an
+//! example is), each weighed in the loss and counted in tokens, collated
+//! into device batches. Tasks implement it (task.rs).
 
+use crate::model::Inputs;
 use anyhow::Result;
+use tch::{Device, Tensor};
 
-/// One tokenised example. `labels[i]` is the target for position i, or
-/// `IGNORE_INDEX` where no loss is taken (prompt tokens, padding).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Example {
-    pub input_ids: Vec<i64>,
-    pub labels: Vec<i64>,
+/// One collated micro-batch, on the device.
+pub struct Batch {
+    pub inputs: Inputs,
+    /// What the objective compares the head's outputs with, as the task
+    /// defines it (a causal LM's labels [batch, seq]; QA's start and end
+    /// positions [batch]).
+    pub targets: Vec<Tensor>,
 }
-
-/// The label that cross-entropy skips (PyTorch's and Hugging Face's convention).
-pub const IGNORE_INDEX: i64 = -100;
 
 pub trait Dataset: Send + Sync {
     fn len(&self) -> usize;
@@ -20,5 +23,16 @@ pub trait Dataset: Send + Sync {
         self.len() == 0
     }
 
-    fn get(&self, index: usize) -> Result<Example>;
+    /// Non-padding input tokens of example `index`: what throughput and MFU count.
+    fn tokens(&self, index: usize) -> usize;
+
+    /// Example `index`'s share of its global batch's loss: the loss is a
+    /// mean over the global batch's total weight, whatever the micro-batches
+    /// and ranks (a causal LM weighs an example by its target tokens, span
+    /// prediction by 1).
+    fn loss_weight(&self, index: usize) -> usize;
+
+    /// Examples `indices` as one padded batch on `device`.
+    fn collate(&self, indices: &[usize], device: Device) -> Result<Batch>;
 }
+

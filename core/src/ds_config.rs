@@ -8,6 +8,7 @@
 use anyhow::{bail, Context, Result};
 use figment::value::Value;
 use serde_json::Value as Json;
+use crate::config::TrainConfig;
 use crate::registry::Registry;
 use std::path::Path;
 
@@ -22,6 +23,27 @@ pub struct Translation {
     pub train_batch_size: Option<usize>,
     /// Fields read but not acted on, each with why.
     pub ignored: Vec<String>,
+}
+
+impl Translation {
+    /// Reports (on the rank that `reports`) the fields not acted on, and
+    /// refuses a `train_batch_size` that is not micro-batch × accumulation × ranks.
+    pub fn check(&self, train: &TrainConfig, world: usize, reports: bool) -> Result<()> {
+        if reports {
+            for field in &self.ignored {
+                tracing::warn!("ds_config field not used: {field}");
+            }
+        }
+        let global = train.batch_size * train.grad_accum * world;
+        match self.train_batch_size {
+            Some(expected) if expected != global => bail!(
+                "ds_config train_batch_size {expected} != micro-batch {} x grad_accum {} x {world} ranks = {global}",
+                train.batch_size,
+                train.grad_accum
+            ),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// DeepSpeed lets most numbers be "auto" (filled in by the HF integration): keep ft's value.

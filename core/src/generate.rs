@@ -1,6 +1,7 @@
 //! Greedy decoding with a KV cache: the prompt runs once, then one token a step.
 
-use crate::model::{forward, lm_outputs, logits, Inputs, KvCache, Model, StageKind};
+use crate::model::{forward, lm_outputs, Inputs, KvCache, Model, StageKind};
+use crate::train::loss::logits;
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
@@ -16,6 +17,9 @@ pub fn greedy(
 ) -> Result<Vec<i64>> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
+    }
+    if model.head_kind() != crate::model::head::CAUSAL_LM {
+        bail!("greedy generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
     let device = params[0][0].device();
     let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();

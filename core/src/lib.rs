@@ -1,12 +1,15 @@
-//! `ft-core`: the traits a fine-tuning run is composed of (`Model`, `Dataset`,
-//! `ShardingStrategy`, `Offload`, `MetricsSink`), the registry that finds
-//! them by name, the configuration, and the communicator over PyTorch's c10d.
+//! `ft-core`: the traits a fine-tuning run is composed of (`Model`, `Task`
+//! and its `Dataset` and `Objective`, `ShardingStrategy`, `Offload`,
+//! `MetricsSink`), the registry that finds them by name, the configuration,
+//! the communicator over PyTorch's c10d, the training engine (`train/`) and
+//! the loop (`fit/`). docs/ARCHITECTURE.md maps them.
 
+pub mod batches;
+pub mod bench;
 pub mod checkpoint;
-pub mod comm;
 pub mod collectives_bench;
+pub mod comm;
 pub mod config;
-pub mod data;
 pub mod dataset;
 pub mod ds_config;
 pub mod env;
@@ -14,8 +17,10 @@ pub mod fit;
 pub mod flat;
 pub mod generate;
 pub mod gpu;
+pub mod launch;
 pub mod metrics;
 pub mod model;
+pub mod names;
 pub mod offload;
 pub mod plugin;
 pub mod profile;
@@ -23,6 +28,7 @@ pub mod registry;
 pub mod schedule;
 pub mod setup;
 pub mod strategy;
+pub mod task;
 pub mod train;
 
 /// AdamW's hyper-parameters (the fused step itself is in the shim).
@@ -35,10 +41,11 @@ pub use ft_sys::set_cpu_threads;
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
 pub use config::Config;
-pub use dataset::{Dataset, Example};
+pub use dataset::{Batch, Dataset};
 pub use env::DistEnv;
 pub use metrics::MetricsSink;
 pub use model::Model;
 pub use offload::Offload;
 pub use registry::Registry;
 pub use strategy::ShardingStrategy;
+pub use task::{Objective, Task};

@@ -9,7 +9,7 @@
 //! accumulates over both uses.
 
 use anyhow::{bail, Result};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -189,6 +189,31 @@ impl Layout {
     }
 }
 
+/// Fresh parameters for every unit of `model` as its specs ask (linear and
+/// embedding weights N(0, std), biases zero, norms one — transformers'
+/// `_init_weights`), seeded for reproducibility.
+pub fn init_params(model: &dyn Model, seed: i64, dtype: Kind, device: Device) -> Vec<Vec<Tensor>> {
+    tch::manual_seed(seed);
+    model
+        .units()
+        .iter()
+        .map(|unit| {
+            unit.params
+                .iter()
+                .map(|spec| {
+                    let options = (Kind::Float, device);
+                    let tensor = match spec.init {
+                        Init::Normal { std } => Tensor::randn(&spec.shape, options) * std,
+                        Init::Zeros => Tensor::zeros(&spec.shape, options),
+                        Init::Ones => Tensor::ones(&spec.shape, options),
+                    };
+                    tensor.to_kind(dtype)
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// What a head stage returns, by the name of its kind (`Model::head_kind`);
 /// a task checks the model has the head it trains.
 pub mod head {
@@ -280,47 +305,6 @@ pub fn lm_outputs(outputs: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
         Ok([hidden, weight]) => Ok((hidden, weight)),
         Err(outputs) => bail!("a causal LM head returns [hidden, weight], this one returned {} tensors", outputs.len()),
     }
-}
-
-/// Mean next-token cross-entropy over labels that are not `IGNORE_INDEX`,
-/// with `labels` aligned to the inputs (shifted here, as Hugging Face does).
-/// Logits exist `chunk` tokens at a time, in fp32 only for the chunk.
-pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<Tensor> {
-    let (sum, count) = lm_loss_sum(hidden, weight, labels, chunk)?;
-    Ok(sum / count.clamp_min(1.0))
-}
-
-/// The summed next-token cross-entropy and the number of target tokens.
-pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<(Tensor, Tensor)> {
-    let (batch, seq, dim) = hidden.size3()?;
-    if labels.size() != [batch, seq] {
-        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
-    }
-    let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
-    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
-    let count = targets.ne(crate::dataset::IGNORE_INDEX).sum(Kind::Float);
-    let tokens = targets.size()[0];
-    let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
-    let mut start = 0;
-    while start < tokens {
-        let len = chunk.min(tokens - start);
-        let logits = hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float);
-        let sum = logits.cross_entropy_loss::<Tensor>(
-            &targets.narrow(0, start, len),
-            None,
-            tch::Reduction::Sum,
-            crate::dataset::IGNORE_INDEX,
-            0.0,
-        );
-        total += sum;
-        start += len;
-    }
-    Ok((total, count))
-}
-
-/// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
-pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
-    hidden.matmul(&weight.tr()).to_kind(Kind::Float)
 }
 
 /// SwiGLU's gating, silu(gate) · up, as one autograd node that keeps only

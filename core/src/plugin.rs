@@ -92,6 +92,17 @@ fn field(value: *const c_char, name: &str, path: &Path) -> Result<String> {
     Ok(unsafe { CStr::from_ptr(value) }.to_string_lossy().into_owned())
 }
 
+impl Registry {
+    /// The built-in registry plus what the plug-ins at `paths` register.
+    pub fn with_plugins(paths: &[PathBuf]) -> Result<Registry> {
+        let mut registry = Registry::builtin();
+        for path in paths {
+            load(path, &mut registry)?;
+        }
+        Ok(registry)
+    }
+}
+
 /// Loads the plug-in at `path` and adds its strategies to `registry`.
 /// The library stays loaded for the life of the process (its code backs
 /// the strategies it registered).

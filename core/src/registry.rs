@@ -4,9 +4,11 @@
 //! and plug-ins loaded at run time add entries to the same registry.
 
 use crate::metrics::{MetricsSink, SinkRegistration};
+use crate::names::unknown;
 use crate::model::ModelRegistration;
 use crate::offload::OffloadRegistration;
 use crate::strategy::{ShardingStrategy, StrategyRegistration};
+use crate::task::TaskRegistration;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -49,6 +51,7 @@ pub struct Registry {
     sinks: Vec<SinkEntry>,
     models: Vec<&'static ModelRegistration>,
     offloads: Vec<&'static OffloadRegistration>,
+    tasks: Vec<&'static TaskRegistration>,
 }
 
 impl Registry {
@@ -78,18 +81,11 @@ impl Registry {
         registry.models.sort_by_key(|m| m.model_type);
         registry.offloads = inventory::iter::<OffloadRegistration>.into_iter().collect();
         registry.offloads.sort_by_key(|o| o.name);
+        registry.tasks = inventory::iter::<TaskRegistration>.into_iter().collect();
+        registry.tasks.sort_by_key(|t| t.name);
         registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
         registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
         registry
-    }
-
-    /// The built-in registry plus what the plug-ins at `paths` register.
-    pub fn with_plugins(paths: &[PathBuf]) -> Result<Registry> {
-        let mut registry = Registry::builtin();
-        for path in paths {
-            crate::plugin::load(path, &mut registry)?;
-        }
-        Ok(registry)
     }
 
     pub fn strategies(&self) -> &[StrategyEntry] {
@@ -157,30 +153,27 @@ impl Registry {
         })
     }
 
+    pub fn tasks(&self) -> &[&'static TaskRegistration] {
+        &self.tasks
+    }
+
+    /// The task named `name`, or (None) the one registered for `head_kind`.
+    pub fn task(&self, name: Option<&str>, head_kind: &str) -> Result<&'static TaskRegistration> {
+        let names: Vec<&str> = self.tasks.iter().map(|t| t.name).collect();
+        match name {
+            Some(name) => self.tasks.iter().copied().find(|t| t.name == name).ok_or_else(|| unknown("task", name, &names)),
+            None => self.tasks.iter().copied().find(|t| t.head_kind == head_kind).with_context(|| {
+                format!("no registered task trains a {head_kind} head (registered: {}); choose one with --task", names.join(", "))
+            }),
+        }
+    }
+
     pub fn sink(&self, name: &str) -> Result<&SinkEntry> {
         self.sinks.iter().find(|s| s.name == name).ok_or_else(|| {
             let names: Vec<&str> = self.sinks.iter().map(|s| s.name.as_str()).collect();
             unknown("metrics sink", name, &names)
         })
     }
-}
-
-/// "; did you mean `full_shard`?" when one of `known` is close to `name`.
-pub(crate) fn did_you_mean(name: &str, known: &[&str]) -> String {
-    known
-        .iter()
-        .map(|k| (strsim::jaro_winkler(name, k), *k))
-        .filter(|(score, _)| *score > 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, k)| format!("; did you mean `{k}`?"))
-        .unwrap_or_default()
-}
-
-/// "unknown strategy `ful_shard`; did you mean `full_shard`? (registered: …)"
-fn unknown(what: &str, name: &str, known: &[&str]) -> anyhow::Error {
-    let suggestion = did_you_mean(name, known);
-    let known = if known.is_empty() { "none".to_string() } else { known.join(", ") };
-    anyhow::anyhow!("unknown {what} `{name}`{suggestion} (registered: {known}; `ft list` shows them)")
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
 use crate::env::DistEnv;
+use crate::registry::Registry;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -151,6 +152,47 @@ pub fn backend_for(configured: Backend, device: Device) -> Result<Backend> {
         (Backend::Gloo, Device::Cuda(_)) => bail!("dist.backend gloo cannot reduce this rank's GPU tensors: use nccl or auto"),
         (backend, _) => backend,
     })
+}
+
+/// Refuses a configuration a run cannot start with, naming the key; the
+/// names it holds (strategy, offload, sinks, task) are looked up in `registry`.
+pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
+    let t = &config.train;
+    if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
+        bail!("train.epochs, train.batch_size and train.grad_accum must be at least 1");
+    }
+    // Written to refuse NaN too.
+    if t.lr.is_nan() || t.lr <= 0.0 {
+        bail!("train.lr must be positive (got {})", t.lr);
+    }
+    if config.data.max_seq_len < 8 {
+        bail!("data.max_seq_len must be at least 8 (got {})", config.data.max_seq_len);
+    }
+    if !config.uses_preset() && config.data.train.is_none() {
+        bail!("set data.train (--train-file) to train {}; only a preset (`ft list`) brings its own data", config.model.source);
+    }
+    if t.initial_loss_scale.is_nan() || t.initial_loss_scale < 1.0 {
+        bail!("train.initial_loss_scale must be at least 1 (got {})", t.initial_loss_scale);
+    }
+    if let Some(peak) = t.peak_tflops.filter(|p| p.is_nan() || *p <= 0.0) {
+        bail!("train.peak_tflops must be positive (got {peak})");
+    }
+    for sink in &config.output.sinks {
+        registry.sink(sink)?;
+    }
+    let strategy = registry.strategy(&t.strategy)?;
+    (strategy.create)().policy().validate(&strategy.name)?;
+    registry.offload(&t.offload)?;
+    if let Some(name) = &config.task.name {
+        let task = registry.task(Some(name), "")?;
+        (task.check_options)(&serde_json::Value::Object(config.task.options.clone()))?;
+    }
+    if let Some([first, last]) = t.profile_steps {
+        if first == 0 || first > last {
+            bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");
+        }
+    }
+    Ok(())
 }
 
 /// One worker process of a job: who it is, where it computes, in which

@@ -1,8 +1,10 @@
-//! The embedded demo: a question-answering set about invented countries,
-//! generated from a seed (so the answers must be read from the context, not
-//! remembered: evaluation countries never occur in training), written as
-//! SQuAD v2.0 JSON, and a byte-level BPE tokenizer trained on it with the
-//! `tokenizers` crate. Nothing is downloaded.
+//! The embedded demo, all in one place: a question-answering set about
+//! invented countries, generated from a seed (so the answers must be read
+//! from the context, not remembered: evaluation countries never occur in
+//! training), written as SQuAD v2.0 JSON; a byte-level BPE tokenizer trained
+//! on it with the `tokenizers` crate; the small BLOOM it fine-tunes; and the
+//! settings it runs with (a preset, the default model of `ft train`).
+//! Nothing is downloaded.
 
 use anyhow::{Context, Result};
 use rand::seq::SliceRandom;
@@ -14,6 +16,8 @@ use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, TokenizerBuilder};
 
+/// The demo's `model.source`.
+pub const NAME: &str = "demo";
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 const TOKENIZER_VOCAB: usize = 800;
 
@@ -114,6 +118,57 @@ pub fn write(dir: &Path, train_paragraphs: usize, eval_paragraphs: usize, seed: 
     tokenizer.train(&mut trainer, corpus.iter()).map_err(anyhow::Error::msg)?;
     tokenizer.save(&files.tokenizer, false).map_err(anyhow::Error::msg)?;
     Ok(files)
+}
+
+/// The demo's files as `ft train` uses them: 400 training and 40
+/// evaluation paragraphs (about 1,600 and 160 questions).
+pub fn prepare(dir: &Path, seed: u64) -> Result<DemoFiles> {
+    write(dir, 400, 40, seed)
+}
+
+/// Points `config`'s data and tokenizer at the demo files in `dir` (where
+/// the user set none) and returns the demo model's config.json.
+pub fn configure(config: &mut ft_core::Config, dir: &Path) -> Result<serde_json::Value> {
+    let data = &mut config.data;
+    data.train.get_or_insert_with(|| dir.join("demo-train.json"));
+    data.eval.get_or_insert_with(|| dir.join("demo-eval.json"));
+    let tokenizer = data.tokenizer.get_or_insert_with(|| dir.join("tokenizer.json"));
+    let vocab = tokenizers::Tokenizer::from_file(&*tokenizer)
+        .map_err(|e| anyhow::anyhow!("cannot load the demo tokenizer {}: {e}", tokenizer.display()))?
+        .get_vocab_size(true);
+    Ok(model_config(vocab))
+}
+
+/// The demo's model: a small BLOOM sized to the demo tokenizer's `vocab`.
+pub fn model_config(vocab: usize) -> serde_json::Value {
+    json!({
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom",
+        "hidden_size": 128, "n_layer": 4, "n_head": 4, "vocab_size": vocab,
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "apply_residual_connection_post_layernorm": false, "hidden_dropout": 0.0, "attention_dropout": 0.0
+    })
+}
+
+/// The demo's settings, between the defaults and the user's layers: the
+/// small BLOOM learning to answer questions about invented countries on two
+/// CPU ranks in a couple of minutes.
+fn preset() -> serde_json::Value {
+    json!({
+        "data": {"max_seq_len": 96},
+        "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "warmup_ratio": 0.05, "weight_decay": 0.01, "seed": 0},
+        "task": {"max_new_tokens": 8},
+        "launch": {"nproc_per_node": 2},
+    })
+}
+
+inventory::submit! {
+    ft_core::config::PresetRegistration {
+        name: NAME,
+        summary: "a small BLOOM answering questions about invented countries, with its own data and tokenizer (2 CPU ranks)",
+        default: true,
+        values: preset,
+    }
 }
 
 #[cfg(test)]

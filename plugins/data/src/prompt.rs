@@ -5,7 +5,7 @@
 
 use crate::squad::QaExample;
 use anyhow::{Context as _, Result};
-use ft_core::dataset::{Example, IGNORE_INDEX};
+use crate::lm::{Example, IGNORE_INDEX};
 use tokenizers::Tokenizer;
 
 fn ids(tokenizer: &Tokenizer, text: &str) -> Result<Vec<i64>> {

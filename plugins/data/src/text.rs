@@ -2,7 +2,7 @@
 //! packed into fixed-length sequences with an end token between documents.
 
 use anyhow::{bail, Context, Result};
-use ft_core::dataset::Example;
+use crate::lm::Example;
 use std::path::Path;
 use tokenizers::Tokenizer;
 

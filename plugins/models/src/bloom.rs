@@ -117,7 +117,7 @@ impl Model for Bloom {
             None => (positions.narrow(0, 0, 1), Tensor::arange(past + seq, (Kind::Int64, device)).unsqueeze(0)),
         };
         let distance = (key.unsqueeze(1).unsqueeze(1) - query.unsqueeze(1).unsqueeze(3)).to_kind(Kind::Float);
-        let slopes = ft_core::data::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
+        let slopes = ft_core::batches::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
         let mut bias = (slopes * distance).to_kind(dtype) + model::causal_bias(seq, past, dtype, device);
         if let Some(mask) = padding_mask {
             bias += model::padding_bias(mask, dtype);

@@ -69,6 +69,62 @@ pub fn model_from_config(config: serde_json::Value) -> Result<Box<dyn Model>> {
     build(config).with_context(|| format!("config.json of a {model_type} model"))
 }
 
+/// A model to start from: a config.json alone (random weights), or a
+/// directory (its weights, when it has them).
+pub struct ModelSource {
+    pub config: serde_json::Value,
+    pub dir: Option<PathBuf>,
+}
+
+impl ModelSource {
+    /// A config.json file, a model directory, or a hub id in the local cache.
+    pub fn resolve(spec: &str) -> Result<ModelSource> {
+        let path = Path::new(spec);
+        if path.is_file() {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let config = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+            return Ok(ModelSource { config, dir: None });
+        }
+        let dir = resolve(spec)?;
+        Ok(ModelSource { config: read_config(&dir)?, dir: Some(dir) })
+    }
+}
+
+/// Writes ft checkpoint `checkpoint` as a Hugging Face model directory
+/// `out` (weights in `dtype`, and its tokenizer); returns the step it holds.
+pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind) -> Result<usize> {
+    let manifest = ft_core::checkpoint::read_manifest(checkpoint)?;
+    let model = model_from_config(manifest.model_config.clone())?;
+    let params = ft_core::checkpoint::load_params(checkpoint, model.as_ref())?;
+    save(model.as_ref(), &params, out, dtype)?;
+    let tokenizer = checkpoint.join("tokenizer.json");
+    if tokenizer.exists() {
+        std::fs::copy(&tokenizer, out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tokenizer.display()))?;
+    }
+    Ok(manifest.step)
+}
+
+/// Applies `KEY=VALUE` assignments to a config.json (VALUE as JSON, else as
+/// a string): `--set num_hidden_layers=2`.
+pub fn set_config_keys(mut config: serde_json::Value, assignments: &[String]) -> Result<serde_json::Value> {
+    for assignment in assignments {
+        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
+        config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+    }
+    Ok(config)
+}
+
+/// The parameters a run starts from, fp32 on `device`: the weights in
+/// `dir` when it holds any, else a random initialisation from `seed`.
+pub fn initial_params(model: &dyn Model, dir: Option<&Path>, seed: i64, device: Device) -> Result<Vec<Vec<Tensor>>> {
+    match dir {
+        Some(dir) if dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists() => {
+            load_params(model, dir, Kind::Float, device)
+        }
+        _ => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
+    }
+}
+
 pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {
     model_from_config(read_config(dir)?)
 }

@@ -4,7 +4,6 @@
 
 pub mod bloom;
 pub mod hf;
-pub mod init;
 pub mod llama;
 pub mod opt;
 

@@ -154,7 +154,7 @@ impl Model for Llama {
         let device = input_ids.device();
         let positions = model::positions(input_ids, past, padding_mask);
         let exponents = Tensor::arange_start_step(0, self.head_dim, 2, (Kind::Float, device)) / self.head_dim as f64;
-        let theta = ft_core::data::to_device_async(&Tensor::from(self.config.rope_theta), device);
+        let theta = ft_core::batches::to_device_async(&Tensor::from(self.config.rope_theta), device);
         let inv_freq = theta.pow(&exponents).reciprocal();
         let scaled = positions.to_kind(Kind::Float) / self.position_scale;
         let freqs = scaled.unsqueeze(2) * inv_freq.view([1, 1, -1]);

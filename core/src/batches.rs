@@ -1,10 +1,10 @@
-//! From examples to the micro-batches each rank computes. An epoch is a
-//! seeded shuffle of the whole set; step k's global batch is the k-th slice
-//! of it, cut into one contiguous part per rank and each part into
-//! micro-batches. So the same global batches are seen whatever the world
-//! size and accumulation, which is what makes runs comparable step for step.
+//! From a dataset's indices to the micro-batches each rank computes. An
+//! epoch is a seeded shuffle of the whole set; step k's global batch is the
+//! k-th slice of it, cut into one contiguous part per rank and each part
+//! into micro-batches. So the same global batches are seen whatever the
+//! world size and accumulation, which is what makes runs comparable step
+//! for step.
 
-use crate::dataset::{Example, IGNORE_INDEX};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::{Device, Tensor};
@@ -52,28 +52,6 @@ impl BatchLayout {
     }
 }
 
-/// Target tokens (labels that are not ignored, after the shift) of some examples.
-pub fn target_tokens<'a>(examples: impl IntoIterator<Item = &'a Example>) -> usize {
-    examples.into_iter().map(|e| e.labels.iter().skip(1).filter(|l| **l != IGNORE_INDEX).count()).sum()
-}
-
-/// Right-pads examples to the longest one, rounded up to a multiple of
-/// `multiple` (few distinct shapes let the GPU allocator and kernel caches
-/// reuse what earlier steps set up): (input ids, labels), [batch, len].
-/// Padding is invisible to a causal model's earlier positions and has no loss.
-pub fn collate(examples: &[&Example], pad_id: i64, multiple: usize, device: Device) -> (Tensor, Tensor) {
-    let longest = examples.iter().map(|e| e.input_ids.len()).max().unwrap_or(0);
-    let longest = longest.div_ceil(multiple.max(1)) * multiple.max(1);
-    let pad = |values: &[i64], with: i64| {
-        let mut row = values.to_vec();
-        row.resize(longest, with);
-        row
-    };
-    let ids: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.input_ids, pad_id)).collect();
-    let labels: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.labels, IGNORE_INDEX)).collect();
-    (to_device_async(&Tensor::from_slice2(&ids), device), to_device_async(&Tensor::from_slice2(&labels), device))
-}
-
 /// Copies a host tensor to `device` without making the host wait for the
 /// GPU: through pinned memory, asynchronously (a pageable copy would block
 /// until every queued kernel had run, so the host could not run ahead).
@@ -109,17 +87,5 @@ mod tests {
         // One rank with 4× the micro-batch sees the same global batch.
         let single = BatchLayout { micro_batch: 8, accumulation: 1, world: 1 };
         assert_eq!(single.global(&order, 1), layout.global(&order, 1));
-    }
-
-    #[test]
-    fn collate_pads_inputs_and_ignores_padded_labels() {
-        let a = Example { input_ids: vec![1, 2, 3], labels: vec![-100, 2, 3] };
-        let b = Example { input_ids: vec![4], labels: vec![4] };
-        let (ids, labels) = collate(&[&a, &b], 0, 1, Device::Cpu);
-        assert_eq!(Vec::<Vec<i64>>::try_from(ids).unwrap(), vec![vec![1, 2, 3], vec![4, 0, 0]]);
-        assert_eq!(Vec::<Vec<i64>>::try_from(labels).unwrap(), vec![vec![-100, 2, 3], vec![4, -100, -100]]);
-        assert_eq!(target_tokens([&a, &b]), 2);
-        let (ids, _) = collate(&[&a, &b], 0, 4, Device::Cpu);
-        assert_eq!(ids.size(), [2, 4]);
     }
 }

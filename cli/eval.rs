@@ -1,0 +1,104 @@
+//! `ft eval` and `ft export`: a trained model on evaluation data (loss and
+//! the task's scores), and a checkpoint as a Hugging Face model directory.
+
+use crate::args::{ConfigFile, Overrides};
+use anyhow::{Context, Result};
+use clap::Args;
+use ft_core::env::{DistEnv, EnvSource};
+use ft_core::setup::{DType, DeviceSpec, Rank};
+use ft_core::task::TaskInputs;
+use ft_core::{Config, Registry};
+use ft_models::hf;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub config: ConfigFile,
+    /// Model directory (weights and tokenizer.json), e.g. a run's final/.
+    #[arg(long)]
+    model: String,
+    /// What to score (task.name); default: the task for the model's head.
+    #[arg(long)]
+    task: Option<String>,
+    /// The task's evaluation data, e.g. SQuAD JSON (loss and EM/F1) or text/JSONL (loss).
+    #[arg(long)]
+    eval_file: PathBuf,
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[arg(long)]
+    eval_samples: Option<usize>,
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    dtype: Option<DType>,
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// Where the predictions go.
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+}
+
+pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
+    let mut overrides = Overrides::default();
+    overrides
+        .set("model.source", Some(args.model.clone()))
+        .set("task.name", args.task.clone())
+        .path("data.eval", Some(&args.eval_file))
+        .path("data.tokenizer", args.tokenizer.as_ref())
+        .set("data.eval_samples", args.eval_samples)
+        .set("data.max_seq_len", args.max_seq_len)
+        .set("train.batch_size", args.batch_size)
+        .serialized("train.dtype", args.dtype)
+        .serialized("train.device", args.device)
+        .path("output.dir", args.output_dir.as_ref())
+        .set("launch.nproc_per_node", args.nproc_per_node);
+    let config = Config::load(args.config.path.as_deref(), &overrides.0)?;
+    let registry = Registry::with_plugins(plugins)?;
+    if DistEnv::from_env()?.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
+        return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
+    }
+    let rank = Rank::start(&config, false)?;
+    let dir = hf::resolve(&config.model.source)?;
+    let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
+    let model = hf::load_model(&dir)?;
+    let params = hf::load_params(model.as_ref(), &dir, rank.dtype, rank.device)?;
+    let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
+    let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
+    let evaluation = ft_core::fit::evaluate(model.as_ref(), &params, task.as_mut(), &rank.comm, config.train.batch_size, rank.dtype)?;
+    if rank.rank() == 0 {
+        std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
+        task.write_predictions(&config.output.dir)?;
+        let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
+        let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
+        println!("{}: eval loss {loss} over {} examples{scores}", args.eval_file.display(), evaluation.scores.examples);
+    }
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory, or "latest" in --output-dir.
+    #[arg(long)]
+    checkpoint: String,
+    /// The run's output directory (where "latest" is looked for).
+    #[arg(long, default_value = "ft-output")]
+    output_dir: PathBuf,
+    /// The Hugging Face directory to write (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight dtype on disk: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+}
+
+pub fn export(args: ExportArgs) -> Result<i32> {
+    let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
+    let step = hf::export_checkpoint(&dir, &args.out, args.dtype.storage_kind())?;
+    println!("exported step {step} of {} to {}", dir.display(), args.out.display());
+    Ok(0)
+}

@@ -1,0 +1,347 @@
+//! Training-step throughput and memory of one configuration (a model shape,
+//! strategy, offload, batch and length), with random weights and the task's
+//! random data: what `ft bench` runs in each configuration's workers. With
+//! `breakdown` it also times the phases apart and checks ft's kernels
+//! against ATen's (`kernels.rs`); `chart.rs` draws a matrix of rows.
+
+pub mod chart;
+mod kernels;
+
+pub use kernels::KernelCheck;
+
+use crate::flat::MemoryAccount;
+use crate::metrics::process_memory;
+use crate::model::{self, Model};
+use crate::offload::Offload;
+use crate::setup::Rank;
+use crate::strategy::{ReduceDtype, ShardingStrategy};
+use crate::task::{Synthetic, Task, TaskRegistration};
+use crate::train::{DataParallel, Kernels, TrainOptions, Trainer, TrainerBuilder};
+use crate::{AdamW, Reduction};
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// One configuration's settings besides the model, strategy and offload.
+#[derive(Debug, Clone)]
+pub struct BenchCase {
+    /// Examples per rank per step, of `seq` tokens.
+    pub batch: i64,
+    pub seq: i64,
+    pub warmup: usize,
+    pub steps: usize,
+    pub shard_group_size: Option<usize>,
+    pub reduce_dtype: ReduceDtype,
+    pub activation_checkpointing: bool,
+    pub loss_chunk_tokens: i64,
+    /// On one GPU, time the phases apart and check ft's kernels against ATen's.
+    pub breakdown: bool,
+    /// Profile 3 more steps on rank 0 into this directory.
+    pub profile: Option<PathBuf>,
+}
+
+/// One configuration's result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub model: String,
+    pub params: i64,
+    pub strategy: String,
+    pub offload: String,
+    #[serde(default)]
+    pub reduce_dtype: ReduceDtype,
+    pub gpus: usize,
+    pub batch: i64,
+    pub seq: i64,
+    pub step_ms: f64,
+    pub tokens_per_s_per_gpu: f64,
+    /// None where the GPU's peak is unknown (and on a CPU).
+    pub mfu: Option<f64>,
+    /// The largest peak over the ranks (CUDA allocator; process RSS on CPU).
+    pub peak_allocated_gb: f64,
+    pub peak_reserved_gb: f64,
+    /// Step time beyond the same shape on one GPU (None without that row).
+    pub exposed_comm_ms: Option<f64>,
+    /// What rank 0 holds between steps.
+    pub state: MemoryAccount,
+    pub loss: f64,
+    /// forward+backward, head loss, optimizer (ms), with `breakdown` on one GPU.
+    pub breakdown_ms: Option<[f64; 3]>,
+    /// With `breakdown` on a GPU: ft's kernels against ATen's ops on the same inputs.
+    #[serde(default)]
+    pub kernel_check: Option<KernelCheck>,
+    pub error: Option<String>,
+}
+
+impl Row {
+    /// The row of a configuration that did not run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn failed(model: &str, strategy: &str, offload: &str, reduce_dtype: ReduceDtype, gpus: usize, batch: i64, seq: i64, error: String) -> Row {
+        Row {
+            model: model.into(),
+            params: 0,
+            strategy: strategy.into(),
+            offload: offload.into(),
+            reduce_dtype,
+            gpus,
+            batch,
+            seq,
+            step_ms: f64::NAN,
+            tokens_per_s_per_gpu: f64::NAN,
+            mfu: None,
+            peak_allocated_gb: f64::NAN,
+            peak_reserved_gb: f64::NAN,
+            exposed_comm_ms: None,
+            state: MemoryAccount::default(),
+            loss: f64::NAN,
+            breakdown_ms: None,
+            kernel_check: None,
+            error: Some(error),
+        }
+    }
+}
+
+impl Row {
+    /// One line for the log as the row comes in.
+    pub fn describe(&self) -> String {
+        let row = self;
+        match &row.error {
+            Some(e) => format!("{} {} x{} batch {}x{}: FAILED: {e}", row.model, row.strategy, row.gpus, row.batch, row.seq),
+            None => format!(
+                "{} {} x{} batch {}x{}: {:.0} tokens/s/GPU, {:.1} ms/step, MFU {}, peak {:.1} GB{}",
+                row.model,
+                row.strategy,
+                row.gpus,
+                row.batch,
+                row.seq,
+                row.tokens_per_s_per_gpu,
+                row.step_ms,
+                row.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
+                row.peak_allocated_gb,
+                row.breakdown_ms.map_or(String::new(), |[fb, head, step]| format!(
+                    "; forward+backward {fb:.1} ms (head loss {head:.1}), optimizer {step:.1} ms"
+                )) + &row.kernel_check.as_ref().map_or(String::new(), |k| format!(
+                    "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
+                    k.head_ft_ms, k.head_aten_ms, k.head_loss_relative_diff, k.head_grad_relative_diff, k.adamw_ft_ms, k.adamw_aten_ms, k.adamw_update_relative_diff
+                ))
+            ),
+        }
+    }
+}
+
+/// The matrix as a Markdown table.
+pub fn table(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "\n| model | strategy | offload | GPUs | batch x seq | tokens/s/GPU | step ms | MFU | peak alloc GB | peak reserved GB | comm exposed ms | held GB (params/grads/optim) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        if let Some(e) = &r.error {
+            out += &format!("| {} | {} | {} | {} | {}x{} | failed: {} |\n", r.model, r.strategy, r.offload, r.gpus, r.batch, r.seq, e.lines().next().unwrap_or(""));
+            continue;
+        }
+        out += &format!(
+            "| {} | {}{} | {} | {} | {}x{} | {:.0} | {:.1} | {} | {:.2} | {:.2} | {} | {:.2}/{:.2}/{:.2} |\n",
+            r.model,
+            r.strategy,
+            if r.reduce_dtype == ReduceDtype::Compute { " (reduce in compute dtype)" } else { "" },
+            r.offload,
+            r.gpus,
+            r.batch,
+            r.seq,
+            r.tokens_per_s_per_gpu,
+            r.step_ms,
+            r.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
+            r.peak_allocated_gb,
+            r.peak_reserved_gb,
+            r.exposed_comm_ms.map_or("—".into(), |ms| format!("{ms:.1}")),
+            r.state.params / 1e9,
+            r.state.grads / 1e9,
+            r.state.optimizer_state / 1e9
+        );
+    }
+    out
+}
+
+/// Waits for the device's queued work (timing needs it).
+fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
+/// `count` training steps over the task's batches in turn; the last step's loss.
+fn run_steps(trainer: &mut Trainer, task: &dyn Task, batches: &[crate::dataset::Batch], normalizer: f64, count: usize) -> Result<f64> {
+    let mut last = None;
+    for step in 0..count {
+        let loss = trainer.forward_backward(&batches[step % batches.len()], task.objective(), normalizer, true)?;
+        let _grad_norm = trainer.step(1e-5)?;
+        last = Some(loss);
+    }
+    Ok(last.map_or(f64::NAN, |l| l.double_value(&[])))
+}
+
+/// Runs `case` on this rank (collective: every rank of the configuration
+/// calls it); rank 0 gets the row.
+pub fn run_case(
+    rank: &Rank,
+    model: &dyn Model,
+    task: &TaskRegistration,
+    strategy: &dyn ShardingStrategy,
+    offload: &dyn Offload,
+    case: &BenchCase,
+) -> Result<Option<Row>> {
+    let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
+    let world = rank.world_size();
+    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype)?;
+    let options = TrainOptions {
+        dtype,
+        adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+        max_grad_norm: Some(1.0),
+        activation_checkpointing: case.activation_checkpointing,
+        seed: 0,
+        offload_to_host: offload.to_host(),
+        ..TrainOptions::default()
+    };
+    let params = crate::model::init_params(model, 0, Kind::Float, device);
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).build(&params)?;
+    drop(params);
+    // Four micro-batches of random data per rank, each rank its own.
+    let synthetic = Synthetic {
+        model,
+        examples: 4 * case.batch as usize,
+        seq: case.seq,
+        seed: 1 + rank.rank() as i64,
+        device,
+        loss_chunk_tokens: case.loss_chunk_tokens,
+    };
+    let task = (task.synthetic)(&synthetic)?;
+    let data = task.train_set();
+    let chunks: Vec<Vec<usize>> = (0..data.len()).collect::<Vec<_>>().chunks(case.batch as usize).map(<[usize]>::to_vec).collect();
+    let batches = chunks.iter().map(|indices| data.collate(indices, device)).collect::<Result<Vec<_>>>()?;
+    // Every rank's micro-batch is a share of one global batch.
+    let normalizer = (chunks[0].iter().map(|&i| data.loss_weight(i)).sum::<usize>() * world) as f64;
+
+    run_steps(&mut trainer, task.as_ref(), &batches, normalizer, case.warmup)?;
+    synchronize(device);
+    if let Device::Cuda(index) = device {
+        crate::cuda_memory(index, true).map_err(anyhow::Error::msg)?;
+    }
+    let start = Instant::now();
+    let loss = run_steps(&mut trainer, task.as_ref(), &batches, normalizer, case.steps)?;
+    synchronize(device);
+    let step_seconds = start.elapsed().as_secs_f64() / case.steps.max(1) as f64;
+    let (allocated, reserved) = match device {
+        Device::Cuda(index) => {
+            let m = crate::cuda_memory(index, false).map_err(anyhow::Error::msg)?;
+            (m.peak_allocated as f64, m.peak_reserved as f64)
+        }
+        _ => process_memory().map_or((0.0, 0.0), |(_, peak)| (peak as f64, peak as f64)),
+    };
+    let mut peaks = Tensor::from_slice(&[allocated, reserved]).to_device(comm.device());
+    comm.world().all_reduce(&mut peaks, Reduction::Max)?.wait()?;
+    let peaks = Vec::<f64>::try_from(peaks.to_device(Device::Cpu))?;
+    let breakdown = (case.breakdown && world == 1).then(|| time_phases(&mut trainer, task.as_ref(), &batches[0], normalizer)).transpose()?;
+    let kernel_check = (case.breakdown && trainer.kernels() == Kernels::Ft && model.head_kind() == model::head::CAUSAL_LM)
+        .then(|| kernels::check(&trainer, &batches[0], normalizer, case.loss_chunk_tokens))
+        .transpose()?;
+    if let Some(dir) = &case.profile {
+        let label = format!("{}-{}-{}gpu-{}x{}", model.model_type(), strategy.name(), world, case.batch, case.seq);
+        let mut steps = |count| run_steps(&mut trainer, task.as_ref(), &batches, normalizer, count);
+        profile_steps(dir, &label, rank.rank() == 0, device.is_cuda(), &mut steps)?;
+    }
+    let tokens_per_s_per_gpu = (case.batch * case.seq) as f64 / step_seconds;
+    let peak_flops = match device {
+        Device::Cuda(index) => crate::gpu::peak_flops(index, dtype),
+        _ => None,
+    };
+    let row = Row {
+        model: format!("{} {:.1}M", model.model_type(), model.numel() as f64 / 1e6),
+        params: model.numel(),
+        strategy: strategy.name().into(),
+        offload: offload.name().into(),
+        reduce_dtype: case.reduce_dtype,
+        gpus: world,
+        batch: case.batch,
+        seq: case.seq,
+        step_ms: step_seconds * 1e3,
+        tokens_per_s_per_gpu,
+        mfu: peak_flops.map(|peak| model.train_flops_per_token(case.seq) * tokens_per_s_per_gpu / peak),
+        peak_allocated_gb: peaks[0] / 1e9,
+        peak_reserved_gb: peaks[1] / 1e9,
+        exposed_comm_ms: None,
+        state: trainer.memory(),
+        loss,
+        breakdown_ms: breakdown,
+        kernel_check,
+        error: None,
+    };
+    comm.world().barrier()?.wait()?;
+    Ok((rank.rank() == 0).then_some(row))
+}
+
+/// Milliseconds per call of forward+backward, of the objective's loss and
+/// gradients alone on the same batch's head outputs, and of the optimizer
+/// step, each timed between synchronisations.
+fn time_phases(trainer: &mut Trainer, task: &dyn Task, batch: &crate::dataset::Batch, normalizer: f64) -> Result<[f64; 3]> {
+    const REPEATS: usize = 5;
+    let device = batch.inputs.input_ids.device();
+    let (mut forward_backward, mut step) = (0.0, 0.0);
+    for _ in 0..REPEATS {
+        synchronize(device);
+        let start = Instant::now();
+        let _loss = trainer.forward_backward(batch, task.objective(), normalizer, true)?;
+        synchronize(device);
+        forward_backward += start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let _grad_norm = trainer.step(1e-5)?;
+        synchronize(device);
+        step += start.elapsed().as_secs_f64();
+    }
+    let model = trainer.model();
+    let params = trainer.compute_params()?;
+    let outputs = tch::no_grad(|| -> Result<Vec<Tensor>> {
+        let ctx = model.context(&batch.inputs, 0, trainer.units()[0].compute_kind(), false)?;
+        Ok(model::forward(model, &params, &batch.inputs, &ctx, None))
+    })?;
+    synchronize(device);
+    let start = Instant::now();
+    for _ in 0..REPEATS {
+        let _loss_and_grads = task.objective().loss_and_grads(&outputs, batch, normalizer, None)?;
+    }
+    synchronize(device);
+    let head = start.elapsed().as_secs_f64();
+    let ms = |seconds: f64| seconds / REPEATS as f64 * 1e3;
+    Ok([ms(forward_backward), ms(head), ms(step)])
+}
+
+/// Runs 3 steps under PyTorch's profiler (on the rank that `records`; the
+/// others run the same steps so collectives match) and prints the top kernels.
+fn profile_steps(dir: &std::path::Path, label: &str, records: bool, cuda: bool, steps: &mut dyn FnMut(usize) -> Result<f64>) -> Result<()> {
+    const STEPS: usize = 3;
+    if !records {
+        steps(STEPS)?;
+        return Ok(());
+    }
+    crate::profile::start(cuda)?;
+    let result = steps(STEPS);
+    let report = crate::profile::stop(dir, label, cuda, STEPS)?;
+    result?;
+    eprint!("{label}: {}", report.top(20));
+    Ok(())
+}
+
+/// Exposed communication: step time beyond the same model/batch/length on one GPU.
+pub fn fill_exposed_comm(rows: &mut [Row]) {
+    let single: Vec<(String, i64, i64, String, f64)> = rows
+        .iter()
+        .filter(|r| r.gpus == 1 && r.error.is_none())
+        .map(|r| (r.model.clone(), r.batch, r.seq, r.offload.clone(), r.step_ms))
+        .collect();
+    for row in rows.iter_mut().filter(|r| r.gpus > 1 && r.error.is_none()) {
+        row.exposed_comm_ms = single
+            .iter()
+            .find(|(m, b, s, o, _)| *m == row.model && *b == row.batch && *s == row.seq && *o == row.offload)
+            .map(|(.., one)| (row.step_ms - one).max(0.0));
+    }
+}

@@ -1,0 +1,52 @@
+//! An epoch's evaluation, also what `ft eval` runs: the objective's loss
+//! over the task's evaluation set (each rank its share, summed over ranks)
+//! and the task's own scores (EM/F1, …).
+
+use crate::comm::Communicator;
+use crate::model::{self, Model};
+use crate::task::{Scores, Task};
+use anyhow::Result;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    /// Mean loss over the evaluation set (None when the task has none).
+    pub loss: Option<f64>,
+    pub scores: Scores,
+    pub seconds: f64,
+}
+
+/// Evaluates `params` (full, in `dtype`) on `task` in batches of
+/// `batch_size` (collective: every rank calls it and gets the same result).
+pub fn evaluate(
+    model: &dyn Model,
+    params: &[Vec<Tensor>],
+    task: &mut dyn Task,
+    comm: &Communicator,
+    batch_size: usize,
+    dtype: Kind,
+) -> Result<Evaluation> {
+    let started = Instant::now();
+    let loss = match task.eval_set() {
+        Some(data) if !data.is_empty() => {
+            let _no_grad = tch::no_grad_guard();
+            let (rank, world) = (comm.env().rank, comm.env().world_size);
+            let mine: Vec<usize> = (rank..data.len()).step_by(world).collect();
+            let (mut sum, mut weight) = (0.0, 0.0);
+            for indices in mine.chunks(batch_size.max(1)) {
+                let batch = data.collate(indices, comm.device())?;
+                let ctx = model.context(&batch.inputs, 0, dtype, false)?;
+                let outputs = model::forward(model, params, &batch.inputs, &ctx, None);
+                let (s, w) = task.objective().loss_sum(&outputs, &batch)?;
+                sum += s;
+                weight += w;
+            }
+            let totals = comm.sum_over_ranks(&[sum, weight])?;
+            Some(totals[0] / totals[1].max(1.0))
+        }
+        _ => None,
+    };
+    let scores = task.score(model, params, dtype, comm)?;
+    Ok(Evaluation { loss, scores, seconds: started.elapsed().as_secs_f64() })
+}

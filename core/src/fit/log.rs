@@ -1,0 +1,155 @@
+//! The run's log: each logged step's record (loss, learning rate, gradient
+//! norm, time, memory, offload traffic) and each epoch's evaluation go to
+//! the sinks and the progress bar on rank 0; every rank keeps the counters
+//! the summary is made of.
+
+use super::evaluation::Evaluation;
+use super::summary::EpochResult;
+use super::StepOutcome;
+use crate::comm::Communicator;
+use crate::metrics::{process_memory, MetricsSink, Record};
+use crate::train::OffloadStats;
+use anyhow::Result;
+use std::collections::BTreeMap;
+use std::time::Instant;
+use tch::Device;
+
+/// This rank's counters over the run.
+#[derive(Debug, Default)]
+pub(crate) struct RunTotals {
+    pub train_seconds: f64,
+    pub examples: usize,
+    /// Non-padding tokens, and their model FLOPs.
+    pub tokens: usize,
+    pub flops: f64,
+    pub eval_seconds: f64,
+    pub eval_examples: usize,
+    /// The last logged loss (None before any step).
+    pub last_loss: Option<f64>,
+    /// Device memory in use after each step (allocator on a GPU, RSS on a CPU).
+    pub memory_sum: f64,
+    pub memory_min: Option<f64>,
+    pub memory_samples: usize,
+}
+
+pub(crate) struct RunLog<'a> {
+    sinks: Vec<Box<dyn MetricsSink>>,
+    /// Rank 0's progress on the terminal (hidden elsewhere, and where stderr is no terminal).
+    progress: indicatif::ProgressBar,
+    comm: &'a Communicator,
+    offload_to_host: bool,
+    log_every: usize,
+    /// The loss of the epoch's last logged step.
+    epoch_loss: Option<f64>,
+    totals: RunTotals,
+}
+
+/// Bytes in use on `device` now and at the peak (CUDA allocator or process RSS).
+pub(crate) fn memory(device: Device) -> (f64, f64) {
+    match device {
+        Device::Cuda(index) => {
+            crate::cuda_memory(index, false).map(|m| (m.allocated as f64, m.peak_allocated as f64)).unwrap_or_default()
+        }
+        _ => process_memory().map(|(now, peak)| (now as f64, peak as f64)).unwrap_or_default(),
+    }
+}
+
+impl<'a> RunLog<'a> {
+    pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, total_steps: usize, log_every: usize) -> RunLog<'a> {
+        let progress = indicatif::ProgressBar::new(total_steps as u64);
+        match indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed} < {eta}]") {
+            Ok(style) if comm.env().rank == 0 => progress.set_style(style),
+            _ => progress.set_draw_target(indicatif::ProgressDrawTarget::hidden()),
+        }
+        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, totals: RunTotals::default() }
+    }
+
+    fn record(&mut self, record: &Record) -> Result<()> {
+        for sink in &mut self.sinks {
+            sink.record(record)?;
+        }
+        Ok(())
+    }
+
+    /// Counts optimizer step `step`, and logs it every `log_every` steps and
+    /// at the end of an epoch (reading the loss synchronises with the device).
+    #[allow(clippy::too_many_arguments)]
+    pub fn after_step(
+        &mut self,
+        step: usize,
+        epoch_progress: f64,
+        last_of_epoch: bool,
+        lr: f64,
+        outcome: &StepOutcome,
+        started: Instant,
+        offloaded_before: OffloadStats,
+        offloaded: OffloadStats,
+    ) -> Result<()> {
+        let (in_use, _) = memory(self.comm.device());
+        let t = &mut self.totals;
+        t.memory_sum += in_use;
+        t.memory_min = Some(t.memory_min.map_or(in_use, |m| m.min(in_use)));
+        t.memory_samples += 1;
+        t.examples += outcome.examples;
+        t.tokens += outcome.tokens;
+        t.flops += outcome.flops;
+        if step % self.log_every != 0 && !last_of_epoch {
+            self.totals.train_seconds += started.elapsed().as_secs_f64();
+            return Ok(());
+        }
+        let loss = self.comm.sum_over_ranks(&[outcome.loss.double_value(&[])])?[0];
+        self.totals.train_seconds += started.elapsed().as_secs_f64();
+        (self.totals.last_loss, self.epoch_loss) = (Some(loss), Some(loss));
+        let mut values = BTreeMap::from([
+            ("epoch".to_string(), epoch_progress),
+            ("loss".to_string(), loss),
+            ("lr".to_string(), lr),
+            ("grad_norm".to_string(), outcome.grad_norm.double_value(&[])),
+            ("step_seconds".to_string(), started.elapsed().as_secs_f64()),
+            ("memory_bytes".to_string(), in_use),
+        ]);
+        if self.offload_to_host {
+            // What this step moved between device and host, and its host optimizer time.
+            values.extend([
+                ("offload_wait_seconds".to_string(), offloaded.wait_seconds - offloaded_before.wait_seconds),
+                ("offload_cpu_step_seconds".to_string(), offloaded.cpu_step_seconds - offloaded_before.cpu_step_seconds),
+                ("offload_d2h_bytes".to_string(), offloaded.device_to_host_bytes - offloaded_before.device_to_host_bytes),
+                ("offload_h2d_bytes".to_string(), offloaded.host_to_device_bytes - offloaded_before.host_to_device_bytes),
+            ]);
+        }
+        if self.comm.env().rank == 0 {
+            self.progress.set_position(step as u64);
+            self.progress.set_message(format!("loss {loss:.4} lr {lr:.2e}"));
+            self.record(&Record { step: step as u64, values })?;
+        }
+        Ok(())
+    }
+
+    /// Logs epoch `epoch`'s evaluation (after optimizer step `step`).
+    pub fn after_epoch(&mut self, epoch: usize, step: usize, evaluation: &Evaluation) -> Result<EpochResult> {
+        self.totals.eval_seconds += evaluation.seconds;
+        self.totals.eval_examples += evaluation.scores.examples;
+        let result = EpochResult {
+            epoch,
+            train_loss: self.epoch_loss.take(),
+            eval_loss: evaluation.loss,
+            scores: evaluation.scores.values.clone(),
+        };
+        if self.comm.env().rank == 0 {
+            let mut values = BTreeMap::from([("epoch".to_string(), epoch as f64)]);
+            values.extend(result.eval_loss.map(|l| ("eval_loss".to_string(), l)));
+            values.extend(result.scores.iter().map(|(k, v)| (format!("eval_{k}"), *v)));
+            self.record(&Record { step: step as u64, values })?;
+        }
+        Ok(result)
+    }
+
+    /// Flushes the sinks; this rank's counters.
+    pub fn finish(mut self) -> Result<RunTotals> {
+        self.progress.finish_and_clear();
+        for sink in &mut self.sinks {
+            sink.finish()?;
+        }
+        Ok(self.totals)
+    }
+}

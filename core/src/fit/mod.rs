@@ -1,0 +1,184 @@
+//! The fine-tuning loop: epochs of global batches over the task's training
+//! set, one optimizer step per global batch, evaluation after each epoch.
+//! What happens around a step is in components the loop calls: the run's
+//! log (metrics to the sinks, the progress bar, memory and throughput counters),
+//! checkpoints, the profiler window, evaluation, and the cross-rank summary.
+
+mod checkpointing;
+mod evaluation;
+mod log;
+mod profiling;
+mod summary;
+
+pub use checkpointing::CheckpointPlan;
+pub use evaluation::{evaluate, Evaluation};
+pub use summary::{EpochResult, RankMemory, Summary};
+
+use crate::batches::{epoch_order, BatchLayout};
+use crate::comm::Communicator;
+use crate::config::TrainConfig;
+use crate::dataset::Dataset;
+use crate::metrics::MetricsSink;
+use crate::model::Model;
+use crate::offload::Offload;
+use crate::schedule::lr_at;
+use crate::strategy::ShardingStrategy;
+use crate::task::{Objective, Task};
+use crate::train::{DataParallel, TrainOptions, Trainer, TrainerBuilder};
+use anyhow::{bail, Result};
+use checkpointing::{Checkpointer, Cursor};
+use log::RunLog;
+use profiling::ProfileWindow;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// Everything a run is made of.
+pub struct Fit<'a> {
+    pub model: &'a dyn Model,
+    pub task: &'a mut dyn Task,
+    pub comm: &'a Communicator,
+    pub strategy: &'a dyn ShardingStrategy,
+    pub offload: &'a dyn Offload,
+    pub config: &'a TrainConfig,
+    pub dtype: Kind,
+    pub sinks: Vec<Box<dyn MetricsSink>>,
+    pub checkpoints: CheckpointPlan<'a>,
+}
+
+/// How many steps a run has, from the training set's size.
+struct StepPlan {
+    layout: BatchLayout,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    warmup_steps: usize,
+}
+
+impl StepPlan {
+    fn new(config: &TrainConfig, world: usize, examples: usize) -> Result<StepPlan> {
+        let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world };
+        let steps_per_epoch = layout.steps_per_epoch(examples);
+        if steps_per_epoch == 0 {
+            bail!(
+                "{examples} training examples do not fill one global batch of {} (batch_size {} x grad_accum {} x {world} ranks)",
+                layout.global_batch(),
+                config.batch_size,
+                config.grad_accum
+            );
+        }
+        let total_steps = steps_per_epoch * config.epochs;
+        let warmup_steps =
+            if config.warmup_steps > 0 { config.warmup_steps } else { (config.warmup_ratio * total_steps as f64).ceil() as usize };
+        Ok(StepPlan { layout, steps_per_epoch, total_steps, warmup_steps })
+    }
+}
+
+/// What one optimizer step did.
+pub(crate) struct StepOutcome {
+    /// This rank's share of the global batch's mean loss, on the device.
+    pub loss: Tensor,
+    pub grad_norm: Tensor,
+    /// Examples and non-padding tokens this rank computed, and their model FLOPs.
+    pub examples: usize,
+    pub tokens: usize,
+    pub flops: f64,
+}
+
+/// One optimizer step over global batch `epoch_step` of `order`: this rank's
+/// micro-batches forward and backward, then AdamW at `lr`.
+#[allow(clippy::too_many_arguments)]
+fn train_step(
+    trainer: &mut Trainer,
+    data: &dyn Dataset,
+    objective: &dyn Objective,
+    layout: &BatchLayout,
+    order: &[usize],
+    epoch_step: usize,
+    rank: usize,
+    lr: f64,
+    device: Device,
+) -> Result<StepOutcome> {
+    // Every rank knows the whole global batch, so the exact normaliser needs no communication.
+    let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
+    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0 };
+    for micro in 0..layout.accumulation {
+        let indices = layout.micro(order, epoch_step, rank, micro);
+        let batch = data.collate(indices, device)?;
+        outcome.examples += indices.len();
+        for &i in indices {
+            let tokens = data.tokens(i);
+            outcome.tokens += tokens;
+            outcome.flops += tokens as f64 * trainer.model().train_flops_per_token(tokens as i64);
+        }
+        outcome.loss += trainer.forward_backward(&batch, objective, normalizer, micro + 1 == layout.accumulation)?;
+    }
+    outcome.grad_norm = trainer.step(lr)?;
+    Ok(outcome)
+}
+
+/// Trains `params` (every rank passes the same) as `fit` says; returns the
+/// summary and the final fp32 parameters.
+pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tensor>>)> {
+    let Fit { model, task, comm, strategy, offload, config, dtype, sinks, checkpoints } = fit;
+    let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
+    let plan = StepPlan::new(config, world, task.train_set().len())?;
+    let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
+    let options = TrainOptions::from_config(config, dtype, offload.to_host());
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).build(&params)?;
+    drop(params);
+
+    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world);
+    let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
+    let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
+    let mut log = RunLog::new(sinks, comm, offload.to_host(), plan.total_steps, config.log_every);
+    let sampler = match device {
+        Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
+        _ => None,
+    };
+    let mut epochs = vec![];
+    for epoch in first_epoch..config.epochs {
+        let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, true);
+        let start = if epoch == first_epoch { first_epoch_step } else { 0 };
+        for epoch_step in start..plan.steps_per_epoch {
+            profiler.before_step(step + 1)?;
+            let started = Instant::now();
+            // Dropout's masks follow from (seed, step), so a resumed run repeats them.
+            tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
+            let lr = lr_at(config.schedule, config.lr, step, plan.total_steps, plan.warmup_steps);
+            let offloaded_before = trainer.offload_stats();
+            let outcome =
+                train_step(&mut trainer, task.train_set(), task.objective(), &plan.layout, &order, epoch_step, rank, lr, device)?;
+            step += 1;
+            profiler.after_step(step)?;
+            let epoch_progress = epoch as f64 + (epoch_step + 1) as f64 / plan.steps_per_epoch as f64;
+            let last_of_epoch = epoch_step + 1 == plan.steps_per_epoch;
+            log.after_step(step, epoch_progress, last_of_epoch, lr, &outcome, started, offloaded_before, trainer.offload_stats())?;
+            let next = if last_of_epoch { Cursor { epoch: epoch + 1, epoch_step: 0, step } } else { Cursor { epoch, epoch_step: epoch_step + 1, step } };
+            checkpointer.after_step(&trainer, next, comm)?;
+            crate::checkpoint::fault_point("after-step", step);
+        }
+        // The epoch ended inside the profiled steps: stop before evaluation.
+        profiler.stop(step)?;
+        let params = trainer.compute_params()?;
+        let evaluation = evaluate(model, &params, task, comm, config.batch_size, dtype)?;
+        drop(params);
+        let result = log.after_epoch(epoch + 1, step, &evaluation)?;
+        epochs.push(result);
+    }
+    let totals = log.finish()?;
+    let utilisation = sampler.and_then(|s| s.finish());
+    let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
+    let summary = Summary::gather(
+        comm,
+        &trainer,
+        &totals,
+        utilisation,
+        epochs,
+        plan.steps_per_epoch,
+        step,
+        strategy.name(),
+        parallel.shard_size,
+        offload.to_host(),
+        peak_flops,
+    )?;
+    Ok((summary, trainer.params()?))
+}

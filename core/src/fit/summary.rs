@@ -1,0 +1,204 @@
+//! The run's summary: every rank's counters and memory gathered, the
+//! throughput and MFU they make, and the table `ft train` prints.
+//!
+//! Convention: tokens are the non-padding input tokens the ranks computed;
+//! MFU is their model FLOPs (6·N + 12·L·d·S per token of a sequence of S
+//! tokens, PaLM's formula) over the time trained, divided by the GPUs' dense
+//! peak for the compute dtype (`gpu::peak_flops`, or `train.peak_tflops`).
+
+use super::log::{memory, RunTotals};
+use crate::comm::Communicator;
+use crate::flat::MemoryAccount;
+use crate::metrics::process_memory;
+use crate::train::{OffloadStats, Trainer};
+use anyhow::Result;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use tch::Device;
+
+/// Memory of one rank over the run, in bytes.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct RankMemory {
+    pub peak: f64,
+    pub mean: f64,
+    pub min: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EpochResult {
+    pub epoch: usize,
+    /// The loss of the epoch's last logged step (None if it trained none).
+    pub train_loss: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub scores: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub world_size: usize,
+    pub device: String,
+    pub steps_per_epoch: usize,
+    pub optimizer_steps: usize,
+    pub epochs: Vec<EpochResult>,
+    pub final_train_loss: Option<f64>,
+    pub train_seconds: f64,
+    pub train_samples_per_s: f64,
+    pub train_tokens_per_s: f64,
+    /// What the token counts count.
+    pub tokens_counted: String,
+    pub eval_samples_per_s: Option<f64>,
+    pub mfu: Option<f64>,
+    /// The per-GPU dense peak (FLOP/s) MFU divides by; None where unknown.
+    pub peak_flops_per_gpu: Option<f64>,
+    /// What memory means here: CUDA allocator (allocated) or process RSS.
+    pub memory_kind: String,
+    pub memory_per_rank: Vec<RankMemory>,
+    /// Rank 0's offload traffic and host optimizer time (None without offload).
+    pub offload: Option<OffloadStats>,
+    /// Peak resident host memory of each rank's process (bytes).
+    pub host_peak_per_rank: Vec<f64>,
+    /// The strategy and what each rank held under it.
+    pub strategy: String,
+    pub shard_group_size: usize,
+    pub state_per_rank: Vec<MemoryAccount>,
+    /// Mean GPU utilisation (%) of each rank while training; None without NVML.
+    pub gpu_utilisation_per_rank: Option<Vec<f64>>,
+}
+
+/// Rank r's `mine` at row r of a [world, mine.len()] table, on every rank.
+fn per_rank(comm: &Communicator, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
+    let (rank, world, width) = (comm.env().rank, comm.env().world_size, mine.len());
+    let mut table = vec![0.0; width * world];
+    table[rank * width..(rank + 1) * width].copy_from_slice(mine);
+    Ok(comm.sum_over_ranks(&table)?.chunks(width).map(<[f64]>::to_vec).collect())
+}
+
+impl Summary {
+    /// Gathers every rank's figures (collective: every rank calls it).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gather(
+        comm: &Communicator,
+        trainer: &Trainer,
+        totals: &RunTotals,
+        utilisation: Option<f64>,
+        epochs: Vec<EpochResult>,
+        steps_per_epoch: usize,
+        optimizer_steps: usize,
+        strategy: &str,
+        shard_group_size: usize,
+        offload_to_host: bool,
+        peak_flops_override: Option<f64>,
+    ) -> Result<Summary> {
+        let (world, device) = (comm.env().world_size, comm.device());
+        // -1 marks a rank without NVML.
+        let utilisation = per_rank(comm, &[utilisation.unwrap_or(-1.0)])?.concat();
+        let gpu_utilisation_per_rank = utilisation.iter().all(|u| *u >= 0.0).then_some(utilisation);
+        let mean = totals.memory_sum / totals.memory_samples.max(1) as f64;
+        let memory_per_rank = per_rank(comm, &[memory(device).1, mean, totals.memory_min.unwrap_or(0.0)])?
+            .into_iter()
+            .map(|m| RankMemory { peak: m[0], mean: m[1], min: m[2] })
+            .collect();
+        let host_peak_per_rank = per_rank(comm, &[process_memory().map_or(0.0, |(_, peak)| peak as f64)])?.concat();
+        let held = trainer.memory();
+        let state_per_rank = per_rank(comm, &[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host])?
+            .into_iter()
+            .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4] })
+            .collect();
+        let sums = comm.sum_over_ranks(&[totals.train_seconds, totals.examples as f64, totals.tokens as f64, totals.flops])?;
+        let [seconds, examples, tokens, flops] = [sums[0] / world as f64, sums[1], sums[2], sums[3]];
+        let rate = |count: f64| if seconds > 0.0 { count / seconds } else { 0.0 };
+        let peak_flops_per_gpu = match device {
+            Device::Cuda(index) => peak_flops_override.or_else(|| crate::gpu::peak_flops(index, trainer.units()[0].compute_kind())),
+            _ => None,
+        };
+        Ok(Summary {
+            world_size: world,
+            device: format!("{device:?}"),
+            steps_per_epoch,
+            optimizer_steps,
+            epochs,
+            final_train_loss: totals.last_loss,
+            train_seconds: seconds,
+            train_samples_per_s: rate(examples),
+            train_tokens_per_s: rate(tokens),
+            tokens_counted: "non-padding input tokens".into(),
+            eval_samples_per_s: (totals.eval_examples > 0 && totals.eval_seconds > 0.0)
+                .then(|| totals.eval_examples as f64 / totals.eval_seconds),
+            mfu: peak_flops_per_gpu.filter(|_| seconds > 0.0).map(|peak| flops / seconds / (world as f64 * peak)),
+            peak_flops_per_gpu,
+            memory_kind: if device.is_cuda() { "CUDA allocated" } else { "process RSS" }.into(),
+            memory_per_rank,
+            offload: offload_to_host.then(|| trainer.offload_stats()),
+            host_peak_per_rank,
+            strategy: strategy.into(),
+            shard_group_size,
+            state_per_rank,
+            gpu_utilisation_per_rank,
+        })
+    }
+
+    /// The table `ft train` prints.
+    pub fn table(&self) -> String {
+        let mut out = String::from("\n== ft train summary ==\n");
+        let row = |name: &str, value: String| format!("{name:<28} {value}\n");
+        let loss = |l: Option<f64>| l.map_or("n/a".into(), |l| format!("{l:.4}"));
+        out += &row("ranks / device", format!("{} / {}", self.world_size, self.device));
+        out += &row("strategy", format!("{} (shard group of {})", self.strategy, self.shard_group_size));
+        out += &row("final train loss", loss(self.final_train_loss));
+        for e in &self.epochs {
+            let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
+            let scores = if scores.is_empty() { String::new() } else { format!(", {}", scores.join(", ")) };
+            out += &row(&format!("epoch {}", e.epoch), format!("train loss {}, eval loss {}{scores}", loss(e.train_loss), loss(e.eval_loss)));
+        }
+        out += &row("steps per epoch", self.steps_per_epoch.to_string());
+        out += &row("train samples/s", format!("{:.1}", self.train_samples_per_s));
+        out += &row("train tokens/s", format!("{:.0} ({})", self.train_tokens_per_s, self.tokens_counted));
+        out += &row("eval samples/s", self.eval_samples_per_s.map_or("n/a".into(), |v| format!("{v:.1}")));
+        out += &row(
+            "MFU",
+            match (self.mfu, self.peak_flops_per_gpu) {
+                (Some(mfu), Some(peak)) => format!("{:.1}% of {:.0} TFLOP/s per GPU", mfu * 100.0, peak / 1e12),
+                _ if self.device.starts_with("Cuda") => "n/a (this GPU's peak is not in ft's table: set train.peak_tflops)".into(),
+                _ => "n/a (CPU)".into(),
+            },
+        );
+        out += &row(
+            "GPU utilisation",
+            self.gpu_utilisation_per_rank.as_ref().map_or("n/a (no NVML or no GPU)".into(), |u| {
+                u.iter().enumerate().map(|(r, u)| format!("rank {r} {u:.0}%")).collect::<Vec<_>>().join(", ")
+            }),
+        );
+        for (rank, m) in self.memory_per_rank.iter().enumerate() {
+            out += &row(
+                &format!("memory rank {rank} ({})", self.memory_kind),
+                format!("peak {:.2} GB, mean {:.2} GB, min {:.2} GB", m.peak / 1e9, m.mean / 1e9, m.min / 1e9),
+            );
+        }
+        if let Some(o) = &self.offload {
+            out += &row(
+                "offload (rank 0)",
+                format!(
+                    "waited {:.2} s for the device, host optimizer {:.2} s, moved {:.2} GB to host and {:.2} GB to device",
+                    o.wait_seconds,
+                    o.cpu_step_seconds,
+                    o.device_to_host_bytes / 1e9,
+                    o.host_to_device_bytes / 1e9
+                ),
+            );
+        }
+        for (rank, m) in self.state_per_rank.iter().enumerate() {
+            out += &row(
+                &format!("state held rank {rank}"),
+                format!(
+                    "params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB, of which in host memory {:.1} MB",
+                    m.params / 1e6,
+                    m.grads / 1e6,
+                    m.optimizer_state / 1e6,
+                    m.gathered_peak / 1e6,
+                    m.host / 1e6
+                ),
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,122 @@
+//! A task is what a run trains and how it is judged: its examples (through
+//! [`Dataset`]s, dataset.rs), the loss of the model's head outputs ([`Objective`]), and
+//! the scores an epoch ends with. The loop (`fit`) asks a task for these and
+//! knows no task: causal-LM fine-tuning and extractive question answering
+//! are two tasks in plugins, registered like strategies, and a third party
+//! adds another (sequence classification, …) without touching core.
+
+use crate::comm::Communicator;
+use crate::config::Config;
+use crate::dataset::{Batch, Dataset};
+use crate::model::Model;
+use anyhow::{bail, Result};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+/// The loss of a head's outputs.
+pub trait Objective: Send + Sync {
+    /// A micro-batch's loss as its share of the global mean (its summed loss
+    /// over `normalizer`, the global batch's total loss weight) and the
+    /// gradient of each head output. fp16's loss scale, when given,
+    /// multiplies the gradients (not the loss).
+    fn loss_and_grads(&self, outputs: &[Tensor], batch: &Batch, normalizer: f64, loss_scale: Option<&Tensor>) -> Result<(Tensor, Vec<Tensor>)>;
+
+    /// The summed loss of a batch and its total loss weight (evaluation).
+    fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)>;
+}
+
+/// What a task's scoring found: named scores, the same on every rank.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scores {
+    /// e.g. {"em": 41.0, "f1": 55.2}, in the units the task's field uses (percent for SQuAD).
+    pub values: BTreeMap<String, f64>,
+    /// Examples scored over all ranks.
+    pub examples: usize,
+}
+
+pub trait Task {
+    fn name(&self) -> &str;
+
+    fn train_set(&self) -> &dyn Dataset;
+
+    /// Examples the evaluation loss is taken over (None: no evaluation loss).
+    fn eval_set(&self) -> Option<&dyn Dataset>;
+
+    fn objective(&self) -> &dyn Objective;
+
+    /// Scores the model with `params` (full, in the compute dtype) on the
+    /// task's evaluation data; empty when it has nothing to score.
+    /// Collective: every rank calls it and gets the same scores.
+    fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores>;
+
+    /// Writes the last scoring's predictions under `dir` (rank 0 calls it),
+    /// in the field's usual files (e.g. SQuAD's `predictions.json`); returns
+    /// the names of the files written.
+    fn write_predictions(&self, dir: &Path) -> Result<Vec<String>>;
+}
+
+/// What a task is built from.
+pub struct TaskInputs<'a> {
+    /// `data.*` (files, lengths, samples) and `task.*` (the task's own keys).
+    pub config: &'a Config,
+    /// The tokenizer.json the task encodes text with.
+    pub tokenizer: &'a Path,
+    pub model: &'a dyn Model,
+    /// Where batches are collated to.
+    pub device: Device,
+}
+
+/// What a task over random data is made for.
+pub struct Synthetic<'a> {
+    pub model: &'a dyn Model,
+    /// Examples of `seq` tokens each, drawn with `seed`, collated to `device`.
+    pub examples: usize,
+    pub seq: i64,
+    pub seed: i64,
+    pub device: Device,
+    /// Tokens per chunk of an LM head's logits (`train.loss_chunk_tokens`).
+    pub loss_chunk_tokens: i64,
+}
+
+/// A task's registration (`--task NAME`), beside its implementation.
+pub struct TaskRegistration {
+    pub name: &'static str,
+    pub summary: &'static str,
+    /// The head kind of the models it trains (`Model::head_kind`); the
+    /// first task registered for a model's head is the default.
+    pub head_kind: &'static str,
+    pub build: fn(&TaskInputs) -> Result<Box<dyn Task>>,
+    /// A task over random examples: what `ft bench` times a step with.
+    pub synthetic: fn(&Synthetic) -> Result<Box<dyn Task>>,
+    /// Checks the task's `task.*` keys before any worker starts.
+    pub check_options: fn(&serde_json::Value) -> Result<()>,
+}
+inventory::collect!(TaskRegistration);
+
+/// Reads a task's own `task.*` keys into its options struct, naming any
+/// unknown key (the options struct should deny unknown fields).
+pub fn options<T: DeserializeOwned>(task: &str, value: &serde_json::Value) -> Result<T> {
+    serde_json::from_value(value.clone()).map_err(|e| anyhow::anyhow!("task.* keys of task `{task}`: {e}"))
+}
+
+/// Every rank's `mine`, in rank order, on every rank (e.g. each rank's
+/// share of the predictions, gathered for scoring).
+pub fn all_gather_json<T: Serialize + DeserializeOwned>(comm: &Communicator, mine: &T) -> Result<Vec<T>> {
+    let parts = comm.all_gather_bytes(&serde_json::to_vec(mine)?)?;
+    parts.iter().map(|bytes| Ok(serde_json::from_slice(bytes)?)).collect()
+}
+
+/// Refuses a model whose head the task cannot train, naming both.
+pub fn check_head(task: &str, expected: &str, model: &dyn Model) -> Result<()> {
+    if model.head_kind() != expected {
+        bail!(
+            "task `{task}` trains a {expected} head, but this {} model has a {} head (choose the task with --task, or a model with that head)",
+            model.model_type(),
+            model.head_kind()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,298 @@
+//! The training engine: one process's training state — the model's units
+//! as flat buffers (`flat.rs`) and AdamW — run data-parallel as a strategy's
+//! policy says. One micro-batch's forward and backward is `step.rs`, the
+//! gradient reductions it starts are `reduce.rs`, the optimizer step is
+//! `optim.rs`, the causal-LM head's loss is `loss.rs`, and the process
+//! groups a strategy needs are `parallel.rs`. docs/ARCHITECTURE.md follows
+//! one training step through these files.
+
+pub mod loss;
+mod optim;
+mod parallel;
+mod reduce;
+mod step;
+
+pub use crate::flat::unflatten;
+pub use parallel::DataParallel;
+
+use crate::comm::ProcessGroup;
+use crate::config::TrainConfig;
+use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::model::Model;
+use crate::strategy::{GradReduction, ParamPlacement};
+use anyhow::Result;
+use ft_sys::AdamW;
+use optim::LossScaler;
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Compute dtype (fp32 masters are kept whatever this is).
+    pub dtype: Kind,
+    pub adamw: AdamW,
+    pub max_grad_norm: Option<f64>,
+    /// Keep only each block's input and recompute the block in backward.
+    pub activation_checkpointing: bool,
+    /// Seeds dropout, so recomputation repeats the same masks.
+    pub seed: i64,
+    /// fp16's first loss scale (dynamic: halved on overflow, doubled after
+    /// 2000 clean steps, as torch.amp.GradScaler does).
+    pub initial_loss_scale: f64,
+    /// Keep fp32 masters, gradients and optimizer state in host memory and
+    /// step them with the CPU AdamW (`--offload cpu`).
+    pub offload_to_host: bool,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            dtype: Kind::Float,
+            adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+            max_grad_norm: Some(1.0),
+            activation_checkpointing: false,
+            seed: 0,
+            initial_loss_scale: 65536.0,
+            offload_to_host: false,
+        }
+    }
+}
+
+impl TrainOptions {
+    /// A run's options from its `train.*` configuration.
+    pub fn from_config(config: &TrainConfig, dtype: Kind, offload_to_host: bool) -> TrainOptions {
+        TrainOptions {
+            dtype,
+            adamw: AdamW {
+                lr: config.lr,
+                beta1: config.adam_beta1,
+                beta2: config.adam_beta2,
+                weight_decay: config.weight_decay,
+                eps: config.adam_eps,
+            },
+            max_grad_norm: (config.max_grad_norm > 0.0).then_some(config.max_grad_norm),
+            activation_checkpointing: config.activation_checkpointing,
+            seed: config.seed as i64,
+            initial_loss_scale: config.initial_loss_scale,
+            offload_to_host,
+        }
+    }
+}
+
+/// Which kernels the step runs where ATen and ft's own CUDA kernels
+/// (`ft_sys::kernels`) both could.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// ATen's ops: any device and dtype.
+    Aten,
+    /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
+    /// logits, the gradient written over them; ATen's ops otherwise) and ft's
+    /// one-pass AdamW.
+    Ft,
+}
+
+impl Kernels {
+    /// ft's kernels on a GPU where they compile and load (once per process),
+    /// ATen elsewhere or when the environment sets `FT_KERNELS=aten`.
+    pub fn select(device: tch::Device) -> Kernels {
+        if std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten") {
+            return Kernels::Aten;
+        }
+        match ft_sys::kernels::available(device) {
+            Ok(()) => Kernels::Ft,
+            Err(why) => {
+                if device.is_cuda() {
+                    tracing::warn!("{why}; using ATen's cross-entropy and AdamW instead (slower, more memory)");
+                }
+                Kernels::Aten
+            }
+        }
+    }
+}
+
+/// What offloading moved and cost, cumulative over the run.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct OffloadStats {
+    pub device_to_host_bytes: f64,
+    pub host_to_device_bytes: f64,
+    /// Time the step waited for the device's backward and copies to finish.
+    pub wait_seconds: f64,
+    /// Time in the host optimizer step after that (gradient norm and AdamW).
+    pub cpu_step_seconds: f64,
+}
+
+/// One process's training state: the model's units as flat buffers and the
+/// optimizer, data-parallel as the strategy's policy says. Built by
+/// [`TrainerBuilder`].
+pub struct Trainer<'m> {
+    model: &'m dyn Model,
+    units: Vec<FlatUnit>,
+    options: TrainOptions,
+    /// AdamW's step count, on the device, shared by every buffer.
+    step: Tensor,
+    micro_steps: i64,
+    /// Micro-batches since the last optimizer step.
+    pending_micro_batches: usize,
+    parallel: Option<&'m DataParallel<'m>>,
+    /// Present when computing in fp16.
+    scaler: Option<LossScaler>,
+    /// Bytes of sharded units gathered now, and the most at once.
+    gathered_bytes: i64,
+    gathered_peak: i64,
+    offload_stats: OffloadStats,
+    kernels: Kernels,
+}
+
+/// The one way to make a [`Trainer`]: a model and options, optionally data
+/// parallel over a strategy's groups, then the initial parameters.
+pub struct TrainerBuilder<'m> {
+    model: &'m dyn Model,
+    options: TrainOptions,
+    parallel: Option<&'m DataParallel<'m>>,
+}
+
+impl<'m> TrainerBuilder<'m> {
+    pub fn new(model: &'m dyn Model, options: TrainOptions) -> TrainerBuilder<'m> {
+        TrainerBuilder { model, options, parallel: None }
+    }
+
+    /// Trains data-parallel over `parallel`'s ranks (nothing changes on one rank).
+    pub fn data_parallel(mut self, parallel: &'m DataParallel<'m>) -> TrainerBuilder<'m> {
+        self.parallel = (parallel.world.size() > 1).then_some(parallel);
+        self
+    }
+
+    /// The trainer, from initial parameters `params[unit]` already on the
+    /// training device: every rank passes the same ones and keeps what the
+    /// policy assigns it.
+    pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
+        let TrainerBuilder { model, options, parallel } = self;
+        let placement = |numel: i64| match parallel.and_then(DataParallel::shard) {
+            Some(group) => UnitPlacement {
+                shard: ShardLayout::new(numel, group.size(), group.rank()),
+                params_sharded: matches!(parallel.map(|p| p.policy.params), Some(ParamPlacement::Sharded { .. })),
+                optimizer_sharded: parallel.is_some_and(|p| p.policy.optimizer_state_sharded),
+                grads_sharded: parallel.is_some_and(|p| p.policy.grads == GradReduction::ReduceScatter),
+                offload: options.offload_to_host,
+            },
+            None => UnitPlacement {
+                shard: ShardLayout::new(numel, 1, 0),
+                params_sharded: false,
+                optimizer_sharded: false,
+                grads_sharded: false,
+                offload: options.offload_to_host,
+            },
+        };
+        let units = model
+            .units()
+            .iter()
+            .zip(params)
+            .map(|(spec, t)| FlatUnit::new(spec, t, options.dtype, placement(spec.numel())))
+            .collect::<Result<Vec<_>>>()?;
+        let device = params[0][0].device();
+        let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
+        Ok(Trainer {
+            scaler,
+            model,
+            units,
+            options,
+            step: Tensor::zeros([], (Kind::Float, device)),
+            micro_steps: 0,
+            pending_micro_batches: 0,
+            parallel,
+            gathered_bytes: 0,
+            gathered_peak: 0,
+            offload_stats: OffloadStats::default(),
+            kernels: Kernels::select(device),
+        })
+    }
+}
+
+impl<'m> Trainer<'m> {
+    pub fn units(&self) -> &[FlatUnit] {
+        &self.units
+    }
+
+    fn shard_group(&self) -> Option<&'m ProcessGroup> {
+        self.parallel.and_then(DataParallel::shard)
+    }
+
+    fn reshard_after_forward(&self) -> bool {
+        self.parallel.is_some_and(|p| p.policy.params == ParamPlacement::Sharded { reshard_after_forward: true })
+    }
+
+    /// What offloading has moved and how long the host optimizer took, so far.
+    pub fn offload_stats(&self) -> OffloadStats {
+        self.offload_stats
+    }
+
+    pub fn adamw_step(&self) -> &Tensor {
+        &self.step
+    }
+
+    pub fn micro_steps(&self) -> i64 {
+        self.micro_steps
+    }
+
+    /// The whole optimizer state per unit — [master, exp_avg, exp_avg_sq],
+    /// fp32, unpadded — gathered from the shard group where it is sharded.
+    /// Every rank must call this (it is collective when sharded).
+    pub fn whole_state(&self) -> Result<Vec<[Tensor; 3]>> {
+        let group = self.shard_group();
+        self.units
+            .iter()
+            .map(|u| Ok([u.whole(&u.master, group)?, u.whole(&u.exp_avg, group)?, u.whole(&u.exp_avg_sq, group)?]))
+            .collect()
+    }
+
+    /// Puts back whole state (as `whole_state` returns it), each rank keeping its part.
+    pub fn restore(&mut self, units: &[Vec<Tensor>], step: &Tensor, micro_steps: i64) -> Result<()> {
+        for (unit, state) in self.units.iter_mut().zip(units) {
+            unit.restore(state)?;
+        }
+        self.step.shallow_clone().copy_(step);
+        self.micro_steps = micro_steps;
+        Ok(())
+    }
+
+    /// The whole parameters in the compute dtype, detached, per unit
+    /// (gathered when sharded; collective then).
+    pub fn compute_params(&self) -> Result<Vec<Vec<Tensor>>> {
+        let group = self.shard_group();
+        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole_compute(group)?.detach()))).collect()
+    }
+
+    /// The current fp32 parameters, per unit, shaped as the model declares
+    /// them (gathered when sharded; collective then).
+    pub fn params(&self) -> Result<Vec<Vec<Tensor>>> {
+        let group = self.shard_group();
+        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole(&u.master, group)?))).collect()
+    }
+
+    /// What this rank holds for parameters, gradients and optimizer state,
+    /// and the peak of gathered units so far.
+    pub fn memory(&self) -> MemoryAccount {
+        let mut total = MemoryAccount { gathered_peak: self.gathered_peak as f64, ..MemoryAccount::default() };
+        for unit in &self.units {
+            let m = unit.memory();
+            total.params += m.params;
+            total.grads += m.grads;
+            total.optimizer_state += m.optimizer_state;
+            total.host += m.host;
+        }
+        total
+    }
+
+    /// fp16's current loss scale (None in other dtypes).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
+    }
+
+    /// Whether this trainer runs ATen's or ft's kernels.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    pub fn model(&self) -> &dyn Model {
+        self.model
+    }
+}

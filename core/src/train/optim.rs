@@ -1,0 +1,147 @@
+//! The optimizer step: the global gradient norm (one reduction over the
+//! shard group), clipping and fp16's loss scale folded into AdamW's kernel
+//! (ft's on a GPU, ATen's fused one elsewhere, ft's CPU AdamW for offloaded
+//! state), then the compute copies refreshed for the next forward.
+
+use super::{Kernels, Trainer};
+use crate::comm::Reduction;
+use crate::flat::FlatUnit;
+use anyhow::{bail, Result};
+use ft_sys::AdamW;
+use tch::{Kind, Tensor};
+
+/// fp16's dynamic loss scale, on the device (no host synchronisation).
+pub(super) struct LossScaler {
+    pub(super) scale: Tensor,
+    growth_tracker: Tensor,
+}
+
+impl LossScaler {
+    pub(super) fn new(initial_scale: f64, device: tch::Device) -> LossScaler {
+        LossScaler {
+            scale: Tensor::from_slice(&[initial_scale as f32]).to_device(device),
+            growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
+        }
+    }
+}
+
+fn refs(list: &[Tensor]) -> Vec<&Tensor> {
+    list.iter().collect()
+}
+
+impl Trainer<'_> {
+    /// Clips by the global gradient norm (if configured), takes one AdamW step
+    /// at `lr`, refreshes the compute copies and clears the gradients.
+    /// Returns the gradient norm before clipping, on the device.
+    pub fn step(&mut self, lr: f64) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        if self.pending_micro_batches == 0 {
+            bail!("step() without a forward_backward() since the last step");
+        }
+        let device = self.units[0].device();
+        let offloaded = self.units.iter().any(FlatUnit::offloaded_to_host);
+        let mut host_started = std::time::Instant::now();
+        if offloaded {
+            // The host pieces were queued behind the reductions on this stream.
+            if let tch::Device::Cuda(index) = device {
+                ft_sys::cuda_stream_synchronize(index)?;
+            }
+            self.offload_stats.wait_seconds += host_started.elapsed().as_secs_f64();
+            host_started = std::time::Instant::now();
+            for unit in self.units.iter_mut().filter(|u| u.offloaded_to_host()) {
+                unit.collect_host_grad();
+            }
+        }
+        // Each rank's optimizer covers its owned gradient; when that is a
+        // shard, the squares are summed over the shard group (replica
+        // groups hold the same shards after their all-reduce).
+        let owned: Vec<Tensor> = self.units.iter().map(FlatUnit::owned_grad).collect();
+        let squares = owned
+            .iter()
+            .map(|g| match g.device() {
+                tch::Device::Cpu if offloaded => Ok(Tensor::from(ft_sys::cpu_sum_of_squares(g)? as f32).to_device(device)),
+                // One reduction reading the gradient once (square().sum() writes an fp32 copy first).
+                _ => Ok(g.norm().square()),
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
+        if let Some(group) = self.shard_group().filter(|_| self.units[0].placement().optimizer_sharded) {
+            group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
+        }
+        let mut total_norm = sum_of_squares.sqrt();
+        // fp16: gradients carry the loss scale; an overflow skips the step.
+        let found_inf = self.scaler.is_some().then(|| total_norm.isfinite().logical_not().to_kind(Kind::Float).reshape([1]));
+        if let Some(scaler) = &self.scaler {
+            total_norm = &total_norm / scaler.scale.squeeze();
+        }
+        // Clipping divides every gradient by max(1, norm / max_norm), inside AdamW's kernel.
+        let clip = self.options.max_grad_norm.map(|max_norm| (&total_norm / max_norm).clamp_min(1.0));
+        let grad_scale = match (&self.scaler, clip) {
+            (Some(scaler), Some(clip)) => Some(scaler.scale.squeeze() * clip),
+            (Some(scaler), None) => Some(scaler.scale.squeeze()),
+            (None, clip) => clip,
+        };
+        let _ = self.step.g_add_scalar_(1.0);
+        let hyper = AdamW { lr, ..self.options.adamw };
+        for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
+            let (mut params, mut grads, mut m, mut v) = (vec![], vec![], vec![], vec![]);
+            let mut host = vec![];
+            for (unit, grad) in self.units.iter().zip(&owned) {
+                let (split, len) = (unit.decayed_in_master(), unit.master.size()[0]);
+                let (start, count) = if decayed { (0, split) } else { (split, len - split) };
+                if count == 0 {
+                    continue;
+                }
+                let part = [&unit.master, grad, &unit.exp_avg, &unit.exp_avg_sq].map(|t| t.narrow(0, start, count));
+                if unit.offloaded_to_host() {
+                    host.push(part);
+                } else {
+                    let [p, g, mm, vv] = part;
+                    params.push(p);
+                    grads.push(g);
+                    m.push(mm);
+                    v.push(vv);
+                }
+            }
+            if !params.is_empty() && self.kernels == Kernels::Ft {
+                for (((p, g), mm), vv) in params.iter().zip(&grads).zip(&m).zip(&v) {
+                    ft_sys::kernels::adamw_(p, g, mm, vv, hyper, &self.step, grad_scale.as_ref(), found_inf.as_ref())?;
+                }
+            } else if !params.is_empty() {
+                let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
+                ft_sys::fused_adamw(&refs(&params), &refs(&grads), &refs(&m), &refs(&v), &steps, hyper, grad_scale.as_ref(), found_inf.as_ref())
+                    .map_err(anyhow::Error::msg)?;
+            }
+            if !host.is_empty() && !found_inf.as_ref().is_some_and(|inf| inf.double_value(&[0]) != 0.0) {
+                let scale = grad_scale.as_ref().map_or(1.0, |s| s.double_value(&[]));
+                let step = self.step.double_value(&[]);
+                for [p, g, mm, vv] in &host {
+                    ft_sys::cpu_adamw(p, g, mm, vv, hyper, step, scale)?;
+                }
+            }
+        }
+        if let (Some(scaler), Some(found_inf)) = (&mut self.scaler, &found_inf) {
+            // A skipped step does not count (as torch.optim's fused AdamW does).
+            let _ = self.step.g_sub_(&found_inf.squeeze());
+            let _ = scaler.scale.internal_amp_update_scale_(&scaler.growth_tracker, found_inf, 2.0, 0.5, 2000);
+        }
+        if offloaded {
+            self.offload_stats.cpu_step_seconds += host_started.elapsed().as_secs_f64();
+        }
+        let shard_group = self.shard_group();
+        let mut gathers = vec![];
+        for unit in &mut self.units {
+            unit.release_grad();
+            if unit.offloaded_to_host() {
+                self.offload_stats.host_to_device_bytes += (unit.master.numel() * 4) as f64;
+            }
+            gathers.extend(unit.refresh_compute(shard_group)?);
+        }
+        for work in gathers {
+            work.wait()?;
+        }
+        self.pending_micro_batches = 0;
+        Ok(total_norm)
+    }
+
+}

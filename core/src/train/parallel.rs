@@ -1,0 +1,82 @@
+//! The ranks a trainer works with and the strategy's policy over them: the
+//! world, the shard group that splits parameters, gradients and optimizer
+//! state, and (hybrid sharding) the replica groups across shard groups.
+
+use crate::comm::{Communicator, ProcessGroup};
+use crate::strategy::{ReduceDtype, ShardGroup, ShardingPolicy, ShardingStrategy};
+use anyhow::{bail, Result};
+use tch::Kind;
+
+pub struct DataParallel<'c> {
+    pub policy: ShardingPolicy,
+    /// Every data-parallel rank (all-reduced gradients are summed over it).
+    pub world: &'c ProcessGroup,
+    /// Ranks per shard group (1 when the policy shards nothing).
+    pub shard_size: usize,
+    /// A shard group smaller than the world (the world itself is `world`).
+    sub_group: Option<ProcessGroup>,
+    /// Hybrid sharding: the ranks holding the same shard in other shard
+    /// groups, across which reduced gradient shards are all-reduced.
+    replicas: Option<ProcessGroup>,
+    /// The dtype gradients travel in.
+    pub reduce_dtype: Kind,
+}
+
+impl<'c> DataParallel<'c> {
+    /// The groups `strategy` needs over `comm`'s world (collective: every
+    /// rank calls it). `size_override` is `--shard-group-size`; `reduce` is
+    /// the run's reduce dtype (the policy may fix its own) and `compute` the
+    /// compute dtype it may name.
+    pub fn new(
+        comm: &'c Communicator,
+        strategy: &dyn ShardingStrategy,
+        size_override: Option<usize>,
+        reduce: ReduceDtype,
+        compute: Kind,
+    ) -> Result<DataParallel<'c>> {
+        let policy = strategy.policy();
+        policy.validate(strategy.name())?;
+        let env = comm.env();
+        let world = env.world_size;
+        let reduce_dtype = match policy.reduce_dtype.unwrap_or(reduce) {
+            ReduceDtype::Fp32 => Kind::Float,
+            ReduceDtype::Compute => compute,
+        };
+        let mut parallel =
+            DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype };
+        if !policy.optimizer_state_sharded {
+            if let Some(size) = size_override {
+                bail!("--shard-group-size {size}: strategy `{}` shards nothing", strategy.name());
+            }
+            return Ok(parallel);
+        }
+        let size = size_override.unwrap_or(match policy.shard_group {
+            ShardGroup::World => world,
+            ShardGroup::Node => env.local_world_size,
+            ShardGroup::Size(n) => n,
+        });
+        if size == 0 || world % size != 0 {
+            bail!("shard group size {size} must divide the world size {world} (strategy `{}`)", strategy.name());
+        }
+        parallel.shard_size = size;
+        if size != world && size != 1 {
+            let (shard, replicas) = comm.hybrid_groups(size)?;
+            parallel.sub_group = Some(shard);
+            parallel.replicas = Some(replicas);
+        }
+        Ok(parallel)
+    }
+
+    /// The ranks this rank shares its shards with (None when nothing is sharded).
+    pub fn shard(&self) -> Option<&ProcessGroup> {
+        match (&self.sub_group, self.shard_size) {
+            (Some(group), _) => Some(group),
+            (None, 1) => None,
+            (None, _) => Some(self.world),
+        }
+    }
+
+    pub fn replicas(&self) -> Option<&ProcessGroup> {
+        self.replicas.as_ref()
+    }
+}

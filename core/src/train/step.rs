@@ -1,0 +1,173 @@
+//! Forward and backward of one micro-batch, unit by unit: each stage runs
+//! on views of its unit's flat buffer, the activation detached between
+//! stages; backward walks the stages in reverse, feeding each stage's output
+//! its gradient. Around each stage the strategy's policy decides: a sharded
+//! unit is gathered before use (the next unit's gather is issued before this
+//! one computes, so it overlaps) and released after forward (full_shard) or
+//! after its backward (shard_grad_op). A unit's gradient is handed to
+//! `reduce.rs` as soon as backward completes it.
+
+use super::reduce::{PendingReduction, REDUCTIONS_IN_FLIGHT};
+use super::Trainer;
+use crate::comm::Work;
+use crate::dataset::Batch;
+use crate::model::{Params, StageKind};
+use crate::task::Objective;
+use anyhow::Result;
+use std::collections::VecDeque;
+use tch::Tensor;
+
+/// What forward keeps of one stage for backward.
+struct Saved {
+    /// The stage's detached input (None for the embedding).
+    input: Option<Tensor>,
+    /// Outputs to backpropagate into (empty when the block is recomputed).
+    outputs: Vec<Tensor>,
+    /// Their gradients, when forward already knows them (the head).
+    grads: Vec<Tensor>,
+}
+
+impl Trainer<'_> {
+    /// Starts gathering unit `u` if it is sharded and released (a prefetch).
+    fn prefetch(&mut self, u: usize) -> Result<()> {
+        if let Some(group) = self.shard_group() {
+            let bytes = self.units[u].start_gather(group)?;
+            self.count_gathered(bytes);
+        }
+        Ok(())
+    }
+
+    /// Makes unit `u` usable, waiting for its gather if one is in flight.
+    fn gather(&mut self, u: usize) -> Result<()> {
+        let group = self.shard_group();
+        let bytes = self.units[u].finish_gather(group)?;
+        self.count_gathered(bytes);
+        Ok(())
+    }
+
+    fn release(&mut self, u: usize) -> Result<()> {
+        self.gathered_bytes -= self.units[u].release()?;
+        Ok(())
+    }
+
+    fn count_gathered(&mut self, bytes: i64) {
+        self.gathered_bytes += bytes;
+        self.gathered_peak = self.gathered_peak.max(self.gathered_bytes);
+    }
+
+    /// Forward and backward of one micro-batch; gradients add up until
+    /// `step`. The head's outputs go to `objective`, whose loss is divided by
+    /// `normalizer`, the whole global batch's loss weight.
+    /// `last_micro_batch` synchronises gradients across replicas.
+    /// Returns this micro-batch's share of the loss, on the device.
+    pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, last_micro_batch: bool) -> Result<Tensor> {
+        let model = self.model;
+        let inputs = &batch.inputs;
+        let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
+        let ctx = model.context(inputs, 0, dtype, true)?;
+        let specs = model.units();
+        let stages = model.stages();
+        let seed = self.options.seed;
+        let micro_steps = self.micro_steps;
+        let seed_for = |stage: usize| seed.wrapping_mul(1_000_003).wrapping_add(micro_steps * 4099 + stage as i64);
+        let reshard_after_forward = self.reshard_after_forward();
+        // Views are made once per unit per micro-batch, while it is gathered;
+        // the graph keeps them valid across a release and the refill.
+        let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
+
+        let mut saved: Vec<Saved> = Vec::with_capacity(stages.len());
+        let mut x: Option<Tensor> = None;
+        let mut loss = None;
+        for (index, stage) in stages.iter().enumerate() {
+            let unit = stage.unit;
+            self.gather(unit)?;
+            if let Some(next) = stages.get(index + 1) {
+                self.prefetch(next.unit)?;
+            }
+            let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
+            let params = Params::new(&specs[unit], unit_views);
+            let input = x.take().map(|t| t.set_requires_grad(true));
+            match stage.kind {
+                StageKind::Embed => {
+                    let y = model.embed(&params, inputs, &ctx);
+                    x = Some(y.detach());
+                    saved.push(Saved { input: None, outputs: vec![y], grads: vec![] });
+                }
+                StageKind::Block => {
+                    let input = input.expect("a block follows the embedding");
+                    if checkpoint {
+                        tch::manual_seed(seed_for(index));
+                        let y = tch::no_grad(|| model.block(&params, &input, &ctx, None));
+                        x = Some(y);
+                        saved.push(Saved { input: Some(input), outputs: vec![], grads: vec![] });
+                    } else {
+                        let y = model.block(&params, &input, &ctx, None);
+                        x = Some(y.detach());
+                        saved.push(Saved { input: Some(input), outputs: vec![y], grads: vec![] });
+                    }
+                }
+                StageKind::Head => {
+                    let input = input.expect("the head follows the blocks");
+                    let outputs = model.head(&params, &input);
+                    let loss_scale = self.scaler.as_ref().map(|s| &s.scale);
+                    let (stage_loss, grads) = objective.loss_and_grads(&outputs, batch, normalizer, loss_scale)?;
+                    loss = Some(stage_loss);
+                    saved.push(Saved { input: Some(input), outputs, grads });
+                }
+            }
+            // The last stage's unit is the first backward needs: keep it.
+            let used_next = stages.get(index + 1).is_none_or(|next| next.unit == unit);
+            if reshard_after_forward && !used_next {
+                self.release(unit)?;
+            }
+        }
+
+        let mut grad: Option<Tensor> = None;
+        let mut pending: VecDeque<PendingReduction> = VecDeque::new();
+        let mut replica_reductions: Vec<Work> = vec![];
+        let first_micro_batch = self.pending_micro_batches == 0;
+        for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
+            let unit = stage.unit;
+            self.gather(unit)?;
+            if index > 0 {
+                self.prefetch(stages[index - 1].unit)?;
+            }
+            if s.outputs.is_empty() {
+                // Recompute the checkpointed block, with the same dropout masks.
+                let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
+                let params = Params::new(&specs[unit], unit_views);
+                tch::manual_seed(seed_for(index));
+                s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, None)];
+            }
+            if s.grads.is_empty() {
+                s.grads = vec![grad.take().expect("a later stage passed a gradient back")];
+            }
+            let outputs: Vec<&Tensor> = s.outputs.iter().collect();
+            let grads: Vec<&Tensor> = s.grads.iter().collect();
+            ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
+            grad = s.input.as_ref().map(Tensor::grad);
+            drop(s);
+            let gradient_complete = stages.iter().position(|st| st.unit == unit) == Some(index);
+            if gradient_complete {
+                self.reduce(unit, first_micro_batch, last_micro_batch, &mut pending)?;
+                while pending.len() > REDUCTIONS_IN_FLIGHT {
+                    let oldest = pending.pop_front().expect("non-empty");
+                    self.finish_reduction(oldest, &mut replica_reductions)?;
+                }
+                self.release(unit)?;
+            } else if reshard_after_forward && stages[index - 1].unit != unit {
+                self.release(unit)?;
+            }
+        }
+        while let Some(oldest) = pending.pop_front() {
+            self.finish_reduction(oldest, &mut replica_reductions)?;
+        }
+        for work in replica_reductions {
+            work.wait()?;
+        }
+        self.micro_steps += 1;
+        self.pending_micro_batches += 1;
+        Ok(loss.expect("the model has a head stage"))
+    }
+
+}

@@ -1,0 +1,282 @@
+//! `causal_lm`: fine-tuning a causal language model. SQuAD files become
+//! prompts (`Question: … Context: … Answer:`) with the loss on the answer,
+//! scored by exact match and F1 of the greedily generated answer; text and
+//! JSONL are packed into fixed-length sequences (loss only).
+//!
+//! Task keys: `task.include_unanswerable` (train SQuAD v2's unanswerable
+//! questions towards the empty answer), `task.max_new_tokens` (longest
+//! generated answer).
+
+use anyhow::{bail, Result};
+use ft_core::batches::to_device_async;
+use ft_core::comm::Communicator;
+use ft_core::dataset::{Batch, Dataset};
+use ft_core::model::{head, lm_outputs, Inputs, Model};
+use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
+use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
+use ft_core::train::Kernels;
+use ft_data::lm::{self, Example, LoadOptions};
+use ft_data::squad::QaExample;
+use ft_data::{metrics, prompt};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+use tokenizers::Tokenizer;
+
+const NAME: &str = "causal_lm";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Options {
+    include_unanswerable: bool,
+    max_new_tokens: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { include_unanswerable: false, max_new_tokens: 32 }
+    }
+}
+
+/// Token-id examples, right-padded per batch.
+pub struct LmDataset {
+    examples: Vec<Example>,
+    pad_id: i64,
+    /// Padded lengths round up to this: few shapes on a GPU, exact lengths on a CPU.
+    pad_multiple: usize,
+}
+
+impl LmDataset {
+    pub fn new(examples: Vec<Example>, pad_id: i64, pad_multiple: usize) -> LmDataset {
+        LmDataset { examples, pad_id, pad_multiple: pad_multiple.max(1) }
+    }
+}
+
+impl Dataset for LmDataset {
+    fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    fn tokens(&self, index: usize) -> usize {
+        self.examples[index].input_ids.len()
+    }
+
+    fn loss_weight(&self, index: usize) -> usize {
+        self.examples[index].target_tokens()
+    }
+
+    /// Right-pads to the longest example rounded up to the multiple:
+    /// padding is invisible to a causal model's earlier positions and has no loss.
+    fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
+        let examples: Vec<&Example> = indices.iter().map(|&i| &self.examples[i]).collect();
+        let longest = examples.iter().map(|e| e.input_ids.len()).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
+        let pad = |values: &[i64], with: i64| {
+            let mut row = values.to_vec();
+            row.resize(longest, with);
+            row
+        };
+        let ids: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.input_ids, self.pad_id)).collect();
+        let labels: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.labels, IGNORE_INDEX)).collect();
+        let ids = to_device_async(&Tensor::from_slice2(&ids), device);
+        Ok(Batch { inputs: Inputs::ids(&ids), targets: vec![to_device_async(&Tensor::from_slice2(&labels), device)] })
+    }
+}
+
+/// Next-token cross-entropy on the labels, the logits formed chunk by chunk.
+pub struct CausalLmLoss {
+    pub chunk_tokens: i64,
+    pub kernels: Kernels,
+}
+
+fn labels(batch: &Batch) -> Result<&Tensor> {
+    match batch.targets.as_slice() {
+        [labels] => Ok(labels),
+        other => bail!("a causal LM batch has one target (labels), this one has {}", other.len()),
+    }
+}
+
+impl Objective for CausalLmLoss {
+    fn loss_and_grads(&self, outputs: &[Tensor], batch: &Batch, normalizer: f64, loss_scale: Option<&Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
+        let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+        let (loss, grad_hidden, grad_weight) =
+            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels)?;
+        Ok((loss, vec![grad_hidden, grad_weight]))
+    }
+
+    fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)> {
+        let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+        let (sum, count) = lm_loss_sum(&hidden, &weight, labels(batch)?, self.chunk_tokens)?;
+        Ok((sum.double_value(&[]), count.double_value(&[])))
+    }
+}
+
+/// EM/F1 of greedily generated answers.
+struct Generation {
+    tokenizer: Tokenizer,
+    questions: Vec<QaExample>,
+    max_seq_len: usize,
+    max_new_tokens: usize,
+    eos: Option<i64>,
+}
+
+impl Generation {
+    /// The answer generated for `question` ("" when even an empty context leaves no room).
+    fn answer(&self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, question: &QaExample) -> Result<String> {
+        let budget = self.max_seq_len.saturating_sub(self.max_new_tokens);
+        let Some(ids) = prompt::prompt_ids(&self.tokenizer, question, budget)? else { return Ok(String::new()) };
+        let generated = ft_core::generate::greedy(model, params, &ids, self.max_new_tokens, self.eos, dtype)?;
+        let answer_ids: Vec<u32> = generated.iter().filter(|&&t| Some(t) != self.eos).map(|&t| t as u32).collect();
+        let text = self.tokenizer.decode(&answer_ids, true).map_err(anyhow::Error::msg)?;
+        Ok(text.lines().next().unwrap_or("").trim().to_string())
+    }
+}
+
+pub struct CausalLm {
+    train: LmDataset,
+    eval: Option<LmDataset>,
+    objective: CausalLmLoss,
+    generation: Option<Generation>,
+    /// The last scoring's answers, by question id.
+    predictions: BTreeMap<String, String>,
+}
+
+impl Task for CausalLm {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn train_set(&self) -> &dyn Dataset {
+        &self.train
+    }
+
+    fn eval_set(&self) -> Option<&dyn Dataset> {
+        self.eval.as_ref().map(|d| d as &dyn Dataset)
+    }
+
+    fn objective(&self) -> &dyn Objective {
+        &self.objective
+    }
+
+    /// Each rank generates answers for its share of the questions; every
+    /// rank scores all of them.
+    fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
+        let Some(generation) = &self.generation else { return Ok(Scores::default()) };
+        let (rank, world) = (comm.env().rank, comm.env().world_size);
+        let mine = generation
+            .questions
+            .iter()
+            .skip(rank)
+            .step_by(world)
+            .map(|q| Ok((q.id.clone(), generation.answer(model, params, dtype, q)?)))
+            .collect::<Result<Vec<(String, String)>>>()?;
+        self.predictions = task::all_gather_json(comm, &mine)?.into_iter().flatten().collect();
+        let (mut em, mut f1) = (0.0, 0.0);
+        for question in &generation.questions {
+            let (e, f) = metrics::score(self.predictions.get(&question.id).map_or("", String::as_str), &question.answers);
+            em += e;
+            f1 += f;
+        }
+        let count = generation.questions.len().max(1) as f64;
+        Ok(Scores {
+            values: BTreeMap::from([("em".into(), 100.0 * em / count), ("f1".into(), 100.0 * f1 / count)]),
+            examples: generation.questions.len(),
+        })
+    }
+
+    fn write_predictions(&self, dir: &Path) -> Result<Vec<String>> {
+        if self.generation.is_none() {
+            return Ok(vec![]);
+        }
+        std::fs::write(dir.join("predictions.json"), serde_json::to_string_pretty(&self.predictions)?)?;
+        Ok(vec!["predictions.json".into()])
+    }
+}
+
+fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
+    task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
+    let options: Options = task::options(NAME, &serde_json::Value::Object(inputs.config.task.options.clone()))?;
+    let data = &inputs.config.data;
+    let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
+    let pad_id = lm::pad_id(&tokenizer);
+    let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
+    let load = |path: &Path, limit| {
+        let options = LoadOptions { max_seq_len: data.max_seq_len, limit, include_unanswerable: options.include_unanswerable };
+        lm::load(path, &tokenizer, &options)
+    };
+    let train = match &data.train {
+        Some(path) => load(path, data.train_samples)?.0,
+        None => vec![],
+    };
+    let (eval, questions) = match &data.eval {
+        Some(path) => {
+            let (examples, questions) = load(path, data.eval_samples)?;
+            (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
+        }
+        None => (None, vec![]),
+    };
+    let generation = (!questions.is_empty()).then(|| Generation {
+        eos: prompt::eos_id(&tokenizer),
+        tokenizer: tokenizer.clone(),
+        questions,
+        max_seq_len: data.max_seq_len,
+        max_new_tokens: options.max_new_tokens,
+    });
+    Ok(Box::new(CausalLm {
+        train: LmDataset::new(train, pad_id, pad_multiple),
+        eval,
+        objective: CausalLmLoss { chunk_tokens: inputs.config.train.loss_chunk_tokens, kernels: Kernels::select(inputs.device) },
+        generation,
+        predictions: BTreeMap::new(),
+    }))
+}
+
+/// Random tokens, every one a target: what `ft bench` times a step with.
+fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
+    tch::manual_seed(spec.seed);
+    let ids = Tensor::randint(spec.model.dims().vocab, [spec.examples as i64, spec.seq], (Kind::Int64, Device::Cpu));
+    let rows: Vec<Vec<i64>> = Vec::try_from(ids)?;
+    let examples = rows.into_iter().map(|row| Example { labels: row.clone(), input_ids: row }).collect();
+    Ok(Box::new(CausalLm {
+        train: LmDataset::new(examples, 0, 1),
+        eval: None,
+        objective: CausalLmLoss { chunk_tokens: spec.loss_chunk_tokens, kernels: Kernels::select(spec.device) },
+        generation: None,
+        predictions: BTreeMap::new(),
+    }))
+}
+
+inventory::submit! {
+    TaskRegistration {
+        name: NAME,
+        summary: "causal-LM fine-tuning: SQuAD as prompts with the loss on the answer (EM/F1 by greedy generation), or packed text/JSONL",
+        head_kind: head::CAUSAL_LM,
+        build,
+        synthetic,
+        check_options: |value| task::options::<Options>(NAME, value).map(drop),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collate_pads_inputs_and_ignores_padded_labels() {
+        let a = Example { input_ids: vec![1, 2, 3], labels: vec![-100, 2, 3] };
+        let b = Example { input_ids: vec![4], labels: vec![4] };
+        let data = LmDataset::new(vec![a, b], 0, 1);
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        assert_eq!(Vec::<Vec<i64>>::try_from(&batch.inputs.input_ids).unwrap(), vec![vec![1, 2, 3], vec![4, 0, 0]]);
+        assert_eq!(Vec::<Vec<i64>>::try_from(&batch.targets[0]).unwrap(), vec![vec![-100, 2, 3], vec![4, -100, -100]]);
+        assert_eq!((data.loss_weight(0), data.loss_weight(1), data.tokens(0)), (2, 0, 3));
+        let padded = LmDataset::new(data.examples.clone(), 0, 4);
+        assert_eq!(padded.collate(&[0, 1], Device::Cpu).unwrap().inputs.input_ids.size(), [2, 4]);
+    }
+
+    #[test]
+    fn unknown_task_keys_are_named() {
+        let err = task::options::<Options>(NAME, &serde_json::json!({"max_new_token": 4})).unwrap_err().to_string();
+        assert!(err.contains("unknown field `max_new_token`"), "{err}");
+    }
+}

@@ -1,0 +1,5 @@
+//! ft's tasks, each registered beside its file: what a run trains (its
+//! datasets and the loss of the model's head) and how an epoch is scored.
+//! The loop in ft-core knows none of them.
+
+pub mod causal_lm;
