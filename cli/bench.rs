@@ -7,7 +7,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
-use ft_core::setup::{DType, DeviceSpec, Rank};
+use ft_core::device::{DType, DeviceSpec};
+use ft_core::setup::Rank;
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Config, Registry};
 use ft_models::hf;

@@ -4,7 +4,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use figment::value::Value;
 use ft_core::collectives_bench::{self, Collective, CommTestOptions};
-use ft_core::setup::{DType, Rank};
+use ft_core::device::DType;
+use ft_core::setup::Rank;
 use ft_core::{Backend, Config};
 use std::path::PathBuf;
 

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ft_core::setup::{DType, DeviceSpec};
+use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};

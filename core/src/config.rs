@@ -5,7 +5,7 @@
 //! known key; `task.*` keys belong to the task, which checks them.
 
 use crate::comm::Backend;
-use crate::setup::{DType, DeviceSpec};
+use crate::device::{DType, DeviceSpec};
 use anyhow::{bail, Result};
 use figment::providers::{Env, Format, Json, Serialized, Toml, Yaml};
 use figment::value::Value;

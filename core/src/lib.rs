@@ -11,6 +11,7 @@ pub mod collectives_bench;
 pub mod comm;
 pub mod config;
 pub mod dataset;
+pub mod device;
 pub mod ds_config;
 pub mod env;
 pub mod fit;
