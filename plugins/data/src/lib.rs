@@ -5,5 +5,6 @@
 pub mod demo;
 pub mod metrics;
 pub mod prompt;
+pub mod qa;
 pub mod squad;
 pub mod text;
