@@ -5,3 +5,4 @@
 //! logits (`postprocess`) and the official v1.1/v2.0 scores (`squad_eval`).
 
 pub mod wordpiece;
+pub mod features;

@@ -55,7 +55,10 @@ pub fn train_bert_tokenizer<'a>(texts: impl Iterator<Item = &'a str>, vocab_size
     if texts.is_empty() {
         bail!("cannot train a WordPiece vocabulary on no text");
     }
-    tokenizer.train(&mut trainer, texts.into_iter()).map_err(anyhow::Error::msg).context("WordPiece training failed")?;
+    tokenizer
+        .train(&mut trainer, texts.into_iter())
+        .map_err(anyhow::Error::msg)
+        .context("WordPiece training failed")?;
 
     for (expected_id, token) in SPECIAL_TOKENS.iter().enumerate() {
         let id = tokenizer.token_to_id(token);
@@ -63,7 +66,8 @@ pub fn train_bert_tokenizer<'a>(texts: impl Iterator<Item = &'a str>, vocab_size
             bail!("the trained vocabulary gives {token} the id {id:?}, not {expected_id}");
         }
     }
-    let special_id = |token: &str| tokenizer.token_to_id(token).with_context(|| format!("the trained vocabulary has no {token}"));
+    let special_id =
+        |token: &str| tokenizer.token_to_id(token).with_context(|| format!("the trained vocabulary has no {token}"));
     let post_processor = TemplateProcessing::builder()
         .try_single(format!("{CLS} $A {SEP}"))
         .map_err(anyhow::Error::msg)?
