@@ -1,14 +1,19 @@
 //! ft's extractive question answering data side against transformers' own
 //! code, on the whole shared SQuAD v2.0 file: the reference scripts under
-//! tests/python/ transcribe run_qa.py and use transformers' fast
-//! tokenizer, get ft's results as files and fail on any difference.
+//! tests/python/ transcribe run_qa.py and utils_qa.py and use
+//! transformers' fast tokenizer, get ft's results as files and fail on any
+//! difference.
 //!
 //! `python` must be the project venv's (`source scripts/env.sh`); without it
 //! these tests fail, they are not skipped.
 
 use ft_data::qa::features::{Features, QaFeaturizer, TrainFeature, ValidationFeature, Window, WindowConfig};
+use ft_data::qa::postprocess::{null_odds, postprocess_qa_predictions, PostprocessConfig, QaPrediction};
 use ft_data::qa::wordpiece::train_bert_tokenizer;
 use ft_data::squad::{self, QaExample};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,6 +23,10 @@ const VOCAB_SIZE: usize = 3000;
 /// run_qa.py's defaults, and short windows that overflow many times.
 const SETTINGS: [WindowConfig; 2] =
     [WindowConfig { max_seq_length: 384, doc_stride: 128 }, WindowConfig { max_seq_length: 128, doc_stride: 32 }];
+/// The setting whose evaluation windows get random logits: several windows
+/// for many questions, so the null score is often a minimum over windows.
+const LOGITS_SETTING: usize = 1;
+
 fn shared_squad() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/squad/squad-v2.0-dev-5-articles.json")
 }
@@ -125,4 +134,110 @@ fn features_equal_run_qa_py() {
     let ft_features = dir.path().join("ft_features.json");
     write_json(&ft_features, &json!({"example_ids": ids, "settings": settings}));
     run_reference("qa_features_reference.py", &[&shared_squad(), &tokenizer, &ft_features]);
+}
+
+/// Seeded random logits for every evaluation window, distinct within a
+/// window (numpy's argsort orders ties arbitrarily): a shuffled grid in
+/// [-4, 4) with a jitter. The [CLS] logits are raised by 0 to 6 so that the
+/// null answer sometimes wins. For every 50th question the context's logits
+/// sink below the rest, the start logits rising and the end logits falling
+/// along the context, so that the few context tokens among the n best pair
+/// ends before starts: no valid span, utils_qa.py's "empty" fallback.
+fn random_logits(features: &[ValidationFeature]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(2024);
+    let length = features[0].offset_mapping.len();
+    let mut logits = || -> Vec<f32> {
+        let mut grid: Vec<usize> = (0..length).collect();
+        grid.shuffle(&mut rng);
+        grid.into_iter().map(|g| g as f32 * 8.0 / length as f32 - 4.0 + rng.gen::<f32>() / 100.0).collect()
+    };
+    let (mut starts, mut ends): (Vec<Vec<f32>>, Vec<Vec<f32>>) = features.iter().map(|_| (logits(), logits())).unzip();
+    for ((feature, start), end) in features.iter().zip(&mut starts).zip(&mut ends) {
+        let raise = (feature.example_index % 7) as f32;
+        start[0] += raise;
+        end[0] += raise / 2.0;
+        if feature.example_index % 50 == 0 {
+            for (position, offsets) in feature.offset_mapping.iter().enumerate() {
+                if offsets.is_some() {
+                    start[position] = -30.0 + position as f32 / 1000.0;
+                    end[position] = -30.0 - position as f32 / 1000.0;
+                }
+            }
+        }
+    }
+    (starts, ends)
+}
+
+/// ft's postprocessing of the random logits.
+fn postprocess(logits: &(Vec<Vec<f32>>, Vec<Vec<f32>>), config: &PostprocessConfig) -> Vec<QaPrediction> {
+    let shared = shared();
+    let features = &shared.features[LOGITS_SETTING].1.features;
+    let starts: Vec<&[f32]> = logits.0.iter().map(Vec::as_slice).collect();
+    let ends: Vec<&[f32]> = logits.1.iter().map(Vec::as_slice).collect();
+    postprocess_qa_predictions(&shared.examples, features, &starts, &ends, config).unwrap()
+}
+
+fn v2(null_score_diff_threshold: f32) -> PostprocessConfig {
+    PostprocessConfig { version_2_with_negative: true, null_score_diff_threshold, ..Default::default() }
+}
+
+/// One postprocessing run for the reference: its options and ft's results.
+fn run_json(config: &PostprocessConfig, predictions: &[QaPrediction]) -> Value {
+    let nbest: Vec<(&str, Vec<Value>)> = predictions
+        .iter()
+        .map(|p| {
+            let answers = p.nbest.iter().map(|a| {
+                json!({"text": a.text, "start_logit": a.start_logit, "end_logit": a.end_logit, "probability": a.probability})
+            });
+            (p.id.as_str(), answers.collect())
+        })
+        .collect();
+    json!({
+        "version_2_with_negative": config.version_2_with_negative,
+        "null_score_diff_threshold": config.null_score_diff_threshold,
+        "n_best_size": config.n_best_size,
+        "max_answer_length": config.max_answer_length,
+        "predictions": predictions.iter().map(|p| (&p.id, &p.text)).collect::<Vec<_>>(),
+        "null_odds": null_odds(predictions),
+        "nbest": nbest,
+    })
+}
+
+/// (b) Predictions, null odds and n-best lists equal utils_qa.py's on the
+/// same windows and logits, in v1 and in v2 with several thresholds.
+#[test]
+fn postprocessing_equals_utils_qa_py() {
+    let shared = shared();
+    let features = &shared.features[LOGITS_SETTING].1.features;
+    let logits = random_logits(features);
+    let runs: Vec<Value> = [PostprocessConfig::default(), v2(0.0), v2(2.5), v2(-1.5)]
+        .iter()
+        .map(|config| {
+            let predictions = postprocess(&logits, config);
+            // The logits must reach the fallback, and in v2 both decisions.
+            let count = |text: &str| predictions.iter().filter(|p| p.text == text).count();
+            if config.version_2_with_negative {
+                assert!(0 < count("") && count("") < predictions.len(), "the null answer never or always wins");
+            } else {
+                assert!(count("empty") > 0, "no question reaches the \"empty\" fallback");
+            }
+            run_json(config, &predictions)
+        })
+        .collect();
+    let examples: Vec<Value> = shared.examples.iter().map(|e| json!({"id": e.id, "context": e.context})).collect();
+    let windows: Vec<Value> = features
+        .iter()
+        .map(|f| json!({"example_id": shared.examples[f.example_index].id, "offset_mapping": f.offset_mapping}))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let ft_postprocess = dir.path().join("ft_postprocess.json");
+    let max_seq_length = SETTINGS[LOGITS_SETTING].max_seq_length;
+    write_json(
+        &ft_postprocess,
+        &json!({"examples": examples, "features": windows, "max_seq_length": max_seq_length, "runs": runs}),
+    );
+    let logits_file = dir.path().join("logits.f32");
+    let bytes: Vec<u8> = logits.0.iter().chain(&logits.1).flatten().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(&logits_file, bytes).unwrap();
+    run_reference("qa_postprocess_reference.py", &[&ft_postprocess, &logits_file]);
 }

@@ -6,3 +6,4 @@
 
 pub mod wordpiece;
 pub mod features;
+pub mod postprocess;
