@@ -1,20 +1,26 @@
 //! ft's extractive question answering data side against transformers' own
 //! code, on the whole shared SQuAD v2.0 file: the reference scripts under
-//! tests/python/ transcribe run_qa.py and utils_qa.py and use
-//! transformers' fast tokenizer, get ft's results as files and fail on any
-//! difference.
+//! tests/python/ transcribe run_qa.py and utils_qa.py, use transformers'
+//! fast tokenizer and the official v2.0 evaluation, get ft's results as
+//! files and fail on any difference.
 //!
 //! `python` must be the project venv's (`source scripts/env.sh`); without it
-//! these tests fail, they are not skipped.
+//! these tests fail, they are not skipped. The evaluation test also needs
+//! the transformers 4.46.3 wheel scripts/setup.sh downloads into
+//! .venv/reference (or a directory named by FT_REFERENCE_WHEELS).
 
 use ft_data::qa::features::{Features, QaFeaturizer, TrainFeature, ValidationFeature, Window, WindowConfig};
-use ft_data::qa::postprocess::{null_odds, postprocess_qa_predictions, PostprocessConfig, QaPrediction};
+use ft_data::qa::postprocess::{
+    null_odds, postprocess_qa_predictions, prediction_texts, PostprocessConfig, QaPrediction,
+};
+use ft_data::qa::squad_eval::{evaluate_v1, evaluate_v2, DEFAULT_NA_PROB_THRESH};
 use ft_data::qa::wordpiece::train_bert_tokenizer;
 use ft_data::squad::{self, QaExample};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -240,4 +246,80 @@ fn postprocessing_equals_utils_qa_py() {
     let bytes: Vec<u8> = logits.0.iter().chain(&logits.1).flatten().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(&logits_file, bytes).unwrap();
     run_reference("qa_postprocess_reference.py", &[&ft_postprocess, &logits_file]);
+}
+
+/// Predictions made to exercise the normalisation: exact, with articles and
+/// punctuation around, partial, empty, only articles, non-ASCII quotes, a
+/// piece of the context; no-answer probabilities with many ties.
+fn crafted_predictions(examples: &[QaExample]) -> (HashMap<String, String>, Vec<(String, f64)>) {
+    let predictions = examples
+        .iter()
+        .enumerate()
+        .map(|(index, example)| {
+            let gold = example.answers.first().map_or("", String::as_str);
+            let first_word = gold.split(' ').next().unwrap_or("");
+            let text = match index % 8 {
+                0 => gold.to_string(),
+                1 => format!("The {gold}!"),
+                2 => String::new(),
+                3 => first_word.to_string(),
+                4 => "a an the".to_string(),
+                5 => format!("\u{2014}the {} (approx.)", gold.to_uppercase()),
+                6 => example.context.split(' ').take(3).collect::<Vec<_>>().join(" "),
+                _ => format!("\u{201c}{gold}\u{201d}"),
+            };
+            (example.id.clone(), text)
+        })
+        .collect();
+    let na_probs = examples.iter().enumerate().map(|(index, e)| (e.id.clone(), (index % 7) as f64 / 10.0)).collect();
+    (predictions, na_probs)
+}
+
+/// One evaluation case: ft's v2.0 scores and v1.1 scores of the answerable
+/// questions, with the inputs the reference needs.
+fn evaluation_case(
+    name: &str,
+    predictions: &HashMap<String, String>,
+    na_probs: Option<&[(String, f64)]>,
+    na_prob_thresh: f64,
+) -> Value {
+    let examples = &shared().examples;
+    let v2 = evaluate_v2(examples, predictions, na_probs, na_prob_thresh).unwrap();
+    let answerable: Vec<QaExample> = examples.iter().filter(|e| !e.answers.is_empty()).cloned().collect();
+    let v1 = evaluate_v1(&answerable, predictions).unwrap();
+    json!({
+        "name": name,
+        "predictions": predictions,
+        "na_probs": na_probs,
+        "na_prob_thresh": na_prob_thresh,
+        "v2": v2.to_json(),
+        "v1": {"exact_match": v1.exact_match, "f1": v1.f1},
+    })
+}
+
+/// (c) ft's SQuAD v2.0 scores equal the official evaluation's (transformers
+/// 4.46.3's squad_metrics) for the postprocessed predictions of (b) and for
+/// crafted ones; its v1.1 scores equal the mean best compute_exact and
+/// compute_f1 over the answerable questions.
+#[test]
+fn squad_scores_equal_the_official_evaluation() {
+    let shared = shared();
+    let logits = random_logits(&shared.features[LOGITS_SETTING].1.features);
+    let postprocessed = postprocess(&logits, &v2(0.0));
+    let (crafted, crafted_na_probs) = crafted_predictions(&shared.examples);
+    let (texts, odds) = (prediction_texts(&postprocessed), null_odds(&postprocessed));
+    let cases = json!([
+        evaluation_case("postprocessed", &texts, Some(&odds), DEFAULT_NA_PROB_THRESH),
+        evaluation_case("postprocessed, null odds above -1 mean no answer", &texts, Some(&odds), -1.0),
+        evaluation_case("crafted", &crafted, Some(&crafted_na_probs), DEFAULT_NA_PROB_THRESH),
+        evaluation_case("crafted, no-answer above 0.45", &crafted, Some(&crafted_na_probs), 0.45),
+        evaluation_case("crafted, no na_probs", &crafted, None, DEFAULT_NA_PROB_THRESH),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let ft_eval = dir.path().join("ft_eval.json");
+    write_json(&ft_eval, &cases);
+    let wheels = std::env::var_os("FT_REFERENCE_WHEELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/reference"));
+    run_reference("squad_eval_reference.py", &[&shared_squad(), &wheels, &ft_eval]);
 }

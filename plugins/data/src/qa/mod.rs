@@ -7,3 +7,4 @@
 pub mod wordpiece;
 pub mod features;
 pub mod postprocess;
+pub mod squad_eval;
