@@ -116,30 +116,83 @@ fn validation_columns(features: &[ValidationFeature], examples: &[QaExample]) ->
     columns
 }
 
+/// A small SQuAD file of edge cases: a context of common words (each one
+/// token), then accented and CJK ones, asked for each of its words, so that
+/// in some windows the answer starts in the last context token (where
+/// run_qa.py's walk runs on through [SEP] and padding); plus a question with
+/// leading whitespace and an unanswerable one.
+fn write_edge_cases(path: &Path, context: &str) {
+    let mut questions = vec![];
+    let mut offset = 0;
+    for (index, word) in context.split(' ').enumerate() {
+        let question =
+            if index == 0 { format!("\u{3000} \t Which word is number {index}?") } else { format!("Word {index}?") };
+        let answers = [json!({"text": word, "answer_start": offset})];
+        questions.push(json!({"id": format!("word{index}"), "question": question, "answers": answers}));
+        offset += word.chars().count() + 1;
+    }
+    questions.push(json!({"id": "impossible", "question": "Why?", "answers": [], "is_impossible": true}));
+    let squad = json!({"version": "v2.0", "data": [{"title": "Edge cases",
+        "paragraphs": [{"context": context, "qas": questions}]}]});
+    write_json(path, &squad);
+}
+
+/// One SQuAD file's features in each setting, and its question ids.
+fn dataset_json(
+    squad_file: &Path,
+    examples: &[QaExample],
+    features: &[(Features<TrainFeature>, Features<ValidationFeature>)],
+) -> Value {
+    let settings: Vec<Value> = SETTINGS
+        .iter()
+        .zip(features)
+        .map(|(config, (train, validation))| {
+            assert_eq!((train.skipped.len(), validation.skipped.len()), (0, 0));
+            json!({
+                "max_seq_length": config.max_seq_length,
+                "doc_stride": config.doc_stride,
+                "train": train_columns(&train.features),
+                "validation": validation_columns(&validation.features, examples),
+            })
+        })
+        .collect();
+    let ids: Vec<&str> = examples.iter().map(|e| e.id.as_str()).collect();
+    json!({"squad_file": squad_file, "example_ids": ids, "settings": settings})
+}
+
 /// (a) Every window of every question, for training and for evaluation, in
 /// both window settings, equals run_qa.py's with transformers' tokenizer
-/// loaded from ft's tokenizer.json.
+/// loaded from ft's tokenizer.json: on the shared file and on edge cases.
 #[test]
 fn features_equal_run_qa_py() {
     let shared = shared();
-    let mut settings = vec![];
-    for (config, (train, validation)) in SETTINGS.iter().zip(&shared.features) {
-        assert_eq!((train.skipped.len(), validation.skipped.len()), (0, 0));
-        assert!(train.features.len() > shared.examples.len(), "some contexts must need several windows");
-        settings.push(json!({
-            "max_seq_length": config.max_seq_length,
-            "doc_stride": config.doc_stride,
-            "train": train_columns(&train.features),
-            "validation": validation_columns(&validation.features, &shared.examples),
-        }));
-    }
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = dir.path().join("tokenizer.json");
     std::fs::write(&tokenizer, &shared.tokenizer_json).unwrap();
-    let ids: Vec<&str> = shared.examples.iter().map(|e| e.id.as_str()).collect();
+    let edge_cases = dir.path().join("edge_cases.json");
+    let common_words = ["the", "of", "and", "in", "to", "was", "by", "for", "with", "as", "on", "from"];
+    let context: Vec<&str> = common_words.iter().cycle().take(200).copied().collect();
+    write_edge_cases(&edge_cases, &format!("{} Café Zürich, naïve 北京 and Škoda.", context.join(" ")));
+    let (edge_examples, _) = squad::read(&edge_cases, true).unwrap();
+    let edge_features: Vec<_> = SETTINGS
+        .iter()
+        .map(|&config| {
+            let featurizer = QaFeaturizer::from_file(&tokenizer, config).unwrap();
+            (featurizer.prepare_train_features(&edge_examples), featurizer.prepare_validation_features(&edge_examples))
+        })
+        .collect();
+    // What the comparison must cover: contexts in several windows, and
+    // answers in a window's last context token.
+    let (short_windows, edge_short_windows) = (&shared.features[1].0.features, &edge_features[1].0.features);
+    assert!(short_windows.len() > shared.examples.len() * 3 / 2);
+    assert!(edge_short_windows.iter().any(|f| f.start_position > f.end_position));
+    let datasets = [
+        dataset_json(&shared_squad(), &shared.examples, &shared.features),
+        dataset_json(&edge_cases, &edge_examples, &edge_features),
+    ];
     let ft_features = dir.path().join("ft_features.json");
-    write_json(&ft_features, &json!({"example_ids": ids, "settings": settings}));
-    run_reference("qa_features_reference.py", &[&shared_squad(), &tokenizer, &ft_features]);
+    write_json(&ft_features, &json!(datasets));
+    run_reference("qa_features_reference.py", &[&tokenizer, &ft_features]);
 }
 
 /// Seeded random logits for every evaluation window, distinct within a
@@ -249,8 +302,10 @@ fn postprocessing_equals_utils_qa_py() {
 }
 
 /// Predictions made to exercise the normalisation: exact, with articles and
-/// punctuation around, partial, empty, only articles, non-ASCII quotes, a
-/// piece of the context; no-answer probabilities with many ties.
+/// punctuation around, partial, empty, only articles, an article between
+/// non-ASCII dashes (which the official regex removes, leaving two tokens),
+/// non-ASCII quotes, a piece of the context; no-answer probabilities with
+/// many ties.
 fn crafted_predictions(examples: &[QaExample]) -> (HashMap<String, String>, Vec<(String, f64)>) {
     let predictions = examples
         .iter()
@@ -264,7 +319,7 @@ fn crafted_predictions(examples: &[QaExample]) -> (HashMap<String, String>, Vec<
                 2 => String::new(),
                 3 => first_word.to_string(),
                 4 => "a an the".to_string(),
-                5 => format!("\u{2014}the {} (approx.)", gold.to_uppercase()),
+                5 => format!("{} \u{2014}the\u{2014} (approx.)", gold.to_uppercase()),
                 6 => example.context.split(' ').take(3).collect::<Vec<_>>().join(" "),
                 _ => format!("\u{201c}{gold}\u{201d}"),
             };

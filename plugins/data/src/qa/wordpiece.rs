@@ -28,7 +28,10 @@ const MAX_INPUT_CHARS_PER_WORD: usize = 100;
 /// split, lower case, accents stripped as lower case implies), BertPreTokenizer,
 /// WordPiece (`[UNK]`, `##`, 100 characters a word), the `[CLS] $A [SEP]` /
 /// `[CLS] $A [SEP] $B:1 [SEP]:1` post-processor and the WordPiece decoder.
-/// Save it with `tokenizer.save(path, true)`.
+/// Save it with `tokenizer.save(path, true)`, and keep the file: the
+/// trainer numbers `##` pieces in hash-map order, which also breaks ties
+/// between merges, so two trainings on the same text can give slightly
+/// different vocabularies (huggingface/tokenizers#1794).
 pub fn train_bert_tokenizer<'a>(texts: impl Iterator<Item = &'a str>, vocab_size: usize) -> Result<Tokenizer> {
     let model = WordPiece::builder()
         .unk_token(UNK.into())

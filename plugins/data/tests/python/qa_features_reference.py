@@ -1,15 +1,17 @@
 """Reference for ft's question-answering features (plugins/data/src/qa/features.rs).
 
-Usage: python qa_features_reference.py SQUAD_JSON TOKENIZER_JSON FT_FEATURES_JSON
+Usage: python qa_features_reference.py TOKENIZER_JSON FT_FEATURES_JSON
 
-Builds the features of every question in SQUAD_JSON the way transformers'
-examples/pytorch/question-answering/run_qa.py does (prepare_train_features and
-prepare_validation_features, transcribed below with pad_on_right = True, as for
-BERT), with transformers' fast tokenizer loaded from ft's TOKENIZER_JSON, and
-compares them with FT_FEATURES_JSON, written by plugins/data/tests/qa_reference.rs.
-Exits 1 on any difference.
+FT_FEATURES_JSON (written by plugins/data/tests/qa_reference.rs) lists SQuAD
+files and ft's features of their questions in several window settings. Builds
+the same features the way transformers' examples/pytorch/question-answering/
+run_qa.py does (prepare_train_features and prepare_validation_features,
+transcribed below with pad_on_right = True, as for BERT; transformers is
+Apache-2.0 licensed, as ft is), with transformers' fast tokenizer loaded from
+ft's TOKENIZER_JSON, and exits 1 on any difference.
 """
 import json
+import os
 import sys
 
 from transformers import PreTrainedTokenizerFast
@@ -141,7 +143,39 @@ def compare(label, ours, reference, columns):
     return differences
 
 
-def main(squad_path, tokenizer_path, ft_path):
+def compare_dataset(tokenizer, dataset):
+    """Differences between ft's features of one SQuAD file and run_qa.py's."""
+    squad_path = dataset["squad_file"]
+    if dataset["example_ids"] != load_squad(squad_path)["id"]:
+        print(f"{squad_path}: ft read other questions than the file's, or in another order")
+        return 1
+    window_columns = ["input_ids", "token_type_ids", "attention_mask"]
+    differences = 0
+    for setting in dataset["settings"]:
+        max_seq_length, doc_stride = setting["max_seq_length"], setting["doc_stride"]
+        label = f"{os.path.basename(squad_path)} {max_seq_length}/{doc_stride}"
+        train = prepare_train_features(tokenizer, load_squad(squad_path), max_seq_length, doc_stride)
+        differences += compare(
+            f"{label} train",
+            setting["train"],
+            train,
+            window_columns + ["example_index", "start_positions", "end_positions"],
+        )
+        validation = prepare_validation_features(tokenizer, load_squad(squad_path), max_seq_length, doc_stride)
+        differences += compare(
+            f"{label} validation", setting["validation"], validation, window_columns + ["example_id", "offset_mapping"]
+        )
+        labels = list(zip(train["start_positions"], train["end_positions"]))
+        inside = sum(start != 0 for start, _ in labels)
+        past = sum(start > end for start, end in labels)
+        print(
+            f"{label}: {len(dataset['example_ids'])} questions, {len(labels)} windows, {inside} with the answer "
+            f"inside ({past} labelled past the context), {differences} differences"
+        )
+    return differences
+
+
+def main(tokenizer_path, ft_path):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=tokenizer_path,
         unk_token="[UNK]",
@@ -155,34 +189,8 @@ def main(squad_path, tokenizer_path, ft_path):
     assert tokenizer.is_fast, "transformers did not load ft's tokenizer.json as a fast tokenizer"
     assert tokenizer.padding_side == "right"
     with open(ft_path, encoding="utf-8") as f:
-        ft = json.load(f)
-    examples = load_squad(squad_path)
-    if ft["example_ids"] != examples["id"]:
-        print("ft read other questions than the SQuAD file's, or in another order")
-        sys.exit(1)
-
-    window_columns = ["input_ids", "token_type_ids", "attention_mask"]
-    differences = 0
-    for setting in ft["settings"]:
-        max_seq_length, doc_stride = setting["max_seq_length"], setting["doc_stride"]
-        label = f"{max_seq_length}/{doc_stride}"
-        train = prepare_train_features(tokenizer, load_squad(squad_path), max_seq_length, doc_stride)
-        differences += compare(
-            f"{label} train",
-            setting["train"],
-            train,
-            window_columns + ["example_index", "start_positions", "end_positions"],
-        )
-        validation = prepare_validation_features(tokenizer, load_squad(squad_path), max_seq_length, doc_stride)
-        differences += compare(
-            f"{label} validation", setting["validation"], validation, window_columns + ["example_id", "offset_mapping"]
-        )
-        labelled = sum(start != 0 for start in train["start_positions"])
-        print(
-            f"{label}: {len(examples['id'])} questions, {len(train['input_ids'])} windows "
-            f"({labelled} with the answer inside), {differences} differences so far"
-        )
-    if differences:
+        datasets = json.load(f)
+    if sum(compare_dataset(tokenizer, dataset) for dataset in datasets):
         sys.exit(1)
 
 

@@ -8,7 +8,8 @@ ft's predictions for several settings; LOGITS_F32 the windows' start logits then
 end logits, little-endian float32, max_seq_length per window. Runs
 postprocess_qa_predictions, transcribed below from transformers'
 examples/pytorch/question-answering/utils_qa.py (without its progress bar,
-logging and files), on the same inputs and exits 1 unless the predictions, the
+logging and files; transformers is Apache-2.0 licensed, as ft is), on the
+same inputs and exits 1 unless the predictions, the
 null odds and the n-best lists are the same.
 """
 import collections
