@@ -17,8 +17,8 @@ use crate::metrics::is_python_space;
 use crate::squad::QaExample;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
-use tokenizers::utils::parallelism::MaybeParallelRefIterator;
 use tokenizers::utils::padding::{PaddingDirection, PaddingParams, PaddingStrategy};
+use tokenizers::utils::parallelism::MaybeParallelRefIterator;
 use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, TruncationStrategy};
 use tokenizers::{Encoding, PostProcessor, Tokenizer};
 
@@ -128,7 +128,8 @@ impl QaFeaturizer {
         plain.with_padding(None);
         let cls_id = plain.token_to_id(CLS);
         let pad_id = plain.token_to_id(PAD);
-        let pair_special_tokens = plain.get_post_processor().map_or(0, |p| p.added_tokens(true));
+        let (pair_special_tokens, single_special_tokens) =
+            plain.get_post_processor().map_or((0, 0), |p| (p.added_tokens(true), p.added_tokens(false)));
         let mut missing = vec![];
         if cls_id.is_none() {
             missing.push(format!("no {CLS} token"));
@@ -140,12 +141,15 @@ impl QaFeaturizer {
             missing.push("no post-processor for question-context pairs".to_string());
         }
         if missing.is_empty() {
-            missing.extend(probe_problems(&plain)?);
+            missing.extend(
+                probe_problems(&plain).with_context(|| format!("{source} cannot make question-answering features"))?,
+            );
         }
         let (Some(cls_id), Some(pad_id), true) = (cls_id, pad_id, missing.is_empty()) else {
             bail!("{source} cannot make question-answering features: {}", missing.join("; "));
         };
-        if config.max_seq_length <= pair_special_tokens {
+        // The tokenizers crate subtracts both counts from max_length.
+        if config.max_seq_length <= pair_special_tokens.max(single_special_tokens) {
             bail!(
                 "max_seq_length {} leaves no room for question and context after the {pair_special_tokens} special tokens",
                 config.max_seq_length
@@ -233,9 +237,8 @@ impl QaFeaturizer {
     /// `doc_stride` context tokens next to the question (the tokenizers crate
     /// would fail, or panic, on such a pair).
     fn check_question_fits(&self, question: &str, context: &str) -> Result<()> {
-        let count = |text: &str| -> Result<usize> {
-            Ok(self.plain.encode_char_offsets(text, false).map_err(anyhow::Error::msg)?.len())
-        };
+        let count =
+            |text: &str| -> Result<usize> { Ok(self.plain.encode(text, false).map_err(anyhow::Error::msg)?.len()) };
         let question_tokens = count(question)?;
         let budget = self.config.max_seq_length - self.pair_special_tokens;
         let context_room = budget.saturating_sub(question_tokens);

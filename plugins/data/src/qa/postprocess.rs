@@ -42,7 +42,7 @@ impl Default for PostprocessConfig {
 
 /// One entry of an example's n-best list (utils_qa.py's
 /// nbest_predictions.json): the span's text, its logits and its softmax
-/// probability over the list.
+/// probability over the list (computed in f64; numpy's is float32).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NbestAnswer {
     pub text: String,
