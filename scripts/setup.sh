@@ -15,6 +15,7 @@ TORCH_VERSION=2.11.0
 CUDA_TOOLKIT_VERSION=13.0.2
 TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
+REFERENCE_TRANSFORMERS_VERSION=4.46.3
 
 if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
   echo "setup: installing Gloo headers and a font (Debian libgloo-dev, fonts-dejavu-core)"
@@ -40,5 +41,14 @@ if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
   echo "setup: installing tensorboard and transformers into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
+fi
+# The SQuAD v2.0 evaluation test checks ft's scores with the official ones,
+# which transformers 4.x ships as transformers/data/metrics/squad_metrics.py
+# (5.x removed it): that version's wheel is kept, not installed, in
+# .venv/reference, and the test reads the file out of it.
+if ! ls .venv/reference/transformers-"$REFERENCE_TRANSFORMERS_VERSION"-*.whl >/dev/null 2>&1; then
+  echo "setup: downloading transformers==$REFERENCE_TRANSFORMERS_VERSION's wheel into .venv/reference (for the tests)"
+  .venv/bin/pip download --quiet --disable-pip-version-check --no-deps \
+    "transformers==$REFERENCE_TRANSFORMERS_VERSION" -d .venv/reference
 fi
 echo "setup: done ($(du -sh .venv | cut -f1) in .venv)"

@@ -7,6 +7,7 @@ pub mod demo;
 pub mod lm;
 pub mod metrics;
 pub mod prompt;
+pub mod qa;
 pub mod squad;
 pub mod text;
 pub mod tokenizer;

@@ -13,8 +13,13 @@ pub struct QaExample {
     pub title: String,
     pub question: String,
     pub context: String,
-    /// Gold answers (several annotators); empty for an unanswerable question.
+    /// Gold answers (several annotators, duplicates removed, file order);
+    /// empty for an unanswerable question.
     pub answers: Vec<String>,
+    /// Character offset (Python string index, not bytes) of the file's first
+    /// gold answer, the one run_qa.py's prepare_train_features trains on;
+    /// `answers[0]` is its text. None for an unanswerable question.
+    pub answer_start: Option<usize>,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -89,6 +94,7 @@ pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool)
                             question: qa.question,
                             context: paragraph.context.clone(),
                             answers: vec![],
+                            answer_start: None,
                         });
                     } else {
                         stats.unanswerable_skipped += 1;
@@ -106,6 +112,7 @@ pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool)
                     stats.bad_offsets_skipped += 1;
                     continue;
                 }
+                let answer_start = Some(qa.answers[0].answer_start);
                 let mut answers: Vec<String> = vec![];
                 for answer in qa.answers {
                     if !answers.contains(&answer.text) {
@@ -118,6 +125,7 @@ pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool)
                     question: qa.question,
                     context: paragraph.context.clone(),
                     answers,
+                    answer_start,
                 });
             }
         }
@@ -137,7 +145,23 @@ mod tests {
         let (examples, stats) = parse(file, "test", false).unwrap();
         assert_eq!(examples.len(), 1);
         assert_eq!(examples[0].answers, vec!["brown"]);
+        // "é" is two bytes: the byte offset of "brown" would be 17.
+        assert_eq!(examples[0].answer_start, Some(16));
         assert_eq!(stats, SquadStats { articles: 1, questions: 1, ..Default::default() });
+    }
+
+    #[test]
+    fn answer_start_is_the_first_gold_answers() {
+        let file = json!({"data": [{"title": "T", "paragraphs": [{"context": "in 1066 AD",
+            "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "1066 AD", "answer_start": 3},
+                                                                 {"text": "1066", "answer_start": 3},
+                                                                 {"text": "AD", "answer_start": 8}]},
+                    {"id": "q2", "question": "Who?", "answers": [], "is_impossible": true}]}]}]});
+        let (examples, stats) = parse(file, "test", true).unwrap();
+        assert_eq!(examples[0].answers, vec!["1066 AD", "1066", "AD"]);
+        assert_eq!(examples[0].answer_start, Some(3));
+        assert_eq!((examples[1].answers.len(), examples[1].answer_start), (0, None));
+        assert_eq!(stats.unanswerable_skipped, 0);
     }
 
     #[test]
