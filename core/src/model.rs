@@ -240,6 +240,20 @@ pub trait Model: Send + Sync {
     /// (the embedding's, when tied).
     fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor>;
 
+    /// Whether a parameter (by its Hugging Face name) that a checkpoint lacks
+    /// starts from its `Init` instead: a task head that a base model's
+    /// checkpoint has no weights for. Loading reports each one.
+    fn initialised_if_missing(&self, _hf_name: &str) -> bool {
+        false
+    }
+
+    /// Whether a checkpoint tensor (by its name in the file) that no
+    /// parameter reads is skipped: another head's weights (a base model's
+    /// pooler or pretraining heads). Loading reports each one.
+    fn ignored_if_unexpected(&self, _checkpoint_name: &str) -> bool {
+        false
+    }
+
     /// Total parameters.
     fn numel(&self) -> i64 {
         self.units().iter().map(UnitSpec::numel).sum()
