@@ -275,11 +275,17 @@ fn list_or_none(names: &[String]) -> String {
 pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut config = model.hf_config().clone();
-    config["torch_dtype"] = serde_json::Value::from(match dtype {
+    let dtype_name = serde_json::Value::from(match dtype {
         Kind::BFloat16 => "bfloat16",
         Kind::Half => "float16",
         _ => "float32",
     });
+    // transformers 5 writes and reads "dtype", and reads "torch_dtype" (older
+    // versions' name) only when "dtype" is unset: a stale "dtype" would win.
+    if config.get("dtype").is_some() {
+        config["dtype"] = dtype_name.clone();
+    }
+    config["torch_dtype"] = dtype_name;
     let mut named = vec![];
     for (unit, tensors) in model.units().iter().zip(params) {
         for (spec, tensor) in unit.params.iter().zip(tensors) {
