@@ -195,6 +195,11 @@ pub mod head {
     /// `[normalised hidden states [batch, seq, dim], LM weight [vocab, dim]]`:
     /// the logits are their product, which the loss forms chunk by chunk.
     pub const CAUSAL_LM: &str = "causal_lm";
+    /// `[start_logits [batch, seq], end_logits [batch, seq]]`, in the compute
+    /// dtype: each token's score as the first and as the last token of the
+    /// answer span (extractive question answering); the task's loss casts
+    /// them to fp32.
+    pub const QUESTION_ANSWERING: &str = "question_answering";
 }
 
 /// An architecture's registration, keyed by config.json's `model_type`:
