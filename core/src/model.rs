@@ -37,6 +37,17 @@ impl ParamSpec {
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
     }
+
+    /// A fresh tensor as `init` says, drawn from tch's global generator.
+    pub fn initial(&self, dtype: Kind, device: Device) -> Tensor {
+        let options = (Kind::Float, device);
+        let tensor = match self.init {
+            Init::Normal { std } => Tensor::randn(&self.shape, options) * std,
+            Init::Zeros => Tensor::zeros(&self.shape, options),
+            Init::Ones => Tensor::ones(&self.shape, options),
+        };
+        tensor.to_kind(dtype)
+    }
 }
 
 /// A group of parameters gathered, run and reduced together (embeddings,
@@ -194,24 +205,7 @@ impl Layout {
 /// `_init_weights`), seeded for reproducibility.
 pub fn init_params(model: &dyn Model, seed: i64, dtype: Kind, device: Device) -> Vec<Vec<Tensor>> {
     tch::manual_seed(seed);
-    model
-        .units()
-        .iter()
-        .map(|unit| {
-            unit.params
-                .iter()
-                .map(|spec| {
-                    let options = (Kind::Float, device);
-                    let tensor = match spec.init {
-                        Init::Normal { std } => Tensor::randn(&spec.shape, options) * std,
-                        Init::Zeros => Tensor::zeros(&spec.shape, options),
-                        Init::Ones => Tensor::ones(&spec.shape, options),
-                    };
-                    tensor.to_kind(dtype)
-                })
-                .collect()
-        })
-        .collect()
+    model.units().iter().map(|unit| unit.params.iter().map(|spec| spec.initial(dtype, device)).collect()).collect()
 }
 
 /// What a head stage returns, by the name of its kind (`Model::head_kind`);
@@ -220,6 +214,11 @@ pub mod head {
     /// `[normalised hidden states [batch, seq, dim], LM weight [vocab, dim]]`:
     /// the logits are their product, which the loss forms chunk by chunk.
     pub const CAUSAL_LM: &str = "causal_lm";
+    /// `[start_logits [batch, seq], end_logits [batch, seq]]`, in the compute
+    /// dtype: each token's score as the first and as the last token of the
+    /// answer span (extractive question answering); the task's loss casts
+    /// them to fp32.
+    pub const QUESTION_ANSWERING: &str = "question_answering";
 }
 
 /// An architecture's registration, keyed by config.json's `model_type`:
@@ -264,6 +263,20 @@ pub trait Model: Send + Sync {
     /// causal LM returns the final norm's hidden states and the LM weight
     /// (the embedding's, when tied).
     fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor>;
+
+    /// Whether a parameter (by its Hugging Face name) that a checkpoint lacks
+    /// starts from its `Init` instead: a task head that a base model's
+    /// checkpoint has no weights for. Loading reports each one.
+    fn initialised_if_missing(&self, _hf_name: &str) -> bool {
+        false
+    }
+
+    /// Whether a checkpoint tensor (by its name in the file) that no
+    /// parameter reads is skipped: another head's weights (a base model's
+    /// pooler or pretraining heads). Loading reports each one.
+    fn ignored_if_unexpected(&self, _checkpoint_name: &str) -> bool {
+        false
+    }
 
     /// Total parameters.
     fn numel(&self) -> i64 {

@@ -189,10 +189,59 @@ fn ignorable(name: &str) -> bool {
     name.ends_with(".rotary_emb.inv_freq") || name.ends_with(".attn.masked_bias") || name.ends_with(".attn.bias")
 }
 
+/// What loading did besides reading the model's tensors: how a base
+/// model's checkpoint was fitted to a model with a task head.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Parameters the checkpoint lacks, initialised from their `Init`
+    /// (`Model::initialised_if_missing`), by Hugging Face name.
+    pub initialised: Vec<String>,
+    /// Checkpoint tensors no parameter reads, skipped
+    /// (`Model::ignored_if_unexpected`), by their name in the file.
+    pub ignored: Vec<String>,
+}
+
+/// Seed of the parameters a checkpoint lacks: every rank, and every run,
+/// starts from the same head.
+const MISSING_PARAMS_SEED: i64 = 0;
+
+/// The names a parameter may have in a checkpoint, in the order tried: its
+/// own; without the base model's prefix (BloomModel, OPTModel, BertModel …
+/// drop "transformer." / "model." / "bert."); and either of those with the
+/// TF-era `LayerNorm.gamma` / `LayerNorm.beta` for `.weight` / `.bias`,
+/// which bert-base-uncased's hub weights still use (transformers renames
+/// them on load: the "legacy" renamings of its conversion_mapping.py).
+fn checkpoint_names(hf_name: &str) -> Vec<String> {
+    let mut names = vec![hf_name.to_string()];
+    names.extend(hf_name.split_once('.').map(|(_, rest)| rest.to_string()));
+    let legacy: Vec<String> = names
+        .iter()
+        .filter_map(|name| {
+            let weight = name.strip_suffix("LayerNorm.weight").map(|stem| format!("{stem}LayerNorm.gamma"));
+            weight.or_else(|| name.strip_suffix("LayerNorm.bias").map(|stem| format!("{stem}LayerNorm.beta")))
+        })
+        .collect();
+    names.extend(legacy);
+    names
+}
+
 /// Reads every parameter of `model` from `dir`, as `dtype` on `device`, in
 /// unit order. All problems (missing, unexpected, mis-shaped tensors) are
 /// reported together, by name and shape.
 pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -> Result<Vec<Vec<Tensor>>> {
+    load_params_with_report(model, dir, dtype, device).map(|(params, _)| params)
+}
+
+/// [`load_params`], which also initialises the parameters the model allows a
+/// checkpoint to lack (re-seeding tch's global generator) and skips the
+/// tensors it allows a checkpoint to have extra: a task head over a base
+/// model's checkpoint. Both are logged in one warning and returned.
+pub fn load_params_with_report(
+    model: &dyn Model,
+    dir: &Path,
+    dtype: Kind,
+    device: Device,
+) -> Result<(Vec<Vec<Tensor>>, LoadReport)> {
     let files = WeightFiles::open(dir)?;
     let tensors = files.tensors();
     let mut available: BTreeMap<String, (&Path, safetensors::tensor::TensorView<'_>)> = BTreeMap::new();
@@ -203,15 +252,22 @@ pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -
     }
     let mut used = BTreeSet::new();
     let (mut missing, mut misshapen) = (vec![], vec![]);
+    let mut report = LoadReport::default();
     let mut params = vec![];
     for unit in model.units() {
         let mut unit_params = vec![];
         for spec in &unit.params {
-            // Base-model checkpoints (BloomModel, OPTModel, …) drop the "transformer." / "model." prefix.
-            let short = spec.hf_name.split_once('.').map(|(_, rest)| rest.to_string());
-            let name = [Some(spec.hf_name.clone()), short].into_iter().flatten().find(|n| available.contains_key(n));
+            let name = checkpoint_names(&spec.hf_name).into_iter().find(|n| available.contains_key(n));
             let Some(name) = name else {
-                missing.push(format!("{} {:?}", spec.hf_name, spec.shape));
+                if model.initialised_if_missing(&spec.hf_name) {
+                    if report.initialised.is_empty() {
+                        tch::manual_seed(MISSING_PARAMS_SEED);
+                    }
+                    unit_params.push(spec.initial(dtype, device));
+                    report.initialised.push(spec.hf_name.clone());
+                } else {
+                    missing.push(format!("{} {:?}", spec.hf_name, spec.shape));
+                }
                 continue;
             };
             let (path, view) = &available[&name];
@@ -228,11 +284,17 @@ pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -
         params.push(unit_params);
     }
     let tied_head_copy = |name: &str| name == "lm_head.weight" && !model.units().iter().flat_map(|u| &u.params).any(|p| p.hf_name == name);
-    let unexpected: Vec<String> = available
-        .iter()
-        .filter(|(name, _)| !used.contains(*name) && !ignorable(name) && !tied_head_copy(name))
-        .map(|(name, (_, view))| format!("{name} {:?}", view.shape()))
-        .collect();
+    let mut unexpected = vec![];
+    for (name, (_, view)) in &available {
+        if used.contains(name) || ignorable(name) || tied_head_copy(name) {
+            continue;
+        }
+        if model.ignored_if_unexpected(name) {
+            report.ignored.push(name.clone());
+        } else {
+            unexpected.push(format!("{name} {:?}", view.shape()));
+        }
+    }
     if !missing.is_empty() || !misshapen.is_empty() || !unexpected.is_empty() {
         let mut message = format!("the checkpoint in {} does not fit this {} model:", dir.display(), model.model_type());
         for (what, list) in [("missing", &missing), ("wrong shape", &misshapen), ("unexpected", &unexpected)] {
@@ -242,7 +304,25 @@ pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -
         }
         bail!(message);
     }
-    Ok(params)
+    if report != LoadReport::default() {
+        tracing::warn!(
+            "loading {} into a {} model: initialised {} (not in the checkpoint: random until trained); \
+             ignored {} (other heads' weights)",
+            dir.display(),
+            model.model_type(),
+            list_or_none(&report.initialised),
+            list_or_none(&report.ignored),
+        );
+    }
+    Ok((params, report))
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
 }
 
 /// Writes config.json and model.safetensors (HF names) in `dtype`. Each file
@@ -251,11 +331,17 @@ pub fn load_params(model: &dyn Model, dir: &Path, dtype: Kind, device: Device) -
 pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut config = model.hf_config().clone();
-    config["torch_dtype"] = serde_json::Value::from(match dtype {
+    let dtype_name = serde_json::Value::from(match dtype {
         Kind::BFloat16 => "bfloat16",
         Kind::Half => "float16",
         _ => "float32",
     });
+    // transformers 5 writes and reads "dtype", and reads "torch_dtype" (older
+    // versions' name) only when "dtype" is unset: a stale "dtype" would win.
+    if config.get("dtype").is_some() {
+        config["dtype"] = dtype_name.clone();
+    }
+    config["torch_dtype"] = dtype_name;
     let mut named = vec![];
     for (unit, tensors) in model.units().iter().zip(params) {
         for (spec, tensor) in unit.params.iter().zip(tensors) {

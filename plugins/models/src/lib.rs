@@ -2,6 +2,7 @@
 //! candle-transformers), and Hugging Face file I/O. Each architecture
 //! registers itself under its config.json `model_type`.
 
+pub mod bert;
 pub mod bloom;
 pub mod hf;
 pub mod llama;
