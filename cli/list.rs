@@ -7,6 +7,10 @@ pub fn run(registry: &Registry) {
     for m in registry.models() {
         println!("  {:<16} {}", m.model_type, m.summary);
     }
+    println!("tasks (--task; the default is the one for the model's head):");
+    for t in registry.tasks() {
+        println!("  {:<16} {} [head: {}]", t.name, t.summary, t.head_kind);
+    }
     println!("strategies:");
     if registry.strategies().is_empty() {
         println!("  (none registered)");
@@ -22,5 +26,9 @@ pub fn run(registry: &Registry) {
     println!("metrics sinks:");
     for s in registry.sinks() {
         println!("  {:<16} {} [{}]", s.name, s.summary, s.origin);
+    }
+    println!("presets (--model NAME):");
+    for p in registry.presets() {
+        println!("  {:<16} {}{}", p.name, p.summary, if p.default { " [default]" } else { "" });
     }
 }

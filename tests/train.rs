@@ -301,3 +301,14 @@ print(((ours - theirs).abs().max() / theirs.abs().max()).item())";
     let error: f64 = String::from_utf8_lossy(&output.stdout).trim().lines().last().unwrap().parse().unwrap();
     assert!(error < 1e-5, "transformers' logits differ from ft's by {error:e}");
 }
+
+#[test]
+fn flags_without_a_command_are_train_and_ft_alone_leads_with_the_demo() {
+    let help = text(&ft().output().unwrap());
+    assert!(help.starts_with("Start here: `ft train` fine-tunes the embedded demo"), "{help}");
+    let dir = tempfile::tempdir().unwrap();
+    let output = ft().args(["--strategy", "hybrid_shard", "--offload", "cpu", "--dry-run", "--output-dir", dir.path().to_str().unwrap()]).output().unwrap();
+    let plan = text(&output);
+    assert!(output.status.success(), "{plan}");
+    assert!(plan.contains("strategy hybrid_shard") && plan.contains("\"offload\": \"cpu\""), "{plan}");
+}

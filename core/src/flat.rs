@@ -1,4 +1,4 @@
-//! A unit's parameters as flat buffers, whole or sharded (DESIGN.md §4–5).
+//! A unit's parameters as flat buffers, whole or sharded (docs/ARCHITECTURE.md, "Flat buffers").
 //!
 //! Each unit has:
 //! - `compute`: the whole unit in the compute dtype, padded to a multiple of

@@ -1,4 +1,4 @@
-//! Third-party strategies loaded at run time (DESIGN.md §6).
+//! Third-party strategies loaded at run time (docs/ARCHITECTURE.md, "Plug-ins").
 //!
 //! A plug-in is a `cdylib` depending on `ft-core`. It exports one C symbol,
 //! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the plug-in
@@ -7,7 +7,7 @@
 //! objects) with ft, which is only sound when all three match, so the
 //! loader compares them — reading nothing else from the library first —
 //! and refuses a mismatch naming the field. [`export_plugin!`] writes the
-//! symbol; `plugins/ddp_compute_dtype_comm` is a complete example.
+//! symbol; `plugins/ddp_bf16_grads` is a complete example.
 
 use crate::registry::{Origin, Registry, StrategyEntry};
 use crate::strategy::ShardingStrategy;

@@ -3,6 +3,7 @@
 //! strategy.rs, …); built-in crates submit theirs with `inventory::submit!`,
 //! and plug-ins loaded at run time add entries to the same registry.
 
+use crate::config::PresetRegistration;
 use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::names::unknown;
 use crate::model::ModelRegistration;
@@ -52,6 +53,7 @@ pub struct Registry {
     models: Vec<&'static ModelRegistration>,
     offloads: Vec<&'static OffloadRegistration>,
     tasks: Vec<&'static TaskRegistration>,
+    presets: Vec<&'static PresetRegistration>,
 }
 
 impl Registry {
@@ -83,6 +85,8 @@ impl Registry {
         registry.offloads.sort_by_key(|o| o.name);
         registry.tasks = inventory::iter::<TaskRegistration>.into_iter().collect();
         registry.tasks.sort_by_key(|t| t.name);
+        registry.presets = inventory::iter::<PresetRegistration>.into_iter().collect();
+        registry.presets.sort_by_key(|p| p.name);
         registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
         registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
         registry
@@ -151,6 +155,10 @@ impl Registry {
             let names: Vec<&str> = self.offloads.iter().map(|o| o.name).collect();
             unknown("offload", name, &names)
         })
+    }
+
+    pub fn presets(&self) -> &[&'static PresetRegistration] {
+        &self.presets
     }
 
     pub fn tasks(&self) -> &[&'static TaskRegistration] {

@@ -1,7 +1,8 @@
 //! Sharding strategies are policies over one mechanism that core owns (flat
 //! per-unit buffers, gather/release, gradient reduction, optimizer over
-//! shards: `flat.rs` and `train.rs`). A strategy says *what* to do; DESIGN.md
-//! §5 tabulates the built-ins, each a crate under `strategies/`.
+//! shards: `flat.rs` and `train/`). A strategy says *what* to do; the policy
+//! table in docs/ARCHITECTURE.md lists the built-ins, each a crate under
+//! `strategies/`.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
