@@ -103,6 +103,17 @@ impl<'a> Params<'a> {
     pub fn maybe(&self, name: &str) -> Option<&'a Tensor> {
         self.spec.params.iter().position(|p| p.name == name).map(|i| &self.tensors[i])
     }
+
+    /// `x·Wᵀ + b` with `{name}.weight` and, when the unit has one, `{name}.bias`.
+    pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+        x.linear(self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")))
+    }
+
+    /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.
+    pub fn layer_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
+        let weight = self.get(&format!("{name}.weight"));
+        x.layer_norm(weight.size(), Some(weight), Some(self.get(&format!("{name}.bias"))), eps, true)
+    }
 }
 
 /// A batch's inputs, each [batch, seq] of int64.

@@ -169,14 +169,7 @@ impl Bert {
         Ok(Bert { config, layout })
     }
 
-    fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
-        let (w, b) = (p.get(&format!("{name}.weight")), p.get(&format!("{name}.bias")));
-        x.layer_norm([self.config.hidden_size], Some(w), Some(b), self.config.layer_norm_eps, true)
-    }
 
-    fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
-        x.linear(p.get(&format!("{name}.weight")), Some(p.get(&format!("{name}.bias"))))
-    }
 }
 
 impl Model for Bert {
@@ -240,7 +233,7 @@ impl Model for Bert {
         let positions = Tensor::embedding(p.get("position_embeddings.weight"), &ctx.positions, -1, false, false);
         // Summed in BertEmbeddings' order.
         let x = words + segments + positions;
-        self.layer_norm(&x, p, "LayerNorm").dropout(self.config.hidden_dropout_prob, ctx.train)
+        p.layer_norm(&x, "LayerNorm", self.config.layer_norm_eps).dropout(self.config.hidden_dropout_prob, ctx.train)
     }
 
     /// An encoder keeps no cache: `context` refuses cached positions.
@@ -250,9 +243,9 @@ impl Model for Bert {
         let (hidden_dropout, train) = (self.config.hidden_dropout_prob, ctx.train);
 
         let split_heads = |t: Tensor| t.view([batch, seq, heads, d / heads]).transpose(1, 2);
-        let q = split_heads(Self::linear(x, p, "attention.self.query"));
-        let k = split_heads(Self::linear(x, p, "attention.self.key"));
-        let v = split_heads(Self::linear(x, p, "attention.self.value"));
+        let q = split_heads(p.linear(x, "attention.self.query"));
+        let k = split_heads(p.linear(x, "attention.self.key"));
+        let v = split_heads(p.linear(x, "attention.self.value"));
         // SDPA directly rather than model::attention, which reads "no bias" as causal and
         // has no attention dropout; BERT's attention is bidirectional and drops
         // attention probabilities while training.
@@ -260,17 +253,17 @@ impl Model for Bert {
         let bias = ctx.attention_bias.as_ref();
         let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, bias, attention_dropout, false, None, false);
         let attn = attn.transpose(1, 2).reshape([batch, seq, d]);
-        let attn = Self::linear(&attn, p, "attention.output.dense").dropout(hidden_dropout, train);
-        let x = self.layer_norm(&(attn + x), p, "attention.output.LayerNorm");
+        let attn = p.linear(&attn, "attention.output.dense").dropout(hidden_dropout, train);
+        let x = p.layer_norm(&(attn + x), "attention.output.LayerNorm", self.config.layer_norm_eps);
 
-        let h = Self::linear(&x, p, "intermediate.dense").gelu("none");
-        let h = Self::linear(&h, p, "output.dense").dropout(hidden_dropout, train);
-        self.layer_norm(&(h + x), p, "output.LayerNorm")
+        let h = p.linear(&x, "intermediate.dense").gelu("none");
+        let h = p.linear(&h, "output.dense").dropout(hidden_dropout, train);
+        p.layer_norm(&(h + x), "output.LayerNorm", self.config.layer_norm_eps)
     }
 
     fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
         // [batch, seq, 2] → start logits, end logits: transformers' `logits.split(1, dim=-1)`.
-        Self::linear(x, p, "qa_outputs").unbind(-1)
+        p.linear(x, "qa_outputs").unbind(-1)
     }
 }
 

@@ -84,10 +84,6 @@ impl Bloom {
         Ok(Bloom { slopes: alibi_slopes(config.n_head), config, layout })
     }
 
-    fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
-        let (w, b) = (p.get(&format!("{name}.weight")), p.get(&format!("{name}.bias")));
-        x.layer_norm([self.config.hidden_size], Some(w), Some(b), self.config.layer_norm_epsilon, true)
-    }
 }
 
 impl Model for Bloom {
@@ -127,38 +123,33 @@ impl Model for Bloom {
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
         let x = Tensor::embedding(p.get("word_embeddings.weight"), &inputs.input_ids, -1, false, false);
-        self.layer_norm(&x, p, "word_embeddings_layernorm")
+        p.layer_norm(&x, "word_embeddings_layernorm", self.config.layer_norm_epsilon)
     }
 
     fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
         let heads = self.config.n_head;
         let head_dim = d / heads;
-        let normed = self.layer_norm(x, p, "input_layernorm");
+        let normed = p.layer_norm(x, "input_layernorm", self.config.layer_norm_epsilon);
         let residual = if self.config.apply_residual_connection_post_layernorm { &normed } else { x };
         // BLOOM's fused QKV is laid out per head: [.., heads, 3, head_dim].
-        let qkv = normed
-            .linear(p.get("self_attention.query_key_value.weight"), Some(p.get("self_attention.query_key_value.bias")))
-            .view([batch, seq, heads, 3, head_dim]);
+        let qkv = p.linear(&normed, "self_attention.query_key_value").view([batch, seq, heads, 3, head_dim]);
         let split = |i: i64| qkv.select(3, i).transpose(1, 2);
         let (q, mut k, mut v) = (split(0), split(1), split(2));
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
         let attn = model::attention(&q, &k, &v, ctx, false).transpose(1, 2).reshape([batch, seq, d]);
-        let attn = attn.linear(p.get("self_attention.dense.weight"), Some(p.get("self_attention.dense.bias")));
+        let attn = p.linear(&attn, "self_attention.dense");
         let x = residual + attn;
-        let normed = self.layer_norm(&x, p, "post_attention_layernorm");
+        let normed = p.layer_norm(&x, "post_attention_layernorm", self.config.layer_norm_epsilon);
         let residual = if self.config.apply_residual_connection_post_layernorm { &normed } else { &x };
-        let h = normed
-            .linear(p.get("mlp.dense_h_to_4h.weight"), Some(p.get("mlp.dense_h_to_4h.bias")))
-            .gelu("tanh")
-            .linear(p.get("mlp.dense_4h_to_h.weight"), Some(p.get("mlp.dense_4h_to_h.bias")));
+        let h = p.linear(&p.linear(&normed, "mlp.dense_h_to_4h").gelu("tanh"), "mlp.dense_4h_to_h");
         residual + h
     }
 
     fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
-        vec![self.layer_norm(x, p, "ln_f"), p.get("word_embeddings.weight").shallow_clone()]
+        vec![p.layer_norm(x, "ln_f", self.config.layer_norm_epsilon), p.get("word_embeddings.weight").shallow_clone()]
     }
 }
 

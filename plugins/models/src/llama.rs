@@ -122,9 +122,6 @@ impl Llama {
         Ok(Llama { config, layout, head_dim, kv_heads, position_scale })
     }
 
-    fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
-        x.linear(p.get(&format!("{name}.weight")), p.maybe(&format!("{name}.bias")))
-    }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         x.rms_norm([self.config.hidden_size], Some(weight), Some(self.config.rms_norm_eps))
@@ -183,18 +180,18 @@ impl Model for Llama {
         // three kernels forward and four backward (rotate_half's neg and cat
         // cost more, and their backward zero-fills).
         let rotate = |t: Tensor| (&t * cos).addcmul(&t.roll([head_dim / 2], [3]), signed_sin).transpose(1, 2);
-        let q = rotate(split(Self::linear(&h, p, "self_attn.q_proj"), heads));
-        let mut k = rotate(split(Self::linear(&h, p, "self_attn.k_proj"), self.kv_heads));
-        let mut v = split(Self::linear(&h, p, "self_attn.v_proj"), self.kv_heads).transpose(1, 2);
+        let q = rotate(split(p.linear(&h, "self_attn.q_proj"), heads));
+        let mut k = rotate(split(p.linear(&h, "self_attn.k_proj"), self.kv_heads));
+        let mut v = split(p.linear(&h, "self_attn.v_proj"), self.kv_heads).transpose(1, 2);
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
         let grouped = self.kv_heads != heads;
         let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
-        let x = x + Self::linear(&attn, p, "self_attn.o_proj");
+        let x = x + p.linear(&attn, "self_attn.o_proj");
         let h = self.rms_norm(&x, p.get("post_attention_layernorm.weight"));
-        let gated = model::swiglu(&Self::linear(&h, p, "mlp.gate_proj"), &Self::linear(&h, p, "mlp.up_proj"));
-        x + Self::linear(&gated, p, "mlp.down_proj")
+        let gated = model::swiglu(&p.linear(&h, "mlp.gate_proj"), &p.linear(&h, "mlp.up_proj"));
+        x + p.linear(&gated, "mlp.down_proj")
     }
 
     fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {

@@ -106,14 +106,7 @@ impl Opt {
         Ok(Opt { config, layout })
     }
 
-    fn layer_norm(&self, x: &Tensor, p: &Params, name: &str) -> Tensor {
-        let (w, b) = (p.get(&format!("{name}.weight")), p.get(&format!("{name}.bias")));
-        x.layer_norm([self.config.hidden_size], Some(w), Some(b), 1e-5, true)
-    }
 
-    fn linear(x: &Tensor, p: &Params, name: &str) -> Tensor {
-        x.linear(p.get(&format!("{name}.weight")), Some(p.get(&format!("{name}.bias"))))
-    }
 }
 
 impl Model for Opt {
@@ -162,34 +155,34 @@ impl Model for Opt {
         let pre_norm = self.config.do_layer_norm_before;
         let (dropout, train) = (self.config.dropout, ctx.train);
 
-        let h = if pre_norm { self.layer_norm(x, p, "self_attn_layer_norm") } else { x.shallow_clone() };
+        let h = if pre_norm { p.layer_norm(x, "self_attn_layer_norm", 1e-5) } else { x.shallow_clone() };
         let split_heads = |t: Tensor| t.view([batch, seq, heads, d / heads]).transpose(1, 2);
-        let q = split_heads(Self::linear(&h, p, "self_attn.q_proj"));
-        let mut k = split_heads(Self::linear(&h, p, "self_attn.k_proj"));
-        let mut v = split_heads(Self::linear(&h, p, "self_attn.v_proj"));
+        let q = split_heads(p.linear(&h, "self_attn.q_proj"));
+        let mut k = split_heads(p.linear(&h, "self_attn.k_proj"));
+        let mut v = split_heads(p.linear(&h, "self_attn.v_proj"));
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
         let attn = model::attention(&q, &k, &v, ctx, false).transpose(1, 2).reshape([batch, seq, d]);
-        let attn = Self::linear(&attn, p, "self_attn.out_proj").dropout(dropout, train);
+        let attn = p.linear(&attn, "self_attn.out_proj").dropout(dropout, train);
         let mut x = x + attn;
         if !pre_norm {
-            x = self.layer_norm(&x, p, "self_attn_layer_norm");
+            x = p.layer_norm(&x, "self_attn_layer_norm", 1e-5);
         }
 
-        let h = if pre_norm { self.layer_norm(&x, p, "final_layer_norm") } else { x.shallow_clone() };
-        let h = Self::linear(&Self::linear(&h, p, "fc1").relu(), p, "fc2").dropout(dropout, train);
+        let h = if pre_norm { p.layer_norm(&x, "final_layer_norm", 1e-5) } else { x.shallow_clone() };
+        let h = p.linear(&p.linear(&h, "fc1").relu(), "fc2").dropout(dropout, train);
         let x = x + h;
         if pre_norm {
             x
         } else {
-            self.layer_norm(&x, p, "final_layer_norm")
+            p.layer_norm(&x, "final_layer_norm", 1e-5)
         }
     }
 
     fn head(&self, p: &Params, x: &Tensor) -> Vec<Tensor> {
         let mut h = match p.maybe("final_layer_norm.weight") {
-            Some(_) => self.layer_norm(x, p, "final_layer_norm"),
+            Some(_) => p.layer_norm(x, "final_layer_norm", 1e-5),
             None => x.shallow_clone(),
         };
         if let Some(project_out) = p.maybe("project_out.weight") {
