@@ -68,6 +68,8 @@ enum Command {
     /// Start local worker processes with torchrun's environment (RANK, WORLD_SIZE, …).
     Launch(launch::LaunchArgs),
     /// Fine-tune a model (with no arguments: the embedded demo on two CPU ranks).
+    /// A flag given twice takes its last value (a script's defaults, then the user's).
+    #[command(args_override_self = true)]
     Train(train::TrainArgs),
     /// Evaluate a model on its task: loss and scores (e.g. EM/F1 on SQuAD data).
     Eval(eval::EvalArgs),

@@ -24,16 +24,31 @@ pub struct InitModelArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
     /// Copy this tokenizer.json next to the weights.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "train_tokenizer")]
     tokenizer: Option<PathBuf>,
+    /// Train a BERT WordPiece vocabulary on this SQuAD or text file, write
+    /// it as tokenizer.json and size the model's vocab_size to it.
+    #[arg(long, value_name = "FILE")]
+    train_tokenizer: Option<PathBuf>,
+    #[arg(long, default_value_t = 8000, requires = "train_tokenizer")]
+    vocab_size: usize,
 }
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
-    let config = hf::set_config_keys(hf::ModelSource::resolve(&args.config)?.config, &args.overrides)?;
-    let dtype = args.dtype.storage_kind();
+    let mut config = hf::set_config_keys(hf::ModelSource::resolve(&args.config)?.config, &args.overrides)?;
+    let trained = args.train_tokenizer.as_deref().map(|file| ft_data::qa::wordpiece::train_on_file(file, args.vocab_size)).transpose()?;
+    if let Some(tokenizer) = &trained {
+        if config["model_type"] != "bert" {
+            anyhow::bail!("--train-tokenizer makes a BERT WordPiece vocabulary, and this config's model_type is {}", config["model_type"]);
+        }
+        config["vocab_size"] = tokenizer.get_vocab_size(true).into();
+    }
     let model = hf::model_from_config(config)?;
     let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
-    hf::save(model.as_ref(), &params, &args.out, dtype)?;
+    hf::save(model.as_ref(), &params, &args.out, args.dtype.storage_kind())?;
+    if let Some(tokenizer) = trained {
+        tokenizer.save(args.out.join("tokenizer.json"), true).map_err(anyhow::Error::msg)?;
+    }
     if let Some(tokenizer) = &args.tokenizer {
         hf::load_tokenizer(tokenizer.parent().unwrap_or(Path::new(".")))?;
         std::fs::copy(tokenizer, args.out.join("tokenizer.json"))

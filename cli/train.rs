@@ -69,7 +69,7 @@ pub struct TrainArgs {
     /// Checkpoints kept (train.save_total_limit; 0: all).
     #[arg(long)]
     save_total_limit: Option<usize>,
-    /// Continue from a checkpoint: "latest" or its directory (train.resume).
+    /// Continue from a checkpoint: "latest", its directory, or "auto" (latest if any) (train.resume).
     #[arg(long)]
     resume: Option<String>,
     /// Local ranks to start when no launcher started this process.
@@ -97,9 +97,18 @@ pub struct TrainArgs {
     /// fields ft does not act on are reported.
     #[arg(long)]
     ds_config: Option<PathBuf>,
+    /// Set any configuration key, e.g. --set task.doc_stride=64 (VALUE as JSON, else a string); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_assignment)]
+    assignments: Vec<(String, Value)>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
+}
+
+fn parse_assignment(text: &str) -> Result<(String, Value), String> {
+    let (key, value) = text.split_once('=').ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
+    let value: serde_json::Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+    Ok((key.to_string(), Value::serialize(value).map_err(|e| e.to_string())?))
 }
 
 impl TrainArgs {
@@ -158,8 +167,9 @@ fn planned_world(config: &Config, env: &DistEnv) -> usize {
 pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
-    let mut overrides = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
+    let mut overrides: Vec<(&str, Value)> = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
     overrides.extend(args.overrides());
+    overrides.extend(args.assignments.iter().map(|(key, value)| (key.as_str(), value.clone())));
     let config = Config::load(args.config.path.as_deref(), &overrides)?;
     ft_core::setup::validate(&config, &registry)?;
     let env = DistEnv::from_env()?;

@@ -161,3 +161,38 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
         assert!(a.equal(b), "a skipped step leaves the weights alone");
     }
 }
+
+#[test]
+fn unit_by_unit_backward_equals_one_autograd_pass_for_a_span_head() {
+    use ft_tasks::extractive_qa::SpanLoss;
+    let config = serde_json::json!({
+        "model_type": "bert", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0
+    });
+    let model = hf::model_from_config(config).unwrap();
+    let params = ft_core::model::init_params(model.as_ref(), 0, Kind::Float, Device::Cpu);
+    tch::manual_seed(1);
+    let ids = Tensor::randint(97, [3, 16], (Kind::Int64, Device::Cpu));
+    let mask = Tensor::ones([3, 16], (Kind::Int64, Device::Cpu));
+    let _ = mask.get(1).narrow(0, 10, 6).fill_(0);
+    let types = Tensor::cat(&[Tensor::zeros([3, 6], (Kind::Int64, Device::Cpu)), Tensor::ones([3, 10], (Kind::Int64, Device::Cpu))], 1);
+    let batch = Batch {
+        inputs: Inputs { input_ids: ids, attention_mask: Some(mask), token_type_ids: Some(types) },
+        targets: vec![Tensor::from_slice(&[0i64, 7, 12]), Tensor::from_slice(&[0i64, 9, 13])],
+    };
+    // One autograd pass: (CE(start) + CE(end)) / 2, the mean over the batch.
+    let leaves: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(|t| t.detach().copy().set_requires_grad(true)).collect()).collect();
+    let ctx = model.context(&batch.inputs, 0, Kind::Float, true).unwrap();
+    let outputs = forward(model.as_ref(), &leaves, &batch.inputs, &ctx, None);
+    let loss = (outputs[0].cross_entropy_for_logits(&batch.targets[0]) + outputs[1].cross_entropy_for_logits(&batch.targets[1])) / 2.0;
+    loss.backward();
+    let options = TrainOptions { max_grad_norm: None, ..Default::default() };
+    let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
+    let ours = trainer.forward_backward(&batch, &SpanLoss, 3.0, true).unwrap();
+    assert!((ours.double_value(&[]) - loss.double_value(&[])).abs() < 1e-5, "{ours} vs {loss}");
+    for (unit, expected) in trainer.units().iter().zip(&leaves) {
+        for (grad, want) in unit.grad_views().iter().zip(expected) {
+            assert!(max_relative(grad, &want.grad()) < 1e-5, "{}", unit.name());
+        }
+    }
+}

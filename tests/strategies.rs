@@ -12,7 +12,7 @@ use std::process::Stdio;
 use tch::Tensor;
 
 mod common;
-use common::{ft, text};
+use common::{ft, shared_squad, small_bert, text};
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
@@ -35,6 +35,8 @@ fn plugin() -> PathBuf {
 enum Workload {
     Bloom,
     Llama,
+    /// A small BERT on the shared SQuAD file: extractive QA.
+    Bert,
 }
 
 fn shared(path: &str) -> String {
@@ -68,6 +70,17 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
                 "1e-3",
             ]
             .map(String::from),
+        );
+    }
+    if workload == Workload::Bert {
+        let model = scratch.join("bert");
+        if !model.exists() {
+            small_bert(scratch, true);
+        }
+        let squad = shared_squad();
+        args.extend(
+            ["--model", model.to_str().unwrap(), "--train-file", squad.to_str().unwrap(), "--max-seq-len", "96", "--set", "task.doc_stride=32", "--lr", "1e-3"]
+                .map(String::from),
         );
     }
     args
@@ -131,6 +144,17 @@ fn assert_same_run(name: &str, run: &Path, baseline: &Path, tolerance: f64) {
     for (key, want) in &expected {
         let difference = (&mine[key] - want).norm().double_value(&[]);
         let norm = want.norm().double_value(&[]);
+        // Biases that shift every score a softmax sees alike have a true
+        // gradient of 0 and move by AdamW-normalised rounding noise alone:
+        // BERT's attention key bias, its span head's bias and the last
+        // LayerNorm's bias before it. (BLOOM's key bias sits inside its
+        // fused QKV weight's neighbour, and the tolerances absorb it.)
+        let noise_only = key.ends_with("attention.self.key.bias")
+            || key == "qa_outputs.bias"
+            || key == "bert.encoder.layer.1.output.LayerNorm.bias";
+        if noise_only {
+            continue;
+        }
         assert!(difference <= 1e-3 * norm.max(1e-12), "{name}: {key} differs by {difference:e} (norm {norm:e})");
         difference_squared += difference * difference;
         norm_squared += norm * norm;
@@ -185,6 +209,11 @@ fn every_strategy_equals_the_baseline(workload: Workload) {
         }
     }
     assert_memory_matches_theory(&held);
+    if workload == Workload::Bert {
+        // The encoder offloaded too (the decoders' offload runs are below).
+        let run = train(workload, scratch.path(), "offload-zero3-2", 2, &["--strategy", "zero3", "--offload", "cpu"]);
+        assert_same_run("offload-zero3-2", &run, &baseline, 1e-5);
+    }
 }
 
 /// What ranks report holding, against what each strategy promises: at N
@@ -204,7 +233,7 @@ fn assert_memory_matches_theory(held: &HashMap<String, Value>) {
                 assert!((r - 1.0 / n).abs() < 0.01, "zero3 at {ranks} ranks holds {r:.4} of ddp's {what}");
             }
             assert!((ratio("zero1", rank, "params") - 1.0).abs() < 0.01 / n + 1.0 / n, "zero1 params");
-            assert!((ratio("zero1", rank, "grads") - 1.0).abs() < 1e-6, "zero1 keeps whole gradients");
+            assert!((ratio("zero1", rank, "grads") - 1.0).abs() < 1e-4, "zero1 keeps whole gradients (padded to a multiple of N per unit)");
             let r = ratio("zero1", rank, "optimizer_state");
             assert!((r - 1.0 / n).abs() < 0.01, "zero1 at {ranks} ranks holds {r:.4} of ddp's optimizer state");
             assert_eq!(state(&format!("ddp-{ranks}"), rank, "gathered_peak"), 0.0);
@@ -226,6 +255,11 @@ fn every_strategy_trains_bloom_like_the_single_process_baseline() {
 #[test]
 fn every_strategy_trains_llama_like_the_single_process_baseline() {
     every_strategy_equals_the_baseline(Workload::Llama);
+}
+
+#[test]
+fn every_strategy_trains_bert_question_answering_like_the_single_process_baseline() {
+    every_strategy_equals_the_baseline(Workload::Bert);
 }
 
 #[test]

@@ -312,3 +312,37 @@ fn flags_without_a_command_are_train_and_ft_alone_leads_with_the_demo() {
     assert!(output.status.success(), "{plan}");
     assert!(plan.contains("strategy hybrid_shard") && plan.contains("\"offload\": \"cpu\""), "{plan}");
 }
+
+#[test]
+fn early_stopping_and_the_best_checkpoints_follow_the_monitored_score() {
+    let summary = |dir: &Path| -> Value { serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap() };
+    // No improvement can reach min_delta: the run stops after patience (1) more evaluation.
+    let stopped = tempfile::tempdir().unwrap();
+    let monitored = ["--set", "train.monitor=eval_loss", "--set", "train.early_stopping_patience=1"];
+    train(stopped.path(), &[&monitored[..], &["--epochs", "5", "--set", "train.early_stopping_min_delta=1000"]].concat());
+    let s = summary(stopped.path());
+    assert_eq!((s["epochs"].as_array().unwrap().len(), s["stopped_early_after_epoch"].as_u64()), (2, Some(2)), "{s}");
+
+    // The best epoch by eval loss keeps its checkpoint beside the newest one.
+    let best = tempfile::tempdir().unwrap();
+    let flags = ["--epochs", "4", "--save-every", "3", "--save-total-limit", "1", "--set", "train.monitor=eval_loss", "--set", "train.save_best=1"];
+    train(best.path(), &flags);
+    let s = summary(best.path());
+    let epochs = s["epochs"].as_array().unwrap();
+    let eval_losses: Vec<f64> = epochs.iter().map(|e| e["eval_loss"].as_f64().unwrap()).collect();
+    let best_epoch = (0..eval_losses.len()).min_by(|&a, &b| eval_losses[a].total_cmp(&eval_losses[b])).unwrap() + 1;
+    let kept: Value = serde_json::from_str(&std::fs::read_to_string(best.path().join("checkpoints/best.json")).unwrap()).unwrap();
+    assert_eq!(kept[0]["epoch"].as_u64(), Some(best_epoch as u64), "{kept} vs {eval_losses:?}");
+    assert_eq!(s["best_checkpoint"]["epoch"], kept[0]["epoch"]);
+    let dir = Path::new(kept[0]["dir"].as_str().unwrap());
+    assert!(dir.join("manifest.json").is_file(), "the best checkpoint is kept");
+    let steps = s["optimizer_steps"].as_u64().unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(best.path().join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    let newest = names.iter().filter(|n| n.starts_with("step-")).last().unwrap().clone();
+    assert_eq!(newest, format!("step-{:08}", steps - steps % 3), "the newest checkpoint is kept for resuming: {names:?}");
+    assert!(names.iter().filter(|n| n.starts_with("step-")).count() <= 2, "save_total_limit 1 plus the best: {names:?}");
+    // The learning rate is recorded at every step.
+    let records = std::fs::read_to_string(best.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(records.lines().filter(|l| l.contains("\"lr\"")).count() as u64, steps);
+}

@@ -52,7 +52,8 @@ pub fn checkpoints_dir(output: &Path) -> PathBuf {
     output.join("checkpoints")
 }
 
-fn name_of(step: usize) -> String {
+/// A checkpoint directory's name.
+pub fn name_of(step: usize) -> String {
     format!("step-{step:08}")
 }
 
@@ -110,9 +111,8 @@ pub struct State<'a> {
     pub adamw_step: &'a Tensor,
 }
 
-/// Writes `state` as checkpoint `manifest.step` under `output`,
-/// then deletes all but the newest `keep` checkpoints (0 keeps all).
-pub fn save(output: &Path, state: &State, manifest: &Manifest, tokenizer: Option<&Path>, keep: usize) -> Result<PathBuf> {
+/// Writes `state` as checkpoint `manifest.step` under `output`.
+pub fn save(output: &Path, state: &State, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<PathBuf> {
     let dir = checkpoints_dir(output);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let final_path = dir.join(name_of(manifest.step));
@@ -145,13 +145,54 @@ pub fn save(output: &Path, state: &State, manifest: &Manifest, tokenizer: Option
     std::fs::rename(&temporary, &final_path)
         .with_context(|| format!("cannot move {} to {}", temporary.display(), final_path.display()))?;
     sync_dir(&dir)?;
-    if keep > 0 {
-        let all = list(output)?;
-        for old in &all[..all.len().saturating_sub(keep)] {
-            std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
-        }
-    }
     Ok(final_path)
+}
+
+/// Deletes every checkpoint under `output` but the newest `keep_latest`
+/// (0 keeps all) and the steps in `keep` (the best ones).
+pub fn prune(output: &Path, keep_latest: usize, keep: &[usize]) -> Result<()> {
+    if keep_latest == 0 {
+        return Ok(());
+    }
+    let all = list(output)?;
+    let kept: Vec<PathBuf> = keep.iter().map(|&step| checkpoints_dir(output).join(name_of(step))).collect();
+    for old in all[..all.len().saturating_sub(keep_latest)].iter().filter(|p| !kept.contains(p)) {
+        std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+    }
+    Ok(())
+}
+
+/// A checkpoint kept for its monitored score (`train.save_best`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BestCheckpoint {
+    pub step: usize,
+    pub epoch: usize,
+    pub monitor: String,
+    pub score: f64,
+    pub dir: PathBuf,
+}
+
+fn best_file(output: &Path) -> PathBuf {
+    checkpoints_dir(output).join("best.json")
+}
+
+/// The best checkpoints recorded under `output`, best first (none yet: empty).
+pub fn read_best(output: &Path) -> Result<Vec<BestCheckpoint>> {
+    let path = best_file(output);
+    if !path.exists() {
+        return Ok(vec![]);
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not ft's list of best checkpoints", path.display()))
+}
+
+/// Records the best checkpoints, replacing the file atomically.
+pub fn write_best(output: &Path, best: &[BestCheckpoint]) -> Result<()> {
+    let path = best_file(output);
+    let temporary = path.with_extension("json.tmp");
+    std::fs::write(&temporary, serde_json::to_string_pretty(best)?).with_context(|| format!("cannot write {}", temporary.display()))?;
+    File::open(&temporary)?.sync_all()?;
+    std::fs::rename(&temporary, &path).with_context(|| format!("cannot move {} to {}", temporary.display(), path.display()))
 }
 
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {

@@ -130,7 +130,8 @@ pub struct TrainConfig {
     pub save_every: usize,
     /// Checkpoints kept, newest first (0: all).
     pub save_total_limit: usize,
-    /// Continue from a checkpoint: "latest" (in output.dir) or its directory.
+    /// Continue from a checkpoint: "latest" (in output.dir), its directory,
+    /// or "auto" (the latest when there is one, else start afresh).
     pub resume: Option<String>,
     /// Sharding strategy by name or alias (`ft list` shows them).
     pub strategy: String,
@@ -147,6 +148,28 @@ pub struct TrainConfig {
     /// The GPU's dense peak TFLOP/s in the compute dtype, for MFU (default:
     /// ft's table by GPU name; MFU is n/a for a GPU not in it).
     pub peak_tflops: Option<f64>,
+    /// The evaluation score early stopping and `save_best` judge epochs by,
+    /// as the metrics name it: `eval_loss`, `eval_f1`, `eval_exact`, …
+    pub monitor: Option<String>,
+    /// Whether higher or lower `monitor` is better (auto: lower for a loss).
+    pub monitor_mode: MonitorMode,
+    /// Stop after this many evaluations without improvement (0: never).
+    pub early_stopping_patience: usize,
+    /// The least change of `monitor` that counts as an improvement.
+    pub early_stopping_min_delta: f64,
+    /// Keep the checkpoints of the best N epochs by `monitor` (saved after
+    /// their evaluation), besides the newest `save_total_limit` (0: none).
+    pub save_best: usize,
+}
+
+/// Which way a monitored score improves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MonitorMode {
+    #[default]
+    Auto,
+    Min,
+    Max,
 }
 
 impl Default for TrainConfig {
@@ -180,6 +203,11 @@ impl Default for TrainConfig {
             offload: "none".into(),
             profile_steps: None,
             peak_tflops: None,
+            monitor: None,
+            monitor_mode: MonitorMode::Auto,
+            early_stopping_patience: 0,
+            early_stopping_min_delta: 0.0,
+            save_best: 0,
         }
     }
 }

@@ -3,6 +3,7 @@
 // Each test crate compiles this module and uses part of it.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 pub const FT: &str = env!("CARGO_BIN_EXE_ft");
@@ -27,3 +28,30 @@ pub fn ft() -> Command {
 pub fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
+
+/// The shared SQuAD v2.0 dev subset (5 articles, 1,407 questions).
+pub fn shared_squad() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/squad/squad-v2.0-dev-5-articles.json")
+}
+
+/// A small BERT (no dropout when `deterministic`) with a WordPiece vocabulary trained on the shared file.
+pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
+    let config = dir.join("bert-config.json");
+    let dropout = if deterministic { 0.0 } else { 0.1 };
+    let json = serde_json::json!({
+        "model_type": "bert", "architectures": ["BertForQuestionAnswering"], "vocab_size": 30522,
+        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
+        "max_position_embeddings": 256, "type_vocab_size": 2, "hidden_dropout_prob": dropout,
+        "attention_probs_dropout_prob": dropout, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0
+    });
+    std::fs::write(&config, json.to_string()).unwrap();
+    let model = dir.join("bert");
+    let output = ft()
+        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
+        .args(["--train-tokenizer", shared_squad().to_str().unwrap(), "--vocab-size", "3000"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    model
+}
+

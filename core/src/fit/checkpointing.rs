@@ -1,8 +1,12 @@
-//! Checkpoints as the loop sees them: resume from `train.resume`, and save
+//! Checkpoints as the loop sees them: resume from `train.resume`, save
 //! every `train.save_every` steps with the data cursor that continues the
-//! run exactly. The file format and the atomic save are checkpoint.rs.
+//! run exactly, and keep the best `train.save_best` epochs by the monitored
+//! score besides the newest `train.save_total_limit`. The file format and
+//! the atomic save are checkpoint.rs.
 
-use crate::checkpoint::{self, Manifest, State, UnitLayout};
+use super::monitor::Monitor;
+use super::summary::EpochResult;
+use crate::checkpoint::{self, BestCheckpoint, Manifest, State, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::TrainConfig;
 use crate::train::Trainer;
@@ -30,16 +34,33 @@ pub(crate) struct Checkpointer<'a> {
     config: &'a TrainConfig,
     strategy: &'a str,
     world: usize,
+    monitor: Option<Monitor>,
+    /// The best checkpoints so far, best first (the same on every rank).
+    best: Vec<BestCheckpoint>,
+    /// The step of the last save, so an epoch's end does not save it twice.
+    last_saved: Option<usize>,
 }
 
 impl<'a> Checkpointer<'a> {
-    pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize) -> Checkpointer<'a> {
-        Checkpointer { plan, config, strategy, world }
+    pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize, monitor: Option<Monitor>) -> Result<Checkpointer<'a>> {
+        // A resumed run goes on ranking against the checkpoints it kept.
+        let best = if config.save_best > 0 && config.resume.is_some() { checkpoint::read_best(plan.output)? } else { vec![] };
+        Ok(Checkpointer { plan, config, strategy, world, monitor, best, last_saved: None })
+    }
+
+    /// The best checkpoint kept so far.
+    pub fn best(&self) -> Option<&BestCheckpoint> {
+        self.best.first()
     }
 
     /// Restores `trainer` from `train.resume` when set; where the run continues.
     pub fn resume(&self, trainer: &mut Trainer, rank: usize) -> Result<Cursor> {
         let Some(spec) = &self.config.resume else { return Ok(Cursor::default()) };
+        // `auto` (a requeued job's habit): the latest checkpoint if there is one.
+        if spec == "auto" && checkpoint::list(self.plan.output)?.is_empty() {
+            return Ok(Cursor::default());
+        }
+        let spec = if spec == "auto" { "latest" } else { spec.as_str() };
         let dir = checkpoint::resolve(spec, self.plan.output)?;
         let (manifest, state) = checkpoint::read_state(&dir, trainer.model())?;
         trainer.restore(&state.units, &state.adamw_step, manifest.micro_steps)?;
@@ -50,12 +71,56 @@ impl<'a> Checkpointer<'a> {
         Ok(cursor)
     }
 
-    /// Saves when `next.step` is due (collective: every rank helps gather
-    /// the whole state; rank 0 writes it, the others wait).
+    /// Saves when `next.step` is due.
     pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<()> {
         let every = self.config.save_every;
         if every == 0 || next.step % every != 0 {
             return Ok(());
+        }
+        self.save(trainer, next, comm)?;
+        self.prune(comm)
+    }
+
+    /// Keeps the epoch's checkpoint when its monitored score is among the
+    /// best `train.save_best` (every rank decides the same: the scores are).
+    pub fn after_epoch(&mut self, trainer: &Trainer, next: Cursor, epoch: &EpochResult, comm: &Communicator) -> Result<()> {
+        let (Some(monitor), keep) = (self.monitor.clone(), self.config.save_best) else { return Ok(()) };
+        if keep == 0 {
+            return Ok(());
+        }
+        let score = monitor.value(epoch)?;
+        let qualifies = self.best.len() < keep || self.best.last().is_some_and(|worst| monitor.improves(score, worst.score, 0.0));
+        if !qualifies {
+            return Ok(());
+        }
+        let dir = self.save(trainer, next, comm)?;
+        let entry = BestCheckpoint { step: next.step, epoch: epoch.epoch, monitor: monitor.name.clone(), score, dir };
+        self.best.retain(|b| b.step != entry.step);
+        let position = self.best.iter().position(|b| monitor.improves(score, b.score, 0.0)).unwrap_or(self.best.len());
+        self.best.insert(position, entry);
+        self.best.truncate(keep);
+        if comm.env().rank == 0 {
+            checkpoint::write_best(self.plan.output, &self.best)?;
+            tracing::info!("epoch {}: {} {score:.4} is among the best {keep}; kept {}", epoch.epoch, monitor.name, self.best[position.min(keep - 1)].dir.display());
+        }
+        self.prune(comm)
+    }
+
+    /// Deletes checkpoints neither among the newest `save_total_limit` nor the best (rank 0).
+    fn prune(&self, comm: &Communicator) -> Result<()> {
+        if comm.env().rank == 0 {
+            let best: Vec<usize> = self.best.iter().map(|b| b.step).collect();
+            checkpoint::prune(self.plan.output, self.config.save_total_limit, &best)?;
+        }
+        Ok(())
+    }
+
+    /// Saves checkpoint `next.step` unless it exists (collective: every rank
+    /// helps gather the whole state; rank 0 writes it, the others wait).
+    fn save(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<std::path::PathBuf> {
+        let dir = checkpoint::checkpoints_dir(self.plan.output).join(checkpoint::name_of(next.step));
+        if self.last_saved == Some(next.step) {
+            return Ok(dir);
         }
         let manifest = Manifest {
             format_version: checkpoint::FORMAT_VERSION,
@@ -72,10 +137,11 @@ impl<'a> Checkpointer<'a> {
         let units = trainer.whole_state()?;
         if comm.env().rank == 0 {
             let state = State { units: &units, adamw_step: trainer.adamw_step() };
-            checkpoint::save(self.plan.output, &state, &manifest, self.plan.tokenizer, self.config.save_total_limit)?;
+            checkpoint::save(self.plan.output, &state, &manifest, self.plan.tokenizer)?;
         }
         drop(units);
         comm.world().barrier()?.wait()?;
-        Ok(())
+        self.last_saved = Some(next.step);
+        Ok(dir)
     }
 }

@@ -2,11 +2,13 @@
 //! set, one optimizer step per global batch, evaluation after each epoch.
 //! What happens around a step is in components the loop calls: the run's
 //! log (metrics to the sinks, the progress bar, memory and throughput counters),
-//! checkpoints, the profiler window, evaluation, and the cross-rank summary.
+//! checkpoints (periodic and the best by a monitored score), the profiler
+//! window, evaluation, early stopping, and the cross-rank summary.
 
 mod checkpointing;
 mod evaluation;
 mod log;
+mod monitor;
 mod profiling;
 mod summary;
 
@@ -28,6 +30,7 @@ use crate::train::{DataParallel, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{bail, Result};
 use checkpointing::{Checkpointer, Cursor};
 use log::RunLog;
+use monitor::{EarlyStopping, Monitor};
 use profiling::ProfileWindow;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
@@ -126,7 +129,9 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).build(&params)?;
     drop(params);
 
-    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world);
+    let monitor = Monitor::from_config(config);
+    let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
+    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world, monitor)?;
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
     let mut log = RunLog::new(sinks, comm, offload.to_host(), plan.total_steps, config.log_every);
@@ -134,7 +139,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
         Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
         _ => None,
     };
-    let mut epochs = vec![];
+    let (mut epochs, mut stopped_early) = (vec![], None);
     for epoch in first_epoch..config.epochs {
         let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, true);
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
@@ -162,12 +167,21 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
         let evaluation = evaluate(model, &params, task, comm, config.batch_size, dtype)?;
         drop(params);
         let result = log.after_epoch(epoch + 1, step, &evaluation)?;
+        checkpointer.after_epoch(&trainer, Cursor { epoch: epoch + 1, epoch_step: 0, step }, &result, comm)?;
+        let stop = early_stopping.as_mut().map(|e| e.should_stop(&result)).transpose()?.unwrap_or(false);
         epochs.push(result);
+        if stop {
+            stopped_early = Some(epoch + 1);
+            if rank == 0 {
+                tracing::info!("early stopping after epoch {}: no improvement of {} in {} evaluations", epoch + 1, config.monitor.as_deref().unwrap_or_default(), config.early_stopping_patience);
+            }
+            break;
+        }
     }
     let totals = log.finish()?;
     let utilisation = sampler.and_then(|s| s.finish());
     let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
-    let summary = Summary::gather(
+    let mut summary = Summary::gather(
         comm,
         &trainer,
         &totals,
@@ -180,5 +194,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
         offload.to_host(),
         peak_flops,
     )?;
+    summary.stopped_early_after_epoch = stopped_early;
+    summary.best_checkpoint = checkpointer.best().cloned();
     Ok((summary, trainer.params()?))
 }

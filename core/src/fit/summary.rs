@@ -7,6 +7,7 @@
 //! peak for the compute dtype (`gpu::peak_flops`, or `train.peak_tflops`).
 
 use super::log::{memory, RunTotals};
+use crate::checkpoint::BestCheckpoint;
 use crate::comm::Communicator;
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
@@ -63,6 +64,10 @@ pub struct Summary {
     pub state_per_rank: Vec<MemoryAccount>,
     /// Mean GPU utilisation (%) of each rank while training; None without NVML.
     pub gpu_utilisation_per_rank: Option<Vec<f64>>,
+    /// The epoch after which early stopping ended the run.
+    pub stopped_early_after_epoch: Option<usize>,
+    /// The best checkpoint kept by `train.save_best`.
+    pub best_checkpoint: Option<BestCheckpoint>,
 }
 
 /// Rank r's `mine` at row r of a [world, mine.len()] table, on every rank.
@@ -134,6 +139,8 @@ impl Summary {
             shard_group_size,
             state_per_rank,
             gpu_utilisation_per_rank,
+            stopped_early_after_epoch: None,
+            best_checkpoint: None,
         })
     }
 
@@ -149,6 +156,12 @@ impl Summary {
             let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
             let scores = if scores.is_empty() { String::new() } else { format!(", {}", scores.join(", ")) };
             out += &row(&format!("epoch {}", e.epoch), format!("train loss {}, eval loss {}{scores}", loss(e.train_loss), loss(e.eval_loss)));
+        }
+        if let Some(epoch) = self.stopped_early_after_epoch {
+            out += &row("early stopping", format!("after epoch {epoch}"));
+        }
+        if let Some(best) = &self.best_checkpoint {
+            out += &row("best checkpoint", format!("{} {:.4} at epoch {}: {}", best.monitor, best.score, best.epoch, best.dir.display()));
         }
         out += &row("steps per epoch", self.steps_per_epoch.to_string());
         out += &row("train samples/s", format!("{:.1}", self.train_samples_per_s));

@@ -3,3 +3,4 @@
 //! The loop in ft-core knows none of them.
 
 pub mod causal_lm;
+pub mod extractive_qa;
