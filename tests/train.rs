@@ -346,3 +346,21 @@ fn early_stopping_and_the_best_checkpoints_follow_the_monitored_score() {
     let records = std::fs::read_to_string(best.path().join("metrics.jsonl")).unwrap();
     assert_eq!(records.lines().filter(|l| l.contains("\"lr\"")).count() as u64, steps);
 }
+
+#[test]
+fn stray_ft_variables_are_ignored_and_section_keys_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = ft()
+        .args(["train", "--dry-run", "--output-dir", dir.path().to_str().unwrap()])
+        .env("FT_CHART_FONT", "/no/such/font.ttf")
+        .env("FT_KERNELS", "aten")
+        .env("FT_SOMETHING_ELSE", "1")
+        .env("FT_TRAIN__LR", "0.25")
+        .output()
+        .unwrap();
+    let plan = text(&output);
+    assert!(output.status.success(), "{plan}");
+    assert!(plan.contains("\"lr\": 0.25"), "FT_TRAIN__LR sets train.lr: {plan}");
+    let output = ft().arg("list").env("FT_CHART_FONT", "x").env("FT_DIST__BAKEND", "gloo").output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("unknown config key `dist.bakend`"), "a misspelt key is still an error");
+}

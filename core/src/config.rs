@@ -257,14 +257,26 @@ impl Default for DistConfig {
 /// Environment variables `FT_SECTION__KEY` set `section.key`.
 pub const ENV_PREFIX: &str = "FT_";
 
-/// `FT_*` variables that are not configuration keys.
-const NOT_CONFIG: [&str; 2] = ["config_file", "fault_inject"];
+/// The configuration's sections: `FT_<SECTION>__<KEY>` sets `section.key`.
+const SECTIONS: [&str; 7] = ["dist", "model", "data", "train", "output", "launch", "task"];
+
+/// Whether an `FT_`-less variable name is a configuration key: a known
+/// section, `__`, a key. Any other `FT_*` variable (`FT_CONFIG_FILE`,
+/// `FT_KERNELS`, `FT_CHART_FONT`, a tool's own) is left alone, with a debug
+/// line; a misspelt key inside a known section is still an error.
+fn is_config_variable(name: &str) -> bool {
+    let is_key = name.split_once("__").is_some_and(|(section, _)| SECTIONS.iter().any(|s| section.eq_ignore_ascii_case(s)));
+    if !is_key {
+        tracing::debug!("environment variable {ENV_PREFIX}{} is not a configuration key (FT_SECTION__KEY): ignored", name.to_uppercase());
+    }
+    is_key
+}
 
 impl Config {
     /// Resolves the configuration. `overrides` are dotted keys from flags
     /// (e.g. `("dist.timeout_secs", 30.into())`), applied last.
     pub fn load(file: Option<&Path>, overrides: &[(&str, Value)]) -> Result<Config> {
-        let env = Env::prefixed(ENV_PREFIX).filter(|key| !NOT_CONFIG.iter().any(|n| key.as_str().eq_ignore_ascii_case(n)));
+        let env = Env::prefixed(ENV_PREFIX).filter(|key| is_config_variable(key.as_str()));
         Config::load_with_env(file, overrides, env.split("__"))
     }
 
@@ -403,6 +415,14 @@ mod tests {
         let config = Config::load_with_env(None, &[("model.source", "some/model".into())], no_env()).unwrap();
         assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
         assert!(!config.uses_preset());
+    }
+
+    #[test]
+    fn only_section_keys_are_read_from_the_environment() {
+        assert!(is_config_variable("dist__timeout_secs") && is_config_variable("TRAIN__LR") && is_config_variable("dist__bakend"));
+        for stray in ["chart_font", "config_file", "kernels", "fault_inject", "chart__font", "reference_wheels"] {
+            assert!(!is_config_variable(stray), "{stray}");
+        }
     }
 
     #[test]

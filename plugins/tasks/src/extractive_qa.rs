@@ -55,7 +55,9 @@ impl Default for Options {
 }
 
 /// The model inputs of windows, each padded to the window length as run_qa.py
-/// pads them (so the span logits, and the loss over them, are the same).
+/// pads them (so the span logits, and the loss over them, are the same). A
+/// batch without padding carries no mask, as transformers drops an all-ones
+/// mask: attention then runs unmasked (the flash kernel).
 fn collate_windows<'w>(windows: impl Iterator<Item = &'w Window>, device: Device) -> Inputs {
     let (mut ids, mut types, mut mask) = (vec![], vec![], vec![]);
     for w in windows {
@@ -63,8 +65,9 @@ fn collate_windows<'w>(windows: impl Iterator<Item = &'w Window>, device: Device
         types.push(w.token_type_ids.clone());
         mask.push(w.attention_mask.clone());
     }
+    let padded = mask.iter().flatten().any(|&m| m == 0);
     let to_device = |rows: Vec<Vec<i64>>| to_device_async(&Tensor::from_slice2(&rows), device);
-    Inputs { input_ids: to_device(ids), attention_mask: Some(to_device(mask)), token_type_ids: Some(to_device(types)) }
+    Inputs { input_ids: to_device(ids), attention_mask: padded.then(|| to_device(mask)), token_type_ids: Some(to_device(types)) }
 }
 
 fn real_tokens(window: &Window) -> usize {
