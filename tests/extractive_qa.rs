@@ -10,7 +10,7 @@
 mod common;
 use common::{ft, shared_squad, small_bert, text};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// What transformers' copy of the official SQuAD v2.0 evaluation gives for
