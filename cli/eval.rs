@@ -31,6 +31,7 @@ pub struct EvalArgs {
     eval_samples: Option<usize>,
     #[arg(long)]
     max_seq_len: Option<usize>,
+    /// Examples per batch on each rank (train.eval_batch_size).
     #[arg(long)]
     batch_size: Option<usize>,
     #[arg(long)]
@@ -53,7 +54,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .path("data.tokenizer", args.tokenizer.as_ref())
         .set("data.eval_samples", args.eval_samples)
         .set("data.max_seq_len", args.max_seq_len)
-        .set("train.batch_size", args.batch_size)
+        .set("train.eval_batch_size", args.batch_size)
         .serialized("train.dtype", args.dtype)
         .serialized("train.device", args.device)
         .path("output.dir", args.output_dir.as_ref())
@@ -70,7 +71,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let params = hf::load_params(model.as_ref(), &dir, rank.dtype, rank.device)?;
     let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
     let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
-    let evaluation = ft_core::fit::evaluate(model.as_ref(), &params, task.as_mut(), &rank.comm, config.train.batch_size, rank.dtype)?;
+    let evaluation = ft_core::fit::evaluate(model.as_ref(), &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype)?;
     if rank.rank() == 0 {
         std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
         task.write_predictions(&config.output.dir)?;

@@ -201,3 +201,24 @@ fn gpt2_tokenizer_loads_and_round_trips() {
     let message = format!("{:#}", hf::load_tokenizer(Path::new("/nonexistent")).unwrap_err());
     assert!(message.contains("cannot load /nonexistent/tokenizer.json"), "{message}");
 }
+
+#[test]
+fn batched_greedy_decoding_equals_one_prompt_at_a_time() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(dir.join("ids.json")).unwrap()).unwrap();
+        let model = hf::load_model(&dir).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        // Prompts of different lengths, so the batch is left-padded.
+        let prompts: Vec<Vec<i64>> = (0..6).map(|i| rows[i % rows.len()][..3 + 2 * i].to_vec()).collect();
+        let one_at_a_time: Vec<Vec<i64>> = prompts.iter().map(|p| greedy(model.as_ref(), &params, p, 12, None, Kind::Float).unwrap()).collect();
+        let batched = ft_core::generate::greedy_batch(model.as_ref(), &params, &prompts, 12, None, 0, Kind::Float).unwrap();
+        assert_eq!(batched, one_at_a_time, "{name}");
+        // A row that stops at its end token while the others go on.
+        let eos = Some(one_at_a_time[2][4]);
+        let stopping = ft_core::generate::greedy_batch(model.as_ref(), &params, &prompts, 12, eos, 0, Kind::Float).unwrap();
+        for (row, alone) in stopping.iter().zip(&prompts) {
+            assert_eq!(row, &greedy(model.as_ref(), &params, alone, 12, eos, Kind::Float).unwrap(), "{name} with an end token");
+        }
+    }
+}

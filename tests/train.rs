@@ -267,6 +267,21 @@ fn export_and_eval_reproduce_the_run() {
     assert!((reported - last_eval_loss).abs() < 1e-4, "{reported} vs {last_eval_loss}");
     assert!(log.contains(", em ") && log.contains(", f1 "), "{log}");
     assert!(dir.path().join("eval/predictions.json").exists());
+
+    // Batches of 16 left-padded prompts answer exactly as one prompt at a time.
+    let predictions = |batch: &str| -> Value {
+        let out = dir.path().join(format!("eval-batch-{batch}"));
+        let output = ft()
+            .args(["eval", "--model", exported.to_str().unwrap(), "--eval-file", eval_file.to_str().unwrap(), "--eval-samples", "40"])
+            .args(["--max-seq-len", "96", "--nproc-per-node", "1", "--batch-size", batch, "--output-dir", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        serde_json::from_str(&std::fs::read_to_string(out.join("predictions.json")).unwrap()).unwrap()
+    };
+    let (one, sixteen) = (predictions("1"), predictions("16"));
+    assert_eq!(one.as_object().unwrap().len(), 40);
+    assert_eq!(one, sixteen);
 }
 
 #[test]

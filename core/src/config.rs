@@ -102,6 +102,8 @@ pub struct TrainConfig {
     pub epochs: usize,
     /// Examples per micro-batch on each rank.
     pub batch_size: usize,
+    /// Examples per batch on each rank in evaluation (loss, generation, span scoring).
+    pub eval_batch_size: usize,
     pub grad_accum: usize,
     pub lr: f64,
     pub weight_decay: f64,
@@ -177,6 +179,7 @@ impl Default for TrainConfig {
         TrainConfig {
             epochs: 3,
             batch_size: 8,
+            eval_batch_size: 32,
             grad_accum: 1,
             lr: 5e-5,
             weight_decay: 0.0,

@@ -164,7 +164,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
         // The epoch ended inside the profiled steps: stop before evaluation.
         profiler.stop(step)?;
         let params = trainer.compute_params()?;
-        let evaluation = evaluate(model, &params, task, comm, config.batch_size, dtype)?;
+        let evaluation = evaluate(model, &params, task, comm, config.eval_batch_size, dtype)?;
         drop(params);
         let result = log.after_epoch(epoch + 1, step, &evaluation)?;
         checkpointer.after_epoch(&trainer, Cursor { epoch: epoch + 1, epoch_step: 0, step }, &result, comm)?;

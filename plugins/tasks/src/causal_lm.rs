@@ -118,17 +118,30 @@ struct Generation {
     max_seq_len: usize,
     max_new_tokens: usize,
     eos: Option<i64>,
+    pad_id: i64,
+    batch_size: usize,
 }
 
 impl Generation {
-    /// The answer generated for `question` ("" when even an empty context leaves no room).
-    fn answer(&self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, question: &QaExample) -> Result<String> {
+    /// The answers to `questions`, generated in batches of prompts of
+    /// similar length (so little padding is computed); "" where even an
+    /// empty context leaves no room for the question.
+    fn answers(&self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, questions: &[&QaExample]) -> Result<Vec<String>> {
         let budget = self.max_seq_len.saturating_sub(self.max_new_tokens);
-        let Some(ids) = prompt::prompt_ids(&self.tokenizer, question, budget)? else { return Ok(String::new()) };
-        let generated = ft_core::generate::greedy(model, params, &ids, self.max_new_tokens, self.eos, dtype)?;
-        let answer_ids: Vec<u32> = generated.iter().filter(|&&t| Some(t) != self.eos).map(|&t| t as u32).collect();
-        let text = self.tokenizer.decode(&answer_ids, true).map_err(anyhow::Error::msg)?;
-        Ok(text.lines().next().unwrap_or("").trim().to_string())
+        let prompts = questions.iter().map(|q| prompt::prompt_ids(&self.tokenizer, q, budget)).collect::<Result<Vec<_>>>()?;
+        let mut by_length: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].is_some()).collect();
+        by_length.sort_by_key(|&i| prompts[i].as_ref().map_or(0, Vec::len));
+        let mut answers = vec![String::new(); questions.len()];
+        for chunk in by_length.chunks(self.batch_size.max(1)) {
+            let batch: Vec<Vec<i64>> = chunk.iter().filter_map(|&i| prompts[i].clone()).collect();
+            let generated = ft_core::generate::greedy_batch(model, params, &batch, self.max_new_tokens, self.eos, self.pad_id, dtype)?;
+            for (&i, tokens) in chunk.iter().zip(generated) {
+                let answer_ids: Vec<u32> = tokens.iter().filter(|&&t| Some(t) != self.eos).map(|&t| t as u32).collect();
+                let text = self.tokenizer.decode(&answer_ids, true).map_err(anyhow::Error::msg)?;
+                answers[i] = text.lines().next().unwrap_or("").trim().to_string();
+            }
+        }
+        Ok(answers)
     }
 }
 
@@ -163,13 +176,9 @@ impl Task for CausalLm {
     fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
         let Some(generation) = &self.generation else { return Ok(Scores::default()) };
         let (rank, world) = (comm.env().rank, comm.env().world_size);
-        let mine = generation
-            .questions
-            .iter()
-            .skip(rank)
-            .step_by(world)
-            .map(|q| Ok((q.id.clone(), generation.answer(model, params, dtype, q)?)))
-            .collect::<Result<Vec<(String, String)>>>()?;
+        let questions: Vec<&QaExample> = generation.questions.iter().skip(rank).step_by(world).collect();
+        let answers = generation.answers(model, params, dtype, &questions)?;
+        let mine: Vec<(String, String)> = questions.iter().map(|q| q.id.clone()).zip(answers).collect();
         self.predictions = task::all_gather_json(comm, &mine)?.into_iter().flatten().collect();
         let (mut em, mut f1) = (0.0, 0.0);
         for question in &generation.questions {
@@ -221,6 +230,8 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         questions,
         max_seq_len: data.max_seq_len,
         max_new_tokens: options.max_new_tokens,
+        pad_id,
+        batch_size: inputs.config.train.eval_batch_size,
     });
     Ok(Box::new(CausalLm {
         train: LmDataset::new(train, pad_id, pad_multiple),

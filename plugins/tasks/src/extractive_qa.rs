@@ -312,7 +312,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
             max_answer_length: options.max_answer_length,
             null_score_diff_threshold: options.null_score_diff_threshold,
         };
-        let scoring = Scoring { examples: eval_examples, features: windows.features, postprocess, batch_size: inputs.config.train.batch_size };
+        let scoring = Scoring { examples: eval_examples, features: windows.features, postprocess, batch_size: inputs.config.train.eval_batch_size };
         (Some(SpanDataset { features: loss_windows.features }), Some(scoring))
     };
     Ok(Box::new(ExtractiveQa {
