@@ -77,7 +77,14 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         task.write_predictions(&config.output.dir)?;
         let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
         let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
-        println!("{}: eval loss {loss} over {} examples{scores}", args.eval_file.display(), evaluation.scores.examples);
+        let examples = evaluation.scores.examples;
+        println!("{}: eval loss {loss} over {examples} examples{scores}", args.eval_file.display());
+        println!(
+            "scored {examples} examples in {:.2} s ({:.1} examples/s; the whole evaluation {:.2} s)",
+            evaluation.scoring_seconds,
+            examples as f64 / evaluation.scoring_seconds.max(f64::MIN_POSITIVE),
+            evaluation.seconds
+        );
     }
     Ok(0)
 }

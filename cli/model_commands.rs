@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Args)]
@@ -50,7 +50,7 @@ pub fn init_model(args: InitModelArgs) -> Result<i32> {
         tokenizer.save(args.out.join("tokenizer.json"), true).map_err(anyhow::Error::msg)?;
     }
     if let Some(tokenizer) = &args.tokenizer {
-        hf::load_tokenizer(tokenizer.parent().unwrap_or(Path::new(".")))?;
+        ft_data::tokenizer::load(tokenizer, model.dims().vocab)?;
         std::fs::copy(tokenizer, args.out.join("tokenizer.json"))
             .with_context(|| format!("cannot copy {}", tokenizer.display()))?;
     }

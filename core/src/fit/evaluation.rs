@@ -14,7 +14,9 @@ pub struct Evaluation {
     /// Mean loss over the evaluation set (None when the task has none).
     pub loss: Option<f64>,
     pub scores: Scores,
+    /// The whole evaluation, and the task's scoring alone (generation, span decoding).
     pub seconds: f64,
+    pub scoring_seconds: f64,
 }
 
 /// Evaluates `params` (full, in `dtype`) on `task` in batches of
@@ -47,6 +49,7 @@ pub fn evaluate(
         }
         _ => None,
     };
+    let scoring_started = Instant::now();
     let scores = task.score(model, params, dtype, comm)?;
-    Ok(Evaluation { loss, scores, seconds: started.elapsed().as_secs_f64() })
+    Ok(Evaluation { loss, scores, seconds: started.elapsed().as_secs_f64(), scoring_seconds: scoring_started.elapsed().as_secs_f64() })
 }
