@@ -43,6 +43,10 @@ pub struct EvalArgs {
     output_dir: Option<PathBuf>,
     #[arg(long)]
     nproc_per_node: Option<usize>,
+    /// Record the evaluation on rank 0 with PyTorch's profiler: a Chrome
+    /// trace and the time per kernel in this directory.
+    #[arg(long, value_name = "DIR")]
+    profile: Option<PathBuf>,
 }
 
 pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
@@ -71,7 +75,15 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let params = hf::load_params(model.as_ref(), &dir, rank.dtype, rank.device)?;
     let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
     let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
+    let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);
+    if profiling.is_some() {
+        ft_core::profile::start(rank.device.is_cuda())?;
+    }
     let evaluation = ft_core::fit::evaluate(model.as_ref(), &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype)?;
+    if let Some(dir) = profiling {
+        let report = ft_core::profile::stop(dir, "eval", rank.device.is_cuda(), 1)?;
+        tracing::info!("profile of the evaluation: {}", report.top(25));
+    }
     if rank.rank() == 0 {
         std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
         task.write_predictions(&config.output.dir)?;

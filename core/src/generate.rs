@@ -34,10 +34,10 @@ pub fn greedy_batch(
     }
     let device = params[0][0].device();
     let rows = prompts.len() as i64;
-    let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
-    let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::default()).collect();
     let _no_grad = tch::no_grad_guard();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
+    let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::with_capacity((longest + max_new_tokens) as i64)).collect();
     let left_padded: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![pad_id; longest - p.len()], p.clone()].concat()).collect();
     // Without padding, no mask: plain causal attention, as for one prompt.
     let mut mask = prompts.iter().any(|p| p.len() != longest).then(|| {

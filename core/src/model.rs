@@ -150,35 +150,55 @@ pub struct Context {
     pub rope: Option<(Tensor, Tensor)>,
 }
 
-/// Keys and values of earlier positions for one block, [batch, kv_heads, len, head_dim].
+/// Keys and values of earlier positions for one block, [batch, kv_heads,
+/// len, head_dim], in buffers with room for `capacity` positions, so a
+/// decoding step writes its key and value in place instead of copying the
+/// whole cache (it grows by doubling past the capacity).
 #[derive(Default)]
 pub struct KvCache {
-    pub key: Option<Tensor>,
-    pub value: Option<Tensor>,
+    buffers: Option<(Tensor, Tensor)>,
+    len: i64,
+    capacity: i64,
 }
 
 impl KvCache {
-    /// Appends this step's keys and values; returns all of them.
+    /// A cache that will hold up to `positions` positions without growing.
+    pub fn with_capacity(positions: i64) -> KvCache {
+        KvCache { buffers: None, len: 0, capacity: positions }
+    }
+
+    /// Appends this step's keys and values; returns all of them (views of the buffers).
     pub fn extend(&mut self, key: Tensor, value: Tensor) -> (Tensor, Tensor) {
-        let key = match self.key.take() {
-            Some(past) => Tensor::cat(&[past, key], 2),
-            None => key,
-        };
-        let value = match self.value.take() {
-            Some(past) => Tensor::cat(&[past, value], 2),
-            None => value,
-        };
-        self.key = Some(key.shallow_clone());
-        self.value = Some(value.shallow_clone());
-        (key, value)
+        let new = key.size()[2];
+        let needed = self.len + new;
+        let room = self.buffers.as_ref().map_or(0, |(k, _)| k.size()[2]);
+        if needed > room {
+            let positions = needed.max(self.capacity).max(2 * room);
+            let grown = |old: Option<&Tensor>, like: &Tensor| {
+                let mut shape = like.size();
+                shape[2] = positions;
+                let buffer = Tensor::empty(shape.as_slice(), (like.kind(), like.device()));
+                if let Some(old) = old {
+                    buffer.narrow(2, 0, self.len).copy_(&old.narrow(2, 0, self.len));
+                }
+                buffer
+            };
+            let old = self.buffers.take();
+            self.buffers = Some((grown(old.as_ref().map(|b| &b.0), &key), grown(old.as_ref().map(|b| &b.1), &value)));
+        }
+        let (keys, values) = self.buffers.as_ref().expect("allocated above");
+        keys.narrow(2, self.len, new).copy_(&key);
+        values.narrow(2, self.len, new).copy_(&value);
+        self.len = needed;
+        (keys.narrow(2, 0, self.len), values.narrow(2, 0, self.len))
     }
 
     pub fn len(&self) -> i64 {
-        self.key.as_ref().map_or(0, |k| k.size()[2])
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 }
 
@@ -342,6 +362,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
 /// causal without a materialised mask when there is no bias and no cache.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: bool) -> Tensor {
     let (seq, keys) = (q.size()[2], k.size()[2]);
+    if seq == 1 && !ctx.train {
+        return single_query_attention(q, k, v, ctx.attention_bias.as_ref(), grouped_kv);
+    }
     match &ctx.attention_bias {
         Some(bias) => Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, None, grouped_kv),
         // One new token attends to every cached key: nothing to mask.
@@ -352,6 +375,25 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: 
             Tensor::scaled_dot_product_attention(q, k, v, Some(&bias), 0.0, false, None, grouped_kv)
         }
     }
+}
+
+/// One query per row over cached keys (a decoding step): two matrix-vector
+/// products and a softmax. SDPA's GPU backends would pick cuDNN, which
+/// plans anew for every key length — milliseconds of host time per call,
+/// more than the step's arithmetic.
+fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool) -> Tensor {
+    let (heads, kv_heads, head_dim) = (q.size()[1], k.size()[1], q.size()[3]);
+    let (k, v) = if grouped_kv && kv_heads != heads {
+        let repeats = heads / kv_heads;
+        (k.repeat_interleave_self_int(repeats, 1, None), v.repeat_interleave_self_int(repeats, 1, None))
+    } else {
+        (k.shallow_clone(), v.shallow_clone())
+    };
+    let mut scores = q.matmul(&k.transpose(2, 3)).to_kind(Kind::Float) / (head_dim as f64).sqrt();
+    if let Some(bias) = bias {
+        scores += bias.to_kind(Kind::Float);
+    }
+    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(&v)
 }
 
 /// [seq, past+seq] additive mask: 0 where query i may see key j (j <= past+i), -inf elsewhere.
