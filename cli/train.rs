@@ -63,6 +63,9 @@ pub struct TrainArgs {
     activation_checkpointing: bool,
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// Where metrics go: sinks by name, comma-separated, e.g. mlflow,tensorboard (output.report_to; `ft list`).
+    #[arg(long, value_delimiter = ',')]
+    report_to: Option<Vec<String>>,
     /// Optimizer steps between checkpoints (train.save_every; 0: none).
     #[arg(long)]
     save_every: Option<usize>,
@@ -135,6 +138,7 @@ impl TrainArgs {
             .set("train.save_total_limit", self.save_total_limit)
             .set("train.resume", self.resume.clone())
             .path("output.dir", self.output_dir.as_ref())
+            .set("output.report_to", self.report_to.clone())
             .set("launch.nproc_per_node", self.nproc_per_node)
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
@@ -221,7 +225,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device })?;
     let sinks = match rank.rank() {
-        0 => config.output.sinks.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
+        0 => config.output.report_to.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
         _ => vec![],
     };
     if rank.rank() == 0 {
@@ -245,6 +249,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         config: &config.train,
         dtype: rank.dtype,
         sinks,
+        resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer) },
     };
     let (summary, final_params) = fit::run(fit, params)?;
@@ -255,7 +260,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         let mut written = vec!["final/ (Hugging Face model + tokenizer)".to_string(), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-        written.extend(config.output.sinks.iter().map(|s| format!("metrics.{s}")));
+        written.push(format!("metrics ({})", config.output.report_to.join(", ")));
         print!("{}", summary.table());
         println!("outputs in {}: {}", output.display(), written.join(", "));
     }

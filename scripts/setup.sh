@@ -6,7 +6,8 @@
 #   - .venv with PyPI's torch==2.11.0 (the libtorch that tch 0.24 is built
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
-#     at the versions torch's own cuda-toolkit pin names).
+#     at the versions torch's own cuda-toolkit pin names), and the readers
+#     the tests check ft's files with (tensorboard, transformers, mlflow-skinny).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ TORCH_VERSION=2.11.0
 CUDA_TOOLKIT_VERSION=13.0.2
 TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
+MLFLOW_VERSION=3.17.2
 REFERENCE_TRANSFORMERS_VERSION=4.46.3
 
 if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
@@ -41,6 +43,13 @@ if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
   echo "setup: installing tensorboard and transformers into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
+fi
+# The MLflow sink's test reads ft's mlruns/ with MLflow's own client:
+# mlflow-skinny is that client without the server and UI (the `mlflow`
+# package adds them, for `mlflow ui`).
+if ! .venv/bin/python -c "import mlflow" 2>/dev/null; then
+  echo "setup: installing mlflow-skinny into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "mlflow-skinny==$MLFLOW_VERSION"
 fi
 # The SQuAD v2.0 evaluation test checks ft's scores with the official ones,
 # which transformers 4.x ships as transformers/data/metrics/squad_metrics.py

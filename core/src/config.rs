@@ -11,6 +11,7 @@ use figment::providers::{Env, Format, Json, Serialized, Toml, Yaml};
 use figment::value::Value;
 use figment::Figment;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -219,13 +220,20 @@ impl Default for TrainConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct OutputConfig {
     pub dir: std::path::PathBuf,
-    /// Metrics sinks by name (`ft list` shows them).
-    pub sinks: Vec<String>,
+    /// The metrics sinks the run reports to, by name (`ft list` shows them),
+    /// as Hugging Face Trainer's `report_to`.
+    pub report_to: Vec<String>,
+    /// The experiment the `mlflow` sink records the run in.
+    pub mlflow_experiment: String,
 }
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        OutputConfig { dir: "ft-output".into(), sinks: vec!["jsonl".into(), "csv".into(), "tensorboard".into()] }
+        OutputConfig {
+            dir: "ft-output".into(),
+            report_to: vec!["jsonl".into(), "csv".into(), "tensorboard".into()],
+            mlflow_experiment: "ft".into(),
+        }
     }
 }
 
@@ -309,6 +317,15 @@ impl Config {
         )
     }
 
+    /// The resolved configuration as dotted keys and their values as text
+    /// (`train.lr` → "5e-5", lists as JSON), unset keys left out: the run's
+    /// parameters as the sinks record them.
+    pub fn flattened(&self) -> Result<BTreeMap<String, String>> {
+        let mut entries = BTreeMap::new();
+        flatten_into(&mut entries, "", &serde_json::to_value(self)?);
+        Ok(entries)
+    }
+
     /// Whether `model.source` is a preset (which brings its own model and data).
     pub fn uses_preset(&self) -> bool {
         preset(Some(&self.model.source)).is_some()
@@ -333,6 +350,24 @@ impl Config {
             figment = figment.merge(Serialized::default(key, value.clone()));
         }
         Ok(figment)
+    }
+}
+
+fn flatten_into(entries: &mut BTreeMap<String, String>, key: &str, value: &serde_json::Value) {
+    match value {
+        serde_json::Value::Object(fields) => {
+            for (name, field) in fields {
+                let dotted = if key.is_empty() { name.clone() } else { format!("{key}.{name}") };
+                flatten_into(entries, &dotted, field);
+            }
+        }
+        serde_json::Value::Null => {}
+        serde_json::Value::String(text) => {
+            entries.insert(key.to_string(), text.clone());
+        }
+        other => {
+            entries.insert(key.to_string(), other.to_string());
+        }
     }
 }
 
@@ -426,6 +461,20 @@ mod tests {
         for stray in ["chart_font", "config_file", "kernels", "fault_inject", "chart__font", "reference_wheels"] {
             assert!(!is_config_variable(stray), "{stray}");
         }
+    }
+
+    #[test]
+    fn the_configuration_flattens_to_dotted_keys() {
+        let mut config = Config::default();
+        config.train.profile_steps = Some([2, 3]);
+        config.task.options.insert("doc_stride".into(), 64.into());
+        let entries = config.flattened().unwrap();
+        assert_eq!(entries["train.lr"], "5e-5");
+        assert_eq!(entries["train.strategy"], "ddp");
+        assert_eq!(entries["train.profile_steps"], "[2,3]");
+        assert_eq!(entries["output.report_to"], r#"["jsonl","csv","tensorboard"]"#);
+        assert_eq!(entries["task.doc_stride"], "64");
+        assert!(!entries.contains_key("train.resume") && !entries.contains_key("task.name"), "unset keys are left out");
     }
 
     #[test]

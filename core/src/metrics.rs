@@ -15,12 +15,21 @@ pub struct Record {
 
 pub trait MetricsSink: Send {
     fn name(&self) -> &str;
+    /// The run's resolved configuration as dotted keys (`train.lr` → "5e-5");
+    /// called once, before the first record.
+    fn params(&mut self, _params: &BTreeMap<String, String>) -> Result<()> {
+        Ok(())
+    }
     fn record(&mut self, record: &Record) -> Result<()>;
+    /// The run's summary (what `summary.json` holds); called once, before `finish`.
+    fn summary(&mut self, _summary: &serde_json::Value) -> Result<()> {
+        Ok(())
+    }
     /// Flushes everything; called once at the end of the run.
     fn finish(&mut self) -> Result<()>;
 }
 
-/// A metrics sink's registration (`output.sinks`); `create` gets the run's
+/// A metrics sink's registration (`output.report_to`); `create` gets the run's
 /// output directory and whether the run resumes (append rather than start anew).
 pub struct SinkRegistration {
     pub name: &'static str,

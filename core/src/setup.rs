@@ -58,7 +58,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if let Some(peak) = t.peak_tflops.filter(|p| p.is_nan() || *p <= 0.0) {
         bail!("train.peak_tflops must be positive (got {peak})");
     }
-    for sink in &config.output.sinks {
+    for sink in &config.output.report_to {
         registry.sink(sink)?;
     }
     let strategy = registry.strategy(&t.strategy)?;

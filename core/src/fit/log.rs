@@ -4,7 +4,7 @@
 //! the summary is made of.
 
 use super::evaluation::Evaluation;
-use super::summary::EpochResult;
+use super::summary::{EpochResult, Summary};
 use super::StepOutcome;
 use crate::comm::Communicator;
 use crate::metrics::{process_memory, MetricsSink, Record};
@@ -62,6 +62,14 @@ impl<'a> RunLog<'a> {
             _ => progress.set_draw_target(indicatif::ProgressDrawTarget::hidden()),
         }
         RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, totals: RunTotals::default() }
+    }
+
+    /// Gives the sinks the run's resolved configuration, before any record.
+    pub fn params(&mut self, params: &BTreeMap<String, String>) -> Result<()> {
+        for sink in &mut self.sinks {
+            sink.params(params)?;
+        }
+        Ok(())
     }
 
     fn record(&mut self, record: &Record) -> Result<()> {
@@ -144,12 +152,19 @@ impl<'a> RunLog<'a> {
         Ok(result)
     }
 
-    /// Flushes the sinks; this rank's counters.
-    pub fn finish(mut self) -> Result<RunTotals> {
+    /// This rank's counters over the run.
+    pub fn totals(&self) -> &RunTotals {
+        &self.totals
+    }
+
+    /// Gives the sinks the run's summary and flushes them.
+    pub fn finish(mut self, summary: &Summary) -> Result<()> {
         self.progress.finish_and_clear();
+        let summary = serde_json::to_value(summary)?;
         for sink in &mut self.sinks {
+            sink.summary(&summary)?;
             sink.finish()?;
         }
-        Ok(self.totals)
+        Ok(())
     }
 }

@@ -32,6 +32,7 @@ use checkpointing::{Checkpointer, Cursor};
 use log::RunLog;
 use monitor::{EarlyStopping, Monitor};
 use profiling::ProfileWindow;
+use std::collections::BTreeMap;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -45,6 +46,8 @@ pub struct Fit<'a> {
     pub config: &'a TrainConfig,
     pub dtype: Kind,
     pub sinks: Vec<Box<dyn MetricsSink>>,
+    /// The run's whole configuration as dotted keys (`Config::flattened`), for the sinks.
+    pub resolved_config: BTreeMap<String, String>,
     pub checkpoints: CheckpointPlan<'a>,
 }
 
@@ -121,7 +124,7 @@ fn train_step(
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tensor>>)> {
-    let Fit { model, task, comm, strategy, offload, config, dtype, sinks, checkpoints } = fit;
+    let Fit { model, task, comm, strategy, offload, config, dtype, sinks, resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
@@ -135,6 +138,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
     let mut log = RunLog::new(sinks, comm, offload.to_host(), plan.total_steps, config.log_every);
+    log.params(&resolved_config)?;
     let sampler = match device {
         Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
         _ => None,
@@ -178,13 +182,12 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
             break;
         }
     }
-    let totals = log.finish()?;
     let utilisation = sampler.and_then(|s| s.finish());
     let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
     let mut summary = Summary::gather(
         comm,
         &trainer,
-        &totals,
+        log.totals(),
         utilisation,
         epochs,
         plan.steps_per_epoch,
@@ -196,5 +199,6 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
     )?;
     summary.stopped_early_after_epoch = stopped_early;
     summary.best_checkpoint = checkpointer.best().cloned();
+    log.finish(&summary)?;
     Ok((summary, trainer.params()?))
 }

@@ -1,7 +1,9 @@
 //! ft's built-in metrics sinks, each registered beside itself: one JSON
 //! object per step (`metrics.jsonl`), one CSV row per step (`metrics.csv`),
-//! and TensorBoard event files (`tensorboard/`).
+//! TensorBoard event files (`tensorboard/`), and an MLflow run in MLflow's
+//! file store (`mlruns/`).
 
+mod mlflow;
 mod tensorboard;
 
 use anyhow::{Context, Result};
