@@ -318,7 +318,7 @@ impl Config {
     }
 
     /// The resolved configuration as dotted keys and their values as text
-    /// (`train.lr` → "5e-5", lists as JSON), unset keys left out: the run's
+    /// (`train.lr` → "0.00005", lists as JSON), unset keys left out: the run's
     /// parameters as the sinks record them.
     pub fn flattened(&self) -> Result<BTreeMap<String, String>> {
         let mut entries = BTreeMap::new();
@@ -469,7 +469,7 @@ mod tests {
         config.train.profile_steps = Some([2, 3]);
         config.task.options.insert("doc_stride".into(), 64.into());
         let entries = config.flattened().unwrap();
-        assert_eq!(entries["train.lr"], "5e-5");
+        assert_eq!(entries["train.lr"], "0.00005");
         assert_eq!(entries["train.strategy"], "ddp");
         assert_eq!(entries["train.profile_steps"], "[2,3]");
         assert_eq!(entries["output.report_to"], r#"["jsonl","csv","tensorboard"]"#);

@@ -15,7 +15,7 @@ pub struct Record {
 
 pub trait MetricsSink: Send {
     fn name(&self) -> &str;
-    /// The run's resolved configuration as dotted keys (`train.lr` → "5e-5");
+    /// The run's resolved configuration as dotted keys (`train.lr` → "0.00005");
     /// called once, before the first record.
     fn params(&mut self, _params: &BTreeMap<String, String>) -> Result<()> {
         Ok(())
