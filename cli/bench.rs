@@ -185,7 +185,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     // dist.* from FT_DIST__* variables, like every other command.
     let config = Config::load(None, &[("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())])?;
     let rank = Rank::start(&config, offload.to_host())?;
-    let model = hf::model_from_config(hf::set_config_keys(hf::ModelSource::resolve(&args.configs[0])?.config, &args.overrides)?)?;
+    let model = hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?;
     let task = registry.task(args.task.as_deref(), model.head_kind())?;
     let case = BenchCase {
         batch: args.batch[0],

@@ -35,15 +35,15 @@ pub struct InitModelArgs {
 }
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
-    let mut config = hf::set_config_keys(hf::ModelSource::resolve(&args.config)?.config, &args.overrides)?;
+    let mut source = hf::ModelSource::resolve(&args.config)?.set_keys(&args.overrides)?;
     let trained = args.train_tokenizer.as_deref().map(|file| ft_data::qa::wordpiece::train_on_file(file, args.vocab_size)).transpose()?;
     if let Some(tokenizer) = &trained {
-        if config["model_type"] != "bert" {
-            anyhow::bail!("--train-tokenizer makes a BERT WordPiece vocabulary, and this config's model_type is {}", config["model_type"]);
+        if source.config["model_type"] != "bert" {
+            anyhow::bail!("--train-tokenizer makes a BERT WordPiece vocabulary, and this config's model_type is {}", source.config["model_type"]);
         }
-        config["vocab_size"] = tokenizer.get_vocab_size(true).into();
+        source.config["vocab_size"] = tokenizer.get_vocab_size(true).into();
     }
-    let model = hf::model_from_config(config)?;
+    let model = source.model()?;
     let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
     hf::save(model.as_ref(), &params, &args.out, args.dtype.storage_kind())?;
     if let Some(tokenizer) = trained {

@@ -203,7 +203,7 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
         demo::prepare(&dir, config.train.seed)?;
     }
     rank.comm.world().barrier()?.wait()?;
-    Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None })
+    Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
 }
 
 fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
@@ -220,7 +220,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         (None, Some(dir)) => dir.join("tokenizer.json"),
         (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
     };
-    let model = hf::model_from_config(source.config.clone())?;
+    let model = source.model()?;
     let params = hf::initial_params(model.as_ref(), source.dir.as_deref(), config.train.seed as i64, rank.device)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device })?;

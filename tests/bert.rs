@@ -361,7 +361,7 @@ fn bad_configs_are_refused_by_key() {
     let message = error("hidden_act", Some("relu".into()));
     assert!(message.contains("BERT hidden_act \"relu\" is not supported"), "{message}");
     let message = error("type_vocab_size", Some(0.into()));
-    assert!(message.contains("BERT type_vocab_size must be at least 1, not 0"), "{message}");
+    assert!(message.contains("config.json (bert): type_vocab_size must be at least 1, not 0"), "{message}");
     let message = error("hidden_size", None);
     assert!(message.contains("missing field `hidden_size`"), "{message}");
 }

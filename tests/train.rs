@@ -127,6 +127,21 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     assert!(plan.contains("global batch 32") && plan.contains("\"source\": \"demo\""), "{plan}");
     assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
     assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));
+
+    // Numbers that do not fit together: one line naming the file, the keys and the rule.
+    let config = dir.path().join("three-heads.json");
+    let json = serde_json::json!({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 3, "vocab_size": 128});
+    std::fs::write(&config, json.to_string()).unwrap();
+    let squad = common::shared_squad();
+    let model_args = ["--train-file", squad.to_str().unwrap(), "--tokenizer", "tokenizer.json", "--nproc-per-node", "1"];
+    let message = run(&[&["--model", config.to_str().unwrap()][..], &model_args].concat());
+    let expected = format!("error: {} (bloom): hidden_size (64) must be a multiple of n_head (3)\n", config.display());
+    assert!(message.contains(&expected) && !message.contains("panicked"), "{message}");
+    // A window longer than OPT's learned positions, refused before any data is read.
+    let opt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/opt");
+    let message = run(&[&["--model", opt.to_str().unwrap(), "--max-seq-len", "128"][..], &model_args].concat());
+    let expected = "data.max_seq_len (128) is longer than this opt model's max_position_embeddings (64, in its config.json)";
+    assert!(message.contains(expected), "{message}");
 }
 
 #[test]

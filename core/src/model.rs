@@ -295,6 +295,14 @@ pub trait Model: Send + Sync {
     /// (the embedding's, when tied).
     fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor>;
 
+    /// The longest sequence the model can embed, for a model with a table of
+    /// learned positions (config.json's `max_position_embeddings`); None
+    /// where positions are computed (RoPE, ALiBi). Tasks refuse a longer
+    /// `data.max_seq_len` before training starts.
+    fn max_positions(&self) -> Option<i64> {
+        None
+    }
+
     /// Whether a parameter (by its Hugging Face name) that a checkpoint lacks
     /// starts from its `Init` instead: a task head that a base model's
     /// checkpoint has no weights for. Loading reports each one.

@@ -120,3 +120,17 @@ pub fn check_head(task: &str, expected: &str, model: &dyn Model) -> Result<()> {
     }
     Ok(())
 }
+
+/// Refuses sequences longer than the model's learned positions
+/// (`Model::max_positions`) before any data is read, naming both keys:
+/// `data.max_seq_len` is the longest sequence (or window) a task builds.
+pub fn check_sequence_length(max_seq_len: usize, model: &dyn Model) -> Result<()> {
+    if let Some(positions) = model.max_positions().filter(|&positions| max_seq_len as i64 > positions) {
+        bail!(
+            "data.max_seq_len ({max_seq_len}) is longer than this {} model's max_position_embeddings ({positions}, in its config.json): \
+             set --max-seq-len (data.max_seq_len) to at most {positions}",
+            model.model_type()
+        );
+    }
+    Ok(())
+}

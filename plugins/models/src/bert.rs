@@ -6,7 +6,7 @@
 //! `BertForMaskedLM`, `BertForPreTraining`) loads too: `qa_outputs` starts
 //! from its init and the pooler and pretraining heads are skipped.
 
-use crate::config_field;
+use crate::check;
 use anyhow::{bail, Result};
 use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
@@ -70,35 +70,25 @@ fn default_pad() -> Option<i64> {
 impl Config {
     /// Refuses what the math below does not compute, naming the key.
     fn validate(&self) -> Result<()> {
-        for (key, value) in [
+        check::sizes(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("intermediate_size", self.intermediate_size),
             ("max_position_embeddings", self.max_position_embeddings),
             ("type_vocab_size", self.type_vocab_size),
-        ] {
-            if value < 1 {
-                bail!("BERT {key} must be at least 1, not {value}");
-            }
-        }
-        if self.hidden_size % self.num_attention_heads != 0 {
-            bail!(
-                "BERT hidden_size ({}) must be a multiple of num_attention_heads ({})",
-                self.hidden_size,
-                self.num_attention_heads
-            );
-        }
+        ])?;
+        check::layers("num_hidden_layers", self.num_hidden_layers)?;
+        check::multiple_of(("hidden_size", self.hidden_size), ("num_attention_heads", self.num_attention_heads))?;
+        check::probabilities(&[
+            ("hidden_dropout_prob", self.hidden_dropout_prob),
+            ("attention_probs_dropout_prob", self.attention_probs_dropout_prob),
+        ])?;
+        check::positive("layer_norm_eps", self.layer_norm_eps)?;
+        check::std("initializer_range", self.initializer_range)?;
         // transformers' "gelu" is the exact erf form; "gelu_new" and the others would differ.
         if self.hidden_act != "gelu" {
             bail!("BERT hidden_act {:?} is not supported (only \"gelu\", the exact erf GELU)", self.hidden_act);
-        }
-        let dropouts = [("hidden_dropout_prob", self.hidden_dropout_prob), ("attention_probs_dropout_prob", self.attention_probs_dropout_prob)];
-        for (key, p) in dropouts {
-            if !(0.0..=1.0).contains(&p) {
-                bail!("BERT {key} must lie in [0, 1], not {p}");
-            }
         }
         if let Some(pad) = self.pad_token_id.filter(|pad| !(0..self.vocab_size).contains(pad)) {
             bail!("BERT pad_token_id ({pad}) must be a token id below vocab_size ({})", self.vocab_size);
@@ -124,7 +114,7 @@ pub struct Bert {
 
 impl Bert {
     pub fn new(mut hf_config: serde_json::Value) -> Result<Bert> {
-        let config: Config = config_field(&hf_config)?;
+        let config: Config = check::parse(&hf_config)?;
         config.validate()?;
         // Whatever head the source checkpoint had, this model (and what `hf::save` writes) is the QA one.
         hf_config["architectures"] = serde_json::json!(["BertForQuestionAnswering"]);
@@ -168,8 +158,6 @@ impl Bert {
         let layout = Layout::new(hf_config, units, 1..head_unit, head_unit);
         Ok(Bert { config, layout })
     }
-
-
 }
 
 impl Model for Bert {
@@ -200,6 +188,10 @@ impl Model for Bert {
     fn ignored_if_unexpected(&self, checkpoint_name: &str) -> bool {
         let name = checkpoint_name.strip_prefix("bert.").unwrap_or(checkpoint_name);
         name.starts_with("pooler.") || name.starts_with("cls.")
+    }
+
+    fn max_positions(&self) -> Option<i64> {
+        Some(self.config.max_position_embeddings)
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {

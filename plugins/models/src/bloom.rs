@@ -1,7 +1,7 @@
 //! BLOOM (bigscience/bloom-*): ALiBi attention, LayerNorm after the
 //! embedding, fused per-head QKV, tanh-GELU MLP, LM head tied to the embedding.
 
-use crate::config_field;
+use crate::check;
 use anyhow::Result;
 use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
@@ -29,6 +29,17 @@ fn default_std() -> f64 {
     0.02
 }
 
+impl Config {
+    /// Refuses what the math below does not compute, naming the key.
+    fn validate(&self) -> Result<()> {
+        check::sizes(&[("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size), ("n_head", self.n_head)])?;
+        check::layers("n_layer", self.n_layer)?;
+        check::multiple_of(("hidden_size", self.hidden_size), ("n_head", self.n_head))?;
+        check::positive("layer_norm_epsilon", self.layer_norm_epsilon)?;
+        check::std("initializer_range", self.initializer_range)
+    }
+}
+
 pub struct Bloom {
     config: Config,
     layout: Layout,
@@ -52,7 +63,8 @@ fn alibi_slopes(heads: i64) -> Vec<f64> {
 
 impl Bloom {
     pub fn new(hf_config: serde_json::Value) -> Result<Bloom> {
-        let config: Config = config_field(&hf_config)?;
+        let config: Config = check::parse(&hf_config)?;
+        config.validate()?;
         let (d, std) = (config.hidden_size, config.initializer_range);
         let norm = |prefix: &str, name: &str| {
             vec![
@@ -83,7 +95,6 @@ impl Bloom {
         let layout = Layout::new(hf_config, units, 1..config.n_layer as usize + 1, 0);
         Ok(Bloom { slopes: alibi_slopes(config.n_head), config, layout })
     }
-
 }
 
 impl Model for Bloom {

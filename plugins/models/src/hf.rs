@@ -2,6 +2,7 @@
 //! sharded `model.safetensors.index.json`, `tokenizer.json`; hub ids resolve
 //! through the local cache only (ft never downloads).
 
+use crate::check;
 use anyhow::{bail, Context as _, Result};
 use ft_core::model::Model;
 use memmap2::Mmap;
@@ -47,8 +48,11 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
 }
 
 pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    read_json_object(&dir.join("config.json"))
+}
+
+fn read_json_object(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let config: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
     if !config.is_object() {
@@ -59,14 +63,24 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
 
 /// Builds the architecture named by config.json's `model_type`.
 pub fn model_from_config(config: serde_json::Value) -> Result<Box<dyn Model>> {
+    build_model(config, Path::new("config.json"))
+}
+
+/// [`model_from_config`] for a config read from `origin`: a refusal is one
+/// line naming the file, the key and the rule, e.g. `…/config.json (bloom):
+/// hidden_size (64) must be a multiple of n_head (3)`.
+fn build_model(config: serde_json::Value, origin: &Path) -> Result<Box<dyn Model>> {
+    let origin = origin.display();
     let model_type = config
         .get("model_type")
         .and_then(|v| v.as_str())
-        .context("config.json has no \"model_type\"")?
+        .with_context(|| format!("{origin} has no \"model_type\""))?
         .to_string();
     let registry = ft_core::Registry::builtin();
-    let build = registry.model(&model_type)?.build;
-    build(config).with_context(|| format!("config.json of a {model_type} model"))
+    let build = registry.model(&model_type).with_context(|| origin.to_string())?.build;
+    let model = build(config).with_context(|| format!("{origin} ({model_type})"))?;
+    check::parameters(model.units()).with_context(|| format!("{origin} ({model_type})"))?;
+    Ok(model)
 }
 
 /// A model to start from: a config.json alone (random weights), or a
@@ -74,6 +88,8 @@ pub fn model_from_config(config: serde_json::Value) -> Result<Box<dyn Model>> {
 pub struct ModelSource {
     pub config: serde_json::Value,
     pub dir: Option<PathBuf>,
+    /// The file `config` was read from (None: made in memory, as the demo's).
+    pub config_file: Option<PathBuf>,
 }
 
 impl ModelSource {
@@ -81,12 +97,25 @@ impl ModelSource {
     pub fn resolve(spec: &str) -> Result<ModelSource> {
         let path = Path::new(spec);
         if path.is_file() {
-            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            let config = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
-            return Ok(ModelSource { config, dir: None });
+            return Ok(ModelSource { config: read_json_object(path)?, dir: None, config_file: Some(path.into()) });
         }
         let dir = resolve(spec)?;
-        Ok(ModelSource { config: read_config(&dir)?, dir: Some(dir) })
+        Ok(ModelSource { config: read_config(&dir)?, config_file: Some(dir.join("config.json")), dir: Some(dir) })
+    }
+
+    /// Applies `KEY=VALUE` assignments to the config (VALUE as JSON, else as
+    /// a string): `--set num_hidden_layers=2`.
+    pub fn set_keys(mut self, assignments: &[String]) -> Result<ModelSource> {
+        for assignment in assignments {
+            let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
+            self.config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+        }
+        Ok(self)
+    }
+
+    /// The model its config describes; a refusal names the file.
+    pub fn model(&self) -> Result<Box<dyn Model>> {
+        build_model(self.config.clone(), self.config_file.as_deref().unwrap_or(Path::new("config.json")))
     }
 }
 
@@ -94,7 +123,7 @@ impl ModelSource {
 /// `out` (weights in `dtype`, and its tokenizer); returns the step it holds.
 pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind) -> Result<usize> {
     let manifest = ft_core::checkpoint::read_manifest(checkpoint)?;
-    let model = model_from_config(manifest.model_config.clone())?;
+    let model = build_model(manifest.model_config.clone(), &checkpoint.join("manifest.json"))?;
     let params = ft_core::checkpoint::load_params(checkpoint, model.as_ref())?;
     save(model.as_ref(), &params, out, dtype)?;
     let tokenizer = checkpoint.join("tokenizer.json");
@@ -102,16 +131,6 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind) -> Result<u
         std::fs::copy(&tokenizer, out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tokenizer.display()))?;
     }
     Ok(manifest.step)
-}
-
-/// Applies `KEY=VALUE` assignments to a config.json (VALUE as JSON, else as
-/// a string): `--set num_hidden_layers=2`.
-pub fn set_config_keys(mut config: serde_json::Value, assignments: &[String]) -> Result<serde_json::Value> {
-    for assignment in assignments {
-        let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
-        config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
-    }
-    Ok(config)
 }
 
 /// The parameters a run starts from, fp32 on `device`: the weights in
@@ -126,7 +145,7 @@ pub fn initial_params(model: &dyn Model, dir: Option<&Path>, seed: i64, device: 
 }
 
 pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {
-    model_from_config(read_config(dir)?)
+    build_model(read_config(dir)?, &dir.join("config.json"))
 }
 
 /// The safetensors files of a directory, memory-mapped.

@@ -2,7 +2,7 @@
 //! SwiGLU MLP, grouped-query attention, LM head untied unless
 //! `tie_word_embeddings`.
 
-use crate::config_field;
+use crate::check;
 use anyhow::{bail, Result};
 use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
@@ -57,6 +57,54 @@ fn default_std() -> f64 {
     0.02
 }
 
+impl Config {
+    fn kv_heads(&self) -> i64 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    fn head_dim(&self) -> i64 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// Refuses what the math below does not compute, naming the key.
+    fn validate(&self) -> Result<()> {
+        let (hidden, heads) = (self.hidden_size, self.num_attention_heads);
+        check::sizes(&[
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", hidden),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", heads),
+        ])?;
+        check::layers("num_hidden_layers", self.num_hidden_layers)?;
+        if let Some(kv_heads) = self.num_key_value_heads {
+            check::sizes(&[("num_key_value_heads", kv_heads)])?;
+            check::multiple_of(("num_attention_heads", heads), ("num_key_value_heads", kv_heads))?;
+        }
+        match self.head_dim {
+            Some(head_dim) => check::sizes(&[("head_dim", head_dim)])?,
+            None => check::multiple_of(("hidden_size", hidden), ("num_attention_heads", heads))?,
+        }
+        // RoPE rotates pairs of features, a head's first half with its second.
+        if self.head_dim() % 2 != 0 {
+            let key = if self.head_dim.is_some() { "head_dim" } else { "hidden_size / num_attention_heads" };
+            bail!("{key} ({}) must be even: rotary embeddings rotate pairs of features", self.head_dim());
+        }
+        check::positive("rms_norm_eps", self.rms_norm_eps)?;
+        check::positive("rope_theta", self.rope_theta)?;
+        if let Some(scaling) = &self.rope_scaling {
+            if scaling.rope_type != "linear" {
+                bail!("rope_scaling type {:?} is not supported (none or linear)", scaling.rope_type);
+            }
+            check::positive("rope_scaling.factor", scaling.factor)?;
+        }
+        check::std("initializer_range", self.initializer_range)?;
+        if self.hidden_act != "silu" {
+            bail!("Llama hidden_act {:?} is not supported (only silu)", self.hidden_act);
+        }
+        Ok(())
+    }
+}
+
 pub struct Llama {
     config: Config,
     layout: Layout,
@@ -68,21 +116,10 @@ pub struct Llama {
 
 impl Llama {
     pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
-        let config: Config = config_field(&hf_config)?;
-        if config.hidden_act != "silu" {
-            bail!("Llama hidden_act {:?} is not supported (only silu)", config.hidden_act);
-        }
-        let position_scale = match &config.rope_scaling {
-            None => 1.0,
-            Some(s) if s.rope_type == "linear" => s.factor,
-            Some(s) => bail!("rope_scaling type {:?} is not supported (none or linear)", s.rope_type),
-        };
-        let (d, heads) = (config.hidden_size, config.num_attention_heads);
-        let head_dim = config.head_dim.unwrap_or(d / heads);
-        let kv_heads = config.num_key_value_heads.unwrap_or(heads);
-        if heads % kv_heads != 0 {
-            bail!("num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})");
-        }
+        let config: Config = check::parse(&hf_config)?;
+        config.validate()?;
+        let position_scale = config.rope_scaling.as_ref().map_or(1.0, |linear| linear.factor);
+        let (d, heads, head_dim, kv_heads) = (config.hidden_size, config.num_attention_heads, config.head_dim(), config.kv_heads());
         let normal = Init::Normal { std: config.initializer_range };
         let embed = ParamSpec::new("model.", "embed_tokens.weight", &[config.vocab_size, d], normal);
         let norm = ParamSpec::new("model.", "norm.weight", &[d], Init::Ones);
@@ -121,7 +158,6 @@ impl Llama {
         let layout = Layout::new(hf_config, units, blocks, head_unit);
         Ok(Llama { config, layout, head_dim, kv_heads, position_scale })
     }
-
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         x.rms_norm([self.config.hidden_size], Some(weight), Some(self.config.rms_norm_eps))

@@ -2,7 +2,7 @@
 //! post-LayerNorm (`do_layer_norm_before`), optional project_in/out when the
 //! embedding is narrower than the model, LM head tied to the embedding.
 
-use crate::config_field;
+use crate::check;
 use anyhow::{bail, Result};
 use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
@@ -47,6 +47,33 @@ fn default_std() -> f64 {
     0.02
 }
 
+impl Config {
+    /// Refuses what the math below does not compute, naming the key.
+    fn validate(&self) -> Result<()> {
+        check::sizes(&[
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("ffn_dim", self.ffn_dim),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ])?;
+        if let Some(proj) = self.word_embed_proj_dim {
+            check::sizes(&[("word_embed_proj_dim", proj)])?;
+        }
+        check::layers("num_hidden_layers", self.num_hidden_layers)?;
+        check::multiple_of(("hidden_size", self.hidden_size), ("num_attention_heads", self.num_attention_heads))?;
+        check::probabilities(&[("dropout", self.dropout)])?;
+        check::std("init_std", self.init_std)?;
+        if self.activation_function != "relu" {
+            bail!("OPT activation_function {:?} is not supported (only relu)", self.activation_function);
+        }
+        if !self.enable_bias || !self.layer_norm_elementwise_affine {
+            bail!("OPT without biases or LayerNorm affine parameters is not supported");
+        }
+        Ok(())
+    }
+}
+
 pub struct Opt {
     config: Config,
     layout: Layout,
@@ -54,13 +81,8 @@ pub struct Opt {
 
 impl Opt {
     pub fn new(hf_config: serde_json::Value) -> Result<Opt> {
-        let config: Config = config_field(&hf_config)?;
-        if config.activation_function != "relu" {
-            bail!("OPT activation_function {:?} is not supported (only relu)", config.activation_function);
-        }
-        if !config.enable_bias || !config.layer_norm_elementwise_affine {
-            bail!("OPT without biases or LayerNorm affine parameters is not supported");
-        }
+        let config: Config = check::parse(&hf_config)?;
+        config.validate()?;
         let (d, std) = (config.hidden_size, config.init_std);
         let proj = config.word_embed_proj_dim.unwrap_or(d);
         let normal = Init::Normal { std };
@@ -105,8 +127,6 @@ impl Opt {
         let layout = Layout::new(hf_config, units, 1..config.num_hidden_layers as usize + 1, 0);
         Ok(Opt { config, layout })
     }
-
-
 }
 
 impl Model for Opt {
@@ -125,6 +145,10 @@ impl Model for Opt {
             kv_heads: c.num_attention_heads,
             vocab: c.vocab_size,
         }
+    }
+
+    fn max_positions(&self) -> Option<i64> {
+        Some(self.config.max_position_embeddings)
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
