@@ -6,7 +6,7 @@ use crate::check;
 use anyhow::{bail, Context as _, Result};
 use ft_core::model::Model;
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -179,7 +179,7 @@ impl WeightFiles {
             // SAFETY: the file is only read; a concurrent writer would be a user error caught by the header check.
             let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
             SafeTensors::deserialize(&map)
-                .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file (truncated or corrupt?): {e}", path.display()))?;
+                .map_err(|e| anyhow::anyhow!("{} is not a valid safetensors file (truncated or corrupt?): {}", path.display(), describe(&e)))?;
             files.push((path, map));
         }
         Ok(WeightFiles { files })
@@ -190,6 +190,25 @@ impl WeightFiles {
             .iter()
             .map(|(path, map)| (path.as_path(), SafeTensors::deserialize(map).expect("validated in open")))
             .collect()
+    }
+}
+
+/// What is wrong with a safetensors file, in words (the crate's own
+/// message is its variant's name).
+fn describe(error: &SafeTensorError) -> String {
+    match error {
+        SafeTensorError::HeaderTooSmall => "shorter than the 8 bytes that give its header's length".into(),
+        SafeTensorError::HeaderTooLarge => "its header length (the first 8 bytes) is over 100 MB".into(),
+        SafeTensorError::InvalidHeaderLength => "its header length (the first 8 bytes) runs past the end of the file".into(),
+        SafeTensorError::InvalidHeader => "its header is not UTF-8 text".into(),
+        SafeTensorError::InvalidHeaderStart | SafeTensorError::InvalidHeaderDeserialization => {
+            "its header is not JSON mapping each tensor to a known dtype, a shape and data_offsets".into()
+        }
+        SafeTensorError::InvalidOffset(name) => format!("the data_offsets of {name} do not start where the previous tensor ends"),
+        SafeTensorError::TensorInvalidInfo => "a tensor's data_offsets span a different number of bytes than its shape and dtype need".into(),
+        SafeTensorError::MetadataIncompleteBuffer => "the tensors' data_offsets do not end at the end of the file".into(),
+        SafeTensorError::ValidationOverflow => "a tensor's shape has more elements than memory can address".into(),
+        other => format!("{other:?}"),
     }
 }
 
@@ -266,7 +285,9 @@ pub fn load_params_with_report(
     let mut available: BTreeMap<String, (&Path, safetensors::tensor::TensorView<'_>)> = BTreeMap::new();
     for (path, file) in &tensors {
         for (name, view) in file.tensors() {
-            available.insert(name, (*path, view));
+            if let Some((first, _)) = available.insert(name.clone(), (*path, view)) {
+                bail!("tensor {name} is in both {} and {}: a checkpoint holds each tensor once", first.display(), path.display());
+            }
         }
     }
     let mut used = BTreeSet::new();
@@ -296,9 +317,14 @@ pub fn load_params_with_report(
                 continue;
             }
             used.insert(name.clone());
-            let kind = kind_of(view.dtype()).with_context(|| format!("{name} in {}", path.display()))?;
-            let tensor = Tensor::from_data_size(view.data(), &shape, kind);
-            unit_params.push(tensor.to_kind(dtype).to_device(device));
+            let context = || format!("{name} in {}", path.display());
+            let kind = kind_of(view.dtype()).with_context(context)?;
+            // The fallible calls: libtorch's refusal (an allocation, a device) becomes an error naming the tensor.
+            let tensor = Tensor::f_from_data_size(view.data(), &shape, kind)
+                .and_then(|t| t.f_to_kind(dtype))
+                .and_then(|t| t.f_to_device(device))
+                .with_context(context)?;
+            unit_params.push(tensor);
         }
         params.push(unit_params);
     }
@@ -315,7 +341,7 @@ pub fn load_params_with_report(
         }
     }
     if !missing.is_empty() || !misshapen.is_empty() || !unexpected.is_empty() {
-        let mut message = format!("the checkpoint in {} does not fit this {} model:", dir.display(), model.model_type());
+        let mut message = format!("the weights in {} do not fit the {} model its config.json describes:", dir.display(), model.model_type());
         for (what, list) in [("missing", &missing), ("wrong shape", &misshapen), ("unexpected", &unexpected)] {
             if !list.is_empty() {
                 message += &format!("\n  {what} ({}): {}", list.len(), list.join(", "));
