@@ -252,7 +252,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer) },
     };
-    let (summary, final_params) = fit::run(fit, params)?;
+    let Some((summary, final_params)) = fit::run(fit, params)? else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
         hf::save(model.as_ref(), &final_params, &final_dir, Kind::Float)?;

@@ -256,6 +256,18 @@ fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_c
 }
 
 #[test]
+fn resuming_a_finished_run_says_so_in_one_line_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "6"];
+    assert_eq!(train(dir.path(), &flags).len(), 12);
+    let output = train_command(dir.path(), &[&flags[..], &["--resume", "latest"]].concat()).output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("nothing left to train: checkpoint step-00000012 already completed 1 epoch(s) and train.epochs is 1"), "{log}");
+    assert!(!log.contains("ft train summary") && !log.contains("NaN"), "no summary of a run that trained nothing: {log}");
+}
+
+#[test]
 fn export_and_eval_reproduce_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let exported = train_and_export(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);

@@ -122,8 +122,9 @@ fn train_step(
 }
 
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
-/// summary and the final fp32 parameters.
-pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tensor>>)> {
+/// summary and the final fp32 parameters, or None (having said so) when the
+/// checkpoint it resumed from had already trained every epoch.
+pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, offload, config, dtype, sinks, resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, world, task.train_set().len())?;
@@ -136,6 +137,16 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
     let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world, monitor)?;
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
+    if first_epoch >= config.epochs {
+        if rank == 0 {
+            tracing::info!(
+                "nothing left to train: checkpoint {} already completed {first_epoch} epoch(s) and train.epochs is {}",
+                crate::checkpoint::name_of(step),
+                config.epochs
+            );
+        }
+        return Ok(None);
+    }
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
     let mut log = RunLog::new(sinks, comm, offload.to_host(), plan.total_steps, config.log_every);
     log.params(&resolved_config)?;
@@ -200,5 +211,5 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<(Summary, Vec<Vec<Tenso
     summary.stopped_early_after_epoch = stopped_early;
     summary.best_checkpoint = checkpointer.best().cloned();
     log.finish(&summary)?;
-    Ok((summary, trainer.params()?))
+    Ok(Some((summary, trainer.params()?)))
 }

@@ -70,6 +70,27 @@ pub struct Summary {
     pub best_checkpoint: Option<BestCheckpoint>,
 }
 
+/// `count` over `seconds`, 0 where that is no finite number (no time
+/// measured, a peak of 0 set by hand): a summary never shows NaN or inf.
+fn per_second(count: f64, seconds: f64) -> f64 {
+    let rate = count / seconds;
+    if rate.is_finite() {
+        rate
+    } else {
+        0.0
+    }
+}
+
+/// A figure for the table: "n/a" for none, and for a loss or score that is
+/// not a number (a diverged run) rather than "NaN".
+fn figure(value: Option<f64>, decimals: usize) -> String {
+    match value {
+        Some(value) if value.is_finite() => format!("{value:.decimals$}"),
+        Some(_) => "n/a (not finite)".into(),
+        None => "n/a".into(),
+    }
+}
+
 /// Rank r's `mine` at row r of a [world, mine.len()] table, on every rank.
 fn per_rank(comm: &Communicator, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
     let (rank, world, width) = (comm.env().rank, comm.env().world_size, mine.len());
@@ -111,7 +132,6 @@ impl Summary {
             .collect();
         let sums = comm.sum_over_ranks(&[totals.train_seconds, totals.examples as f64, totals.tokens as f64, totals.flops])?;
         let [seconds, examples, tokens, flops] = [sums[0] / world as f64, sums[1], sums[2], sums[3]];
-        let rate = |count: f64| if seconds > 0.0 { count / seconds } else { 0.0 };
         let peak_flops_per_gpu = match device {
             Device::Cuda(index) => peak_flops_override.or_else(|| crate::gpu::peak_flops(index, trainer.units()[0].compute_kind())),
             _ => None,
@@ -124,12 +144,12 @@ impl Summary {
             epochs,
             final_train_loss: totals.last_loss,
             train_seconds: seconds,
-            train_samples_per_s: rate(examples),
-            train_tokens_per_s: rate(tokens),
+            train_samples_per_s: per_second(examples, seconds),
+            train_tokens_per_s: per_second(tokens, seconds),
             tokens_counted: "non-padding input tokens".into(),
             eval_samples_per_s: (totals.eval_examples > 0 && totals.eval_seconds > 0.0)
-                .then(|| totals.eval_examples as f64 / totals.eval_seconds),
-            mfu: peak_flops_per_gpu.filter(|_| seconds > 0.0).map(|peak| flops / seconds / (world as f64 * peak)),
+                .then(|| per_second(totals.eval_examples as f64, totals.eval_seconds)),
+            mfu: peak_flops_per_gpu.filter(|_| seconds > 0.0).map(|peak| per_second(flops, seconds * world as f64 * peak)),
             peak_flops_per_gpu,
             memory_kind: if device.is_cuda() { "CUDA allocated" } else { "process RSS" }.into(),
             memory_per_rank,
@@ -148,12 +168,12 @@ impl Summary {
     pub fn table(&self) -> String {
         let mut out = String::from("\n== ft train summary ==\n");
         let row = |name: &str, value: String| format!("{name:<28} {value}\n");
-        let loss = |l: Option<f64>| l.map_or("n/a".into(), |l| format!("{l:.4}"));
+        let loss = |l: Option<f64>| figure(l, 4);
         out += &row("ranks / device", format!("{} / {}", self.world_size, self.device));
         out += &row("strategy", format!("{} (shard group of {})", self.strategy, self.shard_group_size));
         out += &row("final train loss", loss(self.final_train_loss));
         for e in &self.epochs {
-            let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
+            let scores: Vec<String> = e.scores.iter().map(|(k, v)| format!("{k} {}", figure(Some(*v), 1))).collect();
             let scores = if scores.is_empty() { String::new() } else { format!(", {}", scores.join(", ")) };
             out += &row(&format!("epoch {}", e.epoch), format!("train loss {}, eval loss {}{scores}", loss(e.train_loss), loss(e.eval_loss)));
         }
@@ -161,12 +181,12 @@ impl Summary {
             out += &row("early stopping", format!("after epoch {epoch}"));
         }
         if let Some(best) = &self.best_checkpoint {
-            out += &row("best checkpoint", format!("{} {:.4} at epoch {}: {}", best.monitor, best.score, best.epoch, best.dir.display()));
+            out += &row("best checkpoint", format!("{} {} at epoch {}: {}", best.monitor, figure(Some(best.score), 4), best.epoch, best.dir.display()));
         }
         out += &row("steps per epoch", self.steps_per_epoch.to_string());
         out += &row("train samples/s", format!("{:.1}", self.train_samples_per_s));
         out += &row("train tokens/s", format!("{:.0} ({})", self.train_tokens_per_s, self.tokens_counted));
-        out += &row("eval samples/s", self.eval_samples_per_s.map_or("n/a".into(), |v| format!("{v:.1}")));
+        out += &row("eval samples/s", figure(self.eval_samples_per_s, 1));
         out += &row(
             "MFU",
             match (self.mfu, self.peak_flops_per_gpu) {
@@ -213,5 +233,18 @@ impl Summary {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_and_figures_are_never_nan_or_inf() {
+        assert_eq!(per_second(10.0, 4.0), 2.5);
+        assert_eq!((per_second(0.0, 0.0), per_second(10.0, 0.0), per_second(10.0, 5e-324)), (0.0, 0.0, 0.0));
+        assert_eq!((figure(Some(1.23456), 4), figure(None, 4)), ("1.2346".to_string(), "n/a".to_string()));
+        assert_eq!((figure(Some(f64::NAN), 1), figure(Some(f64::INFINITY), 1)), ("n/a (not finite)".into(), "n/a (not finite)".into()));
     }
 }
