@@ -6,7 +6,8 @@
 //! criterion's custom timing. `cargo bench --bench strategies`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use ft_core::flat::{FlatUnit, ShardLayout, UnitPlacement};
+use ft_core::flat::{FlatUnit, UnitPlacement};
+use ft_core::strategy::{ShardGroup, ShardingPolicy};
 use ft_models::hf;
 use std::path::Path;
 use std::process::Command;
@@ -48,13 +49,7 @@ fn flatten(c: &mut Criterion) {
     let (spec, tensors) = (&model.units()[1], &params[1]);
     let mut group = c.benchmark_group("flatten_unit");
     for (name, shards) in [("whole", 1), ("shard_of_4", 4)] {
-        let placement = UnitPlacement {
-            shard: ShardLayout::new(spec.numel(), shards, 1 % shards),
-            params_sharded: shards > 1,
-            optimizer_sharded: shards > 1,
-            grads_sharded: shards > 1,
-            offload: false,
-        };
+        let placement = UnitPlacement::new(&ShardingPolicy::sharded(true, ShardGroup::World), spec.numel(), shards, 1 % shards, false);
         group.bench_function(name, |b| b.iter(|| FlatUnit::new(spec, tensors, Kind::BFloat16, placement).unwrap()));
     }
     group.finish();

@@ -27,6 +27,7 @@
 
 use crate::comm::{ProcessGroup, Work};
 use crate::model::UnitSpec;
+use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -86,6 +87,34 @@ pub struct MemoryAccount {
     pub host: f64,
 }
 
+/// Field by field (`gathered_peak` too: units have none of their own).
+impl std::ops::Add for MemoryAccount {
+    type Output = MemoryAccount;
+    fn add(self, other: MemoryAccount) -> MemoryAccount {
+        MemoryAccount {
+            params: self.params + other.params,
+            grads: self.grads + other.grads,
+            optimizer_state: self.optimizer_state + other.optimizer_state,
+            gathered_peak: self.gathered_peak + other.gathered_peak,
+            host: self.host + other.host,
+        }
+    }
+}
+
+impl std::iter::Sum for MemoryAccount {
+    fn sum<I: Iterator<Item = MemoryAccount>>(accounts: I) -> MemoryAccount {
+        accounts.fold(MemoryAccount::default(), |total, account| total + account)
+    }
+}
+
+/// What a rank holds for `units` between steps (and its gradients within
+/// one) under `policy`, as rank `group_rank` of a shard group of
+/// `group_size`, computing in `dtype`: the trainer's own account
+/// (`Trainer::memory`), without allocating anything — `ft plan` reads it.
+pub fn rank_memory(units: &[UnitSpec], policy: &ShardingPolicy, group_size: usize, group_rank: usize, dtype: Kind, offload: bool) -> MemoryAccount {
+    units.iter().map(|unit| UnitPlacement::new(policy, unit.numel(), group_size, group_rank, offload).memory(dtype)).sum()
+}
+
 /// How one unit is split over its shard group.
 #[derive(Debug, Clone, Copy)]
 pub struct ShardLayout {
@@ -104,7 +133,7 @@ impl ShardLayout {
     }
 }
 
-/// Where a unit keeps what (see the module comment); chosen by the trainer from the strategy's policy.
+/// Where a unit keeps what (see the module comment); chosen from the strategy's policy.
 #[derive(Debug, Clone, Copy)]
 pub struct UnitPlacement {
     pub shard: ShardLayout,
@@ -113,6 +142,76 @@ pub struct UnitPlacement {
     pub grads_sharded: bool,
     /// Master, gradient and optimizer state in host memory.
     pub offload: bool,
+}
+
+impl UnitPlacement {
+    /// What `policy` asks of a unit of `numel` elements on rank
+    /// `group_rank` of a shard group of `group_size` ranks. A group of one
+    /// shards nothing, whatever the policy.
+    pub fn new(policy: &ShardingPolicy, numel: i64, group_size: usize, group_rank: usize, offload: bool) -> UnitPlacement {
+        let sharded = group_size > 1;
+        UnitPlacement {
+            shard: ShardLayout::new(numel, group_size, group_rank),
+            params_sharded: sharded && matches!(policy.params, ParamPlacement::Sharded { .. }),
+            optimizer_sharded: sharded && policy.optimizer_state_sharded,
+            grads_sharded: sharded && policy.grads == GradReduction::ReduceScatter,
+            offload,
+        }
+    }
+
+    /// Elements of `master` and the moments (and, offloaded, of the host
+    /// gradient and the device's compute shard): this rank's shard when
+    /// optimizer state is sharded, else the whole padded unit.
+    pub fn owned_len(&self) -> i64 {
+        if self.optimizer_sharded { self.shard.len } else { self.shard.padded }
+    }
+
+    /// Elements of the device gradient: this rank's shard, or the padded whole unit.
+    pub fn grad_len(&self) -> i64 {
+        if self.grads_sharded { self.shard.len } else { self.shard.padded }
+    }
+
+    /// Whether `master` is (a slice of) the compute buffer rather than
+    /// memory of its own: fp32 compute with whole parameters on the device.
+    pub fn master_is_compute(&self, dtype: Kind) -> bool {
+        dtype == Kind::Float && !self.params_sharded && !self.offload
+    }
+
+    /// The part of a whole (padded) flat tensor that `master` covers.
+    fn owned_part_of(&self, whole: &Tensor) -> Tensor {
+        if self.optimizer_sharded {
+            whole.narrow(0, self.shard.start, self.shard.len)
+        } else {
+            whole.shallow_clone()
+        }
+    }
+
+    /// Whether the device keeps this rank's shard in the compute dtype:
+    /// offloaded sharded parameters (the master, which gathers would cast
+    /// from, is on the host).
+    pub fn keeps_compute_shard(&self) -> bool {
+        self.offload && self.params_sharded
+    }
+
+    /// What this rank holds for the unit when computing in `dtype`:
+    /// parameters and optimizer state between steps, the gradient from
+    /// backward to the optimizer step. `FlatUnit::new` allocates by the
+    /// same methods, and a test checks the two against each other.
+    pub fn memory(&self, dtype: Kind) -> MemoryAccount {
+        let compute_element = dtype.elt_size_in_bytes() as f64;
+        let owned = self.owned_len() as f64;
+        let master = if self.master_is_compute(dtype) { 0.0 } else { 4.0 * owned };
+        let compute_copy = match (self.params_sharded, self.keeps_compute_shard()) {
+            (false, _) => compute_element * self.shard.padded as f64,
+            (true, true) => compute_element * owned,
+            (true, false) => 0.0,
+        };
+        let optimizer_state = 2.0 * 4.0 * owned;
+        // Offloaded, the host gradient covers what the master covers.
+        let grads = 4.0 * if self.offload { owned } else { self.grad_len() as f64 };
+        let host = if self.offload { master + grads + optimizer_state } else { 0.0 };
+        MemoryAccount { params: master + compute_copy, grads, optimizer_state, gathered_peak: 0.0, host }
+    }
 }
 
 pub struct FlatUnit {
@@ -130,8 +229,6 @@ pub struct FlatUnit {
     gathering: Option<Work>,
     gathered: bool,
     pub(crate) master: Tensor,
-    /// `master` is (a slice of) `compute`, not memory of its own.
-    master_is_compute: bool,
     /// Offloaded sharded parameters: this rank's shard on the device in the
     /// compute dtype, uploaded after each step (what gathers send).
     compute_shard: Option<Tensor>,
@@ -150,7 +247,7 @@ impl FlatUnit {
         let _no_grad = tch::no_grad_guard();
         let (order, decayed) = flat_layout(spec);
         let numel = spec.numel();
-        let ShardLayout { padded, start, len } = placement.shard;
+        let padded = placement.shard.padded;
         let mut pieces: Vec<Tensor> = order.iter().map(|&i| tensors[i].to_kind(Kind::Float).reshape([-1])).collect();
         let device = tensors[0].device();
         if padded > numel {
@@ -161,22 +258,21 @@ impl FlatUnit {
         if placement.offload {
             return FlatUnit::offloaded(spec, order, decayed, full, dtype, placement);
         }
-        let (compute, master, master_is_compute);
-        if placement.params_sharded {
-            // Gathers cast the fp32 shard as they send it: no second copy is kept.
-            master = full.narrow(0, start, len).copy();
-            compute = Tensor::empty([padded], (dtype, device)).set_requires_grad(true);
-            master_is_compute = false;
+        let (compute, master) = if placement.master_is_compute(dtype) {
+            let compute = full.set_requires_grad(true);
+            let master = placement.owned_part_of(&ft_sys::storage_alias(&compute)?);
+            (compute, master)
         } else {
-            compute = if dtype == Kind::Float { full.shallow_clone() } else { full.to_kind(dtype) }.set_requires_grad(true);
-            master_is_compute = dtype == Kind::Float;
-            master = match (placement.optimizer_sharded, master_is_compute) {
-                (true, true) => ft_sys::storage_alias(&compute)?.narrow(0, start, len),
-                (true, false) => full.narrow(0, start, len).copy(),
-                (false, true) => ft_sys::storage_alias(&compute)?,
-                (false, false) => full,
+            let compute = if placement.params_sharded {
+                // Gathers cast the fp32 shard as they send it: no second copy is kept.
+                Tensor::empty([padded], (dtype, device))
+            } else {
+                full.to_kind(dtype)
             };
-        }
+            // A shard is copied out, so the whole fp32 buffer is freed.
+            let master = if placement.optimizer_sharded { placement.owned_part_of(&full).copy() } else { full };
+            (compute.set_requires_grad(true), master)
+        };
         let compute_alias = ft_sys::storage_alias(&compute)?;
         let mut unit = FlatUnit {
             spec: spec.clone(),
@@ -192,7 +288,6 @@ impl FlatUnit {
             gathering: None,
             gathered: true,
             master,
-            master_is_compute,
             compute_shard: None,
             host_pieces: vec![],
         };
@@ -203,16 +298,16 @@ impl FlatUnit {
     /// The offloaded layout: fp32 state on the host, the compute copy (whole,
     /// or this rank's shard when parameters are sharded) on the device.
     fn offloaded(spec: &UnitSpec, order: Vec<usize>, decayed: i64, full: Tensor, dtype: Kind, placement: UnitPlacement) -> Result<FlatUnit> {
-        let ShardLayout { padded, start, len } = placement.shard;
+        let padded = placement.shard.padded;
         let device = full.device();
         let host = |t: Tensor| -> Result<Tensor> {
             let t = t.to_device(tch::Device::Cpu).contiguous();
             // Pinned, so uploads of the updated master are asynchronous.
             Ok(if device.is_cuda() { ft_sys::pin_memory(&t)? } else { t })
         };
-        let owned = if placement.optimizer_sharded { full.narrow(0, start, len) } else { full.shallow_clone() };
+        let owned = placement.owned_part_of(&full);
         let master = host(owned.copy())?;
-        let (compute, compute_shard) = if placement.params_sharded {
+        let (compute, compute_shard) = if placement.keeps_compute_shard() {
             (Tensor::empty([padded], (dtype, device)).set_requires_grad(true), Some(owned.to_kind(dtype)))
         } else {
             (full.to_kind(dtype).copy().set_requires_grad(true), None)
@@ -233,7 +328,6 @@ impl FlatUnit {
             gathering: None,
             gathered: true,
             master,
-            master_is_compute: false,
             compute_shard,
             host_pieces: vec![],
         };
@@ -303,11 +397,6 @@ impl FlatUnit {
         split_views(&self.spec, &self.order, flat)
     }
 
-    /// Elements of the gradient: this rank's shard, or the padded whole unit.
-    fn grad_len(&self) -> i64 {
-        if self.placement.grads_sharded { self.placement.shard.len } else { self.placement.shard.padded }
-    }
-
     /// Adds a micro-batch's fp32 gradient (`fresh`, undefined when backward
     /// gave none) into `grad`; the first micro-batch of a step takes it as
     /// the gradient (no copy, no zeroed buffer).
@@ -317,7 +406,7 @@ impl FlatUnit {
             (true, false) => {
                 let _ = self.grad.g_add_(fresh);
             }
-            (false, true) => self.grad = Tensor::zeros([self.grad_len()], (Kind::Float, self.device())),
+            (false, true) => self.grad = Tensor::zeros([self.placement.grad_len()], (Kind::Float, self.device())),
             (false, false) => {}
         }
     }
@@ -349,10 +438,10 @@ impl FlatUnit {
 
     /// The part of a whole-or-shard flat tensor that `master` covers.
     fn owned_part(&self, flat: &Tensor) -> Tensor {
-        if flat.size()[0] == self.master.size()[0] {
-            flat.shallow_clone()
+        if flat.size()[0] == self.placement.shard.padded {
+            self.placement.owned_part_of(flat)
         } else {
-            flat.narrow(0, self.placement.shard.start, self.placement.shard.len)
+            flat.shallow_clone()
         }
     }
 
@@ -432,7 +521,7 @@ impl FlatUnit {
             return Ok(None);
         }
         if self.master_is_whole() {
-            if !self.master_is_compute {
+            if !self.placement.master_is_compute(dtype) {
                 self.compute_alias.copy_(&master);
             }
             return Ok(None);
@@ -495,17 +584,62 @@ impl FlatUnit {
     /// What this rank holds for the unit: parameters and optimizer state
     /// between steps, the gradient from backward to the optimizer step.
     pub(crate) fn memory(&self) -> MemoryAccount {
+        self.placement.memory(self.compute_kind())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Init, ParamSpec};
+    use crate::strategy::ShardGroup;
+
+    /// What a unit's tensors occupy, measured on the tensors themselves.
+    fn measured(unit: &FlatUnit) -> MemoryAccount {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as f64;
-        let mut params = self.compute_shard.as_ref().map_or(0.0, bytes);
-        if !self.master_is_compute {
-            params += bytes(&self.master);
+        // A released gathered buffer has its shape but no storage.
+        let compute = if unit.placement.params_sharded { 0.0 } else { bytes(&unit.compute) };
+        let compute_start = unit.compute.data_ptr() as usize;
+        let master_in_compute = compute > 0.0 && (compute_start..compute_start + compute as usize).contains(&(unit.master.data_ptr() as usize));
+        let master = if master_in_compute { 0.0 } else { bytes(&unit.master) };
+        let shard = unit.compute_shard.as_ref().map_or(0.0, bytes);
+        let optimizer_state = bytes(&unit.exp_avg) + bytes(&unit.exp_avg_sq);
+        let grads = bytes(&unit.grad);
+        let host = if unit.placement.offload { master + grads + optimizer_state } else { 0.0 };
+        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host }
+    }
+
+    #[test]
+    fn the_account_is_what_flat_units_allocate() {
+        // 29 elements: padding to every group size below.
+        let spec = UnitSpec {
+            name: "unit".into(),
+            params: vec![ParamSpec::new("", "w", &[4, 6], Init::Zeros), ParamSpec::new("", "b", &[5], Init::Zeros)],
+        };
+        let tensors: Vec<Tensor> = spec.params.iter().map(|p| p.initial(Kind::Float, tch::Device::Cpu)).collect();
+        let policies = [
+            ShardingPolicy::replicated(false),
+            ShardingPolicy::replicated(true),
+            ShardingPolicy::sharded(false, ShardGroup::World),
+            ShardingPolicy::sharded(true, ShardGroup::World),
+        ];
+        for policy in &policies {
+            for (group_size, group_rank) in [(1, 0), (2, 1), (4, 3)] {
+                for dtype in [Kind::Float, Kind::BFloat16] {
+                    for offload in [false, true] {
+                        let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
+                        let mut unit = FlatUnit::new(&spec, &tensors, dtype, placement).unwrap();
+                        if !offload {
+                            // The step's gradient as a reduction leaves it.
+                            unit.accumulate_grad(&Tensor::ones([placement.grad_len()], (Kind::Float, tch::Device::Cpu)), true);
+                        }
+                        let case = format!("{policy:?} in a group of {group_size}, {dtype:?}, offload {offload}");
+                        assert_eq!(unit.memory(), measured(&unit), "{case}");
+                        let from_specs = rank_memory(std::slice::from_ref(&spec), policy, group_size, group_rank, dtype, offload);
+                        assert_eq!(from_specs, measured(&unit), "{case}");
+                    }
+                }
+            }
         }
-        if !self.placement.params_sharded {
-            params += bytes(&self.compute);
-        }
-        let optimizer_state = bytes(&self.exp_avg) + bytes(&self.exp_avg_sq);
-        let grads = if self.placement.offload { bytes(&self.grad) } else { (self.grad_len() * 4) as f64 };
-        let host = if self.placement.offload { bytes(&self.master) + grads + optimizer_state } else { 0.0 };
-        MemoryAccount { params, grads, optimizer_state, gathered_peak: 0.0, host }
     }
 }

@@ -6,6 +6,7 @@
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
+use tch::Kind;
 
 /// Where a unit's parameters live between uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +100,37 @@ impl ShardingPolicy {
             (ParamPlacement::Sharded { reshard_after_forward: true }, GradReduction::ReduceScatter, true) => Some(3),
             _ => None,
         }
+    }
+
+    /// The dtype gradients travel in: the policy's own, else the run's
+    /// (`train.reduce_dtype`); `compute` is the compute dtype.
+    pub fn reduce_kind(&self, run: ReduceDtype, compute: Kind) -> Kind {
+        match self.reduce_dtype.unwrap_or(run) {
+            ReduceDtype::Fp32 => Kind::Float,
+            ReduceDtype::Compute => compute,
+        }
+    }
+
+    /// Ranks per shard group in a world of `world` ranks with `local_world`
+    /// per node: `requested` (`--shard-group-size`) when given, else the
+    /// policy's own; 1 when the policy shards nothing. `strategy` names it
+    /// in errors.
+    pub fn shard_group_size(&self, strategy: &str, world: usize, local_world: usize, requested: Option<usize>) -> Result<usize> {
+        if !self.optimizer_state_sharded {
+            if let Some(size) = requested {
+                bail!("--shard-group-size {size}: strategy `{strategy}` shards nothing");
+            }
+            return Ok(1);
+        }
+        let size = requested.unwrap_or(match self.shard_group {
+            ShardGroup::World => world,
+            ShardGroup::Node => local_world,
+            ShardGroup::Size(n) => n,
+        });
+        if size == 0 || world % size != 0 {
+            bail!("shard group size {size} must divide the world size {world} (strategy `{strategy}`)");
+        }
+        Ok(size)
     }
 
     /// Refuses combinations the mechanism cannot run, saying why.

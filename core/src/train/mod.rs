@@ -17,9 +17,9 @@ pub use parallel::DataParallel;
 
 use crate::comm::ProcessGroup;
 use crate::config::TrainConfig;
-use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::flat::{FlatUnit, MemoryAccount, UnitPlacement};
 use crate::model::Model;
-use crate::strategy::{GradReduction, ParamPlacement};
+use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use ft_sys::AdamW;
 use optim::LossScaler;
@@ -166,22 +166,10 @@ impl<'m> TrainerBuilder<'m> {
     /// policy assigns it.
     pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
         let TrainerBuilder { model, options, parallel } = self;
-        let placement = |numel: i64| match parallel.and_then(DataParallel::shard) {
-            Some(group) => UnitPlacement {
-                shard: ShardLayout::new(numel, group.size(), group.rank()),
-                params_sharded: matches!(parallel.map(|p| p.policy.params), Some(ParamPlacement::Sharded { .. })),
-                optimizer_sharded: parallel.is_some_and(|p| p.policy.optimizer_state_sharded),
-                grads_sharded: parallel.is_some_and(|p| p.policy.grads == GradReduction::ReduceScatter),
-                offload: options.offload_to_host,
-            },
-            None => UnitPlacement {
-                shard: ShardLayout::new(numel, 1, 0),
-                params_sharded: false,
-                optimizer_sharded: false,
-                grads_sharded: false,
-                offload: options.offload_to_host,
-            },
-        };
+        // One rank alone, or a policy that shards nothing, is a group of one.
+        let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
+        let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
+        let placement = |numel: i64| UnitPlacement::new(&policy, numel, group_size, group_rank, options.offload_to_host);
         let units = model
             .units()
             .iter()
@@ -271,15 +259,8 @@ impl<'m> Trainer<'m> {
     /// What this rank holds for parameters, gradients and optimizer state,
     /// and the peak of gathered units so far.
     pub fn memory(&self) -> MemoryAccount {
-        let mut total = MemoryAccount { gathered_peak: self.gathered_peak as f64, ..MemoryAccount::default() };
-        for unit in &self.units {
-            let m = unit.memory();
-            total.params += m.params;
-            total.grads += m.grads;
-            total.optimizer_state += m.optimizer_state;
-            total.host += m.host;
-        }
-        total
+        let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
+        MemoryAccount { gathered_peak: self.gathered_peak as f64, ..held }
     }
 
     /// fp16's current loss scale (None in other dtypes).

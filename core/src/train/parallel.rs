@@ -3,8 +3,8 @@
 //! state, and (hybrid sharding) the replica groups across shard groups.
 
 use crate::comm::{Communicator, ProcessGroup};
-use crate::strategy::{ReduceDtype, ShardGroup, ShardingPolicy, ShardingStrategy};
-use anyhow::{bail, Result};
+use crate::strategy::{ReduceDtype, ShardingPolicy, ShardingStrategy};
+use anyhow::Result;
 use tch::Kind;
 
 pub struct DataParallel<'c> {
@@ -38,28 +38,15 @@ impl<'c> DataParallel<'c> {
         policy.validate(strategy.name())?;
         let env = comm.env();
         let world = env.world_size;
-        let reduce_dtype = match policy.reduce_dtype.unwrap_or(reduce) {
-            ReduceDtype::Fp32 => Kind::Float,
-            ReduceDtype::Compute => compute,
-        };
+        let reduce_dtype = policy.reduce_kind(reduce, compute);
         let mut parallel =
             DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype };
-        if !policy.optimizer_state_sharded {
-            if let Some(size) = size_override {
-                bail!("--shard-group-size {size}: strategy `{}` shards nothing", strategy.name());
-            }
+        let size = policy.shard_group_size(strategy.name(), world, env.local_world_size, size_override)?;
+        if size == 1 {
             return Ok(parallel);
         }
-        let size = size_override.unwrap_or(match policy.shard_group {
-            ShardGroup::World => world,
-            ShardGroup::Node => env.local_world_size,
-            ShardGroup::Size(n) => n,
-        });
-        if size == 0 || world % size != 0 {
-            bail!("shard group size {size} must divide the world size {world} (strategy `{}`)", strategy.name());
-        }
         parallel.shard_size = size;
-        if size != world && size != 1 {
+        if size != world {
             let (shard, replicas) = comm.hybrid_groups(size)?;
             parallel.sub_group = Some(shard);
             parallel.replicas = Some(replicas);
