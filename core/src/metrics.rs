@@ -47,3 +47,10 @@ pub fn process_memory() -> Option<(u64, u64)> {
     };
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
+
+/// This machine's memory (Linux's MemTotal), in bytes.
+pub fn host_memory() -> Option<f64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? * 1024.0)
+}
