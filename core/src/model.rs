@@ -202,7 +202,7 @@ impl KvCache {
     }
 }
 
-/// Sizes that throughput and MFU figures need.
+/// Sizes that throughput, MFU and memory figures need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dims {
     pub layers: i64,
@@ -210,6 +210,101 @@ pub struct Dims {
     pub heads: i64,
     pub kv_heads: i64,
     pub vocab: i64,
+    /// The MLP's inner width (ffn_dim, intermediate_size).
+    pub intermediate: i64,
+}
+
+/// The dtype of a tensor kept for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SavedDtype {
+    /// The compute dtype (bf16 under mixed precision).
+    Compute,
+    /// fp32 statistics: a norm's mean and reciprocal deviation, attention's log-sum-exp.
+    Fp32,
+    /// One byte per element: a dropout's keep-mask.
+    Mask,
+}
+
+/// A tensor a block keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Saved {
+    pub what: &'static str,
+    /// Elements per token.
+    pub per_token: i64,
+    pub dtype: SavedDtype,
+}
+
+impl Saved {
+    pub fn compute(what: &'static str, per_token: i64) -> Saved {
+        Saved { what, per_token, dtype: SavedDtype::Compute }
+    }
+    pub fn fp32(what: &'static str, per_token: i64) -> Saved {
+        Saved { what, per_token, dtype: SavedDtype::Fp32 }
+    }
+    pub fn mask(what: &'static str, per_token: i64) -> Saved {
+        Saved { what, per_token, dtype: SavedDtype::Mask }
+    }
+}
+
+/// What training keeps for backward, per token of a micro-batch, by the
+/// model's block structure: `ft plan`'s activation memory. Counted as
+/// autograd keeps them on a GPU (SDPA's fused kernels keep the log-sum-exp,
+/// not the attention matrix; a tensor two ops save is counted once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activations {
+    /// The tensors one block keeps, its output (the next stage's input) included.
+    pub block: Vec<Saved>,
+    /// Compute-dtype elements per token that a block's backward holds at
+    /// once besides them: the gradients of its widest intermediates.
+    pub block_backward: i64,
+    /// What the embedding stage keeps, its output included, compute-dtype elements per token.
+    pub embed: i64,
+    /// Compute-dtype elements of the attention bias every block reads, per
+    /// (query, key) position pair of a micro-batch: one per head for
+    /// ALiBi, 0 when attention masks itself.
+    pub bias_per_position_pair: i64,
+}
+
+impl Activations {
+    /// A pre-norm block (GPT-2's, BLOOM's): attention through SDPA, then
+    /// an MLP of two matrices around an activation that keeps its input.
+    pub fn pre_norm_block(dims: &Dims) -> Activations {
+        let (d, i) = (dims.hidden, dims.intermediate);
+        let kv = dims.kv_heads * (d / dims.heads);
+        Activations {
+            block: vec![
+                Saved::compute("attention norm's output", d),
+                Saved::compute("query, key and value", d + 2 * kv),
+                Saved::compute("attention output", d),
+                Saved::fp32("attention's log-sum-exp", dims.heads),
+                Saved::compute("residual sum", d),
+                Saved::compute("MLP norm's output", d),
+                Saved::compute("MLP up-projection", i),
+                Saved::compute("activation's output", i),
+                Saved::fp32("two norms' mean and reciprocal deviation", 4),
+                Saved::compute("block output", d),
+            ],
+            // The gradients of the activation's output and input.
+            block_backward: 2 * i,
+            embed: d,
+            bias_per_position_pair: 0,
+        }
+    }
+
+    /// Bytes one block keeps per token when the compute dtype's elements have `compute_bytes`.
+    pub fn block_bytes_per_token(&self, compute_bytes: i64) -> i64 {
+        self.block
+            .iter()
+            .map(|saved| {
+                saved.per_token
+                    * match saved.dtype {
+                        SavedDtype::Compute => compute_bytes,
+                        SavedDtype::Fp32 => 4,
+                        SavedDtype::Mask => 1,
+                    }
+            })
+            .sum()
+    }
 }
 
 /// What an architecture declares once, from its config.json: its units and
@@ -264,6 +359,13 @@ inventory::collect!(ModelRegistration);
 pub trait Model: Send + Sync {
     fn layout(&self) -> &Layout;
     fn dims(&self) -> Dims;
+
+    /// What training keeps for backward, per token (`ft plan`). The default
+    /// is a pre-norm block of `dims()` ([`Activations::pre_norm_block`]);
+    /// an architecture whose block keeps other tensors says so.
+    fn activations(&self) -> Activations {
+        Activations::pre_norm_block(&self.dims())
+    }
 
     /// The kind of head the last stage is, e.g. [`head::CAUSAL_LM`].
     fn head_kind(&self) -> &str;

@@ -8,7 +8,7 @@
 
 use crate::check;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -175,7 +175,32 @@ impl Model for Bert {
             heads: c.num_attention_heads,
             kv_heads: c.num_attention_heads,
             vocab: c.vocab_size,
+            intermediate: c.intermediate_size,
         }
+    }
+
+    /// Post-norm: each norm keeps its residual sum, and training drops out
+    /// the attention and MLP outputs, keeping a mask each. The embedding's
+    /// LayerNorm keeps the summed embeddings besides its output.
+    fn activations(&self) -> Activations {
+        let dims = self.dims();
+        let (d, i) = (dims.hidden, dims.intermediate);
+        let mut block = vec![
+            Saved::compute("query, key and value", 3 * d),
+            Saved::compute("attention output", d),
+            Saved::fp32("attention's log-sum-exp", dims.heads),
+            Saved::compute("attention residual sum", d),
+            Saved::compute("attention norm's output", d),
+            Saved::compute("MLP up-projection", i),
+            Saved::compute("GELU output", i),
+            Saved::compute("MLP residual sum", d),
+            Saved::fp32("two norms' mean and reciprocal deviation", 4),
+            Saved::compute("block output", d),
+        ];
+        if self.config.hidden_dropout_prob > 0.0 {
+            block.push(Saved::mask("two dropout masks", 2 * d));
+        }
+        Activations { block, block_backward: 2 * i, embed: 2 * d, bias_per_position_pair: 0 }
     }
 
     /// A base checkpoint has the encoder but no `qa_outputs`.

@@ -3,7 +3,7 @@
 
 use crate::check;
 use anyhow::Result;
-use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -106,7 +106,21 @@ impl Model for Bloom {
     }
     fn dims(&self) -> Dims {
         let c = &self.config;
-        Dims { layers: c.n_layer, hidden: c.hidden_size, heads: c.n_head, kv_heads: c.n_head, vocab: c.vocab_size }
+        Dims {
+            layers: c.n_layer,
+            hidden: c.hidden_size,
+            heads: c.n_head,
+            kv_heads: c.n_head,
+            vocab: c.vocab_size,
+            intermediate: 4 * c.hidden_size,
+        }
+    }
+
+    /// A pre-norm block; the embedding's LayerNorm keeps the lookup's
+    /// output besides its own, and ALiBi's bias is one [seq, seq] per head.
+    fn activations(&self) -> Activations {
+        let dims = self.dims();
+        Activations { embed: 2 * dims.hidden, bias_per_position_pair: dims.heads, ..Activations::pre_norm_block(&dims) }
     }
 
     /// ALiBi adds slope·(key − query) to each score: transformers adds

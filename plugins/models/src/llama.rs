@@ -4,7 +4,7 @@
 
 use crate::check;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -179,7 +179,31 @@ impl Model for Llama {
             heads: c.num_attention_heads,
             kv_heads: self.kv_heads,
             vocab: c.vocab_size,
+            intermediate: c.intermediate_size,
         }
+    }
+
+    /// RoPE keeps only the rotated query and key (cos and sin are the
+    /// batch's), RMSNorm its reciprocal deviation, and SwiGLU's node its
+    /// gate and up projections.
+    fn activations(&self) -> Activations {
+        let (d, i) = (self.config.hidden_size, self.config.intermediate_size);
+        let (q, kv) = (self.config.num_attention_heads * self.head_dim, self.kv_heads * self.head_dim);
+        let block = vec![
+            Saved::compute("attention norm's output", d),
+            Saved::compute("rotated query", q),
+            Saved::compute("rotated key and value", 2 * kv),
+            Saved::compute("attention output", q),
+            Saved::fp32("attention's log-sum-exp", self.config.num_attention_heads),
+            Saved::compute("residual sum", d),
+            Saved::compute("MLP norm's output", d),
+            Saved::compute("gate and up projections", 2 * i),
+            Saved::compute("SwiGLU output", i),
+            Saved::fp32("two norms' reciprocal deviation", 2),
+            Saved::compute("block output", d),
+        ];
+        // The gradients of the SwiGLU output, the gate and the up projection.
+        Activations { block, block_backward: 3 * i, embed: d, bias_per_position_pair: 0 }
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {

@@ -4,7 +4,7 @@
 
 use crate::check;
 use anyhow::{bail, Result};
-use ft_core::model::{self, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, UnitSpec};
+use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
@@ -144,11 +144,34 @@ impl Model for Opt {
             heads: c.num_attention_heads,
             kv_heads: c.num_attention_heads,
             vocab: c.vocab_size,
+            intermediate: c.ffn_dim,
         }
     }
 
     fn max_positions(&self) -> Option<i64> {
         Some(self.config.max_position_embeddings)
+    }
+
+    /// ReLU keeps only its output (which fc2 reads too); training drops out
+    /// the attention and MLP outputs, keeping a mask each.
+    fn activations(&self) -> Activations {
+        let dims = self.dims();
+        let (d, i) = (dims.hidden, dims.intermediate);
+        let mut block = vec![
+            Saved::compute("attention norm's output", d),
+            Saved::compute("query, key and value", 3 * d),
+            Saved::compute("attention output", d),
+            Saved::fp32("attention's log-sum-exp", dims.heads),
+            Saved::compute("residual sum", d),
+            Saved::compute("MLP norm's output", d),
+            Saved::compute("ReLU output", i),
+            Saved::fp32("two norms' mean and reciprocal deviation", 4),
+            Saved::compute("block output", d),
+        ];
+        if self.config.dropout > 0.0 {
+            block.push(Saved::mask("two dropout masks", 2 * d));
+        }
+        Activations { block, block_backward: 2 * i, embed: d, bias_per_position_pair: 0 }
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
