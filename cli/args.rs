@@ -3,6 +3,7 @@
 //! applied over the file and the environment).
 
 use figment::value::Value;
+use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
 
 /// The run configuration file, for the subcommands that read one.
@@ -31,5 +32,43 @@ impl Overrides {
     /// A value the configuration reads with serde (an enum such as a dtype).
     pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
         self.set(key, value.map(|v| Value::serialize(v).expect("plain enums serialize")))
+    }
+}
+
+/// `--reduce-dtype`: fp32 or compute.
+pub fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))
+}
+
+/// A memory size with its unit, in bytes: 80GB (10^9 bytes each), 80GiB (2^30), also KB/MB/TB and KiB/MiB/TiB.
+pub fn parse_size(text: &str) -> Result<f64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0f64.powi(2),
+        "GIB" => 1024.0f64.powi(3),
+        "TIB" => 1024.0f64.powi(4),
+        _ => return Err(format!("{text:?}: give a size with its unit, e.g. 80GB or 80GiB")),
+    };
+    let number: f64 = number.parse().map_err(|_| format!("{text:?}: expected a number and a unit, e.g. 80GB"))?;
+    positive(text, number * scale)
+}
+
+/// A number above 0 (a rate or a bandwidth).
+pub fn parse_positive(text: &str) -> Result<f64, String> {
+    positive(text, text.trim().parse().map_err(|_| format!("{text:?}: expected a number"))?)
+}
+
+fn positive(text: &str, value: f64) -> Result<f64, String> {
+    if value > 0.0 && value.is_finite() {
+        Ok(value)
+    } else {
+        Err(format!("{text:?}: expected more than 0"))
     }
 }

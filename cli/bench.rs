@@ -4,6 +4,7 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
+use crate::args::parse_reduce_dtype;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
@@ -80,10 +81,6 @@ pub struct BenchArgs {
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
-}
-
-fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))
 }
 
 pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {

@@ -7,6 +7,7 @@ mod eval;
 mod launch;
 mod list;
 mod model_commands;
+mod plan;
 mod train;
 
 use anyhow::Result;
@@ -85,6 +86,9 @@ enum Command {
     Generate(model_commands::GenerateArgs),
     /// Training-step throughput and memory of a model shape, random weights.
     Bench(bench::BenchArgs),
+    /// Predict each rank's memory and step time for every strategy, offload and
+    /// activation checkpointing, and pick the fastest that fits.
+    Plan(plan::PlanArgs),
     /// Run a forward (and backward) pass on token ids; write logits, loss and gradients.
     Forward(model_commands::ForwardArgs),
 }
@@ -127,6 +131,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args, &cli.plugins),
+        Command::Plan(args) => plan::run(args, &cli.plugins),
         Command::Train(args) => train::run(args, &cli.plugins),
         Command::Eval(args) => eval::eval(args, &cli.plugins),
         Command::Export(args) => eval::export(args),

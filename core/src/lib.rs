@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod model;
 pub mod names;
 pub mod offload;
+pub mod plan;
 pub mod plugin;
 pub mod profile;
 pub mod registry;

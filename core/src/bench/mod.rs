@@ -163,6 +163,11 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
+/// How rows name a model: "opt 1315.8M".
+pub fn model_label(model: &dyn Model) -> String {
+    format!("{} {:.1}M", model.model_type(), model.numel() as f64 / 1e6)
+}
+
 /// Waits for the device's queued work (timing needs it).
 fn synchronize(device: Device) {
     if let Device::Cuda(index) = device {
@@ -256,7 +261,7 @@ pub fn run_case(
         _ => None,
     };
     let row = Row {
-        model: format!("{} {:.1}M", model.model_type(), model.numel() as f64 / 1e6),
+        model: model_label(model),
         params: model.numel(),
         strategy: strategy.name().into(),
         offload: offload.name().into(),

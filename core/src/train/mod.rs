@@ -14,6 +14,7 @@ mod step;
 
 pub use crate::flat::unflatten;
 pub use parallel::DataParallel;
+pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
 use crate::comm::ProcessGroup;
 use crate::config::TrainConfig;

@@ -13,7 +13,7 @@ use tch::{Kind, Tensor};
 /// Reduce-scatters allowed in flight before backward waits for the oldest:
 /// enough to overlap communication with the next units' backward, few
 /// enough that whole gradients do not pile up.
-pub(super) const REDUCTIONS_IN_FLIGHT: usize = 2;
+pub(crate) const REDUCTIONS_IN_FLIGHT: usize = 2;
 
 /// A gradient reduction in flight, and what to do with its result.
 pub(super) struct PendingReduction {

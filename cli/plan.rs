@@ -1,0 +1,127 @@
+//! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
+
+use crate::args::{parse_positive, parse_reduce_dtype, parse_size};
+use anyhow::{Context, Result};
+use clap::Args;
+use ft_core::device::DType;
+use ft_core::gpu::{self, GpuSpec};
+use ft_core::plan::{Checkpointing, Cluster, CommTestReport, Plan, Workload};
+use ft_core::strategy::ReduceDtype;
+use ft_core::Registry;
+use ft_models::hf;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The model: a directory, a hub id in the local cache, or a config.json (no weights are read).
+    #[arg(long)]
+    model: String,
+    /// Override config keys, e.g. --set num_hidden_layers=2.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// GPUs in all (the world size).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// Nodes the GPUs are spread over evenly (hybrid_shard shards within one).
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// The GPU model: its memory, FLOP/s and bandwidths (default: this machine's GPU, else h100).
+    #[arg(long)]
+    gpu: Option<String>,
+    /// Memory per GPU, e.g. 80GB or 80GiB (default: the GPU's).
+    #[arg(long, value_parser = parse_size)]
+    gpu_memory: Option<f64>,
+    /// Host memory per node, e.g. 512GB (default: this machine's).
+    #[arg(long, value_parser = parse_size)]
+    host_memory: Option<f64>,
+    /// Examples per GPU per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    batch: i64,
+    /// Tokens per example.
+    #[arg(long, default_value_t = 512)]
+    seq: i64,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Compute dtype (masters stay fp32): bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: DType,
+    /// Rows with activation checkpointing, without, or both: on, off or auto.
+    #[arg(long, default_value = "auto")]
+    activation_checkpointing: Checkpointing,
+    /// Ranks per shard group for the strategies that shard (hybrid_shard's default: one node).
+    #[arg(long)]
+    shard_group_size: Option<usize>,
+    /// dtype gradients are reduced in: fp32 or compute.
+    #[arg(long, default_value = "fp32", value_parser = parse_reduce_dtype)]
+    reduce_dtype: ReduceDtype,
+    /// Tokens per chunk of the LM head's logits.
+    #[arg(long, default_value_t = 1024)]
+    loss_chunk_tokens: i64,
+    /// TFLOP/s one GPU achieves, as measured (default: a share of the GPU's dense peak that ft's steps reach).
+    #[arg(long, value_parser = parse_positive)]
+    tflops: Option<f64>,
+    /// NCCL bus bandwidth among a node's GPUs, GB/s (default: the GPU's).
+    #[arg(long, value_parser = parse_positive)]
+    bus_bandwidth: Option<f64>,
+    /// `ft comm-test --json` output: its measured bus bandwidth replaces the
+    /// node's (or the one between nodes, when the test spanned several).
+    #[arg(long, value_name = "JSON")]
+    comm_test: Option<PathBuf>,
+    /// Bus bandwidth between nodes, GB/s per GPU (default 45: a 400 Gb/s NIC per GPU).
+    #[arg(long, value_parser = parse_positive)]
+    inter_node_bandwidth: Option<f64>,
+    /// Write the rows and the recommendation as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// The GPU to plan for: `--gpu`, else this machine's (with its memory), else an H100.
+fn gpu_of(args: &PlanArgs) -> Result<(&'static GpuSpec, Option<(String, f64)>)> {
+    if let Some(name) = &args.gpu {
+        let spec = GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))?;
+        return Ok((spec, None));
+    }
+    let local = gpu::local_gpu(0);
+    let spec = local.as_ref().and_then(|(name, _)| GpuSpec::find(name)).unwrap_or(gpu::FALLBACK);
+    Ok((spec, local))
+}
+
+pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
+    let registry = Registry::with_plugins(plugins)?;
+    let model = hf::ModelSource::resolve(&args.model)?.set_keys(&args.overrides)?.model()?;
+    let dtype = args.dtype.kind(tch::Device::Cuda(0));
+    let (spec, local) = gpu_of(&args)?;
+    let mut cluster = Cluster::new(spec, args.gpus, args.nodes, dtype)?;
+    if let Some((name, memory)) = local {
+        cluster.gpu = name;
+        cluster.gpu_memory = Some(memory);
+    }
+    if let Some(path) = &args.comm_test {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let report: CommTestReport = serde_json::from_str(&text).with_context(|| format!("{} is not `ft comm-test --json` output", path.display()))?;
+        cluster.use_comm_test(&report).with_context(|| format!("reading {}", path.display()))?;
+    }
+    let gigabytes = |value: Option<f64>| value.map(|v| v * 1e9);
+    cluster.gpu_memory = args.gpu_memory.or(cluster.gpu_memory);
+    cluster.host_memory = args.host_memory.unwrap_or(cluster.host_memory);
+    cluster.flops = args.tflops.map_or(cluster.flops, |t| t * 1e12);
+    cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
+    cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);
+    let workload = Workload {
+        model: model.as_ref(),
+        batch: args.batch,
+        seq: args.seq,
+        grad_accum: args.grad_accum,
+        dtype,
+        reduce_dtype: args.reduce_dtype,
+        loss_chunk_tokens: args.loss_chunk_tokens,
+        shard_group_size: args.shard_group_size,
+    };
+    let plan = Plan::new(&workload, &cluster, &registry, args.activation_checkpointing)?;
+    print!("{}", plan.table());
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&plan)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(0)
+}

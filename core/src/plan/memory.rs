@@ -1,0 +1,318 @@
+//! One micro-batch's device memory, walked as `train/step.rs` runs it:
+//! the stages in order and then in reverse, each sharded unit gathered,
+//! prefetched and released where the trainer does it, what each stage keeps
+//! for backward (the model's `Activations`), the LM head's loss buffers,
+//! and each unit's gradient from autograd's flat buffer through its
+//! reduction into the step's gradient (`train/reduce.rs`, at most
+//! `REDUCTIONS_IN_FLIGHT` in flight). It allocates nothing.
+
+use crate::flat::{MemoryAccount, UnitPlacement};
+use crate::model::{head, Model, StageKind};
+use crate::train::REDUCTIONS_IN_FLIGHT;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use tch::Kind;
+
+/// Device bytes at the moment of a step's peak, by what holds them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeakBreakdown {
+    /// Parameters and optimizer state kept between steps.
+    pub state: f64,
+    /// The step's gradients (whole or shards) made so far.
+    pub grads: f64,
+    /// Sharded units gathered whole, in the compute dtype.
+    pub gathered: f64,
+    /// What forward keeps for backward, and the attention bias.
+    pub activations: f64,
+    /// The LM head's logit chunk and gradients.
+    pub loss: f64,
+    /// Gradients on their way: autograd's flat gradient of a unit, its
+    /// reduction's buffers, a block backward's intermediates.
+    pub transient: f64,
+}
+
+impl PeakBreakdown {
+    pub fn total(&self) -> f64 {
+        self.state + self.grads + self.gathered + self.activations + self.loss + self.transient
+    }
+}
+
+/// What one micro-batch is.
+pub(super) struct MicroBatch {
+    pub batch: i64,
+    pub seq: i64,
+    pub dtype: Kind,
+    /// The dtype gradients are reduced in.
+    pub reduce: Kind,
+    pub activation_checkpointing: bool,
+    /// Gradients of earlier micro-batches are already held (accumulation).
+    pub accumulating: bool,
+    /// The shard group or world has more than one rank, so gradients are reduced.
+    pub data_parallel: bool,
+    pub loss_chunk_tokens: i64,
+}
+
+/// What the walk found.
+pub(super) struct StepMemory {
+    pub peak: PeakBreakdown,
+    /// The most bytes gathered at once (what the trainer reports as `gathered_peak`).
+    pub gathered_peak: f64,
+    /// Bytes of each all-gather, in the order the micro-batch starts them.
+    pub gathers: Vec<f64>,
+}
+
+/// A reduction in flight: the bytes it holds, and the gradient shard it
+/// leaves (0 when the result goes to the host or is the gradient itself).
+struct Pending {
+    held: f64,
+    kept: f64,
+}
+
+struct Walk<'a> {
+    placements: &'a [UnitPlacement],
+    micro: &'a MicroBatch,
+    now: PeakBreakdown,
+    peak: PeakBreakdown,
+    gathered: Vec<bool>,
+    gathered_peak: f64,
+    gathers: Vec<f64>,
+    pending: VecDeque<Pending>,
+}
+
+impl Walk<'_> {
+    fn element(kind: Kind) -> f64 {
+        kind.elt_size_in_bytes() as f64
+    }
+
+    /// Bytes of unit `u`'s whole buffer in the compute dtype.
+    fn unit_bytes(&self, u: usize) -> f64 {
+        self.placements[u].shard.padded as f64 * Walk::element(self.micro.dtype)
+    }
+
+    fn note(&mut self) {
+        if self.now.total() > self.peak.total() {
+            self.peak = self.now;
+        }
+        self.gathered_peak = self.gathered_peak.max(self.now.gathered);
+    }
+
+    fn gather(&mut self, u: usize) {
+        if self.placements[u].params_sharded && !self.gathered[u] {
+            self.gathered[u] = true;
+            let bytes = self.unit_bytes(u);
+            self.now.gathered += bytes;
+            self.gathers.push(bytes);
+            self.note();
+        }
+    }
+
+    fn release(&mut self, u: usize) {
+        if self.placements[u].params_sharded && self.gathered[u] {
+            self.gathered[u] = false;
+            self.now.gathered -= self.unit_bytes(u);
+        }
+    }
+
+    /// `bytes` held for the moment of a peak, then freed.
+    fn briefly(&mut self, bytes: f64) {
+        self.now.transient += bytes;
+        self.note();
+        self.now.transient -= bytes;
+    }
+
+    /// Unit `u`'s complete micro-batch gradient (autograd's flat buffer, in
+    /// `transient`) handed to its reduction, as `Trainer::reduce` does.
+    fn reduce(&mut self, u: usize) {
+        let placement = self.placements[u];
+        let reduce = Walk::element(self.micro.reduce);
+        let cast = self.micro.reduce != self.micro.dtype;
+        let flat = self.unit_bytes(u);
+        let (padded, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
+        if placement.grads_sharded || placement.offload {
+            // Cast to the reduce dtype (the same buffer when the dtypes agree).
+            let input = if cast { padded * reduce } else { flat };
+            if cast {
+                self.briefly(input);
+                self.now.transient += input - flat;
+            }
+            if !self.micro.data_parallel {
+                // One rank, offloaded: copied to the host at once.
+                self.now.transient -= input;
+                return;
+            }
+            let (result, kept) = match (placement.grads_sharded, placement.offload) {
+                (true, false) => (shard * reduce, shard * 4.0),
+                (true, true) => (shard * reduce, 0.0),
+                // All-reduced in place, then to the host.
+                (false, _) => (0.0, 0.0),
+            };
+            self.now.transient += result;
+            self.note();
+            self.pending.push_back(Pending { held: input + result, kept });
+            return;
+        }
+        // Whole gradients: accumulated in fp32, all-reduced on the last micro-batch.
+        let gradient = padded * 4.0;
+        match (self.micro.accumulating, self.micro.dtype == Kind::Float) {
+            // Added in place.
+            (true, _) => self.now.transient -= flat,
+            // The fp32 flat gradient becomes the step's.
+            (false, true) => {
+                self.now.transient -= flat;
+                self.now.grads += gradient;
+            }
+            (false, false) => {
+                self.now.grads += gradient;
+                self.note();
+                self.now.transient -= flat;
+            }
+        }
+        if self.micro.data_parallel {
+            // In place in fp32, else through a copy in the reduce dtype.
+            let copy = if self.micro.reduce == Kind::Float { 0.0 } else { padded * reduce };
+            self.now.transient += copy;
+            self.note();
+            self.pending.push_back(Pending { held: copy, kept: 0.0 });
+        }
+    }
+
+    /// Waits for the oldest reduction: its shard joins the step's gradient
+    /// (an fp32 copy of it when reduced in another dtype).
+    fn finish_oldest_reduction(&mut self) {
+        let Some(done) = self.pending.pop_front() else { return };
+        let new_gradient = done.kept > 0.0 && !self.micro.accumulating;
+        if new_gradient && self.micro.reduce != Kind::Float {
+            // Copied into an fp32 gradient beside the reduced shard.
+            self.now.grads += done.kept;
+            self.note();
+            self.now.transient -= done.held;
+        } else {
+            // An fp32 shard becomes the gradient itself.
+            self.now.transient -= done.held;
+            if new_gradient {
+                self.now.grads += done.kept;
+            }
+        }
+    }
+}
+
+/// What the LM head's loss holds (`train/loss.rs`): while it runs (the
+/// weight's gradient, one chunk of logits — with ATen's ops also their fp32
+/// log-probabilities —, the hidden states' gradient in pieces and
+/// concatenated twice), and after it, until the head's backward.
+fn lm_loss_bytes(model: &dyn Model, micro: &MicroBatch) -> (f64, f64) {
+    let dims = model.dims();
+    let element = Walk::element(micro.dtype);
+    let targets = (micro.batch * (micro.seq - 1)).max(1) as f64;
+    let chunk = (micro.loss_chunk_tokens as f64).min(targets);
+    let weight_grad = (dims.vocab * dims.hidden) as f64 * element;
+    // ft's fused kernel writes d loss / d logits over bf16 logits.
+    let logits_element = if micro.dtype == Kind::BFloat16 { element } else { element + 4.0 };
+    let hidden_grad = (micro.batch * micro.seq * dims.hidden) as f64 * element;
+    let during = weight_grad + chunk * dims.vocab as f64 * logits_element + 3.0 * hidden_grad;
+    (during, weight_grad + hidden_grad)
+}
+
+/// Walks one micro-batch of `model` with its units placed as `placements`
+/// say, over `state` (what the rank holds between steps).
+pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &MemoryAccount, reshard_after_forward: bool, micro: &MicroBatch) -> StepMemory {
+    let dims = model.dims();
+    let activations = model.activations();
+    let element = Walk::element(micro.dtype);
+    let tokens = (micro.batch * micro.seq) as f64;
+    let block = activations.block_bytes_per_token(element as i64) as f64 * tokens;
+    let output = dims.hidden as f64 * element * tokens;
+    let embed = activations.embed as f64 * element * tokens;
+    let block_backward = activations.block_backward as f64 * element * tokens;
+    let causal_lm = model.head_kind() == head::CAUSAL_LM;
+    let offload = placements.iter().any(|p| p.offload);
+    let mut walk = Walk {
+        placements,
+        micro,
+        now: PeakBreakdown::default(),
+        peak: PeakBreakdown::default(),
+        gathered: vec![false; placements.len()],
+        gathered_peak: 0.0,
+        gathers: vec![],
+        pending: VecDeque::new(),
+    };
+    // Offloaded, masters, gradients and moments are on the host; the device keeps the compute copies.
+    walk.now.state = if offload { state.params + state.optimizer_state + state.grads - state.host } else { state.params + state.optimizer_state };
+    walk.now.grads = if micro.accumulating && !offload { state.grads } else { 0.0 };
+    walk.now.activations = (activations.bias_per_position_pair * micro.seq * micro.seq) as f64 * element;
+    walk.note();
+
+    let stages = model.stages();
+    for (index, stage) in stages.iter().enumerate() {
+        walk.gather(stage.unit);
+        if let Some(next) = stages.get(index + 1) {
+            walk.gather(next.unit);
+        }
+        match stage.kind {
+            StageKind::Embed => walk.now.activations += embed,
+            // Run without a graph: only the output is kept.
+            StageKind::Block if micro.activation_checkpointing => walk.now.activations += output,
+            StageKind::Block => walk.now.activations += block,
+            StageKind::Head if causal_lm => {
+                walk.now.activations += output;
+                let (during, after) = lm_loss_bytes(model, micro);
+                walk.now.loss += during;
+                walk.note();
+                walk.now.loss = after;
+            }
+            StageKind::Head => {}
+        }
+        walk.note();
+        let used_next = stages.get(index + 1).is_none_or(|next| next.unit == stage.unit);
+        if reshard_after_forward && !used_next {
+            walk.release(stage.unit);
+        }
+    }
+
+    // Units whose flat gradient autograd has started (a tied unit's lives
+    // from the head's backward to the embedding's).
+    let mut flat_gradient = vec![false; placements.len()];
+    for (index, stage) in stages.iter().enumerate().rev() {
+        let unit = stage.unit;
+        walk.gather(unit);
+        if index > 0 {
+            walk.gather(stages[index - 1].unit);
+        }
+        let recomputed = stage.kind == StageKind::Block && micro.activation_checkpointing;
+        if recomputed {
+            walk.now.activations += block - output;
+            walk.note();
+        }
+        if !flat_gradient[unit] {
+            flat_gradient[unit] = true;
+            walk.now.transient += walk.unit_bytes(unit);
+        }
+        // The parameters' gradients before autograd concatenates them into
+        // the flat one, and the intermediates' gradients.
+        let working = walk.unit_bytes(unit) + if stage.kind == StageKind::Block { block_backward } else { 0.0 };
+        walk.briefly(working);
+        match stage.kind {
+            StageKind::Embed => walk.now.activations -= embed,
+            StageKind::Block => walk.now.activations -= block,
+            StageKind::Head if causal_lm => {
+                walk.now.activations -= output;
+                walk.now.loss = 0.0;
+            }
+            StageKind::Head => {}
+        }
+        let gradient_complete = stages.iter().position(|s| s.unit == unit) == Some(index);
+        if gradient_complete {
+            walk.reduce(unit);
+            while walk.pending.len() > REDUCTIONS_IN_FLIGHT {
+                walk.finish_oldest_reduction();
+            }
+            walk.release(unit);
+        } else if reshard_after_forward && stages[index - 1].unit != unit {
+            walk.release(unit);
+        }
+    }
+    while !walk.pending.is_empty() {
+        walk.finish_oldest_reduction();
+    }
+    StepMemory { peak: walk.peak, gathered_peak: walk.gathered_peak, gathers: walk.gathers }
+}

@@ -1,0 +1,498 @@
+//! `ft plan`: for every registered strategy × offload × activation
+//! checkpointing, each rank's peak GPU memory, its node's host memory and
+//! the step time, whether it fits, the fastest that fits, and the largest
+//! micro-batch each fitting one allows.
+//!
+//! Memory is the engine's own account, not a second formula: what a rank
+//! holds between steps is `flat::rank_memory` (what `Trainer::memory`
+//! reports, by the same `UnitPlacement` the trainer allocates with), and the
+//! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
+//! with the model's activations per token (`Model::activations`). Time is
+//! `time.rs`.
+//!
+//! How ft's state relates to the ZeRO paper's (Rajbhandari et al., 2020,
+//! mixed-precision Adam: 2Ψ fp16 parameters + 2Ψ fp16 gradients + KΨ with
+//! K = 12 for the fp32 master, momentum and variance, divided by N as each
+//! stage shards them): ft's K is the same 12 (fp32 master 4 + moments 8,
+//! `params` holding the master and `optimizer_state` the moments); its
+//! gradients are fp32 (4Ψ, not 2Ψ), reduced and accumulated in fp32; and its
+//! compute copy (2Ψ in bf16) is kept whole only when parameters are
+//! replicated (ddp, zero1). So ddp and zero1 hold ZeRO's stage 0 and 1 plus
+//! 2Ψ; full_shard holds stage 3's 16Ψ/N exactly (4Ψ/N fp32 gradients in
+//! place of 2Ψ/N fp16 gradients and 2Ψ/N fp16 parameters); shard_grad_op,
+//! which shards parameters between uses as FSDP's SHARD_GRAD_OP does,
+//! holds 16Ψ/N where stage 2 holds 2Ψ + 14Ψ/N. tests/plan.rs checks this
+//! for Llama-2-70B on 64 GPUs.
+
+mod memory;
+mod time;
+
+pub use memory::PeakBreakdown;
+pub use time::{StepTime, ACHIEVED_FRACTION};
+
+use crate::collectives_bench::{Collective, CommTestRow};
+use crate::config::Config;
+use crate::flat::{rank_memory, MemoryAccount, UnitPlacement};
+use crate::gpu::GpuSpec;
+use crate::model::Model;
+use crate::offload::{NoOffload, Offload};
+use crate::registry::Registry;
+use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
+use anyhow::{bail, Context, Result};
+use memory::{walk, MicroBatch};
+use serde::{Deserialize, Serialize};
+use tch::Kind;
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// The caching allocator's slack over what is allocated: with expandable
+/// segments (`ft` sets them) reserved stays within 2% of allocated in
+/// `ft bench`'s rows; 5% leaves room for a run's varying lengths.
+pub const FRAGMENTATION: f64 = 0.05;
+
+/// Device memory the allocator does not see: the CUDA context, NCCL's
+/// buffers, cuBLAS's handles.
+pub const RUNTIME_RESERVE: f64 = GIB;
+
+/// Host memory a rank's process takes besides offloaded state: libtorch,
+/// the CUDA runtime, the data.
+pub const PROCESS_HOST_BYTES: f64 = 3.0 * GIB;
+
+/// Bus bandwidth between nodes when nothing says otherwise: one 400 Gb/s
+/// NIC per GPU (50 GB/s) at NCCL's ~90%.
+pub const INTER_NODE_BUS_BANDWIDTH: f64 = 45e9;
+
+/// A node's host memory bandwidth when nothing says otherwise, which its
+/// ranks' CPU AdamW shares: an H200 node's AdamW over 6.7B offloaded
+/// elements moved ~155 GB/s (bench/results/2026-11-22-h200x2-offload.md).
+pub const HOST_MEMORY_BANDWIDTH: f64 = 150e9;
+
+/// The machines a plan is for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// GPUs in all: the world size.
+    pub gpus: usize,
+    pub nodes: usize,
+    /// The GPU model (a `--gpu` key, the name NVML reports, or "cpu").
+    pub gpu: String,
+    /// Memory per GPU (bytes); None where unknown (ranks on CPUs): everything fits.
+    pub gpu_memory: Option<f64>,
+    /// FLOP/s one GPU achieves in the compute dtype.
+    pub flops: f64,
+    pub memory_bandwidth: f64,
+    /// NCCL bus bandwidth (bytes/s) among a node's GPUs, and between nodes.
+    pub node_bus_bandwidth: f64,
+    pub inter_node_bus_bandwidth: f64,
+    /// Host link of one GPU, one way (bytes/s).
+    pub host_link_bandwidth: f64,
+    /// Host memory per node (bytes) and its bandwidth (bytes/s).
+    pub host_memory: f64,
+    pub host_memory_bandwidth: f64,
+}
+
+impl Cluster {
+    /// `gpus` GPUs like `gpu`, evenly over `nodes` nodes, computing in
+    /// `dtype` at [`ACHIEVED_FRACTION`] of the dense peak; the host's memory
+    /// is this machine's.
+    pub fn new(gpu: &GpuSpec, gpus: usize, nodes: usize, dtype: Kind) -> Result<Cluster> {
+        if gpus == 0 || nodes == 0 {
+            bail!("plan for at least one GPU on at least one node (--gpus {gpus}, --nodes {nodes})");
+        }
+        if gpus % nodes != 0 {
+            bail!("{gpus} GPUs do not spread evenly over {nodes} nodes: give --gpus as a multiple of --nodes");
+        }
+        let peak = gpu.peak_flops(dtype).with_context(|| format!("no peak FLOP/s for {dtype:?} in ft's GPU table: use bf16, fp16 or f32"))?;
+        Ok(Cluster {
+            gpus,
+            nodes,
+            gpu: gpu.key.into(),
+            gpu_memory: Some(gpu.memory_bytes),
+            flops: peak * ACHIEVED_FRACTION,
+            memory_bandwidth: gpu.memory_bandwidth,
+            node_bus_bandwidth: gpu.node_bus_bandwidth,
+            inter_node_bus_bandwidth: INTER_NODE_BUS_BANDWIDTH,
+            host_link_bandwidth: gpu.host_link_bandwidth,
+            host_memory: crate::metrics::host_memory().unwrap_or(512e9),
+            host_memory_bandwidth: HOST_MEMORY_BANDWIDTH,
+        })
+    }
+
+    pub fn gpus_per_node(&self) -> usize {
+        self.gpus / self.nodes
+    }
+
+    /// Takes the bus bandwidth `ft comm-test --json` measured (the mean
+    /// busbw of all_reduce, all_gather and reduce_scatter at the largest
+    /// size, over the world): the node's, or between nodes when the test
+    /// spanned several.
+    pub fn use_comm_test(&mut self, report: &CommTestReport) -> Result<()> {
+        let world: Vec<&CommTestRow> = report.rows.iter().filter(|r| r.group == "world").collect();
+        let largest = world.iter().map(|r| r.bytes).max().unwrap_or(0);
+        let measured = [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter].map(Collective::name);
+        let busbw: Vec<f64> = world.iter().filter(|r| r.bytes == largest && measured.contains(&r.op.as_str())).map(|r| r.busbw_gbps).collect();
+        if busbw.is_empty() {
+            bail!("the comm-test report has no all_reduce, all_gather or reduce_scatter row over the world");
+        }
+        let bandwidth = busbw.iter().sum::<f64>() / busbw.len() as f64 * 1e9;
+        if report.nodes > 1 {
+            self.inter_node_bus_bandwidth = bandwidth;
+        } else {
+            self.node_bus_bandwidth = bandwidth;
+        }
+        Ok(())
+    }
+}
+
+/// What a plan reads of `ft comm-test --json`'s report (or
+/// bench/peers/comm_bench.py's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CommTestReport {
+    /// Absent from comm_bench.py's report, which runs on one node.
+    #[serde(default)]
+    pub nodes: usize,
+    pub rows: Vec<CommTestRow>,
+}
+
+/// What is trained and how, whatever the strategy.
+pub struct Workload<'a> {
+    pub model: &'a dyn Model,
+    /// Examples per GPU per micro-batch, of `seq` tokens.
+    pub batch: i64,
+    pub seq: i64,
+    pub grad_accum: usize,
+    pub dtype: Kind,
+    pub reduce_dtype: ReduceDtype,
+    pub loss_chunk_tokens: i64,
+    /// `--shard-group-size`, for the strategies that shard.
+    pub shard_group_size: Option<usize>,
+}
+
+impl<'a> Workload<'a> {
+    /// A run of `config`: micro-batches of `train.batch_size` examples of
+    /// `data.max_seq_len` tokens.
+    pub fn of_run(model: &'a dyn Model, config: &Config, dtype: Kind) -> Workload<'a> {
+        let t = &config.train;
+        Workload {
+            model,
+            batch: t.batch_size as i64,
+            seq: config.data.max_seq_len as i64,
+            grad_accum: t.grad_accum,
+            dtype,
+            reduce_dtype: t.reduce_dtype,
+            loss_chunk_tokens: t.loss_chunk_tokens,
+            shard_group_size: t.shard_group_size,
+        }
+    }
+}
+
+/// Which activation checkpointing rows a plan has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checkpointing {
+    /// Rows with and without.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl Checkpointing {
+    fn choices(self) -> &'static [bool] {
+        match self {
+            Checkpointing::Auto => &[false, true],
+            Checkpointing::On => &[true],
+            Checkpointing::Off => &[false],
+        }
+    }
+}
+
+impl std::str::FromStr for Checkpointing {
+    type Err = anyhow::Error;
+    fn from_str(text: &str) -> Result<Checkpointing> {
+        Ok(match text {
+            "auto" => Checkpointing::Auto,
+            "on" => Checkpointing::On,
+            "off" => Checkpointing::Off,
+            _ => bail!("unknown activation checkpointing {text:?}: expected auto, on or off"),
+        })
+    }
+}
+
+/// One way to run the workload.
+pub struct Setup<'a> {
+    pub strategy: &'a str,
+    pub policy: ShardingPolicy,
+    pub offload: &'a str,
+    pub offload_to_host: bool,
+    pub activation_checkpointing: bool,
+}
+
+/// What one way of running it costs, per rank (every rank holds the same).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanRow {
+    pub strategy: String,
+    pub offload: String,
+    pub activation_checkpointing: bool,
+    pub shard_group_size: usize,
+    pub fits: bool,
+    /// What it does not fit in, when it does not.
+    pub exceeds: Option<String>,
+    /// Device memory at the step's peak: allocated, the allocator's
+    /// fragmentation margin and the CUDA runtime's reserve.
+    pub peak_gpu_bytes: f64,
+    /// What the CUDA caching allocator's peak allocated counter reads.
+    pub peak_allocated_bytes: f64,
+    /// The allocated bytes at the peak by what holds them.
+    pub peak: PeakBreakdown,
+    /// What the rank holds (the trainer's account: a run's `state_per_rank`).
+    pub state: MemoryAccount,
+    /// Host memory of a node: its ranks' offloaded state and processes.
+    pub host_bytes: f64,
+    pub step_seconds: f64,
+    pub time: StepTime,
+    pub tokens_per_second_per_gpu: f64,
+    /// The largest micro-batch per GPU that fits (0: none; None: no limit known).
+    pub max_batch: Option<i64>,
+}
+
+impl PlanRow {
+    /// "full_shard + cpu offload + activation checkpointing".
+    pub fn label(&self) -> String {
+        let mut label = self.strategy.clone();
+        if self.offload != NoOffload.name() {
+            label += &format!(" + {} offload", self.offload);
+        }
+        if self.activation_checkpointing {
+            label += " + activation checkpointing";
+        }
+        label
+    }
+
+    fn is(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> bool {
+        self.strategy == strategy && self.offload == offload && self.activation_checkpointing == activation_checkpointing
+    }
+}
+
+/// Every row of a workload on a cluster, and the fastest that fits.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    /// "llama 6738.4M", as `ft bench` names models.
+    pub model: String,
+    pub cluster: Cluster,
+    pub batch: i64,
+    pub seq: i64,
+    pub grad_accum: usize,
+    pub dtype: String,
+    pub rows: Vec<PlanRow>,
+    pub recommended: Option<PlanRow>,
+}
+
+/// The placements of `workload`'s units under `setup` in a shard group of `group`.
+fn placements(workload: &Workload, setup: &Setup, group: usize) -> Vec<UnitPlacement> {
+    workload.model.units().iter().map(|u| UnitPlacement::new(&setup.policy, u.numel(), group, 0, setup.offload_to_host)).collect()
+}
+
+/// Device bytes at a micro-batch's peak with `batch` examples: allocated, and with the margins.
+fn device_peak(workload: &Workload, setup: &Setup, placements: &[UnitPlacement], state: &MemoryAccount, cluster: &Cluster, batch: i64) -> memory::StepMemory {
+    let micro = MicroBatch {
+        batch,
+        seq: workload.seq,
+        dtype: workload.dtype,
+        reduce: setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype),
+        activation_checkpointing: setup.activation_checkpointing,
+        accumulating: workload.grad_accum > 1,
+        data_parallel: cluster.gpus > 1,
+        loss_chunk_tokens: workload.loss_chunk_tokens,
+    };
+    let reshard_after_forward = setup.policy.params == ParamPlacement::Sharded { reshard_after_forward: true };
+    walk(workload.model, placements, state, reshard_after_forward, &micro)
+}
+
+fn with_margins(allocated: f64) -> f64 {
+    allocated * (1.0 + FRAGMENTATION) + RUNTIME_RESERVE
+}
+
+/// Predicts one row.
+pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<PlanRow> {
+    let requested = workload.shard_group_size.filter(|_| setup.policy.optimizer_state_sharded);
+    let group = setup.policy.shard_group_size(setup.strategy, cluster.gpus, cluster.gpus_per_node(), requested)?;
+    let placements = placements(workload, setup, group);
+    let state = rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host);
+    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
+    let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
+    let peak_allocated_bytes = step.peak.total();
+    let peak_gpu_bytes = with_margins(peak_allocated_bytes);
+
+    // Offloaded, the step's gradient pieces sit in pinned memory, and as
+    // many again stay cached by CUDA's host allocator for the next step.
+    let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
+    let reduce = setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64;
+    let staging = if setup.offload_to_host { 2.0 * workload.grad_accum as f64 * owned * reduce } else { 0.0 };
+    let host_bytes = cluster.gpus_per_node() as f64 * (state.host + staging + PROCESS_HOST_BYTES);
+
+    let gb = |bytes: f64| bytes / 1e9;
+    let host_fits = host_bytes <= cluster.host_memory;
+    let gpu_fits = |bytes: f64| cluster.gpu_memory.is_none_or(|memory| bytes <= memory);
+    let exceeds = match (gpu_fits(peak_gpu_bytes), host_fits) {
+        (true, true) => None,
+        (false, _) => Some(format!("GPU: {:.1} GB of {:.1} GB", gb(peak_gpu_bytes), gb(cluster.gpu_memory.unwrap_or_default()))),
+        (true, false) => Some(format!("host: {:.1} GB of {:.1} GB per node", gb(host_bytes), gb(cluster.host_memory))),
+    };
+    let fits_with = |batch: i64| gpu_fits(with_margins(device_peak(workload, setup, &placements, &state, cluster, batch).peak.total()));
+    let max_batch = match (cluster.gpu_memory, host_fits) {
+        (None, _) => None,
+        (Some(_), false) => Some(0),
+        (Some(_), true) => Some(largest(fits_with)),
+    };
+    let time = time::step_time(workload, cluster, setup, &placements, group, &step.gathers);
+    let step_seconds = time.total();
+    Ok(PlanRow {
+        strategy: setup.strategy.into(),
+        offload: setup.offload.into(),
+        activation_checkpointing: setup.activation_checkpointing,
+        shard_group_size: group,
+        fits: exceeds.is_none(),
+        exceeds,
+        peak_gpu_bytes,
+        peak_allocated_bytes,
+        peak: step.peak,
+        state,
+        host_bytes,
+        step_seconds,
+        time,
+        tokens_per_second_per_gpu: (workload.batch * workload.seq) as f64 * workload.grad_accum as f64 / step_seconds,
+        max_batch,
+    })
+}
+
+/// The largest n ≥ 1 with `fits(n)` (memory grows with n), or 0.
+fn largest(fits: impl Fn(i64) -> bool) -> i64 {
+    const LIMIT: i64 = 1 << 24;
+    if !fits(1) {
+        return 0;
+    }
+    let mut low = 1;
+    while low < LIMIT && fits(low * 2) {
+        low *= 2;
+    }
+    let mut high = (low * 2).min(LIMIT + 1);
+    while high - low > 1 {
+        let middle = (low + high) / 2;
+        if fits(middle) {
+            low = middle;
+        } else {
+            high = middle;
+        }
+    }
+    low
+}
+
+impl Plan {
+    /// Every registered strategy × offload × `checkpointing` for `workload` on `cluster`.
+    pub fn new(workload: &Workload, cluster: &Cluster, registry: &Registry, checkpointing: Checkpointing) -> Result<Plan> {
+        if workload.batch < 1 || workload.seq < 2 || workload.grad_accum < 1 {
+            bail!("plan a batch of at least 1 example of at least 2 tokens, and grad_accum of at least 1");
+        }
+        let mut rows = vec![];
+        for strategy in registry.strategies() {
+            let policy = (strategy.create)().policy();
+            if let Err(why) = policy.validate(&strategy.name) {
+                tracing::warn!("ft plan leaves out {why}");
+                continue;
+            }
+            for offload in registry.offloads() {
+                let to_host = (offload.create)().to_host();
+                for &activation_checkpointing in checkpointing.choices() {
+                    let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing };
+                    rows.push(predict(workload, cluster, &setup)?);
+                }
+            }
+        }
+        let recommended = fastest(rows.iter().filter(|r| r.fits)).cloned();
+        let model = workload.model;
+        Ok(Plan {
+            model: crate::bench::model_label(model),
+            cluster: cluster.clone(),
+            batch: workload.batch,
+            seq: workload.seq,
+            grad_accum: workload.grad_accum,
+            dtype: format!("{:?}", workload.dtype),
+            rows,
+            recommended,
+        })
+    }
+
+    /// The row of one configuration.
+    pub fn row(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> Option<&PlanRow> {
+        self.rows.iter().find(|r| r.is(strategy, offload, activation_checkpointing))
+    }
+
+    fn workload(&self) -> String {
+        let accumulation = if self.grad_accum > 1 { format!(" x {} accumulated", self.grad_accum) } else { String::new() };
+        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}", self.model, self.batch, self.seq, self.dtype)
+    }
+
+    fn hardware(&self) -> String {
+        let c = &self.cluster;
+        let memory = c.gpu_memory.map_or("no memory limit".into(), |m| format!("{:.1} GB", m / 1e9));
+        format!("{} x {} ({memory}) on {} node(s), {:.0} GB host memory per node", c.gpus, c.gpu, c.nodes, c.host_memory / 1e9)
+    }
+
+    /// What to try when nothing fits: the configuration that allows the largest batch.
+    fn largest_batch_hint(&self) -> String {
+        match self.rows.iter().filter_map(|r| Some((r.max_batch?, r))).max_by_key(|(batch, _)| *batch) {
+            Some((batch, row)) if batch > 0 => format!("{} fits a micro-batch of {batch} per GPU", row.label()),
+            _ => "not even a micro-batch of 1 fits: more GPUs, a shorter sequence or offload would".into(),
+        }
+    }
+
+    /// The console table.
+    pub fn table(&self) -> String {
+        let gb = |bytes: f64| format!("{:.1}", bytes / 1e9);
+        let mut out = format!("ft plan: {}\n         on {}\n\n", self.workload(), self.hardware());
+        out += &format!(
+            "{:<16} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>13} {:>10}\n",
+            "strategy", "offload", "ckpt", "fits", "peak GB", "state", "acts", "other", "host GB", "step s", "tokens/s/GPU", "max batch"
+        );
+        for r in &self.rows {
+            let other = r.peak.gathered + r.peak.loss + r.peak.transient;
+            out += &format!(
+                "{:<16} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10.3} {:>13.0} {:>10}{}\n",
+                r.strategy,
+                r.offload,
+                if r.activation_checkpointing { "on" } else { "off" },
+                if r.fits { "yes" } else { "no" },
+                gb(r.peak_gpu_bytes),
+                gb(r.peak.state + r.peak.grads),
+                gb(r.peak.activations),
+                gb(other),
+                gb(r.host_bytes),
+                r.step_seconds,
+                r.tokens_per_second_per_gpu,
+                r.max_batch.map_or("-".into(), |b| b.to_string()),
+                if self.recommended.as_ref() == Some(r) { "  <- recommended" } else { "" }
+            );
+        }
+        out += "\npeak GB: allocated at the step's peak + 5% fragmentation + 1 GiB CUDA runtime; state: parameters, optimizer \
+state and gradients held then; acts: activations; other: gathered units, loss buffers, gradients in flight. host GB: per node.\n";
+        out += &match &self.recommended {
+            Some(r) => format!(
+                "recommended: {} — {:.1} GB per GPU, {:.3} s per step, {:.0} tokens/s per GPU{}\n",
+                r.label(),
+                r.peak_gpu_bytes / 1e9,
+                r.step_seconds,
+                r.tokens_per_second_per_gpu,
+                r.max_batch.map_or(String::new(), |b| format!("; micro-batches up to {b} fit"))
+            ),
+            None => format!("nothing fits: {}\n", self.largest_batch_hint()),
+        };
+        out
+    }
+}
+
+/// The quickest of `rows` (the first of equals).
+fn fastest<'r>(rows: impl Iterator<Item = &'r PlanRow>) -> Option<&'r PlanRow> {
+    rows.fold(None, |best: Option<&PlanRow>, r| match best {
+        Some(b) if b.step_seconds <= r.step_seconds => Some(b),
+        _ => Some(r),
+    })
+}

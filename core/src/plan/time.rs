@@ -1,0 +1,184 @@
+//! One optimizer step's time: the model's FLOPs at the GPU's achieved rate,
+//! AdamW's pass over the optimizer state at memory bandwidth, the bytes each
+//! collective moves at the bus bandwidth (nccl-tests' busbw, what `ft
+//! comm-test` measures), and offload's host optimizer and transfers.
+//!
+//! Calibrated on `ft bench` rows measured on H200s (bench/results/
+//! 2026-11-22-h200x2-performance.md: BLOOM-560m on 1 and 2 GPUs under ddp,
+//! shard_grad_op and full_shard, OPT-1.3B on 1 and 2, CodeLlama-7B on 2 at
+//! 2 × 2048; 2026-11-22-h200x2-offload.md for offload): tests/plan.rs checks
+//! each prediction against them.
+
+use super::{Cluster, Setup, Workload};
+use crate::collectives_bench::Collective;
+use crate::flat::UnitPlacement;
+use crate::model::StageKind;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+
+/// The share of the dense peak ft's step reaches on a GPU of the table:
+/// its model FLOPs utilisation measured 33-49% for BLOOM-560m, OPT-1.3B and
+/// CodeLlama-7B on H200s; 0.42 makes the largest error over those rows
+/// smallest.
+pub const ACHIEVED_FRACTION: f64 = 0.42;
+
+/// The share of the memory bandwidth AdamW's kernel reaches (3.8 of 4.8 TB/s on an H200).
+const OPTIMIZER_BANDWIDTH_FRACTION: f64 = 0.8;
+
+/// Bytes AdamW moves per element it updates: master, gradient and two
+/// moments read, master and moments written (28), and the gradient norm's read (4).
+const OPTIMIZER_BYTES: f64 = 32.0;
+
+/// How much of the communication that runs beside compute still costs
+/// time: NCCL's kernels take SMs from the GEMMs they overlap (~8% slower
+/// GEMMs under OPT-1.3B's 27 ms of collectives per step) besides the gaps
+/// where a unit waits for its gather. Fitted to the 2-GPU rows.
+const CONTENTION: f64 = 0.3;
+
+/// A step's time by where it goes, in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// Forward and backward (with activation checkpointing, the blocks'
+    /// forward again) at the GPU's achieved FLOP/s.
+    pub compute: f64,
+    /// Collectives the compute does not hide.
+    pub communication: f64,
+    /// AdamW on the GPU.
+    pub optimizer: f64,
+    /// Offloaded: the host's AdamW and the transfers nothing hides.
+    pub offload: f64,
+}
+
+impl StepTime {
+    pub fn total(&self) -> f64 {
+        self.compute + self.communication + self.optimizer + self.offload
+    }
+}
+
+/// Which ranks a collective runs over.
+#[derive(Clone, Copy)]
+enum Group {
+    /// The shard group: consecutive ranks.
+    Shard,
+    /// Every rank.
+    World,
+    /// Hybrid sharding's replicas: the ranks holding the same shard in the other groups.
+    Replicas,
+}
+
+/// One collective of a step.
+struct Transfer {
+    collective: Collective,
+    group: Group,
+    /// The buffer's bytes, as nccl-tests counts them.
+    bytes: f64,
+    /// Nothing runs beside it: the first gather, the last reduction, zero1's gather after the step.
+    exposed: bool,
+}
+
+struct Network<'a> {
+    cluster: &'a Cluster,
+    shard_group: usize,
+}
+
+impl Network<'_> {
+    fn seconds(&self, transfer: &Transfer) -> f64 {
+        let (world, per_node) = (self.cluster.gpus, self.cluster.gpus_per_node());
+        let (ranks, across_nodes) = match transfer.group {
+            Group::Shard => (self.shard_group, self.shard_group > per_node),
+            Group::World => (world, self.cluster.nodes > 1),
+            Group::Replicas => (world / self.shard_group, self.cluster.nodes > 1),
+        };
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let bandwidth = if across_nodes { self.cluster.inter_node_bus_bandwidth } else { self.cluster.node_bus_bandwidth };
+        transfer.bytes * transfer.collective.bus_factor(ranks) / bandwidth
+    }
+}
+
+/// The collectives of one step: `gathers` are one micro-batch's all-gathers in order.
+fn transfers(workload: &Workload, setup: &Setup, placements: &[UnitPlacement], gathers: &[f64], data_parallel: bool) -> Vec<Transfer> {
+    let mut out = vec![];
+    if !data_parallel {
+        return out;
+    }
+    let (compute, reduce) = (workload.dtype.elt_size_in_bytes() as f64, setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64);
+    let micro_batches = workload.grad_accum;
+    for micro in 0..micro_batches {
+        let last = micro + 1 == micro_batches;
+        for (i, &bytes) in gathers.iter().enumerate() {
+            out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes, exposed: i == 0 });
+        }
+        // Backward reduces the units in reverse: the first stage's unit last.
+        let first_unit = workload.model.stages()[0].unit;
+        for (u, placement) in placements.iter().enumerate() {
+            let exposed = u == first_unit;
+            let (padded, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
+            if placement.grads_sharded {
+                out.push(Transfer { collective: Collective::ReduceScatter, group: Group::Shard, bytes: padded * reduce, exposed });
+                // Replicas sum their shards: each micro-batch's when it goes to the host.
+                let replica_bytes = if placement.offload { Some(shard * reduce) } else { last.then_some(shard * 4.0) };
+                if let Some(bytes) = replica_bytes {
+                    out.push(Transfer { collective: Collective::AllReduce, group: Group::Replicas, bytes, exposed });
+                }
+            } else if placement.offload || last {
+                out.push(Transfer { collective: Collective::AllReduce, group: Group::World, bytes: padded * reduce, exposed });
+            }
+        }
+    }
+    // zero1: each rank updated its slice of the replicated parameters.
+    for placement in placements.iter().filter(|p| p.optimizer_sharded && !p.params_sharded) {
+        out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64 * compute, exposed: true });
+    }
+    out
+}
+
+/// Training FLOPs per token of the blocks alone (what recomputation repeats in forward).
+fn block_flops_per_token(workload: &Workload) -> f64 {
+    let model = workload.model;
+    let block_units: BTreeSet<usize> = model.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit).collect();
+    let other_params: i64 = (0..model.units().len()).filter(|u| !block_units.contains(u)).map(|u| model.units()[u].numel()).sum();
+    model.train_flops_per_token(workload.seq) - 6.0 * other_params as f64
+}
+
+/// The step's time under `setup`, with `placements` as its units' and
+/// `gathers` one micro-batch's all-gathers (from the memory walk).
+pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, placements: &[UnitPlacement], shard_group: usize, gathers: &[f64]) -> StepTime {
+    let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
+    let mut flops = tokens * workload.model.train_flops_per_token(workload.seq);
+    if setup.activation_checkpointing {
+        // Forward is a third of a block's training FLOPs.
+        flops += tokens * block_flops_per_token(workload) / 3.0;
+    }
+    let compute = flops / cluster.flops;
+
+    let network = Network { cluster, shard_group };
+    let data_parallel = cluster.gpus > 1;
+    let (mut exposed, mut overlapped) = (0.0, 0.0);
+    for transfer in transfers(workload, setup, placements, gathers, data_parallel) {
+        let seconds = network.seconds(&transfer);
+        if transfer.exposed {
+            exposed += seconds;
+        } else {
+            overlapped += seconds;
+        }
+    }
+    let communication = exposed + (overlapped - compute).max(0.0) + CONTENTION * overlapped.min(compute);
+
+    let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
+    let offloaded = placements.iter().any(|p| p.offload);
+    let (optimizer, offload) = if offloaded {
+        let reduce = setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64;
+        // The node's ranks share its memory bandwidth.
+        let host_bandwidth = cluster.host_memory_bandwidth / cluster.gpus_per_node() as f64;
+        let host_optimizer = owned * OPTIMIZER_BYTES / host_bandwidth;
+        // Gradients go down while backward (two thirds of the compute) runs; masters come back after the step.
+        let down = workload.grad_accum as f64 * owned * reduce / cluster.host_link_bandwidth;
+        let up = owned * 4.0 / cluster.host_link_bandwidth;
+        (0.0, host_optimizer + up + (down - compute * 2.0 / 3.0).max(0.0))
+    } else {
+        (owned * OPTIMIZER_BYTES / (cluster.memory_bandwidth * OPTIMIZER_BANDWIDTH_FRACTION), 0.0)
+    };
+    StepTime { compute, communication, optimizer, offload }
+}

@@ -1,0 +1,297 @@
+//! `ft plan`: its table for the shipped decoder configs, its refusal of bad
+//! input, each rank's held state against real CPU runs of every strategy at
+//! 1, 2 and 4 ranks, the ZeRO paper's closed form for Llama-2-70B on 64 GPUs,
+//! and multi-node plans.
+
+mod common;
+use common::{ft, text};
+use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
+use ft_core::strategy::ReduceDtype;
+use ft_core::{Model, Registry};
+use ft_models::hf;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::Kind;
+
+// The built-in strategies register themselves; naming the crates links them in.
+use ft_strategy_ddp as _;
+use ft_strategy_full_shard as _;
+use ft_strategy_hybrid_shard as _;
+use ft_strategy_shard_grad_op as _;
+use ft_strategy_zero1 as _;
+
+const STRATEGIES: [&str; 5] = ["ddp", "full_shard", "hybrid_shard", "shard_grad_op", "zero1"];
+
+fn shared_config(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/configs").join(name).join("config.json")
+}
+
+fn model(config: &Path) -> Box<dyn Model> {
+    hf::ModelSource::resolve(config.to_str().unwrap()).unwrap().model().unwrap()
+}
+
+fn workload(model: &dyn Model, batch: i64, seq: i64) -> Workload<'_> {
+    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None }
+}
+
+fn h100s(gpus: usize, nodes: usize) -> Cluster {
+    let mut cluster = Cluster::new(ft_core::gpu::GpuSpec::find("h100").unwrap(), gpus, nodes, Kind::BFloat16).unwrap();
+    cluster.host_memory = 2e12;
+    cluster
+}
+
+fn row<'p>(plan: &'p Plan, strategy: &str, offload: &str, checkpointing: bool) -> &'p PlanRow {
+    plan.row(strategy, offload, checkpointing).unwrap_or_else(|| panic!("no row {strategy} {offload} {checkpointing}"))
+}
+
+fn setup<'a>(registry: &Registry, strategy: &'a str, offload: &'a str, activation_checkpointing: bool) -> Setup<'a> {
+    let policy = (registry.strategy(strategy).unwrap().create)().policy();
+    Setup { strategy, policy, offload, offload_to_host: offload == "cpu", activation_checkpointing }
+}
+
+#[test]
+fn the_shipped_decoders_are_planned_in_under_a_second() {
+    let registry = Registry::builtin();
+    for name in ["bloom-560m", "opt-1.3b", "codellama-7b"] {
+        let model = model(&shared_config(name));
+        let numel = model.numel() as f64;
+        let started = Instant::now();
+        let plan = Plan::new(&workload(model.as_ref(), 8, 512), &h100s(8, 1), &registry, Checkpointing::Auto).unwrap();
+        let seconds = started.elapsed().as_secs_f64();
+        assert!(seconds < 1.0, "{name}: planned in {seconds:.2} s");
+        assert_eq!(plan.rows.len(), STRATEGIES.len() * 2 * 2, "{name}: strategies x offloads x checkpointing");
+
+        // ddp holds everything: fp32 master and bf16 copy, fp32 gradients, two fp32 moments.
+        let ddp = row(&plan, "ddp", "none", false);
+        assert_eq!([ddp.state.params, ddp.state.grads, ddp.state.optimizer_state], [6.0 * numel, 4.0 * numel, 8.0 * numel], "{name}");
+        // full_shard holds an eighth of master, gradients and moments (units padded to multiples of 8).
+        let sharded = row(&plan, "full_shard", "none", false);
+        let eighth = |bytes: f64| (bytes - 16.0 * numel / 8.0).abs() / (16.0 * numel / 8.0);
+        assert!(eighth(sharded.state.params + sharded.state.grads + sharded.state.optimizer_state) < 1e-5, "{name}");
+        assert!(sharded.state.gathered_peak > 0.0 && ddp.state.gathered_peak == 0.0, "{name}");
+        // Sharded, activations make the peak; checkpointed, each block keeps its output alone.
+        let checkpointed = row(&plan, "full_shard", "none", true);
+        assert!(checkpointed.peak.activations < sharded.peak.activations / 4.0, "{name}: {:?} vs {:?}", checkpointed.peak, sharded.peak);
+        for strategy in STRATEGIES {
+            let (plain, checkpointed) = (row(&plan, strategy, "none", false), row(&plan, strategy, "none", true));
+            assert!(checkpointed.peak_allocated_bytes <= plain.peak_allocated_bytes, "{name} {strategy}: checkpointing never costs memory");
+            assert!(checkpointed.step_seconds > plain.step_seconds, "{name} {strategy}: recomputation costs time");
+            let offloaded = row(&plan, strategy, "cpu", false);
+            assert!(offloaded.state.host > 0.0 && offloaded.peak.state < plain.peak.state, "{name} {strategy}: offload moves state to the host");
+        }
+        // The recommendation is the fastest that fits, and each fitting row's largest batch is exact.
+        let recommended = plan.recommended.as_ref().unwrap_or_else(|| panic!("{name}: something fits 8 H100s"));
+        assert!(plan.rows.iter().filter(|r| r.fits).all(|r| r.step_seconds >= recommended.step_seconds), "{name}");
+        for r in plan.rows.iter().filter(|r| r.fits) {
+            let largest = r.max_batch.unwrap();
+            assert!(largest >= 8, "{name}: {} fits 8 but allows {largest}", r.label());
+            let setup = setup(&registry, &r.strategy, &r.offload, r.activation_checkpointing);
+            let at = |batch| plan::predict(&workload(model.as_ref(), batch, 512), &h100s(8, 1), &setup).unwrap();
+            assert!(at(largest).fits && !at(largest + 1).fits, "{name}: {} at {largest} and {}", r.label(), largest + 1);
+        }
+    }
+    // The 7B model does not fit 80 GB replicated, and does sharded.
+    let plan = Plan::new(&workload(model(&shared_config("codellama-7b")).as_ref(), 8, 512), &h100s(8, 1), &registry, Checkpointing::Off).unwrap();
+    assert!(!row(&plan, "ddp", "none", false).fits && row(&plan, "full_shard", "none", false).fits);
+}
+
+/// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
+fn plugin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join("libft_plugin_ddp_bf16_grads.so");
+    assert!(path.is_file(), "{} missing: run `cargo build --workspace` first (scripts/test.sh does)", path.display());
+    path
+}
+
+#[test]
+fn ft_plan_prints_the_table_and_writes_json_with_plugin_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("plan.json");
+    for name in ["bloom-560m", "opt-1.3b", "codellama-7b"] {
+        let output = ft()
+            .args(["--plugin", plugin().to_str().unwrap(), "plan", "--model", shared_config(name).to_str().unwrap()])
+            .args(["--gpus", "8", "--gpu", "h100", "--host-memory", "2TB", "--json", json.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains("ft plan: ") && log.contains("on 8 x h100 (85.5 GB) on 1 node(s)") && log.contains("recommended: "), "{log}");
+        let plan: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let rows = plan["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 6 * 2 * 2, "{name}: five strategies and the plug-in's, two offloads, with and without checkpointing");
+        for key in ["strategy", "offload", "activation_checkpointing", "fits", "peak_gpu_bytes", "host_bytes", "step_seconds", "max_batch"] {
+            assert!(rows.iter().all(|r| r.get(key).is_some()), "{name}: rows have {key}");
+        }
+        assert!(rows.iter().any(|r| r["strategy"] == "ddp_bf16_grads"), "{name}");
+        assert!(plan["recommended"]["fits"] == true, "{name}: {}", plan["recommended"]);
+    }
+}
+
+#[test]
+fn ft_plan_refuses_bad_input_with_the_reason() {
+    let opt = shared_config("opt-1.3b");
+    let refused = [
+        (vec!["--gpu", "b200"], "unknown --gpu \"b200\": ft knows gh200, h200-nvl, h200"),
+        (vec!["--gpu-memory", "80"], "give a size with its unit, e.g. 80GB or 80GiB"),
+        (vec!["--gpu-memory", "0GB"], "\"0GB\": expected more than 0"),
+        (vec!["--host-memory", "lots"], "give a size with its unit"),
+        (vec!["--gpus", "0"], "plan for at least one GPU on at least one node (--gpus 0, --nodes 1)"),
+        (vec!["--gpus", "12", "--nodes", "8"], "12 GPUs do not spread evenly over 8 nodes"),
+        (vec!["--batch", "0"], "plan a batch of at least 1 example"),
+        (vec!["--gpus", "8", "--shard-group-size", "3"], "shard group size 3 must divide the world size 8"),
+        (vec!["--tflops", "0"], "\"0\": expected more than 0"),
+        (vec!["--activation-checkpointing", "maybe"], "expected auto, on or off"),
+    ];
+    for (flags, reason) in refused {
+        let output = ft().args(["plan", "--model", opt.to_str().unwrap()]).args(&flags).output().unwrap();
+        let log = text(&output);
+        assert!(!output.status.success() && log.contains(reason) && !log.contains("panicked"), "{flags:?}: {log}");
+    }
+    let output = ft().args(["plan", "--model", "/nonexistent/config.json"]).output().unwrap();
+    assert!(!output.status.success() && !text(&output).contains("panicked"), "{}", text(&output));
+}
+
+/// A tiny BLOOM on the demo's data: `(config.json, train file, tokenizer)`.
+fn demo_workload(dir: &Path) -> [PathBuf; 3] {
+    let files = ft_data::demo::write(&dir.join("demo"), 8, 1, 0).unwrap();
+    let mut config = ft_core::Config::default();
+    let model_config = ft_data::demo::configure(&mut config, &dir.join("demo")).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(&path, model_config.to_string()).unwrap();
+    [path, files.train, files.tokenizer]
+}
+
+/// `ft plan --json` for `ranks` CPU ranks in fp32, as the runs below train.
+fn plan_json(dir: &Path, config: &Path, ranks: usize, extra: &[&str]) -> Value {
+    let json = dir.join(format!("plan-{ranks}-{}.json", extra.join("")));
+    let output = ft()
+        .args(["plan", "--model", config.to_str().unwrap(), "--gpus", &ranks.to_string(), "--dtype", "f32", "--batch", "2", "--seq", "32"])
+        .args(["--activation-checkpointing", "off", "--json", json.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
+
+#[test]
+fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = demo_workload(dir.path());
+    let mut plans: HashMap<String, Value> = HashMap::new();
+    for (ranks, strategy) in [1, 2, 4].into_iter().flat_map(|ranks| STRATEGIES.map(|strategy| (ranks, strategy))) {
+        // At 2 ranks the state is offloaded (held on the host); at 4 hybrid
+        // sharding runs as 2 shard groups x 2 replicas.
+        let offload = if ranks == 2 { "cpu" } else { "none" };
+        let extra = if ranks == 4 && strategy == "hybrid_shard" { vec!["--shard-group-size", "2"] } else { vec![] };
+        let name = format!("{strategy}-{offload}-{ranks}");
+        let output_dir = dir.path().join(&name);
+        let output = ft()
+            .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap()])
+            // One step of 2 examples per rank.
+            .args(["--tokenizer", tokenizer.to_str().unwrap(), "--max-seq-len", "32", "--epochs", "1", "--train-samples", &(2 * ranks).to_string()])
+            .args(["--batch-size", "2", "--dtype", "f32", "--set", "output.report_to=[]", "--output-dir", output_dir.to_str().unwrap()])
+            .args(["--nproc-per-node", &ranks.to_string(), "--strategy", strategy, "--offload", offload])
+            .args(&extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        let summary: Value = serde_json::from_str(&std::fs::read_to_string(output_dir.join("summary.json")).unwrap()).unwrap();
+        let plan = plans.entry(format!("{ranks} {extra:?}")).or_insert_with(|| plan_json(dir.path(), &config, ranks, &extra));
+        let predicted = plan["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == strategy && r["offload"] == offload)
+            .unwrap_or_else(|| panic!("{name}: no row"));
+        let held = summary["state_per_rank"].as_array().unwrap();
+        assert_eq!(held.len(), ranks);
+        for (rank, measured) in held.iter().enumerate() {
+            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak"] {
+                assert_eq!(predicted["state"][what], measured[what], "{name} rank {rank}: {what}");
+            }
+        }
+        assert_eq!(predicted["shard_group_size"], summary["shard_group_size"], "{name}");
+    }
+}
+
+#[test]
+fn model_state_follows_the_zero_paper_for_llama2_70b_on_64_gpus() {
+    let config = serde_json::json!({
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000, "rms_norm_eps": 1e-5
+    });
+    let model = hf::model_from_config(config).unwrap();
+    let psi = model.numel() as f64;
+    assert!((psi / 1e9 - 68.98).abs() < 0.01, "Llama-2-70B has 68.98B parameters, this config {psi}");
+    let (gpus, n) = (64, 64.0);
+    let plan = Plan::new(&workload(model.as_ref(), 1, 4096), &h100s(gpus, 8), &Registry::builtin(), Checkpointing::Off).unwrap();
+    // ZeRO (Rajbhandari et al. 2020), mixed-precision Adam per GPU: fp16 parameters 2Ψ,
+    // fp16 gradients 2Ψ, and K = 12 bytes of optimizer state (fp32 master,
+    // momentum, variance) per parameter, each divided by N where the stage shards it:
+    // stage 0 nothing, 1 the optimizer state, 2 the gradients too, 3 the parameters too.
+    let zero = |parameters: f64, gradients: f64, optimizer: f64| 2.0 * psi / parameters + 2.0 * psi / gradients + 12.0 * psi / optimizer;
+    // ft per GPU: `optimizer_state` is the two fp32 moments (8 of K's 12 bytes) and
+    // `params` the fp32 master (K's other 4) plus, where parameters are replicated,
+    // the whole bf16 compute copy (ZeRO's 2Ψ); gradients are fp32, 4Ψ where ZeRO's are
+    // fp16. So ft = ZeRO + (4 - 2)Ψ/N_gradients - 2Ψ/N_parameters + (2Ψ where ft keeps
+    // the compute copy whole).
+    let cases = [
+        // (strategy, ZeRO stage's divisors for parameters / gradients / optimizer state, ft's compute copy)
+        ("ddp", [1.0, 1.0, 1.0], 2.0 * psi),
+        ("zero1", [1.0, 1.0, n], 2.0 * psi),
+        // shard_grad_op is FSDP's SHARD_GRAD_OP: parameters sharded between uses, unlike ZeRO-2.
+        ("shard_grad_op", [1.0, n, n], 0.0),
+        ("full_shard", [n, n, n], 0.0),
+        // hybrid_shard: ZeRO-3 within a node of 8.
+        ("hybrid_shard", [8.0, 8.0, 8.0], 0.0),
+    ];
+    for (strategy, [parameters, gradients, optimizer], compute_copy) in cases {
+        let held = row(&plan, strategy, "none", false).state;
+        let ft_from_zero = zero(parameters, gradients, optimizer) + 2.0 * psi / gradients - 2.0 * psi / parameters + compute_copy;
+        let total = held.params + held.grads + held.optimizer_state;
+        // Padding every unit to a multiple of the shard group adds at most 63 elements per unit.
+        assert!((total - ft_from_zero).abs() / ft_from_zero < 1e-6, "{strategy}: ft holds {total:e}, ZeRO's form gives {ft_from_zero:e}");
+        assert!((held.optimizer_state - 8.0 * psi / optimizer).abs() / held.optimizer_state < 1e-6, "{strategy}: moments");
+        assert!((held.grads - 4.0 * psi / gradients).abs() / held.grads < 1e-6, "{strategy}: fp32 gradients");
+    }
+    // Stage 3's 16Ψ/N is ft's full_shard to the byte but for padding: 17.2 GB per GPU.
+    let full_shard = row(&plan, "full_shard", "none", false).state;
+    assert!(((full_shard.params + full_shard.grads + full_shard.optimizer_state) / (16.0 * psi / n) - 1.0).abs() < 1e-6);
+}
+
+#[test]
+fn multi_node_plans_shard_hybrid_within_a_node_and_pay_for_the_network() {
+    let model = model(&shared_config("codellama-7b"));
+    let registry = Registry::builtin();
+    let full_shard = setup(&registry, "full_shard", "none", false);
+    let hybrid = setup(&registry, "hybrid_shard", "none", false);
+    for gpus in [8, 64, 1024] {
+        let nodes = gpus / 8;
+        let cluster = h100s(gpus, nodes);
+        let work = workload(model.as_ref(), 4, 2048);
+        let (sharded, grouped) = (plan::predict(&work, &cluster, &full_shard).unwrap(), plan::predict(&work, &cluster, &hybrid).unwrap());
+        assert_eq!((sharded.shard_group_size, grouped.shard_group_size), (gpus, 8), "{gpus} GPUs");
+        if nodes > 1 {
+            // Gathers and reduce-scatters over every node's network, against a node's NVLink.
+            assert!(sharded.time.communication > grouped.time.communication, "{gpus} GPUs: {:?} vs {:?}", sharded.time, grouped.time);
+            assert!(sharded.state.optimizer_state < grouped.state.optimizer_state);
+            let mut slower = cluster.clone();
+            slower.inter_node_bus_bandwidth /= 4.0;
+            assert!(plan::predict(&work, &slower, &full_shard).unwrap().step_seconds > sharded.step_seconds);
+        }
+    }
+    // A comm-test report's bus bandwidth replaces the table's: the mean over the reductions and gathers at the largest size.
+    let mut cluster = h100s(8, 1);
+    let row = |op: &str, bytes: usize, busbw: f64| {
+        serde_json::json!({"op": op, "group": "world", "group_size": 8, "bytes": bytes, "elements": bytes / 2, "dtype": "bf16",
+            "time_us": 1.0, "algbw_gbps": busbw, "busbw_gbps": busbw, "correct": true})
+    };
+    let report = |rows: Vec<Value>| serde_json::from_value::<CommTestReport>(serde_json::json!({"nodes": 1, "rows": rows})).unwrap();
+    let measured = report(vec![row("all_gather", 1 << 20, 1.0), row("all_gather", 1 << 28, 100.0), row("reduce_scatter", 1 << 28, 200.0), row("broadcast", 1 << 28, 900.0)]);
+    cluster.use_comm_test(&measured).unwrap();
+    assert_eq!(cluster.node_bus_bandwidth, 150e9);
+    assert!(cluster.use_comm_test(&report(vec![])).is_err());
+}
