@@ -9,6 +9,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
 use ft_core::device::{DType, DeviceSpec};
+use ft_core::gpu::{self, GpuSpec};
+use ft_core::model::Model;
+use ft_core::plan::{self, BenchSettings};
 use ft_core::setup::Rank;
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Config, Registry};
@@ -78,6 +81,13 @@ pub struct BenchArgs {
     /// Run nothing: print the table and draw the chart of rows saved with --json (repeatable).
     #[arg(long, value_name = "ROWS_JSON")]
     from_json: Vec<PathBuf>,
+    /// Print each row's peak allocated memory and step time beside `ft
+    /// plan`'s prediction (with --from-json, give the rows' --config too).
+    #[arg(long)]
+    plan_check: bool,
+    /// The GPU the rows ran on, for --plan-check (default: this machine's).
+    #[arg(long)]
+    gpu: Option<String>,
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
@@ -93,7 +103,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
             rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
         }
-        return report(&args, rows);
+        return report(&args, rows, plugins);
     }
     let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
@@ -104,7 +114,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
                     for strategy in &args.strategy {
                         let result = scratch.join(format!("row-{}.json", rows.len()));
                         let row = launch_one(&args, plugins, config, strategy, gpus, batch, seq, &result).unwrap_or_else(|e| {
-                            Row::failed(config, strategy, &args.offload, args.reduce_dtype, gpus, batch, seq, format!("{e:#}"))
+                            Row::failed(config, strategy, &args.offload, &case(&args, batch, seq), gpus, format!("{e:#}"))
                         });
                         eprintln!("{}", row.describe());
                         rows.push(row);
@@ -114,13 +124,16 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
-    report(&args, rows)
+    report(&args, rows, plugins)
 }
 
-/// The table, and the JSON and chart when asked for; fails when a configuration did.
-fn report(args: &BenchArgs, mut rows: Vec<Row>) -> Result<i32> {
+/// The table, and the JSON, chart and plan check when asked for; fails when a configuration did.
+fn report(args: &BenchArgs, mut rows: Vec<Row>, plugins: &[PathBuf]) -> Result<i32> {
     bench::fill_exposed_comm(&mut rows);
     print!("{}", bench::table(&rows));
+    if args.plan_check {
+        plan_check(args, &rows, plugins)?;
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?).with_context(|| format!("cannot write {}", path.display()))?;
     }
@@ -128,6 +141,27 @@ fn report(args: &BenchArgs, mut rows: Vec<Row>) -> Result<i32> {
         bench::chart::write(&rows, path)?;
     }
     Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
+}
+
+/// Each row beside `ft plan`'s prediction.
+fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()> {
+    let registry = Registry::with_plugins(plugins)?;
+    let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()).collect::<Result<Vec<_>>>()?;
+    let models: Vec<&dyn Model> = models.iter().map(|m| m.as_ref()).collect();
+    let gpu = match &args.gpu {
+        Some(name) => GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))?,
+        None => gpu::local_gpu(0)
+            .and_then(|(name, _)| GpuSpec::find(&name))
+            .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
+    };
+    let settings = BenchSettings {
+        gpu,
+        dtype: args.dtype.kind(tch::Device::Cuda(0)),
+        loss_chunk_tokens: args.loss_chunk_tokens,
+        shard_group_size: args.shard_group_size,
+    };
+    print!("{}", plan::check_table(&plan::check_rows(rows, &models, &registry, &settings)?));
+    Ok(())
 }
 
 /// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
@@ -184,9 +218,18 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let rank = Rank::start(&config, offload.to_host())?;
     let model = hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?;
     let task = registry.task(args.task.as_deref(), model.head_kind())?;
-    let case = BenchCase {
-        batch: args.batch[0],
-        seq: args.seq[0],
+    let case = case(args, args.batch[0], args.seq[0]);
+    if let Some(row) = bench::run_case(&rank, model.as_ref(), task, strategy.as_ref(), offload.as_ref(), &case)? {
+        std::fs::write(result_file, serde_json::to_string(&row)?)?;
+    }
+    Ok(0)
+}
+
+/// The settings of one configuration of `batch` examples of `seq` tokens.
+fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
+    BenchCase {
+        batch,
+        seq,
         warmup: args.warmup,
         steps: args.steps,
         shard_group_size: args.shard_group_size,
@@ -195,9 +238,5 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,
         profile: args.profile.clone(),
-    };
-    if let Some(row) = bench::run_case(&rank, model.as_ref(), task, strategy.as_ref(), offload.as_ref(), &case)? {
-        std::fs::write(result_file, serde_json::to_string(&row)?)?;
     }
-    Ok(0)
 }

@@ -1,7 +1,7 @@
 //! `ft bench` runs its matrix in its own workers and reports each row, over
 //! real Gloo ranks on the CPU, with a JSON file and a PNG chart; a
 //! configuration that fails is reported as a failed row and the command
-//! exits non-zero.
+//! exits non-zero. `--plan-check` sets each row beside `ft plan`'s prediction.
 
 mod common;
 use common::{ft, text};
@@ -17,11 +17,14 @@ fn bench_runs_a_matrix_and_reports_every_row() {
         .args(["bench", "--config", fixture.to_str().unwrap(), "--device", "cpu", "--dtype", "f32"])
         .args(["--gpus", "1,2", "--strategy", "ddp,full_shard,not_a_strategy", "--batch", "2", "--seq", "32"])
         .args(["--warmup", "1", "--steps", "2", "--json", json.to_str().unwrap(), "--chart", chart.to_str().unwrap()])
+        // CPU rows beside an H100's prediction: only that every row that ran is checked.
+        .args(["--plan-check", "--gpu", "h100"])
         .output()
         .unwrap();
     let log = text(&output);
     assert_eq!(output.status.code(), Some(1), "a failed configuration fails the command: {log}");
     assert!(log.contains("| model | strategy |"), "{log}");
+    assert!(log.contains("| model | strategy | offload | ckpt | GPUs |") && log.contains("plan check: ") && log.contains(" of 4 rows within"), "{log}");
     let rows: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(rows.len(), 6, "2 GPU counts x 3 strategies");
     let row = |gpus: u64, strategy: &str| rows.iter().find(|r| r["gpus"] == gpus && r["strategy"] == strategy).unwrap();

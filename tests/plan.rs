@@ -1,7 +1,7 @@
 //! `ft plan`: its table for the shipped decoder configs, its refusal of bad
 //! input, each rank's held state against real CPU runs of every strategy at
 //! 1, 2 and 4 ranks, the ZeRO paper's closed form for Llama-2-70B on 64 GPUs,
-//! and multi-node plans.
+//! multi-node plans and the calibration rows measured on H200s.
 
 mod common;
 use common::{ft, text};
@@ -294,4 +294,21 @@ fn multi_node_plans_shard_hybrid_within_a_node_and_pay_for_the_network() {
     cluster.use_comm_test(&measured).unwrap();
     assert_eq!(cluster.node_bus_bandwidth, 150e9);
     assert!(cluster.use_comm_test(&report(vec![])).is_err());
+}
+
+#[test]
+fn recorded_h200_rows_are_within_the_calibration_bounds() {
+    // tests/fixtures/plan/h200-bench-rows.json: `ft bench` rows on H200s,
+    // transcribed from bench/results/2026-11-22-h200x2-performance.md (tokens/s
+    // and peak allocated of calls A, C1 and C2; step_ms = batch x seq / tokens/s).
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan/h200-bench-rows.json");
+    let output = ft()
+        .args(["bench", "--from-json", fixture.to_str().unwrap(), "--plan-check", "--gpu", "h200"])
+        .args(["--config", shared_config("bloom-560m").to_str().unwrap(), "--config", shared_config("opt-1.3b").to_str().unwrap()])
+        .args(["--config", shared_config("codellama-7b").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("plan check: 7 of 7 rows within ±10% peak memory and ±25% step time"), "{log}");
 }

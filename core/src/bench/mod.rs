@@ -49,6 +49,9 @@ pub struct Row {
     pub params: i64,
     pub strategy: String,
     pub offload: String,
+    /// Rows written before it was recorded ran without.
+    #[serde(default)]
+    pub activation_checkpointing: bool,
     #[serde(default)]
     pub reduce_dtype: ReduceDtype,
     pub gpus: usize,
@@ -76,17 +79,17 @@ pub struct Row {
 
 impl Row {
     /// The row of a configuration that did not run.
-    #[allow(clippy::too_many_arguments)]
-    pub fn failed(model: &str, strategy: &str, offload: &str, reduce_dtype: ReduceDtype, gpus: usize, batch: i64, seq: i64, error: String) -> Row {
+    pub fn failed(model: &str, strategy: &str, offload: &str, case: &BenchCase, gpus: usize, error: String) -> Row {
         Row {
             model: model.into(),
             params: 0,
             strategy: strategy.into(),
             offload: offload.into(),
-            reduce_dtype,
+            activation_checkpointing: case.activation_checkpointing,
+            reduce_dtype: case.reduce_dtype,
             gpus,
-            batch,
-            seq,
+            batch: case.batch,
+            seq: case.seq,
             step_ms: f64::NAN,
             tokens_per_s_per_gpu: f64::NAN,
             mfu: None,
@@ -265,6 +268,7 @@ pub fn run_case(
         params: model.numel(),
         strategy: strategy.name().into(),
         offload: offload.name().into(),
+        activation_checkpointing: case.activation_checkpointing,
         reduce_dtype: case.reduce_dtype,
         gpus: world,
         batch: case.batch,

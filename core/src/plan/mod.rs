@@ -8,7 +8,7 @@
 //! reports, by the same `UnitPlacement` the trainer allocates with), and the
 //! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
 //! with the model's activations per token (`Model::activations`). Time is
-//! `time.rs`.
+//! `time.rs`. `ft bench --plan-check` sets measured rows beside it (`check.rs`).
 //!
 //! How ft's state relates to the ZeRO paper's (Rajbhandari et al., 2020,
 //! mixed-precision Adam: 2Ψ fp16 parameters + 2Ψ fp16 gradients + KΨ with
@@ -24,9 +24,11 @@
 //! holds 16Ψ/N where stage 2 holds 2Ψ + 14Ψ/N. tests/plan.rs checks this
 //! for Llama-2-70B on 64 GPUs.
 
+mod check;
 mod memory;
 mod time;
 
+pub use check::{check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
 pub use memory::PeakBreakdown;
 pub use time::{StepTime, ACHIEVED_FRACTION};
 

@@ -1,0 +1,132 @@
+//! `ft bench --plan-check`: each measured row beside the plan's prediction
+//! for the same model, strategy, offload, GPUs, batch and length.
+
+use super::{predict, Cluster, Setup, Workload};
+use crate::bench::{model_label, Row};
+use crate::gpu::GpuSpec;
+use crate::model::Model;
+use crate::registry::Registry;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use tch::Kind;
+
+/// How close predictions must come to `ft bench`'s measurements: peak
+/// allocated memory within 10%, step time within 25%.
+pub const MEMORY_TOLERANCE: f64 = 0.10;
+pub const TIME_TOLERANCE: f64 = 0.25;
+
+/// One measured row and its prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckedRow {
+    pub model: String,
+    pub strategy: String,
+    pub offload: String,
+    pub activation_checkpointing: bool,
+    pub gpus: usize,
+    pub batch: i64,
+    pub seq: i64,
+    pub measured_peak_allocated_gb: f64,
+    pub predicted_peak_allocated_gb: f64,
+    pub measured_step_ms: f64,
+    pub predicted_step_ms: f64,
+}
+
+impl CheckedRow {
+    /// (predicted − measured) / measured, for memory and for time.
+    pub fn errors(&self) -> (f64, f64) {
+        let error = |predicted: f64, measured: f64| (predicted - measured) / measured;
+        (error(self.predicted_peak_allocated_gb, self.measured_peak_allocated_gb), error(self.predicted_step_ms, self.measured_step_ms))
+    }
+
+    pub fn within_tolerance(&self) -> bool {
+        let (memory, time) = self.errors();
+        memory.abs() <= MEMORY_TOLERANCE && time.abs() <= TIME_TOLERANCE
+    }
+}
+
+/// What `ft bench` ran every row with, besides what a row records.
+pub struct BenchSettings<'a> {
+    /// The GPUs, all on one node.
+    pub gpu: &'a GpuSpec,
+    pub dtype: Kind,
+    pub loss_chunk_tokens: i64,
+    pub shard_group_size: Option<usize>,
+}
+
+/// The rows that ran beside their predictions; `models` are the
+/// configurations they measured.
+pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings) -> Result<Vec<CheckedRow>> {
+    let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size } = *settings;
+    let mut checked = vec![];
+    for row in rows.iter().filter(|r| r.error.is_none()) {
+        let model = *models
+            .iter()
+            .find(|m| model_label(**m) == row.model)
+            .with_context(|| format!("row of {}: give its model's configuration with --config", row.model))?;
+        let strategy = registry.strategy(&row.strategy)?;
+        let offload = registry.offload(&row.offload)?;
+        let workload = Workload {
+            model,
+            batch: row.batch,
+            seq: row.seq,
+            grad_accum: 1,
+            dtype,
+            reduce_dtype: row.reduce_dtype,
+            loss_chunk_tokens,
+            shard_group_size,
+        };
+        let cluster = Cluster::new(gpu, row.gpus, 1, dtype)?;
+        let setup = Setup {
+            strategy: &strategy.name,
+            policy: (strategy.create)().policy(),
+            offload: offload.name,
+            offload_to_host: (offload.create)().to_host(),
+            activation_checkpointing: row.activation_checkpointing,
+        };
+        let predicted = predict(&workload, &cluster, &setup)?;
+        checked.push(CheckedRow {
+            model: row.model.clone(),
+            strategy: row.strategy.clone(),
+            offload: row.offload.clone(),
+            activation_checkpointing: row.activation_checkpointing,
+            gpus: row.gpus,
+            batch: row.batch,
+            seq: row.seq,
+            measured_peak_allocated_gb: row.peak_allocated_gb,
+            predicted_peak_allocated_gb: predicted.peak_allocated_bytes / 1e9,
+            measured_step_ms: row.step_ms,
+            predicted_step_ms: predicted.step_seconds * 1e3,
+        });
+    }
+    Ok(checked)
+}
+
+/// The rows as a Markdown table, and how many are within tolerance.
+pub fn check_table(rows: &[CheckedRow]) -> String {
+    let mut out = String::from(
+        "\n| model | strategy | offload | ckpt | GPUs | batch x seq | peak alloc GB measured / predicted | error | step ms measured / predicted | error | within ±10% / ±25% |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let (memory, time) = r.errors();
+        out += &format!(
+            "| {} | {} | {} | {} | {} | {}x{} | {:.2} / {:.2} | {:+.1}% | {:.1} / {:.1} | {:+.1}% | {} |\n",
+            r.model,
+            r.strategy,
+            r.offload,
+            if r.activation_checkpointing { "on" } else { "off" },
+            r.gpus,
+            r.batch,
+            r.seq,
+            r.measured_peak_allocated_gb,
+            r.predicted_peak_allocated_gb,
+            memory * 100.0,
+            r.measured_step_ms,
+            r.predicted_step_ms,
+            time * 100.0,
+            if r.within_tolerance() { "yes" } else { "no" }
+        );
+    }
+    let within = rows.iter().filter(|r| r.within_tolerance()).count();
+    out += &format!("\nplan check: {within} of {} rows within ±10% peak memory and ±25% step time\n", rows.len());
+    out
+}
