@@ -8,7 +8,8 @@ use figment::value::Value;
 use ft_core::env::{DistEnv, EnvSource};
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::device::{DType, DeviceSpec};
-use ft_core::setup::Rank;
+use ft_core::plan;
+use ft_core::setup::{share_host_cores, Rank};
 use ft_core::task::TaskInputs;
 use ft_core::{Config, Registry};
 use ft_data::demo;
@@ -79,7 +80,8 @@ pub struct TrainArgs {
     #[arg(long)]
     nproc_per_node: Option<usize>,
     /// Sharding strategy (train.strategy): ddp, zero1, shard_grad_op/zero2,
-    /// full_shard/zero3, hybrid_shard, or a plug-in's (`ft list`).
+    /// full_shard/zero3, hybrid_shard, a plug-in's (`ft list`), or auto:
+    /// `ft plan`'s fastest that fits, with its offload and activation checkpointing.
     #[arg(long)]
     strategy: Option<String>,
     /// Ranks per shard group (train.shard_group_size; hybrid_shard's default: one node).
@@ -207,9 +209,8 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
 }
 
 fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
-    let strategy = (registry.strategy(&config.train.strategy)?.create)();
-    let offload = (registry.offload(&config.train.offload)?.create)();
-    let rank = Rank::start(&config, offload.to_host())?;
+    let configured_offload = (registry.offload(&config.train.offload)?.create)();
+    let rank = Rank::start(&config, configured_offload.to_host())?;
     let output = config.output.dir.clone();
     if rank.rank() == 0 {
         std::fs::create_dir_all(&output).with_context(|| format!("cannot create {}", output.display()))?;
@@ -221,6 +222,14 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
     };
     let model = source.model()?;
+    // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
+    let prediction = plan::for_run(&rank.comm, model.as_ref(), &mut config, rank.dtype, registry)?;
+    let strategy = (registry.strategy(&config.train.strategy)?.create)();
+    let offload = (registry.offload(&config.train.offload)?.create)();
+    if offload.to_host() && !configured_offload.to_host() {
+        // The CPU AdamW gets its share of the cores, as Rank::start gives an offloaded run.
+        share_host_cores(rank.comm.env().local_world_size, rank.device, true);
+    }
     let params = hf::initial_params(model.as_ref(), source.dir.as_deref(), config.train.seed as i64, rank.device)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device })?;
@@ -252,7 +261,11 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer) },
     };
-    let Some((summary, final_params)) = fit::run(fit, params)? else { return Ok(0) };
+    let trained = fit::run(fit, params).map_err(|error| match &prediction {
+        Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
+        None => error,
+    })?;
+    let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
         hf::save(model.as_ref(), &final_params, &final_dir, Kind::Float)?;

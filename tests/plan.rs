@@ -1,7 +1,8 @@
 //! `ft plan`: its table for the shipped decoder configs, its refusal of bad
 //! input, each rank's held state against real CPU runs of every strategy at
 //! 1, 2 and 4 ranks, the ZeRO paper's closed form for Llama-2-70B on 64 GPUs,
-//! multi-node plans and the calibration rows measured on H200s.
+//! multi-node plans, the calibration rows measured on H200s, `ft train
+//! --strategy auto` and the out-of-memory report.
 
 mod common;
 use common::{ft, text};
@@ -311,4 +312,38 @@ fn recorded_h200_rows_are_within_the_calibration_bounds() {
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("plan check: 7 of 7 rows within ±10% peak memory and ±25% step time"), "{log}");
+}
+
+#[test]
+fn strategy_auto_trains_with_the_plans_choice() {
+    let dir = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = demo_workload(dir.path());
+    let output_dir = dir.path().join("auto");
+    let output = ft()
+        .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap()])
+        .args(["--tokenizer", tokenizer.to_str().unwrap(), "--max-seq-len", "32", "--epochs", "1", "--train-samples", "8"])
+        .args(["--batch-size", "2", "--set", "output.report_to=[]", "--output-dir", output_dir.to_str().unwrap()])
+        .args(["--nproc-per-node", "2", "--strategy", "auto", "--activation-checkpointing"])
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("--strategy auto: ") && log.contains("+ activation checkpointing (ft plan: "), "checkpointing the run asked for is kept: {log}");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(output_dir.join("summary.json")).unwrap()).unwrap();
+    assert!(STRATEGIES.contains(&summary["strategy"].as_str().unwrap()), "{}", summary["strategy"]);
+}
+
+#[test]
+fn out_of_memory_is_reported_with_the_prediction_and_what_fits() {
+    let model = model(&shared_config("codellama-7b"));
+    let plan = Plan::new(&workload(model.as_ref(), 8, 512), &h100s(8, 1), &Registry::builtin(), Checkpointing::Auto).unwrap();
+    let oom = anyhow::anyhow!("CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 79.10 GiB");
+    let message = format!("{:#}", plan::explain_out_of_memory(oom, &plan, "ddp", "none", false));
+    let (ddp, memory) = (row(&plan, "ddp", "none", false), plan.cluster.gpu_memory.unwrap() / 1e9);
+    assert!(message.contains(&format!("ft plan predicted ddp needs {:.0} GB of {memory:.0} GB", ddp.peak_gpu_bytes / 1e9)), "{message}");
+    let fastest = plan.recommended.as_ref().unwrap();
+    assert!(message.contains(&format!("{} would need {:.0} GB of {memory:.0} GB", fastest.label(), fastest.peak_gpu_bytes / 1e9)), "{message}");
+    assert!(message.ends_with("GPU 0 has a total capacity of 79.10 GiB"), "{message}");
+    let other = plan::explain_out_of_memory(anyhow::anyhow!("connection reset"), &plan, "ddp", "none", false);
+    assert_eq!(format!("{other:#}"), "connection reset");
 }

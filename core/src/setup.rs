@@ -61,8 +61,10 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     for sink in &config.output.report_to {
         registry.sink(sink)?;
     }
-    let strategy = registry.strategy(&t.strategy)?;
-    (strategy.create)().policy().validate(&strategy.name)?;
+    if t.strategy != crate::strategy::AUTO {
+        let strategy = registry.strategy(&t.strategy)?;
+        (strategy.create)().policy().validate(&strategy.name)?;
+    }
     registry.offload(&t.offload)?;
     if let Some(name) = &config.task.name {
         let task = registry.task(Some(name), "")?;

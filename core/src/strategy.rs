@@ -146,6 +146,10 @@ impl ShardingPolicy {
     }
 }
 
+/// The strategy name (`--strategy auto`) that lets `ft plan`'s prediction
+/// choose the strategy, offload and activation checkpointing of a run.
+pub const AUTO: &str = "auto";
+
 /// A strategy crate's registration: `inventory::submit! { StrategyRegistration { … } }`.
 pub struct StrategyRegistration {
     pub name: &'static str,

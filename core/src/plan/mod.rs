@@ -8,7 +8,9 @@
 //! reports, by the same `UnitPlacement` the trainer allocates with), and the
 //! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
 //! with the model's activations per token (`Model::activations`). Time is
-//! `time.rs`. `ft bench --plan-check` sets measured rows beside it (`check.rs`).
+//! `time.rs`. `ft train --strategy auto` runs the recommendation, and a
+//! GPU out-of-memory error is reported with the plan's prediction
+//! (`run.rs`); `ft bench --plan-check` sets measured rows beside it (`check.rs`).
 //!
 //! How ft's state relates to the ZeRO paper's (Rajbhandari et al., 2020,
 //! mixed-precision Adam: 2Ψ fp16 parameters + 2Ψ fp16 gradients + KΨ with
@@ -26,10 +28,12 @@
 
 mod check;
 mod memory;
+mod run;
 mod time;
 
 pub use check::{check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
 pub use memory::PeakBreakdown;
+pub use run::{explain_out_of_memory, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
 
 use crate::collectives_bench::{Collective, CommTestRow};

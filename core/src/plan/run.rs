@@ -1,0 +1,119 @@
+//! What `ft train` takes from the plan: `--strategy auto`'s configuration,
+//! and an out-of-memory failure explained with the prediction and the
+//! fastest configuration predicted to need less.
+
+use super::{fastest, Checkpointing, Cluster, Plan, PlanRow, Workload};
+use crate::comm::{Communicator, Reduction};
+use crate::config::Config;
+use crate::gpu::{self, GpuSpec};
+use crate::model::Model;
+use crate::offload::{NoOffload, Offload};
+use crate::registry::Registry;
+use crate::strategy::AUTO;
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+impl Cluster {
+    /// This job's ranks: its world and nodes, the GPU each computes on, and
+    /// each limit the smallest over the ranks, so that every rank reaches the
+    /// same plan. Ranks on CPUs have no GPU memory limit, and the figures
+    /// only order the rows. Collective: every rank calls it.
+    pub fn of_job(comm: &Communicator, dtype: Kind) -> Result<Cluster> {
+        let env = comm.env();
+        let (gpus, nodes) = (env.world_size, env.num_nodes());
+        let mut cluster;
+        let mut gpu_memory = None;
+        match comm.device() {
+            Device::Cuda(index) => {
+                let local = gpu::local_gpu(index);
+                let name = local.as_ref().map_or("an unknown GPU", |(name, _)| name.as_str());
+                let spec = GpuSpec::find(name).unwrap_or_else(|| {
+                    tracing::warn!("ft plan: {name} is not in ft's GPU table; predicting its speed as an {}'s", gpu::FALLBACK.key);
+                    gpu::FALLBACK
+                });
+                cluster = Cluster::new(spec, gpus, nodes, dtype)?;
+                cluster.gpu = name.into();
+                gpu_memory = local.map(|(_, memory)| memory);
+            }
+            _ => cluster = Cluster { gpu: "cpu".into(), ..Cluster::new(gpu::FALLBACK, gpus, nodes, Kind::BFloat16)? },
+        }
+        // Negated for a Max reduction; a rank that could not read its GPU's
+        // memory sends +1, and the job then plans without a GPU limit.
+        let mut limits = Tensor::from_slice(&[-gpu_memory.unwrap_or(-1.0), -cluster.host_memory]).to_device(comm.device());
+        comm.world().all_reduce(&mut limits, Reduction::Max)?.wait()?;
+        let limits = Vec::<f64>::try_from(limits.to_device(Device::Cpu))?;
+        cluster.gpu_memory = (limits[0] < 0.0).then_some(-limits[0]);
+        cluster.host_memory = -limits[1];
+        Ok(cluster)
+    }
+}
+
+/// The plan of a run of `config` on this job's ranks, where the run needs
+/// one: with `--strategy auto` its recommendation becomes the run's
+/// strategy, offload and activation checkpointing; on GPUs it explains an
+/// out-of-memory failure ([`explain_out_of_memory`]), and a run that did
+/// not ask for it goes on without it when it cannot be made. Collective.
+pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry) -> Result<Option<Plan>> {
+    let auto = config.train.strategy == AUTO;
+    if !auto && !comm.device().is_cuda() {
+        return Ok(None);
+    }
+    let lead = comm.env().rank == 0;
+    let planned = Cluster::of_job(comm, dtype)
+        .and_then(|cluster| Plan::new(&Workload::of_run(model, config, dtype), &cluster, registry, Checkpointing::Auto));
+    let plan = match planned {
+        Ok(plan) => plan,
+        Err(error) if !auto => {
+            if lead {
+                tracing::warn!("ft plan: no prediction to explain running out of memory with: {error:#}");
+            }
+            return Ok(None);
+        }
+        Err(error) => return Err(error.context("--strategy auto needs ft plan's prediction")),
+    };
+    if auto {
+        let chosen = plan.choose_for_run(&config.train.offload, config.train.activation_checkpointing)?;
+        if lead {
+            tracing::info!("--strategy auto: {} (ft plan: {:.1} GB per GPU, {:.3} s per step)", chosen.label(), chosen.peak_gpu_bytes / 1e9, chosen.step_seconds);
+        }
+        config.train.strategy = chosen.strategy.clone();
+        config.train.offload = chosen.offload.clone();
+        config.train.activation_checkpointing = chosen.activation_checkpointing;
+    }
+    Ok(Some(plan))
+}
+
+impl Plan {
+    /// The row `ft train --strategy auto` runs: the fastest that fits,
+    /// keeping activation checkpointing when the run turned it on and an
+    /// offload when it chose one.
+    pub fn choose_for_run(&self, offload: &str, activation_checkpointing: bool) -> Result<&PlanRow> {
+        let allowed = |r: &&PlanRow| (offload == NoOffload.name() || r.offload == offload) && (r.activation_checkpointing || !activation_checkpointing);
+        fastest(self.rows.iter().filter(allowed).filter(|r| r.fits)).with_context(|| {
+            format!("--strategy auto: no configuration fits {} on {}; {}", self.workload(), self.hardware(), self.largest_batch_hint())
+        })
+    }
+}
+
+/// `error` with the plan's prediction when it is the GPU running out of
+/// memory (libtorch's message says "out of memory"): what the run's
+/// configuration was predicted to need, and the fastest configuration that
+/// fits with less.
+pub fn explain_out_of_memory(error: anyhow::Error, plan: &Plan, strategy: &str, offload: &str, activation_checkpointing: bool) -> anyhow::Error {
+    if !format!("{error:#}").contains("out of memory") {
+        return error;
+    }
+    let memory = plan.cluster.gpu_memory.map_or("this GPU's".into(), |m| format!("{:.0} GB", m / 1e9));
+    let gb = |bytes: f64| format!("{:.0} GB", bytes / 1e9);
+    let failed = plan.row(strategy, offload, activation_checkpointing);
+    let predicted = match failed {
+        Some(row) => format!("ft plan predicted {} needs {} of {memory}", row.label(), gb(row.peak_gpu_bytes)),
+        None => format!("ft plan has no row for {strategy} with {offload} offload"),
+    };
+    let smaller = |r: &&PlanRow| r.fits && failed.is_none_or(|f| r.peak_gpu_bytes < f.peak_gpu_bytes);
+    let next = match fastest(plan.rows.iter().filter(smaller)) {
+        Some(row) => format!("{} would need {} of {memory}", row.label(), gb(row.peak_gpu_bytes)),
+        None => plan.largest_batch_hint(),
+    };
+    error.context(format!("out of GPU memory at {}: {predicted}; {next} (`ft plan` lists every configuration)", plan.workload()))
+}
