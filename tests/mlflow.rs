@@ -10,7 +10,7 @@ mod common;
 use common::{ft, text};
 
 /// The demo's 96 examples make 6 optimizer steps an epoch (2 ranks of 8).
-const DEMO: &[&str] = &["train", "--epochs", "2", "--train-samples", "96", "--eval-samples", "8", "--report-to", "mlflow,jsonl"];
+const DEMO: &[&str] = &["train", "--epochs", "2", "--train-samples", "96", "--batch-size", "8", "--eval-samples", "8", "--report-to", "mlflow,jsonl"];
 
 fn train_command(dir: &Path, extra: &[&str]) -> Command {
     let mut command = ft();

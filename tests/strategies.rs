@@ -369,12 +369,12 @@ fn strategy_and_deepspeed_mistakes_are_rejected_clearly() {
 
     let ds = scratch.path().join("ds.json");
     std::fs::write(&ds, r#"{"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}, "train_batch_size": 16, "flops_profiler": {}}"#).unwrap();
-    let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--dry-run"]);
+    let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--batch-size", "8", "--dry-run"]);
     assert!(ok, "{message}");
     assert!(message.contains("strategy full_shard"), "ZeRO stage 3 is full_shard: {message}");
     assert!(message.contains("zero_optimization.stage3_max_live_parameters") && message.contains("flops_profiler"), "{message}");
     std::fs::write(&ds, r#"{"train_batch_size": 12}"#).unwrap();
-    let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--dry-run"]);
+    let (ok, message) = run(&["--ds-config", ds.to_str().unwrap(), "--batch-size", "8", "--dry-run"]);
     assert!(!ok && message.contains("ds_config train_batch_size 12 != micro-batch 8 x grad_accum 1 x 2 ranks = 16"), "{message}");
     std::fs::write(&ds, "{ not json").unwrap();
     let (ok, message) = run(&["--ds-config", ds.to_str().unwrap()]);

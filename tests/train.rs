@@ -66,13 +66,11 @@ fn two_data_parallel_ranks_equal_one_rank_with_the_whole_batch() {
     assert_close(&parallel, &single, 1e-5);
 }
 
+/// `make demo` as a newcomer runs it: every default, the whole schedule.
 #[test]
-fn the_demo_trains_evaluates_and_writes_its_outputs() {
+fn the_demo_learns_to_read_answers_from_the_context_and_writes_its_outputs() {
     let dir = tempfile::tempdir().unwrap();
-    let output = ft()
-        .args(["train", "--epochs", "2", "--output-dir", dir.path().to_str().unwrap()])
-        .output()
-        .unwrap();
+    let output = ft().args(["train", "--output-dir", dir.path().to_str().unwrap()]).output().unwrap();
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("== ft train summary ==") && log.contains("memory rank 1 (process RSS)"), "{log}");
@@ -81,7 +79,10 @@ fn the_demo_trains_evaluates_and_writes_its_outputs() {
     let epochs = summary["epochs"].as_array().unwrap();
     let eval_loss = |e: &Value| e["eval_loss"].as_f64().unwrap();
     assert!(eval_loss(&epochs[1]) < eval_loss(&epochs[0]), "eval loss did not fall: {epochs:?}");
-    assert!(epochs[1]["scores"]["f1"].as_f64().is_some());
+    // Evaluation questions are about countries, names and rivers that never
+    // occur in training: an exact answer is read from the context.
+    let em = epochs.last().unwrap()["scores"]["em"].as_f64().unwrap();
+    assert!(em >= 50.0, "the demo's final EM is {em}, below 50: {epochs:?}");
     let predictions: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("predictions.json")).unwrap()).unwrap();
     assert!(predictions.as_object().unwrap().len() > 100, "every eval question has a prediction");
     // TensorBoard's own reader sees the same losses as metrics.jsonl.
@@ -121,9 +122,9 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     std::fs::write(&bad, "[1, 2").unwrap();
     let message = run(&["--train-file", bad.to_str().unwrap(), "--nproc-per-node", "1"]);
     assert!(message.contains("bad.json is not valid JSON"), "{message}");
-    let message = run(&["--train-samples", "3", "--nproc-per-node", "1"]);
+    let message = run(&["--train-samples", "3", "--nproc-per-node", "1", "--batch-size", "8"]);
     assert!(message.contains("3 training examples do not fill one global batch of 8"), "{message}");
-    let plan = run(&["--dry-run", "--grad-accum", "2"]);
+    let plan = run(&["--dry-run", "--grad-accum", "2", "--batch-size", "8"]);
     assert!(plan.contains("global batch 32") && plan.contains("\"source\": \"demo\""), "{plan}");
     assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
     assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));

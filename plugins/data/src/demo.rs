@@ -19,7 +19,10 @@ use tokenizers::{AddedToken, TokenizerBuilder};
 /// The demo's `model.source`.
 pub const NAME: &str = "demo";
 pub const END_OF_TEXT: &str = "<|endoftext|>";
-const TOKENIZER_VOCAB: usize = 800;
+/// Small enough that the invented names split into their syllables, tokens
+/// the training set holds hundreds of times: an evaluation name is then made
+/// of well-trained tokens, as a real tokenizer's rare word is of sub-words.
+const TOKENIZER_VOCAB: usize = 500;
 
 pub struct DemoFiles {
     pub train: PathBuf,
@@ -91,14 +94,13 @@ pub fn write(dir: &Path, train_paragraphs: usize, eval_paragraphs: usize, seed: 
     std::fs::write(&files.train, serde_json::to_string(&train)?)?;
     std::fs::write(&files.eval, serde_json::to_string(&eval)?)?;
 
-    // The tokenizer sees every text the prompts are made of.
-    let mut corpus = vec!["Question: Context: Answer:".to_string()];
-    for file in [&train, &eval] {
-        for p in file["data"][0]["paragraphs"].as_array().expect("paragraphs") {
-            corpus.push(p["context"].as_str().expect("context").to_string());
-            for qa in p["qas"].as_array().expect("qas") {
-                corpus.push(qa["question"].as_str().expect("question").to_string());
-            }
+    // The tokenizer learns from the training texts only (evaluation is
+    // unseen text for it too), with the prompt's words as often as prompts.
+    let mut corpus = vec![];
+    for p in train["data"][0]["paragraphs"].as_array().expect("paragraphs") {
+        corpus.push(p["context"].as_str().expect("context").to_string());
+        for qa in p["qas"].as_array().expect("qas") {
+            corpus.push(format!("Question: {} Context: Answer:", qa["question"].as_str().expect("question")));
         }
     }
     let mut trainer = BpeTrainerBuilder::new()
@@ -152,12 +154,17 @@ pub fn model_config(vocab: usize) -> serde_json::Value {
 
 /// The demo's settings, between the defaults and the user's layers: the
 /// small BLOOM learning to answer questions about invented countries on two
-/// CPU ranks in a couple of minutes.
+/// CPU ranks in about two minutes. Reading the answer from the context takes
+/// the model copying names it has never seen: the loss on the prompt's tokens
+/// too (the country names repeat within each context) and many small steps
+/// bring that ability within seven epochs, where the answers' loss alone at
+/// batch 8 left it guessing (EM ~2; chosen by a sweep over batch, learning
+/// rate, model size and seeds: EM 74-94 over three seeds on a GPU).
 fn preset() -> serde_json::Value {
     json!({
         "data": {"max_seq_len": 96},
-        "train": {"epochs": 6, "batch_size": 8, "lr": 2e-3, "warmup_ratio": 0.05, "weight_decay": 0.01, "seed": 0},
-        "task": {"max_new_tokens": 8},
+        "train": {"epochs": 7, "batch_size": 2, "lr": 1e-3, "warmup_ratio": 0.05, "weight_decay": 0.01, "seed": 0},
+        "task": {"max_new_tokens": 8, "train_on_prompt": true},
         "launch": {"nproc_per_node": 2},
     })
 }

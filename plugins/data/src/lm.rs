@@ -36,6 +36,8 @@ pub struct LoadOptions {
     pub limit: Option<usize>,
     /// Keep SQuAD v2's unanswerable questions (their target is the empty answer).
     pub include_unanswerable: bool,
+    /// SQuAD prompts: the loss on the prompt's tokens too, not only the answer's.
+    pub train_on_prompt: bool,
 }
 
 /// Tokenised examples of a file, and its questions when it is SQuAD.
@@ -49,7 +51,7 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
         let mut examples = vec![];
         let mut too_long = 0;
         for question in &questions {
-            match prompt::encode(tokenizer, question, max_len)? {
+            match prompt::encode(tokenizer, question, max_len, options.train_on_prompt)? {
                 Some(example) => examples.push(example),
                 None => too_long += 1,
             }

@@ -1,7 +1,8 @@
 //! Question answering as causal language modelling: the prompt
 //! `Question: {q} Context: {c} Answer:` followed by the answer and the end
-//! token, with the loss on the answer tokens only. When the example is too
-//! long, the context is cut, never the question or the answer.
+//! token, with the loss on the answer tokens (or on every token, to train on
+//! the prompt as well). When the example is too long, the context is cut,
+//! never the question or the answer.
 
 use crate::squad::QaExample;
 use anyhow::{Context as _, Result};
@@ -34,15 +35,20 @@ pub fn prompt_ids(tokenizer: &Tokenizer, example: &QaExample, budget: usize) -> 
 }
 
 /// A training example (prompt, first gold answer, end token), or None when
-/// the question and answer alone exceed `max_seq_len`.
-pub fn encode(tokenizer: &Tokenizer, example: &QaExample, max_seq_len: usize) -> Result<Option<Example>> {
+/// the question and answer alone exceed `max_seq_len`. The loss is on the
+/// answer and end token, or on every token with `train_on_prompt`.
+pub fn encode(tokenizer: &Tokenizer, example: &QaExample, max_seq_len: usize, train_on_prompt: bool) -> Result<Option<Example>> {
     let answer = example.answers.first().map(String::as_str).unwrap_or("");
     let mut target = ids(tokenizer, &format!(" {answer}"))?;
     target.extend(eos_id(tokenizer));
     let Some(budget) = max_seq_len.checked_sub(target.len()) else { return Ok(None) };
     let Some(prompt) = prompt_ids(tokenizer, example, budget)? else { return Ok(None) };
-    let labels = std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(target.iter().copied()).collect();
-    Ok(Some(Example { input_ids: [prompt, target].concat(), labels }))
+    let input_ids = [prompt.as_slice(), &target].concat();
+    let labels = match train_on_prompt {
+        true => input_ids.clone(),
+        false => std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(target.iter().copied()).collect(),
+    };
+    Ok(Some(Example { input_ids, labels }))
 }
 
 #[cfg(test)]
@@ -57,7 +63,7 @@ mod tests {
         let tokenizer = Tokenizer::from_file(&files.tokenizer).unwrap();
         let (examples, _) = crate::squad::read(&files.train, false).unwrap();
         let example = &examples[0];
-        let full = encode(&tokenizer, example, 10_000).unwrap().unwrap();
+        let full = encode(&tokenizer, example, 10_000, false).unwrap().unwrap();
         let answer_len = full.labels.iter().filter(|l| **l != IGNORE_INDEX).count();
         let answer = ids(&tokenizer, &format!(" {}", example.answers[0])).unwrap();
         assert_eq!(answer_len, answer.len() + 1, "answer and end token");
@@ -65,9 +71,11 @@ mod tests {
         let text = tokenizer.decode(&full.input_ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap();
         assert!(text.starts_with(&format!("Question: {} Context: ", example.question)), "{text}");
 
-        let short = encode(&tokenizer, example, full.input_ids.len() - 5).unwrap().unwrap();
+        let short = encode(&tokenizer, example, full.input_ids.len() - 5, false).unwrap().unwrap();
         assert_eq!(short.input_ids.len(), full.input_ids.len() - 5);
         assert_eq!(&short.input_ids[short.input_ids.len() - answer_len..], &full.input_ids[full.input_ids.len() - answer_len..]);
-        assert!(encode(&tokenizer, example, answer_len + 3).unwrap().is_none(), "no room for the question");
+        assert!(encode(&tokenizer, example, answer_len + 3, false).unwrap().is_none(), "no room for the question");
+        let everything = encode(&tokenizer, example, 10_000, true).unwrap().unwrap();
+        assert_eq!((&everything.input_ids, &everything.labels), (&full.input_ids, &full.input_ids), "the loss on every token");
     }
 }

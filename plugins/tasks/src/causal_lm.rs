@@ -5,7 +5,9 @@
 //!
 //! Task keys: `task.include_unanswerable` (train SQuAD v2's unanswerable
 //! questions towards the empty answer), `task.max_new_tokens` (longest
-//! generated answer).
+//! generated answer), `task.train_on_prompt` (the loss on the prompt's tokens
+//! in training as well, as axolotl's `train_on_inputs`; the eval loss stays
+//! the answer's).
 
 use anyhow::{bail, Result};
 use ft_core::batches::to_device_async;
@@ -31,11 +33,12 @@ const NAME: &str = "causal_lm";
 struct Options {
     include_unanswerable: bool,
     max_new_tokens: usize,
+    train_on_prompt: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { include_unanswerable: false, max_new_tokens: 32 }
+        Options { include_unanswerable: false, max_new_tokens: 32, train_on_prompt: false }
     }
 }
 
@@ -210,17 +213,18 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
-    let load = |path: &Path, limit| {
-        let options = LoadOptions { max_seq_len: data.max_seq_len, limit, include_unanswerable: options.include_unanswerable };
+    // The prompt's tokens count in training only: the eval loss stays the answer's.
+    let load = |path: &Path, limit, train_on_prompt| {
+        let options = LoadOptions { max_seq_len: data.max_seq_len, limit, include_unanswerable: options.include_unanswerable, train_on_prompt };
         lm::load(path, &tokenizer, &options)
     };
     let train = match &data.train {
-        Some(path) => load(path, data.train_samples)?.0,
+        Some(path) => load(path, data.train_samples, options.train_on_prompt)?.0,
         None => vec![],
     };
     let (eval, questions) = match &data.eval {
         Some(path) => {
-            let (examples, questions) = load(path, data.eval_samples)?;
+            let (examples, questions) = load(path, data.eval_samples, false)?;
             (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
         }
         None => (None, vec![]),
