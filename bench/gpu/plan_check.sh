@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# ft plan's predictions beside measured rows on one GPU: BLOOM-560m and
+# OPT-1.3B (8 x 512) under ddp and full_shard, with and without CPU offload
+# and activation checkpointing, and the Llama-7B shape (2 x 2048, full_shard,
+# checkpointing); then one table of every row, predicted vs measured.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+C=.device/configs
+SMALL=(--config $C/bloom-560m/config.json --config $C/opt-1.3b/config.json)
+for off in none cpu; do
+  for ck in "" --activation-checkpointing; do
+    n=$off${ck:+-ckpt}
+    "$FT" bench "${SMALL[@]}" --gpus 1 --strategy ddp,full_shard --batch 8 --seq 512 --offload $off $ck \
+      --warmup 3 --steps 10 --json $OUT/small-$n.json >/dev/null 2>$OUT/small-$n.err || tail -n 3 $OUT/small-$n.err
+  done
+done
+"$FT" bench --config $C/codellama-7b/config.json --gpus 1 --strategy full_shard --batch 2 --seq 2048 \
+  --activation-checkpointing --warmup 2 --steps 5 --json $OUT/llama-none-ckpt.json >/dev/null 2>$OUT/llama.err || tail -n 3 $OUT/llama.err
+"$FT" bench $(for f in $OUT/*.json; do echo --from-json $f; done) --plan-check \
+  "${SMALL[@]}" --config $C/codellama-7b/config.json | tee $OUT/plan-check.txt
