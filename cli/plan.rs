@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::device::DType;
 use ft_core::gpu::{self, GpuSpec};
-use ft_core::plan::{Checkpointing, Cluster, CommTestReport, Plan, Workload};
+use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
 use ft_models::hf;
@@ -31,7 +31,7 @@ pub struct PlanArgs {
     /// Memory per GPU, e.g. 80GB or 80GiB (default: the GPU's).
     #[arg(long, value_parser = parse_size)]
     gpu_memory: Option<f64>,
-    /// Host memory per node, e.g. 512GB (default: this machine's).
+    /// Host memory per node, e.g. 512GB (default: this machine's when planning for its GPU, else 225 GB per GPU).
     #[arg(long, value_parser = parse_size)]
     host_memory: Option<f64>,
     /// Examples per GPU per micro-batch.
@@ -104,7 +104,16 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     }
     let gigabytes = |value: Option<f64>| value.map(|v| v * 1e9);
     cluster.gpu_memory = args.gpu_memory.or(cluster.gpu_memory);
-    cluster.host_memory = args.host_memory.unwrap_or(cluster.host_memory);
+    cluster.host_memory = match (args.host_memory, &args.gpu) {
+        (Some(bytes), _) => bytes,
+        // Another machine's hosts are not this one's.
+        (None, Some(_)) => {
+            let assumed = plan::ASSUMED_HOST_MEMORY_PER_GPU * cluster.gpus_per_node() as f64;
+            eprintln!("ft plan: assuming {:.0} GB of host memory per node (--host-memory sets it)", assumed / 1e9);
+            assumed
+        }
+        (None, None) => cluster.host_memory,
+    };
     cluster.flops = args.tflops.map_or(cluster.flops, |t| t * 1e12);
     cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
     cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);

@@ -128,6 +128,10 @@ fn ft_plan_prints_the_table_and_writes_json_with_plugin_rows() {
         assert!(rows.iter().any(|r| r["strategy"] == "ddp_bf16_grads"), "{name}");
         assert!(plan["recommended"]["fits"] == true, "{name}: {}", plan["recommended"]);
     }
+    // Planning for another machine assumes its hosts' memory, not this one's.
+    let output = ft().args(["plan", "--model", shared_config("codellama-7b").to_str().unwrap(), "--gpus", "8", "--gpu", "h100"]).output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success() && log.contains("assuming 1800 GB of host memory per node") && log.contains("recommended: "), "{log}");
 }
 
 #[test]

@@ -65,7 +65,7 @@ fn the_sbatch_example_runs_two_nodes_of_two_ranks_and_resumes_when_requeued() {
         command.output().unwrap()
     };
     let output = run("1");
-    assert!(output.status.success(), "{}", text(&output));
+    assert!(output.status.success(), "{}: {}", output.status, text(&output));
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["world_size"], 4);
     assert_eq!((summary["strategy"].as_str(), summary["shard_group_size"].as_u64()), (Some("hybrid_shard"), Some(2)), "a shard group per node");
@@ -73,7 +73,7 @@ fn the_sbatch_example_runs_two_nodes_of_two_ranks_and_resumes_when_requeued() {
     // Requeued with a second epoch: it continues from step 4.
     let output = run("2");
     let log = text(&output);
-    assert!(output.status.success(), "{log}");
+    assert!(output.status.success(), "{}: {log}", output.status);
     assert!(log.contains("resumed from") && log.contains("at step 4"), "{log}");
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["optimizer_steps"], 8);

@@ -73,6 +73,11 @@ pub const INTER_NODE_BUS_BANDWIDTH: f64 = 45e9;
 /// elements moved ~155 GB/s (bench/results/2026-11-22-h200x2-offload.md).
 pub const HOST_MEMORY_BANDWIDTH: f64 = 150e9;
 
+/// Host memory per GPU assumed for a machine that is not this one (`ft plan
+/// --gpu …` without `--host-memory`): cloud 8-GPU nodes of A100/H100/H200
+/// class carry 1.8-2 TB.
+pub const ASSUMED_HOST_MEMORY_PER_GPU: f64 = 225e9;
+
 /// The machines a plan is for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
