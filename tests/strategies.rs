@@ -431,3 +431,112 @@ fn sharded_checkpoints_resume_exactly_and_under_another_strategy() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} vs {y}", step + 11);
     }
 }
+
+/// A copy of checkpoint `from` at `to` in format 1, as ft wrote before rank
+/// files: every unit whole in one `state.safetensors`, the manifest without
+/// parameter layouts, files or shards.
+fn as_whole_file_checkpoint(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    let mut manifest: Value = serde_json::from_str(&std::fs::read_to_string(from.join("manifest.json")).unwrap()).unwrap();
+    let files: Vec<HashMap<String, Tensor>> = manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|name| Tensor::read_safetensors(from.join(name.as_str().unwrap())).unwrap().into_iter().collect())
+        .collect();
+    let mut whole = vec![];
+    for (index, unit) in manifest["units"].as_array().unwrap().iter().enumerate() {
+        for kind in ["master", "exp_avg", "exp_avg_sq"] {
+            let name = format!("unit{index}.{kind}");
+            let pieces: Vec<Tensor> = unit["shards"].as_array().unwrap().iter().map(|s| files[s["file"].as_u64().unwrap() as usize][&name].shallow_clone()).collect();
+            whole.push((name, Tensor::cat(&pieces, 0)));
+        }
+    }
+    whole.push(("adamw.step".to_string(), files[0]["adamw.step"].shallow_clone()));
+    Tensor::write_safetensors(&whole, to.join("state.safetensors")).unwrap();
+    let object = manifest.as_object_mut().unwrap();
+    object.insert("format_version".into(), 1.into());
+    for key in ["files", "shard_group_size"] {
+        object.remove(key);
+    }
+    for unit in object["units"].as_array_mut().unwrap() {
+        let unit = unit.as_object_mut().unwrap();
+        unit.remove("params");
+        unit.remove("shards");
+    }
+    std::fs::write(to.join("manifest.json"), manifest.to_string()).unwrap();
+}
+
+/// `ft export` of checkpoint `checkpoint` to `out`: whether it worked, and its output.
+fn export(checkpoint: &Path, out: &Path) -> (bool, String) {
+    let output = ft().args(["export", "--checkpoint", checkpoint.to_str().unwrap(), "--out", out.to_str().unwrap()]).output().unwrap();
+    (output.status.success(), text(&output))
+}
+
+#[test]
+fn checkpoints_written_by_every_rank_resume_at_any_world_size_and_strategy() {
+    let scratch = tempfile::tempdir().unwrap();
+    // A global batch of 12 splits over 4, 3, 2 and 1 ranks: every run trains on the same batches.
+    let run = |name: &str, ranks: usize, flags: &[&str]| {
+        let batch = (12 / ranks).to_string();
+        train_with_batch(Workload::Bloom, scratch.path(), name, ranks, &[flags, &["--batch-size", &batch]].concat(), true)
+    };
+    let original = run("original", 4, &["--strategy", "full_shard", "--save-every", "6", "--save-total-limit", "0"]);
+    let expected = losses(&original);
+    let checkpoint = original.join("checkpoints/step-00000006");
+    let mut names: Vec<String> = std::fs::read_dir(&checkpoint).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    let rank_files: Vec<String> = (0..4).map(|r| format!("rank-{r:05}-of-00004.safetensors")).collect();
+    assert!(rank_files.iter().all(|f| names.contains(f)) && !names.contains(&"state.safetensors".to_string()), "{names:?}");
+
+    let whole_file = scratch.path().join("whole-file/step-00000006");
+    as_whole_file_checkpoint(&checkpoint, &whole_file);
+    let resumes: [(&str, usize, &[&str], &Path); 4] = [
+        ("shard_grad_op-2", 2, &["--strategy", "shard_grad_op"], &checkpoint),
+        ("ddp-1", 1, &["--strategy", "ddp"], &checkpoint),
+        ("zero1-3", 3, &["--strategy", "zero1"], &checkpoint),
+        ("whole-file-full_shard-2", 2, &["--strategy", "full_shard"], &whole_file),
+    ];
+    for (name, ranks, flags, from) in resumes {
+        let resumed = losses(&run(name, ranks, &[flags, &["--resume", from.to_str().unwrap()]].concat()));
+        assert_eq!(resumed.len(), expected.len() - 6, "{name}");
+        for (step, (x, y)) in resumed.iter().zip(&expected[6..]).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} step {}: {x} vs {y}", step + 7);
+        }
+    }
+
+    // Export assembles the same model from either format.
+    let (ok, message) = export(&checkpoint, &scratch.path().join("exported"));
+    assert!(ok, "{message}");
+    let (ok, message) = export(&whole_file, &scratch.path().join("exported-whole-file"));
+    assert!(ok, "{message}");
+    let read = |dir: &str| -> HashMap<String, Tensor> { Tensor::read_safetensors(scratch.path().join(dir).join("model.safetensors")).unwrap().into_iter().collect() };
+    let (sharded, whole) = (read("exported"), read("exported-whole-file"));
+    assert_eq!(sharded.len(), whole.len());
+    for (name, tensor) in &sharded {
+        assert!(tensor.equal(&whole[name]), "{name}");
+    }
+
+    // Bad input: a layout that is not the model's, a missing rank file.
+    let broken = |name: &str, damage: &dyn Fn(&Path)| -> String {
+        let copy = scratch.path().join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for entry in std::fs::read_dir(&checkpoint).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+        damage(&copy);
+        let (ok, message) = export(&copy, &scratch.path().join(format!("{name}-exported")));
+        assert!(!ok, "{name}: {message}");
+        message
+    };
+    let message = broken("other-layout", &|dir| {
+        let path = dir.join("manifest.json");
+        let mut manifest: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        manifest["units"][1]["params"][0]["shape"][0] = 7.into();
+        std::fs::write(&path, manifest.to_string()).unwrap();
+    });
+    assert!(message.contains("was written for another model: unit"), "{message}");
+    let message = broken("missing-rank", &|dir| std::fs::remove_file(dir.join("rank-00002-of-00004.safetensors")).unwrap());
+    assert!(message.contains("is incomplete: rank-00002-of-00004.safetensors is missing"), "{message}");
+}

@@ -1,34 +1,93 @@
 //! Checkpoints: a directory per save, `<output>/checkpoints/step-NNNNNNNN/`,
-//! holding `state.safetensors` (each unit's fp32 master, AdamW moments),
-//! `manifest.json` (step, data cursor, unit layout, world, model config) and
-//! the tokenizer. A save is written into a hidden temporary directory,
-//! fsynced, then renamed into place, so a crash at any moment leaves the last
-//! complete checkpoint as it was; readers never see a partial one.
+//! holding one safetensors file per rank (`rank-00003-of-00004.safetensors`:
+//! the elements of each unit's fp32 master and AdamW moments that rank
+//! owns), `manifest.json` (step, data cursor, world, strategy, shard group,
+//! each unit's parameters with their offsets in its flat buffer and which
+//! element range each file holds, model config) and the tokenizer. Every
+//! rank writes its own part in parallel — nothing is gathered — and a reader
+//! of any world size and strategy reads only the ranges it owns (the
+//! safetensors header gives each tensor's offset). A save is written into a
+//! hidden temporary directory, fsynced, and renamed into place by rank 0
+//! once every rank's part and the manifest are there, so a crash at any
+//! moment leaves the last complete checkpoint as it was; readers never see
+//! a partial one. Format 1 (one whole `state.safetensors`) is still read.
 
-use crate::flat::unflatten;
+use crate::comm::Communicator;
+use crate::flat::{param_offsets, unflatten};
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use tch::Tensor;
+use std::time::Instant;
+use tch::{Kind, Tensor};
 
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
-/// What each unit stores, in `State::units` order.
+/// The format before rank files: every unit whole in one `WHOLE_FILE`, written by rank 0.
+const WHOLE_FILE_FORMAT: u32 = 1;
+const WHOLE_FILE: &str = "state.safetensors";
+
+/// What each unit stores, in the order `Trainer::checkpoint_part` gives them.
 const STATE_KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
-/// A unit's name and size: what a checkpoint must match to load into a model.
+/// AdamW's step count, in rank 0's file (and format 1's whole file).
+const ADAMW_STEP: &str = "adamw.step";
+
+/// Where a parameter sits in its unit's flat buffer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamLayout {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub offset: i64,
+}
+
+/// Elements `start..start + len` of a unit's flat buffers, held by `Manifest::files[file]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardRange {
+    pub file: usize,
+    pub start: i64,
+    pub len: i64,
+}
+
+/// A unit's name, size and layout: what a checkpoint must match to load
+/// into a model; and where its state is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitLayout {
     pub name: String,
     pub numel: i64,
+    /// Its parameters in flat-buffer order (format 1 did not record them).
+    #[serde(default)]
+    pub params: Vec<ParamLayout>,
+    /// Which file holds which elements, in order, covering `0..numel` once.
+    #[serde(default)]
+    pub shards: Vec<ShardRange>,
 }
 
 impl UnitLayout {
+    /// `model`'s units, with no state placed yet.
     pub fn of(model: &dyn Model) -> Vec<UnitLayout> {
-        model.units().iter().map(|u| UnitLayout { name: u.name.clone(), numel: u.numel() }).collect()
+        model
+            .units()
+            .iter()
+            .map(|u| UnitLayout {
+                name: u.name.clone(),
+                numel: u.numel(),
+                params: param_offsets(u)
+                    .into_iter()
+                    .map(|(i, offset)| ParamLayout { name: u.params[i].name.clone(), shape: u.params[i].shape.clone(), offset })
+                    .collect(),
+                shards: vec![],
+            })
+            .collect()
     }
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,8 +101,14 @@ pub struct Manifest {
     pub epoch_step: usize,
     pub micro_steps: i64,
     pub world_size: usize,
-    /// The strategy that wrote it (the state itself is whole, whatever the strategy).
+    /// The strategy that wrote it (any strategy and world size can read it).
     pub strategy: String,
+    /// Ranks per shard group of the run that wrote it (1: nothing sharded).
+    #[serde(default = "one")]
+    pub shard_group_size: usize,
+    /// The state files, in rank order (format 1: none listed, `WHOLE_FILE`).
+    #[serde(default)]
+    pub files: Vec<String>,
     pub units: Vec<UnitLayout>,
     pub model_config: serde_json::Value,
 }
@@ -103,49 +168,123 @@ pub fn fault_point(point: &str, step: usize) {
     }
 }
 
-/// The state a checkpoint holds: per unit the whole fp32 [master, exp_avg,
-/// exp_avg_sq] (`Trainer::whole_state`), and AdamW's step count. Whole, so
-/// a run resumes under any strategy and world size.
-pub struct State<'a> {
-    pub units: &'a [[Tensor; 3]],
+/// Rank `rank`'s state file among `world`.
+pub fn file_name(rank: usize, world: usize) -> String {
+    format!("rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// One rank's part of a save: per unit where its range of the flat buffer
+/// starts and [master, exp_avg, exp_avg_sq] over it
+/// (`Trainer::checkpoint_part`), and AdamW's step count.
+pub struct RankPart<'a> {
+    pub units: &'a [(i64, [Tensor; 3])],
     pub adamw_step: &'a Tensor,
 }
 
-/// Writes `state` as checkpoint `manifest.step` under `output`.
-pub fn save(output: &Path, state: &State, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<PathBuf> {
-    let dir = checkpoints_dir(output);
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let final_path = dir.join(name_of(manifest.step));
-    let temporary = dir.join(format!(".{}.tmp-{}", name_of(manifest.step), std::process::id()));
-    if temporary.exists() {
-        std::fs::remove_dir_all(&temporary)?;
+/// Every rank's `outcome` on every rank (collective), or, when any rank
+/// failed, an error on all of them naming it — so no rank waits forever
+/// for one that gave up.
+fn agree<T: Serialize + DeserializeOwned>(comm: &Communicator, outcome: Result<T>) -> Result<Vec<T>> {
+    let own = outcome.as_ref().err().map(|e| format!("{e:#}"));
+    let shared: std::result::Result<&T, String> = outcome.as_ref().map_err(|e| format!("{e:#}"));
+    let all = comm.all_gather_bytes(&serde_json::to_vec(&shared)?)?;
+    let all: Vec<std::result::Result<T, String>> =
+        all.iter().map(|bytes| serde_json::from_slice(bytes)).collect::<std::result::Result<_, _>>()?;
+    if let Some(error) = own {
+        bail!(error);
     }
-    std::fs::create_dir_all(&temporary)?;
+    all.into_iter().enumerate().map(|(rank, r)| r.map_err(|e| anyhow::anyhow!("rank {rank} failed: {e}"))).collect()
+}
+
+/// Writes this rank's `part` into `file`, fsynced; rank 0's also holds AdamW's step.
+fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = vec![];
-    for (index, unit) in state.units.iter().enumerate() {
+    for (index, (_, unit)) in part.units.iter().enumerate().filter(|(_, (_, unit))| unit[0].size()[0] > 0) {
         for (kind, tensor) in STATE_KINDS.iter().zip(unit) {
-            tensors.push((format!("unit{index}.{kind}"), tensor.to_device(tch::Device::Cpu)));
+            tensors.push((format!("unit{index}.{kind}"), tensor.shallow_clone()));
         }
     }
-    tensors.push(("adamw.step".into(), state.adamw_step.to_device(tch::Device::Cpu)));
-    let state = temporary.join("state.safetensors");
-    Tensor::write_safetensors(&tensors, &state).with_context(|| format!("cannot write {}", state.display()))?;
-    std::fs::write(temporary.join("manifest.json"), serde_json::to_string_pretty(manifest)?)?;
+    if rank == 0 {
+        tensors.push((ADAMW_STEP.into(), part.adamw_step.to_device(tch::Device::Cpu)));
+    }
+    Tensor::write_safetensors(&tensors, file).with_context(|| format!("cannot write {}", file.display()))?;
+    File::open(file).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", file.display()))
+}
+
+/// Writes checkpoint `manifest.step` under `output`: every rank its `part`,
+/// rank 0 the manifest (whose `files` and units' `shards` this fills in)
+/// and the tokenizer. Collective: every rank calls it.
+pub fn save(output: &Path, part: &RankPart, mut manifest: Manifest, tokenizer: Option<&Path>, comm: &Communicator) -> Result<PathBuf> {
+    let started = Instant::now();
+    let (rank, world) = (comm.env().rank, comm.env().world_size);
+    let dir = checkpoints_dir(output);
+    let final_path = dir.join(name_of(manifest.step));
+    // One name every rank knows; a crashed save's leftover is replaced.
+    let temporary = dir.join(format!(".{}.tmp", name_of(manifest.step)));
+    let prepared = if rank == 0 {
+        (|| -> Result<()> {
+            if temporary.exists() {
+                std::fs::remove_dir_all(&temporary)?;
+            }
+            std::fs::create_dir_all(&temporary)?;
+            Ok(())
+        })()
+        .with_context(|| format!("cannot create {}", temporary.display()))
+    } else {
+        Ok(())
+    };
+    let ranges: Vec<(i64, i64)> = part.units.iter().map(|(start, state)| (*start, state[0].size()[0])).collect();
+    // Also the barrier that keeps the others from writing before the directory exists.
+    let ranges = agree(comm, prepared.map(|()| ranges))?;
+    agree(comm, write_part(&temporary.join(file_name(rank, world)), part, rank))?;
+    let finished = if rank == 0 {
+        manifest.files = (0..world).map(|r| file_name(r, world)).collect();
+        for (index, unit) in manifest.units.iter_mut().enumerate() {
+            unit.shards = ranges
+                .iter()
+                .enumerate()
+                .map(|(file, ranges)| ShardRange { file, start: ranges[index].0, len: ranges[index].1 })
+                .filter(|shard| shard.len > 0)
+                .collect();
+            unit.shards.sort_by_key(|shard| shard.start);
+        }
+        check_shards(&manifest, &temporary).and_then(|()| finish(&dir, &temporary, &final_path, &manifest, tokenizer))
+    } else {
+        Ok(())
+    };
+    agree(comm, finished)?;
+    if rank == 0 {
+        let bytes = manifest.units.iter().map(|u| u.numel).sum::<i64>() as f64 * (STATE_KINDS.len() * 4) as f64;
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            "saved checkpoint {}: {:.3} GB from {world} rank(s) in {seconds:.2} s ({:.2} GB/s)",
+            final_path.display(),
+            bytes / 1e9,
+            bytes / 1e9 / seconds.max(1e-9)
+        );
+    }
+    Ok(final_path)
+}
+
+/// Rank 0, once every rank's file is written: the manifest and tokenizer,
+/// fsynced, then the rename that makes the checkpoint exist.
+fn finish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<()> {
+    let manifest_path = temporary.join("manifest.json");
+    std::fs::write(&manifest_path, serde_json::to_string_pretty(manifest)?).with_context(|| format!("cannot write {}", manifest_path.display()))?;
+    File::open(&manifest_path)?.sync_all()?;
     if let Some(tokenizer) = tokenizer {
-        std::fs::copy(tokenizer, temporary.join("tokenizer.json"))?;
+        let copy = temporary.join("tokenizer.json");
+        std::fs::copy(tokenizer, &copy).with_context(|| format!("cannot copy {} into the checkpoint", tokenizer.display()))?;
+        File::open(&copy)?.sync_all()?;
     }
-    for file in std::fs::read_dir(&temporary)?.flatten() {
-        File::open(file.path())?.sync_all()?;
-    }
-    sync_dir(&temporary)?;
+    sync_dir(temporary)?;
     fault_point("checkpoint-before-rename", manifest.step);
     if final_path.exists() {
-        std::fs::remove_dir_all(&final_path)?;
+        std::fs::remove_dir_all(final_path)?;
     }
-    std::fs::rename(&temporary, &final_path)
+    std::fs::rename(temporary, final_path)
         .with_context(|| format!("cannot move {} to {}", temporary.display(), final_path.display()))?;
-    sync_dir(&dir)?;
-    Ok(final_path)
+    sync_dir(dir)
 }
 
 /// Deletes every checkpoint under `output` but the newest `keep_latest`
@@ -198,17 +337,26 @@ pub fn write_best(output: &Path, best: &[BestCheckpoint]) -> Result<()> {
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join("manifest.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let manifest: Manifest = serde_json::from_str(&text).with_context(|| format!("{} is not a valid ft manifest", path.display()))?;
-    if manifest.format_version != FORMAT_VERSION {
-        bail!("{} has checkpoint format {}, this ft reads {FORMAT_VERSION}", path.display(), manifest.format_version);
+    let mut manifest: Manifest = serde_json::from_str(&text).with_context(|| format!("{} is not a valid ft manifest", path.display()))?;
+    match manifest.format_version {
+        FORMAT_VERSION => {}
+        // The whole file is one shard of every unit.
+        WHOLE_FILE_FORMAT => {
+            manifest.files = vec![WHOLE_FILE.into()];
+            for unit in &mut manifest.units {
+                unit.shards = vec![ShardRange { file: 0, start: 0, len: unit.numel }];
+            }
+        }
+        other => bail!("{} has checkpoint format {other}, this ft reads {WHOLE_FILE_FORMAT} and {FORMAT_VERSION}", path.display()),
     }
     Ok(manifest)
 }
 
 /// Checks that a checkpoint was made for this model's unit layout.
 pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) -> Result<()> {
-    if manifest.units != expected {
-        let describe = |u: &[UnitLayout]| u.iter().map(|l| format!("{} ({})", l.name, l.numel)).collect::<Vec<_>>().join(", ");
+    let describe = |u: &[UnitLayout]| u.iter().map(|l| format!("{} ({})", l.name, l.numel)).collect::<Vec<_>>().join(", ");
+    let same_units = manifest.units.len() == expected.len() && manifest.units.iter().zip(expected).all(|(a, b)| a.name == b.name && a.numel == b.numel);
+    if !same_units {
         bail!(
             "checkpoint {} was written for another model: its units are [{}], this model's are [{}]",
             dir.display(),
@@ -216,50 +364,182 @@ pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) ->
             describe(expected)
         );
     }
+    // Format 1 recorded no parameters: names and sizes are all it can check.
+    for (saved, wanted) in manifest.units.iter().zip(expected).filter(|(saved, _)| !saved.params.is_empty()) {
+        if saved.params != wanted.params {
+            let describe = |p: &[ParamLayout]| p.iter().map(|p| format!("{} {:?} at {}", p.name, p.shape, p.offset)).collect::<Vec<_>>().join(", ");
+            bail!(
+                "checkpoint {} was written for another model: unit {} holds [{}], this model's holds [{}]",
+                dir.display(),
+                saved.name,
+                describe(&saved.params),
+                describe(&wanted.params)
+            );
+        }
+    }
     Ok(())
 }
 
-/// What a checkpoint restores: per unit the whole fp32 [master, exp_avg,
-/// exp_avg_sq] as `State` saved them, and AdamW's step count.
-pub struct SavedState {
-    pub units: Vec<Vec<Tensor>>,
-    pub adamw_step: Tensor,
+/// Checks that each unit's shards name listed files and cover its elements once, in order.
+fn check_shards(manifest: &Manifest, dir: &Path) -> Result<()> {
+    for unit in &manifest.units {
+        let mut next = 0;
+        for shard in &unit.shards {
+            if shard.file >= manifest.files.len() || shard.start != next || shard.len <= 0 {
+                bail!(
+                    "{}: unit {}'s shards {:?} do not cover its {} elements once, in order, from the {} files listed",
+                    dir.join("manifest.json").display(),
+                    unit.name,
+                    unit.shards,
+                    unit.numel,
+                    manifest.files.len()
+                );
+            }
+            next += shard.len;
+        }
+        if next != unit.numel {
+            bail!("{}: unit {}'s shards hold {next} of its {} elements", dir.join("manifest.json").display(), unit.name, unit.numel);
+        }
+    }
+    Ok(())
 }
 
-/// Reads checkpoint `dir` (written by `save`) for `model`.
-pub fn read_state(dir: &Path, model: &dyn Model) -> Result<(Manifest, SavedState)> {
-    let manifest = read_manifest(dir)?;
-    check_layout(&manifest, &UnitLayout::of(model), dir)?;
-    let path = dir.join("state.safetensors");
-    let mut tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
-        .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
-        .into_iter()
-        .collect();
-    let mut take = |name: &str| tensors.remove(name).with_context(|| format!("{} has no tensor {name}", path.display()));
-    let units = (0..model.units().len())
-        .map(|index| STATE_KINDS.iter().map(|kind| take(&format!("unit{index}.{kind}"))).collect::<Result<Vec<_>>>())
-        .collect::<Result<Vec<_>>>()?;
-    let adamw_step = take("adamw.step")?;
-    Ok((manifest, SavedState { units, adamw_step }))
+/// One tensor's entry in a safetensors header.
+#[derive(Deserialize)]
+struct HeaderEntry {
+    dtype: String,
+    shape: Vec<i64>,
+    data_offsets: [u64; 2],
+}
+
+/// A safetensors file, its header parsed; tensors are read by element range on demand.
+struct StateFile {
+    path: PathBuf,
+    file: File,
+    /// Per tensor: its elements and where its bytes start in the file.
+    tensors: HashMap<String, (i64, u64)>,
+}
+
+impl StateFile {
+    /// Reads the header: 8 bytes of little-endian length, then JSON naming each tensor's dtype, shape and byte range after it.
+    fn open(path: &Path) -> Result<StateFile> {
+        let corrupt = || format!("{} is truncated or not a safetensors file", path.display());
+        let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let size = file.metadata()?.len();
+        let mut length = [0u8; 8];
+        file.read_exact(&mut length).with_context(corrupt)?;
+        let length = u64::from_le_bytes(length);
+        if length > size - 8 {
+            bail!(corrupt());
+        }
+        let mut header = vec![0u8; length as usize];
+        file.read_exact(&mut header).with_context(corrupt)?;
+        let header: HashMap<String, serde_json::Value> = serde_json::from_slice(&header).with_context(corrupt)?;
+        let data_start = 8 + length;
+        let mut tensors = HashMap::new();
+        for (name, entry) in header.into_iter().filter(|(name, _)| name != "__metadata__") {
+            let entry: HeaderEntry = serde_json::from_value(entry).with_context(corrupt)?;
+            let numel: i64 = entry.shape.iter().product();
+            let [begin, end] = entry.data_offsets;
+            if entry.dtype != "F32" || end < begin || end - begin != numel as u64 * 4 || data_start + end > size {
+                bail!("{}: tensor {name} ({} {:?}, bytes {begin}..{end}) is not the fp32 state ft writes, or the file is truncated", path.display(), entry.dtype, entry.shape);
+            }
+            tensors.insert(name, (numel, data_start + begin));
+        }
+        Ok(StateFile { path: path.to_path_buf(), file, tensors })
+    }
+
+    /// Elements `offset..offset + len` of fp32 tensor `name`: one seek and one read.
+    fn read(&mut self, name: &str, offset: i64, len: i64) -> Result<Tensor> {
+        let &(numel, start) = self.tensors.get(name).with_context(|| format!("{} has no tensor {name}", self.path.display()))?;
+        if offset < 0 || len < 0 || offset + len > numel {
+            bail!("{}: tensor {name} holds {numel} elements, the manifest says it holds {}..{}", self.path.display(), offset, offset + len);
+        }
+        let mut bytes = vec![0u8; len as usize * 4];
+        self.file
+            .seek(SeekFrom::Start(start + offset as u64 * 4))
+            .and_then(|_| self.file.read_exact(&mut bytes))
+            .with_context(|| format!("cannot read {name} from {}", self.path.display()))?;
+        Ok(Tensor::from_data_size(&bytes, &[len], Kind::Float))
+    }
+}
+
+/// A checkpoint opened for reading: its manifest, checked against the
+/// model, and its state files, from which only the ranges asked for are read.
+pub struct Reader {
+    manifest: Manifest,
+    files: Vec<StateFile>,
+    /// Bytes of state read so far.
+    read_bytes: u64,
+}
+
+impl Reader {
+    /// Opens checkpoint `dir` (any format this ft reads) for `model`.
+    pub fn open(dir: &Path, model: &dyn Model) -> Result<Reader> {
+        let manifest = read_manifest(dir)?;
+        check_layout(&manifest, &UnitLayout::of(model), dir)?;
+        check_shards(&manifest, dir)?;
+        let files = manifest
+            .files
+            .iter()
+            .map(|name| {
+                let path = dir.join(name);
+                if !path.is_file() {
+                    bail!("checkpoint {} is incomplete: {name} is missing, and the state it holds is in no other file", dir.display());
+                }
+                StateFile::open(&path)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Reader { manifest, files, read_bytes: 0 })
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Bytes of state read so far.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes
+    }
+
+    /// Elements `start..start + len` of unit `unit`'s flat `kind` buffer,
+    /// fp32, from the files holding them (zero past the parameters: padding).
+    fn range(&mut self, unit: usize, kind: &str, start: i64, len: i64) -> Result<Tensor> {
+        let name = format!("unit{unit}.{kind}");
+        let end = start + len;
+        let mut pieces = vec![];
+        for shard in &self.manifest.units[unit].shards {
+            let (from, to) = (start.max(shard.start), end.min(shard.start + shard.len));
+            if from < to {
+                pieces.push(self.files[shard.file].read(&name, from - shard.start, to - from)?);
+                self.read_bytes += (to - from) as u64 * 4;
+            }
+        }
+        let padding = end - end.min(self.manifest.units[unit].numel).max(start);
+        if padding > 0 || pieces.is_empty() {
+            pieces.push(Tensor::zeros([padding], (Kind::Float, tch::Device::Cpu)));
+        }
+        Ok(if pieces.len() == 1 { pieces.pop().expect("one piece") } else { Tensor::cat(&pieces, 0) })
+    }
+
+    /// [master, exp_avg, exp_avg_sq] over elements `start..start + len` of unit `unit`'s padded flat buffer.
+    pub fn unit_state(&mut self, unit: usize, start: i64, len: i64) -> Result<[Tensor; 3]> {
+        Ok([self.range(unit, STATE_KINDS[0], start, len)?, self.range(unit, STATE_KINDS[1], start, len)?, self.range(unit, STATE_KINDS[2], start, len)?])
+    }
+
+    /// AdamW's step count (a scalar).
+    pub fn adamw_step(&mut self) -> Result<Tensor> {
+        Ok(self.files[0].read(ADAMW_STEP, 0, 1)?.reshape([] as [i64; 0]))
+    }
+
+    /// The model parameters (fp32, shaped per `model`'s units), whole.
+    pub fn params(&mut self, model: &dyn Model) -> Result<Vec<Vec<Tensor>>> {
+        let units = model.units();
+        units.iter().enumerate().map(|(index, spec)| Ok(unflatten(spec, &self.range(index, STATE_KINDS[0], 0, spec.numel())?))).collect()
+    }
 }
 
 /// The model parameters (fp32, shaped per `model`'s units) stored in checkpoint `dir`.
 pub fn load_params(dir: &Path, model: &dyn Model) -> Result<Vec<Vec<Tensor>>> {
-    let manifest = read_manifest(dir)?;
-    check_layout(&manifest, &UnitLayout::of(model), dir)?;
-    let path = dir.join("state.safetensors");
-    let mut tensors: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
-        .with_context(|| format!("cannot read {} (truncated or corrupt?)", path.display()))?
-        .into_iter()
-        .collect();
-    model
-        .units()
-        .iter()
-        .enumerate()
-        .map(|(index, spec)| {
-            let name = format!("unit{index}.master");
-            let flat = tensors.remove(&name).with_context(|| format!("{} has no tensor {name}", path.display()))?;
-            Ok(unflatten(spec, &flat))
-        })
-        .collect()
+    Reader::open(dir, model)?.params(model)
 }

@@ -47,6 +47,22 @@ fn flat_layout(spec: &UnitSpec) -> (Vec<usize>, i64) {
     (order, decayed)
 }
 
+/// Each parameter of `spec` (by index) and where it starts in the unit's
+/// flat buffer, in buffer order: what a checkpoint's manifest records so a
+/// reader can check the buffers it holds are laid out as this model's.
+pub fn param_offsets(spec: &UnitSpec) -> Vec<(usize, i64)> {
+    let mut offset = 0;
+    flat_layout(spec)
+        .0
+        .into_iter()
+        .map(|i| {
+            let start = offset;
+            offset += spec.params[i].numel();
+            (i, start)
+        })
+        .collect()
+}
+
 /// Views of a flat buffer laid out in `order`, returned in `spec` order and
 /// shaped; padding past the parameters is left out. One `split_with_sizes`
 /// makes them all, so autograd returns the gradient of the buffer with one
@@ -164,6 +180,12 @@ impl UnitPlacement {
     /// optimizer state is sharded, else the whole padded unit.
     pub fn owned_len(&self) -> i64 {
         if self.optimizer_sharded { self.shard.len } else { self.shard.padded }
+    }
+
+    /// Where `master` starts in the padded flat buffer: with `owned_len`,
+    /// the range of it this rank updates and checkpoints.
+    pub fn owned_start(&self) -> i64 {
+        if self.optimizer_sharded { self.shard.start } else { 0 }
     }
 
     /// Elements of the device gradient: this rank's shard, or the padded whole unit.
@@ -533,26 +555,19 @@ impl FlatUnit {
         Ok(Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?))
     }
 
-    /// Puts back whole fp32 state ([master, exp_avg, exp_avg_sq], each of the
-    /// unit's numel), keeping this rank's part.
-    pub(crate) fn restore(&mut self, state: &[Tensor]) -> Result<()> {
+    /// Puts back fp32 state ([master, exp_avg, exp_avg_sq], each the part
+    /// `master` covers: `owned_start`, `owned_len`), then brings the compute
+    /// copy up to date — under zero1 by gathering the shard group's slices,
+    /// so every rank of the group calls this.
+    pub(crate) fn restore(&mut self, state: &[Tensor], shard_group: Option<&ProcessGroup>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        let shard = self.placement.shard;
         for (target, source) in [&self.master, &self.exp_avg, &self.exp_avg_sq].into_iter().zip(state) {
-            if source.size() != [self.numel] {
-                anyhow::bail!("unit {}: checkpoint tensor {:?} does not fit [{}]", self.spec.name, source.size(), self.numel);
+            if source.size() != target.size() {
+                anyhow::bail!("unit {}: checkpoint part {:?} does not fit this rank's {:?}", self.spec.name, source.size(), target.size());
             }
-            let padded = source.to_device(target.device()).constant_pad_nd([0, shard.padded - self.numel]);
-            let mine = if target.size()[0] == shard.padded { padded } else { padded.narrow(0, shard.start, shard.len) };
-            target.shallow_clone().copy_(&mine);
+            target.shallow_clone().copy_(source);
         }
-        if !self.placement.params_sharded && !self.master_is_whole() {
-            // zero1: every rank read the whole master; refresh the whole compute copy from it.
-            let whole = state[0].to_device(self.compute.device()).constant_pad_nd([0, shard.padded - self.numel]);
-            self.compute_alias.copy_(&whole);
-            return Ok(());
-        }
-        if let Some(work) = self.refresh_compute(None)? {
+        if let Some(work) = self.refresh_compute(shard_group)? {
             work.wait()?;
         }
         Ok(())

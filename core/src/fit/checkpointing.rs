@@ -6,7 +6,7 @@
 
 use super::monitor::Monitor;
 use super::summary::EpochResult;
-use crate::checkpoint::{self, BestCheckpoint, Manifest, State, UnitLayout};
+use crate::checkpoint::{self, BestCheckpoint, Manifest, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::TrainConfig;
 use crate::train::Trainer;
@@ -62,11 +62,23 @@ impl<'a> Checkpointer<'a> {
         }
         let spec = if spec == "auto" { "latest" } else { spec.as_str() };
         let dir = checkpoint::resolve(spec, self.plan.output)?;
-        let (manifest, state) = checkpoint::read_state(&dir, trainer.model())?;
-        trainer.restore(&state.units, &state.adamw_step, manifest.micro_steps)?;
+        let started = std::time::Instant::now();
+        let mut reader = Reader::open(&dir, trainer.model())?;
+        let (adamw_step, micro_steps) = (reader.adamw_step()?, reader.manifest().micro_steps);
+        trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, micro_steps)?;
+        let manifest = reader.manifest();
         let cursor = Cursor { epoch: manifest.epoch, epoch_step: manifest.epoch_step, step: manifest.step };
         if rank == 0 {
-            tracing::info!("resumed from {} at step {} (epoch {}, batch {})", dir.display(), cursor.step, cursor.epoch + 1, cursor.epoch_step);
+            let (gb, seconds) = (reader.read_bytes() as f64 / 1e9, started.elapsed().as_secs_f64());
+            tracing::info!(
+                "resumed from {} at step {} (epoch {}, batch {}); rank 0 read {gb:.3} GB from {} state file(s) in {seconds:.2} s ({:.2} GB/s)",
+                dir.display(),
+                cursor.step,
+                cursor.epoch + 1,
+                cursor.epoch_step,
+                manifest.files.len(),
+                gb / seconds.max(1e-9)
+            );
         }
         Ok(cursor)
     }
@@ -115,8 +127,8 @@ impl<'a> Checkpointer<'a> {
         Ok(())
     }
 
-    /// Saves checkpoint `next.step` unless it exists (collective: every rank
-    /// helps gather the whole state; rank 0 writes it, the others wait).
+    /// Saves checkpoint `next.step` unless it exists (collective: every
+    /// rank writes the state it owns; rank 0 the manifest).
     fn save(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<std::path::PathBuf> {
         let dir = checkpoint::checkpoints_dir(self.plan.output).join(checkpoint::name_of(next.step));
         if self.last_saved == Some(next.step) {
@@ -131,16 +143,14 @@ impl<'a> Checkpointer<'a> {
             micro_steps: trainer.micro_steps(),
             world_size: self.world,
             strategy: self.strategy.into(),
+            shard_group_size: trainer.shard_group_size(),
+            files: vec![],
             units: UnitLayout::of(trainer.model()),
             model_config: self.plan.model_config.clone(),
         };
-        let units = trainer.whole_state()?;
-        if comm.env().rank == 0 {
-            let state = State { units: &units, adamw_step: trainer.adamw_step() };
-            checkpoint::save(self.plan.output, &state, &manifest, self.plan.tokenizer)?;
-        }
-        drop(units);
-        comm.world().barrier()?.wait()?;
+        let units = trainer.checkpoint_part();
+        let part = RankPart { units: &units, adamw_step: trainer.adamw_step() };
+        checkpoint::save(self.plan.output, &part, manifest, self.plan.tokenizer, comm)?;
         self.last_saved = Some(next.step);
         Ok(dir)
     }

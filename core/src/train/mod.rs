@@ -18,7 +18,7 @@ pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
 use crate::comm::ProcessGroup;
 use crate::config::TrainConfig;
-use crate::flat::{FlatUnit, MemoryAccount, UnitPlacement};
+use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::Model;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
@@ -222,21 +222,54 @@ impl<'m> Trainer<'m> {
         self.micro_steps
     }
 
-    /// The whole optimizer state per unit — [master, exp_avg, exp_avg_sq],
-    /// fp32, unpadded — gathered from the shard group where it is sharded.
-    /// Every rank must call this (it is collective when sharded).
-    pub fn whole_state(&self) -> Result<Vec<[Tensor; 3]>> {
-        let group = self.shard_group();
+    /// Ranks per shard group (1 when nothing is sharded).
+    pub fn shard_group_size(&self) -> usize {
+        self.parallel.map_or(1, |p| p.shard_size)
+    }
+
+    /// How many ranks hold the same copy of a unit's optimizer state and
+    /// which of them this rank is: a sharded state's replicas (hybrid
+    /// sharding's other shard groups), or every rank when it is whole.
+    fn holders(&self, sharded: bool) -> (usize, usize) {
+        match self.parallel {
+            None => (1, 0),
+            Some(p) if sharded => p.replicas().map_or((1, 0), |r| (r.size(), r.rank())),
+            Some(p) => (p.world.size(), p.world.rank()),
+        }
+    }
+
+    /// What this rank writes of each unit to a checkpoint: where its range
+    /// of the unit's flat buffer starts, and [master, exp_avg, exp_avg_sq]
+    /// over it, on the host. The ranks holding the same copy split it, so
+    /// each element is written once and every rank writes about 1/N of the
+    /// state; padding is never written.
+    pub fn checkpoint_part(&self) -> Vec<(i64, [Tensor; 3])> {
         self.units
             .iter()
-            .map(|u| Ok([u.whole(&u.master, group)?, u.whole(&u.exp_avg, group)?, u.whole(&u.exp_avg_sq, group)?]))
+            .map(|u| {
+                let placement = u.placement();
+                let (copies, index) = self.holders(placement.optimizer_sharded);
+                let owned_start = placement.owned_start();
+                let valid = (u.numel() - owned_start).clamp(0, placement.owned_len());
+                let split = ShardLayout::new(valid, copies, index);
+                let local = split.start.min(valid);
+                let len = split.len.min(valid - local);
+                let take = |t: &Tensor| t.narrow(0, local, len).to_device(tch::Device::Cpu);
+                (owned_start + local, [take(&u.master), take(&u.exp_avg), take(&u.exp_avg_sq)])
+            })
             .collect()
     }
 
-    /// Puts back whole state (as `whole_state` returns it), each rank keeping its part.
-    pub fn restore(&mut self, units: &[Vec<Tensor>], step: &Tensor, micro_steps: i64) -> Result<()> {
-        for (unit, state) in self.units.iter_mut().zip(units) {
-            unit.restore(state)?;
+    /// Puts back checkpointed state: `read(unit, start, len)` returns
+    /// [master, exp_avg, exp_avg_sq] over elements `start..start + len` of
+    /// the unit's padded flat buffer, and each rank asks only for the part
+    /// it owns. Every rank calls this (zero1 gathers its compute copies).
+    pub fn restore(&mut self, mut read: impl FnMut(usize, i64, i64) -> Result<[Tensor; 3]>, step: &Tensor, micro_steps: i64) -> Result<()> {
+        let group = self.shard_group();
+        for (index, unit) in self.units.iter_mut().enumerate() {
+            let placement = *unit.placement();
+            let state = read(index, placement.owned_start(), placement.owned_len())?;
+            unit.restore(&state, group)?;
         }
         self.step.shallow_clone().copy_(step);
         self.micro_steps = micro_steps;
