@@ -96,7 +96,7 @@ pub(crate) fn parameters(units: &[UnitSpec]) -> Result<()> {
         .iter()
         .flat_map(|unit| &unit.params)
         .try_fold(0i64, |total, spec| spec.shape.iter().try_fold(1i64, |n, &d| n.checked_mul(d))?.checked_add(total));
-    if !count.is_some_and(|count| count <= MAX_PARAMETERS) {
+    if count.is_none_or(|count| count > MAX_PARAMETERS) {
         bail!("the sizes make more than {MAX_PARAMETERS} parameters, more than any machine holds");
     }
     Ok(())
