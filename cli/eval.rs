@@ -115,11 +115,15 @@ pub struct ExportArgs {
     /// Weight dtype on disk: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: DType,
+    /// Largest weights file, e.g. 5GB: more make model-0000k-of-0000n.safetensors and an index (export holds one file in memory).
+    #[arg(long, value_parser = crate::args::parse_size)]
+    max_shard_size: Option<f64>,
 }
 
 pub fn export(args: ExportArgs) -> Result<i32> {
     let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
-    let step = hf::export_checkpoint(&dir, &args.out, args.dtype.storage_kind())?;
+    let max_shard_bytes = args.max_shard_size.map_or(hf::DEFAULT_MAX_SHARD_BYTES, |bytes| bytes as u64);
+    let step = hf::export_checkpoint(&dir, &args.out, args.dtype.storage_kind(), max_shard_bytes)?;
     println!("exported step {step} of {} to {}", dir.display(), args.out.display());
     Ok(0)
 }

@@ -191,6 +191,41 @@ fn saved_models_load_back_identically_in_each_dtype() {
     }
 }
 
+/// Weights over the shard size go to `model-0000k-of-0000n.safetensors` and an
+/// index, units whole, as `save_pretrained` writes them; transformers loads them.
+#[test]
+fn saved_models_split_into_shards_that_transformers_loads() {
+    let dir = fixture("llama-gqa");
+    let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
+    let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    std::fs::write(out.path().join("model.safetensors"), b"stale").unwrap();
+    let largest_unit = model.units().iter().map(|u| u.numel() as u64 * 4).max().unwrap();
+    hf::write_model(model.as_ref(), out.path(), Kind::Float, largest_unit, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect())).unwrap();
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|f| f.as_str().unwrap()).collect();
+    let shards = files.len();
+    assert!(shards > 1 && !out.path().join("model.safetensors").exists(), "{files:?}");
+    assert!(files.iter().enumerate().all(|(k, f)| *f == format!("model-{:05}-of-{shards:05}.safetensors", k + 1)), "{files:?}");
+    let total: i64 = model.units().iter().map(|u| u.numel() * 4).sum();
+    assert_eq!(index["metadata"]["total_size"], total);
+    let back = hf::load_params(model.as_ref(), out.path(), Kind::Float, Device::Cpu).unwrap();
+    for (a, b) in back.iter().flatten().zip(params.iter().flatten()) {
+        assert!(a.equal(b));
+    }
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let script = "import sys, torch\n\
+from transformers import AutoModelForCausalLM\n\
+from safetensors.torch import load_file\n\
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n\
+ours = load_file(sys.argv[2] + '/model.safetensors')\n\
+state = model.state_dict()\n\
+assert all(torch.equal(state[name], tensor) for name, tensor in ours.items() if name in state), 'weights differ'\n\
+print(len(ours))";
+    let output = std::process::Command::new(python).args(["-c", script, out.path().to_str().unwrap(), dir.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+}
+
 #[test]
 fn gpt2_tokenizer_loads_and_round_trips() {
     let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/gpt2");

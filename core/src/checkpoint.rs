@@ -532,14 +532,9 @@ impl Reader {
         Ok(self.files[0].read(ADAMW_STEP, 0, 1)?.reshape([] as [i64; 0]))
     }
 
-    /// The model parameters (fp32, shaped per `model`'s units), whole.
-    pub fn params(&mut self, model: &dyn Model) -> Result<Vec<Vec<Tensor>>> {
-        let units = model.units();
-        units.iter().enumerate().map(|(index, spec)| Ok(unflatten(spec, &self.range(index, STATE_KINDS[0], 0, spec.numel())?))).collect()
+    /// Unit `unit`'s parameters (fp32, shaped per `model`), whole.
+    pub fn unit_params(&mut self, model: &dyn Model, unit: usize) -> Result<Vec<Tensor>> {
+        let spec = &model.units()[unit];
+        Ok(unflatten(spec, &self.range(unit, STATE_KINDS[0], 0, spec.numel())?))
     }
-}
-
-/// The model parameters (fp32, shaped per `model`'s units) stored in checkpoint `dir`.
-pub fn load_params(dir: &Path, model: &dyn Model) -> Result<Vec<Vec<Tensor>>> {
-    Reader::open(dir, model)?.params(model)
 }

@@ -121,11 +121,11 @@ impl ModelSource {
 
 /// Writes ft checkpoint `checkpoint` as a Hugging Face model directory
 /// `out` (weights in `dtype`, and its tokenizer); returns the step it holds.
-pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind) -> Result<usize> {
+pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind, max_shard_bytes: u64) -> Result<usize> {
     let manifest = ft_core::checkpoint::read_manifest(checkpoint)?;
     let model = build_model(manifest.model_config.clone(), &checkpoint.join("manifest.json"))?;
-    let params = ft_core::checkpoint::load_params(checkpoint, model.as_ref())?;
-    save(model.as_ref(), &params, out, dtype)?;
+    let mut reader = ft_core::checkpoint::Reader::open(checkpoint, model.as_ref())?;
+    write_model(model.as_ref(), out, dtype, max_shard_bytes, |unit| reader.unit_params(model.as_ref(), unit))?;
     let tokenizer = checkpoint.join("tokenizer.json");
     if tokenizer.exists() {
         std::fs::copy(&tokenizer, out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tokenizer.display()))?;
@@ -374,6 +374,26 @@ fn list_or_none(names: &[String]) -> String {
 /// is written beside its final name and renamed, so a crash never leaves a
 /// half-written file under the real name.
 pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) -> Result<()> {
+    write_model(model, dir, dtype, DEFAULT_MAX_SHARD_BYTES, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))
+}
+
+/// The largest weights file `save` and `ft export` write: a bound on the
+/// host memory an export holds (one file's tensors at a time).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// Writes `model`'s config.json and weights in `dtype` into `dir`, asking
+/// `unit_params` for one unit's parameters at a time: consecutive units fill
+/// a file up to `max_shard_bytes` (a unit is never split, so a larger one is
+/// a file alone), and only that file's tensors are in memory. One file is
+/// `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with
+/// `model.safetensors.index.json`, as `save_pretrained` writes them.
+pub fn write_model(
+    model: &dyn Model,
+    dir: &Path,
+    dtype: Kind,
+    max_shard_bytes: u64,
+    mut unit_params: impl FnMut(usize) -> Result<Vec<Tensor>>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut config = model.hf_config().clone();
     let dtype_name = serde_json::Value::from(match dtype {
@@ -387,17 +407,45 @@ pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) 
         config["dtype"] = dtype_name.clone();
     }
     config["torch_dtype"] = dtype_name;
-    let mut named = vec![];
-    for (unit, tensors) in model.units().iter().zip(params) {
-        for (spec, tensor) in unit.params.iter().zip(tensors) {
-            named.push((spec.hf_name.clone(), tensor.to_kind(dtype).to_device(Device::Cpu).contiguous()));
+    let units = model.units();
+    let unit_bytes: Vec<u64> = units.iter().map(|u| u.numel() as u64 * dtype.elt_size_in_bytes() as u64).collect();
+    let mut shards: Vec<std::ops::Range<usize>> = vec![];
+    for (unit, &bytes) in unit_bytes.iter().enumerate() {
+        match shards.last_mut() {
+            Some(last) if unit_bytes[last.clone()].iter().sum::<u64>() + bytes <= max_shard_bytes => last.end = unit + 1,
+            _ => shards.push(unit..unit + 1),
         }
     }
-    let weights = dir.join("model.safetensors");
-    let partial = dir.join("model.safetensors.partial");
-    Tensor::write_safetensors(&named, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
-    File::open(&partial)?.sync_all()?;
-    std::fs::rename(&partial, &weights)?;
+    let file_name = |k: usize| match shards.len() {
+        1 => "model.safetensors".to_string(),
+        n => format!("model-{:05}-of-{n:05}.safetensors", k + 1),
+    };
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let mut named = vec![];
+        for unit in shard.clone() {
+            for (spec, tensor) in units[unit].params.iter().zip(unit_params(unit)?) {
+                named.push((spec.hf_name.clone(), tensor.to_kind(dtype).to_device(Device::Cpu).contiguous()));
+                weight_map.insert(spec.hf_name.clone(), file_name(k).into());
+            }
+        }
+        let file = dir.join(file_name(k));
+        let partial = dir.join(format!("{}.partial", file_name(k)));
+        Tensor::write_safetensors(&named, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
+        File::open(&partial)?.sync_all()?;
+        std::fs::rename(&partial, &file)?;
+    }
+    // A loader takes model.safetensors before an index: neither may be left from an earlier save.
+    let index = dir.join("model.safetensors.index.json");
+    let stale = if shards.len() == 1 { index.clone() } else { dir.join("model.safetensors") };
+    if stale.exists() {
+        std::fs::remove_file(&stale).with_context(|| format!("cannot remove {}", stale.display()))?;
+    }
+    if shards.len() > 1 {
+        let total: u64 = unit_bytes.iter().sum();
+        let json = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        std::fs::write(&index, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", index.display()))?;
+    }
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("cannot write {}", config_path.display()))?;
