@@ -160,6 +160,23 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
     for (a, b) in after.iter().flatten().zip(params.iter().flatten()) {
         assert!(a.equal(b), "a skipped step leaves the weights alone");
     }
+
+    // The scaler is checkpointed state: a trainer restored from one whose
+    // scale halved continues at the halved scale, not its initial one.
+    let options = |initial_loss_scale| TrainOptions { dtype: Kind::Half, adamw: hyper, initial_loss_scale, ..Default::default() };
+    let mut overflowed = TrainerBuilder::new(model.as_ref(), options(huge)).build(&params).unwrap();
+    overflowed.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+    overflowed.step(hyper.lr).unwrap();
+    let part = overflowed.checkpoint_part();
+    let mut restored = TrainerBuilder::new(model.as_ref(), options(1024.0)).build(&params).unwrap();
+    let read = |unit: usize, start: i64, len: i64| {
+        let (from, state) = &part[unit];
+        assert_eq!((*from, start), (0, 0), "one process owns every unit whole");
+        // Past the parameters: the flat buffer's zero padding.
+        Ok(state.each_ref().map(|t| Tensor::cat(&[t.shallow_clone(), Tensor::zeros([len - t.size()[0]], (Kind::Float, Device::Cpu))], 0)))
+    };
+    restored.restore(read, overflowed.adamw_step(), overflowed.micro_steps(), overflowed.loss_scaler_state().as_ref()).unwrap();
+    assert_eq!(restored.loss_scale(), Some(huge / 2.0));
 }
 
 #[test]

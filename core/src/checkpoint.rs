@@ -36,6 +36,8 @@ const STATE_KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
 /// AdamW's step count, in rank 0's file (and format 1's whole file).
 const ADAMW_STEP: &str = "adamw.step";
+/// fp16's dynamic loss scale and its growth tracker, as two fp32 values.
+const LOSS_SCALE: &str = "loss_scale";
 
 /// Where a parameter sits in its unit's flat buffer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -179,6 +181,8 @@ pub fn file_name(rank: usize, world: usize) -> String {
 pub struct RankPart<'a> {
     pub units: &'a [(i64, [Tensor; 3])],
     pub adamw_step: &'a Tensor,
+    /// fp16's loss scaler (`Trainer::loss_scaler_state`), None otherwise.
+    pub loss_scale: Option<Tensor>,
 }
 
 /// Every rank's `outcome` on every rank (collective), or, when any rank
@@ -196,7 +200,8 @@ fn agree<T: Serialize + DeserializeOwned>(comm: &Communicator, outcome: Result<T
     all.into_iter().enumerate().map(|(rank, r)| r.map_err(|e| anyhow::anyhow!("rank {rank} failed: {e}"))).collect()
 }
 
-/// Writes this rank's `part` into `file`, fsynced; rank 0's also holds AdamW's step.
+/// Writes this rank's `part` into `file`, fsynced; rank 0's also holds
+/// AdamW's step and fp16's loss scale.
 fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = vec![];
     for (index, (_, unit)) in part.units.iter().enumerate().filter(|(_, (_, unit))| unit[0].size()[0] > 0) {
@@ -206,6 +211,7 @@ fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<()> {
     }
     if rank == 0 {
         tensors.push((ADAMW_STEP.into(), part.adamw_step.to_device(tch::Device::Cpu)));
+        tensors.extend(part.loss_scale.as_ref().map(|state| (LOSS_SCALE.to_string(), state.shallow_clone())));
     }
     Tensor::write_safetensors(&tensors, file).with_context(|| format!("cannot write {}", file.display()))?;
     File::open(file).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", file.display()))
@@ -530,6 +536,14 @@ impl Reader {
     /// AdamW's step count (a scalar).
     pub fn adamw_step(&mut self) -> Result<Tensor> {
         Ok(self.files[0].read(ADAMW_STEP, 0, 1)?.reshape([] as [i64; 0]))
+    }
+
+    /// fp16's loss scaler state, when the run that saved it had one.
+    pub fn loss_scale(&mut self) -> Result<Option<Tensor>> {
+        match self.files[0].tensors.contains_key(LOSS_SCALE) {
+            true => Ok(Some(self.files[0].read(LOSS_SCALE, 0, 2)?)),
+            false => Ok(None),
+        }
     }
 
     /// Unit `unit`'s parameters (fp32, shaped per `model`), whole.

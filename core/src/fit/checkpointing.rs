@@ -64,8 +64,8 @@ impl<'a> Checkpointer<'a> {
         let dir = checkpoint::resolve(spec, self.plan.output)?;
         let started = std::time::Instant::now();
         let mut reader = Reader::open(&dir, trainer.model())?;
-        let (adamw_step, micro_steps) = (reader.adamw_step()?, reader.manifest().micro_steps);
-        trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, micro_steps)?;
+        let (adamw_step, micro_steps, loss_scale) = (reader.adamw_step()?, reader.manifest().micro_steps, reader.loss_scale()?);
+        trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, micro_steps, loss_scale.as_ref())?;
         let manifest = reader.manifest();
         let cursor = Cursor { epoch: manifest.epoch, epoch_step: manifest.epoch_step, step: manifest.step };
         if rank == 0 {
@@ -149,7 +149,7 @@ impl<'a> Checkpointer<'a> {
             model_config: self.plan.model_config.clone(),
         };
         let units = trainer.checkpoint_part();
-        let part = RankPart { units: &units, adamw_step: trainer.adamw_step() };
+        let part = RankPart { units: &units, adamw_step: trainer.adamw_step(), loss_scale: trainer.loss_scaler_state() };
         checkpoint::save(self.plan.output, &part, manifest, self.plan.tokenizer, comm)?;
         self.last_saved = Some(next.step);
         Ok(dir)

@@ -264,7 +264,13 @@ impl<'m> Trainer<'m> {
     /// [master, exp_avg, exp_avg_sq] over elements `start..start + len` of
     /// the unit's padded flat buffer, and each rank asks only for the part
     /// it owns. Every rank calls this (zero1 gathers its compute copies).
-    pub fn restore(&mut self, mut read: impl FnMut(usize, i64, i64) -> Result<[Tensor; 3]>, step: &Tensor, micro_steps: i64) -> Result<()> {
+    pub fn restore(
+        &mut self,
+        mut read: impl FnMut(usize, i64, i64) -> Result<[Tensor; 3]>,
+        step: &Tensor,
+        micro_steps: i64,
+        loss_scale: Option<&Tensor>,
+    ) -> Result<()> {
         let group = self.shard_group();
         for (index, unit) in self.units.iter_mut().enumerate() {
             let placement = *unit.placement();
@@ -273,6 +279,10 @@ impl<'m> Trainer<'m> {
         }
         self.step.shallow_clone().copy_(step);
         self.micro_steps = micro_steps;
+        // A checkpoint without one (bf16/fp32, or older) leaves the initial scale.
+        if let (Some(scaler), Some(state)) = (&self.scaler, loss_scale) {
+            scaler.restore(state);
+        }
         Ok(())
     }
 
@@ -298,6 +308,11 @@ impl<'m> Trainer<'m> {
     }
 
     /// fp16's current loss scale (None in other dtypes).
+    /// fp16's loss scaler as two fp32 values on the host, for a checkpoint.
+    pub fn loss_scaler_state(&self) -> Option<Tensor> {
+        self.scaler.as_ref().map(|s| s.state())
+    }
+
     pub fn loss_scale(&self) -> Option<f64> {
         self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
     }

@@ -23,6 +23,18 @@ impl LossScaler {
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
         }
     }
+
+    /// [scale, clean steps since the last change] as fp32 on the host.
+    pub(super) fn state(&self) -> Tensor {
+        Tensor::cat(&[self.scale.to_kind(Kind::Float), self.growth_tracker.to_kind(Kind::Float)], 0).to_device(tch::Device::Cpu)
+    }
+
+    pub(super) fn restore(&self, state: &Tensor) {
+        let device = self.scale.device();
+        let _no_grad = tch::no_grad_guard();
+        self.scale.shallow_clone().copy_(&state.narrow(0, 0, 1).to_device(device));
+        self.growth_tracker.shallow_clone().copy_(&state.narrow(0, 1, 1).to_kind(Kind::Int).to_device(device));
+    }
 }
 
 fn refs(list: &[Tensor]) -> Vec<&Tensor> {
