@@ -165,8 +165,8 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
     // scale halved continues at the halved scale, not its initial one.
     let options = |initial_loss_scale| TrainOptions { dtype: Kind::Half, adamw: hyper, initial_loss_scale, ..Default::default() };
     let mut overflowed = TrainerBuilder::new(model.as_ref(), options(huge)).build(&params).unwrap();
-    overflowed.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
-    overflowed.step(hyper.lr).unwrap();
+    let _loss = overflowed.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+    let _norm = overflowed.step(hyper.lr).unwrap();
     let part = overflowed.checkpoint_part();
     let mut restored = TrainerBuilder::new(model.as_ref(), options(1024.0)).build(&params).unwrap();
     let read = |unit: usize, start: i64, len: i64| {
