@@ -102,6 +102,13 @@ pub fn options<T: DeserializeOwned>(task: &str, value: &serde_json::Value) -> Re
     serde_json::from_value(value.clone()).map_err(|e| anyhow::anyhow!("task.* keys of task `{task}`: {e}"))
 }
 
+/// The indices of `len` items this rank takes: every `world`-th from its
+/// rank, so shares differ by at most one item.
+pub fn rank_share(comm: &Communicator, len: usize) -> Vec<usize> {
+    let env = comm.env();
+    (env.rank..len).step_by(env.world_size).collect()
+}
+
 /// Every rank's `mine`, in rank order, on every rank (e.g. each rank's
 /// share of the predictions, gathered for scoring).
 pub fn all_gather_json<T: Serialize + DeserializeOwned>(comm: &Communicator, mine: &T) -> Result<Vec<T>> {

@@ -33,8 +33,7 @@ pub fn evaluate(
     let loss = match task.eval_set() {
         Some(data) if !data.is_empty() => {
             let _no_grad = tch::no_grad_guard();
-            let (rank, world) = (comm.env().rank, comm.env().world_size);
-            let mine: Vec<usize> = (rank..data.len()).step_by(world).collect();
+            let mine = crate::task::rank_share(comm, data.len());
             let (mut sum, mut weight) = (0.0, 0.0);
             for indices in mine.chunks(batch_size.max(1)) {
                 let batch = data.collate(indices, comm.device())?;

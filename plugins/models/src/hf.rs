@@ -410,11 +410,16 @@ pub fn write_model(
     let units = model.units();
     let unit_bytes: Vec<u64> = units.iter().map(|u| u.numel() as u64 * dtype.elt_size_in_bytes() as u64).collect();
     let mut shards: Vec<std::ops::Range<usize>> = vec![];
+    let mut shard_bytes = 0;
     for (unit, &bytes) in unit_bytes.iter().enumerate() {
         match shards.last_mut() {
-            Some(last) if unit_bytes[last.clone()].iter().sum::<u64>() + bytes <= max_shard_bytes => last.end = unit + 1,
-            _ => shards.push(unit..unit + 1),
+            Some(last) if shard_bytes + bytes <= max_shard_bytes => last.end = unit + 1,
+            _ => {
+                shards.push(unit..unit + 1);
+                shard_bytes = 0;
+            }
         }
+        shard_bytes += bytes;
     }
     let file_name = |k: usize| match shards.len() {
         1 => "model.safetensors".to_string(),

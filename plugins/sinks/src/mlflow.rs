@@ -20,7 +20,6 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 /// The configuration key naming the experiment, read from the run's params, and its default.
@@ -147,7 +146,7 @@ impl Store {
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let now = now_ms();
         let meta = ExperimentMeta {
-            artifact_location: file_uri(&dir),
+            artifact_location: file_uri(&dir)?,
             creation_time: now,
             experiment_id: id.into(),
             last_update_time: now,
@@ -217,7 +216,7 @@ impl Run {
         let name = store.root.parent().and_then(Path::file_name).map_or("ft".into(), |n| n.to_string_lossy().into_owned());
         let user = std::env::var("LOGNAME").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
         let meta = RunMeta {
-            artifact_uri: file_uri(&dir.join("artifacts")),
+            artifact_uri: file_uri(&dir.join("artifacts"))?,
             end_time: None,
             entry_point_name: String::new(),
             experiment_id,
@@ -282,15 +281,9 @@ fn entry_path(dir: &Path, key: &str) -> Result<PathBuf> {
 }
 
 /// An absolute path as a file URI, percent-encoded as Python's `pathlib.Path.as_uri` does.
-fn file_uri(path: &Path) -> String {
-    let mut uri = String::from("file://");
-    for &byte in path.as_os_str().as_bytes() {
-        match byte {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'/' | b'-' | b'.' | b'_' | b'~' => uri.push(byte as char),
-            _ => uri.push_str(&format!("%{byte:02X}")),
-        }
-    }
-    uri
+/// `path` (absolute: the store's root is canonical) as a file URI, as MLflow records artifact locations.
+fn file_uri(path: &Path) -> Result<String> {
+    Ok(url::Url::from_file_path(path).map_err(|()| anyhow!("{} is not an absolute path", path.display()))?.into())
 }
 
 fn now_ms() -> u64 {
@@ -449,7 +442,7 @@ mod tests {
         assert!(experiment["experiment_id"].is_string() && meta["experiment_id"] == experiment["experiment_id"]);
         assert_eq!((meta["status"].as_u64(), meta["lifecycle_stage"].as_str()), (Some(FINISHED as u64), Some(ACTIVE)));
         assert!(meta["end_time"].as_u64() >= meta["start_time"].as_u64());
-        assert_eq!(meta["artifact_uri"].as_str().unwrap(), file_uri(&std::fs::canonicalize(run.join("artifacts")).unwrap()));
+        assert_eq!(meta["artifact_uri"].as_str().unwrap(), file_uri(&std::fs::canonicalize(run.join("artifacts")).unwrap()).unwrap());
         assert_eq!(history(&run, "loss"), [("2.5".into(), "1".into()), ("0.30000000000000004".into(), "2".into())]);
         assert_eq!(read(run.join("params/train.lr")), "5e-5");
         assert_eq!(read(run.join("tags/mlflow.source.name")), "ft");
@@ -506,6 +499,6 @@ mod tests {
         for bad in ["", "../x", "a//b", "/x", "./x", "a\"b", "x\n"] {
             assert!(entry_path(dir.path(), bad).is_err(), "{bad:?}");
         }
-        assert_eq!(file_uri(Path::new("/tmp/a b/ü~x")), "file:///tmp/a%20b/%C3%BC~x");
+        assert_eq!(file_uri(Path::new("/tmp/a b/ü~x")).unwrap(), "file:///tmp/a%20b/%C3%BC~x");
     }
 }

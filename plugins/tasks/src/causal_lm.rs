@@ -178,8 +178,7 @@ impl Task for CausalLm {
     /// rank scores all of them.
     fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
         let Some(generation) = &self.generation else { return Ok(Scores::default()) };
-        let (rank, world) = (comm.env().rank, comm.env().world_size);
-        let questions: Vec<&QaExample> = generation.questions.iter().skip(rank).step_by(world).collect();
+        let questions: Vec<&QaExample> = task::rank_share(comm, generation.questions.len()).into_iter().map(|i| &generation.questions[i]).collect();
         let answers = generation.answers(model, params, dtype, &questions)?;
         let mine: Vec<(String, String)> = questions.iter().map(|q| q.id.clone()).zip(answers).collect();
         self.predictions = task::all_gather_json(comm, &mine)?.into_iter().flatten().collect();

@@ -155,10 +155,9 @@ struct Scoring {
 type Answers = Vec<(String, String, Option<f64>)>;
 
 impl Scoring {
-    /// This rank's share of the examples (every `world`-th) answered.
-    fn answer_share(&self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, rank: usize, world: usize, device: Device) -> Result<Answers> {
+    /// The examples `mine` (indices, this rank's share) answered.
+    fn answer_share(&self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, mine: &[usize], device: Device) -> Result<Answers> {
         let _no_grad = tch::no_grad_guard();
-        let mine: Vec<usize> = (rank..self.examples.len()).step_by(world).collect();
         let local_of: HashMap<usize, usize> = mine.iter().enumerate().map(|(local, &global)| (global, local)).collect();
         let features: Vec<ValidationFeature> = self
             .features
@@ -221,8 +220,7 @@ impl Task for ExtractiveQa {
     /// of them with the official rules.
     fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
         let Some(scoring) = &self.scoring else { return Ok(Scores::default()) };
-        let (rank, world) = (comm.env().rank, comm.env().world_size);
-        let mine = scoring.answer_share(model, params, dtype, rank, world, comm.device())?;
+        let mine = scoring.answer_share(model, params, dtype, &task::rank_share(comm, scoring.examples.len()), comm.device())?;
         let all: Answers = task::all_gather_json(comm, &mine)?.into_iter().flatten().collect();
         self.predictions = all.iter().map(|(id, text, _)| (id.clone(), text.clone())).collect();
         self.null_odds = all.iter().filter_map(|(id, _, odds)| Some((id.clone(), (*odds)?))).collect();
