@@ -35,6 +35,45 @@ impl Overrides {
     }
 }
 
+/// LoRA's flags (`train.lora.*`), shared by `ft train` and `ft bench`.
+#[derive(clap::Args, Clone, Default)]
+pub struct LoraArgs {
+    /// Train rank-R low-rank adapters on the frozen model instead of every parameter (train.lora.r).
+    #[arg(long, value_name = "R")]
+    pub lora_r: Option<usize>,
+    /// The adapters' update is scaled by alpha / r (train.lora.alpha; default 2·r).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// Dropout on the adapters' input while training (train.lora.dropout).
+    #[arg(long)]
+    pub lora_dropout: Option<f64>,
+    /// The linear layers to adapt: q,k,v,o,gate,up,down or module names as
+    /// peft's target_modules (train.lora.targets; default q,v).
+    #[arg(long, value_delimiter = ',')]
+    pub lora_targets: Option<Vec<String>>,
+}
+
+impl LoraArgs {
+    pub fn set(&self, overrides: &mut Overrides) {
+        overrides
+            .set("train.lora.r", self.lora_r)
+            .set("train.lora.alpha", self.lora_alpha)
+            .set("train.lora.dropout", self.lora_dropout)
+            .set("train.lora.targets", self.lora_targets.clone());
+    }
+
+    /// The same flags, for a worker's command line.
+    pub fn argv(&self) -> Vec<String> {
+        let values = [
+            ("--lora-r", self.lora_r.map(|r| r.to_string())),
+            ("--lora-alpha", self.lora_alpha.map(|a| a.to_string())),
+            ("--lora-dropout", self.lora_dropout.map(|d| d.to_string())),
+            ("--lora-targets", self.lora_targets.as_ref().map(|t| t.join(","))),
+        ];
+        values.into_iter().filter_map(|(flag, value)| Some([flag.to_string(), value?])).flatten().collect()
+    }
+}
+
 /// `--reduce-dtype`: fp32 or compute.
 pub fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
     serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))

@@ -4,7 +4,8 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::parse_reduce_dtype;
+use crate::args::{parse_reduce_dtype, LoraArgs, Overrides};
+use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
@@ -91,6 +92,8 @@ pub struct BenchArgs {
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
@@ -190,6 +193,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
         argv.extend([flag.to_string(), value]);
     }
     argv.extend(args.overrides.iter().flat_map(|set| ["--set".to_string(), set.clone()]));
+    argv.extend(args.lora.argv());
     let switches = [("--activation-checkpointing", args.activation_checkpointing), ("--breakdown", args.breakdown)];
     argv.extend(switches.into_iter().filter(|(_, on)| *on).map(|(flag, _)| flag.to_string()));
     if let Some(dir) = &args.profile {
@@ -214,12 +218,14 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();
     // dist.* from FT_DIST__* variables, like every other command.
-    let config = Config::load(None, &[("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())])?;
+    let mut overrides = Overrides(vec![("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())]);
+    args.lora.set(&mut overrides);
+    let config = Config::load(None, &overrides.0)?;
     let rank = Rank::start(&config, offload.to_host())?;
-    let model = hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?;
-    let task = registry.task(args.task.as_deref(), model.head_kind())?;
+    let model = RunModel::new(hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?, &config.train.lora)?;
+    let task = registry.task(args.task.as_deref(), model.model().head_kind())?;
     let case = case(args, args.batch[0], args.seq[0]);
-    if let Some(row) = bench::run_case(&rank, model.as_ref(), task, strategy.as_ref(), offload.as_ref(), &case)? {
+    if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), offload.as_ref(), &case)? {
         std::fs::write(result_file, serde_json::to_string(&row)?)?;
     }
     Ok(0)

@@ -118,12 +118,24 @@ pub struct ExportArgs {
     /// Largest weights file, e.g. 5GB: more make model-0000k-of-0000n.safetensors and an index (export holds one file in memory).
     #[arg(long, value_parser = crate::args::parse_size)]
     max_shard_size: Option<f64>,
+    /// A LoRA checkpoint: write the base model with the adapters folded in,
+    /// instead of the adapter files (adapter_config.json, adapter_model.safetensors).
+    #[arg(long)]
+    merge: bool,
+    /// The base weights to merge into (default: the model directory the run read).
+    #[arg(long, requires = "merge")]
+    base_model: Option<PathBuf>,
 }
 
 pub fn export(args: ExportArgs) -> Result<i32> {
     let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
-    let max_shard_bytes = args.max_shard_size.map_or(hf::DEFAULT_MAX_SHARD_BYTES, |bytes| bytes as u64);
-    let step = hf::export_checkpoint(&dir, &args.out, args.dtype.storage_kind(), max_shard_bytes)?;
+    let export = hf::Export {
+        dtype: args.dtype.storage_kind(),
+        max_shard_bytes: args.max_shard_size.map_or(hf::DEFAULT_MAX_SHARD_BYTES, |bytes| bytes as u64),
+        merge: args.merge,
+        base_model: args.base_model.as_deref(),
+    };
+    let step = hf::export_checkpoint(&dir, &args.out, &export)?;
     println!("exported step {step} of {} to {}", dir.display(), args.out.display());
     Ok(0)
 }

@@ -1,7 +1,7 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{ConfigFile, Overrides};
+use crate::args::{ConfigFile, LoraArgs, Overrides};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use figment::value::Value;
@@ -13,9 +13,11 @@ use ft_core::setup::{share_host_cores, Rank};
 use ft_core::task::TaskInputs;
 use ft_core::{Config, Registry};
 use ft_data::demo;
-use ft_models::hf;
-use std::path::PathBuf;
-use tch::Kind;
+use ft_core::lora::RunModel;
+use ft_core::model::Model;
+use ft_models::{hf, peft};
+use std::path::{Path, PathBuf};
+use tch::{Kind, Tensor};
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -108,6 +110,8 @@ pub struct TrainArgs {
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 fn parse_assignment(text: &str) -> Result<(String, Value), String> {
@@ -147,6 +151,7 @@ impl TrainArgs {
             .set("train.reduce_dtype", self.reduce_dtype.clone())
             .set("train.offload", self.offload.clone())
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
+        self.lora.set(&mut o);
         o.0
     }
 }
@@ -208,6 +213,18 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
     Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
 }
 
+/// Writes a LoRA run's randomly initialised base (a config.json alone, the
+/// demo) to `output`/base-model, in the run's compute dtype, so its adapters
+/// have the weights they adapt; every rank gets the directory.
+fn save_random_base(base: &dyn Model, params: &[Vec<Tensor>], output: &Path, rank: &Rank) -> Result<PathBuf> {
+    let dir = output.join("base-model");
+    if rank.rank() == 0 {
+        hf::save(base, params, &dir, rank.dtype)?;
+    }
+    rank.comm.world().barrier()?.wait()?;
+    Ok(dir)
+}
+
 fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.to_host())?;
@@ -221,18 +238,26 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         (None, Some(dir)) => dir.join("tokenizer.json"),
         (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
     };
-    let model = source.model()?;
+    let run_model = RunModel::new(source.model()?, &config.train.lora)?;
+    let model = run_model.model();
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
-    let prediction = plan::for_run(&rank.comm, model.as_ref(), &mut config, rank.dtype, registry)?;
+    let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry)?;
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let offload = (registry.offload(&config.train.offload)?.create)();
     if offload.to_host() && !configured_offload.to_host() {
         // The CPU AdamW gets its share of the cores, as Rank::start gives an offloaded run.
         share_host_cores(rank.comm.env().local_world_size, rank.device, true);
     }
-    let params = hf::initial_params(model.as_ref(), source.dir.as_deref(), config.train.seed as i64, rank.device)?;
+    let seed = config.train.seed as i64;
+    let base_params = hf::initial_params(run_model.base(), source.dir.as_deref(), seed, rank.device)?;
+    let base_dir = match source.dir.clone().filter(|dir| hf::has_weights(dir)) {
+        // Adapters need their base: a randomly initialised one is written out.
+        None if run_model.lora().is_some() => Some(save_random_base(run_model.base(), &base_params, &output, &rank)?),
+        dir => dir,
+    };
+    let params = run_model.initial_params(base_params, seed.wrapping_add(1), rank.device);
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
-    let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device })?;
+    let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     let sinks = match rank.rank() {
         0 => config.output.report_to.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
         _ => vec![],
@@ -248,9 +273,21 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
             rank.device,
             rank.dtype
         );
+        if let Some(lora) = run_model.lora() {
+            let trained: i64 = (0..model.units().len()).filter(|&u| !model.frozen(u)).map(|u| model.units()[u].numel()).sum();
+            tracing::info!(
+                "LoRA r={} alpha={} on {} layers ({}): {:.2}M trained parameters, the base's {:.1}M frozen",
+                lora.config().r,
+                lora.config().alpha(),
+                lora.targets().len(),
+                lora.peft_target_modules().join(", "),
+                trained as f64 / 1e6,
+                (model.numel() - trained) as f64 / 1e6
+            );
+        }
     }
     let fit = Fit {
-        model: model.as_ref(),
+        model,
         task: task.as_mut(),
         comm: &rank.comm,
         strategy: strategy.as_ref(),
@@ -259,7 +296,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         dtype: rank.dtype,
         sinks,
         resolved_config: config.flattened()?,
-        checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer) },
+        checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer), base_model: base_dir.as_deref() },
     };
     let trained = fit::run(fit, params).map_err(|error| match &prediction {
         Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
@@ -268,9 +305,18 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
-        hf::save(model.as_ref(), &final_params, &final_dir, Kind::Float)?;
+        let what = match run_model.lora() {
+            Some(lora) => {
+                peft::save_adapter(lora, &final_params, &final_dir, base_dir.as_deref())?;
+                "peft LoRA adapter + tokenizer"
+            }
+            None => {
+                hf::save(model, &final_params, &final_dir, Kind::Float)?;
+                "Hugging Face model + tokenizer"
+            }
+        };
         std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
-        let mut written = vec!["final/ (Hugging Face model + tokenizer)".to_string(), "summary.json".into()];
+        let mut written = vec![format!("final/ ({what})"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
         written.push(format!("metrics ({})", config.output.report_to.join(", ")));

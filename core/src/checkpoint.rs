@@ -64,9 +64,13 @@ pub struct UnitLayout {
     /// Its parameters in flat-buffer order (format 1 did not record them).
     #[serde(default)]
     pub params: Vec<ParamLayout>,
-    /// Which file holds which elements, in order, covering `0..numel` once.
+    /// Which file holds which elements, in order, covering `0..numel` once
+    /// (none for a frozen unit).
     #[serde(default)]
     pub shards: Vec<ShardRange>,
+    /// Not trained (LoRA's base): its parameters are the base model's files, not here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub frozen: bool,
 }
 
 impl UnitLayout {
@@ -75,7 +79,8 @@ impl UnitLayout {
         model
             .units()
             .iter()
-            .map(|u| UnitLayout {
+            .enumerate()
+            .map(|(index, u)| UnitLayout {
                 name: u.name.clone(),
                 numel: u.numel(),
                 params: param_offsets(u)
@@ -83,6 +88,7 @@ impl UnitLayout {
                     .map(|(i, offset)| ParamLayout { name: u.params[i].name.clone(), shape: u.params[i].shape.clone(), offset })
                     .collect(),
                 shards: vec![],
+                frozen: model.frozen(index),
             })
             .collect()
     }
@@ -113,6 +119,12 @@ pub struct Manifest {
     pub files: Vec<String>,
     pub units: Vec<UnitLayout>,
     pub model_config: serde_json::Value,
+    /// A LoRA run's adapters (its frozen units come from `base_model`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<crate::config::LoraConfig>,
+    /// The directory the run's base weights were read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<PathBuf>,
 }
 
 pub fn checkpoints_dir(output: &Path) -> PathBuf {
@@ -360,8 +372,9 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 
 /// Checks that a checkpoint was made for this model's unit layout.
 pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) -> Result<()> {
-    let describe = |u: &[UnitLayout]| u.iter().map(|l| format!("{} ({})", l.name, l.numel)).collect::<Vec<_>>().join(", ");
-    let same_units = manifest.units.len() == expected.len() && manifest.units.iter().zip(expected).all(|(a, b)| a.name == b.name && a.numel == b.numel);
+    let describe = |u: &[UnitLayout]| u.iter().map(|l| format!("{} ({}{})", l.name, l.numel, if l.frozen { ", frozen" } else { "" })).collect::<Vec<_>>().join(", ");
+    let same_units = manifest.units.len() == expected.len()
+        && manifest.units.iter().zip(expected).all(|(a, b)| a.name == b.name && a.numel == b.numel && a.frozen == b.frozen);
     if !same_units {
         bail!(
             "checkpoint {} was written for another model: its units are [{}], this model's are [{}]",
@@ -386,9 +399,9 @@ pub fn check_layout(manifest: &Manifest, expected: &[UnitLayout], dir: &Path) ->
     Ok(())
 }
 
-/// Checks that each unit's shards name listed files and cover its elements once, in order.
+/// Checks that each trained unit's shards name listed files and cover its elements once, in order.
 fn check_shards(manifest: &Manifest, dir: &Path) -> Result<()> {
-    for unit in &manifest.units {
+    for unit in manifest.units.iter().filter(|u| !u.frozen) {
         let mut next = 0;
         for shard in &unit.shards {
             if shard.file >= manifest.files.len() || shard.start != next || shard.len <= 0 {

@@ -163,6 +163,59 @@ pub struct TrainConfig {
     /// Keep the checkpoints of the best N epochs by `monitor` (saved after
     /// their evaluation), besides the newest `save_total_limit` (0: none).
     pub save_best: usize,
+    /// Low-rank adapters on a frozen base (`r` 0: full fine-tuning).
+    pub lora: LoraConfig,
+}
+
+/// LoRA as Hugging Face peft configures it (`r`, `lora_alpha`,
+/// `lora_dropout`, `target_modules`); `lora.rs` builds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    /// The adapters' rank; 0 trains every parameter instead.
+    pub r: usize,
+    /// The update is scaled by alpha / r (default 2·r, scale 2).
+    pub alpha: Option<f64>,
+    /// Dropout on each adapter's input while training.
+    pub dropout: f64,
+    /// Linear layers to adapt: short names (q, k, v, o, gate, up, down, as
+    /// the architecture maps them) or module names as peft's
+    /// `target_modules` (q_proj, query_key_value, …).
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig { r: 0, alpha: None, dropout: 0.0, targets: vec!["q".into(), "v".into()] }
+    }
+}
+
+impl LoraConfig {
+    pub fn enabled(&self) -> bool {
+        self.r > 0
+    }
+
+    pub fn alpha(&self) -> f64 {
+        self.alpha.unwrap_or(2.0 * self.r as f64)
+    }
+
+    /// Refuses settings LoRA cannot train with, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        if !self.enabled() {
+            bail!("train.lora.r must be at least 1 for LoRA");
+        }
+        let alpha = self.alpha();
+        if alpha.is_nan() || alpha <= 0.0 {
+            bail!("train.lora.alpha must be positive (got {alpha})");
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("train.lora.dropout must be in [0, 1) (got {})", self.dropout);
+        }
+        if self.targets.is_empty() {
+            bail!("train.lora.targets is empty: name the linear layers to adapt, e.g. q,v or q,k,v,o,gate,up,down");
+        }
+        Ok(())
+    }
 }
 
 /// Which way a monitored score improves.
@@ -212,6 +265,7 @@ impl Default for TrainConfig {
             early_stopping_patience: 0,
             early_stopping_min_delta: 0.0,
             save_best: 0,
+            lora: LoraConfig::default(),
         }
     }
 }

@@ -21,6 +21,10 @@
 //! gather from), and each micro-batch's reduced gradient is copied back as a
 //! host piece as soon as its reduction is done.
 //!
+//! A frozen unit (a LoRA model's base) keeps only `compute` — whole, or
+//! this rank's shard in the compute dtype to gather from when parameters are
+//! sharded — and no master, gradient or moments; it is never reduced.
+//!
 //! Inside the buffers the matrices come first and the vectors (biases, norm
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
 //! Trainer, skips biases and norms — applies to one prefix.
@@ -101,6 +105,8 @@ pub struct MemoryAccount {
     pub gathered_peak: f64,
     /// How much of params + grads + optimizer state is in host memory (offload).
     pub host: f64,
+    /// How much of `params` is frozen parameters (LoRA's base model).
+    pub frozen: f64,
 }
 
 /// Field by field (`gathered_peak` too: units have none of their own).
@@ -113,6 +119,7 @@ impl std::ops::Add for MemoryAccount {
             optimizer_state: self.optimizer_state + other.optimizer_state,
             gathered_peak: self.gathered_peak + other.gathered_peak,
             host: self.host + other.host,
+            frozen: self.frozen + other.frozen,
         }
     }
 }
@@ -158,6 +165,8 @@ pub struct UnitPlacement {
     pub grads_sharded: bool,
     /// Master, gradient and optimizer state in host memory.
     pub offload: bool,
+    /// Parameters only, in the compute dtype: no master, gradient or optimizer state.
+    pub frozen: bool,
 }
 
 impl UnitPlacement {
@@ -172,7 +181,21 @@ impl UnitPlacement {
             optimizer_sharded: sharded && policy.optimizer_state_sharded,
             grads_sharded: sharded && policy.grads == GradReduction::ReduceScatter,
             offload,
+            frozen: false,
         }
+    }
+
+    /// This placement for a frozen unit: its parameters where the policy
+    /// puts them, nothing else (so nothing to offload).
+    pub fn frozen(self) -> UnitPlacement {
+        UnitPlacement { frozen: true, offload: false, ..self }
+    }
+
+    /// This placement with whole parameters on every rank (gradients and
+    /// optimizer state still as the policy says): LoRA's adapters, too
+    /// small to be worth gathering.
+    pub fn whole_params(self) -> UnitPlacement {
+        UnitPlacement { params_sharded: false, ..self }
     }
 
     /// Elements of `master` and the moments (and, offloaded, of the host
@@ -209,10 +232,10 @@ impl UnitPlacement {
     }
 
     /// Whether the device keeps this rank's shard in the compute dtype:
-    /// offloaded sharded parameters (the master, which gathers would cast
-    /// from, is on the host).
+    /// sharded parameters with no master on the device to gather from
+    /// (offloaded: it is on the host; frozen: there is none).
     pub fn keeps_compute_shard(&self) -> bool {
-        self.offload && self.params_sharded
+        (self.offload || self.frozen) && self.params_sharded
     }
 
     /// What this rank holds for the unit when computing in `dtype`:
@@ -221,6 +244,11 @@ impl UnitPlacement {
     /// same methods, and a test checks the two against each other.
     pub fn memory(&self, dtype: Kind) -> MemoryAccount {
         let compute_element = dtype.elt_size_in_bytes() as f64;
+        if self.frozen {
+            let held = if self.params_sharded { self.shard.len } else { self.shard.padded };
+            let params = compute_element * held as f64;
+            return MemoryAccount { params, frozen: params, ..MemoryAccount::default() };
+        }
         let owned = self.owned_len() as f64;
         let master = if self.master_is_compute(dtype) { 0.0 } else { 4.0 * owned };
         let compute_copy = match (self.params_sharded, self.keeps_compute_shard()) {
@@ -232,7 +260,43 @@ impl UnitPlacement {
         // Offloaded, the host gradient covers what the master covers.
         let grads = 4.0 * if self.offload { owned } else { self.grad_len() as f64 };
         let host = if self.offload { master + grads + optimizer_state } else { 0.0 };
-        MemoryAccount { params: master + compute_copy, grads, optimizer_state, gathered_peak: 0.0, host }
+        MemoryAccount { params: master + compute_copy, grads, optimizer_state, gathered_peak: 0.0, host, frozen: 0.0 }
+    }
+}
+
+/// What every `FlatUnit` constructor starts from: where its parameters sit.
+struct FlatLayout<'a> {
+    spec: &'a UnitSpec,
+    order: Vec<usize>,
+    decayed: i64,
+    numel: i64,
+    placement: UnitPlacement,
+}
+
+impl FlatLayout<'_> {
+    /// The unit over these buffers, released if its parameters are sharded.
+    fn assemble(self, compute: Tensor, master: Tensor, compute_shard: Option<Tensor>, grad: Tensor, moments: [Tensor; 2]) -> Result<FlatUnit> {
+        let compute_alias = ft_sys::storage_alias(&compute)?;
+        let [exp_avg, exp_avg_sq] = moments;
+        let mut unit = FlatUnit {
+            spec: self.spec.clone(),
+            order: self.order,
+            decayed: self.decayed,
+            numel: self.numel,
+            placement: self.placement,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            compute,
+            compute_alias,
+            gathering: None,
+            gathered: true,
+            master,
+            compute_shard,
+            host_pieces: vec![],
+        };
+        unit.release()?;
+        Ok(unit)
     }
 }
 
@@ -277,8 +341,12 @@ impl FlatUnit {
         }
         let full = Tensor::cat(&pieces, 0);
         drop(pieces);
+        let layout = FlatLayout { spec, order, decayed, numel, placement };
+        if placement.frozen {
+            return FlatUnit::frozen(layout, full, dtype);
+        }
         if placement.offload {
-            return FlatUnit::offloaded(spec, order, decayed, full, dtype, placement);
+            return FlatUnit::offloaded(layout, full, dtype);
         }
         let (compute, master) = if placement.master_is_compute(dtype) {
             let compute = full.set_requires_grad(true);
@@ -295,31 +363,31 @@ impl FlatUnit {
             let master = if placement.optimizer_sharded { placement.owned_part_of(&full).copy() } else { full };
             (compute.set_requires_grad(true), master)
         };
-        let compute_alias = ft_sys::storage_alias(&compute)?;
-        let mut unit = FlatUnit {
-            spec: spec.clone(),
-            order,
-            decayed,
-            numel,
-            placement,
-            grad: Tensor::new(),
-            exp_avg: master.zeros_like(),
-            exp_avg_sq: master.zeros_like(),
-            compute,
-            compute_alias,
-            gathering: None,
-            gathered: true,
-            master,
-            compute_shard: None,
-            host_pieces: vec![],
+        let moments = [master.zeros_like(), master.zeros_like()];
+        layout.assemble(compute, master, None, Tensor::new(), moments)
+    }
+
+    /// The frozen layout: the compute copy only (whole, or this rank's
+    /// shard to gather from), no autograd leaf.
+    fn frozen(layout: FlatLayout, full: Tensor, dtype: Kind) -> Result<FlatUnit> {
+        let placement = layout.placement;
+        let device = full.device();
+        let (compute, compute_shard) = if placement.params_sharded {
+            let shard = Tensor::empty([placement.shard.len], (dtype, device));
+            shard.shallow_clone().copy_(&full.narrow(0, placement.shard.start, placement.shard.len));
+            (Tensor::empty([placement.shard.padded], (dtype, device)), Some(shard))
+        } else {
+            (full.to_kind(dtype).copy(), None)
         };
-        unit.release()?;
-        Ok(unit)
+        drop(full);
+        let none = || Tensor::empty([0], (Kind::Float, device));
+        layout.assemble(compute, none(), compute_shard, Tensor::new(), [none(), none()])
     }
 
     /// The offloaded layout: fp32 state on the host, the compute copy (whole,
     /// or this rank's shard when parameters are sharded) on the device.
-    fn offloaded(spec: &UnitSpec, order: Vec<usize>, decayed: i64, full: Tensor, dtype: Kind, placement: UnitPlacement) -> Result<FlatUnit> {
+    fn offloaded(layout: FlatLayout, full: Tensor, dtype: Kind) -> Result<FlatUnit> {
+        let placement = layout.placement;
         let padded = placement.shard.padded;
         let device = full.device();
         let host = |t: Tensor| -> Result<Tensor> {
@@ -335,26 +403,13 @@ impl FlatUnit {
             (full.to_kind(dtype).copy().set_requires_grad(true), None)
         };
         drop(full);
-        let compute_alias = ft_sys::storage_alias(&compute)?;
-        let mut unit = FlatUnit {
-            spec: spec.clone(),
-            order,
-            decayed,
-            numel: spec.numel(),
-            placement,
-            grad: master.zeros_like(),
-            exp_avg: Tensor::zeros_like(&master),
-            exp_avg_sq: Tensor::zeros_like(&master),
-            compute,
-            compute_alias,
-            gathering: None,
-            gathered: true,
-            master,
-            compute_shard,
-            host_pieces: vec![],
-        };
-        unit.release()?;
-        Ok(unit)
+        let (grad, moments) = (master.zeros_like(), [master.zeros_like(), master.zeros_like()]);
+        layout.assemble(compute, master, compute_shard, grad, moments)
+    }
+
+    /// Whether this unit has a gradient and optimizer state (it is not frozen).
+    pub fn trainable(&self) -> bool {
+        !self.placement.frozen
     }
 
     /// The device the model computes on.
@@ -532,6 +587,9 @@ impl FlatUnit {
     /// replicated but the master is sharded (zero1).
     pub(crate) fn refresh_compute(&mut self, shard_group: Option<&ProcessGroup>) -> Result<Option<Work>> {
         let _no_grad = tch::no_grad_guard();
+        if self.placement.frozen {
+            return Ok(None);
+        }
         let dtype = self.compute.kind();
         // Offloaded: upload the host master asynchronously (it is pinned).
         let master = self.master.to_device_(self.compute.device(), Kind::Float, true, false);
@@ -611,7 +669,7 @@ mod tests {
 
     /// What a unit's tensors occupy, measured on the tensors themselves.
     fn measured(unit: &FlatUnit) -> MemoryAccount {
-        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as f64;
+        let bytes = |t: &Tensor| if t.defined() { (t.numel() * t.kind().elt_size_in_bytes()) as f64 } else { 0.0 };
         // A released gathered buffer has its shape but no storage.
         let compute = if unit.placement.params_sharded { 0.0 } else { bytes(&unit.compute) };
         let compute_start = unit.compute.data_ptr() as usize;
@@ -621,7 +679,8 @@ mod tests {
         let optimizer_state = bytes(&unit.exp_avg) + bytes(&unit.exp_avg_sq);
         let grads = bytes(&unit.grad);
         let host = if unit.placement.offload { master + grads + optimizer_state } else { 0.0 };
-        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host }
+        let frozen = if unit.placement.frozen { compute + shard } else { 0.0 };
+        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host, frozen }
     }
 
     #[test]
@@ -641,9 +700,15 @@ mod tests {
         for policy in &policies {
             for (group_size, group_rank) in [(1, 0), (2, 1), (4, 3)] {
                 for dtype in [Kind::Float, Kind::BFloat16] {
-                    for offload in [false, true] {
+                    for (offload, frozen) in [(false, false), (true, false), (false, true)] {
                         let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
+                        let placement = if frozen { placement.frozen() } else { placement };
                         let mut unit = FlatUnit::new(&spec, &tensors, dtype, placement).unwrap();
+                        if frozen {
+                            let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}");
+                            assert_eq!(unit.memory(), measured(&unit), "{case}");
+                            continue;
+                        }
                         if !offload {
                             // The step's gradient as a reduction leaves it.
                             unit.accumulate_grad(&Tensor::ones([placement.grad_len()], (Kind::Float, tch::Device::Cpu)), true);

@@ -19,6 +19,7 @@ pub mod flat;
 pub mod generate;
 pub mod gpu;
 pub mod launch;
+pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod names;

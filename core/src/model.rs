@@ -15,6 +15,8 @@ use tch::{Device, Kind, Tensor};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
     Normal { std: f64 },
+    /// U(−bound, bound): LoRA's A, as `kaiming_uniform_(a=√5)` draws it.
+    Uniform { bound: f64 },
     Zeros,
     Ones,
 }
@@ -43,6 +45,7 @@ impl ParamSpec {
         let options = (Kind::Float, device);
         let tensor = match self.init {
             Init::Normal { std } => Tensor::randn(&self.shape, options) * std,
+            Init::Uniform { bound } => Tensor::rand(&self.shape, options) * (2.0 * bound) - bound,
             Init::Zeros => Tensor::zeros(&self.shape, options),
             Init::Ones => Tensor::ones(&self.shape, options),
         };
@@ -78,18 +81,43 @@ pub enum StageKind {
 pub struct Stage {
     pub unit: usize,
     pub kind: StageKind,
+    /// The unit holding this stage's low-rank adapters, if it has any (`lora.rs`).
+    pub adapter: Option<usize>,
+}
+
+/// How adapters join the linear layers they target: `W x + scale · B A dropout(x)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdapterScaling {
+    /// LoRA's alpha / r.
+    pub scale: f64,
+    /// Dropout on the adapter's input while training.
+    pub dropout: f64,
+}
+
+/// A stage's adapters: `{module}.lora_A.weight` and `{module}.lora_B.weight` per targeted linear layer.
+struct Adapters<'a> {
+    params: Params<'a>,
+    scaling: AdapterScaling,
+    train: bool,
 }
 
 /// The tensors of one unit, looked up by their in-unit name.
 pub struct Params<'a> {
     spec: &'a UnitSpec,
     tensors: &'a [Tensor],
+    adapters: Option<Box<Adapters<'a>>>,
 }
 
 impl<'a> Params<'a> {
     pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
         assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
-        Params { spec, tensors }
+        Params { spec, tensors, adapters: None }
+    }
+
+    /// These parameters with a stage's adapters, which `linear` adds to the
+    /// layers they name; their dropout acts only when `train`.
+    pub fn with_adapters(self, adapters: Params<'a>, scaling: AdapterScaling, train: bool) -> Params<'a> {
+        Params { adapters: Some(Box::new(Adapters { params: adapters, scaling, train })), ..self }
     }
 
     /// Panics on a name the unit does not declare: that is a bug in the model file.
@@ -104,9 +132,17 @@ impl<'a> Params<'a> {
         self.spec.params.iter().position(|p| p.name == name).map(|i| &self.tensors[i])
     }
 
-    /// `x·Wᵀ + b` with `{name}.weight` and, when the unit has one, `{name}.bias`.
+    /// `x·Wᵀ + b` with `{name}.weight` and, when the unit has one,
+    /// `{name}.bias`; plus `scale · (dropout(x)·Aᵀ)·Bᵀ` when an adapter
+    /// targets the layer (scaled at rank r, the narrowest point).
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
-        x.linear(self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")))
+        let base = x.linear(self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
+        let Some(adapters) = &self.adapters else { return base };
+        let Some(a) = adapters.params.maybe(&format!("{name}.lora_A.weight")) else { return base };
+        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
+        let AdapterScaling { scale, dropout } = adapters.scaling;
+        let input = if adapters.train && dropout > 0.0 { x.dropout(dropout, true) } else { x.shallow_clone() };
+        base + (input.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
     }
 
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.
@@ -319,9 +355,9 @@ pub struct Layout {
 impl Layout {
     /// Embedding on unit 0, one block per unit of `blocks`, head on `head_unit`.
     pub fn new(hf_config: serde_json::Value, units: Vec<UnitSpec>, blocks: std::ops::Range<usize>, head_unit: usize) -> Layout {
-        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed }];
-        stages.extend(blocks.map(|unit| Stage { unit, kind: StageKind::Block }));
-        stages.push(Stage { unit: head_unit, kind: StageKind::Head });
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed, adapter: None }];
+        stages.extend(blocks.map(|unit| Stage { unit, kind: StageKind::Block, adapter: None }));
+        stages.push(Stage { unit: head_unit, kind: StageKind::Head, adapter: None });
         Layout { hf_config, units, stages }
     }
 }
@@ -419,6 +455,26 @@ pub trait Model: Send + Sync {
         false
     }
 
+    /// Whether unit `unit` stays as loaded: no gradient, no optimizer state
+    /// (a LoRA model's base units).
+    fn frozen(&self, _unit: usize) -> bool {
+        false
+    }
+
+    /// How the units that stages name as `adapter` join the linear layers
+    /// (None: the model has no adapters).
+    fn adapter_scaling(&self) -> Option<AdapterScaling> {
+        None
+    }
+
+    /// The short names LoRA's `train.lora.targets` may use for this
+    /// architecture's linear layers, each with the in-block module names
+    /// it stands for (`q` → `self_attn.q_proj`); empty where LoRA is not
+    /// supported.
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[]
+    }
+
     /// Total parameters.
     fn numel(&self) -> i64 {
         self.units().iter().map(UnitSpec::numel).sum()
@@ -435,11 +491,10 @@ pub trait Model: Send + Sync {
 /// Runs every stage with full parameters `params[unit]` (views in the compute
 /// dtype); returns the head's outputs.
 pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> Vec<Tensor> {
-    let units = model.units();
     let mut x = None;
     let mut block = 0;
     for stage in model.stages() {
-        let p = Params::new(&units[stage.unit], &params[stage.unit]);
+        let p = stage_params(model, stage, params, ctx.train);
         match stage.kind {
             StageKind::Embed => x = Some(model.embed(&p, inputs, ctx)),
             StageKind::Block => {
@@ -451,6 +506,16 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
         }
     }
     panic!("model {} has no head stage", model.model_type());
+}
+
+/// The parameters stage `stage` runs with, its adapters joined, from tensors `params[unit]`.
+pub fn stage_params<'a>(model: &'a dyn Model, stage: &Stage, params: &'a [Vec<Tensor>], train: bool) -> Params<'a> {
+    let units = model.units();
+    let p = Params::new(&units[stage.unit], &params[stage.unit]);
+    match (stage.adapter, model.adapter_scaling()) {
+        (Some(adapter), Some(scaling)) => p.with_adapters(Params::new(&units[adapter], &params[adapter]), scaling, train),
+        _ => p,
+    }
 }
 
 /// A causal LM's head outputs: (normalised hidden states, LM weight).

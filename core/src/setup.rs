@@ -73,6 +73,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.monitor.is_none() && (t.early_stopping_patience > 0 || t.save_best > 0) {
         bail!("train.early_stopping_patience and train.save_best need train.monitor (the score to judge epochs by, e.g. eval_f1 or eval_loss)");
     }
+    if t.lora.enabled() {
+        t.lora.validate()?;
+    }
     if let Some([first, last]) = t.profile_steps {
         if first == 0 || first > last {
             bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");

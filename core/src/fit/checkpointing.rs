@@ -19,6 +19,8 @@ pub struct CheckpointPlan<'a> {
     pub output: &'a Path,
     pub model_config: &'a serde_json::Value,
     pub tokenizer: Option<&'a Path>,
+    /// The directory the base weights come from (a LoRA checkpoint holds only what trains).
+    pub base_model: Option<&'a Path>,
 }
 
 /// Where the run is: the next global batch to train, and steps taken.
@@ -147,6 +149,8 @@ impl<'a> Checkpointer<'a> {
             files: vec![],
             units: UnitLayout::of(trainer.model()),
             model_config: self.plan.model_config.clone(),
+            lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
+            base_model: self.plan.base_model.map(Path::to_path_buf),
         };
         let units = trainer.checkpoint_part();
         let part = RankPart { units: &units, adamw_step: trainer.adamw_step(), loss_scale: trainer.loss_scaler_state() };

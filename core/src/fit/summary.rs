@@ -62,6 +62,9 @@ pub struct Summary {
     pub strategy: String,
     pub shard_group_size: usize,
     pub state_per_rank: Vec<MemoryAccount>,
+    /// Parameters trained (with a gradient and optimizer state) and frozen (LoRA's base model).
+    pub trainable_params: i64,
+    pub frozen_params: i64,
     /// Mean GPU utilisation (%) of each rank while training; None without NVML.
     pub gpu_utilisation_per_rank: Option<Vec<f64>>,
     /// The epoch after which early stopping ended the run.
@@ -126,10 +129,12 @@ impl Summary {
             .collect();
         let host_peak_per_rank = per_rank(comm, &[process_memory().map_or(0.0, |(_, peak)| peak as f64)])?.concat();
         let held = trainer.memory();
-        let state_per_rank = per_rank(comm, &[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host])?
+        let state_per_rank = per_rank(comm, &[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host, held.frozen])?
             .into_iter()
-            .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4] })
+            .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4], frozen: m[5] })
             .collect();
+        let model = trainer.model();
+        let frozen_params: i64 = model.units().iter().enumerate().filter(|(u, _)| model.frozen(*u)).map(|(_, spec)| spec.numel()).sum();
         let sums = comm.sum_over_ranks(&[totals.train_seconds, totals.examples as f64, totals.tokens as f64, totals.flops])?;
         let [seconds, examples, tokens, flops] = [sums[0] / world as f64, sums[1], sums[2], sums[3]];
         let peak_flops_per_gpu = match device {
@@ -158,6 +163,8 @@ impl Summary {
             strategy: strategy.into(),
             shard_group_size,
             state_per_rank,
+            trainable_params: model.numel() - frozen_params,
+            frozen_params,
             gpu_utilisation_per_rank,
             stopped_early_after_epoch: None,
             best_checkpoint: None,
@@ -219,12 +226,19 @@ impl Summary {
                 ),
             );
         }
+        if self.frozen_params > 0 {
+            out += &row(
+                "parameters",
+                format!("{:.2}M trained, {:.2}M frozen", self.trainable_params as f64 / 1e6, self.frozen_params as f64 / 1e6),
+            );
+        }
         for (rank, m) in self.state_per_rank.iter().enumerate() {
             out += &row(
                 &format!("state held rank {rank}"),
                 format!(
-                    "params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB, of which in host memory {:.1} MB",
+                    "params {:.1} MB (frozen {:.1} MB), grads {:.1} MB, optimizer {:.1} MB, gathered peak {:.1} MB, of which in host memory {:.1} MB",
                     m.params / 1e6,
+                    m.frozen / 1e6,
                     m.grads / 1e6,
                     m.optimizer_state / 1e6,
                     m.gathered_peak / 1e6,

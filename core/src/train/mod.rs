@@ -170,13 +170,25 @@ impl<'m> TrainerBuilder<'m> {
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
-        let placement = |numel: i64| UnitPlacement::new(&policy, numel, group_size, group_rank, options.offload_to_host);
+        let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
+        let placement = |unit: usize, numel: i64| {
+            let placement = UnitPlacement::new(&policy, numel, group_size, group_rank, options.offload_to_host);
+            match (model.frozen(unit), is_adapter(unit)) {
+                (true, _) => placement.frozen(),
+                (false, true) => placement.whole_params(),
+                (false, false) => placement,
+            }
+        };
         let units = model
             .units()
             .iter()
             .zip(params)
-            .map(|(spec, t)| FlatUnit::new(spec, t, options.dtype, placement(spec.numel())))
+            .enumerate()
+            .map(|(unit, (spec, t))| FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel())))
             .collect::<Result<Vec<_>>>()?;
+        if units.iter().all(|u| !u.trainable()) {
+            anyhow::bail!("every parameter of the model is frozen: nothing to train");
+        }
         let device = params[0][0].device();
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
@@ -242,12 +254,17 @@ impl<'m> Trainer<'m> {
     /// of the unit's flat buffer starts, and [master, exp_avg, exp_avg_sq]
     /// over it, on the host. The ranks holding the same copy split it, so
     /// each element is written once and every rank writes about 1/N of the
-    /// state; padding is never written.
+    /// state; padding is never written, nor frozen units (empty ranges:
+    /// they are the model's own files).
     pub fn checkpoint_part(&self) -> Vec<(i64, [Tensor; 3])> {
         self.units
             .iter()
             .map(|u| {
                 let placement = u.placement();
+                if !u.trainable() {
+                    let empty = || Tensor::empty([0], (Kind::Float, tch::Device::Cpu));
+                    return (0, [empty(), empty(), empty()]);
+                }
                 let (copies, index) = self.holders(placement.optimizer_sharded);
                 let owned_start = placement.owned_start();
                 let valid = (u.numel() - owned_start).clamp(0, placement.owned_len());
@@ -263,7 +280,8 @@ impl<'m> Trainer<'m> {
     /// Puts back checkpointed state: `read(unit, start, len)` returns
     /// [master, exp_avg, exp_avg_sq] over elements `start..start + len` of
     /// the unit's padded flat buffer, and each rank asks only for the part
-    /// it owns. Every rank calls this (zero1 gathers its compute copies).
+    /// it owns; frozen units keep what they were built with. Every rank
+    /// calls this (zero1 gathers its compute copies).
     pub fn restore(
         &mut self,
         mut read: impl FnMut(usize, i64, i64) -> Result<[Tensor; 3]>,
@@ -272,7 +290,7 @@ impl<'m> Trainer<'m> {
         loss_scale: Option<&Tensor>,
     ) -> Result<()> {
         let group = self.shard_group();
-        for (index, unit) in self.units.iter_mut().enumerate() {
+        for (index, unit) in self.units.iter_mut().enumerate().filter(|(_, u)| u.trainable()) {
             let placement = *unit.placement();
             let state = read(index, placement.owned_start(), placement.owned_len())?;
             unit.restore(&state, group)?;
@@ -293,11 +311,18 @@ impl<'m> Trainer<'m> {
         self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole_compute(group)?.detach()))).collect()
     }
 
-    /// The current fp32 parameters, per unit, shaped as the model declares
-    /// them (gathered when sharded; collective then).
+    /// The current fp32 parameters of the trained units, per unit, shaped
+    /// as the model declares them (gathered when sharded; collective then);
+    /// a frozen unit's entry is empty (the model's files hold it).
     pub fn params(&self) -> Result<Vec<Vec<Tensor>>> {
         let group = self.shard_group();
-        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole(&u.master, group)?))).collect()
+        self.units
+            .iter()
+            .map(|u| match u.trainable() {
+                true => Ok(unflatten(&u.spec, &u.whole(&u.master, group)?)),
+                false => Ok(vec![]),
+            })
+            .collect()
     }
 
     /// What this rank holds for parameters, gradients and optimizer state,

@@ -67,7 +67,9 @@ impl Trainer<'_> {
         // Each rank's optimizer covers its owned gradient; when that is a
         // shard, the squares are summed over the shard group (replica
         // groups hold the same shards after their all-reduce).
-        let owned: Vec<Tensor> = self.units.iter().map(FlatUnit::owned_grad).collect();
+        // Frozen units have no gradient or optimizer state.
+        let trained: Vec<&FlatUnit> = self.units.iter().filter(|u| u.trainable()).collect();
+        let owned: Vec<Tensor> = trained.iter().map(|u| u.owned_grad()).collect();
         let squares = owned
             .iter()
             .map(|g| match g.device() {
@@ -77,7 +79,7 @@ impl Trainer<'_> {
             })
             .collect::<Result<Vec<Tensor>>>()?;
         let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
-        if let Some(group) = self.shard_group().filter(|_| self.units[0].placement().optimizer_sharded) {
+        if let Some(group) = self.shard_group().filter(|_| trained[0].placement().optimizer_sharded) {
             group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
         }
         let mut total_norm = sum_of_squares.sqrt();
@@ -98,7 +100,7 @@ impl Trainer<'_> {
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
             let (mut params, mut grads, mut m, mut v) = (vec![], vec![], vec![], vec![]);
             let mut host = vec![];
-            for (unit, grad) in self.units.iter().zip(&owned) {
+            for (unit, grad) in trained.iter().zip(&owned) {
                 let (split, len) = (unit.decayed_in_master(), unit.master.size()[0]);
                 let (start, count) = if decayed { (0, split) } else { (split, len - split) };
                 if count == 0 {

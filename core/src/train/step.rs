@@ -10,8 +10,9 @@
 use super::reduce::{PendingReduction, REDUCTIONS_IN_FLIGHT};
 use super::Trainer;
 use crate::comm::Work;
+use crate::flat::FlatUnit;
 use crate::dataset::Batch;
-use crate::model::{Params, StageKind};
+use crate::model::{Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
 use std::collections::VecDeque;
@@ -25,6 +26,21 @@ struct Saved {
     outputs: Vec<Tensor>,
     /// Their gradients, when forward already knows them (the head).
     grads: Vec<Tensor>,
+}
+
+/// The parameters `stage` runs with (its adapters joined), as views of its
+/// units' flat buffers: made once per unit per micro-batch, while gathered.
+fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage) -> Params<'v> {
+    for unit in std::iter::once(stage.unit).chain(stage.adapter) {
+        views[unit].get_or_insert_with(|| units[unit].views());
+    }
+    let views: &'v [Option<Vec<Tensor>>] = views;
+    let specs = model.units();
+    let params = Params::new(&specs[stage.unit], views[stage.unit].as_deref().expect("made above"));
+    match (stage.adapter, model.adapter_scaling()) {
+        (Some(adapter), Some(scaling)) => params.with_adapters(Params::new(&specs[adapter], views[adapter].as_deref().expect("made above")), scaling, true),
+        _ => params,
+    }
 }
 
 impl Trainer<'_> {
@@ -55,6 +71,11 @@ impl Trainer<'_> {
         self.gathered_peak = self.gathered_peak.max(self.gathered_bytes);
     }
 
+    /// Whether stage `stage` has parameters to train: its unit, or its adapters.
+    fn trains(&self, stage: &Stage) -> bool {
+        self.units[stage.unit].trainable() || stage.adapter.is_some()
+    }
+
     /// Forward and backward of one micro-batch; gradients add up until
     /// `step`. The head's outputs go to `objective`, whose loss is divided by
     /// `normalizer`, the whole global batch's loss weight.
@@ -65,7 +86,6 @@ impl Trainer<'_> {
         let inputs = &batch.inputs;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
         let ctx = model.context(inputs, 0, dtype, true)?;
-        let specs = model.units();
         let stages = model.stages();
         let seed = self.options.seed;
         let micro_steps = self.micro_steps;
@@ -74,6 +94,8 @@ impl Trainer<'_> {
         // Views are made once per unit per micro-batch, while it is gathered;
         // the graph keeps them valid across a release and the refill.
         let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
+        // A stage's input needs a gradient only when an earlier stage trains something.
+        let input_needs_grad: Vec<bool> = (0..stages.len()).map(|i| stages[..i].iter().any(|s| self.trains(s))).collect();
 
         let mut saved: Vec<Saved> = Vec::with_capacity(stages.len());
         let mut x: Option<Tensor> = None;
@@ -84,9 +106,8 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit)?;
             }
-            let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
-            let params = Params::new(&specs[unit], unit_views);
-            let input = x.take().map(|t| t.set_requires_grad(true));
+            let params = stage_params(model, &self.units, &mut views, stage);
+            let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
             match stage.kind {
                 StageKind::Embed => {
                     let y = model.embed(&params, inputs, &ctx);
@@ -134,26 +155,35 @@ impl Trainer<'_> {
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
-                let unit_views = views[unit].get_or_insert_with(|| self.units[unit].views());
-                let params = Params::new(&specs[unit], unit_views);
+                let params = stage_params(model, &self.units, &mut views, stage);
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, None)];
             }
             if s.grads.is_empty() {
-                s.grads = vec![grad.take().expect("a later stage passed a gradient back")];
+                // None: nothing up to this stage trains, so nothing needs a gradient through it.
+                s.grads = grad.take().into_iter().collect();
             }
-            let outputs: Vec<&Tensor> = s.outputs.iter().collect();
-            let grads: Vec<&Tensor> = s.grads.iter().collect();
-            ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
-            grad = s.input.as_ref().map(Tensor::grad);
+            // Frozen parameters have no gradient to carry (a frozen
+            // embedding's output, a frozen LM weight): only what does is fed.
+            let (outputs, grads): (Vec<&Tensor>, Vec<&Tensor>) = s.outputs.iter().zip(&s.grads).filter(|(output, _)| output.requires_grad()).unzip();
+            if !outputs.is_empty() {
+                ft_sys::backward(&outputs, &grads).map_err(anyhow::Error::msg)?;
+            }
+            grad = s.input.as_ref().filter(|input| input.requires_grad()).map(Tensor::grad);
             drop(s);
+            if let Some(adapter) = stage.adapter {
+                // A stage's adapters serve it alone: their gradient is complete.
+                self.reduce(adapter, first_micro_batch, last_micro_batch, &mut pending)?;
+            }
             let gradient_complete = stages.iter().position(|st| st.unit == unit) == Some(index);
-            if gradient_complete {
+            if gradient_complete && self.units[unit].trainable() {
                 self.reduce(unit, first_micro_batch, last_micro_batch, &mut pending)?;
-                while pending.len() > REDUCTIONS_IN_FLIGHT {
-                    let oldest = pending.pop_front().expect("non-empty");
-                    self.finish_reduction(oldest, &mut replica_reductions)?;
-                }
+            }
+            while pending.len() > REDUCTIONS_IN_FLIGHT {
+                let oldest = pending.pop_front().expect("non-empty");
+                self.finish_reduction(oldest, &mut replica_reductions)?;
+            }
+            if gradient_complete {
                 self.release(unit)?;
             } else if reshard_after_forward && stages[index - 1].unit != unit {
                 self.release(unit)?;

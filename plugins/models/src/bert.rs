@@ -161,6 +161,18 @@ impl Bert {
 }
 
 impl Model for Bert {
+    /// The MLP has no gate; `output.dense` alone would also name the
+    /// attention's output layer, so each short name is exact.
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[
+            ("q", &["attention.self.query"]),
+            ("k", &["attention.self.key"]),
+            ("v", &["attention.self.value"]),
+            ("o", &["attention.output.dense"]),
+            ("up", &["intermediate.dense"]),
+            ("down", &["output.dense"]),
+        ]
+    }
     fn layout(&self) -> &Layout {
         &self.layout
     }

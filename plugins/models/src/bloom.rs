@@ -98,6 +98,18 @@ impl Bloom {
 }
 
 impl Model for Bloom {
+    /// Query, key and value are one fused layer: any of q, k, v adapts it
+    /// (as peft's `query_key_value` does); the MLP has no gate.
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[
+            ("q", &["self_attention.query_key_value"]),
+            ("k", &["self_attention.query_key_value"]),
+            ("v", &["self_attention.query_key_value"]),
+            ("o", &["self_attention.dense"]),
+            ("up", &["mlp.dense_h_to_4h"]),
+            ("down", &["mlp.dense_4h_to_h"]),
+        ]
+    }
     fn layout(&self) -> &Layout {
         &self.layout
     }

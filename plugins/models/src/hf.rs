@@ -119,13 +119,54 @@ impl ModelSource {
     }
 }
 
-/// Writes ft checkpoint `checkpoint` as a Hugging Face model directory
-/// `out` (weights in `dtype`, and its tokenizer); returns the step it holds.
-pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind, max_shard_bytes: u64) -> Result<usize> {
+/// How `export_checkpoint` writes a checkpoint.
+pub struct Export<'a> {
+    /// Weight dtype on disk.
+    pub dtype: Kind,
+    pub max_shard_bytes: u64,
+    /// A LoRA checkpoint: fold the adapters into the base weights and write
+    /// the whole model, instead of the adapter files.
+    pub merge: bool,
+    /// The base weights to merge into (default: the directory the run read).
+    pub base_model: Option<&'a Path>,
+}
+
+/// Writes ft checkpoint `checkpoint` into `out` with its tokenizer: a
+/// Hugging Face model directory, or for a LoRA run its adapter files (or,
+/// merged, the whole model); returns the step it holds.
+pub fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Result<usize> {
     let manifest = ft_core::checkpoint::read_manifest(checkpoint)?;
     let model = build_model(manifest.model_config.clone(), &checkpoint.join("manifest.json"))?;
-    let mut reader = ft_core::checkpoint::Reader::open(checkpoint, model.as_ref())?;
-    write_model(model.as_ref(), out, dtype, max_shard_bytes, |unit| reader.unit_params(model.as_ref(), unit))?;
+    match &manifest.lora {
+        None if export.merge => bail!("--merge: checkpoint {} holds a full fine-tune, not LoRA adapters; export it without --merge", checkpoint.display()),
+        None => {
+            let mut reader = ft_core::checkpoint::Reader::open(checkpoint, model.as_ref())?;
+            write_model(model.as_ref(), out, export.dtype, export.max_shard_bytes, |unit| reader.unit_params(model.as_ref(), unit))?;
+        }
+        Some(config) => {
+            let lora = ft_core::lora::LoraModel::new(model, config)?;
+            let mut reader = ft_core::checkpoint::Reader::open(checkpoint, &lora)?;
+            let trained = (0..lora.units().len())
+                .map(|unit| if lora.frozen(unit) { Ok(vec![]) } else { reader.unit_params(&lora, unit) })
+                .collect::<Result<Vec<_>>>()?;
+            let base_dir = export.base_model.or(manifest.base_model.as_deref());
+            if !export.merge {
+                crate::peft::save_adapter(&lora, &trained, out, base_dir)?;
+            } else {
+                let base_dir = base_dir.with_context(|| format!("--merge: checkpoint {} does not name its base model; give --base-model DIR", checkpoint.display()))?;
+                let mut params = load_params(lora.base(), base_dir, Kind::Float, Device::Cpu)
+                    .with_context(|| format!("--merge: cannot read the base model in {}", base_dir.display()))?;
+                for (unit, trained) in trained.into_iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+                    match params.get_mut(unit) {
+                        Some(base) => *base = trained,
+                        None => params.push(trained),
+                    }
+                }
+                lora.merge(&mut params)?;
+                write_model(lora.base(), out, export.dtype, export.max_shard_bytes, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))?;
+            }
+        }
+    }
     let tokenizer = checkpoint.join("tokenizer.json");
     if tokenizer.exists() {
         std::fs::copy(&tokenizer, out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tokenizer.display()))?;
@@ -136,12 +177,15 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: Kind, max_shard_b
 /// The parameters a run starts from, fp32 on `device`: the weights in
 /// `dir` when it holds any, else a random initialisation from `seed`.
 pub fn initial_params(model: &dyn Model, dir: Option<&Path>, seed: i64, device: Device) -> Result<Vec<Vec<Tensor>>> {
-    match dir {
-        Some(dir) if dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists() => {
-            load_params(model, dir, Kind::Float, device)
-        }
-        _ => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
+    match dir.filter(|dir| has_weights(dir)) {
+        Some(dir) => load_params(model, dir, Kind::Float, device),
+        None => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
     }
+}
+
+/// Whether `dir` holds weights (one file, or an index of several).
+pub fn has_weights(dir: &Path) -> bool {
+    dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists()
 }
 
 pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {

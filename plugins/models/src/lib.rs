@@ -8,3 +8,4 @@ mod check;
 pub mod hf;
 pub mod llama;
 pub mod opt;
+pub mod peft;

@@ -165,6 +165,17 @@ impl Llama {
 }
 
 impl Model for Llama {
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[
+            ("q", &["self_attn.q_proj"]),
+            ("k", &["self_attn.k_proj"]),
+            ("v", &["self_attn.v_proj"]),
+            ("o", &["self_attn.o_proj"]),
+            ("gate", &["mlp.gate_proj"]),
+            ("up", &["mlp.up_proj"]),
+            ("down", &["mlp.down_proj"]),
+        ]
+    }
     fn layout(&self) -> &Layout {
         &self.layout
     }

@@ -130,6 +130,17 @@ impl Opt {
 }
 
 impl Model for Opt {
+    /// OPT's MLP has no gate.
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[
+            ("q", &["self_attn.q_proj"]),
+            ("k", &["self_attn.k_proj"]),
+            ("v", &["self_attn.v_proj"]),
+            ("o", &["self_attn.out_proj"]),
+            ("up", &["fc1"]),
+            ("down", &["fc2"]),
+        ]
+    }
     fn layout(&self) -> &Layout {
         &self.layout
     }

@@ -1,0 +1,105 @@
+"""The PyTorch side of `ft bench --lora-r` on one GPU: transformers'
+*ForCausalLM from a config.json with random weights held in bf16 (the frozen
+base as peft users hold it), wrapped by peft's get_peft_model with LoRA
+adapters (fp32: peft's autocast_adapter_dtype default), bf16 autocast, fused
+AdamW and clipping 1.0 over the trainable parameters only, loss on every
+token — eager, or under torch.compile with --compile.
+
+    python3 bench/peers/peft_train_step.py --config CONFIG.json --batch 2 --seq 2048 [--compile] \
+        [--lora-r 16] [--lora-alpha 32] [--targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]
+
+MFU counts the FLOPs a LoRA step does: 4·N per token for the frozen weights
+(forward, and the gradient of the activations only), 6·N for the trainable
+ones, plus 12·L·d·S for attention (PaLM's formula), over 989 TFLOP/s.
+"""
+import argparse
+import json
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=float, default=32)
+    parser.add_argument("--targets", default=ALL_LINEAR)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # `--device cpu`: a smoke test
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.config)
+    with device:  # random init on the device itself: seconds for 7B on a GPU, minutes on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                      target_modules=args.targets.split(","), task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora).to(device).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dtypes = sorted({str(p.dtype) for p in trainable})
+    assert dtypes == ["torch.float32"], f"trainable parameters are {dtypes}, expected fp32 adapters"
+    frozen_dtypes = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
+    forward = torch.compile(model) if args.compile else model
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device) for _ in range(4)]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens_per_s = args.batch * args.seq * args.steps / seconds
+    n = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in trainable)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    mfu = (4 * (n - n_trainable) + 6 * n_trainable + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
+    reserved = torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0
+    name = f"peft {'compiled' if args.compile else 'eager'}"
+    print(f"{name}: {config.model_type} {n / 1e6:.0f}M params ({', '.join(frozen_dtypes)} frozen), "
+          f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {args.targets}: "
+          f"{n_trainable / 1e6:.2f}M trainable params ({', '.join(dtypes)}), batch {args.batch}x{args.seq}: "
+          f"{tokens_per_s:.0f} tokens/s, {seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, "
+          f"peak allocated {peak:.1f} GB, peak reserved {reserved:.1f} GB, last loss {loss.item():.4f}")
+    if args.json:
+        import peft
+        import transformers
+        json.dump(dict(tool=name, model_type=config.model_type, params=n, trainable_params=n_trainable,
+                       lora_r=args.lora_r, lora_alpha=args.lora_alpha, targets=args.targets, batch=args.batch,
+                       seq=args.seq, tokens_per_s=tokens_per_s, step_ms=seconds / args.steps * 1e3, mfu=mfu,
+                       peak_allocated_gb=peak, peak_reserved_gb=reserved, loss=loss.item(), torch=torch.__version__,
+                       transformers=transformers.__version__, peft=peft.__version__),
+                  open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

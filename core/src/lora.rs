@@ -1,0 +1,285 @@
+//! LoRA (Hu et al., 2021), as Hugging Face peft does it: the base model is
+//! frozen and each targeted linear layer gains a trainable low-rank update,
+//! `W x + (alpha / r) · B A dropout(x)`, A drawn Kaiming-uniform and B zero so
+//! training starts from the base model's function.
+//!
+//! A [`LoraModel`] is a [`Model`]: the base's units, frozen (a
+//! question-answering head stays trained, as peft's `modules_to_save` does
+//! for that task), then one adapter unit per block with targets, holding
+//! `{module}.lora_A.weight` [r, in] and `{module}.lora_B.weight` [out, r].
+//! Each block's stage names its adapter unit and `Params::linear` adds the
+//! update, so the architectures' math is untouched. The engine keeps a
+//! frozen unit in the compute dtype only — sharded as the strategy says, no
+//! fp32 master, gradient or moments (`flat.rs`) — and trains the adapters
+//! like any unit.
+
+use crate::config::LoraConfig;
+use crate::model::{self, Activations, AdapterScaling, Context, Dims, Init, Inputs, KvCache, Layout, Model, ParamSpec, Params, StageKind, UnitSpec};
+use anyhow::{bail, Result};
+use std::collections::BTreeSet;
+use tch::{Device, Kind, Tensor};
+
+/// One adapted linear layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Target {
+    /// The unit holding its A and B, and the base unit holding its weight.
+    pub adapter_unit: usize,
+    pub base_unit: usize,
+    /// Its name inside the base unit (`self_attn.q_proj`) and in the
+    /// Hugging Face model (`model.layers.0.self_attn.q_proj`).
+    pub module: String,
+    pub hf_module: String,
+}
+
+pub struct LoraModel {
+    base: Box<dyn Model>,
+    layout: Layout,
+    config: LoraConfig,
+    scaling: AdapterScaling,
+    /// The base model's units come first in `layout.units`; adapters after.
+    base_units: usize,
+    /// Base units trained whole: the question-answering head.
+    trained_base_units: Vec<usize>,
+    targets: Vec<Target>,
+}
+
+/// A linear layer of a base unit: (unit, its weight's spec, in-unit module name).
+fn linear_layers(units: &[UnitSpec]) -> impl Iterator<Item = (usize, &ParamSpec, &str)> {
+    units.iter().enumerate().flat_map(|(u, unit)| {
+        unit.params.iter().filter(|p| p.shape.len() == 2).filter_map(move |p| Some((u, p, p.name.strip_suffix(".weight")?)))
+    })
+}
+
+/// peft's rule: a target names a module by its whole name or its last dotted components.
+fn names_module(module: &str, target: &str) -> bool {
+    module == target || module.ends_with(&format!(".{target}"))
+}
+
+impl LoraModel {
+    /// `base` with adapters of `config` on the linear layers of its blocks that `config.targets` name.
+    pub fn new(base: Box<dyn Model>, config: &LoraConfig) -> Result<LoraModel> {
+        config.validate()?;
+        let r = config.r as i64;
+        let base_layout = base.layout();
+        let blocks: BTreeSet<usize> = base.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit).collect();
+        let aliases = base.lora_modules();
+        let mut selected: BTreeSet<(usize, String)> = BTreeSet::new();
+        for target in &config.targets {
+            // A short name stands for exact in-block names; any other is matched as peft matches it.
+            let selects: Box<dyn Fn(&str) -> bool> = match aliases.iter().find(|(alias, _)| alias == target) {
+                Some((_, modules)) => Box::new(move |module: &str| modules.contains(&module)),
+                None => Box::new(|module: &str| names_module(module, target)),
+            };
+            let mut matched = false;
+            for (unit, _, module) in linear_layers(&base_layout.units).filter(|(u, _, _)| blocks.contains(u)) {
+                if selects(module) {
+                    selected.insert((unit, module.to_string()));
+                    matched = true;
+                }
+            }
+            if !matched {
+                let first_block = blocks.first().copied().unwrap_or(0);
+                let modules: Vec<&str> = linear_layers(&base_layout.units).filter(|(u, _, _)| *u == first_block).map(|(_, _, m)| m).collect();
+                let short: Vec<&str> = aliases.iter().map(|(alias, _)| *alias).collect();
+                bail!(
+                    "train.lora.targets: {target:?} names no linear layer of {}'s blocks; use {}the layers' names ({})",
+                    base.model_type(),
+                    if short.is_empty() { String::new() } else { format!("{} or ", short.join(", ")) },
+                    modules.join(", ")
+                );
+            }
+        }
+        let mut units = base_layout.units.clone();
+        let base_units = units.len();
+        let mut stages = base_layout.stages.clone();
+        let mut targets = vec![];
+        for stage in stages.iter_mut().filter(|s| s.kind == StageKind::Block) {
+            let block = stage.unit;
+            let mut params = vec![];
+            for (_, weight, module) in linear_layers(&base_layout.units).filter(|(u, _, m)| *u == block && selected.contains(&(*u, m.to_string()))) {
+                let (out_features, in_features) = (weight.shape[0], weight.shape[1]);
+                let hf_module = weight.hf_name.strip_suffix(".weight").unwrap_or(&weight.hf_name).to_string();
+                let spec = |matrix: &str, shape: &[i64], init| ParamSpec {
+                    hf_name: format!("base_model.model.{hf_module}.{matrix}.weight"),
+                    name: format!("{module}.{matrix}.weight"),
+                    shape: shape.to_vec(),
+                    init,
+                };
+                // kaiming_uniform_(a=√5) on [r, in]: bound = √(6 / ((1 + 5) · in)) = 1/√in.
+                params.push(spec("lora_A", &[r, in_features], Init::Uniform { bound: 1.0 / (in_features as f64).sqrt() }));
+                params.push(spec("lora_B", &[out_features, r], Init::Zeros));
+                targets.push(Target { adapter_unit: units.len(), base_unit: block, module: module.to_string(), hf_module });
+            }
+            if !params.is_empty() {
+                stage.adapter = Some(units.len());
+                units.push(UnitSpec { name: format!("{} lora", units[block].name), params });
+            }
+        }
+        let trained_base_units = base
+            .stages()
+            .iter()
+            .filter(|s| s.kind == StageKind::Head && base.head_kind() == model::head::QUESTION_ANSWERING)
+            .map(|s| s.unit)
+            .collect();
+        let layout = Layout { hf_config: base_layout.hf_config.clone(), units, stages };
+        let scaling = AdapterScaling { scale: config.alpha() / r as f64, dropout: config.dropout };
+        Ok(LoraModel { base, layout, config: config.clone(), scaling, base_units, trained_base_units, targets })
+    }
+
+    pub fn base(&self) -> &dyn Model {
+        self.base.as_ref()
+    }
+
+    pub fn config(&self) -> &LoraConfig {
+        &self.config
+    }
+
+    pub fn targets(&self) -> &[Target] {
+        &self.targets
+    }
+
+    /// The units of the base model, `0..base_units()`; adapters follow.
+    pub fn base_units(&self) -> usize {
+        self.base_units
+    }
+
+    /// Base units trained whole besides the adapters (peft's `modules_to_save`).
+    pub fn trained_base_units(&self) -> &[usize] {
+        &self.trained_base_units
+    }
+
+    /// The adapted layers as peft's `target_modules`: their last name
+    /// (`q_proj`) when those select exactly these layers among all of the
+    /// model's linear layers, else their whole names.
+    pub fn peft_target_modules(&self) -> Vec<String> {
+        let chosen: BTreeSet<&str> = self.targets.iter().map(|t| t.hf_module.as_str()).collect();
+        let short: BTreeSet<&str> = chosen.iter().map(|m| m.rsplit('.').next().unwrap_or(m)).collect();
+        let all = linear_layers(&self.base.layout().units).filter_map(|(_, p, _)| p.hf_name.strip_suffix(".weight"));
+        let selected_by_short: BTreeSet<&str> = all.filter(|m| short.iter().any(|s| names_module(m, s))).collect();
+        let names = if selected_by_short == chosen { short } else { chosen };
+        names.into_iter().map(String::from).collect()
+    }
+
+    /// Fresh adapters for every adapter unit (A Kaiming-uniform, B zero), seeded.
+    pub fn initial_adapters(&self, seed: i64, device: Device) -> Vec<Vec<Tensor>> {
+        tch::manual_seed(seed);
+        self.layout.units[self.base_units..].iter().map(|unit| unit.params.iter().map(|p| p.initial(Kind::Float, device)).collect()).collect()
+    }
+
+    /// Folds the adapters into the base weights: W += (alpha / r) · B A.
+    /// `params` holds every unit of this model (base units first).
+    pub fn merge(&self, params: &mut [Vec<Tensor>]) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        for target in &self.targets {
+            let adapter = model::Params::new(&self.layout.units[target.adapter_unit], &params[target.adapter_unit]);
+            let a = adapter.get(&format!("{}.lora_A.weight", target.module)).to_kind(Kind::Float);
+            let b = adapter.get(&format!("{}.lora_B.weight", target.module)).to_kind(Kind::Float);
+            let base = &self.layout.units[target.base_unit];
+            let index = base.params.iter().position(|p| p.name == format!("{}.weight", target.module)).expect("targets name base weights");
+            let weight = &mut params[target.base_unit][index];
+            let merged = weight.to_kind(Kind::Float) + b.matmul(&a) * self.scaling.scale;
+            *weight = merged.to_kind(weight.kind());
+        }
+        Ok(())
+    }
+}
+
+/// The model a run trains: every parameter of it, or LoRA adapters on it.
+pub enum RunModel {
+    Full(Box<dyn Model>),
+    Lora(LoraModel),
+}
+
+impl RunModel {
+    /// `base` as `config` (`train.lora`) says: wrapped in adapters when `r` is set.
+    pub fn new(base: Box<dyn Model>, config: &LoraConfig) -> Result<RunModel> {
+        Ok(match config.enabled() {
+            true => RunModel::Lora(LoraModel::new(base, config)?),
+            false => RunModel::Full(base),
+        })
+    }
+
+    /// What the engine trains.
+    pub fn model(&self) -> &dyn Model {
+        match self {
+            RunModel::Full(model) => model.as_ref(),
+            RunModel::Lora(lora) => lora,
+        }
+    }
+
+    /// The model whose weights files the run reads.
+    pub fn base(&self) -> &dyn Model {
+        match self {
+            RunModel::Full(model) => model.as_ref(),
+            RunModel::Lora(lora) => lora.base(),
+        }
+    }
+
+    pub fn lora(&self) -> Option<&LoraModel> {
+        match self {
+            RunModel::Full(_) => None,
+            RunModel::Lora(lora) => Some(lora),
+        }
+    }
+
+    /// Every unit's starting parameters: the base's, then fresh adapters drawn from `seed`.
+    pub fn initial_params(&self, mut base: Vec<Vec<Tensor>>, seed: i64, device: Device) -> Vec<Vec<Tensor>> {
+        if let Some(lora) = self.lora() {
+            base.extend(lora.initial_adapters(seed, device));
+        }
+        base
+    }
+}
+
+impl Model for LoraModel {
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    fn dims(&self) -> Dims {
+        self.base.dims()
+    }
+    fn activations(&self) -> Activations {
+        self.base.activations()
+    }
+    fn head_kind(&self) -> &str {
+        self.base.head_kind()
+    }
+    fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
+        self.base.context(inputs, past, dtype, train)
+    }
+    fn embed(&self, params: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {
+        self.base.embed(params, inputs, ctx)
+    }
+    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+        self.base.block(params, x, ctx, cache)
+    }
+    fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor> {
+        self.base.head(params, x)
+    }
+    fn max_positions(&self) -> Option<i64> {
+        self.base.max_positions()
+    }
+    fn initialised_if_missing(&self, hf_name: &str) -> bool {
+        self.base.initialised_if_missing(hf_name)
+    }
+    fn ignored_if_unexpected(&self, checkpoint_name: &str) -> bool {
+        self.base.ignored_if_unexpected(checkpoint_name)
+    }
+    fn frozen(&self, unit: usize) -> bool {
+        unit < self.base_units && !self.trained_base_units.contains(&unit)
+    }
+    fn adapter_scaling(&self) -> Option<AdapterScaling> {
+        Some(self.scaling)
+    }
+    fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        self.base.lora_modules()
+    }
+
+    /// A frozen parameter costs forward and the input's gradient (4 FLOPs
+    /// per token), not its own gradient (2 more).
+    fn train_flops_per_token(&self, seq: i64) -> f64 {
+        let frozen: i64 = (0..self.base_units).filter(|&u| self.frozen(u)).map(|u| self.layout.units[u].numel()).sum();
+        let adapters: i64 = self.layout.units[self.base_units..].iter().map(UnitSpec::numel).sum();
+        self.base.train_flops_per_token(seq) - 2.0 * frozen as f64 + 6.0 * adapters as f64
+    }
+}

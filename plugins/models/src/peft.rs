@@ -1,0 +1,72 @@
+//! LoRA adapters in the files Hugging Face peft writes and reads
+//! (`PeftModel.from_pretrained`): `adapter_config.json`, and
+//! `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight`
+//! [r, in] and `.lora_B.weight` [out, r] in fp32, plus a head trained whole
+//! (a question-answering head, peft's `modules_to_save`) under
+//! `base_model.model.<name>`.
+
+use anyhow::{Context, Result};
+use ft_core::lora::LoraModel;
+use ft_core::model::{head, Model};
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+pub const CONFIG_FILE: &str = "adapter_config.json";
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+
+/// The task peft records for a head kind.
+fn task_type(head_kind: &str) -> &'static str {
+    match head_kind {
+        head::QUESTION_ANSWERING => "QUESTION_ANS",
+        _ => "CAUSAL_LM",
+    }
+}
+
+/// Writes `lora`'s trained units from `params` (one entry per unit of
+/// `lora`, as `Trainer::params` returns them: empty for frozen units) into
+/// `dir` as peft saves an adapter; `base_model` is the directory of the
+/// weights it adapts. Each file is written beside its name and renamed.
+pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_model: Option<&Path>) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let units = lora.units();
+    let mut tensors = vec![];
+    let mut modules_to_save = vec![];
+    for unit in lora.trained_base_units() {
+        for (spec, tensor) in units[*unit].params.iter().zip(&params[*unit]) {
+            tensors.push((format!("base_model.model.{}", spec.hf_name), tensor.shallow_clone()));
+            let module = spec.hf_name.rsplit_once('.').map_or(spec.hf_name.as_str(), |(module, _)| module);
+            if !modules_to_save.contains(&module) {
+                modules_to_save.push(module);
+            }
+        }
+    }
+    for unit in lora.base_units()..units.len() {
+        tensors.extend(units[unit].params.iter().zip(&params[unit]).map(|(spec, tensor)| (spec.hf_name.clone(), tensor.shallow_clone())));
+    }
+    let tensors: Vec<(String, Tensor)> =
+        tensors.into_iter().map(|(name, t)| (name, t.detach().to_kind(Kind::Float).to_device(Device::Cpu).contiguous())).collect();
+    let config = lora.config();
+    let json = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": task_type(lora.head_kind()),
+        "r": config.r,
+        "lora_alpha": config.alpha(),
+        "lora_dropout": config.dropout,
+        "target_modules": lora.peft_target_modules(),
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "use_rslora": false,
+        "use_dora": false,
+        "init_lora_weights": true,
+        "modules_to_save": (!modules_to_save.is_empty()).then_some(modules_to_save),
+        "base_model_name_or_path": base_model.map(|p| p.display().to_string()),
+        "inference_mode": true,
+    });
+    let weights = dir.join(WEIGHTS_FILE);
+    let partial = dir.join(format!("{WEIGHTS_FILE}.partial"));
+    Tensor::write_safetensors(&tensors, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    std::fs::File::open(&partial).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", partial.display()))?;
+    std::fs::rename(&partial, &weights).with_context(|| format!("cannot write {}", weights.display()))?;
+    let config_path = dir.join(CONFIG_FILE);
+    std::fs::write(&config_path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", config_path.display()))
+}
