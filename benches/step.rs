@@ -52,7 +52,7 @@ fn lm_head(c: &mut Criterion) {
     let weight = Tensor::randn([4096, 64], (Kind::Float, Device::Cpu)) * 0.02;
     let labels = Tensor::randint(4096, [4, 128], (Kind::Int64, Device::Cpu));
     let count = (4 * 127) as f64;
-    group.bench_function("chunked_no_autograd", |b| b.iter(|| lm_head_loss_and_grads(&hidden, &weight, &labels, count, 256, None, Kernels::Aten).unwrap()));
+    group.bench_function("chunked_no_autograd", |b| b.iter(|| lm_head_loss_and_grads(&hidden, &weight, &labels, count, 256, None, Kernels::Aten, true).unwrap()));
     group.bench_function("autograd", |b| {
         b.iter(|| {
             let (h, w) = (hidden.detach().set_requires_grad(true), weight.detach().set_requires_grad(true));

@@ -7,7 +7,7 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow-skinny).
+#     the tests check ft's files with (tensorboard, transformers, mlflow-skinny, peft).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,7 @@ CUDA_TOOLKIT_VERSION=13.0.2
 TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
 MLFLOW_VERSION=3.17.2
+PEFT_VERSION=0.21.2
 REFERENCE_TRANSFORMERS_VERSION=4.46.3
 
 if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
@@ -50,6 +51,11 @@ fi
 if ! .venv/bin/python -c "import mlflow" 2>/dev/null; then
   echo "setup: installing mlflow-skinny into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "mlflow-skinny==$MLFLOW_VERSION"
+fi
+# The LoRA tests load ft's adapters with peft and compare.
+if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
+  echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
 fi
 # The SQuAD v2.0 evaluation test checks ft's scores with the official ones,
 # which transformers 4.x ships as transformers/data/metrics/squad_metrics.py

@@ -120,8 +120,11 @@ fn summary(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
+/// The final weights: the model, or a LoRA run's adapters.
 fn final_params(dir: &Path) -> HashMap<String, Tensor> {
-    Tensor::read_safetensors(dir.join("final/model.safetensors")).unwrap().into_iter().collect()
+    let model = dir.join("final/model.safetensors");
+    let file = if model.exists() { model } else { dir.join("final/adapter_model.safetensors") };
+    Tensor::read_safetensors(file).unwrap().into_iter().collect()
 }
 
 /// Each step's loss equal within `tolerance` (relative), and the final
@@ -260,6 +263,72 @@ fn every_strategy_trains_llama_like_the_single_process_baseline() {
 #[test]
 fn every_strategy_trains_bert_question_answering_like_the_single_process_baseline() {
     every_strategy_equals_the_baseline(Workload::Bert);
+}
+
+/// LoRA adapters on every linear layer of a frozen Llama, under every
+/// strategy, offloaded and with activation checkpointing, against the
+/// single-process LoRA run; what ranks hold (the frozen base sharded 1/N
+/// under full_shard, optimizer state for the adapters only); a LoRA
+/// checkpoint resumed at another world size and strategy; a LoRA
+/// checkpoint refused by a run without adapters.
+#[test]
+fn every_strategy_trains_lora_adapters_like_the_single_process_baseline() {
+    let scratch = tempfile::tempdir().unwrap();
+    let lora = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down"];
+    let with = |flags: &[&str]| -> Vec<String> { lora.iter().chain(flags).map(|f| f.to_string()).collect() };
+    let run = |name: &str, ranks: usize, flags: &[&str]| {
+        let flags = with(flags);
+        train(Workload::Llama, scratch.path(), name, ranks, &flags.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let baseline = run("baseline", 1, &["--save-every", "10", "--save-total-limit", "0"]);
+    let runs: [(&str, usize, &[&str]); 8] = [
+        ("ddp-2", 2, &["--strategy", "ddp"]),
+        ("zero1-2", 2, &["--strategy", "zero1"]),
+        ("shard_grad_op-2", 2, &["--strategy", "shard_grad_op"]),
+        ("full_shard-2", 2, &["--strategy", "full_shard"]),
+        ("full_shard-offload-2", 2, &["--strategy", "full_shard", "--offload", "cpu"]),
+        ("ddp-checkpointing-2", 2, &["--strategy", "ddp", "--activation-checkpointing"]),
+        ("full_shard-4", 4, &["--strategy", "full_shard"]),
+        ("hybrid_2x2-4", 4, &["--strategy", "hybrid_shard", "--shard-group-size", "2"]),
+    ];
+    let mut held: HashMap<&str, Value> = HashMap::new();
+    for (name, ranks, flags) in runs {
+        let dir = run(name, ranks, flags);
+        assert_same_run(name, &dir, &baseline, 1e-5);
+        held.insert(name, summary(&dir));
+    }
+    let state = |run: &str, what: &str| held[run]["state_per_rank"][0][what].as_f64().unwrap();
+    let trainable = held["ddp-2"]["trainable_params"].as_f64().unwrap();
+    let frozen = held["ddp-2"]["frozen_params"].as_f64().unwrap();
+    assert!(trainable > 0.0 && frozen > 10.0 * trainable, "{trainable} trained, {frozen} frozen");
+    assert_eq!(state("ddp-2", "frozen"), 4.0 * frozen, "ddp holds the whole frozen base, fp32 on the CPU");
+    assert_eq!(state("ddp-2", "optimizer_state"), 8.0 * trainable, "two moments for the adapters only");
+    let ratio = state("full_shard-2", "frozen") / state("ddp-2", "frozen");
+    assert!((ratio - 0.5).abs() < 0.01, "full_shard at 2 ranks holds {ratio:.3} of the frozen base");
+    let ratio = state("full_shard-2", "optimizer_state") / state("ddp-2", "optimizer_state");
+    assert!((ratio - 0.5).abs() < 0.05, "full_shard at 2 ranks holds {ratio:.3} of the adapters' optimizer state");
+    assert!(state("full_shard-offload-2", "host") > 0.0 && state("full_shard-offload-2", "host") < state("full_shard-offload-2", "frozen"));
+
+    // The baseline's checkpoint holds the adapters alone; it continues at 2 ranks under full_shard.
+    let checkpoint = baseline.join("checkpoints/step-00000010");
+    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(checkpoint.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["lora"]["r"], 4);
+    let saved = std::fs::metadata(checkpoint.join("rank-00000-of-00001.safetensors")).unwrap().len() as f64;
+    assert!(saved < 16.0 * trainable + 1e5, "the checkpoint holds {saved} bytes: the adapters' state, not the base");
+    let resumed = losses(&run("resumed-full_shard-2", 2, &["--strategy", "full_shard", "--resume", checkpoint.to_str().unwrap()]));
+    let expected = losses(&baseline);
+    assert_eq!(resumed.len(), STEPS - 10);
+    for (step, (x, y)) in resumed.iter().zip(&expected[10..]).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "resumed step {}: {x} vs {y}", step + 11);
+    }
+    let output = ft()
+        .args(["train", "--output-dir", scratch.path().join("no-adapters").to_str().unwrap(), "--dtype", "f32", "--batch-size", "8"])
+        .args(workload_args(Workload::Llama, scratch.path()))
+        .args(["--resume", checkpoint.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let message = text(&output);
+    assert!(!output.status.success() && message.contains("was written for another model") && message.contains("frozen"), "{message}");
 }
 
 #[test]

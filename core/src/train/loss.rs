@@ -59,7 +59,9 @@ pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
 /// with the inputs (shifted here); the loss is the sum over target tokens
 /// divided by `normalizer` (the target tokens of the whole global batch, so
 /// micro-batches and ranks add up to the global mean). Returns the loss and
-/// the gradients of `hidden` and `weight`.
+/// the gradients of `hidden` and, with `weight_grad`, of `weight`
+/// (undefined without: a frozen LM head skips that matmul).
+#[allow(clippy::too_many_arguments)]
 pub fn lm_head_loss_and_grads(
     hidden: &Tensor,
     weight: &Tensor,
@@ -68,6 +70,7 @@ pub fn lm_head_loss_and_grads(
     chunk: i64,
     grad_multiplier: Option<&Tensor>,
     kernels: Kernels,
+    weight_grad: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
@@ -115,19 +118,25 @@ pub fn lm_head_loss_and_grads(
             grad_logits
         };
         grad_inputs.push(grad_logits.matmul(weight));
-        grad_weight = Some(match grad_weight {
-            None => grad_logits.tr().matmul(&h),
-            Some(mut sum) => {
-                let _ = sum.addmm_(&grad_logits.tr(), &h);
-                sum
-            }
-        });
+        if weight_grad {
+            grad_weight = Some(match grad_weight {
+                None => grad_logits.tr().matmul(&h),
+                Some(mut sum) => {
+                    let _ = sum.addmm_(&grad_logits.tr(), &h);
+                    sum
+                }
+            });
+        }
         start += len;
     }
     // The last position predicts nothing: its gradient is zero.
     let grad_hidden = Tensor::cat(&grad_inputs, 0).view([batch, seq - 1, dim]);
     let grad_hidden = Tensor::cat(&[grad_hidden, hidden.zeros_like().narrow(1, 0, 1)], 1);
-    let grad_weight = grad_weight.unwrap_or_else(|| weight.zeros_like());
+    let grad_weight = match (grad_weight, weight_grad) {
+        (Some(sum), _) => sum,
+        (None, true) => weight.zeros_like(),
+        (None, false) => Tensor::new(),
+    };
     Ok((loss, grad_hidden, grad_weight))
 }
 

@@ -102,8 +102,10 @@ fn labels(batch: &Batch) -> Result<&Tensor> {
 impl Objective for CausalLmLoss {
     fn loss_and_grads(&self, outputs: &[Tensor], batch: &Batch, normalizer: f64, loss_scale: Option<&Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
         let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+        // A frozen LM weight (LoRA) needs no gradient.
+        let weight_grad = weight.requires_grad();
         let (loss, grad_hidden, grad_weight) =
-            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels)?;
+            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels, weight_grad)?;
         Ok((loss, vec![grad_hidden, grad_weight]))
     }
 

@@ -1,0 +1,258 @@
+//! LoRA against Hugging Face peft (tests/python/peft_reference.py): ft's
+//! adapters, written as peft writes them, load with `PeftModel` onto the
+//! transformers model and give ft's logits, loss and adapter gradients
+//! (fp32, CPU); fresh adapters start as peft's do; merged weights are the
+//! adapted model; the demo trains adapters whose exports load; bad settings
+//! are refused by key. Every strategy against the single-process LoRA run
+//! is in tests/strategies.rs.
+
+use ft_core::config::LoraConfig;
+use ft_core::lora::LoraModel;
+use ft_core::model::{forward, lm_outputs, Inputs, Model};
+use ft_core::train::loss::{lm_loss, logits};
+use ft_models::{hf, peft};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tch::{Device, Kind, Tensor};
+
+mod common;
+use common::{ft, text};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// Runs tests/python/peft_reference.py with `args` under the `python` on PATH.
+fn reference_script(args: &[&Path]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");
+    let output = Command::new("python").arg(&script).args(args).output().unwrap_or_else(|error| {
+        panic!("cannot run `python` ({error}): these tests compare with peft; `source scripts/env.sh` first, which puts the venv's python on PATH")
+    });
+    assert!(output.status.success(), "{}", text(&output));
+}
+
+fn read(dir: &Path) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap().into_iter().collect()
+}
+
+fn relative(actual: &Tensor, expected: &Tensor, floor: f64) -> f64 {
+    let error = (actual.to_kind(Kind::Double) - expected.to_kind(Kind::Double)).abs().max().double_value(&[]);
+    error / expected.abs().max().double_value(&[]).max(floor).max(1e-30)
+}
+
+fn lora_config(r: usize, alpha: f64, targets: &[&str]) -> LoraConfig {
+    LoraConfig { r, alpha: Some(alpha), dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect() }
+}
+
+/// ft's logits and loss (labels = ids) on the fixture's rows, in eval mode.
+fn logits_and_loss(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor) -> (Tensor, Tensor) {
+    let inputs = Inputs::ids(ids);
+    let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
+    let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, None)).unwrap();
+    (logits(&hidden, &weight), lm_loss(&hidden, &weight, ids, 7).unwrap())
+}
+
+fn fixture_ids(name: &str) -> Tensor {
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("ids.json")).unwrap()).unwrap();
+    Tensor::from_slice2(&rows)
+}
+
+/// A fixture wrapped in adapters on `targets`, its base weights loaded and
+/// the adapters drawn fresh, then B set to noise so A's gradients are not zero.
+fn adapted(name: &str, targets: &[&str]) -> (LoraModel, Vec<Vec<Tensor>>) {
+    let base = hf::load_model(&fixture(name)).unwrap();
+    let base_params = hf::load_params(base.as_ref(), &fixture(name), Kind::Float, Device::Cpu).unwrap();
+    let lora = LoraModel::new(base, &lora_config(4, 8.0, targets)).unwrap();
+    let mut params = base_params;
+    params.extend(lora.initial_adapters(5, Device::Cpu));
+    for unit in lora.base_units()..lora.units().len() {
+        for (spec, tensor) in lora.units()[unit].params.iter().zip(&mut params[unit]) {
+            if spec.name.ends_with("lora_B.weight") {
+                *tensor = Tensor::randn(tensor.size(), (Kind::Float, Device::Cpu)) * 0.1;
+            }
+            let _ = tensor.set_requires_grad(true);
+        }
+    }
+    (lora, params)
+}
+
+#[test]
+fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
+    let cases: [(&str, &[&str]); 5] = [
+        ("llama", &["q", "k", "v", "o", "gate", "up", "down"]),
+        // peft's own module names, on grouped-query attention.
+        ("llama-gqa", &["q_proj", "v_proj"]),
+        ("opt", &["q", "k", "v", "o", "up", "down"]),
+        // q, k and v are BLOOM's one fused layer.
+        ("bloom", &["q", "v", "o", "up", "down"]),
+        ("bloom", &["query_key_value"]),
+    ];
+    for (name, targets) in cases {
+        let case = format!("{name} {targets:?}");
+        let (lora, params) = adapted(name, targets);
+        let ids = fixture_ids(name);
+        let (ft_logits, loss) = logits_and_loss(&lora, &params, &ids);
+        loss.backward();
+        let scratch = tempfile::tempdir().unwrap();
+        let (adapter, out) = (scratch.path().join("adapter"), scratch.path().join("out"));
+        let detached: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::detach).collect() }).collect();
+        peft::save_adapter(&lora, &detached, &adapter, Some(&fixture(name))).unwrap();
+        reference_script(&[Path::new("--reference"), &fixture(name), &adapter, &fixture(name).join("ids.json"), &out]);
+        let reference = read(&out);
+
+        let error = relative(&ft_logits, &reference["logits"], 0.0);
+        assert!(error <= 1e-4, "{case}: logits differ by {error:e}");
+        let error = relative(&loss, &reference["loss"], 0.0);
+        assert!(error <= 1e-5, "{case}: loss {} vs peft's {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
+        let grads: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
+        let floor = 1e-3 * grads.iter().map(|k| reference[*k].abs().max().double_value(&[])).fold(0.0, f64::max);
+        let mut compared = 0;
+        for unit in lora.base_units()..lora.units().len() {
+            for (spec, tensor) in lora.units()[unit].params.iter().zip(&params[unit]) {
+                let expected = reference.get(&format!("grad.{}", spec.hf_name)).unwrap_or_else(|| panic!("{case}: peft has no {}", spec.hf_name));
+                let error = relative(&tensor.grad(), expected, floor);
+                assert!(error <= 1e-4, "{case}: gradient of {} differs by {error:e}", spec.hf_name);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, grads.len(), "{case}: peft trains exactly ft's adapters");
+        assert_eq!(compared, 2 * lora.targets().len(), "{case}: an A and a B per adapted layer");
+    }
+}
+
+#[test]
+fn fresh_adapters_start_as_peft_does_and_change_nothing() {
+    let base = hf::load_model(&fixture("llama")).unwrap();
+    let base_params = hf::load_params(base.as_ref(), &fixture("llama"), Kind::Float, Device::Cpu).unwrap();
+    let ids = fixture_ids("llama");
+    let (base_logits, _) = logits_and_loss(base.as_ref(), &base_params, &ids);
+    let lora = LoraModel::new(base, &lora_config(8, 16.0, &["q", "k", "v", "o", "gate", "up", "down"])).unwrap();
+    let adapters = lora.initial_adapters(11, Device::Cpu);
+    let mut a_values = vec![];
+    for (unit, tensors) in lora.units()[lora.base_units()..].iter().zip(&adapters) {
+        for (spec, tensor) in unit.params.iter().zip(tensors) {
+            if spec.name.ends_with("lora_B.weight") {
+                assert_eq!(tensor.abs().max().double_value(&[]), 0.0, "{}: B starts at zero", spec.name);
+            } else {
+                // kaiming_uniform_(a=√5) over [r, in]: U(−1/√in, 1/√in).
+                let bound = 1.0 / (spec.shape[1] as f64).sqrt();
+                assert!(tensor.abs().max().double_value(&[]) <= bound, "{}: A within ±1/√in", spec.name);
+                a_values.push(tensor.reshape([-1]) / bound);
+            }
+        }
+    }
+    // Scaled to U(−1, 1): standard deviation 1/√3.
+    let std = Tensor::cat(&a_values, 0).std(true).double_value(&[]);
+    assert!((std - 1.0 / 3f64.sqrt()).abs() < 0.02, "A's spread {std} is not uniform's");
+    let mut params = base_params;
+    params.extend(adapters);
+    let (adapted_logits, _) = logits_and_loss(&lora, &params, &ids);
+    assert_eq!(relative(&adapted_logits, &base_logits, 0.0), 0.0, "zero B leaves the model as it was");
+}
+
+#[test]
+fn merged_weights_are_the_adapted_model() {
+    let (lora, params) = adapted("opt", &["q", "k", "v", "o", "up", "down"]);
+    let ids = fixture_ids("opt");
+    let (adapted_logits, _) = logits_and_loss(&lora, &params, &ids);
+    let mut merged: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(Tensor::detach).collect()).collect();
+    lora.merge(&mut merged).unwrap();
+    merged.truncate(lora.base_units());
+    let (merged_logits, _) = logits_and_loss(lora.base(), &merged, &ids);
+    let error = relative(&merged_logits, &adapted_logits, 0.0);
+    assert!(error <= 1e-5, "merged logits differ by {error:e}");
+}
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap().get("loss").and_then(Value::as_f64))
+        .collect()
+}
+
+fn tensors(file: &Path) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(file).unwrap().into_iter().collect()
+}
+
+#[test]
+fn the_demo_trains_adapters_whose_exports_load_in_peft_and_transformers() {
+    let scratch = tempfile::tempdir().unwrap();
+    let out = scratch.path().join("run");
+    let run = ft()
+        .args(["train", "--lora-r", "8", "--lora-targets", "q,k,v,o,up,down", "--epochs", "2", "--train-samples", "400"])
+        .args(["--eval-samples", "8", "--save-every", "100", "--output-dir", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", text(&run));
+    let log = text(&run);
+    assert!(log.contains("LoRA r=8 alpha=16"), "{log}");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let (trained, frozen) = (summary["trainable_params"].as_i64().unwrap(), summary["frozen_params"].as_i64().unwrap());
+    assert!(trained > 0 && trained * 10 < frozen, "adapters are a small part: {trained} trained, {frozen} frozen");
+    let state = &summary["state_per_rank"][0];
+    assert!(state["frozen"].as_f64().unwrap() > 0.0 && state["optimizer_state"].as_f64().unwrap() == 8.0 * trained as f64, "{state}");
+    let losses = losses(&out);
+    let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+    let (first, last) = (mean(&losses[..10]), mean(&losses[losses.len() - 10..]));
+    assert!(last < first - 0.3, "the adapters learn: loss {first:.3} over the first 10 steps, {last:.3} over the last 10");
+
+    let final_dir = out.join("final");
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(final_dir.join(peft::CONFIG_FILE)).unwrap()).unwrap();
+    assert_eq!((config["peft_type"].as_str(), config["r"].as_u64(), config["task_type"].as_str()), (Some("LORA"), Some(8), Some("CAUSAL_LM")));
+    let base = out.join("base-model");
+    assert_eq!(config["base_model_name_or_path"].as_str(), Some(base.to_str().unwrap()));
+
+    // The last checkpoint is the final state: its adapter export is final/'s.
+    let export = |extra: &[&str], dir: &Path| {
+        let output = ft()
+            .args(["export", "--checkpoint", "latest", "--output-dir", out.to_str().unwrap(), "--out", dir.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+    };
+    let (adapter, merged) = (scratch.path().join("adapter"), scratch.path().join("merged"));
+    export(&[], &adapter);
+    let (exported, last) = (tensors(&adapter.join(peft::WEIGHTS_FILE)), tensors(&final_dir.join(peft::WEIGHTS_FILE)));
+    assert_eq!(exported.len(), last.len());
+    for (key, tensor) in &last {
+        assert!(exported[key].equal(tensor), "{key}: the export differs from final/");
+    }
+    export(&["--merge"], &merged);
+
+    // peft on the base with the adapter, and transformers on the merged model, agree.
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 120, 7, 19, 11, 30]]").unwrap();
+    let (with_peft, with_merged) = (scratch.path().join("peft"), scratch.path().join("transformers"));
+    reference_script(&[Path::new("--reference"), &base, &final_dir, &ids, &with_peft]);
+    reference_script(&[Path::new("--logits"), &merged, &ids, &with_merged]);
+    let error = relative(&read(&with_merged)["logits"], &read(&with_peft)["logits"], 0.0);
+    assert!(error <= 1e-4, "the merged export's logits differ from peft's by {error:e}");
+}
+
+#[test]
+fn bad_lora_settings_are_refused_by_key() {
+    let scratch = tempfile::tempdir().unwrap();
+    let refusal = |flags: &[&str]| {
+        let output = ft()
+            .args(["train", "--epochs", "1", "--train-samples", "8", "--output-dir", scratch.path().join("run").to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{flags:?} must be refused");
+        let log = text(&output);
+        assert!(!log.contains("panicked"), "{flags:?}: {log}");
+        log
+    };
+    let log = refusal(&["--lora-r", "4", "--lora-targets", "q,gate"]);
+    assert!(log.contains("train.lora.targets: \"gate\" names no linear layer of bloom's blocks") && log.contains("query_key_value"), "{log}");
+    let log = refusal(&["--lora-r", "4", "--lora-alpha", "0"]);
+    assert!(log.contains("train.lora.alpha must be positive"), "{log}");
+    let log = refusal(&["--lora-r", "4", "--lora-dropout", "1"]);
+    assert!(log.contains("train.lora.dropout must be in [0, 1)"), "{log}");
+    let log = refusal(&["--set", "train.lora.rank=4"]);
+    assert!(log.contains("rank"), "{log}");
+}

@@ -1,0 +1,71 @@
+"""peft's side of tests/lora.rs: an adapter ft wrote, loaded by peft onto
+the transformers model, run forward and backward.
+
+--reference BASE ADAPTER IDS OUT
+    loads BASE (a causal LM directory, fp32, CPU) with transformers and
+    ADAPTER (adapter_config.json + adapter_model.safetensors) with
+    PeftModel.from_pretrained(is_trainable=True); runs the token rows of IDS
+    (JSON) with labels = ids in eval mode (no dropout), backward; writes
+    OUT/reference.safetensors: logits, loss, and grad.<key> for every
+    trainable tensor under the adapter file's key names.
+--logits MODEL IDS OUT
+    a plain transformers model's logits on IDS (a merged export), as
+    OUT/reference.safetensors.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+
+
+def rows(path):
+    with open(path) as f:
+        return torch.tensor(json.load(f))
+
+
+def reference(base, adapter, ids_path, out):
+    from peft import PeftModel
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    model.eval()
+    ids = rows(ids_path)
+    outputs = model(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    tensors = {"logits": outputs.logits, "loss": outputs.loss}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            # The file's key: peft's module path without the adapter's name.
+            tensors["grad." + name.replace(".default", "")] = parameter.grad
+    os.makedirs(out, exist_ok=True)
+    save_file({k: t.detach().contiguous() for k, t in tensors.items()}, os.path.join(out, "reference.safetensors"))
+
+
+def logits(model_dir, ids_path, out):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        result = model(input_ids=rows(ids_path)).logits
+    os.makedirs(out, exist_ok=True)
+    save_file({"logits": result.contiguous()}, os.path.join(out, "reference.safetensors"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", nargs=4, metavar=("BASE", "ADAPTER", "IDS", "OUT"))
+    parser.add_argument("--logits", nargs=3, metavar=("MODEL", "IDS", "OUT"))
+    args = parser.parse_args()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    if args.reference:
+        reference(*args.reference)
+    if args.logits:
+        logits(*args.logits)
+
+
+if __name__ == "__main__":
+    main()
