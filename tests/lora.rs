@@ -67,8 +67,8 @@ fn adapted(name: &str, targets: &[&str]) -> (LoraModel, Vec<Vec<Tensor>>) {
     let lora = LoraModel::new(base, &lora_config(4, 8.0, targets)).unwrap();
     let mut params = base_params;
     params.extend(lora.initial_adapters(5, Device::Cpu));
-    for unit in lora.base_units()..lora.units().len() {
-        for (spec, tensor) in lora.units()[unit].params.iter().zip(&mut params[unit]) {
+    for (unit, tensors) in lora.units().iter().zip(&mut params).skip(lora.base_units()) {
+        for (spec, tensor) in unit.params.iter().zip(tensors) {
             if spec.name.ends_with("lora_B.weight") {
                 *tensor = Tensor::randn(tensor.size(), (Kind::Float, Device::Cpu)) * 0.1;
             }
@@ -109,8 +109,8 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
         let grads: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
         let floor = 1e-3 * grads.iter().map(|k| reference[*k].abs().max().double_value(&[])).fold(0.0, f64::max);
         let mut compared = 0;
-        for unit in lora.base_units()..lora.units().len() {
-            for (spec, tensor) in lora.units()[unit].params.iter().zip(&params[unit]) {
+        for (unit, tensors) in lora.units().iter().zip(&params).skip(lora.base_units()) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
                 let expected = reference.get(&format!("grad.{}", spec.hf_name)).unwrap_or_else(|| panic!("{case}: peft has no {}", spec.hf_name));
                 let error = relative(&tensor.grad(), expected, floor);
                 assert!(error <= 1e-4, "{case}: gradient of {} differs by {error:e}", spec.hf_name);

@@ -187,14 +187,14 @@ impl LoraModel {
 /// The model a run trains: every parameter of it, or LoRA adapters on it.
 pub enum RunModel {
     Full(Box<dyn Model>),
-    Lora(LoraModel),
+    Lora(Box<LoraModel>),
 }
 
 impl RunModel {
     /// `base` as `config` (`train.lora`) says: wrapped in adapters when `r` is set.
     pub fn new(base: Box<dyn Model>, config: &LoraConfig) -> Result<RunModel> {
         Ok(match config.enabled() {
-            true => RunModel::Lora(LoraModel::new(base, config)?),
+            true => RunModel::Lora(Box::new(LoraModel::new(base, config)?)),
             false => RunModel::Full(base),
         })
     }
@@ -203,7 +203,7 @@ impl RunModel {
     pub fn model(&self) -> &dyn Model {
         match self {
             RunModel::Full(model) => model.as_ref(),
-            RunModel::Lora(lora) => lora,
+            RunModel::Lora(lora) => lora.as_ref(),
         }
     }
 

@@ -183,9 +183,8 @@ impl Trainer<'_> {
                 let oldest = pending.pop_front().expect("non-empty");
                 self.finish_reduction(oldest, &mut replica_reductions)?;
             }
-            if gradient_complete {
-                self.release(unit)?;
-            } else if reshard_after_forward && stages[index - 1].unit != unit {
+            // Done with the unit, or (full_shard) done until an earlier stage's backward needs it again.
+            if gradient_complete || (reshard_after_forward && stages[index - 1].unit != unit) {
                 self.release(unit)?;
             }
         }
