@@ -18,7 +18,7 @@ use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 mod common;
-use common::{ft, text};
+use common::{ft, small_bert, text};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -119,6 +119,43 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
         }
         assert_eq!(compared, grads.len(), "{case}: peft trains exactly ft's adapters");
         assert_eq!(compared, 2 * lora.targets().len(), "{case}: an A and a B per adapted layer");
+    }
+}
+
+/// Extractive QA: adapters on BERT's query and value, and the span head
+/// trained whole (peft's `modules_to_save` for QUESTION_ANS).
+#[test]
+fn bert_question_answering_adapters_load_in_peft_with_their_trained_head() {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = small_bert(scratch.path(), true);
+    let base = hf::load_model(&dir).unwrap();
+    let mut params = hf::load_params(base.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+    let lora = LoraModel::new(base, &lora_config(4, 8.0, &["q", "v"])).unwrap();
+    assert_eq!(lora.trained_base_units().len(), 1, "the span head trains");
+    assert_eq!(lora.peft_target_modules(), ["query", "value"]);
+    params.extend(lora.initial_adapters(5, Device::Cpu));
+    for (unit, tensors) in params.iter_mut().enumerate().filter(|(u, _)| !lora.frozen(*u)) {
+        for tensor in tensors.iter_mut() {
+            *tensor = Tensor::randn(tensor.size(), (Kind::Float, Device::Cpu)) * if unit < lora.base_units() { 1.0 } else { 0.1 };
+        }
+    }
+    let ids = Tensor::from_slice2(&[[2i64, 17, 45, 9, 300, 12, 3, 88], [2, 5, 6, 700, 41, 3, 90, 14]]);
+    let inputs = Inputs::ids(&ids);
+    let ctx = lora.context(&inputs, 0, Kind::Float, false).unwrap();
+    let outputs = forward(&lora, &params, &inputs, &ctx, None);
+    let trained: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::shallow_clone).collect() }).collect();
+    let adapter = scratch.path().join("adapter");
+    peft::save_adapter(&lora, &trained, &adapter, Some(&dir)).unwrap();
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(adapter.join(peft::CONFIG_FILE)).unwrap()).unwrap();
+    assert_eq!((config["task_type"].as_str(), config["modules_to_save"].clone()), (Some("QUESTION_ANS"), serde_json::json!(["qa_outputs"])));
+    let ids_file = scratch.path().join("ids.json");
+    std::fs::write(&ids_file, "[[2, 17, 45, 9, 300, 12, 3, 88], [2, 5, 6, 700, 41, 3, 90, 14]]").unwrap();
+    let out = scratch.path().join("out");
+    reference_script(&[Path::new("--qa-logits"), &dir, &adapter, &ids_file, &out]);
+    let reference = read(&out);
+    for (name, ours) in ["start_logits", "end_logits"].iter().zip(&outputs) {
+        let error = relative(ours, &reference[*name], 0.0);
+        assert!(error <= 1e-4, "{name} differ from peft's by {error:e}");
     }
 }
 

@@ -294,6 +294,7 @@ impl FlatLayout<'_> {
             master,
             compute_shard,
             host_pieces: vec![],
+            host_grad_filled: false,
         };
         unit.release()?;
         Ok(unit)
@@ -321,9 +322,12 @@ pub struct FlatUnit {
     pub(crate) grad: Tensor,
     pub(crate) exp_avg: Tensor,
     pub(crate) exp_avg_sq: Tensor,
-    /// Offloaded: this step's reduced gradients (the part `master` covers),
-    /// one per micro-batch, on their way to or in host memory.
+    /// Offloaded: this step's reduced gradients (the part `master` covers)
+    /// after the first, which is copied into `grad` itself; one per
+    /// micro-batch, on their way to or in host memory.
     host_pieces: Vec<Tensor>,
+    /// Offloaded: whether this step's first gradient is in (or on its way to) `grad`.
+    host_grad_filled: bool,
 }
 
 impl FlatUnit {
@@ -392,8 +396,9 @@ impl FlatUnit {
         let device = full.device();
         let host = |t: Tensor| -> Result<Tensor> {
             let t = t.to_device(tch::Device::Cpu).contiguous();
-            // Pinned, so uploads of the updated master are asynchronous.
-            Ok(if device.is_cuda() { ft_sys::pin_memory(&t)? } else { t })
+            // Pinned (in exactly its bytes: this is most of the host's memory),
+            // so uploads of the master and gradient copies are asynchronous.
+            Ok(if device.is_cuda() { ft_sys::pin_memory_exact(&t)? } else { t })
         };
         let owned = placement.owned_part_of(&full);
         let master = host(owned.copy())?;
@@ -403,7 +408,9 @@ impl FlatUnit {
             (full.to_kind(dtype).copy().set_requires_grad(true), None)
         };
         drop(full);
-        let (grad, moments) = (master.zeros_like(), [master.zeros_like(), master.zeros_like()]);
+        // Pinned like the master: each step's first reduced gradient is copied straight into it.
+        let grad = host(master.zeros_like())?;
+        let moments = [master.zeros_like(), master.zeros_like()];
         layout.assemble(compute, master, compute_shard, grad, moments)
     }
 
@@ -423,26 +430,31 @@ impl FlatUnit {
 
     /// Offloaded: starts copying a reduced micro-batch gradient (whole, or
     /// this rank's shard) back to host memory; returns the bytes moved.
-    pub(crate) fn send_to_host(&mut self, reduced: &Tensor) -> i64 {
+    pub(crate) fn send_to_host(&mut self, reduced: &Tensor) -> Result<i64> {
         let owned = self.owned_part(reduced);
         let bytes = (owned.numel() * owned.kind().elt_size_in_bytes()) as i64;
         // Non-blocking into pinned memory: the copy queues behind the reduction.
-        self.host_pieces.push(owned.to_device_(tch::Device::Cpu, owned.kind(), true, false));
-        bytes
+        if !self.host_grad_filled && owned.kind() == Kind::Float {
+            // Into the host gradient itself: no host memory is allocated per step.
+            ft_sys::copy_async(&self.grad, &owned)?;
+            self.host_grad_filled = true;
+        } else {
+            // Accumulation's later micro-batches (or a gradient reduced in bf16) are staged.
+            self.host_pieces.push(owned.to_device_(tch::Device::Cpu, owned.kind(), true, false));
+        }
+        Ok(bytes)
     }
 
     /// Offloaded, once the device's queued copies are done: this step's host
     /// gradient is the sum of its micro-batch pieces, in fp32.
     pub(crate) fn collect_host_grad(&mut self) {
-        let mut pieces = std::mem::take(&mut self.host_pieces).into_iter();
-        if let Some(first) = pieces.next() {
-            self.grad = first.to_kind(Kind::Float).contiguous();
-            for piece in pieces {
-                let _ = self.grad.g_add_(&piece);
-            }
-        } else {
+        if !self.host_grad_filled {
             let _ = self.grad.zero_();
         }
+        for piece in std::mem::take(&mut self.host_pieces) {
+            let _ = self.grad.g_add_(&piece);
+        }
+        self.host_grad_filled = false;
     }
     pub fn name(&self) -> &str {
         &self.spec.name

@@ -8,6 +8,9 @@ the transformers model, run forward and backward.
     (JSON) with labels = ids in eval mode (no dropout), backward; writes
     OUT/reference.safetensors: logits, loss, and grad.<key> for every
     trainable tensor under the adapter file's key names.
+--qa-logits BASE ADAPTER IDS OUT
+    BASE as BertForQuestionAnswering with ADAPTER (its trained qa_outputs
+    head included): start and end logits on IDS, as OUT/reference.safetensors.
 --logits MODEL IDS OUT
     a plain transformers model's logits on IDS (a merged export), as
     OUT/reference.safetensors.
@@ -46,6 +49,18 @@ def reference(base, adapter, ids_path, out):
     save_file({k: t.detach().contiguous() for k, t in tensors.items()}, os.path.join(out, "reference.safetensors"))
 
 
+def qa_logits(base, adapter, ids_path, out):
+    from peft import PeftModel
+    from transformers import AutoModelForQuestionAnswering
+
+    model = PeftModel.from_pretrained(AutoModelForQuestionAnswering.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        outputs = model(input_ids=rows(ids_path))
+    os.makedirs(out, exist_ok=True)
+    tensors = {"start_logits": outputs.start_logits.contiguous(), "end_logits": outputs.end_logits.contiguous()}
+    save_file(tensors, os.path.join(out, "reference.safetensors"))
+
+
 def logits(model_dir, ids_path, out):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -57,12 +72,15 @@ def logits(model_dir, ids_path, out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", nargs=4, metavar=("BASE", "ADAPTER", "IDS", "OUT"))
+    parser.add_argument("--qa-logits", nargs=4, metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, metavar=("MODEL", "IDS", "OUT"))
     args = parser.parse_args()
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     if args.reference:
         reference(*args.reference)
+    if args.qa_logits:
+        qa_logits(*args.qa_logits)
     if args.logits:
         logits(*args.logits)
 

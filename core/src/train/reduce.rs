@@ -65,7 +65,7 @@ impl Trainer<'_> {
                 }
                 (Some(parallel), false) => (parallel.world.all_reduce(&mut input, Reduction::Sum)?, input),
                 (None, _) => {
-                    self.offload_stats.device_to_host_bytes += unit.send_to_host(&input) as f64;
+                    self.offload_stats.device_to_host_bytes += unit.send_to_host(&input)? as f64;
                     return Ok(());
                 }
             };
@@ -110,7 +110,7 @@ impl Trainer<'_> {
                 if let (Some(replicas), true) = (replicas, unit.placement().grads_sharded) {
                     replicas.all_reduce(&mut result, Reduction::Sum)?.wait()?;
                 }
-                self.offload_stats.device_to_host_bytes += unit.send_to_host(&result) as f64;
+                self.offload_stats.device_to_host_bytes += unit.send_to_host(&result)? as f64;
             }
             AfterReduction::Nothing => {}
         }

@@ -22,6 +22,8 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <dlfcn.h>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -257,6 +259,38 @@ void ft_work_free(FtWork* work) { delete work; }
 // asynchronous. (tch's pin_memory passes the deprecated device argument.)
 char* ft_pin_memory(at::Tensor* tensor, at::Tensor** out) {
   return guarded([&] { *out = new at::Tensor(tensor->pin_memory()); });
+}
+
+// dst.copy_(src, non_blocking=true): a device-to-pinned-host copy queued on the
+// current stream (tch's copy_ blocks).
+char* ft_copy_async(at::Tensor* dst, at::Tensor* src) {
+  return guarded([&] { dst->copy_(*src, /*non_blocking=*/true); });
+}
+
+// A pinned copy of `tensor` in exactly its bytes, for state that lives the
+// whole run (offloaded masters and gradients): the caching host allocator
+// behind pin_memory() rounds every block up to a power of two, so a 0.8 GB
+// unit would pin 1.07 GB — tens of GB at 7B parameters. cudaHostAlloc is
+// looked up in the CUDA runtime libtorch loaded; without one (a CPU build)
+// this is pin_memory().
+char* ft_pin_memory_exact(at::Tensor* tensor, at::Tensor** out) {
+  return guarded([&] {
+    using HostAlloc = int (*)(void**, size_t, unsigned int);
+    using FreeHost = int (*)(void*);
+    static auto host_alloc = reinterpret_cast<HostAlloc>(dlsym(RTLD_DEFAULT, "cudaHostAlloc"));
+    static auto free_host = reinterpret_cast<FreeHost>(dlsym(RTLD_DEFAULT, "cudaFreeHost"));
+    auto source = tensor->contiguous();
+    if (host_alloc == nullptr || free_host == nullptr) {
+      *out = new at::Tensor(source.pin_memory());
+      return;
+    }
+    void* data = nullptr;
+    int status = host_alloc(&data, std::max<size_t>(source.nbytes(), 1), 0);
+    TORCH_CHECK(status == 0, "cudaHostAlloc of ", source.nbytes(), " bytes failed (CUDA error ", status, "): not enough host memory to pin");
+    auto pinned = at::from_blob(data, source.sizes(), [](void* p) { free_host(p); }, source.options());
+    pinned.copy_(source);
+    *out = new at::Tensor(pinned);
+  });
 }
 
 // Sets the bytes of `tensor`'s storage: 0 frees them, a size allocates that

@@ -95,6 +95,8 @@ extern "C" {
     fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
     fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_pin_memory_exact(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_copy_async(dst: *mut RawTensor, src: *mut RawTensor) -> *mut c_char;
     fn ft_swiglu(gate: *mut RawTensor, up: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_profiler_start(cuda: bool) -> *mut c_char;
@@ -375,6 +377,21 @@ pub fn cuda_memory(device_index: usize, reset_peak: bool) -> Result<CudaMemory> 
 pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
     check(unsafe { ft_pin_memory(tensor_ptr(tensor), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Copies `src` into `dst` without waiting (`copy_(src, non_blocking=True)`):
+/// from a GPU into pinned host memory the copy queues on the current stream.
+pub fn copy_async(dst: &Tensor, src: &Tensor) -> Result<()> {
+    check(unsafe { ft_copy_async(tensor_ptr(dst), tensor_ptr(src)) })
+}
+
+/// A pinned copy of `tensor` holding exactly its bytes (`pin_memory` rounds
+/// each block up to a power of two): for host state that lives the whole run.
+pub fn pin_memory_exact(tensor: &Tensor) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_pin_memory_exact(tensor_ptr(tensor), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
 }
