@@ -260,6 +260,18 @@ fn the_demo_trains_adapters_whose_exports_load_in_peft_and_transformers() {
     }
     export(&["--merge"], &merged);
 
+    // `ft eval` runs final/'s adapter on its base: the run's last evaluation again.
+    let eval = ft()
+        .args(["eval", "--model", final_dir.to_str().unwrap(), "--eval-samples", "8", "--nproc-per-node", "1"])
+        .args(["--eval-file", out.join("demo-data/demo-eval.json").to_str().unwrap(), "--output-dir", scratch.path().join("eval").to_str().unwrap()])
+        .args(["--max-seq-len", "96"])
+        .output()
+        .unwrap();
+    let eval_log = text(&eval);
+    assert!(eval.status.success(), "{eval_log}");
+    let last_eval = summary["epochs"][1]["eval_loss"].as_f64().unwrap();
+    assert!(eval_log.contains(&format!("eval loss {last_eval:.4} over 8 examples")), "expected eval loss {last_eval:.4}: {eval_log}");
+
     // peft on the base with the adapter, and transformers on the merged model, agree.
     let ids = scratch.path().join("ids.json");
     std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 120, 7, 19, 11, 30]]").unwrap();

@@ -5,7 +5,8 @@
 //! (a question-answering head, peft's `modules_to_save`) under
 //! `base_model.model.<name>`.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use ft_core::config::LoraConfig;
 use ft_core::lora::LoraModel;
 use ft_core::model::{head, Model};
 use std::path::Path;
@@ -69,4 +70,60 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
     std::fs::rename(&partial, &weights).with_context(|| format!("cannot write {}", weights.display()))?;
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", config_path.display()))
+}
+
+/// Whether `dir` holds a peft adapter (as `ft train --lora-r` writes to final/).
+pub fn is_adapter(dir: &Path) -> bool {
+    dir.join(CONFIG_FILE).is_file()
+}
+
+/// An adapter directory as a model to run: the base model its
+/// `adapter_config.json` names (`base_model_name_or_path`) wrapped in its
+/// adapters, and every unit's parameters in `dtype` on `device`.
+pub fn load_adapted(dir: &Path, dtype: Kind, device: Device) -> Result<(LoraModel, Vec<Vec<Tensor>>)> {
+    let config_path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", config_path.display()))?;
+    let field = |key: &str| config.get(key).filter(|v| !v.is_null());
+    if field("peft_type").and_then(|v| v.as_str()) != Some("LORA") {
+        bail!("{}: peft_type is {:?}; ft runs LORA adapters", config_path.display(), field("peft_type"));
+    }
+    for unsupported in ["use_dora", "use_rslora"] {
+        if field(unsupported).and_then(|v| v.as_bool()) == Some(true) {
+            bail!("{}: {unsupported} is set; ft runs plain LoRA", config_path.display());
+        }
+    }
+    let targets = match field("target_modules") {
+        Some(serde_json::Value::Array(names)) => names.iter().filter_map(|n| n.as_str().map(String::from)).collect(),
+        other => bail!("{}: target_modules must be a list of module names (got {other:?})", config_path.display()),
+    };
+    let number = |key: &str| field(key).and_then(|v| v.as_f64()).with_context(|| format!("{}: {key} is missing", config_path.display()));
+    let lora_config = LoraConfig { r: number("r")? as usize, alpha: Some(number("lora_alpha")?), dropout: number("lora_dropout").unwrap_or(0.0), targets };
+    let base_dir = field("base_model_name_or_path")
+        .and_then(|v| v.as_str())
+        .map(std::path::PathBuf::from)
+        .with_context(|| format!("{}: base_model_name_or_path names no base model directory", config_path.display()))?;
+    let base = crate::hf::load_model(&base_dir).with_context(|| format!("the base model of adapter {}", dir.display()))?;
+    let mut params = crate::hf::load_params(base.as_ref(), &base_dir, dtype, device)?;
+    let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?;
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let weights: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&weights_path)
+        .with_context(|| format!("cannot read {}", weights_path.display()))?
+        .into_iter()
+        .collect();
+    let take = |name: &str, shape: &[i64]| -> Result<Tensor> {
+        let tensor = weights.get(name).with_context(|| format!("{} has no tensor {name}", weights_path.display()))?;
+        if tensor.size() != shape {
+            bail!("{}: {name} is {:?}, the model needs {shape:?}", weights_path.display(), tensor.size());
+        }
+        Ok(tensor.to_kind(dtype).to_device(device))
+    };
+    let units = lora.units();
+    for &unit in lora.trained_base_units() {
+        params[unit] = units[unit].params.iter().map(|p| take(&format!("base_model.model.{}", p.hf_name), &p.shape)).collect::<Result<_>>()?;
+    }
+    for unit in &units[lora.base_units()..] {
+        params.push(unit.params.iter().map(|p| take(&p.hf_name, &p.shape)).collect::<Result<_>>()?);
+    }
+    Ok((lora, params))
 }
