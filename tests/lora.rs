@@ -18,7 +18,7 @@ use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 mod common;
-use common::{ft, small_bert, text};
+use common::{ft, losses, small_bert, text};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -200,14 +200,6 @@ fn merged_weights_are_the_adapted_model() {
     let (merged_logits, _) = logits_and_loss(lora.base(), &merged, &ids);
     let error = relative(&merged_logits, &adapted_logits, 0.0);
     assert!(error <= 1e-5, "merged logits differ by {error:e}");
-}
-
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap().get("loss").and_then(Value::as_f64))
-        .collect()
 }
 
 fn tensors(file: &Path) -> HashMap<String, Tensor> {

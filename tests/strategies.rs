@@ -12,7 +12,7 @@ use std::process::Stdio;
 use tch::Tensor;
 
 mod common;
-use common::{ft, shared_squad, small_bert, text};
+use common::{ft, losses, shared_squad, small_bert, text};
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
@@ -106,14 +106,6 @@ fn train_with_batch(workload: Workload, scratch: &Path, name: &str, ranks: usize
         .unwrap();
     assert!(output.status.success(), "{name}: {}", text(&output));
     dir
-}
-
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap().get("loss").and_then(Value::as_f64))
-        .collect()
 }
 
 fn summary(dir: &Path) -> Value {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
-use common::{ft, text};
+use common::{ft, losses, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
@@ -22,16 +22,6 @@ fn train_command(dir: &Path, extra: &[&str]) -> Command {
         .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
         .args(extra);
     command
-}
-
-/// Each optimizer step's loss in a run's metrics.jsonl.
-fn losses(dir: &Path) -> Vec<f64> {
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    metrics
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter_map(|record| record.get("loss").and_then(Value::as_f64))
-        .collect()
 }
 
 fn assert_close(a: &[f64], b: &[f64], tolerance: f64) {

@@ -55,3 +55,11 @@ pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
     model
 }
 
+/// Each optimizer step's loss in a run's metrics.jsonl.
+pub fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap().get("loss").and_then(serde_json::Value::as_f64))
+        .collect()
+}
