@@ -187,12 +187,13 @@ pub fn file_name(rank: usize, world: usize) -> String {
     format!("rank-{rank:05}-of-{world:05}.safetensors")
 }
 
-/// One rank's part of a save: per unit where its range of the flat buffer
-/// starts and [master, exp_avg, exp_avg_sq] over it
-/// (`Trainer::checkpoint_part`), and AdamW's step count.
-pub struct RankPart<'a> {
-    pub units: &'a [(i64, [Tensor; 3])],
-    pub adamw_step: &'a Tensor,
+/// One rank's part of a save, on the host: per unit where its range of the
+/// flat buffer starts and [master, exp_avg, exp_avg_sq] over it
+/// (`Trainer::checkpoint_part`), AdamW's step count and fp16's loss scaler.
+/// Owned, so a background thread can write it.
+pub struct RankPart {
+    pub units: Vec<(i64, [Tensor; 3])>,
+    pub adamw_step: Tensor,
     /// fp16's loss scaler (`Trainer::loss_scaler_state`), None otherwise.
     pub loss_scale: Option<Tensor>,
 }
@@ -213,8 +214,9 @@ fn agree<T: Serialize + DeserializeOwned>(comm: &Communicator, outcome: Result<T
 }
 
 /// Writes this rank's `part` into `file`, fsynced; rank 0's also holds
-/// AdamW's step and fp16's loss scale.
-fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<()> {
+/// AdamW's step and fp16's loss scale. Returns the bytes and seconds it took.
+fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<(f64, f64)> {
+    let started = Instant::now();
     let mut tensors: Vec<(String, Tensor)> = vec![];
     for (index, (_, unit)) in part.units.iter().enumerate().filter(|(_, (_, unit))| unit[0].size()[0] > 0) {
         for (kind, tensor) in STATE_KINDS.iter().zip(unit) {
@@ -225,14 +227,33 @@ fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<()> {
         tensors.push((ADAMW_STEP.into(), part.adamw_step.to_device(tch::Device::Cpu)));
         tensors.extend(part.loss_scale.as_ref().map(|state| (LOSS_SCALE.to_string(), state.shallow_clone())));
     }
+    let bytes = tensors.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as f64).sum();
     Tensor::write_safetensors(&tensors, file).with_context(|| format!("cannot write {}", file.display()))?;
-    File::open(file).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", file.display()))
+    File::open(file).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", file.display()))?;
+    Ok((bytes, started.elapsed().as_secs_f64()))
 }
 
-/// Writes checkpoint `manifest.step` under `output`: every rank its `part`,
-/// rank 0 the manifest (whose `files` and units' `shards` this fills in)
-/// and the tokenizer. Collective: every rank calls it.
-pub fn save(output: &Path, part: &RankPart, mut manifest: Manifest, tokenizer: Option<&Path>, comm: &Communicator) -> Result<PathBuf> {
+/// A checkpoint whose rank files are being written on a background thread
+/// (`start_save`); `finish` makes it exist. Until then the last finished
+/// checkpoint is the latest: a crash loses this one, never that one.
+pub struct PendingSave {
+    writer: std::thread::JoinHandle<Result<(f64, f64)>>,
+    dir: PathBuf,
+    temporary: PathBuf,
+    final_path: PathBuf,
+    manifest: Manifest,
+    ranges: Vec<Vec<(i64, i64)>>,
+    started: Instant,
+    /// Seconds training waited for this save while its files were written
+    /// in the background (its snapshot); None when it waits for all of it.
+    pub blocked_seconds: Option<f64>,
+}
+
+/// Starts checkpoint `manifest.step` under `output`: rank 0 makes its hidden
+/// directory, the ranks exchange their ranges, and a thread writes this
+/// rank's `part` (which nothing may change until `finish`). Collective:
+/// every rank calls it.
+pub fn start_save(output: &Path, part: RankPart, manifest: Manifest, comm: &Communicator) -> Result<PendingSave> {
     let started = Instant::now();
     let (rank, world) = (comm.env().rank, comm.env().world_size);
     let dir = checkpoints_dir(output);
@@ -254,39 +275,64 @@ pub fn save(output: &Path, part: &RankPart, mut manifest: Manifest, tokenizer: O
     let ranges: Vec<(i64, i64)> = part.units.iter().map(|(start, state)| (*start, state[0].size()[0])).collect();
     // Also the barrier that keeps the others from writing before the directory exists.
     let ranges = agree(comm, prepared.map(|()| ranges))?;
-    agree(comm, write_part(&temporary.join(file_name(rank, world)), part, rank))?;
-    let finished = if rank == 0 {
-        manifest.files = (0..world).map(|r| file_name(r, world)).collect();
-        for (index, unit) in manifest.units.iter_mut().enumerate() {
-            unit.shards = ranges
-                .iter()
-                .enumerate()
-                .map(|(file, ranges)| ShardRange { file, start: ranges[index].0, len: ranges[index].1 })
-                .filter(|shard| shard.len > 0)
-                .collect();
-            unit.shards.sort_by_key(|shard| shard.start);
-        }
-        check_shards(&manifest, &temporary).and_then(|()| finish(&dir, &temporary, &final_path, &manifest, tokenizer))
-    } else {
-        Ok(())
-    };
-    agree(comm, finished)?;
-    if rank == 0 {
-        let bytes = manifest.units.iter().map(|u| u.numel).sum::<i64>() as f64 * (STATE_KINDS.len() * 4) as f64;
-        let seconds = started.elapsed().as_secs_f64();
-        tracing::info!(
-            "saved checkpoint {}: {:.3} GB from {world} rank(s) in {seconds:.2} s ({:.2} GB/s)",
-            final_path.display(),
-            bytes / 1e9,
-            bytes / 1e9 / seconds.max(1e-9)
-        );
+    let file = temporary.join(file_name(rank, world));
+    let writer = std::thread::Builder::new().name("ft-checkpoint".into()).spawn(move || write_part(&file, &part, rank))?;
+    Ok(PendingSave { writer, dir, temporary, final_path, manifest, ranges, started, blocked_seconds: None })
+}
+
+impl PendingSave {
+    /// Whether this rank's file is written (or its writer failed).
+    pub fn written(&self) -> bool {
+        self.writer.is_finished()
     }
-    Ok(final_path)
+
+    /// Waits for this rank's file; once every rank's is written, rank 0
+    /// writes the manifest (whose `files` and units' `shards` this fills
+    /// in) and the tokenizer, fsynced, and renames the directory into
+    /// place. Collective: every rank calls it.
+    pub fn finish(self, tokenizer: Option<&Path>, comm: &Communicator) -> Result<PathBuf> {
+        let PendingSave { writer, dir, temporary, final_path, mut manifest, ranges, started, blocked_seconds } = self;
+        let (rank, world) = (comm.env().rank, comm.env().world_size);
+        let written = writer.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the checkpoint writer thread panicked")));
+        let written = agree(comm, written)?;
+        let finished = if rank == 0 {
+            manifest.files = (0..world).map(|r| file_name(r, world)).collect();
+            for (index, unit) in manifest.units.iter_mut().enumerate() {
+                unit.shards = ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(file, ranges)| ShardRange { file, start: ranges[index].0, len: ranges[index].1 })
+                    .filter(|shard| shard.len > 0)
+                    .collect();
+                unit.shards.sort_by_key(|shard| shard.start);
+            }
+            check_shards(&manifest, &temporary).and_then(|()| publish(&dir, &temporary, &final_path, &manifest, tokenizer))
+        } else {
+            Ok(())
+        };
+        agree(comm, finished)?;
+        if rank == 0 {
+            let bytes: f64 = written.iter().map(|(bytes, _)| bytes).sum();
+            let writing = written.iter().map(|(_, seconds)| *seconds).fold(0.0, f64::max);
+            let blocked = match blocked_seconds {
+                Some(seconds) => format!("training blocked {seconds:.2} s (the copy to host), the rest in the background"),
+                None => "in the foreground".to_string(),
+            };
+            tracing::info!(
+                "saved checkpoint {}: {:.3} GB from {world} rank(s), written in {writing:.2} s ({:.2} GB/s), {blocked}; {:.2} s from start to finish",
+                final_path.display(),
+                bytes / 1e9,
+                bytes / 1e9 / writing.max(1e-9),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Ok(final_path)
+    }
 }
 
 /// Rank 0, once every rank's file is written: the manifest and tokenizer,
 /// fsynced, then the rename that makes the checkpoint exist.
-fn finish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<()> {
+fn publish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<()> {
     let manifest_path = temporary.join("manifest.json");
     std::fs::write(&manifest_path, serde_json::to_string_pretty(manifest)?).with_context(|| format!("cannot write {}", manifest_path.display()))?;
     File::open(&manifest_path)?.sync_all()?;

@@ -105,7 +105,9 @@ pub struct MemoryAccount {
     pub gathered_peak: f64,
     /// How much of params + grads + optimizer state is in host memory (offload).
     pub host: f64,
-    /// How much of `params` is frozen parameters (LoRA's base model).
+    /// How much of `params` is frozen parameters (LoRA's base model);
+    /// absent from rows written before LoRA.
+    #[serde(default)]
     pub frozen: f64,
 }
 

@@ -3,15 +3,23 @@
 //! run exactly, and keep the best `train.save_best` epochs by the monitored
 //! score besides the newest `train.save_total_limit`. The file format and
 //! the atomic save are checkpoint.rs.
+//!
+//! A periodic save blocks training only while it copies the rank's state
+//! into host buffers kept for the run (pinned on a GPU); a thread writes the
+//! files, and the save is finished — manifest, rename, pruning — at the first
+//! step after every rank's file is written, or when the next save or the
+//! run's end waits for it. Offloaded state is written in the foreground from
+//! where it lives: a snapshot would double the host memory it fills.
 
 use super::monitor::Monitor;
 use super::summary::EpochResult;
-use crate::checkpoint::{self, BestCheckpoint, Manifest, RankPart, Reader, UnitLayout};
+use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::TrainConfig;
 use crate::train::Trainer;
 use anyhow::Result;
 use std::path::Path;
+use tch::{Device, Kind, Tensor};
 
 /// Where checkpoints go and what they describe.
 #[derive(Clone, Copy)]
@@ -41,13 +49,17 @@ pub(crate) struct Checkpointer<'a> {
     best: Vec<BestCheckpoint>,
     /// The step of the last save, so an epoch's end does not save it twice.
     last_saved: Option<usize>,
+    /// A save whose files are being written.
+    pending: Option<PendingSave>,
+    /// Host copies of this rank's part of the state, reused by every save.
+    snapshot: Vec<[Tensor; 3]>,
 }
 
 impl<'a> Checkpointer<'a> {
     pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize, monitor: Option<Monitor>) -> Result<Checkpointer<'a>> {
         // A resumed run goes on ranking against the checkpoints it kept.
         let best = if config.save_best > 0 && config.resume.is_some() { checkpoint::read_best(plan.output)? } else { vec![] };
-        Ok(Checkpointer { plan, config, strategy, world, monitor, best, last_saved: None })
+        Ok(Checkpointer { plan, config, strategy, world, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
     }
 
     /// The best checkpoint kept so far.
@@ -85,14 +97,29 @@ impl<'a> Checkpointer<'a> {
         Ok(cursor)
     }
 
-    /// Saves when `next.step` is due.
+    /// Finishes a save every rank has written; saves when `next.step` is due.
     pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<()> {
+        if let Some(pending) = &self.pending {
+            // Every rank decides alike: one small reduction while a save is in flight.
+            let unwritten = comm.sum_over_ranks(&[if pending.written() { 0.0 } else { 1.0 }])?[0];
+            if unwritten == 0.0 {
+                self.finish(comm)?;
+            }
+        }
         let every = self.config.save_every;
         if every == 0 || next.step % every != 0 {
             return Ok(());
         }
-        self.save(trainer, next, comm)?;
-        self.prune(comm)
+        self.save(trainer, next, comm, false).map(|_| ())
+    }
+
+    /// Waits for the save in flight, if any, and finishes it (collective).
+    pub fn finish(&mut self, comm: &Communicator) -> Result<()> {
+        if let Some(pending) = self.pending.take() {
+            pending.finish(self.plan.tokenizer, comm)?;
+            self.prune(comm)?;
+        }
+        Ok(())
     }
 
     /// Keeps the epoch's checkpoint when its monitored score is among the
@@ -107,7 +134,7 @@ impl<'a> Checkpointer<'a> {
         if !qualifies {
             return Ok(());
         }
-        let dir = self.save(trainer, next, comm)?;
+        let dir = self.save(trainer, next, comm, true)?;
         let entry = BestCheckpoint { step: next.step, epoch: epoch.epoch, monitor: monitor.name.clone(), score, dir };
         self.best.retain(|b| b.step != entry.step);
         let position = self.best.iter().position(|b| monitor.improves(score, b.score, 0.0)).unwrap_or(self.best.len());
@@ -130,12 +157,16 @@ impl<'a> Checkpointer<'a> {
     }
 
     /// Saves checkpoint `next.step` unless it exists (collective: every
-    /// rank writes the state it owns; rank 0 the manifest).
-    fn save(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<std::path::PathBuf> {
+    /// rank writes the state it owns; rank 0 the manifest), after the save
+    /// in flight; in the background unless `wait` or offloaded.
+    fn save(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator, wait: bool) -> Result<std::path::PathBuf> {
         let dir = checkpoint::checkpoints_dir(self.plan.output).join(checkpoint::name_of(next.step));
         if self.last_saved == Some(next.step) {
+            self.finish(comm)?;
             return Ok(dir);
         }
+        self.finish(comm)?;
+        let blocked = std::time::Instant::now();
         let manifest = Manifest {
             format_version: checkpoint::FORMAT_VERSION,
             ft_version: env!("CARGO_PKG_VERSION").into(),
@@ -152,10 +183,42 @@ impl<'a> Checkpointer<'a> {
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
             base_model: self.plan.base_model.map(Path::to_path_buf),
         };
-        let units = trainer.checkpoint_part();
-        let part = RankPart { units: &units, adamw_step: trainer.adamw_step(), loss_scale: trainer.loss_scaler_state() };
-        checkpoint::save(self.plan.output, &part, manifest, self.plan.tokenizer, comm)?;
+        let background = !wait && !trainer.offloaded();
+        let views = trainer.checkpoint_part();
+        let units = if background { self.snapshot(views)? } else { views };
+        let adamw_step = trainer.adamw_step().to_device(Device::Cpu);
+        let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state() };
+        let pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
         self.last_saved = Some(next.step);
+        self.pending = Some(pending);
+        if background {
+            self.pending.as_mut().expect("set above").blocked_seconds = Some(blocked.elapsed().as_secs_f64());
+        } else {
+            self.finish(comm)?;
+        }
         Ok(dir)
+    }
+
+    /// Copies `views` of the rank's state into the host buffers kept for
+    /// every save (allocated by the first, pinned on a GPU so the copies
+    /// run at full speed), and returns them.
+    fn snapshot(&mut self, views: Vec<(i64, [Tensor; 3])>) -> Result<Vec<(i64, [Tensor; 3])>> {
+        let device = views.iter().map(|(_, v)| v[0].device()).find(|d| d.is_cuda()).unwrap_or(Device::Cpu);
+        if self.snapshot.is_empty() {
+            let buffer = |view: &Tensor| {
+                let host = Tensor::zeros(view.size(), (Kind::Float, Device::Cpu));
+                if device.is_cuda() { ft_sys::pin_memory_exact(&host) } else { Ok(host) }
+            };
+            self.snapshot = views.iter().map(|(_, v)| Ok([buffer(&v[0])?, buffer(&v[1])?, buffer(&v[2])?])).collect::<Result<_>>()?;
+        }
+        for ((_, view), buffers) in views.iter().zip(&self.snapshot) {
+            for (from, to) in view.iter().zip(buffers) {
+                ft_sys::copy_async(to, from)?;
+            }
+        }
+        if let Device::Cuda(index) = device {
+            ft_sys::cuda_stream_synchronize(index)?;
+        }
+        Ok(views.iter().zip(&self.snapshot).map(|((start, _), buffers)| (*start, buffers.each_ref().map(Tensor::shallow_clone))).collect())
     }
 }

@@ -193,6 +193,8 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             break;
         }
     }
+    // The last save in flight is finished before the run is.
+    checkpointer.finish(comm)?;
     let utilisation = sampler.and_then(|s| s.finish());
     let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
     let mut summary = Summary::gather(

@@ -221,6 +221,11 @@ impl<'m> Trainer<'m> {
         self.parallel.is_some_and(|p| p.policy.params == ParamPlacement::Sharded { reshard_after_forward: true })
     }
 
+    /// Whether optimizer state is in host memory (`--offload cpu`).
+    pub fn offloaded(&self) -> bool {
+        self.units.iter().any(FlatUnit::offloaded_to_host)
+    }
+
     /// What offloading has moved and how long the host optimizer took, so far.
     pub fn offload_stats(&self) -> OffloadStats {
         self.offload_stats
@@ -252,7 +257,8 @@ impl<'m> Trainer<'m> {
 
     /// What this rank writes of each unit to a checkpoint: where its range
     /// of the unit's flat buffer starts, and [master, exp_avg, exp_avg_sq]
-    /// over it, on the host. The ranks holding the same copy split it, so
+    /// over it, as views of the live state (wherever it is: copy it before
+    /// training goes on). The ranks holding the same copy split it, so
     /// each element is written once and every rank writes about 1/N of the
     /// state; padding is never written, nor frozen units (empty ranges:
     /// they are the model's own files).
@@ -271,7 +277,7 @@ impl<'m> Trainer<'m> {
                 let split = ShardLayout::new(valid, copies, index);
                 let local = split.start.min(valid);
                 let len = split.len.min(valid - local);
-                let take = |t: &Tensor| t.narrow(0, local, len).to_device(tch::Device::Cpu);
+                let take = |t: &Tensor| t.narrow(0, local, len);
                 (owned_start + local, [take(&u.master), take(&u.exp_avg), take(&u.exp_avg_sq)])
             })
             .collect()
