@@ -9,7 +9,7 @@ use ft_core::device::{DType, DeviceSpec};
 use ft_core::setup::Rank;
 use ft_core::task::TaskInputs;
 use ft_core::{Config, Registry};
-use ft_models::{hf, peft};
+use ft_models::hf;
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -72,18 +72,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let rank = Rank::start(&config, false)?;
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
-    // A LoRA run's final/ is an adapter on the base model it names.
-    let (model, params): (Box<dyn ft_core::Model>, _) = match peft::is_adapter(&dir) {
-        true => {
-            let (lora, params) = peft::load_adapted(&dir, rank.dtype, rank.device)?;
-            (Box::new(lora), params)
-        }
-        false => {
-            let model = hf::load_model(&dir)?;
-            let params = hf::load_params(model.as_ref(), &dir, rank.dtype, rank.device)?;
-            (model, params)
-        }
-    };
+    let (model, params) = hf::load_trained(&dir, rank.dtype, rank.device)?;
     let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
     let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
     let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);

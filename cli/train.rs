@@ -14,10 +14,8 @@ use ft_core::task::TaskInputs;
 use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
-use ft_core::model::Model;
-use ft_models::{hf, peft};
-use std::path::{Path, PathBuf};
-use tch::{Kind, Tensor};
+use ft_models::hf;
+use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -213,18 +211,6 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
     Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
 }
 
-/// Writes a LoRA run's randomly initialised base (a config.json alone, the
-/// demo) to `output`/base-model, in the run's compute dtype, so its adapters
-/// have the weights they adapt; every rank gets the directory.
-fn save_random_base(base: &dyn Model, params: &[Vec<Tensor>], output: &Path, rank: &Rank) -> Result<PathBuf> {
-    let dir = output.join("base-model");
-    if rank.rank() == 0 {
-        hf::save(base, params, &dir, rank.dtype)?;
-    }
-    rank.comm.world().barrier()?.wait()?;
-    Ok(dir)
-}
-
 fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.to_host())?;
@@ -250,11 +236,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     }
     let seed = config.train.seed as i64;
     let base_params = hf::initial_params(run_model.base(), source.dir.as_deref(), seed, rank.device)?;
-    let base_dir = match source.dir.clone().filter(|dir| hf::has_weights(dir)) {
-        // Adapters need their base: a randomly initialised one is written out.
-        None if run_model.lora().is_some() => Some(save_random_base(run_model.base(), &base_params, &output, &rank)?),
-        dir => dir,
-    };
+    let base_dir = hf::base_weights_dir(&run_model, source.dir.as_deref(), &base_params, &output, rank.dtype, &rank.comm)?;
     let params = run_model.initial_params(base_params, seed.wrapping_add(1), rank.device);
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
@@ -274,16 +256,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
             rank.dtype
         );
         if let Some(lora) = run_model.lora() {
-            let trained: i64 = (0..model.units().len()).filter(|&u| !model.frozen(u)).map(|u| model.units()[u].numel()).sum();
-            tracing::info!(
-                "LoRA r={} alpha={} on {} layers ({}): {:.2}M trained parameters, the base's {:.1}M frozen",
-                lora.config().r,
-                lora.config().alpha(),
-                lora.targets().len(),
-                lora.peft_target_modules().join(", "),
-                trained as f64 / 1e6,
-                (model.numel() - trained) as f64 / 1e6
-            );
+            tracing::info!("{}", lora.describe());
         }
     }
     let fit = Fit {
@@ -305,18 +278,9 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
-        let what = match run_model.lora() {
-            Some(lora) => {
-                peft::save_adapter(lora, &final_params, &final_dir, base_dir.as_deref())?;
-                "peft LoRA adapter + tokenizer"
-            }
-            None => {
-                hf::save(model, &final_params, &final_dir, Kind::Float)?;
-                "Hugging Face model + tokenizer"
-            }
-        };
+        let what = hf::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
         std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
-        let mut written = vec![format!("final/ ({what})"), "summary.json".into()];
+        let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
         written.push(format!("metrics ({})", config.output.report_to.join(", ")));

@@ -166,9 +166,23 @@ impl LoraModel {
         self.layout.units[self.base_units..].iter().map(|unit| unit.params.iter().map(|p| p.initial(Kind::Float, device)).collect()).collect()
     }
 
+    /// What the run trains, in one line: rank, scale, layers and parameter counts.
+    pub fn describe(&self) -> String {
+        let frozen = self.frozen_numel();
+        format!(
+            "LoRA r={} alpha={} on {} layers ({}): {:.2}M trained parameters, the base's {:.1}M frozen",
+            self.config.r,
+            self.config.alpha(),
+            self.targets.len(),
+            self.peft_target_modules().join(", "),
+            (self.numel() - frozen) as f64 / 1e6,
+            frozen as f64 / 1e6
+        )
+    }
+
     /// Folds the adapters into the base weights: W += (alpha / r) · B A.
     /// `params` holds every unit of this model (base units first).
-    pub fn merge(&self, params: &mut [Vec<Tensor>]) -> Result<()> {
+    pub fn merge(&self, params: &mut [Vec<Tensor>]) {
         let _no_grad = tch::no_grad_guard();
         for target in &self.targets {
             let adapter = model::Params::new(&self.layout.units[target.adapter_unit], &params[target.adapter_unit]);
@@ -180,7 +194,6 @@ impl LoraModel {
             let merged = weight.to_kind(Kind::Float) + b.matmul(&a) * self.scaling.scale;
             *weight = merged.to_kind(weight.kind());
         }
-        Ok(())
     }
 }
 
@@ -278,7 +291,7 @@ impl Model for LoraModel {
     /// A frozen parameter costs forward and the input's gradient (4 FLOPs
     /// per token), not its own gradient (2 more).
     fn train_flops_per_token(&self, seq: i64) -> f64 {
-        let frozen: i64 = (0..self.base_units).filter(|&u| self.frozen(u)).map(|u| self.layout.units[u].numel()).sum();
+        let frozen = self.frozen_numel();
         let adapters: i64 = self.layout.units[self.base_units..].iter().map(UnitSpec::numel).sum();
         self.base.train_flops_per_token(seq) - 2.0 * frozen as f64 + 6.0 * adapters as f64
     }

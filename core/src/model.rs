@@ -480,6 +480,11 @@ pub trait Model: Send + Sync {
         self.units().iter().map(UnitSpec::numel).sum()
     }
 
+    /// Parameters of the frozen units.
+    fn frozen_numel(&self) -> i64 {
+        self.units().iter().enumerate().filter(|(unit, _)| self.frozen(*unit)).map(|(_, spec)| spec.numel()).sum()
+    }
+
     /// Training FLOPs per token at sequence length `seq`: 6N for the matmuls
     /// over parameters plus 12·L·d·S for attention (PaLM's MFU formula).
     fn train_flops_per_token(&self, seq: i64) -> f64 {
@@ -494,7 +499,7 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
     let mut x = None;
     let mut block = 0;
     for stage in model.stages() {
-        let p = stage_params(model, stage, params, ctx.train);
+        let p = stage_params(model, stage, |unit| &params[unit], ctx.train);
         match stage.kind {
             StageKind::Embed => x = Some(model.embed(&p, inputs, ctx)),
             StageKind::Block => {
@@ -508,12 +513,13 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
     panic!("model {} has no head stage", model.model_type());
 }
 
-/// The parameters stage `stage` runs with, its adapters joined, from tensors `params[unit]`.
-pub fn stage_params<'a>(model: &'a dyn Model, stage: &Stage, params: &'a [Vec<Tensor>], train: bool) -> Params<'a> {
+/// The parameters stage `stage` runs with, its adapters joined, from each
+/// unit's tensors as `tensors(unit)` gives them.
+pub fn stage_params<'a>(model: &'a dyn Model, stage: &Stage, tensors: impl Fn(usize) -> &'a [Tensor], train: bool) -> Params<'a> {
     let units = model.units();
-    let p = Params::new(&units[stage.unit], &params[stage.unit]);
+    let p = Params::new(&units[stage.unit], tensors(stage.unit));
     match (stage.adapter, model.adapter_scaling()) {
-        (Some(adapter), Some(scaling)) => p.with_adapters(Params::new(&units[adapter], &params[adapter]), scaling, train),
+        (Some(adapter), Some(scaling)) => p.with_adapters(Params::new(&units[adapter], tensors(adapter)), scaling, train),
         _ => p,
     }
 }

@@ -161,11 +161,10 @@ impl<'a> Checkpointer<'a> {
     /// in flight; in the background unless `wait` or offloaded.
     fn save(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator, wait: bool) -> Result<std::path::PathBuf> {
         let dir = checkpoint::checkpoints_dir(self.plan.output).join(checkpoint::name_of(next.step));
+        self.finish(comm)?;
         if self.last_saved == Some(next.step) {
-            self.finish(comm)?;
             return Ok(dir);
         }
-        self.finish(comm)?;
         let blocked = std::time::Instant::now();
         let manifest = Manifest {
             format_version: checkpoint::FORMAT_VERSION,
@@ -188,12 +187,13 @@ impl<'a> Checkpointer<'a> {
         let units = if background { self.snapshot(views)? } else { views };
         let adamw_step = trainer.adamw_step().to_device(Device::Cpu);
         let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state() };
-        let pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
+        let mut pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
         self.last_saved = Some(next.step);
-        self.pending = Some(pending);
         if background {
-            self.pending.as_mut().expect("set above").blocked_seconds = Some(blocked.elapsed().as_secs_f64());
-        } else {
+            pending.blocked_seconds = Some(blocked.elapsed().as_secs_f64());
+        }
+        self.pending = Some(pending);
+        if !background {
             self.finish(comm)?;
         }
         Ok(dir)

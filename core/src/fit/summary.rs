@@ -134,7 +134,7 @@ impl Summary {
             .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4], frozen: m[5] })
             .collect();
         let model = trainer.model();
-        let frozen_params: i64 = model.units().iter().enumerate().filter(|(u, _)| model.frozen(*u)).map(|(_, spec)| spec.numel()).sum();
+        let frozen_params = model.frozen_numel();
         let sums = comm.sum_over_ranks(&[totals.train_seconds, totals.examples as f64, totals.tokens as f64, totals.flops])?;
         let [seconds, examples, tokens, flops] = [sums[0] / world as f64, sums[1], sums[2], sums[3]];
         let peak_flops_per_gpu = match device {

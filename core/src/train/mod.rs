@@ -338,12 +338,12 @@ impl<'m> Trainer<'m> {
         MemoryAccount { gathered_peak: self.gathered_peak as f64, ..held }
     }
 
-    /// fp16's current loss scale (None in other dtypes).
     /// fp16's loss scaler as two fp32 values on the host, for a checkpoint.
     pub fn loss_scaler_state(&self) -> Option<Tensor> {
         self.scaler.as_ref().map(|s| s.state())
     }
 
+    /// fp16's current loss scale (None in other dtypes).
     pub fn loss_scale(&self) -> Option<f64> {
         self.scaler.as_ref().map(|s| s.scale.double_value(&[0]))
     }

@@ -35,12 +35,7 @@ fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], view
         views[unit].get_or_insert_with(|| units[unit].views());
     }
     let views: &'v [Option<Vec<Tensor>>] = views;
-    let specs = model.units();
-    let params = Params::new(&specs[stage.unit], views[stage.unit].as_deref().expect("made above"));
-    match (stage.adapter, model.adapter_scaling()) {
-        (Some(adapter), Some(scaling)) => params.with_adapters(Params::new(&specs[adapter], views[adapter].as_deref().expect("made above")), scaling, true),
-        _ => params,
-    }
+    crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true)
 }
 
 impl Trainer<'_> {

@@ -4,7 +4,9 @@
 
 use crate::check;
 use anyhow::{bail, Context as _, Result};
+use ft_core::lora::RunModel;
 use ft_core::model::Model;
+use ft_core::Communicator;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use std::collections::{BTreeMap, BTreeSet};
@@ -156,13 +158,13 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Resu
                 let base_dir = base_dir.with_context(|| format!("--merge: checkpoint {} does not name its base model; give --base-model DIR", checkpoint.display()))?;
                 let mut params = load_params(lora.base(), base_dir, Kind::Float, Device::Cpu)
                     .with_context(|| format!("--merge: cannot read the base model in {}", base_dir.display()))?;
-                for (unit, trained) in trained.into_iter().enumerate().filter(|(_, t)| !t.is_empty()) {
-                    match params.get_mut(unit) {
-                        Some(base) => *base = trained,
-                        None => params.push(trained),
-                    }
+                let mut trained = trained;
+                params.extend(trained.split_off(lora.base_units()));
+                // A base unit trained whole (a question-answering head) replaces the base's.
+                for (base, trained) in params.iter_mut().zip(trained).filter(|(_, t)| !t.is_empty()) {
+                    *base = trained;
                 }
-                lora.merge(&mut params)?;
+                lora.merge(&mut params);
                 write_model(lora.base(), out, export.dtype, export.max_shard_bytes, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))?;
             }
         }
@@ -184,8 +186,67 @@ pub fn initial_params(model: &dyn Model, dir: Option<&Path>, seed: i64, device: 
 }
 
 /// Whether `dir` holds weights (one file, or an index of several).
-pub fn has_weights(dir: &Path) -> bool {
+fn has_weights(dir: &Path) -> bool {
     dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists()
+}
+
+/// Where a run's base weights are, for its checkpoints and adapter to
+/// name: `source_dir` when it holds weights; for a LoRA run on a randomly
+/// initialised base (a config.json alone, the demo), that base — `params`,
+/// written by rank 0 in `dtype` to `output`/base-model, so its adapters
+/// have the weights they adapt; else none. Every rank calls it.
+pub fn base_weights_dir(
+    run: &RunModel,
+    source_dir: Option<&Path>,
+    params: &[Vec<Tensor>],
+    output: &Path,
+    dtype: Kind,
+    comm: &Communicator,
+) -> Result<Option<PathBuf>> {
+    if let Some(dir) = source_dir.filter(|dir| has_weights(dir)) {
+        return Ok(Some(dir.to_path_buf()));
+    }
+    if run.lora().is_none() {
+        return Ok(None);
+    }
+    let dir = output.join("base-model");
+    if comm.env().rank == 0 {
+        save(run.base(), params, &dir, dtype)?;
+    }
+    comm.world().barrier()?.wait()?;
+    Ok(Some(dir))
+}
+
+/// Writes a run's final parameters (`Trainer::params`) into `dir`: the
+/// whole model in fp32, or a LoRA run's adapter files naming `base_model`.
+/// Returns what it wrote.
+pub fn save_trained(run: &RunModel, params: &[Vec<Tensor>], dir: &Path, base_model: Option<&Path>) -> Result<&'static str> {
+    match run.lora() {
+        Some(lora) => {
+            crate::peft::save_adapter(lora, params, dir, base_model)?;
+            Ok("peft LoRA adapter")
+        }
+        None => {
+            save(run.model(), params, dir, Kind::Float)?;
+            Ok("Hugging Face model")
+        }
+    }
+}
+
+/// A model and its parameters, per unit.
+pub type LoadedModel = (Box<dyn Model>, Vec<Vec<Tensor>>);
+
+/// A trained model directory's model and parameters in `dtype` on
+/// `device`: its own weights, or (a LoRA run's final/) its adapter on the
+/// base model it names.
+pub fn load_trained(dir: &Path, dtype: Kind, device: Device) -> Result<LoadedModel> {
+    if crate::peft::is_adapter(dir) {
+        let (lora, params) = crate::peft::load_adapted(dir, dtype, device)?;
+        return Ok((Box::new(lora), params));
+    }
+    let model = load_model(dir)?;
+    let params = load_params(model.as_ref(), dir, dtype, device)?;
+    Ok((model, params))
 }
 
 pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {
@@ -421,6 +482,15 @@ pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) 
     write_model(model, dir, dtype, DEFAULT_MAX_SHARD_BYTES, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))
 }
 
+/// Writes `tensors` as safetensors file `file`: beside it, fsynced, then
+/// renamed, so a crash never leaves a half-written file under its name.
+pub(crate) fn write_weights(tensors: &[(String, Tensor)], file: &Path) -> Result<()> {
+    let partial = file.with_extension("safetensors.partial");
+    Tensor::write_safetensors(tensors, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    File::open(&partial).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", partial.display()))?;
+    std::fs::rename(&partial, file).with_context(|| format!("cannot write {}", file.display()))
+}
+
 /// The largest weights file `save` and `ft export` write: a bound on the
 /// host memory an export holds (one file's tensors at a time).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -478,11 +548,7 @@ pub fn write_model(
                 weight_map.insert(spec.hf_name.clone(), file_name(k).into());
             }
         }
-        let file = dir.join(file_name(k));
-        let partial = dir.join(format!("{}.partial", file_name(k)));
-        Tensor::write_safetensors(&named, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
-        File::open(&partial)?.sync_all()?;
-        std::fs::rename(&partial, &file)?;
+        write_weights(&named, &dir.join(file_name(k)))?;
     }
     // A loader takes model.safetensors before an index: neither may be left from an earlier save.
     let index = dir.join("model.safetensors.index.json");

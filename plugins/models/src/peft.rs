@@ -63,11 +63,7 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
         "base_model_name_or_path": base_model.map(|p| p.display().to_string()),
         "inference_mode": true,
     });
-    let weights = dir.join(WEIGHTS_FILE);
-    let partial = dir.join(format!("{WEIGHTS_FILE}.partial"));
-    Tensor::write_safetensors(&tensors, &partial).with_context(|| format!("cannot write {}", partial.display()))?;
-    std::fs::File::open(&partial).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", partial.display()))?;
-    std::fs::rename(&partial, &weights).with_context(|| format!("cannot write {}", weights.display()))?;
+    crate::hf::write_weights(&tensors, &dir.join(WEIGHTS_FILE))?;
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", config_path.display()))
 }
