@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup build demo test bench-build
+.PHONY: setup build demo test bench-build plugins
 
 setup:
 	@scripts/setup.sh
@@ -15,6 +15,13 @@ build: setup
 # question-answer data with its own tokenizer, 2 CPU ranks over Gloo.
 demo: build
 	$(ENV) target/release/ft train
+
+# The communication plug-ins, built as a third party's are, into
+# target/plugins/lib<name>.so (load with `ft --plugin target/plugins/libNAME.so`).
+PLUGINS := bf16 powersgd
+plugins: setup
+	$(ENV) cargo build --release $(foreach p,$(PLUGINS),-p ft-comm-$(p))
+	mkdir -p target/plugins && $(foreach p,$(PLUGINS),cp target/release/lib$(p).so target/plugins/ &&) true
 
 test: setup
 	@scripts/test.sh

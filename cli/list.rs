@@ -19,6 +19,13 @@ pub fn run(registry: &Registry) {
         let aliases = if s.aliases.is_empty() { String::new() } else { format!(" (alias {})", s.aliases.join(", ")) };
         println!("  {:<16} {}{aliases} [{}]", s.name, s.summary, s.origin);
     }
+    println!("communication (--comm; options as --set comm.NAME.KEY=VALUE):");
+    for c in registry.comms() {
+        println!("  {:<16} {} [{}]", c.name, c.summary, c.origin);
+        for option in &c.options {
+            println!("  {:<18} {} = {:<8} {}", "", option.key, option.default, option.help);
+        }
+    }
     println!("offload (--offload):");
     for o in registry.offloads() {
         println!("  {:<16} {} [built-in]", o.name, o.summary);

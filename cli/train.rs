@@ -93,6 +93,11 @@ pub struct TrainArgs {
     /// Where master weights and optimizer state live: none or cpu (train.offload).
     #[arg(long)]
     offload: Option<String>,
+    /// How gradients are reduced and parameters gathered: a communication
+    /// plug-in (`ft list`), options as --set comm.NAME.KEY=VALUE (comm.name;
+    /// default: the strategy's own collectives).
+    #[arg(long)]
+    comm: Option<String>,
     /// Record optimizer steps FIRST:LAST (from 1) with PyTorch's profiler on
     /// rank 0: a Chrome trace and the GPU time per kernel in OUTPUT_DIR/profile
     /// (train.profile_steps).
@@ -148,6 +153,7 @@ impl TrainArgs {
             .set("train.shard_group_size", self.shard_group_size)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
             .set("train.offload", self.offload.clone())
+            .set("comm.name", self.comm.clone())
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
         self.lora.set(&mut o);
         o.0
@@ -229,6 +235,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
     let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry)?;
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
+    let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
     if offload.to_host() && !configured_offload.to_host() {
         // The CPU AdamW gets its share of the cores, as Rank::start gives an offloaded run.
@@ -264,6 +271,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         task: task.as_mut(),
         comm: &rank.comm,
         strategy: strategy.as_ref(),
+        comm_hook,
         offload: offload.as_ref(),
         config: &config.train,
         dtype: rank.dtype,

@@ -175,7 +175,7 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
         // Past the parameters: the flat buffer's zero padding.
         Ok(state.each_ref().map(|t| Tensor::cat(&[t.shallow_clone(), Tensor::zeros([len - t.size()[0]], (Kind::Float, Device::Cpu))], 0)))
     };
-    restored.restore(read, overflowed.adamw_step(), overflowed.micro_steps(), overflowed.loss_scaler_state().as_ref()).unwrap();
+    restored.restore(read, overflowed.adamw_step(), overflowed.steps(), overflowed.micro_steps(), overflowed.loss_scaler_state().as_ref()).unwrap();
     assert_eq!(restored.loss_scale(), Some(huge / 2.0));
 }
 

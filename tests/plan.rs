@@ -101,7 +101,7 @@ fn the_shipped_decoders_are_planned_in_under_a_second() {
 /// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
 fn plugin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join("libft_plugin_ddp_bf16_grads.so");
+    let path = exe.parent().unwrap().parent().unwrap().join("libbf16.so");
     assert!(path.is_file(), "{} missing: run `cargo build --workspace` first (scripts/test.sh does)", path.display());
     path
 }

@@ -25,8 +25,9 @@ fn library(name: &str) -> PathBuf {
     path
 }
 
+/// The bf16 communication plug-in, which also registers the strategy `ddp_bf16_grads`.
 fn plugin() -> PathBuf {
-    library("ft_plugin_ddp_bf16_grads")
+    library("bf16")
 }
 
 /// A small model and its data: the demo BLOOM, or a tiny Llama (GQA,
@@ -166,7 +167,6 @@ fn strategies(ranks: usize, ds_config: &Path) -> Vec<(String, Vec<String>)> {
         ("zero1".into(), strategy("zero1")),
         ("shard_grad_op".into(), strategy("shard_grad_op")),
         ("zero3".into(), strategy("zero3")),
-        ("plugin".into(), strategy("ddp_bf16_grads")),
         // zero2 through a DeepSpeed config rather than the flag.
         ("ds_zero2".into(), vec!["--ds-config".into(), ds_config.display().to_string()]),
     ];
@@ -378,6 +378,7 @@ fn list_shows_a_loaded_plugin_and_bad_plugins_are_refused() {
     assert!(output.status.success(), "{listing}");
     assert!(listing.contains("full_shard") && listing.contains("(alias zero3) [built-in]"), "{listing}");
     assert!(listing.contains("ddp_bf16_grads") && listing.contains("[plug-in /"), "{listing}");
+    assert!(listing.contains("communication (--comm") && listing.contains("  bf16 ") && listing.contains("builtin"), "{listing}");
 
     let refused = |path: &Path| {
         let output = ft().args(["--plugin", path.to_str().unwrap(), "list"]).output().unwrap();
@@ -385,7 +386,7 @@ fn list_shows_a_loaded_plugin_and_bad_plugins_are_refused() {
         text(&output)
     };
     let message = refused(&library("ft_test_plugin_bad_abi"));
-    assert!(message.contains("abi_version is 999, this ft loads 1"), "{message}");
+    assert!(message.contains("abi_version is 999, this ft loads 2"), "{message}");
     let with_fault = |fault: &str| {
         let output = ft()
             .args(["--plugin", library("ft_test_plugin_bad_abi").to_str().unwrap(), "list"])

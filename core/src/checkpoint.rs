@@ -38,6 +38,8 @@ const STATE_KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 const ADAMW_STEP: &str = "adamw.step";
 /// fp16's dynamic loss scale and its growth tracker, as two fp32 values.
 const LOSS_SCALE: &str = "loss_scale";
+/// The prefix of the communication hook's state in a rank's file.
+const COMM_STATE: &str = "comm.";
 
 /// Where a parameter sits in its unit's flat buffer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +127,9 @@ pub struct Manifest {
     /// The directory the run's base weights were read from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_model: Option<PathBuf>,
+    /// The communication hook whose state the rank files hold (`comm.*` tensors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::registry::CommRecord>,
 }
 
 pub fn checkpoints_dir(output: &Path) -> PathBuf {
@@ -172,10 +177,13 @@ fn sync_dir(dir: &Path) -> Result<()> {
 }
 
 /// A fault-injection point for crash tests: `FT_FAULT_INJECT=<point>:<step>`
-/// aborts the process there, as a crash or a kill would.
+/// aborts the process there, as a crash or a kill would; with `@<rank>`
+/// after it, only that rank (`RANK`) aborts and the others find it gone.
 pub fn fault_point(point: &str, step: usize) {
     if let Ok(spec) = std::env::var("FT_FAULT_INJECT") {
-        if spec == format!("{point}:{step}") {
+        let (spec, rank) = spec.split_once('@').map_or((spec.as_str(), None), |(spec, rank)| (spec, Some(rank)));
+        let this_rank = rank.is_none_or(|rank| std::env::var("RANK").is_ok_and(|mine| mine == rank));
+        if spec == format!("{point}:{step}") && this_rank {
             eprintln!("FT_FAULT_INJECT: aborting at {point} of step {step}");
             std::process::abort();
         }
@@ -196,6 +204,8 @@ pub struct RankPart {
     pub adamw_step: Tensor,
     /// fp16's loss scaler (`Trainer::loss_scaler_state`), None otherwise.
     pub loss_scale: Option<Tensor>,
+    /// The communication hook's state on this rank, fp32 on the host.
+    pub comm_state: Vec<(String, Tensor)>,
 }
 
 /// Every rank's `outcome` on every rank (collective), or, when any rank
@@ -227,6 +237,7 @@ fn write_part(file: &Path, part: &RankPart, rank: usize) -> Result<(f64, f64)> {
         tensors.push((ADAMW_STEP.into(), part.adamw_step.to_device(tch::Device::Cpu)));
         tensors.extend(part.loss_scale.as_ref().map(|state| (LOSS_SCALE.to_string(), state.shallow_clone())));
     }
+    tensors.extend(part.comm_state.iter().map(|(name, state)| (format!("{COMM_STATE}{name}"), state.shallow_clone())));
     let bytes = tensors.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as f64).sum();
     Tensor::write_safetensors(&tensors, file).with_context(|| format!("cannot write {}", file.display()))?;
     File::open(file).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", file.display()))?;
@@ -483,6 +494,8 @@ struct StateFile {
     file: File,
     /// Per tensor: its elements and where its bytes start in the file.
     tensors: HashMap<String, (i64, u64)>,
+    /// Per tensor: its shape.
+    shapes: HashMap<String, Vec<i64>>,
 }
 
 impl StateFile {
@@ -501,7 +514,7 @@ impl StateFile {
         file.read_exact(&mut header).with_context(corrupt)?;
         let header: HashMap<String, serde_json::Value> = serde_json::from_slice(&header).with_context(corrupt)?;
         let data_start = 8 + length;
-        let mut tensors = HashMap::new();
+        let (mut tensors, mut shapes) = (HashMap::new(), HashMap::new());
         for (name, entry) in header.into_iter().filter(|(name, _)| name != "__metadata__") {
             let entry: HeaderEntry = serde_json::from_value(entry).with_context(corrupt)?;
             let numel: i64 = entry.shape.iter().product();
@@ -509,9 +522,10 @@ impl StateFile {
             if entry.dtype != "F32" || end < begin || end - begin != numel as u64 * 4 || data_start + end > size {
                 bail!("{}: tensor {name} ({} {:?}, bytes {begin}..{end}) is not the fp32 state ft writes, or the file is truncated", path.display(), entry.dtype, entry.shape);
             }
-            tensors.insert(name, (numel, data_start + begin));
+            tensors.insert(name.clone(), (numel, data_start + begin));
+            shapes.insert(name, entry.shape);
         }
-        Ok(StateFile { path: path.to_path_buf(), file, tensors })
+        Ok(StateFile { path: path.to_path_buf(), file, tensors, shapes })
     }
 
     /// Elements `offset..offset + len` of fp32 tensor `name`: one seek and one read.
@@ -603,6 +617,23 @@ impl Reader {
             true => Ok(Some(self.files[0].read(LOSS_SCALE, 0, 2)?)),
             false => Ok(None),
         }
+    }
+
+    /// The communication hook's state in rank `rank`'s file (shaped, fp32),
+    /// by the names the hook gave it.
+    pub fn comm_state(&mut self, rank: usize) -> Result<Vec<(String, Tensor)>> {
+        let file = &mut self.files[rank];
+        let mut names: Vec<String> = file.tensors.keys().filter(|n| n.starts_with(COMM_STATE)).cloned().collect();
+        names.sort();
+        names
+            .into_iter()
+            .map(|name| {
+                let (numel, shape) = (file.tensors[&name].0, file.shapes[&name].clone());
+                let tensor = file.read(&name, 0, numel)?.reshape(shape.as_slice());
+                self.read_bytes += numel as u64 * 4;
+                Ok((name[COMM_STATE.len()..].to_string(), tensor))
+            })
+            .collect()
     }
 
     /// Unit `unit`'s parameters (fp32, shaped per `model`), whole.

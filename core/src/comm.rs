@@ -5,6 +5,8 @@
 use crate::env::DistEnv;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tch::{Device, Tensor};
 
@@ -44,12 +46,68 @@ pub struct CommError {
     pub message: String,
 }
 
+/// The collectives whose bytes are counted (`summary.json`'s `comm_bytes_per_step`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+}
+
+impl CollectiveKind {
+    pub const ALL: [CollectiveKind; 4] =
+        [CollectiveKind::AllReduce, CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllToAll];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllToAll => "all_to_all",
+        }
+    }
+
+    /// Bytes one member of a group of `size` sends for a collective over
+    /// `bytes` (the input's, as each kind defines its input) under the ring
+    /// algorithms NCCL's bus bandwidth is defined by: all-reduce 2(p−1)/p,
+    /// all-gather p−1 times its shard, reduce-scatter and all-to-all (p−1)/p.
+    fn sent(self, bytes: u64, size: usize) -> u64 {
+        let p = size.max(1) as u64;
+        match self {
+            CollectiveKind::AllReduce => 2 * bytes * (p - 1) / p,
+            CollectiveKind::AllGather => bytes * (p - 1),
+            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => bytes * (p - 1) / p,
+        }
+    }
+}
+
+/// Bytes this rank has sent, per collective kind, over every group of its
+/// communicator (whoever issued the collective: core or a plug-in).
+#[derive(Debug, Default)]
+pub struct ByteCounters([AtomicU64; 4]);
+
+impl ByteCounters {
+    fn add(&self, kind: CollectiveKind, tensor: &Tensor, size: usize) {
+        let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+        self.0[kind as usize].fetch_add(kind.sent(bytes, size), Ordering::Relaxed);
+    }
+
+    /// Bytes sent so far, in `CollectiveKind::ALL`'s order.
+    pub fn snapshot(&self) -> [u64; 4] {
+        [0, 1, 2, 3].map(|i| self.0[i].load(Ordering::Relaxed))
+    }
+}
+
 /// A set of ranks that run collectives together: the world, or a sub-group.
+/// Clones share the same c10d group (a plug-in's deferred work may keep one).
+#[derive(Clone)]
 pub struct ProcessGroup {
-    inner: ft_sys::Group,
+    inner: Arc<ft_sys::Group>,
     name: String,
     rank: usize,
     ranks: Vec<usize>,
+    sent: Arc<ByteCounters>,
 }
 
 /// A collective in flight. Do not read or write its tensors before `wait`.
@@ -103,11 +161,13 @@ impl ProcessGroup {
 
     /// In place: every member ends with the reduction of all members' `tensor`.
     pub fn all_reduce(&self, tensor: &mut Tensor, reduction: Reduction) -> Result<Work, CommError> {
+        self.sent.add(CollectiveKind::AllReduce, tensor, self.size());
         self.work("all_reduce", self.inner.all_reduce(tensor, reduction))
     }
 
     /// `output` (size × input's length) receives every member's `input`, in group-rank order.
     pub fn all_gather_into_tensor(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
+        self.sent.add(CollectiveKind::AllGather, input, self.size());
         self.work("all_gather", self.inner.all_gather_into_tensor(output, input))
     }
 
@@ -118,7 +178,16 @@ impl ProcessGroup {
         input: &Tensor,
         reduction: Reduction,
     ) -> Result<Work, CommError> {
+        self.sent.add(CollectiveKind::ReduceScatter, input, self.size());
         self.work("reduce_scatter", self.inner.reduce_scatter_tensor(output, input, reduction))
+    }
+
+    /// `output` receives chunk r of every member r's `input` in group-rank
+    /// order: each input and output is `size` equal chunks, chunk i of
+    /// member j's input landing as chunk j of member i's output.
+    pub fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
+        self.sent.add(CollectiveKind::AllToAll, input, self.size());
+        self.work("all_to_all", self.inner.all_to_all(output, input))
     }
 
     /// Every member's `tensor` becomes the group-rank `root`'s.
@@ -161,6 +230,7 @@ struct GroupBuilder {
     gloo_hostname: String,
     device_index: usize,
     global_rank: usize,
+    sent: Arc<ByteCounters>,
 }
 
 impl GroupBuilder {
@@ -180,7 +250,7 @@ impl GroupBuilder {
         let inner = ft_sys::Group::new(&store, &options)
             .map_err(anyhow::Error::msg)
             .with_context(|| format!("creating process group '{name}' (ranks {members:?})"))?;
-        Ok(ProcessGroup { inner, name: name.to_string(), rank, ranks: members.to_vec() })
+        Ok(ProcessGroup { inner: Arc::new(inner), name: name.to_string(), rank, ranks: members.to_vec(), sent: self.sent.clone() })
     }
 }
 
@@ -233,6 +303,7 @@ impl Communicator {
             gloo_hostname,
             device_index: env.local_rank,
             global_rank: env.rank,
+            sent: Arc::default(),
         };
         let everyone: Vec<usize> = (0..env.world_size).collect();
         let world = groups.build("world", "ft/world/", &everyone)?;
@@ -261,6 +332,11 @@ impl Communicator {
 
     pub fn timeout(&self) -> Duration {
         self.groups.timeout
+    }
+
+    /// Bytes this rank has sent per collective kind (`CollectiveKind::ALL`'s order), over every group.
+    pub fn bytes_sent(&self) -> [u64; 4] {
+        self.groups.sent.snapshot()
     }
 
     /// Sums `values` over every rank (collective); every rank gets the sums.

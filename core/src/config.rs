@@ -24,6 +24,20 @@ pub struct Config {
     pub output: OutputConfig,
     pub launch: LaunchConfig,
     pub task: TaskConfig,
+    pub comm: CommConfig,
+}
+
+/// How gradients are reduced and parameters gathered: a communication
+/// plug-in by name (`--comm`, `ft list`) and each plug-in's options as
+/// `comm.NAME.KEY` (`--set comm.powersgd.rank=4`), which the registry
+/// checks against what the plug-in declares.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct CommConfig {
+    /// None: the strategy's own communication (the built-in collectives unless it brings a hook).
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub options: serde_json::Map<String, serde_json::Value>,
 }
 
 /// The model to fine-tune.
@@ -323,7 +337,7 @@ impl Default for DistConfig {
 pub const ENV_PREFIX: &str = "FT_";
 
 /// The configuration's sections: `FT_<SECTION>__<KEY>` sets `section.key`.
-const SECTIONS: [&str; 7] = ["dist", "model", "data", "train", "output", "launch", "task"];
+const SECTIONS: [&str; 8] = ["dist", "model", "data", "train", "output", "launch", "task", "comm"];
 
 /// Whether an `FT_`-less variable name is a configuration key: a known
 /// section, `__`, a key. Any other `FT_*` variable (`FT_CONFIG_FILE`,

@@ -30,6 +30,7 @@
 //! Trainer, skips biases and norms — applies to one prefix.
 
 use crate::comm::{ProcessGroup, Work};
+use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo};
 use crate::model::UnitSpec;
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
@@ -315,7 +316,7 @@ pub struct FlatUnit {
     /// `compute`'s storage without autograd state: gathers and updates write
     /// through it without bumping the version counter of the graph's views.
     compute_alias: Tensor,
-    gathering: Option<Work>,
+    gathering: Option<Pending>,
     gathered: bool,
     pub(crate) master: Tensor,
     /// Offloaded sharded parameters: this rank's shard on the device in the
@@ -555,30 +556,28 @@ impl FlatUnit {
         }
     }
 
-    /// Starts gathering a released sharded unit (allocating its buffer);
-    /// returns the bytes allocated. A no-op when gathered or in flight.
-    pub(crate) fn start_gather(&mut self, group: &ProcessGroup) -> Result<i64> {
+    /// Starts gathering a released sharded unit (allocating its buffer)
+    /// through `hook`; returns the bytes allocated. A no-op when gathered
+    /// or in flight.
+    pub(crate) fn start_gather(&mut self, group: &ProcessGroup, hook: &mut dyn CommHook, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
         if self.gathered || self.gathering.is_some() {
             return Ok(0);
         }
         let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
-        let source = self.gather_source();
-        self.gathering = Some(group.all_gather_into_tensor(&mut self.compute_alias, &source)?);
+        let request = ParamGather { unit: info, phase, group, shard: self.gather_source(), output: self.compute_alias.shallow_clone(), step, seed };
+        let gathering = crate::comm_hook::guarded("the gather", || hook.gather(request));
+        self.gathering = Some(gathering.map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?);
         Ok(bytes)
     }
 
-    /// Makes the unit usable: starts its gather if needed and waits for it.
-    pub(crate) fn finish_gather(&mut self, group: Option<&ProcessGroup>) -> Result<i64> {
-        let mut bytes = 0;
-        if !self.gathered {
-            bytes = self.start_gather(group.expect("a sharded unit has a shard group"))?;
-        }
-        if let Some(work) = self.gathering.take() {
-            work.wait()?;
+    /// Waits for the gather `start_gather` began, if any: the unit is usable after.
+    pub(crate) fn finish_gather(&mut self) -> Result<()> {
+        if let Some(pending) = self.gathering.take() {
+            pending.wait()?;
         }
         self.gathered = true;
-        Ok(bytes)
+        Ok(())
     }
 
     /// Frees a sharded unit's gathered buffer; returns the bytes freed.

@@ -9,6 +9,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod collectives_bench;
 pub mod comm;
+pub mod comm_hook;
 pub mod config;
 pub mod dataset;
 pub mod device;
@@ -43,6 +44,7 @@ pub use ft_sys::{fused_adamw, kernels};
 pub use ft_sys::set_cpu_threads;
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
+pub use comm_hook::CommHook;
 pub use config::Config;
 pub use dataset::{Batch, Dataset};
 pub use env::DistEnv;

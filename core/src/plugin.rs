@@ -1,4 +1,5 @@
-//! Third-party strategies loaded at run time (docs/ARCHITECTURE.md, "Plug-ins").
+//! Third-party strategies and communication hooks loaded at run time
+//! (docs/PLUGINS.md).
 //!
 //! A plug-in is a `cdylib` depending on `ft-core`. It exports one C symbol,
 //! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the plug-in
@@ -9,14 +10,16 @@
 //! and refuses a mismatch naming the field. [`export_plugin!`] writes the
 //! symbol; `plugins/ddp_bf16_grads` is a complete example.
 
-use crate::registry::{Origin, Registry, StrategyEntry};
+use crate::comm_hook::{CommFactory, CommOption};
+use crate::registry::{CommEntry, Origin, Registry, StrategyEntry};
 use crate::strategy::ShardingStrategy;
 use anyhow::{anyhow, bail, Context, Result};
 use std::ffi::{c_char, CStr};
 use std::path::{Path, PathBuf};
 
-/// Bumped whenever `PluginDeclaration` or `PluginRegistrar` change shape.
-pub const ABI_VERSION: u32 = 1;
+/// Bumped whenever `PluginDeclaration`, `PluginRegistrar` or the traits a
+/// plug-in implements change shape (2: communication hooks).
+pub const ABI_VERSION: u32 = 2;
 /// NUL-terminated, for the declaration.
 #[doc(hidden)]
 pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
@@ -34,7 +37,7 @@ pub struct PluginDeclaration {
     pub core_version: *const c_char,
     /// NUL-terminated `rustc --version` of the plug-in's build.
     pub rustc_version: *const c_char,
-    /// Called once, after the checks, to add the plug-in's strategies.
+    /// Called once, after the checks, to add the plug-in's strategies and communication hooks.
     pub register: fn(&mut PluginRegistrar),
 }
 
@@ -45,6 +48,7 @@ unsafe impl Sync for PluginDeclaration {}
 pub struct PluginRegistrar {
     origin: Origin,
     strategies: Vec<StrategyEntry>,
+    comms: Vec<CommEntry>,
 }
 
 impl PluginRegistrar {
@@ -62,6 +66,19 @@ impl PluginRegistrar {
             summary: summary.into(),
             origin: self.origin.clone(),
             create: Box::new(create),
+        });
+    }
+
+    /// Adds a communication plug-in (`--comm NAME`): the options it takes
+    /// (`comm.NAME.KEY`, checked before `create` sees them) and how to make
+    /// a fresh hook per run from them.
+    pub fn add_comm(&mut self, name: &str, summary: &str, options: &[CommOption], create: CommFactory) {
+        self.comms.push(CommEntry {
+            name: name.into(),
+            summary: summary.into(),
+            options: options.to_vec(),
+            origin: self.origin.clone(),
+            create,
         });
     }
 }
@@ -142,15 +159,18 @@ pub fn load(path: &Path, registry: &mut Registry) -> Result<()> {
             bail!("plug-in {}: built with {name} `{theirs}`, this ft has `{ours}` — rebuild the plug-in with the same", path.display());
         }
     }
-    let mut registrar = PluginRegistrar { origin: Origin::Plugin(canonical), strategies: vec![] };
+    let mut registrar = PluginRegistrar { origin: Origin::Plugin(canonical), strategies: vec![], comms: vec![] };
     let register = declaration.register;
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| register(&mut registrar)))
         .map_err(|_| anyhow!("plug-in {} panicked while registering", path.display()))?;
-    if registrar.strategies.is_empty() {
+    if registrar.strategies.is_empty() && registrar.comms.is_empty() {
         bail!("plug-in {} registered nothing", path.display());
     }
     for strategy in registrar.strategies {
         registry.add_strategy(strategy).with_context(|| format!("loading plug-in {}", path.display()))?;
+    }
+    for comm in registrar.comms {
+        registry.add_comm(comm).with_context(|| format!("loading plug-in {}", path.display()))?;
     }
     std::mem::forget(library);
     Ok(())

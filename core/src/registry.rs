@@ -3,7 +3,8 @@
 //! strategy.rs, …); built-in crates submit theirs with `inventory::submit!`,
 //! and plug-ins loaded at run time add entries to the same registry.
 
-use crate::config::PresetRegistration;
+use crate::comm_hook::{check_options, CommHook, CommOption, CommRegistration, CommFactory, BUILTIN};
+use crate::config::{CommConfig, PresetRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::names::unknown;
 use crate::model::ModelRegistration;
@@ -43,12 +44,30 @@ pub struct SinkEntry {
     pub create: SinkFactory,
 }
 
+/// A communication plug-in (`--comm NAME`).
+pub struct CommEntry {
+    pub name: String,
+    pub summary: String,
+    pub options: Vec<CommOption>,
+    pub origin: Origin,
+    pub create: CommFactory,
+}
+
+/// The communication a run uses, as its checkpoints record it: a resume
+/// with another hook or other options starts the hook's state afresh.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CommRecord {
+    pub name: String,
+    pub options: serde_json::Value,
+}
+
 /// Makes a sink under the run's output directory; `true` when the run resumes (append).
 pub type SinkFactory = Box<dyn Fn(&Path, bool) -> Result<Box<dyn MetricsSink>> + Send + Sync>;
 
 #[derive(Default)]
 pub struct Registry {
     strategies: Vec<StrategyEntry>,
+    comms: Vec<CommEntry>,
     sinks: Vec<SinkEntry>,
     models: Vec<&'static ModelRegistration>,
     offloads: Vec<&'static OffloadRegistration>,
@@ -70,6 +89,15 @@ impl Registry {
                 create: Box::new(create),
             });
         }
+        for r in inventory::iter::<CommRegistration> {
+            registry.comms.push(CommEntry {
+                name: r.name.into(),
+                summary: r.summary.into(),
+                options: r.options.to_vec(),
+                origin: Origin::BuiltIn,
+                create: r.create,
+            });
+        }
         for r in inventory::iter::<SinkRegistration> {
             let create = r.create;
             registry.sinks.push(SinkEntry {
@@ -89,7 +117,64 @@ impl Registry {
         registry.presets.sort_by_key(|p| p.name);
         registry.strategies.sort_by(|a, b| a.name.cmp(&b.name));
         registry.sinks.sort_by(|a, b| a.name.cmp(&b.name));
+        registry.comms.sort_by(|a, b| a.name.cmp(&b.name));
         registry
+    }
+
+    pub fn comms(&self) -> &[CommEntry] {
+        &self.comms
+    }
+
+    /// Adds a communication plug-in; a name already taken is an error naming both origins.
+    pub fn add_comm(&mut self, entry: CommEntry) -> Result<()> {
+        if let Some(existing) = self.comms.iter().find(|c| c.name == entry.name) {
+            bail!("comm plug-in name `{}` from {} is already registered by {}", entry.name, entry.origin, existing.origin);
+        }
+        self.comms.push(entry);
+        Ok(())
+    }
+
+    pub fn comm(&self, name: &str) -> Result<&CommEntry> {
+        self.comms.iter().find(|c| c.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.comms.iter().map(|c| c.name.as_str()).collect();
+            unknown("comm plug-in", name, &names)
+        })
+    }
+
+    /// Checks `comm.*`: the name is registered, and every `comm.NAME.KEY`
+    /// names a registered plug-in and one of its declared options.
+    pub fn check_comm(&self, config: &CommConfig) -> Result<()> {
+        if let Some(name) = &config.name {
+            self.comm(name)?;
+        }
+        for (name, options) in &config.options {
+            let entry = self.comm(name).with_context(|| format!("comm.{name}.* sets options"))?;
+            let Some(options) = options.as_object() else {
+                bail!("comm.{name} must be a table of options (comm.{name}.KEY = VALUE), not {options}");
+            };
+            check_options(name, &entry.options, options)?;
+        }
+        Ok(())
+    }
+
+    /// The hook a run uses: `comm.name`'s, made with its options; else the
+    /// strategy's own, else the built-in collectives. Also what
+    /// checkpoints record of it.
+    pub fn comm_hook(&self, config: &CommConfig, strategy: &dyn crate::strategy::ShardingStrategy) -> Result<(Box<dyn CommHook>, CommRecord)> {
+        self.check_comm(config)?;
+        let own = match &config.name {
+            None => strategy.comm_hook(),
+            Some(_) => None,
+        };
+        if let Some(hook) = own {
+            let record = CommRecord { name: hook.name().to_string(), options: serde_json::json!({}) };
+            return Ok((hook, record));
+        }
+        let name = config.name.as_deref().unwrap_or(BUILTIN);
+        let entry = self.comm(name)?;
+        let options = config.options.get(name).and_then(|o| o.as_object()).cloned().unwrap_or_default();
+        let hook = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;
+        Ok((hook, CommRecord { name: name.to_string(), options: serde_json::Value::Object(options) }))
     }
 
     pub fn strategies(&self) -> &[StrategyEntry] {

@@ -66,6 +66,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         (strategy.create)().policy().validate(&strategy.name)?;
     }
     registry.offload(&t.offload)?;
+    registry.check_comm(&config.comm)?;
     if let Some(name) = &config.task.name {
         let task = registry.task(Some(name), "")?;
         (task.check_options)(&serde_json::Value::Object(config.task.options.clone()))?;

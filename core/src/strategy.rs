@@ -1,8 +1,10 @@
-//! Sharding strategies are policies over one mechanism that core owns (flat
+//! Sharding strategies: a policy over one mechanism that core owns (flat
 //! per-unit buffers, gather/release, gradient reduction, optimizer over
-//! shards: `flat.rs` and `train/`). A strategy says *what* to do; the policy
-//! table in docs/ARCHITECTURE.md lists the built-ins, each a crate under
-//! `strategies/`.
+//! shards: `flat.rs` and `train/`), and the communication behaviour the
+//! strategy brings (`comm_hook.rs`; the built-in collectives unless it says
+//! otherwise). The policy table in docs/ARCHITECTURE.md lists the
+//! built-ins, each a crate under `strategies/`; docs/PLUGINS.md says how
+//! to write one.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -39,7 +41,7 @@ pub enum ShardGroup {
     Size(usize),
 }
 
-/// The dtype gradients travel in.
+/// The dtype core reduces gradients in (`train.reduce_dtype`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceDtype {
@@ -56,8 +58,16 @@ pub struct ShardingPolicy {
     pub grads: GradReduction,
     pub optimizer_state_sharded: bool,
     pub shard_group: ShardGroup,
-    /// Overrides the run's `train.reduce_dtype` (None: the run decides).
-    pub reduce_dtype: Option<ReduceDtype>,
+}
+
+impl ReduceDtype {
+    /// The dtype it names when computing in `compute`.
+    pub fn kind(self, compute: Kind) -> Kind {
+        match self {
+            ReduceDtype::Fp32 => Kind::Float,
+            ReduceDtype::Compute => compute,
+        }
+    }
 }
 
 impl ShardingPolicy {
@@ -69,7 +79,6 @@ impl ShardingPolicy {
             grads: GradReduction::AllReduce,
             optimizer_state_sharded,
             shard_group: ShardGroup::World,
-            reduce_dtype: None,
         }
     }
 
@@ -81,16 +90,15 @@ impl ShardingPolicy {
             grads: GradReduction::ReduceScatter,
             optimizer_state_sharded: true,
             shard_group,
-            reduce_dtype: None,
         }
     }
 
     /// The DeepSpeed ZeRO stage this policy is, if it is one: over the whole
-    /// world with the run's reduce dtype, stage 0 replicates everything, 1
+    /// world, stage 0 replicates everything, 1
     /// shards optimizer state, 2 gradients too (FSDP's SHARD_GRAD_OP), 3
     /// parameters between uses too (FULL_SHARD).
     pub fn zero_stage(&self) -> Option<u8> {
-        if self.shard_group != ShardGroup::World || self.reduce_dtype.is_some() {
+        if self.shard_group != ShardGroup::World {
             return None;
         }
         match (self.params, self.grads, self.optimizer_state_sharded) {
@@ -99,15 +107,6 @@ impl ShardingPolicy {
             (ParamPlacement::Replicated | ParamPlacement::Sharded { reshard_after_forward: false }, GradReduction::ReduceScatter, true) => Some(2),
             (ParamPlacement::Sharded { reshard_after_forward: true }, GradReduction::ReduceScatter, true) => Some(3),
             _ => None,
-        }
-    }
-
-    /// The dtype gradients travel in: the policy's own, else the run's
-    /// (`train.reduce_dtype`); `compute` is the compute dtype.
-    pub fn reduce_kind(&self, run: ReduceDtype, compute: Kind) -> Kind {
-        match self.reduce_dtype.unwrap_or(run) {
-            ReduceDtype::Fp32 => Kind::Float,
-            ReduceDtype::Compute => compute,
         }
     }
 
@@ -163,6 +162,12 @@ inventory::collect!(StrategyRegistration);
 pub trait ShardingStrategy: Send + Sync {
     fn name(&self) -> &str;
     fn policy(&self) -> ShardingPolicy;
+
+    /// The communication behaviour the strategy brings (`--comm` chooses
+    /// another); None: the built-in collectives.
+    fn comm_hook(&self) -> Option<Box<dyn crate::comm_hook::CommHook>> {
+        None
+    }
 }
 
 /// A strategy that is a named, fixed policy — every built-in one is.
@@ -192,7 +197,6 @@ mod tests {
             grads: GradReduction::AllReduce,
             optimizer_state_sharded: true,
             shard_group: ShardGroup::World,
-            reduce_dtype: None,
         };
         let err = policy.validate("odd").unwrap_err().to_string();
         assert!(err.contains("`odd`: sharded parameters need reduce-scattered gradients"), "{err}");
@@ -209,7 +213,5 @@ mod tests {
         assert_eq!(ShardingPolicy::sharded(false, ShardGroup::World).zero_stage(), Some(2));
         assert_eq!(ShardingPolicy::sharded(true, ShardGroup::World).zero_stage(), Some(3));
         assert_eq!(ShardingPolicy::sharded(true, ShardGroup::Node).zero_stage(), None, "hybrid is no ZeRO stage");
-        let compute = ShardingPolicy { reduce_dtype: Some(ReduceDtype::Compute), ..ShardingPolicy::replicated(false) };
-        assert_eq!(compute.zero_stage(), None);
     }
 }

@@ -16,6 +16,7 @@ use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::TrainConfig;
+use crate::registry::CommRecord;
 use crate::train::Trainer;
 use anyhow::Result;
 use std::path::Path;
@@ -44,6 +45,8 @@ pub(crate) struct Checkpointer<'a> {
     config: &'a TrainConfig,
     strategy: &'a str,
     world: usize,
+    /// The communication hook, as checkpoints record it.
+    comm: CommRecord,
     monitor: Option<Monitor>,
     /// The best checkpoints so far, best first (the same on every rank).
     best: Vec<BestCheckpoint>,
@@ -56,10 +59,10 @@ pub(crate) struct Checkpointer<'a> {
 }
 
 impl<'a> Checkpointer<'a> {
-    pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize, monitor: Option<Monitor>) -> Result<Checkpointer<'a>> {
+    pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize, comm: CommRecord, monitor: Option<Monitor>) -> Result<Checkpointer<'a>> {
         // A resumed run goes on ranking against the checkpoints it kept.
         let best = if config.save_best > 0 && config.resume.is_some() { checkpoint::read_best(plan.output)? } else { vec![] };
-        Ok(Checkpointer { plan, config, strategy, world, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
+        Ok(Checkpointer { plan, config, strategy, world, comm, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
     }
 
     /// The best checkpoint kept so far.
@@ -79,7 +82,9 @@ impl<'a> Checkpointer<'a> {
         let started = std::time::Instant::now();
         let mut reader = Reader::open(&dir, trainer.model())?;
         let (adamw_step, micro_steps, loss_scale) = (reader.adamw_step()?, reader.manifest().micro_steps, reader.loss_scale()?);
-        trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, micro_steps, loss_scale.as_ref())?;
+        let steps = reader.manifest().step;
+        trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, steps, micro_steps, loss_scale.as_ref())?;
+        self.resume_comm_state(&mut reader, trainer, rank)?;
         let manifest = reader.manifest();
         let cursor = Cursor { epoch: manifest.epoch, epoch_step: manifest.epoch_step, step: manifest.step };
         if rank == 0 {
@@ -95,6 +100,33 @@ impl<'a> Checkpointer<'a> {
             );
         }
         Ok(cursor)
+    }
+
+    /// Gives the communication hook the state this rank saved, when the
+    /// checkpoint was written by the same hook with the same options at the
+    /// same world size; otherwise the hook starts afresh, and rank 0 says why.
+    fn resume_comm_state(&self, reader: &mut Reader, trainer: &mut Trainer, rank: usize) -> Result<()> {
+        let (saved, world) = (reader.manifest().comm.clone(), reader.manifest().world_size);
+        let Some(saved) = saved else { return Ok(()) };
+        let why = if saved != self.comm {
+            format!("this run uses comm `{}` with options {}", self.comm.name, self.comm.options)
+        } else if world != self.world {
+            format!("this run has {} ranks", self.world)
+        } else {
+            let state = reader.comm_state(rank)?;
+            if !state.is_empty() && rank == 0 {
+                tracing::info!("comm `{}`: restored its state ({} tensors on rank 0)", saved.name, state.len());
+            }
+            return trainer.restore_comm_state(state);
+        };
+        if rank == 0 && !reader.comm_state(0)?.is_empty() {
+            tracing::warn!(
+                "the checkpoint holds the state of comm `{}` (options {}, {world} ranks); {why}: that state starts afresh",
+                saved.name,
+                saved.options
+            );
+        }
+        Ok(())
     }
 
     /// Finishes a save every rank has written; saves when `next.step` is due.
@@ -181,12 +213,14 @@ impl<'a> Checkpointer<'a> {
             model_config: self.plan.model_config.clone(),
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
             base_model: self.plan.base_model.map(Path::to_path_buf),
+            comm: Some(self.comm.clone()),
         };
         let background = !wait && !trainer.offloaded();
         let views = trainer.checkpoint_part();
         let units = if background { self.snapshot(views)? } else { views };
         let adamw_step = trainer.adamw_step().to_device(Device::Cpu);
-        let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state() };
+        let comm_state = trainer.comm_hook().state().into_iter().map(|(name, t)| (name, t.to_kind(Kind::Float).to_device(Device::Cpu))).collect();
+        let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state(), comm_state };
         let mut pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
         self.last_saved = Some(next.step);
         if background {

@@ -4,33 +4,14 @@
 //! the summary is made of.
 
 use super::evaluation::Evaluation;
-use super::summary::{EpochResult, Summary};
+use super::summary::{memory, EpochResult, RunTotals, Summary};
 use super::StepOutcome;
 use crate::comm::Communicator;
-use crate::metrics::{process_memory, MetricsSink, Record};
+use crate::metrics::{MetricsSink, Record};
 use crate::train::OffloadStats;
 use anyhow::Result;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use tch::Device;
-
-/// This rank's counters over the run.
-#[derive(Debug, Default)]
-pub(crate) struct RunTotals {
-    pub train_seconds: f64,
-    pub examples: usize,
-    /// Non-padding tokens, and their model FLOPs.
-    pub tokens: usize,
-    pub flops: f64,
-    pub eval_seconds: f64,
-    pub eval_examples: usize,
-    /// The last logged loss (None before any step).
-    pub last_loss: Option<f64>,
-    /// Device memory in use after each step (allocator on a GPU, RSS on a CPU).
-    pub memory_sum: f64,
-    pub memory_min: Option<f64>,
-    pub memory_samples: usize,
-}
 
 pub(crate) struct RunLog<'a> {
     sinks: Vec<Box<dyn MetricsSink>>,
@@ -41,17 +22,9 @@ pub(crate) struct RunLog<'a> {
     log_every: usize,
     /// The loss of the epoch's last logged step.
     epoch_loss: Option<f64>,
+    /// Bytes this rank sent in collectives during the last step.
+    last_step_sent: u64,
     totals: RunTotals,
-}
-
-/// Bytes in use on `device` now and at the peak (CUDA allocator or process RSS).
-pub(crate) fn memory(device: Device) -> (f64, f64) {
-    match device {
-        Device::Cuda(index) => {
-            crate::cuda_memory(index, false).map(|m| (m.allocated as f64, m.peak_allocated as f64)).unwrap_or_default()
-        }
-        _ => process_memory().map(|(now, peak)| (now as f64, peak as f64)).unwrap_or_default(),
-    }
 }
 
 impl<'a> RunLog<'a> {
@@ -61,7 +34,7 @@ impl<'a> RunLog<'a> {
             Ok(style) if comm.env().rank == 0 => progress.set_style(style),
             _ => progress.set_draw_target(indicatif::ProgressDrawTarget::hidden()),
         }
-        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, totals: RunTotals::default() }
+        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, totals: RunTotals::default() }
     }
 
     /// Gives the sinks the run's resolved configuration, before any record.
@@ -82,6 +55,14 @@ impl<'a> RunLog<'a> {
     /// Counts optimizer step `step`, and logs it every `log_every` steps and
     /// at the end of an epoch (reading the loss synchronises with the device).
     #[allow(clippy::too_many_arguments)]
+    /// Counts what a training step sent (`Communicator::bytes_sent` before and after it).
+    pub fn count_sent(&mut self, before: [u64; 4], after: [u64; 4]) {
+        for (total, (b, a)) in self.totals.comm_bytes.iter_mut().zip(before.iter().zip(after)) {
+            *total += a - b;
+        }
+        self.last_step_sent = after.iter().sum::<u64>() - before.iter().sum::<u64>();
+    }
+
     pub fn after_step(
         &mut self,
         step: usize,
@@ -101,6 +82,7 @@ impl<'a> RunLog<'a> {
         t.examples += outcome.examples;
         t.tokens += outcome.tokens;
         t.flops += outcome.flops;
+        t.steps += 1;
         if step % self.log_every != 0 && !last_of_epoch {
             self.totals.train_seconds += started.elapsed().as_secs_f64();
             return Ok(());
@@ -116,6 +98,9 @@ impl<'a> RunLog<'a> {
             ("step_seconds".to_string(), started.elapsed().as_secs_f64()),
             ("memory_bytes".to_string(), in_use),
         ]);
+        if self.comm.env().world_size > 1 {
+            values.insert("comm_bytes".to_string(), self.last_step_sent as f64);
+        }
         if self.offload_to_host {
             // What this step moved between device and host, and its host optimizer time.
             values.extend([

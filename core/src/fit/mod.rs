@@ -18,6 +18,7 @@ pub use summary::{EpochResult, RankMemory, Summary};
 
 use crate::batches::{epoch_order, BatchLayout};
 use crate::comm::Communicator;
+use crate::comm_hook::{CommHook, CommPlan, ReduceStage};
 use crate::config::TrainConfig;
 use crate::dataset::Dataset;
 use crate::metrics::MetricsSink;
@@ -42,6 +43,8 @@ pub struct Fit<'a> {
     pub task: &'a mut dyn Task,
     pub comm: &'a Communicator,
     pub strategy: &'a dyn ShardingStrategy,
+    /// How gradients are reduced and parameters gathered, and what checkpoints record of it.
+    pub comm_hook: (Box<dyn CommHook>, crate::registry::CommRecord),
     pub offload: &'a dyn Offload,
     pub config: &'a TrainConfig,
     pub dtype: Kind,
@@ -121,21 +124,39 @@ fn train_step(
     Ok(outcome)
 }
 
+/// What a run will ask of its communication hook: the reduction stages
+/// `parallel`'s policy uses and whether it gathers sharded parameters.
+pub fn comm_plan(parallel: &DataParallel, strategy: &str, world: usize, offload: bool) -> CommPlan {
+    let sharded = parallel.shard().is_some();
+    let mut stages = vec![];
+    if world > 1 {
+        let grads_sharded = sharded && parallel.policy.grads == crate::strategy::GradReduction::ReduceScatter;
+        stages.push(if grads_sharded { ReduceStage::Shard } else { ReduceStage::World });
+        if grads_sharded && parallel.replicas().is_some() {
+            stages.push(ReduceStage::Replica);
+        }
+    }
+    let gathers = sharded && matches!(parallel.policy.params, crate::strategy::ParamPlacement::Sharded { .. });
+    CommPlan { strategy: strategy.to_string(), stages, gathers, world_size: world, offload }
+}
+
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, offload, config, dtype, sinks, resolved_config, checkpoints } = fit;
+    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, dtype, sinks, resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
+    hook.check(&comm_plan(&parallel, strategy.name(), world, offload.to_host()))
+        .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))?;
     let options = TrainOptions::from_config(config, dtype, offload.to_host());
-    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).build(&params)?;
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).build(&params)?;
     drop(params);
 
     let monitor = Monitor::from_config(config);
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
-    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world, monitor)?;
+    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world, comm_record, monitor)?;
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
     if first_epoch >= config.epochs {
         if rank == 0 {
@@ -165,8 +186,10 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
             let lr = lr_at(config.schedule, config.lr, step, plan.total_steps, plan.warmup_steps);
             let offloaded_before = trainer.offload_stats();
+            let sent_before = comm.bytes_sent();
             let outcome =
                 train_step(&mut trainer, task.train_set(), task.objective(), &plan.layout, &order, epoch_step, rank, lr, device)?;
+            log.count_sent(sent_before, comm.bytes_sent());
             step += 1;
             profiler.after_step(step)?;
             let epoch_progress = epoch as f64 + (epoch_step + 1) as f64 / plan.steps_per_epoch as f64;

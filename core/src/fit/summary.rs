@@ -6,9 +6,8 @@
 //! tokens, PaLM's formula) over the time trained, divided by the GPUs' dense
 //! peak for the compute dtype (`gpu::peak_flops`, or `train.peak_tflops`).
 
-use super::log::{memory, RunTotals};
 use crate::checkpoint::BestCheckpoint;
-use crate::comm::Communicator;
+use crate::comm::{CollectiveKind, Communicator};
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
 use crate::train::{OffloadStats, Trainer};
@@ -16,6 +15,38 @@ use anyhow::Result;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use tch::Device;
+
+/// This rank's counters over the run.
+#[derive(Debug, Default)]
+pub(crate) struct RunTotals {
+    pub train_seconds: f64,
+    pub examples: usize,
+    /// Non-padding tokens, and their model FLOPs.
+    pub tokens: usize,
+    pub flops: f64,
+    pub eval_seconds: f64,
+    pub eval_examples: usize,
+    /// The last logged loss (None before any step).
+    pub last_loss: Option<f64>,
+    /// Device memory in use after each step (allocator on a GPU, RSS on a CPU).
+    pub memory_sum: f64,
+    pub memory_min: Option<f64>,
+    pub memory_samples: usize,
+    /// Optimizer steps this process trained.
+    pub steps: usize,
+    /// Bytes sent in collectives during training steps, per `CollectiveKind::ALL`.
+    pub comm_bytes: [u64; 4],
+}
+
+/// Bytes in use on `device` now and at the peak (CUDA allocator or process RSS).
+pub(crate) fn memory(device: Device) -> (f64, f64) {
+    match device {
+        Device::Cuda(index) => {
+            crate::cuda_memory(index, false).map(|m| (m.allocated as f64, m.peak_allocated as f64)).unwrap_or_default()
+        }
+        _ => process_memory().map(|(now, peak)| (now as f64, peak as f64)).unwrap_or_default(),
+    }
+}
 
 /// Memory of one rank over the run, in bytes.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]
@@ -71,6 +102,20 @@ pub struct Summary {
     pub stopped_early_after_epoch: Option<usize>,
     /// The best checkpoint kept by `train.save_best`.
     pub best_checkpoint: Option<BestCheckpoint>,
+    /// Bytes rank 0 sent per optimizer step, by collective kind and in
+    /// total, averaged over the steps trained (ring algorithms' counts:
+    /// `CollectiveKind`).
+    pub comm_bytes_per_step: BTreeMap<String, f64>,
+}
+
+/// Rank 0's bytes per step by kind and in total (every rank gets rank 0's).
+fn comm_bytes_per_step(comm: &Communicator, totals: &RunTotals) -> Result<BTreeMap<String, f64>> {
+    let steps = totals.steps.max(1) as f64;
+    let mine: Vec<f64> = totals.comm_bytes.iter().map(|b| *b as f64 / steps).collect();
+    let rank0 = per_rank(comm, &mine)?.swap_remove(0);
+    let mut bytes: BTreeMap<String, f64> = CollectiveKind::ALL.iter().zip(&rank0).map(|(k, b)| (k.name().to_string(), *b)).collect();
+    bytes.insert("total".into(), rank0.iter().sum());
+    Ok(bytes)
 }
 
 /// `count` over `seconds`, 0 where that is no finite number (no time
@@ -166,6 +211,7 @@ impl Summary {
             trainable_params: model.numel() - frozen_params,
             frozen_params,
             gpu_utilisation_per_rank,
+            comm_bytes_per_step: comm_bytes_per_step(comm, totals)?,
             stopped_early_after_epoch: None,
             best_checkpoint: None,
         })

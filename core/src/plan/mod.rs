@@ -308,7 +308,7 @@ fn device_peak(workload: &Workload, setup: &Setup, placements: &[UnitPlacement],
         batch,
         seq: workload.seq,
         dtype: workload.dtype,
-        reduce: setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype),
+        reduce: workload.reduce_dtype.kind(workload.dtype),
         activation_checkpointing: setup.activation_checkpointing,
         accumulating: workload.grad_accum > 1,
         data_parallel: cluster.gpus > 1,
@@ -336,7 +336,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     // Offloaded, the step's gradient pieces sit in pinned memory, and as
     // many again stay cached by CUDA's host allocator for the next step.
     let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
-    let reduce = setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64;
+    let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
     let staging = if setup.offload_to_host { 2.0 * workload.grad_accum as f64 * owned * reduce } else { 0.0 };
     let host_bytes = cluster.gpus_per_node() as f64 * (state.host + staging + PROCESS_HOST_BYTES);
 

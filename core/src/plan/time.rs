@@ -98,12 +98,12 @@ impl Network<'_> {
 }
 
 /// The collectives of one step: `gathers` are one micro-batch's all-gathers in order.
-fn transfers(workload: &Workload, setup: &Setup, placements: &[UnitPlacement], gathers: &[f64], data_parallel: bool) -> Vec<Transfer> {
+fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[f64], data_parallel: bool) -> Vec<Transfer> {
     let mut out = vec![];
     if !data_parallel {
         return out;
     }
-    let (compute, reduce) = (workload.dtype.elt_size_in_bytes() as f64, setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64);
+    let (compute, reduce) = (workload.dtype.elt_size_in_bytes() as f64, workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64);
     let micro_batches = workload.grad_accum;
     for micro in 0..micro_batches {
         let last = micro + 1 == micro_batches;
@@ -156,7 +156,7 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, p
     let network = Network { cluster, shard_group };
     let data_parallel = cluster.gpus > 1;
     let (mut exposed, mut overlapped) = (0.0, 0.0);
-    for transfer in transfers(workload, setup, placements, gathers, data_parallel) {
+    for transfer in transfers(workload, placements, gathers, data_parallel) {
         let seconds = network.seconds(&transfer);
         if transfer.exposed {
             exposed += seconds;
@@ -169,7 +169,7 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, p
     let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
     let offloaded = placements.iter().any(|p| p.offload);
     let (optimizer, offload) = if offloaded {
-        let reduce = setup.policy.reduce_kind(workload.reduce_dtype, workload.dtype).elt_size_in_bytes() as f64;
+        let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
         // The node's ranks share its memory bandwidth.
         let host_bandwidth = cluster.host_memory_bandwidth / cluster.gpus_per_node() as f64;
         let host_optimizer = owned * OPTIMIZER_BYTES / host_bandwidth;

@@ -17,6 +17,7 @@ pub use parallel::DataParallel;
 pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
 use crate::comm::ProcessGroup;
+use crate::comm_hook::{Builtin, CommHook, UnitInfo};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::Model;
@@ -127,6 +128,12 @@ pub struct OffloadStats {
 pub struct Trainer<'m> {
     model: &'m dyn Model,
     units: Vec<FlatUnit>,
+    /// What the communication hook is told of each unit.
+    unit_info: Vec<UnitInfo>,
+    /// How gradients are reduced and sharded parameters gathered.
+    hook: Box<dyn CommHook>,
+    /// Optimizer steps taken (what hooks are told).
+    steps: usize,
     options: TrainOptions,
     /// AdamW's step count, on the device, shared by every buffer.
     step: Tensor,
@@ -149,11 +156,19 @@ pub struct TrainerBuilder<'m> {
     model: &'m dyn Model,
     options: TrainOptions,
     parallel: Option<&'m DataParallel<'m>>,
+    hook: Box<dyn CommHook>,
 }
 
 impl<'m> TrainerBuilder<'m> {
     pub fn new(model: &'m dyn Model, options: TrainOptions) -> TrainerBuilder<'m> {
-        TrainerBuilder { model, options, parallel: None }
+        TrainerBuilder { model, options, parallel: None, hook: Box::new(Builtin) }
+    }
+
+    /// Reduces gradients and gathers parameters through `hook` instead of
+    /// the built-in collectives.
+    pub fn comm(mut self, hook: Box<dyn CommHook>) -> TrainerBuilder<'m> {
+        self.hook = hook;
+        self
     }
 
     /// Trains data-parallel over `parallel`'s ranks (nothing changes on one rank).
@@ -166,7 +181,7 @@ impl<'m> TrainerBuilder<'m> {
     /// training device: every rank passes the same ones and keeps what the
     /// policy assigns it.
     pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
-        let TrainerBuilder { model, options, parallel } = self;
+        let TrainerBuilder { model, options, parallel, hook } = self;
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
@@ -189,12 +204,16 @@ impl<'m> TrainerBuilder<'m> {
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
+        let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
             scaler,
             model,
             units,
+            unit_info,
+            hook,
+            steps: 0,
             options,
             step: Tensor::zeros([], (Kind::Float, device)),
             micro_steps: 0,
@@ -233,6 +252,11 @@ impl<'m> Trainer<'m> {
 
     pub fn adamw_step(&self) -> &Tensor {
         &self.step
+    }
+
+    /// Optimizer steps taken (with a resumed checkpoint's).
+    pub fn steps(&self) -> usize {
+        self.steps
     }
 
     pub fn micro_steps(&self) -> i64 {
@@ -287,11 +311,13 @@ impl<'m> Trainer<'m> {
     /// [master, exp_avg, exp_avg_sq] over elements `start..start + len` of
     /// the unit's padded flat buffer, and each rank asks only for the part
     /// it owns; frozen units keep what they were built with. Every rank
-    /// calls this (zero1 gathers its compute copies).
+    /// calls this (zero1 gathers its compute copies). `steps` is the
+    /// optimizer steps the checkpoint had taken.
     pub fn restore(
         &mut self,
         mut read: impl FnMut(usize, i64, i64) -> Result<[Tensor; 3]>,
         step: &Tensor,
+        steps: usize,
         micro_steps: i64,
         loss_scale: Option<&Tensor>,
     ) -> Result<()> {
@@ -302,6 +328,7 @@ impl<'m> Trainer<'m> {
             unit.restore(&state, group)?;
         }
         self.step.shallow_clone().copy_(step);
+        self.steps = steps;
         self.micro_steps = micro_steps;
         // A checkpoint without one (bf16/fp32, or older) leaves the initial scale.
         if let (Some(scaler), Some(state)) = (&self.scaler, loss_scale) {
@@ -355,5 +382,15 @@ impl<'m> Trainer<'m> {
 
     pub fn model(&self) -> &dyn Model {
         self.model
+    }
+
+    /// The communication hook (its name, its state for a checkpoint).
+    pub fn comm_hook(&self) -> &dyn CommHook {
+        self.hook.as_ref()
+    }
+
+    /// Puts back the hook's checkpointed state.
+    pub fn restore_comm_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        self.hook.load_state(state)
     }
 }

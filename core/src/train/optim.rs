@@ -155,6 +155,9 @@ impl Trainer<'_> {
             work.wait()?;
         }
         self.pending_micro_batches = 0;
+        self.steps += 1;
+        let (hook, steps) = (&mut self.hook, self.steps);
+        crate::comm_hook::guarded("after_step", || hook.after_step(steps)).map_err(|e| e.context(format!("comm `{}`", hook.name())))?;
         Ok(total_norm)
     }
 

@@ -38,7 +38,7 @@ impl<'c> DataParallel<'c> {
         policy.validate(strategy.name())?;
         let env = comm.env();
         let world = env.world_size;
-        let reduce_dtype = policy.reduce_kind(reduce, compute);
+        let reduce_dtype = reduce.kind(compute);
         let mut parallel =
             DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype };
         let size = policy.shard_group_size(strategy.name(), world, env.local_world_size, size_override)?;

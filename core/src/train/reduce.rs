@@ -5,7 +5,7 @@
 //! result is needed.
 
 use super::{DataParallel, Trainer};
-use crate::comm::{Reduction, Work};
+use crate::comm_hook::{guarded, GradReduce, Pending, ReduceStage};
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -18,7 +18,7 @@ pub(crate) const REDUCTIONS_IN_FLIGHT: usize = 2;
 /// A gradient reduction in flight, and what to do with its result.
 pub(super) struct PendingReduction {
     unit: usize,
-    work: Work,
+    work: Pending,
     result: Tensor,
     then: AfterReduction,
 }
@@ -34,6 +34,31 @@ pub(super) enum AfterReduction {
 }
 
 impl Trainer<'_> {
+    /// Starts stage `stage` of unit `u`'s reduction over `group` through the
+    /// communication hook: `input` in, the sum in `output`.
+    fn start_reduction(&mut self, u: usize, stage: ReduceStage, input: Tensor, output: Tensor, accumulated: bool) -> Result<Pending> {
+        let parallel = self.parallel.expect("reductions run data-parallel");
+        let group = match stage {
+            ReduceStage::World => parallel.world,
+            ReduceStage::Shard => parallel.shard().expect("sharded gradients have a shard group"),
+            ReduceStage::Replica => parallel.replicas().expect("a replica stage has replica groups"),
+        };
+        let offset = if stage == ReduceStage::Replica { self.units[u].placement().shard.start } else { 0 };
+        let request = GradReduce {
+            unit: &self.unit_info[u],
+            stage,
+            group,
+            input,
+            offset,
+            output,
+            accumulated,
+            step: self.steps,
+            seed: self.options.seed as u64,
+        };
+        let hook = &mut self.hook;
+        guarded("the reduction", || hook.reduce(request)).map_err(|e| e.context(format!("comm `{}`: {} of unit {}", hook.name(), stage.name(), self.unit_info[u].name)))
+    }
+
     /// Hands unit `u`'s complete micro-batch gradient to the reduction the
     /// policy asks for: reduce-scatter it now, or accumulate it and
     /// all-reduce the sum on the last micro-batch.
@@ -47,7 +72,7 @@ impl Trainer<'_> {
             // Reduced every micro-batch: into this rank's shard, or (offloaded)
             // on to the host, where micro-batches are summed, so no fp32
             // gradient stays on the device.
-            let mut input = if fresh.defined() {
+            let input = if fresh.defined() {
                 fresh.to_kind(reduce_dtype)
             } else {
                 Tensor::zeros([placement.shard.padded], (reduce_dtype, unit.device()))
@@ -57,64 +82,59 @@ impl Trainer<'_> {
             } else {
                 AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last }
             };
-            let (work, result) = match (&self.parallel, placement.grads_sharded) {
-                (Some(parallel), true) => {
-                    let group = parallel.shard().expect("sharded gradients have a shard group");
-                    let mut result = Tensor::empty([placement.shard.len], (reduce_dtype, input.device()));
-                    (group.reduce_scatter_tensor(&mut result, &input, Reduction::Sum)?, result)
-                }
-                (Some(parallel), false) => (parallel.world.all_reduce(&mut input, Reduction::Sum)?, input),
-                (None, _) => {
-                    self.offload_stats.device_to_host_bytes += unit.send_to_host(&input)? as f64;
-                    return Ok(());
-                }
+            if self.parallel.is_none() {
+                self.offload_stats.device_to_host_bytes += unit.send_to_host(&input)? as f64;
+                return Ok(());
+            }
+            let (stage, result) = match placement.grads_sharded {
+                true => (ReduceStage::Shard, Tensor::empty([placement.shard.len], (reduce_dtype, input.device()))),
+                false => (ReduceStage::World, input.shallow_clone()),
             };
+            let work = self.start_reduction(u, stage, input, result.shallow_clone(), first && last)?;
             pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
         unit.accumulate_grad(&fresh, first);
-        if let (Some(parallel), true) = (&self.parallel, last) {
-            if reduce_dtype == Kind::Float {
-                let work = parallel.world.all_reduce(&mut unit.grad, Reduction::Sum)?;
-                pending.push_back(PendingReduction { unit: u, work, result: unit.grad.shallow_clone(), then: AfterReduction::Nothing });
-            } else {
-                let mut result = unit.grad.to_kind(reduce_dtype);
-                let work = parallel.world.all_reduce(&mut result, Reduction::Sum)?;
-                pending.push_back(PendingReduction { unit: u, work, result, then: AfterReduction::CopyToGrad });
-            }
+        if self.parallel.is_some() && last {
+            // fp32: in place in the gradient; else through a narrower copy.
+            let (result, then) = match reduce_dtype {
+                Kind::Float => (unit.grad.shallow_clone(), AfterReduction::Nothing),
+                narrower => (unit.grad.to_kind(narrower), AfterReduction::CopyToGrad),
+            };
+            let work = self.start_reduction(u, ReduceStage::World, result.shallow_clone(), result.shallow_clone(), true)?;
+            pending.push_back(PendingReduction { unit: u, work, result, then });
         }
         Ok(())
     }
 
     /// Waits for one reduction and files its result; a gradient shard complete
     /// on the last micro-batch is then all-reduced across replica groups.
-    pub(super) fn finish_reduction(&mut self, reduction: PendingReduction, replica_reductions: &mut Vec<Work>) -> Result<()> {
+    pub(super) fn finish_reduction(&mut self, reduction: PendingReduction, replica_reductions: &mut Vec<Pending>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         reduction.work.wait()?;
-        let unit = &mut self.units[reduction.unit];
+        let u = reduction.unit;
+        let has_replicas = self.parallel.and_then(DataParallel::replicas).is_some();
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
-                unit.accumulate_grad(&reduction.result, first_micro_batch);
-                let replicas = self.parallel.and_then(DataParallel::replicas);
-                if let (Some(replicas), true) = (replicas, last_micro_batch) {
-                    replica_reductions.push(replicas.all_reduce(&mut unit.grad, Reduction::Sum)?);
+                self.units[u].accumulate_grad(&reduction.result, first_micro_batch);
+                if has_replicas && last_micro_batch {
+                    let grad = self.units[u].grad.shallow_clone();
+                    replica_reductions.push(self.start_reduction(u, ReduceStage::Replica, grad.shallow_clone(), grad, true)?);
                 }
             }
             AfterReduction::CopyToGrad => {
-                unit.grad.copy_(&reduction.result);
+                self.units[u].grad.copy_(&reduction.result);
             }
             AfterReduction::ToHost => {
                 // Accumulation happens on the host, so replicas sum every micro-batch.
-                let mut result = reduction.result;
-                let replicas = self.parallel.and_then(DataParallel::replicas);
-                if let (Some(replicas), true) = (replicas, unit.placement().grads_sharded) {
-                    replicas.all_reduce(&mut result, Reduction::Sum)?.wait()?;
+                let result = reduction.result;
+                if has_replicas && self.units[u].placement().grads_sharded {
+                    self.start_reduction(u, ReduceStage::Replica, result.shallow_clone(), result.shallow_clone(), false)?.wait()?;
                 }
-                self.offload_stats.device_to_host_bytes += unit.send_to_host(&result)? as f64;
+                self.offload_stats.device_to_host_bytes += self.units[u].send_to_host(&result)? as f64;
             }
             AfterReduction::Nothing => {}
         }
         Ok(())
     }
-
 }

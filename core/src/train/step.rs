@@ -9,7 +9,7 @@
 
 use super::reduce::{PendingReduction, REDUCTIONS_IN_FLIGHT};
 use super::Trainer;
-use crate::comm::Work;
+use crate::comm_hook::{GatherPhase, Pending};
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
 use crate::model::{Params, Stage, StageKind};
@@ -40,20 +40,18 @@ fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], view
 
 impl Trainer<'_> {
     /// Starts gathering unit `u` if it is sharded and released (a prefetch).
-    fn prefetch(&mut self, u: usize) -> Result<()> {
+    fn prefetch(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         if let Some(group) = self.shard_group() {
-            let bytes = self.units[u].start_gather(group)?;
+            let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
             self.count_gathered(bytes);
         }
         Ok(())
     }
 
     /// Makes unit `u` usable, waiting for its gather if one is in flight.
-    fn gather(&mut self, u: usize) -> Result<()> {
-        let group = self.shard_group();
-        let bytes = self.units[u].finish_gather(group)?;
-        self.count_gathered(bytes);
-        Ok(())
+    fn gather(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
+        self.prefetch(u, phase)?;
+        self.units[u].finish_gather()
     }
 
     fn release(&mut self, u: usize) -> Result<()> {
@@ -97,9 +95,9 @@ impl Trainer<'_> {
         let mut loss = None;
         for (index, stage) in stages.iter().enumerate() {
             let unit = stage.unit;
-            self.gather(unit)?;
+            self.gather(unit, GatherPhase::Forward)?;
             if let Some(next) = stages.get(index + 1) {
-                self.prefetch(next.unit)?;
+                self.prefetch(next.unit, GatherPhase::Forward)?;
             }
             let params = stage_params(model, &self.units, &mut views, stage);
             let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
@@ -140,13 +138,13 @@ impl Trainer<'_> {
 
         let mut grad: Option<Tensor> = None;
         let mut pending: VecDeque<PendingReduction> = VecDeque::new();
-        let mut replica_reductions: Vec<Work> = vec![];
+        let mut replica_reductions: Vec<Pending> = vec![];
         let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
             let unit = stage.unit;
-            self.gather(unit)?;
+            self.gather(unit, GatherPhase::Backward)?;
             if index > 0 {
-                self.prefetch(stages[index - 1].unit)?;
+                self.prefetch(stages[index - 1].unit, GatherPhase::Backward)?;
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.

@@ -217,6 +217,15 @@ char* ft_reduce_scatter_tensor(FtGroup* group, at::Tensor* output, at::Tensor* i
   });
 }
 
+char* ft_all_to_all(FtGroup* group, at::Tensor* output, at::Tensor* input, FtWork** out) {
+  return guarded([&] {
+    std::vector<int64_t> equal_splits;
+    auto result = std::make_unique<FtWork>();
+    result->work = group->backend->alltoall_base(*output, *input, equal_splits, equal_splits, c10d::AllToAllOptions());
+    *out = result.release();
+  });
+}
+
 char* ft_broadcast(FtGroup* group, at::Tensor* tensor, int root, FtWork** out) {
   return guarded([&] {
     c10d::BroadcastOptions options;

@@ -69,6 +69,7 @@ extern "C" {
         reduction: i32,
         out: *mut *mut RawWork,
     ) -> *mut c_char;
+    fn ft_all_to_all(group: *mut RawGroup, output: *mut RawTensor, input: *mut RawTensor, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_broadcast(group: *mut RawGroup, tensor: *mut RawTensor, root: i32, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
@@ -243,6 +244,11 @@ impl Group {
         self.launch(|out| unsafe {
             ft_reduce_scatter_tensor(self.raw, tensor_ptr(output), tensor_ptr(input), reduction as i32, out)
         })
+    }
+
+    /// Equal chunks: chunk i of this member's `input` goes to member i.
+    pub fn all_to_all(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        self.launch(|out| unsafe { ft_all_to_all(self.raw, tensor_ptr(output), tensor_ptr(input), out) })
     }
 
     pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {

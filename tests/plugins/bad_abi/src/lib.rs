@@ -25,7 +25,8 @@ const fn declaration(abi_version: u32, core_version: &'static std::ffi::CStr, ru
 }
 
 static WRONG_ABI: Declaration = declaration(999, c"0.0.0", c"rustc 0.0.0");
-static WRONG_CORE: Declaration = declaration(1, c"0.0.0-other", c"rustc 0.0.0");
+// The ABI version this ft loads (ft_core::plugin::ABI_VERSION), so the ft-core version is what is wrong.
+static WRONG_CORE: Declaration = declaration(2, c"0.0.0-other", c"rustc 0.0.0");
 
 #[no_mangle]
 pub extern "C" fn ft_plugin_declaration() -> *const Declaration {

@@ -1,0 +1,362 @@
+//! The communication seam (docs/PLUGINS.md is its contract). Core decides
+//! *what* is communicated and *when* — which unit, which stage of its
+//! gradient's reduction over which group, which buffer the result lands in,
+//! how reductions overlap backward — from the strategy's policy; a
+//! [`CommHook`] decides *how*. [`Builtin`] issues the plain collectives
+//! (all-reduce, reduce-scatter, all-gather in the dtype core chose), and
+//! every method of the trait defaults to it, so a plug-in overrides only
+//! what it changes: compress a gradient for the wire (`bf16`, `powersgd`),
+//! quantize a parameter gather (`int8`), keep per-unit state of its own.
+//!
+//! Rules core relies on (and `ft plugin check` tests): every rank issues
+//! the same collectives, in the same order, with the same sizes — so a
+//! hook's decisions may depend only on its options, the request (unit,
+//! stage, step, shapes) and `seed`, never on a rank's data; a hook that
+//! takes a request owns it entirely (core issues nothing beside it); the
+//! result is the *sum* over the group, in the output's dtype.
+
+use crate::comm::{ProcessGroup, Reduction, Work};
+use crate::model::UnitSpec;
+use anyhow::{bail, Result};
+use serde_json::{Map, Value};
+use std::hash::Hasher;
+use tch::Tensor;
+
+/// One parameter of a unit and where it sits in the unit's flat buffer.
+#[derive(Debug, Clone)]
+pub struct ParamInfo {
+    /// Its name in the model's Hugging Face files.
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// Where it starts in the flat buffer.
+    pub offset: i64,
+}
+
+impl ParamInfo {
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// What a hook knows of the unit a request is for.
+#[derive(Debug, Clone)]
+pub struct UnitInfo {
+    /// Stable across runs, world sizes and strategies: derived from the
+    /// parameters' names and shapes (never the unit's position), so state
+    /// keyed by it survives a resume. Letters, digits and `-` only.
+    pub id: String,
+    /// The model's name for it (`block 3`), for messages.
+    pub name: String,
+    /// In flat-buffer order (matrices first, then vectors).
+    pub params: Vec<ParamInfo>,
+    /// Elements of the parameters; the flat buffer has `padded` (a multiple of the shard group).
+    pub numel: i64,
+    pub padded: i64,
+}
+
+impl UnitInfo {
+    /// The unit of `spec`, whose parameters start at `offsets` (parameter
+    /// index, offset; in flat-buffer order) in a flat buffer of `padded` elements.
+    pub fn new(spec: &UnitSpec, offsets: Vec<(usize, i64)>, padded: i64) -> UnitInfo {
+        let mut hasher = fnv::FnvHasher::default();
+        for param in &spec.params {
+            hasher.write(param.hf_name.as_bytes());
+            for dim in &param.shape {
+                hasher.write_i64(*dim);
+            }
+        }
+        let params = offsets
+            .into_iter()
+            .map(|(i, offset)| ParamInfo { name: spec.params[i].hf_name.clone(), shape: spec.params[i].shape.clone(), offset })
+            .collect();
+        UnitInfo { id: format!("u{:016x}", hasher.finish()), name: spec.name.clone(), params, numel: spec.numel(), padded }
+    }
+}
+
+/// A stage of a unit's gradient reduction; the policy says which a run has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceStage {
+    /// The whole (padded) gradient all-reduced over every data-parallel
+    /// rank, in place (ddp, zero1; an offloaded replicated unit).
+    World,
+    /// The whole gradient reduce-scattered over the shard group into this
+    /// rank's shard (shard_grad_op, full_shard, hybrid_shard's first stage).
+    Shard,
+    /// This rank's reduced shard all-reduced, in place, across the replica
+    /// groups holding the same shard (hybrid_shard's second stage).
+    Replica,
+}
+
+impl ReduceStage {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceStage::World => "world all-reduce",
+            ReduceStage::Shard => "shard reduce-scatter",
+            ReduceStage::Replica => "replica all-reduce",
+        }
+    }
+}
+
+/// One reduction a hook is asked for.
+pub struct GradReduce<'a> {
+    pub unit: &'a UnitInfo,
+    pub stage: ReduceStage,
+    pub group: &'a ProcessGroup,
+    /// The gradient: the whole padded unit (`World`, `Shard`) or this
+    /// rank's shard (`Replica`), in the dtype core chose for the wire
+    /// (`train.reduce_dtype`). A hook may overwrite it.
+    pub input: Tensor,
+    /// Where `input` starts in the unit's flat buffer (this rank's shard's
+    /// start for `Replica`, else 0): with `unit.params`, which elements are
+    /// which parameter's.
+    pub offset: i64,
+    /// Where the sum over `group` goes: `input` itself for the all-reduce
+    /// stages, this rank's shard (`padded / group size` elements) for `Shard`.
+    pub output: Tensor,
+    /// Whether `input` is a whole step's gradient (summed over its
+    /// micro-batches) rather than one micro-batch's.
+    pub accumulated: bool,
+    /// Optimizer steps taken before this one (0 on the first step).
+    pub step: usize,
+    /// The same on every rank (`train.seed`): for random choices all ranks must make alike.
+    pub seed: u64,
+}
+
+/// Why a unit is gathered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatherPhase {
+    Forward,
+    /// Again for backward (full_shard freed it after forward).
+    Backward,
+}
+
+/// One gather of a sharded unit's parameters a hook is asked for.
+pub struct ParamGather<'a> {
+    pub unit: &'a UnitInfo,
+    pub phase: GatherPhase,
+    pub group: &'a ProcessGroup,
+    /// This rank's shard in the compute dtype (`padded / group size` elements).
+    pub shard: Tensor,
+    /// The whole padded unit in the compute dtype: fill every element.
+    pub output: Tensor,
+    pub step: usize,
+    pub seed: u64,
+}
+
+/// Work a hook started: collectives in flight, and what to do once they
+/// are done (decompress, a further collective). Core waits for it only
+/// when it needs the result, so reductions overlap backward.
+#[must_use = "a hook's result is only valid after wait()"]
+pub struct Pending {
+    works: Vec<Work>,
+    then: Option<Box<dyn FnOnce() -> Result<()>>>,
+}
+
+impl Pending {
+    /// Nothing in flight: the result is already there.
+    pub fn done() -> Pending {
+        Pending { works: vec![], then: None }
+    }
+
+    /// One collective in flight.
+    pub fn of(work: Work) -> Pending {
+        Pending { works: vec![work], then: None }
+    }
+
+    /// Another collective to wait for.
+    pub fn and(mut self, work: Work) -> Pending {
+        self.works.push(work);
+        self
+    }
+
+    /// `finish` runs after every collective so far is done (after any
+    /// earlier `then`). It owns what it uses: shallow clones of tensors, a
+    /// clone of the group.
+    pub fn then(self, finish: impl FnOnce() -> Result<()> + 'static) -> Pending {
+        let Pending { works, then } = self;
+        let then: Box<dyn FnOnce() -> Result<()>> = match then {
+            None => Box::new(finish),
+            Some(first) => Box::new(move || {
+                first()?;
+                finish()
+            }),
+        };
+        Pending { works, then: Some(then) }
+    }
+
+    /// Waits for the collectives, then runs what follows them (a panic
+    /// there comes back as an error).
+    pub fn wait(self) -> Result<()> {
+        for work in self.works {
+            work.wait()?;
+        }
+        match self.then {
+            Some(finish) => guarded("the work it left to finish", finish),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Runs a hook's code, turning a panic into an error naming `what`, so a
+/// plug-in's panic stops the rank with a message instead of unwinding
+/// through core.
+pub(crate) fn guarded<T>(what: &str, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("no message");
+            bail!("{what} panicked: {message}")
+        }
+    }
+}
+
+/// What a run will ask of a hook, so that it can refuse up front.
+#[derive(Debug, Clone)]
+pub struct CommPlan {
+    pub strategy: String,
+    /// The reduction stages the policy uses (empty on one rank).
+    pub stages: Vec<ReduceStage>,
+    /// Whether sharded parameters are gathered before use.
+    pub gathers: bool,
+    pub world_size: usize,
+    pub offload: bool,
+}
+
+/// How a communication plug-in reduces gradients and gathers parameters.
+/// Every method has a default: the built-in behaviour, or nothing.
+pub trait CommHook {
+    /// The name it is registered under (`--comm NAME`).
+    fn name(&self) -> &str;
+
+    /// 0 for a hook whose results equal the built-in's bit for bit; else
+    /// the relative difference in the training loss it stays within
+    /// (`ft plugin check` holds it to this).
+    fn tolerance(&self) -> f64 {
+        0.0
+    }
+
+    /// Refuses a run it cannot serve, saying why (e.g. a compression of
+    /// all-reduces under a strategy that only reduce-scatters).
+    fn check(&self, _plan: &CommPlan) -> Result<()> {
+        Ok(())
+    }
+
+    /// Reduces one stage of a unit's gradient: leaves the sum over
+    /// `request.group` in `request.output` once the returned work is done.
+    fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
+        Builtin.reduce(request)
+    }
+
+    /// Gathers a sharded unit's parameters into `request.output`.
+    fn gather(&mut self, request: ParamGather) -> Result<Pending> {
+        Builtin.gather(request)
+    }
+
+    /// After each optimizer step (`step` steps taken): refresh a cache, advance a counter.
+    fn after_step(&mut self, _step: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// This rank's state to checkpoint, by name (letters, digits, `.`, `_`
+    /// and `-`; key it by `UnitInfo::id`). Saved in the rank's checkpoint
+    /// file beside its optimizer state.
+    fn state(&self) -> Vec<(String, Tensor)> {
+        vec![]
+    }
+
+    /// Puts back what `state` returned, on resume at the same world size
+    /// with the same hook and options (on a change the state starts afresh).
+    fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Bytes of state it keeps for `unit` (what `ft plan` adds to a rank's memory).
+    fn state_bytes(&self, _unit: &UnitInfo) -> f64 {
+        0.0
+    }
+
+    /// Bytes this rank sends for `stage` of a unit's gradient, as a
+    /// fraction of the built-in's (`ft plan` scales its estimate by it).
+    fn wire_fraction(&self, _unit: &UnitInfo, _stage: ReduceStage) -> f64 {
+        1.0
+    }
+}
+
+/// The built-in behaviour: plain collectives, the sum in the output.
+pub struct Builtin;
+
+/// The name of the built-in hook (`--comm builtin`, the default).
+pub const BUILTIN: &str = "builtin";
+
+impl CommHook for Builtin {
+    fn name(&self) -> &str {
+        BUILTIN
+    }
+
+    fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
+        let GradReduce { stage, group, mut input, mut output, .. } = request;
+        Ok(Pending::of(match stage {
+            ReduceStage::World | ReduceStage::Replica => group.all_reduce(&mut input, Reduction::Sum)?,
+            ReduceStage::Shard => group.reduce_scatter_tensor(&mut output, &input, Reduction::Sum)?,
+        }))
+    }
+
+    fn gather(&mut self, request: ParamGather) -> Result<Pending> {
+        let ParamGather { group, shard, mut output, .. } = request;
+        Ok(Pending::of(group.all_gather_into_tensor(&mut output, &shard)?))
+    }
+}
+
+/// One option a communication plug-in takes (`comm.NAME.KEY`).
+#[derive(Debug, Clone, Copy)]
+pub struct CommOption {
+    pub key: &'static str,
+    /// Its default, as `ft list` shows it.
+    pub default: &'static str,
+    pub help: &'static str,
+}
+
+/// Makes a hook from its options (`comm.NAME.*`, already checked to be among its declared keys).
+pub type CommFactory = fn(&Map<String, Value>) -> Result<Box<dyn CommHook>>;
+
+/// A communication plug-in's registration (`--comm NAME`), beside its
+/// implementation; plug-ins loaded at run time add theirs through
+/// `PluginRegistrar::add_comm`.
+pub struct CommRegistration {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub options: &'static [CommOption],
+    pub create: CommFactory,
+}
+inventory::collect!(CommRegistration);
+
+inventory::submit! {
+    CommRegistration {
+        name: BUILTIN,
+        summary: "the strategy's own collectives: all-reduce, reduce-scatter and all-gather in train.reduce_dtype",
+        options: &[],
+        create: |_| Ok(Box::new(Builtin)),
+    }
+}
+
+/// Refuses keys `options` does not declare, naming the valid ones.
+pub fn check_options(name: &str, declared: &[CommOption], given: &Map<String, Value>) -> Result<()> {
+    for key in given.keys() {
+        if !declared.iter().any(|o| o.key == key) {
+            let keys: Vec<&str> = declared.iter().map(|o| o.key).collect();
+            let valid = if keys.is_empty() { "it takes none".to_string() } else { format!("valid: {}", keys.join(", ")) };
+            bail!("unknown option comm.{name}.{key}{} ({valid})", crate::names::did_you_mean(key, &keys));
+        }
+    }
+    Ok(())
+}
+
+/// Reads option `key` of `options` as a `T`, or `default` when absent; a
+/// value of the wrong type is an error naming the key.
+pub fn option<T: serde::de::DeserializeOwned>(name: &str, options: &Map<String, Value>, key: &str, default: T) -> Result<T> {
+    match options.get(key) {
+        None => Ok(default),
+        Some(value) => serde_json::from_value(value.clone())
+            .map_err(|e| anyhow::anyhow!("comm.{name}.{key} = {value}: {e}")),
+    }
+}

@@ -1,0 +1,196 @@
+//! Communication plug-ins built and loaded as a third party's are
+//! (`cdylib`s of the workspace, `--plugin libX.so --comm X`), over real
+//! processes and Gloo: an identity hook equals the built-in bit for bit;
+//! PowerSGD at full rank equals the exact all-reduce, at rank 2 sends an
+//! eighth of the bytes and trains about as well, and its state survives a
+//! killed rank; bad choices are refused in one line.
+
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+mod common;
+use common::{ft, losses, text};
+
+/// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
+fn library(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join(format!("lib{name}.so"));
+    assert!(path.is_file(), "{} missing: run `cargo build --workspace` first (scripts/test.sh does)", path.display());
+    path
+}
+
+/// `ft` with the in-tree communication plug-ins loaded.
+fn ft_with_plugins() -> std::process::Command {
+    let mut command = ft();
+    for name in ["powersgd", "bf16", "ft_test_plugin_identity"] {
+        command.args(["--plugin", library(name).to_str().unwrap()]);
+    }
+    command
+}
+
+/// Trains the demo BLOOM on `ranks` CPU ranks for 20 steps of a global
+/// batch of `2 * ranks`, in fp32; returns the output directory.
+fn train(scratch: &Path, name: &str, ranks: usize, extra: &[&str]) -> PathBuf {
+    let dir = scratch.join(name);
+    let output = ft_with_plugins()
+        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--seed", "3", "--dtype", "f32"])
+        .args(["--train-samples", &(20 * 2 * ranks).to_string(), "--eval-samples", "4", "--batch-size", "2"])
+        .args(["--nproc-per-node", &ranks.to_string(), "--report-to", "jsonl"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{name}: {}", text(&output));
+    dir
+}
+
+fn summary(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn final_params(dir: &Path) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(dir.join("final/model.safetensors")).unwrap().into_iter().collect()
+}
+
+/// The largest difference between the runs' final parameters, relative to each tensor's norm.
+fn params_difference(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (final_params(a), final_params(b));
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(key, x)| (x - &b[key]).norm().double_value(&[]) / b[key].norm().double_value(&[]).max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn an_out_of_tree_identity_hook_equals_the_builtin_collectives_bit_for_bit() {
+    let scratch = tempfile::tempdir().unwrap();
+    for ranks in [2, 3] {
+        for strategy in ["ddp", "full_shard"] {
+            let builtin = train(scratch.path(), &format!("{strategy}-{ranks}"), ranks, &["--strategy", strategy]);
+            let hooked = train(scratch.path(), &format!("{strategy}-{ranks}-identity"), ranks, &["--strategy", strategy, "--comm", "identity"]);
+            assert_eq!(losses(&hooked), losses(&builtin), "{strategy} at {ranks} ranks");
+            assert_eq!(losses(&hooked).len(), 20);
+            assert_eq!(params_difference(&hooked, &builtin), 0.0, "{strategy} at {ranks} ranks: final parameters");
+            assert_eq!(summary(&hooked)["comm_bytes_per_step"], summary(&builtin)["comm_bytes_per_step"]);
+        }
+    }
+}
+
+#[test]
+fn powersgd_at_full_rank_equals_the_exact_all_reduce() {
+    let scratch = tempfile::tempdir().unwrap();
+    // Every matrix compressed (no minimum rate), from the first step, at a
+    // rank no gradient matrix exceeds: the factors span the whole sum.
+    let full_rank = ["--set", "comm.powersgd.rank=100000", "--set", "comm.powersgd.start_iter=0", "--set", "comm.powersgd.min_compression_rate=0"];
+    for (name, ranks, strategy) in [("ddp", 2, &["--strategy", "ddp"][..]), ("hybrid_2x2", 4, &["--strategy", "hybrid_shard", "--shard-group-size", "2"][..])] {
+        let exact = train(scratch.path(), name, ranks, strategy);
+        let compressed = train(scratch.path(), &format!("{name}-powersgd"), ranks, &[strategy, &["--comm", "powersgd"], &full_rank[..]].concat());
+        for (step, (x, y)) in losses(&compressed).iter().zip(losses(&exact)).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} step {}: {x} vs exact {y}", step + 1);
+        }
+        let difference = params_difference(&compressed, &exact);
+        assert!(difference <= 1e-4, "{name}: final parameters differ by {difference:e}");
+        let bytes = |dir: &Path| summary(dir)["comm_bytes_per_step"]["all_reduce"].as_f64().unwrap();
+        assert!(bytes(&compressed) > bytes(&exact), "{name}: full-rank factors send more than the matrices themselves");
+    }
+}
+
+#[test]
+fn powersgd_at_rank_2_sends_an_eighth_of_ddps_bytes_and_trains_about_as_well() {
+    let scratch = tempfile::tempdir().unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let dir = scratch.path().join(name);
+        let output = ft_with_plugins()
+            .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "3", "--report-to", "jsonl"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        summary(&dir)
+    };
+    // The demo (its preset: 2 CPU ranks, ddp), three of its seven epochs.
+    let ddp = run("ddp", &[]);
+    let powersgd = run("powersgd", &["--comm", "powersgd", "--set", "comm.powersgd.rank=2"]);
+    let eval_loss = |s: &Value| s["epochs"].as_array().unwrap().last().unwrap()["eval_loss"].as_f64().unwrap();
+    let (compressed, exact) = (eval_loss(&powersgd), eval_loss(&ddp));
+    assert!((compressed - exact).abs() <= 0.05 * exact, "eval loss {compressed} with powersgd vs {exact} with ddp");
+    let bytes = |s: &Value| s["comm_bytes_per_step"]["all_reduce"].as_f64().unwrap();
+    let ratio = bytes(&powersgd) / bytes(&ddp);
+    eprintln!("powersgd rank 2 / ddp all-reduce bytes per step: {ratio:.4}; eval loss {compressed:.4} vs {exact:.4}");
+    assert!(ratio <= 1.0 / 8.0, "powersgd sends {ratio:.3} of ddp's all-reduce bytes");
+}
+
+#[test]
+fn a_killed_powersgd_rank_resumes_to_the_uninterrupted_losses() {
+    let scratch = tempfile::tempdir().unwrap();
+    let flags = ["--comm", "powersgd", "--set", "comm.powersgd.start_iter=2", "--set", "comm.powersgd.rank=2", "--save-every", "3", "--save-total-limit", "0"];
+    let whole = train(scratch.path(), "whole", 2, &flags);
+    let expected = losses(&whole);
+
+    // Rank 1 dies after step 7; rank 0 finds its peer gone and fails too.
+    let killed = scratch.path().join("killed");
+    let args = |resume: bool| {
+        let mut command = ft_with_plugins();
+        command
+            .args(["train", "--output-dir", killed.to_str().unwrap(), "--epochs", "1", "--seed", "3", "--dtype", "f32"])
+            .args(["--train-samples", "80", "--eval-samples", "4", "--batch-size", "2", "--nproc-per-node", "2", "--report-to", "jsonl"])
+            .args(flags);
+        if resume {
+            command.args(["--resume", "latest"]);
+        }
+        command
+    };
+    let output = args(false).env("FT_FAULT_INJECT", "after-step:7@1").output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("FT_FAULT_INJECT: aborting"), "{}", text(&output));
+    let latest = ft_core::checkpoint::list(&killed).unwrap();
+    let from = ft_core::checkpoint::read_manifest(latest.last().unwrap()).unwrap();
+    assert!(from.step == 6 || from.step == 3, "resuming from step {}", from.step);
+    assert_eq!(from.comm.as_ref().unwrap().name, "powersgd");
+
+    let output = args(true).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("comm `powersgd`: restored its state"), "{}", text(&output));
+    let all = losses(&killed);
+    assert_eq!(&all[all.len() - (20 - from.step)..], &expected[from.step..], "resumed losses differ from the uninterrupted run");
+
+    // Resumed with other options, the state starts afresh, and the log says so.
+    let output = args(true).args(["--set", "comm.powersgd.rank=3", "--epochs", "2"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("holds the state of comm `powersgd`") && text(&output).contains("starts afresh"), "{}", text(&output));
+}
+
+#[test]
+fn bad_communication_choices_are_refused_in_one_line() {
+    let scratch = tempfile::tempdir().unwrap();
+    let refused = |extra: &[&str]| {
+        let dir = scratch.path().join("refused");
+        let output = ft_with_plugins()
+            .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "8", "--eval-samples", "4"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{extra:?} was accepted");
+        text(&output)
+    };
+    let message = refused(&["--comm", "powersdg"]);
+    assert!(message.contains("unknown comm plug-in `powersdg`; did you mean `powersgd`?"), "{message}");
+    let message = refused(&["--comm", "powersgd", "--set", "comm.powersgd.rnak=4"]);
+    assert!(message.contains("unknown option comm.powersgd.rnak; did you mean `rank`?") && message.contains("valid: rank, start_iter"), "{message}");
+    let message = refused(&["--comm", "powersgd", "--set", "comm.powersgd.rank=0"]);
+    assert!(message.contains("comm.powersgd.rank must be at least 1"), "{message}");
+    let message = refused(&["--comm", "powersgd", "--set", "comm.powersgd.rank=\"four\""]);
+    assert!(message.contains("comm.powersgd.rank = \"four\""), "{message}");
+    let message = refused(&["--comm", "powersgd", "--strategy", "full_shard"]);
+    assert!(message.contains("comm `powersgd` cannot serve this run") && message.contains("reduce-scatters every gradient"), "{message}");
+    let message = refused(&["--set", "comm.nosuch.x=1"]);
+    assert!(message.contains("unknown comm plug-in `nosuch`"), "{message}");
+    // A hook that fails, or panics, stops the run with its name and message on every rank.
+    let message = refused(&["--comm", "identity", "--set", "comm.identity.fault=\"error\""]);
+    assert!(message.contains("comm `identity`: world all-reduce of unit") && message.contains("fails on purpose at step 1"), "{message}");
+    let message = refused(&["--comm", "identity", "--set", "comm.identity.fault=\"panic\""]);
+    assert!(message.contains("comm `identity`") && message.contains("the reduction panicked: the identity fixture panics on purpose"), "{message}");
+    // Without the plug-in loaded, the name is unknown and the message says what is registered.
+    let output = ft().args(["train", "--comm", "powersgd", "--dry-run"]).output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("registered: builtin"), "{}", text(&output));
+}
