@@ -31,14 +31,14 @@ fn torch_default_adamw(p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tenso
 fn cpu_adamw(c: &mut Criterion) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads(threads as i32);
-    ft_core::set_cpu_threads(threads);
+    ft_strategy_cpu_offload::set_cpu_threads(threads);
     let hyper = AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
     let new = || Tensor::randn([ELEMENTS], (Kind::Float, Device::Cpu)) * 1e-2;
     let (mut p, g, mut m, mut v) = (new(), new(), new().abs(), new().abs());
     let step = Tensor::from(10.0f32);
     let mut group = c.benchmark_group("cpu_adamw");
     group.sample_size(10).throughput(Throughput::Elements(ELEMENTS as u64));
-    group.bench_function("ft", |b| b.iter(|| ft_sys::cpu_adamw(&p, &g, &m, &v, hyper, 10.0, 1.0).unwrap()));
+    group.bench_function("ft", |b| b.iter(|| ft_strategy_cpu_offload::cpu_adamw(&p, &g, &m, &v, hyper, 10.0, 1.0).unwrap()));
     group.bench_function("torch_fused", |b| {
         b.iter(|| ft_sys::fused_adamw(&[&p], &[&g], &[&m], &[&v], &[&step], hyper, None, None).unwrap())
     });

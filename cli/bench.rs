@@ -30,6 +30,13 @@ pub struct BenchArgs {
     /// Strategies to compare (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "ddp")]
     strategy: Vec<String>,
+    /// Communication hooks to compare under each strategy (comma-separated;
+    /// default: the strategy's own collectives).
+    #[arg(long, value_delimiter = ',')]
+    comm: Vec<String>,
+    /// A hook's option for every row, e.g. comm.powersgd.rank=4 (repeatable).
+    #[arg(long = "comm-option", value_name = "comm.NAME.KEY=VALUE")]
+    comm_options: Vec<String>,
     /// GPU (or, with --device cpu, process) counts (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     gpus: Vec<usize>,
@@ -115,12 +122,17 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
             for &seq in &args.seq {
                 for &gpus in &args.gpus {
                     for strategy in &args.strategy {
-                        let result = scratch.join(format!("row-{}.json", rows.len()));
-                        let row = launch_one(&args, plugins, config, strategy, gpus, batch, seq, &result).unwrap_or_else(|e| {
-                            Row::failed(config, strategy, &args.offload, &case(&args, batch, seq), gpus, format!("{e:#}"))
-                        });
-                        eprintln!("{}", row.describe());
-                        rows.push(row);
+                        // None: the strategy's own collectives.
+                        let comms: Vec<Option<&str>> = if args.comm.is_empty() { vec![None] } else { args.comm.iter().map(|c| Some(c.as_str())).collect() };
+                        for comm in comms {
+                            let result = scratch.join(format!("row-{}.json", rows.len()));
+                            let row = launch_one(&args, plugins, config, strategy, comm, gpus, batch, seq, &result).unwrap_or_else(|e| {
+                                let comm = comm.unwrap_or(ft_core::comm_hook::BUILTIN);
+                                Row::failed(config, strategy, comm, &args.offload, &case(&args, batch, seq), gpus, format!("{e:#}"))
+                            });
+                            eprintln!("{}", row.describe());
+                            rows.push(row);
+                        }
                     }
                 }
             }
@@ -169,10 +181,14 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
 
 /// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
 #[allow(clippy::too_many_arguments)]
-fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
+fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, comm: Option<&str>, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
     // The worker gets this command's own arguments with one value each.
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
     argv.extend(["bench", "--config", config, "--strategy", strategy].map(String::from));
+    if let Some(comm) = comm {
+        argv.extend(["--comm".to_string(), comm.to_string()]);
+    }
+    argv.extend(args.comm_options.iter().flat_map(|option| ["--comm-option".to_string(), option.clone()]));
     for (flag, value) in [
         ("--gpus", gpus.to_string()),
         ("--batch", batch.to_string()),
@@ -220,12 +236,17 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     // dist.* from FT_DIST__* variables, like every other command.
     let mut overrides = Overrides(vec![("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())]);
     args.lora.set(&mut overrides);
-    let config = Config::load(None, &overrides.0)?;
-    let rank = Rank::start(&config, offload.to_host())?;
+    overrides.set("comm.name", args.comm.first().cloned());
+    let options = args.comm_options.iter().map(|o| ft_core::config::parse_assignment(o).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let mut keys: Vec<(&str, figment::value::Value)> = overrides.0.clone();
+    keys.extend(options.iter().map(|(key, value)| (key.as_str(), value.clone())));
+    let config = Config::load(None, &keys)?;
+    let (hook, _) = registry.comm_hook(&config.comm, strategy.as_ref())?;
+    let rank = Rank::start(&config, offload.as_ref())?;
     let model = RunModel::new(hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?, &config.train.lora)?;
     let task = registry.task(args.task.as_deref(), model.model().head_kind())?;
     let case = case(args, args.batch[0], args.seq[0]);
-    if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), offload.as_ref(), &case)? {
+    if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), hook, offload.as_ref(), &case)? {
         std::fs::write(result_file, serde_json::to_string(&row)?)?;
     }
     Ok(0)

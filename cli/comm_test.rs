@@ -75,7 +75,7 @@ pub fn run(args: CommTestArgs) -> Result<i32> {
         collectives_bench::parse_bytes(&args.max_bytes)?,
         args.factor,
     )?;
-    let rank = Rank::start(&config, false)?;
+    let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
     let comm = &rank.comm;
     let world = rank.world_size();
     tracing::info!("rendezvous complete: rank {} of {world}, backend {}", rank.rank(), comm.backend_name());

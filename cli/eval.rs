@@ -69,7 +69,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     if DistEnv::from_env()?.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
         return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
     }
-    let rank = Rank::start(&config, false)?;
+    let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
     let (model, params) = hf::load_trained(&dir, rank.dtype, rank.device)?;

@@ -8,6 +8,7 @@ mod launch;
 mod list;
 mod model_commands;
 mod plan;
+mod plugin;
 mod train;
 
 use anyhow::Result;
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 // naming the crates links them in.
 use ft_sinks as _;
 use ft_tasks as _;
+use ft_strategy_cpu_offload as _;
 use ft_strategy_ddp as _;
 use ft_strategy_full_shard as _;
 use ft_strategy_hybrid_shard as _;
@@ -91,6 +93,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Run a forward (and backward) pass on token ids; write logits, loss and gradients.
     Forward(model_commands::ForwardArgs),
+    /// Work with plug-ins: `ft plugin check libX.so` runs the conformance kit.
+    Plugin(plugin::PluginArgs),
 }
 
 fn main() {
@@ -135,5 +139,6 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Train(args) => train::run(args, &cli.plugins),
         Command::Eval(args) => eval::eval(args, &cli.plugins),
         Command::Export(args) => eval::export(args),
+        Command::Plugin(args) => plugin::run(args, &cli.plugins),
     }
 }

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::device::DType;
 use ft_core::gpu::{self, GpuSpec};
-use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, Workload};
+use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanComm, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
 use ft_models::hf;
@@ -71,9 +71,41 @@ pub struct PlanArgs {
     /// Bus bandwidth between nodes, GB/s per GPU (default 45: a 400 Gb/s NIC per GPU).
     #[arg(long, value_parser = parse_positive)]
     inter_node_bandwidth: Option<f64>,
+    /// Communication plug-ins to plan beside each strategy's own collectives
+    /// (comma-separated; rows for every strategy a hook serves).
+    #[arg(long, value_delimiter = ',')]
+    comm: Vec<String>,
+    /// A hook's option, e.g. comm.powersgd.rank=4 (repeatable).
+    #[arg(long = "comm-option", value_name = "comm.NAME.KEY=VALUE")]
+    comm_options: Vec<String>,
+    /// A hook's measured compression rate in elements per second, e.g.
+    /// powersgd=2e10 (`ft bench` beside the built-in measures it; without it
+    /// the hook's compute is left out of the step time).
+    #[arg(long = "compress-rate", value_name = "NAME=ELEMENTS_PER_S")]
+    compress_rates: Vec<String>,
     /// Write the rows and the recommendation as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The hooks `--comm` names, made with their `--comm-option`s, and their `--compress-rate`s.
+fn planned_comms(args: &PlanArgs, registry: &Registry) -> Result<Vec<(String, PlanComm)>> {
+    let options = args.comm_options.iter().map(|o| ft_core::config::parse_assignment(o).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let config = ft_core::Config::load(None, &options.iter().map(|(k, v)| (k.as_str(), v.clone())).collect::<Vec<_>>())?;
+    let mut rates = std::collections::HashMap::new();
+    for text in &args.compress_rates {
+        let (name, rate) = text.split_once('=').with_context(|| format!("--compress-rate {text:?} is not NAME=ELEMENTS_PER_S"))?;
+        rates.insert(name.to_string(), parse_positive(rate).map_err(anyhow::Error::msg)?);
+    }
+    let builtin = (registry.strategy("ddp")?.create)();
+    args.comm
+        .iter()
+        .map(|name| {
+            let comm = ft_core::config::CommConfig { name: Some(name.clone()), options: config.comm.options.clone() };
+            let (hook, _) = registry.comm_hook(&comm, builtin.as_ref())?;
+            Ok((name.clone(), PlanComm { hook, elements_per_second: rates.get(name).copied() }))
+        })
+        .collect()
 }
 
 /// The GPU to plan for: `--gpu`, else this machine's (with its memory), else an H100.
@@ -127,7 +159,8 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
     };
-    let plan = Plan::new(&workload, &cluster, &registry, args.activation_checkpointing)?;
+    let comms = planned_comms(&args, &registry)?;
+    let plan = Plan::with_comms(&workload, &cluster, &registry, args.activation_checkpointing, &comms)?;
     print!("{}", plan.table());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&plan)?).with_context(|| format!("cannot write {}", path.display()))?;

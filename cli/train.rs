@@ -108,7 +108,7 @@ pub struct TrainArgs {
     #[arg(long)]
     ds_config: Option<PathBuf>,
     /// Set any configuration key, e.g. --set task.doc_stride=64 (VALUE as JSON, else a string); repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_assignment)]
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
     assignments: Vec<(String, Value)>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
@@ -117,11 +117,6 @@ pub struct TrainArgs {
     lora: LoraArgs,
 }
 
-fn parse_assignment(text: &str) -> Result<(String, Value), String> {
-    let (key, value) = text.split_once('=').ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
-    let value: serde_json::Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
-    Ok((key.to_string(), Value::serialize(value).map_err(|e| e.to_string())?))
-}
 
 impl TrainArgs {
     fn overrides(&self) -> Vec<(&'static str, Value)> {
@@ -219,7 +214,7 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
 
 fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
-    let rank = Rank::start(&config, configured_offload.to_host())?;
+    let rank = Rank::start(&config, configured_offload.as_ref())?;
     let output = config.output.dir.clone();
     if rank.rank() == 0 {
         std::fs::create_dir_all(&output).with_context(|| format!("cannot create {}", output.display()))?;
@@ -238,8 +233,8 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
     if offload.to_host() && !configured_offload.to_host() {
-        // The CPU AdamW gets its share of the cores, as Rank::start gives an offloaded run.
-        share_host_cores(rank.comm.env().local_world_size, rank.device, true);
+        // The host optimizer gets its share of the cores, as Rank::start gives an offloaded run.
+        share_host_cores(rank.comm.env().local_world_size, rank.device, offload.as_ref());
     }
     let seed = config.train.seed as i64;
     let base_params = hf::initial_params(run_model.base(), source.dir.as_deref(), seed, rank.device)?;

@@ -24,19 +24,25 @@ fn library(name: &str) -> PathBuf {
 /// `ft` with the in-tree communication plug-ins loaded.
 fn ft_with_plugins() -> std::process::Command {
     let mut command = ft();
-    for name in ["powersgd", "bf16", "ft_test_plugin_identity"] {
+    for name in ["powersgd", "int8", "bf16", "ft_test_plugin_identity"] {
         command.args(["--plugin", library(name).to_str().unwrap()]);
     }
     command
 }
 
 /// Trains the demo BLOOM on `ranks` CPU ranks for 20 steps of a global
-/// batch of `2 * ranks`, in fp32; returns the output directory.
+/// batch of `2 * ranks`, in fp32 unless `extra` says; returns the output directory.
 fn train(scratch: &Path, name: &str, ranks: usize, extra: &[&str]) -> PathBuf {
+    train_steps(scratch, name, ranks, 20, extra)
+}
+
+fn train_steps(scratch: &Path, name: &str, ranks: usize, steps: usize, extra: &[&str]) -> PathBuf {
     let dir = scratch.join(name);
+    let dtype = if extra.contains(&"--dtype") { &[][..] } else { &["--dtype", "f32"][..] };
     let output = ft_with_plugins()
-        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--seed", "3", "--dtype", "f32"])
-        .args(["--train-samples", &(20 * 2 * ranks).to_string(), "--eval-samples", "4", "--batch-size", "2"])
+        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--seed", "3"])
+        .args(dtype)
+        .args(["--train-samples", &(steps * 2 * ranks).to_string(), "--eval-samples", "4", "--batch-size", "2"])
         .args(["--nproc-per-node", &ranks.to_string(), "--report-to", "jsonl"])
         .args(extra)
         .output()
@@ -122,6 +128,36 @@ fn powersgd_at_rank_2_sends_an_eighth_of_ddps_bytes_and_trains_about_as_well() {
 }
 
 #[test]
+fn int8_gathers_track_full_shard_within_a_percent_at_about_half_the_bytes_of_bf16() {
+    let scratch = tempfile::tempdir().unwrap();
+    let gathered = |dir: &Path| summary(dir)["comm_bytes_per_step"]["all_gather"].as_f64().unwrap();
+    for dtype in ["f32", "bf16"] {
+        let exact = train_steps(scratch.path(), &format!("full_shard-{dtype}"), 2, 50, &["--strategy", "full_shard", "--dtype", dtype]);
+        let quantized = train_steps(scratch.path(), &format!("int8-{dtype}"), 2, 50, &["--strategy", "full_shard", "--dtype", dtype, "--comm", "int8"]);
+        let (a, b) = (losses(&quantized), losses(&exact));
+        assert_eq!(a.len(), 50);
+        for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= 0.01 * y.abs(), "{dtype} step {}: int8 {x} vs full_shard {y}", step + 1);
+        }
+        assert!(a != b, "{dtype}: int8 gathers are lossy, so some loss must differ");
+        // What the same gathers would send in bf16: the f32 run's, halved.
+        let bf16_gathers = gathered(&exact) * if dtype == "f32" { 0.5 } else { 1.0 };
+        let ratio = gathered(&quantized) / bf16_gathers;
+        eprintln!("{dtype}: int8 all-gather bytes per step / bf16 gathers': {ratio:.4}");
+        assert!(ratio <= 0.55, "{dtype}: int8 gathers send {ratio:.3} of bf16 gathers' bytes");
+    }
+    // Quantized gradient reduce-scatters (all-to-all of int8 blocks) too.
+    let exact = train(scratch.path(), "zero2", 2, &["--strategy", "shard_grad_op"]);
+    let quantized = train(scratch.path(), "zero2-int8-grads", 2, &["--strategy", "shard_grad_op", "--comm", "int8", "--set", "comm.int8.grads=true"]);
+    for (step, (x, y)) in losses(&quantized).iter().zip(losses(&exact)).enumerate() {
+        assert!((x - y).abs() <= 0.01 * y.abs(), "int8 grads step {}: {x} vs {y}", step + 1);
+    }
+    let all_to_all = summary(&quantized)["comm_bytes_per_step"]["all_to_all"].as_f64().unwrap();
+    let reduce_scatter = summary(&exact)["comm_bytes_per_step"]["reduce_scatter"].as_f64().unwrap();
+    assert!(all_to_all > 0.0 && all_to_all <= 0.3 * reduce_scatter, "int8 all-to-all {all_to_all} vs fp32 reduce-scatter {reduce_scatter}");
+}
+
+#[test]
 fn a_killed_powersgd_rank_resumes_to_the_uninterrupted_losses() {
     let scratch = tempfile::tempdir().unwrap();
     let flags = ["--comm", "powersgd", "--set", "comm.powersgd.start_iter=2", "--set", "comm.powersgd.rank=2", "--save-every", "3", "--save-total-limit", "0"];
@@ -193,4 +229,66 @@ fn bad_communication_choices_are_refused_in_one_line() {
     // Without the plug-in loaded, the name is unknown and the message says what is registered.
     let output = ft().args(["train", "--comm", "powersgd", "--dry-run"]).output().unwrap();
     assert!(!output.status.success() && text(&output).contains("registered: builtin"), "{}", text(&output));
+}
+
+#[test]
+fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
+    let check = |name: &str, extra: &[&str]| {
+        let output = ft()
+            .args(["plugin", "check", library(name).to_str().unwrap(), "--strategy", "ddp,full_shard", "--steps", "6"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (output.status.success(), text(&output))
+    };
+    for (name, extra) in [
+        ("powersgd", &["--set", "comm.powersgd.start_iter=2"][..]),
+        ("int8", &[][..]),
+        ("bf16", &[][..]),
+        ("ft_test_plugin_identity", &[][..]),
+    ] {
+        let (passed, table) = check(name, extra);
+        assert!(passed && table.contains(" 0 failed"), "{name}:\n{table}");
+        let resumed = table.lines().find(|l| l.contains("save, kill rank 1 after step 5, resume")).unwrap_or_default();
+        assert!(resumed.contains(" ok ") && resumed.contains("equal bit for bit"), "{name}:\n{table}");
+    }
+    let (_, table) = check("powersgd", &["--set", "comm.powersgd.start_iter=2"]);
+    assert!(table.contains("full_shard at 2 ranks") && table.contains("skip  the hook refuses it"), "{table}");
+
+    // Ranks that send different sizes: reported by unit and call, not a hang.
+    let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"sizes\""]);
+    assert!(!passed && table.contains("FAIL") && table.contains("ranks issue different collectives"), "{table}");
+    assert!(table.contains("reduced unit") && table.contains("all_reduce of"), "{table}");
+    let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"error\""]);
+    assert!(!passed && table.contains("comm `identity`") && table.contains("fails on purpose at step 1"), "{table}");
+    let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"panic\""]);
+    assert!(!passed && table.contains("panicked: the identity fixture panics on purpose"), "{table}");
+    let (passed, table) = check("ft_test_plugin_bad_abi", &[]);
+    assert!(!passed && table.contains("loads") && table.contains("abi_version is 999, this ft loads 2"), "{table}");
+}
+
+/// The template a plug-in author copies builds outside ft's workspace
+/// against ft-core and passes `ft plugin check`.
+#[test]
+fn the_template_crate_builds_outside_the_workspace_and_passes_the_check() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scratch = tempfile::tempdir().unwrap();
+    let copy = scratch.path().join("my-plugin");
+    std::fs::create_dir_all(copy.join("src")).unwrap();
+    let template = root.join("examples/comm-plugin-template");
+    let manifest = std::fs::read_to_string(template.join("Cargo.toml")).unwrap();
+    let core = root.join("core");
+    std::fs::write(copy.join("Cargo.toml"), manifest.replace("path = \"../../core\"", &format!("path = {:?}", core.to_str().unwrap()))).unwrap();
+    std::fs::copy(template.join("src/lib.rs"), copy.join("src/lib.rs")).unwrap();
+    // ft's own lock file, so the copy resolves the versions ft was built with (and reuses their builds).
+    std::fs::copy(root.join("Cargo.lock"), copy.join("Cargo.lock")).unwrap();
+    let output = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--offline", "--manifest-path", copy.join("Cargo.toml").to_str().unwrap()])
+        .env("CARGO_TARGET_DIR", root.join("target"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let library = root.join("target/debug/libtemplate.so");
+    let output = ft().args(["plugin", "check", library.to_str().unwrap(), "--strategy", "ddp", "--steps", "6"]).output().unwrap();
+    assert!(output.status.success() && text(&output).contains(" 0 failed"), "{}", text(&output));
 }

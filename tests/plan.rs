@@ -49,7 +49,7 @@ fn row<'p>(plan: &'p Plan, strategy: &str, offload: &str, checkpointing: bool) -
 
 fn setup<'a>(registry: &Registry, strategy: &'a str, offload: &'a str, activation_checkpointing: bool) -> Setup<'a> {
     let policy = (registry.strategy(strategy).unwrap().create)().policy();
-    Setup { strategy, policy, offload, offload_to_host: offload == "cpu", activation_checkpointing }
+    Setup { strategy, policy, offload, offload_to_host: offload == "cpu", activation_checkpointing, comm: None }
 }
 
 #[test]

@@ -108,7 +108,23 @@ pub struct ProcessGroup {
     rank: usize,
     ranks: Vec<usize>,
     sent: Arc<ByteCounters>,
+    /// `dist.verify_collectives`: this group's calls so far, and what the rank is doing.
+    verifier: Option<Arc<Verifier>>,
 }
+
+/// What `dist.verify_collectives` keeps per group. Plain data behind an
+/// `Arc`, so that a plug-in's copy of ft-core, issuing collectives on a
+/// clone of the group, counts and reports through the same state.
+#[derive(Default)]
+struct Verifier {
+    calls: AtomicU64,
+    /// What issued the collectives now being made (`ProcessGroup::note_caller`).
+    caller: std::sync::Mutex<String>,
+}
+
+/// The dtypes a verification message names (others: by code).
+const VERIFIED_KINDS: [tch::Kind; 8] =
+    [tch::Kind::Float, tch::Kind::BFloat16, tch::Kind::Half, tch::Kind::Double, tch::Kind::Int8, tch::Kind::Uint8, tch::Kind::Int, tch::Kind::Int64];
 
 /// A collective in flight. Do not read or write its tensors before `wait`.
 #[must_use = "a collective's result is only valid after wait()"]
@@ -151,6 +167,48 @@ impl ProcessGroup {
         &self.name
     }
 
+    /// Says what is about to issue collectives on this group, for the
+    /// message `dist.verify_collectives` gives when ranks disagree.
+    pub fn note_caller(&self, caller: impl FnOnce() -> String) {
+        if let Some(verifier) = &self.verifier {
+            *verifier.caller.lock().unwrap_or_else(|e| e.into_inner()) = caller();
+        }
+    }
+
+    /// With `dist.verify_collectives`: every member shares (kind, elements,
+    /// dtype, call number) of the collective it is about to issue — always
+    /// the same size, so this exchange itself never mismatches — and a
+    /// difference is an error on every member naming both sides.
+    fn verify(&self, kind: CollectiveKind, tensor: &Tensor) -> Result<(), CommError> {
+        let Some(verifier) = &self.verifier else { return Ok(()) };
+        let call = verifier.calls.fetch_add(1, Ordering::Relaxed) as i64;
+        let dtype = VERIFIED_KINDS.iter().position(|k| *k == tensor.kind()).map_or(99, |i| i as i64);
+        let mine = [kind as i64, tensor.numel() as i64, dtype, call];
+        let describe = |row: &[i64]| {
+            let kind = CollectiveKind::ALL.get(row[0] as usize).map_or("?", |k| k.name());
+            let dtype = VERIFIED_KINDS.get(row[2] as usize).map_or("another dtype".to_string(), |k| format!("{k:?}"));
+            format!("{kind} of {} {dtype} elements (call {})", row[1], row[3])
+        };
+        let failed = |message: String| CommError { op: kind.name(), group: self.name.clone(), rank: self.rank, size: self.size(), message };
+        let input = Tensor::from_slice(&mine).to_device(tensor.device());
+        let output = Tensor::empty([4 * self.size() as i64], (tch::Kind::Int64, tensor.device()));
+        self.inner
+            .all_gather_into_tensor(&output, &input)
+            .and_then(|work| work.wait(Duration::ZERO))
+            .map_err(|e| failed(format!("verifying the collective: {}", e.0)))?;
+        let all = Vec::<i64>::try_from(output.to_device(Device::Cpu)).map_err(|e| failed(e.to_string()))?;
+        if let Some((other, row)) = all.chunks(4).enumerate().find(|(_, row)| *row != mine) {
+            let caller = verifier.caller.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            return Err(failed(format!(
+                "ranks issue different collectives: group rank {} issues {}, group rank {other} issues {} (while {caller}) — every rank must issue the same collectives in the same order with the same sizes (docs/PLUGINS.md)",
+                self.rank,
+                describe(&mine),
+                describe(row)
+            )));
+        }
+        Ok(())
+    }
+
     fn work(&self, op: &'static str, launched: ft_sys::Result<ft_sys::Work>) -> Result<Work, CommError> {
         let (group, rank, size) = (self.name.clone(), self.rank, self.size());
         match launched {
@@ -161,12 +219,14 @@ impl ProcessGroup {
 
     /// In place: every member ends with the reduction of all members' `tensor`.
     pub fn all_reduce(&self, tensor: &mut Tensor, reduction: Reduction) -> Result<Work, CommError> {
+        self.verify(CollectiveKind::AllReduce, tensor)?;
         self.sent.add(CollectiveKind::AllReduce, tensor, self.size());
         self.work("all_reduce", self.inner.all_reduce(tensor, reduction))
     }
 
     /// `output` (size × input's length) receives every member's `input`, in group-rank order.
     pub fn all_gather_into_tensor(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
+        self.verify(CollectiveKind::AllGather, input)?;
         self.sent.add(CollectiveKind::AllGather, input, self.size());
         self.work("all_gather", self.inner.all_gather_into_tensor(output, input))
     }
@@ -178,6 +238,7 @@ impl ProcessGroup {
         input: &Tensor,
         reduction: Reduction,
     ) -> Result<Work, CommError> {
+        self.verify(CollectiveKind::ReduceScatter, input)?;
         self.sent.add(CollectiveKind::ReduceScatter, input, self.size());
         self.work("reduce_scatter", self.inner.reduce_scatter_tensor(output, input, reduction))
     }
@@ -186,6 +247,7 @@ impl ProcessGroup {
     /// order: each input and output is `size` equal chunks, chunk i of
     /// member j's input landing as chunk j of member i's output.
     pub fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
+        self.verify(CollectiveKind::AllToAll, input)?;
         self.sent.add(CollectiveKind::AllToAll, input, self.size());
         self.work("all_to_all", self.inner.all_to_all(output, input))
     }
@@ -205,11 +267,13 @@ pub struct CommOptions {
     pub backend: Backend,
     /// How long rendezvous and each collective may take before failing.
     pub timeout: Duration,
+    /// Check before each collective that every rank issues the same (`dist.verify_collectives`).
+    pub verify_collectives: bool,
 }
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions { backend: Backend::Auto, timeout: Duration::from_secs(300) }
+        CommOptions { backend: Backend::Auto, timeout: Duration::from_secs(300), verify_collectives: false }
     }
 }
 
@@ -231,6 +295,7 @@ struct GroupBuilder {
     device_index: usize,
     global_rank: usize,
     sent: Arc<ByteCounters>,
+    verify: bool,
 }
 
 impl GroupBuilder {
@@ -250,7 +315,8 @@ impl GroupBuilder {
         let inner = ft_sys::Group::new(&store, &options)
             .map_err(anyhow::Error::msg)
             .with_context(|| format!("creating process group '{name}' (ranks {members:?})"))?;
-        Ok(ProcessGroup { inner: Arc::new(inner), name: name.to_string(), rank, ranks: members.to_vec(), sent: self.sent.clone() })
+        let verifier = self.verify.then(Arc::default);
+        Ok(ProcessGroup { inner: Arc::new(inner), name: name.to_string(), rank, ranks: members.to_vec(), sent: self.sent.clone(), verifier })
     }
 }
 
@@ -304,6 +370,7 @@ impl Communicator {
             device_index: env.local_rank,
             global_rank: env.rank,
             sent: Arc::default(),
+            verify: options.verify_collectives,
         };
         let everyone: Vec<usize> = (0..env.world_size).collect();
         let world = groups.build("world", "ft/world/", &everyone)?;

@@ -184,23 +184,28 @@ impl Pending {
         Pending { works, then: Some(then) }
     }
 
-    /// Waits for the collectives, then runs what follows them (a panic
-    /// there comes back as an error).
+    /// Waits for the collectives, then runs what follows them.
     pub fn wait(self) -> Result<()> {
         for work in self.works {
             work.wait()?;
         }
         match self.then {
-            Some(finish) => guarded("the work it left to finish", finish),
+            Some(finish) => finish(),
             None => Ok(()),
+        }
+    }
+
+    /// The same work, with a panic in what follows the collectives turned into an error.
+    fn guarded(self) -> Pending {
+        match self.then {
+            None => self,
+            Some(finish) => Pending { works: self.works, then: Some(Box::new(move || guarded("the work it left to finish", finish))) },
         }
     }
 }
 
-/// Runs a hook's code, turning a panic into an error naming `what`, so a
-/// plug-in's panic stops the rank with a message instead of unwinding
-/// through core.
-pub(crate) fn guarded<T>(what: &str, call: impl FnOnce() -> Result<T>) -> Result<T> {
+/// Runs a hook's code, turning a panic into an error naming `what`.
+fn guarded<T>(what: &str, call: impl FnOnce() -> Result<T>) -> Result<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
         Ok(result) => result,
         Err(panic) => {
@@ -275,11 +280,86 @@ pub trait CommHook {
         0.0
     }
 
-    /// Bytes this rank sends for `stage` of a unit's gradient, as a
-    /// fraction of the built-in's (`ft plan` scales its estimate by it).
-    fn wire_fraction(&self, _unit: &UnitInfo, _stage: ReduceStage) -> f64 {
-        1.0
+    /// The bytes of the buffer it hands a collective for `wire` of `unit`,
+    /// where the built-in would hand `elements` elements of `element_bytes`
+    /// each (what `ft plan` times; the collective's algorithm factor comes
+    /// on top). Declared, not measured: a run's `comm_bytes_per_step` is the
+    /// measurement to compare it with.
+    fn wire_bytes(&self, _unit: &UnitInfo, _wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+        elements * element_bytes
     }
+}
+
+/// What a collective carries, for `CommHook::wire_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    Reduce(ReduceStage),
+    Gather,
+}
+
+/// A hook whose panics come back as errors. A plug-in is a `cdylib` with
+/// its own copy of Rust's standard library, whose panics the host cannot
+/// catch (they abort it), so this wrapper is made inside the plug-in: by
+/// `CommEntry::new`, which the plug-in's registrar runs in the plug-in's own
+/// copy of ft-core.
+struct Guarded(Box<dyn CommHook>);
+
+impl CommHook for Guarded {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn tolerance(&self) -> f64 {
+        self.0.tolerance()
+    }
+
+    fn check(&self, plan: &CommPlan) -> Result<()> {
+        guarded("check", || self.0.check(plan))
+    }
+
+    fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
+        guarded("the reduction", || self.0.reduce(request)).map(Pending::guarded)
+    }
+
+    fn gather(&mut self, request: ParamGather) -> Result<Pending> {
+        guarded("the gather", || self.0.gather(request)).map(Pending::guarded)
+    }
+
+    fn after_step(&mut self, step: usize) -> Result<()> {
+        guarded("after_step", || self.0.after_step(step))
+    }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        self.0.state()
+    }
+
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        guarded("load_state", || self.0.load_state(state))
+    }
+
+    fn state_bytes(&self, unit: &UnitInfo) -> f64 {
+        self.0.state_bytes(unit)
+    }
+
+    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+        self.0.wire_bytes(unit, wire, elements, element_bytes)
+    }
+}
+
+/// `hook`, its panics turned into errors (see `Guarded`): for a hook made
+/// outside a registration, such as a strategy's own.
+pub fn guard(hook: Box<dyn CommHook>) -> Box<dyn CommHook> {
+    Box::new(Guarded(hook))
+}
+
+/// Makes a hook from checked options, panics included as errors.
+pub type GuardedFactory = Box<dyn Fn(&Map<String, Value>) -> Result<Box<dyn CommHook>> + Send + Sync>;
+
+/// `create`, made where it is called from (the binary, or a plug-in's own
+/// copy of ft-core), so that its panics and those of the hooks it makes
+/// come back as errors.
+pub fn guarded_factory(create: CommFactory) -> GuardedFactory {
+    Box::new(move |options| guarded("creating the hook", || create(options)).map(guard))
 }
 
 /// The built-in behaviour: plain collectives, the sum in the output.

@@ -325,11 +325,17 @@ pub struct DistConfig {
     pub backend: Backend,
     /// Seconds that rendezvous and each collective may take before the run fails.
     pub timeout_secs: u64,
+    /// Before each collective, every rank of its group exchanges what it is
+    /// about to issue (kind, elements, dtype), and a difference is an error
+    /// naming both sides instead of a hang or a corrupt result: for
+    /// debugging a communication plug-in (`ft plugin check` turns it on).
+    /// Doubles the collectives.
+    pub verify_collectives: bool,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        DistConfig { backend: Backend::Auto, timeout_secs: 300 }
+        DistConfig { backend: Backend::Auto, timeout_secs: 300, verify_collectives: false }
     }
 }
 
@@ -421,6 +427,14 @@ impl Config {
     }
 }
 
+/// `--set KEY=VALUE`: the value as JSON when it parses as JSON (numbers,
+/// booleans, quoted strings, lists), else as the plain string.
+pub fn parse_assignment(text: &str) -> Result<(String, Value), String> {
+    let (key, value) = text.split_once('=').ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
+    let value: serde_json::Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+    Ok((key.to_string(), Value::serialize(value).map_err(|e| e.to_string())?))
+}
+
 fn flatten_into(entries: &mut BTreeMap<String, String>, key: &str, value: &serde_json::Value) {
     match value {
         serde_json::Value::Object(fields) => {
@@ -486,7 +500,7 @@ mod tests {
     fn layers_apply_in_order() {
         let (_dir, path) = file("ft.toml", "[dist]\nbackend = 'gloo'\ntimeout_secs = 10\n");
         let config = Config::load_with_env(Some(&path), &[], no_env()).unwrap();
-        assert_eq!(config.dist, DistConfig { backend: Backend::Gloo, timeout_secs: 10 });
+        assert_eq!(config.dist, DistConfig { backend: Backend::Gloo, timeout_secs: 10, verify_collectives: false });
         let config = Config::load_with_env(Some(&path), &[("dist.timeout_secs", 42.into())], no_env()).unwrap();
         assert_eq!(config.dist.timeout_secs, 42);
         // A prefix of its own keeps this test off other tests' environment.

@@ -32,6 +32,7 @@
 use crate::comm::{ProcessGroup, Work};
 use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo};
 use crate::model::UnitSpec;
+use crate::offload::Offload;
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -110,6 +111,10 @@ pub struct MemoryAccount {
     /// absent from rows written before LoRA.
     #[serde(default)]
     pub frozen: f64,
+    /// What the communication hook keeps (`CommHook::state_bytes`: error
+    /// feedback, factors); absent from rows written before hooks.
+    #[serde(default)]
+    pub comm_state: f64,
 }
 
 /// Field by field (`gathered_peak` too: units have none of their own).
@@ -123,6 +128,7 @@ impl std::ops::Add for MemoryAccount {
             gathered_peak: self.gathered_peak + other.gathered_peak,
             host: self.host + other.host,
             frozen: self.frozen + other.frozen,
+            comm_state: self.comm_state + other.comm_state,
         }
     }
 }
@@ -263,7 +269,7 @@ impl UnitPlacement {
         // Offloaded, the host gradient covers what the master covers.
         let grads = 4.0 * if self.offload { owned } else { self.grad_len() as f64 };
         let host = if self.offload { master + grads + optimizer_state } else { 0.0 };
-        MemoryAccount { params: master + compute_copy, grads, optimizer_state, gathered_peak: 0.0, host, frozen: 0.0 }
+        MemoryAccount { params: master + compute_copy, grads, optimizer_state, gathered_peak: 0.0, host, frozen: 0.0, comm_state: 0.0 }
     }
 }
 
@@ -335,8 +341,9 @@ pub struct FlatUnit {
 
 impl FlatUnit {
     /// Flattens `tensors` (one per parameter of `spec`, on the training
-    /// device) and keeps what `placement` says this rank keeps.
-    pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind, placement: UnitPlacement) -> Result<FlatUnit> {
+    /// device) and keeps what `placement` says this rank keeps; offloaded
+    /// state is stored by `offload`.
+    pub fn new(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind, placement: UnitPlacement, offload: Option<&dyn Offload>) -> Result<FlatUnit> {
         let _no_grad = tch::no_grad_guard();
         let (order, decayed) = flat_layout(spec);
         let numel = spec.numel();
@@ -353,7 +360,8 @@ impl FlatUnit {
             return FlatUnit::frozen(layout, full, dtype);
         }
         if placement.offload {
-            return FlatUnit::offloaded(layout, full, dtype);
+            let offload = offload.ok_or_else(|| anyhow::anyhow!("unit {} is placed off the device, but no offload stores it", spec.name))?;
+            return FlatUnit::offloaded(layout, full, dtype, offload);
         }
         let (compute, master) = if placement.master_is_compute(dtype) {
             let compute = full.set_requires_grad(true);
@@ -393,26 +401,20 @@ impl FlatUnit {
 
     /// The offloaded layout: fp32 state on the host, the compute copy (whole,
     /// or this rank's shard when parameters are sharded) on the device.
-    fn offloaded(layout: FlatLayout, full: Tensor, dtype: Kind) -> Result<FlatUnit> {
+    fn offloaded(layout: FlatLayout, full: Tensor, dtype: Kind, offload: &dyn Offload) -> Result<FlatUnit> {
         let placement = layout.placement;
         let padded = placement.shard.padded;
         let device = full.device();
-        let host = |t: Tensor| -> Result<Tensor> {
-            let t = t.to_device(tch::Device::Cpu).contiguous();
-            // Pinned (in exactly its bytes: this is most of the host's memory),
-            // so uploads of the master and gradient copies are asynchronous.
-            Ok(if device.is_cuda() { ft_sys::pin_memory_exact(&t)? } else { t })
-        };
         let owned = placement.owned_part_of(&full);
-        let master = host(owned.copy())?;
+        let master = offload.store(&owned, device)?;
         let (compute, compute_shard) = if placement.keeps_compute_shard() {
             (Tensor::empty([padded], (dtype, device)).set_requires_grad(true), Some(owned.to_kind(dtype)))
         } else {
             (full.to_kind(dtype).copy().set_requires_grad(true), None)
         };
         drop(full);
-        // Pinned like the master: each step's first reduced gradient is copied straight into it.
-        let grad = host(master.zeros_like())?;
+        // Stored like the master: each step's first reduced gradient is copied straight into it.
+        let grad = offload.store(&master.zeros_like(), device)?;
         let moments = [master.zeros_like(), master.zeros_like()];
         layout.assemble(compute, master, compute_shard, grad, moments)
     }
@@ -565,9 +567,10 @@ impl FlatUnit {
         }
         let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
+        group.note_caller(|| format!("comm `{}` gathered unit {} ({phase:?}, step {step})", hook.name(), info.name));
         let request = ParamGather { unit: info, phase, group, shard: self.gather_source(), output: self.compute_alias.shallow_clone(), step, seed };
-        let gathering = crate::comm_hook::guarded("the gather", || hook.gather(request));
-        self.gathering = Some(gathering.map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?);
+        let gathering = hook.gather(request).map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?;
+        self.gathering = Some(gathering);
         Ok(bytes)
     }
 
@@ -680,6 +683,27 @@ mod tests {
     use crate::model::{Init, ParamSpec};
     use crate::strategy::ShardGroup;
 
+    /// Offloaded state in plain host memory (the `cpu` offload is a crate core does not depend on).
+    struct HostForTests;
+
+    impl Offload for HostForTests {
+        fn name(&self) -> &str {
+            "host-for-tests"
+        }
+
+        fn store(&self, values: &Tensor, _device: tch::Device) -> Result<Tensor> {
+            Ok(values.to_device(tch::Device::Cpu).copy())
+        }
+
+        fn sum_of_squares(&self, _grad: &Tensor) -> Result<f64> {
+            unreachable!("the memory test takes no step")
+        }
+
+        fn adamw(&self, _parts: &[[Tensor; 4]], _hyper: crate::AdamW, _step: f64, _grad_scale: f64) -> Result<()> {
+            unreachable!("the memory test takes no step")
+        }
+    }
+
     /// What a unit's tensors occupy, measured on the tensors themselves.
     fn measured(unit: &FlatUnit) -> MemoryAccount {
         let bytes = |t: &Tensor| if t.defined() { (t.numel() * t.kind().elt_size_in_bytes()) as f64 } else { 0.0 };
@@ -693,7 +717,7 @@ mod tests {
         let grads = bytes(&unit.grad);
         let host = if unit.placement.offload { master + grads + optimizer_state } else { 0.0 };
         let frozen = if unit.placement.frozen { compute + shard } else { 0.0 };
-        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host, frozen }
+        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host, frozen, comm_state: 0.0 }
     }
 
     #[test]
@@ -716,7 +740,8 @@ mod tests {
                     for (offload, frozen) in [(false, false), (true, false), (false, true)] {
                         let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
                         let placement = if frozen { placement.frozen() } else { placement };
-                        let mut unit = FlatUnit::new(&spec, &tensors, dtype, placement).unwrap();
+                        let storage: Option<&dyn Offload> = if offload { Some(&HostForTests) } else { None };
+                        let mut unit = FlatUnit::new(&spec, &tensors, dtype, placement, storage).unwrap();
                         if frozen {
                             let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}");
                             assert_eq!(unit.memory(), measured(&unit), "{case}");

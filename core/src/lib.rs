@@ -11,6 +11,7 @@ pub mod collectives_bench;
 pub mod comm;
 pub mod comm_hook;
 pub mod config;
+pub mod conformance;
 pub mod dataset;
 pub mod device;
 pub mod ds_config;
@@ -40,8 +41,6 @@ pub use ft_sys::AdamW;
 /// The CUDA caching allocator's counters (current and peak, allocated and reserved).
 pub use ft_sys::{cuda_memory, CudaMemory};
 pub use ft_sys::{fused_adamw, kernels};
-/// Sizes the CPU optimizer's thread pool (offload).
-pub use ft_sys::set_cpu_threads;
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
 pub use comm_hook::CommHook;

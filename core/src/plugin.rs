@@ -10,7 +10,8 @@
 //! and refuses a mismatch naming the field. [`export_plugin!`] writes the
 //! symbol; `plugins/ddp_bf16_grads` is a complete example.
 
-use crate::comm_hook::{CommFactory, CommOption};
+use crate::comm_hook::{guard, guarded_factory, CommFactory, CommHook, CommOption};
+use crate::strategy::ShardingPolicy;
 use crate::registry::{CommEntry, Origin, Registry, StrategyEntry};
 use crate::strategy::ShardingStrategy;
 use anyhow::{anyhow, bail, Context, Result};
@@ -65,7 +66,8 @@ impl PluginRegistrar {
             aliases: aliases.iter().map(|a| a.to_string()).collect(),
             summary: summary.into(),
             origin: self.origin.clone(),
-            create: Box::new(create),
+            // Made here, in the plug-in's copy of ft-core: see `comm_hook::guard`.
+            create: Box::new(move || Box::new(GuardedStrategy(create()))),
         });
     }
 
@@ -78,8 +80,26 @@ impl PluginRegistrar {
             summary: summary.into(),
             options: options.to_vec(),
             origin: self.origin.clone(),
-            create,
+            // Made here, in the plug-in's copy of ft-core: see `comm_hook::guard`.
+            create: guarded_factory(create),
         });
+    }
+}
+
+/// A plug-in's strategy whose own hook's panics come back as errors.
+struct GuardedStrategy(Box<dyn ShardingStrategy>);
+
+impl ShardingStrategy for GuardedStrategy {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        self.0.policy()
+    }
+
+    fn comm_hook(&self) -> Option<Box<dyn CommHook>> {
+        self.0.comm_hook().map(guard)
     }
 }
 

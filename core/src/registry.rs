@@ -3,7 +3,7 @@
 //! strategy.rs, …); built-in crates submit theirs with `inventory::submit!`,
 //! and plug-ins loaded at run time add entries to the same registry.
 
-use crate::comm_hook::{check_options, CommHook, CommOption, CommRegistration, CommFactory, BUILTIN};
+use crate::comm_hook::{check_options, guarded_factory, CommHook, CommOption, CommRegistration, GuardedFactory, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::names::unknown;
@@ -50,7 +50,7 @@ pub struct CommEntry {
     pub summary: String,
     pub options: Vec<CommOption>,
     pub origin: Origin,
-    pub create: CommFactory,
+    pub create: GuardedFactory,
 }
 
 /// The communication a run uses, as its checkpoints record it: a resume
@@ -95,7 +95,7 @@ impl Registry {
                 summary: r.summary.into(),
                 options: r.options.to_vec(),
                 origin: Origin::BuiltIn,
-                create: r.create,
+                create: guarded_factory(r.create),
             });
         }
         for r in inventory::iter::<SinkRegistration> {
@@ -289,9 +289,9 @@ mod tests {
     #[test]
     fn builtin_offloads_are_registered_and_misspellings_suggested() {
         let registry = Registry::builtin();
-        assert!((registry.offload("cpu").unwrap().create)().to_host());
-        let err = registry.offload("cpux").err().unwrap().to_string();
-        assert!(err.contains("did you mean `cpu`?"), "{err}");
+        assert!(!(registry.offload("none").unwrap().create)().to_host());
+        let err = registry.offload("nonee").err().unwrap().to_string();
+        assert!(err.contains("did you mean `none`?"), "{err}");
     }
 
     #[test]

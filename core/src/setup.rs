@@ -5,6 +5,7 @@
 use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
 use crate::env::DistEnv;
+use crate::offload::Offload;
 use crate::registry::Registry;
 use anyhow::{bail, Result};
 use std::time::Duration;
@@ -12,14 +13,14 @@ use tch::{Device, Kind};
 
 /// Splits this host's cores among its `local_ranks` workers (as torchrun
 /// does) instead of oversubscribing them: ATen's threads when computing on
-/// the CPU, the CPU optimizer's when state is offloaded to the host.
-pub fn share_host_cores(local_ranks: usize, device: Device, offload_to_host: bool) {
+/// the CPU, the host optimizer's when `offload` keeps state off the device.
+pub fn share_host_cores(local_ranks: usize, device: Device, offload: &dyn Offload) {
     let share = (std::thread::available_parallelism().map_or(1, |n| n.get()) / local_ranks.max(1)).max(1);
     if device == Device::Cpu {
         tch::set_num_threads(share as i32);
     }
-    if offload_to_host {
-        crate::set_cpu_threads(share);
+    if offload.to_host() {
+        offload.use_cores(share);
     }
 }
 
@@ -95,15 +96,16 @@ pub struct Rank {
 
 impl Rank {
     /// Joins the job described by the launcher's environment, with the
-    /// device, dtype and `dist.*` settings of `config`; `offload_to_host`
-    /// gives the CPU optimizer its share of the cores.
-    pub fn start(config: &Config, offload_to_host: bool) -> Result<Rank> {
+    /// device, dtype and `dist.*` settings of `config`; `offload` gets its
+    /// share of the cores for its host optimizer.
+    pub fn start(config: &Config, offload: &dyn Offload) -> Result<Rank> {
         let env = DistEnv::from_env()?;
         let device = config.train.device.for_rank(env.local_rank);
-        share_host_cores(env.local_world_size, device, offload_to_host);
+        share_host_cores(env.local_world_size, device, offload);
         let options = CommOptions {
             backend: backend_for(config.dist.backend, device)?,
             timeout: Duration::from_secs(config.dist.timeout_secs),
+            verify_collectives: config.dist.verify_collectives,
         };
         let comm = Communicator::init(env, &options)?;
         Ok(Rank { comm, device, dtype: config.train.dtype.kind(device) })

@@ -132,6 +132,23 @@ impl ShardingPolicy {
         Ok(size)
     }
 
+    /// What a run of this policy asks of its communication hook, in a world
+    /// of `world` ranks with shard groups of `shard_size` (1: nothing sharded).
+    pub fn comm_plan(&self, strategy: &str, world: usize, shard_size: usize, offload: bool) -> crate::comm_hook::CommPlan {
+        use crate::comm_hook::ReduceStage;
+        let sharded = shard_size > 1;
+        let grads_sharded = sharded && self.grads == GradReduction::ReduceScatter;
+        let mut stages = vec![];
+        if world > 1 {
+            stages.push(if grads_sharded { ReduceStage::Shard } else { ReduceStage::World });
+            if grads_sharded && shard_size < world {
+                stages.push(ReduceStage::Replica);
+            }
+        }
+        let gathers = sharded && matches!(self.params, ParamPlacement::Sharded { .. });
+        crate::comm_hook::CommPlan { strategy: strategy.to_string(), stages, gathers, world_size: world, offload }
+    }
+
     /// Refuses combinations the mechanism cannot run, saying why.
     pub fn validate(&self, strategy: &str) -> Result<()> {
         let sharded_params = matches!(self.params, ParamPlacement::Sharded { .. });

@@ -9,6 +9,7 @@ mod kernels;
 
 pub use kernels::KernelCheck;
 
+use crate::comm_hook::CommHook;
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
 use crate::model::{self, Model};
@@ -48,6 +49,9 @@ pub struct Row {
     pub model: String,
     pub params: i64,
     pub strategy: String,
+    /// The communication hook (rows written before it was recorded: the built-in).
+    #[serde(default = "builtin_comm")]
+    pub comm: String,
     pub offload: String,
     /// Rows written before it was recorded ran without.
     #[serde(default)]
@@ -68,6 +72,14 @@ pub struct Row {
     pub exposed_comm_ms: Option<f64>,
     /// What rank 0 holds between steps.
     pub state: MemoryAccount,
+    /// Bytes rank 0 sent in collectives per timed step (absent from rows written before it was counted).
+    #[serde(default)]
+    pub comm_bytes_per_step: f64,
+    /// On one GPU with a communication hook: the milliseconds per step its
+    /// reductions and gathers of every unit take beyond the built-in's
+    /// (compression and decompression; `hook_cost`).
+    #[serde(default)]
+    pub comm_hook_ms: Option<f64>,
     pub loss: f64,
     /// forward+backward, head loss, optimizer (ms), with `breakdown` on one GPU.
     pub breakdown_ms: Option<[f64; 3]>,
@@ -77,13 +89,18 @@ pub struct Row {
     pub error: Option<String>,
 }
 
+fn builtin_comm() -> String {
+    crate::comm_hook::BUILTIN.into()
+}
+
 impl Row {
     /// The row of a configuration that did not run.
-    pub fn failed(model: &str, strategy: &str, offload: &str, case: &BenchCase, gpus: usize, error: String) -> Row {
+    pub fn failed(model: &str, strategy: &str, comm: &str, offload: &str, case: &BenchCase, gpus: usize, error: String) -> Row {
         Row {
             model: model.into(),
             params: 0,
             strategy: strategy.into(),
+            comm: comm.into(),
             offload: offload.into(),
             activation_checkpointing: case.activation_checkpointing,
             reduce_dtype: case.reduce_dtype,
@@ -97,6 +114,8 @@ impl Row {
             peak_reserved_gb: f64::NAN,
             exposed_comm_ms: None,
             state: MemoryAccount::default(),
+            comm_bytes_per_step: f64::NAN,
+            comm_hook_ms: None,
             loss: f64::NAN,
             breakdown_ms: None,
             kernel_check: None,
@@ -124,6 +143,8 @@ impl Row {
                 row.peak_allocated_gb,
                 row.breakdown_ms.map_or(String::new(), |[fb, head, step]| format!(
                     "; forward+backward {fb:.1} ms (head loss {head:.1}), optimizer {step:.1} ms"
+                )) + &row.comm_hook_ms.map_or(String::new(), |ms| format!(
+                    "; comm {} costs {ms:.2} ms per step beyond the built-in ({:.1}% of the step)", row.comm, 100.0 * ms / row.step_ms
                 )) + &row.kernel_check.as_ref().map_or(String::new(), |k| format!(
                     "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
                     k.head_ft_ms, k.head_aten_ms, k.head_loss_relative_diff, k.head_grad_relative_diff, k.adamw_ft_ms, k.adamw_aten_ms, k.adamw_update_relative_diff
@@ -136,7 +157,7 @@ impl Row {
 /// The matrix as a Markdown table.
 pub fn table(rows: &[Row]) -> String {
     let mut out = String::from(
-        "\n| model | strategy | offload | GPUs | batch x seq | tokens/s/GPU | step ms | MFU | peak alloc GB | peak reserved GB | comm exposed ms | held GB (params/grads/optim) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "\n| model | strategy | offload | GPUs | batch x seq | tokens/s/GPU | step ms | MFU | peak alloc GB | peak reserved GB | comm exposed ms | sent MB/step | held GB (params/grads/optim) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         if let Some(e) = &r.error {
@@ -144,9 +165,10 @@ pub fn table(rows: &[Row]) -> String {
             continue;
         }
         out += &format!(
-            "| {} | {}{} | {} | {} | {}x{} | {:.0} | {:.1} | {} | {:.2} | {:.2} | {} | {:.2}/{:.2}/{:.2} |\n",
+            "| {} | {}{}{} | {} | {} | {}x{} | {:.0} | {:.1} | {} | {:.2} | {:.2} | {} | {:.1} | {:.2}/{:.2}/{:.2} |\n",
             r.model,
             r.strategy,
+            if r.comm == crate::comm_hook::BUILTIN { String::new() } else { format!(" + {}", r.comm) },
             if r.reduce_dtype == ReduceDtype::Compute { " (reduce in compute dtype)" } else { "" },
             r.offload,
             r.gpus,
@@ -158,6 +180,7 @@ pub fn table(rows: &[Row]) -> String {
             r.peak_allocated_gb,
             r.peak_reserved_gb,
             r.exposed_comm_ms.map_or("—".into(), |ms| format!("{ms:.1}")),
+            r.comm_bytes_per_step / 1e6,
             r.state.params / 1e9,
             r.state.grads / 1e9,
             r.state.optimizer_state / 1e9
@@ -196,23 +219,34 @@ pub fn run_case(
     model: &dyn Model,
     task: &TaskRegistration,
     strategy: &dyn ShardingStrategy,
+    hook: Box<dyn CommHook>,
     offload: &dyn Offload,
     case: &BenchCase,
 ) -> Result<Option<Row>> {
     let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
     let world = rank.world_size();
     let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype)?;
+    // On one rank nothing is communicated, so there is nothing to refuse.
+    if world > 1 {
+        hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
+            .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this configuration: {e:#}", hook.name()))?;
+    }
+    let comm_name = hook.name().to_string();
+    // One rank reduces nothing, so time the hook's work on every unit apart.
+    let mut hook = hook;
+    let comm_hook_ms = (world == 1 && comm_name != crate::comm_hook::BUILTIN)
+        .then(|| hook_cost(hook.as_mut(), comm.world(), model, dtype, case.reduce_dtype.kind(dtype), device))
+        .transpose()?;
     let options = TrainOptions {
         dtype,
         adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
         max_grad_norm: Some(1.0),
         activation_checkpointing: case.activation_checkpointing,
         seed: 0,
-        offload_to_host: offload.to_host(),
         ..TrainOptions::default()
     };
     let params = crate::model::init_params(model, 0, Kind::Float, device);
-    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).build(&params)?;
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);
     // Four micro-batches of random data per rank, each rank its own.
     let synthetic = Synthetic {
@@ -235,10 +269,11 @@ pub fn run_case(
     if let Device::Cuda(index) = device {
         crate::cuda_memory(index, true).map_err(anyhow::Error::msg)?;
     }
-    let start = Instant::now();
+    let (start, sent_before) = (Instant::now(), comm.bytes_sent());
     let loss = run_steps(&mut trainer, task.as_ref(), &batches, normalizer, case.steps)?;
     synchronize(device);
     let step_seconds = start.elapsed().as_secs_f64() / case.steps.max(1) as f64;
+    let sent: u64 = comm.bytes_sent().iter().zip(sent_before).map(|(after, before)| after - before).sum();
     let (allocated, reserved) = match device {
         Device::Cuda(index) => {
             let m = crate::cuda_memory(index, false).map_err(anyhow::Error::msg)?;
@@ -267,6 +302,7 @@ pub fn run_case(
         model: model_label(model),
         params: model.numel(),
         strategy: strategy.name().into(),
+        comm: comm_name,
         offload: offload.name().into(),
         activation_checkpointing: case.activation_checkpointing,
         reduce_dtype: case.reduce_dtype,
@@ -280,6 +316,8 @@ pub fn run_case(
         peak_reserved_gb: peaks[1] / 1e9,
         exposed_comm_ms: None,
         state: trainer.memory(),
+        comm_bytes_per_step: sent as f64 / case.steps.max(1) as f64,
+        comm_hook_ms,
         loss,
         breakdown_ms: breakdown,
         kernel_check,
@@ -287,6 +325,43 @@ pub fn run_case(
     };
     comm.world().barrier()?.wait()?;
     Ok((rank.rank() == 0).then_some(row))
+}
+
+/// Milliseconds per step that `hook` spends beyond the built-in
+/// collectives on `model`'s gradients (one reduction per unit, in
+/// `reduce` dtype) and parameters (one gather per unit, in `dtype`) over
+/// `group`: on one rank, its compression and decompression. Each is timed
+/// after warm-up (a hook's state is made on first use) as the median of 5.
+pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &dyn Model, dtype: Kind, reduce: Kind, device: Device) -> Result<f64> {
+    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo};
+    let _no_grad = tch::no_grad_guard();
+    let units: Vec<UnitInfo> = model.units().iter().map(|spec| UnitInfo::new(spec, crate::flat::param_offsets(spec), spec.numel())).collect();
+    let grads: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (reduce, device))).collect();
+    let shards: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (dtype, device))).collect();
+    // Past any warm-up the hook keeps exact (PowerSGD's start_iter).
+    let step = usize::MAX / 2;
+    let one_step = |hook: &mut dyn CommHook| -> Result<f64> {
+        synchronize(device);
+        let start = Instant::now();
+        for ((unit, grad), shard) in units.iter().zip(&grads).zip(&shards) {
+            let input = grad.copy();
+            let reduce = GradReduce { unit, stage: ReduceStage::World, group, input: input.shallow_clone(), offset: 0, output: input, accumulated: true, step, seed: 0 };
+            hook.reduce(reduce)?.wait()?;
+            let output = shard.empty_like();
+            hook.gather(ParamGather { unit, phase: GatherPhase::Forward, group, shard: shard.shallow_clone(), output, step, seed: 0 })?.wait()?;
+        }
+        synchronize(device);
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    let median = |hook: &mut dyn CommHook| -> Result<f64> {
+        one_step(hook)?;
+        let mut times = (0..5).map(|_| one_step(hook)).collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        Ok(times[2])
+    };
+    let hooked = median(hook)?;
+    let builtin = median(&mut Builtin)?;
+    Ok((hooked - builtin).max(0.0))
 }
 
 /// Milliseconds per call of forward+backward, of the objective's loss and

@@ -52,9 +52,6 @@ impl<'a> RunLog<'a> {
         Ok(())
     }
 
-    /// Counts optimizer step `step`, and logs it every `log_every` steps and
-    /// at the end of an epoch (reading the loss synchronises with the device).
-    #[allow(clippy::too_many_arguments)]
     /// Counts what a training step sent (`Communicator::bytes_sent` before and after it).
     pub fn count_sent(&mut self, before: [u64; 4], after: [u64; 4]) {
         for (total, (b, a)) in self.totals.comm_bytes.iter_mut().zip(before.iter().zip(after)) {
@@ -63,6 +60,9 @@ impl<'a> RunLog<'a> {
         self.last_step_sent = after.iter().sum::<u64>() - before.iter().sum::<u64>();
     }
 
+    /// Counts optimizer step `step`, and logs it every `log_every` steps and
+    /// at the end of an epoch (reading the loss synchronises with the device).
+    #[allow(clippy::too_many_arguments)]
     pub fn after_step(
         &mut self,
         step: usize,

@@ -18,7 +18,7 @@ pub use summary::{EpochResult, RankMemory, Summary};
 
 use crate::batches::{epoch_order, BatchLayout};
 use crate::comm::Communicator;
-use crate::comm_hook::{CommHook, CommPlan, ReduceStage};
+use crate::comm_hook::CommHook;
 use crate::config::TrainConfig;
 use crate::dataset::Dataset;
 use crate::metrics::MetricsSink;
@@ -124,22 +124,6 @@ fn train_step(
     Ok(outcome)
 }
 
-/// What a run will ask of its communication hook: the reduction stages
-/// `parallel`'s policy uses and whether it gathers sharded parameters.
-pub fn comm_plan(parallel: &DataParallel, strategy: &str, world: usize, offload: bool) -> CommPlan {
-    let sharded = parallel.shard().is_some();
-    let mut stages = vec![];
-    if world > 1 {
-        let grads_sharded = sharded && parallel.policy.grads == crate::strategy::GradReduction::ReduceScatter;
-        stages.push(if grads_sharded { ReduceStage::Shard } else { ReduceStage::World });
-        if grads_sharded && parallel.replicas().is_some() {
-            stages.push(ReduceStage::Replica);
-        }
-    }
-    let gathers = sharded && matches!(parallel.policy.params, crate::strategy::ParamPlacement::Sharded { .. });
-    CommPlan { strategy: strategy.to_string(), stages, gathers, world_size: world, offload }
-}
-
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
@@ -148,10 +132,10 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
-    hook.check(&comm_plan(&parallel, strategy.name(), world, offload.to_host()))
+    hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
         .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))?;
-    let options = TrainOptions::from_config(config, dtype, offload.to_host());
-    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).build(&params)?;
+    let options = TrainOptions::from_config(config, dtype);
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);
 
     let monitor = Monitor::from_config(config);

@@ -174,9 +174,9 @@ impl Summary {
             .collect();
         let host_peak_per_rank = per_rank(comm, &[process_memory().map_or(0.0, |(_, peak)| peak as f64)])?.concat();
         let held = trainer.memory();
-        let state_per_rank = per_rank(comm, &[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host, held.frozen])?
+        let state_per_rank = per_rank(comm, &[held.params, held.grads, held.optimizer_state, held.gathered_peak, held.host, held.frozen, held.comm_state])?
             .into_iter()
-            .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4], frozen: m[5] })
+            .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4], frozen: m[5], comm_state: m[6] })
             .collect();
         let model = trainer.model();
         let frozen_params = model.frozen_numel();

@@ -58,7 +58,8 @@ pub struct BenchSettings<'a> {
 pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings) -> Result<Vec<CheckedRow>> {
     let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size } = *settings;
     let mut checked = vec![];
-    for row in rows.iter().filter(|r| r.error.is_none()) {
+    // Rows through a communication plug-in are left out: a bench row does not record the hook's options.
+    for row in rows.iter().filter(|r| r.error.is_none() && r.comm == crate::comm_hook::BUILTIN) {
         let model = *models
             .iter()
             .find(|m| model_label(**m) == row.model)
@@ -82,6 +83,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             offload: offload.name,
             offload_to_host: (offload.create)().to_host(),
             activation_checkpointing: row.activation_checkpointing,
+            comm: None,
         };
         let predicted = predict(&workload, &cluster, &setup)?;
         checked.push(CheckedRow {

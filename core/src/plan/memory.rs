@@ -57,8 +57,8 @@ pub(super) struct StepMemory {
     pub peak: PeakBreakdown,
     /// The most bytes gathered at once (what the trainer reports as `gathered_peak`).
     pub gathered_peak: f64,
-    /// Bytes of each all-gather, in the order the micro-batch starts them.
-    pub gathers: Vec<f64>,
+    /// Each all-gather's unit and bytes, in the order the micro-batch starts them.
+    pub gathers: Vec<(usize, f64)>,
 }
 
 /// A reduction in flight: the bytes it holds, and the gradient shard it
@@ -75,7 +75,7 @@ struct Walk<'a> {
     peak: PeakBreakdown,
     gathered: Vec<bool>,
     gathered_peak: f64,
-    gathers: Vec<f64>,
+    gathers: Vec<(usize, f64)>,
     pending: VecDeque<Pending>,
 }
 
@@ -101,7 +101,7 @@ impl Walk<'_> {
             self.gathered[u] = true;
             let bytes = self.unit_bytes(u);
             self.now.gathered += bytes;
-            self.gathers.push(bytes);
+            self.gathers.push((u, bytes));
             self.note();
         }
     }
@@ -237,7 +237,7 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
         pending: VecDeque::new(),
     };
     // Offloaded, masters, gradients and moments are on the host; the device keeps the compute copies.
-    walk.now.state = if offload { state.params + state.optimizer_state + state.grads - state.host } else { state.params + state.optimizer_state };
+    walk.now.state = state.comm_state + if offload { state.params + state.optimizer_state + state.grads - state.host } else { state.params + state.optimizer_state };
     walk.now.grads = if micro.accumulating && !offload { state.grads } else { 0.0 };
     walk.now.activations = (activations.bias_per_position_pair * micro.seq * micro.seq) as f64 * element;
     walk.note();

@@ -37,8 +37,9 @@ pub use run::{explain_out_of_memory, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
 
 use crate::collectives_bench::{Collective, CommTestRow};
+use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
-use crate::flat::{rank_memory, MemoryAccount, UnitPlacement};
+use crate::flat::{param_offsets, rank_memory, MemoryAccount, UnitPlacement};
 use crate::gpu::GpuSpec;
 use crate::model::Model;
 use crate::offload::{NoOffload, Offload};
@@ -228,6 +229,15 @@ impl std::str::FromStr for Checkpointing {
     }
 }
 
+/// A communication hook to plan rows with.
+pub struct PlanComm {
+    pub hook: Box<dyn CommHook>,
+    /// How many gradient or parameter elements it compresses and
+    /// decompresses per second on the GPU, as measured (`ft bench` beside
+    /// the built-in); None: its compute is left out.
+    pub elements_per_second: Option<f64>,
+}
+
 /// One way to run the workload.
 pub struct Setup<'a> {
     pub strategy: &'a str,
@@ -235,12 +245,17 @@ pub struct Setup<'a> {
     pub offload: &'a str,
     pub offload_to_host: bool,
     pub activation_checkpointing: bool,
+    /// The communication hook: the strategy's own, or one planned beside it (None: the built-in collectives).
+    pub comm: Option<&'a PlanComm>,
 }
 
 /// What one way of running it costs, per rank (every rank holds the same).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanRow {
     pub strategy: String,
+    /// A communication plug-in planned beside the strategy's own collectives (`ft plan --comm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<String>,
     pub offload: String,
     pub activation_checkpointing: bool,
     pub shard_group_size: usize,
@@ -269,6 +284,9 @@ impl PlanRow {
     /// "full_shard + cpu offload + activation checkpointing".
     pub fn label(&self) -> String {
         let mut label = self.strategy.clone();
+        if let Some(comm) = &self.comm {
+            label += &format!(" + comm {comm}");
+        }
         if self.offload != NoOffload.name() {
             label += &format!(" + {} offload", self.offload);
         }
@@ -278,8 +296,9 @@ impl PlanRow {
         label
     }
 
+    /// The row of the strategy with its own communication.
     fn is(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> bool {
-        self.strategy == strategy && self.offload == offload && self.activation_checkpointing == activation_checkpointing
+        self.strategy == strategy && self.comm.is_none() && self.offload == offload && self.activation_checkpointing == activation_checkpointing
     }
 }
 
@@ -327,7 +346,10 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let requested = workload.shard_group_size.filter(|_| setup.policy.optimizer_state_sharded);
     let group = setup.policy.shard_group_size(setup.strategy, cluster.gpus, cluster.gpus_per_node(), requested)?;
     let placements = placements(workload, setup, group);
-    let state = rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host);
+    let units: Vec<UnitInfo> =
+        workload.model.units().iter().zip(&placements).map(|(spec, p)| UnitInfo::new(spec, param_offsets(spec), p.shard.padded)).collect();
+    let comm_state = setup.comm.map_or(0.0, |c| units.iter().map(|u| c.hook.state_bytes(u)).sum());
+    let state = MemoryAccount { comm_state, ..rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host) };
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
     let peak_allocated_bytes = step.peak.total();
@@ -354,10 +376,11 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         (Some(_), false) => Some(0),
         (Some(_), true) => Some(largest(fits_with)),
     };
-    let time = time::step_time(workload, cluster, setup, &placements, group, &step.gathers);
+    let time = time::step_time(workload, cluster, setup, &placements, &units, group, &step.gathers);
     let step_seconds = time.total();
     Ok(PlanRow {
         strategy: setup.strategy.into(),
+        comm: None,
         offload: setup.offload.into(),
         activation_checkpointing: setup.activation_checkpointing,
         shard_group_size: group,
@@ -400,21 +423,40 @@ fn largest(fits: impl Fn(i64) -> bool) -> i64 {
 impl Plan {
     /// Every registered strategy × offload × `checkpointing` for `workload` on `cluster`.
     pub fn new(workload: &Workload, cluster: &Cluster, registry: &Registry, checkpointing: Checkpointing) -> Result<Plan> {
+        Plan::with_comms(workload, cluster, registry, checkpointing, &[])
+    }
+
+    /// `Plan::new`'s rows (each strategy with its own communication), and
+    /// the same again through each of `comms` (name, hook) under every
+    /// strategy the hook serves.
+    pub fn with_comms(workload: &Workload, cluster: &Cluster, registry: &Registry, checkpointing: Checkpointing, comms: &[(String, PlanComm)]) -> Result<Plan> {
         if workload.batch < 1 || workload.seq < 2 || workload.grad_accum < 1 {
             bail!("plan a batch of at least 1 example of at least 2 tokens, and grad_accum of at least 1");
         }
         let mut rows = vec![];
         for strategy in registry.strategies() {
-            let policy = (strategy.create)().policy();
+            let made = (strategy.create)();
+            let policy = made.policy();
             if let Err(why) = policy.validate(&strategy.name) {
                 tracing::warn!("ft plan leaves out {why}");
                 continue;
             }
-            for offload in registry.offloads() {
-                let to_host = (offload.create)().to_host();
-                for &activation_checkpointing in checkpointing.choices() {
-                    let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing };
-                    rows.push(predict(workload, cluster, &setup)?);
+            let own = made.comm_hook().map(|hook| PlanComm { hook, elements_per_second: None });
+            let requested = workload.shard_group_size.filter(|_| policy.optimizer_state_sharded);
+            let group = policy.shard_group_size(&strategy.name, cluster.gpus, cluster.gpus_per_node(), requested)?;
+            let planned = comms.iter().map(|(name, comm)| (Some(name.as_str()), Some(comm)));
+            for (name, comm) in std::iter::once((None, own.as_ref())).chain(planned) {
+                for offload in registry.offloads() {
+                    let to_host = (offload.create)().to_host();
+                    // A planned hook's rows are where it serves the strategy.
+                    let refused = |comm: &PlanComm| comm.hook.check(&policy.comm_plan(&strategy.name, cluster.gpus, group, to_host)).is_err();
+                    if name.is_some() && comm.is_some_and(refused) {
+                        continue;
+                    }
+                    for &activation_checkpointing in checkpointing.choices() {
+                        let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, comm };
+                        rows.push(PlanRow { comm: name.map(str::to_string), ..predict(workload, cluster, &setup)? });
+                    }
                 }
             }
         }
@@ -461,14 +503,14 @@ impl Plan {
         let gb = |bytes: f64| format!("{:.1}", bytes / 1e9);
         let mut out = format!("ft plan: {}\n         on {}\n\n", self.workload(), self.hardware());
         out += &format!(
-            "{:<16} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>13} {:>10}\n",
+            "{:<24} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>13} {:>10}\n",
             "strategy", "offload", "ckpt", "fits", "peak GB", "state", "acts", "other", "host GB", "step s", "tokens/s/GPU", "max batch"
         );
         for r in &self.rows {
             let other = r.peak.gathered + r.peak.loss + r.peak.transient;
             out += &format!(
-                "{:<16} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10.3} {:>13.0} {:>10}{}\n",
-                r.strategy,
+                "{:<24} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10.3} {:>13.0} {:>10}{}\n",
+                r.comm.as_ref().map_or(r.strategy.clone(), |comm| format!("{}+{comm}", r.strategy)),
                 r.offload,
                 if r.activation_checkpointing { "on" } else { "off" },
                 if r.fits { "yes" } else { "no" },

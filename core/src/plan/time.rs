@@ -11,6 +11,7 @@
 
 use super::{Cluster, Setup, Workload};
 use crate::collectives_bench::Collective;
+use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire};
 use crate::flat::UnitPlacement;
 use crate::model::StageKind;
 use serde::{Deserialize, Serialize};
@@ -47,11 +48,14 @@ pub struct StepTime {
     pub optimizer: f64,
     /// Offloaded: the host's AdamW and the transfers nothing hides.
     pub offload: f64,
+    /// A communication hook's compression and decompression at its measured rate.
+    #[serde(default)]
+    pub compress: f64,
 }
 
 impl StepTime {
     pub fn total(&self) -> f64 {
-        self.compute + self.communication + self.optimizer + self.offload
+        self.compute + self.communication + self.optimizer + self.offload + self.compress
     }
 }
 
@@ -97,8 +101,30 @@ impl Network<'_> {
     }
 }
 
-/// The collectives of one step: `gathers` are one micro-batch's all-gathers in order.
-fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[f64], data_parallel: bool) -> Vec<Transfer> {
+/// What a step's collectives carry through `hook` (None: the built-in's bytes).
+struct Wires<'a> {
+    hook: Option<&'a dyn CommHook>,
+    units: &'a [UnitInfo],
+    /// Elements the hook changed on their way (compressed, quantized).
+    changed: f64,
+}
+
+impl Wires<'_> {
+    /// The bytes of unit `u`'s `wire` of `elements` elements of `element` bytes each.
+    fn bytes(&mut self, u: usize, wire: Wire, elements: f64, element: f64) -> f64 {
+        let builtin = elements * element;
+        let Some(hook) = self.hook else { return builtin };
+        let bytes = hook.wire_bytes(&self.units[u], wire, elements, element);
+        if bytes != builtin {
+            self.changed += elements;
+        }
+        bytes
+    }
+}
+
+/// The collectives of one step (`gathers` are one micro-batch's all-gathers
+/// in order, by unit), and the elements the hook compressed.
+fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usize, f64)], data_parallel: bool, wires: &mut Wires) -> Vec<Transfer> {
     let mut out = vec![];
     if !data_parallel {
         return out;
@@ -107,7 +133,8 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[f64],
     let micro_batches = workload.grad_accum;
     for micro in 0..micro_batches {
         let last = micro + 1 == micro_batches;
-        for (i, &bytes) in gathers.iter().enumerate() {
+        for (i, &(u, bytes)) in gathers.iter().enumerate() {
+            let bytes = wires.bytes(u, Wire::Gather, bytes / compute, compute);
             out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes, exposed: i == 0 });
         }
         // Backward reduces the units in reverse: the first stage's unit last.
@@ -116,14 +143,17 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[f64],
             let exposed = u == first_unit;
             let (padded, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
             if placement.grads_sharded {
-                out.push(Transfer { collective: Collective::ReduceScatter, group: Group::Shard, bytes: padded * reduce, exposed });
+                let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::Shard), padded, reduce);
+                out.push(Transfer { collective: Collective::ReduceScatter, group: Group::Shard, bytes, exposed });
                 // Replicas sum their shards: each micro-batch's when it goes to the host.
-                let replica_bytes = if placement.offload { Some(shard * reduce) } else { last.then_some(shard * 4.0) };
-                if let Some(bytes) = replica_bytes {
+                let replica = if placement.offload { Some(reduce) } else { last.then_some(4.0) };
+                if let Some(element) = replica {
+                    let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::Replica), shard, element);
                     out.push(Transfer { collective: Collective::AllReduce, group: Group::Replicas, bytes, exposed });
                 }
             } else if placement.offload || last {
-                out.push(Transfer { collective: Collective::AllReduce, group: Group::World, bytes: padded * reduce, exposed });
+                let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::World), padded, reduce);
+                out.push(Transfer { collective: Collective::AllReduce, group: Group::World, bytes, exposed });
             }
         }
     }
@@ -142,9 +172,18 @@ fn block_flops_per_token(workload: &Workload) -> f64 {
     model.train_flops_per_token(workload.seq) - 6.0 * other_params as f64
 }
 
-/// The step's time under `setup`, with `placements` as its units' and
-/// `gathers` one micro-batch's all-gathers (from the memory walk).
-pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, placements: &[UnitPlacement], shard_group: usize, gathers: &[f64]) -> StepTime {
+/// The step's time under `setup`, with `placements` as its units' (and
+/// `units` what its hook is told of them) and `gathers` one micro-batch's
+/// all-gathers by unit (from the memory walk).
+pub(super) fn step_time(
+    workload: &Workload,
+    cluster: &Cluster,
+    setup: &Setup,
+    placements: &[UnitPlacement],
+    units: &[UnitInfo],
+    shard_group: usize,
+    gathers: &[(usize, f64)],
+) -> StepTime {
     let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
     let mut flops = tokens * workload.model.train_flops_per_token(workload.seq);
     if setup.activation_checkpointing {
@@ -156,7 +195,8 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, p
     let network = Network { cluster, shard_group };
     let data_parallel = cluster.gpus > 1;
     let (mut exposed, mut overlapped) = (0.0, 0.0);
-    for transfer in transfers(workload, placements, gathers, data_parallel) {
+    let mut wires = Wires { hook: setup.comm.map(|c| c.hook.as_ref()), units, changed: 0.0 };
+    for transfer in transfers(workload, placements, gathers, data_parallel, &mut wires) {
         let seconds = network.seconds(&transfer);
         if transfer.exposed {
             exposed += seconds;
@@ -180,5 +220,6 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, p
     } else {
         (owned * OPTIMIZER_BYTES / (cluster.memory_bandwidth * OPTIMIZER_BANDWIDTH_FRACTION), 0.0)
     };
-    StepTime { compute, communication, optimizer, offload }
+    let compress = setup.comm.and_then(|c| c.elements_per_second).map_or(0.0, |rate| wires.changed / rate);
+    StepTime { compute, communication, optimizer, offload, compress }
 }

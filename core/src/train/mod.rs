@@ -21,6 +21,7 @@ use crate::comm_hook::{Builtin, CommHook, UnitInfo};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::Model;
+use crate::offload::Offload;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use ft_sys::AdamW;
@@ -40,9 +41,6 @@ pub struct TrainOptions {
     /// fp16's first loss scale (dynamic: halved on overflow, doubled after
     /// 2000 clean steps, as torch.amp.GradScaler does).
     pub initial_loss_scale: f64,
-    /// Keep fp32 masters, gradients and optimizer state in host memory and
-    /// step them with the CPU AdamW (`--offload cpu`).
-    pub offload_to_host: bool,
 }
 
 impl Default for TrainOptions {
@@ -54,14 +52,13 @@ impl Default for TrainOptions {
             activation_checkpointing: false,
             seed: 0,
             initial_loss_scale: 65536.0,
-            offload_to_host: false,
         }
     }
 }
 
 impl TrainOptions {
     /// A run's options from its `train.*` configuration.
-    pub fn from_config(config: &TrainConfig, dtype: Kind, offload_to_host: bool) -> TrainOptions {
+    pub fn from_config(config: &TrainConfig, dtype: Kind) -> TrainOptions {
         TrainOptions {
             dtype,
             adamw: AdamW {
@@ -75,7 +72,6 @@ impl TrainOptions {
             activation_checkpointing: config.activation_checkpointing,
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
-            offload_to_host,
         }
     }
 }
@@ -132,6 +128,8 @@ pub struct Trainer<'m> {
     unit_info: Vec<UnitInfo>,
     /// How gradients are reduced and sharded parameters gathered.
     hook: Box<dyn CommHook>,
+    /// Where offloaded state is stored and how it is stepped (None: nothing is offloaded).
+    offload: Option<&'m dyn Offload>,
     /// Optimizer steps taken (what hooks are told).
     steps: usize,
     options: TrainOptions,
@@ -157,11 +155,19 @@ pub struct TrainerBuilder<'m> {
     options: TrainOptions,
     parallel: Option<&'m DataParallel<'m>>,
     hook: Box<dyn CommHook>,
+    offload: Option<&'m dyn Offload>,
 }
 
 impl<'m> TrainerBuilder<'m> {
     pub fn new(model: &'m dyn Model, options: TrainOptions) -> TrainerBuilder<'m> {
-        TrainerBuilder { model, options, parallel: None, hook: Box::new(Builtin) }
+        TrainerBuilder { model, options, parallel: None, hook: Box::new(Builtin), offload: None }
+    }
+
+    /// Keeps fp32 masters, gradients and optimizer state where `offload`
+    /// says and steps them as it does (`--offload`; `none` changes nothing).
+    pub fn offload(mut self, offload: &'m dyn Offload) -> TrainerBuilder<'m> {
+        self.offload = offload.to_host().then_some(offload);
+        self
     }
 
     /// Reduces gradients and gathers parameters through `hook` instead of
@@ -181,13 +187,13 @@ impl<'m> TrainerBuilder<'m> {
     /// training device: every rank passes the same ones and keeps what the
     /// policy assigns it.
     pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
-        let TrainerBuilder { model, options, parallel, hook } = self;
+        let TrainerBuilder { model, options, parallel, hook, offload } = self;
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
         let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
         let placement = |unit: usize, numel: i64| {
-            let placement = UnitPlacement::new(&policy, numel, group_size, group_rank, options.offload_to_host);
+            let placement = UnitPlacement::new(&policy, numel, group_size, group_rank, offload.is_some());
             match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),
                 (false, true) => placement.whole_params(),
@@ -199,7 +205,7 @@ impl<'m> TrainerBuilder<'m> {
             .iter()
             .zip(params)
             .enumerate()
-            .map(|(unit, (spec, t))| FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel())))
+            .map(|(unit, (spec, t))| FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel()), offload))
             .collect::<Result<Vec<_>>>()?;
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
@@ -213,6 +219,7 @@ impl<'m> TrainerBuilder<'m> {
             units,
             unit_info,
             hook,
+            offload,
             steps: 0,
             options,
             step: Tensor::zeros([], (Kind::Float, device)),
@@ -362,7 +369,8 @@ impl<'m> Trainer<'m> {
     /// and the peak of gathered units so far.
     pub fn memory(&self) -> MemoryAccount {
         let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
-        MemoryAccount { gathered_peak: self.gathered_peak as f64, ..held }
+        let comm_state = self.unit_info.iter().map(|unit| self.hook.state_bytes(unit)).sum();
+        MemoryAccount { gathered_peak: self.gathered_peak as f64, comm_state, ..held }
     }
 
     /// fp16's loss scaler as two fp32 values on the host, for a checkpoint.

@@ -42,6 +42,11 @@ fn refs(list: &[Tensor]) -> Vec<&Tensor> {
 }
 
 impl Trainer<'_> {
+    /// The offload that stores and steps this trainer's offloaded state.
+    fn offloaded_state(&self) -> Result<&dyn crate::offload::Offload> {
+        self.offload.ok_or_else(|| anyhow::anyhow!("a unit's state is in host memory, but the trainer has no offload to step it"))
+    }
+
     /// Clips by the global gradient norm (if configured), takes one AdamW step
     /// at `lr`, refreshes the compute copies and clears the gradients.
     /// Returns the gradient norm before clipping, on the device.
@@ -73,7 +78,7 @@ impl Trainer<'_> {
         let squares = owned
             .iter()
             .map(|g| match g.device() {
-                tch::Device::Cpu if offloaded => Ok(Tensor::from(ft_sys::cpu_sum_of_squares(g)? as f32).to_device(device)),
+                tch::Device::Cpu if offloaded => Ok(Tensor::from(self.offloaded_state()?.sum_of_squares(g)? as f32).to_device(device)),
                 // One reduction reading the gradient once (square().sum() writes an fp32 copy first).
                 _ => Ok(g.norm().square()),
             })
@@ -129,9 +134,7 @@ impl Trainer<'_> {
             if !host.is_empty() && !found_inf.as_ref().is_some_and(|inf| inf.double_value(&[0]) != 0.0) {
                 let scale = grad_scale.as_ref().map_or(1.0, |s| s.double_value(&[]));
                 let step = self.step.double_value(&[]);
-                for [p, g, mm, vv] in &host {
-                    ft_sys::cpu_adamw(p, g, mm, vv, hyper, step, scale)?;
-                }
+                self.offloaded_state()?.adamw(&host, hyper, step, scale)?;
             }
         }
         if let (Some(scaler), Some(found_inf)) = (&mut self.scaler, &found_inf) {
@@ -156,8 +159,7 @@ impl Trainer<'_> {
         }
         self.pending_micro_batches = 0;
         self.steps += 1;
-        let (hook, steps) = (&mut self.hook, self.steps);
-        crate::comm_hook::guarded("after_step", || hook.after_step(steps)).map_err(|e| e.context(format!("comm `{}`", hook.name())))?;
+        self.hook.after_step(self.steps).map_err(|e| e.context(format!("comm `{}`", self.hook.name())))?;
         Ok(total_norm)
     }
 

@@ -5,7 +5,7 @@
 //! result is needed.
 
 use super::{DataParallel, Trainer};
-use crate::comm_hook::{guarded, GradReduce, Pending, ReduceStage};
+use crate::comm_hook::{GradReduce, Pending, ReduceStage};
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -43,6 +43,8 @@ impl Trainer<'_> {
             ReduceStage::Shard => parallel.shard().expect("sharded gradients have a shard group"),
             ReduceStage::Replica => parallel.replicas().expect("a replica stage has replica groups"),
         };
+        let (hook, unit, step) = (self.hook.name(), &self.unit_info[u].name, self.steps);
+        group.note_caller(|| format!("comm `{hook}` reduced unit {unit} ({}, step {step})", stage.name()));
         let offset = if stage == ReduceStage::Replica { self.units[u].placement().shard.start } else { 0 };
         let request = GradReduce {
             unit: &self.unit_info[u],
@@ -56,7 +58,7 @@ impl Trainer<'_> {
             seed: self.options.seed as u64,
         };
         let hook = &mut self.hook;
-        guarded("the reduction", || hook.reduce(request)).map_err(|e| e.context(format!("comm `{}`: {} of unit {}", hook.name(), stage.name(), self.unit_info[u].name)))
+        hook.reduce(request).map_err(|e| e.context(format!("comm `{}`: {} of unit {}", hook.name(), stage.name(), self.unit_info[u].name)))
     }
 
     /// Hands unit `u`'s complete micro-batch gradient to the reduction the

@@ -6,10 +6,8 @@
 //! its tensors alive until it is dropped (c10d holds references), so dropping
 //! Rust handles early never frees memory a collective still uses.
 
-mod cpu_adamw;
 pub mod kernels;
 
-pub use cpu_adamw::{cpu_adamw, cpu_sum_of_squares, set_cpu_threads};
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::fmt;

@@ -10,7 +10,7 @@
 //! Loaded with `ft --plugin libbf16.so …`; README.md beside this file.
 
 use anyhow::Result;
-use ft_core::comm_hook::{Builtin, CommHook, GradReduce, Pending, ReduceStage};
+use ft_core::comm_hook::{Builtin, CommHook, GradReduce, Pending, ReduceStage, UnitInfo, Wire};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::strategy::{ShardingPolicy, ShardingStrategy};
 use ft_core::Reduction;
@@ -50,8 +50,11 @@ impl CommHook for Bf16 {
         }))
     }
 
-    fn wire_fraction(&self, _unit: &ft_core::comm_hook::UnitInfo, _stage: ReduceStage) -> f64 {
-        0.5
+    fn wire_bytes(&self, _unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+        match wire {
+            Wire::Reduce(_) => elements * element_bytes.min(2.0),
+            Wire::Gather => elements * element_bytes,
+        }
     }
 }
 

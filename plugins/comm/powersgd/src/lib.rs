@@ -23,7 +23,7 @@
 //! per rank and restored on resume (same world size and options).
 
 use anyhow::{bail, Result};
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, UnitInfo};
+use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, UnitInfo, Wire};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::Reduction;
 use rand::{Rng, SeedableRng};
@@ -62,7 +62,7 @@ impl Options {
         if read.rank < 1 {
             bail!("comm.powersgd.rank must be at least 1 (got {})", read.rank);
         }
-        if !(read.min_compression_rate >= 0.0) {
+        if read.min_compression_rate.is_nan() || read.min_compression_rate < 0.0 {
             bail!("comm.powersgd.min_compression_rate must be 0 or more (got {})", read.min_compression_rate);
         }
         Ok(read)
@@ -309,11 +309,16 @@ impl CommHook for PowerSgd {
         4.0 * (if self.options.error_feedback { unit.padded } else { 0 } + q) as f64
     }
 
-    fn wire_fraction(&self, unit: &UnitInfo, stage: ReduceStage) -> f64 {
-        if stage == ReduceStage::Shard {
-            return 1.0;
+    /// Once compressing: the factors and the plain part, in fp32, for the
+    /// share of the unit the stage carries.
+    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+        match wire {
+            Wire::Reduce(ReduceStage::World | ReduceStage::Replica) => {
+                let share = Layout::new(unit, 0, unit.padded, &self.options).wire_elements() as f64 / unit.padded.max(1) as f64;
+                elements * share * 4.0
+            }
+            _ => elements * element_bytes,
         }
-        Layout::new(unit, 0, unit.padded, &self.options).wire_elements() as f64 / unit.padded.max(1) as f64
     }
 }
 

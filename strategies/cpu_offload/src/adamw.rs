@@ -4,7 +4,8 @@
 //! plain scalar code written for the compiler to vectorise. Same arithmetic
 //! as ATen's fused AdamW (decoupled weight decay, bias correction).
 
-use crate::{AdamW, Result, ShimError};
+use anyhow::{bail, Result};
+use ft_core::AdamW;
 use rayon::prelude::*;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
@@ -68,11 +69,7 @@ fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coeff
 
 fn host_f32(tensor: &Tensor, name: &str) -> Result<(*mut f32, usize)> {
     if tensor.device() != Device::Cpu || tensor.kind() != Kind::Float || !tensor.is_contiguous() {
-        return Err(ShimError(format!(
-            "cpu_adamw: {name} must be a contiguous f32 host tensor (got {:?} {:?})",
-            tensor.kind(),
-            tensor.device()
-        )));
+        bail!("cpu_adamw: {name} must be a contiguous f32 host tensor (got {:?} {:?})", tensor.kind(), tensor.device());
     }
     Ok((tensor.data_ptr() as *mut f32, tensor.numel()))
 }
@@ -94,11 +91,11 @@ pub fn cpu_adamw(
     let (m, mn) = host_f32(exp_avg, "exp_avg")?;
     let (v, vn) = host_f32(exp_avg_sq, "exp_avg_sq")?;
     if [gn, mn, vn] != [n, n, n] {
-        return Err(ShimError(format!("cpu_adamw: lengths differ (param {n}, grad {gn}, exp_avg {mn}, exp_avg_sq {vn})")));
+        bail!("cpu_adamw: lengths differ (param {n}, grad {gn}, exp_avg {mn}, exp_avg_sq {vn})");
     }
     let written = [p as usize, m as usize, v as usize];
     if n > 0 && (written[0] == written[1] || written[0] == written[2] || written[1] == written[2] || written.contains(&(g as usize))) {
-        return Err(ShimError("cpu_adamw: param, grad, exp_avg and exp_avg_sq must be distinct buffers".into()));
+        bail!("cpu_adamw: param, grad, exp_avg and exp_avg_sq must be distinct buffers");
     }
     let c = Coefficients {
         decay: (1.0 - hyper.lr * hyper.weight_decay) as f32,
@@ -167,7 +164,7 @@ mod tests {
             cpu_adamw(&ours[0], &grad, &ours[1], &ours[2], hyper, t as f64, scale).unwrap();
             let _ = step.shallow_clone().g_add_scalar_(1.0);
             let scale_tensor = Tensor::from(scale as f32);
-            crate::fused_adamw(&[&theirs[0]], &[&grad], &[&theirs[1]], &[&theirs[2]], &[&step], hyper, Some(&scale_tensor), None).unwrap();
+            ft_core::fused_adamw(&[&theirs[0]], &[&grad], &[&theirs[1]], &[&theirs[2]], &[&step], hyper, Some(&scale_tensor), None).unwrap();
             for (a, b) in ours.iter().zip(&theirs) {
                 let relative = ((a - b).abs().max().double_value(&[])) / b.abs().max().double_value(&[]);
                 assert!(relative <= 1e-6, "step {t}: relative difference {relative:e}");
@@ -189,11 +186,11 @@ mod tests {
         let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         let short = Tensor::zeros([3], (Kind::Float, Device::Cpu));
         let err = cpu_adamw(&a, &short, &a.zeros_like(), &a.zeros_like(), hyper, 1.0, 1.0).unwrap_err();
-        assert!(err.0.contains("lengths differ"), "{}", err.0);
+        assert!(err.to_string().contains("lengths differ"), "{err}");
         let err = cpu_adamw(&a, &a.zeros_like(), &a, &a.zeros_like(), hyper, 1.0, 1.0).unwrap_err();
-        assert!(err.0.contains("distinct"), "{}", err.0);
+        assert!(err.to_string().contains("distinct"), "{err}");
         let half = Tensor::zeros([4], (Kind::Half, Device::Cpu));
         let err = cpu_adamw(&half, &a.zeros_like(), &a.zeros_like(), &a.zeros_like(), hyper, 1.0, 1.0).unwrap_err();
-        assert!(err.0.contains("contiguous f32 host tensor"), "{}", err.0);
+        assert!(err.to_string().contains("contiguous f32 host tensor"), "{err}");
     }
 }
