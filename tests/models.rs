@@ -1,6 +1,7 @@
 //! Models against transformers' outputs stored by bench/parity/make_fixtures.sh
-//! (tiny BLOOM, OPT, Llama, GQA-Llama, Llama 3 with llama3 RoPE scaling),
-//! their exports loading in transformers, and every loading error's message.
+//! (tiny BLOOM, OPT, Llama, GQA-Llama, Llama 3 with llama3 RoPE scaling,
+//! Qwen2), their exports loading in transformers, and every loading error's
+//! message.
 
 use ft_core::generate::greedy;
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
@@ -9,7 +10,7 @@ use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-const FIXTURES: [&str; 5] = ["bloom", "opt", "llama", "llama-gqa", "llama3"];
+const FIXTURES: [&str; 6] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -177,11 +178,11 @@ fn unknown_model_type_and_bad_config_are_rejected() {
     assert!(message.contains("must be a multiple of num_key_value_heads (3)"), "{message}");
 }
 
-/// What Llama 3 configs may ask that ft does not compute is refused in one
-/// line naming the file, the architecture and the key.
+/// What Llama 3 and Qwen2 configs may ask that ft does not compute is
+/// refused in one line naming the file, the architecture and the key.
 #[test]
 fn configs_asking_what_ft_does_not_compute_are_refused() {
-    let cases: [(&str, &str, serde_json::Value, &str); 2] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 4] = [
         (
             "llama3",
             "rope_scaling",
@@ -189,6 +190,8 @@ fn configs_asking_what_ft_does_not_compute_are_refused() {
             "(llama): rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3)",
         ),
         ("llama3", "attention_dropout", 0.1.into(), "(llama): attention_dropout 0.1 is not supported"),
+        ("qwen2", "use_sliding_window", true.into(), "(qwen2): use_sliding_window: true is not supported"),
+        ("qwen2", "layer_types", serde_json::json!(["full_attention", "sliding_attention"]), "(qwen2): layer_types[1] is \"sliding_attention\""),
     ];
     for (name, key, value, expected) in cases {
         let dir = copy_of(name);
@@ -257,7 +260,7 @@ fn saved_models_load_back_identically_in_each_dtype() {
 fn saved_models_split_into_shards_that_transformers_loads() {
     let scratch = tempfile::tempdir().unwrap();
     let mut pairs = vec![];
-    for name in ["llama-gqa", "llama3"] {
+    for name in ["llama-gqa", "llama3", "qwen2"] {
         let dir = fixture(name);
         let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
         let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();

@@ -12,7 +12,7 @@ cargo build --quiet
 FT=target/debug/ft
 CONFIGS=../shared/data/configs
 OUT=tests/fixtures
-MODELS=(bloom opt llama llama-gqa llama3)
+MODELS=(bloom opt llama llama-gqa llama3 qwen2)
 # Only the model fixtures: tests/fixtures/plan/ is not made here.
 for name in "${MODELS[@]}"; do rm -rf "${OUT:?}/$name"; done
 TINY_VOCAB=(--set vocab_size=128)
@@ -42,5 +42,10 @@ python bench/parity/init_hf.py $OUT/llama3 --seed 7 --keep given --config "{\"mo
   \"head_dim\": 16, \"rope_theta\": 500000.0, \"rms_norm_eps\": 1e-05, \"max_position_embeddings\": 256,
   \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0,
   \"original_max_position_embeddings\": 64}, \"tie_word_embeddings\": true, \"initializer_range\": 0.1}"
+# Qwen2 (tied, q/k/v biases) with its config as transformers 5 writes it
+# (`rope_parameters`, `layer_types`).
+python bench/parity/init_hf.py $OUT/qwen2 --seed 5 --keep saved --config "{\"model_type\": \"qwen2\", $TINY,
+  \"tie_word_embeddings\": true, \"rope_theta\": 1000000.0, \"max_position_embeddings\": 128, \"use_sliding_window\": false,
+  \"max_window_layers\": 2}"
 python bench/parity/parity.py --ft $FT --device cpu --batch 2 --seq 16 --write-fixtures \
-  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3
+  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3 $OUT/qwen2

@@ -2,6 +2,13 @@
 //! SwiGLU MLP, grouped-query attention, LM head untied unless
 //! `tie_word_embeddings` (the small Llama 3.2 models tie it).
 //!
+//! Its relatives share this block and differ in a few switches, a
+//! [`Variant`]: which projections carry biases. Qwen2 (`qwen2.rs`) is a
+//! short file that reads its own config keys, names transformers' defaults
+//! for its model_type, says in its top comment how it differs from Llama,
+//! registers its model_type and builds this file's [`Llama`] with its
+//! variant: the math is written once.
+//!
 //! RoPE reads `rope_theta` and `rope_scaling` (hub configs) or transformers
 //! 5's `rope_parameters`; the scalings are "default", "linear" and "llama3"
 //! (Llama 3.1's frequency-dependent rescaling, transformers'
@@ -35,6 +42,7 @@ pub struct RopeParameters {
     pub original_max_position_embeddings: Option<i64>,
 }
 
+/// The config.json keys Llama and its relatives share.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Config {
     pub hidden_size: i64,
@@ -59,16 +67,21 @@ pub struct Config {
     pub max_position_embeddings: Option<i64>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default)]
-    pub mlp_bias: bool,
     #[serde(default = "silu")]
     pub hidden_act: String,
     #[serde(default = "default_std")]
     pub initializer_range: f64,
     #[serde(default)]
     pub attention_dropout: f64,
+}
+
+/// Llama's own keys (Qwen2 fixes its biases in code).
+#[derive(Debug, Clone, Deserialize)]
+struct LlamaKeys {
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
 }
 
 fn default_eps() -> f64 {
@@ -81,6 +94,17 @@ fn silu() -> String {
 }
 fn default_std() -> f64 {
     0.02
+}
+
+/// What a relative of Llama changes in its block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Variant {
+    /// The architecture's name in refusals ("Qwen2 hidden_act …").
+    pub name: &'static str,
+    /// Biases on the query, key and value projections; on the output projection; on the MLP's three.
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
 }
 
 /// How RoPE's inverse frequencies are rescaled (transformers' `ROPE_INIT_FUNCTIONS`).
@@ -117,7 +141,7 @@ impl Config {
     }
 
     /// Refuses what the math below does not compute, naming the key; returns RoPE's parameters.
-    fn validate(&self) -> Result<Rope> {
+    fn validate(&self, name: &str) -> Result<Rope> {
         let (hidden, heads) = (self.hidden_size, self.num_attention_heads);
         check::sizes(&[
             ("vocab_size", self.vocab_size),
@@ -143,7 +167,7 @@ impl Config {
         let rope = self.rope()?;
         check::std("initializer_range", self.initializer_range)?;
         if self.hidden_act != "silu" {
-            bail!("Llama hidden_act {:?} is not supported (only silu)", self.hidden_act);
+            bail!("{name} hidden_act {:?} is not supported (only silu)", self.hidden_act);
         }
         check::probabilities(&[("attention_dropout", self.attention_dropout)])?;
         if self.attention_dropout != 0.0 {
@@ -201,6 +225,19 @@ impl Config {
     }
 }
 
+/// `hf_config` with `defaults` for the keys it leaves out: the values
+/// transformers' config class for a model_type gives them where they
+/// differ from Llama's.
+fn with_defaults(hf_config: &serde_json::Value, defaults: &[(&str, i64)]) -> serde_json::Value {
+    let mut config = hf_config.clone();
+    if let Some(object) = config.as_object_mut() {
+        for (key, value) in defaults {
+            object.entry(*key).or_insert_with(|| (*value).into());
+        }
+    }
+    config
+}
+
 pub struct Llama {
     config: Config,
     layout: Layout,
@@ -210,9 +247,23 @@ pub struct Llama {
 }
 
 impl Llama {
+    /// Llama itself: biases where `attention_bias` and `mlp_bias` say.
     pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
-        let config: Config = check::parse(&hf_config)?;
-        let rope = config.validate()?;
+        Llama::build(hf_config, &[], |config| {
+            let keys: LlamaKeys = check::parse(config)?;
+            Ok(Variant { name: "Llama", qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, mlp_bias: keys.mlp_bias })
+        })
+    }
+
+    /// The block of a Llama relative: its config read with `defaults` for
+    /// the keys it leaves out, and checked; `variant` reads (and checks) the
+    /// family's own keys from the same config. `hf_config` is kept as given
+    /// (written back on export).
+    pub fn build(hf_config: serde_json::Value, defaults: &[(&str, i64)], variant: impl FnOnce(&serde_json::Value) -> Result<Variant>) -> Result<Llama> {
+        let read = with_defaults(&hf_config, defaults);
+        let config: Config = check::parse(&read)?;
+        let variant = variant(&read)?;
+        let rope = config.validate(variant.name)?;
         let (d, heads, head_dim, kv_heads) = (config.hidden_size, config.num_attention_heads, config.head_dim(), config.kv_heads());
         let normal = Init::Normal { std: config.initializer_range };
         let embed = ParamSpec::new("model.", "embed_tokens.weight", &[config.vocab_size, d], normal);
@@ -222,13 +273,13 @@ impl Llama {
             let prefix = format!("model.layers.{layer}.");
             let mut params = vec![ParamSpec::new(&prefix, "input_layernorm.weight", &[d], Init::Ones)];
             let linears = [
-                ("self_attn.q_proj", heads * head_dim, d, config.attention_bias),
-                ("self_attn.k_proj", kv_heads * head_dim, d, config.attention_bias),
-                ("self_attn.v_proj", kv_heads * head_dim, d, config.attention_bias),
-                ("self_attn.o_proj", d, heads * head_dim, config.attention_bias),
-                ("mlp.gate_proj", config.intermediate_size, d, config.mlp_bias),
-                ("mlp.up_proj", config.intermediate_size, d, config.mlp_bias),
-                ("mlp.down_proj", d, config.intermediate_size, config.mlp_bias),
+                ("self_attn.q_proj", heads * head_dim, d, variant.qkv_bias),
+                ("self_attn.k_proj", kv_heads * head_dim, d, variant.qkv_bias),
+                ("self_attn.v_proj", kv_heads * head_dim, d, variant.qkv_bias),
+                ("self_attn.o_proj", d, heads * head_dim, variant.o_bias),
+                ("mlp.gate_proj", config.intermediate_size, d, variant.mlp_bias),
+                ("mlp.up_proj", config.intermediate_size, d, variant.mlp_bias),
+                ("mlp.down_proj", d, config.intermediate_size, variant.mlp_bias),
             ];
             for (name, out, inp, bias) in linears {
                 params.push(ParamSpec::new(&prefix, &format!("{name}.weight"), &[out, inp], normal));
