@@ -58,6 +58,13 @@ fn tiny_configs() -> Vec<Value> {
             "use_sliding_window": false, "layer_types": ["full_attention", "full_attention"], "hidden_act": "silu",
             "initializer_range": 0.02, "attention_dropout": 0.0
         }),
+        // A window of 2, shorter than the forward pass's 4 tokens.
+        json!({
+            "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "sliding_window": 2, "tie_word_embeddings": false, "hidden_act": "silu",
+            "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
         json!({
             "model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
             "intermediate_size": 32, "vocab_size": 64, "max_position_embeddings": 32, "type_vocab_size": 2,

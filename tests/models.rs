@@ -1,7 +1,7 @@
 //! Models against transformers' outputs stored by bench/parity/make_fixtures.sh
 //! (tiny BLOOM, OPT, Llama, GQA-Llama, Llama 3 with llama3 RoPE scaling,
-//! Qwen2), their exports loading in transformers, and every loading error's
-//! message.
+//! Qwen2 and Mistral with a sliding window), their exports loading in
+//! transformers, and every loading error's message.
 
 use ft_core::generate::greedy;
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
@@ -10,7 +10,7 @@ use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-const FIXTURES: [&str; 6] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2"];
+const FIXTURES: [&str; 7] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2", "mistral"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -81,22 +81,26 @@ fn logits_and_tokens(dir: &Path, rows: &[Vec<i64>]) -> (Tensor, Vec<i64>) {
     (logits(&hidden, &weight), greedy(model.as_ref(), &params, &rows[0][..8], 32, None, Kind::Float).unwrap())
 }
 
-/// The parity above would pass vacuously if the llama3 scaling changed
-/// nothing on the fixture's sequences: without it, ft's logits leave
-/// transformers' by far more than the bound (the tied fixture repeats one
-/// token when decoding either way).
+/// The parity above would pass vacuously if the llama3 scaling or the
+/// sliding window changed nothing on the fixtures' sequences: without each,
+/// ft's logits leave transformers' by far more than the bound, and without
+/// the window so do Mistral's greedy tokens (the KV-cache path; the tied
+/// Llama 3 fixture repeats one token either way).
 #[test]
-fn the_fixtures_exercise_the_rope_scaling() {
-    for (name, key) in [("llama3", "rope_scaling")] {
+fn the_fixtures_exercise_the_rope_scaling_and_the_window() {
+    for (name, key) in [("llama3", "rope_scaling"), ("mistral", "sliding_window")] {
         let reference: std::collections::HashMap<String, Tensor> =
             Tensor::read_safetensors(fixture(name).join("reference.safetensors")).unwrap().into_iter().collect();
-        let (logits, _) = logits_and_tokens(&fixture(name), &rows(name));
+        let (logits, tokens) = logits_and_tokens(&fixture(name), &rows(name));
         assert!(relative(&logits, &reference["logits"], 0.0) <= 1e-4, "{name}: with {key}");
         let dir = copy_of(name);
         edit_config(dir.path(), key, serde_json::Value::Null);
-        let (logits, _) = logits_and_tokens(dir.path(), &rows(name));
+        let (logits, tokens_without) = logits_and_tokens(dir.path(), &rows(name));
         let error = relative(&logits, &reference["logits"], 0.0);
         assert!(error > 1e-2, "{name}: without {key} the logits differ by only {error:e}");
+        if name == "mistral" {
+            assert_ne!(tokens_without, tokens, "{name}: without {key} greedy decoding gives the same tokens");
+        }
     }
 }
 
@@ -178,11 +182,11 @@ fn unknown_model_type_and_bad_config_are_rejected() {
     assert!(message.contains("must be a multiple of num_key_value_heads (3)"), "{message}");
 }
 
-/// What Llama 3 and Qwen2 configs may ask that ft does not compute is
-/// refused in one line naming the file, the architecture and the key.
+/// What Qwen2, Mistral and Llama 3 configs may ask that ft does not compute
+/// is refused in one line naming the file, the architecture and the key.
 #[test]
 fn configs_asking_what_ft_does_not_compute_are_refused() {
-    let cases: [(&str, &str, serde_json::Value, &str); 4] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
         (
             "llama3",
             "rope_scaling",
@@ -192,6 +196,7 @@ fn configs_asking_what_ft_does_not_compute_are_refused() {
         ("llama3", "attention_dropout", 0.1.into(), "(llama): attention_dropout 0.1 is not supported"),
         ("qwen2", "use_sliding_window", true.into(), "(qwen2): use_sliding_window: true is not supported"),
         ("qwen2", "layer_types", serde_json::json!(["full_attention", "sliding_attention"]), "(qwen2): layer_types[1] is \"sliding_attention\""),
+        ("mistral", "sliding_window", 0.into(), "(mistral): sliding_window must be at least 1, not 0"),
     ];
     for (name, key, value, expected) in cases {
         let dir = copy_of(name);
@@ -260,7 +265,7 @@ fn saved_models_load_back_identically_in_each_dtype() {
 fn saved_models_split_into_shards_that_transformers_loads() {
     let scratch = tempfile::tempdir().unwrap();
     let mut pairs = vec![];
-    for name in ["llama-gqa", "llama3", "qwen2"] {
+    for name in ["llama-gqa", "llama3", "qwen2", "mistral"] {
         let dir = fixture(name);
         let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
         let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();

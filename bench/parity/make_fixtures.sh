@@ -12,7 +12,7 @@ cargo build --quiet
 FT=target/debug/ft
 CONFIGS=../shared/data/configs
 OUT=tests/fixtures
-MODELS=(bloom opt llama llama-gqa llama3 qwen2)
+MODELS=(bloom opt llama llama-gqa llama3 qwen2 mistral)
 # Only the model fixtures: tests/fixtures/plan/ is not made here.
 for name in "${MODELS[@]}"; do rm -rf "${OUT:?}/$name"; done
 TINY_VOCAB=(--set vocab_size=128)
@@ -47,5 +47,10 @@ python bench/parity/init_hf.py $OUT/llama3 --seed 7 --keep given --config "{\"mo
 python bench/parity/init_hf.py $OUT/qwen2 --seed 5 --keep saved --config "{\"model_type\": \"qwen2\", $TINY,
   \"tie_word_embeddings\": true, \"rope_theta\": 1000000.0, \"max_position_embeddings\": 128, \"use_sliding_window\": false,
   \"max_window_layers\": 2}"
+# Mistral with a window of 5 keys, shorter than the 16-token rows and the 40
+# positions of greedy decoding, in the hub's config keys.
+python bench/parity/init_hf.py $OUT/mistral --seed 6 --keep given --config "{\"model_type\": \"mistral\", $TINY,
+  \"rope_theta\": 10000.0, \"rms_norm_eps\": 1e-05, \"max_position_embeddings\": 128, \"sliding_window\": 5,
+  \"tie_word_embeddings\": false}"
 python bench/parity/parity.py --ft $FT --device cpu --batch 2 --seq 16 --write-fixtures \
-  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3 $OUT/qwen2
+  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3 $OUT/qwen2 $OUT/mistral

@@ -3,7 +3,8 @@
 //! `tie_word_embeddings` (the small Llama 3.2 models tie it).
 //!
 //! Its relatives share this block and differ in a few switches, a
-//! [`Variant`]: which projections carry biases. Qwen2 (`qwen2.rs`) is a
+//! [`Variant`]: which projections carry biases and whether attention slides
+//! over a window. Qwen2 (`qwen2.rs`) and Mistral (`mistral.rs`) are each a
 //! short file that reads its own config keys, names transformers' defaults
 //! for its model_type, says in its top comment how it differs from Llama,
 //! registers its model_type and builds this file's [`Llama`] with its
@@ -75,7 +76,7 @@ pub struct Config {
     pub attention_dropout: f64,
 }
 
-/// Llama's own keys (Qwen2 fixes its biases in code).
+/// Llama's own keys (Qwen2 and Mistral fix their biases in code).
 #[derive(Debug, Clone, Deserialize)]
 struct LlamaKeys {
     #[serde(default)]
@@ -105,6 +106,8 @@ pub struct Variant {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub mlp_bias: bool,
+    /// Each query attends to at most this many keys, itself included (None: every earlier key).
+    pub sliding_window: Option<i64>,
 }
 
 /// How RoPE's inverse frequencies are rescaled (transformers' `ROPE_INIT_FUNCTIONS`).
@@ -240,6 +243,7 @@ fn with_defaults(hf_config: &serde_json::Value, defaults: &[(&str, i64)]) -> ser
 
 pub struct Llama {
     config: Config,
+    variant: Variant,
     layout: Layout,
     head_dim: i64,
     kv_heads: i64,
@@ -247,11 +251,11 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Llama itself: biases where `attention_bias` and `mlp_bias` say.
+    /// Llama itself: biases where `attention_bias` and `mlp_bias` say, full attention.
     pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         Llama::build(hf_config, &[], |config| {
             let keys: LlamaKeys = check::parse(config)?;
-            Ok(Variant { name: "Llama", qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, mlp_bias: keys.mlp_bias })
+            Ok(Variant { name: "Llama", qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, mlp_bias: keys.mlp_bias, sliding_window: None })
         })
     }
 
@@ -301,7 +305,7 @@ impl Llama {
             units.len() - 1
         };
         let layout = Layout::new(hf_config, units, blocks, head_unit);
-        Ok(Llama { config, layout, head_dim, kv_heads, rope })
+        Ok(Llama { config, variant, layout, head_dim, kv_heads, rope })
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
@@ -362,7 +366,9 @@ impl Model for Llama {
 
     /// RoPE keeps only the rotated query and key (cos and sin are the
     /// batch's), RMSNorm its reciprocal deviation, and SwiGLU's node its
-    /// gate and up projections.
+    /// gate and up projections. A sliding window is a [seq, seq] mask once
+    /// the sequence outgrows it, counted always (`ft plan` does not know the
+    /// sequence here): at most two bytes per position pair.
     fn activations(&self) -> Activations {
         let (d, i) = (self.config.hidden_size, self.config.intermediate_size);
         let (q, kv) = (self.config.num_attention_heads * self.head_dim, self.kv_heads * self.head_dim);
@@ -380,12 +386,13 @@ impl Model for Llama {
             Saved::compute("block output", d),
         ];
         // The gradients of the SwiGLU output, the gate and the up projection.
-        Activations { block, block_backward: 3 * i, embed: d, bias_per_position_pair: 0 }
+        let bias_per_position_pair = i64::from(self.variant.sliding_window.is_some());
+        Activations { block, block_backward: 3 * i, embed: d, bias_per_position_pair }
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
         let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
-        let device = input_ids.device();
+        let (device, seq) = (input_ids.device(), input_ids.size()[1]);
         let positions = model::positions(input_ids, past, padding_mask);
         let freqs = positions.to_kind(Kind::Float).unsqueeze(2) * self.inverse_frequencies(device).view([1, 1, -1]);
         let angles = Tensor::cat(&[&freqs, &freqs], 2).unsqueeze(2);
@@ -393,8 +400,19 @@ impl Model for Llama {
         let half = self.head_dim / 2;
         let sign = Tensor::cat(&[Tensor::full([half], -1.0, (Kind::Float, device)), Tensor::ones([half], (Kind::Float, device))], 0);
         let rope = Some((angles.cos().to_kind(dtype), (angles.sin() * sign).to_kind(dtype)));
-        let attention_bias = padding_mask.map(|mask| {
-            model::padding_bias(mask, dtype) + model::causal_bias(input_ids.size()[1], past, dtype, device)
+        // The window hides something only once there are more keys than it holds.
+        let window = self.variant.sliding_window.filter(|&window| past + seq > window);
+        // Sums, not in-place adds: each term may broadcast the causal mask to more dimensions.
+        let attention_bias = (padding_mask.is_some() || window.is_some()).then(|| {
+            let causal = model::causal_bias(seq, past, dtype, device);
+            let masked = match padding_mask {
+                Some(mask) => model::padding_bias(mask, dtype) + causal,
+                None => causal,
+            };
+            match window {
+                Some(window) => masked + model::sliding_window_bias(&positions, past, padding_mask, window, dtype),
+                None => masked,
+            }
         });
         Ok(Context { train, positions, attention_bias, rope })
     }

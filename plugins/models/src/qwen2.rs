@@ -37,7 +37,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         if let Some((layer, kind)) = keys.layer_types.iter().flatten().enumerate().find(|(_, kind)| *kind != "full_attention") {
             bail!("layer_types[{layer}] is {kind:?}: ft runs every Qwen2 layer with full attention (only \"full_attention\")");
         }
-        Ok(Variant { name: "Qwen2", qkv_bias: true, o_bias: false, mlp_bias: false })
+        Ok(Variant { name: "Qwen2", qkv_bias: true, o_bias: false, mlp_bias: false, sliding_window: None })
     })
 }
 
