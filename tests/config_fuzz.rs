@@ -40,7 +40,30 @@ fn tiny_configs() -> Vec<Value> {
             "model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}, "tie_word_embeddings": false,
-            "attention_bias": false, "mlp_bias": false, "hidden_act": "silu", "initializer_range": 0.02
+            "attention_bias": false, "mlp_bias": false, "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // Llama 3.2's form: llama3 RoPE scaling (and its fallback length), tied head.
+        json!({
+            "model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 64, "tie_word_embeddings": true,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+            "attention_bias": false, "mlp_bias": false, "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // As transformers 5 writes it: rope_parameters, layer_types.
+        json!({
+            "model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": true,
+            "use_sliding_window": false, "layer_types": ["full_attention", "full_attention"], "hidden_act": "silu",
+            "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // A window of 2, shorter than the forward pass's 4 tokens.
+        json!({
+            "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "sliding_window": 2, "tie_word_embeddings": false, "hidden_act": "silu",
+            "initializer_range": 0.02, "attention_dropout": 0.0
         }),
         json!({
             "model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,

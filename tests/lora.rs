@@ -1,10 +1,11 @@
 //! LoRA against Hugging Face peft (tests/python/peft_reference.py): ft's
 //! adapters, written as peft writes them, load with `PeftModel` onto the
 //! transformers model and give ft's logits, loss and adapter gradients
-//! (fp32, CPU); fresh adapters start as peft's do; merged weights are the
-//! adapted model; the demo trains adapters whose exports load; bad settings
-//! are refused by key. Every strategy against the single-process LoRA run
-//! is in tests/strategies.rs.
+//! (fp32, CPU; BLOOM, OPT, Llama, GQA-Llama, Llama 3, Qwen2, Mistral); fresh
+//! adapters start as peft's do; merged weights are the adapted model; the
+//! demo trains adapters whose exports load; bad settings are refused by key.
+//! Every strategy against the single-process LoRA run is in
+//! tests/strategies.rs.
 
 use ft_core::config::LoraConfig;
 use ft_core::lora::LoraModel;
@@ -80,8 +81,12 @@ fn adapted(name: &str, targets: &[&str]) -> (LoraModel, Vec<Vec<Tensor>>) {
 
 #[test]
 fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
-    let cases: [(&str, &[&str]); 5] = [
+    let cases: [(&str, &[&str]); 8] = [
         ("llama", &["q", "k", "v", "o", "gate", "up", "down"]),
+        // The same short names on Llama 3's tied head, Qwen2's biased q/k/v and Mistral's window.
+        ("llama3", &["q", "k", "v", "o", "gate", "up", "down"]),
+        ("qwen2", &["q", "k", "v", "o", "gate", "up", "down"]),
+        ("mistral", &["q", "k", "v", "o", "gate", "up", "down"]),
         // peft's own module names, on grouped-query attention.
         ("llama-gqa", &["q_proj", "v_proj"]),
         ("opt", &["q", "k", "v", "o", "up", "down"]),

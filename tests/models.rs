@@ -1,5 +1,7 @@
 //! Models against transformers' outputs stored by bench/parity/make_fixtures.sh
-//! (tiny BLOOM, OPT, Llama and GQA-Llama), and every loading error's message.
+//! (tiny BLOOM, OPT, Llama, GQA-Llama, Llama 3 with llama3 RoPE scaling,
+//! Qwen2 and Mistral with a sliding window), their exports loading in
+//! transformers, and every loading error's message.
 
 use ft_core::generate::greedy;
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
@@ -8,7 +10,7 @@ use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-const FIXTURES: [&str; 4] = ["bloom", "opt", "llama", "llama-gqa"];
+const FIXTURES: [&str; 7] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2", "mistral"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -59,6 +61,46 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
         let frozen: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(Tensor::detach).collect()).collect();
         let tokens = greedy(model.as_ref(), &frozen, &rows[0][..8], 32, None, Kind::Float).unwrap();
         assert_eq!(tokens, Vec::<i64>::try_from(&reference["generated"]).unwrap(), "{name}: greedy tokens");
+    }
+}
+
+/// A fixture's token rows (ids.json).
+fn rows(name: &str) -> Vec<Vec<i64>> {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("ids.json")).unwrap()).unwrap()
+}
+
+/// ft's logits on `rows` and its 32 greedy tokens after the first row's first 8, for the model in `dir`.
+fn logits_and_tokens(dir: &Path, rows: &[Vec<i64>]) -> (Tensor, Vec<i64>) {
+    let model = hf::load_model(dir).unwrap();
+    let params = hf::load_params(model.as_ref(), dir, Kind::Float, Device::Cpu).unwrap();
+    let _no_grad = tch::no_grad_guard();
+    let ids = Tensor::from_slice2(rows);
+    let inputs = Inputs::ids(&ids);
+    let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
+    let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, &inputs, &ctx, None)).unwrap();
+    (logits(&hidden, &weight), greedy(model.as_ref(), &params, &rows[0][..8], 32, None, Kind::Float).unwrap())
+}
+
+/// The parity above would pass vacuously if the llama3 scaling or the
+/// sliding window changed nothing on the fixtures' sequences: without each,
+/// ft's logits leave transformers' by far more than the bound, and without
+/// the window so do Mistral's greedy tokens (the KV-cache path; the tied
+/// Llama 3 fixture repeats one token either way).
+#[test]
+fn the_fixtures_exercise_the_rope_scaling_and_the_window() {
+    for (name, key) in [("llama3", "rope_scaling"), ("mistral", "sliding_window")] {
+        let reference: std::collections::HashMap<String, Tensor> =
+            Tensor::read_safetensors(fixture(name).join("reference.safetensors")).unwrap().into_iter().collect();
+        let (logits, tokens) = logits_and_tokens(&fixture(name), &rows(name));
+        assert!(relative(&logits, &reference["logits"], 0.0) <= 1e-4, "{name}: with {key}");
+        let dir = copy_of(name);
+        edit_config(dir.path(), key, serde_json::Value::Null);
+        let (logits, tokens_without) = logits_and_tokens(dir.path(), &rows(name));
+        let error = relative(&logits, &reference["logits"], 0.0);
+        assert!(error > 1e-2, "{name}: without {key} the logits differ by only {error:e}");
+        if name == "mistral" {
+            assert_ne!(tokens_without, tokens, "{name}: without {key} greedy decoding gives the same tokens");
+        }
     }
 }
 
@@ -140,6 +182,30 @@ fn unknown_model_type_and_bad_config_are_rejected() {
     assert!(message.contains("must be a multiple of num_key_value_heads (3)"), "{message}");
 }
 
+/// What Qwen2, Mistral and Llama 3 configs may ask that ft does not compute
+/// is refused in one line naming the file, the architecture and the key.
+#[test]
+fn configs_asking_what_ft_does_not_compute_are_refused() {
+    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+        (
+            "llama3",
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            "(llama): rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3)",
+        ),
+        ("llama3", "attention_dropout", 0.1.into(), "(llama): attention_dropout 0.1 is not supported"),
+        ("qwen2", "use_sliding_window", true.into(), "(qwen2): use_sliding_window: true is not supported"),
+        ("qwen2", "layer_types", serde_json::json!(["full_attention", "sliding_attention"]), "(qwen2): layer_types[1] is \"sliding_attention\""),
+        ("mistral", "sliding_window", 0.into(), "(mistral): sliding_window must be at least 1, not 0"),
+    ];
+    for (name, key, value, expected) in cases {
+        let dir = copy_of(name);
+        edit_config(dir.path(), key, value);
+        let message = load_error(dir.path());
+        assert!(message.contains("config.json") && message.contains(expected) && message.lines().count() == 1, "{name} {key}: {message}");
+    }
+}
+
 #[test]
 fn hub_ids_resolve_only_through_the_local_cache() {
     let cache = tempfile::tempdir().unwrap();
@@ -192,37 +258,58 @@ fn saved_models_load_back_identically_in_each_dtype() {
 }
 
 /// Weights over the shard size go to `model-0000k-of-0000n.safetensors` and an
-/// index, units whole, as `save_pretrained` writes them; transformers loads them.
+/// index, units whole, as `save_pretrained` writes them; transformers loads
+/// each architecture's export with no key missing, unexpected or mis-shaped,
+/// the weights ft read, and the fixture's reference logits.
 #[test]
 fn saved_models_split_into_shards_that_transformers_loads() {
-    let dir = fixture("llama-gqa");
-    let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
-    let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
-    let out = tempfile::tempdir().unwrap();
-    std::fs::write(out.path().join("model.safetensors"), b"stale").unwrap();
-    let largest_unit = model.units().iter().map(|u| u.numel() as u64 * 4).max().unwrap();
-    hf::write_model(model.as_ref(), out.path(), Kind::Float, largest_unit, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect())).unwrap();
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("model.safetensors.index.json")).unwrap()).unwrap();
-    let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|f| f.as_str().unwrap()).collect();
-    let shards = files.len();
-    assert!(shards > 1 && !out.path().join("model.safetensors").exists(), "{files:?}");
-    assert!(files.iter().enumerate().all(|(k, f)| *f == format!("model-{:05}-of-{shards:05}.safetensors", k + 1)), "{files:?}");
-    let total: i64 = model.units().iter().map(|u| u.numel() * 4).sum();
-    assert_eq!(index["metadata"]["total_size"], total);
-    let back = hf::load_params(model.as_ref(), out.path(), Kind::Float, Device::Cpu).unwrap();
-    for (a, b) in back.iter().flatten().zip(params.iter().flatten()) {
-        assert!(a.equal(b));
+    let scratch = tempfile::tempdir().unwrap();
+    let mut pairs = vec![];
+    for name in ["llama-gqa", "llama3", "qwen2", "mistral"] {
+        let dir = fixture(name);
+        let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        let out = scratch.path().join(name);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("model.safetensors"), b"stale").unwrap();
+        let largest_unit = model.units().iter().map(|u| u.numel() as u64 * 4).max().unwrap();
+        hf::write_model(model.as_ref(), &out, Kind::Float, largest_unit, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect())).unwrap();
+        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+        let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|f| f.as_str().unwrap()).collect();
+        let shards = files.len();
+        assert!(shards > 1 && !out.join("model.safetensors").exists(), "{name}: {files:?}");
+        assert!(files.iter().enumerate().all(|(k, f)| *f == format!("model-{:05}-of-{shards:05}.safetensors", k + 1)), "{name}: {files:?}");
+        let total: i64 = model.units().iter().map(|u| u.numel() * 4).sum();
+        assert_eq!(index["metadata"]["total_size"], total, "{name}");
+        let back = hf::load_params(model.as_ref(), &out, Kind::Float, Device::Cpu).unwrap();
+        for (a, b) in back.iter().flatten().zip(params.iter().flatten()) {
+            assert!(a.equal(b), "{name}");
+        }
+        pairs.extend([out.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string()]);
     }
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    let script = "import sys, torch\n\
-from transformers import AutoModelForCausalLM\n\
-from safetensors.torch import load_file\n\
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n\
-ours = load_file(sys.argv[2] + '/model.safetensors')\n\
-state = model.state_dict()\n\
-assert all(torch.equal(state[name], tensor) for name, tensor in ours.items() if name in state), 'weights differ'\n\
-print(len(ours))";
-    let output = std::process::Command::new(python).args(["-c", script, out.path().to_str().unwrap(), dir.to_str().unwrap()]).output().unwrap();
+    // Pairs of (export, fixture): one process, since importing transformers is most of the time.
+    let script = r#"
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+args = sys.argv[1:]
+for out, fixture in zip(args[::2], args[1::2]):
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    problems = {key: info[key] for key in ('missing_keys', 'unexpected_keys', 'mismatched_keys') if info[key]}
+    assert not problems, f'{out}: {problems}'
+    ours = load_file(fixture + '/model.safetensors')
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in ours.items()), f'{out}: weights differ'
+    ids = torch.tensor(json.load(open(fixture + '/ids.json')))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids).logits
+    expected = load_file(fixture + '/reference.safetensors')['logits']
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= 1e-5, f'{out}: logits differ by {error}'
+    print(out, len(ours), 'tensors, logits within', error)
+"#;
+    let output = std::process::Command::new(python).args(["-c", script]).args(&pairs).output().unwrap();
     assert!(output.status.success(), "{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
 }
 

@@ -1,8 +1,9 @@
-//! `ft plan`: its table for the shipped decoder configs, its refusal of bad
-//! input, each rank's held state against real CPU runs of every strategy at
-//! 1, 2 and 4 ranks, the ZeRO paper's closed form for Llama-2-70B on 64 GPUs,
-//! multi-node plans, the calibration rows measured on H200s, `ft train
-//! --strategy auto` and the out-of-memory report.
+//! `ft plan`: its table for the decoder configs (BLOOM, OPT, CodeLlama,
+//! Qwen2.5, Mistral, Llama 3.2), its refusal of bad input, each rank's held
+//! state against real CPU runs of every strategy at 1, 2 and 4 ranks, the
+//! ZeRO paper's closed form for Llama-2-70B on 64 GPUs, multi-node plans,
+//! the calibration rows measured on H200s, `ft train --strategy auto` and the
+//! out-of-memory report.
 
 mod common;
 use common::{ft, text};
@@ -27,6 +28,16 @@ const STRATEGIES: [&str; 5] = ["ddp", "full_shard", "hybrid_shard", "shard_grad_
 
 fn shared_config(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/configs").join(name).join("config.json")
+}
+
+/// The decoders users bring: the shared configs, and the shapes of
+/// Qwen2.5-0.5B (tied, q/k/v biases), Mistral-7B (sliding window) and
+/// Llama-3.2-1B (llama3 RoPE scaling, tied) kept in tests/fixtures/plan/configs.
+fn decoder_configs() -> Vec<(&'static str, PathBuf)> {
+    let ours = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan/configs").join(format!("{name}.json"));
+    let mut configs: Vec<(&str, PathBuf)> = ["bloom-560m", "opt-1.3b", "codellama-7b"].into_iter().map(|name| (name, shared_config(name))).collect();
+    configs.extend(["qwen2.5-0.5b", "mistral-7b", "llama-3.2-1b"].map(|name| (name, ours(name))));
+    configs
 }
 
 fn model(config: &Path) -> Box<dyn Model> {
@@ -55,8 +66,8 @@ fn setup<'a>(registry: &Registry, strategy: &'a str, offload: &'a str, activatio
 #[test]
 fn the_shipped_decoders_are_planned_in_under_a_second() {
     let registry = Registry::builtin();
-    for name in ["bloom-560m", "opt-1.3b", "codellama-7b"] {
-        let model = model(&shared_config(name));
+    for (name, config) in decoder_configs() {
+        let model = model(&config);
         let numel = model.numel() as f64;
         let started = Instant::now();
         let plan = Plan::new(&workload(model.as_ref(), 8, 512), &h100s(8, 1), &registry, Checkpointing::Auto).unwrap();
@@ -110,9 +121,9 @@ fn plugin() -> PathBuf {
 fn ft_plan_prints_the_table_and_writes_json_with_plugin_rows() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("plan.json");
-    for name in ["bloom-560m", "opt-1.3b", "codellama-7b"] {
+    for (name, config) in decoder_configs() {
         let output = ft()
-            .args(["--plugin", plugin().to_str().unwrap(), "plan", "--model", shared_config(name).to_str().unwrap()])
+            .args(["--plugin", plugin().to_str().unwrap(), "plan", "--model", config.to_str().unwrap()])
             .args(["--gpus", "8", "--gpu", "h100", "--host-memory", "2TB", "--json", json.to_str().unwrap()])
             .output()
             .unwrap();

@@ -584,6 +584,30 @@ pub fn causal_bias(seq: i64, past: i64, dtype: Kind, device: tch::Device) -> Ten
     Tensor::zeros([seq, past + seq], (dtype, device)).masked_fill(&k.gt_tensor(&q), f64::NEG_INFINITY)
 }
 
+/// Each query's and each key's position, counted over real tokens as
+/// [`positions`] counts them: [batch, seq] and [batch, past+seq], or one row
+/// each when there is no padding mask and every row is alike. ALiBi's
+/// distances and sliding windows are measured on them, so a left-padded
+/// prompt sees what it would alone.
+pub fn query_key_positions(positions: &Tensor, past: i64, padding_mask: Option<&Tensor>) -> (Tensor, Tensor) {
+    match padding_mask {
+        Some(mask) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
+        None => (positions.narrow(0, 0, 1), Tensor::arange(past + positions.size()[1], (Kind::Int64, positions.device())).unsqueeze(0)),
+    }
+}
+
+/// [batch or 1, 1, seq, past+seq] additive mask of a sliding window: -inf
+/// where a key lies `window` or more positions before its query, so each
+/// query sees at most `window` keys, itself included (Mistral's
+/// `sliding_window`). Distances count real tokens ([`query_key_positions`]);
+/// transformers counts left padding's slots too, which differs only for a
+/// left-padded batch, where this keeps each row as it would be alone.
+pub fn sliding_window_bias(positions: &Tensor, past: i64, padding_mask: Option<&Tensor>, window: i64, dtype: Kind) -> Tensor {
+    let (query, key) = query_key_positions(positions, past, padding_mask);
+    let outside = key.unsqueeze(1).le_tensor(&(query.unsqueeze(2) - window));
+    Tensor::zeros(outside.size(), (dtype, positions.device())).masked_fill(&outside, f64::NEG_INFINITY).unsqueeze(1)
+}
+
 /// Folds a padding mask [batch, keys] (1 = token, 0 = padding) into an
 /// additive bias [batch, 1, 1, keys].
 pub fn padding_bias(padding_mask: &Tensor, dtype: Kind) -> Tensor {

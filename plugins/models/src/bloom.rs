@@ -145,10 +145,7 @@ impl Model for Bloom {
         let positions = model::positions(input_ids, past, padding_mask);
         let seq = input_ids.size()[1];
         // Positions count real tokens only, as transformers' ALiBi does under left padding.
-        let (query, key) = match padding_mask {
-            Some(mask) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
-            None => (positions.narrow(0, 0, 1), Tensor::arange(past + seq, (Kind::Int64, device)).unsqueeze(0)),
-        };
+        let (query, key) = model::query_key_positions(&positions, past, padding_mask);
         let distance = (key.unsqueeze(1).unsqueeze(1) - query.unsqueeze(1).unsqueeze(3)).to_kind(Kind::Float);
         let slopes = ft_core::batches::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
         let mut bias = (slopes * distance).to_kind(dtype) + model::causal_bias(seq, past, dtype, device);

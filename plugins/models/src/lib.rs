@@ -1,11 +1,15 @@
 //! Model architectures for ft, one file each (in the manner of
 //! candle-transformers), and Hugging Face file I/O. Each architecture
-//! registers itself under its config.json `model_type`.
+//! registers itself under its config.json `model_type`; Llama's relatives
+//! (Qwen2, Mistral) are files that build `llama.rs`'s block with their own
+//! switches.
 
 pub mod bert;
 pub mod bloom;
 mod check;
 pub mod hf;
 pub mod llama;
+pub mod mistral;
 pub mod opt;
 pub mod peft;
+pub mod qwen2;
