@@ -275,8 +275,11 @@ pub trait CommHook {
         Ok(())
     }
 
-    /// Bytes of state it keeps for `unit` (what `ft plan` adds to a rank's memory).
-    fn state_bytes(&self, _unit: &UnitInfo) -> f64 {
+    /// Bytes of state it keeps for `wire` of `unit` when that carries
+    /// `elements` elements (the whole unit, or this rank's shard): what `ft
+    /// plan` adds to a rank's memory. A run counts the tensors `state`
+    /// returns instead.
+    fn state_bytes(&self, _unit: &UnitInfo, _wire: Wire, _elements: f64) -> f64 {
         0.0
     }
 
@@ -337,8 +340,8 @@ impl CommHook for Guarded {
         guarded("load_state", || self.0.load_state(state))
     }
 
-    fn state_bytes(&self, unit: &UnitInfo) -> f64 {
-        self.0.state_bytes(unit)
+    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
+        self.0.state_bytes(unit, wire, elements)
     }
 
     fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {

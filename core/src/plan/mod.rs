@@ -341,6 +341,22 @@ fn with_margins(allocated: f64) -> f64 {
     allocated * (1.0 + FRAGMENTATION) + RUNTIME_RESERVE
 }
 
+/// What `hook` keeps for the stages of `plan` over `units` placed as `placements`.
+fn comm_state(hook: &dyn CommHook, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan) -> f64 {
+    use crate::comm_hook::{ReduceStage, Wire};
+    let mut bytes = 0.0;
+    for (unit, placement) in units.iter().zip(placements) {
+        let (whole, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
+        for &stage in &plan.stages {
+            bytes += hook.state_bytes(unit, Wire::Reduce(stage), if stage == ReduceStage::Replica { shard } else { whole });
+        }
+        if plan.gathers && placement.params_sharded {
+            bytes += hook.state_bytes(unit, Wire::Gather, shard);
+        }
+    }
+    bytes
+}
+
 /// Predicts one row.
 pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<PlanRow> {
     let requested = workload.shard_group_size.filter(|_| setup.policy.optimizer_state_sharded);
@@ -348,7 +364,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let placements = placements(workload, setup, group);
     let units: Vec<UnitInfo> =
         workload.model.units().iter().zip(&placements).map(|(spec, p)| UnitInfo::new(spec, param_offsets(spec), p.shard.padded)).collect();
-    let comm_state = setup.comm.map_or(0.0, |c| units.iter().map(|u| c.hook.state_bytes(u)).sum());
+    let comm_state = setup.comm.map_or(0.0, |c| comm_state(c.hook.as_ref(), &units, &placements, &setup.policy.comm_plan(setup.strategy, cluster.gpus, group, setup.offload_to_host)));
     let state = MemoryAccount { comm_state, ..rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host) };
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };

@@ -369,7 +369,7 @@ impl<'m> Trainer<'m> {
     /// and the peak of gathered units so far.
     pub fn memory(&self) -> MemoryAccount {
         let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
-        let comm_state = self.unit_info.iter().map(|unit| self.hook.state_bytes(unit)).sum();
+        let comm_state = self.hook.state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);
         MemoryAccount { gathered_peak: self.gathered_peak as f64, comm_state, ..held }
     }
 

@@ -38,19 +38,22 @@ const OPTIONS: &[CommOption] = &[
     CommOption { key: "grads", default: "false", help: "also reduce-scatter gradients as int8 blocks by all-to-all (summed in fp32)" },
 ];
 
-/// `x` (1-D, length a multiple of `block`) as int8 blocks and their fp32 scales.
+/// `x` (1-D, length a multiple of `block`) as int8 blocks and their fp32
+/// scales. Written as few passes over the tensor as ATen allows (in place
+/// where it can): this runs on every gathered parameter.
 fn quantize(x: &Tensor, block: i64) -> (Tensor, Tensor) {
     let blocks = x.to_kind(Kind::Float).view([-1, block]);
-    // A block of zeros gets scale 1, not 0, so dequantizing never divides by it.
-    let scale = blocks.abs().amax([1].as_slice(), true) / 127.0;
-    let scale = scale.where_self(&scale.gt(0.0), &scale.ones_like());
-    let q = (&blocks / &scale).round().clamp(-127.0, 127.0).to_kind(Kind::Int8);
+    let (low, high) = blocks.aminmax(Some(1), true);
+    // A floor far below any weight, so a block of zeros never divides by zero.
+    let scale = low.abs().maximum(&high).clamp_min(1e-30) / 127.0;
+    let mut scaled = blocks.divide(&scale);
+    let q = scaled.round_().clamp_(-127.0, 127.0).to_kind(Kind::Int8);
     (q.view([-1]), scale.view([-1]))
 }
 
 /// The fp32 values of int8 blocks `q` with their `scales`.
 fn dequantize(q: &Tensor, scales: &Tensor, block: i64) -> Tensor {
-    (q.to_kind(Kind::Float).view([-1, block]) * scales.view([-1, 1])).view([-1])
+    q.view([-1, block]).to_kind(Kind::Float).multiply(&scales.view([-1, 1])).view([-1])
 }
 
 /// `x` padded with zeros to a multiple of `block`.
@@ -109,8 +112,8 @@ impl CommHook for Int8 {
         Ok(pending.then(move || {
             let _no_grad = tch::no_grad_guard();
             // Each rank's blocks, cut back to its shard's length, in rank order.
-            let values = dequantize(&all_q, &all_scales, block).view([ranks, -1]).narrow(1, 0, len).reshape([-1]);
-            output.shallow_clone().copy_(&values);
+            let values = dequantize(&all_q, &all_scales, block).view([ranks, -1]);
+            output.view([ranks, len]).copy_(&values.narrow(1, 0, len));
             Ok(())
         }))
     }

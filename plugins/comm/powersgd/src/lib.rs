@@ -86,6 +86,9 @@ struct Layout {
     matrices: Vec<Matrix>,
     /// (start, length) ranges summed exactly.
     plain: Vec<(i64, i64)>,
+    /// The matrices by the shape of their P (rows × rank): each group is
+    /// orthonormalised in one batched QR instead of one call per matrix.
+    same_p: Vec<Vec<usize>>,
 }
 
 impl Layout {
@@ -123,13 +126,28 @@ impl Layout {
         if at < len {
             plain.push((at, len - at));
         }
-        Layout { matrices, plain }
+        let mut same_p: Vec<Vec<usize>> = vec![];
+        for (i, m) in matrices.iter().enumerate() {
+            match same_p.iter_mut().find(|group| matrices[group[0]].rows == m.rows && matrices[group[0]].rank == m.rank) {
+                Some(group) => group.push(i),
+                None => same_p.push(vec![i]),
+            }
+        }
+        Layout { matrices, plain, same_p }
     }
 
     /// Elements on the wire: the factors and the plain part.
     fn wire_elements(&self) -> i64 {
         self.matrices.iter().map(|m| m.rank * (m.rows + m.cols)).sum::<i64>() + self.plain.iter().map(|(_, len)| len).sum::<i64>()
     }
+}
+
+/// Orthonormal columns spanning each of a batch `p` [g, n, r] (fp32):
+/// Householder QR, whose columns stay orthonormal where P is rank
+/// deficient (Gram-Schmidt's drift there, and measured slower through tch on
+/// an H200: bench/results/2026-11-25-h200-comm-hooks.md).
+fn orthonormalize(p: Tensor) -> Result<Tensor> {
+    Ok(Tensor::f_linalg_qr(&p, "reduced")?.0)
 }
 
 /// What PowerSGD keeps for one reduced tensor (a unit at one stage).
@@ -214,19 +232,22 @@ impl CommHook for PowerSgd {
             return Builtin.reduce(request);
         }
         let _no_grad = tch::no_grad_guard();
-        // The local gradient in fp32, plus what compression lost last time.
-        let x = if request.input.kind() == Kind::Float { request.input.copy() } else { request.input.to_kind(Kind::Float) };
+        // The local gradient in fp32 (its own copy: `output` may be the
+        // input, and is overwritten with the sum), plus what compression
+        // lost last time, in one pass.
         let error = match (&state.error, options.error_feedback) {
-            (Some(error), true) => {
-                let _ = x.shallow_clone().g_add_(error);
-                Some(error.shallow_clone())
-            }
+            (Some(error), true) => Some(error.shallow_clone()),
             (None, true) => {
-                let error = x.zeros_like();
+                let error = Tensor::zeros([len], (Kind::Float, device));
                 state.error = Some(error.shallow_clone());
                 Some(error)
             }
             (_, false) => None,
+        };
+        let x = match (&error, request.input.kind()) {
+            (Some(error), _) => request.input.to_kind(Kind::Float).f_add(error)?,
+            (None, Kind::Float) => request.input.copy(),
+            (None, _) => request.input.to_kind(Kind::Float),
         };
         let layout = state.layout.clone();
         if !options.warm_start || state.q.len() != layout.matrices.len() {
@@ -252,13 +273,21 @@ impl CommHook for PowerSgd {
         let mut output = request.output;
         Ok(pending.then(move || {
             let _no_grad = tch::no_grad_guard();
-            // P̂: an orthonormal basis of each summed P; then Q = Mᵀ P̂, summed.
+            // P̂: an orthonormal basis of each summed P, a batched QR per shape; then Q = Mᵀ P̂, summed.
+            let mut starts = vec![];
             let mut at = 0;
-            let mut bases = vec![];
             for m in &layout.matrices {
-                let p = p_all.narrow(0, at, m.rows * m.rank).view([m.rows, m.rank]);
+                starts.push(at);
                 at += m.rows * m.rank;
-                bases.push(Tensor::f_linalg_qr(&p, "reduced")?.0);
+            }
+            let mut bases: Vec<Tensor> = layout.matrices.iter().map(|_| Tensor::new()).collect();
+            for group in &layout.same_p {
+                let m = layout.matrices[group[0]];
+                let ps: Vec<Tensor> = group.iter().map(|&i| p_all.narrow(0, starts[i], m.rows * m.rank).view([m.rows, m.rank])).collect();
+                let orthonormal = orthonormalize(Tensor::stack(&ps, 0))?;
+                for (j, &i) in group.iter().enumerate() {
+                    bases[i] = orthonormal.get(j as i64);
+                }
             }
             let qs: Vec<Tensor> = matrices.iter().zip(&bases).map(|(m, p)| m.transpose(0, 1).matmul(p).reshape([-1])).collect();
             let mut q_all = Tensor::cat(&qs, 0);
@@ -303,10 +332,13 @@ impl CommHook for PowerSgd {
         Ok(())
     }
 
-    fn state_bytes(&self, unit: &UnitInfo) -> f64 {
-        let layout = Layout::new(unit, 0, unit.padded, &self.options);
-        let q: i64 = layout.matrices.iter().map(|m| m.cols * m.rank).sum();
-        4.0 * (if self.options.error_feedback { unit.padded } else { 0 } + q) as f64
+    /// The error (the reduced tensor's size, with error feedback) and each matrix's Q, in fp32.
+    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
+        if !matches!(wire, Wire::Reduce(ReduceStage::World | ReduceStage::Replica)) {
+            return 0.0;
+        }
+        let q: i64 = Layout::new(unit, 0, unit.padded, &self.options).matrices.iter().map(|m| m.cols * m.rank).sum();
+        4.0 * (if self.options.error_feedback { elements } else { 0.0 } + q as f64)
     }
 
     /// Once compressing: the factors and the plain part, in fp32, for the
@@ -350,6 +382,7 @@ mod tests {
         assert_eq!(layout.matrices.len(), 1);
         assert_eq!((layout.matrices[0].rows, layout.matrices[0].cols, layout.matrices[0].rank), (8, 16, 2));
         assert_eq!(layout.plain, vec![(128, 16)]);
+        assert_eq!(layout.same_p, vec![vec![0]]);
         assert_eq!(layout.wire_elements(), 2 * (8 + 16) + 16);
         // A shard that cuts the matrix: only its whole rows inside are compressed.
         let shard = Layout::new(&unit(), 40, 72, &options);
@@ -358,5 +391,25 @@ mod tests {
         // Not worth it at a high minimum rate.
         let strict = Options { min_compression_rate: 10.0, ..options };
         assert!(Layout::new(&unit(), 0, 144, &strict).matrices.is_empty());
+    }
+
+    #[test]
+    fn orthonormal_bases_span_the_columns_even_when_some_are_dependent() {
+        for rank in [2, 4, 16] {
+            // Two independent columns, the rest copies of them: the span has dimension 2.
+            let base = Tensor::randn([3, 50, 2], (Kind::Float, tch::Device::Cpu));
+            let p = Tensor::cat(&(0..rank / 2).map(|_| base.shallow_clone()).collect::<Vec<_>>(), 2);
+            let q = orthonormalize(p.copy()).unwrap();
+            // Projecting the original columns onto the basis gives them back.
+            let projected = q.matmul(&q.transpose(1, 2).matmul(&p));
+            let error = (&projected - &p).abs().max().double_value(&[]) / p.abs().max().double_value(&[]);
+            assert!(error < 1e-4, "rank {rank}: projection error {error:e}");
+            // The basis's non-zero columns are orthonormal.
+            let gram = q.transpose(1, 2).matmul(&q);
+            let diagonal = gram.diagonal(0, 1, 2);
+            assert!(diagonal.le(1.0 + 1e-4).all().int64_value(&[]) == 1, "rank {rank}: columns longer than 1");
+            let off = (&gram - Tensor::diag_embed(&diagonal, 0, 1, 2)).abs().max().double_value(&[]);
+            assert!(off < 1e-4, "rank {rank}: columns not orthogonal ({off:e})");
+        }
     }
 }
