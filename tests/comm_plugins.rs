@@ -89,7 +89,15 @@ fn powersgd_at_full_rank_equals_the_exact_all_reduce() {
     // Every matrix compressed (no minimum rate), from the first step, at a
     // rank no gradient matrix exceeds: the factors span the whole sum.
     let full_rank = ["--set", "comm.powersgd.rank=100000", "--set", "comm.powersgd.start_iter=0", "--set", "comm.powersgd.min_compression_rate=0"];
-    for (name, ranks, strategy) in [("ddp", 2, &["--strategy", "ddp"][..]), ("hybrid_2x2", 4, &["--strategy", "hybrid_shard", "--shard-group-size", "2"][..])] {
+    let hybrid = ["--strategy", "hybrid_shard", "--shard-group-size", "2"];
+    let runs = [
+        ("ddp", 2, &["--strategy", "ddp"][..]),
+        // The replica stage across the 2 shard groups is what PowerSGD compresses.
+        ("hybrid_2x2", 4, &hybrid[..]),
+        // Offloaded, the replica stage runs every micro-batch on the gradient's way to the host.
+        ("hybrid_2x2_offload", 4, &[&hybrid[..], &["--offload", "cpu"]].concat()),
+    ];
+    for (name, ranks, strategy) in runs {
         let exact = train(scratch.path(), name, ranks, strategy);
         let compressed = train(scratch.path(), &format!("{name}-powersgd"), ranks, &[strategy, &["--comm", "powersgd"], &full_rank[..]].concat());
         for (step, (x, y)) in losses(&compressed).iter().zip(losses(&exact)).enumerate() {
