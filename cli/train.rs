@@ -283,6 +283,13 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         let final_dir = output.join("final");
         let what = hf::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
         std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
+        // A chat model's template and the special tokens it names go with its tokenizer.
+        for name in ["tokenizer_config.json", "chat_template.jinja"] {
+            let beside = tokenizer.with_file_name(name);
+            if beside.exists() {
+                std::fs::copy(&beside, final_dir.join(name))?;
+            }
+        }
         let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
