@@ -123,11 +123,11 @@ fn prompt_completion_puts_the_loss_on_the_completion() {
     let out = dir.path().join("tokens.jsonl");
     let output = tokenize(dir.path(), &data, &out, &[]);
     assert!(output.status.success(), "{}", text(&output));
-    // transformers' tokenizer for the expected ids: the prompt, the completion, its EOS (GPT-2 adds no BOS).
+    // transformers' tokenizer for the expected ids: the prompt, the completion, its eos_token (here <|im_end|>; GPT-2 adds no BOS).
     let script = format!(
         "import json\nfrom transformers import AutoTokenizer\nt = AutoTokenizer.from_pretrained({dir:?})\n\
          for line in open({out:?}):\n    e = json.loads(line)\n    print(json.dumps(e))\n\
-         for p, c in [('The sky is', ' blue.'), ('2 + 2 =', ' 4')]:\n    p, c = t(p)['input_ids'], t(c, add_special_tokens=False)['input_ids'] + [t.convert_tokens_to_ids('<|endoftext|>')]\n    print(json.dumps({{'input_ids': p + c, 'labels': [-100] * len(p) + c}}))\n",
+         for p, c in [('The sky is', ' blue.'), ('2 + 2 =', ' 4')]:\n    p, c = t(p)['input_ids'], t(c, add_special_tokens=False)['input_ids'] + [t.eos_token_id]\n    print(json.dumps({{'input_ids': p + c, 'labels': [-100] * len(p) + c}}))\n",
         dir = dir.path().to_str().unwrap(),
         out = out.to_str().unwrap()
     );

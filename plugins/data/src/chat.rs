@@ -11,6 +11,7 @@
 //! prompt and the render that ends with it.
 
 use crate::example::{Example, Skipped, IGNORE_INDEX};
+use crate::tokenizer;
 use anyhow::{bail, Context as _, Result};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
@@ -51,24 +52,14 @@ impl ChatTemplate {
     /// `dir` (where transformers saves it), else tokenizer_config.json's
     /// `chat_template` (a string, or named templates of which "default").
     pub fn load(dir: &Path, override_file: Option<&Path>) -> Result<ChatTemplate> {
-        let config_path = dir.join("tokenizer_config.json");
-        let config: serde_json::Map<String, Json> = match config_path.exists() {
-            true => serde_json::from_str(&std::fs::read_to_string(&config_path)?).with_context(|| format!("{}: not a JSON object", config_path.display()))?,
-            false => Default::default(),
-        };
+        let config = tokenizer::config(dir)?;
         let jinja = dir.join("chat_template.jinja");
         let (source, origin) = match override_file {
             Some(file) => (std::fs::read_to_string(file).with_context(|| format!("cannot read chat template {}", file.display()))?, file.display().to_string()),
             None if jinja.exists() => (std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?, jinja.display().to_string()),
-            None => (template_in_config(&config, &config_path)?, config_path.display().to_string()),
+            None => (template_in_config(&config, dir)?, dir.join("tokenizer_config.json").display().to_string()),
         };
-        let special_tokens = config
-            .iter()
-            .filter(|(key, _)| key.ends_with("_token"))
-            // A token is a string or an AddedToken dict with its `content`.
-            .filter_map(|(key, value)| Some((key.clone(), Json::from(value.as_str().or_else(|| value.get("content")?.as_str())?))))
-            .collect();
-        ChatTemplate::new(&source, origin, special_tokens)
+        ChatTemplate::new(&source, origin, tokenizer::special_tokens(&config))
     }
 
     fn new(source: &str, origin: String, special_tokens: serde_json::Map<String, Json>) -> Result<ChatTemplate> {
@@ -171,7 +162,7 @@ impl ChatTemplate {
 
 /// tokenizer_config.json's `chat_template`: a string, or a list of
 /// `{name, template}` of which the one named "default".
-fn template_in_config(config: &serde_json::Map<String, Json>, path: &Path) -> Result<String> {
+fn template_in_config(config: &serde_json::Map<String, Json>, dir: &Path) -> Result<String> {
     match config.get("chat_template") {
         Some(Json::String(template)) => Ok(template.clone()),
         Some(Json::Array(named)) => named
@@ -179,10 +170,10 @@ fn template_in_config(config: &serde_json::Map<String, Json>, path: &Path) -> Re
             .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
             .and_then(|t| t.get("template")?.as_str())
             .map(String::from)
-            .with_context(|| format!("{}: chat_template has no template named \"default\"; give one with --chat-template", path.display())),
+            .with_context(|| format!("{}: chat_template has no template named \"default\"; give one with --chat-template", dir.join("tokenizer_config.json").display())),
         _ => bail!(
-            "no chat template for conversations: neither chat_template.jinja nor tokenizer_config.json's chat_template beside {} (give one with --chat-template FILE)",
-            path.display()
+            "no chat template for conversations: {} has neither chat_template.jinja nor a chat_template in tokenizer_config.json (give one with --chat-template FILE)",
+            dir.display()
         ),
     }
 }

@@ -9,7 +9,7 @@
 use crate::chat::{self, ChatTemplate};
 use crate::example::{eos_id, ids, jsonl, Example, Skipped, IGNORE_INDEX};
 use crate::squad::{self, QaExample};
-use crate::{prompt, text};
+use crate::{prompt, text, tokenizer};
 use anyhow::{bail, Context, Result};
 use ft_core::config::{DataConfig, DataFormat, TrainOn};
 use serde_json::Value as Json;
@@ -141,6 +141,11 @@ fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: Da
         DataFormat::Chat => Some(ChatTemplate::load(options.tokenizer_dir, options.chat_template)?),
         _ => None,
     };
+    // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
+    let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
+        Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
+        None => eos_id(tokenizer),
+    };
     let all = options.train_on == TrainOn::All;
     let (mut examples, mut unrenderable, mut too_long) = (vec![], 0, 0);
     for (line, value) in &lines {
@@ -149,7 +154,7 @@ fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: Da
         }
         let example = match &template {
             Some(template) => template.encode(tokenizer, chat::messages(value, path, *line)?, options.max_seq_len, options.truncate, all)?,
-            None => prompt_completion(tokenizer, value, all).with_context(|| format!("{} line {line}", path.display()))?.fit(options.max_seq_len, options.truncate),
+            None => prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(options.max_seq_len, options.truncate),
         };
         match example {
             Ok(example) => examples.push(example),
@@ -177,13 +182,13 @@ fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: Da
 }
 
 /// `{"prompt", "completion"}`: the prompt's tokens (with the tokenizer's
-/// own BOS), the completion's and the end token, the loss on the latter
-/// two (on all with `all`). Tokenised apart, so the boundary is exact.
-fn prompt_completion(tokenizer: &Tokenizer, value: &Json, all: bool) -> Result<Example> {
+/// own BOS), the completion's and `eos`, the loss on the latter two (on all
+/// with `all`). Tokenised apart, so the boundary is exact.
+fn prompt_completion(tokenizer: &Tokenizer, value: &Json, eos: Option<i64>, all: bool) -> Result<Example> {
     let field = |key: &str| value.get(key).and_then(Json::as_str).with_context(|| format!("no string \"{key}\""));
     let prompt = ids(tokenizer, field("prompt")?, true)?;
     let mut completion = ids(tokenizer, field("completion")?, false)?;
-    completion.extend(eos_id(tokenizer));
+    completion.extend(eos);
     let labels = match all {
         true => [prompt.as_slice(), &completion].concat(),
         false => std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(completion.iter().copied()).collect(),
