@@ -13,10 +13,11 @@
 use crate::example::{Example, Skipped, IGNORE_INDEX};
 use crate::tokenizer;
 use anyhow::{bail, Context as _, Result};
-use minijinja::value::{Kwargs, Value};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 use serde::Serialize as _;
 use serde_json::Value as Json;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -72,19 +73,21 @@ impl ChatTemplate {
         env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", source).map_err(|e| anyhow::anyhow!("chat template {origin}: {e:#}"))?;
+        // Named by its file, so an error's "(in FILE:LINE)" says where.
+        env.add_template_owned(origin.clone(), source).map_err(|e| anyhow::anyhow!("chat template {origin}: {e:#}"))?;
         Ok(ChatTemplate { env, special_tokens, has_generation, origin })
     }
 
-    fn render(&self, messages: &[Json], add_generation_prompt: bool) -> Result<Rendered, String> {
-        let mut context = self.special_tokens.clone();
-        context.insert("messages".into(), Json::from(messages.to_vec()));
-        context.insert("add_generation_prompt".into(), Json::from(add_generation_prompt));
+    fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<Rendered, String> {
+        let mut context: BTreeMap<&str, Value> = self.special_tokens.iter().map(|(key, token)| (key.as_str(), Value::from_serialize(token))).collect();
+        context.insert("messages", Value::from(messages.to_vec()));
+        context.insert("add_generation_prompt", Value::from(add_generation_prompt));
         // transformers passes these as None when a call gives none.
-        context.insert("tools".into(), Json::Null);
-        context.insert("documents".into(), Json::Null);
-        let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        let marked = template.render(&context).map_err(|e| format!("{e:#}"))?;
+        context.insert("tools", Value::from(()));
+        context.insert("documents", Value::from(()));
+        let template = self.env.get_template(&self.origin).map_err(|e| e.to_string())?;
+        // The error alone: its debug view (the template and every variable) would flood the log.
+        let marked = template.render(&context).map_err(|e| e.to_string())?;
         let (mut text, mut generation, mut open) = (String::with_capacity(marked.len()), vec![], None);
         let mut chars = 0;
         for c in marked.chars() {
@@ -102,7 +105,7 @@ impl ChatTemplate {
 
     /// The conversation's example: the whole render's tokens, labelled on
     /// the assistant's turns (or on every token with `train_on_all`).
-    pub fn encode(&self, tokenizer: &Tokenizer, messages: &[Json], max_seq_len: usize, truncate: bool, train_on_all: bool) -> Result<Result<Example, Skipped>> {
+    pub fn encode(&self, tokenizer: &Tokenizer, messages: &[Value], max_seq_len: usize, truncate: bool, train_on_all: bool) -> Result<Result<Example, Skipped>> {
         let full = match self.render(messages, false) {
             Ok(full) => full,
             Err(reason) => return Ok(Err(Skipped::Unrenderable(reason))),
@@ -137,9 +140,9 @@ impl ChatTemplate {
     /// Each assistant message's characters in `full`: between the render of
     /// the messages before it with the generation prompt and the render
     /// ending with it, both prefixes of `full`.
-    fn assistant_spans(&self, messages: &[Json], full: &str) -> Result<Vec<Range<usize>>, String> {
+    fn assistant_spans(&self, messages: &[Value], full: &str) -> Result<Vec<Range<usize>>, String> {
         let mut spans = vec![];
-        for i in (0..messages.len()).filter(|&i| messages[i].get("role").and_then(Json::as_str) == Some("assistant")) {
+        for i in (0..messages.len()).filter(|&i| messages[i].get_attr("role").ok().as_ref().and_then(Value::as_str) == Some("assistant")) {
             // Nothing precedes a first message (templates often cannot render no messages).
             let before = match i {
                 0 => String::new(),
@@ -255,18 +258,24 @@ impl serde_json::ser::Formatter for PythonFormatter {
 }
 
 /// A JSONL line's conversation, checked: a non-empty list of messages,
-/// each with a string `role` and a `content`.
-pub fn messages<'a>(value: &'a Json, path: &Path, line: usize) -> Result<&'a [Json]> {
+/// each with a string `role` and a `content`. Read as template values
+/// straight from the line, so objects keep their keys' order.
+pub fn messages(value: &Value, path: &Path, line: usize) -> Result<Vec<Value>> {
     let where_ = || format!("{} line {line}", path.display());
-    let Some(messages) = value.get("messages").and_then(Json::as_array) else { bail!("{}: \"messages\" is not a list", where_()) };
+    let list = value.get_attr("messages").unwrap_or_default();
+    if list.kind() != ValueKind::Seq {
+        bail!("{}: \"messages\" is not a list", where_());
+    }
+    let messages: Vec<Value> = list.try_iter().map_err(|e| anyhow::anyhow!("{}: {e}", where_()))?.collect();
     if messages.is_empty() {
         bail!("{}: an empty conversation", where_());
     }
     for (i, message) in messages.iter().enumerate() {
-        if message.get("role").and_then(Json::as_str).is_none() {
+        if message.get_attr("role").unwrap_or_default().kind() != ValueKind::String {
             bail!("{}: message {} has no string \"role\"", where_(), i + 1);
         }
-        if message.get("content").is_none_or(Json::is_null) {
+        let content = message.get_attr("content").unwrap_or_default();
+        if content.is_undefined() || content.is_none() {
             bail!("{}: message {} has no \"content\"", where_(), i + 1);
         }
     }
@@ -291,7 +300,7 @@ mod tests {
                         {% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}";
         let tokens = serde_json::json!({"bos_token": "<s>"}).as_object().unwrap().clone();
         let chat = ChatTemplate::new(template, "t".into(), tokens).unwrap();
-        let messages = [serde_json::json!({"role": "user", "content": " hé <b> "})];
+        let messages = [Value::from_serialize(serde_json::json!({"role": "user", "content": " hé <b> "}))];
         let rendered = chat.render(&messages, false).unwrap();
         assert_eq!(rendered.text, "<s>USER: hé <b> {\"content\": \" hé <b> \", \"role\": \"user\"}\n");
         let three = vec![messages[0].clone(); 3];

@@ -59,8 +59,8 @@ pub fn eos_id(tokenizer: &Tokenizer) -> Option<i64> {
     ["<|endoftext|>", "</s>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t)).map(|id| id as i64)
 }
 
-/// A JSONL file's non-blank lines, parsed, with their line numbers (from 1).
-pub fn jsonl(path: &Path) -> Result<Vec<(usize, serde_json::Value)>> {
+/// A JSONL file's non-blank lines, parsed as `T`, with their line numbers (from 1).
+pub fn jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
     let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     content
         .lines()

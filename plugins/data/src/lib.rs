@@ -6,7 +6,7 @@
 //! settings).
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
-//! JSONL lines) under the readers `prompt`, `text` and `chat`, under `lm`,
+//! JSONL lines) and `tokenizer` under the readers `prompt`, `text` and `chat`, under `lm`,
 //! which picks one by the file's format.
 
 pub mod chat;

@@ -136,31 +136,47 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
 /// order; lines the template refuses or too long for max_seq_len are
 /// skipped and counted, malformed lines are errors naming the line.
 fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
-    let lines = jsonl(path)?;
-    let template = match format {
-        DataFormat::Chat => Some(ChatTemplate::load(options.tokenizer_dir, options.chat_template)?),
-        _ => None,
-    };
-    // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
-    let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
-        Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
-        None => eos_id(tokenizer),
-    };
     let all = options.train_on == TrainOn::All;
+    let (max_len, truncate) = (options.max_seq_len, options.truncate);
+    match format {
+        DataFormat::Chat => {
+            let template = ChatTemplate::load(options.tokenizer_dir, options.chat_template)?;
+            // Template values straight from the text: objects keep their keys' order, as in Python.
+            encode_lines(path, options, jsonl::<minijinja::Value>(path)?, |value, line| {
+                template.encode(tokenizer, &chat::messages(value, path, line)?, max_len, truncate, all)
+            })
+        }
+        _ => {
+            // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
+            let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
+                Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
+                None => eos_id(tokenizer),
+            };
+            encode_lines(path, options, jsonl::<Json>(path)?, |value, line| {
+                Ok(prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(max_len, truncate))
+            })
+        }
+    }
+}
+
+/// Each line's example by `encode`, up to `options.limit`; the skipped are
+/// counted (the first unrenderable one's reason logged), and a file that
+/// leaves none is an error.
+fn encode_lines<T>(
+    path: &Path,
+    options: &LoadOptions,
+    lines: Vec<(usize, T)>,
+    mut encode: impl FnMut(&T, usize) -> Result<Result<Example, Skipped>>,
+) -> Result<Vec<Example>> {
     let (mut examples, mut unrenderable, mut too_long) = (vec![], 0, 0);
     for (line, value) in &lines {
         if options.limit.is_some_and(|limit| examples.len() >= limit) {
             break;
         }
-        let example = match &template {
-            Some(template) => template.encode(tokenizer, chat::messages(value, path, *line)?, options.max_seq_len, options.truncate, all)?,
-            None => prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(options.max_seq_len, options.truncate),
-        };
-        match example {
+        match encode(value, *line)? {
             Ok(example) => examples.push(example),
             Err(Skipped::TooLong(_)) => too_long += 1,
             Err(Skipped::Unrenderable(reason)) => {
-                // The first reason says what is wrong; the rest are counted.
                 if unrenderable == 0 {
                     tracing::warn!("{} line {line}: the chat template cannot render it: {reason}", path.display());
                 }

@@ -10,7 +10,7 @@ use tokenizers::Tokenizer;
 /// paragraphs (separated by blank lines).
 pub fn read_documents(path: &Path) -> Result<Vec<String>> {
     if path.extension().and_then(|e| e.to_str()) == Some("jsonl") {
-        jsonl(path)?
+        jsonl::<serde_json::Value>(path)?
             .into_iter()
             .map(|(line, value)| match value.get("text").and_then(|t| t.as_str()) {
                 Some(text) => Ok(text.to_string()),
