@@ -208,13 +208,14 @@ fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
     let out = dir.path().join("run");
     let output = ft()
         .args(["train", "--model", model.to_str().unwrap(), "--train-file", conversations.to_str().unwrap(), "--device", "cpu"])
+        .args(["--chat-template", fixture("llama3.jinja").to_str().unwrap()])
         .args(["--epochs", "8", "--batch-size", "2", "--lr", "1e-2", "--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
     let losses = common::losses(&out);
     assert!(losses.len() >= 8 && losses[losses.len() - 1] < 0.7 * losses[0], "{losses:?}");
-    // The trained model keeps its chat template: `ft tokenize` on final/ gives the same examples.
+    // The trained model keeps the chat template it was trained with: `ft tokenize` on final/ gives the same examples.
     let again = dir.path().join("again.jsonl");
     assert!(tokenize(&out.join("final"), &conversations, &again, &[]).status.success());
     assert_eq!(std::fs::read_to_string(&again).unwrap(), std::fs::read_to_string(&tokens).unwrap());
