@@ -3,7 +3,7 @@
 //! checking a chat template's masks or feeding another trainer.
 
 use crate::args::{ConfigFile, Overrides};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use figment::value::Value;
 use ft_core::Config;
@@ -52,6 +52,8 @@ pub fn run(args: TokenizeArgs) -> Result<i32> {
     let train = config.data.train.as_ref().context("give the data with --train-file (data.train)")?;
     let tokenizer_path = match &config.data.tokenizer {
         Some(path) => path.clone(),
+        // The default preset's demo has no files until a run writes them.
+        None if config.model.source.is_empty() || config.model.source == ft_data::demo::NAME => bail!("give the model whose tokenizer to use: --model DIR (or --tokenizer FILE)"),
         None => hf::resolve(&config.model.source)?.join("tokenizer.json"),
     };
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tokenizer_path.display()))?;

@@ -172,6 +172,8 @@ fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
     std::fs::write(dir.path().join("chat.jsonl"), format!("{good}\n")).unwrap();
     let output = tokenize(dir.path(), &dir.path().join("chat.jsonl"), &out, &[]);
     assert!(text(&output).contains("no chat template") && text(&output).contains("--chat-template"), "{}", text(&output));
+    let output = ft().args(["tokenize", "--train-file", "chat.jsonl", "--out", out.to_str().unwrap()]).output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("--model DIR"), "{}", text(&output));
 }
 
 #[test]
