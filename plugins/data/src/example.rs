@@ -28,8 +28,8 @@ impl Example {
 pub enum Skipped {
     /// The chat template refused it (`raise_exception`) or failed on it.
     Unrenderable(String),
-    /// Its tokens, more than max_seq_len (and `data.truncate` is off).
-    TooLong(usize),
+    /// Longer than max_seq_len (and `data.truncate` is off).
+    TooLong,
 }
 
 impl Example {
@@ -40,7 +40,7 @@ impl Example {
             return Ok(self);
         }
         if !truncate {
-            return Err(Skipped::TooLong(self.input_ids.len()));
+            return Err(Skipped::TooLong);
         }
         self.input_ids.truncate(max_seq_len);
         self.labels.truncate(max_seq_len);

@@ -175,7 +175,7 @@ fn encode_lines<T>(
         }
         match encode(value, *line)? {
             Ok(example) => examples.push(example),
-            Err(Skipped::TooLong(_)) => too_long += 1,
+            Err(Skipped::TooLong) => too_long += 1,
             Err(Skipped::Unrenderable(reason)) => {
                 if unrenderable == 0 {
                     tracing::warn!("{} line {line}: the chat template cannot render it: {reason}", path.display());
