@@ -88,6 +88,13 @@ impl ChatTemplate {
         let template = self.env.get_template(&self.origin).map_err(|e| e.to_string())?;
         // The error alone: its debug view (the template and every variable) would flood the log.
         let marked = template.render(&context).map_err(|e| e.to_string())?;
+        if !self.has_generation {
+            return Ok(Rendered { text: marked, generation: vec![] });
+        }
+        // A marker in the messages themselves would be taken for a block's edge.
+        if serde_json::to_string(messages).is_ok_and(|json| json.contains([GENERATION_START, GENERATION_END])) {
+            return Err(format!("a message holds U+{:X} or U+{:X}, which mark {{% generation %}} blocks", GENERATION_START as u32, GENERATION_END as u32));
+        }
         let (mut text, mut generation, mut open) = (String::with_capacity(marked.len()), vec![], None);
         let mut chars = 0;
         for c in marked.chars() {
@@ -111,7 +118,7 @@ impl ChatTemplate {
             Err(reason) => return Ok(Err(Skipped::Unrenderable(reason))),
         };
         let spans = match self.has_generation {
-            true => full.generation.clone(),
+            true => full.generation,
             false => match self.assistant_spans(messages, &full.text) {
                 Ok(spans) => spans,
                 Err(reason) => return Ok(Err(Skipped::Unrenderable(reason))),
@@ -305,5 +312,17 @@ mod tests {
         assert_eq!(rendered.text, "<s>USER: hé <b> {\"content\": \" hé <b> \", \"role\": \"user\"}\n");
         let three = vec![messages[0].clone(); 3];
         assert!(chat.render(&three, false).unwrap_err().contains("too long"));
+    }
+
+    #[test]
+    fn generation_blocks_are_character_ranges_and_their_markers_never_come_from_messages() {
+        let template = "{% for m in messages %}<{{ m.role }}>{% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}";
+        let chat = ChatTemplate::new(template, "t".into(), Default::default()).unwrap();
+        let message = |content: &str| Value::from_serialize(serde_json::json!({"role": "assistant", "content": content}));
+        let rendered = chat.render(&[message("hé"), message("yo")], false).unwrap();
+        // trim_blocks takes the newline after the block, as in transformers' environment.
+        assert_eq!(rendered.text, "<assistant>hé<assistant>yo");
+        assert_eq!(rendered.generation, vec![11..13, 24..26]);
+        assert!(chat.render(&[message(&format!("a{GENERATION_END}"))], false).unwrap_err().contains("mark {% generation %} blocks"));
     }
 }
