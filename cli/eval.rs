@@ -28,6 +28,9 @@ pub struct EvalArgs {
     eval_file: PathBuf,
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     #[arg(long)]
     eval_samples: Option<usize>,
     #[arg(long)]
@@ -57,6 +60,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .set("task.name", args.task.clone())
         .path("data.eval", Some(&args.eval_file))
         .path("data.tokenizer", args.tokenizer.as_ref())
+        .path("data.chat_template", args.chat_template.as_ref())
         .set("data.eval_samples", args.eval_samples)
         .set("data.max_seq_len", args.max_seq_len)
         .set("train.eval_batch_size", args.batch_size)

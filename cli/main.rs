@@ -9,6 +9,7 @@ mod list;
 mod model_commands;
 mod plan;
 mod plugin;
+mod tokenize;
 mod train;
 
 use anyhow::Result;
@@ -82,6 +83,8 @@ enum Command {
     CommTest(comm_test::CommTestArgs),
     /// Show what the registry holds: models, tasks, strategies, offloads, sinks, presets.
     List(args::ConfigFile),
+    /// Write what training sees of a data file: {"input_ids", "labels"} per example, as JSON lines.
+    Tokenize(tokenize::TokenizeArgs),
     /// Write a randomly initialised Hugging Face checkpoint of a config.
     InitModel(model_commands::InitModelArgs),
     /// Continue a prompt greedily (KV cache).
@@ -131,6 +134,7 @@ fn run(cli: Cli) -> Result<i32> {
             list::run(&Registry::with_plugins(&cli.plugins)?);
             Ok(0)
         }
+        Command::Tokenize(args) => tokenize::run(args),
         Command::InitModel(args) => model_commands::init_model(args),
         Command::Generate(args) => model_commands::generate(args),
         Command::Forward(args) => model_commands::forward(args),

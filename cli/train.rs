@@ -35,6 +35,9 @@ pub struct TrainArgs {
     eval_file: Option<PathBuf>,
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     #[arg(long)]
     max_seq_len: Option<usize>,
     #[arg(long)]
@@ -126,6 +129,7 @@ impl TrainArgs {
             .path("data.train", self.train_file.as_ref())
             .path("data.eval", self.eval_file.as_ref())
             .path("data.tokenizer", self.tokenizer.as_ref())
+            .path("data.chat_template", self.chat_template.as_ref())
             .set("data.max_seq_len", self.max_seq_len)
             .set("data.train_samples", self.train_samples)
             .set("data.eval_samples", self.eval_samples)
@@ -283,6 +287,13 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         let final_dir = output.join("final");
         let what = hf::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
         std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
+        // A chat model's template (the one it was trained with) and the special tokens it names go with its tokenizer.
+        let template = config.data.chat_template.clone().unwrap_or(tokenizer.with_file_name("chat_template.jinja"));
+        for (from, name) in [(tokenizer.with_file_name("tokenizer_config.json"), "tokenizer_config.json"), (template, "chat_template.jinja")] {
+            if from.exists() {
+                std::fs::copy(&from, final_dir.join(name))?;
+            }
+        }
         let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;

@@ -83,7 +83,7 @@ pub fn preset(source: Option<&str>) -> Option<&'static PresetRegistration> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// SQuAD JSON (.json), JSONL with a "text" field (.jsonl) or plain text.
+    /// SQuAD JSON (.json), JSONL (`text`, `prompt`/`completion` or `messages` per line) or plain text.
     pub train: Option<std::path::PathBuf>,
     /// SQuAD JSON for eval loss and EM/F1 (or text/JSONL for eval loss only).
     pub eval: Option<std::path::PathBuf>,
@@ -95,6 +95,42 @@ pub struct DataConfig {
     pub eval_samples: Option<usize>,
     /// Round padded lengths up to a multiple of this (default: 64 on GPU, 1 on CPU).
     pub pad_to_multiple_of: Option<usize>,
+    /// How the files read: by default detected from their content.
+    pub format: DataFormat,
+    /// Which tokens of chat and prompt/completion examples carry the loss.
+    pub train_on: TrainOn,
+    /// Cut a conversation or prompt/completion longer than max_seq_len to
+    /// max_seq_len instead of skipping it.
+    pub truncate: bool,
+    /// A Jinja chat template file, instead of the tokenizer's own.
+    pub chat_template: Option<std::path::PathBuf>,
+}
+
+/// What a data file holds (`data.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DataFormat {
+    /// SQuAD for a .json file; for JSONL, the keys of its first line; else plain text.
+    #[default]
+    Auto,
+    Squad,
+    /// Plain text or JSONL `{"text": …}`, packed.
+    Text,
+    /// JSONL `{"prompt": …, "completion": …}`.
+    PromptCompletion,
+    /// JSONL `{"messages": [{"role", "content"}, …]}`, rendered with the chat template.
+    Chat,
+}
+
+/// Which tokens carry the loss in chat and prompt/completion examples (`data.train_on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainOn {
+    /// The assistant's turns (chat) or the completion.
+    #[default]
+    Assistant,
+    /// Every token.
+    All,
 }
 
 impl Default for DataConfig {
@@ -107,6 +143,10 @@ impl Default for DataConfig {
             train_samples: None,
             eval_samples: None,
             pad_to_multiple_of: None,
+            format: DataFormat::Auto,
+            train_on: TrainOn::Assistant,
+            truncate: false,
+            chat_template: None,
         }
     }
 }

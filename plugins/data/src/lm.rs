@@ -1,28 +1,21 @@
 //! Examples for a causal language model: token ids and, aligned with them,
 //! the labels the loss is taken on — from SQuAD (prompts with the loss on
-//! the answer, `prompt.rs`) or from text and JSONL (packed, `text.rs`).
+//! the answer, `prompt.rs`), text and JSONL (packed, `text.rs`), JSONL
+//! prompt/completion pairs (the loss on the completion) or conversations
+//! (the chat template's render, the loss on the assistant: `chat.rs`) —
+//! and `ft tokenize`'s file of them. The format is `data.format`, or
+//! detected from the file.
 
+use crate::chat::{self, ChatTemplate};
+use crate::example::{eos_id, ids, jsonl, Example, Skipped, IGNORE_INDEX};
 use crate::squad::{self, QaExample};
-use crate::{prompt, text};
-use anyhow::Result;
-pub use ft_core::train::loss::IGNORE_INDEX;
+use crate::{prompt, text, tokenizer};
+use anyhow::{bail, Context, Result};
+use ft_core::config::{DataConfig, DataFormat, TrainOn};
+use serde_json::Value as Json;
+use std::io::Write as _;
 use std::path::Path;
 use tokenizers::Tokenizer;
-
-/// One tokenised example. `labels[i]` is the target for position i, or
-/// `IGNORE_INDEX` where no loss is taken (prompt tokens, padding).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Example {
-    pub input_ids: Vec<i64>,
-    pub labels: Vec<i64>,
-}
-
-impl Example {
-    /// Tokens the loss is taken on: labels not ignored, after the shift.
-    pub fn target_tokens(&self) -> usize {
-        self.labels.iter().skip(1).filter(|l| **l != IGNORE_INDEX).count()
-    }
-}
 
 /// SQuAD files are JSON; anything else is text or JSONL.
 pub fn is_squad(path: &Path) -> bool {
@@ -30,7 +23,7 @@ pub fn is_squad(path: &Path) -> bool {
 }
 
 /// What [`load`] reads a file with.
-pub struct LoadOptions {
+pub struct LoadOptions<'a> {
     pub max_seq_len: usize,
     /// Keep the first N examples (None: all).
     pub limit: Option<usize>,
@@ -38,46 +31,248 @@ pub struct LoadOptions {
     pub include_unanswerable: bool,
     /// SQuAD prompts: the loss on the prompt's tokens too, not only the answer's.
     pub train_on_prompt: bool,
+    pub format: DataFormat,
+    /// Chat and prompt/completion: the loss on the assistant's (completion's) tokens or on all.
+    pub train_on: TrainOn,
+    /// Cut chat and prompt/completion examples to max_seq_len instead of skipping them.
+    pub truncate: bool,
+    /// The directory of tokenizer.json, where the chat template and the
+    /// special tokens it names are found (tokenizer_config.json, chat_template.jinja).
+    pub tokenizer_dir: &'a Path,
+    /// A chat template file instead of the tokenizer's.
+    pub chat_template: Option<&'a Path>,
+}
+
+impl<'a> LoadOptions<'a> {
+    /// `data.*`'s settings for the tokenizer at `tokenizer`, every example, SQuAD's defaults.
+    pub fn new(data: &'a DataConfig, tokenizer: &'a Path) -> LoadOptions<'a> {
+        LoadOptions {
+            max_seq_len: data.max_seq_len,
+            limit: None,
+            include_unanswerable: false,
+            train_on_prompt: false,
+            format: data.format,
+            train_on: data.train_on,
+            truncate: data.truncate,
+            tokenizer_dir: tokenizer.parent().unwrap_or(Path::new(".")),
+            chat_template: data.chat_template.as_deref(),
+        }
+    }
+}
+
+/// The format of `path` by its content: SQuAD for .json; for JSON lines,
+/// the first line's keys (`messages`: chat; `prompt` and `completion`;
+/// `text`); plain text otherwise.
+pub fn detect(path: &Path) -> Result<DataFormat> {
+    if is_squad(path) {
+        return Ok(DataFormat::Squad);
+    }
+    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let Some((number, line)) = content.lines().enumerate().find(|(_, line)| !line.trim().is_empty()) else {
+        bail!("{} is empty", path.display())
+    };
+    let jsonl = path.extension().and_then(|e| e.to_str()) == Some("jsonl");
+    match serde_json::from_str::<Json>(line) {
+        Ok(Json::Object(keys)) if keys.contains_key("messages") => Ok(DataFormat::Chat),
+        Ok(Json::Object(keys)) if keys.contains_key("prompt") && keys.contains_key("completion") => Ok(DataFormat::PromptCompletion),
+        Ok(Json::Object(keys)) if keys.contains_key("text") => Ok(DataFormat::Text),
+        Ok(_) if jsonl => bail!(
+            "{} line {}: neither {{\"text\": …}}, {{\"prompt\": …, \"completion\": …}} nor {{\"messages\": […]}}",
+            path.display(),
+            number + 1
+        ),
+        Err(_) if jsonl => bail!("{} line {}: not valid JSON", path.display(), number + 1),
+        _ => Ok(DataFormat::Text),
+    }
 }
 
 /// Tokenised examples of a file, and its questions when it is SQuAD.
 pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<(Vec<Example>, Vec<QaExample>)> {
     let max_len = options.max_seq_len;
-    if is_squad(path) {
-        let (mut questions, stats) = squad::read(path, options.include_unanswerable)?;
-        if let Some(limit) = options.limit {
-            questions.truncate(limit);
+    let format = match options.format {
+        DataFormat::Auto => detect(path)?,
+        format => format,
+    };
+    match format {
+        DataFormat::Squad => {
+            let (mut questions, stats) = squad::read(path, options.include_unanswerable)?;
+            if let Some(limit) = options.limit {
+                questions.truncate(limit);
+            }
+            let mut examples = vec![];
+            let mut too_long = 0;
+            for question in &questions {
+                match prompt::encode(tokenizer, question, max_len, options.train_on_prompt)? {
+                    Some(example) => examples.push(example),
+                    None => too_long += 1,
+                }
+            }
+            tracing::info!(
+                "{}: {} questions from {} articles ({} unanswerable and {} with bad offsets skipped, {} too long for max_seq_len {max_len})",
+                path.display(),
+                examples.len(),
+                stats.articles,
+                stats.unanswerable_skipped,
+                stats.bad_offsets_skipped,
+                too_long
+            );
+            Ok((examples, questions))
         }
-        let mut examples = vec![];
-        let mut too_long = 0;
-        for question in &questions {
-            match prompt::encode(tokenizer, question, max_len, options.train_on_prompt)? {
-                Some(example) => examples.push(example),
-                None => too_long += 1,
+        // (Auto was resolved above.)
+        DataFormat::Text | DataFormat::Auto => {
+            let documents = text::read_documents(path)?;
+            let mut examples = text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?;
+            if let Some(limit) = options.limit {
+                examples.truncate(limit);
+            }
+            tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len());
+            Ok((examples, vec![]))
+        }
+        DataFormat::PromptCompletion | DataFormat::Chat => Ok((records(path, tokenizer, options, format)?, vec![])),
+    }
+}
+
+/// A prompt/completion or chat JSONL file's examples, one per line in
+/// order; lines the template refuses or too long for max_seq_len are
+/// skipped and counted, malformed lines are errors naming the line.
+fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
+    let all = options.train_on == TrainOn::All;
+    let (max_len, truncate) = (options.max_seq_len, options.truncate);
+    match format {
+        DataFormat::Chat => {
+            let template = ChatTemplate::load(options.tokenizer_dir, options.chat_template)?;
+            // Template values straight from the text: objects keep their keys' order, as in Python.
+            encode_lines(path, options, jsonl::<minijinja::Value>(path)?, |value, line| {
+                template.encode(tokenizer, &chat::messages(value, path, line)?, max_len, truncate, all)
+            })
+        }
+        _ => {
+            // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
+            let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
+                Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
+                None => eos_id(tokenizer),
+            };
+            encode_lines(path, options, jsonl::<Json>(path)?, |value, line| {
+                Ok(prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(max_len, truncate))
+            })
+        }
+    }
+}
+
+/// Each line's example by `encode`, up to `options.limit`; the skipped are
+/// counted (the first unrenderable one's reason logged), and a file that
+/// leaves none is an error.
+fn encode_lines<T>(
+    path: &Path,
+    options: &LoadOptions,
+    lines: Vec<(usize, T)>,
+    mut encode: impl FnMut(&T, usize) -> Result<Result<Example, Skipped>>,
+) -> Result<Vec<Example>> {
+    let (mut examples, mut unrenderable, mut too_long) = (vec![], 0, 0);
+    for (line, value) in &lines {
+        if options.limit.is_some_and(|limit| examples.len() >= limit) {
+            break;
+        }
+        match encode(value, *line)? {
+            Ok(example) => examples.push(example),
+            Err(Skipped::TooLong) => too_long += 1,
+            Err(Skipped::Unrenderable(reason)) => {
+                if unrenderable == 0 {
+                    tracing::warn!("{} line {line}: the chat template cannot render it: {reason}", path.display());
+                }
+                unrenderable += 1;
             }
         }
-        tracing::info!(
-            "{}: {} questions from {} articles ({} unanswerable and {} with bad offsets skipped, {} too long for max_seq_len {max_len})",
-            path.display(),
-            examples.len(),
-            stats.articles,
-            stats.unanswerable_skipped,
-            stats.bad_offsets_skipped,
-            too_long
-        );
-        Ok((examples, questions))
-    } else {
-        let documents = text::read_documents(path)?;
-        let mut examples = text::pack(tokenizer, &documents, max_len, prompt::eos_id(tokenizer))?;
-        if let Some(limit) = options.limit {
-            examples.truncate(limit);
-        }
-        tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len());
-        Ok((examples, vec![]))
     }
+    if examples.is_empty() && !lines.is_empty() {
+        bail!("{}: no example left ({unrenderable} the chat template cannot render, {too_long} longer than max_seq_len {})", path.display(), options.max_seq_len);
+    }
+    tracing::info!(
+        "{}: {} examples ({unrenderable} skipped as the chat template cannot render them, {too_long} longer than max_seq_len {}{})",
+        path.display(),
+        examples.len(),
+        options.max_seq_len,
+        if options.truncate { ", cut" } else { " skipped" }
+    );
+    Ok(examples)
+}
+
+/// `{"prompt", "completion"}`: the prompt's tokens (with the tokenizer's
+/// own BOS), the completion's and `eos`, the loss on the latter two (on all
+/// with `all`). Tokenised apart, so the boundary is exact.
+fn prompt_completion(tokenizer: &Tokenizer, value: &Json, eos: Option<i64>, all: bool) -> Result<Example> {
+    let field = |key: &str| value.get(key).and_then(Json::as_str).with_context(|| format!("no string \"{key}\""));
+    let prompt = ids(tokenizer, field("prompt")?, true)?;
+    let mut completion = ids(tokenizer, field("completion")?, false)?;
+    completion.extend(eos);
+    let labels = match all {
+        true => [prompt.as_slice(), &completion].concat(),
+        false => std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(completion.iter().copied()).collect(),
+    };
+    Ok(Example { input_ids: [prompt, completion].concat(), labels })
+}
+
+/// Writes `examples` to `path` as JSON lines `{"input_ids", "labels"}`,
+/// atomically: a temporary file beside it, renamed into place once whole.
+pub fn write_jsonl(examples: &[Example], path: &Path) -> Result<()> {
+    let name = path.file_name().with_context(|| format!("{} is not a file name", path.display()))?;
+    let temporary = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    let write = || -> Result<()> {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&temporary)?);
+        for example in examples {
+            serde_json::to_writer(&mut file, example)?;
+            file.write_all(b"\n")?;
+        }
+        file.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&temporary, path)?;
+        Ok(())
+    };
+    write().inspect_err(|_| {
+        // Nothing half-written stays behind.
+        let _ = std::fs::remove_file(&temporary);
+    }).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Padding uses the tokenizer's pad token, else its end token (never read: no loss, causal).
 pub fn pad_id(tokenizer: &Tokenizer) -> i64 {
-    tokenizer.get_padding().map(|p| p.pad_id as i64).or(prompt::eos_id(tokenizer)).unwrap_or(0)
+    tokenizer.get_padding().map(|p| p.pad_id as i64).or(eos_id(tokenizer)).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_format_is_read_from_the_first_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let cases = [
+            ("a.jsonl", "\n{\"messages\": []}\n", Some(DataFormat::Chat)),
+            ("a.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\"}", Some(DataFormat::PromptCompletion)),
+            ("a.jsonl", "{\"text\": \"t\"}", Some(DataFormat::Text)),
+            ("a.txt", "Once upon a time", Some(DataFormat::Text)),
+            ("a.txt", "{\"messages\": []}", Some(DataFormat::Chat)),
+            ("a.jsonl", "{\"prompt\": \"p\"}", None),
+            ("a.jsonl", "\n\nnot json", None),
+        ];
+        for (name, content, expected) in cases {
+            let path = dir.path().join(name);
+            std::fs::write(&path, content).unwrap();
+            match expected {
+                Some(format) => assert_eq!(detect(&path).unwrap(), format, "{content}"),
+                None => assert!(detect(&path).unwrap_err().to_string().contains(&format!("{name} line ")), "{content}"),
+            }
+        }
+        assert_eq!(detect(Path::new("squad.json")).unwrap(), DataFormat::Squad);
+    }
+
+    #[test]
+    fn tokenized_files_are_written_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        let examples = [Example { input_ids: vec![5, 6], labels: vec![IGNORE_INDEX, 6] }];
+        write_jsonl(&examples, &path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"input_ids\":[5,6],\"labels\":[-100,6]}\n");
+        assert!(write_jsonl(&examples, &dir.path().join("missing/out.jsonl")).is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+    }
 }

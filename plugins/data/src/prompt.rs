@@ -4,28 +4,17 @@
 //! the prompt as well). When the example is too long, the context is cut,
 //! never the question or the answer.
 
+use crate::example::{eos_id, ids, Example, IGNORE_INDEX};
 use crate::squad::QaExample;
-use anyhow::{Context as _, Result};
-use crate::lm::{Example, IGNORE_INDEX};
+use anyhow::Result;
 use tokenizers::Tokenizer;
-
-fn ids(tokenizer: &Tokenizer, text: &str) -> Result<Vec<i64>> {
-    let encoding = tokenizer.encode(text, false).map_err(anyhow::Error::msg).with_context(|| format!("cannot tokenize {text:?}"))?;
-    Ok(encoding.get_ids().iter().map(|&id| id as i64).collect())
-}
-
-/// The end-of-text token the answer ends with: the tokenizer's
-/// `<|endoftext|>`, `</s>` or `<eos>`, whichever it has.
-pub fn eos_id(tokenizer: &Tokenizer) -> Option<i64> {
-    ["<|endoftext|>", "</s>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t)).map(|id| id as i64)
-}
 
 /// The prompt's token ids with the context cut to fit `budget` tokens in all.
 /// None when even an empty context does not fit.
 pub fn prompt_ids(tokenizer: &Tokenizer, example: &QaExample, budget: usize) -> Result<Option<Vec<i64>>> {
-    let head = ids(tokenizer, &format!("Question: {} Context:", example.question))?;
-    let mut context = ids(tokenizer, &format!(" {}", example.context))?;
-    let tail = ids(tokenizer, " Answer:")?;
+    let head = ids(tokenizer, &format!("Question: {} Context:", example.question), false)?;
+    let mut context = ids(tokenizer, &format!(" {}", example.context), false)?;
+    let tail = ids(tokenizer, " Answer:", false)?;
     let fixed = head.len() + tail.len();
     if fixed > budget {
         return Ok(None);
@@ -39,7 +28,7 @@ pub fn prompt_ids(tokenizer: &Tokenizer, example: &QaExample, budget: usize) -> 
 /// answer and end token, or on every token with `train_on_prompt`.
 pub fn encode(tokenizer: &Tokenizer, example: &QaExample, max_seq_len: usize, train_on_prompt: bool) -> Result<Option<Example>> {
     let answer = example.answers.first().map(String::as_str).unwrap_or("");
-    let mut target = ids(tokenizer, &format!(" {answer}"))?;
+    let mut target = ids(tokenizer, &format!(" {answer}"), false)?;
     target.extend(eos_id(tokenizer));
     let Some(budget) = max_seq_len.checked_sub(target.len()) else { return Ok(None) };
     let Some(prompt) = prompt_ids(tokenizer, example, budget)? else { return Ok(None) };
@@ -65,7 +54,7 @@ mod tests {
         let example = &examples[0];
         let full = encode(&tokenizer, example, 10_000, false).unwrap().unwrap();
         let answer_len = full.labels.iter().filter(|l| **l != IGNORE_INDEX).count();
-        let answer = ids(&tokenizer, &format!(" {}", example.answers[0])).unwrap();
+        let answer = ids(&tokenizer, &format!(" {}", example.answers[0]), false).unwrap();
         assert_eq!(answer_len, answer.len() + 1, "answer and end token");
         assert_eq!(&full.labels[full.labels.len() - answer_len..], &full.input_ids[full.input_ids.len() - answer_len..]);
         let text = tokenizer.decode(&full.input_ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap();

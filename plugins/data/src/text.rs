@@ -1,27 +1,24 @@
 //! Plain text and JSONL (`{"text": …}` per line) for causal-LM fine-tuning,
 //! packed into fixed-length sequences with an end token between documents.
 
+use crate::example::{jsonl, Example};
 use anyhow::{bail, Context, Result};
-use crate::lm::Example;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
 /// Documents of a file: JSONL lines' `text` fields, or a text file's
 /// paragraphs (separated by blank lines).
 pub fn read_documents(path: &Path) -> Result<Vec<String>> {
-    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     if path.extension().and_then(|e| e.to_str()) == Some("jsonl") {
-        let mut documents = vec![];
-        for (number, line) in content.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let value: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("{} line {}: not valid JSON", path.display(), number + 1))?;
-            match value.get("text").and_then(|t| t.as_str()) {
-                Some(text) => documents.push(text.to_string()),
-                None => bail!("{} line {}: no string field \"text\"", path.display(), number + 1),
-            }
-        }
-        Ok(documents)
+        jsonl::<serde_json::Value>(path)?
+            .into_iter()
+            .map(|(line, value)| match value.get("text").and_then(|t| t.as_str()) {
+                Some(text) => Ok(text.to_string()),
+                None => bail!("{} line {line}: no string field \"text\"", path.display()),
+            })
+            .collect()
     } else {
+        let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
         Ok(content.split("\n\n").map(str::trim).filter(|p| !p.is_empty()).map(String::from).collect())
     }
 }

@@ -1,7 +1,9 @@
 //! `causal_lm`: fine-tuning a causal language model. SQuAD files become
 //! prompts (`Question: … Context: … Answer:`) with the loss on the answer,
 //! scored by exact match and F1 of the greedily generated answer; text and
-//! JSONL are packed into fixed-length sequences (loss only).
+//! JSONL are packed into fixed-length sequences, prompt/completion pairs and
+//! conversations (`ft_data::lm`'s formats) train on their completions and
+//! assistant turns (loss only).
 //!
 //! Task keys: `task.include_unanswerable` (train SQuAD v2's unanswerable
 //! questions towards the empty answer), `task.max_new_tokens` (longest
@@ -17,7 +19,9 @@ use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
 use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
 use ft_core::train::Kernels;
-use ft_data::lm::{self, Example, LoadOptions};
+use ft_core::config::TrainOn;
+use ft_data::example::{eos_id, Example};
+use ft_data::lm::{self, LoadOptions};
 use ft_data::squad::QaExample;
 use ft_data::{metrics, prompt};
 use serde::Deserialize;
@@ -215,12 +219,18 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
     // The prompt's tokens count in training only: the eval loss stays the answer's.
-    let load = |path: &Path, limit, train_on_prompt| {
-        let options = LoadOptions { max_seq_len: data.max_seq_len, limit, include_unanswerable: options.include_unanswerable, train_on_prompt };
+    let load = |path: &Path, limit, training: bool| {
+        let options = LoadOptions {
+            limit,
+            include_unanswerable: options.include_unanswerable,
+            train_on_prompt: training && options.train_on_prompt,
+            train_on: if training { data.train_on } else { TrainOn::Assistant },
+            ..LoadOptions::new(data, inputs.tokenizer)
+        };
         lm::load(path, &tokenizer, &options)
     };
     let train = match &data.train {
-        Some(path) => load(path, data.train_samples, options.train_on_prompt)?.0,
+        Some(path) => load(path, data.train_samples, true)?.0,
         None => vec![],
     };
     let (eval, questions) = match &data.eval {
@@ -231,7 +241,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         None => (None, vec![]),
     };
     let generation = (!questions.is_empty()).then(|| Generation {
-        eos: prompt::eos_id(&tokenizer),
+        eos: eos_id(&tokenizer),
         tokenizer: tokenizer.clone(),
         questions,
         max_seq_len: data.max_seq_len,

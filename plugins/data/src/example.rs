@@ -1,0 +1,74 @@
+//! What every reader builds and shares, below them all: a tokenised example
+//! with its labels, tokenizing a string, the end token, and a JSONL file's
+//! lines with errors that name the file and line.
+
+use anyhow::{Context as _, Result};
+pub use ft_core::train::loss::IGNORE_INDEX;
+use std::path::Path;
+use tokenizers::Tokenizer;
+
+/// One tokenised example. `labels[i]` is the target for position i, or
+/// `IGNORE_INDEX` where no loss is taken (prompt tokens, padding); as in
+/// transformers, the shift to the next token happens in the loss.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Example {
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+}
+
+impl Example {
+    /// Tokens the loss is taken on: labels not ignored, after the shift.
+    pub fn target_tokens(&self) -> usize {
+        self.labels.iter().skip(1).filter(|l| **l != IGNORE_INDEX).count()
+    }
+}
+
+/// Why a record gave no example; counted and logged, not fatal.
+#[derive(Debug)]
+pub enum Skipped {
+    /// The chat template refused it (`raise_exception`) or failed on it.
+    Unrenderable(String),
+    /// Longer than max_seq_len (and `data.truncate` is off).
+    TooLong,
+}
+
+impl Example {
+    /// The example within `max_seq_len` tokens: cut to it with `truncate`,
+    /// else skipped — never cut silently in the middle of an answer.
+    pub fn fit(mut self, max_seq_len: usize, truncate: bool) -> Result<Example, Skipped> {
+        if self.input_ids.len() <= max_seq_len {
+            return Ok(self);
+        }
+        if !truncate {
+            return Err(Skipped::TooLong);
+        }
+        self.input_ids.truncate(max_seq_len);
+        self.labels.truncate(max_seq_len);
+        Ok(self)
+    }
+}
+
+/// The token ids of `text`, with the tokenizer's own special tokens (a BOS) when `special`.
+pub fn ids(tokenizer: &Tokenizer, text: &str, special: bool) -> Result<Vec<i64>> {
+    let encoding = tokenizer.encode(text, special).map_err(anyhow::Error::msg).with_context(|| format!("cannot tokenize {text:?}"))?;
+    Ok(encoding.get_ids().iter().map(|&id| id as i64).collect())
+}
+
+/// The end-of-text token: the tokenizer's `<|endoftext|>`, `</s>` or `<eos>`, whichever it has.
+pub fn eos_id(tokenizer: &Tokenizer) -> Option<i64> {
+    ["<|endoftext|>", "</s>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t)).map(|id| id as i64)
+}
+
+/// A JSONL file's non-blank lines, parsed as `T`, with their line numbers (from 1).
+pub fn jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
+    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    content
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(number, line)| {
+            let value = serde_json::from_str(line).with_context(|| format!("{} line {}: not valid JSON", path.display(), number + 1))?;
+            Ok((number + 1, value))
+        })
+        .collect()
+}

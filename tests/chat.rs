@@ -1,0 +1,224 @@
+//! Chat and prompt/completion data against transformers: `ft tokenize`'s
+//! token ids and labels for four real-style chat templates
+//! (tests/fixtures/chat: Llama 3's headers and strftime_now, ChatML/Qwen2's
+//! namespace, string methods and tojson, Mistral's [INST] with
+//! raise_exception, ChatML with {% generation %} blocks) equal
+//! `apply_chat_template` and its assistant mask (tests/python/chat_reference.py),
+//! with the GPT-2 tokenizer in ../shared and the templates' special tokens
+//! added; bad lines are errors naming the line; a tiny Llama trains on a
+//! conversation file with its loss falling, and `ft eval`'s loss over it
+//! equals transformers' with the same labels — so masked tokens carry none.
+
+mod common;
+
+use common::{ft, text};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat").join(name)
+}
+
+fn gpt2() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/gpt2/tokenizer.json")
+}
+
+/// chat_reference.py's standard output.
+fn python(args: &[&str]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
+    let output = Command::new("python").arg(&script).args(args).output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
+    assert!(output.status.success(), "chat_reference.py {args:?}: {}", text(&output));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A tokenizer directory (as transformers saves it) for `template` with its BOS and EOS.
+fn tokenizer_dir(dir: &Path, template: &str, bos: &str, eos: &str, in_config: bool) {
+    let template = fixture(&format!("{template}.jinja"));
+    let gpt2 = gpt2();
+    let mut args = vec!["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), bos, eos, dir.to_str().unwrap()];
+    if in_config {
+        args.push("--in-config");
+    }
+    python(&args);
+}
+
+fn tokenize(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    ft().args(["tokenize", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn chat_templates_tokenize_as_transformers_applies_them() {
+    let conversations = fixture("conversations.jsonl");
+    let cases = [
+        ("llama3", "<|begin_of_text|>", "<|eot_id|>", false),
+        ("chatml", "<|endoftext|>", "<|im_end|>", true),
+        ("mistral", "<s>", "</s>", false),
+        ("generation", "<|endoftext|>", "<|im_end|>", false),
+    ];
+    for (template, bos, eos, in_config) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        tokenizer_dir(dir.path(), template, bos, eos, in_config);
+        let out = dir.path().join("tokens.jsonl");
+        let output = tokenize(dir.path(), &conversations, &out, &[]);
+        assert!(output.status.success(), "{template}: {}", text(&output));
+        let checked = python(&["check", dir.path().to_str().unwrap(), conversations.to_str().unwrap(), out.to_str().unwrap()]);
+        eprintln!("{template}: {checked}");
+        if template == "mistral" {
+            let log = text(&output);
+            assert!(log.contains("Conversation roles must alternate") && log.contains("3 skipped as the chat template cannot render them"), "{log}");
+        }
+    }
+}
+
+#[test]
+fn chat_template_flag_overrides_and_long_conversations_are_skipped_or_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    tokenizer_dir(dir.path(), "generation", "<|endoftext|>", "<|im_end|>", false);
+    let conversations = fixture("conversations.jsonl");
+    let out = dir.path().join("tokens.jsonl");
+    // --chat-template wins over the directory's chat_template.jinja: Mistral's refuses three conversations.
+    let output = tokenize(dir.path(), &conversations, &out, &["--chat-template", fixture("mistral.jinja").to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 3);
+
+    let full: Vec<serde_json::Value> = {
+        assert!(tokenize(dir.path(), &conversations, &out, &[]).status.success());
+        std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let lengths: Vec<usize> = full.iter().map(|e| e["input_ids"].as_array().unwrap().len()).collect();
+    let limit = 30;
+    let output = tokenize(dir.path(), &conversations, &out, &["--max-seq-len", &limit.to_string()]);
+    assert!(output.status.success(), "{}", text(&output));
+    let kept = lengths.iter().filter(|&&n| n <= limit).count();
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), kept);
+    assert!(text(&output).contains(&format!("{} longer than max_seq_len {limit} skipped", lengths.len() - kept)), "{}", text(&output));
+
+    let output = tokenize(dir.path(), &conversations, &out, &["--max-seq-len", &limit.to_string(), "--set", "data.truncate=true"]);
+    assert!(output.status.success(), "{}", text(&output));
+    let cut: Vec<serde_json::Value> = std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(cut.len(), full.len());
+    for (cut, full) in cut.iter().zip(&full) {
+        let n = cut["input_ids"].as_array().unwrap().len();
+        assert_eq!(n, full["input_ids"].as_array().unwrap().len().min(limit));
+        assert_eq!(cut["labels"].as_array().unwrap()[..], full["labels"].as_array().unwrap()[..n]);
+    }
+
+    // train_on=all: every token is a label.
+    assert!(tokenize(dir.path(), &conversations, &out, &["--set", "data.train_on=all"]).status.success());
+    for (line, full) in std::fs::read_to_string(&out).unwrap().lines().zip(&full) {
+        let example: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(example["labels"], full["input_ids"]);
+    }
+}
+
+#[test]
+fn prompt_completion_puts_the_loss_on_the_completion() {
+    let dir = tempfile::tempdir().unwrap();
+    tokenizer_dir(dir.path(), "generation", "<|endoftext|>", "<|im_end|>", false);
+    let data = dir.path().join("pc.jsonl");
+    std::fs::write(&data, "{\"prompt\": \"The sky is\", \"completion\": \" blue.\"}\n\n{\"prompt\": \"2 + 2 =\", \"completion\": \" 4\"}\n").unwrap();
+    let out = dir.path().join("tokens.jsonl");
+    let output = tokenize(dir.path(), &data, &out, &[]);
+    assert!(output.status.success(), "{}", text(&output));
+    // transformers' tokenizer for the expected ids: the prompt, the completion, its eos_token (here <|im_end|>; GPT-2 adds no BOS).
+    let script = format!(
+        "import json\nfrom transformers import AutoTokenizer\nt = AutoTokenizer.from_pretrained({dir:?})\n\
+         for line in open({out:?}):\n    e = json.loads(line)\n    print(json.dumps(e))\n\
+         for p, c in [('The sky is', ' blue.'), ('2 + 2 =', ' 4')]:\n    p, c = t(p)['input_ids'], t(c, add_special_tokens=False)['input_ids'] + [t.eos_token_id]\n    print(json.dumps({{'input_ids': p + c, 'labels': [-100] * len(p) + c}}))\n",
+        dir = dir.path().to_str().unwrap(),
+        out = out.to_str().unwrap()
+    );
+    let output = Command::new("python").args(["-c", &script]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let lines: Vec<&str> = std::str::from_utf8(&output.stdout).unwrap().lines().collect();
+    assert_eq!(lines.len(), 4);
+    let parse = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap();
+    assert_eq!((parse(lines[0]), parse(lines[1])), (parse(lines[2]), parse(lines[3])));
+}
+
+#[test]
+fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    tokenizer_dir(dir.path(), "chatml", "<|endoftext|>", "<|im_end|>", false);
+    let good = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}";
+    let cases = [
+        ("not json", "line 2: not valid JSON"),
+        ("{\"messages\": []}", "line 2: an empty conversation"),
+        ("{\"messages\": [{\"content\": \"x\"}]}", "line 2: message 1 has no string \"role\""),
+        ("{\"messages\": [{\"role\": \"user\"}]}", "line 2: message 1 has no \"content\""),
+        ("{\"messages\": \"hi\"}", "line 2: \"messages\" is not a list"),
+    ];
+    let out = dir.path().join("tokens.jsonl");
+    for (bad, expected) in cases {
+        let data = dir.path().join("chat.jsonl");
+        std::fs::write(&data, format!("{good}\n{bad}\n")).unwrap();
+        let output = tokenize(dir.path(), &data, &out, &[]);
+        assert!(!output.status.success());
+        assert!(text(&output).contains(&format!("chat.jsonl {expected}")), "{bad}: {}", text(&output));
+        assert!(!out.exists() && std::fs::read_dir(dir.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+    }
+    let data = dir.path().join("other.jsonl");
+    std::fs::write(&data, "{\"question\": \"x\"}\n").unwrap();
+    let output = tokenize(dir.path(), &data, &out, &[]);
+    assert!(text(&output).contains("other.jsonl line 1: neither"), "{}", text(&output));
+    std::fs::write(&data, "{\"prompt\": \"x\", \"completion\": \"y\"}\n{\"prompt\": \"x\"}\n").unwrap();
+    let output = tokenize(dir.path(), &data, &out, &[]);
+    assert!(text(&output).contains("other.jsonl line 2: no string \"completion\""), "{}", text(&output));
+    // A directory with no chat template says where it looked.
+    std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
+    std::fs::write(dir.path().join("chat.jsonl"), format!("{good}\n")).unwrap();
+    let output = tokenize(dir.path(), &dir.path().join("chat.jsonl"), &out, &[]);
+    assert!(text(&output).contains("no chat template") && text(&output).contains("--chat-template"), "{}", text(&output));
+    let output = ft().args(["tokenize", "--train-file", "chat.jsonl", "--out", out.to_str().unwrap()]).output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("--model DIR"), "{}", text(&output));
+}
+
+#[test]
+fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
+    // GPT-2's 50,257 tokens and the templates' special tokens.
+    let output = ft()
+        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
+        .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    tokenizer_dir(&model, "llama3", "<|begin_of_text|>", "<|eot_id|>", false);
+    let conversations = fixture("conversations.jsonl");
+
+    // The untrained model's evaluation loss equals transformers' mean over the assistant's tokens only.
+    let tokens = dir.path().join("tokens.jsonl");
+    assert!(tokenize(&model, &conversations, &tokens, &[]).status.success());
+    let output = ft()
+        .args(["eval", "--model", model.to_str().unwrap(), "--eval-file", conversations.to_str().unwrap(), "--device", "cpu"])
+        .args(["--output-dir", dir.path().join("eval").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let log = text(&output);
+    let ours: f64 = log.split("eval loss ").nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|l| l.parse().ok()).unwrap_or_else(|| panic!("{log}"));
+    let reference = python(&["loss", model.to_str().unwrap(), tokens.to_str().unwrap()]);
+    let reference: Vec<f64> = reference.split_whitespace().map(|v| v.parse().unwrap()).collect();
+    assert!((ours - reference[0]).abs() < 1e-4 * reference[0], "ft {ours} vs transformers on the assistant's tokens {}", reference[0]);
+    assert!((reference[0] - reference[1]).abs() > 1e-3, "the masks must matter to this check: {reference:?}");
+
+    let out = dir.path().join("run");
+    let output = ft()
+        .args(["train", "--model", model.to_str().unwrap(), "--train-file", conversations.to_str().unwrap(), "--device", "cpu"])
+        .args(["--chat-template", fixture("llama3.jinja").to_str().unwrap()])
+        .args(["--epochs", "8", "--batch-size", "2", "--lr", "1e-2", "--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let losses = common::losses(&out);
+    assert!(losses.len() >= 8 && losses[losses.len() - 1] < 0.7 * losses[0], "{losses:?}");
+    // The trained model keeps the chat template it was trained with: `ft tokenize` on final/ gives the same examples.
+    let again = dir.path().join("again.jsonl");
+    assert!(tokenize(&out.join("final"), &conversations, &again, &[]).status.success());
+    assert_eq!(std::fs::read_to_string(&again).unwrap(), std::fs::read_to_string(&tokens).unwrap());
+}
