@@ -7,7 +7,7 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow-skinny, peft).
+#     the tests check ft's files with (tensorboard, transformers, mlflow, peft).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +45,12 @@ if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
 fi
-# The MLflow sink's test reads ft's mlruns/ with MLflow's own client:
-# mlflow-skinny is that client without the server and UI (the `mlflow`
-# package adds them, for `mlflow ui`).
-if ! .venv/bin/python -c "import mlflow" 2>/dev/null; then
-  echo "setup: installing mlflow-skinny into .venv (for the tests)"
-  .venv/bin/pip install --quiet --disable-pip-version-check "mlflow-skinny==$MLFLOW_VERSION"
+# The MLflow sink's tests read ft's runs with MLflow's own client, from its
+# mlruns/ and from a tracking server they start: the full `mlflow` package
+# (mlflow-skinny, the client alone, has no server).
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('mlflow') != '$MLFLOW_VERSION')" 2>/dev/null; then
+  echo "setup: installing mlflow==$MLFLOW_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
 fi
 # The LoRA tests load ft's adapters with peft and compare.
 if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
