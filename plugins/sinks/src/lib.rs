@@ -1,10 +1,11 @@
 //! ft's built-in metrics sinks, each registered beside itself: one JSON
 //! object per step (`metrics.jsonl`), one CSV row per step (`metrics.csv`),
 //! TensorBoard event files (`tensorboard/`), an MLflow run (in MLflow's file
-//! store `mlruns/`, or on a tracking server).
+//! store `mlruns/`, or on a tracking server), and a Weights & Biases run.
 
 mod mlflow;
 mod tensorboard;
+mod wandb;
 
 use anyhow::{Context, Result};
 use ft_core::metrics::{MetricsSink, Record, SinkRegistration};
@@ -14,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// A metric's value in JSON for a tracker: protobuf's JSON names the
 /// non-finite doubles (a diverged loss), which JSON numbers cannot hold, and
-/// MLflow's server reads those names.
+/// MLflow's server and Python's `float()` both read those names.
 fn json_metric_value(value: f64) -> serde_json::Value {
     match value {
         v if v.is_nan() => "NaN".into(),
