@@ -7,7 +7,8 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 mod common;
 use common::{ft, text};
@@ -21,6 +22,10 @@ fn venv_bin() -> PathBuf {
 
 /// `ft train` on the demo into `dir/out`, W&B offline in `dir`, with `bin` first on PATH (where python3 is).
 fn train(dir: &Path, bin: &Path) -> std::process::Output {
+    train_command(dir, bin).output().unwrap()
+}
+
+fn train_command(dir: &Path, bin: &Path) -> Command {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let mut command = ft();
     command.args(DEMO).arg("--output-dir").arg(dir.join("out")).env("PATH", path);
@@ -28,11 +33,36 @@ fn train(dir: &Path, bin: &Path) -> std::process::Output {
         command.env_remove(var);
     }
     command.envs([("WANDB_MODE", "offline"), ("WANDB_PROJECT", "ft-tests"), ("WANDB_SILENT", "true")]).env("WANDB_DIR", dir);
-    command.output().unwrap()
+    command
 }
 
-/// The offline run in `dir` as W&B's reader sees it: the run record, the
-/// config, each history row, the summary's last values and the exit code.
+/// The processes descended from `pid` (from /proc's parent links).
+fn descendants(pid: u32) -> Vec<(u32, String)> {
+    let processes: Vec<(u32, u32, String)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The parent is the second field after the command's closing parenthesis.
+            let parent = stat[stat.rfind(')')? + 2..].split(' ').nth(1)?.parse().ok()?;
+            let command = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).ok()?.replace('\0', " ");
+            Some((pid, parent, command))
+        })
+        .collect();
+    let mut found: Vec<(u32, String)> = vec![];
+    let mut parents = vec![pid];
+    while let Some(parent) = parents.pop() {
+        for (child, _, command) in processes.iter().filter(|(_, p, _)| *p == parent) {
+            found.push((*child, command.clone()));
+            parents.push(*child);
+        }
+    }
+    found
+}
+
+/// The offline run in `dir` as W&B's reader sees it, over every file it was
+/// written in: the run record, the config, each history row, the summary's
+/// last values, the last exit code and the number of files.
 fn run_as_wandb_reads_it(dir: &Path) -> Value {
     let script = r#"
 import glob, json, sys, types, zipfile
@@ -43,13 +73,18 @@ datastore = types.ModuleType("datastore")
 exec(compile(zipfile.ZipFile(wheel).read("wandb/sdk/internal/datastore.py"), "datastore.py", "exec"), datastore.__dict__)
 # DataStore checks it runs in wandb's internal process, which 0.2x no longer has.
 wandb._assert_is_internal_process = lambda: None
-[path] = glob.glob(sys.argv[2] + "/wandb/offline-run-*/run-*.wandb")
-store = datastore.DataStore()
-store.open_for_scan(path)
-run = {"history": [], "summary": {}, "config": {}}
+run = {"history": [], "summary": {}, "config": {}, "files": 0}
 def key(item):
     return item.key or "/".join(item.nested_key)
-while (data := store.scan_data()) is not None:
+def records():
+    # A run continued (a client started again) is one file per start, in time order.
+    for path in sorted(glob.glob(sys.argv[2] + "/wandb/offline-run-*/run-*.wandb")):
+        run["files"] += 1
+        store = datastore.DataStore()
+        store.open_for_scan(path)
+        while (data := store.scan_data()) is not None:
+            yield data
+for data in records():
     record = pb.Record()
     record.ParseFromString(data)
     kind = record.WhichOneof("record_type")
@@ -73,18 +108,8 @@ print(json.dumps(run))
     serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {log}"))
 }
 
-#[test]
-fn wandbs_reader_reads_the_offline_run_ft_made() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = train(dir.path(), &venv_bin());
-    assert!(output.status.success(), "{}", text(&output));
-    let run = run_as_wandb_reads_it(dir.path());
-    let out = dir.path().join("out");
-    assert_eq!((&run["project"], &run["name"]), (&"ft-tests".into(), &"out".into()));
-    assert_eq!(std::fs::read_to_string(out.join(".ft-wandb-run-id")).unwrap(), run["id"].as_str().unwrap());
-    assert_eq!(run["exit_code"], 0);
-
-    // Every value ft logged, at its step: W&B's history row of that step holds each record's values.
+/// Every value ft logged (metrics.jsonl in `out`), at its step: W&B's history row of that step holds each record's values.
+fn check_history(out: &Path, run: &Value) {
     let history = run["history"].as_array().unwrap();
     let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(records.iter().filter(|r| r.get("loss").is_some()).count(), 12);
@@ -97,7 +122,20 @@ fn wandbs_reader_reads_the_offline_run_ft_made() {
     }
     let steps: Vec<&Value> = records.iter().map(|r| &r["step"]).collect();
     assert!(history.iter().all(|row| steps.contains(&&row["_step"])), "W&B has rows ft did not log: {history:?}");
+}
 
+#[test]
+fn wandbs_reader_reads_the_offline_run_ft_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = train(dir.path(), &venv_bin());
+    assert!(output.status.success(), "{}", text(&output));
+    let run = run_as_wandb_reads_it(dir.path());
+    let out = dir.path().join("out");
+    assert_eq!((&run["project"], &run["name"]), (&"ft-tests".into(), &"out".into()));
+    assert_eq!(std::fs::read_to_string(out.join(".ft-wandb-run-id")).unwrap(), run["id"].as_str().unwrap());
+    assert_eq!(run["exit_code"], 0);
+
+    check_history(&out, &run);
     let config = &run["config"];
     assert!(config["train.lr"].as_f64().unwrap() > 0.0, "{config}");
     assert_eq!((&config["train.epochs"], &config["data.train_samples"]), (&2.into(), &96.into()));
@@ -120,4 +158,30 @@ fn a_python_without_wandb_is_one_clear_error_at_the_start() {
     assert!(!output.status.success(), "{log}");
     assert!(log.contains("pip install wandb") && !log.contains("panicked"), "{log}");
     assert!(!dir.path().join("out/metrics.jsonl").exists() || std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap().is_empty(), "stopped before the first step");
+}
+
+#[test]
+fn training_outlives_a_wandb_client_that_dies() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut training = train_command(dir.path(), &venv_bin()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let metrics = dir.path().join("out/metrics.jsonl");
+    let started = Instant::now();
+    while std::fs::read_to_string(&metrics).unwrap_or_default().lines().count() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(120) && training.try_wait().unwrap().is_none(), "training ended before 3 steps");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The client ft started: the python running ft's driver, under this test's ft.
+    let clients: Vec<u32> = descendants(training.id()).into_iter().filter(|(_, c)| c.contains("wandb_driver") || c.contains("ft's wandb sink")).map(|(pid, _)| pid).collect();
+    let [client] = clients.as_slice() else { panic!("one wandb client expected: {clients:?}") };
+    assert!(Command::new("kill").args(["-KILL", &client.to_string()]).status().unwrap().success());
+    let output = training.wait_with_output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "training stops for a W&B client that died:\n{log}");
+    assert_eq!(log.matches("WARN").count(), 1, "one warning when the client dies:\n{log}");
+    assert!(log.contains("W&B's client ended") && log.contains("started again"), "{log}");
+
+    // The second client continued the run with what the first had not handled: nothing is lost.
+    let run = run_as_wandb_reads_it(dir.path());
+    assert_eq!((run["files"].as_u64(), &run["exit_code"]), (Some(2), &0.into()), "{run}");
+    check_history(&dir.path().join("out"), &run);
 }

@@ -11,9 +11,10 @@
 //!
 //! The client is started when the configuration arrives, before the first
 //! step: no python3, or no `wandb` in it, is one error then that says to
-//! `pip install wandb`. If the client dies later, training goes on: one
-//! warning then, and at the end one that says what never reached it. The
-//! run's id is kept in `OUTPUT_DIR/.ft-wandb-run-id`, so a resumed run continues it.
+//! `pip install wandb`. If the client dies later, training goes on with one
+//! warning, and a new client continues the same run with everything again
+//! (`WandbSink`); if none will finish the run, the end says what W&B may lack. The run's id is kept in `OUTPUT_DIR/.ft-wandb-run-id`,
+//! so a resumed run continues it.
 
 use crate::json_metric_value;
 use anyhow::{bail, Context, Result};
@@ -29,6 +30,9 @@ const DRIVER: &str = include_str!("wandb_driver.py");
 const RUN_ID_FILE: &str = ".ft-wandb-run-id";
 /// The longest ft waits for the client to finish (an online run uploads what is left then).
 const FINISH_TIMEOUT: Duration = Duration::from_secs(600);
+/// After a second failure to keep a client, the next start waits this long, doubling up to the last.
+const RETRY_AFTER: Duration = Duration::from_secs(30);
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(600);
 
 /// The running client: the child and the pipe to it.
 struct Client {
@@ -68,98 +72,159 @@ impl Client {
         writeln!(self.stdin, "{message}").and_then(|()| self.stdin.flush()).is_ok()
     }
 
-    /// Ends the run with `exit_code` and waits for the client (uploading, if
-    /// online), at most FINISH_TIMEOUT. Returns why it did not end well.
-    fn finish(mut self, exit_code: i32) -> Result<(), String> {
-        if !self.send(&json!({"finish": {"exit_code": exit_code}})) {
-            return Err("the client was gone".into());
-        }
+    /// Closes the pipe and waits for the client (uploading, if online) at most
+    /// FINISH_TIMEOUT; returns why it did not end well.
+    fn close(mut self) -> Result<(), String> {
         drop(self.stdin);
         let deadline = Instant::now() + FINISH_TIMEOUT;
         loop {
             match self.child.try_wait() {
-                Ok(Some(status)) if status.success() => return Ok(()),
-                Ok(Some(status)) => return Err(format!("the client ended with {status}")),
+                Ok(Some(status)) if status.success() => break Ok(()),
+                Ok(Some(status)) => break Err(format!("the client ended with {status}")),
                 Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
                 Ok(None) => {
                     let _ = self.child.kill();
                     let _ = self.child.wait();
-                    return Err(format!("the client did not finish in {FINISH_TIMEOUT:?} and was stopped"));
+                    break Err(format!("the client did not finish in {FINISH_TIMEOUT:?} and was stopped"));
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => break Err(e.to_string()),
             }
         }
     }
 }
 
 /// One W&B run per training run, continued when the run resumes.
+///
+/// A client that dies loses nothing: what it got is not known to be on disk
+/// or uploaded (wandb-core buffers it), so ft keeps every message until the
+/// run finishes (a few hundred bytes a logged step), and the next record
+/// starts a new client on the same run (W&B's resume), which gets them all
+/// again — the driver skips steps W&B already has — at once the first time,
+/// then no sooner than a back-off, since starting a client holds training for seconds.
 pub struct WandbSink {
     output: PathBuf,
     resume: bool,
+    /// The run's configuration and id, to start the client again on the same run.
+    config: BTreeMap<String, String>,
+    id: Option<String>,
     client: Option<Client>,
-    /// Whether the client ran and is gone.
-    lost: bool,
-    /// The steps of the records that never reached the client.
-    unsent_steps: BTreeSet<u64>,
-    summary_unsent: bool,
+    /// The run's messages, oldest first; the first `written` went to the current client.
+    queue: Vec<Value>,
+    written: usize,
+    /// After the client died: when to start another, and the back-off after that.
+    retry: Option<(Instant, Duration)>,
+    warned: bool,
 }
 
 impl WandbSink {
     pub fn new(output: &Path, resume: bool) -> WandbSink {
-        WandbSink { output: output.to_path_buf(), resume, client: None, lost: false, unsent_steps: BTreeSet::new(), summary_unsent: false }
+        WandbSink {
+            output: output.to_path_buf(),
+            resume,
+            config: BTreeMap::new(),
+            id: None,
+            client: None,
+            queue: vec![],
+            written: 0,
+            retry: None,
+            warned: false,
+        }
     }
 
-    /// Starts the client with the run's configuration, once.
+    /// Starts the client with the run's configuration, once; an error then stops the run.
     fn start(&mut self, config: &BTreeMap<String, String>) -> Result<()> {
-        if self.client.is_some() || self.lost {
+        if self.id.is_some() {
             return Ok(());
         }
         let path = self.output.join(RUN_ID_FILE);
+        self.config = config.clone();
         let recorded = if self.resume { std::fs::read_to_string(&path).ok().map(|id| id.trim().to_string()) } else { None };
-        let name = self.output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned());
-        let init = json!({"name": name, "id": recorded, "resume": recorded.is_some(), "config": config});
-        let (client, id) = Client::start(&init)?;
+        let (client, id) = Client::start(&self.init(recorded.as_deref()))?;
         self.client = Some(client);
         std::fs::create_dir_all(&self.output).with_context(|| format!("cannot create {}", self.output.display()))?;
-        std::fs::write(&path, id).with_context(|| format!("cannot write {}", path.display()))
+        std::fs::write(&path, &id).with_context(|| format!("cannot write {}", path.display()))?;
+        self.id = Some(id);
+        Ok(())
     }
 
-    /// Sends `message` to the client; false (with a warning the first time) when it is gone.
-    fn send(&mut self, message: &Value) -> bool {
-        let Some(client) = &mut self.client else { return false };
-        if client.send(message) {
-            return true;
+    /// The client's first message: a new run, or the run `id` continued.
+    fn init(&self, id: Option<&str>) -> Value {
+        let name = self.output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned());
+        json!({"name": name, "id": id, "resume": id.is_some(), "config": self.config})
+    }
+
+    /// Queues `message` and sends what the client has not got.
+    fn send(&mut self, message: Value) {
+        self.queue.push(message);
+        self.deliver(false);
+    }
+
+    /// Writes what the client has not got; when the client is gone, starts
+    /// another unless in the back-off (`force`: regardless).
+    fn deliver(&mut self, force: bool) {
+        if self.client.is_none() && (force || self.retry.is_some_and(|(at, _)| Instant::now() >= at)) {
+            self.restart();
         }
-        let status = client.child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
-        tracing::warn!("W&B's client ended ({status}; its messages are above): training goes on without it");
-        (self.client, self.lost) = (None, true);
-        false
+        let Some(client) = &mut self.client else { return };
+        while self.written < self.queue.len() {
+            if !client.send(&self.queue[self.written]) {
+                let status = client.child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
+                self.lost(&format!("W&B's client ended ({status})"));
+                return;
+            }
+            self.written += 1;
+        }
+    }
+
+    /// The client is gone: the next one gets every message again.
+    fn lost(&mut self, why: &str) {
+        if let Some(client) = self.client.take() {
+            let _ = client.close();
+        }
+        self.written = 0;
+        if !self.warned {
+            tracing::warn!("{why}: training goes on; ft keeps what W&B has not got and starts the client again on the same run");
+            self.warned = true;
+        }
+        let backoff = self.retry.map_or(Duration::ZERO, |(_, b)| (b * 2).clamp(RETRY_AFTER, RETRY_AFTER_MAX));
+        self.retry = Some((Instant::now() + backoff, backoff));
+    }
+
+    fn restart(&mut self) {
+        match Client::start(&self.init(self.id.as_deref())) {
+            Ok((client, _)) => {
+                tracing::info!("W&B's client started again on run {}: sending the run's {} messages again", self.id.as_deref().unwrap_or(""), self.queue.len());
+                (self.client, self.retry) = (Some(client), None);
+            }
+            Err(e) => self.lost(&format!("W&B's client did not start again: {e:#}")),
+        }
     }
 
     /// Ends the run with `exit_code`, and says what never reached W&B.
     fn end(&mut self, exit_code: i32) {
+        if self.id.is_none() {
+            return;
+        }
+        self.send(json!({"finish": {"exit_code": exit_code}}));
+        self.deliver(true);
         let ended = match self.client.take() {
-            Some(client) => client.finish(exit_code),
-            None if self.lost => Err("the client was gone".into()),
-            None => return,
+            Some(client) => client.close(),
+            None => Err("no client would start".into()),
         };
-        let mut unsent = vec![];
-        if let (Some(first), Some(last)) = (self.unsent_steps.first(), self.unsent_steps.last()) {
-            unsent.push(format!("{} records of steps {first}–{last}", self.unsent_steps.len()));
-        }
-        if self.summary_unsent {
-            unsent.push("the summary".into());
-        }
-        match ended {
-            Ok(()) if unsent.is_empty() => {}
-            Ok(()) => tracing::warn!("W&B never got {} (they are in metrics.jsonl with --report-to jsonl, and summary.json)", unsent.join(", ")),
-            Err(why) => {
-                unsent.push(format!("the run's end (exit code {exit_code})"));
-                tracing::warn!("W&B never got {} ({why}); the rest of the run is in metrics.jsonl with --report-to jsonl, and summary.json", unsent.join(", "));
+        if let Err(why) = ended {
+            let steps: BTreeSet<u64> = self.queue.iter().filter_map(|m| m["log"]["step"].as_u64()).collect();
+            let mut unsent = vec![];
+            if let (Some(first), Some(last)) = (steps.first(), steps.last()) {
+                unsent.push(format!("{} records of steps {first}–{last}", steps.len()));
             }
+            if self.queue.iter().any(|m| m.get("summary").is_some()) {
+                unsent.push("the summary".into());
+            }
+            unsent.push(format!("the run's end (exit code {exit_code})"));
+            tracing::warn!("W&B's client did not finish the run ({why}): W&B may lack {}; they are in metrics.jsonl with --report-to jsonl, and summary.json", unsent.join(", "));
         }
-        // Reported once: Drop after finish has nothing left to end.
-        self.lost = false;
+        // Ended once: Drop after finish has nothing left to end.
+        self.id = None;
     }
 }
 
@@ -175,15 +240,13 @@ impl MetricsSink for WandbSink {
     fn record(&mut self, record: &Record) -> Result<()> {
         self.start(&BTreeMap::new())?;
         let values: serde_json::Map<String, Value> = record.values.iter().map(|(k, v)| (k.clone(), json_metric_value(*v))).collect();
-        if !self.send(&json!({"log": {"step": record.step, "values": values}})) {
-            self.unsent_steps.insert(record.step);
-        }
+        self.send(json!({"log": {"step": record.step, "values": values}}));
         Ok(())
     }
 
     fn summary(&mut self, summary: &Value) -> Result<()> {
         self.start(&BTreeMap::new())?;
-        self.summary_unsent = !self.send(&json!({ "summary": summary }));
+        self.send(json!({ "summary": summary }));
         Ok(())
     }
 

@@ -9,6 +9,9 @@
 #   {"log": {"step": n, "values": {key: number or "NaN"/"Infinity"/"-Infinity"}}}
 #   {"summary": {…}}
 #   {"finish": {"exit_code": n}}
+# A client started again after one died gets the run's messages from the
+# start; on a resumed run W&B already has the steps before run.step, which
+# are skipped (W&B would drop them with a warning each).
 import json
 import os
 import sys
@@ -51,7 +54,8 @@ def main():
             elif "log" in message:
                 log = message["log"]
                 # float() reads the non-finite values ft sends as text.
-                run.log({key: float(value) for key, value in log["values"].items()}, step=log["step"])
+                if log["step"] >= run.step:
+                    run.log({key: float(value) for key, value in log["values"].items()}, step=log["step"])
             elif "summary" in message:
                 run.summary.update(message["summary"])
             elif "finish" in message:
