@@ -108,17 +108,16 @@ print(json.dumps(run))
     serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {log}"))
 }
 
-/// Every value ft logged (metrics.jsonl in `out`), at its step: W&B's history row of that step holds each record's values.
+/// Every value ft logged (metrics.jsonl in `out`), at its step: a W&B history row of that step holds each record's values.
 fn check_history(out: &Path, run: &Value) {
     let history = run["history"].as_array().unwrap();
     let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(records.iter().filter(|r| r.get("loss").is_some()).count(), 12);
     for record in &records {
-        let row = history.iter().find(|row| row["_step"] == record["step"]).unwrap_or_else(|| panic!("no W&B row for {record}"));
-        for (key, value) in record.as_object().unwrap().iter().filter(|(k, _)| *k != "step") {
-            // As numbers: W&B writes a whole float as an integer (0.0 as 0).
-            assert_eq!(row[key].as_f64(), Some(value.as_f64().unwrap()), "{key} at step {}: W&B's row {row}", record["step"]);
-        }
+        // As numbers: W&B writes a whole float as an integer (0.0 as 0).
+        let holds = |row: &Value| record.as_object().unwrap().iter().filter(|(k, _)| *k != "step").all(|(k, v)| row[k].as_f64() == v.as_f64());
+        // A step logged again (a resumed run's) has a row in each file.
+        let rows: Vec<&Value> = history.iter().filter(|row| row["_step"] == record["step"]).collect();
+        assert!(rows.iter().any(|row| holds(row)), "W&B's rows {rows:?} lack {record}");
     }
     let steps: Vec<&Value> = records.iter().map(|r| &r["step"]).collect();
     assert!(history.iter().all(|row| steps.contains(&&row["_step"])), "W&B has rows ft did not log: {history:?}");
@@ -135,6 +134,7 @@ fn wandbs_reader_reads_the_offline_run_ft_made() {
     assert_eq!(std::fs::read_to_string(out.join(".ft-wandb-run-id")).unwrap(), run["id"].as_str().unwrap());
     assert_eq!(run["exit_code"], 0);
 
+    assert_eq!(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().matches("\"loss\"").count(), 12);
     check_history(&out, &run);
     let config = &run["config"];
     assert!(config["train.lr"].as_f64().unwrap() > 0.0, "{config}");
@@ -183,5 +183,21 @@ fn training_outlives_a_wandb_client_that_dies() {
     // The second client continued the run with what the first had not handled: nothing is lost.
     let run = run_as_wandb_reads_it(dir.path());
     assert_eq!((run["files"].as_u64(), &run["exit_code"]), (Some(2), &0.into()), "{run}");
+    check_history(&dir.path().join("out"), &run);
+}
+
+#[test]
+fn a_resumed_run_continues_the_same_wandb_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = train_command(dir.path(), &venv_bin()).args(["--save-every", "3"]).env("FT_FAULT_INJECT", "after-step:7").output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("FT_FAULT_INJECT: aborting"), "{}", text(&output));
+    let killed = run_as_wandb_reads_it(dir.path());
+    assert_eq!(killed["exit_code"], 1, "the client marks a run ft left without finishing as failed: {killed}");
+
+    // From the checkpoint of step 6: steps 7 to 12 again, in the same W&B run.
+    let output = train_command(dir.path(), &venv_bin()).args(["--save-every", "3", "--resume", "latest"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let run = run_as_wandb_reads_it(dir.path());
+    assert_eq!((&run["id"], run["files"].as_u64(), &run["exit_code"]), (&killed["id"], Some(2), &0.into()), "{run}");
     check_history(&dir.path().join("out"), &run);
 }

@@ -22,6 +22,7 @@ use ft_core::metrics::{MetricsSink, Record, SinkRegistration};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -47,6 +48,10 @@ impl Client {
             .args(["-u", "-c", DRIVER])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
+            // Its own process group: a signal that stops ft's (a launcher
+            // stopping a failed job, Ctrl-C) leaves the client to see the
+            // pipe close and mark the run failed, with all it got kept.
+            .process_group(0)
             .spawn()
             .context("cannot start python3 for the wandb sink, which runs W&B's Python client: install Python 3, then `pip install wandb`")?;
         let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { bail!("python3 for the wandb sink has no pipes") };
