@@ -90,12 +90,17 @@ impl MlflowServer {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
     }
 
+    /// Sends `signal` to the server and its workers.
+    fn signal(&self, signal: &str) {
+        let _ = Command::new("kill").args([signal, "--", &format!("-{}", self.child.id())]).status();
+    }
+
     /// Kills the server and its workers now (unless it is already dead and reaped).
     fn kill(&mut self) {
         if matches!(self.child.try_wait(), Ok(Some(_))) {
             return;
         }
-        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).status();
+        self.signal("-KILL");
         let _ = self.child.wait();
     }
 }
@@ -240,18 +245,45 @@ fn a_tracking_server_gets_the_run_and_a_resumed_run_continues_it() {
     check_resume(Some(&server));
 }
 
+/// Starts `ft train` on the demo for 6 epochs (36 steps) to `server`, and returns it once it has logged 3 steps.
+fn start_training(dir: &Path, server: &MlflowServer) -> Child {
+    let mut training = train_command(dir, Some(server), &["--epochs", "6"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let started = Instant::now();
+    while std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default().matches("\"loss\"").count() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(120) && training.try_wait().unwrap().is_none(), "training ended before 3 steps");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    training
+}
+
+#[test]
+fn a_tracking_server_that_stalls_gets_everything_when_it_answers_again() {
+    let server_dir = tempfile::tempdir().unwrap();
+    let server = MlflowServer::start(server_dir.path());
+    let dir = tempfile::tempdir().unwrap();
+    let training = start_training(dir.path(), &server);
+    // Stopped past ft's request timeout (10 s), so a request fails and what it carried waits.
+    server.signal("-STOP");
+    std::thread::sleep(Duration::from_secs(12));
+    server.signal("-CONT");
+    let output = training.wait_with_output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert_eq!(log.matches("failed (").count(), 1, "one warning when the server stalls:\n{log}");
+    assert!(log.contains("answers again") && !log.contains("never got"), "{log}");
+    let runs = runs_as_mlflow_reads_them(&server.url);
+    let [run] = runs.as_slice() else { panic!("one run expected: {runs:?}") };
+    assert_eq!(run["status"], "FINISHED");
+    assert_eq!(run["loss"].as_array().unwrap(), &jsonl_history(dir.path(), "loss"), "every loss reached the server once it answered");
+    assert_eq!(run["eval_loss"].as_array().unwrap(), &jsonl_history(dir.path(), "eval_loss"));
+}
+
 #[test]
 fn training_outlives_a_tracking_server_that_goes_away() {
     let server_dir = tempfile::tempdir().unwrap();
     let mut server = MlflowServer::start(server_dir.path());
     let dir = tempfile::tempdir().unwrap();
-    // Long enough to outlast the kill: 6 epochs of 6 steps.
-    let mut training = train_command(dir.path(), Some(&server), &["--epochs", "6"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    while std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap_or_default().matches("\"loss\"").count() < 3 {
-        assert!(started.elapsed() < Duration::from_secs(120) && training.try_wait().unwrap().is_none(), "training ended before 3 steps");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let training = start_training(dir.path(), &server);
     server.kill();
     let output = training.wait_with_output().unwrap();
     let log = text(&output);
