@@ -11,8 +11,11 @@
 //! timeout, a 5xx) stays queued and goes with the next request — after a
 //! failure, retried no sooner than a back-off, so a hung server does not hold
 //! every step for a timeout — with one warning when it first fails, and at
-//! the end a warning that says what never reached it. What the server
-//! refuses (a 4xx) is reported and dropped, as sending it again would fail again.
+//! the end a warning that says what never reached it. A request that timed
+//! out may still have been stored: its metrics go again with the timestamps
+//! they were queued with, and MLflow's store keeps a metric it already has
+//! (same key, step, timestamp, value) once. What the server refuses (a 4xx)
+//! is reported and dropped, as sending it again would fail again.
 //!
 //! The run's id and its server are kept in `OUTPUT_DIR/.ft-mlflow-run.json`,
 //! so a resumed run continues it on the same server.
