@@ -24,6 +24,12 @@ fn json_metric_value(value: f64) -> serde_json::Value {
     }
 }
 
+/// A tracker's name for the run writing into `output`: the directory's own
+/// name, as ft's runs are told apart by it.
+fn run_name(output: &Path) -> String {
+    output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned())
+}
+
 /// One JSON object per line: `{"step": 3, "loss": 2.31, …}`.
 pub struct JsonlSink {
     path: PathBuf,

@@ -290,8 +290,7 @@ fn file_uri(path: &Path) -> Result<String> {
     Ok(url::Url::from_file_path(path).map_err(|()| anyhow!("{} is not an absolute path", path.display()))?.into())
 }
 
-/// Who and what a new run is, in either store: named after the output
-/// directory, as `ft` runs are told apart by it.
+/// Who and what a new run is, in either store.
 struct RunIdentity {
     name: String,
     user: String,
@@ -299,7 +298,7 @@ struct RunIdentity {
 
 impl RunIdentity {
     fn of(output: &Path) -> RunIdentity {
-        let name = output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned());
+        let name = crate::run_name(output);
         let user = std::env::var("LOGNAME").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
         RunIdentity { name, user }
     }

@@ -13,10 +13,11 @@
 //! step: no python3, or no `wandb` in it, is one error then that says to
 //! `pip install wandb`. If the client dies later, training goes on with one
 //! warning, and a new client continues the same run with everything again
-//! (`WandbSink`); if none will finish the run, the end says what W&B may lack. The run's id is kept in `OUTPUT_DIR/.ft-wandb-run-id`,
-//! so a resumed run continues it.
+//! (`WandbSink`); if none will finish the run, the end says what W&B may
+//! lack. The run's id is kept in `OUTPUT_DIR/.ft-wandb-run-id`, so a resumed
+//! run continues it.
 
-use crate::json_metric_value;
+use crate::{json_metric_value, run_name};
 use anyhow::{bail, Context, Result};
 use ft_core::metrics::{MetricsSink, Record, SinkRegistration};
 use serde_json::{json, Value};
@@ -154,8 +155,7 @@ impl WandbSink {
 
     /// The client's first message: a new run, or the run `id` continued.
     fn init(&self, id: Option<&str>) -> Value {
-        let name = self.output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned());
-        json!({"name": name, "id": id, "resume": id.is_some(), "config": self.config})
+        json!({"name": run_name(&self.output), "id": id, "resume": id.is_some(), "config": self.config})
     }
 
     /// Queues `message` and sends what the client has not got.
