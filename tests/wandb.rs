@@ -21,10 +21,6 @@ fn venv_bin() -> PathBuf {
 }
 
 /// `ft train` on the demo into `dir/out`, W&B offline in `dir`, with `bin` first on PATH (where python3 is).
-fn train(dir: &Path, bin: &Path) -> std::process::Output {
-    train_command(dir, bin).output().unwrap()
-}
-
 fn train_command(dir: &Path, bin: &Path) -> Command {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let mut command = ft();
@@ -126,12 +122,13 @@ fn check_history(out: &Path, run: &Value) {
 #[test]
 fn wandbs_reader_reads_the_offline_run_ft_made() {
     let dir = tempfile::tempdir().unwrap();
-    let output = train(dir.path(), &venv_bin());
+    // W&B's settings are the client's own: the project and the run's id here.
+    let output = train_command(dir.path(), &venv_bin()).env("WANDB_RUN_ID", "ft-test-run").output().unwrap();
     assert!(output.status.success(), "{}", text(&output));
     let run = run_as_wandb_reads_it(dir.path());
     let out = dir.path().join("out");
-    assert_eq!((&run["project"], &run["name"]), (&"ft-tests".into(), &"out".into()));
-    assert_eq!(std::fs::read_to_string(out.join(".ft-wandb-run-id")).unwrap(), run["id"].as_str().unwrap());
+    assert_eq!((&run["project"], &run["name"], &run["id"]), (&"ft-tests".into(), &"out".into(), &"ft-test-run".into()));
+    assert_eq!(std::fs::read_to_string(out.join(".ft-wandb-run-id")).unwrap(), "ft-test-run");
     assert_eq!(run["exit_code"], 0);
 
     assert_eq!(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().matches("\"loss\"").count(), 12);
@@ -153,7 +150,7 @@ fn a_python_without_wandb_is_one_clear_error_at_the_start() {
     let bare = dir.path().join("bare");
     let made = Command::new("python3").args(["-m", "venv", "--without-pip"]).arg(&bare).output().unwrap();
     assert!(made.status.success(), "{}", text(&made));
-    let output = train(dir.path(), &bare.join("bin"));
+    let output = train_command(dir.path(), &bare.join("bin")).output().unwrap();
     let log = text(&output);
     assert!(!output.status.success(), "{log}");
     assert!(log.contains("pip install wandb") && !log.contains("panicked"), "{log}");
