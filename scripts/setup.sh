@@ -7,7 +7,7 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow-skinny, peft).
+#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, wandb).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,9 @@ TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
 MLFLOW_VERSION=3.17.2
 PEFT_VERSION=0.21.2
+WANDB_VERSION=0.31.0
+# The last wandb whose Python reads a run's .wandb file (wandb.sdk.internal.datastore).
+WANDB_READER_VERSION=0.19.11
 REFERENCE_TRANSFORMERS_VERSION=4.46.3
 
 if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
@@ -45,17 +48,29 @@ if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
 fi
-# The MLflow sink's test reads ft's mlruns/ with MLflow's own client:
-# mlflow-skinny is that client without the server and UI (the `mlflow`
-# package adds them, for `mlflow ui`).
-if ! .venv/bin/python -c "import mlflow" 2>/dev/null; then
-  echo "setup: installing mlflow-skinny into .venv (for the tests)"
-  .venv/bin/pip install --quiet --disable-pip-version-check "mlflow-skinny==$MLFLOW_VERSION"
+# The MLflow sink's tests read ft's runs with MLflow's own client, from its
+# mlruns/ and from a tracking server they start: the full `mlflow` package
+# (mlflow-skinny, the client alone, has no server).
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('mlflow') != '$MLFLOW_VERSION')" 2>/dev/null; then
+  echo "setup: installing mlflow==$MLFLOW_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
 fi
 # The LoRA tests load ft's adapters with peft and compare.
 if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
   echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
+fi
+# The wandb sink drives W&B's own client; its test reads the offline run back
+# with wandb's DataStore, which only the 0.19 wheel (kept, not installed, in
+# .venv/reference) still has in Python.
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('wandb') != '$WANDB_VERSION')" 2>/dev/null; then
+  echo "setup: installing wandb==$WANDB_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "wandb==$WANDB_VERSION"
+fi
+if ! ls .venv/reference/wandb-"$WANDB_READER_VERSION"-*.whl >/dev/null 2>&1; then
+  echo "setup: downloading wandb==$WANDB_READER_VERSION's wheel into .venv/reference (for the tests)"
+  .venv/bin/pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    "wandb==$WANDB_READER_VERSION" -d .venv/reference
 fi
 # The SQuAD v2.0 evaluation test checks ft's scores with the official ones,
 # which transformers 4.x ships as transformers/data/metrics/squad_metrics.py

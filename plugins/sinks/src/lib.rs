@@ -1,16 +1,34 @@
 //! ft's built-in metrics sinks, each registered beside itself: one JSON
 //! object per step (`metrics.jsonl`), one CSV row per step (`metrics.csv`),
-//! TensorBoard event files (`tensorboard/`), and an MLflow run in MLflow's
-//! file store (`mlruns/`).
+//! TensorBoard event files (`tensorboard/`), an MLflow run (in MLflow's file
+//! store `mlruns/`, or on a tracking server), and a Weights & Biases run.
 
 mod mlflow;
 mod tensorboard;
+mod wandb;
 
 use anyhow::{Context, Result};
 use ft_core::metrics::{MetricsSink, Record, SinkRegistration};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+
+/// A metric's value in JSON for a tracker: protobuf's JSON names the
+/// non-finite doubles (a diverged loss), which JSON numbers cannot hold, and
+/// MLflow's server and Python's `float()` both read those names.
+fn json_metric_value(value: f64) -> serde_json::Value {
+    match value {
+        v if v.is_nan() => "NaN".into(),
+        v if v.is_infinite() => (if v > 0.0 { "Infinity" } else { "-Infinity" }).into(),
+        v => v.into(),
+    }
+}
+
+/// A tracker's name for the run writing into `output`: the directory's own
+/// name, as ft's runs are told apart by it.
+fn run_name(output: &Path) -> String {
+    output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned())
+}
 
 /// One JSON object per line: `{"step": 3, "loss": 2.31, …}`.
 pub struct JsonlSink {
@@ -129,6 +147,13 @@ mod tests {
         sink.finish().unwrap();
         let text = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
         assert_eq!(text, "step,loss,lr\n1,1,0.5\n2,2,0.5\n");
+    }
+
+    #[test]
+    fn non_finite_metric_values_are_named() {
+        assert_eq!(json_metric_value(2.5), serde_json::json!(2.5));
+        let named = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY].map(json_metric_value);
+        assert_eq!(named, ["NaN", "Infinity", "-Infinity"].map(serde_json::Value::from));
     }
 
     #[test]

@@ -13,6 +13,10 @@
 //! ```
 //!
 //! The run's id is kept in `mlruns/.ft-run-id`, so a resumed run continues it.
+//!
+//! `MLFLOW_TRACKING_URI` chooses the store, as it does for MLflow's client:
+//! unset, a path or a `file:` URI keeps this file store under the output
+//! directory; `http(s)://…` logs to a tracking server instead (`server.rs`).
 
 use anyhow::{anyhow, bail, Context, Result};
 use ft_core::metrics::{MetricsSink, Record, SinkRegistration};
@@ -21,6 +25,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+mod server;
 
 /// The configuration key naming the experiment, read from the run's params, and its default.
 const EXPERIMENT_KEY: &str = "output.mlflow_experiment";
@@ -213,8 +219,7 @@ impl Run {
             let part = dir.join(part);
             std::fs::create_dir_all(&part).with_context(|| format!("cannot create {}", part.display()))?;
         }
-        let name = store.root.parent().and_then(Path::file_name).map_or("ft".into(), |n| n.to_string_lossy().into_owned());
-        let user = std::env::var("LOGNAME").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
+        let identity = RunIdentity::of(store.root.parent().unwrap_or(&store.root));
         let meta = RunMeta {
             artifact_uri: file_uri(&dir.join("artifacts"))?,
             end_time: None,
@@ -222,7 +227,7 @@ impl Run {
             experiment_id,
             lifecycle_stage: ACTIVE.into(),
             run_id: id.clone(),
-            run_name: name.clone(),
+            run_name: identity.name.clone(),
             run_uuid: id.clone(),
             source_name: String::new(),
             source_type: SOURCE_TYPE_LOCAL,
@@ -230,17 +235,10 @@ impl Run {
             start_time: now_ms(),
             status: RUNNING,
             tags: vec![],
-            user_id: user.clone(),
+            user_id: identity.user.clone(),
         };
         store.write_yaml(&dir.join(META_FILE), &meta)?;
-        let tags = [
-            ("mlflow.runName", name.as_str()),
-            ("mlflow.source.name", "ft"),
-            ("mlflow.source.type", "LOCAL"),
-            ("mlflow.user", user.as_str()),
-            ("ft.version", env!("CARGO_PKG_VERSION")),
-        ];
-        for (key, value) in tags {
+        for (key, value) in identity.tags() {
             store.write(&entry_path(&dir.join("tags"), key)?, value.as_bytes())?;
         }
         store.write(&store.root.join(RUN_ID_FILE), id.as_bytes())?;
@@ -264,15 +262,21 @@ impl Run {
     }
 }
 
-/// `dir/key` for a param, tag or metric named `key`, which must be a name
-/// MLflow accepts: alphanumerics, `_ - . : /` and spaces, and no empty, `.`
-/// or `..` part between slashes.
-fn entry_path(dir: &Path, key: &str) -> Result<PathBuf> {
+/// Refuses a param, tag or metric name MLflow would refuse: names hold
+/// alphanumerics, `_ - . : /` and spaces, and no empty, `.` or `..` part
+/// between slashes.
+fn check_name(key: &str) -> Result<()> {
     let allowed = |c: char| c.is_alphanumeric() || "_-.: /".contains(c);
     let normal = key.split('/').all(|part| !part.is_empty() && part != "." && part != "..");
     if !key.chars().all(allowed) || !normal {
         bail!("{key:?} cannot be an MLflow param, tag or metric name: those hold alphanumerics, `_ - . : /` and spaces, with no empty, `.` or `..` part");
     }
+    Ok(())
+}
+
+/// `dir/key` for a param, tag or metric named `key` (`check_name`).
+fn entry_path(dir: &Path, key: &str) -> Result<PathBuf> {
+    check_name(key)?;
     let path = dir.join(key);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
@@ -284,6 +288,31 @@ fn entry_path(dir: &Path, key: &str) -> Result<PathBuf> {
 /// `path` (absolute: the store's root is canonical) as a file URI, as MLflow records artifact locations.
 fn file_uri(path: &Path) -> Result<String> {
     Ok(url::Url::from_file_path(path).map_err(|()| anyhow!("{} is not an absolute path", path.display()))?.into())
+}
+
+/// Who and what a new run is, in either store.
+struct RunIdentity {
+    name: String,
+    user: String,
+}
+
+impl RunIdentity {
+    fn of(output: &Path) -> RunIdentity {
+        let name = crate::run_name(output);
+        let user = std::env::var("LOGNAME").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
+        RunIdentity { name, user }
+    }
+
+    /// The tags MLflow's client sets on a run it starts, and ft's version.
+    fn tags(&self) -> [(&'static str, &str); 5] {
+        [
+            ("mlflow.runName", self.name.as_str()),
+            ("mlflow.source.name", "ft"),
+            ("mlflow.source.type", "LOCAL"),
+            ("mlflow.user", self.user.as_str()),
+            ("ft.version", env!("CARGO_PKG_VERSION")),
+        ]
+    }
 }
 
 fn now_ms() -> u64 {
@@ -375,8 +404,11 @@ impl Drop for MlflowSink {
 inventory::submit! {
     SinkRegistration {
         name: "mlflow",
-        summary: "an MLflow run in <output>/mlruns/ (file store; experiment: output.mlflow_experiment)",
-        create: |dir, append| Ok(Box::new(MlflowSink::new(dir, append))),
+        summary: "an MLflow run: on the tracking server MLFLOW_TRACKING_URI=http(s)://… names, else in <output>/mlruns/ (file store); experiment: output.mlflow_experiment",
+        create: |dir, append| match server::tracking_server()? {
+            Some(url) => Ok(Box::new(server::MlflowServerSink::new(url, dir, append))),
+            None => Ok(Box::new(MlflowSink::new(dir, append))),
+        },
     }
 }
 
