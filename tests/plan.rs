@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::Kind;
 
-// The built-in strategies register themselves; naming the crates links them in.
+// The built-in strategies and the cpu offload register themselves; naming the crates links them in.
+use ft_strategy_cpu_offload as _;
 use ft_strategy_ddp as _;
 use ft_strategy_full_shard as _;
 use ft_strategy_hybrid_shard as _;
