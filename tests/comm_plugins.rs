@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use tch::Tensor;
 
 mod common;
-use common::{ft, losses, text};
+use common::{ft, losses, summary, text};
 
 /// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
 fn library(name: &str) -> PathBuf {
@@ -49,10 +49,6 @@ fn train_steps(scratch: &Path, name: &str, ranks: usize, steps: usize, extra: &[
         .unwrap();
     assert!(output.status.success(), "{name}: {}", text(&output));
     dir
-}
-
-fn summary(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
 fn final_params(dir: &Path) -> HashMap<String, Tensor> {

@@ -12,7 +12,7 @@ use std::process::Stdio;
 use tch::Tensor;
 
 mod common;
-use common::{ft, losses, shared_squad, small_bert, text};
+use common::{ft, losses, shared_squad, small_bert, summary, text};
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
@@ -107,10 +107,6 @@ fn train_with_batch(workload: Workload, scratch: &Path, name: &str, ranks: usize
         .unwrap();
     assert!(output.status.success(), "{name}: {}", text(&output));
     dir
-}
-
-fn summary(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
 /// The final weights: the model, or a LoRA run's adapters.

@@ -63,3 +63,8 @@ pub fn losses(dir: &Path) -> Vec<f64> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap().get("loss").and_then(serde_json::Value::as_f64))
         .collect()
 }
+
+/// A finished run's summary.json.
+pub fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
