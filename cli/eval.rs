@@ -76,7 +76,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
-    let (model, params) = hf::load_trained(&dir, rank.dtype, rank.device)?;
+    let (model, params) = ft_models::trained::load_trained(&dir, rank.dtype, rank.device)?;
     let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
     let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
     let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);
@@ -133,13 +133,13 @@ pub struct ExportArgs {
 
 pub fn export(args: ExportArgs) -> Result<i32> {
     let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
-    let export = hf::Export {
+    let export = ft_models::trained::Export {
         dtype: args.dtype.storage_kind(),
         max_shard_bytes: args.max_shard_size.map_or(hf::DEFAULT_MAX_SHARD_BYTES, |bytes| bytes as u64),
         merge: args.merge,
         base_model: args.base_model.as_deref(),
     };
-    let step = hf::export_checkpoint(&dir, &args.out, &export)?;
+    let step = ft_models::trained::export_checkpoint(&dir, &args.out, &export)?;
     println!("exported step {step} of {} to {}", dir.display(), args.out.display());
     Ok(0)
 }

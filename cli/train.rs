@@ -285,7 +285,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
-        let what = hf::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
+        let what = ft_models::trained::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
         std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
         // A chat model's template (the one it was trained with) and the special tokens it names go with its tokenizer.
         let template = config.data.chat_template.clone().unwrap_or(tokenizer.with_file_name("chat_template.jinja"));

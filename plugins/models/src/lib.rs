@@ -13,3 +13,4 @@ pub mod mistral;
 pub mod opt;
 pub mod peft;
 pub mod qwen2;
+pub mod trained;
