@@ -18,7 +18,7 @@ demo: build
 
 # The communication plug-ins, built as a third party's are, into
 # target/plugins/lib<name>.so (load with `ft --plugin target/plugins/libNAME.so`).
-PLUGINS := bf16 powersgd
+PLUGINS := bf16 powersgd int8
 plugins: setup
 	$(ENV) cargo build --release $(foreach p,$(PLUGINS),-p ft-comm-$(p))
 	mkdir -p target/plugins && $(foreach p,$(PLUGINS),cp target/release/lib$(p).so target/plugins/ &&) true
