@@ -19,8 +19,10 @@ use crate::comm::{ProcessGroup, Reduction, Work};
 use crate::model::UnitSpec;
 use anyhow::{bail, Result};
 use serde_json::{Map, Value};
+use std::cell::Cell;
 use std::hash::Hasher;
-use tch::Tensor;
+use std::rc::Rc;
+use tch::{Device, Kind, Tensor};
 
 /// One parameter of a unit and where it sits in the unit's flat buffer.
 #[derive(Debug, Clone)]
@@ -120,6 +122,10 @@ pub struct GradReduce<'a> {
     pub step: usize,
     /// The same on every rank (`train.seed`): for random choices all ranks must make alike.
     pub seed: u64,
+    /// The scratch bytes the hook asked for (`CommHook::workspace_bytes`),
+    /// on the input's device, alive until the returned work is done; empty
+    /// when it asked for none.
+    pub workspace: Tensor,
 }
 
 /// Why a unit is gathered.
@@ -141,6 +147,8 @@ pub struct ParamGather<'a> {
     pub output: Tensor,
     pub step: usize,
     pub seed: u64,
+    /// As `GradReduce::workspace`.
+    pub workspace: Tensor,
 }
 
 /// Work a hook started: collectives in flight, and what to do once they
@@ -196,7 +204,7 @@ impl Pending {
     }
 
     /// The same work, with a panic in what follows the collectives turned into an error.
-    fn guarded(self) -> Pending {
+    pub(crate) fn guarded(self) -> Pending {
         match self.then {
             None => self,
             Some(finish) => Pending { works: self.works, then: Some(Box::new(move || guarded("the work it left to finish", finish))) },
@@ -205,13 +213,54 @@ impl Pending {
 }
 
 /// Runs a hook's code, turning a panic into an error naming `what`.
-fn guarded<T>(what: &str, call: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn guarded<T>(what: &str, call: impl FnOnce() -> Result<T>) -> Result<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
         Ok(result) => result,
         Err(panic) => {
             let message = panic.downcast_ref::<String>().map(String::as_str).or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("no message");
             bail!("{what} panicked: {message}")
         }
+    }
+}
+
+/// The scratch memory core hands a hook (`CommHook::workspace_bytes`):
+/// allocated per request and counted from then until its work is done.
+#[derive(Default)]
+pub struct Workspace {
+    in_flight: Rc<Cell<i64>>,
+    peak: Cell<i64>,
+}
+
+impl Workspace {
+    /// Issues a request through `issue`, handing it the workspace `hook`
+    /// asks for `wire` of `unit` (`elements` elements, on `device`).
+    pub fn issue(
+        &self,
+        hook: &mut dyn CommHook,
+        unit: &UnitInfo,
+        wire: Wire,
+        elements: i64,
+        device: Device,
+        issue: impl FnOnce(&mut dyn CommHook, Tensor) -> Result<Pending>,
+    ) -> Result<Pending> {
+        let bytes = hook.workspace_bytes(unit, wire, elements).max(0);
+        let workspace = Tensor::empty([bytes], (Kind::Uint8, device));
+        let work = issue(hook, workspace)?;
+        if bytes == 0 {
+            return Ok(work);
+        }
+        self.in_flight.set(self.in_flight.get() + bytes);
+        self.peak.set(self.peak.get().max(self.in_flight.get()));
+        let in_flight = self.in_flight.clone();
+        Ok(work.then(move || {
+            in_flight.set(in_flight.get() - bytes);
+            Ok(())
+        }))
+    }
+
+    /// The most bytes of workspace in flight at once so far.
+    pub fn peak(&self) -> i64 {
+        self.peak.get()
     }
 }
 
@@ -291,6 +340,41 @@ pub trait CommHook {
     fn wire_bytes(&self, _unit: &UnitInfo, _wire: Wire, elements: f64, element_bytes: f64) -> f64 {
         elements * element_bytes
     }
+
+    /// On a resume at another world size (ABI 3.1): `state` is what rank
+    /// `change.saved_rank` saved (this rank's number modulo the old world
+    /// size). Keep what still holds (e.g. factors every rank shares) with
+    /// `load_state` and say what in `Kept`, or start afresh; the log says which.
+    fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Resharded> {
+        Ok(Resharded::Afresh)
+    }
+
+    /// Scratch bytes it wants for a request of `wire` on `unit` carrying
+    /// `elements` elements (ABI 3.1). Core allocates them per request on
+    /// the request's device (`GradReduce::workspace`), counts them in the
+    /// run's memory (the peak in flight) and in `ft plan`, and frees them
+    /// when the work is done — so a hook need not hide allocations of its own.
+    fn workspace_bytes(&self, _unit: &UnitInfo, _wire: Wire, _elements: i64) -> i64 {
+        0
+    }
+}
+
+/// A resume at another world size than the checkpoint's.
+#[derive(Debug, Clone, Copy)]
+pub struct WorldChange {
+    pub saved_world: usize,
+    pub world: usize,
+    pub rank: usize,
+    /// Whose saved state the hook is given: `rank % saved_world`.
+    pub saved_rank: usize,
+}
+
+/// What a hook did with state saved at another world size.
+#[derive(Debug)]
+pub enum Resharded {
+    Afresh,
+    /// It kept what the text says (for the log).
+    Kept(String),
 }
 
 /// What a collective carries, for `CommHook::wire_bytes`.
@@ -298,71 +382,6 @@ pub trait CommHook {
 pub enum Wire {
     Reduce(ReduceStage),
     Gather,
-}
-
-/// A hook whose panics come back as errors. A plug-in is a `cdylib` with
-/// its own copy of Rust's standard library, whose panics the host cannot
-/// catch (they abort it), so this wrapper is made inside the plug-in: by
-/// `CommEntry::new`, which the plug-in's registrar runs in the plug-in's own
-/// copy of ft-core.
-struct Guarded(Box<dyn CommHook>);
-
-impl CommHook for Guarded {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-
-    fn tolerance(&self) -> f64 {
-        self.0.tolerance()
-    }
-
-    fn check(&self, plan: &CommPlan) -> Result<()> {
-        guarded("check", || self.0.check(plan))
-    }
-
-    fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
-        guarded("the reduction", || self.0.reduce(request)).map(Pending::guarded)
-    }
-
-    fn gather(&mut self, request: ParamGather) -> Result<Pending> {
-        guarded("the gather", || self.0.gather(request)).map(Pending::guarded)
-    }
-
-    fn after_step(&mut self, step: usize) -> Result<()> {
-        guarded("after_step", || self.0.after_step(step))
-    }
-
-    fn state(&self) -> Vec<(String, Tensor)> {
-        self.0.state()
-    }
-
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        guarded("load_state", || self.0.load_state(state))
-    }
-
-    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
-        self.0.state_bytes(unit, wire, elements)
-    }
-
-    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        self.0.wire_bytes(unit, wire, elements, element_bytes)
-    }
-}
-
-/// `hook`, its panics turned into errors (see `Guarded`): for a hook made
-/// outside a registration, such as a strategy's own.
-pub fn guard(hook: Box<dyn CommHook>) -> Box<dyn CommHook> {
-    Box::new(Guarded(hook))
-}
-
-/// Makes a hook from checked options, panics included as errors.
-pub type GuardedFactory = Box<dyn Fn(&Map<String, Value>) -> Result<Box<dyn CommHook>> + Send + Sync>;
-
-/// `create`, made where it is called from (the binary, or a plug-in's own
-/// copy of ft-core), so that its panics and those of the hooks it makes
-/// come back as errors.
-pub fn guarded_factory(create: CommFactory) -> GuardedFactory {
-    Box::new(move |options| guarded("creating the hook", || create(options)).map(guard))
 }
 
 /// The built-in behaviour: plain collectives, the sum in the output.
@@ -400,6 +419,7 @@ pub struct CommOption {
 }
 
 /// Makes a hook from its options (`comm.NAME.*`, already checked to be among its declared keys).
+/// Registered hooks cross into ft as tables (`abi::table_factory`).
 pub type CommFactory = fn(&Map<String, Value>) -> Result<Box<dyn CommHook>>;
 
 /// A communication plug-in's registration (`--comm NAME`), beside its

@@ -30,7 +30,7 @@
 //! Trainer, skips biases and norms — applies to one prefix.
 
 use crate::comm::{ProcessGroup, Work};
-use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo};
+use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, Workspace};
 use crate::model::UnitSpec;
 use crate::offload::Offload;
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
@@ -112,7 +112,8 @@ pub struct MemoryAccount {
     #[serde(default)]
     pub frozen: f64,
     /// What the communication hook keeps (`CommHook::state_bytes`: error
-    /// feedback, factors); absent from rows written before hooks.
+    /// feedback, factors) plus its workspace's peak in flight; absent from
+    /// rows written before hooks.
     #[serde(default)]
     pub comm_state: f64,
 }
@@ -561,15 +562,19 @@ impl FlatUnit {
     /// Starts gathering a released sharded unit (allocating its buffer)
     /// through `hook`; returns the bytes allocated. A no-op when gathered
     /// or in flight.
-    pub(crate) fn start_gather(&mut self, group: &ProcessGroup, hook: &mut dyn CommHook, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
+    pub(crate) fn start_gather(&mut self, group: &ProcessGroup, hook: &mut dyn CommHook, workspace: &Workspace, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
         if self.gathered || self.gathering.is_some() {
             return Ok(0);
         }
         let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
         group.note_caller(|| format!("comm `{}` gathered unit {} ({phase:?}, step {step})", hook.name(), info.name));
-        let request = ParamGather { unit: info, phase, group, shard: self.gather_source(), output: self.compute_alias.shallow_clone(), step, seed };
-        let gathering = hook.gather(request).map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?;
+        let (shard, output) = (self.gather_source(), self.compute_alias.shallow_clone());
+        let gathering = workspace
+            .issue(hook, info, Wire::Gather, shard.size()[0], shard.device(), |hook, workspace| {
+                hook.gather(ParamGather { unit: info, phase, group, shard, output, step, seed, workspace })
+            })
+            .map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?;
         self.gathering = Some(gathering);
         Ok(bytes)
     }

@@ -4,6 +4,7 @@
 //! the communicator over PyTorch's c10d, the training engine (`train/`) and
 //! the loop (`fit/`). docs/ARCHITECTURE.md maps them.
 
+pub mod abi;
 pub mod batches;
 pub mod bench;
 pub mod checkpoint;
@@ -29,6 +30,7 @@ pub mod offload;
 pub mod plan;
 pub mod plugin;
 pub mod profile;
+pub mod quantize;
 pub mod registry;
 pub mod schedule;
 pub mod setup;

@@ -2,25 +2,23 @@
 //! (docs/PLUGINS.md).
 //!
 //! A plug-in is a `cdylib` depending on `ft-core`. It exports one C symbol,
-//! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the plug-in
-//! ABI version, the ft-core version and the rustc version it was built
-//! with, and a registration function. Plug-ins share Rust types (trait
-//! objects) with ft, which is only sound when all three match, so the
-//! loader compares them — reading nothing else from the library first —
-//! and refuses a mismatch naming the field. [`export_plugin!`] writes the
-//! symbol; `plugins/ddp_bf16_grads` is a complete example.
+//! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the ABI
+//! version it was built against (`abi.rs`: a major that must match, a
+//! minor no newer than this ft's), the fingerprint of the types it passes,
+//! the rustc version (Rust types cross, so the compiler must match) and a
+//! registration function. The loader checks them in that order — reading
+//! nothing else from the library first — and refuses a mismatch naming the
+//! field. [`export_plugin!`] writes the symbol; `plugins/comm/bf16` is a
+//! complete example.
 
-use crate::comm_hook::{guard, guarded_factory, CommFactory, CommHook, CommOption};
-use crate::strategy::ShardingPolicy;
+use crate::abi::{table_factory, CommDeclaration, StrategyDeclaration, StrategyTable, TableStrategy, ABI_MAJOR, ABI_MINOR, BOUNDARY};
+use crate::comm_hook::{CommFactory, CommOption};
 use crate::registry::{CommEntry, Origin, Registry, StrategyEntry};
 use crate::strategy::ShardingStrategy;
 use anyhow::{anyhow, bail, Context, Result};
-use std::ffi::{c_char, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
 
-/// Bumped whenever `PluginDeclaration`, `PluginRegistrar` or the traits a
-/// plug-in implements change shape (2: communication hooks).
-pub const ABI_VERSION: u32 = 2;
 /// NUL-terminated, for the declaration.
 #[doc(hidden)]
 pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
@@ -29,12 +27,15 @@ pub const RUSTC_VERSION: &str = concat!(env!("FT_RUSTC_VERSION"), "\0");
 /// The symbol every plug-in exports.
 pub const ENTRY_POINT: &str = "ft_plugin_declaration";
 
-/// What a plug-in declares. The three version fields come first and are
-/// plain C data, so any library's declaration can be checked safely.
+/// What a plug-in declares. Plain C data, `abi_major` first in every ABI
+/// so far, so any library's declaration can be checked safely.
 #[repr(C)]
 pub struct PluginDeclaration {
-    pub abi_version: u32,
-    /// NUL-terminated ft-core version the plug-in was built against.
+    pub abi_major: u32,
+    pub abi_minor: u32,
+    /// `abi::BOUNDARY` of the plug-in's ft-core.
+    pub boundary: u64,
+    /// NUL-terminated ft-core version the plug-in was built against (for messages).
     pub core_version: *const c_char,
     /// NUL-terminated `rustc --version` of the plug-in's build.
     pub rustc_version: *const c_char,
@@ -45,62 +46,67 @@ pub struct PluginDeclaration {
 // SAFETY: the pointers are to 'static string literals, never written.
 unsafe impl Sync for PluginDeclaration {}
 
-/// Collects what a plug-in registers.
+/// What a plug-in registers through: entry points into ft, appended to
+/// (never changed) within a major, as `abi`'s tables are. The methods run
+/// in the plug-in's copy of ft-core and turn what it made into tables.
+#[repr(C)]
 pub struct PluginRegistrar {
-    origin: Origin,
-    strategies: Vec<StrategyEntry>,
-    comms: Vec<CommEntry>,
+    registered: *mut c_void,
+    add_strategy: fn(*mut c_void, StrategyDeclaration),
+    add_comm: fn(*mut c_void, CommDeclaration),
 }
 
 impl PluginRegistrar {
     /// Adds a strategy (`create` makes a fresh instance per run).
-    pub fn add_strategy(
-        &mut self,
-        name: &str,
-        aliases: &[&str],
-        summary: &str,
-        create: fn() -> Box<dyn ShardingStrategy>,
-    ) {
-        self.strategies.push(StrategyEntry {
+    pub fn add_strategy(&mut self, name: &str, aliases: &[&str], summary: &str, create: fn() -> Box<dyn ShardingStrategy>) {
+        let declaration = StrategyDeclaration {
             name: name.into(),
             aliases: aliases.iter().map(|a| a.to_string()).collect(),
             summary: summary.into(),
-            origin: self.origin.clone(),
-            // Made here, in the plug-in's copy of ft-core: see `comm_hook::guard`.
-            create: Box::new(move || Box::new(GuardedStrategy(create()))),
-        });
+            create: Box::new(move || StrategyTable::new(create())),
+        };
+        (self.add_strategy)(self.registered, declaration)
     }
 
     /// Adds a communication plug-in (`--comm NAME`): the options it takes
     /// (`comm.NAME.KEY`, checked before `create` sees them) and how to make
     /// a fresh hook per run from them.
     pub fn add_comm(&mut self, name: &str, summary: &str, options: &[CommOption], create: CommFactory) {
-        self.comms.push(CommEntry {
-            name: name.into(),
-            summary: summary.into(),
-            options: options.to_vec(),
-            origin: self.origin.clone(),
-            // Made here, in the plug-in's copy of ft-core: see `comm_hook::guard`.
-            create: guarded_factory(create),
-        });
+        let declaration = CommDeclaration { name: name.into(), summary: summary.into(), options: options.to_vec(), create: table_factory(create) };
+        (self.add_comm)(self.registered, declaration)
     }
 }
 
-/// A plug-in's strategy whose own hook's panics come back as errors.
-struct GuardedStrategy(Box<dyn ShardingStrategy>);
+/// What one plug-in registered, on ft's side of the registrar.
+struct Registered {
+    origin: Origin,
+    strategies: Vec<StrategyEntry>,
+    comms: Vec<CommEntry>,
+}
 
-impl ShardingStrategy for GuardedStrategy {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
+fn add_strategy(registered: *mut c_void, declaration: StrategyDeclaration) {
+    // SAFETY: the pointer `load` gave the registrar, alive while `register` runs.
+    let registered = unsafe { &mut *(registered as *mut Registered) };
+    let create = declaration.create;
+    registered.strategies.push(StrategyEntry {
+        name: declaration.name,
+        aliases: declaration.aliases,
+        summary: declaration.summary,
+        origin: registered.origin.clone(),
+        create: Box::new(move || Box::new(TableStrategy::new(create()))),
+    });
+}
 
-    fn policy(&self) -> ShardingPolicy {
-        self.0.policy()
-    }
-
-    fn comm_hook(&self) -> Option<Box<dyn CommHook>> {
-        self.0.comm_hook().map(guard)
-    }
+fn add_comm(registered: *mut c_void, declaration: CommDeclaration) {
+    // SAFETY: as in `add_strategy`.
+    let registered = unsafe { &mut *(registered as *mut Registered) };
+    registered.comms.push(CommEntry {
+        name: declaration.name,
+        summary: declaration.summary,
+        options: declaration.options,
+        origin: registered.origin.clone(),
+        create: declaration.create,
+    });
 }
 
 /// Exports `ft_plugin_declaration` for a plug-in whose registration
@@ -111,7 +117,9 @@ macro_rules! export_plugin {
         #[no_mangle]
         pub extern "C" fn ft_plugin_declaration() -> *const $crate::plugin::PluginDeclaration {
             static DECLARATION: $crate::plugin::PluginDeclaration = $crate::plugin::PluginDeclaration {
-                abi_version: $crate::plugin::ABI_VERSION,
+                abi_major: $crate::abi::ABI_MAJOR,
+                abi_minor: $crate::abi::ABI_MINOR,
+                boundary: $crate::abi::BOUNDARY,
                 core_version: $crate::plugin::CORE_VERSION.as_ptr() as *const ::std::ffi::c_char,
                 rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr() as *const ::std::ffi::c_char,
                 register: $register,
@@ -161,35 +169,43 @@ pub fn load(path: &Path, registry: &mut Registry) -> Result<()> {
     if declaration.is_null() {
         bail!("plug-in {}: `{ENTRY_POINT}` returned no declaration", path.display());
     }
-    // SAFETY: non-null, and the first fields are repr(C) plain data in every ABI version.
+    // SAFETY: non-null, and `abi_major` comes first, a u32, in every ABI so far.
+    let major = unsafe { *(declaration as *const u32) };
+    if major != ABI_MAJOR {
+        bail!("plug-in {}: ABI major {major}, this ft loads {ABI_MAJOR} — rebuild the plug-in against this ft-core", path.display());
+    }
+    // SAFETY: the major matches, so the rest is laid out as ours.
     let declaration = unsafe { &*declaration };
-    if declaration.abi_version != ABI_VERSION {
+    let core_version = field(declaration.core_version, "ft-core version", path)?;
+    if declaration.abi_minor > ABI_MINOR {
         bail!(
-            "plug-in {}: abi_version is {}, this ft loads {ABI_VERSION} — rebuild the plug-in against this ft-core",
+            "plug-in {}: built against ABI {major}.{} (ft-core {core_version}), newer than this ft's {ABI_MAJOR}.{ABI_MINOR} — update ft, or rebuild the plug-in against this ft-core",
             path.display(),
-            declaration.abi_version
+            declaration.abi_minor
         );
     }
-    let expected = [
-        ("ft-core version", field(declaration.core_version, "ft-core version", path)?, CORE_VERSION.trim_end_matches('\0')),
-        ("rustc version", field(declaration.rustc_version, "rustc version", path)?, RUSTC_VERSION.trim_end_matches('\0')),
-    ];
-    for (name, theirs, ours) in expected {
-        if theirs != ours {
-            bail!("plug-in {}: built with {name} `{theirs}`, this ft has `{ours}` — rebuild the plug-in with the same", path.display());
-        }
+    let rustc = field(declaration.rustc_version, "rustc version", path)?;
+    if rustc != RUSTC_VERSION.trim_end_matches('\0') {
+        bail!("plug-in {}: built with `{rustc}`, this ft with `{}` — rebuild the plug-in with the same", path.display(), RUSTC_VERSION.trim_end_matches('\0'));
     }
-    let mut registrar = PluginRegistrar { origin: Origin::Plugin(canonical), strategies: vec![], comms: vec![] };
+    if declaration.boundary != BOUNDARY {
+        bail!(
+            "plug-in {}: its ft-core ({core_version}) passes types of another shape than this ft's although both say ABI {ABI_MAJOR} — rebuild the plug-in against this ft-core",
+            path.display()
+        );
+    }
+    let mut registered = Registered { origin: Origin::Plugin(canonical), strategies: vec![], comms: vec![] };
+    let mut registrar = PluginRegistrar { registered: &mut registered as *mut Registered as *mut c_void, add_strategy, add_comm };
     let register = declaration.register;
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| register(&mut registrar)))
         .map_err(|_| anyhow!("plug-in {} panicked while registering", path.display()))?;
-    if registrar.strategies.is_empty() && registrar.comms.is_empty() {
+    if registered.strategies.is_empty() && registered.comms.is_empty() {
         bail!("plug-in {} registered nothing", path.display());
     }
-    for strategy in registrar.strategies {
+    for strategy in registered.strategies {
         registry.add_strategy(strategy).with_context(|| format!("loading plug-in {}", path.display()))?;
     }
-    for comm in registrar.comms {
+    for comm in registered.comms {
         registry.add_comm(comm).with_context(|| format!("loading plug-in {}", path.display()))?;
     }
     std::mem::forget(library);

@@ -3,7 +3,8 @@
 //! strategy.rs, …); built-in crates submit theirs with `inventory::submit!`,
 //! and plug-ins loaded at run time add entries to the same registry.
 
-use crate::comm_hook::{check_options, guarded_factory, CommHook, CommOption, CommRegistration, GuardedFactory, BUILTIN};
+use crate::abi::{table_factory, TableFactory, TableHook};
+use crate::comm_hook::{check_options, CommHook, CommOption, CommRegistration, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::names::unknown;
@@ -50,7 +51,7 @@ pub struct CommEntry {
     pub summary: String,
     pub options: Vec<CommOption>,
     pub origin: Origin,
-    pub create: GuardedFactory,
+    pub create: TableFactory,
 }
 
 /// The communication a run uses, as its checkpoints record it: a resume
@@ -95,7 +96,7 @@ impl Registry {
                 summary: r.summary.into(),
                 options: r.options.to_vec(),
                 origin: Origin::BuiltIn,
-                create: guarded_factory(r.create),
+                create: table_factory(r.create),
             });
         }
         for r in inventory::iter::<SinkRegistration> {
@@ -173,8 +174,8 @@ impl Registry {
         let name = config.name.as_deref().unwrap_or(BUILTIN);
         let entry = self.comm(name)?;
         let options = config.options.get(name).and_then(|o| o.as_object()).cloned().unwrap_or_default();
-        let hook = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;
-        Ok((hook, CommRecord { name: name.to_string(), options: serde_json::Value::Object(options) }))
+        let table = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;
+        Ok((Box::new(TableHook::new(table)), CommRecord { name: name.to_string(), options: serde_json::Value::Object(options) }))
     }
 
     pub fn strategies(&self) -> &[StrategyEntry] {

@@ -1,6 +1,7 @@
 //! ft's CUDA kernels beside ATen's ops on the same random inputs (`ft
 //! bench --breakdown`): the LM head's loss and gradients (the model's
-//! vocabulary and width) and AdamW (64M parameters), timed and compared.
+//! vocabulary and width), AdamW (64M parameters) and blockwise int8 (64M
+//! values in the compute dtype, when a kernel serves it), timed and compared.
 
 use crate::dataset::Batch;
 use crate::train::loss::lm_head_loss_and_grads;
@@ -24,6 +25,14 @@ pub struct KernelCheck {
     /// max |p_ft − p_aten| / max |p_aten − p_before| after one step: the
     /// difference relative to the update itself.
     pub adamw_update_relative_diff: f64,
+    /// Quantizing and dequantizing 64M values (`quantize.rs`), when ft's kernels serve the dtype.
+    #[serde(default)]
+    pub int8_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub int8_aten_ms: Option<f64>,
+    /// Int8 values, scales and dequantized values that differ from ATen's (0: the same bits).
+    #[serde(default)]
+    pub int8_mismatches: Option<i64>,
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -76,6 +85,23 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
     ft_step(&ft_state)?;
     aten_step(&aten_state, &grad.copy())?;
     let (ft_param, aten_param) = (&ft_state[0], &aten_state[0]);
+
+    let (mut int8_ft_ms, mut int8_aten_ms, mut int8_mismatches) = (None, None, None);
+    if crate::quantize::kernels_serve(device, dtype) {
+        let values = Tensor::randn([numel], (dtype, device)) * Tensor::logspace(-3.0, 1.0, numel, 10.0, (Kind::Float, device));
+        let values = values.to_kind(dtype);
+        let round_trip = |fused: bool| -> Result<(crate::quantize::Quantized, Tensor)> {
+            let quantized = crate::quantize::quantize_with(&values, 1, 4096, fused)?;
+            let back = values.empty_like();
+            quantized.dequantize_with(&back, false, fused)?;
+            Ok((quantized, back))
+        };
+        int8_ft_ms = Some(timed(&mut || round_trip(true).map(drop))?);
+        int8_aten_ms = Some(timed(&mut || round_trip(false).map(drop))?);
+        let ((ft, ft_back), (aten, aten_back)) = (round_trip(true)?, round_trip(false)?);
+        let differ = |a: &Tensor, b: &Tensor| a.to_kind(Kind::Float).ne_tensor(&b.to_kind(Kind::Float)).sum(Kind::Int64).int64_value(&[]);
+        int8_mismatches = Some(differ(&ft.q, &aten.q) + differ(&ft.scales, &aten.scales) + differ(&ft_back, &aten_back));
+    }
     Ok(KernelCheck {
         head_ft_ms,
         head_aten_ms,
@@ -84,6 +110,9 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         adamw_ft_ms,
         adamw_aten_ms,
         adamw_update_relative_diff: relative(ft_param, aten_param, &(aten_param - &param)),
+        int8_ft_ms,
+        int8_aten_ms,
+        int8_mismatches,
     })
 }
 

@@ -148,7 +148,10 @@ impl Row {
                 )) + &row.kernel_check.as_ref().map_or(String::new(), |k| format!(
                     "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
                     k.head_ft_ms, k.head_aten_ms, k.head_loss_relative_diff, k.head_grad_relative_diff, k.adamw_ft_ms, k.adamw_aten_ms, k.adamw_update_relative_diff
-                ))
+                ) + &match (k.int8_ft_ms, k.int8_aten_ms, k.int8_mismatches) {
+                    (Some(ft), Some(aten), Some(mismatches)) => format!("; int8 round trip over 64M: ft {ft:.2} ms vs ATen {aten:.2} ({mismatches} values differ)"),
+                    _ => String::new(),
+                })
             ),
         }
     }
@@ -333,7 +336,7 @@ pub fn run_case(
 /// `group`: on one rank, its compression and decompression. Each is timed
 /// after warm-up (a hook's state is made on first use) as the median of 5.
 pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &dyn Model, dtype: Kind, reduce: Kind, device: Device) -> Result<f64> {
-    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo};
+    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo, Wire, Workspace};
     let _no_grad = tch::no_grad_guard();
     let units: Vec<UnitInfo> = model.units().iter().map(|spec| UnitInfo::new(spec, crate::flat::param_offsets(spec), spec.numel())).collect();
     let grads: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (reduce, device))).collect();
@@ -343,12 +346,21 @@ pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &d
     let one_step = |hook: &mut dyn CommHook| -> Result<f64> {
         synchronize(device);
         let start = Instant::now();
+        let workspace = Workspace::default();
         for ((unit, grad), shard) in units.iter().zip(&grads).zip(&shards) {
-            let input = grad.copy();
-            let reduce = GradReduce { unit, stage: ReduceStage::World, group, input: input.shallow_clone(), offset: 0, output: input, accumulated: true, step, seed: 0 };
-            hook.reduce(reduce)?.wait()?;
-            let output = shard.empty_like();
-            hook.gather(ParamGather { unit, phase: GatherPhase::Forward, group, shard: shard.shallow_clone(), output, step, seed: 0 })?.wait()?;
+            let (input, output) = (grad.copy(), shard.empty_like());
+            workspace
+                .issue(hook, unit, Wire::Reduce(ReduceStage::World), unit.padded, device, |hook, workspace| {
+                    let (stage, offset, accumulated, seed) = (ReduceStage::World, 0, true, 0);
+                    hook.reduce(GradReduce { unit, stage, group, input: input.shallow_clone(), offset, output: input, accumulated, step, seed, workspace })
+                })?
+                .wait()?;
+            workspace
+                .issue(hook, unit, Wire::Gather, unit.padded, device, |hook, workspace| {
+                    let shard = shard.shallow_clone();
+                    hook.gather(ParamGather { unit, phase: GatherPhase::Forward, group, shard, output, step, seed: 0, workspace })
+                })?
+                .wait()?;
         }
         synchronize(device);
         Ok(start.elapsed().as_secs_f64() * 1e3)

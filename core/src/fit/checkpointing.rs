@@ -16,6 +16,7 @@ use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::TrainConfig;
+use crate::comm_hook::{Resharded, WorldChange};
 use crate::registry::CommRecord;
 use crate::train::Trainer;
 use anyhow::Result;
@@ -103,28 +104,43 @@ impl<'a> Checkpointer<'a> {
     }
 
     /// Gives the communication hook the state this rank saved, when the
-    /// checkpoint was written by the same hook with the same options at the
-    /// same world size; otherwise the hook starts afresh, and rank 0 says why.
+    /// checkpoint was written by the same hook with the same options; at
+    /// another world size the hook decides what of it still holds
+    /// (`CommHook::reshard_state`); with another hook or options it starts
+    /// afresh. Rank 0 says which.
     fn resume_comm_state(&self, reader: &mut Reader, trainer: &mut Trainer, rank: usize) -> Result<()> {
-        let (saved, world) = (reader.manifest().comm.clone(), reader.manifest().world_size);
+        let (saved, saved_world) = (reader.manifest().comm.clone(), reader.manifest().world_size);
         let Some(saved) = saved else { return Ok(()) };
-        let why = if saved != self.comm {
-            format!("this run uses comm `{}` with options {}", self.comm.name, self.comm.options)
-        } else if world != self.world {
-            format!("this run has {} ranks", self.world)
-        } else {
+        if saved != self.comm {
+            if rank == 0 && !reader.comm_state(0)?.is_empty() {
+                tracing::warn!(
+                    "the checkpoint holds the state of comm `{}` (options {}); this run uses comm `{}` with options {}: that state starts afresh",
+                    saved.name,
+                    saved.options,
+                    self.comm.name,
+                    self.comm.options
+                );
+            }
+            return Ok(());
+        }
+        if saved_world == self.world {
             let state = reader.comm_state(rank)?;
             if !state.is_empty() && rank == 0 {
                 tracing::info!("comm `{}`: restored its state ({} tensors on rank 0)", saved.name, state.len());
             }
             return trainer.restore_comm_state(state);
-        };
-        if rank == 0 && !reader.comm_state(0)?.is_empty() {
-            tracing::warn!(
-                "the checkpoint holds the state of comm `{}` (options {}, {world} ranks); {why}: that state starts afresh",
-                saved.name,
-                saved.options
-            );
+        }
+        let change = WorldChange { saved_world, world: self.world, rank, saved_rank: rank % saved_world };
+        let state = reader.comm_state(change.saved_rank)?;
+        if state.is_empty() {
+            return Ok(());
+        }
+        let resharded = trainer.reshard_comm_state(change, state)?;
+        if rank == 0 {
+            match resharded {
+                Resharded::Afresh => tracing::warn!("comm `{}`: its state was saved at {saved_world} ranks, this run has {}: it starts afresh", saved.name, self.world),
+                Resharded::Kept(what) => tracing::info!("comm `{}`: its state was saved at {saved_world} ranks, this run has {}: re-sharded, kept {what}", saved.name, self.world),
+            }
         }
         Ok(())
     }

@@ -45,6 +45,7 @@ use crate::model::Model;
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
 use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
+use crate::train::REDUCTIONS_IN_FLIGHT;
 use anyhow::{bail, Context, Result};
 use memory::{walk, MicroBatch};
 use serde::{Deserialize, Serialize};
@@ -341,20 +342,35 @@ fn with_margins(allocated: f64) -> f64 {
     allocated * (1.0 + FRAGMENTATION) + RUNTIME_RESERVE
 }
 
-/// What `hook` keeps for the stages of `plan` over `units` placed as `placements`.
+/// What `hook` keeps for the stages of `plan` over `units` placed as
+/// `placements`, plus the most workspace it can have in flight: the
+/// largest `REDUCTIONS_IN_FLIGHT + 1` unit reductions', every unit's
+/// replica reduction (the step waits for those at its end) and two
+/// gathers' (the one in use and the one prefetched).
 fn comm_state(hook: &dyn CommHook, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan) -> f64 {
     use crate::comm_hook::{ReduceStage, Wire};
-    let mut bytes = 0.0;
+    let (mut bytes, mut reductions, mut replicas, mut gathers) = (0.0, vec![], 0, vec![]);
     for (unit, placement) in units.iter().zip(placements) {
-        let (whole, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
+        let (whole, shard) = (placement.shard.padded, placement.shard.len);
         for &stage in &plan.stages {
-            bytes += hook.state_bytes(unit, Wire::Reduce(stage), if stage == ReduceStage::Replica { shard } else { whole });
+            let elements = if stage == ReduceStage::Replica { shard } else { whole };
+            bytes += hook.state_bytes(unit, Wire::Reduce(stage), elements as f64);
+            let workspace = hook.workspace_bytes(unit, Wire::Reduce(stage), elements);
+            match stage {
+                ReduceStage::Replica => replicas += workspace,
+                _ => reductions.push(workspace),
+            }
         }
         if plan.gathers && placement.params_sharded {
-            bytes += hook.state_bytes(unit, Wire::Gather, shard);
+            bytes += hook.state_bytes(unit, Wire::Gather, shard as f64);
+            gathers.push(hook.workspace_bytes(unit, Wire::Gather, shard));
         }
     }
-    bytes
+    let largest = |mut sizes: Vec<i64>, n: usize| -> i64 {
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.iter().take(n).sum()
+    };
+    bytes + (largest(reductions, REDUCTIONS_IN_FLIGHT + 1) + replicas + largest(gathers, 2)) as f64
 }
 
 /// Predicts one row.

@@ -17,7 +17,7 @@ pub use parallel::DataParallel;
 pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
 use crate::comm::ProcessGroup;
-use crate::comm_hook::{Builtin, CommHook, UnitInfo};
+use crate::comm_hook::{Builtin, CommHook, Resharded, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::Model;
@@ -128,6 +128,8 @@ pub struct Trainer<'m> {
     unit_info: Vec<UnitInfo>,
     /// How gradients are reduced and sharded parameters gathered.
     hook: Box<dyn CommHook>,
+    /// The hook's scratch memory, counted.
+    workspace: Workspace,
     /// Where offloaded state is stored and how it is stepped (None: nothing is offloaded).
     offload: Option<&'m dyn Offload>,
     /// Optimizer steps taken (what hooks are told).
@@ -219,6 +221,7 @@ impl<'m> TrainerBuilder<'m> {
             units,
             unit_info,
             hook,
+            workspace: Workspace::default(),
             offload,
             steps: 0,
             options,
@@ -369,7 +372,8 @@ impl<'m> Trainer<'m> {
     /// and the peak of gathered units so far.
     pub fn memory(&self) -> MemoryAccount {
         let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
-        let comm_state = self.hook.state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);
+        let state = self.hook.state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);
+        let comm_state = state + self.workspace.peak() as f64;
         MemoryAccount { gathered_peak: self.gathered_peak as f64, comm_state, ..held }
     }
 
@@ -400,5 +404,10 @@ impl<'m> Trainer<'m> {
     /// Puts back the hook's checkpointed state.
     pub fn restore_comm_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         self.hook.load_state(state)
+    }
+
+    /// Offers the hook state saved at another world size.
+    pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+        self.hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{}`: re-sharding its state", self.hook.name())))
     }
 }

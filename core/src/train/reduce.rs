@@ -5,7 +5,7 @@
 //! result is needed.
 
 use super::{DataParallel, Trainer};
-use crate::comm_hook::{GradReduce, Pending, ReduceStage};
+use crate::comm_hook::{GradReduce, Pending, ReduceStage, Wire};
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -46,19 +46,13 @@ impl Trainer<'_> {
         let (hook, unit, step) = (self.hook.name(), &self.unit_info[u].name, self.steps);
         group.note_caller(|| format!("comm `{hook}` reduced unit {unit} ({}, step {step})", stage.name()));
         let offset = if stage == ReduceStage::Replica { self.units[u].placement().shard.start } else { 0 };
-        let request = GradReduce {
-            unit: &self.unit_info[u],
-            stage,
-            group,
-            input,
-            offset,
-            output,
-            accumulated,
-            step: self.steps,
-            seed: self.options.seed as u64,
-        };
-        let hook = &mut self.hook;
-        hook.reduce(request).map_err(|e| e.context(format!("comm `{}`: {} of unit {}", hook.name(), stage.name(), self.unit_info[u].name)))
+        let (info, seed, step) = (&self.unit_info[u], self.options.seed as u64, self.steps);
+        let elements = input.size()[0];
+        let device = input.device();
+        let work = self.workspace.issue(self.hook.as_mut(), info, Wire::Reduce(stage), elements, device, |hook, workspace| {
+            hook.reduce(GradReduce { unit: info, stage, group, input, offset, output, accumulated, step, seed, workspace })
+        });
+        work.map_err(|e| e.context(format!("comm `{}`: {} of unit {}", self.hook.name(), stage.name(), info.name)))
     }
 
     /// Hands unit `u`'s complete micro-batch gradient to the reduction the

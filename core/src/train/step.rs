@@ -42,7 +42,7 @@ impl Trainer<'_> {
     /// Starts gathering unit `u` if it is sharded and released (a prefetch).
     fn prefetch(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         if let Some(group) = self.shard_group() {
-            let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
+            let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
             self.count_gathered(bytes);
         }
         Ok(())

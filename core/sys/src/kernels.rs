@@ -12,6 +12,10 @@
 //!   28 bytes per parameter. ATen's `_fused_adamw_` also writes the unscaled
 //!   gradient back whenever a gradient scale (our clipping factor) is given,
 //!   32 bytes, through a multi-tensor launcher that reaches ~3 TB/s on H200.
+//! - `quantize_int8_*` / `dequantize_int8_*`: blockwise int8 (one fp32
+//!   scale, absmax / 127, per block) for compressed collectives, one pass
+//!   each way; ATen needs about eight (cast, min/max, divide, round, clamp,
+//!   cast; cast, multiply) and a padded copy.
 
 use crate::{Result, ShimError};
 use cudarc::driver::{result as driver, sys};
@@ -25,6 +29,8 @@ const XENT: &str = "softmax_xent_backward_bf16";
 const ADAMW: &str = "adamw_fp32";
 const XENT_THREADS: u32 = 512;
 const ADAMW_THREADS: u32 = 256;
+const QUANTIZE_THREADS: u32 = 256;
+const DEQUANTIZE_THREADS: u32 = 256;
 
 /// The kernels' CUDA source. The cross-entropy runs one block per row: pass 1
 /// finds the row's log-sum-exp (online max and sum in fp32), pass 2
@@ -170,6 +176,84 @@ extern "C" __global__ void adamw_fp32(
     adamw(param[i], grad[i], exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, weight_decay, eps, step_size,
           bias_correction2_sqrt, grad_scale);
 }
+
+// Blockwise int8. `x` is `rows` rows of `row_len` elements, each row cut
+// into `blocks_per_row` blocks of `block` elements, the last padded with
+// zeros. One CUDA block per quantization block: its absmax by a block
+// reduction, then q = rint(x / scale) clamped to ±127 with scale =
+// max(absmax, 1e-30) / 127 — the fp32 ops, in the order, that ft-core's
+// ATen fallback uses, so both give the same bits.
+__device__ __forceinline__ float load(const float* x, long long i) { return x[i]; }
+__device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
+__device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
+__device__ __forceinline__ void store(bf16* x, long long i, float v) { x[i] = (bf16)to_bf16(v); }
+
+template <typename T>
+__device__ void quantize_int8(const T* __restrict__ x, long long row_len, int block, int blocks_per_row,
+                              signed char* __restrict__ q, float* __restrict__ scales) {
+  __shared__ float warp_max[32];
+  __shared__ float shared_scale;
+  const long long b = blockIdx.x;
+  const long long row = b / blocks_per_row, first = (b % blocks_per_row) * (long long)block;
+  const long long count = max(0LL, min((long long)block, row_len - first));
+  const T* in = x + row * row_len + first;
+  float m = 0.f;
+  for (long long i = threadIdx.x; i < count; i += blockDim.x) m = fmaxf(m, fabsf(load(in, i)));
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (threadIdx.x == 0) {
+      shared_scale = fmaxf(m, 1e-30f) / 127.f;
+      scales[b] = shared_scale;
+    }
+  }
+  __syncthreads();
+  const float scale = shared_scale;
+  signed char* out = q + b * (long long)block;
+  for (long long i = threadIdx.x; i < block; i += blockDim.x) {
+    const float v = i < count ? rintf(load(in, i) / scale) : 0.f;
+    out[i] = (signed char)fminf(fmaxf(v, -127.f), 127.f);
+  }
+}
+
+// out[r, i] = q[r, i] · scale (r < rows, i < row_len; padding skipped), or,
+// with `sum_rows`, out[i] = Σ_r q[r, i] · scale in fp32, stored once.
+template <typename T>
+__device__ void dequantize_int8(const signed char* __restrict__ q, const float* __restrict__ scales, int block,
+                                int blocks_per_row, long long row_len, int rows, int sum_rows, T* __restrict__ out) {
+  const long long padded_row = (long long)blocks_per_row * block;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long n = sum_rows ? row_len : rows * row_len;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+    if (sum_rows) {
+      float total = 0.f;
+      for (int r = 0; r < rows; ++r) {
+        const long long j = r * padded_row + k;
+        total += (float)q[j] * scales[j / block];
+      }
+      store(out, k, total);
+    } else {
+      const long long j = (k / row_len) * padded_row + k % row_len;
+      store(out, k, (float)q[j] * scales[j / block]);
+    }
+  }
+}
+
+extern "C" __global__ void quantize_int8_f32(const float* x, long long row_len, int block, int blocks_per_row, signed char* q, float* scales) {
+  quantize_int8(x, row_len, block, blocks_per_row, q, scales);
+}
+extern "C" __global__ void quantize_int8_bf16(const bf16* x, long long row_len, int block, int blocks_per_row, signed char* q, float* scales) {
+  quantize_int8(x, row_len, block, blocks_per_row, q, scales);
+}
+extern "C" __global__ void dequantize_int8_f32(const signed char* q, const float* scales, int block, int blocks_per_row, long long row_len, int rows, int sum_rows, float* out) {
+  dequantize_int8(q, scales, block, blocks_per_row, row_len, rows, sum_rows, out);
+}
+extern "C" __global__ void dequantize_int8_bf16(const signed char* q, const float* scales, int block, int blocks_per_row, long long row_len, int rows, int sum_rows, bf16* out) {
+  dequantize_int8(q, scales, block, blocks_per_row, row_len, rows, sum_rows, out);
+}
 "#;
 
 /// The kernels, loaded into one device's (primary) context.
@@ -177,6 +261,9 @@ extern "C" __global__ void adamw_fp32(
 struct Functions {
     xent: sys::CUfunction,
     adamw: sys::CUfunction,
+    /// By element kind: [fp32, bf16].
+    quantize: [sys::CUfunction; 2],
+    dequantize: [sys::CUfunction; 2],
     multiprocessors: u32,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
@@ -219,7 +306,13 @@ fn load(device_index: usize) -> Result<Functions> {
             let name = std::ffi::CString::new(name).expect("no NUL");
             driver::module::get_function(module, name).map_err(|e| error("cuModuleGetFunction", e))
         };
-        Ok(Functions { xent: function(XENT)?, adamw: function(ADAMW)?, multiprocessors })
+        Ok(Functions {
+            xent: function(XENT)?,
+            adamw: function(ADAMW)?,
+            quantize: [function("quantize_int8_f32")?, function("quantize_int8_bf16")?],
+            dequantize: [function("dequantize_int8_f32")?, function("dequantize_int8_bf16")?],
+            multiprocessors,
+        })
     }
 }
 
@@ -350,13 +443,81 @@ pub fn softmax_xent_backward_(logits: &mut Tensor, targets: &Tensor, grad_scale:
     unsafe { launch(functions.xent, index, rows as u32, XENT_THREADS, &mut params) }
 }
 
+/// Which of a kernel pair serves `kind`: fp32 and bf16 values have kernels.
+fn by_kind(kind: Kind) -> Result<usize> {
+    match kind {
+        Kind::Float => Ok(0),
+        Kind::BFloat16 => Ok(1),
+        other => Err(error("unsupported", format!("no int8 kernel for {other:?} values"))),
+    }
+}
+
+/// Blockwise int8 of `x` ([rows · row_len], fp32 or bf16, CUDA, contiguous):
+/// each row in blocks of `block` elements, the last padded with zeros, into
+/// `q` (int8, rows · blocks_per_row · block) and `scales` (fp32, one a block).
+pub fn quantize_int8(x: &Tensor, rows: i64, block: i64, q: &mut Tensor, scales: &mut Tensor) -> Result<()> {
+    let Device::Cuda(index) = x.device() else {
+        return Err(error("unsupported", "values are not on a GPU"));
+    };
+    let row_len = x.numel() as i64 / rows.max(1);
+    let blocks_per_row = (row_len + block - 1) / block;
+    expect(x, "x", x, &[rows * row_len], x.kind())?;
+    expect(q, "q", x, &[rows * blocks_per_row * block], Kind::Int8)?;
+    expect(scales, "scales", x, &[rows * blocks_per_row], Kind::Float)?;
+    let function = functions(index)?.quantize[by_kind(x.kind())?];
+    if rows * blocks_per_row == 0 {
+        return Ok(());
+    }
+    let (mut x_ptr, mut q_ptr, mut scales_ptr) = (x.data_ptr(), q.data_ptr(), scales.data_ptr());
+    let (mut row_len, mut block_, mut blocks_per_row_) = (row_len, block as i32, blocks_per_row as i32);
+    let mut params = [arg(&mut x_ptr), arg(&mut row_len), arg(&mut block_), arg(&mut blocks_per_row_), arg(&mut q_ptr), arg(&mut scales_ptr)];
+    // SAFETY: the arguments match quantize_int8_*'s signature and the
+    // tensors were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(function, index, (rows * blocks_per_row) as u32, QUANTIZE_THREADS, &mut params) }
+}
+
+/// The values of `quantize_int8`'s `q` and `scales` ([rows] rows of
+/// `row_len`, blocks of `block`) into `out` (fp32 or bf16, CUDA,
+/// contiguous): rows · row_len values, or with `sum_rows` their sum over
+/// rows (row_len values, summed in fp32).
+pub fn dequantize_int8(q: &Tensor, scales: &Tensor, rows: i64, row_len: i64, block: i64, sum_rows: bool, out: &mut Tensor) -> Result<()> {
+    let Device::Cuda(index) = q.device() else {
+        return Err(error("unsupported", "values are not on a GPU"));
+    };
+    let blocks_per_row = (row_len + block - 1) / block;
+    expect(q, "q", q, &[rows * blocks_per_row * block], Kind::Int8)?;
+    expect(scales, "scales", q, &[rows * blocks_per_row], Kind::Float)?;
+    let n = if sum_rows { row_len } else { rows * row_len };
+    expect(out, "out", q, &[n], out.kind())?;
+    let functions = functions(index)?;
+    let function = functions.dequantize[by_kind(out.kind())?];
+    if n == 0 {
+        return Ok(());
+    }
+    let grid = (n as u64).div_ceil(DEQUANTIZE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut q_ptr, mut scales_ptr, mut out_ptr) = (q.data_ptr(), scales.data_ptr(), out.data_ptr());
+    let (mut block_, mut blocks_per_row_, mut row_len, mut rows_, mut sum_rows_) = (block as i32, blocks_per_row as i32, row_len, rows as i32, sum_rows as i32);
+    let mut params = [
+        arg(&mut q_ptr),
+        arg(&mut scales_ptr),
+        arg(&mut block_),
+        arg(&mut blocks_per_row_),
+        arg(&mut row_len),
+        arg(&mut rows_),
+        arg(&mut sum_rows_),
+        arg(&mut out_ptr),
+    ];
+    // SAFETY: as in `quantize_int8`.
+    unsafe { launch(function, index, grid, DEQUANTIZE_THREADS, &mut params) }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn kernel_source_compiles_with_nvrtc() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

@@ -20,10 +20,11 @@
 //! whose whole rows of each matrix are compressed). A reduce-scatter is
 //! passed to the built-in collective; a strategy with nothing else is
 //! refused. Its state — each unit's error and Q matrices — is checkpointed
-//! per rank and restored on resume (same world size and options).
+//! per rank and restored on resume with the same options; at another world
+//! size the Q matrices are kept and error feedback restarts.
 
 use anyhow::{bail, Result};
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, UnitInfo, Wire};
+use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, Resharded, UnitInfo, Wire, WorldChange};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::Reduction;
 use rand::{Rng, SeedableRng};
@@ -244,11 +245,13 @@ impl CommHook for PowerSgd {
             }
             (_, false) => None,
         };
-        let x = match (&error, request.input.kind()) {
-            (Some(error), _) => request.input.to_kind(Kind::Float).f_add(error)?,
-            (None, Kind::Float) => request.input.copy(),
-            (None, _) => request.input.to_kind(Kind::Float),
-        };
+        // Both fp32 buffers live in the workspace core allocated and counts (`workspace_bytes`).
+        let scratch = request.workspace.view_dtype(Kind::Float);
+        let (x, sum) = (scratch.narrow(0, 0, len), scratch.narrow(0, len, len));
+        match &error {
+            Some(error) => request.input.f_add_out(&x, error).map(drop)?,
+            None => x.shallow_clone().copy_(&request.input),
+        }
         let layout = state.layout.clone();
         if !options.warm_start || state.q.len() != layout.matrices.len() {
             let step = (!options.warm_start).then_some(request.step);
@@ -292,7 +295,7 @@ impl CommHook for PowerSgd {
             let qs: Vec<Tensor> = matrices.iter().zip(&bases).map(|(m, p)| m.transpose(0, 1).matmul(p).reshape([-1])).collect();
             let mut q_all = Tensor::cat(&qs, 0);
             group.all_reduce(&mut q_all, Reduction::Sum)?.wait()?;
-            let sum = x.zeros_like();
+            let _ = sum.shallow_clone().zero_();
             let mut at = 0;
             for ((m, basis), q_kept) in layout.matrices.iter().zip(&bases).zip(&q_state) {
                 let q = q_all.narrow(0, at, m.cols * m.rank).view([m.cols, m.rank]);
@@ -332,6 +335,16 @@ impl CommHook for PowerSgd {
         Ok(())
     }
 
+    /// At another world size each rank's error (its share of what the sum
+    /// lost, M_i − P̂Qᵀ/N) no longer adds up, but Q, the same on every rank,
+    /// still warm-starts its matrix wherever the layout kept its shape.
+    fn reshard_state(&mut self, _change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+        let q: Vec<(String, Tensor)> = state.into_iter().filter(|(name, _)| !name.ends_with(".error")).collect();
+        let kept = format!("{} Q matrices (warm start; each kept where its shape still fits), error feedback restarts", q.len());
+        self.load_state(q)?;
+        Ok(Resharded::Kept(kept))
+    }
+
     /// The error (the reduced tensor's size, with error feedback) and each matrix's Q, in fp32.
     fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
         if !matches!(wire, Wire::Reduce(ReduceStage::World | ReduceStage::Replica)) {
@@ -339,6 +352,14 @@ impl CommHook for PowerSgd {
         }
         let q: i64 = Layout::new(unit, 0, unit.padded, &self.options).matrices.iter().map(|m| m.cols * m.rank).sum();
         4.0 * (if self.options.error_feedback { elements } else { 0.0 } + q as f64)
+    }
+
+    /// The local gradient plus error and the decompressed sum, in fp32, while a stage it compresses is in flight.
+    fn workspace_bytes(&self, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
+        match wire {
+            Wire::Reduce(ReduceStage::World | ReduceStage::Replica) if !Layout::new(unit, 0, unit.padded, &self.options).matrices.is_empty() => 2 * 4 * elements,
+            _ => 0,
+        }
     }
 
     /// Once compressing: the factors and the plain part, in fp32, for the

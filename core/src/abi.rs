@@ -1,0 +1,403 @@
+//! What crosses between ft and a plug-in, and its version (docs/PLUGINS.md,
+//! "The ABI").
+//!
+//! A plug-in's hooks and strategies are Rust values made by the plug-in's
+//! own copy of ft-core. Handing them over as trait objects would tie the
+//! plug-in to this ft's exact traits: a vtable's layout is the compiler's
+//! business, so adding a method to `CommHook` could move every slot under
+//! an older plug-in. Instead each crosses as a table of entry points
+//! ([`HookTable`], [`StrategyTable`]) laid out in C order and made on the
+//! plug-in's side, whose first field is the table's size as the plug-in
+//! built it. ft calls only the entries a table has and takes the trait's
+//! default for the rest.
+//!
+//! So the version has two parts. [`ABI_MAJOR`] must match: it changes when
+//! an entry or a type passed through one changes shape ([`BOUNDARY`]
+//! fingerprints those types, so a change that forgot the bump is still
+//! refused). [`ABI_MINOR`] only ever appends entries with defaults: a
+//! plug-in built against an older minor loads, and one built against a
+//! newer minor than this ft is refused (its newest methods would be
+//! ignored).
+
+use crate::comm::{ProcessGroup, Work};
+use crate::comm_hook::{guarded, Builtin, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Resharded, UnitInfo, Wire, WorldChange};
+use crate::strategy::{ShardingPolicy, ShardingStrategy};
+use anyhow::Result;
+use serde_json::{Map, Value};
+use std::mem::{align_of, offset_of, size_of};
+use tch::Tensor;
+
+/// Changes when anything passed between ft and a plug-in changes shape
+/// (3: tables of entry points instead of trait objects).
+pub const ABI_MAJOR: u32 = 3;
+/// Counts the defaulted entries appended since the major changed
+/// (1: `CommHook::reshard_state` and `CommHook::workspace_bytes`).
+pub const ABI_MINOR: u32 = 1;
+
+/// A fingerprint of the size and alignment of every type passed through a
+/// table or the registrar: equal majors with different fingerprints mean a
+/// boundary type changed without a major bump.
+pub const BOUNDARY: u64 = {
+    let layouts = [
+        (size_of::<GradReduce>(), align_of::<GradReduce>()),
+        (size_of::<ParamGather>(), align_of::<ParamGather>()),
+        (size_of::<Pending>(), align_of::<Pending>()),
+        (size_of::<CommPlan>(), align_of::<CommPlan>()),
+        (size_of::<UnitInfo>(), align_of::<UnitInfo>()),
+        (size_of::<ParamInfo>(), align_of::<ParamInfo>()),
+        (size_of::<Wire>(), align_of::<Wire>()),
+        (size_of::<ReduceStage>(), align_of::<ReduceStage>()),
+        (size_of::<GatherPhase>(), align_of::<GatherPhase>()),
+        (size_of::<WorldChange>(), align_of::<WorldChange>()),
+        (size_of::<Resharded>(), align_of::<Resharded>()),
+        (size_of::<CommOption>(), align_of::<CommOption>()),
+        (size_of::<ShardingPolicy>(), align_of::<ShardingPolicy>()),
+        (size_of::<ProcessGroup>(), align_of::<ProcessGroup>()),
+        (size_of::<Work>(), align_of::<Work>()),
+        (size_of::<Tensor>(), align_of::<Tensor>()),
+        (size_of::<anyhow::Error>(), align_of::<anyhow::Error>()),
+        (size_of::<Map<String, Value>>(), align_of::<Map<String, Value>>()),
+        (size_of::<CommDeclaration>(), align_of::<CommDeclaration>()),
+        (size_of::<StrategyDeclaration>(), align_of::<StrategyDeclaration>()),
+        (offset_of!(HookTable, reshard_state), 0),
+        (offset_of!(StrategyTable, comm_hook), 0),
+    ];
+    // FNV-1a over the numbers.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < layouts.len() {
+        hash = (hash ^ layouts[i].0 as u64).wrapping_mul(0x0100_0000_01b3);
+        hash = (hash ^ layouts[i].1 as u64).wrapping_mul(0x0100_0000_01b3);
+        i += 1;
+    }
+    hash
+};
+
+type Hook = Box<dyn CommHook>;
+
+/// A communication hook as entry points, made where the hook was made.
+/// Entries are only ever appended (with a minor bump); the first
+/// `size` bytes are what the maker had.
+#[repr(C)]
+pub struct HookTable {
+    size: usize,
+    hook: *mut Hook,
+    drop: unsafe fn(*mut Hook),
+    name: unsafe fn(*const Hook) -> String,
+    tolerance: unsafe fn(*const Hook) -> f64,
+    check: unsafe fn(*const Hook, &CommPlan) -> Result<()>,
+    reduce: unsafe fn(*mut Hook, GradReduce) -> Result<Pending>,
+    gather: unsafe fn(*mut Hook, ParamGather) -> Result<Pending>,
+    after_step: unsafe fn(*mut Hook, usize) -> Result<()>,
+    state: unsafe fn(*const Hook) -> Vec<(String, Tensor)>,
+    load_state: unsafe fn(*mut Hook, Vec<(String, Tensor)>) -> Result<()>,
+    state_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64) -> f64,
+    wire_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64, f64) -> f64,
+    // 3.1
+    reshard_state: unsafe fn(*mut Hook, WorldChange, Vec<(String, Tensor)>) -> Result<Resharded>,
+    workspace_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, i64) -> i64,
+}
+
+// SAFETY (every entry below): `hook` is the pointer `HookTable::new` made
+// from a Box, alive until `drop`; the table's owner (`TableHook`) calls
+// one entry at a time, with `&self`/`&mut self` as the trait would.
+impl HookTable {
+    /// `hook` as a table, its panics turned into errors: the entries run
+    /// in the copy of ft-core that made the table, which is the only one
+    /// that can catch a panic of the plug-in's.
+    pub fn new(hook: Hook) -> HookTable {
+        unsafe fn drop(hook: *mut Hook) {
+            std::mem::drop(unsafe { Box::from_raw(hook) })
+        }
+        unsafe fn name(hook: *const Hook) -> String {
+            unsafe { &*hook }.name().to_string()
+        }
+        unsafe fn tolerance(hook: *const Hook) -> f64 {
+            unsafe { &*hook }.tolerance()
+        }
+        unsafe fn check(hook: *const Hook, plan: &CommPlan) -> Result<()> {
+            guarded("check", || unsafe { &*hook }.check(plan))
+        }
+        unsafe fn reduce(hook: *mut Hook, request: GradReduce) -> Result<Pending> {
+            guarded("the reduction", || unsafe { &mut *hook }.reduce(request)).map(Pending::guarded)
+        }
+        unsafe fn gather(hook: *mut Hook, request: ParamGather) -> Result<Pending> {
+            guarded("the gather", || unsafe { &mut *hook }.gather(request)).map(Pending::guarded)
+        }
+        unsafe fn after_step(hook: *mut Hook, step: usize) -> Result<()> {
+            guarded("after_step", || unsafe { &mut *hook }.after_step(step))
+        }
+        unsafe fn state(hook: *const Hook) -> Vec<(String, Tensor)> {
+            unsafe { &*hook }.state()
+        }
+        unsafe fn load_state(hook: *mut Hook, state: Vec<(String, Tensor)>) -> Result<()> {
+            guarded("load_state", || unsafe { &mut *hook }.load_state(state))
+        }
+        unsafe fn state_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
+            unsafe { &*hook }.state_bytes(unit, wire, elements)
+        }
+        unsafe fn wire_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+            unsafe { &*hook }.wire_bytes(unit, wire, elements, element_bytes)
+        }
+        unsafe fn reshard_state(hook: *mut Hook, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+            guarded("reshard_state", || unsafe { &mut *hook }.reshard_state(change, state))
+        }
+        unsafe fn workspace_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
+            unsafe { &*hook }.workspace_bytes(unit, wire, elements)
+        }
+        HookTable {
+            size: size_of::<HookTable>(),
+            hook: Box::into_raw(Box::new(hook)),
+            drop,
+            name,
+            tolerance,
+            check,
+            reduce,
+            gather,
+            after_step,
+            state,
+            load_state,
+            state_bytes,
+            wire_bytes,
+            reshard_state,
+            workspace_bytes,
+        }
+    }
+
+    /// Whether the maker's table reaches the entry at `offset`.
+    fn has(&self, offset: usize) -> bool {
+        offset < self.size
+    }
+}
+
+/// A hook behind its table: what ft calls. Entries the table lacks (a
+/// plug-in built against an older minor) are the trait's defaults.
+pub struct TableHook {
+    table: HookTable,
+    name: String,
+}
+
+impl TableHook {
+    /// The loader admits only plug-ins of this major, whose tables hold every 3.0 entry.
+    pub fn new(table: HookTable) -> TableHook {
+        // SAFETY: a table of this major has `name`.
+        let name = unsafe { (table.name)(table.hook) };
+        TableHook { table, name }
+    }
+}
+
+impl Drop for HookTable {
+    fn drop(&mut self) {
+        // SAFETY: the table's hook, dropped once, with the table.
+        unsafe { (self.drop)(self.hook) }
+    }
+}
+
+// SAFETY (every call below): entries of major 3.0 are in every table of
+// this major; later ones are checked with `has`.
+impl CommHook for TableHook {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn tolerance(&self) -> f64 {
+        unsafe { (self.table.tolerance)(self.table.hook) }
+    }
+
+    fn check(&self, plan: &CommPlan) -> Result<()> {
+        unsafe { (self.table.check)(self.table.hook, plan) }
+    }
+
+    fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
+        unsafe { (self.table.reduce)(self.table.hook, request) }
+    }
+
+    fn gather(&mut self, request: ParamGather) -> Result<Pending> {
+        unsafe { (self.table.gather)(self.table.hook, request) }
+    }
+
+    fn after_step(&mut self, step: usize) -> Result<()> {
+        unsafe { (self.table.after_step)(self.table.hook, step) }
+    }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        unsafe { (self.table.state)(self.table.hook) }
+    }
+
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        unsafe { (self.table.load_state)(self.table.hook, state) }
+    }
+
+    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
+        unsafe { (self.table.state_bytes)(self.table.hook, unit, wire, elements) }
+    }
+
+    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
+        unsafe { (self.table.wire_bytes)(self.table.hook, unit, wire, elements, element_bytes) }
+    }
+
+    fn reshard_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+        match self.table.has(offset_of!(HookTable, reshard_state)) {
+            true => unsafe { (self.table.reshard_state)(self.table.hook, change, state) },
+            false => Builtin.reshard_state(change, state),
+        }
+    }
+
+    fn workspace_bytes(&self, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
+        match self.table.has(offset_of!(HookTable, workspace_bytes)) {
+            true => unsafe { (self.table.workspace_bytes)(self.table.hook, unit, wire, elements) },
+            false => Builtin.workspace_bytes(unit, wire, elements),
+        }
+    }
+}
+
+type Strategy = Box<dyn ShardingStrategy>;
+
+/// A sharding strategy as entry points, made where the strategy was made.
+#[repr(C)]
+pub struct StrategyTable {
+    size: usize,
+    strategy: *mut Strategy,
+    drop: unsafe fn(*mut Strategy),
+    name: unsafe fn(*const Strategy) -> String,
+    policy: unsafe fn(*const Strategy) -> ShardingPolicy,
+    comm_hook: unsafe fn(*const Strategy) -> Option<HookTable>,
+}
+
+// SAFETY: as `HookTable`'s, for `strategy`.
+impl StrategyTable {
+    pub fn new(strategy: Strategy) -> StrategyTable {
+        unsafe fn drop(strategy: *mut Strategy) {
+            std::mem::drop(unsafe { Box::from_raw(strategy) })
+        }
+        unsafe fn name(strategy: *const Strategy) -> String {
+            unsafe { &*strategy }.name().to_string()
+        }
+        unsafe fn policy(strategy: *const Strategy) -> ShardingPolicy {
+            unsafe { &*strategy }.policy()
+        }
+        unsafe fn comm_hook(strategy: *const Strategy) -> Option<HookTable> {
+            unsafe { &*strategy }.comm_hook().map(HookTable::new)
+        }
+        StrategyTable { size: size_of::<StrategyTable>(), strategy: Box::into_raw(Box::new(strategy)), drop, name, policy, comm_hook }
+    }
+}
+
+/// A strategy behind its table: what ft calls.
+pub struct TableStrategy {
+    table: StrategyTable,
+    name: String,
+}
+
+// SAFETY: the table's strategy is a `ShardingStrategy`, which is Send + Sync.
+unsafe impl Send for TableStrategy {}
+unsafe impl Sync for TableStrategy {}
+
+impl TableStrategy {
+    /// As `TableHook::new`: every table of this major has every entry so far.
+    pub fn new(table: StrategyTable) -> TableStrategy {
+        // SAFETY: a table of this major has `name`.
+        let name = unsafe { (table.name)(table.strategy) };
+        TableStrategy { table, name }
+    }
+}
+
+impl Drop for StrategyTable {
+    fn drop(&mut self) {
+        // SAFETY: the table's strategy, dropped once, with the table.
+        unsafe { (self.drop)(self.strategy) }
+    }
+}
+
+// SAFETY: every entry is of major 3.0, in every table of this major.
+impl ShardingStrategy for TableStrategy {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn policy(&self) -> ShardingPolicy {
+        unsafe { (self.table.policy)(self.table.strategy) }
+    }
+
+    fn comm_hook(&self) -> Option<Hook> {
+        let table = unsafe { (self.table.comm_hook)(self.table.strategy) }?;
+        Some(Box::new(TableHook::new(table)))
+    }
+}
+
+/// Makes a hook's table from checked options (`comm.NAME.*`).
+pub type TableFactory = Box<dyn Fn(&Map<String, Value>) -> Result<HookTable> + Send + Sync>;
+
+/// `create` as a table factory, made where it is called from (the binary,
+/// or a plug-in's own copy of ft-core) so that its panics and those of the
+/// hooks it makes come back as errors.
+pub fn table_factory(create: CommFactory) -> TableFactory {
+    Box::new(move |options| guarded("creating the hook", || create(options)).map(HookTable::new))
+}
+
+/// A communication plug-in as a plug-in hands it to ft's registrar.
+pub struct CommDeclaration {
+    pub name: String,
+    pub summary: String,
+    pub options: Vec<CommOption>,
+    pub create: TableFactory,
+}
+
+/// A strategy as a plug-in hands it to ft's registrar.
+pub struct StrategyDeclaration {
+    pub name: String,
+    pub aliases: Vec<String>,
+    pub summary: String,
+    pub create: Box<dyn Fn() -> StrategyTable + Send + Sync>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm_hook::{Builtin, CommHook};
+
+    /// Overrides the entries of both minors, so a truncated table shows which it reached.
+    struct Marked;
+
+    impl CommHook for Marked {
+        fn name(&self) -> &str {
+            "marked"
+        }
+        fn tolerance(&self) -> f64 {
+            0.25
+        }
+        fn workspace_bytes(&self, _unit: &UnitInfo, _wire: Wire, elements: i64) -> i64 {
+            elements * 3
+        }
+        fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Resharded> {
+            Ok(Resharded::Kept("everything".into()))
+        }
+    }
+
+    fn change() -> WorldChange {
+        WorldChange { saved_world: 2, world: 3, rank: 0, saved_rank: 0 }
+    }
+
+    fn unit() -> UnitInfo {
+        UnitInfo { id: "u0".into(), name: "block 0".into(), params: vec![], numel: 10, padded: 10 }
+    }
+
+    #[test]
+    fn a_table_reaches_every_entry_the_hook_overrides() {
+        let mut hook = TableHook::new(HookTable::new(Box::new(Marked)));
+        assert_eq!((hook.name(), hook.tolerance()), ("marked", 0.25));
+        assert_eq!(hook.workspace_bytes(&unit(), Wire::Gather, 7), 21);
+        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Resharded::Kept(_)));
+    }
+
+    #[test]
+    fn entries_an_older_minor_lacks_are_the_defaults_and_the_rest_still_work() {
+        // A table as a plug-in built against ABI 3.0 makes it: everything up to `reshard_state`.
+        let mut table = HookTable::new(Box::new(Marked));
+        table.size = offset_of!(HookTable, reshard_state);
+        let mut hook = TableHook::new(table);
+        assert_eq!((hook.name(), hook.tolerance()), ("marked", 0.25), "3.0's entries are called");
+        assert_eq!(hook.workspace_bytes(&unit(), Wire::Gather, 7), Builtin.workspace_bytes(&unit(), Wire::Gather, 7));
+        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Resharded::Afresh));
+    }
+}
