@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use figment::value::Value;
-use ft_core::collectives_bench::{self, Collective, CommTestOptions};
+use ft_core::collectives_bench::{self, CommTestOptions};
 use ft_core::device::DType;
 use ft_core::setup::Rank;
 use ft_core::{Backend, Config};
@@ -20,7 +20,7 @@ pub struct CommTestArgs {
     #[arg(long)]
     timeout_secs: Option<u64>,
     /// Collectives to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,broadcast")]
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast")]
     ops: Vec<String>,
     /// Smallest size (bytes; K, M, G suffixes).
     #[arg(long, default_value = "1M")]
@@ -69,7 +69,7 @@ impl CommTestArgs {
 
 pub fn run(args: CommTestArgs) -> Result<i32> {
     let config = Config::load(args.config.path.as_deref(), &args.config_overrides())?;
-    let collectives = args.ops.iter().map(|o| Collective::parse(o)).collect::<Result<Vec<_>>>()?;
+    let collectives = args.ops.iter().map(|o| collectives_bench::parse_collective(o)).collect::<Result<Vec<_>>>()?;
     let sizes = collectives_bench::size_sweep(
         collectives_bench::parse_bytes(&args.min_bytes)?,
         collectives_bench::parse_bytes(&args.max_bytes)?,

@@ -34,7 +34,7 @@ fn rows(json: &Path) -> Vec<Value> {
 
 /// Every (collective, size, dtype) of the sweep appears for each group and is correct.
 fn assert_all_checked(rows: &[Value], groups: &[&str]) {
-    let per_group = 4 * 2 * 2; // collectives × sizes (4K, 16K) × dtypes
+    let per_group = 5 * 2 * 2; // collectives × sizes (4K, 16K) × dtypes
     assert_eq!(rows.len(), per_group * groups.len(), "{rows:#?}");
     for row in rows {
         assert_eq!(row["correct"], Value::Bool(true), "{row}");
@@ -184,8 +184,12 @@ fn bad_input_is_rejected_with_clear_messages() {
     assert!(!output.status.success());
     assert!(text(&output).contains("unknown dtype \"f8\": expected auto, f32 (fp32, float32), bf16 (bfloat16) or f16 (fp16, float16)"), "{}", text(&output));
 
-    let output = ft(&["comm-test", "--ops", "all_to_all"]).output().unwrap();
-    assert!(text(&output).contains("unknown collective \"all_to_all\""), "{}", text(&output));
+    let output = ft(&["comm-test", "--ops", "all_gatter"]).output().unwrap();
+    assert!(
+        text(&output).contains("unknown collective \"all_gatter\": expected one of all_reduce, all_gather, reduce_scatter, all_to_all, broadcast"),
+        "{}",
+        text(&output)
+    );
 
     let output = ft(&["comm-test"]).env("RANK", "3").env("WORLD_SIZE", "2").env("MASTER_PORT", "1").output().unwrap();
     assert!(text(&output).contains("RANK=3 must be below WORLD_SIZE=2"), "{}", text(&output));

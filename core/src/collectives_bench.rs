@@ -4,59 +4,30 @@
 //! definitions so the numbers compare with nccl-tests and with
 //! `bench/peers/comm_bench.py` (PyTorch's own torch.distributed).
 
+pub use crate::comm::Collective;
 use crate::comm::{CommError, Communicator, ProcessGroup, Reduction};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Collective {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
+/// What `ft comm-test` benchmarks.
+pub const BENCHED: [Collective; 5] = [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll, Collective::Broadcast];
+
+/// One of `BENCHED`, by name.
+pub fn parse_collective(text: &str) -> Result<Collective> {
+    BENCHED.into_iter().find(|c| c.name() == text).ok_or_else(|| {
+        let names: Vec<&str> = BENCHED.iter().map(|c| c.name()).collect();
+        anyhow::anyhow!("unknown collective {text:?}: expected one of {}", names.join(", "))
+    })
 }
 
-impl Collective {
-    pub const ALL: [Collective; 4] =
-        [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::AllGather => "all_gather",
-            Collective::ReduceScatter => "reduce_scatter",
-            Collective::Broadcast => "broadcast",
-        }
-    }
-
-    pub fn parse(text: &str) -> Result<Collective> {
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == text)
-            .ok_or_else(|| anyhow::anyhow!("unknown collective {text:?}: expected one of all_reduce, all_gather, reduce_scatter, broadcast"))
-    }
-
-    /// nccl-tests' bus bandwidth factor for `n` ranks: busbw = algbw × factor.
-    /// It makes numbers comparable across world sizes with the hardware's peak.
-    pub fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
-            Collective::Broadcast => 1.0,
-        }
-    }
-
-    /// Reductions whose results are checked (broadcast and all_gather have none).
-    fn checked_reductions(self) -> &'static [Reduction] {
-        match self {
-            Collective::AllReduce => &[Reduction::Sum, Reduction::Avg, Reduction::Max],
-            Collective::ReduceScatter => &[Reduction::Sum, Reduction::Avg],
-            Collective::AllGather | Collective::Broadcast => &[Reduction::Sum],
-        }
+/// Reductions whose results are checked (broadcast and all_gather have none).
+fn checked_reductions(collective: Collective) -> &'static [Reduction] {
+    match collective {
+        Collective::AllReduce => &[Reduction::Sum, Reduction::Avg, Reduction::Max],
+        Collective::ReduceScatter => &[Reduction::Sum, Reduction::Avg],
+        Collective::AllGather | Collective::AllToAll | Collective::Broadcast => &[Reduction::Sum],
     }
 }
 
@@ -192,6 +163,7 @@ fn buffers(op: Collective, bytes: usize, group: &ProcessGroup, kind: Kind, devic
         Collective::ReduceScatter => {
             (Tensor::empty([elements as i64], options), Tensor::empty([(elements / n) as i64], options))
         }
+        Collective::AllToAll => (Tensor::empty([elements as i64], options), Tensor::empty([elements as i64], options)),
     };
     Ok(Buffers { input, output, elements })
 }
@@ -203,6 +175,7 @@ fn run_once(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Re
         Collective::AllReduce => group.all_reduce(&mut b.output, reduction)?,
         Collective::AllGather => group.all_gather_into_tensor(&mut b.output, &b.input)?,
         Collective::ReduceScatter => group.reduce_scatter_tensor(&mut b.output, &b.input, reduction)?,
+        Collective::AllToAll => group.all_to_all(&mut b.output, &b.input)?,
         Collective::Broadcast => group.broadcast(&mut b.output, root)?,
     };
     work.wait()
@@ -231,6 +204,12 @@ fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduc
         (Collective::ReduceScatter, Reduction::Avg) => {
             pattern(output_len, me * output_len, sum_of_scales / n as f64, device)
         }
+        (Collective::AllToAll, _) => {
+            // Chunk j of the output is chunk `me` of rank j's input.
+            let chunk = output_len / n;
+            let chunks: Vec<Tensor> = (0..n).map(|j| pattern(chunk, me * chunk, (j + 1) as f64, device)).collect();
+            Tensor::cat(&chunks, 0)
+        }
         (Collective::Broadcast, _) => pattern(output_len, 0, n as f64, device),
         (op, reduction) => bail!("no expected values for {} with {reduction:?}", op.name()),
     };
@@ -252,7 +231,7 @@ pub fn run(group: &ProcessGroup, device: Device, options: &CommTestOptions) -> R
             let mut b = buffers(op, bytes, group, options.kind, device)?;
             let correct = if options.check {
                 let mut all_correct = true;
-                for &reduction in op.checked_reductions() {
+                for &reduction in checked_reductions(op) {
                     all_correct &= check(op, group, &mut b, reduction, options.kind)?;
                 }
                 Some(all_correct)

@@ -46,39 +46,51 @@ pub struct CommError {
     pub message: String,
 }
 
-/// The collectives whose bytes are counted (`summary.json`'s `comm_bytes_per_step`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CollectiveKind {
+/// The collectives ft issues. Bytes are counted for [`Collective::COUNTED`]
+/// (`summary.json`'s `comm_bytes_per_step`); `ft comm-test` times them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Collective {
     AllReduce,
     AllGather,
     ReduceScatter,
     AllToAll,
+    Broadcast,
 }
 
-impl CollectiveKind {
-    pub const ALL: [CollectiveKind; 4] =
-        [CollectiveKind::AllReduce, CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllToAll];
+impl Collective {
+    /// Those a training step sends, in the byte counters' order.
+    pub const COUNTED: [Collective; 4] = [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll];
 
     pub fn name(self) -> &'static str {
         match self {
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::AllGather => "all_gather",
-            CollectiveKind::ReduceScatter => "reduce_scatter",
-            CollectiveKind::AllToAll => "all_to_all",
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+            Collective::Broadcast => "broadcast",
         }
     }
 
-    /// Bytes one member of a group of `size` sends for a collective over
-    /// `bytes` (the input's, as each kind defines its input) under the ring
-    /// algorithms NCCL's bus bandwidth is defined by: all-reduce 2(p−1)/p,
-    /// all-gather p−1 times its shard, reduce-scatter and all-to-all (p−1)/p.
-    fn sent(self, bytes: u64, size: usize) -> u64 {
-        let p = size.max(1) as u64;
+    /// nccl-tests' bus bandwidth factor for `n` ranks: busbw = algbw × factor,
+    /// where algbw is over the whole buffer (the gathered output of an
+    /// all-gather). It is also the share of that buffer each member sends
+    /// under the ring algorithms, and makes numbers comparable across world
+    /// sizes with the hardware's peak.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
         match self {
-            CollectiveKind::AllReduce => 2 * bytes * (p - 1) / p,
-            CollectiveKind::AllGather => bytes * (p - 1),
-            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => bytes * (p - 1) / p,
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => (n - 1.0) / n,
+            Collective::Broadcast => 1.0,
         }
+    }
+
+    /// Bytes one member of a group of `size` sends for a collective whose
+    /// input is `bytes` (an all-gather's is its shard, 1/`size` of the whole).
+    fn sent(self, bytes: u64, size: usize) -> u64 {
+        let whole = if self == Collective::AllGather { bytes * size as u64 } else { bytes };
+        (whole as f64 * self.bus_factor(size.max(1))).round() as u64
     }
 }
 
@@ -88,12 +100,13 @@ impl CollectiveKind {
 pub struct ByteCounters([AtomicU64; 4]);
 
 impl ByteCounters {
-    fn add(&self, kind: CollectiveKind, tensor: &Tensor, size: usize) {
+    fn add(&self, kind: Collective, tensor: &Tensor, size: usize) {
         let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
-        self.0[kind as usize].fetch_add(kind.sent(bytes, size), Ordering::Relaxed);
+        let counter = Collective::COUNTED.iter().position(|&k| k == kind).expect("a counted collective");
+        self.0[counter].fetch_add(kind.sent(bytes, size), Ordering::Relaxed);
     }
 
-    /// Bytes sent so far, in `CollectiveKind::ALL`'s order.
+    /// Bytes sent so far, in `Collective::COUNTED`'s order.
     pub fn snapshot(&self) -> [u64; 4] {
         [0, 1, 2, 3].map(|i| self.0[i].load(Ordering::Relaxed))
     }
@@ -179,13 +192,13 @@ impl ProcessGroup {
     /// dtype, call number) of the collective it is about to issue — always
     /// the same size, so this exchange itself never mismatches — and a
     /// difference is an error on every member naming both sides.
-    fn verify(&self, kind: CollectiveKind, tensor: &Tensor) -> Result<(), CommError> {
+    fn verify(&self, kind: Collective, tensor: &Tensor) -> Result<(), CommError> {
         let Some(verifier) = &self.verifier else { return Ok(()) };
         let call = verifier.calls.fetch_add(1, Ordering::Relaxed) as i64;
         let dtype = VERIFIED_KINDS.iter().position(|k| *k == tensor.kind()).map_or(99, |i| i as i64);
         let mine = [kind as i64, tensor.numel() as i64, dtype, call];
         let describe = |row: &[i64]| {
-            let kind = CollectiveKind::ALL.get(row[0] as usize).map_or("?", |k| k.name());
+            let kind = Collective::COUNTED.get(row[0] as usize).map_or("?", |k| k.name());
             let dtype = VERIFIED_KINDS.get(row[2] as usize).map_or("another dtype".to_string(), |k| format!("{k:?}"));
             format!("{kind} of {} {dtype} elements (call {})", row[1], row[3])
         };
@@ -219,15 +232,15 @@ impl ProcessGroup {
 
     /// In place: every member ends with the reduction of all members' `tensor`.
     pub fn all_reduce(&self, tensor: &mut Tensor, reduction: Reduction) -> Result<Work, CommError> {
-        self.verify(CollectiveKind::AllReduce, tensor)?;
-        self.sent.add(CollectiveKind::AllReduce, tensor, self.size());
+        self.verify(Collective::AllReduce, tensor)?;
+        self.sent.add(Collective::AllReduce, tensor, self.size());
         self.work("all_reduce", self.inner.all_reduce(tensor, reduction))
     }
 
     /// `output` (size × input's length) receives every member's `input`, in group-rank order.
     pub fn all_gather_into_tensor(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
-        self.verify(CollectiveKind::AllGather, input)?;
-        self.sent.add(CollectiveKind::AllGather, input, self.size());
+        self.verify(Collective::AllGather, input)?;
+        self.sent.add(Collective::AllGather, input, self.size());
         self.work("all_gather", self.inner.all_gather_into_tensor(output, input))
     }
 
@@ -238,8 +251,8 @@ impl ProcessGroup {
         input: &Tensor,
         reduction: Reduction,
     ) -> Result<Work, CommError> {
-        self.verify(CollectiveKind::ReduceScatter, input)?;
-        self.sent.add(CollectiveKind::ReduceScatter, input, self.size());
+        self.verify(Collective::ReduceScatter, input)?;
+        self.sent.add(Collective::ReduceScatter, input, self.size());
         self.work("reduce_scatter", self.inner.reduce_scatter_tensor(output, input, reduction))
     }
 
@@ -247,8 +260,8 @@ impl ProcessGroup {
     /// order: each input and output is `size` equal chunks, chunk i of
     /// member j's input landing as chunk j of member i's output.
     pub fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
-        self.verify(CollectiveKind::AllToAll, input)?;
-        self.sent.add(CollectiveKind::AllToAll, input, self.size());
+        self.verify(Collective::AllToAll, input)?;
+        self.sent.add(Collective::AllToAll, input, self.size());
         self.work("all_to_all", self.inner.all_to_all(output, input))
     }
 
@@ -401,7 +414,7 @@ impl Communicator {
         self.groups.timeout
     }
 
-    /// Bytes this rank has sent per collective kind (`CollectiveKind::ALL`'s order), over every group.
+    /// Bytes this rank has sent per collective kind (`Collective::COUNTED`'s order), over every group.
     pub fn bytes_sent(&self) -> [u64; 4] {
         self.groups.sent.snapshot()
     }

@@ -7,7 +7,7 @@
 //! peak for the compute dtype (`gpu::peak_flops`, or `train.peak_tflops`).
 
 use crate::checkpoint::BestCheckpoint;
-use crate::comm::{CollectiveKind, Communicator};
+use crate::comm::{Collective, Communicator};
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
 use crate::train::{OffloadStats, Trainer};
@@ -34,7 +34,7 @@ pub(crate) struct RunTotals {
     pub memory_samples: usize,
     /// Optimizer steps this process trained.
     pub steps: usize,
-    /// Bytes sent in collectives during training steps, per `CollectiveKind::ALL`.
+    /// Bytes sent in collectives during training steps, per `Collective::COUNTED`.
     pub comm_bytes: [u64; 4],
 }
 
@@ -104,7 +104,7 @@ pub struct Summary {
     pub best_checkpoint: Option<BestCheckpoint>,
     /// Bytes rank 0 sent per optimizer step, by collective kind and in
     /// total, averaged over the steps trained (ring algorithms' counts:
-    /// `CollectiveKind`).
+    /// `Collective`).
     pub comm_bytes_per_step: BTreeMap<String, f64>,
 }
 
@@ -113,7 +113,7 @@ fn comm_bytes_per_step(comm: &Communicator, totals: &RunTotals) -> Result<BTreeM
     let steps = totals.steps.max(1) as f64;
     let mine: Vec<f64> = totals.comm_bytes.iter().map(|b| *b as f64 / steps).collect();
     let rank0 = per_rank(comm, &mine)?.swap_remove(0);
-    let mut bytes: BTreeMap<String, f64> = CollectiveKind::ALL.iter().zip(&rank0).map(|(k, b)| (k.name().to_string(), *b)).collect();
+    let mut bytes: BTreeMap<String, f64> = Collective::COUNTED.iter().zip(&rank0).map(|(k, b)| (k.name().to_string(), *b)).collect();
     bytes.insert("total".into(), rank0.iter().sum());
     Ok(bytes)
 }
