@@ -235,7 +235,13 @@ impl<'a> Checkpointer<'a> {
         let views = trainer.checkpoint_part();
         let units = if background { self.snapshot(views)? } else { views };
         let adamw_step = trainer.adamw_step().to_device(Device::Cpu);
-        let comm_state = trainer.comm_hook().state().into_iter().map(|(name, t)| (name, t.to_kind(Kind::Float).to_device(Device::Cpu))).collect();
+        // Owned host copies: the writer thread reads them while training goes
+        // on (converting a host fp32 tensor would hand it the live one).
+        let owned = |t: Tensor| match (t.device(), t.kind()) {
+            (Device::Cpu, Kind::Float) => t.copy(),
+            _ => t.to_kind(Kind::Float).to_device(Device::Cpu),
+        };
+        let comm_state = trainer.comm_hook().state().into_iter().map(|(name, t)| (name, owned(t))).collect();
         let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state(), comm_state };
         let mut pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
         self.last_saved = Some(next.step);
