@@ -1,5 +1,6 @@
 """The PyTorch anchor for ft's communication hooks: transformers' BLOOM (a
-config.json, random weights) under DistributedDataParallel on one GPU, bf16
+config.json, random weights) under DistributedDataParallel on one GPU (or,
+under torchrun, on each of several), bf16
 autocast, fused AdamW, with no hook, torch's bf16_compress_hook, or its
 powerSGD_hook (rank 4, error feedback, warm start). Prints each one's step
 time and the share it adds to the plain step.
@@ -21,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 def step_ms(config, hook, batch, seq, warmup, steps):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda().train()
-    ddp = DistributedDataParallel(model, device_ids=[0])
+    ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     if hook == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
@@ -64,13 +65,16 @@ def main():
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    # One process, or as many as torchrun starts.
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     config = AutoConfig.from_pretrained(args.config)
     rows = {hook: step_ms(config, hook, args.batch, args.seq, args.warmup, args.steps) for hook in ["none", "bf16", "powersgd"]}
     for hook in ["bf16", "powersgd"]:
-        print(f"torch DDP + {hook} hook: {rows[hook]:.1f} ms/step vs {rows['none']:.1f} without: +{(rows[hook] / rows['none'] - 1) * 100:.1f}%")
-    if args.json:
+        if rank == 0:
+            print(f"torch DDP on {world} GPU(s) + {hook} hook: {rows[hook]:.1f} ms/step vs {rows['none']:.1f} without: +{(rows[hook] / rows['none'] - 1) * 100:.1f}%")
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ pub mod generate;
 pub mod gpu;
 pub mod launch;
 pub mod lora;
+pub mod lowrank;
 pub mod metrics;
 pub mod model;
 pub mod names;

@@ -2,9 +2,10 @@
 //! (`plugins/comm/int8` is its user; the policy — what to quantize, when —
 //! stays there). Values are cut into rows, each row into blocks of `block`
 //! elements (the last padded with zeros), and each block stored as int8
-//! with one fp32 scale, its largest magnitude / 127. On a GPU, with fp32 or
-//! bf16 values, one fused kernel each way (core/sys/src/kernels.rs); else
-//! the ATen ops below, which compute the same bits.
+//! with one fp32 scale, its largest magnitude · (1/127). On a GPU, with fp32
+//! or bf16 values, one fused kernel each way (core/sys/src/kernels.rs); else
+//! the ATen ops below, which compute the same bits (a sum over rows: the
+//! kernel adds rows in order, which ATen's sum of more than two need not).
 
 use anyhow::Result;
 use tch::{Device, Kind, Tensor};
@@ -45,8 +46,10 @@ pub(crate) fn quantize_with(x: &Tensor, rows: i64, block: i64, fused: bool) -> R
         let rows_of = x.to_kind(Kind::Float).view([rows, row_len]);
         let blocks = rows_of.constant_pad_nd([0, padding]).view([-1, block]);
         let (low, high) = blocks.aminmax(Some(1), true);
-        // A floor far below any weight, so a block of zeros never divides by zero.
-        let scale = low.abs().maximum(&high).clamp_min(1e-30) / 127.0;
+        // A floor far below any weight, so a block of zeros never divides by
+        // zero; times the reciprocal (ATen divides by a scalar so on a GPU
+        // but not on a CPU), as the kernel does.
+        let scale = low.abs().maximum(&high).clamp_min(1e-30) * (1.0 / 127.0);
         let mut scaled = blocks.divide(&scale);
         q.copy_(&scaled.round_().clamp_(-127.0, 127.0).to_kind(Kind::Int8).view([-1]));
         scales.copy_(&scale.view([-1]));
@@ -115,7 +118,8 @@ mod tests {
         let quantized = quantize(&x, 2, 4).unwrap();
         assert_eq!((quantized.q.size(), quantized.scales.size()), (vec![16], vec![4]));
         let scales = Vec::<f32>::try_from(&quantized.scales).unwrap();
-        assert_eq!(scales, vec![4.0 / 127.0, 0.5 / 127.0, 40.0 / 127.0, 50.0 / 127.0], "one absmax a block, rows apart");
+        let step = 1.0f32 / 127.0;
+        assert_eq!(scales, vec![4.0 * step, 0.5 * step, 40.0 * step, 50.0 * step], "one absmax a block, rows apart");
         let back = Tensor::empty([10], (Kind::Float, Device::Cpu));
         quantized.dequantize_into(&back).unwrap();
         assert!(back.allclose(&x, 0.02, 0.0, false), "{back:?}");

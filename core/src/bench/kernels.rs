@@ -1,7 +1,8 @@
 //! ft's CUDA kernels beside ATen's ops on the same random inputs (`ft
 //! bench --breakdown`): the LM head's loss and gradients (the model's
-//! vocabulary and width), AdamW (64M parameters) and blockwise int8 (64M
-//! values in the compute dtype, when a kernel serves it), timed and compared.
+//! vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
+//! values in the compute dtype, when a kernel serves it) and the low-rank
+//! products (a 64M-element matrix, rank 4), timed and compared.
 
 use crate::dataset::Batch;
 use crate::train::loss::lm_head_loss_and_grads;
@@ -30,9 +31,17 @@ pub struct KernelCheck {
     pub int8_ft_ms: Option<f64>,
     #[serde(default)]
     pub int8_aten_ms: Option<f64>,
-    /// Int8 values, scales and dequantized values that differ from ATen's (0: the same bits).
+    /// Int8 values, scales, dequantized values and two rows' sums that differ from ATen's (0: the same bits).
     #[serde(default)]
     pub int8_mismatches: Option<i64>,
+    /// X Q, Xᵀ P and P Qᵀ with the residual (`lowrank.rs`) over a 65536 × 1024 fp32 X, rank 4, on a GPU.
+    #[serde(default)]
+    pub lowrank_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub lowrank_aten_ms: Option<f64>,
+    /// The largest of max |ft − ATen| / max |ATen| over P, Q, the expansion and the residual.
+    #[serde(default)]
+    pub lowrank_relative_diff: Option<f64>,
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -99,8 +108,41 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         int8_ft_ms = Some(timed(&mut || round_trip(true).map(drop))?);
         int8_aten_ms = Some(timed(&mut || round_trip(false).map(drop))?);
         let ((ft, ft_back), (aten, aten_back)) = (round_trip(true)?, round_trip(false)?);
+        // qgZ's side: the values as two rows, summed.
+        let row_sum = |fused: bool| -> Result<Tensor> {
+            let sum = Tensor::empty([numel / 2], (Kind::Float, device));
+            crate::quantize::quantize_with(&values, 2, 4096, fused)?.dequantize_with(&sum, true, fused)?;
+            Ok(sum)
+        };
         let differ = |a: &Tensor, b: &Tensor| a.to_kind(Kind::Float).ne_tensor(&b.to_kind(Kind::Float)).sum(Kind::Int64).int64_value(&[]);
-        int8_mismatches = Some(differ(&ft.q, &aten.q) + differ(&ft.scales, &aten.scales) + differ(&ft_back, &aten_back));
+        int8_mismatches = Some(differ(&ft.q, &aten.q) + differ(&ft.scales, &aten.scales) + differ(&ft_back, &aten_back) + differ(&row_sum(true)?, &row_sum(false)?));
+    }
+
+    let (mut lowrank_ft_ms, mut lowrank_aten_ms, mut lowrank_relative_diff) = (None, None, None);
+    if crate::kernels::available(device).is_ok() {
+        let (rows, cols, rank) = (65_536, 1024, 4);
+        let x = Tensor::randn([rows, cols], (Kind::Float, device));
+        let q = Tensor::randn([cols, rank], (Kind::Float, device));
+        // P, Q, the expansion and the residual X − P Qᵀ / 2.
+        let products = |fused: bool| -> Result<[Tensor; 4]> {
+            let (mut x, mut p, mut q_back) = (x.copy(), Tensor::empty([rows, rank], (Kind::Float, device)), q.empty_like());
+            let mut out = x.empty_like();
+            if fused {
+                crate::kernels::lowrank_project(None, &mut x, &q, &mut p)?;
+                crate::kernels::lowrank_project_t(&x, &p, &mut q_back)?;
+                crate::kernels::lowrank_expand(&p, &q_back, &mut out, Some(&mut x), 2.0)?;
+            } else {
+                let _ = x.f_mm_out(&p, &q)?;
+                let _ = x.tr().f_mm_out(&q_back, &p)?;
+                let _ = p.f_mm_out(&out, &q_back.tr())?;
+                let _ = x.f_sub_(&(&out / 2.0))?;
+            }
+            Ok([p, q_back, out, x])
+        };
+        lowrank_ft_ms = Some(timed(&mut || products(true).map(drop))?);
+        lowrank_aten_ms = Some(timed(&mut || products(false).map(drop))?);
+        let (ft, aten) = (products(true)?, products(false)?);
+        lowrank_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
     }
     Ok(KernelCheck {
         head_ft_ms,
@@ -113,6 +155,9 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         int8_ft_ms,
         int8_aten_ms,
         int8_mismatches,
+        lowrank_ft_ms,
+        lowrank_aten_ms,
+        lowrank_relative_diff,
     })
 }
 

@@ -151,6 +151,9 @@ impl Row {
                 ) + &match (k.int8_ft_ms, k.int8_aten_ms, k.int8_mismatches) {
                     (Some(ft), Some(aten), Some(mismatches)) => format!("; int8 round trip over 64M: ft {ft:.2} ms vs ATen {aten:.2} ({mismatches} values differ)"),
                     _ => String::new(),
+                } + &match (k.lowrank_ft_ms, k.lowrank_aten_ms, k.lowrank_relative_diff) {
+                    (Some(ft), Some(aten), Some(diff)) => format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
+                    _ => String::new(),
                 })
             ),
         }

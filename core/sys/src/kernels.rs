@@ -16,6 +16,13 @@
 //!   scale, absmax / 127, per block) for compressed collectives, one pass
 //!   each way; ATen needs about eight (cast, min/max, divide, round, clamp,
 //!   cast; cast, multiply) and a padded copy.
+//! - `lowrank_*`: a matrix times a thin factor (P = X Q, Q = Xᵀ P), the
+//!   expansion P Qᵀ with the residual, and orthonormal bases of many thin
+//!   matrices in one launch, for low-rank compression (PowerSGD).
+//!   cuBLAS tiles such thin products for square ones and leaves most of the
+//!   GPU idle: on an H100, BLOOM-560m's 97 gradient matrices took 4.0 ms for
+//!   X Q, 3.2 for Xᵀ P and 6.7 to expand with the residual, against 0.8 ms
+//!   for one pass over them (bench/gpu/powersgd_phases.py).
 
 use crate::{Result, ShimError};
 use cudarc::driver::{result as driver, sys};
@@ -181,8 +188,8 @@ extern "C" __global__ void adamw_fp32(
 // into `blocks_per_row` blocks of `block` elements, the last padded with
 // zeros. One CUDA block per quantization block: its absmax by a block
 // reduction, then q = rint(x / scale) clamped to ±127 with scale =
-// max(absmax, 1e-30) / 127 — the fp32 ops, in the order, that ft-core's
-// ATen fallback uses, so both give the same bits.
+// max(absmax, 1e-30) · (1/127) — the fp32 ops, in the order, that
+// ft-core's ATen fallback uses, so both give the same bits.
 __device__ __forceinline__ float load(const float* x, long long i) { return x[i]; }
 __device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
 __device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
@@ -195,10 +202,11 @@ __device__ void quantize_int8(const T* __restrict__ x, long long row_len, int bl
   __shared__ float shared_scale;
   const long long b = blockIdx.x;
   const long long row = b / blocks_per_row, first = (b % blocks_per_row) * (long long)block;
-  const long long count = max(0LL, min((long long)block, row_len - first));
+  const int count = (int)max(0LL, min((long long)block, row_len - first));
   const T* in = x + row * row_len + first;
   float m = 0.f;
-  for (long long i = threadIdx.x; i < count; i += blockDim.x) m = fmaxf(m, fabsf(load(in, i)));
+#pragma unroll 4
+  for (int i = threadIdx.x; i < count; i += blockDim.x) m = fmaxf(m, fabsf(load(in, i)));
   for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
@@ -206,39 +214,45 @@ __device__ void quantize_int8(const T* __restrict__ x, long long row_len, int bl
     m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
     for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     if (threadIdx.x == 0) {
-      shared_scale = fmaxf(m, 1e-30f) / 127.f;
+      shared_scale = fmaxf(m, 1e-30f) * (1.f / 127.f);
       scales[b] = shared_scale;
     }
   }
   __syncthreads();
   const float scale = shared_scale;
   signed char* out = q + b * (long long)block;
-  for (long long i = threadIdx.x; i < block; i += blockDim.x) {
+#pragma unroll 4
+  for (int i = threadIdx.x; i < block; i += blockDim.x) {
     const float v = i < count ? rintf(load(in, i) / scale) : 0.f;
     out[i] = (signed char)fminf(fmaxf(v, -127.f), 127.f);
   }
 }
 
-// out[r, i] = q[r, i] · scale (r < rows, i < row_len; padding skipped), or,
-// with `sum_rows`, out[i] = Σ_r q[r, i] · scale in fp32, stored once.
+// One CUDA block per quantization block of row 0 (x) and row (y): out[r, i]
+// = q[r, i] · scale (padding skipped), or, with `sum_rows` (one row of
+// blocks in y), out[i] = Σ_r q[r, i] · scale_r in fp32, in row order.
 template <typename T>
 __device__ void dequantize_int8(const signed char* __restrict__ q, const float* __restrict__ scales, int block,
                                 int blocks_per_row, long long row_len, int rows, int sum_rows, T* __restrict__ out) {
   const long long padded_row = (long long)blocks_per_row * block;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  const long long n = sum_rows ? row_len : rows * row_len;
-  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
-    if (sum_rows) {
+  const long long first = (long long)blockIdx.x * block;
+  const int count = (int)min((long long)block, row_len - first);
+  if (sum_rows) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
       float total = 0.f;
-      for (int r = 0; r < rows; ++r) {
-        const long long j = r * padded_row + k;
-        total += (float)q[j] * scales[j / block];
-      }
-      store(out, k, total);
-    } else {
-      const long long j = (k / row_len) * padded_row + k % row_len;
-      store(out, k, (float)q[j] * scales[j / block]);
+      // Rounded product, then rounded sum (no fused multiply-add), as ATen's multiply and sum.
+      for (int r = 0; r < rows; ++r)
+        total = __fadd_rn(total, __fmul_rn((float)q[r * padded_row + first + i], scales[(long long)r * blocks_per_row + blockIdx.x]));
+      store(out, first + i, total);
     }
+  } else {
+    const long long row = blockIdx.y;
+    const float scale = scales[row * blocks_per_row + blockIdx.x];
+    const signed char* in = q + row * padded_row + first;
+    T* to = out + row * row_len + first;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < count; i += blockDim.x) store(to, i, (float)in[i] * scale);
   }
 }
 
@@ -254,6 +268,202 @@ extern "C" __global__ void dequantize_int8_f32(const signed char* q, const float
 extern "C" __global__ void dequantize_int8_bf16(const signed char* q, const float* scales, int block, int blocks_per_row, long long row_len, int rows, int sum_rows, bf16* out) {
   dequantize_int8(q, scales, block, blocks_per_row, row_len, rows, sum_rows, out);
 }
+
+// Low-rank projections (ft-core's lowrank.rs). X is a row-major rows × cols
+// fp32 matrix, P rows × r and Q cols × r (fp32, row-major, r ≤ LOWRANK_MAX);
+// each sum runs over k or over the matrix in a fixed order, so a kernel gives
+// the same bits every run.
+#define LOWRANK_MAX 8
+
+// partial[c, i, :] = Σ X[i, j] Q[j, :] over the columns j of chunk c
+// (blockIdx.y): a warp per row of a chunk; the chunks' sum is P = X Q (one
+// chunk: P itself). With `g`, X += G first (written back: the error-fed
+// gradient), in the same pass.
+template <typename T>
+__device__ void lowrank_project(const T* __restrict__ g, float* __restrict__ x, long long rows, long long cols,
+                                const float* __restrict__ q, int r, long long chunk, float* __restrict__ partial) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  const long long first = blockIdx.y * chunk, end = min(cols, first + chunk);
+  for (long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps) {
+    float acc[LOWRANK_MAX];
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k) acc[k] = 0.f;
+    float* xr = x + row * cols;
+    const T* gr = g != nullptr ? g + row * cols : nullptr;
+#pragma unroll 8
+    for (long long j = first + lane; j < end; j += 32) {
+      float v = xr[j];
+      if (gr != nullptr) {
+        v = load(gr, j) + v;
+        xr[j] = v;
+      }
+      const float* qj = q + j * r;
+#pragma unroll
+      for (int k = 0; k < LOWRANK_MAX; ++k)
+        if (k < r) acc[k] = fmaf(v, qj[k], acc[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k) {
+      if (k < r) {
+        float s = acc[k];
+        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        if (lane == 0) partial[(blockIdx.y * rows + row) * r + k] = s;
+      }
+    }
+  }
+}
+
+extern "C" __global__ void lowrank_project_f32(const float* g, float* x, long long rows, long long cols, const float* q, int r, long long chunk, float* partial) {
+  lowrank_project(g, x, rows, cols, q, r, chunk, partial);
+}
+extern "C" __global__ void lowrank_project_bf16(const bf16* g, float* x, long long rows, long long cols, const float* q, int r, long long chunk, float* partial) {
+  lowrank_project(g, x, rows, cols, q, r, chunk, partial);
+}
+
+// partial[c, j, :] = Σ X[i, j] P[i, :] over the rows i of chunk c (blockIdx.y):
+// a thread per column, coalesced along the row; the chunks' sum is Xᵀ P.
+extern "C" __global__ void lowrank_project_t(const float* __restrict__ x, long long rows, long long cols,
+                                             const float* __restrict__ p, int r, long long chunk,
+                                             float* __restrict__ partial) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float acc[LOWRANK_MAX];
+#pragma unroll
+  for (int k = 0; k < LOWRANK_MAX; ++k) acc[k] = 0.f;
+  const long long end = min(rows, (blockIdx.y + 1) * chunk);
+#pragma unroll 8
+  for (long long i = blockIdx.y * chunk; i < end; ++i) {
+    const float v = x[i * cols + j];
+    const float* pi = p + i * r;
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k)
+      if (k < r) acc[k] = fmaf(v, pi[k], acc[k]);
+  }
+  float* to = partial + (blockIdx.y * cols + j) * r;
+#pragma unroll
+  for (int k = 0; k < LOWRANK_MAX; ++k)
+    if (k < r) to[k] = acc[k];
+}
+
+// out = P Qᵀ and, with `x`, x -= out / n (the error left after the sum):
+// a thread per column (its row of Q in registers) over rows y, y + gridDim.y, …
+template <typename T>
+__device__ void lowrank_expand(const float* __restrict__ p, const float* __restrict__ q, long long rows, long long cols,
+                               int r, T* __restrict__ out, float* __restrict__ x, float n) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float qj[LOWRANK_MAX];
+#pragma unroll
+  for (int k = 0; k < LOWRANK_MAX; ++k) qj[k] = k < r ? q[j * r + k] : 0.f;
+#pragma unroll 8
+  for (long long i = blockIdx.y; i < rows; i += gridDim.y) {
+    const float* pi = p + i * r;
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k)
+      if (k < r) s = fmaf(pi[k], qj[k], s);
+    const long long at = i * cols + j;
+    store(out, at, s);
+    if (x != nullptr) x[at] = x[at] - s / n;
+  }
+}
+
+// Each thin matrix of a table ([n, 3]: start in `all`, rows, width r ≤
+// LOWRANK_MAX; row-major fp32), in place, by an orthonormal basis of its
+// columns: Cholesky QR in fp64, P L⁻ᵀ with L Lᵀ = PᵀP + εI and ε 1e-12 of
+// the trace (keeping a rank-deficient Gram matrix definite; a column that
+// depends on the others comes out near zero). One CUDA block a matrix: the
+// Gram matrix by a block reduction in a fixed order, L and L⁻ᵀ by thread 0.
+#define GRAM (LOWRANK_MAX * (LOWRANK_MAX + 1) / 2)
+#define ORTHO_WARPS 8
+extern "C" __global__ void __launch_bounds__(256) lowrank_orthonormalize(float* __restrict__ all, const long long* __restrict__ table) {
+  __shared__ double warp_gram[GRAM][ORTHO_WARPS];
+  __shared__ float inverse[LOWRANK_MAX][LOWRANK_MAX];
+  const long long at = table[3 * blockIdx.x], rows = table[3 * blockIdx.x + 1];
+  const int r = (int)table[3 * blockIdx.x + 2];
+  float* p = all + at;
+  double g[GRAM];
+#pragma unroll
+  for (int e = 0; e < GRAM; ++e) g[e] = 0.0;
+  for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
+    double v[LOWRANK_MAX];
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? (double)p[i * r + k] : 0.0;
+    int e = 0;
+#pragma unroll
+    for (int a = 0; a < LOWRANK_MAX; ++a)
+#pragma unroll
+      for (int b = a; b < LOWRANK_MAX; ++b, ++e) g[e] = fma(v[a], v[b], g[e]);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int e = 0; e < GRAM; ++e) {
+    double x = g[e];
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    if (lane == 0) warp_gram[e][warp] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double G[LOWRANK_MAX][LOWRANK_MAX], L[LOWRANK_MAX][LOWRANK_MAX], inv[LOWRANK_MAX][LOWRANK_MAX];
+    int e = 0;
+    for (int a = 0; a < LOWRANK_MAX; ++a)
+      for (int b = a; b < LOWRANK_MAX; ++b, ++e) {
+        double x = 0.0;
+        for (int w = 0; w < ORTHO_WARPS; ++w) x += warp_gram[e][w];
+        G[a][b] = x;
+        G[b][a] = x;
+      }
+    double trace = 0.0;
+    for (int a = 0; a < r; ++a) trace += G[a][a];
+    const double ridge = 1e-12 * trace + 1e-300;
+    for (int j = 0; j < r; ++j) {
+      double d = G[j][j] + ridge;
+      for (int k = 0; k < j; ++k) d -= L[j][k] * L[j][k];
+      L[j][j] = sqrt(fmax(d, 1e-300));
+      for (int i = j + 1; i < r; ++i) {
+        double x = G[i][j];
+        for (int k = 0; k < j; ++k) x -= L[i][k] * L[j][k];
+        L[i][j] = x / L[j][j];
+      }
+    }
+    // inv = L⁻¹ (lower), column by column.
+    for (int j = 0; j < r; ++j) {
+      inv[j][j] = 1.0 / L[j][j];
+      for (int i = j + 1; i < r; ++i) {
+        double x = 0.0;
+        for (int k = j; k < i; ++k) x += L[i][k] * inv[k][j];
+        inv[i][j] = -x / L[i][i];
+      }
+    }
+    // P̂ = P L⁻ᵀ: inverse[k][c] = (L⁻ᵀ)[k][c] = inv[c][k], zero below the diagonal.
+    for (int k = 0; k < LOWRANK_MAX; ++k)
+      for (int c = 0; c < LOWRANK_MAX; ++c) inverse[k][c] = (k < r && c < r && k <= c) ? (float)inv[c][k] : 0.f;
+  }
+  __syncthreads();
+  for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
+    float v[LOWRANK_MAX], out[LOWRANK_MAX];
+#pragma unroll
+    for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? p[i * r + k] : 0.f;
+#pragma unroll
+    for (int c = 0; c < LOWRANK_MAX; ++c) {
+      float x = 0.f;
+#pragma unroll
+      for (int k = 0; k <= c; ++k) x = fmaf(v[k], inverse[k][c], x);
+      out[c] = x;
+    }
+#pragma unroll
+    for (int c = 0; c < LOWRANK_MAX; ++c)
+      if (c < r) p[i * r + c] = out[c];
+  }
+}
+
+extern "C" __global__ void lowrank_expand_f32(const float* p, const float* q, long long rows, long long cols, int r, float* out, float* x, float n) {
+  lowrank_expand(p, q, rows, cols, r, out, x, n);
+}
+extern "C" __global__ void lowrank_expand_bf16(const float* p, const float* q, long long rows, long long cols, int r, bf16* out, float* x, float n) {
+  lowrank_expand(p, q, rows, cols, r, out, x, n);
+}
 "#;
 
 /// The kernels, loaded into one device's (primary) context.
@@ -264,6 +474,12 @@ struct Functions {
     /// By element kind: [fp32, bf16].
     quantize: [sys::CUfunction; 2],
     dequantize: [sys::CUfunction; 2],
+    /// By the gradient's kind: [fp32, bf16].
+    lowrank_project: [sys::CUfunction; 2],
+    lowrank_project_t: sys::CUfunction,
+    lowrank_orthonormalize: sys::CUfunction,
+    /// By the output's kind: [fp32, bf16].
+    lowrank_expand: [sys::CUfunction; 2],
     multiprocessors: u32,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
@@ -311,6 +527,10 @@ fn load(device_index: usize) -> Result<Functions> {
             adamw: function(ADAMW)?,
             quantize: [function("quantize_int8_f32")?, function("quantize_int8_bf16")?],
             dequantize: [function("dequantize_int8_f32")?, function("dequantize_int8_bf16")?],
+            lowrank_project: [function("lowrank_project_f32")?, function("lowrank_project_bf16")?],
+            lowrank_project_t: function("lowrank_project_t")?,
+            lowrank_orthonormalize: function("lowrank_orthonormalize")?,
+            lowrank_expand: [function("lowrank_expand_f32")?, function("lowrank_expand_bf16")?],
             multiprocessors,
         })
     }
@@ -337,9 +557,25 @@ pub fn available(device: Device) -> Result<()> {
 /// # Safety
 /// `params` must point at the kernel's arguments, in order and of its types,
 /// and every pointer among them at live device memory the kernel may access.
-unsafe fn launch(function: sys::CUfunction, device_index: usize, grid: u32, threads: u32, params: &mut [*mut c_void]) -> Result<()> {
+unsafe fn launch(function: sys::CUfunction, device_index: usize, grid: impl Into<Grid>, threads: u32, params: &mut [*mut c_void]) -> Result<()> {
     let stream = crate::cuda_current_stream(device_index)? as sys::CUstream;
-    driver::launch_kernel(function, (grid, 1, 1), (threads, 1, 1), 0, stream, params).map_err(|e| error("launch", e))
+    let Grid(x, y) = grid.into();
+    driver::launch_kernel(function, (x, y, 1), (threads, 1, 1), 0, stream, params).map_err(|e| error("launch", e))
+}
+
+/// A launch's blocks: x, or x by y.
+struct Grid(u32, u32);
+
+impl From<u32> for Grid {
+    fn from(x: u32) -> Grid {
+        Grid(x, 1)
+    }
+}
+
+impl From<(u32, u32)> for Grid {
+    fn from((x, y): (u32, u32)) -> Grid {
+        Grid(x, y)
+    }
 }
 
 fn arg<T>(value: &mut T) -> *mut c_void {
@@ -348,9 +584,10 @@ fn arg<T>(value: &mut T) -> *mut c_void {
 
 fn expect(tensor: &Tensor, name: &str, like: &Tensor, size: &[i64], kind: Kind) -> Result<()> {
     if tensor.size() != size || tensor.kind() != kind || tensor.device() != like.device() || !tensor.is_contiguous() {
+        let layout = if tensor.is_contiguous() { "" } else { ", not contiguous" };
         return Err(error(
             name,
-            format!("expected contiguous {kind:?} {size:?} on {:?}, got {:?} {:?} on {:?}", like.device(), tensor.kind(), tensor.size(), tensor.device()),
+            format!("expected contiguous {kind:?} {size:?} on {:?}, got {:?} {:?} on {:?}{layout}", like.device(), tensor.kind(), tensor.size(), tensor.device()),
         ));
     }
     Ok(())
@@ -448,7 +685,7 @@ fn by_kind(kind: Kind) -> Result<usize> {
     match kind {
         Kind::Float => Ok(0),
         Kind::BFloat16 => Ok(1),
-        other => Err(error("unsupported", format!("no int8 kernel for {other:?} values"))),
+        other => Err(error("unsupported", format!("no kernel for {other:?} values"))),
     }
 }
 
@@ -489,12 +726,13 @@ pub fn dequantize_int8(q: &Tensor, scales: &Tensor, rows: i64, row_len: i64, blo
     expect(scales, "scales", q, &[rows * blocks_per_row], Kind::Float)?;
     let n = if sum_rows { row_len } else { rows * row_len };
     expect(out, "out", q, &[n], out.kind())?;
-    let functions = functions(index)?;
-    let function = functions.dequantize[by_kind(out.kind())?];
+    let function = functions(index)?.dequantize[by_kind(out.kind())?];
     if n == 0 {
         return Ok(());
     }
-    let grid = (n as u64).div_ceil(DEQUANTIZE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    // One CUDA block per quantization block of a row, and one row of them per row (or one in all, summing).
+    let grid_rows = if sum_rows { 1 } else { u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| error("q", format!("{rows} rows: at most 65535")))? };
+    let grid = (u32::try_from(blocks_per_row).map_err(|_| error("q", "too many blocks a row"))?, grid_rows);
     let (mut q_ptr, mut scales_ptr, mut out_ptr) = (q.data_ptr(), scales.data_ptr(), out.data_ptr());
     let (mut block_, mut blocks_per_row_, mut row_len, mut rows_, mut sum_rows_) = (block as i32, blocks_per_row as i32, row_len, rows as i32, sum_rows as i32);
     let mut params = [
@@ -511,13 +749,161 @@ pub fn dequantize_int8(q: &Tensor, scales: &Tensor, rows: i64, row_len: i64, blo
     unsafe { launch(function, index, grid, DEQUANTIZE_THREADS, &mut params) }
 }
 
+/// The widest factors the low-rank kernels take.
+pub const LOWRANK_MAX: i64 = 8;
+const LOWRANK_THREADS: u32 = 256;
+
+fn gpu_index(tensor: &Tensor, what: &str) -> Result<usize> {
+    match tensor.device() {
+        Device::Cuda(index) => Ok(index),
+        _ => Err(error("unsupported", format!("{what} is not on a GPU"))),
+    }
+}
+
+/// The width r of a factor [n, r], which the kernels take from 1 to LOWRANK_MAX.
+fn lowrank_width(factor: &Tensor, name: &str) -> Result<i64> {
+    let r = factor.size2().map_err(|e| error(name, e))?.1;
+    if !(1..=LOWRANK_MAX).contains(&r) {
+        return Err(error(name, format!("width {r}: the kernels take 1 to {LOWRANK_MAX}")));
+    }
+    Ok(r)
+}
+
+/// P = X Q: `x` [rows, cols], `q` [cols, r], `p` [rows, r] (fp32, CUDA,
+/// contiguous, r ≤ LOWRANK_MAX). With `add` (the shape of `x`, fp32 or
+/// bf16), X += add first, written back, in the same pass. A matrix of few
+/// rows is cut into chunks of columns summed apart, then added in chunk
+/// order, so the result has the same bits every run.
+pub fn lowrank_project(add: Option<&Tensor>, x: &mut Tensor, q: &Tensor, p: &mut Tensor) -> Result<()> {
+    let index = gpu_index(x, "x")?;
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    let r = lowrank_width(q, "q")?;
+    expect(x, "x", x, &[rows, cols], Kind::Float)?;
+    expect(q, "q", x, &[cols, r], Kind::Float)?;
+    expect(p, "p", x, &[rows, r], Kind::Float)?;
+    if let Some(add) = add {
+        expect(add, "add", x, &[rows, cols], add.kind())?;
+    }
+    let functions = functions(index)?;
+    let function = functions.lowrank_project[by_kind(add.map_or(Kind::Float, Tensor::kind))?];
+    if rows * cols == 0 {
+        let _ = p.zero_();
+        return Ok(());
+    }
+    // A warp a row of a chunk: enough chunks (of at least 256 columns) for
+    // 32 warps a multiprocessor, then as many blocks of 8 warps as that takes.
+    let warps_per_block = (LOWRANK_THREADS / 32) as u64;
+    let warps_wanted = functions.multiprocessors as u64 * 32;
+    let chunks = warps_wanted.div_ceil(rows as u64).min((cols as u64).div_ceil(256)).clamp(1, 65_535);
+    let chunk = (cols as u64).div_ceil(chunks);
+    let chunks = (cols as u64).div_ceil(chunk);
+    let row_blocks = (rows as u64).div_ceil(warps_per_block).min(functions.multiprocessors as u64 * 16) as u32;
+    let partial = match chunks {
+        1 => p.shallow_clone(),
+        _ => Tensor::empty([chunks as i64, rows, r], (Kind::Float, x.device())),
+    };
+    let (mut add_ptr, mut x_ptr, mut q_ptr, mut partial_ptr) = (add.map_or(std::ptr::null_mut(), Tensor::data_ptr), x.data_ptr(), q.data_ptr(), partial.data_ptr());
+    let (mut rows, mut cols, mut r, mut chunk) = (rows, cols, r as i32, chunk as i64);
+    let mut params = [arg(&mut add_ptr), arg(&mut x_ptr), arg(&mut rows), arg(&mut cols), arg(&mut q_ptr), arg(&mut r), arg(&mut chunk), arg(&mut partial_ptr)];
+    // SAFETY: the arguments match lowrank_project_*'s signature and the
+    // tensors were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(function, index, (row_blocks, chunks as u32), LOWRANK_THREADS, &mut params)? };
+    if chunks > 1 {
+        let _sum = partial.f_sum_intlist_out(p, [0i64].as_slice(), false, Kind::Float).map_err(|e| error("sum", e))?;
+    }
+    Ok(())
+}
+
+/// Q = Xᵀ P into `q`: `x` [rows, cols], `p` [rows, r], `q` [cols, r] (fp32,
+/// CUDA, contiguous, r ≤ LOWRANK_MAX). Chunks of rows are summed apart,
+/// then added in chunk order, so the result has the same bits every run.
+pub fn lowrank_project_t(x: &Tensor, p: &Tensor, q: &mut Tensor) -> Result<()> {
+    let index = gpu_index(x, "x")?;
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    let r = lowrank_width(p, "p")?;
+    expect(x, "x", x, &[rows, cols], Kind::Float)?;
+    expect(p, "p", x, &[rows, r], Kind::Float)?;
+    expect(q, "q", x, &[cols, r], Kind::Float)?;
+    let functions = functions(index)?;
+    if rows * cols == 0 {
+        let _ = q.zero_();
+        return Ok(());
+    }
+    // A thread a column; enough chunks of rows (at least 32 each) to give every multiprocessor four blocks.
+    let column_blocks = (cols as u64).div_ceil(LOWRANK_THREADS as u64);
+    let chunks = (functions.multiprocessors as u64 * 4).div_ceil(column_blocks).min((rows as u64).div_ceil(32)).clamp(1, 65_535);
+    let chunk = (rows as u64).div_ceil(chunks);
+    let chunks = (rows as u64).div_ceil(chunk);
+    let partial = Tensor::empty([chunks as i64, cols, r], (Kind::Float, x.device()));
+    let grid = (u32::try_from(column_blocks).map_err(|_| error("x", "too many columns"))?, chunks as u32);
+    let (mut x_ptr, mut p_ptr, mut partial_ptr) = (x.data_ptr(), p.data_ptr(), partial.data_ptr());
+    let (mut rows, mut cols, mut r, mut chunk) = (rows, cols, r as i32, chunk as i64);
+    let mut params = [arg(&mut x_ptr), arg(&mut rows), arg(&mut cols), arg(&mut p_ptr), arg(&mut r), arg(&mut chunk), arg(&mut partial_ptr)];
+    // SAFETY: as in `lowrank_project`; `partial` was made above.
+    unsafe { launch(functions.lowrank_project_t, index, grid, LOWRANK_THREADS, &mut params)? };
+    let _sum = partial.f_sum_intlist_out(q, [0i64].as_slice(), false, Kind::Float).map_err(|e| error("sum", e))?;
+    Ok(())
+}
+
+/// Each thin matrix that `table` lists (int64 [n, 3] on `all`'s device:
+/// its first element in `all`, rows, width ≤ LOWRANK_MAX; row-major) made,
+/// in place, an orthonormal basis of its columns (Cholesky QR in fp64; see
+/// the kernel). The caller vouches that every matrix lies inside `all`.
+pub fn lowrank_orthonormalize(all: &mut Tensor, table: &Tensor) -> Result<()> {
+    let index = gpu_index(all, "all")?;
+    let n = table.size2().map_err(|e| error("table", e))?.0;
+    expect(all, "all", all, &[all.numel() as i64], Kind::Float)?;
+    expect(table, "table", all, &[n, 3], Kind::Int64)?;
+    let functions = functions(index)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (mut all_ptr, mut table_ptr) = (all.data_ptr(), table.data_ptr());
+    let mut params = [arg(&mut all_ptr), arg(&mut table_ptr)];
+    let grid = u32::try_from(n).map_err(|_| error("table", "too many matrices"))?;
+    // SAFETY: the arguments match lowrank_orthonormalize's signature and
+    // were checked above, the table's contents by the caller.
+    unsafe { launch(functions.lowrank_orthonormalize, index, grid, LOWRANK_THREADS, &mut params) }
+}
+
+/// `out` = P Qᵀ (`out` [rows, cols], fp32 or bf16; `p` [rows, r] and `q`
+/// [cols, r], fp32; CUDA, contiguous, r ≤ LOWRANK_MAX), and with `residual`
+/// (fp32, the shape of `out`, another buffer) residual −= (P Qᵀ) / n, in the
+/// same pass.
+pub fn lowrank_expand(p: &Tensor, q: &Tensor, out: &mut Tensor, residual: Option<&mut Tensor>, n: f32) -> Result<()> {
+    let index = gpu_index(out, "out")?;
+    let (rows, cols) = out.size2().map_err(|e| error("out", e))?;
+    let r = lowrank_width(p, "p")?;
+    expect(out, "out", out, &[rows, cols], out.kind())?;
+    expect(p, "p", out, &[rows, r], Kind::Float)?;
+    expect(q, "q", out, &[cols, r], Kind::Float)?;
+    if let Some(residual) = &residual {
+        expect(residual, "residual", out, &[rows, cols], Kind::Float)?;
+    }
+    let functions = functions(index)?;
+    let function = functions.lowrank_expand[by_kind(out.kind())?];
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    // A thread a column, its blocks down the rows: eight blocks a multiprocessor.
+    let column_blocks = (cols as u64).div_ceil(LOWRANK_THREADS as u64);
+    let row_blocks = (functions.multiprocessors as u64 * 8).div_ceil(column_blocks).min(rows as u64).min(65_535) as u32;
+    let grid = (u32::try_from(column_blocks).map_err(|_| error("out", "too many columns"))?, row_blocks);
+    let (mut p_ptr, mut q_ptr, mut out_ptr) = (p.data_ptr(), q.data_ptr(), out.data_ptr());
+    let mut residual_ptr = residual.map_or(std::ptr::null_mut(), |t| t.data_ptr());
+    let (mut rows, mut cols, mut r, mut n) = (rows, cols, r as i32, n);
+    let mut params = [arg(&mut p_ptr), arg(&mut q_ptr), arg(&mut rows), arg(&mut cols), arg(&mut r), arg(&mut out_ptr), arg(&mut residual_ptr), arg(&mut n)];
+    // SAFETY: as in `lowrank_project`.
+    unsafe { launch(function, index, grid, LOWRANK_THREADS, &mut params) }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn kernel_source_compiles_with_nvrtc() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }
