@@ -81,11 +81,13 @@ impl Factors {
 }
 
 /// Each of `factors` in `all` replaced by an orthonormal basis of its
-/// columns: Cholesky QR in fp64, P L⁻ᵀ with L Lᵀ = PᵀP + εI, ε 1e-12 of the
-/// trace. fp64 keeps the squared condition number in range, and the ridge
-/// keeps a rank-deficient P's Gram matrix definite: P (PᵀP + εI)⁻¹ Pᵀ
-/// projects onto P's columns but for directions under 1e-6 of its largest,
-/// and a column that depends on the others comes out near zero.
+/// columns. On a GPU, every factor in one launch: CholeskyQR2 in fp64
+/// (twice P ← P L⁻ᵀ with L Lᵀ = PᵀP + εI, ε 1e-15 of the trace: fp64 keeps
+/// the squared condition number in range, the ridge keeps a rank-deficient
+/// Gram matrix definite, and the second pass restores the directions the
+/// first attenuated). Elsewhere, or for wider factors, Householder QR
+/// (ATen's), a call a factor. Either way the columns span P's, and a
+/// rank-deficient P's extra columns are orthonormal too.
 pub fn orthonormalize(all: &Tensor, factors: &Factors) -> Result<()> {
     let end = factors.parts.iter().map(|&[at, rows, width]| at + rows * width).max().unwrap_or(0);
     ensure!(end <= all.numel() as i64, "factors reach element {end} of a buffer of {}", all.numel());
@@ -94,11 +96,8 @@ pub fn orthonormalize(all: &Tensor, factors: &Factors) -> Result<()> {
     }
     for &[at, rows, width] in &factors.parts {
         let mut p = all.narrow(0, at, rows * width).view([rows, width]);
-        let p64 = p.f_to_kind(Kind::Double)?;
-        let gram = p64.tr().f_mm(&p64)?;
-        let ridge = gram.trace() * 1e-12 + 1e-300;
-        let (lower, _info) = (&gram + Tensor::eye(width, (Kind::Double, all.device())) * ridge).f_linalg_cholesky_ex(false, false)?;
-        p.f_copy_(&lower.tr().f_linalg_solve_triangular(&p64, true, false, false)?)?;
+        let (basis, _) = Tensor::f_linalg_qr(&p, "reduced")?;
+        p.f_copy_(&basis)?;
     }
     Ok(())
 }

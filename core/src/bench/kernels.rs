@@ -39,7 +39,9 @@ pub struct KernelCheck {
     pub lowrank_ft_ms: Option<f64>,
     #[serde(default)]
     pub lowrank_aten_ms: Option<f64>,
-    /// The largest of max |ft − ATen| / max |ATen| over P, Q, the expansion and the residual.
+    /// The largest of max |ft − ATen| / max |ATen| over P, Q, the expansion
+    /// and the residual, and over the projector P̂P̂ᵀ onto P's columns
+    /// orthonormalised by ft's kernel against Householder QR's.
     #[serde(default)]
     pub lowrank_relative_diff: Option<f64>,
 }
@@ -142,7 +144,15 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         lowrank_ft_ms = Some(timed(&mut || products(true).map(drop))?);
         lowrank_aten_ms = Some(timed(&mut || products(false).map(drop))?);
         let (ft, aten) = (products(true)?, products(false)?);
-        lowrank_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
+        // P's columns made orthonormal: the same projector either way.
+        let p = &aten[0];
+        let ours = p.copy().reshape([-1]);
+        crate::lowrank::orthonormalize(&ours, &crate::lowrank::Factors::new(vec![[0, rows, rank]], device))?;
+        let ours = ours.view([rows, rank]);
+        let (householder, _) = Tensor::linalg_qr(p, "reduced");
+        let projector = |basis: &Tensor| basis.mm(&basis.tr().mm(&x.narrow(1, 0, rank)));
+        let projected = relative(&projector(&ours), &projector(&householder), &projector(&householder));
+        lowrank_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(projected, f64::max));
     }
     Ok(KernelCheck {
         head_ft_ms,

@@ -371,10 +371,11 @@ __device__ void lowrank_expand(const float* __restrict__ p, const float* __restr
 
 // Each thin matrix of a table ([n, 3]: start in `all`, rows, width r ≤
 // LOWRANK_MAX; row-major fp32), in place, by an orthonormal basis of its
-// columns: Cholesky QR in fp64, P L⁻ᵀ with L Lᵀ = PᵀP + εI and ε 1e-12 of
-// the trace (keeping a rank-deficient Gram matrix definite; a column that
-// depends on the others comes out near zero). One CUDA block a matrix: the
-// Gram matrix by a block reduction in a fixed order, L and L⁻ᵀ by thread 0.
+// columns: CholeskyQR2 in fp64 — twice P ← P L⁻ᵀ with L Lᵀ = PᵀP + εI, ε
+// 1e-15 of the trace (a ridge that keeps a rank-deficient Gram matrix
+// definite). The first pass leaves directions weaker than ε attenuated, the
+// second restores them. One CUDA block a matrix: the Gram matrix by a block
+// reduction in a fixed order, L and L⁻ᵀ by thread 0.
 #define GRAM (LOWRANK_MAX * (LOWRANK_MAX + 1) / 2)
 #define ORTHO_WARPS 8
 extern "C" __global__ void __launch_bounds__(256) lowrank_orthonormalize(float* __restrict__ all, const long long* __restrict__ table) {
@@ -383,78 +384,82 @@ extern "C" __global__ void __launch_bounds__(256) lowrank_orthonormalize(float* 
   const long long at = table[3 * blockIdx.x], rows = table[3 * blockIdx.x + 1];
   const int r = (int)table[3 * blockIdx.x + 2];
   float* p = all + at;
-  double g[GRAM];
-#pragma unroll
-  for (int e = 0; e < GRAM; ++e) g[e] = 0.0;
-  for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
-    double v[LOWRANK_MAX];
-#pragma unroll
-    for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? (double)p[i * r + k] : 0.0;
-    int e = 0;
-#pragma unroll
-    for (int a = 0; a < LOWRANK_MAX; ++a)
-#pragma unroll
-      for (int b = a; b < LOWRANK_MAX; ++b, ++e) g[e] = fma(v[a], v[b], g[e]);
-  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int pass = 0; pass < 2; ++pass) {
+    double g[GRAM];
 #pragma unroll
-  for (int e = 0; e < GRAM; ++e) {
-    double x = g[e];
-    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    if (lane == 0) warp_gram[e][warp] = x;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double G[LOWRANK_MAX][LOWRANK_MAX], L[LOWRANK_MAX][LOWRANK_MAX], inv[LOWRANK_MAX][LOWRANK_MAX];
-    int e = 0;
-    for (int a = 0; a < LOWRANK_MAX; ++a)
-      for (int b = a; b < LOWRANK_MAX; ++b, ++e) {
-        double x = 0.0;
-        for (int w = 0; w < ORTHO_WARPS; ++w) x += warp_gram[e][w];
-        G[a][b] = x;
-        G[b][a] = x;
-      }
-    double trace = 0.0;
-    for (int a = 0; a < r; ++a) trace += G[a][a];
-    const double ridge = 1e-12 * trace + 1e-300;
-    for (int j = 0; j < r; ++j) {
-      double d = G[j][j] + ridge;
-      for (int k = 0; k < j; ++k) d -= L[j][k] * L[j][k];
-      L[j][j] = sqrt(fmax(d, 1e-300));
-      for (int i = j + 1; i < r; ++i) {
-        double x = G[i][j];
-        for (int k = 0; k < j; ++k) x -= L[i][k] * L[j][k];
-        L[i][j] = x / L[j][j];
-      }
-    }
-    // inv = L⁻¹ (lower), column by column.
-    for (int j = 0; j < r; ++j) {
-      inv[j][j] = 1.0 / L[j][j];
-      for (int i = j + 1; i < r; ++i) {
-        double x = 0.0;
-        for (int k = j; k < i; ++k) x += L[i][k] * inv[k][j];
-        inv[i][j] = -x / L[i][i];
-      }
-    }
-    // P̂ = P L⁻ᵀ: inverse[k][c] = (L⁻ᵀ)[k][c] = inv[c][k], zero below the diagonal.
-    for (int k = 0; k < LOWRANK_MAX; ++k)
-      for (int c = 0; c < LOWRANK_MAX; ++c) inverse[k][c] = (k < r && c < r && k <= c) ? (float)inv[c][k] : 0.f;
-  }
-  __syncthreads();
-  for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
-    float v[LOWRANK_MAX], out[LOWRANK_MAX];
+    for (int e = 0; e < GRAM; ++e) g[e] = 0.0;
+    for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
+      double v[LOWRANK_MAX];
 #pragma unroll
-    for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? p[i * r + k] : 0.f;
+      for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? (double)p[i * r + k] : 0.0;
+      int e = 0;
 #pragma unroll
-    for (int c = 0; c < LOWRANK_MAX; ++c) {
-      float x = 0.f;
+      for (int a = 0; a < LOWRANK_MAX; ++a)
 #pragma unroll
-      for (int k = 0; k <= c; ++k) x = fmaf(v[k], inverse[k][c], x);
-      out[c] = x;
+        for (int b = a; b < LOWRANK_MAX; ++b, ++e) g[e] = fma(v[a], v[b], g[e]);
     }
 #pragma unroll
-    for (int c = 0; c < LOWRANK_MAX; ++c)
-      if (c < r) p[i * r + c] = out[c];
+    for (int e = 0; e < GRAM; ++e) {
+      double x = g[e];
+      for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+      if (lane == 0) warp_gram[e][warp] = x;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double G[LOWRANK_MAX][LOWRANK_MAX], L[LOWRANK_MAX][LOWRANK_MAX], inv[LOWRANK_MAX][LOWRANK_MAX];
+      int e = 0;
+      for (int a = 0; a < LOWRANK_MAX; ++a)
+        for (int b = a; b < LOWRANK_MAX; ++b, ++e) {
+          double x = 0.0;
+          for (int w = 0; w < ORTHO_WARPS; ++w) x += warp_gram[e][w];
+          G[a][b] = x;
+          G[b][a] = x;
+        }
+      double trace = 0.0;
+      for (int a = 0; a < r; ++a) trace += G[a][a];
+      const double ridge = 1e-15 * trace + 1e-300;
+      for (int j = 0; j < r; ++j) {
+        double d = G[j][j] + ridge;
+        for (int k = 0; k < j; ++k) d -= L[j][k] * L[j][k];
+        L[j][j] = sqrt(fmax(d, 1e-300));
+        for (int i = j + 1; i < r; ++i) {
+          double x = G[i][j];
+          for (int k = 0; k < j; ++k) x -= L[i][k] * L[j][k];
+          L[i][j] = x / L[j][j];
+        }
+      }
+      // inv = L⁻¹ (lower), column by column.
+      for (int j = 0; j < r; ++j) {
+        inv[j][j] = 1.0 / L[j][j];
+        for (int i = j + 1; i < r; ++i) {
+          double x = 0.0;
+          for (int k = j; k < i; ++k) x += L[i][k] * inv[k][j];
+          inv[i][j] = -x / L[i][i];
+        }
+      }
+      // P L⁻ᵀ: inverse[k][c] = (L⁻ᵀ)[k][c] = inv[c][k], zero below the diagonal.
+      for (int k = 0; k < LOWRANK_MAX; ++k)
+        for (int c = 0; c < LOWRANK_MAX; ++c) inverse[k][c] = (k < r && c < r && k <= c) ? (float)inv[c][k] : 0.f;
+    }
+    __syncthreads();
+    for (long long i = threadIdx.x; i < rows; i += blockDim.x) {
+      float v[LOWRANK_MAX], out[LOWRANK_MAX];
+#pragma unroll
+      for (int k = 0; k < LOWRANK_MAX; ++k) v[k] = k < r ? p[i * r + k] : 0.f;
+#pragma unroll
+      for (int c = 0; c < LOWRANK_MAX; ++c) {
+        float x = 0.f;
+#pragma unroll
+        for (int k = 0; k <= c; ++k) x = fmaf(v[k], inverse[k][c], x);
+        out[c] = x;
+      }
+#pragma unroll
+      for (int c = 0; c < LOWRANK_MAX; ++c)
+        if (c < r) p[i * r + c] = out[c];
+    }
+    // The next pass's thread 0 rewrites `inverse` and `warp_gram`.
+    __syncthreads();
   }
 }
 
@@ -769,18 +774,25 @@ fn lowrank_width(factor: &Tensor, name: &str) -> Result<i64> {
     Ok(r)
 }
 
-/// P = X Q: `x` [rows, cols], `q` [cols, r], `p` [rows, r] (fp32, CUDA,
-/// contiguous, r ≤ LOWRANK_MAX). With `add` (the shape of `x`, fp32 or
-/// bf16), X += add first, written back, in the same pass. A matrix of few
-/// rows is cut into chunks of columns summed apart, then added in chunk
-/// order, so the result has the same bits every run.
-pub fn lowrank_project(add: Option<&Tensor>, x: &mut Tensor, q: &Tensor, p: &mut Tensor) -> Result<()> {
+/// The GPU, rows, columns and width of `x` [rows, cols] and its factors
+/// `q` [cols, r] and `p` [rows, r], all fp32, contiguous, on one GPU.
+fn lowrank_operands(x: &Tensor, q: &Tensor, p: &Tensor) -> Result<(usize, i64, i64, i64)> {
     let index = gpu_index(x, "x")?;
     let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
     let r = lowrank_width(q, "q")?;
     expect(x, "x", x, &[rows, cols], Kind::Float)?;
     expect(q, "q", x, &[cols, r], Kind::Float)?;
     expect(p, "p", x, &[rows, r], Kind::Float)?;
+    Ok((index, rows, cols, r))
+}
+
+/// P = X Q: `x` [rows, cols], `q` [cols, r], `p` [rows, r] (fp32, CUDA,
+/// contiguous, r ≤ LOWRANK_MAX). With `add` (the shape of `x`, fp32 or
+/// bf16), X += add first, written back, in the same pass. A matrix of few
+/// rows is cut into chunks of columns summed apart, then added in chunk
+/// order, so the result has the same bits every run.
+pub fn lowrank_project(add: Option<&Tensor>, x: &mut Tensor, q: &Tensor, p: &mut Tensor) -> Result<()> {
+    let (index, rows, cols, r) = lowrank_operands(x, q, p)?;
     if let Some(add) = add {
         expect(add, "add", x, &[rows, cols], add.kind())?;
     }
@@ -818,12 +830,7 @@ pub fn lowrank_project(add: Option<&Tensor>, x: &mut Tensor, q: &Tensor, p: &mut
 /// CUDA, contiguous, r ≤ LOWRANK_MAX). Chunks of rows are summed apart,
 /// then added in chunk order, so the result has the same bits every run.
 pub fn lowrank_project_t(x: &Tensor, p: &Tensor, q: &mut Tensor) -> Result<()> {
-    let index = gpu_index(x, "x")?;
-    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
-    let r = lowrank_width(p, "p")?;
-    expect(x, "x", x, &[rows, cols], Kind::Float)?;
-    expect(p, "p", x, &[rows, r], Kind::Float)?;
-    expect(q, "q", x, &[cols, r], Kind::Float)?;
+    let (index, rows, cols, r) = lowrank_operands(x, q, p)?;
     let functions = functions(index)?;
     if rows * cols == 0 {
         let _ = q.zero_();
@@ -847,7 +854,7 @@ pub fn lowrank_project_t(x: &Tensor, p: &Tensor, q: &mut Tensor) -> Result<()> {
 
 /// Each thin matrix that `table` lists (int64 [n, 3] on `all`'s device:
 /// its first element in `all`, rows, width ≤ LOWRANK_MAX; row-major) made,
-/// in place, an orthonormal basis of its columns (Cholesky QR in fp64; see
+/// in place, an orthonormal basis of its columns (CholeskyQR2 in fp64; see
 /// the kernel). The caller vouches that every matrix lies inside `all`.
 pub fn lowrank_orthonormalize(all: &mut Tensor, table: &Tensor) -> Result<()> {
     let index = gpu_index(all, "all")?;
