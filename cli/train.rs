@@ -40,6 +40,9 @@ pub struct TrainArgs {
     chat_template: Option<PathBuf>,
     #[arg(long)]
     max_seq_len: Option<usize>,
+    /// Several training examples in one row of max_seq_len tokens, each kept to itself (data.packing).
+    #[arg(long)]
+    packing: bool,
     #[arg(long)]
     train_samples: Option<usize>,
     #[arg(long)]
@@ -131,6 +134,7 @@ impl TrainArgs {
             .path("data.tokenizer", self.tokenizer.as_ref())
             .path("data.chat_template", self.chat_template.as_ref())
             .set("data.max_seq_len", self.max_seq_len)
+            .set("data.packing", self.packing.then_some(true))
             .set("data.train_samples", self.train_samples)
             .set("data.eval_samples", self.eval_samples)
             .set("train.epochs", self.epochs)

@@ -176,19 +176,25 @@ fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
     assert!(!output.status.success() && text(&output).contains("--model DIR"), "{}", text(&output));
 }
 
-#[test]
-fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
+/// A random tiny Llama in `dir`/model with GPT-2's 50,257 tokens and the
+/// Llama 3 template's special tokens, `positions` long.
+fn tiny_llama(dir: &Path, positions: usize) -> PathBuf {
+    let model = dir.join("model");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
-    // GPT-2's 50,257 tokens and the templates' special tokens.
     let output = ft()
         .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-        .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
+        .args(["--set", "vocab_size=50304", "--set", &format!("max_position_embeddings={positions}")])
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
     tokenizer_dir(&model, "llama3", "<|begin_of_text|>", "<|eot_id|>", false);
+    model
+}
+
+#[test]
+fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 256);
     let conversations = fixture("conversations.jsonl");
 
     // The untrained model's evaluation loss equals transformers' mean over the assistant's tokens only.
@@ -221,4 +227,35 @@ fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
     let again = dir.path().join("again.jsonl");
     assert!(tokenize(&out.join("final"), &conversations, &again, &[]).status.success());
     assert_eq!(std::fs::read_to_string(&again).unwrap(), std::fs::read_to_string(&tokens).unwrap());
+}
+
+/// `--packing` puts several conversations in a row and keeps them apart:
+/// when every step sees every conversation — all six packed into one row,
+/// or six rows of one each — the losses are the same step for step (the
+/// seams' labels ignored, the loss normalised by the same tokens).
+#[test]
+fn packed_conversations_train_as_unpacked_ones_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 1024);
+    let conversations = fixture("conversations.jsonl");
+    let train = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let output = ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", conversations.to_str().unwrap(), "--device", "cpu"])
+            .args(["--max-seq-len", "1024", "--epochs", "3", "--lr", "1e-2", "--set", "train.log_every=1"])
+            .args(["--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        (common::losses(&out), text(&output))
+    };
+    let (unpacked, _) = train("unpacked", &["--batch-size", "6"]);
+    let (packed, log) = train("packed", &["--batch-size", "1", "--packing"]);
+    assert!(log.contains("packing: 6 examples in 1 rows"), "{log}");
+    assert_eq!((packed.len(), unpacked.len()), (3, 3), "one step an epoch: {packed:?} {unpacked:?}");
+    for (step, (a, b)) in packed.iter().zip(&unpacked).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: packed {a} vs unpacked {b}");
+    }
+    assert!(unpacked[2] < unpacked[0], "it trains: {unpacked:?}");
 }

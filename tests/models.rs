@@ -64,6 +64,51 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
     }
 }
 
+/// Packing (`data.packing`): a row holding several examples, told apart by
+/// `Inputs::documents`, gives each example's tokens the logits and the
+/// per-token losses it gets alone — positions restart (learned, RoPE and
+/// ALiBi alike), attention stays inside the example, and Mistral's sliding
+/// window (5 here) still applies within the 7-token one.
+#[test]
+fn a_packed_row_computes_what_its_examples_compute_alone() {
+    let lengths = [7, 3, 6];
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let model = hf::load_model(&dir).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        let _no_grad = tch::no_grad_guard();
+        let row = &rows(name)[0];
+        assert_eq!(row.len(), lengths.iter().sum::<usize>());
+        let per_token = |inputs: &Inputs| {
+            let ctx = model.context(inputs, 0, Kind::Float, false).unwrap();
+            let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, inputs, &ctx, None)).unwrap();
+            let logits = logits(&hidden, &weight).squeeze_dim(0);
+            // Each position's loss on the next token of the row.
+            let seq = logits.size()[0];
+            let targets = inputs.input_ids.squeeze_dim(0).narrow(0, 1, seq - 1);
+            let losses = -logits.narrow(0, 0, seq - 1).log_softmax(-1, Kind::Float).gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
+            (logits, losses)
+        };
+        let documents: Vec<i64> = lengths.iter().enumerate().flat_map(|(i, &len)| std::iter::repeat(i as i64).take(len)).collect();
+        let ids = Tensor::from_slice(row).unsqueeze(0);
+        let packed = Inputs { documents: Some(Tensor::from_slice(&documents).unsqueeze(0)), ..Inputs::ids(&ids) };
+        let (packed_logits, packed_losses) = per_token(&packed);
+        let mut at = 0;
+        for len in lengths {
+            let (logits, losses) = per_token(&Inputs::ids(&ids.narrow(1, at as i64, len as i64)));
+            let error = relative(&packed_logits.narrow(0, at as i64, len as i64), &logits, 0.0);
+            assert!(error <= 1e-5, "{name}: the example at {at} differs packed by {error:e} in its logits");
+            // Its losses inside it (the packed row's loss at its last token is on the next example: a seam).
+            let error = relative(&packed_losses.narrow(0, at as i64, len as i64 - 1), &losses, 0.0);
+            assert!(error <= 1e-5, "{name}: the example at {at} differs packed by {error:e} in its per-token losses");
+            at += len;
+        }
+        // Without the documents the same row is one sequence, and its later examples see the earlier ones.
+        let (whole, _) = per_token(&Inputs::ids(&ids));
+        assert!(relative(&whole, &packed_logits, 0.0) > 1e-3, "{name}: packing must change what the row computes");
+    }
+}
+
 /// A fixture's token rows (ids.json).
 fn rows(name: &str) -> Vec<Vec<i64>> {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("ids.json")).unwrap()).unwrap()

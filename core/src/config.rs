@@ -104,6 +104,9 @@ pub struct DataConfig {
     pub truncate: bool,
     /// A Jinja chat template file, instead of the tokenizer's own.
     pub chat_template: Option<std::path::PathBuf>,
+    /// Several training examples in one row of max_seq_len tokens, kept
+    /// apart (positions restart, attention stays inside each): causal LMs.
+    pub packing: bool,
 }
 
 /// What a data file holds (`data.format`).
@@ -147,6 +150,7 @@ impl Default for DataConfig {
             train_on: TrainOn::Assistant,
             truncate: false,
             chat_template: None,
+            packing: false,
         }
     }
 }

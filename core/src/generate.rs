@@ -49,7 +49,7 @@ pub fn greedy_batch(
     let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
     let mut finished = vec![max_new_tokens == 0; prompts.len()];
     while !finished.iter().all(|&f| f) {
-        let inputs = Inputs { input_ids: input.shallow_clone(), attention_mask: mask.as_ref().map(Tensor::shallow_clone), token_type_ids: None };
+        let inputs = Inputs { input_ids: input.shallow_clone(), attention_mask: mask.as_ref().map(Tensor::shallow_clone), token_type_ids: None, documents: None };
         let ctx = model.context(&inputs, past, dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
         past += input.size()[1];

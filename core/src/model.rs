@@ -8,7 +8,7 @@
 //! a tied embedding unit runs first (embed) and last (head), so its gradient
 //! accumulates over both uses.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
@@ -161,12 +161,18 @@ pub struct Inputs {
     pub attention_mask: Option<Tensor>,
     /// Each token's segment (BERT's token_type_ids); None: segment 0 everywhere.
     pub token_type_ids: Option<Tensor>,
+    /// Packed rows ([batch, seq]): which example of its row each token
+    /// belongs to, counting from 0 along the row (padding after the last
+    /// example is an example of its own). A decoder restarts positions at
+    /// each example and keeps attention inside it, so a packed row computes
+    /// what its examples would alone. None: a row is one example.
+    pub documents: Option<Tensor>,
 }
 
 impl Inputs {
-    /// Token ids alone: no padding mask, one segment.
+    /// Token ids alone: no padding mask, one segment, one example a row.
     pub fn ids(input_ids: &Tensor) -> Inputs {
-        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None }
+        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None, documents: None }
     }
 }
 
@@ -584,15 +590,53 @@ pub fn causal_bias(seq: i64, past: i64, dtype: Kind, device: tch::Device) -> Ten
     Tensor::zeros([seq, past + seq], (dtype, device)).masked_fill(&k.gt_tensor(&q), f64::NEG_INFINITY)
 }
 
+/// A decoder's additive attention mask for `inputs`, broadcastable to
+/// [batch, 1, seq, past+seq]: causal ([`causal_bias`]), with the padding mask
+/// folded in when there is one, and for packed rows block-diagonal — a query
+/// sees the keys up to itself of its own example only. Packed rows take no
+/// KV cache.
+pub fn decoder_mask_bias(inputs: &Inputs, past: i64, dtype: Kind) -> Result<Tensor> {
+    let (seq, device) = (inputs.input_ids.size()[1], inputs.input_ids.device());
+    let causal = match &inputs.documents {
+        None => causal_bias(seq, past, dtype, device),
+        Some(documents) => {
+            ensure!(past == 0, "packed rows are for training: they take no KV cache");
+            let same = documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1));
+            let order = Tensor::arange(seq, (Kind::Int64, device));
+            let visible = same.logical_and(&order.unsqueeze(1).ge_tensor(&order.unsqueeze(0)));
+            Tensor::zeros(visible.size(), (dtype, device)).masked_fill(&visible.logical_not(), f64::NEG_INFINITY).unsqueeze(1)
+        }
+    };
+    // Sums, not in-place adds: each term may broadcast the other to more dimensions.
+    Ok(match &inputs.attention_mask {
+        Some(mask) => padding_bias(mask, dtype) + causal,
+        None => causal,
+    })
+}
+
+/// A decoder's token positions for `inputs` after `past` cached ones:
+/// [`positions`], or for packed rows each token's place in its own example.
+pub fn decoder_positions(inputs: &Inputs, past: i64) -> Tensor {
+    let Some(documents) = &inputs.documents else { return positions(&inputs.input_ids, past, inputs.attention_mask.as_ref()) };
+    let seq = documents.size()[1];
+    let order = Tensor::arange(seq, (Kind::Int64, documents.device())).unsqueeze(0).expand_as(documents);
+    // A token starts an example where the example differs from its left neighbour's;
+    // each token's example started at the last such index at or before it.
+    let left = Tensor::cat(&[documents.narrow(1, 0, 1) - 1, documents.narrow(1, 0, seq - 1)], 1);
+    let start = order.where_self(&documents.ne_tensor(&left), &order.zeros_like()).cummax(1).0;
+    order - start
+}
+
 /// Each query's and each key's position, counted over real tokens as
-/// [`positions`] counts them: [batch, seq] and [batch, past+seq], or one row
-/// each when there is no padding mask and every row is alike. ALiBi's
-/// distances and sliding windows are measured on them, so a left-padded
-/// prompt sees what it would alone.
-pub fn query_key_positions(positions: &Tensor, past: i64, padding_mask: Option<&Tensor>) -> (Tensor, Tensor) {
-    match padding_mask {
-        Some(mask) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
-        None => (positions.narrow(0, 0, 1), Tensor::arange(past + positions.size()[1], (Kind::Int64, positions.device())).unsqueeze(0)),
+/// [`decoder_positions`] counts them: [batch, seq] and [batch, past+seq], or
+/// one row each when there is no padding mask, no packing and every row is
+/// alike. ALiBi's distances and sliding windows are measured on them, so a
+/// left-padded prompt or a packed example sees what it would alone.
+pub fn query_key_positions(positions: &Tensor, past: i64, inputs: &Inputs) -> (Tensor, Tensor) {
+    match (&inputs.documents, &inputs.attention_mask) {
+        (Some(_), _) => (positions.shallow_clone(), positions.shallow_clone()),
+        (None, Some(mask)) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
+        (None, None) => (positions.narrow(0, 0, 1), Tensor::arange(past + positions.size()[1], (Kind::Int64, positions.device())).unsqueeze(0)),
     }
 }
 
@@ -602,8 +646,8 @@ pub fn query_key_positions(positions: &Tensor, past: i64, padding_mask: Option<&
 /// `sliding_window`). Distances count real tokens ([`query_key_positions`]);
 /// transformers counts left padding's slots too, which differs only for a
 /// left-padded batch, where this keeps each row as it would be alone.
-pub fn sliding_window_bias(positions: &Tensor, past: i64, padding_mask: Option<&Tensor>, window: i64, dtype: Kind) -> Tensor {
-    let (query, key) = query_key_positions(positions, past, padding_mask);
+pub fn sliding_window_bias(positions: &Tensor, past: i64, inputs: &Inputs, window: i64, dtype: Kind) -> Tensor {
+    let (query, key) = query_key_positions(positions, past, inputs);
     let outside = key.unsqueeze(1).le_tensor(&(query.unsqueeze(2) - window));
     Tensor::zeros(outside.size(), (dtype, positions.device())).masked_fill(&outside, f64::NEG_INFINITY).unsqueeze(1)
 }

@@ -87,7 +87,9 @@ impl<'a> RunLog<'a> {
             self.totals.train_seconds += started.elapsed().as_secs_f64();
             return Ok(());
         }
-        let loss = self.comm.sum_over_ranks(&[outcome.loss.double_value(&[])])?[0];
+        // The step's loss and its non-padding tokens over every rank, in one reduction.
+        let summed = self.comm.sum_over_ranks(&[outcome.loss.double_value(&[]), outcome.tokens as f64])?;
+        let (loss, tokens) = (summed[0], summed[1]);
         self.totals.train_seconds += started.elapsed().as_secs_f64();
         (self.totals.last_loss, self.epoch_loss) = (Some(loss), Some(loss));
         let mut values = BTreeMap::from([
@@ -96,6 +98,7 @@ impl<'a> RunLog<'a> {
             ("lr".to_string(), lr),
             ("grad_norm".to_string(), outcome.grad_norm.double_value(&[])),
             ("step_seconds".to_string(), started.elapsed().as_secs_f64()),
+            ("tokens".to_string(), tokens),
             ("memory_bytes".to_string(), in_use),
         ]);
         if self.comm.env().world_size > 1 {

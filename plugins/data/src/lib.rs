@@ -7,13 +7,15 @@
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
 //! JSONL lines) and `tokenizer` under the readers `prompt`, `text` and `chat`, under `lm`,
-//! which picks one by the file's format.
+//! which picks one by the file's format; `packing` (which examples share a
+//! row) stands alone.
 
 pub mod chat;
 pub mod demo;
 pub mod example;
 pub mod lm;
 pub mod metrics;
+pub mod packing;
 pub mod prompt;
 pub mod qa;
 pub mod squad;

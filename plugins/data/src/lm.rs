@@ -41,6 +41,9 @@ pub struct LoadOptions<'a> {
     pub tokenizer_dir: &'a Path,
     /// A chat template file instead of the tokenizer's.
     pub chat_template: Option<&'a Path>,
+    /// Text: each document its own examples (packed with boundaries by the
+    /// task) instead of one stream cut into full sequences.
+    pub packing: bool,
 }
 
 impl<'a> LoadOptions<'a> {
@@ -56,6 +59,7 @@ impl<'a> LoadOptions<'a> {
             truncate: data.truncate,
             tokenizer_dir: tokenizer.parent().unwrap_or(Path::new(".")),
             chat_template: data.chat_template.as_deref(),
+            packing: data.packing,
         }
     }
 }
@@ -121,11 +125,17 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
         // (Auto was resolved above.)
         DataFormat::Text | DataFormat::Auto => {
             let documents = text::read_documents(path)?;
-            let mut examples = text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?;
+            let mut examples = match options.packing {
+                true => text::documents(tokenizer, &documents, max_len, eos_id(tokenizer))?,
+                false => text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?,
+            };
             if let Some(limit) = options.limit {
                 examples.truncate(limit);
             }
-            tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len());
+            match options.packing {
+                true => tracing::info!("{}: {} documents as {} examples of at most {max_len} tokens", path.display(), documents.len(), examples.len()),
+                false => tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len()),
+            }
             Ok((examples, vec![]))
         }
         DataFormat::PromptCompletion | DataFormat::Chat => Ok((records(path, tokenizer, options, format)?, vec![])),

@@ -1,5 +1,7 @@
-//! Plain text and JSONL (`{"text": …}` per line) for causal-LM fine-tuning,
-//! packed into fixed-length sequences with an end token between documents.
+//! Plain text and JSONL (`{"text": …}` per line) for causal-LM fine-tuning:
+//! streamed into fixed-length sequences with an end token between
+//! documents, or (`data.packing`) each document its own examples, which
+//! packing keeps apart.
 
 use crate::example::{jsonl, Example};
 use anyhow::{bail, Context, Result};
@@ -36,6 +38,19 @@ pub fn pack(tokenizer: &Tokenizer, documents: &[String], seq_len: usize, eos: Op
         .chunks_exact(seq_len)
         .map(|chunk| Example { input_ids: chunk.to_vec(), labels: chunk.to_vec() })
         .collect())
+}
+
+/// Each document's tokens and `eos` as examples of at most `max_len`
+/// tokens (a longer document continues in the next), for packing with
+/// document boundaries.
+pub fn documents(tokenizer: &Tokenizer, documents: &[String], max_len: usize, eos: Option<i64>) -> Result<Vec<Example>> {
+    let mut examples = vec![];
+    for document in documents {
+        let mut tokens: Vec<i64> = tokenizer.encode(document.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().iter().map(|&id| id as i64).collect();
+        tokens.extend(eos);
+        examples.extend(tokens.chunks(max_len.max(1)).map(|piece| Example { input_ids: piece.to_vec(), labels: piece.to_vec() }));
+    }
+    Ok(examples)
 }
 
 #[cfg(test)]

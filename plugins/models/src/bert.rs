@@ -237,6 +237,9 @@ impl Model for Bert {
         }
         let input_ids = &inputs.input_ids;
         let seq = input_ids.size()[1];
+        if inputs.documents.is_some() {
+            bail!("BERT reads each window whole: packed rows are for causal language models");
+        }
         if seq > self.config.max_position_embeddings {
             bail!("sequence of {seq} tokens is longer than BERT's max_position_embeddings ({})", self.config.max_position_embeddings);
         }

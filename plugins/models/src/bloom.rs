@@ -140,18 +140,14 @@ impl Model for Bloom {
     /// but the relative form stays small near the diagonal and so loses less
     /// in bf16.
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
-        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
-        let device = input_ids.device();
-        let positions = model::positions(input_ids, past, padding_mask);
-        let seq = input_ids.size()[1];
-        // Positions count real tokens only, as transformers' ALiBi does under left padding.
-        let (query, key) = model::query_key_positions(&positions, past, padding_mask);
+        let device = inputs.input_ids.device();
+        let positions = model::decoder_positions(inputs, past);
+        // Positions count real tokens only, as transformers' ALiBi does under
+        // left padding, and restart at each packed example.
+        let (query, key) = model::query_key_positions(&positions, past, inputs);
         let distance = (key.unsqueeze(1).unsqueeze(1) - query.unsqueeze(1).unsqueeze(3)).to_kind(Kind::Float);
         let slopes = ft_core::batches::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
-        let mut bias = (slopes * distance).to_kind(dtype) + model::causal_bias(seq, past, dtype, device);
-        if let Some(mask) = padding_mask {
-            bias += model::padding_bias(mask, dtype);
-        }
+        let bias = (slopes * distance).to_kind(dtype) + model::decoder_mask_bias(inputs, past, dtype)?;
         Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
     }
 

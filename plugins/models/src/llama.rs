@@ -391,9 +391,8 @@ impl Model for Llama {
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
-        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
-        let (device, seq) = (input_ids.device(), input_ids.size()[1]);
-        let positions = model::positions(input_ids, past, padding_mask);
+        let (device, seq) = (inputs.input_ids.device(), inputs.input_ids.size()[1]);
+        let positions = model::decoder_positions(inputs, past);
         let freqs = positions.to_kind(Kind::Float).unsqueeze(2) * self.inverse_frequencies(device).view([1, 1, -1]);
         let angles = Tensor::cat(&[&freqs, &freqs], 2).unsqueeze(2);
         // rotate_half(x)·sin = roll(x, half)·[−sin, +sin]: the sign folded in once per batch.
@@ -403,17 +402,17 @@ impl Model for Llama {
         // The window hides something only once there are more keys than it holds.
         let window = self.variant.sliding_window.filter(|&window| past + seq > window);
         // Sums, not in-place adds: each term may broadcast the causal mask to more dimensions.
-        let attention_bias = (padding_mask.is_some() || window.is_some()).then(|| {
-            let causal = model::causal_bias(seq, past, dtype, device);
-            let masked = match padding_mask {
-                Some(mask) => model::padding_bias(mask, dtype) + causal,
-                None => causal,
-            };
-            match window {
-                Some(window) => masked + model::sliding_window_bias(&positions, past, padding_mask, window, dtype),
-                None => masked,
+        // Without padding, packing or a window that hides anything, plain causal attention (no materialised mask).
+        let attention_bias = match inputs.attention_mask.is_some() || inputs.documents.is_some() || window.is_some() {
+            false => None,
+            true => {
+                let masked = model::decoder_mask_bias(inputs, past, dtype)?;
+                Some(match window {
+                    Some(window) => masked + model::sliding_window_bias(&positions, past, inputs, window, dtype),
+                    None => masked,
+                })
             }
-        });
+        };
         Ok(Context { train, positions, attention_bias, rope })
     }
 

@@ -186,15 +186,16 @@ impl Model for Opt {
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
-        let (input_ids, padding_mask) = (&inputs.input_ids, inputs.attention_mask.as_ref());
-        let longest = past + input_ids.size()[1];
+        let longest = past + inputs.input_ids.size()[1];
         if longest > self.config.max_position_embeddings {
             bail!("sequence of {longest} tokens is longer than OPT's max_position_embeddings ({})", self.config.max_position_embeddings);
         }
-        let positions = model::positions(input_ids, past, padding_mask);
-        let attention_bias = padding_mask.map(|mask| {
-            model::padding_bias(mask, dtype) + model::causal_bias(input_ids.size()[1], past, dtype, input_ids.device())
-        });
+        let positions = model::decoder_positions(inputs, past);
+        // Without padding or packing, plain causal attention (no materialised mask).
+        let attention_bias = match inputs.attention_mask.is_some() || inputs.documents.is_some() {
+            true => Some(model::decoder_mask_bias(inputs, past, dtype)?),
+            false => None,
+        };
         Ok(Context { train, positions, attention_bias, rope: None })
     }
 

@@ -23,7 +23,7 @@ use ft_core::config::TrainOn;
 use ft_data::example::{eos_id, Example};
 use ft_data::lm::{self, LoadOptions};
 use ft_data::squad::QaExample;
-use ft_data::{metrics, prompt};
+use ft_data::{metrics, packing, prompt};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -46,47 +46,89 @@ impl Default for Options {
     }
 }
 
-/// Token-id examples, right-padded per batch.
+/// Token-id examples in rows — one example a row, or several packed
+/// (`data.packing`) — right-padded per batch.
 pub struct LmDataset {
     examples: Vec<Example>,
+    /// The examples of each row, in order.
+    rows: Vec<Vec<usize>>,
     pad_id: i64,
     /// Padded lengths round up to this: few shapes on a GPU, exact lengths on a CPU.
     pad_multiple: usize,
 }
 
 impl LmDataset {
+    /// One example a row.
     pub fn new(examples: Vec<Example>, pad_id: i64, pad_multiple: usize) -> LmDataset {
-        LmDataset { examples, pad_id, pad_multiple: pad_multiple.max(1) }
+        let rows = (0..examples.len()).map(|i| vec![i]).collect();
+        LmDataset { examples, rows, pad_id, pad_multiple: pad_multiple.max(1) }
+    }
+
+    /// The examples packed into rows of at most `max_len` tokens (`ft_data::packing`).
+    pub fn packed(examples: Vec<Example>, pad_id: i64, pad_multiple: usize, max_len: usize) -> LmDataset {
+        let lengths: Vec<usize> = examples.iter().map(|e| e.input_ids.len()).collect();
+        let rows = packing::pack(&lengths, max_len);
+        let tokens: usize = lengths.iter().sum();
+        tracing::info!(
+            "packing: {} examples in {} rows of at most {max_len} tokens ({:.1}% of their tokens real, {:.1} examples a row)",
+            examples.len(),
+            rows.len(),
+            100.0 * tokens as f64 / (rows.len() * max_len).max(1) as f64,
+            examples.len() as f64 / rows.len().max(1) as f64
+        );
+        LmDataset { examples, rows, pad_id, pad_multiple: pad_multiple.max(1) }
+    }
+
+    fn row_examples(&self, row: usize) -> impl Iterator<Item = &Example> {
+        self.rows[row].iter().map(|&i| &self.examples[i])
     }
 }
 
 impl Dataset for LmDataset {
     fn len(&self) -> usize {
-        self.examples.len()
+        self.rows.len()
     }
 
     fn tokens(&self, index: usize) -> usize {
-        self.examples[index].input_ids.len()
+        self.row_examples(index).map(|e| e.input_ids.len()).sum()
     }
 
     fn loss_weight(&self, index: usize) -> usize {
-        self.examples[index].target_tokens()
+        self.row_examples(index).map(Example::target_tokens).sum()
     }
 
-    /// Right-pads to the longest example rounded up to the multiple:
-    /// padding is invisible to a causal model's earlier positions and has no loss.
+    /// Each row's examples one after another, right-padded to the longest
+    /// row rounded up to the multiple: padding is invisible to a causal
+    /// model's earlier positions and has no loss. Where a row holds several
+    /// examples, `documents` tells them apart and the label at each seam
+    /// (the next example's first token, which nothing of it precedes) is
+    /// ignored.
     fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
-        let examples: Vec<&Example> = indices.iter().map(|&i| &self.examples[i]).collect();
-        let longest = examples.iter().map(|e| e.input_ids.len()).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
-        let pad = |values: &[i64], with: i64| {
-            let mut row = values.to_vec();
-            row.resize(longest, with);
-            row
-        };
-        let ids: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.input_ids, self.pad_id)).collect();
-        let labels: Vec<Vec<i64>> = examples.iter().map(|e| pad(&e.labels, IGNORE_INDEX)).collect();
-        let ids = to_device_async(&Tensor::from_slice2(&ids), device);
-        Ok(Batch { inputs: Inputs::ids(&ids), targets: vec![to_device_async(&Tensor::from_slice2(&labels), device)] })
+        let longest = indices.iter().map(|&i| self.tokens(i)).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
+        let (mut ids, mut labels, mut documents) = (vec![], vec![], vec![]);
+        for &row in indices {
+            let (mut row_ids, mut row_labels, mut row_documents) = (vec![], vec![], vec![]);
+            for (document, example) in self.row_examples(row).enumerate() {
+                row_ids.extend(&example.input_ids);
+                row_labels.extend(&example.labels);
+                if document > 0 {
+                    row_labels[row_documents.len()] = IGNORE_INDEX;
+                }
+                row_documents.resize(row_ids.len(), document as i64);
+            }
+            // Padding is an example of its own.
+            let padding = self.rows[row].len() as i64;
+            row_ids.resize(longest, self.pad_id);
+            row_labels.resize(longest, IGNORE_INDEX);
+            row_documents.resize(longest, padding);
+            ids.push(row_ids);
+            labels.push(row_labels);
+            documents.push(row_documents);
+        }
+        let packed = indices.iter().any(|&i| self.rows[i].len() > 1);
+        let mut inputs = Inputs::ids(&to_device_async(&Tensor::from_slice2(&ids), device));
+        inputs.documents = packed.then(|| to_device_async(&Tensor::from_slice2(&documents), device));
+        Ok(Batch { inputs, targets: vec![to_device_async(&Tensor::from_slice2(&labels), device)] })
     }
 }
 
@@ -225,6 +267,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
             include_unanswerable: options.include_unanswerable,
             train_on_prompt: training && options.train_on_prompt,
             train_on: if training { data.train_on } else { TrainOn::Assistant },
+            packing: training && data.packing,
             ..LoadOptions::new(data, inputs.tokenizer)
         };
         lm::load(path, &tokenizer, &options)
@@ -249,8 +292,13 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         pad_id,
         batch_size: inputs.config.train.eval_batch_size,
     });
+    // Evaluation stays one example a row: its loss and scores are per example anyway.
+    let train = match data.packing {
+        true => LmDataset::packed(train, pad_id, pad_multiple, data.max_seq_len),
+        false => LmDataset::new(train, pad_id, pad_multiple),
+    };
     Ok(Box::new(CausalLm {
-        train: LmDataset::new(train, pad_id, pad_multiple),
+        train,
         eval,
         objective: CausalLmLoss { chunk_tokens: inputs.config.train.loss_chunk_tokens, kernels: Kernels::select(inputs.device) },
         generation,
@@ -299,6 +347,25 @@ mod tests {
         assert_eq!((data.loss_weight(0), data.loss_weight(1), data.tokens(0)), (2, 0, 3));
         let padded = LmDataset::new(data.examples.clone(), 0, 4);
         assert_eq!(padded.collate(&[0, 1], Device::Cpu).unwrap().inputs.input_ids.size(), [2, 4]);
+    }
+
+    #[test]
+    fn packed_rows_keep_examples_apart_and_ignore_the_label_at_each_seam() {
+        let a = Example { input_ids: vec![1, 2, 3], labels: vec![-100, 2, 3] };
+        let b = Example { input_ids: vec![4, 5], labels: vec![4, 5] };
+        let c = Example { input_ids: vec![6, 7, 8, 9], labels: vec![6, 7, 8, 9] };
+        let data = LmDataset::packed(vec![a, b, c], 0, 1, 6);
+        // Best fit decreasing: c (4) with b (2); a (3) alone.
+        assert_eq!(data.len(), 2);
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        assert_eq!(Vec::<Vec<i64>>::try_from(&batch.inputs.input_ids).unwrap(), vec![vec![6, 7, 8, 9, 4, 5], vec![1, 2, 3, 0, 0, 0]]);
+        assert_eq!(Vec::<Vec<i64>>::try_from(&batch.targets[0]).unwrap(), vec![vec![6, 7, 8, 9, -100, 5], vec![-100, 2, 3, -100, -100, -100]]);
+        let documents = batch.inputs.documents.as_ref().expect("a row holds two examples");
+        assert_eq!(Vec::<Vec<i64>>::try_from(documents).unwrap(), vec![vec![0, 0, 0, 0, 1, 1], vec![0, 0, 0, 1, 1, 1]]);
+        // The loss counts what each example counts alone.
+        assert_eq!((data.loss_weight(0), data.loss_weight(1), data.tokens(0)), (3 + 1, 2, 6));
+        // A batch of single-example rows needs no documents.
+        assert!(data.collate(&[1], Device::Cpu).unwrap().inputs.documents.is_none());
     }
 
     #[test]

@@ -67,7 +67,7 @@ fn collate_windows<'w>(windows: impl Iterator<Item = &'w Window>, device: Device
     }
     let padded = mask.iter().flatten().any(|&m| m == 0);
     let to_device = |rows: Vec<Vec<i64>>| to_device_async(&Tensor::from_slice2(&rows), device);
-    Inputs { input_ids: to_device(ids), attention_mask: padded.then(|| to_device(mask)), token_type_ids: Some(to_device(types)) }
+    Inputs { input_ids: to_device(ids), attention_mask: padded.then(|| to_device(mask)), token_type_ids: Some(to_device(types)), documents: None }
 }
 
 fn real_tokens(window: &Window) -> usize {
@@ -277,6 +277,9 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
     let options: Options = task::options(NAME, &serde_json::Value::Object(inputs.config.task.options.clone()))?;
     let data = &inputs.config.data;
+    if data.packing {
+        bail!("data.packing is for causal language models: extractive_qa reads each window of a question and its context whole");
+    }
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
     let windows = WindowConfig { max_seq_length: data.max_seq_len, doc_stride: options.doc_stride };
     let featurizer = QaFeaturizer::new(tokenizer, &inputs.tokenizer.display().to_string(), windows)?;
