@@ -89,7 +89,7 @@ fn a_packed_row_computes_what_its_examples_compute_alone() {
             let losses = -logits.narrow(0, 0, seq - 1).log_softmax(-1, Kind::Float).gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
             (logits, losses)
         };
-        let documents: Vec<i64> = lengths.iter().enumerate().flat_map(|(i, &len)| std::iter::repeat(i as i64).take(len)).collect();
+        let documents: Vec<i64> = lengths.iter().enumerate().flat_map(|(i, &len)| std::iter::repeat_n(i as i64, len)).collect();
         let ids = Tensor::from_slice(row).unsqueeze(0);
         let packed = Inputs { documents: Some(Tensor::from_slice(&documents).unsqueeze(0)), ..Inputs::ids(&ids) };
         let (packed_logits, packed_losses) = per_token(&packed);

@@ -74,6 +74,8 @@ pub const BOUNDARY: u64 = {
 };
 
 type Hook = Box<dyn CommHook>;
+/// A hook's named state tensors (`CommHook::state`).
+type State = Vec<(String, Tensor)>;
 
 /// A communication hook as entry points, made where the hook was made.
 /// Entries are only ever appended (with a minor bump); the first
@@ -89,12 +91,12 @@ pub struct HookTable {
     reduce: unsafe fn(*mut Hook, GradReduce) -> Result<Pending>,
     gather: unsafe fn(*mut Hook, ParamGather) -> Result<Pending>,
     after_step: unsafe fn(*mut Hook, usize) -> Result<()>,
-    state: unsafe fn(*const Hook) -> Vec<(String, Tensor)>,
-    load_state: unsafe fn(*mut Hook, Vec<(String, Tensor)>) -> Result<()>,
+    state: unsafe fn(*const Hook) -> State,
+    load_state: unsafe fn(*mut Hook, State) -> Result<()>,
     state_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64) -> f64,
     wire_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64, f64) -> f64,
     // 3.1
-    reshard_state: unsafe fn(*mut Hook, WorldChange, Vec<(String, Tensor)>) -> Result<Resharded>,
+    reshard_state: unsafe fn(*mut Hook, WorldChange, State) -> Result<Resharded>,
     workspace_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, i64) -> i64,
 }
 

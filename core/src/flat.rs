@@ -562,6 +562,7 @@ impl FlatUnit {
     /// Starts gathering a released sharded unit (allocating its buffer)
     /// through `hook`; returns the bytes allocated. A no-op when gathered
     /// or in flight.
+    #[allow(clippy::too_many_arguments)] // each a separate part the trainer owns
     pub(crate) fn start_gather(&mut self, group: &ProcessGroup, hook: &mut dyn CommHook, workspace: &Workspace, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
         if self.gathered || self.gathering.is_some() {
             return Ok(0);
