@@ -118,6 +118,12 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     assert!(plan.contains("global batch 32") && plan.contains("\"source\": \"demo\""), "{plan}");
     assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
     assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));
+    // Slices: a malformed range names the key, one outside the file says how
+    // many examples the file has.
+    let message = run(&["--set", "data.range=9:3"]);
+    assert!(message.contains("config key `data.range`") && message.contains("END (3) must be greater than START (9)"), "{message}");
+    let message = run(&["--set", "data.range=100000:", "--nproc-per-node", "1"]);
+    assert!(message.contains("data.range 100000: is not within ") && message.contains("demo-train.json: it has 1597 questions"), "{message}");
 
     // Numbers that do not fit together: one line naming the file, the keys and the rule.
     let config = dir.path().join("three-heads.json");
@@ -155,11 +161,11 @@ fn profiled_steps_leave_a_trace_and_a_table_of_op_times() {
 #[test]
 fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
     let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/squad/squad-v2.0-dev-5-articles.json");
-    let (examples, stats) = ft_data::squad::read(&shared, false).unwrap();
+    let (examples, stats) = ft_data::squad::read(&shared, false, None).unwrap();
     assert_eq!((stats.articles, stats.questions), (5, 1407));
     assert_eq!(examples.len() + stats.unanswerable_skipped + stats.bad_offsets_skipped, 1407);
     assert_eq!(stats.unanswerable_skipped, 1407 - 705);
-    let (with_unanswerable, _) = ft_data::squad::read(&shared, true).unwrap();
+    let (with_unanswerable, _) = ft_data::squad::read(&shared, true, None).unwrap();
     assert_eq!(with_unanswerable.len(), 1407 - stats.bad_offsets_skipped);
 
     // The same data in v1.1's layout: no is_impossible, answerable questions only.
@@ -177,7 +183,7 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v1.json");
     std::fs::write(&path, v1.to_string()).unwrap();
-    let (v1_examples, v1_stats) = ft_data::squad::read(&path, false).unwrap();
+    let (v1_examples, v1_stats) = ft_data::squad::read(&path, false, None).unwrap();
     assert_eq!(v1_stats.questions, 705);
     assert_eq!(v1_examples, examples);
 }

@@ -49,7 +49,7 @@ struct Shared {
 fn shared() -> &'static Shared {
     static SHARED: OnceLock<Shared> = OnceLock::new();
     SHARED.get_or_init(|| {
-        let (examples, stats) = squad::read(&shared_squad(), true).unwrap();
+        let (examples, stats) = squad::read(&shared_squad(), true, None).unwrap();
         assert_eq!((stats.questions, stats.bad_offsets_skipped), (examples.len(), 0));
         let mut contexts: Vec<&str> = examples.iter().map(|e| e.context.as_str()).collect();
         contexts.dedup();
@@ -173,7 +173,7 @@ fn features_equal_run_qa_py() {
     let common_words = ["the", "of", "and", "in", "to", "was", "by", "for", "with", "as", "on", "from"];
     let context: Vec<&str> = common_words.iter().cycle().take(200).copied().collect();
     write_edge_cases(&edge_cases, &format!("{} Café Zürich, naïve 北京 and Škoda.", context.join(" ")));
-    let (edge_examples, _) = squad::read(&edge_cases, true).unwrap();
+    let (edge_examples, _) = squad::read(&edge_cases, true, None).unwrap();
     let edge_features: Vec<_> = SETTINGS
         .iter()
         .map(|&config| {
