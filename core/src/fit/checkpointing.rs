@@ -1,8 +1,8 @@
 //! Checkpoints as the loop sees them: resume from `train.resume`, save
-//! every `train.save_every` steps with the data cursor that continues the
-//! run exactly, and keep the best `train.save_best` epochs by the monitored
-//! score besides the newest `train.save_total_limit`. The file format and
-//! the atomic save are checkpoint.rs.
+//! every `train.save_every` steps and at the run's end with the data cursor
+//! that continues the run exactly, and keep the best `train.save_best`
+//! epochs by the monitored score besides the newest `train.save_total_limit`.
+//! The file format and the atomic save are checkpoint.rs.
 //!
 //! A periodic save blocks training only while it copies the rank's state
 //! into host buffers kept for the run (pinned on a GPU); a thread writes the
@@ -143,6 +143,17 @@ impl<'a> Checkpointer<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Saves the run's last step (`end`) when checkpoints are on and it is
+    /// not saved yet, as Hugging Face's Trainer does, so that the next run
+    /// (more epochs, the next slice of the file) resumes where this one
+    /// ended; then finishes every save (collective).
+    pub fn after_run(&mut self, trainer: &Trainer, end: Cursor, comm: &Communicator) -> Result<()> {
+        if self.config.save_every > 0 {
+            self.save(trainer, end, comm, true)?;
+        }
+        self.finish(comm)
     }
 
     /// Finishes a save every rank has written; saves when `next.step` is due.

@@ -159,7 +159,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
         _ => None,
     };
-    let (mut epochs, mut stopped_early) = (vec![], None);
+    let (mut epochs, mut stopped_early, mut end) = (vec![], None, Cursor { epoch: first_epoch, epoch_step: first_epoch_step, step });
     for epoch in first_epoch..config.epochs {
         let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, true);
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
@@ -189,7 +189,8 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         let evaluation = evaluate(model, &params, task, comm, config.eval_batch_size, dtype)?;
         drop(params);
         let result = log.after_epoch(epoch + 1, step, &evaluation)?;
-        checkpointer.after_epoch(&trainer, Cursor { epoch: epoch + 1, epoch_step: 0, step }, &result, comm)?;
+        end = Cursor { epoch: epoch + 1, epoch_step: 0, step };
+        checkpointer.after_epoch(&trainer, end, &result, comm)?;
         let stop = early_stopping.as_mut().map(|e| e.should_stop(&result)).transpose()?.unwrap_or(false);
         epochs.push(result);
         if stop {
@@ -200,8 +201,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             break;
         }
     }
-    // The last save in flight is finished before the run is.
-    checkpointer.finish(comm)?;
+    checkpointer.after_run(&trainer, end, comm)?;
     let utilisation = sampler.and_then(|s| s.finish());
     let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
     let mut summary = Summary::gather(
