@@ -1,6 +1,7 @@
 //! `ft train` end to end over real processes: determinism, gradient
 //! accumulation and data parallelism against the single-batch baseline, the
-//! embedded demo, and the SQuAD loader on the shared real data.
+//! embedded demo, data slices resumed one after another, and the SQuAD
+//! loader on the shared real data.
 
 use serde_json::Value;
 use std::path::Path;
@@ -119,11 +120,13 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
     assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));
     // Slices: a malformed range names the key, one outside the file says how
-    // many examples the file has.
+    // many examples the file has, and a slice asks how long the schedule is.
     let message = run(&["--set", "data.range=9:3"]);
     assert!(message.contains("config key `data.range`") && message.contains("END (3) must be greater than START (9)"), "{message}");
     let message = run(&["--set", "data.range=100000:", "--nproc-per-node", "1"]);
     assert!(message.contains("data.range 100000: is not within ") && message.contains("demo-train.json: it has 1597 questions"), "{message}");
+    let message = run(&["--set", "data.range=0:48", "--nproc-per-node", "1"]);
+    assert!(message.contains("set train.schedule_steps to the optimizer steps of all slices together"), "{message}");
 
     // Numbers that do not fit together: one line naming the file, the keys and the rule.
     let config = dir.path().join("three-heads.json");
@@ -257,6 +260,88 @@ fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_c
     assert!(text(&output).contains("exported step 6"), "{}", text(&output));
     let all = train(torn.path(), &resumed);
     assert_eq!(all[all.len() - 6..], expected[6..]);
+}
+
+/// Each optimizer step's number, loss and learning rate in `dir`'s metrics.jsonl.
+fn step_records(dir: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|record| record.get("loss").is_some())
+        .map(|record| (record["step"].as_u64().unwrap(), record["loss"].as_f64().unwrap(), record["lr"].as_f64().unwrap()))
+        .collect()
+}
+
+/// The issue's slice workflow: `data.range` slices of the training file, each
+/// resumed from the last one's checkpoint, train to the same bits as one run
+/// over them — losses, learning rates and final weights (CPU, f32).
+/// The examples go in file order (`data.shuffle=false`): one run's epoch
+/// over 0:96 then visits 0:48 before 48:96, as the slices do, where a
+/// shuffle would mix the halves. The schedule (the demo's linear decay with
+/// a warm-up ratio) spans both slices (`train.schedule_steps` 12), so it is
+/// checked to continue across them. The second slice is also killed and
+/// resumed with its own range, which continues it mid-epoch.
+#[test]
+fn slices_resumed_one_after_the_other_train_as_one_run_over_them() {
+    let flags = |range: &str| -> Vec<String> {
+        let fixed = ["--nproc-per-node", "2", "--batch-size", "4", "--set", "data.shuffle=false", "--set", "train.schedule_steps=12"];
+        let mut flags: Vec<String> = fixed.iter().map(|f| f.to_string()).collect();
+        flags.extend(["--set".into(), format!("data.range={range}"), "--save-every".into(), "2".into(), "--save-total-limit".into(), "0".into()]);
+        flags
+    };
+    let command = |dir: &Path, range: &str, extra: &[&str]| {
+        let flags = flags(range);
+        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+        all.extend(extra);
+        train_command(dir, &all)
+    };
+    let run = |dir: &Path, range: &str, extra: &[&str]| command(dir, range, extra).output().unwrap();
+    let succeeded = |output: Output| {
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        log
+    };
+    let whole = tempfile::tempdir().unwrap();
+    succeeded(run(whole.path(), "0:96", &[]));
+    let expected = step_records(whole.path());
+    assert_eq!(expected.len(), 12);
+
+    let sliced = tempfile::tempdir().unwrap();
+    succeeded(run(sliced.path(), "0:48", &[]));
+    assert_eq!(step_records(sliced.path()), expected[..6], "the first slice is the first half of the one run");
+    // Resumed with its own range, the finished first slice has nothing left.
+    let log = succeeded(run(sliced.path(), "0:48", &["--resume", "latest"]));
+    assert!(log.contains("nothing left to train: checkpoint step-00000006 already completed 1 epoch(s)"), "{log}");
+
+    // The second slice starts at its first example, and is killed after step 11.
+    let killed = command(sliced.path(), "48:96", &["--resume", "latest"]).env("FT_FAULT_INJECT", "after-step:11").output().unwrap();
+    let log = text(&killed);
+    assert!(!killed.status.success() && log.contains("FT_FAULT_INJECT: aborting"), "{log}");
+    let switched = "this run trains another slice than the checkpoint (data.range 48:96 after 0:48): it starts at the slice's first example, \
+                    epoch 1, and continues the weights, optimizer state, step count and learning-rate schedule from step 6";
+    assert!(log.contains(switched), "{log}");
+    // Checkpoint 8 is finished before checkpoint 10 starts; 10 may still be in flight.
+    let finished: Vec<String> = steps_saved(sliced.path()).into_iter().filter(|n| !n.starts_with('.')).collect();
+    let from = match finished.last().map(String::as_str) {
+        Some("step-00000010") => 10,
+        Some("step-00000008") => 8,
+        other => panic!("the latest checkpoint after the crash: {other:?} of {finished:?}"),
+    };
+    let log = succeeded(run(sliced.path(), "48:96", &["--resume", "latest"]));
+    assert!(!log.contains("another slice"), "the same range continues mid-slice: {log}");
+
+    let records = step_records(sliced.path());
+    assert_eq!(records[..11], expected[..11], "slice two continues the step count, schedule and training of slice one");
+    assert_eq!(records[11..], expected[from..], "slice two resumed mid-epoch from step {from}");
+    let final_weights = |dir: &Path| -> std::collections::HashMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(dir.join("final/model.safetensors")).unwrap().into_iter().collect()
+    };
+    let (by_slices, by_one_run) = (final_weights(sliced.path()), final_weights(whole.path()));
+    assert_eq!(by_slices.len(), by_one_run.len());
+    for (name, weight) in &by_slices {
+        assert!(weight.equal(&by_one_run[name]), "{name}: the slices' final weights differ from the one run's");
+    }
 }
 
 #[test]

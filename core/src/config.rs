@@ -96,6 +96,8 @@ pub struct DataConfig {
     /// (`"5000:10000"`, `"5000:"` to the end): one slice of a large file,
     /// the next resumed from its checkpoint (README, "Data slices").
     pub range: Option<DataRange>,
+    /// Visit the training examples in a new seeded order each epoch; false: in file order.
+    pub shuffle: bool,
     pub eval_samples: Option<usize>,
     /// Round padded lengths up to a multiple of this (default: 64 on GPU, 1 on CPU).
     pub pad_to_multiple_of: Option<usize>,
@@ -241,6 +243,7 @@ impl Default for DataConfig {
             max_seq_len: 512,
             train_samples: None,
             range: None,
+            shuffle: true,
             eval_samples: None,
             pad_to_multiple_of: None,
             format: DataFormat::Auto,
@@ -269,6 +272,11 @@ pub struct TrainConfig {
     /// Warm-up as a fraction of all steps (used when warmup_steps is 0).
     pub warmup_ratio: f64,
     pub schedule: crate::schedule::Schedule,
+    /// Optimizer steps the schedule spans (its warm-up ratio and its decay),
+    /// counted from the first step across resumes; default: this run's
+    /// epochs × steps per epoch. Slices of a file (`data.range`) set it to
+    /// all slices' steps together.
+    pub schedule_steps: Option<usize>,
     /// 0 disables clipping.
     pub max_grad_norm: f64,
     /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, or fp16
@@ -397,6 +405,7 @@ impl Default for TrainConfig {
             warmup_steps: 0,
             warmup_ratio: 0.0,
             schedule: crate::schedule::Schedule::Linear,
+            schedule_steps: None,
             max_grad_norm: 1.0,
             dtype: DType::Auto,
             initial_loss_scale: 65536.0,
