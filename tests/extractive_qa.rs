@@ -8,7 +8,7 @@
 //! Bad inputs give clear messages.
 
 mod common;
-use common::{ft, shared_squad, small_bert, text};
+use common::{ft, shared, small_bert, text};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -33,8 +33,11 @@ print(json.dumps(metrics.squad_evaluate(examples, preds, odds, 1.0)))";
 
 #[test]
 fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
-    let squad = shared_squad();
+    let squad = shared::path(shared::SQUAD);
     let model = small_bert(dir.path(), false);
     let out = dir.path().join("run");
     let output = ft()
@@ -71,6 +74,9 @@ fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() 
 
 #[test]
 fn bad_question_answering_inputs_get_clear_messages() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = small_bert(dir.path(), true);
     let run = |args: &[&str]| {

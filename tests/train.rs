@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
-use common::{ft, losses, text};
+use common::{ft, losses, shared, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
@@ -132,7 +132,9 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     let config = dir.path().join("three-heads.json");
     let json = serde_json::json!({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 3, "vocab_size": 128});
     std::fs::write(&config, json.to_string()).unwrap();
-    let squad = common::shared_squad();
+    // Both are refused before any data or tokenizer is read.
+    let squad = dir.path().join("squad.json");
+    std::fs::write(&squad, r#"{"data": []}"#).unwrap();
     let model_args = ["--train-file", squad.to_str().unwrap(), "--tokenizer", "tokenizer.json", "--nproc-per-node", "1"];
     let message = run(&[&["--model", config.to_str().unwrap()][..], &model_args].concat());
     let expected = format!("error: {} (bloom): hidden_size (64) must be a multiple of n_head (3)\n", config.display());
@@ -163,16 +165,19 @@ fn profiled_steps_leave_a_trace_and_a_table_of_op_times() {
 
 #[test]
 fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/squad/squad-v2.0-dev-5-articles.json");
-    let (examples, stats) = ft_data::squad::read(&shared, false, None).unwrap();
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
+    let squad = shared::path(shared::SQUAD);
+    let (examples, stats) = ft_data::squad::read(&squad, false, None).unwrap();
     assert_eq!((stats.articles, stats.questions), (5, 1407));
     assert_eq!(examples.len() + stats.unanswerable_skipped + stats.bad_offsets_skipped, 1407);
     assert_eq!(stats.unanswerable_skipped, 1407 - 705);
-    let (with_unanswerable, _) = ft_data::squad::read(&shared, true, None).unwrap();
+    let (with_unanswerable, _) = ft_data::squad::read(&squad, true, None).unwrap();
     assert_eq!(with_unanswerable.len(), 1407 - stats.bad_offsets_skipped);
 
     // The same data in v1.1's layout: no is_impossible, answerable questions only.
-    let mut v1: Value = serde_json::from_str(&std::fs::read_to_string(&shared).unwrap()).unwrap();
+    let mut v1: Value = serde_json::from_str(&std::fs::read_to_string(&squad).unwrap()).unwrap();
     v1["version"] = "1.1".into();
     for article in v1["data"].as_array_mut().unwrap() {
         for paragraph in article["paragraphs"].as_array_mut().unwrap() {
