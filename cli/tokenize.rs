@@ -57,7 +57,8 @@ pub fn run(args: TokenizeArgs) -> Result<i32> {
         None => hf::resolve(&config.model.source)?.join("tokenizer.json"),
     };
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tokenizer_path.display()))?;
-    let (examples, _) = lm::load(train, &tokenizer, &LoadOptions::new(&config.data, &tokenizer_path))?;
+    let options = LoadOptions { range: config.data.range, ..LoadOptions::new(&config.data, &tokenizer_path) };
+    let (examples, _) = lm::load(train, &tokenizer, &options)?;
     lm::write_jsonl(&examples, &args.out)?;
     let tokens: usize = examples.iter().map(|e| e.input_ids.len()).sum();
     let labelled: usize = examples.iter().map(|e| e.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()).sum();

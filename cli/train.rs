@@ -277,6 +277,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         comm_hook,
         offload: offload.as_ref(),
         config: &config.train,
+        data: &config.data,
         dtype: rank.dtype,
         sinks,
         resolved_config: config.flattened()?,

@@ -1,10 +1,33 @@
 #!/usr/bin/env bash
 # The test suite (what `make test` and CI run): every crate's unit tests,
 # the integration tests and the benches in test mode, then one total line.
+# Tests that read the project's shared test data (tests/shared-files.txt,
+# under ../shared or FT_SHARED_DIR) are skipped without it: one line before
+# the tests says which files are missing and where they were looked for,
+# and the skipped tests are listed after them. FT_REQUIRE_SHARED=1 (CI)
+# stops at once instead when a file is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+
+# One absolute location for every test binary, whatever its working directory.
+export FT_SHARED_DIR="$(realpath -m "${FT_SHARED_DIR:-../shared}")"
+missing=()
+while read -r file; do
+    case "$file" in '' | '#'*) continue ;; esac
+    [ -f "$FT_SHARED_DIR/$file" ] || missing+=("$file")
+done < tests/shared-files.txt
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "${FT_REQUIRE_SHARED:-}" = 1 ]; then
+        echo "FT_REQUIRE_SHARED=1 but the shared test data is missing under $FT_SHARED_DIR: ${missing[*]}" >&2
+        exit 1
+    fi
+    echo "shared test data: ${missing[*]} not under $FT_SHARED_DIR (set FT_SHARED_DIR to where it is): the tests that read them are skipped and listed at the end"
+fi
+
 log="$(mktemp)"
+# Each skipped test appends a line (tests/common/shared.rs).
+export FT_TEST_SKIPS="$(mktemp)"
 # The plug-in tests load the workspace's cdylibs, which `cargo test` does not build.
 cargo build --workspace 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
@@ -13,6 +36,13 @@ if [ "$status" -eq 0 ]; then
     cargo test --workspace --all-targets --no-fail-fast 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
 fi
-awk '/^test result:/ { passed += $4; failed += $6 } END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"
-rm -f "$log"
+# A skipped test passed as far as cargo knows: it is counted as skipped, not passed.
+skipped="$(sort -u "$FT_TEST_SKIPS" | grep -c .)"
+if [ "$skipped" -gt 0 ]; then
+    echo "skipped for want of the shared test data ($skipped):"
+    sort -u "$FT_TEST_SKIPS" | sed 's/^/  /'
+fi
+awk -v skipped="$skipped" '/^test result:/ { passed += $4; failed += $6 }
+    END { printf "tests: %d passed, %d failed, %d skipped\n", passed - skipped, failed, skipped }' "$log"
+rm -f "$log" "$FT_TEST_SKIPS"
 exit "$status"

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Reduction, Tensor};
 
 mod common;
-use common::{ft, text};
+use common::{ft, shared, text};
 
 const SMALL_CONFIG: &str = r#"{
   "model_type": "bert", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
@@ -26,10 +26,6 @@ fn write_small_config(dir: &Path) -> PathBuf {
     let path = dir.join("small.json");
     std::fs::write(&path, SMALL_CONFIG).unwrap();
     path
-}
-
-fn bert_base_config() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/configs/bert-base-uncased/config.json")
 }
 
 /// Runs tests/python/bert_reference.py with `args` under the `python` on PATH.
@@ -198,7 +194,11 @@ fn small_bert_matches_transformers() {
 
 #[test]
 fn bert_base_shape_matches_transformers() {
-    check_parity(&bert_base_config(), &[48, 31]);
+    let bert_base = shared::config("bert-base-uncased");
+    if shared::skipped_without(&[&bert_base]) {
+        return;
+    }
+    check_parity(&shared::path(&bert_base), &[48, 31]);
 }
 
 #[test]

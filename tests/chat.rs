@@ -11,16 +11,12 @@
 
 mod common;
 
-use common::{ft, text};
+use common::{ft, shared, text};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat").join(name)
-}
-
-fn gpt2() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/gpt2/tokenizer.json")
 }
 
 /// chat_reference.py's standard output.
@@ -31,10 +27,11 @@ fn python(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// A tokenizer directory (as transformers saves it) for `template` with its BOS and EOS.
+/// A tokenizer directory (as transformers saves it) for `template` with its
+/// BOS and EOS: GPT-2's from the shared data (the test checks it is there).
 fn tokenizer_dir(dir: &Path, template: &str, bos: &str, eos: &str, in_config: bool) {
     let template = fixture(&format!("{template}.jinja"));
-    let gpt2 = gpt2();
+    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
     let mut args = vec!["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), bos, eos, dir.to_str().unwrap()];
     if in_config {
         args.push("--in-config");
@@ -51,6 +48,9 @@ fn tokenize(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::proce
 
 #[test]
 fn chat_templates_tokenize_as_transformers_applies_them() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let conversations = fixture("conversations.jsonl");
     let cases = [
         ("llama3", "<|begin_of_text|>", "<|eot_id|>", false),
@@ -75,6 +75,9 @@ fn chat_templates_tokenize_as_transformers_applies_them() {
 
 #[test]
 fn chat_template_flag_overrides_and_long_conversations_are_skipped_or_cut() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     tokenizer_dir(dir.path(), "generation", "<|endoftext|>", "<|im_end|>", false);
     let conversations = fixture("conversations.jsonl");
@@ -116,6 +119,9 @@ fn chat_template_flag_overrides_and_long_conversations_are_skipped_or_cut() {
 
 #[test]
 fn prompt_completion_puts_the_loss_on_the_completion() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     tokenizer_dir(dir.path(), "generation", "<|endoftext|>", "<|im_end|>", false);
     let data = dir.path().join("pc.jsonl");
@@ -141,6 +147,9 @@ fn prompt_completion_puts_the_loss_on_the_completion() {
 
 #[test]
 fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     tokenizer_dir(dir.path(), "chatml", "<|endoftext|>", "<|im_end|>", false);
     let good = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}";
@@ -193,6 +202,9 @@ fn tiny_llama(dir: &Path, positions: usize) -> PathBuf {
 
 #[test]
 fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_llama(dir.path(), 256);
     let conversations = fixture("conversations.jsonl");
@@ -235,6 +247,9 @@ fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
 /// seams' labels ignored, the loss normalised by the same tokens).
 #[test]
 fn packed_conversations_train_as_unpacked_ones_do() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_llama(dir.path(), 1024);
     let conversations = fixture("conversations.jsonl");

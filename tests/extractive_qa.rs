@@ -8,7 +8,7 @@
 //! Bad inputs give clear messages.
 
 mod common;
-use common::{ft, shared_squad, small_bert, text};
+use common::{ft, shared, small_bert, text};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -33,8 +33,11 @@ print(json.dumps(metrics.squad_evaluate(examples, preds, odds, 1.0)))";
 
 #[test]
 fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
-    let squad = shared_squad();
+    let squad = shared::path(shared::SQUAD);
     let model = small_bert(dir.path(), false);
     let out = dir.path().join("run");
     let output = ft()
@@ -71,6 +74,9 @@ fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() 
 
 #[test]
 fn bad_question_answering_inputs_get_clear_messages() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = small_bert(dir.path(), true);
     let run = |args: &[&str]| {
@@ -101,6 +107,13 @@ fn bad_question_answering_inputs_get_clear_messages() {
     assert!(log.contains("answer \"river\" is not at offset 9 of its context"), "{log}");
     let predictions: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/predictions.json")).unwrap()).unwrap();
     assert_eq!(predictions["long"], "", "a skipped question predicts no answer");
+    // data.range counts the file's questions, not their windows: 1:6 leaves out the long one.
+    let slice = ["--set", "data.range=1:6", "--set", "train.schedule=constant"];
+    let (ok, log) = run(&[&["--train-file", file.to_str().unwrap(), "--set", "task.doc_stride=16"][..], &slice].concat());
+    assert!(ok && log.contains("data.range 1:6 takes questions 1 to 5 of its 6"), "{log}");
+    assert!(log.contains("small.json: 4 questions from 1 articles (1 with bad offsets skipped)") && !log.contains("too long"), "{log}");
+    let (ok, log) = run(&["--train-file", file.to_str().unwrap(), "--set", "task.doc_stride=16", "--set", "data.range=4:9"]);
+    assert!(!ok && log.contains("data.range 4:9 is not within") && log.contains("small.json: it has 6 questions"), "{log}");
 
     // A tokenizer that cannot make BERT's windows (the demo's byte-level BPE has no [CLS]) is refused up front.
     let bpe = ft_data::demo::write(&dir.path().join("bpe"), 5, 2, 0).unwrap().tokenizer;

@@ -19,7 +19,7 @@ use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 mod common;
-use common::{ft, losses, small_bert, text};
+use common::{ft, losses, shared, small_bert, text};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -131,6 +131,9 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
 /// trained whole (peft's `modules_to_save` for QUESTION_ANS).
 #[test]
 fn bert_question_answering_adapters_load_in_peft_with_their_trained_head() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let scratch = tempfile::tempdir().unwrap();
     let dir = small_bert(scratch.path(), true);
     let base = hf::load_model(&dir).unwrap();

@@ -3,6 +3,9 @@
 //! Qwen2 and Mistral with a sliding window), their exports loading in
 //! transformers, and every loading error's message.
 
+mod common;
+use common::shared;
+
 use ft_core::generate::greedy;
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
 use ft_core::train::loss::{lm_loss, logits};
@@ -360,11 +363,18 @@ for out, fixture in zip(args[::2], args[1::2]):
 
 #[test]
 fn gpt2_tokenizer_loads_and_round_trips() {
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/gpt2");
-    let tokenizer = hf::load_tokenizer(&shared).unwrap();
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+    let tokenizer = hf::load_tokenizer(gpt2.parent().unwrap()).unwrap();
     let encoding = tokenizer.encode("Hello world", false).unwrap();
     assert_eq!(encoding.get_ids(), &[15496, 995]); // GPT-2's ids for "Hello" and " world"
     assert_eq!(tokenizer.decode(encoding.get_ids(), true).unwrap(), "Hello world");
+}
+
+#[test]
+fn a_missing_tokenizer_is_named() {
     let message = format!("{:#}", hf::load_tokenizer(Path::new("/nonexistent")).unwrap_err());
     assert!(message.contains("cannot load /nonexistent/tokenizer.json"), "{message}");
 }

@@ -6,7 +6,7 @@
 //! out-of-memory report.
 
 mod common;
-use common::{ft, text};
+use common::{ft, shared, text};
 use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Model, Registry};
@@ -27,8 +27,16 @@ use ft_strategy_zero1 as _;
 
 const STRATEGIES: [&str; 5] = ["ddp", "full_shard", "hybrid_shard", "shard_grad_op", "zero1"];
 
+/// The shared configs of the decoders users bring most.
+const SHARED_DECODERS: [&str; 3] = ["bloom-560m", "opt-1.3b", "codellama-7b"];
+
 fn shared_config(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/configs").join(name).join("config.json")
+    shared::path(&shared::config(name))
+}
+
+/// Whether the running test is skipped for want of the shared configs of `models`.
+fn skipped_without_configs(models: &[&str]) -> bool {
+    shared::skipped_without(&models.iter().map(|model| shared::config(model)).collect::<Vec<_>>())
 }
 
 /// The decoders users bring: the shared configs, and the shapes of
@@ -36,7 +44,7 @@ fn shared_config(name: &str) -> PathBuf {
 /// Llama-3.2-1B (llama3 RoPE scaling, tied) kept in tests/fixtures/plan/configs.
 fn decoder_configs() -> Vec<(&'static str, PathBuf)> {
     let ours = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan/configs").join(format!("{name}.json"));
-    let mut configs: Vec<(&str, PathBuf)> = ["bloom-560m", "opt-1.3b", "codellama-7b"].into_iter().map(|name| (name, shared_config(name))).collect();
+    let mut configs: Vec<(&str, PathBuf)> = SHARED_DECODERS.into_iter().map(|name| (name, shared_config(name))).collect();
     configs.extend(["qwen2.5-0.5b", "mistral-7b", "llama-3.2-1b"].map(|name| (name, ours(name))));
     configs
 }
@@ -66,6 +74,9 @@ fn setup<'a>(registry: &Registry, strategy: &'a str, offload: &'a str, activatio
 
 #[test]
 fn the_shipped_decoders_are_planned_in_under_a_second() {
+    if skipped_without_configs(&SHARED_DECODERS) {
+        return;
+    }
     let registry = Registry::builtin();
     for (name, config) in decoder_configs() {
         let model = model(&config);
@@ -120,6 +131,9 @@ fn plugin() -> PathBuf {
 
 #[test]
 fn ft_plan_prints_the_table_and_writes_json_with_plugin_rows() {
+    if skipped_without_configs(&SHARED_DECODERS) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("plan.json");
     for (name, config) in decoder_configs() {
@@ -148,6 +162,9 @@ fn ft_plan_prints_the_table_and_writes_json_with_plugin_rows() {
 
 #[test]
 fn ft_plan_refuses_bad_input_with_the_reason() {
+    if skipped_without_configs(&["opt-1.3b"]) {
+        return;
+    }
     let opt = shared_config("opt-1.3b");
     let refused = [
         (vec!["--gpu", "b200"], "unknown --gpu \"b200\": ft knows gh200, h200-nvl, h200"),
@@ -281,6 +298,9 @@ fn model_state_follows_the_zero_paper_for_llama2_70b_on_64_gpus() {
 
 #[test]
 fn multi_node_plans_shard_hybrid_within_a_node_and_pay_for_the_network() {
+    if skipped_without_configs(&["codellama-7b"]) {
+        return;
+    }
     let model = model(&shared_config("codellama-7b"));
     let registry = Registry::builtin();
     let full_shard = setup(&registry, "full_shard", "none", false);
@@ -300,7 +320,12 @@ fn multi_node_plans_shard_hybrid_within_a_node_and_pay_for_the_network() {
             assert!(plan::predict(&work, &slower, &full_shard).unwrap().step_seconds > sharded.step_seconds);
         }
     }
-    // A comm-test report's bus bandwidth replaces the table's: the mean over the reductions and gathers at the largest size.
+}
+
+/// A comm-test report's bus bandwidth replaces the table's: the mean over
+/// the reductions and gathers at the largest size.
+#[test]
+fn a_comm_test_report_replaces_the_tables_bus_bandwidth() {
     let mut cluster = h100s(8, 1);
     let row = |op: &str, bytes: usize, busbw: f64| {
         serde_json::json!({"op": op, "group": "world", "group_size": 8, "bytes": bytes, "elements": bytes / 2, "dtype": "bf16",
@@ -315,6 +340,9 @@ fn multi_node_plans_shard_hybrid_within_a_node_and_pay_for_the_network() {
 
 #[test]
 fn recorded_h200_rows_are_within_the_calibration_bounds() {
+    if skipped_without_configs(&SHARED_DECODERS) {
+        return;
+    }
     // tests/fixtures/plan/h200-bench-rows.json: `ft bench` rows on H200s,
     // transcribed from bench/results/2026-11-22-h200x2-performance.md (tokens/s
     // and peak allocated of calls A, C1 and C2; step_ms = batch x seq / tokens/s).
@@ -351,6 +379,9 @@ fn strategy_auto_trains_with_the_plans_choice() {
 
 #[test]
 fn out_of_memory_is_reported_with_the_prediction_and_what_fits() {
+    if skipped_without_configs(&["codellama-7b"]) {
+        return;
+    }
     let model = model(&shared_config("codellama-7b"));
     let plan = Plan::new(&workload(model.as_ref(), 8, 512), &h100s(8, 1), &Registry::builtin(), Checkpointing::Auto).unwrap();
     let oom = anyhow::anyhow!("CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 79.10 GiB");

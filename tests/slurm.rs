@@ -5,7 +5,7 @@
 //! groups are the nodes, and a requeued job (`--resume auto`) continues.
 
 mod common;
-use common::{shared_squad, small_bert, text, without_launcher_env, FT};
+use common::{shared, small_bert, text, without_launcher_env, FT};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -30,6 +30,9 @@ const FAKE_SCONTROL: &str = "#!/bin/bash\n# scontrol show hostnames NODELIST\nec
 
 #[test]
 fn the_sbatch_example_runs_two_nodes_of_two_ranks_and_resumes_when_requeued() {
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let bin = dir.path().join("bin");
     std::fs::create_dir_all(&bin).unwrap();
@@ -51,8 +54,8 @@ fn the_sbatch_example_runs_two_nodes_of_two_ranks_and_resumes_when_requeued() {
             .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()))
             .env("FT", FT)
             .env("MODEL", &model)
-            .env("TRAIN_FILE", shared_squad())
-            .env("EVAL_FILE", shared_squad())
+            .env("TRAIN_FILE", shared::path(shared::SQUAD))
+            .env("EVAL_FILE", shared::path(shared::SQUAD))
             .env("OUTPUT_DIR", &out)
             .env("SLURM_JOB_ID", "4242")
             .env("SLURM_JOB_NODELIST", "node[01-02]")

@@ -12,7 +12,7 @@ use std::process::Stdio;
 use tch::Tensor;
 
 mod common;
-use common::{ft, losses, shared_squad, small_bert, summary, text};
+use common::{ft, losses, shared, small_bert, summary, text};
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
@@ -40,8 +40,15 @@ enum Workload {
     Bert,
 }
 
-fn shared(path: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data").join(path).display().to_string()
+impl Workload {
+    /// The shared test data it reads.
+    fn shared_files(self) -> &'static [&'static str] {
+        match self {
+            Workload::Bloom => &[],
+            Workload::Llama => &[shared::SQUAD, shared::GPT2_TOKENIZER],
+            Workload::Bert => &[shared::SQUAD],
+        }
+    }
 }
 
 fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
@@ -62,9 +69,9 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
                 "--model",
                 config.to_str().unwrap(),
                 "--train-file",
-                &shared("squad/squad-v2.0-dev-5-articles.json"),
+                shared::path(shared::SQUAD).to_str().unwrap(),
                 "--tokenizer",
-                &shared("tokenizers/gpt2/tokenizer.json"),
+                shared::path(shared::GPT2_TOKENIZER).to_str().unwrap(),
                 "--max-seq-len",
                 "96",
                 "--lr",
@@ -78,7 +85,7 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
         if !model.exists() {
             small_bert(scratch, true);
         }
-        let squad = shared_squad();
+        let squad = shared::path(shared::SQUAD);
         args.extend(
             ["--model", model.to_str().unwrap(), "--train-file", squad.to_str().unwrap(), "--max-seq-len", "96", "--set", "task.doc_stride=32", "--lr", "1e-3"]
                 .map(String::from),
@@ -186,6 +193,9 @@ fn write_ds_config(scratch: &Path) -> PathBuf {
 }
 
 fn every_strategy_equals_the_baseline(workload: Workload) {
+    if shared::skipped_without(workload.shared_files()) {
+        return;
+    }
     let scratch = tempfile::tempdir().unwrap();
     let ds_config = write_ds_config(scratch.path());
     let baseline = train(workload, scratch.path(), "baseline", 1, &[]);
@@ -261,6 +271,9 @@ fn every_strategy_trains_bert_question_answering_like_the_single_process_baselin
 /// checkpoint refused by a run without adapters.
 #[test]
 fn every_strategy_trains_lora_adapters_like_the_single_process_baseline() {
+    if shared::skipped_without(Workload::Llama.shared_files()) {
+        return;
+    }
     let scratch = tempfile::tempdir().unwrap();
     let lora = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down"];
     let with = |flags: &[&str]| -> Vec<String> { lora.iter().chain(flags).map(|f| f.to_string()).collect() };

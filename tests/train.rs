@@ -1,13 +1,14 @@
 //! `ft train` end to end over real processes: determinism, gradient
 //! accumulation and data parallelism against the single-batch baseline, the
-//! embedded demo, and the SQuAD loader on the shared real data.
+//! embedded demo, data slices resumed one after another, and the SQuAD
+//! loader on the shared real data.
 
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
-use common::{ft, losses, text};
+use common::{ft, losses, shared, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
@@ -118,12 +119,22 @@ fn bad_training_input_is_rejected_with_clear_messages() {
     assert!(plan.contains("global batch 32") && plan.contains("\"source\": \"demo\""), "{plan}");
     assert!(run(&["--profile-steps", "3:2"]).contains("the first comes before or is the last"));
     assert!(run(&["--profile-steps", "two"]).contains("is not FIRST:LAST"));
+    // Slices: a malformed range names the key, one outside the file says how
+    // many examples the file has, and a slice asks how long the schedule is.
+    let message = run(&["--set", "data.range=9:3"]);
+    assert!(message.contains("config key `data.range`") && message.contains("END (3) must be greater than START (9)"), "{message}");
+    let message = run(&["--set", "data.range=100000:", "--nproc-per-node", "1"]);
+    assert!(message.contains("data.range 100000: is not within ") && message.contains("demo-train.json: it has 1597 questions"), "{message}");
+    let message = run(&["--set", "data.range=0:48", "--nproc-per-node", "1"]);
+    assert!(message.contains("set train.schedule_steps to the optimizer steps of all slices together"), "{message}");
 
     // Numbers that do not fit together: one line naming the file, the keys and the rule.
     let config = dir.path().join("three-heads.json");
     let json = serde_json::json!({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 3, "vocab_size": 128});
     std::fs::write(&config, json.to_string()).unwrap();
-    let squad = common::shared_squad();
+    // Both are refused before any data or tokenizer is read.
+    let squad = dir.path().join("squad.json");
+    std::fs::write(&squad, r#"{"data": []}"#).unwrap();
     let model_args = ["--train-file", squad.to_str().unwrap(), "--tokenizer", "tokenizer.json", "--nproc-per-node", "1"];
     let message = run(&[&["--model", config.to_str().unwrap()][..], &model_args].concat());
     let expected = format!("error: {} (bloom): hidden_size (64) must be a multiple of n_head (3)\n", config.display());
@@ -154,16 +165,19 @@ fn profiled_steps_leave_a_trace_and_a_table_of_op_times() {
 
 #[test]
 fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/squad/squad-v2.0-dev-5-articles.json");
-    let (examples, stats) = ft_data::squad::read(&shared, false).unwrap();
+    if shared::skipped_without(&[shared::SQUAD]) {
+        return;
+    }
+    let squad = shared::path(shared::SQUAD);
+    let (examples, stats) = ft_data::squad::read(&squad, false, None).unwrap();
     assert_eq!((stats.articles, stats.questions), (5, 1407));
     assert_eq!(examples.len() + stats.unanswerable_skipped + stats.bad_offsets_skipped, 1407);
     assert_eq!(stats.unanswerable_skipped, 1407 - 705);
-    let (with_unanswerable, _) = ft_data::squad::read(&shared, true).unwrap();
+    let (with_unanswerable, _) = ft_data::squad::read(&squad, true, None).unwrap();
     assert_eq!(with_unanswerable.len(), 1407 - stats.bad_offsets_skipped);
 
     // The same data in v1.1's layout: no is_impossible, answerable questions only.
-    let mut v1: Value = serde_json::from_str(&std::fs::read_to_string(&shared).unwrap()).unwrap();
+    let mut v1: Value = serde_json::from_str(&std::fs::read_to_string(&squad).unwrap()).unwrap();
     v1["version"] = "1.1".into();
     for article in v1["data"].as_array_mut().unwrap() {
         for paragraph in article["paragraphs"].as_array_mut().unwrap() {
@@ -177,7 +191,7 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v1.json");
     std::fs::write(&path, v1.to_string()).unwrap();
-    let (v1_examples, v1_stats) = ft_data::squad::read(&path, false).unwrap();
+    let (v1_examples, v1_stats) = ft_data::squad::read(&path, false, None).unwrap();
     assert_eq!(v1_stats.questions, 705);
     assert_eq!(v1_examples, examples);
 }
@@ -251,6 +265,88 @@ fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_c
     assert!(text(&output).contains("exported step 6"), "{}", text(&output));
     let all = train(torn.path(), &resumed);
     assert_eq!(all[all.len() - 6..], expected[6..]);
+}
+
+/// Each optimizer step's number, loss and learning rate in `dir`'s metrics.jsonl.
+fn step_records(dir: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|record| record.get("loss").is_some())
+        .map(|record| (record["step"].as_u64().unwrap(), record["loss"].as_f64().unwrap(), record["lr"].as_f64().unwrap()))
+        .collect()
+}
+
+/// The issue's slice workflow: `data.range` slices of the training file, each
+/// resumed from the last one's checkpoint, train to the same bits as one run
+/// over them — losses, learning rates and final weights (CPU, f32).
+/// The examples go in file order (`data.shuffle=false`): one run's epoch
+/// over 0:96 then visits 0:48 before 48:96, as the slices do, where a
+/// shuffle would mix the halves. The schedule (the demo's linear decay with
+/// a warm-up ratio) spans both slices (`train.schedule_steps` 12), so it is
+/// checked to continue across them. The second slice is also killed and
+/// resumed with its own range, which continues it mid-epoch.
+#[test]
+fn slices_resumed_one_after_the_other_train_as_one_run_over_them() {
+    let flags = |range: &str| -> Vec<String> {
+        let fixed = ["--nproc-per-node", "2", "--batch-size", "4", "--set", "data.shuffle=false", "--set", "train.schedule_steps=12"];
+        let mut flags: Vec<String> = fixed.iter().map(|f| f.to_string()).collect();
+        flags.extend(["--set".into(), format!("data.range={range}"), "--save-every".into(), "2".into(), "--save-total-limit".into(), "0".into()]);
+        flags
+    };
+    let command = |dir: &Path, range: &str, extra: &[&str]| {
+        let flags = flags(range);
+        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+        all.extend(extra);
+        train_command(dir, &all)
+    };
+    let run = |dir: &Path, range: &str, extra: &[&str]| command(dir, range, extra).output().unwrap();
+    let succeeded = |output: Output| {
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        log
+    };
+    let whole = tempfile::tempdir().unwrap();
+    succeeded(run(whole.path(), "0:96", &[]));
+    let expected = step_records(whole.path());
+    assert_eq!(expected.len(), 12);
+
+    let sliced = tempfile::tempdir().unwrap();
+    succeeded(run(sliced.path(), "0:48", &[]));
+    assert_eq!(step_records(sliced.path()), expected[..6], "the first slice is the first half of the one run");
+    // Resumed with its own range, the finished first slice has nothing left.
+    let log = succeeded(run(sliced.path(), "0:48", &["--resume", "latest"]));
+    assert!(log.contains("nothing left to train: checkpoint step-00000006 already completed 1 epoch(s)"), "{log}");
+
+    // The second slice starts at its first example, and is killed after step 11.
+    let killed = command(sliced.path(), "48:96", &["--resume", "latest"]).env("FT_FAULT_INJECT", "after-step:11").output().unwrap();
+    let log = text(&killed);
+    assert!(!killed.status.success() && log.contains("FT_FAULT_INJECT: aborting"), "{log}");
+    let switched = "this run trains another slice than the checkpoint (data.range 48:96 after 0:48): it starts at the slice's first example, \
+                    epoch 1, and continues the weights, optimizer state, step count and learning-rate schedule from step 6";
+    assert!(log.contains(switched), "{log}");
+    // Checkpoint 8 is finished before checkpoint 10 starts; 10 may still be in flight.
+    let finished: Vec<String> = steps_saved(sliced.path()).into_iter().filter(|n| !n.starts_with('.')).collect();
+    let from = match finished.last().map(String::as_str) {
+        Some("step-00000010") => 10,
+        Some("step-00000008") => 8,
+        other => panic!("the latest checkpoint after the crash: {other:?} of {finished:?}"),
+    };
+    let log = succeeded(run(sliced.path(), "48:96", &["--resume", "latest"]));
+    assert!(!log.contains("another slice"), "the same range continues mid-slice: {log}");
+
+    let records = step_records(sliced.path());
+    assert_eq!(records[..11], expected[..11], "slice two continues the step count, schedule and training of slice one");
+    assert_eq!(records[11..], expected[from..], "slice two resumed mid-epoch from step {from}");
+    let final_weights = |dir: &Path| -> std::collections::HashMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(dir.join("final/model.safetensors")).unwrap().into_iter().collect()
+    };
+    let (by_slices, by_one_run) = (final_weights(sliced.path()), final_weights(whole.path()));
+    assert_eq!(by_slices.len(), by_one_run.len());
+    for (name, weight) in &by_slices {
+        assert!(weight.equal(&by_one_run[name]), "{name}: the slices' final weights differ from the one run's");
+    }
 }
 
 #[test]
@@ -380,7 +476,7 @@ fn early_stopping_and_the_best_checkpoints_follow_the_monitored_score() {
     let mut names: Vec<String> = std::fs::read_dir(best.path().join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     let newest = names.iter().rfind(|n| n.starts_with("step-")).unwrap().clone();
-    assert_eq!(newest, format!("step-{:08}", steps - steps % 3), "the newest checkpoint is kept for resuming: {names:?}");
+    assert_eq!(newest, format!("step-{steps:08}"), "the run's last step is saved and kept for resuming: {names:?}");
     assert!(names.iter().filter(|n| n.starts_with("step-")).count() <= 2, "save_total_limit 1 plus the best: {names:?}");
     // The learning rate is recorded at every step.
     let records = std::fs::read_to_string(best.path().join("metrics.jsonl")).unwrap();

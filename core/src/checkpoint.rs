@@ -1,9 +1,10 @@
 //! Checkpoints: a directory per save, `<output>/checkpoints/step-NNNNNNNN/`,
 //! holding one safetensors file per rank (`rank-00003-of-00004.safetensors`:
 //! the elements of each unit's fp32 master and AdamW moments that rank
-//! owns), `manifest.json` (step, data cursor, world, strategy, shard group,
-//! each unit's parameters with their offsets in its flat buffer and which
-//! element range each file holds, model config) and the tokenizer. Every
+//! owns), `manifest.json` (step, data cursor and the `data.range` it walks,
+//! world, strategy, shard group, each unit's parameters with their offsets
+//! in its flat buffer and which element range each file holds, model
+//! config) and the tokenizer. Every
 //! rank writes its own part in parallel — nothing is gathered — and a reader
 //! of any world size and strategy reads only the ranges it owns (the
 //! safetensors header gives each tensor's offset). A save is written into a
@@ -110,6 +111,10 @@ pub struct Manifest {
     pub epoch: usize,
     pub epoch_step: usize,
     pub micro_steps: i64,
+    /// The training file's examples the cursor walks (`data.range`; None:
+    /// all, and every checkpoint from before ranges).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_range: Option<crate::config::DataRange>,
     pub world_size: usize,
     /// The strategy that wrote it (any strategy and world size can read it).
     pub strategy: String,

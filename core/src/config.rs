@@ -90,8 +90,14 @@ pub struct DataConfig {
     /// tokenizer.json (default: the model directory's).
     pub tokenizer: Option<std::path::PathBuf>,
     pub max_seq_len: usize,
-    /// Use the first N training examples (None: all).
+    /// Use the first N training examples (None: all); with `range`, the first N of the range.
     pub train_samples: Option<usize>,
+    /// Train on the training file's examples [start, end) in file order
+    /// (`"5000:10000"`, `"5000:"` to the end): one slice of a large file,
+    /// the next resumed from its checkpoint (README, "Data slices").
+    pub range: Option<DataRange>,
+    /// Visit the training examples in a new seeded order each epoch; false: in file order.
+    pub shuffle: bool,
     pub eval_samples: Option<usize>,
     /// Round padded lengths up to a multiple of this (default: 64 on GPU, 1 on CPU).
     pub pad_to_multiple_of: Option<usize>,
@@ -107,6 +113,101 @@ pub struct DataConfig {
     /// Several training examples in one row of max_seq_len tokens, kept
     /// apart (positions restart, attention stays inside each): causal LMs.
     pub packing: bool,
+}
+
+/// `data.range`: the training file's examples [start, end) in the order
+/// the file holds them. What an example is depends on the format: a SQuAD
+/// question, a JSONL line, a packed text sequence (README, "Data slices").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataRange {
+    pub start: usize,
+    /// None: to the end of the file.
+    pub end: Option<usize>,
+}
+
+impl DataRange {
+    /// Whether the example at `position` in the file is in the range.
+    pub fn contains(&self, position: usize) -> bool {
+        position >= self.start && self.end.is_none_or(|end| position < end)
+    }
+
+    /// The positions the range takes of a file of `len` examples; a range
+    /// that leaves the file, or takes nothing of it, is an error saying how
+    /// many `examples` (e.g. "questions") `file` has.
+    pub fn positions(&self, len: usize, file: &Path, examples: &str) -> Result<std::ops::Range<usize>> {
+        let end = self.end.unwrap_or(len);
+        if self.start >= len || end > len {
+            bail!(
+                "data.range {self} is not within {}: it has {len} {examples} (data.range takes START:END of them, counted from 0)",
+                file.display()
+            );
+        }
+        Ok(self.start..end)
+    }
+
+    /// What the range takes of `file`'s `total` `examples`, for the log.
+    pub fn describe(&self, total: usize, file: &Path, examples: &str) -> String {
+        let last = self.end.unwrap_or(total).saturating_sub(1);
+        format!("{}: data.range {self} takes {examples} {} to {last} of its {total}", file.display(), self.start)
+    }
+
+    /// The items of `all` (a file's examples in order) in the range; an
+    /// error as [`DataRange::positions`] says.
+    pub fn select<T>(&self, mut all: Vec<T>, file: &Path, examples: &str) -> Result<Vec<T>> {
+        let positions = self.positions(all.len(), file, examples)?;
+        all.truncate(positions.end);
+        all.drain(..positions.start);
+        Ok(all)
+    }
+}
+
+impl std::str::FromStr for DataRange {
+    type Err = String;
+    fn from_str(text: &str) -> std::result::Result<DataRange, String> {
+        let malformed = || format!("{text:?} is not START:END: {RANGE_FORM}");
+        let (start, end) = text.split_once(':').ok_or_else(malformed)?;
+        let number = |part: &str| part.trim().parse::<usize>().map_err(|_| malformed());
+        let start = if start.trim().is_empty() { 0 } else { number(start)? };
+        let end = if end.trim().is_empty() { None } else { Some(number(end)?) };
+        if let Some(end) = end.filter(|&end| end <= start) {
+            return Err(format!("{text:?} takes no example: END ({end}) must be greater than START ({start})"));
+        }
+        Ok(DataRange { start, end })
+    }
+}
+
+/// How `data.range` is written, for its error messages.
+const RANGE_FORM: &str = "the training file's examples START to END (END not included, counted from 0), e.g. \"5000:10000\", or \"5000:\" to the end of the file";
+
+impl std::fmt::Display for DataRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.end {
+            Some(end) => write!(f, "{}:{end}", self.start),
+            None => write!(f, "{}:", self.start),
+        }
+    }
+}
+
+impl Serialize for DataRange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DataRange {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<DataRange, D::Error> {
+        struct RangeText;
+        impl serde::de::Visitor<'_> for RangeText {
+            type Value = DataRange;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "START:END, {RANGE_FORM}")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> std::result::Result<DataRange, E> {
+                text.parse().map_err(E::custom)
+            }
+        }
+        deserializer.deserialize_str(RangeText)
+    }
 }
 
 /// What a data file holds (`data.format`).
@@ -144,6 +245,8 @@ impl Default for DataConfig {
             tokenizer: None,
             max_seq_len: 512,
             train_samples: None,
+            range: None,
+            shuffle: true,
             eval_samples: None,
             pad_to_multiple_of: None,
             format: DataFormat::Auto,
@@ -173,6 +276,11 @@ pub struct TrainConfig {
     /// Warm-up as a fraction of all steps (used when warmup_steps is 0).
     pub warmup_ratio: f64,
     pub schedule: crate::schedule::Schedule,
+    /// Optimizer steps the schedule spans (its warm-up ratio and its decay),
+    /// counted from the first step across resumes; default: this run's
+    /// epochs × steps per epoch. Slices of a file (`data.range`) set it to
+    /// all slices' steps together.
+    pub schedule_steps: Option<usize>,
     /// 0 disables clipping.
     pub max_grad_norm: f64,
     /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, or fp16
@@ -301,6 +409,7 @@ impl Default for TrainConfig {
             warmup_steps: 0,
             warmup_ratio: 0.0,
             schedule: crate::schedule::Schedule::Linear,
+            schedule_steps: None,
             max_grad_norm: 1.0,
             dtype: DType::Auto,
             initial_loss_scale: 65536.0,
@@ -618,6 +727,46 @@ mod tests {
         assert!(err.contains("unknown config key `dist.timout_secs` in TOML file"), "{err}");
         assert!(err.contains("did you mean `timeout_secs`?"), "{err}");
         assert!(err.contains("ft.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_data_range_is_start_colon_end_or_open_ended() {
+        let range = |text: &str| Config::load_with_env(None, &[("data.range", text.into())], no_env()).map(|c| c.data.range.unwrap());
+        assert_eq!(range("5000:10000").unwrap(), DataRange { start: 5000, end: Some(10000) });
+        assert_eq!(range("5000:").unwrap(), DataRange { start: 5000, end: None });
+        assert_eq!(range(":300").unwrap(), DataRange { start: 0, end: Some(300) });
+        for (text, expected) in [
+            ("5000-10000", "is not START:END"),
+            ("a:b", "is not START:END"),
+            ("-5:10", "is not START:END"),
+            ("10:5", "takes no example: END (5) must be greater than START (10)"),
+            ("7:7", "takes no example"),
+        ] {
+            let err = range(text).unwrap_err().to_string();
+            assert!(err.contains("config key `data.range`") && err.contains(expected), "{text}: {err}");
+        }
+        let err = Config::load_with_env(None, &[("data.range", 5000.into())], no_env()).unwrap_err().to_string();
+        assert!(err.contains("config key `data.range`") && err.contains("expected START:END"), "{err}");
+        // What a checkpoint's manifest records reads back the same.
+        for text in ["5000:10000", "5000:"] {
+            let parsed: DataRange = serde_json::from_value(serde_json::Value::from(text)).unwrap();
+            assert_eq!(serde_json::to_value(parsed).unwrap(), text);
+        }
+    }
+
+    #[test]
+    fn a_data_range_selects_in_file_order_or_says_how_many_examples_the_file_has() {
+        let file = Path::new("train.jsonl");
+        let slice = |text: &str| text.parse::<DataRange>().unwrap().select((0..10).collect(), file, "lines");
+        assert_eq!(slice("2:5").unwrap(), vec![2, 3, 4]);
+        assert_eq!(slice("8:").unwrap(), vec![8, 9]);
+        assert_eq!(slice("0:10").unwrap(), (0..10).collect::<Vec<_>>());
+        for outside in ["5:11", "10:", "12:20"] {
+            let err = slice(outside).unwrap_err().to_string();
+            assert!(err.contains(&format!("data.range {outside} is not within train.jsonl: it has 10 lines")), "{err}");
+        }
+        let range: DataRange = "3:5".parse().unwrap();
+        assert_eq!((0..7).filter(|&p| range.contains(p)).collect::<Vec<_>>(), vec![3, 4]);
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.lr.is_nan() || t.lr <= 0.0 {
         bail!("train.lr must be positive (got {})", t.lr);
     }
+    if t.schedule_steps == Some(0) {
+        bail!("train.schedule_steps must be at least 1: the optimizer steps the learning-rate schedule spans");
+    }
     if config.data.max_seq_len < 8 {
         bail!("data.max_seq_len must be at least 8 (got {})", config.data.max_seq_len);
     }

@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod shared;
+
 pub const FT: &str = env!("CARGO_BIN_EXE_ft");
 
 /// Removes what would make a process think a launcher started it (a test
@@ -29,12 +31,8 @@ pub fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
-/// The shared SQuAD v2.0 dev subset (5 articles, 1,407 questions).
-pub fn shared_squad() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/squad/squad-v2.0-dev-5-articles.json")
-}
-
-/// A small BERT (no dropout when `deterministic`) with a WordPiece vocabulary trained on the shared file.
+/// A small BERT (no dropout when `deterministic`) with a WordPiece
+/// vocabulary trained on the shared SQuAD file (the test checks it is there).
 pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
     let config = dir.join("bert-config.json");
     let dropout = if deterministic { 0.0 } else { 0.1 };
@@ -48,7 +46,7 @@ pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
     let model = dir.join("bert");
     let output = ft()
         .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-        .args(["--train-tokenizer", shared_squad().to_str().unwrap(), "--vocab-size", "3000"])
+        .args(["--train-tokenizer", shared::path(shared::SQUAD).to_str().unwrap(), "--vocab-size", "3000"])
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));

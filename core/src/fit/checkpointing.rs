@@ -1,8 +1,13 @@
 //! Checkpoints as the loop sees them: resume from `train.resume`, save
-//! every `train.save_every` steps with the data cursor that continues the
-//! run exactly, and keep the best `train.save_best` epochs by the monitored
-//! score besides the newest `train.save_total_limit`. The file format and
-//! the atomic save are checkpoint.rs.
+//! every `train.save_every` steps and at the run's end with the data cursor
+//! that continues the run exactly, and keep the best `train.save_best`
+//! epochs by the monitored score besides the newest `train.save_total_limit`.
+//! The file format and the atomic save are checkpoint.rs.
+//!
+//! A checkpoint records the `data.range` it trained on. Resuming with the
+//! same range continues mid-epoch where it stopped; with another (the next
+//! slice of a file) the weights, optimizer state, step count and schedule
+//! continue and the new slice starts at its first example.
 //!
 //! A periodic save blocks training only while it copies the rank's state
 //! into host buffers kept for the run (pinned on a GPU); a thread writes the
@@ -15,7 +20,7 @@ use super::monitor::Monitor;
 use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
-use crate::config::TrainConfig;
+use crate::config::{DataRange, TrainConfig};
 use crate::comm_hook::{Resharded, WorldChange};
 use crate::registry::CommRecord;
 use crate::train::Trainer;
@@ -44,6 +49,8 @@ pub(crate) struct Cursor {
 pub(crate) struct Checkpointer<'a> {
     plan: CheckpointPlan<'a>,
     config: &'a TrainConfig,
+    /// The training file's examples this run trains on (`data.range`; None: all).
+    data_range: Option<DataRange>,
     strategy: &'a str,
     world: usize,
     /// The communication hook, as checkpoints record it.
@@ -60,10 +67,18 @@ pub(crate) struct Checkpointer<'a> {
 }
 
 impl<'a> Checkpointer<'a> {
-    pub fn new(plan: CheckpointPlan<'a>, config: &'a TrainConfig, strategy: &'a str, world: usize, comm: CommRecord, monitor: Option<Monitor>) -> Result<Checkpointer<'a>> {
+    pub fn new(
+        plan: CheckpointPlan<'a>,
+        config: &'a TrainConfig,
+        data_range: Option<DataRange>,
+        strategy: &'a str,
+        world: usize,
+        comm: CommRecord,
+        monitor: Option<Monitor>,
+    ) -> Result<Checkpointer<'a>> {
         // A resumed run goes on ranking against the checkpoints it kept.
         let best = if config.save_best > 0 && config.resume.is_some() { checkpoint::read_best(plan.output)? } else { vec![] };
-        Ok(Checkpointer { plan, config, strategy, world, comm, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
+        Ok(Checkpointer { plan, config, data_range, strategy, world, comm, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
     }
 
     /// The best checkpoint kept so far.
@@ -71,7 +86,9 @@ impl<'a> Checkpointer<'a> {
         self.best.first()
     }
 
-    /// Restores `trainer` from `train.resume` when set; where the run continues.
+    /// Restores `trainer` from `train.resume` when set; where the run
+    /// continues: the checkpoint's data cursor when it trained the same
+    /// `data.range`, else the first example of this run's range.
     pub fn resume(&self, trainer: &mut Trainer, rank: usize) -> Result<Cursor> {
         let Some(spec) = &self.config.resume else { return Ok(Cursor::default()) };
         // `auto` (a requeued job's habit): the latest checkpoint if there is one.
@@ -87,18 +104,32 @@ impl<'a> Checkpointer<'a> {
         trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, steps, micro_steps, loss_scale.as_ref())?;
         self.resume_comm_state(&mut reader, trainer, rank)?;
         let manifest = reader.manifest();
-        let cursor = Cursor { epoch: manifest.epoch, epoch_step: manifest.epoch_step, step: manifest.step };
+        let same_slice = manifest.data_range == self.data_range;
+        let cursor = match same_slice {
+            true => Cursor { epoch: manifest.epoch, epoch_step: manifest.epoch_step, step: manifest.step },
+            false => Cursor { epoch: 0, epoch_step: 0, step: manifest.step },
+        };
         if rank == 0 {
             let (gb, seconds) = (reader.read_bytes() as f64 / 1e9, started.elapsed().as_secs_f64());
             tracing::info!(
                 "resumed from {} at step {} (epoch {}, batch {}); rank 0 read {gb:.3} GB from {} state file(s) in {seconds:.2} s ({:.2} GB/s)",
                 dir.display(),
-                cursor.step,
-                cursor.epoch + 1,
-                cursor.epoch_step,
+                manifest.step,
+                manifest.epoch + 1,
+                manifest.epoch_step,
                 manifest.files.len(),
                 gb / seconds.max(1e-9)
             );
+            if !same_slice {
+                let range = |range: Option<DataRange>| range.map_or("the whole file".to_string(), |r| r.to_string());
+                tracing::info!(
+                    "this run trains another slice than the checkpoint (data.range {} after {}): it starts at the slice's first example, \
+                     epoch 1, and continues the weights, optimizer state, step count and learning-rate schedule from step {}",
+                    range(self.data_range),
+                    range(manifest.data_range),
+                    manifest.step
+                );
+            }
         }
         Ok(cursor)
     }
@@ -143,6 +174,17 @@ impl<'a> Checkpointer<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Saves the run's last step (`end`) when checkpoints are on and it is
+    /// not saved yet, as Hugging Face's Trainer does, so that the next run
+    /// (more epochs, the next slice of the file) resumes where this one
+    /// ended; then finishes every save (collective).
+    pub fn after_run(&mut self, trainer: &Trainer, end: Cursor, comm: &Communicator) -> Result<()> {
+        if self.config.save_every > 0 {
+            self.save(trainer, end, comm, true)?;
+        }
+        self.finish(comm)
     }
 
     /// Finishes a save every rank has written; saves when `next.step` is due.
@@ -221,6 +263,7 @@ impl<'a> Checkpointer<'a> {
             epoch: next.epoch,
             epoch_step: next.epoch_step,
             micro_steps: trainer.micro_steps(),
+            data_range: self.data_range,
             world_size: self.world,
             strategy: self.strategy.into(),
             shard_group_size: trainer.shard_group_size(),

@@ -28,8 +28,9 @@ pub(crate) struct RunLog<'a> {
 }
 
 impl<'a> RunLog<'a> {
-    pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, total_steps: usize, log_every: usize) -> RunLog<'a> {
-        let progress = indicatif::ProgressBar::new(total_steps as u64);
+    /// A log for a run that ends at optimizer step `last_step` (where the progress bar ends).
+    pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, log_every: usize) -> RunLog<'a> {
+        let progress = indicatif::ProgressBar::new(last_step as u64);
         match indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed} < {eta}]") {
             Ok(style) if comm.env().rank == 0 => progress.set_style(style),
             _ => progress.set_draw_target(indicatif::ProgressDrawTarget::hidden()),

@@ -19,12 +19,12 @@ pub use summary::{EpochResult, RankMemory, Summary};
 use crate::batches::{epoch_order, BatchLayout};
 use crate::comm::Communicator;
 use crate::comm_hook::CommHook;
-use crate::config::TrainConfig;
+use crate::config::{DataConfig, DataRange, TrainConfig};
 use crate::dataset::Dataset;
 use crate::metrics::MetricsSink;
 use crate::model::Model;
 use crate::offload::Offload;
-use crate::schedule::lr_at;
+use crate::schedule::{lr_at, Schedule};
 use crate::strategy::ShardingStrategy;
 use crate::task::{Objective, Task};
 use crate::train::{DataParallel, TrainOptions, Trainer, TrainerBuilder};
@@ -47,6 +47,9 @@ pub struct Fit<'a> {
     pub comm_hook: (Box<dyn CommHook>, crate::registry::CommRecord),
     pub offload: &'a dyn Offload,
     pub config: &'a TrainConfig,
+    /// Which of the training file's examples the task's training set is
+    /// (`data.range`, recorded in checkpoints) and whether epochs shuffle them.
+    pub data: &'a DataConfig,
     pub dtype: Kind,
     pub sinks: Vec<Box<dyn MetricsSink>>,
     /// The run's whole configuration as dotted keys (`Config::flattened`), for the sinks.
@@ -54,16 +57,18 @@ pub struct Fit<'a> {
     pub checkpoints: CheckpointPlan<'a>,
 }
 
-/// How many steps a run has, from the training set's size.
+/// How many steps a run has, from the training set's size, and how many
+/// its learning-rate schedule spans.
+#[derive(Debug)]
 struct StepPlan {
     layout: BatchLayout,
     steps_per_epoch: usize,
-    total_steps: usize,
+    schedule_steps: usize,
     warmup_steps: usize,
 }
 
 impl StepPlan {
-    fn new(config: &TrainConfig, world: usize, examples: usize) -> Result<StepPlan> {
+    fn new(config: &TrainConfig, range: Option<DataRange>, world: usize, examples: usize) -> Result<StepPlan> {
         let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world };
         let steps_per_epoch = layout.steps_per_epoch(examples);
         if steps_per_epoch == 0 {
@@ -74,10 +79,35 @@ impl StepPlan {
                 config.grad_accum
             );
         }
-        let total_steps = steps_per_epoch * config.epochs;
-        let warmup_steps =
-            if config.warmup_steps > 0 { config.warmup_steps } else { (config.warmup_ratio * total_steps as f64).ceil() as usize };
-        Ok(StepPlan { layout, steps_per_epoch, total_steps, warmup_steps })
+        let run_steps = steps_per_epoch * config.epochs;
+        let warmup_by_ratio = config.warmup_steps == 0 && config.warmup_ratio > 0.0;
+        let schedule_steps = match (config.schedule_steps, range) {
+            (Some(steps), _) => steps,
+            // A slice's own steps are not the schedule's length: the slices after it continue the schedule.
+            (None, Some(range)) if config.schedule != Schedule::Constant || warmup_by_ratio => {
+                let what = match config.schedule {
+                    Schedule::Constant => "its warm-up ratio",
+                    Schedule::Linear => "its linear decay",
+                    Schedule::Cosine => "its cosine decay",
+                };
+                bail!(
+                    "data.range {range} trains one slice of the file, and the learning-rate schedule ({what}) spans all slices: \
+                     set train.schedule_steps to the optimizer steps of all slices together (this slice has {run_steps}: \
+                     {steps_per_epoch} per epoch x {} epoch(s)), or use train.schedule=constant with train.warmup_steps instead of train.warmup_ratio",
+                    config.epochs
+                )
+            }
+            (None, _) => run_steps,
+        };
+        let warmup_steps = if warmup_by_ratio { (config.warmup_ratio * schedule_steps as f64).ceil() as usize } else { config.warmup_steps };
+        Ok(StepPlan { layout, steps_per_epoch, schedule_steps, warmup_steps })
+    }
+
+    /// The step a run ends at when it starts at global batch `epoch_step` of
+    /// `epoch` (before `train.epochs`) after `step` steps; a cursor past the
+    /// epoch's batches (a resume with a larger global batch) goes on to the next epoch.
+    fn last_step(&self, config: &TrainConfig, Cursor { epoch, epoch_step, step }: Cursor) -> usize {
+        step + self.steps_per_epoch.saturating_sub(epoch_step) + (config.epochs - epoch - 1) * self.steps_per_epoch
     }
 }
 
@@ -128,9 +158,9 @@ fn train_step(
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, dtype, sinks, resolved_config, checkpoints } = fit;
+    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
-    let plan = StepPlan::new(config, world, task.train_set().len())?;
+    let plan = StepPlan::new(config, data.range, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
         .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))?;
@@ -140,8 +170,9 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
 
     let monitor = Monitor::from_config(config);
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
-    let mut checkpointer = Checkpointer::new(checkpoints, config, strategy.name(), world, comm_record, monitor)?;
-    let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = checkpointer.resume(&mut trainer, rank)?;
+    let mut checkpointer = Checkpointer::new(checkpoints, config, data.range, strategy.name(), world, comm_record, monitor)?;
+    let resumed = checkpointer.resume(&mut trainer, rank)?;
+    let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = resumed;
     if first_epoch >= config.epochs {
         if rank == 0 {
             tracing::info!(
@@ -152,23 +183,31 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         }
         return Ok(None);
     }
+    let last_step = plan.last_step(config, resumed);
+    if last_step > plan.schedule_steps && config.schedule != Schedule::Constant && rank == 0 {
+        tracing::warn!(
+            "this run ends at step {last_step}, past the {} steps of its learning-rate schedule (train.schedule_steps): steps after {} train at learning rate 0",
+            plan.schedule_steps,
+            plan.schedule_steps
+        );
+    }
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
-    let mut log = RunLog::new(sinks, comm, offload.to_host(), plan.total_steps, config.log_every);
+    let mut log = RunLog::new(sinks, comm, offload.to_host(), last_step, config.log_every);
     log.params(&resolved_config)?;
     let sampler = match device {
         Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
         _ => None,
     };
-    let (mut epochs, mut stopped_early) = (vec![], None);
+    let (mut epochs, mut stopped_early, mut end) = (vec![], None, resumed);
     for epoch in first_epoch..config.epochs {
-        let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, true);
+        let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, data.shuffle);
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
         for epoch_step in start..plan.steps_per_epoch {
             profiler.before_step(step + 1)?;
             let started = Instant::now();
             // Dropout's masks follow from (seed, step), so a resumed run repeats them.
             tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
-            let lr = lr_at(config.schedule, config.lr, step, plan.total_steps, plan.warmup_steps);
+            let lr = lr_at(config.schedule, config.lr, step, plan.schedule_steps, plan.warmup_steps);
             let offloaded_before = trainer.offload_stats();
             let sent_before = comm.bytes_sent();
             let outcome =
@@ -189,7 +228,8 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         let evaluation = evaluate(model, &params, task, comm, config.eval_batch_size, dtype)?;
         drop(params);
         let result = log.after_epoch(epoch + 1, step, &evaluation)?;
-        checkpointer.after_epoch(&trainer, Cursor { epoch: epoch + 1, epoch_step: 0, step }, &result, comm)?;
+        end = Cursor { epoch: epoch + 1, epoch_step: 0, step };
+        checkpointer.after_epoch(&trainer, end, &result, comm)?;
         let stop = early_stopping.as_mut().map(|e| e.should_stop(&result)).transpose()?.unwrap_or(false);
         epochs.push(result);
         if stop {
@@ -200,8 +240,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             break;
         }
     }
-    // The last save in flight is finished before the run is.
-    checkpointer.finish(comm)?;
+    checkpointer.after_run(&trainer, end, comm)?;
     let utilisation = sampler.and_then(|s| s.finish());
     let peak_flops = config.peak_tflops.map(|tflops| tflops * 1e12);
     let mut summary = Summary::gather(
@@ -221,4 +260,31 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     summary.best_checkpoint = checkpointer.best().cloned();
     log.finish(&summary)?;
     Ok(Some((summary, trainer.params()?)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slice_of_the_file_needs_the_schedules_length_unless_nothing_depends_on_it() {
+        let slice = Some("0:96".parse().unwrap());
+        let linear = TrainConfig { batch_size: 4, epochs: 1, warmup_ratio: 0.25, ..TrainConfig::default() };
+        let err = StepPlan::new(&linear, slice, 2, 96).unwrap_err().to_string();
+        assert!(err.contains("data.range 0:96 trains one slice of the file, and the learning-rate schedule (its linear decay)"), "{err}");
+        assert!(err.contains("set train.schedule_steps") && err.contains("this slice has 12: 12 per epoch x 1 epoch(s)"), "{err}");
+        let spanning = TrainConfig { schedule_steps: Some(120), ..linear.clone() };
+        let plan = StepPlan::new(&spanning, slice, 2, 96).unwrap();
+        assert_eq!((plan.steps_per_epoch, plan.schedule_steps, plan.warmup_steps), (12, 120, 30), "the warm-up ratio is of the schedule's steps");
+        // One run over the whole file: its own steps.
+        let plan = StepPlan::new(&linear, None, 2, 96).unwrap();
+        assert_eq!((plan.schedule_steps, plan.warmup_steps), (12, 3));
+        assert_eq!(plan.last_step(&linear, Cursor { epoch: 0, epoch_step: 5, step: 40 }), 47);
+        assert_eq!(plan.last_step(&linear, Cursor { epoch: 0, epoch_step: 20, step: 40 }), 40);
+        // A constant rate after a warm-up of fixed steps does not depend on the length; a ratio does.
+        let constant = TrainConfig { schedule: Schedule::Constant, warmup_ratio: 0.0, warmup_steps: 3, ..linear };
+        assert_eq!(StepPlan::new(&constant, slice, 2, 96).unwrap().warmup_steps, 3);
+        let err = StepPlan::new(&TrainConfig { warmup_steps: 0, warmup_ratio: 0.25, ..constant }, slice, 2, 96).unwrap_err().to_string();
+        assert!(err.contains("(its warm-up ratio)"), "{err}");
+    }
 }

@@ -190,7 +190,7 @@ mod tests {
         for name in ["demo-train.json", "demo-eval.json", "tokenizer.json"] {
             assert_eq!(std::fs::read(a.path().join(name)).unwrap(), std::fs::read(b.path().join(name)).unwrap(), "{name}");
         }
-        let (train, stats) = crate::squad::read(&files.train, false).unwrap();
+        let (train, stats) = crate::squad::read(&files.train, false, None).unwrap();
         assert_eq!(stats.bad_offsets_skipped, 0);
         assert!(train.len() >= 90 && train.iter().all(|e| e.context.contains(&e.answers[0])));
         let tokenizer = tokenizers::Tokenizer::from_file(&files.tokenizer).unwrap();

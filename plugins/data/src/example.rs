@@ -3,6 +3,7 @@
 //! lines with errors that name the file and line.
 
 use anyhow::{Context as _, Result};
+use ft_core::config::DataRange;
 pub use ft_core::train::loss::IGNORE_INDEX;
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -57,6 +58,16 @@ pub fn ids(tokenizer: &Tokenizer, text: &str, special: bool) -> Result<Vec<i64>>
 /// The end-of-text token: the tokenizer's `<|endoftext|>`, `</s>` or `<eos>`, whichever it has.
 pub fn eos_id(tokenizer: &Tokenizer) -> Option<i64> {
     ["<|endoftext|>", "</s>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t)).map(|id| id as i64)
+}
+
+/// The examples of `all` (`file`'s `examples`, in file order) that `range`
+/// (`data.range`) takes, said in the log; all of them without one.
+pub fn in_range<T>(range: Option<DataRange>, all: Vec<T>, file: &Path, examples: &str) -> Result<Vec<T>> {
+    let Some(range) = range else { return Ok(all) };
+    let total = all.len();
+    let selected = range.select(all, file, examples)?;
+    tracing::info!("{}", range.describe(total, file, examples));
+    Ok(selected)
 }
 
 /// A JSONL file's non-blank lines, parsed as `T`, with their line numbers (from 1).

@@ -7,11 +7,11 @@
 //! detected from the file.
 
 use crate::chat::{self, ChatTemplate};
-use crate::example::{eos_id, ids, jsonl, Example, Skipped, IGNORE_INDEX};
+use crate::example::{eos_id, ids, in_range, jsonl, Example, Skipped, IGNORE_INDEX};
 use crate::squad::{self, QaExample};
 use crate::{prompt, text, tokenizer};
 use anyhow::{bail, Context, Result};
-use ft_core::config::{DataConfig, DataFormat, TrainOn};
+use ft_core::config::{DataConfig, DataFormat, DataRange, TrainOn};
 use serde_json::Value as Json;
 use std::io::Write as _;
 use std::path::Path;
@@ -25,7 +25,10 @@ pub fn is_squad(path: &Path) -> bool {
 /// What [`load`] reads a file with.
 pub struct LoadOptions<'a> {
     pub max_seq_len: usize,
-    /// Keep the first N examples (None: all).
+    /// Only the file's examples in this range (`data.range`), in file order:
+    /// SQuAD's questions, JSONL's lines, text's packed sequences.
+    pub range: Option<DataRange>,
+    /// Keep the first N examples (None: all), of the range when there is one.
     pub limit: Option<usize>,
     /// Keep SQuAD v2's unanswerable questions (their target is the empty answer).
     pub include_unanswerable: bool,
@@ -47,10 +50,11 @@ pub struct LoadOptions<'a> {
 }
 
 impl<'a> LoadOptions<'a> {
-    /// `data.*`'s settings for the tokenizer at `tokenizer`, every example, SQuAD's defaults.
+    /// `data.*`'s settings for the tokenizer at `tokenizer`, every example of the file, SQuAD's defaults.
     pub fn new(data: &'a DataConfig, tokenizer: &'a Path) -> LoadOptions<'a> {
         LoadOptions {
             max_seq_len: data.max_seq_len,
+            range: None,
             limit: None,
             include_unanswerable: false,
             train_on_prompt: false,
@@ -99,7 +103,7 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
     };
     match format {
         DataFormat::Squad => {
-            let (mut questions, stats) = squad::read(path, options.include_unanswerable)?;
+            let (mut questions, stats) = squad::read(path, options.include_unanswerable, options.range)?;
             if let Some(limit) = options.limit {
                 questions.truncate(limit);
             }
@@ -125,10 +129,13 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
         // (Auto was resolved above.)
         DataFormat::Text | DataFormat::Auto => {
             let documents = text::read_documents(path)?;
-            let mut examples = match options.packing {
-                true => text::documents(tokenizer, &documents, max_len, eos_id(tokenizer))?,
-                false => text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?,
+            // The whole file is read before the range is taken, so that
+            // slices of it are the examples one run over it would train on.
+            let (examples, what) = match options.packing {
+                true => (text::documents(tokenizer, &documents, max_len, eos_id(tokenizer))?, format!("document pieces of at most {max_len} tokens")),
+                false => (text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?, format!("sequences of {max_len} tokens")),
             };
+            let mut examples = in_range(options.range, examples, path, &what)?;
             if let Some(limit) = options.limit {
                 examples.truncate(limit);
             }
@@ -143,8 +150,9 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
 }
 
 /// A prompt/completion or chat JSONL file's examples, one per line in
-/// order; lines the template refuses or too long for max_seq_len are
-/// skipped and counted, malformed lines are errors naming the line.
+/// order (the lines of `data.range` when set); lines the template refuses
+/// or too long for max_seq_len are skipped and counted, malformed lines are
+/// errors naming the line.
 fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
     let all = options.train_on == TrainOn::All;
     let (max_len, truncate) = (options.max_seq_len, options.truncate);
@@ -152,7 +160,7 @@ fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: Da
         DataFormat::Chat => {
             let template = ChatTemplate::load(options.tokenizer_dir, options.chat_template)?;
             // Template values straight from the text: objects keep their keys' order, as in Python.
-            encode_lines(path, options, jsonl::<minijinja::Value>(path)?, |value, line| {
+            encode_lines(path, options, in_range(options.range, jsonl::<minijinja::Value>(path)?, path, LINES)?, |value, line| {
                 template.encode(tokenizer, &chat::messages(value, path, line)?, max_len, truncate, all)
             })
         }
@@ -162,12 +170,15 @@ fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: Da
                 Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
                 None => eos_id(tokenizer),
             };
-            encode_lines(path, options, jsonl::<Json>(path)?, |value, line| {
+            encode_lines(path, options, in_range(options.range, jsonl::<Json>(path)?, path, LINES)?, |value, line| {
                 Ok(prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(max_len, truncate))
             })
         }
     }
 }
+
+/// What `data.range` counts in a JSONL file of prompt/completion pairs or conversations.
+const LINES: &str = "examples (non-blank lines)";
 
 /// Each line's example by `encode`, up to `options.limit`; the skipped are
 /// counted (the first unrenderable one's reason logged), and a file that
@@ -273,6 +284,48 @@ mod tests {
             }
         }
         assert_eq!(detect(Path::new("squad.json")).unwrap(), DataFormat::Squad);
+    }
+
+    #[test]
+    fn a_range_takes_the_files_examples_in_file_order_in_every_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = crate::demo::write(dir.path(), 20, 5, 0).unwrap();
+        let tokenizer = Tokenizer::from_file(&files.tokenizer).unwrap();
+        let jsonl = |name: &str, line: &dyn Fn(usize) -> Json| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, (0..10).map(|i| line(i).to_string() + "\n").collect::<String>()).unwrap();
+            path
+        };
+        let text = jsonl("text.jsonl", &|i| serde_json::json!({"text": format!("The country number {i} has a capital.")}));
+        let pairs = jsonl("pairs.jsonl", &|i| serde_json::json!({"prompt": format!("Country {i}?"), "completion": format!(" capital {i}")}));
+        // Line 4 (position 3) is too long for max_seq_len and skipped, but still counted.
+        let chat = jsonl("chat.jsonl", &|i| {
+            let question = if i == 3 { "why? ".repeat(40) } else { format!("Country {i}?") };
+            serde_json::json!({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": format!("capital {i}")}]})
+        });
+        let template = dir.path().join("chat.jinja");
+        std::fs::write(&template, "{% for m in messages %}{{ m.role }}: {% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}").unwrap();
+        let data = DataConfig { chat_template: Some(template), ..DataConfig::default() };
+        let read = |path: &Path, max_seq_len: usize, range: Option<&str>| {
+            let options = LoadOptions { max_seq_len, range: range.map(|r| r.parse().unwrap()), ..LoadOptions::new(&data, &files.tokenizer) };
+            load(path, &tokenizer, &options).map(|(examples, _)| examples)
+        };
+        for (path, max_seq_len, examples) in
+            [(&files.train, 512, "questions"), (&text, 16, "sequences of 16 tokens"), (&pairs, 64, "examples (non-blank lines)"), (&chat, 64, "examples (non-blank lines)")]
+        {
+            let all = read(path, max_seq_len, None).unwrap();
+            let (head, tail) = (read(path, max_seq_len, Some("0:4")).unwrap(), read(path, max_seq_len, Some("4:")).unwrap());
+            assert_eq!([head.as_slice(), &tail].concat(), all, "{}: two slices are the whole file", path.display());
+            let err = read(path, max_seq_len, Some("5:100000")).unwrap_err().to_string();
+            assert!(err.contains(&format!("data.range 5:100000 is not within {}: it has ", path.display())) && err.contains(examples), "{err}");
+        }
+        assert_eq!(read(&pairs, 64, Some("2:5")).unwrap(), read(&pairs, 64, None).unwrap()[2..5]);
+        // In a chat file the range counts lines, used or skipped: 2:5 is lines 3 and 5 (line 4 is too long).
+        let chat_all = read(&chat, 64, None).unwrap();
+        assert_eq!((chat_all.len(), read(&chat, 64, Some("2:5")).unwrap()), (9, chat_all[2..4].to_vec()));
+        let err = read(&chat, 64, Some("3:4")).unwrap_err().to_string();
+        assert!(err.contains("no example left") && err.contains("1 longer than max_seq_len"), "{err}");
+        assert_eq!(read(&files.train, 512, Some("3:7")).unwrap(), read(&files.train, 512, None).unwrap()[3..7]);
     }
 
     #[test]

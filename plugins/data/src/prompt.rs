@@ -50,7 +50,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let files = demo::write(dir.path(), 20, 5, 0).unwrap();
         let tokenizer = Tokenizer::from_file(&files.tokenizer).unwrap();
-        let (examples, _) = crate::squad::read(&files.train, false).unwrap();
+        let (examples, _) = crate::squad::read(&files.train, false, None).unwrap();
         let example = &examples[0];
         let full = encode(&tokenizer, example, 10_000, false).unwrap().unwrap();
         let answer_len = full.labels.iter().filter(|l| **l != IGNORE_INDEX).count();

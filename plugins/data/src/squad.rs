@@ -1,9 +1,11 @@
 //! SQuAD v1.1 and v2.0 JSON (`data[].paragraphs[].qas[]`), read into
-//! question-answer examples. v2's unanswerable questions are skipped unless
-//! asked for; answers whose offsets do not match the context are counted and
-//! logged, never fatal; a file that is not SQuAD is an error naming where.
+//! question-answer examples, all of them or a `data.range` of the file's
+//! questions. v2's unanswerable questions are skipped unless asked for;
+//! answers whose offsets do not match the context are counted and logged,
+//! never fatal; a file that is not SQuAD is an error naming where.
 
 use anyhow::{bail, Context, Result};
+use ft_core::config::DataRange;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -25,6 +27,7 @@ pub struct QaExample {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct SquadStats {
     pub articles: usize,
+    /// Every question in the file, in the range or not.
     pub questions: usize,
     pub unanswerable_skipped: usize,
     pub bad_offsets_skipped: usize,
@@ -62,14 +65,16 @@ fn offsets_match(context: &str, answer: &Answer) -> bool {
     found == answer.text
 }
 
-pub fn read(path: &Path, include_unanswerable: bool) -> Result<(Vec<QaExample>, SquadStats)> {
+/// The questions of `path` — those in `range` of the file's questions in
+/// file order (every question counts, whether it is kept or not), or all.
+pub fn read(path: &Path, include_unanswerable: bool, range: Option<DataRange>) -> Result<(Vec<QaExample>, SquadStats)> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read SQuAD file {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
-    parse(value, &path.display().to_string(), include_unanswerable)
+    parse(value, &path.display().to_string(), include_unanswerable, range)
 }
 
-pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool) -> Result<(Vec<QaExample>, SquadStats)> {
+pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool, range: Option<DataRange>) -> Result<(Vec<QaExample>, SquadStats)> {
     if value.get("data").is_none() {
         bail!("{source} is not SQuAD JSON: it has no top-level \"data\" list");
     }
@@ -85,7 +90,11 @@ pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool)
         stats.articles += 1;
         for paragraph in article.paragraphs {
             for qa in paragraph.qas {
+                let position = stats.questions;
                 stats.questions += 1;
+                if range.is_some_and(|range| !range.contains(position)) {
+                    continue;
+                }
                 if qa.is_impossible || qa.answers.is_empty() {
                     if include_unanswerable {
                         examples.push(QaExample {
@@ -130,6 +139,10 @@ pub fn parse(value: serde_json::Value, source: &str, include_unanswerable: bool)
             }
         }
     }
+    if let Some(range) = range {
+        range.positions(stats.questions, Path::new(source), "questions")?;
+        tracing::info!("{}", range.describe(stats.questions, Path::new(source), "questions"));
+    }
     Ok((examples, stats))
 }
 
@@ -142,7 +155,7 @@ mod tests {
     fn v1_layout_and_character_offsets() {
         let file = json!({"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": "Café au lait is brown.",
             "qas": [{"id": "q1", "question": "What colour?", "answers": [{"text": "brown", "answer_start": 16}, {"text": "brown", "answer_start": 16}]}]}]}]});
-        let (examples, stats) = parse(file, "test", false).unwrap();
+        let (examples, stats) = parse(file, "test", false, None).unwrap();
         assert_eq!(examples.len(), 1);
         assert_eq!(examples[0].answers, vec!["brown"]);
         // "é" is two bytes: the byte offset of "brown" would be 17.
@@ -157,7 +170,7 @@ mod tests {
                                                                  {"text": "1066", "answer_start": 3},
                                                                  {"text": "AD", "answer_start": 8}]},
                     {"id": "q2", "question": "Who?", "answers": [], "is_impossible": true}]}]}]});
-        let (examples, stats) = parse(file, "test", true).unwrap();
+        let (examples, stats) = parse(file, "test", true, None).unwrap();
         assert_eq!(examples[0].answers, vec!["1066 AD", "1066", "AD"]);
         assert_eq!(examples[0].answer_start, Some(3));
         assert_eq!((examples[1].answers.len(), examples[1].answer_start), (0, None));
@@ -169,17 +182,40 @@ mod tests {
         let file = json!({"data": [{"title": "T", "paragraphs": [{"context": "abc def",
             "qas": [{"id": "q1", "question": "?", "answers": [{"text": "def", "answer_start": 1}]},
                     {"id": "q2", "question": "?", "answers": [{"text": "def", "answer_start": 4}]}]}]}]});
-        let (examples, stats) = parse(file, "test", false).unwrap();
+        let (examples, stats) = parse(file, "test", false, None).unwrap();
         assert_eq!(examples.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), vec!["q2"]);
         assert_eq!(stats.bad_offsets_skipped, 1);
     }
 
     #[test]
+    fn a_range_counts_every_question_of_the_file() {
+        let qa = |id: &str, impossible: bool| match impossible {
+            true => json!({"id": id, "question": "?", "answers": [], "is_impossible": true}),
+            false => json!({"id": id, "question": "?", "answers": [{"text": "b", "answer_start": 2}]}),
+        };
+        let file = json!({"data": [
+            {"title": "A", "paragraphs": [{"context": "a b", "qas": [qa("q0", false), qa("q1", true)]}]},
+            {"title": "B", "paragraphs": [{"context": "a b", "qas": [qa("q2", false)]}, {"context": "a b", "qas": [qa("q3", false), qa("q4", true)]}]}
+        ]});
+        let ids = |include_unanswerable: bool, range: &str| {
+            let (examples, stats) = parse(file.clone(), "f.json", include_unanswerable, Some(range.parse().unwrap())).unwrap();
+            assert_eq!(stats.questions, 5);
+            examples.into_iter().map(|e| e.id).collect::<Vec<_>>()
+        };
+        // Across articles and paragraphs; the unanswerable keep their places.
+        assert_eq!(ids(true, "1:4"), ["q1", "q2", "q3"]);
+        assert_eq!(ids(false, "1:4"), ["q2", "q3"]);
+        assert_eq!(ids(false, "3:"), ["q3"]);
+        let err = parse(file, "f.json", false, Some("3:6".parse().unwrap())).unwrap_err().to_string();
+        assert!(err.contains("data.range 3:6 is not within f.json: it has 5 questions"), "{err}");
+    }
+
+    #[test]
     fn wrong_layout_names_the_article() {
         let file = json!({"data": [{"title": "Good", "paragraphs": []}, {"title": "Broken", "paragraphs": [{"qas": []}]}]});
-        let err = parse(file, "f.json", false).unwrap_err().to_string();
+        let err = parse(file, "f.json", false, None).unwrap_err().to_string();
         assert!(err.contains("f.json: article 1 (\"Broken\") is not in SQuAD layout"), "{err}");
-        let err = parse(json!({"rows": []}), "f.json", false).unwrap_err().to_string();
+        let err = parse(json!({"rows": []}), "f.json", false, None).unwrap_err().to_string();
         assert!(err.contains("has no top-level \"data\" list"), "{err}");
     }
 }

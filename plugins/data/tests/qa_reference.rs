@@ -4,6 +4,7 @@
 //! fast tokenizer and the official v2.0 evaluation, get ft's results as
 //! files and fail on any difference.
 //!
+//! Without the shared data they are skipped (tests/common/shared.rs).
 //! `python` must be the project venv's (`source scripts/env.sh`); without it
 //! these tests fail, they are not skipped. The evaluation test also needs
 //! the transformers 4.46.3 wheel scripts/setup.sh downloads into
@@ -33,8 +34,12 @@ const SETTINGS: [WindowConfig; 2] =
 /// for many questions, so the null score is often a minimum over windows.
 const LOGITS_SETTING: usize = 1;
 
+/// The project's shared test data (tests/common/shared.rs): these tests read its SQuAD file.
+#[path = "../../../tests/common/shared.rs"]
+mod shared_data;
+
 fn shared_squad() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/squad/squad-v2.0-dev-5-articles.json")
+    shared_data::path(shared_data::SQUAD)
 }
 
 /// What the tests share, made once: the shared file's questions
@@ -49,7 +54,7 @@ struct Shared {
 fn shared() -> &'static Shared {
     static SHARED: OnceLock<Shared> = OnceLock::new();
     SHARED.get_or_init(|| {
-        let (examples, stats) = squad::read(&shared_squad(), true).unwrap();
+        let (examples, stats) = squad::read(&shared_squad(), true, None).unwrap();
         assert_eq!((stats.questions, stats.bad_offsets_skipped), (examples.len(), 0));
         let mut contexts: Vec<&str> = examples.iter().map(|e| e.context.as_str()).collect();
         contexts.dedup();
@@ -165,6 +170,9 @@ fn dataset_json(
 /// loaded from ft's tokenizer.json: on the shared file and on edge cases.
 #[test]
 fn features_equal_run_qa_py() {
+    if shared_data::skipped_without(&[shared_data::SQUAD]) {
+        return;
+    }
     let shared = shared();
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = dir.path().join("tokenizer.json");
@@ -173,7 +181,7 @@ fn features_equal_run_qa_py() {
     let common_words = ["the", "of", "and", "in", "to", "was", "by", "for", "with", "as", "on", "from"];
     let context: Vec<&str> = common_words.iter().cycle().take(200).copied().collect();
     write_edge_cases(&edge_cases, &format!("{} Café Zürich, naïve 北京 and Škoda.", context.join(" ")));
-    let (edge_examples, _) = squad::read(&edge_cases, true).unwrap();
+    let (edge_examples, _) = squad::read(&edge_cases, true, None).unwrap();
     let edge_features: Vec<_> = SETTINGS
         .iter()
         .map(|&config| {
@@ -266,6 +274,9 @@ fn run_json(config: &PostprocessConfig, predictions: &[QaPrediction]) -> Value {
 /// same windows and logits, in v1 and in v2 with several thresholds.
 #[test]
 fn postprocessing_equals_utils_qa_py() {
+    if shared_data::skipped_without(&[shared_data::SQUAD]) {
+        return;
+    }
     let shared = shared();
     let features = &shared.features[LOGITS_SETTING].1.features;
     let logits = random_logits(features);
@@ -358,6 +369,9 @@ fn evaluation_case(
 /// compute_f1 over the answerable questions.
 #[test]
 fn squad_scores_equal_the_official_evaluation() {
+    if shared_data::skipped_without(&[shared_data::SQUAD]) {
+        return;
+    }
     let shared = shared();
     let logits = random_logits(&shared.features[LOGITS_SETTING].1.features);
     let postprocessed = postprocess(&logits, &v2(0.0));

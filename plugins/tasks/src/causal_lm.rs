@@ -261,8 +261,10 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
     // The prompt's tokens count in training only: the eval loss stays the answer's.
+    // Only training takes `data.range` of its file.
     let load = |path: &Path, limit, training: bool| {
         let options = LoadOptions {
+            range: if training { data.range } else { None },
             limit,
             include_unanswerable: options.include_unanswerable,
             train_on_prompt: training && options.train_on_prompt,

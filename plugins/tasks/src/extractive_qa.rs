@@ -17,6 +17,7 @@
 use anyhow::{bail, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
+use ft_core::config::DataRange;
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::model::{self, head, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
@@ -250,9 +251,10 @@ impl Task for ExtractiveQa {
     }
 }
 
-/// SQuAD examples of `path` (unanswerable ones kept: whether they count is the version's).
-fn read_examples(path: &Path, limit: Option<usize>) -> Result<Vec<QaExample>> {
-    let (mut examples, stats) = squad::read(path, true)?;
+/// SQuAD examples of `path` (unanswerable ones kept: whether they count is
+/// the version's): the questions in `range` of the file's, then the first `limit`.
+fn read_examples(path: &Path, range: Option<DataRange>, limit: Option<usize>) -> Result<Vec<QaExample>> {
+    let (mut examples, stats) = squad::read(path, true, range)?;
     if let Some(limit) = limit {
         examples.truncate(limit);
     }
@@ -284,11 +286,11 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let windows = WindowConfig { max_seq_length: data.max_seq_len, doc_stride: options.doc_stride };
     let featurizer = QaFeaturizer::new(tokenizer, &inputs.tokenizer.display().to_string(), windows)?;
     let train_examples = match &data.train {
-        Some(path) => read_examples(path, data.train_samples)?,
+        Some(path) => read_examples(path, data.range, data.train_samples)?,
         None => vec![],
     };
     let eval_examples = match &data.eval {
-        Some(path) => read_examples(path, data.eval_samples)?,
+        Some(path) => read_examples(path, None, data.eval_samples)?,
         None => vec![],
     };
     let has_unanswerable = train_examples.iter().chain(&eval_examples).any(|e| e.answers.is_empty());

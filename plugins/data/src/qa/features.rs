@@ -373,6 +373,11 @@ fn prepare_all<F: Send>(
     all
 }
 
+/// The project's shared test data (tests/common/shared.rs), for the GPT-2 tokenizer.
+#[cfg(test)]
+#[path = "../../../../tests/common/shared.rs"]
+mod shared_data;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,12 +508,18 @@ mod tests {
     }
 
     #[test]
-    fn tokenizers_that_cannot_window_are_refused_naming_what_is_missing() {
-        let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tokenizers/gpt2/tokenizer.json");
+    fn a_gpt2_tokenizer_is_refused_naming_what_it_lacks() {
+        if shared_data::skipped_without(&[shared_data::GPT2_TOKENIZER]) {
+            return;
+        }
+        let gpt2 = shared_data::path(shared_data::GPT2_TOKENIZER);
         let err = QaFeaturizer::from_file(&gpt2, WindowConfig::default()).err().unwrap().to_string();
         assert!(err.contains("gpt2/tokenizer.json cannot make question-answering features"), "{err}");
         assert!(err.contains("no [CLS] token; no [PAD] token"), "{err}");
+    }
 
+    #[test]
+    fn tokenizers_that_cannot_window_are_refused_naming_what_is_missing() {
         let mut no_pairs = train_bert_tokenizer(TEXTS.into_iter(), 2000).unwrap();
         no_pairs.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
         let err = QaFeaturizer::new(no_pairs, "bert.json", WindowConfig::default()).err().unwrap().to_string();

@@ -87,7 +87,7 @@ pub fn train_bert_tokenizer<'a>(texts: impl Iterator<Item = &'a str>, vocab_size
 /// questions (.json), or a text/JSONL file's documents.
 pub fn train_on_file(path: &std::path::Path, vocab_size: usize) -> Result<Tokenizer> {
     let texts: Vec<String> = if crate::lm::is_squad(path) {
-        let (examples, _) = crate::squad::read(path, true)?;
+        let (examples, _) = crate::squad::read(path, true, None)?;
         let mut texts: Vec<String> = examples.iter().map(|e| e.question.clone()).collect();
         let mut contexts: Vec<&String> = examples.iter().map(|e| &e.context).collect();
         contexts.dedup();
