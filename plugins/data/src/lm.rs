@@ -139,10 +139,7 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
             if let Some(limit) = options.limit {
                 examples.truncate(limit);
             }
-            match options.packing {
-                true => tracing::info!("{}: {} documents as {} examples of at most {max_len} tokens", path.display(), documents.len(), examples.len()),
-                false => tracing::info!("{}: {} documents packed into {} sequences of {max_len} tokens", path.display(), documents.len(), examples.len()),
-            }
+            tracing::info!("{}: {} documents as {} {what}", path.display(), documents.len(), examples.len());
             Ok((examples, vec![]))
         }
         DataFormat::PromptCompletion | DataFormat::Chat => Ok((records(path, tokenizer, options, format)?, vec![])),
