@@ -6,7 +6,7 @@
 mod common;
 use common::shared;
 
-use ft_core::generate::greedy;
+use ft_core::generate::{greedy, greedy_batch, Decoding};
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
 use ft_core::train::loss::{lm_loss, logits};
 use ft_models::hf;
@@ -389,11 +389,11 @@ fn batched_greedy_decoding_equals_one_prompt_at_a_time() {
         // Prompts of different lengths, so the batch is left-padded.
         let prompts: Vec<Vec<i64>> = (0..6).map(|i| rows[i % rows.len()][..3 + 2 * i].to_vec()).collect();
         let one_at_a_time: Vec<Vec<i64>> = prompts.iter().map(|p| greedy(model.as_ref(), &params, p, 12, None, Kind::Float).unwrap()).collect();
-        let batched = ft_core::generate::greedy_batch(model.as_ref(), &params, &prompts, 12, None, 0, Kind::Float).unwrap();
+        let batched = greedy_batch(model.as_ref(), &params, &prompts, &Decoding::greedy(12, None, Kind::Float)).unwrap();
         assert_eq!(batched, one_at_a_time, "{name}");
         // A row that stops at its end token while the others go on.
         let eos = Some(one_at_a_time[2][4]);
-        let stopping = ft_core::generate::greedy_batch(model.as_ref(), &params, &prompts, 12, eos, 0, Kind::Float).unwrap();
+        let stopping = greedy_batch(model.as_ref(), &params, &prompts, &Decoding::greedy(12, eos, Kind::Float)).unwrap();
         for (row, alone) in stopping.iter().zip(&prompts) {
             assert_eq!(row, &greedy(model.as_ref(), &params, alone, 12, eos, Kind::Float).unwrap(), "{name} with an end token");
         }

@@ -1,67 +1,160 @@
-//! Greedy decoding with a KV cache: the prompt runs once, then one token a step.
+//! Greedy decoding with a KV cache: the prompts run once, then one token a
+//! step. Every step after the prompt has the same shapes (the cache's whole
+//! capacity under a mask), so on a GPU it is recorded once as a CUDA graph
+//! and replayed: one launch a token instead of one per kernel, which is
+//! what bounds decoding at small batches.
 
 use crate::model::{forward, lm_outputs, Inputs, KvCache, Model, StageKind};
 use crate::train::loss::logits;
 use anyhow::{bail, Result};
-use tch::{Kind, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use tch::{Device, Kind, Tensor};
+
+/// How `greedy_batch` decodes.
+#[derive(Debug, Clone, Copy)]
+pub struct Decoding {
+    /// Tokens to generate per prompt at most.
+    pub max_new_tokens: usize,
+    /// A row stops after generating this token.
+    pub eos: Option<i64>,
+    /// Fills the left of shorter prompts (hidden by the padding mask).
+    pub pad_id: i64,
+    pub dtype: Kind,
+    /// Replay the decoding step as a CUDA graph on a GPU (`task.cuda_graph`).
+    pub cuda_graph: bool,
+}
+
+impl Decoding {
+    /// Up to `max_new_tokens` tokens, stopping after `eos`, padding with 0, graphs on.
+    pub fn greedy(max_new_tokens: usize, eos: Option<i64>, dtype: Kind) -> Decoding {
+        Decoding { max_new_tokens, eos, pad_id: 0, dtype, cuda_graph: true }
+    }
+}
 
 /// Continues `prompt` (token ids) by up to `max_new_tokens` greedy tokens,
 /// stopping after `eos`. `params[unit]` are full parameters in `dtype`.
 pub fn greedy(model: &dyn Model, params: &[Vec<Tensor>], prompt: &[i64], max_new_tokens: usize, eos: Option<i64>, dtype: Kind) -> Result<Vec<i64>> {
-    let mut continuations = greedy_batch(model, params, &[prompt.to_vec()], max_new_tokens, eos, 0, dtype)?;
+    let mut continuations = greedy_batch(model, params, &[prompt.to_vec()], &Decoding::greedy(max_new_tokens, eos, dtype))?;
     Ok(continuations.remove(0))
 }
 
-/// Continues every prompt at once: the prompts left-padded with `pad_id`
-/// into one batch (a padding mask hides the padding, and positions count
-/// real tokens only, as transformers' `generate` does), a KV cache per
-/// block, one token per row a step; a row stops after `eos` or
-/// `max_new_tokens` tokens, the batch when every row has.
-pub fn greedy_batch(
-    model: &dyn Model,
-    params: &[Vec<Tensor>],
-    prompts: &[Vec<i64>],
-    max_new_tokens: usize,
-    eos: Option<i64>,
-    pad_id: i64,
-    dtype: Kind,
-) -> Result<Vec<Vec<i64>>> {
+/// Set once a capture has failed in this process: later batches decode
+/// step by step without trying (and warning) again.
+static GRAPHS_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Continues every prompt at once: the prompts left-padded into one batch
+/// (a padding mask hides the padding, and positions count real tokens only,
+/// as transformers' `generate` does), a KV cache per block, one token per
+/// row a step; a row stops after `eos` or `max_new_tokens` tokens, the
+/// batch when every row has.
+pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
     if prompts.iter().any(Vec::is_empty) {
         bail!("a prompt has no tokens");
     }
     if model.head_kind() != crate::model::head::CAUSAL_LM {
         bail!("greedy generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
-    let device = params[0][0].device();
-    let rows = prompts.len() as i64;
-    let _no_grad = tch::no_grad_guard();
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
-    let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::with_capacity((longest + max_new_tokens) as i64)).collect();
-    let left_padded: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![pad_id; longest - p.len()], p.clone()].concat()).collect();
-    // Without padding, no mask: plain causal attention, as for one prompt.
-    let mut mask = prompts.iter().any(|p| p.len() != longest).then(|| {
-        let rows: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![0; longest - p.len()], vec![1; p.len()]].concat()).collect();
-        Tensor::from_slice2(&rows).to_device(device)
-    });
-    let mut input = Tensor::from_slice2(&left_padded).to_device(device);
-    let mut past = 0;
     let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
-    let mut finished = vec![max_new_tokens == 0; prompts.len()];
-    while !finished.iter().all(|&f| f) {
-        let inputs = Inputs { input_ids: input.shallow_clone(), attention_mask: mask.as_ref().map(Tensor::shallow_clone), token_type_ids: None, documents: None };
-        let ctx = model.context(&inputs, past, dtype, false)?;
-        let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
-        past += input.size()[1];
-        let next = logits(&hidden.narrow(1, hidden.size()[1] - 1, 1), &weight).argmax(-1, false);
-        for ((row, token), done) in generated.iter_mut().zip(Vec::<i64>::try_from(next.reshape([rows]))?).zip(&mut finished) {
+    if decoding.max_new_tokens == 0 || prompts.is_empty() {
+        return Ok(generated);
+    }
+    let _no_grad = tch::no_grad_guard();
+    let mut step = Step::after_prompts(model, params, prompts, decoding)?;
+    let mut graph: Option<ft_sys::CudaGraph> = None;
+    let mut finished = vec![false; prompts.len()];
+    // Tokens each row has had so far (the prompt gave the first).
+    let mut produced = 1;
+    loop {
+        for ((row, token), done) in generated.iter_mut().zip(Vec::<i64>::try_from(step.tokens.reshape([-1]))?).zip(&mut finished) {
             if !*done {
                 row.push(token);
-                *done = Some(token) == eos || row.len() == max_new_tokens;
+                *done = Some(token) == decoding.eos || row.len() == decoding.max_new_tokens;
             }
         }
-        input = next;
-        mask = mask.map(|m| Tensor::cat(&[m, Tensor::ones([rows, 1], (Kind::Int64, device))], 1));
+        if finished.iter().all(|&f| f) {
+            return Ok(generated);
+        }
+        match &graph {
+            Some(graph) => graph.replay()?,
+            None => {
+                step.run()?;
+                // After one eager step (lazy initialisations done), when at least two steps follow.
+                let steps_left = decoding.max_new_tokens - produced - 1;
+                if decoding.cuda_graph && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
+                    graph = step.capture();
+                }
+            }
+        }
+        produced += 1;
     }
-    Ok(generated)
+}
+
+/// A decoding step of fixed shapes over its buffers: the last token of each
+/// row, the attention mask over the cache's capacity (1 where a slot holds a
+/// real token), and the slot the next token goes to, all on the device.
+struct Step<'a> {
+    model: &'a dyn Model,
+    params: &'a [Vec<Tensor>],
+    caches: Vec<KvCache>,
+    tokens: Tensor,
+    mask: Tensor,
+    slot: Tensor,
+    capacity: i64,
+    dtype: Kind,
+}
+
+impl<'a> Step<'a> {
+    /// Runs the prompts (without padding, with no mask: plain causal
+    /// attention) and fixes the caches' shapes for the steps after.
+    fn after_prompts(model: &'a dyn Model, params: &'a [Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Step<'a>> {
+        let device = params[0][0].device();
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        // The prompt's positions and one per step after the first token.
+        let capacity = (longest + decoding.max_new_tokens - 1) as i64;
+        let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
+        let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::with_capacity(capacity)).collect();
+        let left_padded: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![decoding.pad_id; longest - p.len()], p.clone()].concat()).collect();
+        let real: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![0; longest - p.len()], vec![1; p.len()]].concat()).collect();
+        let mask = Tensor::from_slice2(&real).to_device(device);
+        let padded = prompts.iter().any(|p| p.len() != longest);
+        let inputs = Inputs { input_ids: Tensor::from_slice2(&left_padded).to_device(device), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None };
+        let ctx = model.context(&inputs, 0, decoding.dtype, false)?;
+        let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
+        let tokens = logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight).argmax(-1, false);
+        let slot = Tensor::from_slice(&[longest as i64]).to_device(device);
+        for cache in &mut caches {
+            cache.fix_shapes(&slot)?;
+        }
+        let unwritten = Tensor::zeros([prompts.len() as i64, capacity - longest as i64], (Kind::Int64, device));
+        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, capacity, dtype: decoding.dtype })
+    }
+
+    /// One token per row: marks the slot real, runs the model on the last
+    /// tokens as the cache's last position (so positions and masks come out
+    /// as for a growing cache), writes the next tokens, advances the slot.
+    /// Nothing here reads the device from the host, so it can be recorded.
+    fn run(&mut self) -> Result<()> {
+        let _ = self.mask.index_fill_(1, &self.slot, 1);
+        let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None };
+        let ctx = self.model.context(&inputs, self.capacity - 1, self.dtype, false)?;
+        let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
+        let _ = self.tokens.copy_(&logits(&hidden, &weight).argmax(-1, false));
+        let _ = self.slot.g_add_scalar_(1);
+        Ok(())
+    }
+
+    /// Records `run` as a CUDA graph; None on the CPU, or (with a warning,
+    /// and no further tries in this process) when the recording fails.
+    fn capture(&mut self) -> Option<ft_sys::CudaGraph> {
+        let Device::Cuda(index) = self.tokens.device() else { return None };
+        let recorded = ft_sys::CudaGraph::capture(index, || self.run()).map_err(anyhow::Error::from).and_then(|(graph, ran)| ran.map(|()| graph));
+        match recorded {
+            Ok(graph) => Some(graph),
+            Err(error) => {
+                GRAPHS_FAILED.store(true, Ordering::Relaxed);
+                tracing::warn!("cannot record the decoding step as a CUDA graph ({error:#}); decoding step by step");
+                None
+            }
+        }
+    }
 }

@@ -201,16 +201,41 @@ pub struct KvCache {
     buffers: Option<(Tensor, Tensor)>,
     len: i64,
     capacity: i64,
+    /// Set by `fix_shapes`: the slot the next position goes to.
+    slot: Option<Tensor>,
 }
 
 impl KvCache {
     /// A cache that will hold up to `positions` positions without growing.
     pub fn with_capacity(positions: i64) -> KvCache {
-        KvCache { buffers: None, len: 0, capacity: positions }
+        KvCache { buffers: None, len: 0, capacity: positions, slot: None }
     }
 
-    /// Appends this step's keys and values; returns all of them (views of the buffers).
+    /// From now on each step writes its one position at the slot `slot`
+    /// holds (an int64 tensor of one element on the cache's device, which
+    /// the caller advances) and gets back the whole buffer: every decoding
+    /// step then has the same shapes and addresses, which a CUDA graph
+    /// needs. The attention mask must hide the slots not yet written; they
+    /// are zeroed so that a hidden slot never contributes a NaN.
+    pub fn fix_shapes(&mut self, slot: &Tensor) -> Result<()> {
+        let Some((keys, values)) = &self.buffers else { bail!("fix_shapes needs a filled cache: run the prompt first") };
+        let unwritten = keys.size()[2] - self.len;
+        for buffer in [keys, values] {
+            let _ = buffer.narrow(2, self.len, unwritten).zero_();
+        }
+        self.slot = Some(slot.shallow_clone());
+        Ok(())
+    }
+
+    /// Appends this step's keys and values; returns all of them (views of
+    /// the buffers). After `fix_shapes`: writes them at the slot and returns
+    /// the whole buffers.
     pub fn extend(&mut self, key: Tensor, value: Tensor) -> (Tensor, Tensor) {
+        if let (Some(slot), Some((keys, values))) = (&self.slot, &mut self.buffers) {
+            let _ = keys.index_copy_(2, slot, &key);
+            let _ = values.index_copy_(2, slot, &value);
+            return (keys.shallow_clone(), values.shallow_clone());
+        }
         let new = key.size()[2];
         let needed = self.len + new;
         let room = self.buffers.as_ref().map_or(0, |(k, _)| k.size()[2]);

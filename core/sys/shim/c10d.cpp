@@ -16,12 +16,15 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/Event.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <exception>
 #include <dlfcn.h>
 #include <algorithm>
 #include <cstdlib>
@@ -344,6 +347,68 @@ char* ft_cuda_stream_synchronize(int device) {
 // launches itself must go to stay ordered with ATen's.
 char* ft_cuda_current_stream(int device, void** out) {
   return guarded([&] { *out = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(); });
+}
+
+// A CUDA graph with the stream it is captured on: PyTorch captures only on
+// a stream other than the default one, so capture switches the thread's
+// current stream to a pool stream (ordered after the work queued so far)
+// and back when it ends; replays run on the current stream again.
+struct FtGraph {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream previous;
+  c10::cuda::CUDAStream capture;
+};
+
+// Starts recording what this thread launches on `device`; nothing runs until
+// a replay. ThreadLocal mode: other threads' CUDA calls stay legal.
+char* ft_graph_capture_begin(int device, FtGraph** out) {
+  return guarded([&] {
+    auto index = static_cast<c10::DeviceIndex>(device);
+    auto previous = c10::cuda::getCurrentCUDAStream(index);
+    auto capture = c10::cuda::getStreamFromPool(false, index);
+    // c10's device-generic event: at::cuda::CUDAEvent would link the CUDA runtime into ft itself.
+    c10::Event queued(c10::DeviceType::CUDA);
+    queued.record(previous);
+    queued.block(capture);
+    auto* graph = new FtGraph{at::cuda::CUDAGraph(), previous, capture};
+    c10::cuda::setCurrentCUDAStream(capture);
+    try {
+      graph->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    } catch (...) {
+      c10::cuda::setCurrentCUDAStream(previous);
+      delete graph;
+      throw;
+    }
+    *out = graph;
+  });
+}
+
+// Ends the recording (it fails if something in it cannot be captured, such
+// as a copy to the host) and restores the thread's stream, in every case.
+char* ft_graph_capture_end(FtGraph* graph) {
+  return guarded([&] {
+    std::exception_ptr failure;
+    try {
+      graph->graph.capture_end();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    c10::cuda::setCurrentCUDAStream(graph->previous);
+    c10::Event captured(c10::DeviceType::CUDA);
+    captured.record(graph->capture);
+    captured.block(graph->previous);
+    if (failure) {
+      std::rethrow_exception(failure);
+    }
+  });
+}
+
+char* ft_graph_replay(FtGraph* graph) {
+  return guarded([&] { graph->graph.replay(); });
+}
+
+void ft_graph_free(FtGraph* graph) {
+  delete graph;
 }
 
 // Starts PyTorch's Kineto profiler on this thread: host-side ATen calls, and

@@ -26,6 +26,10 @@ struct RawGroup {
 struct RawWork {
     _private: [u8; 0],
 }
+#[repr(C)]
+struct RawGraph {
+    _private: [u8; 0],
+}
 /// tch's `C_tensor` is an `at::Tensor`; the shim takes `at::Tensor*`.
 type RawTensor = torch_sys::C_tensor;
 
@@ -98,6 +102,10 @@ extern "C" {
     fn ft_copy_async(dst: *mut RawTensor, src: *mut RawTensor) -> *mut c_char;
     fn ft_swiglu(gate: *mut RawTensor, up: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
+    fn ft_graph_capture_end(graph: *mut RawGraph) -> *mut c_char;
+    fn ft_graph_replay(graph: *mut RawGraph) -> *mut c_char;
+    fn ft_graph_free(graph: *mut RawGraph);
     fn ft_profiler_start(cuda: bool) -> *mut c_char;
     fn ft_profiler_stop(trace_path: *const c_char, summary: *mut *mut c_char) -> *mut c_char;
 }
@@ -436,6 +444,47 @@ pub fn cuda_current_stream(device_index: usize) -> Result<*mut c_void> {
     let mut stream = std::ptr::null_mut();
     check(unsafe { ft_cuda_current_stream(device_index as i32, &mut stream) })?;
     Ok(stream)
+}
+
+/// A recorded sequence of CUDA work that replays with one launch
+/// (PyTorch's `torch.cuda.CUDAGraph`): the tensors it touched keep their
+/// addresses, so inputs change by writing into them in place. Memory
+/// allocated while recording stays the graph's until it is dropped.
+pub struct CudaGraph {
+    raw: *mut RawGraph,
+}
+
+impl CudaGraph {
+    /// Records what `body` launches on CUDA device `device_index` without
+    /// running it, and returns the graph with `body`'s result. Fails, with
+    /// the recording discarded and the thread's stream restored, when
+    /// `body` panics or launches something a graph cannot hold (a copy to
+    /// the host, a synchronisation).
+    pub fn capture<T>(device_index: usize, body: impl FnOnce() -> T) -> Result<(CudaGraph, T)> {
+        let mut raw = std::ptr::null_mut();
+        check(unsafe { ft_graph_capture_begin(device_index as i32, &mut raw) })?;
+        let graph = CudaGraph { raw };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+        let ended = check(unsafe { ft_graph_capture_end(graph.raw) });
+        match outcome {
+            Ok(value) => ended.map(|()| (graph, value)),
+            Err(panic) => {
+                let message = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
+                Err(ShimError(format!("capture failed: {}", message.unwrap_or_else(|| "the recorded code panicked".into()))))
+            }
+        }
+    }
+
+    /// Runs the recorded work again on the current stream.
+    pub fn replay(&self) -> Result<()> {
+        check(unsafe { ft_graph_replay(self.raw) })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        unsafe { ft_graph_free(self.raw) }
+    }
 }
 
 /// One event name's totals over a profiled span.

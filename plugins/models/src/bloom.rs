@@ -146,7 +146,10 @@ impl Model for Bloom {
         // left padding, and restart at each packed example.
         let (query, key) = model::query_key_positions(&positions, past, inputs);
         let distance = (key.unsqueeze(1).unsqueeze(1) - query.unsqueeze(1).unsqueeze(3)).to_kind(Kind::Float);
-        let slopes = ft_core::batches::to_device_async(&Tensor::from_slice(&self.slopes), device).to_kind(Kind::Float).view([1, -1, 1, 1]);
+        // Filled on the device, not copied from the host: a decoding step's
+        // context is recorded into a CUDA graph, which cannot hold host copies.
+        let slopes: Vec<Tensor> = self.slopes.iter().map(|&slope| Tensor::scalar_tensor(slope, (Kind::Float, device))).collect();
+        let slopes = Tensor::stack(&slopes, 0).view([1, -1, 1, 1]);
         let bias = (slopes * distance).to_kind(dtype) + model::decoder_mask_bias(inputs, past, dtype)?;
         Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
     }

@@ -316,7 +316,9 @@ impl Llama {
     /// transformers' operations and order so that they round alike.
     fn inverse_frequencies(&self, device: Device) -> Tensor {
         let exponents = Tensor::arange_start_step(0, self.head_dim, 2, (Kind::Float, device)) / self.head_dim as f64;
-        let theta = ft_core::batches::to_device_async(&Tensor::from(self.rope.theta), device);
+        // A fill on the device, not a host copy: a decoding step's context
+        // is recorded into a CUDA graph, which cannot hold host copies.
+        let theta = Tensor::scalar_tensor(self.rope.theta, (Kind::Double, device));
         let inv_freq = theta.pow(&exponents).reciprocal();
         match self.rope.scaling {
             Scaling::None => inv_freq,

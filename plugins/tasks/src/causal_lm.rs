@@ -9,12 +9,14 @@
 //! questions towards the empty answer), `task.max_new_tokens` (longest
 //! generated answer), `task.train_on_prompt` (the loss on the prompt's tokens
 //! in training as well, as axolotl's `train_on_inputs`; the eval loss stays
-//! the answer's).
+//! the answer's), `task.cuda_graph` (false: decode without replaying the
+//! step as a CUDA graph, to compare or to debug).
 
 use anyhow::{bail, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
 use ft_core::dataset::{Batch, Dataset};
+use ft_core::generate::{greedy_batch, Decoding};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
 use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
@@ -38,11 +40,12 @@ struct Options {
     include_unanswerable: bool,
     max_new_tokens: usize,
     train_on_prompt: bool,
+    cuda_graph: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { include_unanswerable: false, max_new_tokens: 32, train_on_prompt: false }
+        Options { include_unanswerable: false, max_new_tokens: 32, train_on_prompt: false, cuda_graph: true }
     }
 }
 
@@ -171,6 +174,7 @@ struct Generation {
     eos: Option<i64>,
     pad_id: i64,
     batch_size: usize,
+    cuda_graph: bool,
 }
 
 impl Generation {
@@ -183,9 +187,10 @@ impl Generation {
         let mut by_length: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].is_some()).collect();
         by_length.sort_by_key(|&i| prompts[i].as_ref().map_or(0, Vec::len));
         let mut answers = vec![String::new(); questions.len()];
+        let decoding = Decoding { max_new_tokens: self.max_new_tokens, eos: self.eos, pad_id: self.pad_id, dtype, cuda_graph: self.cuda_graph };
         for chunk in by_length.chunks(self.batch_size.max(1)) {
             let batch: Vec<Vec<i64>> = chunk.iter().filter_map(|&i| prompts[i].clone()).collect();
-            let generated = ft_core::generate::greedy_batch(model, params, &batch, self.max_new_tokens, self.eos, self.pad_id, dtype)?;
+            let generated = greedy_batch(model, params, &batch, &decoding)?;
             for (&i, tokens) in chunk.iter().zip(generated) {
                 let answer_ids: Vec<u32> = tokens.iter().filter(|&&t| Some(t) != self.eos).map(|&t| t as u32).collect();
                 let text = self.tokenizer.decode(&answer_ids, true).map_err(anyhow::Error::msg)?;
@@ -293,6 +298,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         max_new_tokens: options.max_new_tokens,
         pad_id,
         batch_size: inputs.config.train.eval_batch_size,
+        cuda_graph: options.cuda_graph,
     });
     // Evaluation stays one example a row: its loss and scores are per example anyway.
     let train = match data.packing {
