@@ -20,11 +20,16 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--liger", action="store_true", help="Liger Kernel's fused kernels, patched in before the model is built")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.config)
+    if args.liger:  # its fused linear cross-entropy, RMSNorm, RoPE and SwiGLU for the model types it knows
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel
+        assert config.model_type in MODEL_TYPE_TO_APPLY_LIGER_FN, f"Liger Kernel has no kernels for {config.model_type}"
+        _apply_liger_kernel(config.model_type)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     forward = torch.compile(model) if args.compile else model
@@ -53,7 +58,7 @@ def main():
     layers, hidden = config.num_hidden_layers, config.hidden_size
     mfu = (6 * n + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9
-    name = f"transformers {'compiled' if args.compile else 'eager'}"
+    name = f"transformers {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
     print(f"{name}: {config.model_type} {n / 1e6:.0f}M params, batch {args.batch}x{args.seq}: {tokens_per_s:.0f} tokens/s, "
           f"{seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, peak allocated {peak:.1f} GB, "
           f"peak reserved {torch.cuda.max_memory_reserved() / 1e9:.1f} GB, last loss {loss.item():.4f}")

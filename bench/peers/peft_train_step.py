@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--liger", action="store_true", help="Liger Kernel's fused kernels, patched in before the model is built")
     parser.add_argument("--json")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=32)
@@ -42,6 +43,10 @@ def main():
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.config)
+    if args.liger:  # its fused linear cross-entropy, RMSNorm, RoPE and SwiGLU for the model types it knows
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel
+        assert config.model_type in MODEL_TYPE_TO_APPLY_LIGER_FN, f"Liger Kernel has no kernels for {config.model_type}"
+        _apply_liger_kernel(config.model_type)
     with device:  # random init on the device itself: seconds for 7B on a GPU, minutes on the host
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
@@ -84,7 +89,7 @@ def main():
     mfu = (4 * (n - n_trainable) + 6 * n_trainable + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0
-    name = f"peft {'compiled' if args.compile else 'eager'}"
+    name = f"peft {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
     print(f"{name}: {config.model_type} {n / 1e6:.0f}M params ({', '.join(frozen_dtypes)} frozen), "
           f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {args.targets}: "
           f"{n_trainable / 1e6:.2f}M trainable params ({', '.join(dtypes)}), batch {args.batch}x{args.seq}: "
