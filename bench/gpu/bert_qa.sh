@@ -10,6 +10,6 @@ BENCH=(--batch 32 --seq 384 --warmup 5 --steps 20)
 "$FT" bench --config /tmp/bert-base.json "${BENCH[@]}" --breakdown --profile $OUT/bert-profile --json $OUT/ft-bert-breakdown.json 2>&1 | tail -n 30
 for run in 1 2; do
   "$FT" bench --config /tmp/bert-base.json "${BENCH[@]}" --json $OUT/ft-bert-$run.json
-  [ "${EAGER:-0}" = 1 ] && python3 bench/peers/hf_bert_qa_step.py "${BENCH[@]}" --json $OUT/hf-eager-$run.json
+  if [ "${EAGER:-0}" = 1 ]; then python3 bench/peers/hf_bert_qa_step.py "${BENCH[@]}" --json $OUT/hf-eager-$run.json; fi
   python3 bench/peers/hf_bert_qa_step.py "${BENCH[@]}" --compile --json $OUT/hf-compiled-$run.json 2>&1 | tail -n 1
 done
