@@ -697,3 +697,27 @@ pub fn positions(input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>) -
         None => (Tensor::arange(seq, (Kind::Int64, input_ids.device())) + past).unsqueeze(0).expand([batch, seq], true),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_of_fixed_shapes_writes_at_its_slot_and_returns_every_slot() {
+        let step = |value: f64| Tensor::full([1, 1, 1, 2], value, (Kind::Float, Device::Cpu));
+        let mut cache = KvCache::with_capacity(4);
+        let mut slot = Tensor::from_slice(&[2i64]);
+        assert!(cache.fix_shapes(&slot).is_err(), "an empty cache has no buffers to fix");
+        let prompt = Tensor::ones([1, 1, 2, 2], (Kind::Float, Device::Cpu));
+        cache.extend(prompt.shallow_clone(), prompt);
+        cache.fix_shapes(&slot).unwrap();
+        let (keys, values) = cache.extend(step(5.0), step(7.0));
+        assert_eq!(keys.size(), [1, 1, 4, 2], "the whole capacity comes back");
+        let slots = |t: &Tensor| Vec::<f32>::try_from(t.select(3, 0).reshape([-1])).unwrap();
+        assert_eq!(slots(&keys), [1.0, 1.0, 5.0, 0.0], "written at slot 2; the unwritten slot zeroed");
+        assert_eq!(slots(&values), [1.0, 1.0, 7.0, 0.0]);
+        let _ = slot.g_add_scalar_(1);
+        let (keys, _) = cache.extend(step(6.0), step(8.0));
+        assert_eq!(slots(&keys), [1.0, 1.0, 5.0, 6.0], "the caller's slot moved it on");
+    }
+}
