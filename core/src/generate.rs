@@ -138,7 +138,7 @@ impl<'a> Step<'a> {
         let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None };
         let ctx = self.model.context(&inputs, self.capacity - 1, self.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
-        let _ = self.tokens.copy_(&logits(&hidden, &weight).argmax(-1, false));
+        self.tokens.copy_(&logits(&hidden, &weight).argmax(-1, false));
         let _ = self.slot.g_add_scalar_(1);
         Ok(())
     }

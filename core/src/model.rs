@@ -709,7 +709,7 @@ mod tests {
         let mut slot = Tensor::from_slice(&[2i64]);
         assert!(cache.fix_shapes(&slot).is_err(), "an empty cache has no buffers to fix");
         let prompt = Tensor::ones([1, 1, 2, 2], (Kind::Float, Device::Cpu));
-        cache.extend(prompt.shallow_clone(), prompt);
+        let _ = cache.extend(prompt.shallow_clone(), prompt);
         cache.fix_shapes(&slot).unwrap();
         let (keys, values) = cache.extend(step(5.0), step(7.0));
         assert_eq!(keys.size(), [1, 1, 4, 2], "the whole capacity comes back");
