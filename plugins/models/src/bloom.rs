@@ -167,8 +167,10 @@ impl Model for Bloom {
         let residual = if self.config.apply_residual_connection_post_layernorm { &normed } else { x };
         // BLOOM's fused QKV is laid out per head: [.., heads, 3, head_dim].
         let qkv = p.linear(&normed, "self_attention.query_key_value").view([batch, seq, heads, 3, head_dim]);
-        let split = |i: i64| qkv.select(3, i).transpose(1, 2);
-        let (q, mut k, mut v) = (split(0), split(1), split(2));
+        // unbind, not three selects: its backward stacks the three gradients
+        // in one kernel, where each select's would zero a whole QKV-sized
+        // gradient, copy its third in, and autograd would add the three.
+        let [q, mut k, mut v]: [Tensor; 3] = qkv.unbind(3).into_iter().map(|t| t.transpose(1, 2)).collect::<Vec<_>>().try_into().expect("QKV has 3 parts");
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
