@@ -503,7 +503,7 @@ fn bad_calibration_files_are_refused_by_name() {
 }
 
 #[test]
-fn ft_calibrate_writes_what_ft_plan_reads() {
+fn ft_calibrate_writes_what_ft_plan_and_the_plan_check_read() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calibration.json");
     let config = tiny_opt();
@@ -517,4 +517,14 @@ fn ft_calibrate_writes_what_ft_plan_reads() {
     assert!(text(&output).contains("host optimizer of offload cpu"), "{}", text(&output));
     let output = ft().args(["plan", "--model", config.to_str().unwrap(), "--gpu", "h100", "--calibration", path.to_str().unwrap()]).args(shape).output().unwrap();
     assert!(output.status.success() && text(&output).contains("rates measured on cpu by ft calibrate"), "{}", text(&output));
+    // A bench row of the same shape beside the calibrated prediction.
+    let output = ft()
+        .args(["bench", "--config", config.to_str().unwrap(), "--device", "cpu", "--warmup", "1", "--steps", "2", "--gpu", "h100"])
+        .args(["--plan-check", "--calibration", path.to_str().unwrap()])
+        .args(shape)
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success() && log.contains(&format!("plan check with the rates measured on cpu ({})", path.display())), "{log}");
+    assert!(log.contains("| opt 0.0M | ddp | none | off | 1 | 2x16 |"), "{log}");
 }
