@@ -180,13 +180,15 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
     };
-    let checked = plan::check_rows(rows, &models, &registry, &settings).with_context(|| match (&args.calibration, &calibration) {
-        (Some(path), Some(_)) => format!("--plan-check with --calibration {}", path.display()),
-        _ => "--plan-check".into(),
-    })?;
-    if let (Some(path), Some(calibration)) = (&args.calibration, &calibration) {
-        println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
-    }
+    let checked = plan::check_rows(rows, &models, &registry, &settings);
+    let checked = match (&args.calibration, &calibration) {
+        (Some(path), Some(calibration)) => {
+            let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
+            println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
+            checked
+        }
+        _ => checked?,
+    };
     print!("{}", plan::check_table(&checked));
     Ok(())
 }
