@@ -96,6 +96,9 @@ pub struct BenchArgs {
     /// The GPU the rows ran on, for --plan-check (default: this machine's).
     #[arg(long)]
     gpu: Option<String>,
+    /// `ft calibrate`'s file, for --plan-check: predict with its measured rates.
+    #[arg(long, value_name = "JSON", requires = "plan_check")]
+    calibration: Option<PathBuf>,
     /// Set on the workers `ft bench` launches: where rank 0 writes its row.
     #[arg(long, hide = true)]
     result_file: Option<PathBuf>,
@@ -169,13 +172,24 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
             .and_then(|(name, _)| GpuSpec::find(&name))
             .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
     };
+    let calibration = args.calibration.as_deref().map(plan::Calibration::load).transpose()?;
     let settings = BenchSettings {
+        calibration: calibration.as_ref(),
         gpu,
         dtype: args.dtype.kind(tch::Device::Cuda(0)),
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
     };
-    print!("{}", plan::check_table(&plan::check_rows(rows, &models, &registry, &settings)?));
+    let checked = plan::check_rows(rows, &models, &registry, &settings);
+    let checked = match (&args.calibration, &calibration) {
+        (Some(path), Some(calibration)) => {
+            let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
+            println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
+            checked
+        }
+        _ => checked?,
+    };
+    print!("{}", plan::check_table(&checked));
     Ok(())
 }
 

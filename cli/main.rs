@@ -94,6 +94,9 @@ enum Command {
     /// Predict each rank's memory and step time for every strategy, offload and
     /// activation checkpointing, and pick the fastest that fits.
     Plan(plan::PlanArgs),
+    /// Measure this machine's rates for `ft plan --calibration`: GEMMs of a
+    /// model's shapes, the host optimizer, the host link.
+    Calibrate(plan::CalibrateArgs),
     /// Run a forward (and backward) pass on token ids; write logits, loss and gradients.
     Forward(model_commands::ForwardArgs),
     /// Work with plug-ins: `ft plugin check libX.so` runs the conformance kit.
@@ -140,6 +143,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Forward(args) => model_commands::forward(args),
         Command::Bench(args) => bench::run(args, &cli.plugins),
         Command::Plan(args) => plan::run(args, &cli.plugins),
+        Command::Calibrate(args) => plan::calibrate(args, &cli.plugins),
         Command::Train(args) => train::run(args, &cli.plugins),
         Command::Eval(args) => eval::eval(args, &cli.plugins),
         Command::Export(args) => eval::export(args),

@@ -1,11 +1,12 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
+//! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
 use crate::args::{parse_positive, parse_reduce_dtype, parse_size};
 use anyhow::{Context, Result};
 use clap::Args;
-use ft_core::device::DType;
+use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
-use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanComm, Workload};
+use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, CommTestReport, Plan, PlanComm, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
 use ft_models::hf;
@@ -59,8 +60,12 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1024)]
     loss_chunk_tokens: i64,
     /// TFLOP/s one GPU achieves, as measured (default: a share of the GPU's dense peak that ft's steps reach).
-    #[arg(long, value_parser = parse_positive)]
+    #[arg(long, value_parser = parse_positive, conflicts_with = "calibration")]
     tflops: Option<f64>,
+    /// `ft calibrate`'s file: its measured GEMM, host optimizer and host
+    /// link rates replace the table's (calibrate with this plan's model, batch, length and dtype).
+    #[arg(long, value_name = "JSON")]
+    calibration: Option<PathBuf>,
     /// NCCL bus bandwidth among a node's GPUs, GB/s (default: the GPU's).
     #[arg(long, value_parser = parse_positive)]
     bus_bandwidth: Option<f64>,
@@ -159,11 +164,65 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
     };
+    if let Some(path) = &args.calibration {
+        let calibration = Calibration::load(path)?;
+        cluster.use_calibration(&calibration, &workload).with_context(|| format!("--calibration {}", path.display()))?;
+    }
     let comms = planned_comms(&args, &registry)?;
     let plan = Plan::with_comms(&workload, &cluster, &registry, args.activation_checkpointing, &comms)?;
     print!("{}", plan.table());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&plan)?).with_context(|| format!("cannot write {}", path.display()))?;
     }
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// The models whose GEMM shapes are timed: config.json, a model directory or a hub id (repeatable).
+    #[arg(long = "config", required = true)]
+    configs: Vec<String>,
+    /// Override config keys of every model, e.g. --set num_hidden_layers=2.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Examples per GPU per micro-batch, as the plan will have.
+    #[arg(long, default_value_t = 8)]
+    batch: i64,
+    /// Tokens per example.
+    #[arg(long, default_value_t = 512)]
+    seq: i64,
+    /// Compute dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: DType,
+    /// Tokens per chunk of the LM head's logits.
+    #[arg(long, default_value_t = 1024)]
+    loss_chunk_tokens: i64,
+    /// cuda, cpu, or auto (the GPU when there is one).
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
+    /// Elements of each host optimizer buffer timed (four buffers of fp32).
+    #[arg(long, default_value_t = 64 << 20)]
+    host_elements: i64,
+    /// Where to write the calibration.
+    #[arg(long, value_name = "JSON")]
+    out: PathBuf,
+}
+
+pub fn calibrate(args: CalibrateArgs, plugins: &[PathBuf]) -> Result<i32> {
+    let registry = Registry::with_plugins(plugins)?;
+    let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()).collect::<Result<Vec<_>>>()?;
+    let models: Vec<&dyn ft_core::Model> = models.iter().map(|m| m.as_ref()).collect();
+    let device = args.device.for_rank(0);
+    let options = CalibrateOptions {
+        models: &models,
+        tokens: args.batch * args.seq,
+        loss_chunk_tokens: args.loss_chunk_tokens,
+        dtype: args.dtype.kind(device),
+        device,
+        host_elements: args.host_elements,
+    };
+    let calibration = plan::calibrate(&options, &registry)?;
+    calibration.save(&args.out)?;
+    print!("{}", calibration.summary());
     Ok(0)
 }

@@ -394,3 +394,142 @@ fn out_of_memory_is_reported_with_the_prediction_and_what_fits() {
     let other = plan::explain_out_of_memory(anyhow::anyhow!("connection reset"), &plan, "ddp", "none", false);
     assert_eq!(format!("{other:#}"), "connection reset");
 }
+
+/// The tiny OPT of tests/fixtures, whose GEMMs time in milliseconds on a CPU.
+fn tiny_opt() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/opt/config.json")
+}
+
+/// `ft calibrate`'s measurement of `model` at 2 x 16 tokens in fp32 on this CPU.
+fn calibrated_on_cpu(model: &dyn Model) -> plan::Calibration {
+    let options = plan::CalibrateOptions { models: &[model], tokens: 32, loss_chunk_tokens: 1024, dtype: Kind::Float, device: tch::Device::Cpu, host_elements: 1 << 20 };
+    plan::calibrate(&options, &Registry::builtin()).unwrap()
+}
+
+fn tiny_workload(model: &dyn Model) -> Workload<'_> {
+    Workload { dtype: Kind::Float, ..workload(model, 2, 16) }
+}
+
+#[test]
+fn calibration_measures_this_machines_rates() {
+    let model = model(&tiny_opt());
+    let calibration = calibrated_on_cpu(model.as_ref());
+    assert_eq!((calibration.device.as_str(), calibration.dtype.as_str()), ("cpu", "Float"));
+    // Every 2-D weight of a block is a shape class, at the micro-batch's 32 tokens.
+    let block = &model.units()[model.stages().iter().find(|s| s.kind == ft_core::model::StageKind::Block).unwrap().unit];
+    for weight in block.params.iter().filter(|p| p.shape.len() == 2) {
+        let gemm = plan::Gemm { m: 32, n: weight.shape[0], k: weight.shape[1] };
+        assert!(calibration.gemms.iter().any(|g| g.gemm == gemm), "{gemm:?} in {:?}", calibration.gemms);
+    }
+    let rates = calibration.gemms.iter().map(|g| g.flops_per_second).chain(calibration.host_optimizer_elements_per_second.values().copied());
+    assert!(rates.clone().all(|rate| rate.is_finite() && rate > 0.0), "{calibration:?}");
+    assert!(calibration.host_optimizer_elements_per_second.contains_key("cpu"), "the cpu offload's own AdamW is timed");
+    assert_eq!((calibration.host_to_device_bytes_per_second, calibration.device_to_host_bytes_per_second), (None, None), "no device, no link");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calibration.json");
+    calibration.save(&path).unwrap();
+    // serde_json reads a float back to within an ulp, not always exactly.
+    let loaded = plan::Calibration::load(&path).unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
+    assert_eq!((&loaded.device, &loaded.dtype, loaded.gemms.len()), (&calibration.device, &calibration.dtype, calibration.gemms.len()));
+    assert!(loaded.gemms.iter().zip(&calibration.gemms).all(|(a, b)| a.gemm == b.gemm && close(a.flops_per_second, b.flops_per_second)), "{loaded:?}");
+    assert!(close(loaded.host_optimizer_elements_per_second["cpu"], calibration.host_optimizer_elements_per_second["cpu"]), "{loaded:?}");
+}
+
+#[test]
+fn a_calibrated_plan_takes_the_measured_rates() {
+    let model = model(&tiny_opt());
+    let tiny = tiny_workload(model.as_ref());
+    let registry = Registry::builtin();
+    let mut measured = calibrated_on_cpu(model.as_ref());
+    // Rates of our choosing, so that each term's relation to them is exact.
+    let (gemm, host, link) = (1e12, 1e9, 1e30);
+    measured.gemms.iter_mut().for_each(|g| g.flops_per_second = gemm);
+    measured.host_optimizer_elements_per_second.insert("cpu".into(), host);
+    (measured.host_to_device_bytes_per_second, measured.device_to_host_bytes_per_second) = (Some(link), Some(link));
+    let predict = |calibration: &plan::Calibration| {
+        let mut cluster = h100s(1, 1);
+        cluster.use_calibration(calibration, &tiny).unwrap();
+        plan::predict(&tiny, &cluster, &setup(&registry, "ddp", "cpu", false)).unwrap()
+    };
+    let row = predict(&measured);
+    let flops = 32.0 * model.train_flops_per_token(16);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+    assert!(close(row.time.compute, flops / (gemm * plan::STEP_SHARE_OF_GEMM)), "{:?}", row.time);
+    // One rank's host steps every element at the measured rate; the links are too fast to count.
+    let elements = model.numel() as f64;
+    assert!(close(row.time.offload, elements / host), "{:?}", row.time);
+
+    let mut faster = measured.clone();
+    faster.gemms.iter_mut().for_each(|g| g.flops_per_second *= 2.0);
+    faster.host_optimizer_elements_per_second.insert("cpu".into(), 2.0 * host);
+    let twice = predict(&faster);
+    assert!(close(twice.time.compute, row.time.compute / 2.0) && close(twice.time.offload, row.time.offload / 2.0), "{:?} vs {:?}", twice.time, row.time);
+
+    // A slow link to the device: uploading the fp32 masters is the step's offload time.
+    let mut slow = measured.clone();
+    (slow.host_optimizer_elements_per_second, slow.host_to_device_bytes_per_second) = ([("cpu".into(), 1e30)].into(), Some(1e6));
+    assert!(close(predict(&slow).time.offload, elements * 4.0 / 1e6), "{:?}", predict(&slow).time);
+
+    // Another micro-batch's GEMMs were not measured; nor were another dtype's.
+    let mut cluster = h100s(1, 1);
+    let error = cluster.use_calibration(&measured, &Workload { batch: 4, ..tiny_workload(model.as_ref()) }).unwrap_err().to_string();
+    assert!(error.contains("no rate for the 64x") && error.contains("--batch 4 and --seq 16"), "{error}");
+    let error = cluster.use_calibration(&measured, &workload(model.as_ref(), 2, 16)).unwrap_err().to_string();
+    assert!(error.contains("Float GEMMs") && error.contains("BFloat16"), "{error}");
+}
+
+#[test]
+fn bad_calibration_files_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(&tiny_opt());
+    let good = serde_json::to_value(calibrated_on_cpu(model.as_ref())).unwrap();
+    let mut negative = good.clone();
+    negative["gemms"][0]["flops_per_second"] = (-1.0).into();
+    let mut newer = good.clone();
+    newer["version"] = 2.into();
+    let mut missing = good.clone();
+    missing.as_object_mut().unwrap().remove("gemms");
+    let cases = [
+        ("garbage.json", "{not json".to_string(), "is not an `ft calibrate` file"),
+        ("newer.json", newer.to_string(), "is calibration format 2, this ft reads format 1"),
+        ("missing.json", missing.to_string(), "missing field `gemms`"),
+        ("negative.json", negative.to_string(), "holds a rate that is not a positive number"),
+    ];
+    for (name, text, expected) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        let error = format!("{:#}", plan::Calibration::load(&path).unwrap_err());
+        assert!(error.contains(&path.display().to_string()) && error.contains(expected) && error.contains("ft calibrate"), "{name}: {error}");
+    }
+    let absent = dir.path().join("absent.json");
+    let error = format!("{:#}", plan::Calibration::load(&absent).unwrap_err());
+    assert!(error.contains(&absent.display().to_string()) && error.contains("cannot read"), "{error}");
+}
+
+#[test]
+fn ft_calibrate_writes_what_ft_plan_and_the_plan_check_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calibration.json");
+    let config = tiny_opt();
+    let shape = ["--batch", "2", "--seq", "16", "--dtype", "f32"];
+    let output = ft()
+        .args(["calibrate", "--config", config.to_str().unwrap(), "--device", "cpu", "--host-elements", "1000000", "--out", path.to_str().unwrap()])
+        .args(shape)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("host optimizer of offload cpu"), "{}", text(&output));
+    let output = ft().args(["plan", "--model", config.to_str().unwrap(), "--gpu", "h100", "--calibration", path.to_str().unwrap()]).args(shape).output().unwrap();
+    assert!(output.status.success() && text(&output).contains("rates measured on cpu by ft calibrate"), "{}", text(&output));
+    // A bench row of the same shape beside the calibrated prediction.
+    let output = ft()
+        .args(["bench", "--config", config.to_str().unwrap(), "--device", "cpu", "--warmup", "1", "--steps", "2", "--gpu", "h100"])
+        .args(["--plan-check", "--calibration", path.to_str().unwrap()])
+        .args(shape)
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success() && log.contains(&format!("plan check with the rates measured on cpu ({})", path.display())), "{log}");
+    assert!(log.contains("| opt 0.0M | ddp | none | off | 1 | 2x16 |"), "{log}");
+}

@@ -2,11 +2,15 @@
 # ft plan's predictions beside measured rows on one GPU: BLOOM-560m and
 # OPT-1.3B (8 x 512) under ddp and full_shard, with and without CPU offload
 # and activation checkpointing, and the Llama-7B shape (2 x 2048, full_shard,
-# checkpointing); then one table of every row, predicted vs measured.
+# checkpointing), after `ft calibrate` on the same machine (the three models'
+# GEMM shapes at 4096 tokens per micro-batch, the cpu offload's AdamW, the
+# pinned host link); then two tables of every row, predicted vs measured: with
+# the table's rates, then with the measured ones.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 C=.device/configs
 SMALL=(--config $C/bloom-560m/config.json --config $C/opt-1.3b/config.json)
+"$FT" calibrate "${SMALL[@]}" --config $C/codellama-7b/config.json --batch 8 --seq 512 --out $OUT/calibration.json
 for off in none cpu; do
   for ck in "" --activation-checkpointing; do
     n=$off${ck:+-ckpt}
@@ -16,5 +20,9 @@ for off in none cpu; do
 done
 "$FT" bench --config $C/codellama-7b/config.json --gpus 1 --strategy full_shard --batch 2 --seq 2048 \
   --activation-checkpointing --warmup 2 --steps 5 --json $OUT/llama-none-ckpt.json >/dev/null 2>$OUT/llama.err || tail -n 3 $OUT/llama.err
-"$FT" bench $(for f in $OUT/*.json; do echo --from-json $f; done) --plan-check \
-  "${SMALL[@]}" --config $C/codellama-7b/config.json | tee $OUT/plan-check.txt
+ROWS=$(for f in $OUT/small-*.json $OUT/llama-*.json; do echo --from-json $f; done)
+echo "== uncalibrated"
+"$FT" bench $ROWS --plan-check "${SMALL[@]}" --config $C/codellama-7b/config.json | tee $OUT/plan-check.txt
+echo "== calibrated"
+"$FT" bench $ROWS --plan-check --calibration $OUT/calibration.json \
+  "${SMALL[@]}" --config $C/codellama-7b/config.json | tee $OUT/plan-check-calibrated.txt

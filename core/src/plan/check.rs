@@ -1,7 +1,7 @@
 //! `ft bench --plan-check`: each measured row beside the plan's prediction
 //! for the same model, strategy, offload, GPUs, batch and length.
 
-use super::{predict, Cluster, Setup, Workload};
+use super::{predict, Calibration, Cluster, Setup, Workload};
 use crate::bench::{model_label, Row};
 use crate::gpu::GpuSpec;
 use crate::model::Model;
@@ -51,12 +51,14 @@ pub struct BenchSettings<'a> {
     pub dtype: Kind,
     pub loss_chunk_tokens: i64,
     pub shard_group_size: Option<usize>,
+    /// `ft calibrate`'s rates in place of the table's.
+    pub calibration: Option<&'a Calibration>,
 }
 
 /// The rows that ran beside their predictions; `models` are the
 /// configurations they measured.
 pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings) -> Result<Vec<CheckedRow>> {
-    let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size } = *settings;
+    let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size, calibration } = *settings;
     let mut checked = vec![];
     // Rows through a communication plug-in are left out: a bench row does not record the hook's options.
     for row in rows.iter().filter(|r| r.error.is_none() && r.comm == crate::comm_hook::BUILTIN) {
@@ -76,7 +78,10 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             loss_chunk_tokens,
             shard_group_size,
         };
-        let cluster = Cluster::new(gpu, row.gpus, 1, dtype)?;
+        let mut cluster = Cluster::new(gpu, row.gpus, 1, dtype)?;
+        if let Some(calibration) = calibration {
+            cluster.use_calibration(calibration, &workload)?;
+        }
         let setup = Setup {
             strategy: &strategy.name,
             policy: (strategy.create)().policy(),

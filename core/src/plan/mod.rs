@@ -26,11 +26,13 @@
 //! holds 16Ψ/N where stage 2 holds 2Ψ + 14Ψ/N. tests/plan.rs checks this
 //! for Llama-2-70B on 64 GPUs.
 
+mod calibrate;
 mod check;
 mod memory;
 mod run;
 mod time;
 
+pub use calibrate::{calibrate, CalibrateOptions, Calibration, Gemm, GemmRate, CALIBRATION_VERSION, STEP_SHARE_OF_GEMM};
 pub use check::{check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
 pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, for_run};
@@ -101,6 +103,10 @@ pub struct Cluster {
     /// Host memory per node (bytes) and its bandwidth (bytes/s).
     pub host_memory: f64,
     pub host_memory_bandwidth: f64,
+    /// `ft calibrate`'s measurements, where they replace the table's rates
+    /// (`flops` is then the calibrated step's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
 }
 
 impl Cluster {
@@ -127,6 +133,7 @@ impl Cluster {
             host_link_bandwidth: gpu.host_link_bandwidth,
             host_memory: crate::metrics::host_memory().unwrap_or(512e9),
             host_memory_bandwidth: HOST_MEMORY_BANDWIDTH,
+            calibration: None,
         })
     }
 
@@ -519,7 +526,8 @@ impl Plan {
     fn hardware(&self) -> String {
         let c = &self.cluster;
         let memory = c.gpu_memory.map_or("no memory limit".into(), |m| format!("{:.1} GB", m / 1e9));
-        format!("{} x {} ({memory}) on {} node(s), {:.0} GB host memory per node", c.gpus, c.gpu, c.nodes, c.host_memory / 1e9)
+        let calibrated = c.calibration.as_ref().map_or(String::new(), |m| format!("; rates measured on {} by ft calibrate", m.device));
+        format!("{} x {} ({memory}) on {} node(s), {:.0} GB host memory per node{calibrated}", c.gpus, c.gpu, c.nodes, c.host_memory / 1e9)
     }
 
     /// What to try when nothing fits: the configuration that allows the largest batch.

@@ -1,7 +1,9 @@
 //! One optimizer step's time: the model's FLOPs at the GPU's achieved rate,
 //! AdamW's pass over the optimizer state at memory bandwidth, the bytes each
 //! collective moves at the bus bandwidth (nccl-tests' busbw, what `ft
-//! comm-test` measures), and offload's host optimizer and transfers.
+//! comm-test` measures), and offload's host optimizer and transfers — each
+//! rate from the tables below, or as `ft calibrate` measured it
+//! (`calibrate.rs`).
 //!
 //! Calibrated on `ft bench` rows measured on H200s (bench/results/
 //! 2026-11-22-h200x2-performance.md: BLOOM-560m on 1 and 2 GPUs under ddp,
@@ -210,12 +212,16 @@ pub(super) fn step_time(
     let offloaded = placements.iter().any(|p| p.offload);
     let (optimizer, offload) = if offloaded {
         let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
-        // The node's ranks share its memory bandwidth.
-        let host_bandwidth = cluster.host_memory_bandwidth / cluster.gpus_per_node() as f64;
-        let host_optimizer = owned * OPTIMIZER_BYTES / host_bandwidth;
+        // The node's ranks share its cores and memory bandwidth: the measured rate, else the table's bandwidth.
+        let ranks = cluster.gpus_per_node() as f64;
+        let host_optimizer = match cluster.host_optimizer_rate(setup.offload) {
+            Some(elements_per_second) => owned / (elements_per_second / ranks),
+            None => owned * OPTIMIZER_BYTES / (cluster.host_memory_bandwidth / ranks),
+        };
         // Gradients go down while backward (two thirds of the compute) runs; masters come back after the step.
-        let down = workload.grad_accum as f64 * owned * reduce / cluster.host_link_bandwidth;
-        let up = owned * 4.0 / cluster.host_link_bandwidth;
+        let (to_device, to_host) = cluster.host_link();
+        let down = workload.grad_accum as f64 * owned * reduce / to_host;
+        let up = owned * 4.0 / to_device;
         (0.0, host_optimizer + up + (down - compute * 2.0 / 3.0).max(0.0))
     } else {
         (owned * OPTIMIZER_BYTES / (cluster.memory_bandwidth * OPTIMIZER_BANDWIDTH_FRACTION), 0.0)

@@ -7,6 +7,7 @@
 //! Rust handles early never frees memory a collective still uses.
 
 pub mod kernels;
+pub mod host_bytes;
 
 
 use std::ffi::{c_char, c_void, CStr, CString};
