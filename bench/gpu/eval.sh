@@ -14,7 +14,7 @@ ft_eval() {  # NAME BATCH SAMPLES [env…]
     --batch-size $batch --max-seq-len 512 --output-dir /tmp/ft-eval-$name > $OUT/$name.log 2>&1 || tail -n 5 $OUT/$name.log
   grep -E "^scored|CUDA graph|error" $OUT/$name.log | sed "s/^/$name: /"
 }
-for run in "1 128" "32 512" "64 512"; do
+for run in "1 ${B1_SAMPLES:-128}" "32 512" "64 512"; do
   set -- $run
   for repeat in 1 2; do
     ft_eval ft-b$1-graph-$repeat $1 $2
