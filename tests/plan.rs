@@ -455,7 +455,11 @@ fn a_calibrated_plan_takes_the_measured_rates() {
     let row = predict(&measured);
     let flops = 32.0 * model.train_flops_per_token(16);
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
-    assert!(close(row.time.compute, flops / (gemm * plan::STEP_SHARE_OF_GEMM)), "{:?}", row.time);
+    // The products at the measured rate, the memory-bound kernels at the table's bandwidth.
+    let dims = model.dims();
+    let memory_bound = 32.0 * (plan::BLOCK_BYTES_PER_TOKEN_AND_HIDDEN * (dims.layers * dims.hidden) as f64 + plan::HEAD_BYTES_PER_TOKEN_AND_VOCAB * dims.vocab as f64);
+    let bandwidth = h100s(1, 1).memory_bandwidth;
+    assert!(close(row.time.compute, flops / gemm + memory_bound / bandwidth), "{:?}", row.time);
     // One rank's host steps every element at the measured rate; the links are too fast to count.
     let elements = model.numel() as f64;
     assert!(close(row.time.offload, elements / host), "{:?}", row.time);
@@ -464,7 +468,7 @@ fn a_calibrated_plan_takes_the_measured_rates() {
     faster.gemms.iter_mut().for_each(|g| g.flops_per_second *= 2.0);
     faster.host_optimizer_elements_per_second.insert("cpu".into(), 2.0 * host);
     let twice = predict(&faster);
-    assert!(close(twice.time.compute, row.time.compute / 2.0) && close(twice.time.offload, row.time.offload / 2.0), "{:?} vs {:?}", twice.time, row.time);
+    assert!(close(twice.time.compute, flops / (2.0 * gemm) + memory_bound / bandwidth) && close(twice.time.offload, row.time.offload / 2.0), "{:?} vs {:?}", twice.time, row.time);
 
     // A slow link to the device: uploading the fp32 masters is the step's offload time.
     let mut slow = measured.clone();

@@ -23,12 +23,17 @@ use tch::{Device, Kind, Tensor};
 /// The calibration file's format; a file of another is refused.
 pub const CALIBRATION_VERSION: u32 = 1;
 
-/// The share of its GEMMs' measured rate a whole step reaches: besides the
-/// GEMMs it runs norms, activations, dropout, attention's softmax and the
-/// loss, memory-bound kernels the GEMM rate does not see. Estimated from
-/// the H200 rows (bench/results/2026-11-23-h200-plan-check.md: steps at
-/// 370-520 TFLOP/s where GEMMs of those shapes reach 550-750).
-pub const STEP_SHARE_OF_GEMM: f64 = 0.7;
+/// Bytes the memory-bound kernels of a block move per token and hidden
+/// unit in a training step (norms, activations, dropout, residual adds,
+/// bias gradients, the copies between them; forward and backward), at the
+/// GPU's memory bandwidth; and per token and vocabulary entry, the LM
+/// head's loss over its logits. The GEMMs' own rates are measured; these
+/// two are fitted to the step time left over besides them and AdamW in
+/// BLOOM-560m and OPT-1.3B at 8 × 512 on one H100
+/// (bench/results/2026-11-25-h100-single-gpu.md), the two models
+/// apart in hidden size (1024, 2048) and vocabulary (250880, 50272).
+pub const BLOCK_BYTES_PER_TOKEN_AND_HIDDEN: f64 = 320.0;
+pub const HEAD_BYTES_PER_TOKEN_AND_VOCAB: f64 = 28.0;
 
 /// How long each measurement is timed for (after one warm-up run).
 const TIMED_SECONDS: f64 = 0.25;
@@ -261,10 +266,9 @@ impl Calibration {
         std::fs::write(path, serde_json::to_string_pretty(self)? + "\n").with_context(|| format!("cannot write {}", path.display()))
     }
 
-    /// The FLOP/s `workload`'s step reaches: its GEMM classes' measured
-    /// rates, each weighted by the FLOPs of its class, at
-    /// [`STEP_SHARE_OF_GEMM`] (the FLOPs outside these classes, attention's,
-    /// go at the same mix).
+    /// The FLOP/s of `workload`'s matrix products: its GEMM classes'
+    /// measured rates, each weighted by the FLOPs of its class (the FLOPs
+    /// outside these classes, attention's, go at the same mix).
     pub fn step_flops(&self, workload: &Workload) -> Result<f64> {
         let dtype = format!("{:?}", workload.dtype);
         if dtype != self.dtype {
@@ -287,7 +291,7 @@ impl Calibration {
             flops += class_flops;
             seconds += class_flops / rate.flops_per_second;
         }
-        Ok(flops / seconds * STEP_SHARE_OF_GEMM)
+        Ok(flops / seconds)
     }
 }
 
@@ -299,6 +303,21 @@ impl Cluster {
         self.flops = calibration.step_flops(workload)?;
         self.calibration = Some(calibration.clone());
         Ok(())
+    }
+
+    /// Seconds of a step's memory-bound kernels, besides its matrix
+    /// products at the measured rates: none without a calibration (the
+    /// table's achieved fraction of the peak covers them). With activation
+    /// checkpointing the blocks' forward, a third of theirs, runs again.
+    pub(super) fn memory_bound_seconds(&self, workload: &Workload, tokens: f64, activation_checkpointing: bool) -> f64 {
+        if self.calibration.is_none() {
+            return 0.0;
+        }
+        let dims = workload.model.dims();
+        let recompute = if activation_checkpointing { 4.0 / 3.0 } else { 1.0 };
+        let block = BLOCK_BYTES_PER_TOKEN_AND_HIDDEN * (dims.layers * dims.hidden) as f64 * recompute;
+        let head = HEAD_BYTES_PER_TOKEN_AND_VOCAB * dims.vocab as f64;
+        tokens * (block + head) / self.memory_bandwidth
     }
 
     /// Elements per second one node's host steps under `offload`, where measured.

@@ -192,7 +192,7 @@ pub(super) fn step_time(
         // Forward is a third of a block's training FLOPs.
         flops += tokens * block_flops_per_token(workload) / 3.0;
     }
-    let compute = flops / cluster.flops;
+    let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, setup.activation_checkpointing);
 
     let network = Network { cluster, shard_group };
     let data_parallel = cluster.gpus > 1;
