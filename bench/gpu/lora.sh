@@ -16,7 +16,7 @@ source "$(dirname "$0")/lib.sh"
 CONFIG=$D/configs/codellama-7b/config.json
 "$FT" bench --config $CONFIG --gpus 1 --strategy ddp --batch 2 --seq 2048 \
   --lora-r 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down \
-  --warmup 3 --steps 8 --json $OUT/ft-lora.json 2>&1 | grep -vE "^\[rank" | tail -8
+  --warmup 3 --steps 8 --profile $OUT/lora-profile --json $OUT/ft-lora.json 2>&1 | grep -vE "^\[rank" | tail -8
 [ -d $D/pylib/peft ] || echo "no $D/pylib/peft: the peers use the image's own peft, if any"
 export PYTHONPATH="$D/pylib${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import peft, transformers, torch; print('peft', peft.__version__, 'from', peft.__file__, '| transformers', transformers.__version__, '| torch', torch.__version__)" \
@@ -28,5 +28,11 @@ peft_peer() {
     --lora-r 16 --lora-alpha 32 --warmup 2 --steps 6 --json $OUT/$name.json "$@" > $OUT/$name.log 2>&1 \
     && grep -E "tokens/s" $OUT/$name.log || { echo "peer failed: $name"; grep -E "Error|error:" $OUT/$name.log | tail -3; }
 }
-peft_peer peft-eager
-peft_peer peft-compiled --compile
+# PEERS picks them: eager, compiled, compiled-liger (torch.compile over Liger Kernel's).
+for peer in ${PEERS:-eager compiled}; do
+  case $peer in
+    eager) peft_peer peft-eager ;;
+    compiled) peft_peer peft-compiled --compile ;;
+    compiled-liger) peft_peer peft-compiled-liger --compile --liger ;;
+  esac
+done
