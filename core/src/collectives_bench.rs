@@ -6,6 +6,7 @@
 
 pub use crate::comm::Collective;
 use crate::comm::{CommError, Communicator, ProcessGroup, Reduction};
+use crate::device::synchronize;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -214,12 +215,6 @@ fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduc
         (op, reduction) => bail!("no expected values for {} with {reduction:?}", op.name()),
     };
     Ok(matches(&b.output, &expected, kind, reduction != Reduction::Avg))
-}
-
-fn synchronize(device: Device) {
-    if let Device::Cuda(index) = device {
-        tch::Cuda::synchronize(index as i64);
-    }
 }
 
 /// Runs the sweep over `group`. Every member must call it with the same options;

@@ -36,6 +36,13 @@ impl DType {
     }
 }
 
+/// Waits for `device`'s queued work (what timing it needs); nothing on a CPU.
+pub fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
 /// Parses a flag with the configuration's own spellings (serde's), so a
 /// value accepted in one place is accepted everywhere.
 fn parse_as_config<T: serde::de::DeserializeOwned>(text: &str, what: &str, expected: &str) -> Result<T> {

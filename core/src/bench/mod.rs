@@ -10,6 +10,7 @@ mod kernels;
 pub use kernels::KernelCheck;
 
 use crate::comm_hook::CommHook;
+use crate::device::synchronize;
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
 use crate::model::{self, Model};
@@ -198,13 +199,6 @@ pub fn table(rows: &[Row]) -> String {
 /// How rows name a model: "opt 1315.8M".
 pub fn model_label(model: &dyn Model) -> String {
     format!("{} {:.1}M", model.model_type(), model.numel() as f64 / 1e6)
-}
-
-/// Waits for the device's queued work (timing needs it).
-fn synchronize(device: Device) {
-    if let Device::Cuda(index) = device {
-        tch::Cuda::synchronize(index as i64);
-    }
 }
 
 /// `count` training steps over the task's batches in turn; the last step's loss.

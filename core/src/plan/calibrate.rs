@@ -9,6 +9,7 @@
 //! read the file it writes ([`Cluster::use_calibration`]).
 
 use super::{Cluster, Workload};
+use crate::device::synchronize;
 use crate::gpu;
 use crate::model::{Model, StageKind};
 use crate::registry::Registry;
@@ -112,12 +113,6 @@ fn gemm_classes(model: &dyn Model, tokens: i64, loss_chunk_tokens: i64) -> BTree
     let chunk = if loss_chunk_tokens > 0 { tokens.min(loss_chunk_tokens) } else { tokens };
     *classes.entry(Gemm { m: chunk, n: dims.vocab, k: dims.hidden }).or_default() += 6.0 * (tokens * outside) as f64;
     classes
-}
-
-fn synchronize(device: Device) {
-    if let Device::Cuda(index) = device {
-        tch::Cuda::synchronize(index as i64);
-    }
 }
 
 /// Seconds one `run` takes on `device`: one warm-up run (allocations,
