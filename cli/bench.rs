@@ -172,22 +172,22 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
             .and_then(|(name, _)| GpuSpec::find(&name))
             .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
     };
-    let calibration = args.calibration.as_deref().map(plan::Calibration::load).transpose()?;
+    let calibration = args.calibration.as_deref().map(|path| plan::Calibration::load(path).map(|calibration| (path, calibration))).transpose()?;
     let settings = BenchSettings {
-        calibration: calibration.as_ref(),
+        calibration: calibration.as_ref().map(|(_, calibration)| calibration),
         gpu,
         dtype: args.dtype.kind(tch::Device::Cuda(0)),
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
     };
     let checked = plan::check_rows(rows, &models, &registry, &settings);
-    let checked = match (&args.calibration, &calibration) {
-        (Some(path), Some(calibration)) => {
+    let checked = match &calibration {
+        Some((path, calibration)) => {
             let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
             println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
             checked
         }
-        _ => checked?,
+        None => checked?,
     };
     print!("{}", plan::check_table(&checked));
     Ok(())

@@ -62,8 +62,6 @@ pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i6
     let mut step = Step::after_prompts(model, params, prompts, decoding)?;
     let mut graph: Option<ft_sys::CudaGraph> = None;
     let mut finished = vec![false; prompts.len()];
-    // Tokens each row has had so far (the prompt gave the first).
-    let mut produced = 1;
     loop {
         for ((row, token), done) in generated.iter_mut().zip(Vec::<i64>::try_from(step.tokens.reshape([-1]))?).zip(&mut finished) {
             if !*done {
@@ -79,13 +77,14 @@ pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i6
             None => {
                 step.run()?;
                 // After one eager step (lazy initialisations done), when at least two steps follow.
+                // Tokens so far: the rows still decoding hold the most (the prompt's next token, then one a step).
+                let produced = generated.iter().map(Vec::len).max().unwrap_or(0);
                 let steps_left = decoding.max_new_tokens - produced - 1;
                 if decoding.cuda_graph && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
                     graph = step.capture();
                 }
             }
         }
-        produced += 1;
     }
 }
 
@@ -99,7 +98,6 @@ struct Step<'a> {
     tokens: Tensor,
     mask: Tensor,
     slot: Tensor,
-    capacity: i64,
     dtype: Kind,
 }
 
@@ -126,7 +124,7 @@ impl<'a> Step<'a> {
             cache.fix_shapes(&slot)?;
         }
         let unwritten = Tensor::zeros([prompts.len() as i64, capacity - longest as i64], (Kind::Int64, device));
-        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, capacity, dtype: decoding.dtype })
+        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, dtype: decoding.dtype })
     }
 
     /// One token per row: marks the slot real, runs the model on the last
@@ -136,7 +134,8 @@ impl<'a> Step<'a> {
     fn run(&mut self) -> Result<()> {
         let _ = self.mask.index_fill_(1, &self.slot, 1);
         let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None };
-        let ctx = self.model.context(&inputs, self.capacity - 1, self.dtype, false)?;
+        let capacity = self.mask.size()[1];
+        let ctx = self.model.context(&inputs, capacity - 1, self.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
         self.tokens.copy_(&logits(&hidden, &weight).argmax(-1, false));
         let _ = self.slot.g_add_scalar_(1);
