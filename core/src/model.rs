@@ -134,15 +134,20 @@ impl<'a> Params<'a> {
 
     /// `x·Wᵀ + b` with `{name}.weight` and, when the unit has one,
     /// `{name}.bias`; plus `scale · (dropout(x)·Aᵀ)·Bᵀ` when an adapter
-    /// targets the layer (scaled at rank r, the narrowest point).
+    /// targets the layer (scaled at rank r, the narrowest point). Without
+    /// dropout that is one autograd node (`ft_sys::lora_linear`) whose
+    /// GEMMs accumulate the adapter's share instead of adding it after.
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
-        let base = x.linear(self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
-        let Some(adapters) = &self.adapters else { return base };
-        let Some(a) = adapters.params.maybe(&format!("{name}.lora_A.weight")) else { return base };
+        let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
+        let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
+        let Some((adapters, a)) = adapter else { return x.linear(weight, bias) };
         let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         let AdapterScaling { scale, dropout } = adapters.scaling;
-        let input = if adapters.train && dropout > 0.0 { x.dropout(dropout, true) } else { x.shallow_clone() };
-        base + (input.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
+        if adapters.train && dropout > 0.0 {
+            let dropped = x.dropout(dropout, true);
+            return x.linear(weight, bias) + (dropped.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None);
+        }
+        ft_sys::lora_linear(x, weight, bias, a, b, scale).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.
@@ -563,11 +568,34 @@ pub fn lm_outputs(outputs: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
     }
 }
 
+/// Rotary embeddings of `x` ([batch, seq, heads, head_dim]): x·cos +
+/// rotate_half(x)·sin, written roll(x, half)·`signed_sin` (sin with
+/// rotate_half's sign folded in, [batch, seq, 1, head_dim] like `cos`).
+/// On a GPU where ft's kernels load, one kernel each way (`ft_sys::rope`);
+/// ATen's three forward and four backward kernels elsewhere.
+pub fn rotary(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
+    rotary_with(x, cos, signed_sin, crate::train::Kernels::loaded(x.device()))
+}
+
+/// `rotary` with ft's kernel when `fused` (and it serves the kind and
+/// shapes), ATen's ops otherwise: `ft bench --breakdown` compares the two.
+pub fn rotary_with(x: &Tensor, cos: &Tensor, signed_sin: &Tensor, fused: bool) -> Tensor {
+    let [batch, seq, _, head_dim] = x.size()[..] else { panic!("RoPE's input is [batch, seq, heads, head_dim], not {:?}", x.size()) };
+    let fits = |t: &Tensor| t.size() == [batch, seq, 1, head_dim] && t.kind() == x.kind() && t.is_contiguous();
+    if fused && matches!(x.kind(), Kind::Float | Kind::BFloat16) && fits(cos) && fits(signed_sin) {
+        return ft_sys::rope(x, cos, signed_sin).unwrap_or_else(|e| panic!("RoPE: {e}"));
+    }
+    (x * cos).addcmul(&x.roll([head_dim / 2], [3]), signed_sin)
+}
+
 /// SwiGLU's gating, silu(gate) · up, as one autograd node that keeps only
-/// `gate` and `up` for backward (`ft_sys::swiglu`). Panics only on inputs
-/// that do not broadcast, a bug in the model file.
+/// `gate` and `up` for backward (`ft_sys::swiglu`), in one kernel each way
+/// on a GPU where ft's kernels load. Panics only on inputs that do not
+/// broadcast, a bug in the model file.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
-    ft_sys::swiglu(gate, up).unwrap_or_else(|e| panic!("swiglu: {e}"))
+    let same = gate.size() == up.size() && gate.kind() == up.kind() && gate.is_contiguous() && up.is_contiguous();
+    let fused = same && matches!(gate.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(gate.device());
+    ft_sys::swiglu(gate, up, fused).unwrap_or_else(|e| panic!("swiglu: {e}"))
 }
 
 /// Scaled-dot-product attention over [batch, heads, seq, head_dim] tensors:

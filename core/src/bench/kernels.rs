@@ -1,8 +1,9 @@
 //! ft's CUDA kernels beside ATen's ops on the same random inputs (`ft
 //! bench --breakdown`): the LM head's loss and gradients (the model's
 //! vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
-//! values in the compute dtype, when a kernel serves it) and the low-rank
-//! products (a 64M-element matrix, rank 4), timed and compared.
+//! values in the compute dtype, when a kernel serves it), the low-rank
+//! products (a 64M-element matrix, rank 4), RoPE and SwiGLU forward and
+//! backward (the model's shapes), timed and compared.
 
 use crate::dataset::Batch;
 use crate::train::loss::lm_head_loss_and_grads;
@@ -44,6 +45,24 @@ pub struct KernelCheck {
     /// orthonormalised by ft's kernel against Householder QR's.
     #[serde(default)]
     pub lowrank_relative_diff: Option<f64>,
+    /// RoPE forward and backward over [batch, seq, heads, head_dim] of the
+    /// model's shapes in the compute dtype (`model::rotary`).
+    #[serde(default)]
+    pub rope_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub rope_aten_ms: Option<f64>,
+    /// max |ft − ATen| / max |ATen| over the output and the input's gradient.
+    #[serde(default)]
+    pub rope_relative_diff: Option<f64>,
+    /// SwiGLU's gating forward and backward over [batch, seq, intermediate]
+    /// in the compute dtype (`model::swiglu`).
+    #[serde(default)]
+    pub swiglu_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub swiglu_aten_ms: Option<f64>,
+    /// max |ft − ATen| / max |ATen| over the output and both inputs' gradients.
+    #[serde(default)]
+    pub swiglu_relative_diff: Option<f64>,
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -154,6 +173,46 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         let projected = relative(&projector(&ours), &projector(&householder), &projector(&householder));
         lowrank_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(projected, f64::max));
     }
+    let (mut rope_ft_ms, mut rope_aten_ms, mut rope_relative_diff) = (None, None, None);
+    if crate::kernels::available(device).is_ok() && dims.hidden % (2 * dims.heads) == 0 {
+        let head_dim = dims.hidden / dims.heads;
+        let x = Tensor::randn([rows, seq, dims.heads, head_dim], (dtype, device)).set_requires_grad(true);
+        let grad = Tensor::randn([rows, seq, dims.heads, head_dim], (dtype, device));
+        let angles = Tensor::rand([rows, seq, 1, head_dim], (Kind::Float, device)) * 100.0;
+        let (cos, sin) = (angles.cos().to_kind(dtype), angles.sin().to_kind(dtype));
+        // Backward seeded with a random gradient: the adjoint exercised fully.
+        let rotated = |fused: bool| -> Result<(Tensor, Tensor)> {
+            let y = crate::model::rotary_with(&x, &cos, &sin, fused);
+            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
+            let dx = x.grad().copy();
+            ft_sys::clear_grad(&x).map_err(anyhow::Error::msg)?;
+            Ok((y.detach(), dx))
+        };
+        rope_ft_ms = Some(timed(&mut || rotated(true).map(drop))?);
+        rope_aten_ms = Some(timed(&mut || rotated(false).map(drop))?);
+        let ((ft_y, ft_dx), (aten_y, aten_dx)) = (rotated(true)?, rotated(false)?);
+        rope_relative_diff = Some(relative(&ft_y, &aten_y, &aten_y).max(relative(&ft_dx, &aten_dx, &aten_dx)));
+    }
+    let (mut swiglu_ft_ms, mut swiglu_aten_ms, mut swiglu_relative_diff) = (None, None, None);
+    if crate::kernels::available(device).is_ok() {
+        let shape = [rows, seq, dims.intermediate];
+        let [gate, up] = [0, 1].map(|_| Tensor::randn(shape, (dtype, device)).set_requires_grad(true));
+        let grad = Tensor::randn(shape, (dtype, device));
+        let gated = |fused: bool| -> Result<[Tensor; 3]> {
+            let y = ft_sys::swiglu(&gate, &up, fused).map_err(anyhow::Error::msg)?;
+            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
+            let grads = [&gate, &up].map(|t| t.grad().copy());
+            for t in [&gate, &up] {
+                ft_sys::clear_grad(t).map_err(anyhow::Error::msg)?;
+            }
+            let [dg, du] = grads;
+            Ok([y.detach(), dg, du])
+        };
+        swiglu_ft_ms = Some(timed(&mut || gated(true).map(drop))?);
+        swiglu_aten_ms = Some(timed(&mut || gated(false).map(drop))?);
+        let (ft, aten) = (gated(true)?, gated(false)?);
+        swiglu_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
+    }
     Ok(KernelCheck {
         head_ft_ms,
         head_aten_ms,
@@ -168,6 +227,12 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         lowrank_ft_ms,
         lowrank_aten_ms,
         lowrank_relative_diff,
+        rope_ft_ms,
+        rope_aten_ms,
+        rope_relative_diff,
+        swiglu_ft_ms,
+        swiglu_aten_ms,
+        swiglu_relative_diff,
     })
 }
 

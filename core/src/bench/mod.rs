@@ -155,6 +155,12 @@ impl Row {
                 } + &match (k.lowrank_ft_ms, k.lowrank_aten_ms, k.lowrank_relative_diff) {
                     (Some(ft), Some(aten), Some(diff)) => format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
                     _ => String::new(),
+                } + &match (k.rope_ft_ms, k.rope_aten_ms, k.rope_relative_diff) {
+                    (Some(ft), Some(aten), Some(diff)) => format!("; RoPE forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
+                    _ => String::new(),
+                } + &match (k.swiglu_ft_ms, k.swiglu_aten_ms, k.swiglu_relative_diff) {
+                    (Some(ft), Some(aten), Some(diff)) => format!("; SwiGLU forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
+                    _ => String::new(),
                 })
             ),
         }

@@ -83,8 +83,8 @@ pub enum Kernels {
     /// ATen's ops: any device and dtype.
     Aten,
     /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
-    /// logits, the gradient written over them; ATen's ops otherwise) and ft's
-    /// one-pass AdamW.
+    /// logits, the gradient written over them; ATen's ops otherwise), ft's
+    /// one-pass AdamW and RoPE in one kernel each way (`model::rotary`).
     Ft,
 }
 
@@ -92,7 +92,7 @@ impl Kernels {
     /// ft's kernels on a GPU where they compile and load (once per process),
     /// ATen elsewhere or when the environment sets `FT_KERNELS=aten`.
     pub fn select(device: tch::Device) -> Kernels {
-        if std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten") {
+        if Self::aten_asked() {
             return Kernels::Aten;
         }
         match ft_sys::kernels::available(device) {
@@ -104,6 +104,16 @@ impl Kernels {
                 Kernels::Aten
             }
         }
+    }
+
+    /// Whether `select` picks ft's kernels on `device`, without its warning:
+    /// what a model's block asks before a fused op (cached after the first load).
+    pub fn loaded(device: tch::Device) -> bool {
+        device.is_cuda() && !Self::aten_asked() && ft_sys::kernels::available(device).is_ok()
+    }
+
+    fn aten_asked() -> bool {
+        std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten")
     }
 }
 

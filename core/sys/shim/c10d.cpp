@@ -32,6 +32,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -448,13 +449,103 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
   });
 }
 
+// A low-rank adapted linear layer, x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ, as one autograd
+// node: the adapter's product lands in the base GEMM's output through
+// addmm's accumulate (no separate add of [tokens, out] nor scale), and
+// backward adds the adapter's input gradient into the base's the same way.
+// Autograd over ATen's ops pays one [tokens, out] add forward and one
+// [tokens, in] add backward per adapted layer.
+struct LoraLinear : public torch::autograd::Function<LoraLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& a, const at::Tensor& b,
+                            double scale) {
+    at::Tensor rows = x.reshape({-1, x.size(-1)});
+    at::Tensor out = bias.has_value() ? at::addmm(*bias, rows, weight.t()) : at::mm(rows, weight.t());
+    at::Tensor down = at::mm(rows, a.t());
+    out.addmm_(down, b.t(), 1, scale);
+    ctx->save_for_backward({x, weight, a, b});
+    ctx->saved_data["down"] = down;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["bias"] = bias.has_value();
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    return out.view(sizes);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &a = saved[2], &b = saved[3];
+    at::Tensor down = ctx->saved_data["down"].toTensor();
+    double scale = ctx->saved_data["scale"].toDouble();
+    at::Tensor grad = grads[0].reshape({-1, weight.size(0)});
+    at::Tensor rows = x.reshape({-1, x.size(-1)});
+    at::Tensor grad_down = at::mm(grad, b).mul_(scale);
+    at::Tensor grad_x, grad_weight, grad_bias, grad_a, grad_b;
+    // needs_input_grad counts tensor inputs only: an absent bias has no index.
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const size_t adapter = has_bias ? 3 : 2;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::mm(grad, weight).addmm_(grad_down, a).view(x.sizes());
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = at::mm(grad.t(), rows);
+    }
+    if (has_bias && ctx->needs_input_grad(2)) {
+      grad_bias = grad.sum(0);
+    }
+    if (ctx->needs_input_grad(adapter)) {
+      grad_a = at::mm(grad_down.t(), rows);
+    }
+    if (ctx->needs_input_grad(adapter + 1)) {
+      grad_b = at::mm(grad.t(), down).mul_(scale);
+    }
+    return {grad_x, grad_weight, grad_bias, grad_a, grad_b, at::Tensor()};
+  }
+};
+
+char* ft_lora_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor* a, at::Tensor* b, double scale,
+                     at::Tensor** out) {
+  return guarded([&] {
+    std::optional<at::Tensor> maybe_bias;
+    if (bias != nullptr) {
+      maybe_bias = *bias;
+    }
+    *out = new at::Tensor(LoraLinear::apply(*x, *weight, maybe_bias, *a, *b, scale));
+  });
+}
+
+// ft's own kernels (`kernels.rs`, compiled with NVRTC and launched from
+// Rust) as the autograd nodes below call them: `tensors` are the op's
+// operands, outputs last; non-zero means failure, with a message in
+// `message`. A null kernel leaves a node on ATen's ops.
+enum FusedOp : int { kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3 };
+using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
+
+void run_fused(int64_t kernel, FusedOp op, std::initializer_list<const at::Tensor*> tensors) {
+  char message[512] = {0};
+  std::vector<const at::Tensor*> operands(tensors);
+  if (reinterpret_cast<FusedKernel>(kernel)(op, operands.data(), static_cast<int>(operands.size()), message,
+                                            sizeof message) != 0) {
+    throw std::runtime_error(message);
+  }
+}
+
 // silu(gate) * up as one autograd node that saves only its two inputs:
 // ATen's silu and mul would also keep silu(gate), a third [tokens, ffn]
 // activation per block, for the mul's backward. Backward recomputes it.
+// With a kernel: one pass each way instead of two forward and four back.
 struct SwiGlu : public torch::autograd::Function<SwiGlu> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            int64_t kernel) {
     ctx->save_for_backward({gate, up});
-    return at::silu(gate).mul_(up);
+    ctx->saved_data["kernel"] = kernel;
+    if (kernel == 0) {
+      return at::silu(gate).mul_(up);
+    }
+    at::Tensor out = at::empty_like(gate, at::MemoryFormat::Contiguous);
+    run_fused(kernel, kSwiGluForward, {&gate, &up, &out});
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -462,15 +553,58 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor& gate = saved[0];
     const at::Tensor& up = saved[1];
-    const at::Tensor& grad = grads[0];
-    at::Tensor grad_up = at::silu(gate).mul_(grad);
-    at::Tensor grad_gate = at::silu_backward(grad * up, gate);
-    return {grad_gate, grad_up};
+    int64_t kernel = ctx->saved_data["kernel"].toInt();
+    if (kernel == 0) {
+      const at::Tensor& grad = grads[0];
+      at::Tensor grad_up = at::silu(gate).mul_(grad);
+      at::Tensor grad_gate = at::silu_backward(grad * up, gate);
+      return {grad_gate, grad_up, at::Tensor()};
+    }
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor grad_gate = at::empty_like(gate, at::MemoryFormat::Contiguous);
+    at::Tensor grad_up = at::empty_like(up, at::MemoryFormat::Contiguous);
+    run_fused(kernel, kSwiGluBackward, {&gate, &up, &grad, &grad_gate, &grad_up});
+    return {grad_gate, grad_up, at::Tensor()};
   }
 };
 
-char* ft_swiglu(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
-  return guarded([&] { *out = new at::Tensor(SwiGlu::apply(*gate, *up)); });
+char* ft_swiglu(at::Tensor* gate, at::Tensor* up, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(SwiGlu::apply(*gate, *up, reinterpret_cast<int64_t>(kernel))); });
+}
+
+// RoPE as one kernel forward and one backward (its adjoint: the same
+// rotation with the sine's partner), saving only cos and sin.
+struct Rope : public torch::autograd::Function<Rope> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t kernel) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["kernel"] = kernel;
+    return rotate(kernel, kRope, x, cos, sin);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    int64_t kernel = ctx->saved_data["kernel"].toInt();
+    return {rotate(kernel, kRopeTranspose, grads[0], saved[0], saved[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  static at::Tensor rotate(int64_t kernel, FusedOp op, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin) {
+    at::Tensor input = x.contiguous();
+    at::Tensor out = at::empty_like(input);
+    run_fused(kernel, op, {&input, &cos, &sin, &out});
+    return out;
+  }
+};
+
+char* ft_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] {
+    if (kernel == nullptr) {
+      throw std::invalid_argument("RoPE's node needs ft's kernel");
+    }
+    *out = new at::Tensor(Rope::apply(*x, *cos, *sin, reinterpret_cast<int64_t>(kernel)));
+  });
 }
 
 // Drops a tensor's .grad (Python's `p.grad = None`): the next backward then

@@ -23,6 +23,11 @@
 //!   GPU idle: on an H100, BLOOM-560m's 97 gradient matrices took 4.0 ms for
 //!   X Q, 3.2 for Xᵀ P and 6.7 to expand with the residual, against 0.8 ms
 //!   for one pass over them (bench/gpu/powersgd_phases.py).
+//! - `rope_*`, `swiglu_*`: rotary embeddings and SwiGLU's gating, one pass
+//!   each way. ATen's ops take three kernels forward for RoPE (two
+//!   multiplies over a broadcast cos/sin, one roll) and four backward, two
+//!   and four for SwiGLU; on an H100 they were 34 and 16 ms of a 269 ms LoRA
+//!   step on Llama-7B (bench/results/2026-11-25-h100-single-gpu).
 
 use crate::{Result, ShimError};
 use cudarc::driver::{result as driver, sys};
@@ -145,8 +150,18 @@ __device__ __forceinline__ void adamw(float& p, float g, float& m, float& v, flo
   p -= step_size * m / denom;
 }
 
-extern "C" __global__ void adamw_fp32(
-    float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
+// Four gradients from one aligned word: a float4, or four bf16 in a uint2.
+__device__ __forceinline__ float4 load4(const float* g, long long i) { return reinterpret_cast<const float4*>(g)[i]; }
+__device__ __forceinline__ float4 load4(const bf16* g, long long i) {
+  const uint2 w = reinterpret_cast<const uint2*>(g)[i];
+  return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+}
+__device__ __forceinline__ float grad_at(const float* g, long long i) { return g[i]; }
+__device__ __forceinline__ float grad_at(const bf16* g, long long i) { return __uint_as_float(((unsigned int)g[i]) << 16); }
+
+template <typename G>
+__device__ void adamw_all(
+    float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
     float* __restrict__ exp_avg_sq, long long n, double lr_, double beta1_, double beta2_, double weight_decay_,
     double eps_, const float* __restrict__ step, const float* __restrict__ grad_scale,
     const float* __restrict__ found_inf) {
@@ -160,17 +175,16 @@ extern "C" __global__ void adamw_fp32(
   const float step_size = lr / bias_correction1;
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool aligned = ((((unsigned long long)param) | ((unsigned long long)grad) | ((unsigned long long)exp_avg) |
-                         ((unsigned long long)exp_avg_sq)) & 15ull) == 0;
+  const bool aligned = ((((unsigned long long)param) | ((unsigned long long)exp_avg) | ((unsigned long long)exp_avg_sq)) & 15ull) == 0 &&
+                       (((unsigned long long)grad) & (4 * sizeof(G) - 1)) == 0;
   long long done = 0;
   if (aligned) {
     float4* p4 = reinterpret_cast<float4*>(param);
-    const float4* g4 = reinterpret_cast<const float4*>(grad);
     float4* m4 = reinterpret_cast<float4*>(exp_avg);
     float4* v4 = reinterpret_cast<float4*>(exp_avg_sq);
     for (long long i = first; i < n / 4; i += stride) {
       float4 p = p4[i], m = m4[i], v = v4[i];
-      const float4 g = g4[i];
+      const float4 g = load4(grad, i);
       adamw(p.x, g.x, m.x, v.x, lr, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt, grad_scale);
       adamw(p.y, g.y, m.y, v.y, lr, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt, grad_scale);
       adamw(p.z, g.z, m.z, v.z, lr, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt, grad_scale);
@@ -180,8 +194,21 @@ extern "C" __global__ void adamw_fp32(
     done = n / 4 * 4;
   }
   for (long long i = done + first; i < n; i += stride)
-    adamw(param[i], grad[i], exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, weight_decay, eps, step_size,
+    adamw(param[i], grad_at(grad, i), exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, weight_decay, eps, step_size,
           bias_correction2_sqrt, grad_scale);
+}
+
+extern "C" __global__ void adamw_fp32(
+    float* param, const float* grad, float* exp_avg, float* exp_avg_sq, long long n, double lr, double beta1, double beta2,
+    double weight_decay, double eps, const float* step, const float* grad_scale, const float* found_inf) {
+  adamw_all(param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, weight_decay, eps, step, grad_scale, found_inf);
+}
+// fp32 state over a bf16 gradient: one process, one micro-batch, where the
+// gradient backward gave is the whole gradient and an fp32 copy adds nothing.
+extern "C" __global__ void adamw_fp32_grad_bf16(
+    float* param, const bf16* grad, float* exp_avg, float* exp_avg_sq, long long n, double lr, double beta1, double beta2,
+    double weight_decay, double eps, const float* step, const float* grad_scale, const float* found_inf) {
+  adamw_all(param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, weight_decay, eps, step, grad_scale, found_inf);
 }
 
 // Blockwise int8. `x` is `rows` rows of `row_len` elements, each row cut
@@ -469,13 +496,123 @@ extern "C" __global__ void lowrank_expand_f32(const float* p, const float* q, lo
 extern "C" __global__ void lowrank_expand_bf16(const float* p, const float* q, long long rows, long long cols, int r, bf16* out, float* x, float n) {
   lowrank_expand(p, q, rows, cols, r, out, x, n);
 }
+
+// 16 bytes of values (4 fp32 or 8 bf16) moved as one word: the
+// memory-bound kernels below read and write whole words where the caller
+// found every pointer 16-byte aligned and the lengths divisible (`packed`).
+template <typename T> struct Pack {
+  static constexpr int N = 16 / sizeof(T);
+  uint4 word;
+  __device__ __forceinline__ void read(const T* x, long long i) { word = *reinterpret_cast<const uint4*>(x + i); }
+  __device__ __forceinline__ void write(T* x, long long i) const { *reinterpret_cast<uint4*>(x + i) = word; }
+  __device__ __forceinline__ float get(int k) const { return load(reinterpret_cast<const T*>(&word), k); }
+  __device__ __forceinline__ void set(int k, float v) { store(reinterpret_cast<T*>(&word), k, v); }
+};
+
+// Rotary embeddings over rows of head_dim = 2·half: y[j] = x[j]·cos[j] +
+// x[j ⊕ half]·sin[j], j ⊕ half being j's partner in the other half (sin
+// carries rotate_half's sign); one cos/sin row per `heads` rows of x. With
+// `transpose`, the adjoint (the backward): sin[j ⊕ half] in place of sin[j].
+// A thread per W pairs (j, j + half), W = Pack<T>::N when `packed` else 1,
+// both outputs rounded once.
+template <typename T, int W>
+__device__ void rope_pairs(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin, T* __restrict__ y,
+                           long long rows, int heads, int half, int transpose) {
+  const int groups = half / W;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * groups; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / groups;
+    const int j = (int)(i - row * groups) * W;
+    const long long at = row * 2 * half + j, angle = (row / heads) * 2 * half + j;
+    Pack<T> a, b, c1, c2, s1, s2, y1, y2;
+    if (W == 1) {
+      a.set(0, load(x, at)); b.set(0, load(x, at + half));
+      c1.set(0, load(cos, angle)); c2.set(0, load(cos, angle + half));
+      s1.set(0, load(sin, angle)); s2.set(0, load(sin, angle + half));
+    } else {
+      a.read(x, at); b.read(x, at + half); c1.read(cos, angle); c2.read(cos, angle + half); s1.read(sin, angle); s2.read(sin, angle + half);
+    }
+    if (transpose) { const Pack<T> t = s1; s1 = s2; s2 = t; }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      y1.set(k, fmaf(a.get(k), c1.get(k), b.get(k) * s1.get(k)));
+      y2.set(k, fmaf(b.get(k), c2.get(k), a.get(k) * s2.get(k)));
+    }
+    if (W == 1) {
+      store(y, at, y1.get(0)); store(y, at + half, y2.get(0));
+    } else {
+      y1.write(y, at); y2.write(y, at + half);
+    }
+  }
+}
+
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, long long rows, int heads, int half, int transpose, int packed) {
+  if (packed) rope_pairs<T, Pack<T>::N>(x, cos, sin, y, rows, heads, half, transpose);
+  else rope_pairs<T, 1>(x, cos, sin, y, rows, heads, half, transpose);
+}
+
+extern "C" __global__ void rope_f32(const float* x, const float* cos, const float* sin, float* y, long long rows, int heads, int half, int transpose, int packed) {
+  rope(x, cos, sin, y, rows, heads, half, transpose, packed);
+}
+extern "C" __global__ void rope_bf16(const bf16* x, const bf16* cos, const bf16* sin, bf16* y, long long rows, int heads, int half, int transpose, int packed) {
+  rope(x, cos, sin, y, rows, heads, half, transpose, packed);
+}
+
+// SwiGLU: y = silu(g)·u forward; backward du = silu(g)·dy and
+// dg = dy·u·σ(g)·(1 + g·(1 − σ(g))), silu recomputed from g. A thread per
+// W values (as `rope_pairs`).
+template <typename T, int W>
+__device__ void swiglu_values(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ grad,
+                              T* __restrict__ out, T* __restrict__ grad_up, long long n) {
+  for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += (long long)gridDim.x * blockDim.x * W) {
+    Pack<T> g, u, dy, o, du;
+    if (W == 1) {
+      g.set(0, load(gate, i)); u.set(0, load(up, i));
+      if (grad != nullptr) dy.set(0, load(grad, i));
+    } else {
+      g.read(gate, i); u.read(up, i);
+      if (grad != nullptr) dy.read(grad, i);
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float gk = g.get(k), sigmoid = 1.f / (1.f + __expf(-gk));
+      if (grad == nullptr) {
+        o.set(k, gk * sigmoid * u.get(k));
+      } else {
+        du.set(k, gk * sigmoid * dy.get(k));
+        o.set(k, dy.get(k) * u.get(k) * sigmoid * fmaf(gk, 1.f - sigmoid, 1.f));
+      }
+    }
+    if (W == 1) {
+      store(out, i, o.get(0));
+      if (grad != nullptr) store(grad_up, i, du.get(0));
+    } else {
+      o.write(out, i);
+      if (grad != nullptr) du.write(grad_up, i);
+    }
+  }
+}
+
+template <typename T>
+__device__ void swiglu(const T* gate, const T* up, const T* grad, T* out, T* grad_up, long long n, int packed) {
+  if (packed) swiglu_values<T, Pack<T>::N>(gate, up, grad, out, grad_up, n);
+  else swiglu_values<T, 1>(gate, up, grad, out, grad_up, n);
+}
+
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, const float* grad, float* out, float* grad_up, long long n, int packed) {
+  swiglu(gate, up, grad, out, grad_up, n, packed);
+}
+extern "C" __global__ void swiglu_bf16(const bf16* gate, const bf16* up, const bf16* grad, bf16* out, bf16* grad_up, long long n, int packed) {
+  swiglu(gate, up, grad, out, grad_up, n, packed);
+}
 "#;
 
 /// The kernels, loaded into one device's (primary) context.
 #[derive(Clone, Copy)]
 struct Functions {
     xent: sys::CUfunction,
-    adamw: sys::CUfunction,
+    /// By the gradient's kind: [fp32, bf16].
+    adamw: [sys::CUfunction; 2],
     /// By element kind: [fp32, bf16].
     quantize: [sys::CUfunction; 2],
     dequantize: [sys::CUfunction; 2],
@@ -485,6 +622,9 @@ struct Functions {
     lowrank_orthonormalize: sys::CUfunction,
     /// By the output's kind: [fp32, bf16].
     lowrank_expand: [sys::CUfunction; 2],
+    /// By the values' kind: [fp32, bf16].
+    rope: [sys::CUfunction; 2],
+    swiglu: [sys::CUfunction; 2],
     multiprocessors: u32,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
@@ -529,13 +669,15 @@ fn load(device_index: usize) -> Result<Functions> {
         };
         Ok(Functions {
             xent: function(XENT)?,
-            adamw: function(ADAMW)?,
+            adamw: [function(ADAMW)?, function("adamw_fp32_grad_bf16")?],
             quantize: [function("quantize_int8_f32")?, function("quantize_int8_bf16")?],
             dequantize: [function("dequantize_int8_f32")?, function("dequantize_int8_bf16")?],
             lowrank_project: [function("lowrank_project_f32")?, function("lowrank_project_bf16")?],
             lowrank_project_t: function("lowrank_project_t")?,
             lowrank_orthonormalize: function("lowrank_orthonormalize")?,
             lowrank_expand: [function("lowrank_expand_f32")?, function("lowrank_expand_bf16")?],
+            rope: [function("rope_f32")?, function("rope_bf16")?],
+            swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
             multiprocessors,
         })
     }
@@ -599,7 +741,7 @@ fn expect(tensor: &Tensor, name: &str, like: &Tensor, size: &[i64], kind: Kind) 
 }
 
 /// One AdamW step in place over `param`, `exp_avg`, `exp_avg_sq` (fp32,
-/// contiguous, same length as `grad`), as ATen's `_fused_adamw_` computes
+/// contiguous, same length as `grad`, which is fp32 or bf16), as ATen's `_fused_adamw_` computes
 /// it: `step` (one float, on the device) already counts this step,
 /// `grad_scale` (one float) divides the gradient, a non-zero `found_inf`
 /// (one float) skips the update.
@@ -618,9 +760,11 @@ pub fn adamw_(
         return Err(error("unsupported", "parameters are not on a GPU"));
     };
     let n = param.numel() as i64;
-    for (tensor, name) in [(param, "param"), (grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")] {
+    for (tensor, name) in [(param, "param"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")] {
         expect(tensor, name, param, &[n], Kind::Float)?;
     }
+    let by_grad = by_kind(grad.kind())?;
+    expect(grad, "grad", param, &[n], grad.kind())?;
     for (tensor, name) in [(Some(step), "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")] {
         if let Some(tensor) = tensor {
             if tensor.numel() != 1 || tensor.kind() != Kind::Float || tensor.device() != param.device() {
@@ -656,7 +800,7 @@ pub fn adamw_(
     // SAFETY: the arguments match adamw_fp32's signature; the tensors were
     // checked above and stay alive until the launch is queued, after which the
     // caching allocator keeps their memory for this stream's queued work.
-    unsafe { launch(functions.adamw, index, blocks, ADAMW_THREADS, &mut params) }
+    unsafe { launch(functions.adamw[by_grad], index, blocks, ADAMW_THREADS, &mut params) }
 }
 
 /// In place: each row of `logits` [rows, vocab] (bf16, CUDA, contiguous)
@@ -904,13 +1048,106 @@ pub fn lowrank_expand(p: &Tensor, q: &Tensor, out: &mut Tensor, residual: Option
     unsafe { launch(function, index, grid, LOWRANK_THREADS, &mut params) }
 }
 
+const ELEMENTWISE_THREADS: u32 = 256;
+
+/// How many values a thread of `rope_*` / `swiglu_*` moves at once: a
+/// 16-byte word's worth (the kernels' `Pack`) when every tensor starts
+/// 16-byte aligned and `length` (the run each thread's words stay within)
+/// divides into words, else 1.
+fn packing<'a>(kind: Kind, length: i64, tensors: impl IntoIterator<Item = &'a Tensor>) -> i64 {
+    let width = 16 / kind.elt_size_in_bytes() as i64;
+    let aligned = tensors.into_iter().all(|t| t.data_ptr() as usize % 16 == 0);
+    if aligned && length % width == 0 { width } else { 1 }
+}
+
+/// Rotary embeddings of `x` ([batch, seq, heads, head_dim], contiguous, fp32
+/// or bf16) into `out` (same shape): x·cos + x[j ⊕ half]·sin, with `cos`
+/// and `sin` [batch, seq, 1, head_dim] of x's kind (sin carrying
+/// rotate_half's sign), or with `transpose` the adjoint, RoPE's backward.
+pub fn rope_(x: &Tensor, cos: &Tensor, sin: &Tensor, out: &mut Tensor, transpose: bool) -> Result<()> {
+    let Device::Cuda(index) = x.device() else {
+        return Err(error("unsupported", "RoPE's input is not on a GPU"));
+    };
+    let (batch, seq, heads, head_dim) = x.size4().map_err(|e| error("RoPE's input", e))?;
+    if head_dim % 2 != 0 {
+        return Err(error("RoPE's input", format!("head_dim {head_dim} is odd")));
+    }
+    let kind = x.kind();
+    let which = by_kind(kind)?;
+    expect(x, "RoPE's input", x, &[batch, seq, heads, head_dim], kind)?;
+    expect(out, "RoPE's output", x, &[batch, seq, heads, head_dim], kind)?;
+    expect(cos, "cos", x, &[batch, seq, 1, head_dim], kind)?;
+    expect(sin, "sin", x, &[batch, seq, 1, head_dim], kind)?;
+    let mut rows = batch * seq * heads;
+    if rows == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let half = head_dim / 2;
+    let width = packing(kind, half, [x, cos, sin, &*out]);
+    let blocks = ((rows * half / width) as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut x_ptr, mut cos_ptr, mut sin_ptr, mut out_ptr) = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr());
+    let (mut heads, mut half, mut transpose, mut packed) = (heads as i32, half as i32, i32::from(transpose), i32::from(width > 1));
+    let mut params = [
+        arg(&mut x_ptr),
+        arg(&mut cos_ptr),
+        arg(&mut sin_ptr),
+        arg(&mut out_ptr),
+        arg(&mut rows),
+        arg(&mut heads),
+        arg(&mut half),
+        arg(&mut transpose),
+        arg(&mut packed),
+    ];
+    // SAFETY: the arguments match rope_*'s signature and the tensors were
+    // checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.rope[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
+}
+
+/// SwiGLU's gating of `gate` and `up` (same shape, contiguous, fp32 or bf16
+/// on a GPU): with `grad` None, `out` = silu(gate)·up; with `grad` (dy),
+/// `out` = d/d gate and `grad_up` = d/d up.
+pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tensor, grad_up: Option<&mut Tensor>) -> Result<()> {
+    let Device::Cuda(index) = gate.device() else {
+        return Err(error("unsupported", "SwiGLU's input is not on a GPU"));
+    };
+    let (size, kind) = (gate.size(), gate.kind());
+    let which = by_kind(kind)?;
+    expect(gate, "gate", gate, &size, kind)?;
+    expect(up, "up", gate, &size, kind)?;
+    expect(out, "SwiGLU's output", gate, &size, kind)?;
+    let mut grad_ptr = match grad {
+        Some(grad) => expect(grad, "SwiGLU's output gradient", gate, &size, kind).map(|()| grad.data_ptr())?,
+        None => std::ptr::null_mut(),
+    };
+    let mut grad_up_ptr = match (&grad_up, grad) {
+        (Some(grad_up), Some(_)) => expect(grad_up, "up's gradient", gate, &size, kind).map(|()| grad_up.data_ptr())?,
+        (None, None) => std::ptr::null_mut(),
+        _ => return Err(error("SwiGLU", "backward takes both the output gradient and up's gradient")),
+    };
+    let mut n = gate.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let tensors = [Some(gate), Some(up), grad, Some(&*out), grad_up.as_deref()];
+    let width = packing(kind, n, tensors.into_iter().flatten());
+    let blocks = ((n / width) as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut gate_ptr, mut up_ptr, mut out_ptr, mut packed) = (gate.data_ptr(), up.data_ptr(), out.data_ptr(), i32::from(width > 1));
+    let mut params =
+        [arg(&mut gate_ptr), arg(&mut up_ptr), arg(&mut grad_ptr), arg(&mut out_ptr), arg(&mut grad_up_ptr), arg(&mut n), arg(&mut packed)];
+    // SAFETY: the arguments match swiglu_*'s signature and the tensors were
+    // checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.swiglu[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn kernel_source_compiles_with_nvrtc() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

@@ -101,7 +101,17 @@ extern "C" {
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory_exact(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_copy_async(dst: *mut RawTensor, src: *mut RawTensor) -> *mut c_char;
-    fn ft_swiglu(gate: *mut RawTensor, up: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_swiglu(gate: *mut RawTensor, up: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_lora_linear(
+        x: *mut RawTensor,
+        weight: *mut RawTensor,
+        bias: *mut RawTensor,
+        a: *mut RawTensor,
+        b: *mut RawTensor,
+        scale: f64,
+        out: *mut *mut RawTensor,
+    ) -> *mut c_char;
+    fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
     fn ft_graph_capture_end(graph: *mut RawGraph) -> *mut c_char;
@@ -430,14 +440,76 @@ pub fn cuda_stream_synchronize(device_index: usize) -> Result<()> {
     check(unsafe { ft_cuda_stream_synchronize(device_index as i32) })
 }
 
-/// silu(gate) · up (SwiGLU's gating) as one autograd node that saves only
-/// `gate` and `up` and recomputes silu(gate) in backward: one activation of
-/// [tokens, ffn] less per block than ATen's silu and mul keep.
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+/// A low-rank adapted linear layer, x·Wᵀ + bias + scale·(x·Aᵀ)·Bᵀ, as one
+/// autograd node: the adapter's product accumulates into the base GEMM's
+/// output and its input gradient into the base's (addmm's beta = 1), so no
+/// [tokens, features] add runs either way.
+pub fn lora_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
-    check(unsafe { ft_swiglu(tensor_ptr(gate), tensor_ptr(up), &mut raw) })?;
+    let bias = bias.map_or(std::ptr::null_mut(), tensor_ptr);
+    check(unsafe { ft_lora_linear(tensor_ptr(x), tensor_ptr(weight), bias, tensor_ptr(a), tensor_ptr(b), scale, &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// silu(gate) · up (SwiGLU's gating) as one autograd node that saves only
+/// `gate` and `up` and recomputes silu(gate) in backward: one activation of
+/// [tokens, ffn] less per block than ATen's silu and mul keep. With
+/// `fused` (on a GPU), ft's kernel does each way in one pass.
+pub fn swiglu(gate: &Tensor, up: &Tensor, fused: bool) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    let kernel = fused.then_some(fused_kernel as FusedKernel);
+    check(unsafe { ft_swiglu(tensor_ptr(gate), tensor_ptr(up), kernel, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Rotary embeddings of `x` ([batch, seq, heads, head_dim] on a GPU) with
+/// `cos` and `sin` ([batch, seq, 1, head_dim], sin carrying rotate_half's
+/// sign) as one autograd node of one kernel each way (`kernels::rope_`),
+/// saving only cos and sin.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_rope(tensor_ptr(x), tensor_ptr(cos), tensor_ptr(sin), Some(fused_kernel), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// How the shim's autograd nodes call ft's kernels: the op (the shim's
+/// `FusedOp`), its tensors (operands, outputs last), and a buffer for an
+/// error's message; non-zero on failure.
+type FusedKernel = unsafe extern "C" fn(i32, *const *const RawTensor, i32, *mut c_char, usize) -> i32;
+
+/// The shim's `FusedOp` onto `kernels`.
+unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, count: i32, message: *mut c_char, capacity: usize) -> i32 {
+    // SAFETY: the shim passes `count` live at::Tensors that it keeps owning;
+    // the wrappers are never dropped, so they free nothing.
+    let tensors: Vec<_> = (0..count.max(0) as usize)
+        .map(|i| std::mem::ManuallyDrop::new(unsafe { Tensor::from_ptr(*tensors.add(i) as *mut RawTensor) }))
+        .collect();
+    let run = || -> Result<()> {
+        let mut t: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
+        match (op, t.as_mut_slice()) {
+            (0 | 1, [x, cos, sin, out]) => kernels::rope_(x, cos, sin, out, op == 1),
+            (2, [gate, up, out]) => kernels::swiglu_(gate, up, None, out, None),
+            (3, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up)),
+            _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),
+        }
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| Err(ShimError("ft's kernel panicked".into())));
+    match result {
+        Ok(()) => 0,
+        Err(ShimError(text)) if capacity > 0 => {
+            let bytes = &text.as_bytes()[..text.len().min(capacity - 1)];
+            // SAFETY: the shim's buffer holds `capacity` bytes; at most capacity − 1 plus the NUL are written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), message as *mut u8, bytes.len());
+                *message.add(bytes.len()) = 0;
+            }
+            1
+        }
+        Err(_) => 1,
+    }
 }
 
 /// The raw `cudaStream_t` of `device_index`'s current stream.

@@ -428,10 +428,8 @@ impl Model for Llama {
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
         let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]);
         let (cos, signed_sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
-        // RoPE in the projections' own [batch, seq, heads, head_dim] layout,
-        // three kernels forward and four backward (rotate_half's neg and cat
-        // cost more, and their backward zero-fills).
-        let rotate = |t: Tensor| (&t * cos).addcmul(&t.roll([head_dim / 2], [3]), signed_sin).transpose(1, 2);
+        // RoPE in the projections' own [batch, seq, heads, head_dim] layout.
+        let rotate = |t: Tensor| model::rotary(&t, cos, signed_sin).transpose(1, 2);
         let q = rotate(split(p.linear(&h, "self_attn.q_proj"), heads));
         let mut k = rotate(split(p.linear(&h, "self_attn.k_proj"), self.kv_heads));
         let mut v = split(p.linear(&h, "self_attn.v_proj"), self.kv_heads).transpose(1, 2);
