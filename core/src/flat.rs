@@ -250,7 +250,9 @@ impl UnitPlacement {
 
     /// What this rank holds for the unit when computing in `dtype`:
     /// parameters and optimizer state between steps, the gradient from
-    /// backward to the optimizer step. `FlatUnit::new` allocates by the
+    /// backward to the optimizer step (in fp32; a step's whole gradient on
+    /// one rank stays in the compute dtype, `accumulate_grad`, which `ft
+    /// plan`'s walk counts). `FlatUnit::new` allocates by the
     /// same methods, and a test checks the two against each other.
     pub fn memory(&self, dtype: Kind) -> MemoryAccount {
         let compute_element = dtype.elt_size_in_bytes() as f64;
@@ -492,11 +494,15 @@ impl FlatUnit {
         split_views(&self.spec, &self.order, flat)
     }
 
-    /// Adds a micro-batch's fp32 gradient (`fresh`, undefined when backward
-    /// gave none) into `grad`; the first micro-batch of a step takes it as
-    /// the gradient (no copy, no zeroed buffer).
-    pub(crate) fn accumulate_grad(&mut self, fresh: &Tensor, first_micro_batch: bool) {
+    /// Adds a micro-batch's gradient (`fresh`, undefined when backward gave
+    /// none) into `grad`, in fp32; the first micro-batch of a step takes it
+    /// as the gradient (no zeroed buffer). `whole`: it is the step's whole
+    /// gradient (one micro-batch, nothing to reduce) and stays in its own
+    /// dtype, for AdamW to read: an fp32 copy would hold the same values in
+    /// twice the memory (13.5 GB more for a 7B model).
+    pub(crate) fn accumulate_grad(&mut self, fresh: &Tensor, first_micro_batch: bool, whole: bool) {
         match (fresh.defined(), first_micro_batch) {
+            (true, true) if whole => self.grad = fresh.shallow_clone(),
             (true, true) => self.grad = fresh.to_kind(Kind::Float),
             (true, false) => {
                 let _ = self.grad.g_add_(fresh);
@@ -513,7 +519,8 @@ impl FlatUnit {
         }
     }
 
-    /// The accumulated fp32 gradient, shaped (only when it is whole).
+    /// The accumulated gradient (fp32, or the compute dtype when it was
+    /// `whole`), shaped (only when it is whole).
     pub fn grad_views(&self) -> Vec<Tensor> {
         assert!(!self.placement.grads_sharded, "unit {}: the gradient is sharded", self.spec.name);
         self.shaped(&self.grad)
@@ -755,7 +762,7 @@ mod tests {
                         }
                         if !offload {
                             // The step's gradient as a reduction leaves it.
-                            unit.accumulate_grad(&Tensor::ones([placement.grad_len()], (Kind::Float, tch::Device::Cpu)), true);
+                            unit.accumulate_grad(&Tensor::ones([placement.grad_len()], (Kind::Float, tch::Device::Cpu)), true, false);
                         }
                         let case = format!("{policy:?} in a group of {group_size}, {dtype:?}, offload {offload}");
                         assert_eq!(unit.memory(), measured(&unit), "{case}");

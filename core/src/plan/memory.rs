@@ -153,10 +153,16 @@ impl Walk<'_> {
         }
         // Whole gradients: accumulated in fp32, all-reduced on the last micro-batch.
         let gradient = padded * 4.0;
+        let whole = !self.micro.accumulating && !self.micro.data_parallel;
         match (self.micro.accumulating, self.micro.dtype == Kind::Float) {
             // Added in place.
             (true, _) => self.now.transient -= flat,
-            // The fp32 flat gradient becomes the step's.
+            // The flat gradient becomes the step's: fp32 already, or (one
+            // micro-batch on one rank) kept in the compute dtype for AdamW.
+            _ if whole => {
+                self.now.transient -= flat;
+                self.now.grads += flat;
+            }
             (false, true) => {
                 self.now.transient -= flat;
                 self.now.grads += gradient;

@@ -79,8 +79,9 @@ impl Trainer<'_> {
             .iter()
             .map(|g| match g.device() {
                 tch::Device::Cpu if offloaded => Ok(Tensor::from(self.offloaded_state()?.sum_of_squares(g)? as f32).to_device(device)),
-                // One reduction reading the gradient once (square().sum() writes an fp32 copy first).
-                _ => Ok(g.norm().square()),
+                // One reduction reading the gradient once, in fp32 whatever the
+                // gradient's dtype (square().sum() writes an fp32 copy first).
+                _ => Ok(g.norm_scalaropt_dtype(2.0, Kind::Float).square()),
             })
             .collect::<Result<Vec<Tensor>>>()?;
         let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);

@@ -90,7 +90,10 @@ impl Trainer<'_> {
             pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
-        unit.accumulate_grad(&fresh, first);
+        // AdamW reads a bf16 gradient only through ft's kernel.
+        let whole = first && last && self.parallel.is_none() && self.kernels == super::Kernels::Ft;
+        let unit = &mut self.units[u];
+        unit.accumulate_grad(&fresh, first, whole);
         if self.parallel.is_some() && last {
             // fp32: in place in the gradient; else through a narrower copy.
             let (result, then) = match reduce_dtype {
@@ -112,7 +115,7 @@ impl Trainer<'_> {
         let has_replicas = self.parallel.and_then(DataParallel::replicas).is_some();
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
-                self.units[u].accumulate_grad(&reduction.result, first_micro_batch);
+                self.units[u].accumulate_grad(&reduction.result, first_micro_batch, false);
                 if has_replicas && last_micro_batch {
                     let grad = self.units[u].grad.shallow_clone();
                     replica_reductions.push(self.start_reduction(u, ReduceStage::Replica, grad.shallow_clone(), grad, true)?);
