@@ -139,21 +139,34 @@ impl<'a> Params<'a> {
     /// GEMMs accumulate the adapter's share instead of adding it after.
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
+        // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
+        let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && crate::train::Kernels::loaded(x.device());
         let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
-        let Some((adapters, a)) = adapter else { return x.linear(weight, bias) };
+        let Some((adapters, a)) = adapter else {
+            return match bias {
+                Some(bias) if fused => ft_sys::bias_linear(x, weight, bias).unwrap_or_else(|e| panic!("linear {name}: {e}")),
+                _ => x.linear(weight, bias),
+            };
+        };
         let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         let AdapterScaling { scale, dropout } = adapters.scaling;
         if adapters.train && dropout > 0.0 {
             let dropped = x.dropout(dropout, true);
             return x.linear(weight, bias) + (dropped.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None);
         }
-        ft_sys::lora_linear(x, weight, bias, a, b, scale).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
+        ft_sys::lora_linear(x, weight, bias, a, b, scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.
+    /// On a GPU where ft's kernels load, the weight's and bias's gradients
+    /// come from ft's kernel (`ft_sys::layer_norm`).
     pub fn layer_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
-        let weight = self.get(&format!("{name}.weight"));
-        x.layer_norm(weight.size(), Some(weight), Some(self.get(&format!("{name}.bias"))), eps, true)
+        let (weight, bias) = (self.get(&format!("{name}.weight")), self.get(&format!("{name}.bias")));
+        let same = weight.kind() == x.kind() && bias.kind() == x.kind();
+        if same && matches!(x.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(x.device()) {
+            return ft_sys::layer_norm(x, weight, bias, eps).unwrap_or_else(|e| panic!("LayerNorm {name}: {e}"));
+        }
+        x.layer_norm(weight.size(), Some(weight), Some(bias), eps, true)
     }
 }
 

@@ -3,6 +3,7 @@
 //! vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
 //! values in the compute dtype, when a kernel serves it), the low-rank
 //! products (a 64M-element matrix, rank 4), RoPE and SwiGLU forward and
+//! backward, a bias gradient's column sums and LayerNorm forward and
 //! backward (the model's shapes), timed and compared.
 
 use crate::dataset::Batch;
@@ -63,6 +64,23 @@ pub struct KernelCheck {
     /// max |ft − ATen| / max |ATen| over the output and both inputs' gradients.
     #[serde(default)]
     pub swiglu_relative_diff: Option<f64>,
+    /// A linear layer's bias gradient, the column sums of a [batch · seq,
+    /// intermediate] gradient in the compute dtype (`kernels::column_sum`).
+    #[serde(default)]
+    pub bias_grad_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub bias_grad_aten_ms: Option<f64>,
+    #[serde(default)]
+    pub bias_grad_relative_diff: Option<f64>,
+    /// LayerNorm forward and backward over [batch, seq, hidden] in the
+    /// compute dtype (`ft_sys::layer_norm` against ATen's layer_norm).
+    #[serde(default)]
+    pub layer_norm_ft_ms: Option<f64>,
+    #[serde(default)]
+    pub layer_norm_aten_ms: Option<f64>,
+    /// max |ft − ATen| / max |ATen| over the output and the three gradients.
+    #[serde(default)]
+    pub layer_norm_relative_diff: Option<f64>,
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -213,6 +231,44 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         let (ft, aten) = (gated(true)?, gated(false)?);
         swiglu_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
     }
+    let (mut bias_grad_ft_ms, mut bias_grad_aten_ms, mut bias_grad_relative_diff) = (None, None, None);
+    if crate::kernels::available(device).is_ok() {
+        let grad = Tensor::randn([rows * seq, dims.intermediate], (dtype, device));
+        let summed = |fused: bool| -> Result<Tensor> {
+            if !fused {
+                return Ok(grad.sum_dim_intlist(0, false, dtype));
+            }
+            let mut out = Tensor::empty([dims.intermediate], (dtype, device));
+            crate::kernels::column_sum(&grad, None, &mut out)?;
+            Ok(out)
+        };
+        bias_grad_ft_ms = Some(timed(&mut || summed(true).map(drop))?);
+        bias_grad_aten_ms = Some(timed(&mut || summed(false).map(drop))?);
+        let (ft, aten) = (summed(true)?, summed(false)?);
+        bias_grad_relative_diff = Some(relative(&ft, &aten, &aten));
+    }
+    let (mut layer_norm_ft_ms, mut layer_norm_aten_ms, mut layer_norm_relative_diff) = (None, None, None);
+    if crate::kernels::available(device).is_ok() {
+        let x = Tensor::randn([rows, seq, dims.hidden], (dtype, device)).set_requires_grad(true);
+        let [weight, bias] = [1.0, 0.0].map(|mean| (Tensor::randn([dims.hidden], (dtype, device)) * 0.1 + mean).set_requires_grad(true));
+        let grad = Tensor::randn([rows, seq, dims.hidden], (dtype, device));
+        let normed = |fused: bool| -> Result<[Tensor; 4]> {
+            let y = match fused {
+                true => ft_sys::layer_norm(&x, &weight, &bias, 1e-5).map_err(anyhow::Error::msg)?,
+                false => x.layer_norm([dims.hidden], Some(&weight), Some(&bias), 1e-5, true),
+            };
+            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
+            let [dx, dw, db] = [&x, &weight, &bias].map(|t| t.grad().copy());
+            for t in [&x, &weight, &bias] {
+                ft_sys::clear_grad(t).map_err(anyhow::Error::msg)?;
+            }
+            Ok([y.detach(), dx, dw, db])
+        };
+        layer_norm_ft_ms = Some(timed(&mut || normed(true).map(drop))?);
+        layer_norm_aten_ms = Some(timed(&mut || normed(false).map(drop))?);
+        let (ft, aten) = (normed(true)?, normed(false)?);
+        layer_norm_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
+    }
     Ok(KernelCheck {
         head_ft_ms,
         head_aten_ms,
@@ -233,6 +289,12 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         swiglu_ft_ms,
         swiglu_aten_ms,
         swiglu_relative_diff,
+        bias_grad_ft_ms,
+        bias_grad_aten_ms,
+        bias_grad_relative_diff,
+        layer_norm_ft_ms,
+        layer_norm_aten_ms,
+        layer_norm_relative_diff,
     })
 }
 

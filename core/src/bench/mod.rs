@@ -161,6 +161,12 @@ impl Row {
                 } + &match (k.swiglu_ft_ms, k.swiglu_aten_ms, k.swiglu_relative_diff) {
                     (Some(ft), Some(aten), Some(diff)) => format!("; SwiGLU forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
                     _ => String::new(),
+                } + &match (k.bias_grad_ft_ms, k.bias_grad_aten_ms, k.bias_grad_relative_diff) {
+                    (Some(ft), Some(aten), Some(diff)) => format!("; bias gradient: ft {ft:.3} ms vs ATen {aten:.3} (differ by {diff:.1e})"),
+                    _ => String::new(),
+                } + &match (k.layer_norm_ft_ms, k.layer_norm_aten_ms, k.layer_norm_relative_diff) {
+                    (Some(ft), Some(aten), Some(diff)) => format!("; LayerNorm forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
+                    _ => String::new(),
                 })
             ),
         }

@@ -449,6 +449,117 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
   });
 }
 
+// ft's own kernels (`kernels.rs`, compiled with NVRTC and launched from
+// Rust) as the autograd nodes below call them: `tensors` are the op's
+// operands, outputs last; non-zero means failure, with a message in
+// `message`. A null kernel leaves a node on ATen's ops.
+enum FusedOp : int { kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3, kColumnSum = 4, kLayerNormParams = 5 };
+using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
+
+void run_fused(int64_t kernel, FusedOp op, std::initializer_list<const at::Tensor*> tensors) {
+  char message[512] = {0};
+  std::vector<const at::Tensor*> operands(tensors);
+  if (reinterpret_cast<FusedKernel>(kernel)(op, operands.data(), static_cast<int>(operands.size()), message,
+                                            sizeof message) != 0) {
+    throw std::runtime_error(message);
+  }
+}
+
+// A linear layer's bias gradient: the column sums of the [tokens, out]
+// output gradient. ATen's reduction over the leading dimension reads it at
+// a fraction of the bandwidth ft's two-pass kernel reaches.
+at::Tensor bias_grad(int64_t kernel, const at::Tensor& grad) {
+  if (kernel == 0) {
+    return grad.sum(0);
+  }
+  at::Tensor rows = grad.contiguous();
+  at::Tensor out = at::empty({rows.size(1)}, rows.options());
+  run_fused(kernel, kColumnSum, {&rows, &out});
+  return out;
+}
+
+// x·Wᵀ + b as one autograd node whose backward sums the bias gradient with
+// ft's kernel; the GEMMs are ATen's own, as in its linear.
+struct BiasLinear : public torch::autograd::Function<BiasLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t kernel) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["kernel"] = kernel;
+    return at::linear(x, weight, bias);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    at::Tensor grad = grads[0].reshape({-1, weight.size(0)});
+    at::Tensor grad_x, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::mm(grad, weight).view(x.sizes());
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = at::mm(grad.t(), x.reshape({-1, x.size(-1)}));
+    }
+    if (ctx->needs_input_grad(2)) {
+      grad_bias = bias_grad(ctx->saved_data["kernel"].toInt(), grad);
+    }
+    return {grad_x, grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
+char* ft_bias_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(BiasLinear::apply(*x, *weight, *bias, reinterpret_cast<int64_t>(kernel))); });
+}
+
+// LayerNorm over the last dimension with ATen's forward and input
+// gradient, and its weight's and bias's gradients — column sums of
+// dy·x̂ and dy — from ft's kernel in one pass over dy and x (ATen's
+// gamma/beta reduction reads them at a fraction of the bandwidth).
+struct LayerNorm : public torch::autograd::Function<LayerNorm> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, double eps, int64_t kernel) {
+    auto [out, mean, rstd] = at::native_layer_norm(x, {x.size(-1)}, weight, bias, eps);
+    ctx->save_for_backward({x, weight, bias});
+    ctx->saved_data["mean"] = mean;
+    ctx->saved_data["rstd"] = rstd;
+    ctx->saved_data["kernel"] = kernel;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+    at::Tensor mean = ctx->saved_data["mean"].toTensor(), rstd = ctx->saved_data["rstd"].toTensor();
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor grad_x, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = std::get<0>(at::native_layer_norm_backward(grad, x, {x.size(-1)}, mean, rstd, weight, bias,
+                                                          {true, false, false}));
+    }
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      const int64_t cols = x.size(-1);
+      at::Tensor rows_grad = grad.view({-1, cols}), rows_x = x.contiguous().view({-1, cols});
+      grad_weight = at::empty({cols}, weight.options());
+      grad_bias = at::empty({cols}, bias.options());
+      at::Tensor flat_mean = mean.reshape({-1}), flat_rstd = rstd.reshape({-1});
+      run_fused(ctx->saved_data["kernel"].toInt(), kLayerNormParams,
+                {&rows_grad, &rows_x, &flat_mean, &flat_rstd, &grad_weight, &grad_bias});
+    }
+    return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_layer_norm(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, double eps, FusedKernel kernel,
+                    at::Tensor** out) {
+  return guarded([&] {
+    if (kernel == nullptr) {
+      throw std::invalid_argument("LayerNorm's node needs ft's kernel");
+    }
+    *out = new at::Tensor(LayerNorm::apply(*x, *weight, *bias, eps, reinterpret_cast<int64_t>(kernel)));
+  });
+}
+
 // A low-rank adapted linear layer, x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ, as one autograd
 // node: the adapter's product lands in the base GEMM's output through
 // addmm's accumulate (no separate add of [tokens, out] nor scale), and
@@ -458,7 +569,7 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
 struct LoraLinear : public torch::autograd::Function<LoraLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& a, const at::Tensor& b,
-                            double scale) {
+                            double scale, int64_t kernel) {
     at::Tensor rows = x.reshape({-1, x.size(-1)});
     at::Tensor out = bias.has_value() ? at::addmm(*bias, rows, weight.t()) : at::mm(rows, weight.t());
     at::Tensor down = at::mm(rows, a.t());
@@ -467,6 +578,7 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
     ctx->saved_data["down"] = down;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["bias"] = bias.has_value();
+    ctx->saved_data["kernel"] = kernel;
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     return out.view(sizes);
@@ -492,7 +604,7 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
       grad_weight = at::mm(grad.t(), rows);
     }
     if (has_bias && ctx->needs_input_grad(2)) {
-      grad_bias = grad.sum(0);
+      grad_bias = bias_grad(ctx->saved_data["kernel"].toInt(), grad);
     }
     if (ctx->needs_input_grad(adapter)) {
       grad_a = at::mm(grad_down.t(), rows);
@@ -500,35 +612,19 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
     if (ctx->needs_input_grad(adapter + 1)) {
       grad_b = at::mm(grad.t(), down).mul_(scale);
     }
-    return {grad_x, grad_weight, grad_bias, grad_a, grad_b, at::Tensor()};
+    return {grad_x, grad_weight, grad_bias, grad_a, grad_b, at::Tensor(), at::Tensor()};
   }
 };
 
 char* ft_lora_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor* a, at::Tensor* b, double scale,
-                     at::Tensor** out) {
+                     FusedKernel kernel, at::Tensor** out) {
   return guarded([&] {
     std::optional<at::Tensor> maybe_bias;
     if (bias != nullptr) {
       maybe_bias = *bias;
     }
-    *out = new at::Tensor(LoraLinear::apply(*x, *weight, maybe_bias, *a, *b, scale));
+    *out = new at::Tensor(LoraLinear::apply(*x, *weight, maybe_bias, *a, *b, scale, reinterpret_cast<int64_t>(kernel)));
   });
-}
-
-// ft's own kernels (`kernels.rs`, compiled with NVRTC and launched from
-// Rust) as the autograd nodes below call them: `tensors` are the op's
-// operands, outputs last; non-zero means failure, with a message in
-// `message`. A null kernel leaves a node on ATen's ops.
-enum FusedOp : int { kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3 };
-using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
-
-void run_fused(int64_t kernel, FusedOp op, std::initializer_list<const at::Tensor*> tensors) {
-  char message[512] = {0};
-  std::vector<const at::Tensor*> operands(tensors);
-  if (reinterpret_cast<FusedKernel>(kernel)(op, operands.data(), static_cast<int>(operands.size()), message,
-                                            sizeof message) != 0) {
-    throw std::runtime_error(message);
-  }
 }
 
 // silu(gate) * up as one autograd node that saves only its two inputs:

@@ -109,8 +109,11 @@ extern "C" {
         a: *mut RawTensor,
         b: *mut RawTensor,
         scale: f64,
+        kernel: Option<FusedKernel>,
         out: *mut *mut RawTensor,
     ) -> *mut c_char;
+    fn ft_layer_norm(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
@@ -443,11 +446,33 @@ pub fn cuda_stream_synchronize(device_index: usize) -> Result<()> {
 /// A low-rank adapted linear layer, x·Wᵀ + bias + scale·(x·Aᵀ)·Bᵀ, as one
 /// autograd node: the adapter's product accumulates into the base GEMM's
 /// output and its input gradient into the base's (addmm's beta = 1), so no
-/// [tokens, features] add runs either way.
-pub fn lora_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+/// [tokens, features] add runs either way. With `fused` (on a GPU), ft's
+/// kernel sums the bias gradient.
+pub fn lora_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, a: &Tensor, b: &Tensor, scale: f64, fused: bool) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
     let bias = bias.map_or(std::ptr::null_mut(), tensor_ptr);
-    check(unsafe { ft_lora_linear(tensor_ptr(x), tensor_ptr(weight), bias, tensor_ptr(a), tensor_ptr(b), scale, &mut raw) })?;
+    let kernel = fused.then_some(fused_kernel as FusedKernel);
+    check(unsafe { ft_lora_linear(tensor_ptr(x), tensor_ptr(weight), bias, tensor_ptr(a), tensor_ptr(b), scale, kernel, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// x·Wᵀ + bias as one autograd node whose backward sums the bias gradient
+/// with ft's kernel (`kernels::column_sum`; ATen's column reduction reads
+/// at a fraction of the bandwidth); the GEMMs are ATen's, as in its linear.
+pub fn bias_linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_bias_linear(tensor_ptr(x), tensor_ptr(weight), tensor_ptr(bias), Some(fused_kernel), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// LayerNorm over the last dimension as one autograd node: ATen's forward
+/// and input gradient, the weight's and bias's gradients in one pass of
+/// ft's kernel (`kernels::column_sum`). On a GPU, fp32 or bf16.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_layer_norm(tensor_ptr(x), tensor_ptr(weight), tensor_ptr(bias), eps, Some(fused_kernel), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
 }
@@ -493,6 +518,16 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
             (0 | 1, [x, cos, sin, out]) => kernels::rope_(x, cos, sin, out, op == 1),
             (2, [gate, up, out]) => kernels::swiglu_(gate, up, None, out, None),
             (3, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up)),
+            (4, [x, out]) => kernels::column_sum(x, None, out),
+            (5, [grad, x, mean, rstd, grad_weight, grad_bias]) => {
+                // One launch writes [bias sums, weight sums] into a buffer of both.
+                let mut both = Tensor::empty([2 * grad.size()[1]], (grad.kind(), grad.device()));
+                kernels::column_sum(grad, Some((x, mean, rstd)), &mut both)?;
+                let cols = grad.size()[1];
+                grad_bias.copy_(&both.narrow(0, 0, cols));
+                grad_weight.copy_(&both.narrow(0, cols, cols));
+                Ok(())
+            }
             _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),
         }
     };
