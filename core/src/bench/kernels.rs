@@ -49,38 +49,52 @@ pub struct KernelCheck {
     /// RoPE forward and backward over [batch, seq, heads, head_dim] of the
     /// model's shapes in the compute dtype (`model::rotary`).
     #[serde(default)]
-    pub rope_ft_ms: Option<f64>,
-    #[serde(default)]
-    pub rope_aten_ms: Option<f64>,
-    /// max |ft − ATen| / max |ATen| over the output and the input's gradient.
-    #[serde(default)]
-    pub rope_relative_diff: Option<f64>,
+    pub rope: Option<Compared>,
     /// SwiGLU's gating forward and backward over [batch, seq, intermediate]
-    /// in the compute dtype (`model::swiglu`).
+    /// (`model::swiglu`).
     #[serde(default)]
-    pub swiglu_ft_ms: Option<f64>,
+    pub swiglu: Option<Compared>,
+    /// A linear layer's bias gradient: the column sums of a [batch · seq,
+    /// intermediate] gradient (`kernels::column_sum`).
     #[serde(default)]
-    pub swiglu_aten_ms: Option<f64>,
-    /// max |ft − ATen| / max |ATen| over the output and both inputs' gradients.
+    pub bias_grad: Option<Compared>,
+    /// LayerNorm forward and backward over [batch, seq, hidden]
+    /// (`ft_sys::layer_norm` against ATen's layer_norm).
     #[serde(default)]
-    pub swiglu_relative_diff: Option<f64>,
-    /// A linear layer's bias gradient, the column sums of a [batch · seq,
-    /// intermediate] gradient in the compute dtype (`kernels::column_sum`).
-    #[serde(default)]
-    pub bias_grad_ft_ms: Option<f64>,
-    #[serde(default)]
-    pub bias_grad_aten_ms: Option<f64>,
-    #[serde(default)]
-    pub bias_grad_relative_diff: Option<f64>,
-    /// LayerNorm forward and backward over [batch, seq, hidden] in the
-    /// compute dtype (`ft_sys::layer_norm` against ATen's layer_norm).
-    #[serde(default)]
-    pub layer_norm_ft_ms: Option<f64>,
-    #[serde(default)]
-    pub layer_norm_aten_ms: Option<f64>,
-    /// max |ft − ATen| / max |ATen| over the output and the three gradients.
-    #[serde(default)]
-    pub layer_norm_relative_diff: Option<f64>,
+    pub layer_norm: Option<Compared>,
+}
+
+/// One of ft's kernels beside ATen's ops on the same inputs, in the compute
+/// dtype: ms per call each way and max |ft − ATen| / max |ATen| over every
+/// output (the outputs and, for a forward with backward, the gradients).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Compared {
+    pub ft_ms: f64,
+    pub aten_ms: f64,
+    pub relative_diff: f64,
+}
+
+impl KernelCheck {
+    /// The comparisons, for the row's log line.
+    pub fn describe(&self) -> String {
+        let mut line = format!(
+            "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
+            self.head_ft_ms, self.head_aten_ms, self.head_loss_relative_diff, self.head_grad_relative_diff, self.adamw_ft_ms, self.adamw_aten_ms, self.adamw_update_relative_diff
+        );
+        if let (Some(ft), Some(aten), Some(mismatches)) = (self.int8_ft_ms, self.int8_aten_ms, self.int8_mismatches) {
+            line += &format!("; int8 round trip over 64M: ft {ft:.2} ms vs ATen {aten:.2} ({mismatches} values differ)");
+        }
+        if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
+            line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
+        }
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm)];
+        for (what, c) in compared {
+            if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
+                line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
+            }
+        }
+        line
+    }
 }
 
 /// Times ft's kernels and ATen's on the same random inputs and compares
@@ -191,83 +205,56 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         let projected = relative(&projector(&ours), &projector(&householder), &projector(&householder));
         lowrank_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(projected, f64::max));
     }
-    let (mut rope_ft_ms, mut rope_aten_ms, mut rope_relative_diff) = (None, None, None);
-    if crate::kernels::available(device).is_ok() && dims.hidden % (2 * dims.heads) == 0 {
-        let head_dim = dims.hidden / dims.heads;
-        let x = Tensor::randn([rows, seq, dims.heads, head_dim], (dtype, device)).set_requires_grad(true);
-        let grad = Tensor::randn([rows, seq, dims.heads, head_dim], (dtype, device));
-        let angles = Tensor::rand([rows, seq, 1, head_dim], (Kind::Float, device)) * 100.0;
-        let (cos, sin) = (angles.cos().to_kind(dtype), angles.sin().to_kind(dtype));
-        // Backward seeded with a random gradient: the adjoint exercised fully.
-        let rotated = |fused: bool| -> Result<(Tensor, Tensor)> {
-            let y = crate::model::rotary_with(&x, &cos, &sin, fused);
-            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
-            let dx = x.grad().copy();
-            ft_sys::clear_grad(&x).map_err(anyhow::Error::msg)?;
-            Ok((y.detach(), dx))
-        };
-        rope_ft_ms = Some(timed(&mut || rotated(true).map(drop))?);
-        rope_aten_ms = Some(timed(&mut || rotated(false).map(drop))?);
-        let ((ft_y, ft_dx), (aten_y, aten_dx)) = (rotated(true)?, rotated(false)?);
-        rope_relative_diff = Some(relative(&ft_y, &aten_y, &aten_y).max(relative(&ft_dx, &aten_dx, &aten_dx)));
-    }
-    let (mut swiglu_ft_ms, mut swiglu_aten_ms, mut swiglu_relative_diff) = (None, None, None);
+    // Each comparison runs `outputs(true)` (ft's kernel) and `outputs(false)` (ATen's ops).
+    let compare = |outputs: &dyn Fn(bool) -> Result<Vec<Tensor>>| -> Result<Compared> {
+        let ft_ms = timed(&mut || outputs(true).map(drop))?;
+        let aten_ms = timed(&mut || outputs(false).map(drop))?;
+        let (ft, aten) = (outputs(true)?, outputs(false)?);
+        Ok(Compared { ft_ms, aten_ms, relative_diff: ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max) })
+    };
+    // Backward seeded with a random gradient (the adjoint exercised fully);
+    // the outputs are the forward's and each input's gradient.
+    let with_grads = |y: Tensor, grad: &Tensor, inputs: &[&Tensor]| -> Result<Vec<Tensor>> {
+        ft_sys::backward(&[&y], &[grad]).map_err(anyhow::Error::msg)?;
+        let mut outputs = vec![y.detach()];
+        for input in inputs {
+            outputs.push(input.grad().copy());
+            ft_sys::clear_grad(input).map_err(anyhow::Error::msg)?;
+        }
+        Ok(outputs)
+    };
+    let (mut rope, mut swiglu, mut bias_grad, mut layer_norm) = (None, None, None, None);
     if crate::kernels::available(device).is_ok() {
+        let leaf = |shape: &[i64]| Tensor::randn(shape, (dtype, device)).set_requires_grad(true);
+        if dims.hidden % (2 * dims.heads) == 0 {
+            let shape = [rows, seq, dims.heads, dims.hidden / dims.heads];
+            let (x, grad) = (leaf(&shape), Tensor::randn(shape, (dtype, device)));
+            let angles = Tensor::rand([rows, seq, 1, shape[3]], (Kind::Float, device)) * 100.0;
+            let (cos, sin) = (angles.cos().to_kind(dtype), angles.sin().to_kind(dtype));
+            rope = Some(compare(&|fused| with_grads(crate::model::rotary_with(&x, &cos, &sin, fused), &grad, &[&x]))?);
+        }
         let shape = [rows, seq, dims.intermediate];
-        let [gate, up] = [0, 1].map(|_| Tensor::randn(shape, (dtype, device)).set_requires_grad(true));
-        let grad = Tensor::randn(shape, (dtype, device));
-        let gated = |fused: bool| -> Result<[Tensor; 3]> {
-            let y = ft_sys::swiglu(&gate, &up, fused).map_err(anyhow::Error::msg)?;
-            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
-            let grads = [&gate, &up].map(|t| t.grad().copy());
-            for t in [&gate, &up] {
-                ft_sys::clear_grad(t).map_err(anyhow::Error::msg)?;
-            }
-            let [dg, du] = grads;
-            Ok([y.detach(), dg, du])
-        };
-        swiglu_ft_ms = Some(timed(&mut || gated(true).map(drop))?);
-        swiglu_aten_ms = Some(timed(&mut || gated(false).map(drop))?);
-        let (ft, aten) = (gated(true)?, gated(false)?);
-        swiglu_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
-    }
-    let (mut bias_grad_ft_ms, mut bias_grad_aten_ms, mut bias_grad_relative_diff) = (None, None, None);
-    if crate::kernels::available(device).is_ok() {
-        let grad = Tensor::randn([rows * seq, dims.intermediate], (dtype, device));
-        let summed = |fused: bool| -> Result<Tensor> {
+        let (gate, up, grad) = (leaf(&shape), leaf(&shape), Tensor::randn(shape, (dtype, device)));
+        swiglu = Some(compare(&|fused| with_grads(ft_sys::swiglu(&gate, &up, fused).map_err(anyhow::Error::msg)?, &grad, &[&gate, &up]))?);
+        let rows_grad = grad.view([rows * seq, dims.intermediate]);
+        bias_grad = Some(compare(&|fused| {
             if !fused {
-                return Ok(grad.sum_dim_intlist(0, false, dtype));
+                return Ok(vec![rows_grad.sum_dim_intlist(0, false, dtype)]);
             }
             let mut out = Tensor::empty([dims.intermediate], (dtype, device));
-            crate::kernels::column_sum(&grad, None, &mut out)?;
-            Ok(out)
-        };
-        bias_grad_ft_ms = Some(timed(&mut || summed(true).map(drop))?);
-        bias_grad_aten_ms = Some(timed(&mut || summed(false).map(drop))?);
-        let (ft, aten) = (summed(true)?, summed(false)?);
-        bias_grad_relative_diff = Some(relative(&ft, &aten, &aten));
-    }
-    let (mut layer_norm_ft_ms, mut layer_norm_aten_ms, mut layer_norm_relative_diff) = (None, None, None);
-    if crate::kernels::available(device).is_ok() {
-        let x = Tensor::randn([rows, seq, dims.hidden], (dtype, device)).set_requires_grad(true);
+            crate::kernels::column_sum(&rows_grad, None, &mut out)?;
+            Ok(vec![out])
+        })?);
+        let shape = [rows, seq, dims.hidden];
+        let (x, grad) = (leaf(&shape), Tensor::randn(shape, (dtype, device)));
         let [weight, bias] = [1.0, 0.0].map(|mean| (Tensor::randn([dims.hidden], (dtype, device)) * 0.1 + mean).set_requires_grad(true));
-        let grad = Tensor::randn([rows, seq, dims.hidden], (dtype, device));
-        let normed = |fused: bool| -> Result<[Tensor; 4]> {
+        layer_norm = Some(compare(&|fused| {
             let y = match fused {
                 true => ft_sys::layer_norm(&x, &weight, &bias, 1e-5).map_err(anyhow::Error::msg)?,
                 false => x.layer_norm([dims.hidden], Some(&weight), Some(&bias), 1e-5, true),
             };
-            ft_sys::backward(&[&y], &[&grad]).map_err(anyhow::Error::msg)?;
-            let [dx, dw, db] = [&x, &weight, &bias].map(|t| t.grad().copy());
-            for t in [&x, &weight, &bias] {
-                ft_sys::clear_grad(t).map_err(anyhow::Error::msg)?;
-            }
-            Ok([y.detach(), dx, dw, db])
-        };
-        layer_norm_ft_ms = Some(timed(&mut || normed(true).map(drop))?);
-        layer_norm_aten_ms = Some(timed(&mut || normed(false).map(drop))?);
-        let (ft, aten) = (normed(true)?, normed(false)?);
-        layer_norm_relative_diff = Some(ft.iter().zip(&aten).map(|(a, b)| relative(a, b, b)).fold(0.0, f64::max));
+            with_grads(y, &grad, &[&x, &weight, &bias])
+        })?);
     }
     Ok(KernelCheck {
         head_ft_ms,
@@ -283,18 +270,10 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         lowrank_ft_ms,
         lowrank_aten_ms,
         lowrank_relative_diff,
-        rope_ft_ms,
-        rope_aten_ms,
-        rope_relative_diff,
-        swiglu_ft_ms,
-        swiglu_aten_ms,
-        swiglu_relative_diff,
-        bias_grad_ft_ms,
-        bias_grad_aten_ms,
-        bias_grad_relative_diff,
-        layer_norm_ft_ms,
-        layer_norm_aten_ms,
-        layer_norm_relative_diff,
+        rope,
+        swiglu,
+        bias_grad,
+        layer_norm,
     })
 }
 

@@ -146,28 +146,7 @@ impl Row {
                     "; forward+backward {fb:.1} ms (head loss {head:.1}), optimizer {step:.1} ms"
                 )) + &row.comm_hook_ms.map_or(String::new(), |ms| format!(
                     "; comm {} costs {ms:.2} ms per step beyond the built-in ({:.1}% of the step)", row.comm, 100.0 * ms / row.step_ms
-                )) + &row.kernel_check.as_ref().map_or(String::new(), |k| format!(
-                    "; LM head: ft {:.2} ms vs ATen {:.2} (loss differs by {:.1e}, gradients by {:.1e}); AdamW over 64M: ft {:.2} ms vs ATen {:.2} (update differs by {:.1e})",
-                    k.head_ft_ms, k.head_aten_ms, k.head_loss_relative_diff, k.head_grad_relative_diff, k.adamw_ft_ms, k.adamw_aten_ms, k.adamw_update_relative_diff
-                ) + &match (k.int8_ft_ms, k.int8_aten_ms, k.int8_mismatches) {
-                    (Some(ft), Some(aten), Some(mismatches)) => format!("; int8 round trip over 64M: ft {ft:.2} ms vs ATen {aten:.2} ({mismatches} values differ)"),
-                    _ => String::new(),
-                } + &match (k.lowrank_ft_ms, k.lowrank_aten_ms, k.lowrank_relative_diff) {
-                    (Some(ft), Some(aten), Some(diff)) => format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
-                    _ => String::new(),
-                } + &match (k.rope_ft_ms, k.rope_aten_ms, k.rope_relative_diff) {
-                    (Some(ft), Some(aten), Some(diff)) => format!("; RoPE forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
-                    _ => String::new(),
-                } + &match (k.swiglu_ft_ms, k.swiglu_aten_ms, k.swiglu_relative_diff) {
-                    (Some(ft), Some(aten), Some(diff)) => format!("; SwiGLU forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
-                    _ => String::new(),
-                } + &match (k.bias_grad_ft_ms, k.bias_grad_aten_ms, k.bias_grad_relative_diff) {
-                    (Some(ft), Some(aten), Some(diff)) => format!("; bias gradient: ft {ft:.3} ms vs ATen {aten:.3} (differ by {diff:.1e})"),
-                    _ => String::new(),
-                } + &match (k.layer_norm_ft_ms, k.layer_norm_aten_ms, k.layer_norm_relative_diff) {
-                    (Some(ft), Some(aten), Some(diff)) => format!("; LayerNorm forward+backward: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})"),
-                    _ => String::new(),
-                })
+                )) + &row.kernel_check.as_ref().map_or(String::new(), KernelCheck::describe)
             ),
         }
     }
