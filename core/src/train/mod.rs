@@ -84,7 +84,8 @@ pub enum Kernels {
     Aten,
     /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
     /// logits, the gradient written over them; ATen's ops otherwise), ft's
-    /// one-pass AdamW and RoPE in one kernel each way (`model::rotary`).
+    /// one-pass AdamW, and the blocks' fused ops (`model::rotary`,
+    /// `model::swiglu`, `Params::linear`'s bias gradient, `Params::layer_norm`).
     Ft,
 }
 

@@ -60,6 +60,9 @@ impl Trainer<'_> {
     /// all-reduce the sum on the last micro-batch.
     pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, pending: &mut VecDeque<PendingReduction>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
+        // One micro-batch on one rank: the whole gradient, which AdamW reads
+        // in the compute dtype (through ft's kernel only).
+        let whole = first && last && self.parallel.is_none() && self.kernels == super::Kernels::Ft;
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
         let reduce_dtype = self.parallel.map_or(Kind::Float, |p| p.reduce_dtype);
@@ -90,9 +93,6 @@ impl Trainer<'_> {
             pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
-        // AdamW reads a bf16 gradient only through ft's kernel.
-        let whole = first && last && self.parallel.is_none() && self.kernels == super::Kernels::Ft;
-        let unit = &mut self.units[u];
         unit.accumulate_grad(&fresh, first, whole);
         if self.parallel.is_some() && last {
             // fp32: in place in the gradient; else through a narrower copy.

@@ -538,13 +538,14 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
                                                           {true, false, false}));
     }
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      // One launch writes both: the bias's gradient, then the weight's.
       const int64_t cols = x.size(-1);
       at::Tensor rows_grad = grad.view({-1, cols}), rows_x = x.contiguous().view({-1, cols});
-      grad_weight = at::empty({cols}, weight.options());
-      grad_bias = at::empty({cols}, bias.options());
       at::Tensor flat_mean = mean.reshape({-1}), flat_rstd = rstd.reshape({-1});
-      run_fused(ctx->saved_data["kernel"].toInt(), kLayerNormParams,
-                {&rows_grad, &rows_x, &flat_mean, &flat_rstd, &grad_weight, &grad_bias});
+      at::Tensor sums = at::empty({2 * cols}, grad.options());
+      run_fused(ctx->saved_data["kernel"].toInt(), kLayerNormParams, {&rows_grad, &rows_x, &flat_mean, &flat_rstd, &sums});
+      grad_bias = sums.narrow(0, 0, cols);
+      grad_weight = sums.narrow(0, cols, cols);
     }
     return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
   }

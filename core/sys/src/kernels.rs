@@ -65,6 +65,11 @@ __device__ __forceinline__ unsigned int to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays a (quiet) NaN
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;                 // round to nearest even
 }
+// One value of either kind, as fp32 (stored back rounded to nearest even).
+__device__ __forceinline__ float load(const float* x, long long i) { return x[i]; }
+__device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
+__device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
+__device__ __forceinline__ void store(bf16* x, long long i, float v) { x[i] = (bf16)to_bf16(v); }
 __device__ __forceinline__ void add(float& m, float& s, float v) {
   if (v > m) { s = s * __expf(m - v) + 1.f; m = v; }
   else if (v != NEG_INF) { s += __expf(v - m); }
@@ -161,8 +166,6 @@ __device__ __forceinline__ float4 load4(const bf16* g, long long i) {
   const uint2 w = reinterpret_cast<const uint2*>(g)[i];
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
-__device__ __forceinline__ float grad_at(const float* g, long long i) { return g[i]; }
-__device__ __forceinline__ float grad_at(const bf16* g, long long i) { return __uint_as_float(((unsigned int)g[i]) << 16); }
 
 template <typename G>
 __device__ void adamw_all(
@@ -199,7 +202,7 @@ __device__ void adamw_all(
     done = n / 4 * 4;
   }
   for (long long i = done + first; i < n; i += stride)
-    adamw(param[i], grad_at(grad, i), exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, weight_decay, eps, step_size,
+    adamw(param[i], load(grad, i), exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, weight_decay, eps, step_size,
           bias_correction2_sqrt, grad_scale);
 }
 
@@ -222,11 +225,6 @@ extern "C" __global__ void adamw_fp32_grad_bf16(
 // reduction, then q = rint(x / scale) clamped to ±127 with scale =
 // max(absmax, 1e-30) · (1/127) — the fp32 ops, in the order, that
 // ft-core's ATen fallback uses, so both give the same bits.
-__device__ __forceinline__ float load(const float* x, long long i) { return x[i]; }
-__device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
-__device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
-__device__ __forceinline__ void store(bf16* x, long long i, float v) { x[i] = (bf16)to_bf16(v); }
-
 template <typename T>
 __device__ void quantize_int8(const T* __restrict__ x, long long row_len, int block, int blocks_per_row,
                               signed char* __restrict__ q, float* __restrict__ scales) {
@@ -1220,6 +1218,9 @@ pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tens
     unsafe { launch(functions.swiglu[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
 }
 
+/// Row lanes of a `column_sum_partial_*` block (the source's COLUMN_LANES).
+const COLUMN_LANES: u32 = 8;
+
 /// `out` ([cols]) = the column sums of `dy` ([rows, cols], contiguous,
 /// fp32 or bf16, `out` of the same kind) in fp32, in a fixed order: a
 /// linear layer's bias gradient. With `normalized` = (x, mean, rstd) —
@@ -1251,7 +1252,8 @@ pub fn column_sum(dy: &Tensor, normalized: Option<(&Tensor, &Tensor, &Tensor)>, 
     // Enough chunks of rows for ~8 blocks a multiprocessor, each lane
     // reading at least 16 rows.
     let column_blocks = (cols as u32).div_ceil(32);
-    let chunks = (functions.multiprocessors * 8).div_ceil(column_blocks).clamp(1, (rows.max(1) as u64).div_ceil(16 * 8) as u32).min(65_535);
+    let rows_per_chunk = 16 * COLUMN_LANES as u64;
+    let chunks = (functions.multiprocessors * 8).div_ceil(column_blocks).clamp(1, (rows.max(1) as u64).div_ceil(rows_per_chunk) as u32).min(65_535);
     let mut chunk = (rows.max(1) as u64).div_ceil(chunks as u64) as i64;
     let partial = Tensor::empty([sums * chunks as i64, cols as i64], (Kind::Float, dy.device()));
     let (mut dy_ptr, mut partial_ptr, mut out_ptr, mut rows) = (dy.data_ptr(), partial.data_ptr(), out.data_ptr(), rows);
@@ -1260,7 +1262,7 @@ pub fn column_sum(dy: &Tensor, normalized: Option<(&Tensor, &Tensor, &Tensor)>, 
         [arg(&mut dy_ptr), arg(&mut x_ptr), arg(&mut mean_ptr), arg(&mut rstd_ptr), arg(&mut rows), arg(&mut cols), arg(&mut chunk), arg(&mut partial_ptr)];
     // SAFETY: the arguments match column_sum_partial_*'s signature; `partial`
     // lives until both launches are queued (see `adamw_` on lifetimes).
-    unsafe { launch_block(functions.column_sum_partial[which], index, (column_blocks, chunks), (32, 8), &mut params)? };
+    unsafe { launch_block(functions.column_sum_partial[which], index, (column_blocks, chunks), (32, COLUMN_LANES), &mut params)? };
     let mut params = [arg(&mut partial_ptr), arg(&mut chunks_arg), arg(&mut cols), arg(&mut sums), arg(&mut out_ptr)];
     // SAFETY: the arguments match column_sum_finish_*'s signature.
     unsafe { launch(functions.column_sum_finish[which], index, (cols as u32).div_ceil(256), 256, &mut params) }

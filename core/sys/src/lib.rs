@@ -505,6 +505,16 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// error's message; non-zero on failure.
 type FusedKernel = unsafe extern "C" fn(i32, *const *const RawTensor, i32, *mut c_char, usize) -> i32;
 
+/// The shim's `FusedOp`, value for value.
+mod fused_op {
+    pub const ROPE: i32 = 0;
+    pub const ROPE_TRANSPOSE: i32 = 1;
+    pub const SWIGLU_FORWARD: i32 = 2;
+    pub const SWIGLU_BACKWARD: i32 = 3;
+    pub const COLUMN_SUM: i32 = 4;
+    pub const LAYER_NORM_PARAMS: i32 = 5;
+}
+
 /// The shim's `FusedOp` onto `kernels`.
 unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, count: i32, message: *mut c_char, capacity: usize) -> i32 {
     // SAFETY: the shim passes `count` live at::Tensors that it keeps owning;
@@ -515,19 +525,11 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
     let run = || -> Result<()> {
         let mut t: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
         match (op, t.as_mut_slice()) {
-            (0 | 1, [x, cos, sin, out]) => kernels::rope_(x, cos, sin, out, op == 1),
-            (2, [gate, up, out]) => kernels::swiglu_(gate, up, None, out, None),
-            (3, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up)),
-            (4, [x, out]) => kernels::column_sum(x, None, out),
-            (5, [grad, x, mean, rstd, grad_weight, grad_bias]) => {
-                // One launch writes [bias sums, weight sums] into a buffer of both.
-                let mut both = Tensor::empty([2 * grad.size()[1]], (grad.kind(), grad.device()));
-                kernels::column_sum(grad, Some((x, mean, rstd)), &mut both)?;
-                let cols = grad.size()[1];
-                grad_bias.copy_(&both.narrow(0, 0, cols));
-                grad_weight.copy_(&both.narrow(0, cols, cols));
-                Ok(())
-            }
+            (fused_op::ROPE | fused_op::ROPE_TRANSPOSE, [x, cos, sin, out]) => kernels::rope_(x, cos, sin, out, op == fused_op::ROPE_TRANSPOSE),
+            (fused_op::SWIGLU_FORWARD, [gate, up, out]) => kernels::swiglu_(gate, up, None, out, None),
+            (fused_op::SWIGLU_BACKWARD, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up)),
+            (fused_op::COLUMN_SUM, [x, out]) => kernels::column_sum(x, None, out),
+            (fused_op::LAYER_NORM_PARAMS, [grad, x, mean, rstd, sums]) => kernels::column_sum(grad, Some((x, mean, rstd)), sums),
             _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),
         }
     };
