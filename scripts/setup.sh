@@ -7,7 +7,8 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, wandb).
+#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, wandb,
+#     datasets and pyarrow).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,8 @@ TRANSFORMERS_VERSION=5.23.0
 MLFLOW_VERSION=3.17.2
 PEFT_VERSION=0.21.2
 WANDB_VERSION=0.31.0
+DATASETS_VERSION=5.2.0
+PYARROW_VERSION=25.0.1
 # The last wandb whose Python reads a run's .wandb file (wandb.sdk.internal.datastore).
 WANDB_READER_VERSION=0.19.11
 REFERENCE_TRANSFORMERS_VERSION=4.46.3
@@ -59,6 +62,12 @@ fi
 if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
   echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
+fi
+# The data readers' tests write Parquet and Arrow files with Hugging Face's
+# `datasets` (to_parquet, save_to_disk) and pyarrow, and compare.
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('datasets') != '$DATASETS_VERSION' or m.version('pyarrow') != '$PYARROW_VERSION')" 2>/dev/null; then
+  echo "setup: installing datasets==$DATASETS_VERSION and pyarrow==$PYARROW_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "datasets==$DATASETS_VERSION" "pyarrow==$PYARROW_VERSION"
 fi
 # The wandb sink drives W&B's own client; its test reads the offline run back
 # with wandb's DataStore, which only the 0.19 wheel (kept, not installed, in
