@@ -11,7 +11,7 @@ use ft_core::device::{DType, DeviceSpec};
 use ft_core::plan;
 use ft_core::setup::{share_host_cores, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::config::Assignment;
+use ft_core::config::{Assignment, ModelInit};
 use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
@@ -26,8 +26,8 @@ pub struct TrainArgs {
     #[arg(long)]
     model: Option<String>,
     /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
-    #[arg(long, value_name = "pretrained|random")]
-    init: Option<String>,
+    #[arg(long, value_name = "pretrained|random", value_parser = parse_init)]
+    init: Option<ModelInit>,
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
     task: Option<String>,
@@ -135,7 +135,7 @@ impl TrainArgs {
     fn overrides(&self) -> Vec<(&'static str, Value)> {
         let mut o = Overrides::default();
         o.set("model.source", self.model.clone())
-            .set("model.init", self.init.clone())
+            .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
             .path("data.train", self.train_file.as_ref())
             .path("data.eval", self.eval_file.as_ref())
@@ -170,6 +170,10 @@ impl TrainArgs {
         self.lora.set(&mut o);
         o.0
     }
+}
+
+fn parse_init(text: &str) -> Result<ModelInit, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected pretrained or random"))
 }
 
 fn parse_step_range(text: &str) -> Result<[usize; 2], String> {

@@ -112,7 +112,8 @@ fn pytorch_bin_weights_are_refused_with_the_command_that_converts_them() {
     assert!(output.status.success(), "{}", text(&output));
     let ids = scratch.path().join("ids.json");
     std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
-    let forward = ["forward", "--model", model.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", scratch.path().join("o.safetensors").to_str().unwrap()];
+    let logits = scratch.path().join("o.safetensors");
+    let forward = ["forward", "--model", model.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", logits.to_str().unwrap()];
     let (ok, message) = run(&forward);
     assert!(!ok && message.contains("holds PyTorch weights (pytorch_model.bin), which ft does not read"), "{message}");
     let command = message.lines().map(str::trim).find(|line| line.starts_with("python -c ")).unwrap_or_else(|| panic!("no command in: {message}"));
