@@ -602,12 +602,12 @@ impl Config {
     pub fn plan(&self, world: usize) -> String {
         let t = &self.train;
         format!(
-            "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+            "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {}; outputs in {}",
             t.strategy,
             t.batch_size,
             t.grad_accum,
             t.batch_size * t.grad_accum * world,
-            t.epochs,
+            t.max_steps.map_or(format!("{} epoch(s)", t.epochs), |steps| format!("{steps} optimizer step(s)")),
             self.output.dir.display()
         )
     }

@@ -163,7 +163,10 @@ impl ModelSource {
     /// weights, which it must hold (never random weights in their place);
     /// random for a config.json alone, a preset's model, or `random`.
     pub fn start(&self, init: ModelInit) -> Result<Start> {
-        let origin = || self.config_file.as_ref().map_or("the preset's model".to_string(), |file| file.display().to_string());
+        let weightless = match &self.config_file {
+            Some(file) => format!("--model {} is a config.json alone, without weights", file.display()),
+            None => "the preset's model comes without weights".to_string(),
+        };
         match (init, &self.dir) {
             (ModelInit::Random, Some(dir)) => Ok(Start::Random(format!("model.init is random (--init random): the weights in {} are not read", dir.display()))),
             (ModelInit::Random, None) => Ok(Start::Random("model.init is random (--init random)".into())),
@@ -173,13 +176,8 @@ impl ModelSource {
                 })?;
                 Ok(Start::Weights(dir.clone()))
             }
-            (ModelInit::Pretrained, None) => {
-                bail!("model.init is pretrained (--init pretrained), but {} has no weights: give the model directory that holds them", origin())
-            }
-            (ModelInit::Auto, None) => Ok(Start::Random(match &self.config_file {
-                Some(file) => format!("--model {} is a config.json alone, without weights", file.display()),
-                None => "the preset's model comes without weights".into(),
-            })),
+            (ModelInit::Pretrained, None) => bail!("model.init is pretrained (--init pretrained), but {weightless}: give the model directory that holds them"),
+            (ModelInit::Auto, None) => Ok(Start::Random(weightless)),
         }
     }
 }
