@@ -244,13 +244,14 @@ fn the_short_last_batch_is_logged_or_kept_with_drop_last_false() {
 
 /// `--max-steps` ends the run inside its second epoch, the schedule decays
 /// over those steps, and `train.eval_every` adds evaluations at its steps
-/// besides the epoch's end (and the run's, which it does not repeat).
+/// besides the epoch's end (and the run's, which it does not repeat); a
+/// resume with more steps continues inside that epoch.
 #[test]
 fn max_steps_ends_the_run_and_eval_every_adds_evaluations_keyed_by_step() {
     let dir = tempfile::tempdir().unwrap();
     // 32 examples in global batches of 8: 4 steps an epoch.
-    let flags = ["--max-steps", "6", "--set", "train.eval_every=3", "--set", "train.warmup_ratio=0", "--set", "train.log_every=1"];
-    succeeded(demo_run(dir.path(), &flags).output().unwrap());
+    let flags = ["--set", "train.eval_every=3", "--set", "train.warmup_ratio=0", "--set", "train.log_every=1", "--save-every", "100"];
+    succeeded(demo_run(dir.path(), &[&["--max-steps", "6"][..], &flags].concat()).output().unwrap());
     assert_eq!(steps_with(dir.path(), "loss"), (1..=6).collect::<Vec<_>>());
     assert_eq!(steps_with(dir.path(), "eval_loss"), vec![3, 4, 6]);
     let records = records(dir.path());
@@ -259,6 +260,11 @@ fn max_steps_ends_the_run_and_eval_every_adds_evaluations_keyed_by_step() {
     let last_eval = &records.iter().rev().find(|(_, r)| r.get("eval_loss").is_some()).unwrap().1;
     assert_eq!(last_eval["epoch"].as_f64(), Some(1.5), "the run ended half way through its second epoch");
     assert_eq!(common::summary(dir.path())["optimizer_steps"].as_u64(), Some(6));
+    // The run's last step was saved; two more steps finish the second epoch.
+    succeeded(demo_run(dir.path(), &[&["--max-steps", "8", "--resume", "latest"][..], &flags].concat()).output().unwrap());
+    assert_eq!(steps_with(dir.path(), "loss"), (1..=8).collect::<Vec<_>>());
+    let log = succeeded(demo_run(dir.path(), &[&["--max-steps", "8", "--resume", "latest"][..], &flags].concat()).output().unwrap());
+    assert!(log.contains("nothing left to train: checkpoint step-00000008 already completed 8 step(s) and train.max_steps is 8"), "{log}");
 }
 
 #[test]
