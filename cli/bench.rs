@@ -251,10 +251,8 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let mut overrides = Overrides(vec![("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())]);
     args.lora.set(&mut overrides);
     overrides.set("comm.name", args.comm.first().cloned());
-    let options = args.comm_options.iter().map(|o| ft_core::config::parse_assignment(o).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
-    let mut keys: Vec<(&str, figment::value::Value)> = overrides.0.clone();
-    keys.extend(options.iter().map(|(key, value)| (key.as_str(), value.clone())));
-    let config = Config::load(None, &keys)?;
+    let options = args.comm_options.iter().map(|o| ft_core::config::Assignment::parse(o, "--comm-option").map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let config = Config::load(None, &overrides.0, &options)?;
     let (hook, _) = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let rank = Rank::start(&config, offload.as_ref())?;
     let model = RunModel::new(hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?, &config.train.lora)?;

@@ -68,7 +68,7 @@ impl CommTestArgs {
 }
 
 pub fn run(args: CommTestArgs) -> Result<i32> {
-    let config = Config::load(args.config.path.as_deref(), &args.config_overrides())?;
+    let config = Config::load(args.config.path.as_deref(), &args.config_overrides(), &[])?;
     let collectives = args.ops.iter().map(|o| collectives_bench::parse_collective(o)).collect::<Result<Vec<_>>>()?;
     let sizes = collectives_bench::size_sweep(
         collectives_bench::parse_bytes(&args.min_bytes)?,

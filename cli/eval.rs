@@ -68,7 +68,8 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .serialized("train.device", args.device)
         .path("output.dir", args.output_dir.as_ref())
         .set("launch.nproc_per_node", args.nproc_per_node);
-    let config = Config::load(args.config.path.as_deref(), &overrides.0)?;
+    let config = Config::load(args.config.path.as_deref(), &overrides.0, &[])?;
+    config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
     if DistEnv::from_env()?.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
         return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());

@@ -133,7 +133,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Launch(args) => launch::run(args),
         Command::CommTest(args) => comm_test::run(args),
         Command::List(config) => {
-            Config::load(config.path.as_deref(), &[])?;
+            Config::load(config.path.as_deref(), &[], &[])?;
             list::run(&Registry::with_plugins(&cli.plugins)?);
             Ok(0)
         }

@@ -4,6 +4,7 @@
 use crate::args::{parse_positive, parse_reduce_dtype, parse_size};
 use anyhow::{Context, Result};
 use clap::Args;
+use ft_core::config::Assignment;
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
 use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, CommTestReport, Plan, PlanComm, Workload};
@@ -95,8 +96,8 @@ pub struct PlanArgs {
 
 /// The hooks `--comm` names, made with their `--comm-option`s, and their `--compress-rate`s.
 fn planned_comms(args: &PlanArgs, registry: &Registry) -> Result<Vec<(String, PlanComm)>> {
-    let options = args.comm_options.iter().map(|o| ft_core::config::parse_assignment(o).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
-    let config = ft_core::Config::load(None, &options.iter().map(|(k, v)| (k.as_str(), v.clone())).collect::<Vec<_>>())?;
+    let options = args.comm_options.iter().map(|o| Assignment::parse(o, "--comm-option").map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let config = ft_core::Config::load(None, &[], &options)?;
     let mut rates = std::collections::HashMap::new();
     for text in &args.compress_rates {
         let (name, rate) = text.split_once('=').with_context(|| format!("--compress-rate {text:?} is not NAME=ELEMENTS_PER_S"))?;

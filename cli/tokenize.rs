@@ -5,7 +5,6 @@
 use crate::args::{ConfigFile, Overrides};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use figment::value::Value;
 use ft_core::Config;
 use ft_data::example::IGNORE_INDEX;
 use ft_data::lm::{self, LoadOptions};
@@ -32,7 +31,7 @@ pub struct TokenizeArgs {
     chat_template: Option<PathBuf>,
     /// Set any configuration key, e.g. --set data.format=chat (VALUE as JSON, else a string); repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<(String, Value)>,
+    assignments: Vec<ft_core::config::Assignment>,
     /// Where the JSON lines go (written whole or not at all).
     #[arg(long)]
     out: PathBuf,
@@ -46,9 +45,7 @@ pub fn run(args: TokenizeArgs) -> Result<i32> {
         .path("data.tokenizer", args.tokenizer.as_ref())
         .set("data.max_seq_len", args.max_seq_len)
         .path("data.chat_template", args.chat_template.as_ref());
-    let mut overrides: Vec<(&str, Value)> = overrides.0;
-    overrides.extend(args.assignments.iter().map(|(key, value)| (key.as_str(), value.clone())));
-    let config = Config::load(args.config.path.as_deref(), &overrides)?;
+    let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
     let train = config.data.train.as_ref().context("give the data with --train-file (data.train)")?;
     let tokenizer_path = match &config.data.tokenizer {
         Some(path) => path.clone(),

@@ -11,6 +11,7 @@ use ft_core::device::{DType, DeviceSpec};
 use ft_core::plan;
 use ft_core::setup::{share_host_cores, Rank};
 use ft_core::task::TaskInputs;
+use ft_core::config::{Assignment, ModelInit};
 use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
@@ -21,9 +22,12 @@ use std::path::PathBuf;
 pub struct TrainArgs {
     #[command(flatten)]
     pub config: ConfigFile,
-    /// Model directory, hub id in the local cache, config.json, or a preset such as "demo" (model.source).
+    /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset such as "demo" (model.source).
     #[arg(long)]
     model: Option<String>,
+    /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
+    #[arg(long, value_name = "pretrained|random", value_parser = parse_init)]
+    init: Option<ModelInit>,
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
     task: Option<String>,
@@ -49,6 +53,9 @@ pub struct TrainArgs {
     eval_samples: Option<usize>,
     #[arg(long)]
     epochs: Option<usize>,
+    /// Stop after N optimizer steps, instead of a number of epochs; the learning-rate schedule spans them (train.max_steps).
+    #[arg(long, value_name = "N")]
+    max_steps: Option<usize>,
     /// Examples per micro-batch on each rank.
     #[arg(long)]
     batch_size: Option<usize>,
@@ -115,7 +122,7 @@ pub struct TrainArgs {
     ds_config: Option<PathBuf>,
     /// Set any configuration key, e.g. --set task.doc_stride=64 (VALUE as JSON, else a string); repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<(String, Value)>,
+    assignments: Vec<Assignment>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
@@ -128,6 +135,7 @@ impl TrainArgs {
     fn overrides(&self) -> Vec<(&'static str, Value)> {
         let mut o = Overrides::default();
         o.set("model.source", self.model.clone())
+            .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
             .path("data.train", self.train_file.as_ref())
             .path("data.eval", self.eval_file.as_ref())
@@ -138,6 +146,7 @@ impl TrainArgs {
             .set("data.train_samples", self.train_samples)
             .set("data.eval_samples", self.eval_samples)
             .set("train.epochs", self.epochs)
+            .set("train.max_steps", self.max_steps)
             .set("train.batch_size", self.batch_size)
             .set("train.grad_accum", self.grad_accum)
             .set("train.lr", self.lr)
@@ -161,6 +170,10 @@ impl TrainArgs {
         self.lora.set(&mut o);
         o.0
     }
+}
+
+fn parse_init(text: &str) -> Result<ModelInit, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected pretrained or random"))
 }
 
 fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
@@ -187,9 +200,12 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
     let mut overrides: Vec<(&str, Value)> = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
     overrides.extend(args.overrides());
-    overrides.extend(args.assignments.iter().map(|(key, value)| (key.as_str(), value.clone())));
-    let config = Config::load(args.config.path.as_deref(), &overrides)?;
+    let config = Config::load(args.config.path.as_deref(), &overrides, &args.assignments)?;
     ft_core::setup::validate(&config, &registry)?;
+    if !config.uses_preset() {
+        // A model directory without its weights is refused here, before any rank starts.
+        hf::ModelSource::resolve(&config.model.source)?.start(config.model.init)?;
+    }
     let env = DistEnv::from_env()?;
     let world = planned_world(&config, &env);
     if let Some(deepspeed) = &deepspeed {
@@ -245,13 +261,17 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         share_host_cores(rank.comm.env().local_world_size, rank.device, offload.as_ref());
     }
     let seed = config.train.seed as i64;
-    let base_params = hf::initial_params(run_model.base(), source.dir.as_deref(), seed, rank.device)?;
-    let base_dir = hf::base_weights_dir(&run_model, source.dir.as_deref(), &base_params, &output, rank.dtype, &rank.comm)?;
+    let start = source.start(config.model.init)?;
+    if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {
+        tracing::info!("random initialisation (train.seed {seed}): {why}");
+    }
+    let base_params = hf::initial_params(run_model.base(), &start, seed, rank.device)?;
+    let base_dir = hf::base_weights_dir(&run_model, &start, &base_params, &output, rank.dtype, &rank.comm)?;
     let params = run_model.initial_params(base_params, seed.wrapping_add(1), rank.device);
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     let sinks = match rank.rank() {
-        0 => config.output.report_to.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
+        0 => config.output.sinks()?.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
         _ => vec![],
     };
     if rank.rank() == 0 {
@@ -302,7 +322,9 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-        written.push(format!("metrics ({})", config.output.report_to.join(", ")));
+        if !config.output.sinks()?.is_empty() {
+            written.push(format!("metrics ({})", config.output.sinks()?.join(", ")));
+        }
         print!("{}", summary.table());
         println!("outputs in {}: {}", output.display(), written.join(", "));
     }

@@ -11,7 +11,7 @@ use figment::providers::{Env, Format, Json, Serialized, Toml, Yaml};
 use figment::value::Value;
 use figment::Figment;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -25,6 +25,10 @@ pub struct Config {
     pub launch: LaunchConfig,
     pub task: TaskConfig,
     pub comm: CommConfig,
+    /// The dotted keys the user's layers (file, `FT_*` variables, flags,
+    /// `--set`) give, sections included: what a check may call "given".
+    #[serde(skip)]
+    given: BTreeSet<String>,
 }
 
 /// How gradients are reduced and parameters gathered: a communication
@@ -48,6 +52,22 @@ pub struct ModelConfig {
     /// config.json (random weights), or a preset's name (`ft list`); by
     /// default the default preset (the embedded demo).
     pub source: String,
+    /// Where the parameters start (`--init`): a directory's weights, which
+    /// it must hold, or a random initialisation, said in the log.
+    pub init: ModelInit,
+}
+
+/// `model.init`: what the run's parameters start from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelInit {
+    /// A directory's weights; random for a config.json alone or a preset.
+    #[default]
+    Auto,
+    /// The weights of `model.source`, which must be a directory that holds them.
+    Pretrained,
+    /// Random from `train.seed`, whatever `model.source` holds.
+    Random,
 }
 
 /// What the run trains: a task by name (`ft list`), by default the one
@@ -113,6 +133,10 @@ pub struct DataConfig {
     /// Several training examples in one row of max_seq_len tokens, kept
     /// apart (positions restart, attention stays inside each): causal LMs.
     pub packing: bool,
+    /// Leave out each epoch's last global batch when the examples do not
+    /// fill it (the run logs how many); false: train it, split among the
+    /// ranks as evenly as they allow (it needs an example for each rank).
+    pub drop_last: bool,
 }
 
 /// `data.range`: the training file's examples [start, end) in the order
@@ -254,6 +278,7 @@ impl Default for DataConfig {
             truncate: false,
             chat_template: None,
             packing: false,
+            drop_last: true,
         }
     }
 }
@@ -262,6 +287,12 @@ impl Default for DataConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     pub epochs: usize,
+    /// Stop after this many optimizer steps, counted from the first across
+    /// resumes; it sets the run's length instead of `epochs` (as Hugging
+    /// Face Trainer's `max_steps`), and the schedule's unless `schedule_steps` is set.
+    pub max_steps: Option<usize>,
+    /// Also evaluate every this many optimizer steps, besides each epoch's end (0: epoch ends only).
+    pub eval_every: usize,
     /// Examples per micro-batch on each rank.
     pub batch_size: usize,
     /// Examples per batch on each rank in evaluation (loss, generation, span scoring).
@@ -368,7 +399,7 @@ impl LoraConfig {
     /// Refuses settings LoRA cannot train with, naming the key.
     pub fn validate(&self) -> Result<()> {
         if !self.enabled() {
-            bail!("train.lora.r must be at least 1 for LoRA");
+            bail!("train.lora.r (--lora-r) is 0: LoRA's rank must be at least 1 (leave it out to train every parameter)");
         }
         let alpha = self.alpha();
         if alpha.is_nan() || alpha <= 0.0 {
@@ -398,6 +429,8 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             epochs: 3,
+            max_steps: None,
+            eval_every: 0,
             batch_size: 8,
             eval_batch_size: 32,
             grad_accum: 1,
@@ -448,6 +481,21 @@ pub struct OutputConfig {
     pub mlflow_experiment: String,
 }
 
+/// What `output.report_to` (`--report-to`) says for no sink at all, as Hugging Face Trainer's `report_to="none"`.
+pub const NO_SINK: &str = "none";
+
+impl OutputConfig {
+    /// The sinks the run reports to: none for `["none"]` (or `[]`); `none`
+    /// beside a sink is refused.
+    pub fn sinks(&self) -> Result<&[String]> {
+        match self.report_to.iter().any(|name| name == NO_SINK) {
+            false => Ok(&self.report_to),
+            true if self.report_to.len() == 1 => Ok(&[]),
+            true => bail!("output.report_to (--report-to) lists {}: `{NO_SINK}` means no sink and stands alone", self.report_to.join(", ")),
+        }
+    }
+}
+
 impl Default for OutputConfig {
     fn default() -> Self {
         OutputConfig {
@@ -463,6 +511,15 @@ impl Default for OutputConfig {
 pub struct LaunchConfig {
     /// Local workers `ft train` starts itself when no launcher started it.
     pub nproc_per_node: usize,
+}
+
+impl LaunchConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.nproc_per_node == 0 {
+            bail!("launch.nproc_per_node (--nproc-per-node) must be at least 1: the local ranks to start");
+        }
+        Ok(())
+    }
 }
 
 impl Default for LaunchConfig {
@@ -496,7 +553,7 @@ impl Default for DistConfig {
 pub const ENV_PREFIX: &str = "FT_";
 
 /// The configuration's sections: `FT_<SECTION>__<KEY>` sets `section.key`.
-const SECTIONS: [&str; 8] = ["dist", "model", "data", "train", "output", "launch", "task", "comm"];
+pub const SECTIONS: [&str; 8] = ["dist", "model", "data", "train", "output", "launch", "task", "comm"];
 
 /// Whether an `FT_`-less variable name is a configuration key: a known
 /// section, `__`, a key. Any other `FT_*` variable (`FT_CONFIG_FILE`,
@@ -511,35 +568,46 @@ fn is_config_variable(name: &str) -> bool {
 }
 
 impl Config {
-    /// Resolves the configuration. `overrides` are dotted keys from flags
-    /// (e.g. `("dist.timeout_secs", 30.into())`), applied last.
-    pub fn load(file: Option<&Path>, overrides: &[(&str, Value)]) -> Result<Config> {
+    /// Resolves the configuration. `flags` are dotted keys from a command's
+    /// own flags (e.g. `("dist.timeout_secs", 30.into())`), `assignments`
+    /// its `--set KEY=VALUE`s, applied last.
+    pub fn load(file: Option<&Path>, flags: &[(&str, Value)], assignments: &[Assignment]) -> Result<Config> {
         let env = Env::prefixed(ENV_PREFIX).filter(|key| is_config_variable(key.as_str()));
-        Config::load_with_env(file, overrides, env.split("__"))
+        Config::load_with_env(file, flags, assignments, env.split("__"))
     }
 
-    fn load_with_env(file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Config> {
-        let user = Config::layers(Figment::new(), file, overrides, env.clone())?;
+    fn load_with_env(file: Option<&Path>, flags: &[(&str, Value)], assignments: &[Assignment], env: Env) -> Result<Config> {
+        let user = Config::layers(Figment::new(), file, flags, assignments, env.clone())?;
         let mut base = Figment::from(Serialized::defaults(Config::default()));
         let source = user.extract_inner::<String>("model.source").ok();
         if let Some(preset) = preset(source.as_deref()) {
             base = base.merge(Serialized::defaults(serde_json::json!({"model": {"source": preset.name}})));
             base = base.merge(Serialized::defaults((preset.values)()));
         }
-        let figment = Config::layers(base, file, overrides, env)?;
-        figment.extract().map_err(|e| anyhow::anyhow!(describe(e)))
+        let figment = Config::layers(base, file, flags, assignments, env)?;
+        let mut config: Config = figment.extract().map_err(|e| anyhow::anyhow!(describe(e)))?;
+        for dict in figment::Provider::data(&user).map_err(|e| anyhow::anyhow!(describe(e)))?.values() {
+            dotted_keys(&mut config.given, "", dict);
+        }
+        Ok(config)
+    }
+
+    /// Whether the user's layers give `key` (dotted, e.g. `train.lora.alpha`),
+    /// whatever its value: an option written out at its default is given.
+    pub fn given(&self, key: &str) -> bool {
+        self.given.contains(key)
     }
 
     /// One line saying what a run of `world` ranks will do (`ft train --dry-run`).
     pub fn plan(&self, world: usize) -> String {
         let t = &self.train;
         format!(
-            "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {} epoch(s); outputs in {}",
+            "plan: {world} rank(s), strategy {}; micro-batch {} x grad_accum {} x {world} = global batch {}; {}; outputs in {}",
             t.strategy,
             t.batch_size,
             t.grad_accum,
             t.batch_size * t.grad_accum * world,
-            t.epochs,
+            t.max_steps.map_or(format!("{} epoch(s)", t.epochs), |steps| format!("{steps} optimizer step(s)")),
             self.output.dir.display()
         )
     }
@@ -558,8 +626,9 @@ impl Config {
         preset(Some(&self.model.source)).is_some()
     }
 
-    /// The user's layers over `figment`: file, then environment, then flags.
-    fn layers(mut figment: Figment, file: Option<&Path>, overrides: &[(&str, Value)], env: Env) -> Result<Figment> {
+    /// The user's layers over `figment`: file, environment, flags, then
+    /// `--set`; each named as the user gave it, for error messages.
+    fn layers(mut figment: Figment, file: Option<&Path>, flags: &[(&str, Value)], assignments: &[Assignment], env: Env) -> Result<Figment> {
         if let Some(path) = file {
             if !path.is_file() {
                 bail!("config file {} does not exist", path.display());
@@ -572,20 +641,79 @@ impl Config {
                 _ => bail!("config file {} must end in .toml, .yaml, .yml or .json", path.display()),
             };
         }
-        figment = figment.merge(env);
-        for (key, value) in overrides {
-            figment = figment.merge(Serialized::default(key, value.clone()));
+        figment = figment.merge(Named { name: ENV_SOURCE.into(), provider: env });
+        for (key, value) in flags {
+            figment = figment.merge(Named { name: FLAG_SOURCE.into(), provider: Serialized::default(key, value.clone()) });
+        }
+        for assignment in assignments {
+            figment = figment.merge(Named { name: assignment.to_string(), provider: Serialized::default(&assignment.key, assignment.value.clone()) });
         }
         Ok(figment)
     }
 }
 
-/// `--set KEY=VALUE`: the value as JSON when it parses as JSON (numbers,
-/// booleans, quoted strings, lists), else as the plain string.
-pub fn parse_assignment(text: &str) -> Result<(String, Value), String> {
-    let (key, value) = text.split_once('=').ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
-    let value: serde_json::Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
-    Ok((key.to_string(), Value::serialize(value).map_err(|e| e.to_string())?))
+/// What the error messages call the `FT_*` variables' layer and the flags'.
+const ENV_SOURCE: &str = "environment variable";
+const FLAG_SOURCE: &str = "command-line flag";
+
+/// A layer under the name a message should give it (figment names a
+/// serialized value by its Rust type and the line that added it).
+struct Named<P> {
+    name: String,
+    provider: P,
+}
+
+impl<P: figment::Provider> figment::Provider for Named<P> {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::named(self.name.clone())
+    }
+
+    fn data(&self) -> std::result::Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        self.provider.data()
+    }
+}
+
+/// One `KEY=VALUE` the user gave with `flag` (`--set`, `--comm-option`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    pub key: String,
+    pub value: Value,
+    /// As the user wrote it: `train.batch_size=abc`.
+    pub text: String,
+    pub flag: &'static str,
+}
+
+impl Assignment {
+    /// `KEY=VALUE` given with `flag`: the value as JSON when it parses as
+    /// JSON (numbers, booleans, quoted strings, lists), else as the plain string.
+    pub fn parse(text: &str, flag: &'static str) -> Result<Assignment, String> {
+        let (key, value) = text.split_once('=').ok_or_else(|| format!("{flag} {text:?} is not KEY=VALUE"))?;
+        let value: serde_json::Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+        let value = Value::serialize(value).map_err(|e| e.to_string())?;
+        Ok(Assignment { key: key.to_string(), value, text: text.to_string(), flag })
+    }
+}
+
+impl std::fmt::Display for Assignment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.flag, self.text)
+    }
+}
+
+/// `--set KEY=VALUE` (see [`Assignment::parse`]).
+pub fn parse_assignment(text: &str) -> Result<Assignment, String> {
+    Assignment::parse(text, "--set")
+}
+
+/// Every dotted key of `dict` under `prefix`, sections included.
+fn dotted_keys(keys: &mut BTreeSet<String>, prefix: &str, dict: &figment::value::Dict) {
+    for (name, value) in dict {
+        let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+        if let Value::Dict(_, inner) = value {
+            dotted_keys(keys, &key, inner);
+        }
+        keys.insert(key);
+    }
 }
 
 fn flatten_into(entries: &mut BTreeMap<String, String>, key: &str, value: &serde_json::Value) {
@@ -606,31 +734,48 @@ fn flatten_into(entries: &mut BTreeMap<String, String>, key: &str, value: &serde
     }
 }
 
-/// One line per problem: the key, its source, and a suggestion for a misspelling.
+/// One line per problem: where the value came from as the user gave it
+/// (the file, the variable, the flag), the key, and a suggestion for a misspelling.
 fn describe(error: figment::Error) -> String {
     let mut lines = vec![];
     for e in error {
-        let source = e.metadata.as_ref().map(|m| match &m.source {
-            Some(source) => format!("{} ({source})", m.name),
-            None => m.name.to_string(),
+        let path = e.path.join(".");
+        let origin = e.metadata.as_ref().map(|m| match &m.source {
+            Some(figment::Source::File(file)) => format!("config file {}", file.display()),
+            _ if m.name == ENV_SOURCE => format!("{ENV_SOURCE} {ENV_PREFIX}{}", e.path.join("__").to_uppercase()),
+            _ => m.name.to_string(),
         });
-        let location = source.map(|s| format!(" in {s}")).unwrap_or_default();
         let line = match &e.kind {
             figment::error::Kind::UnknownField(field, expected) => {
                 // figment's path already ends with the unknown field.
-                let path = e.path.clone();
                 let suggestion = crate::names::did_you_mean(field, expected);
-                format!(
-                    "unknown config key `{}`{location}{suggestion} (known keys here: {})",
-                    path.join("."),
-                    expected.join(", ")
-                )
+                let origin = origin.map(|o| format!(" ({o})")).unwrap_or_default();
+                format!("unknown config key `{path}`{origin}{suggestion} (known keys here: {})", expected.join(", "))
             }
-            _ => format!("config key `{}`{location}: {}", e.path.join("."), e.kind),
+            kind => {
+                let problem = match kind {
+                    figment::error::Kind::InvalidType(actual, expected) => format!("expected {}, found {actual}", in_words(expected)),
+                    other => other.to_string(),
+                };
+                match origin {
+                    Some(origin) => format!("{origin}: config key `{path}`: {problem}"),
+                    None => format!("config key `{path}`: {problem}"),
+                }
+            }
         };
         lines.push(line);
     }
     lines.join("\n")
+}
+
+/// What serde calls a Rust type, as a user would say it.
+fn in_words(expected: &str) -> String {
+    match expected {
+        "u8" | "u16" | "u32" | "u64" | "usize" => "a whole number (0 or more)".into(),
+        "i8" | "i16" | "i32" | "i64" | "isize" => "an integer".into(),
+        "f32" | "f64" => "a number".into(),
+        other => other.into(),
+    }
 }
 
 #[cfg(test)]
@@ -652,14 +797,14 @@ mod tests {
     #[test]
     fn layers_apply_in_order() {
         let (_dir, path) = file("ft.toml", "[dist]\nbackend = 'gloo'\ntimeout_secs = 10\n");
-        let config = Config::load_with_env(Some(&path), &[], no_env()).unwrap();
+        let config = Config::load_with_env(Some(&path), &[], &[], no_env()).unwrap();
         assert_eq!(config.dist, DistConfig { backend: Backend::Gloo, timeout_secs: 10, verify_collectives: false });
-        let config = Config::load_with_env(Some(&path), &[("dist.timeout_secs", 42.into())], no_env()).unwrap();
+        let config = Config::load_with_env(Some(&path), &[("dist.timeout_secs", 42.into())], &[], no_env()).unwrap();
         assert_eq!(config.dist.timeout_secs, 42);
         // A prefix of its own keeps this test off other tests' environment.
         std::env::set_var("FT_CFGTEST_DIST__TIMEOUT_SECS", "7");
         let env = Env::prefixed("FT_CFGTEST_").split("__");
-        assert_eq!(Config::load_with_env(Some(&path), &[], env).unwrap().dist.timeout_secs, 7);
+        assert_eq!(Config::load_with_env(Some(&path), &[], &[], env).unwrap().dist.timeout_secs, 7);
     }
 
     inventory::submit! {
@@ -676,7 +821,7 @@ mod tests {
         let named = |more: &[(&str, Value)]| {
             let mut overrides = vec![("model.source", Value::from("config-test-preset"))];
             overrides.extend(more.iter().cloned());
-            Config::load_with_env(None, &overrides, no_env()).unwrap()
+            Config::load_with_env(None, &overrides, &[], no_env()).unwrap()
         };
         let config = named(&[]);
         assert_eq!((config.launch.nproc_per_node, config.train.lr), (2, 2e-3));
@@ -685,7 +830,7 @@ mod tests {
         let config = named(&[("train.lr", 0.5.into())]);
         assert_eq!((config.train.lr, config.train.epochs), (0.5, 6));
         // A real model gets the ordinary defaults, not the preset's.
-        let config = Config::load_with_env(None, &[("model.source", "some/model".into())], no_env()).unwrap();
+        let config = Config::load_with_env(None, &[("model.source", "some/model".into())], &[], no_env()).unwrap();
         assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
         assert!(!config.uses_preset());
     }
@@ -715,23 +860,23 @@ mod tests {
     #[test]
     fn yaml_and_json_files() {
         let (_d1, yaml) = file("ft.yaml", "dist:\n  timeout_secs: 5\n");
-        assert_eq!(Config::load_with_env(Some(&yaml), &[], no_env()).unwrap().dist.timeout_secs, 5);
+        assert_eq!(Config::load_with_env(Some(&yaml), &[], &[], no_env()).unwrap().dist.timeout_secs, 5);
         let (_d2, json) = file("ft.json", r#"{"dist": {"backend": "nccl"}}"#);
-        assert_eq!(Config::load_with_env(Some(&json), &[], no_env()).unwrap().dist.backend, Backend::Nccl);
+        assert_eq!(Config::load_with_env(Some(&json), &[], &[], no_env()).unwrap().dist.backend, Backend::Nccl);
     }
 
     #[test]
     fn unknown_keys_are_named_with_a_suggestion() {
         let (_dir, path) = file("ft.toml", "[dist]\ntimout_secs = 10\n");
-        let err = Config::load_with_env(Some(&path), &[], no_env()).unwrap_err().to_string();
-        assert!(err.contains("unknown config key `dist.timout_secs` in TOML file"), "{err}");
+        let err = Config::load_with_env(Some(&path), &[], &[], no_env()).unwrap_err().to_string();
+        assert!(err.contains("unknown config key `dist.timout_secs` (config file "), "{err}");
         assert!(err.contains("did you mean `timeout_secs`?"), "{err}");
         assert!(err.contains("ft.toml"), "{err}");
     }
 
     #[test]
     fn a_data_range_is_start_colon_end_or_open_ended() {
-        let range = |text: &str| Config::load_with_env(None, &[("data.range", text.into())], no_env()).map(|c| c.data.range.unwrap());
+        let range = |text: &str| Config::load_with_env(None, &[("data.range", text.into())], &[], no_env()).map(|c| c.data.range.unwrap());
         assert_eq!(range("5000:10000").unwrap(), DataRange { start: 5000, end: Some(10000) });
         assert_eq!(range("5000:").unwrap(), DataRange { start: 5000, end: None });
         assert_eq!(range(":300").unwrap(), DataRange { start: 0, end: Some(300) });
@@ -745,7 +890,7 @@ mod tests {
             let err = range(text).unwrap_err().to_string();
             assert!(err.contains("config key `data.range`") && err.contains(expected), "{text}: {err}");
         }
-        let err = Config::load_with_env(None, &[("data.range", 5000.into())], no_env()).unwrap_err().to_string();
+        let err = Config::load_with_env(None, &[("data.range", 5000.into())], &[], no_env()).unwrap_err().to_string();
         assert!(err.contains("config key `data.range`") && err.contains("expected START:END"), "{err}");
         // What a checkpoint's manifest records reads back the same.
         for text in ["5000:10000", "5000:"] {
@@ -772,12 +917,35 @@ mod tests {
     #[test]
     fn bad_values_and_files_are_rejected() {
         let (_dir, path) = file("ft.toml", "[dist]\nbackend = 'mpi'\n");
-        let err = Config::load_with_env(Some(&path), &[], no_env()).unwrap_err().to_string();
+        let err = Config::load_with_env(Some(&path), &[], &[], no_env()).unwrap_err().to_string();
         assert!(err.contains("dist.backend"), "{err}");
-        let err = Config::load_with_env(Some(Path::new("/nonexistent/ft.toml")), &[], no_env()).unwrap_err();
+        let err = Config::load_with_env(Some(Path::new("/nonexistent/ft.toml")), &[], &[], no_env()).unwrap_err();
         assert!(err.to_string().contains("does not exist"), "{err}");
         let (_d, ini) = file("ft.ini", "");
-        let err = Config::load_with_env(Some(&ini), &[], no_env()).unwrap_err();
+        let err = Config::load_with_env(Some(&ini), &[], &[], no_env()).unwrap_err();
         assert!(err.to_string().contains("must end in .toml"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_value_names_its_source_as_the_user_gave_it() {
+        let set = |text: &str| Config::load_with_env(None, &[], &[parse_assignment(text).unwrap()], no_env()).unwrap_err().to_string();
+        let err = set("train.batch_size=abc");
+        assert!(err.starts_with("--set train.batch_size=abc: config key `train.batch_size`: expected a whole number"), "{err}");
+        assert!(!err.contains("figment") && !err.contains("config.rs"), "{err}");
+        assert!(set("train.lora.alhpa=4").contains("unknown config key `train.lora.alhpa` (--set train.lora.alhpa=4); did you mean `alpha`?"));
+        let (_dir, path) = file("ft.toml", "[train]\nepochs = 'many'\n");
+        let err = Config::load_with_env(Some(&path), &[], &[], no_env()).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("config file {}: config key `train.epochs`", path.display())), "{err}");
+        std::env::set_var("FT_SRCTEST_TRAIN__LR", "fast");
+        let env = Env::prefixed("FT_SRCTEST_").split("__");
+        let err = Config::load_with_env(None, &[], &[], env).unwrap_err().to_string();
+        assert!(err.starts_with("environment variable FT_TRAIN__LR: config key `train.lr`: expected a number"), "{err}");
+    }
+
+    #[test]
+    fn given_keys_are_those_the_user_wrote_even_at_their_default() {
+        let config = Config::load_with_env(None, &[("train.lora.dropout", 0.0.into())], &[parse_assignment("data.shuffle=true").unwrap()], no_env()).unwrap();
+        assert!(config.given("train.lora.dropout") && config.given("train.lora") && config.given("data.shuffle"));
+        assert!(!config.given("train.lora.r") && !config.given("train.epochs"));
     }
 }

@@ -14,7 +14,6 @@
 use crate::config::{CommConfig, Config};
 use crate::registry::{Origin, Registry};
 use anyhow::{bail, Context, Result};
-use figment::value::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -30,7 +29,7 @@ pub struct CheckRequest {
     pub comm: Option<String>,
     pub strategies: Vec<String>,
     /// `--set KEY=VALUE` for every run, as given and parsed.
-    pub settings: Vec<(String, Value)>,
+    pub settings: Vec<crate::config::Assignment>,
     pub raw_settings: Vec<String>,
     /// Optimizer steps per run.
     pub steps: usize,
@@ -145,7 +144,7 @@ pub fn check(request: &CheckRequest, registry: &Registry) -> Result<Vec<Row>> {
         None if ours.is_empty() => bail!("{} registers no communication hook: nothing to check", request.library.display()),
         None => ours.iter().map(|s| s.to_string()).collect(),
     };
-    let config = Config::load(None, &request.settings.iter().map(|(k, v)| (k.as_str(), v.clone())).collect::<Vec<_>>())?;
+    let config = Config::load(None, &[], &request.settings)?;
     let mut rows = vec![];
     for name in hooks {
         rows.extend(check_hook(request, registry, &name, &config.comm)?);

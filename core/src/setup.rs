@@ -62,8 +62,20 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if let Some(peak) = t.peak_tflops.filter(|p| p.is_nan() || *p <= 0.0) {
         bail!("train.peak_tflops must be positive (got {peak})");
     }
-    for sink in &config.output.report_to {
+    for sink in config.output.sinks()? {
         registry.sink(sink)?;
+    }
+    config.launch.validate()?;
+    if t.max_steps == Some(0) {
+        bail!("train.max_steps (--max-steps) must be at least 1: the optimizer steps the run trains");
+    }
+    if t.max_steps.is_some() && config.given("train.epochs") {
+        bail!("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains: give one");
+    }
+    for (key, needs, what) in REQUIRES {
+        if config.given(key) && !needs(config) {
+            bail!("{key} is given, but {what}");
+        }
     }
     if t.strategy != crate::strategy::AUTO {
         let strategy = registry.strategy(&t.strategy)?;
@@ -78,7 +90,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.monitor.is_none() && (t.early_stopping_patience > 0 || t.save_best > 0) {
         bail!("train.early_stopping_patience and train.save_best need train.monitor (the score to judge epochs by, e.g. eval_f1 or eval_loss)");
     }
-    if t.lora.enabled() {
+    if t.lora.enabled() || config.given("train.lora.r") {
         t.lora.validate()?;
     }
     if let Some([first, last]) = t.profile_steps {
@@ -88,6 +100,18 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     }
     Ok(())
 }
+
+/// Keys that only act with another: each, when given, needs its rule to
+/// hold, else it would do nothing in silence.
+#[allow(clippy::type_complexity)]
+const REQUIRES: [(&str, fn(&Config) -> bool, &str); 6] = [
+    ("train.lora.alpha", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
+    ("train.lora.dropout", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
+    ("train.lora.targets", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
+    ("train.monitor_mode", |c| c.train.monitor.is_some(), "there is no train.monitor (the score it says the direction of)"),
+    ("train.early_stopping_min_delta", |c| c.train.early_stopping_patience > 0, "train.early_stopping_patience is 0 (early stopping is off)"),
+    ("train.warmup_ratio", |c| c.train.warmup_steps == 0, "train.warmup_steps is set too, and it takes precedence: give one"),
+];
 
 /// One worker process of a job: who it is, where it computes, in which
 /// dtype, and its communicator.

@@ -122,23 +122,29 @@ impl<'a> RunLog<'a> {
         Ok(())
     }
 
-    /// Logs epoch `epoch`'s evaluation (after optimizer step `step`).
-    pub fn after_epoch(&mut self, epoch: usize, step: usize, evaluation: &Evaluation) -> Result<EpochResult> {
+    /// Logs an evaluation after optimizer step `step`, `epoch_progress` epochs into the run.
+    pub fn after_eval(&mut self, epoch_progress: f64, step: usize, evaluation: &Evaluation) -> Result<()> {
         self.totals.eval_seconds += evaluation.seconds;
         self.totals.eval_examples += evaluation.scores.examples;
-        let result = EpochResult {
+        if self.comm.env().rank == 0 {
+            let mut values = BTreeMap::from([("epoch".to_string(), epoch_progress)]);
+            values.extend(evaluation.loss.map(|l| ("eval_loss".to_string(), l)));
+            values.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), *v)));
+            self.record(&Record { step: step as u64, values })?;
+        }
+        Ok(())
+    }
+
+    /// Logs epoch `epoch`'s evaluation (after optimizer step `step`, at
+    /// `epoch_progress`: less than `epoch` when `train.max_steps` ended it early).
+    pub fn after_epoch(&mut self, epoch: usize, epoch_progress: f64, step: usize, evaluation: &Evaluation) -> Result<EpochResult> {
+        self.after_eval(epoch_progress, step, evaluation)?;
+        Ok(EpochResult {
             epoch,
             train_loss: self.epoch_loss.take(),
             eval_loss: evaluation.loss,
             scores: evaluation.scores.values.clone(),
-        };
-        if self.comm.env().rank == 0 {
-            let mut values = BTreeMap::from([("epoch".to_string(), epoch as f64)]);
-            values.extend(result.eval_loss.map(|l| ("eval_loss".to_string(), l)));
-            values.extend(result.scores.iter().map(|(k, v)| (format!("eval_{k}"), *v)));
-            self.record(&Record { step: step as u64, values })?;
-        }
-        Ok(result)
+        })
     }
 
     /// This rank's counters over the run.

@@ -19,7 +19,7 @@ pub use summary::{EpochResult, RankMemory, Summary};
 use crate::batches::{epoch_order, BatchLayout};
 use crate::comm::Communicator;
 use crate::comm_hook::CommHook;
-use crate::config::{DataConfig, DataRange, TrainConfig};
+use crate::config::{DataConfig, TrainConfig};
 use crate::dataset::Dataset;
 use crate::metrics::MetricsSink;
 use crate::model::Model;
@@ -57,19 +57,26 @@ pub struct Fit<'a> {
     pub checkpoints: CheckpointPlan<'a>,
 }
 
-/// How many steps a run has, from the training set's size, and how many
-/// its learning-rate schedule spans.
+/// How many steps a run has, from the training set's size (or
+/// `train.max_steps`), and how many its learning-rate schedule spans.
 #[derive(Debug)]
 struct StepPlan {
     layout: BatchLayout,
     steps_per_epoch: usize,
+    /// Epochs the run may start: `train.epochs`, or unbounded under
+    /// `train.max_steps`, where the step count ends the run.
+    epochs: usize,
+    max_steps: Option<usize>,
+    /// Training examples each epoch leaves out: those after its last whole global batch.
+    dropped_per_epoch: usize,
     schedule_steps: usize,
     warmup_steps: usize,
 }
 
 impl StepPlan {
-    fn new(config: &TrainConfig, range: Option<DataRange>, world: usize, examples: usize) -> Result<StepPlan> {
-        let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world };
+    fn new(config: &TrainConfig, data: &DataConfig, world: usize, examples: usize) -> Result<StepPlan> {
+        let range = data.range;
+        let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world, keep_last: !data.drop_last };
         let steps_per_epoch = layout.steps_per_epoch(examples);
         if steps_per_epoch == 0 {
             bail!(
@@ -79,7 +86,9 @@ impl StepPlan {
                 config.grad_accum
             );
         }
-        let run_steps = steps_per_epoch * config.epochs;
+        let run_steps = config.max_steps.unwrap_or(steps_per_epoch * config.epochs);
+        let epochs = if config.max_steps.is_some() { usize::MAX } else { config.epochs };
+        let dropped_per_epoch = layout.dropped(examples);
         let warmup_by_ratio = config.warmup_steps == 0 && config.warmup_ratio > 0.0;
         let schedule_steps = match (config.schedule_steps, range) {
             (Some(steps), _) => steps,
@@ -100,14 +109,29 @@ impl StepPlan {
             (None, _) => run_steps,
         };
         let warmup_steps = if warmup_by_ratio { (config.warmup_ratio * schedule_steps as f64).ceil() as usize } else { config.warmup_steps };
-        Ok(StepPlan { layout, steps_per_epoch, schedule_steps, warmup_steps })
+        Ok(StepPlan { layout, steps_per_epoch, epochs, max_steps: config.max_steps, dropped_per_epoch, schedule_steps, warmup_steps })
     }
 
     /// The step a run ends at when it starts at global batch `epoch_step` of
-    /// `epoch` (before `train.epochs`) after `step` steps; a cursor past the
-    /// epoch's batches (a resume with a larger global batch) goes on to the next epoch.
-    fn last_step(&self, config: &TrainConfig, Cursor { epoch, epoch_step, step }: Cursor) -> usize {
-        step + self.steps_per_epoch.saturating_sub(epoch_step) + (config.epochs - epoch - 1) * self.steps_per_epoch
+    /// `epoch` (before `epochs`) after `step` steps: `train.max_steps` when
+    /// set; a cursor past the epoch's batches (a resume with a larger global
+    /// batch) goes on to the next epoch.
+    fn last_step(&self, Cursor { epoch, epoch_step, step }: Cursor) -> usize {
+        match self.max_steps {
+            Some(max) => max.max(step),
+            None => step + self.steps_per_epoch.saturating_sub(epoch_step) + (self.epochs - epoch - 1) * self.steps_per_epoch,
+        }
+    }
+
+    /// The global batch epoch `epoch_step`'s loop stops before, after `step`
+    /// steps: the epoch's end, or where `train.max_steps` ends the run.
+    fn epoch_stop(&self, epoch_step: usize, step: usize) -> usize {
+        self.max_steps.map_or(self.steps_per_epoch, |max| self.steps_per_epoch.min(epoch_step + max.saturating_sub(step)))
+    }
+
+    /// Whether a run resumed at `cursor` has nothing left to train.
+    fn finished(&self, cursor: Cursor) -> bool {
+        cursor.epoch >= self.epochs || self.max_steps.is_some_and(|max| cursor.step >= max)
     }
 }
 
@@ -139,7 +163,8 @@ fn train_step(
     // Every rank knows the whole global batch, so the exact normaliser needs no communication.
     let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
     let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0 };
-    for micro in 0..layout.accumulation {
+    let micro_steps = layout.micro_steps(order, epoch_step);
+    for micro in 0..micro_steps {
         let indices = layout.micro(order, epoch_step, rank, micro);
         let batch = data.collate(indices, device)?;
         outcome.examples += indices.len();
@@ -148,10 +173,16 @@ fn train_step(
             outcome.tokens += tokens;
             outcome.flops += tokens as f64 * trainer.model().train_flops_per_token(tokens as i64);
         }
-        outcome.loss += trainer.forward_backward(&batch, objective, normalizer, micro + 1 == layout.accumulation)?;
+        outcome.loss += trainer.forward_backward(&batch, objective, normalizer, micro + 1 == micro_steps)?;
     }
     outcome.grad_norm = trainer.step(lr)?;
     Ok(outcome)
+}
+
+/// Evaluates the trainer's current parameters (collective).
+fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm: &Communicator, config: &TrainConfig, dtype: Kind) -> Result<Evaluation> {
+    let params = trainer.compute_params()?;
+    evaluate(model, &params, task, comm, config.eval_batch_size, dtype)
 }
 
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
@@ -160,7 +191,7 @@ fn train_step(
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
-    let plan = StepPlan::new(config, data.range, world, task.train_set().len())?;
+    let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
         .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))?;
@@ -173,17 +204,29 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let mut checkpointer = Checkpointer::new(checkpoints, config, data.range, strategy.name(), world, comm_record, monitor)?;
     let resumed = checkpointer.resume(&mut trainer, rank)?;
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = resumed;
-    if first_epoch >= config.epochs {
+    if plan.finished(resumed) {
         if rank == 0 {
-            tracing::info!(
-                "nothing left to train: checkpoint {} already completed {first_epoch} epoch(s) and train.epochs is {}",
-                crate::checkpoint::name_of(step),
-                config.epochs
-            );
+            let limit = match config.max_steps {
+                Some(max) => format!("{step} step(s) and train.max_steps is {max}"),
+                None => format!("{first_epoch} epoch(s) and train.epochs is {}", config.epochs),
+            };
+            tracing::info!("nothing left to train: checkpoint {} already completed {limit}", crate::checkpoint::name_of(step));
         }
         return Ok(None);
     }
-    let last_step = plan.last_step(config, resumed);
+    if plan.dropped_per_epoch > 0 && rank == 0 {
+        let why = match data.drop_last {
+            true => "they do not fill a global batch (data.drop_last=false trains them as a short last batch)",
+            false => "too few for a short last batch that gives each rank one",
+        };
+        tracing::info!(
+            "each epoch leaves out {} of its {} training examples, after its last global batch of {}: {why}; which ones changes with each epoch's order",
+            plan.dropped_per_epoch,
+            task.train_set().len(),
+            plan.layout.global_batch()
+        );
+    }
+    let last_step = plan.last_step(resumed);
     if last_step > plan.schedule_steps && config.schedule != Schedule::Constant && rank == 0 {
         tracing::warn!(
             "this run ends at step {last_step}, past the {} steps of its learning-rate schedule (train.schedule_steps): steps after {} train at learning rate 0",
@@ -199,10 +242,11 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         _ => None,
     };
     let (mut epochs, mut stopped_early, mut end) = (vec![], None, resumed);
-    for epoch in first_epoch..config.epochs {
+    for epoch in first_epoch..plan.epochs {
         let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, data.shuffle);
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
-        for epoch_step in start..plan.steps_per_epoch {
+        let stop_at = plan.epoch_stop(start, step);
+        for epoch_step in start..stop_at {
             profiler.before_step(step + 1)?;
             let started = Instant::now();
             // Dropout's masks follow from (seed, step), so a resumed run repeats them.
@@ -217,18 +261,25 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             profiler.after_step(step)?;
             let epoch_progress = epoch as f64 + (epoch_step + 1) as f64 / plan.steps_per_epoch as f64;
             let last_of_epoch = epoch_step + 1 == plan.steps_per_epoch;
-            log.after_step(step, epoch_progress, last_of_epoch, lr, &outcome, started, offloaded_before, trainer.offload_stats())?;
+            log.after_step(step, epoch_progress, epoch_step + 1 == stop_at, lr, &outcome, started, offloaded_before, trainer.offload_stats())?;
             let next = if last_of_epoch { Cursor { epoch: epoch + 1, epoch_step: 0, step } } else { Cursor { epoch, epoch_step: epoch_step + 1, step } };
             checkpointer.after_step(&trainer, next, comm)?;
             crate::checkpoint::fault_point("after-step", step);
+            // `train.eval_every`, besides the evaluation that ends the epoch (or the run) below.
+            if config.eval_every > 0 && step % config.eval_every == 0 && epoch_step + 1 != stop_at {
+                let evaluation = evaluate_now(&trainer, model, task, comm, config, dtype)?;
+                log.after_eval(epoch_progress, step, &evaluation)?;
+            }
         }
         // The epoch ended inside the profiled steps: stop before evaluation.
         profiler.stop(step)?;
-        let params = trainer.compute_params()?;
-        let evaluation = evaluate(model, &params, task, comm, config.eval_batch_size, dtype)?;
-        drop(params);
-        let result = log.after_epoch(epoch + 1, step, &evaluation)?;
-        end = Cursor { epoch: epoch + 1, epoch_step: 0, step };
+        let evaluation = evaluate_now(&trainer, model, task, comm, config, dtype)?;
+        let result = log.after_epoch(epoch + 1, epoch as f64 + stop_at as f64 / plan.steps_per_epoch as f64, step, &evaluation)?;
+        end = match stop_at == plan.steps_per_epoch {
+            true => Cursor { epoch: epoch + 1, epoch_step: 0, step },
+            // train.max_steps ended the run inside the epoch: a resume continues it there.
+            false => Cursor { epoch, epoch_step: stop_at, step },
+        };
         checkpointer.after_epoch(&trainer, end, &result, comm)?;
         let stop = early_stopping.as_mut().map(|e| e.should_stop(&result)).transpose()?.unwrap_or(false);
         epochs.push(result);
@@ -237,6 +288,9 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             if rank == 0 {
                 tracing::info!("early stopping after epoch {}: no improvement of {} in {} evaluations", epoch + 1, config.monitor.as_deref().unwrap_or_default(), config.early_stopping_patience);
             }
+            break;
+        }
+        if plan.max_steps == Some(step) {
             break;
         }
     }
@@ -265,26 +319,45 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DataRange;
+
+    fn data(range: Option<DataRange>) -> DataConfig {
+        DataConfig { range, ..DataConfig::default() }
+    }
 
     #[test]
     fn a_slice_of_the_file_needs_the_schedules_length_unless_nothing_depends_on_it() {
         let slice = Some("0:96".parse().unwrap());
         let linear = TrainConfig { batch_size: 4, epochs: 1, warmup_ratio: 0.25, ..TrainConfig::default() };
-        let err = StepPlan::new(&linear, slice, 2, 96).unwrap_err().to_string();
+        let err = StepPlan::new(&linear, &data(slice), 2, 96).unwrap_err().to_string();
         assert!(err.contains("data.range 0:96 trains one slice of the file, and the learning-rate schedule (its linear decay)"), "{err}");
         assert!(err.contains("set train.schedule_steps") && err.contains("this slice has 12: 12 per epoch x 1 epoch(s)"), "{err}");
         let spanning = TrainConfig { schedule_steps: Some(120), ..linear.clone() };
-        let plan = StepPlan::new(&spanning, slice, 2, 96).unwrap();
+        let plan = StepPlan::new(&spanning, &data(slice), 2, 96).unwrap();
         assert_eq!((plan.steps_per_epoch, plan.schedule_steps, plan.warmup_steps), (12, 120, 30), "the warm-up ratio is of the schedule's steps");
         // One run over the whole file: its own steps.
-        let plan = StepPlan::new(&linear, None, 2, 96).unwrap();
+        let plan = StepPlan::new(&linear, &data(None), 2, 96).unwrap();
         assert_eq!((plan.schedule_steps, plan.warmup_steps), (12, 3));
-        assert_eq!(plan.last_step(&linear, Cursor { epoch: 0, epoch_step: 5, step: 40 }), 47);
-        assert_eq!(plan.last_step(&linear, Cursor { epoch: 0, epoch_step: 20, step: 40 }), 40);
+        assert_eq!(plan.last_step(Cursor { epoch: 0, epoch_step: 5, step: 40 }), 47);
+        assert_eq!(plan.last_step(Cursor { epoch: 0, epoch_step: 20, step: 40 }), 40);
         // A constant rate after a warm-up of fixed steps does not depend on the length; a ratio does.
         let constant = TrainConfig { schedule: Schedule::Constant, warmup_ratio: 0.0, warmup_steps: 3, ..linear };
-        assert_eq!(StepPlan::new(&constant, slice, 2, 96).unwrap().warmup_steps, 3);
-        let err = StepPlan::new(&TrainConfig { warmup_steps: 0, warmup_ratio: 0.25, ..constant }, slice, 2, 96).unwrap_err().to_string();
+        assert_eq!(StepPlan::new(&constant, &data(slice), 2, 96).unwrap().warmup_steps, 3);
+        let err = StepPlan::new(&TrainConfig { warmup_steps: 0, warmup_ratio: 0.25, ..constant }, &data(slice), 2, 96).unwrap_err().to_string();
         assert!(err.contains("(its warm-up ratio)"), "{err}");
+    }
+
+    #[test]
+    fn max_steps_ends_the_run_inside_an_epoch_and_is_the_schedules_length() {
+        let config = TrainConfig { batch_size: 4, max_steps: Some(30), ..TrainConfig::default() };
+        // 100 examples: 12 global batches of 8 an epoch, 4 examples left out of each.
+        let plan = StepPlan::new(&config, &data(None), 2, 100).unwrap();
+        assert_eq!((plan.steps_per_epoch, plan.schedule_steps, plan.dropped_per_epoch), (12, 30, 4));
+        assert_eq!(plan.last_step(Cursor::default()), 30);
+        assert_eq!((plan.epoch_stop(0, 0), plan.epoch_stop(0, 24), plan.epoch_stop(3, 27)), (12, 6, 6));
+        assert!(!plan.finished(Cursor { epoch: 2, epoch_step: 5, step: 29 }) && plan.finished(Cursor { epoch: 2, epoch_step: 6, step: 30 }));
+        let by_epochs = StepPlan::new(&TrainConfig { max_steps: None, ..config }, &data(None), 2, 100).unwrap();
+        assert_eq!((by_epochs.last_step(Cursor::default()), by_epochs.epoch_stop(0, 0)), (36, 12));
+        assert!(by_epochs.finished(Cursor { epoch: 3, epoch_step: 0, step: 36 }));
     }
 }

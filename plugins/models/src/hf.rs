@@ -4,6 +4,7 @@
 
 use crate::check;
 use anyhow::{bail, Context as _, Result};
+use ft_core::config::ModelInit;
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
 use ft_core::Communicator;
@@ -106,11 +107,29 @@ impl ModelSource {
     }
 
     /// Applies `KEY=VALUE` assignments to the config (VALUE as JSON, else as
-    /// a string): `--set num_hidden_layers=2`.
+    /// a string): `--set num_hidden_layers=2`. Each must change a key the
+    /// config holds: any other (a misspelling, a run's `train.*` key) would
+    /// change nothing, and is refused by name with the closest key.
     pub fn set_keys(mut self, assignments: &[String]) -> Result<ModelSource> {
+        let origin = self.config_file.as_ref().map_or("the model's config".to_string(), |file| file.display().to_string());
         for assignment in assignments {
             let (key, value) = assignment.split_once('=').with_context(|| format!("--set {assignment:?} is not KEY=VALUE"))?;
-            self.config[key] = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+            let config = self.config.as_object_mut().context("a model config is a JSON object")?;
+            if !config.contains_key(key) {
+                let section = key.split_once('.').map(|(section, _)| section);
+                let hint = match section.filter(|s| ft_core::config::SECTIONS.contains(s)) {
+                    Some(_) => format!(" (`{key}` is a key of `ft train`'s configuration, which this command does not read)"),
+                    None => {
+                        let known: Vec<&str> = config.keys().map(String::as_str).collect();
+                        ft_core::names::did_you_mean(key, &known)
+                    }
+                };
+                bail!(
+                    "--set {assignment}: {origin} has no key `{key}`{hint}; this command's --set changes the keys of the model's config.json \
+                     (to add one it lacks, write it into a copy of the file)"
+                );
+            }
+            config.insert(key.to_string(), serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value)));
         }
         Ok(self)
     }
@@ -121,34 +140,71 @@ impl ModelSource {
     }
 }
 
-/// The parameters a run starts from, fp32 on `device`: the weights in
-/// `dir` when it holds any, else a random initialisation from `seed`.
-pub fn initial_params(model: &dyn Model, dir: Option<&Path>, seed: i64, device: Device) -> Result<Vec<Vec<Tensor>>> {
-    match dir.filter(|dir| has_weights(dir)) {
-        Some(dir) => load_params(model, dir, Kind::Float, device),
-        None => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
+/// What a run's parameters start from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Start {
+    /// The weights in this directory.
+    Weights(PathBuf),
+    /// A random initialisation; why, for the log.
+    Random(String),
+}
+
+impl Start {
+    pub fn weights_dir(&self) -> Option<&Path> {
+        match self {
+            Start::Weights(dir) => Some(dir),
+            Start::Random(_) => None,
+        }
     }
 }
 
-/// Whether `dir` holds weights (one file, or an index of several).
-fn has_weights(dir: &Path) -> bool {
-    dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists()
+impl ModelSource {
+    /// What a run starts from under `init` (`model.init`): a directory's
+    /// weights, which it must hold (never random weights in their place);
+    /// random for a config.json alone, a preset's model, or `random`.
+    pub fn start(&self, init: ModelInit) -> Result<Start> {
+        let weightless = match &self.config_file {
+            Some(file) => format!("--model {} is a config.json alone, without weights", file.display()),
+            None => "the preset's model comes without weights".to_string(),
+        };
+        match (init, &self.dir) {
+            (ModelInit::Random, Some(dir)) => Ok(Start::Random(format!("model.init is random (--init random): the weights in {} are not read", dir.display()))),
+            (ModelInit::Random, None) => Ok(Start::Random("model.init is random (--init random)".into())),
+            (_, Some(dir)) => {
+                weight_files(dir).map_err(|e| {
+                    anyhow::anyhow!("{e:#}\n(to train from random weights instead, give its config.json as --model, or --init random)")
+                })?;
+                Ok(Start::Weights(dir.clone()))
+            }
+            (ModelInit::Pretrained, None) => bail!("model.init is pretrained (--init pretrained), but {weightless}: give the model directory that holds them"),
+            (ModelInit::Auto, None) => Ok(Start::Random(weightless)),
+        }
+    }
+}
+
+/// The parameters a run starts from, fp32 on `device`: the weights `start`
+/// names, or a random initialisation from `seed`.
+pub fn initial_params(model: &dyn Model, start: &Start, seed: i64, device: Device) -> Result<Vec<Vec<Tensor>>> {
+    match start {
+        Start::Weights(dir) => load_params(model, dir, Kind::Float, device),
+        Start::Random(_) => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
+    }
 }
 
 /// Where a run's base weights are, for its checkpoints and adapter to
-/// name: `source_dir` when it holds weights; for a LoRA run on a randomly
-/// initialised base (a config.json alone, the demo), that base — `params`,
-/// written by rank 0 in `dtype` to `output`/base-model, so its adapters
-/// have the weights they adapt; else none. Every rank calls it.
+/// name: the directory `start` read; for a LoRA run on a randomly
+/// initialised base (a config.json alone, the demo, `--init random`), that
+/// base — `params`, written by rank 0 in `dtype` to `output`/base-model, so
+/// its adapters have the weights they adapt; else none. Every rank calls it.
 pub fn base_weights_dir(
     run: &RunModel,
-    source_dir: Option<&Path>,
+    start: &Start,
     params: &[Vec<Tensor>],
     output: &Path,
     dtype: Kind,
     comm: &Communicator,
 ) -> Result<Option<PathBuf>> {
-    if let Some(dir) = source_dir.filter(|dir| has_weights(dir)) {
+    if let Some(dir) = start.weights_dir() {
         return Ok(Some(dir.to_path_buf()));
     }
     if run.lora().is_none() {
@@ -166,6 +222,49 @@ pub fn load_model(dir: &Path) -> Result<Box<dyn Model>> {
     build_model(read_config(dir)?, &dir.join("config.json"))
 }
 
+/// The safetensors files that hold `dir`'s weights: `model.safetensors`,
+/// or every shard its `model.safetensors.index.json` names. A directory
+/// without them is refused, with the command that converts PyTorch `.bin`
+/// weights when it holds those: what every command that reads weights checks.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
+        let map = json["weight_map"].as_object().with_context(|| format!("{} has no weight_map", index.display()))?;
+        let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        let missing: Vec<&str> = names.iter().copied().filter(|name| !dir.join(name).is_file()).collect();
+        if !missing.is_empty() {
+            bail!("{} names weight files that are not in {}: {}", index.display(), dir.display(), missing.join(", "));
+        }
+        return Ok(names.into_iter().map(|name| dir.join(name)).collect());
+    }
+    let mut pytorch: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().filter_map(|e| e.file_name().into_string().ok()).filter(|name| name.starts_with("pytorch_model") && name.ends_with(".bin")).collect())
+        .unwrap_or_default();
+    pytorch.sort();
+    if pytorch.is_empty() {
+        bail!("{} has no model.safetensors or model.safetensors.index.json: it holds no weights", dir.display());
+    }
+    // The architecture's own class keeps its head (AutoModel would save the base model alone).
+    let class = read_config(dir)
+        .ok()
+        .and_then(|config| config["architectures"][0].as_str().map(String::from))
+        .filter(|name| name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or_else(|| "AutoModelForCausalLM".into());
+    let quoted = format!("{:?}", dir.display().to_string()).replace('"', "'");
+    bail!(
+        "{} holds PyTorch weights ({}), which ft does not read (pickle files can run code); convert them to safetensors once, in place:\n  \
+         python -c \"from transformers import {class}; {class}.from_pretrained({quoted}).save_pretrained({quoted}, safe_serialization=True)\"",
+        dir.display(),
+        pytorch.join(", ")
+    )
+}
+
 /// The safetensors files of a directory, memory-mapped.
 struct WeightFiles {
     files: Vec<(PathBuf, Mmap)>,
@@ -173,24 +272,7 @@ struct WeightFiles {
 
 impl WeightFiles {
     fn open(dir: &Path) -> Result<WeightFiles> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let paths: Vec<PathBuf> = if single.is_file() {
-            vec![single]
-        } else if index.is_file() {
-            let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
-            let map = json["weight_map"].as_object().with_context(|| format!("{} has no weight_map", index.display()))?;
-            let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
-            names.into_iter().map(|name| dir.join(name)).collect()
-        } else {
-            bail!(
-                "{} has no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not read: \
-                 save with safe_serialization=True)",
-                dir.display()
-            );
-        };
+        let paths = weight_files(dir)?;
         let mut files = vec![];
         for path in paths {
             let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;

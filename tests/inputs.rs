@@ -1,0 +1,281 @@
+//! What a user gives is used or refused, never ignored or replaced in
+//! silence: a model directory must hold its weights (random weights only
+//! when asked for, and said), options that need another are errors, `--set`
+//! keys are checked by every command and bad values name where they came
+//! from, the epoch's short last batch is logged or trained, and
+//! `--max-steps`, `train.eval_every` and `--report-to none` do what they say.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::{ft, text};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// `ft` with `args`: whether it succeeded, and its output.
+fn run(args: &[&str]) -> (bool, String) {
+    let output = ft().args(args).output().unwrap();
+    (output.status.success(), text(&output))
+}
+
+/// A copy of fixture `name`'s config.json alone in `dir`: a model directory without weights.
+fn weightless_copy(name: &str, dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
+    dir.to_path_buf()
+}
+
+/// The demo's data and tokenizer, and its model's config.json, in `dir`: `[config.json, train file, tokenizer]`.
+fn demo_files(dir: &Path) -> [PathBuf; 3] {
+    let files = ft_data::demo::write(&dir.join("demo"), 8, 1, 0).unwrap();
+    let mut config = ft_core::Config::default();
+    let model_config = ft_data::demo::configure(&mut config, &dir.join("demo")).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(&path, model_config.to_string()).unwrap();
+    [path, files.train, files.tokenizer]
+}
+
+/// `ft train` on the demo (its model and data) into `dir`, 32 examples on one rank, with `extra` flags.
+fn demo_run(dir: &Path, extra: &[&str]) -> Command {
+    let mut command = ft();
+    command
+        .args(["train", "--output-dir", dir.to_str().unwrap(), "--train-samples", "32", "--eval-samples", "8"])
+        .args(["--nproc-per-node", "1", "--batch-size", "8"])
+        .args(extra);
+    command
+}
+
+fn succeeded(output: Output) -> String {
+    assert!(output.status.success(), "{}", text(&output));
+    text(&output)
+}
+
+/// metrics.jsonl's records: `(step, record)`.
+fn records(dir: &Path) -> Vec<(u64, Value)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .map(|record| (record["step"].as_u64().unwrap(), record))
+        .collect()
+}
+
+fn steps_with(dir: &Path, key: &str) -> Vec<u64> {
+    records(dir).into_iter().filter(|(_, record)| record.get(key).is_some()).map(|(step, _)| step).collect()
+}
+
+#[test]
+fn a_model_directory_without_weights_is_refused_by_every_command_that_reads_weights() {
+    let scratch = tempfile::tempdir().unwrap();
+    let model = weightless_copy("bloom", &scratch.path().join("bloom"));
+    let model = model.to_str().unwrap();
+    let out = scratch.path().join("run");
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
+    let expected = "has no model.safetensors or model.safetensors.index.json: it holds no weights";
+    // `ft train`, with LoRA too, before any rank starts: nothing is written, no random base-model/.
+    let train = ["train", "--model", model, "--train-file", "train.json", "--output-dir", out.to_str().unwrap()];
+    for extra in [&[][..], &["--lora-r", "4"]] {
+        let (ok, message) = run(&[&train[..], extra].concat());
+        assert!(!ok && message.contains(expected) && message.contains("--init random"), "{message}");
+        assert!(!out.exists(), "a refused run writes nothing");
+    }
+    let (ok, message) = run(&["forward", "--model", model, "--ids", ids.to_str().unwrap(), "--out", scratch.path().join("o.safetensors").to_str().unwrap()]);
+    assert!(!ok && message.contains(expected), "{message}");
+    let (ok, message) = run(&["generate", "--model", model, "--ids", "1,2"]);
+    assert!(!ok && message.contains(expected), "{message}");
+    let (ok, message) = run(&["eval", "--model", model, "--eval-file", "eval.json", "--tokenizer", "tokenizer.json"]);
+    assert!(!ok && message.contains(expected), "{message}");
+    // An index whose shards are not all there.
+    let index = serde_json::json!({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}});
+    std::fs::write(Path::new(model).join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let (ok, message) = run(&train);
+    assert!(!ok && message.contains("names weight files that are not in") && message.contains("model-00001-of-00002.safetensors, model-00002-of-00002.safetensors"), "{message}");
+}
+
+/// A hub-style directory with PyTorch's pickle weights alone is refused with
+/// a command that converts them, and after that command it loads.
+#[test]
+fn pytorch_bin_weights_are_refused_with_the_command_that_converts_them() {
+    let scratch = tempfile::tempdir().unwrap();
+    let model = weightless_copy("bloom", &scratch.path().join("hub-style"));
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let script = "import sys, torch; from safetensors.torch import load_file; torch.save(load_file(sys.argv[1]), sys.argv[2])";
+    let output = Command::new(&python)
+        .args(["-c", script, fixture("bloom").join("model.safetensors").to_str().unwrap(), model.join("pytorch_model.bin").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
+    let logits = scratch.path().join("o.safetensors");
+    let forward = ["forward", "--model", model.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", logits.to_str().unwrap()];
+    let (ok, message) = run(&forward);
+    assert!(!ok && message.contains("holds PyTorch weights (pytorch_model.bin), which ft does not read"), "{message}");
+    let command = message.lines().map(str::trim).find(|line| line.starts_with("python -c ")).unwrap_or_else(|| panic!("no command in: {message}"));
+    assert!(command.contains("from transformers import BloomForCausalLM"), "the architecture's own class keeps its head: {command}");
+    let (ok, message) = run(&["train", "--model", model.to_str().unwrap(), "--train-file", "train.json"]);
+    assert!(!ok && message.contains(command), "ft train refuses it the same way: {message}");
+    // The command as printed, with the venv's python.
+    let output = Command::new("sh").args(["-c", &command.replacen("python", python.to_str().unwrap(), 1)]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let (ok, message) = run(&forward);
+    assert!(ok && message.contains("loss "), "{message}");
+}
+
+#[test]
+fn random_weights_come_from_a_config_json_or_init_random_and_the_log_says_so() {
+    let scratch = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = demo_files(scratch.path());
+    let data = ["--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(), "--train-samples", "16"];
+    let train = |model: &Path, out: &str, extra: &[&str]| {
+        let mut command = ft();
+        command
+            .args(["train", "--model", model.to_str().unwrap(), "--output-dir", scratch.path().join(out).to_str().unwrap()])
+            .args(["--epochs", "1", "--nproc-per-node", "1", "--batch-size", "8"])
+            .args(data)
+            .args(extra);
+        command.output().unwrap()
+    };
+    let log = succeeded(train(&config, "from-config", &[]));
+    assert!(log.contains(&format!("random initialisation (train.seed 42): --model {} is a config.json alone, without weights", config.display())), "{log}");
+    // A weightless directory with --init random (and LoRA: its random base is written for the adapter to name).
+    let dir = scratch.path().join("weightless");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(&config, dir.join("config.json")).unwrap();
+    let log = succeeded(train(&dir, "init-random", &["--init", "random", "--lora-r", "4"]));
+    assert!(log.contains(&format!("random initialisation (train.seed 42): model.init is random (--init random): the weights in {} are not read", dir.display())), "{log}");
+    assert!(scratch.path().join("init-random/base-model/model.safetensors").is_file());
+    // Pretrained weights asked of a config.json alone.
+    let output = train(&config, "pretrained", &["--init", "pretrained"]);
+    assert!(!output.status.success() && text(&output).contains("model.init is pretrained (--init pretrained), but"), "{}", text(&output));
+}
+
+#[test]
+fn options_that_need_another_are_errors_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = |args: &[&str]| {
+        let (ok, message) = run(&[&["train", "--dry-run", "--output-dir", dir.path().to_str().unwrap()][..], args].concat());
+        assert!(!ok, "{args:?} must be refused: {message}");
+        message
+    };
+    for args in [&["--lora-alpha", "32"][..], &["--lora-targets", "q,k"], &["--lora-dropout", "0.1"], &["--set", "train.lora.alpha=16"]] {
+        let message = refused(args);
+        assert!(message.contains("is given, but LoRA is off: set train.lora.r (--lora-r) to train adapters"), "{args:?}: {message}");
+    }
+    assert!(refused(&["--lora-r", "0"]).contains("train.lora.r (--lora-r) is 0: LoRA's rank must be at least 1"));
+    assert!(refused(&["--nproc-per-node", "0"]).contains("launch.nproc_per_node (--nproc-per-node) must be at least 1"));
+    let (ok, message) = run(&["eval", "--model", "x", "--eval-file", "e.json", "--nproc-per-node", "0"]);
+    assert!(!ok && message.contains("launch.nproc_per_node (--nproc-per-node) must be at least 1"), "{message}");
+    assert!(refused(&["--set", "train.monitor_mode=max"]).contains("train.monitor_mode is given, but there is no train.monitor"));
+    assert!(refused(&["--set", "train.warmup_ratio=0.1", "--set", "train.warmup_steps=5"]).contains("train.warmup_ratio is given, but train.warmup_steps is set too"));
+    assert!(refused(&["--max-steps", "10", "--epochs", "2"]).contains("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains"));
+    assert!(refused(&["--max-steps", "0"]).contains("train.max_steps (--max-steps) must be at least 1"));
+    // With its partner each is taken.
+    let (ok, message) = run(&["train", "--dry-run", "--output-dir", dir.path().to_str().unwrap(), "--lora-r", "8", "--lora-alpha", "32"]);
+    assert!(ok && message.contains("\"alpha\": 32.0"), "{message}");
+}
+
+#[test]
+fn ft_plan_refuses_set_keys_it_would_not_use() {
+    let config = fixture("llama").join("config.json");
+    let plan = |set: &str| run(&["plan", "--model", config.to_str().unwrap(), "--gpu", "h100", "--set", set]);
+    let (ok, message) = plan("num_hidden_layer=2");
+    assert!(!ok && message.contains("--set num_hidden_layer=2: ") && message.contains("has no key `num_hidden_layer`; did you mean `num_hidden_layers`?"), "{message}");
+    let (ok, message) = plan("train.lora.r=16");
+    assert!(!ok && message.contains("`train.lora.r` is a key of `ft train`'s configuration, which this command does not read"), "{message}");
+    let (ok, message) = plan("num_hidden_layers=3");
+    assert!(ok, "a key config.json holds is set: {message}");
+}
+
+#[test]
+fn a_bad_value_names_the_set_flag_the_file_or_the_variable_it_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = dir.path().join("out");
+    let dry_run = || {
+        let mut command = ft();
+        command.args(["train", "--dry-run", "--output-dir", output_dir.to_str().unwrap()]);
+        command
+    };
+    let check = |output: Output, expected: &str| {
+        let message = text(&output);
+        assert!(!output.status.success() && message.contains(expected), "expected {expected:?} in: {message}");
+        assert!(!message.contains("figment") && !message.contains("config.rs"), "{message}");
+    };
+    check(dry_run().args(["--set", "train.batch_size=abc"]).output().unwrap(), "--set train.batch_size=abc: config key `train.batch_size`: expected a whole number");
+    let file = dir.path().join("ft.toml");
+    std::fs::write(&file, "[train]\nbatch_size = \"abc\"\n").unwrap();
+    check(dry_run().args(["--config", file.to_str().unwrap()]).output().unwrap(), &format!("config file {}: config key `train.batch_size`", file.display()));
+    check(dry_run().env("FT_TRAIN__BATCH_SIZE", "abc").output().unwrap(), "environment variable FT_TRAIN__BATCH_SIZE: config key `train.batch_size`");
+    check(dry_run().args(["--set", "train.lora.alhpa=4"]).output().unwrap(), "unknown config key `train.lora.alhpa` (--set train.lora.alhpa=4); did you mean `alpha`?");
+}
+
+/// The examples after an epoch's last whole global batch are left out with
+/// a line saying how many, or trained as a short last batch with
+/// `data.drop_last=false`, which one rank and two ranks train alike.
+#[test]
+fn the_short_last_batch_is_logged_or_kept_with_drop_last_false() {
+    let (dropped, kept, kept_one_rank) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let two_ranks = ["--epochs", "1", "--train-samples", "44", "--nproc-per-node", "2", "--batch-size", "4"];
+    let log = succeeded(demo_run(dropped.path(), &two_ranks).output().unwrap());
+    let line = log.lines().find(|line| line.contains("each epoch leaves out")).unwrap_or_else(|| panic!("no drop-last line in: {log}"));
+    let said = &line[line.find("leaves out ").unwrap()..];
+    let numbers: Vec<usize> = said.split_whitespace().filter_map(|word| word.parse().ok()).collect();
+    let (left_out, examples) = (numbers[0], numbers[1]);
+    assert!(line.contains("after its last global batch of 8") && left_out == examples % 8 && left_out > 0, "{line}");
+    assert_eq!(steps_with(dropped.path(), "loss").len(), examples / 8);
+
+    let keep = ["--set", "data.drop_last=false"];
+    let log = succeeded(demo_run(kept.path(), &[&two_ranks[..], &keep].concat()).output().unwrap());
+    assert!(!log.contains("each epoch leaves out"), "{log}");
+    let two = common::losses(kept.path());
+    assert_eq!(two.len(), examples / 8 + 1, "the short batch is one more step");
+    succeeded(demo_run(kept_one_rank.path(), &[&["--epochs", "1", "--train-samples", "44", "--batch-size", "8"][..], &keep].concat()).output().unwrap());
+    let one = common::losses(kept_one_rank.path());
+    assert_eq!(one.len(), two.len());
+    for (step, (a, b)) in one.iter().zip(&two).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {}: one rank {a}, two ranks {b}", step + 1);
+    }
+}
+
+/// `--max-steps` ends the run inside its second epoch, the schedule decays
+/// over those steps, and `train.eval_every` adds evaluations at its steps
+/// besides the epoch's end (and the run's, which it does not repeat); a
+/// resume with more steps continues inside that epoch.
+#[test]
+fn max_steps_ends_the_run_and_eval_every_adds_evaluations_keyed_by_step() {
+    let dir = tempfile::tempdir().unwrap();
+    // 32 examples in global batches of 8: 4 steps an epoch.
+    let flags = ["--set", "train.eval_every=3", "--set", "train.warmup_ratio=0", "--set", "train.log_every=1", "--save-every", "100"];
+    succeeded(demo_run(dir.path(), &[&["--max-steps", "6"][..], &flags].concat()).output().unwrap());
+    assert_eq!(steps_with(dir.path(), "loss"), (1..=6).collect::<Vec<_>>());
+    assert_eq!(steps_with(dir.path(), "eval_loss"), vec![3, 4, 6]);
+    let records = records(dir.path());
+    let lr: Vec<f64> = records.iter().filter_map(|(_, r)| r.get("lr").and_then(Value::as_f64)).collect();
+    assert!(lr.windows(2).all(|pair| pair[1] < pair[0]) && lr[5] > 0.0, "a linear decay over the 6 steps: {lr:?}");
+    let last_eval = &records.iter().rev().find(|(_, r)| r.get("eval_loss").is_some()).unwrap().1;
+    assert_eq!(last_eval["epoch"].as_f64(), Some(1.5), "the run ended half way through its second epoch");
+    assert_eq!(common::summary(dir.path())["optimizer_steps"].as_u64(), Some(6));
+    // The run's last step was saved; two more steps finish the second epoch.
+    succeeded(demo_run(dir.path(), &[&["--max-steps", "8", "--resume", "latest"][..], &flags].concat()).output().unwrap());
+    assert_eq!(steps_with(dir.path(), "loss"), (1..=8).collect::<Vec<_>>());
+    let log = succeeded(demo_run(dir.path(), &[&["--max-steps", "8", "--resume", "latest"][..], &flags].concat()).output().unwrap());
+    assert!(log.contains("nothing left to train: checkpoint step-00000008 already completed 8 step(s) and train.max_steps is 8"), "{log}");
+}
+
+#[test]
+fn report_to_none_writes_no_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = succeeded(demo_run(dir.path(), &["--epochs", "1", "--report-to", "none"]).output().unwrap());
+    for sink_output in ["metrics.jsonl", "metrics.csv", "tensorboard"] {
+        assert!(!dir.path().join(sink_output).exists(), "{sink_output} written with --report-to none");
+    }
+    assert!(dir.path().join("summary.json").is_file() && dir.path().join("final").is_dir());
+    assert!(!log.contains("metrics ("), "{log}");
+    let (ok, message) = run(&["train", "--dry-run", "--report-to", "none,jsonl"]);
+    assert!(!ok && message.contains("`none` means no sink and stands alone"), "{message}");
+}
