@@ -51,13 +51,19 @@ mod proto {
     }
 }
 
+/// `SessionLog.status` START, in `Event.session_log` (field 7).
+const SESSION_START: i64 = 1;
+
 fn masked_crc(data: &[u8]) -> u32 {
     let crc = crc32c::crc32c(data);
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 impl TensorBoardSink {
-    pub fn create(dir: &Path, _append: bool) -> Result<TensorBoardSink> {
+    /// A new event file in `<dir>/tensorboard/`; for a run continuing from
+    /// step `resumed`, one that makes TensorBoard drop the later steps the
+    /// earlier files hold.
+    pub fn create(dir: &Path, resumed: Option<u64>) -> Result<TensorBoardSink> {
         let dir = dir.join("tensorboard");
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -70,6 +76,18 @@ impl TensorBoardSink {
         proto::double(&mut event, 1, now.as_secs_f64());
         proto::bytes(&mut event, 3, b"brain.Event:2");
         sink.write_record(&event)?;
+        if let Some(step) = resumed {
+            // As torch's SummaryWriter(purge_step=…) does: a session that
+            // starts at the first step this run writes, on which TensorBoard's
+            // reader drops every event of that step and after read before it.
+            let mut session_log = vec![];
+            proto::int(&mut session_log, 1, SESSION_START);
+            let mut event = vec![];
+            proto::double(&mut event, 1, now.as_secs_f64());
+            proto::int(&mut event, 2, step as i64 + 1);
+            proto::bytes(&mut event, 7, &session_log);
+            sink.write_record(&event)?;
+        }
         Ok(sink)
     }
 
@@ -113,6 +131,6 @@ inventory::submit! {
     SinkRegistration {
         name: "tensorboard",
         summary: "TensorBoard event files in <output>/tensorboard/",
-        create: |dir, append| Ok(Box::new(TensorBoardSink::create(dir, append)?)),
+        create: |dir, resumed| Ok(Box::new(TensorBoardSink::create(dir, resumed)?)),
     }
 }
