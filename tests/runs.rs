@@ -37,8 +37,9 @@ fn succeeded(output: Output) -> String {
 
 /// One rank, 12 steps.
 const ONE_RANK: &[&str] = &["--nproc-per-node", "1", "--batch-size", "8"];
-/// Two ranks, 50 steps: long enough to signal mid-epoch.
-const TWO_RANKS_50_STEPS: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--train-samples", "400", "--save-total-limit", "0"];
+/// Two ranks, `STEPS` steps: long enough to signal mid-epoch.
+const TWO_RANKS: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--train-samples", "240", "--save-total-limit", "0"];
+const STEPS: u64 = 30;
 
 /// The steps of the training records in `dir`'s metrics.jsonl, in file order.
 fn steps(dir: &Path) -> Vec<u64> {
@@ -110,7 +111,7 @@ fn checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
 #[test]
 fn a_second_run_in_a_directory_in_use_is_refused_naming_the_first_and_a_killed_runs_lock_is_taken_over() {
     let dir = tempfile::tempdir().unwrap();
-    let mut first = start(&mut train_command(dir.path(), TWO_RANKS_50_STEPS));
+    let mut first = start(&mut train_command(dir.path(), TWO_RANKS));
     wait_until("the first run holds the lock", &mut first, || lock_holder(dir.path()).is_some());
     let holder = lock_holder(dir.path()).unwrap();
     let pid = holder["pid"].as_u64().unwrap();
@@ -210,12 +211,12 @@ print(json.dumps([[e.step, e.value] for e in ea.Scalars('loss')]))";
 #[test]
 fn sigterm_to_the_launcher_saves_the_step_every_rank_agrees_on_and_the_resumed_run_repeats_none() {
     let whole = tempfile::tempdir().unwrap();
-    succeeded(run(whole.path(), TWO_RANKS_50_STEPS));
+    succeeded(run(whole.path(), TWO_RANKS));
     let expected = losses(whole.path());
-    assert_eq!(expected.len(), 50);
+    assert_eq!(expected.len() as u64, STEPS);
 
     let dir = tempfile::tempdir().unwrap();
-    let mut child = start(&mut train_command(dir.path(), TWO_RANKS_50_STEPS));
+    let mut child = start(&mut train_command(dir.path(), TWO_RANKS));
     wait_until("3 steps are logged", &mut child, || steps(dir.path()).len() >= 3);
     send("TERM", child.id());
     let output = child.wait_with_output().unwrap();
@@ -223,18 +224,18 @@ fn sigterm_to_the_launcher_saves_the_step_every_rank_agrees_on_and_the_resumed_r
     assert_eq!(output.status.code(), Some(SAVED_AND_STOPPED), "{log}");
     assert!(log.contains("ft launch: SIGTERM: passed on to the ranks, which save a checkpoint and stop"), "{log}");
     let last = *steps(dir.path()).last().unwrap();
-    assert!(last < 50, "the signal came mid-epoch: {last}");
+    assert!(last < STEPS, "the signal came mid-epoch: {last}");
     let saved = checkpoints(dir.path());
     assert_eq!(saved.last().unwrap().0, last, "the last step trained is saved: {saved:?}");
     let stopped = format!("stopped by SIGTERM after step {last}: saved checkpoint {}", saved.last().unwrap().1.display());
     assert!(log.contains(&stopped) && log.contains("--resume latest"), "{log}");
 
-    succeeded(run(dir.path(), &[TWO_RANKS_50_STEPS, &["--resume", "latest"]].concat()));
-    assert_eq!(steps(dir.path()), (1..=50).collect::<Vec<_>>(), "every step once");
+    succeeded(run(dir.path(), &[TWO_RANKS, &["--resume", "latest"]].concat()));
+    assert_eq!(steps(dir.path()), (1..=STEPS).collect::<Vec<_>>(), "every step once");
     assert_eq!(losses(dir.path()), expected, "the interrupted and resumed run trains as the uninterrupted one");
     // TensorBoard drops what the first part wrote after its checkpoint (purge_step): every step once, the same losses.
     let shown = tensorboard_losses(dir.path());
-    assert_eq!(shown.iter().map(|(step, _)| *step).collect::<Vec<_>>(), (1..=50).collect::<Vec<_>>());
+    assert_eq!(shown.iter().map(|(step, _)| *step).collect::<Vec<_>>(), (1..=STEPS).collect::<Vec<_>>());
     for ((step, value), loss) in shown.iter().zip(&expected) {
         assert!((value - loss).abs() <= 1e-6 * loss.abs(), "step {step}: {value} vs {loss}");
     }
@@ -249,7 +250,7 @@ fn sigusr1_with_requeue_under_slurm_saves_and_rank_0_requeues_the_job_once() {
     std::fs::write(bin.join("scontrol"), "#!/bin/sh\necho \"rank $RANK: $*\" >> \"$SCONTROL_CALLS\"\n").unwrap();
     assert!(Command::new("chmod").arg("+x").arg(bin.join("scontrol")).status().unwrap().success());
     let out = dir.path().join("run");
-    let mut command = train_command(&out, &[TWO_RANKS_50_STEPS, &["--set", "train.requeue=true"]].concat());
+    let mut command = train_command(&out, &[TWO_RANKS, &["--set", "train.requeue=true"]].concat());
     command
         .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()))
         .env("SLURM_JOB_ID", "4242")
