@@ -139,7 +139,8 @@ fn is_checkpoint_entry(name: &str) -> bool {
     name.starts_with("step-") || name.starts_with(".step-") || name.starts_with("best.json")
 }
 
-/// The previous run's outputs in `output`.
+/// The previous run's outputs in `output`. An empty file is none: a run
+/// that failed before its first step leaves its metrics files empty.
 fn previous_outputs(output: &Path) -> Result<Vec<PathBuf>> {
     let mut found = vec![];
     for (name, filter) in RUN_OUTPUTS {
@@ -153,6 +154,7 @@ fn previous_outputs(output: &Path) -> Result<Vec<PathBuf>> {
             _ => {}
         }
     }
+    found.retain(|path| path.is_dir() || path.metadata().is_ok_and(|m| m.len() > 0));
     Ok(found)
 }
 
@@ -206,6 +208,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let output = dir.path();
         claim(output, false, false).unwrap();
+        std::fs::write(output.join("metrics.csv"), "").unwrap();
+        claim(output, false, false).expect("an empty metrics file is no run's output");
         std::fs::create_dir_all(output.join("checkpoints/step-00000004")).unwrap();
         std::fs::create_dir_all(output.join("tensorboard")).unwrap();
         for file in ["metrics.jsonl", "tensorboard/events.out.tfevents.1.host.2", "tensorboard/notes.txt", "checkpoints/best.json", "mine.txt"] {

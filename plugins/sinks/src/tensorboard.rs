@@ -13,6 +13,10 @@ use std::path::{Path, PathBuf};
 pub struct TensorBoardSink {
     path: PathBuf,
     out: BufWriter<File>,
+    /// The events a file opens with, written with the first record: a run
+    /// that fails before its first step leaves an empty file, which marks
+    /// no directory as holding a run's outputs (`run_dir::claim`).
+    opening: Vec<Vec<u8>>,
 }
 
 /// Protocol-buffer encoding of the three messages TensorBoard reads.
@@ -71,11 +75,10 @@ impl TensorBoardSink {
         // A new file per run (resumes too): TensorBoard reads all files of a directory in order.
         let path = dir.join(format!("events.out.tfevents.{}.{}.{}", now.as_secs(), host.trim(), std::process::id()));
         let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-        let mut sink = TensorBoardSink { path, out: BufWriter::new(file) };
         let mut event = vec![];
         proto::double(&mut event, 1, now.as_secs_f64());
         proto::bytes(&mut event, 3, b"brain.Event:2");
-        sink.write_record(&event)?;
+        let mut opening = vec![event];
         if let Some(step) = resumed {
             // As torch's SummaryWriter(purge_step=…) does: a session that
             // starts at the first step this run writes, on which TensorBoard's
@@ -86,9 +89,9 @@ impl TensorBoardSink {
             proto::double(&mut event, 1, now.as_secs_f64());
             proto::int(&mut event, 2, step as i64 + 1);
             proto::bytes(&mut event, 7, &session_log);
-            sink.write_record(&event)?;
+            opening.push(event);
         }
-        Ok(sink)
+        Ok(TensorBoardSink { path, out: BufWriter::new(file), opening })
     }
 
     fn write_record(&mut self, data: &[u8]) -> Result<()> {
@@ -107,6 +110,9 @@ impl MetricsSink for TensorBoardSink {
     }
 
     fn record(&mut self, record: &Record) -> Result<()> {
+        for event in std::mem::take(&mut self.opening) {
+            self.write_record(&event)?;
+        }
         let mut summary = vec![];
         for (tag, value) in &record.values {
             let mut entry = vec![];
