@@ -271,7 +271,10 @@ impl<'a> Checkpointer<'a> {
         if self.pending.is_some() && flags[0] == 0.0 {
             self.finish(comm)?;
         }
-        if let Some(signal) = candidates.into_iter().zip(&flags[2..]).find(|(_, count)| **count > 0.0).map(|(signal, _)| signal) {
+        let signalled = candidates.into_iter().zip(&flags[2..]).find(|(_, count)| **count > 0.0).map(|(signal, _)| signal);
+        // After the run's last step only its evaluation, last save and final/ are left: the run ends as it would.
+        let last_step = next.epoch >= self.config.epochs;
+        if let Some(signal) = signalled.filter(|_| !last_step) {
             let checkpoint = self.save(trainer, next, comm, true)?;
             if signal == self.save_signal && self.config.requeue {
                 if comm.env().rank == 0 {
@@ -281,6 +284,9 @@ impl<'a> Checkpointer<'a> {
                 comm.world().barrier()?.wait()?;
             }
             return Ok(Some(Stop { signal, checkpoint }));
+        }
+        if let (Some(signal), 0) = (signalled, comm.env().rank) {
+            tracing::warn!("{} after the run's last step: the run ends as it would, with its evaluation, last checkpoint and final/", signals::name(signal));
         }
         let every = self.config.save_every;
         if flags[1] > 0.0 || (every > 0 && next.step % every == 0) {
