@@ -12,9 +12,10 @@ build: setup
 	$(ENV) cargo build --release
 
 # The main job on the embedded default: fine-tune a small BLOOM on generated
-# question-answer data with its own tokenizer, 2 CPU ranks over Gloo.
+# question-answer data with its own tokenizer, 2 CPU ranks over Gloo. Each
+# `make demo` starts afresh in ft-output/, replacing the last demo's outputs.
 demo: build
-	$(ENV) target/release/ft train
+	$(ENV) target/release/ft train --overwrite-output-dir
 
 # The communication plug-ins, built as a third party's are, into
 # target/plugins/lib<name>.so (load with `ft --plugin target/plugins/libNAME.so`).

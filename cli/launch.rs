@@ -24,6 +24,10 @@ pub struct LaunchArgs {
     /// Seconds a worker gets to exit after the others are told to stop.
     #[arg(long, default_value_t = 5)]
     grace_secs: u64,
+    /// Seconds the workers get to save a checkpoint and exit after a
+    /// stopping signal (SIGINT, SIGTERM, SIGUSR1, …), passed on to them.
+    #[arg(long, default_value_t = ft_core::launch::DEFAULT_SAVE_GRACE_SECS)]
+    save_grace_secs: u64,
     /// Run an arbitrary program instead of an `ft` subcommand (like torchrun --no-python).
     #[arg(long)]
     exec: bool,
@@ -33,6 +37,6 @@ pub struct LaunchArgs {
 }
 
 pub fn run(args: LaunchArgs) -> Result<i32> {
-    let LaunchArgs { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, exec, command } = args;
-    ft_core::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, exec, command })
+    let LaunchArgs { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command } = args;
+    ft_core::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command })
 }

@@ -12,7 +12,8 @@ use ft_core::plan;
 use ft_core::setup::{share_host_cores, Rank};
 use ft_core::task::TaskInputs;
 use ft_core::config::{Assignment, ModelInit};
-use ft_core::{Config, Registry};
+use ft_core::run_dir::{self, RunLock};
+use ft_core::{checkpoint, Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
@@ -77,6 +78,10 @@ pub struct TrainArgs {
     activation_checkpointing: bool,
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// A run that does not resume may replace a previous run's outputs in
+    /// the output directory (output.overwrite); otherwise it is refused there.
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Where metrics go: sinks by name, comma-separated, e.g. mlflow,tensorboard (output.report_to; `ft list`).
     #[arg(long, value_delimiter = ',')]
     report_to: Option<Vec<String>>,
@@ -159,6 +164,7 @@ impl TrainArgs {
             .set("train.save_total_limit", self.save_total_limit)
             .set("train.resume", self.resume.clone())
             .path("output.dir", self.output_dir.as_ref())
+            .set("output.overwrite", self.overwrite_output_dir.then_some(true))
             .set("output.report_to", self.report_to.clone())
             .set("launch.nproc_per_node", self.nproc_per_node)
             .set("train.strategy", self.strategy.clone())
@@ -219,7 +225,45 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
         // Not started by a launcher: become one, with the same arguments.
         return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
     }
-    worker(config, &registry)
+    worker(config, &registry, &env)
+}
+
+/// Rank 0's hold on the output directory for the run, taken before any
+/// rank writes there: its lock, and the step the run continues its
+/// metrics from (None: a fresh run, for which the directory is made ready).
+fn claim_output(config: &Config) -> Result<(RunLock, Option<u64>)> {
+    let output = &config.output.dir;
+    let lock = RunLock::acquire(output)?;
+    let resume = config.train.resume.as_deref();
+    run_dir::claim(output, resume.is_some(), config.output.overwrite)?;
+    let resumed_step = match resume.map(|spec| checkpoint::resume_from(spec, output)).transpose()? {
+        None => None,
+        Some(None) => Some(0), // `--resume auto` with nothing to resume: step 0 of the directory's run
+        Some(Some(dir)) => Some(checkpoint::read_manifest(&dir)?.step as u64),
+    };
+    Ok((lock, resumed_step))
+}
+
+/// The command that continues this run: this process's own, with `--resume latest`.
+fn resume_command() -> String {
+    let mut words = vec![];
+    let mut arguments = std::env::args();
+    while let Some(word) = arguments.next() {
+        match word.as_str() {
+            "--resume" => {
+                arguments.next();
+            }
+            "--overwrite-output-dir" => {}
+            _ if word.starts_with("--resume=") => {}
+            _ => words.push(word),
+        }
+    }
+    words.extend(["--resume".into(), "latest".into()]);
+    let quoted = |word: String| match word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@%+".contains(c)) {
+        true => word,
+        false => format!("'{}'", word.replace('\'', r"'\''")),
+    };
+    words.into_iter().map(quoted).collect::<Vec<_>>().join(" ")
 }
 
 /// Where the model starts from: the demo's generated files (filled into
@@ -236,7 +280,11 @@ fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
     Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
 }
 
-fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
+fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32> {
+    let (_output_lock, resumed_step) = match env.rank {
+        0 => claim_output(&config).map(|(lock, step)| (Some(lock), step))?,
+        _ => (None, None),
+    };
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.as_ref())?;
     let output = config.output.dir.clone();
@@ -271,7 +319,7 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     let sinks = match rank.rank() {
-        0 => config.output.sinks()?.iter().map(|name| (registry.sink(name)?.create)(&output, config.train.resume.is_some())).collect::<Result<_>>()?,
+        0 => config.output.sinks()?.iter().map(|name| (registry.sink(name)?.create)(&output, resumed_step)).collect::<Result<_>>()?,
         _ => vec![],
     };
     if rank.rank() == 0 {
@@ -303,10 +351,18 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer), base_model: base_dir.as_deref() },
     };
-    let trained = fit::run(fit, params).map_err(|error| match &prediction {
-        Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
-        None => error,
-    })?;
+    let trained = match fit::run(fit, params) {
+        Err(error) if error.is::<fit::Interrupted>() => {
+            if rank.rank() == 0 {
+                tracing::warn!("{error}; continue with: {}", resume_command());
+            }
+            return Ok(ft_core::signals::SAVED_AND_STOPPED);
+        }
+        trained => trained.map_err(|error| match &prediction {
+            Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
+            None => error,
+        })?,
+    };
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
         let final_dir = output.join("final");
@@ -327,6 +383,9 @@ fn worker(mut config: Config, registry: &Registry) -> Result<i32> {
         }
         print!("{}", summary.table());
         println!("outputs in {}: {}", output.display(), written.join(", "));
+        if let Some(checkpoint) = &summary.last_checkpoint {
+            println!("the last checkpoint is {}; to train on from it (more epochs, the next data.range): {}", checkpoint.display(), resume_command());
+        }
     }
     Ok(0)
 }

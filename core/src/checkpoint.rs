@@ -135,6 +135,14 @@ pub struct Manifest {
     /// The communication hook whose state the rank files hold (`comm.*` tensors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm: Option<crate::registry::CommRecord>,
+    /// The run that saved it (`run_dir::new_run_id`; a resumed run keeps its
+    /// checkpoint's): rotation and `latest` keep to one run's lineage. None: saved before run ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    /// When it was saved (seconds since the Unix epoch), which makes it the
+    /// `latest` of its directory when it is the newest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_at: Option<f64>,
 }
 
 pub fn checkpoints_dir(output: &Path) -> PathBuf {
@@ -163,11 +171,21 @@ pub fn list(output: &Path) -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
-/// `latest` (the newest complete checkpoint under `output`) or a directory.
+/// Complete checkpoints under `output` with their manifests, oldest saved first
+/// (by `saved_at`, then step; those saved before it was recorded come first).
+fn list_by_save(output: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
+    let mut found = list(output)?.into_iter().map(|dir| Ok((read_manifest(&dir)?, dir))).collect::<Result<Vec<_>>>()?;
+    found.sort_by(|(a, _), (b, _)| a.saved_at.unwrap_or(0.0).total_cmp(&b.saved_at.unwrap_or(0.0)).then(a.step.cmp(&b.step)));
+    Ok(found.into_iter().map(|(manifest, dir)| (dir, manifest)).collect())
+}
+
+/// `latest` (the checkpoint saved last under `output`: the newest of the
+/// run that wrote there last, which a resumed run continues) or a directory.
 pub fn resolve(spec: &str, output: &Path) -> Result<PathBuf> {
     if spec == "latest" {
-        return list(output)?
+        return list_by_save(output)?
             .pop()
+            .map(|(dir, _)| dir)
             .with_context(|| format!("--resume latest: no complete checkpoint under {}", checkpoints_dir(output).display()));
     }
     let path = PathBuf::from(spec);
@@ -175,6 +193,16 @@ pub fn resolve(spec: &str, output: &Path) -> Result<PathBuf> {
         bail!("--resume {spec}: {} is not a checkpoint (no manifest.json)", path.display());
     }
     Ok(path)
+}
+
+/// The checkpoint `train.resume` (`spec`) continues from under `output`, or
+/// None: `auto` where there is none yet (the run starts at step 0).
+pub fn resume_from(spec: &str, output: &Path) -> Result<Option<PathBuf>> {
+    match spec {
+        "auto" if list(output)?.is_empty() => Ok(None),
+        "auto" => resolve("latest", output).map(Some),
+        spec => resolve(spec, output).map(Some),
+    }
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
@@ -414,16 +442,18 @@ fn publish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest,
     sync_dir(dir)
 }
 
-/// Deletes every checkpoint under `output` but the newest `keep_latest`
-/// (0 keeps all) and the steps in `keep` (the best ones).
-pub fn prune(output: &Path, keep_latest: usize, keep: &[usize]) -> Result<()> {
+/// Deletes run `run_id`'s checkpoints under `output` but the newest
+/// `keep_latest` saved (0 keeps all) and the steps in `keep` (the best
+/// ones); other runs' checkpoints are not this run's to delete.
+pub fn prune(output: &Path, keep_latest: usize, keep: &[usize], run_id: &str) -> Result<()> {
     if keep_latest == 0 {
         return Ok(());
     }
-    let all = list(output)?;
-    let kept: Vec<PathBuf> = keep.iter().map(|&step| checkpoints_dir(output).join(name_of(step))).collect();
-    for old in all[..all.len().saturating_sub(keep_latest)].iter().filter(|p| !kept.contains(p)) {
-        std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+    let ours: Vec<(PathBuf, Manifest)> = list_by_save(output)?.into_iter().filter(|(_, m)| m.run_id.as_deref() == Some(run_id)).collect();
+    for (old, manifest) in &ours[..ours.len().saturating_sub(keep_latest)] {
+        if !keep.contains(&manifest.step) {
+            std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+        }
     }
     Ok(())
 }

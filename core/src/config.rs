@@ -328,6 +328,19 @@ pub struct TrainConfig {
     pub log_every: usize,
     /// Optimizer steps between checkpoints (0: none).
     pub save_every: usize,
+    /// Save a checkpoint at the end of every epoch, so a run always has one
+    /// to resume from (with the periodic and timed saves; none of the three: no checkpoints).
+    pub save_each_epoch: bool,
+    /// Save when this many minutes passed since the last save (rank 0's
+    /// clock decides for every rank); None: no timed saves.
+    pub save_minutes: Option<f64>,
+    /// The signal that makes a run save a checkpoint and stop, besides
+    /// SIGINT and SIGTERM: SIGUSR1 (what Slurm's `--signal` sends), SIGUSR2 or SIGHUP.
+    pub save_signal: String,
+    /// Under Slurm (SLURM_JOB_ID set), rank 0 requeues the job
+    /// (`scontrol requeue`) after saving on `save_signal`; the requeued job
+    /// continues with `--resume auto`.
+    pub requeue: bool,
     /// Checkpoints kept, newest first (0: all).
     pub save_total_limit: usize,
     /// Continue from a checkpoint: "latest" (in output.dir), its directory,
@@ -452,6 +465,10 @@ impl Default for TrainConfig {
             loss_chunk_tokens: 1024,
             log_every: 1,
             save_every: 0,
+            save_each_epoch: true,
+            save_minutes: None,
+            save_signal: "SIGUSR1".into(),
+            requeue: false,
             save_total_limit: 2,
             resume: None,
             strategy: "ddp".into(),
@@ -479,6 +496,10 @@ pub struct OutputConfig {
     pub report_to: Vec<String>,
     /// The experiment the `mlflow` sink records the run in.
     pub mlflow_experiment: String,
+    /// A run that does not resume may replace the outputs of a previous run
+    /// in `dir` (`--overwrite-output-dir`, as Hugging Face Trainer's);
+    /// otherwise it is refused there.
+    pub overwrite: bool,
 }
 
 /// What `output.report_to` (`--report-to`) says for no sink at all, as Hugging Face Trainer's `report_to="none"`.
@@ -502,6 +523,7 @@ impl Default for OutputConfig {
             dir: "ft-output".into(),
             report_to: vec!["jsonl".into(), "csv".into(), "tensorboard".into()],
             mlflow_experiment: "ft".into(),
+            overwrite: false,
         }
     }
 }

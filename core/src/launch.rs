@@ -1,14 +1,16 @@
 //! What torchrun does for one node (`ft launch`, and `ft train` starting
 //! its own local ranks): starts `nproc_per_node` workers with torchrun's
 //! environment, prefixes their output with the rank, and when one fails
-//! stops the others and exits with its code.
+//! stops the others and exits with its code. A stopping signal (SIGINT,
+//! SIGTERM, SIGUSR1, …: `signals::STOPPING`) is passed on to the workers,
+//! which save a checkpoint and exit with `signals::SAVED_AND_STOPPED`,
+//! given `save_grace_secs` to do so; a second signal stops them at once.
 
 use anyhow::{bail, Context, Result};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use crate::signals::{self, SAVED_AND_STOPPED};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One node's part of a job, as torchrun's flags describe it.
@@ -26,6 +28,8 @@ pub struct LaunchOptions {
     pub master_port: Option<u16>,
     /// Seconds a worker gets to exit after the others are told to stop.
     pub grace_secs: u64,
+    /// Seconds the workers get to save a checkpoint and exit after a stopping signal.
+    pub save_grace_secs: u64,
     /// Run an arbitrary program instead of an `ft` subcommand (like torchrun --no-python).
     pub exec: bool,
     /// The `ft` subcommand (or, with --exec, the program) and its arguments.
@@ -67,6 +71,20 @@ fn signal_all(children: &mut [(usize, Child)], signal: i32) {
     }
 }
 
+/// Passes `signal` on to each worker still running (the worker alone: it
+/// decides what its own children do while it saves).
+fn pass_on(children: &mut [(usize, Child)], signal: i32) {
+    for (_, child) in children.iter_mut() {
+        if matches!(child.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on our own running child.
+            unsafe { libc::kill(child.id() as i32, signal) };
+        }
+    }
+}
+
+/// How long workers get by default to save and exit after a stopping signal.
+pub const DEFAULT_SAVE_GRACE_SECS: u64 = 300;
+
 /// Starts `nproc` local workers running `ft <arguments>` (what `ft train`
 /// does when no launcher started it).
 pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
@@ -77,6 +95,7 @@ pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
         master_addr: "127.0.0.1".into(),
         master_port: None,
         grace_secs: 5,
+        save_grace_secs: DEFAULT_SAVE_GRACE_SECS,
         exec: false,
         command: arguments,
     })
@@ -101,10 +120,7 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
         (std::env::current_exe().context("cannot find the ft executable")?, &args.command[..])
     };
 
-    let stop_requested = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, Arc::clone(&stop_requested))?;
-    }
+    let mut received = signal_hook::iterator::Signals::new(signals::STOPPING)?;
 
     let mut children = vec![];
     let mut forwarders = vec![];
@@ -140,14 +156,35 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
     }
 
     let mut exit_code = 0;
+    // Since when the workers are saving and stopping (signalled, or one of them stopped so).
+    let mut saving_since: Option<Instant> = None;
+    // Since when the workers are told to stop at once (a failure, or a second signal).
     let mut stopping_since: Option<Instant> = None;
     let mut running = children.len();
     while running > 0 {
+        for signal in received.pending() {
+            let name = signals::name(signal);
+            if saving_since.is_none() {
+                eprintln!("ft launch: {name}: passed on to the ranks, which save a checkpoint and stop (a second signal stops them at once)");
+                saving_since = Some(Instant::now());
+            } else {
+                eprintln!("ft launch: {name} again: the ranks stop at once");
+                stopping_since.get_or_insert_with(Instant::now);
+            }
+            pass_on(&mut children, signal);
+        }
         running = 0;
         for (rank, child) in children.iter_mut() {
             match child.try_wait()? {
                 None => running += 1,
-                Some(status) if !status.success() && exit_code == 0 && stopping_since.is_none() => {
+                // The ranks agreed to stop: each saved its part and exits so.
+                Some(status) if status.code() == Some(SAVED_AND_STOPPED) => {
+                    saving_since.get_or_insert_with(Instant::now);
+                    if exit_code == 0 {
+                        exit_code = SAVED_AND_STOPPED;
+                    }
+                }
+                Some(status) if !status.success() && stopping_since.is_none() && matches!(exit_code, 0 | SAVED_AND_STOPPED) => {
                     let (what, code) = describe(status);
                     eprintln!("ft launch: rank {rank} {what}; stopping the other ranks");
                     exit_code = code;
@@ -156,9 +193,9 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
                 Some(_) => {}
             }
         }
-        if stop_requested.load(Ordering::Relaxed) && stopping_since.is_none() {
-            eprintln!("ft launch: interrupted; stopping all ranks");
-            exit_code = 130;
+        let save_grace = Duration::from_secs(args.save_grace_secs);
+        if saving_since.is_some_and(|since| since.elapsed() > save_grace) && stopping_since.is_none() {
+            eprintln!("ft launch: the ranks did not stop within {} s of the signal (--save-grace-secs); stopping them", args.save_grace_secs);
             stopping_since = Some(Instant::now());
         }
         if let Some(since) = stopping_since {

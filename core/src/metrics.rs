@@ -30,11 +30,13 @@ pub trait MetricsSink: Send {
 }
 
 /// A metrics sink's registration (`output.report_to`); `create` gets the run's
-/// output directory and whether the run resumes (append rather than start anew).
+/// output directory and, when the run continues one (`train.resume`), the
+/// step it continues from: what the sink holds of later steps belongs to
+/// no run any more, so a resumed run repeats no step.
 pub struct SinkRegistration {
     pub name: &'static str,
     pub summary: &'static str,
-    pub create: fn(&Path, bool) -> Result<Box<dyn MetricsSink>>,
+    pub create: fn(&Path, Option<u64>) -> Result<Box<dyn MetricsSink>>,
 }
 inventory::collect!(SinkRegistration);
 

@@ -62,8 +62,8 @@ pub struct CommRecord {
     pub options: serde_json::Value,
 }
 
-/// Makes a sink under the run's output directory; `true` when the run resumes (append).
-pub type SinkFactory = Box<dyn Fn(&Path, bool) -> Result<Box<dyn MetricsSink>> + Send + Sync>;
+/// Makes a sink under the run's output directory; the step a resumed run continues from (`SinkRegistration::create`).
+pub type SinkFactory = Box<dyn Fn(&Path, Option<u64>) -> Result<Box<dyn MetricsSink>> + Send + Sync>;
 
 #[derive(Default)]
 pub struct Registry {

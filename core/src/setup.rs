@@ -62,6 +62,10 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if let Some(peak) = t.peak_tflops.filter(|p| p.is_nan() || *p <= 0.0) {
         bail!("train.peak_tflops must be positive (got {peak})");
     }
+    if let Some(minutes) = t.save_minutes.filter(|m| m.is_nan() || *m <= 0.0) {
+        bail!("train.save_minutes must be positive (got {minutes})");
+    }
+    crate::signals::parse(&t.save_signal)?;
     for sink in config.output.sinks()? {
         registry.sink(sink)?;
     }

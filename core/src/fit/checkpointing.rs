@@ -1,8 +1,11 @@
 //! Checkpoints as the loop sees them: resume from `train.resume`, save
-//! every `train.save_every` steps and at the run's end with the data cursor
-//! that continues the run exactly, and keep the best `train.save_best`
-//! epochs by the monitored score besides the newest `train.save_total_limit`.
-//! The file format and the atomic save are checkpoint.rs.
+//! every `train.save_every` steps, at each epoch's end
+//! (`train.save_each_epoch`), every `train.save_minutes` and at the run's
+//! end with the data cursor that continues the run exactly, and keep the
+//! best `train.save_best` epochs by the monitored score besides the newest
+//! `train.save_total_limit` of this run's lineage (its run id). On a
+//! stopping signal every rank saves the same step and the run stops. The
+//! file format and the atomic save are checkpoint.rs.
 //!
 //! A checkpoint records the `data.range` it trained on. Resuming with the
 //! same range continues mid-epoch where it stopped; with another (the next
@@ -23,9 +26,11 @@ use crate::comm::Communicator;
 use crate::config::{DataRange, TrainConfig};
 use crate::comm_hook::{Resharded, WorldChange};
 use crate::registry::CommRecord;
+use crate::signals::{self, StopSignals};
 use crate::train::Trainer;
-use anyhow::Result;
-use std::path::Path;
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 /// Where checkpoints go and what they describe.
@@ -64,6 +69,21 @@ pub(crate) struct Checkpointer<'a> {
     pending: Option<PendingSave>,
     /// Host copies of this rank's part of the state, reused by every save.
     snapshot: Vec<[Tensor; 3]>,
+    /// This run's id: new, or the resumed checkpoint's (the same on every rank).
+    run_id: String,
+    /// The newest finished checkpoint: where the run would resume.
+    latest: Option<PathBuf>,
+    /// When the last save started (rank 0's clock decides timed saves).
+    last_save_started: Instant,
+    signals: StopSignals,
+    /// `train.save_signal`'s number.
+    save_signal: i32,
+}
+
+/// Why and where a run stopped on a signal, its checkpoint saved.
+pub(crate) struct Stop {
+    pub signal: i32,
+    pub checkpoint: PathBuf,
 }
 
 impl<'a> Checkpointer<'a> {
@@ -78,7 +98,49 @@ impl<'a> Checkpointer<'a> {
     ) -> Result<Checkpointer<'a>> {
         // A resumed run goes on ranking against the checkpoints it kept.
         let best = if config.save_best > 0 && config.resume.is_some() { checkpoint::read_best(plan.output)? } else { vec![] };
-        Ok(Checkpointer { plan, config, data_range, strategy, world, comm, monitor, best, last_saved: None, pending: None, snapshot: vec![] })
+        let save_signal = signals::parse(&config.save_signal)?;
+        Ok(Checkpointer {
+            plan,
+            config,
+            data_range,
+            strategy,
+            world,
+            comm,
+            monitor,
+            best,
+            last_saved: None,
+            pending: None,
+            snapshot: vec![],
+            run_id: String::new(),
+            latest: None,
+            last_save_started: Instant::now(),
+            signals: StopSignals::install(save_signal)?,
+            save_signal,
+        })
+    }
+
+    /// This run's id (after `resume`).
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// The newest finished checkpoint, if any.
+    pub fn latest(&self) -> Option<&Path> {
+        self.latest.as_deref()
+    }
+
+    /// Whether this run saves checkpoints at all.
+    fn saves(&self) -> bool {
+        self.config.save_every > 0 || self.config.save_each_epoch || self.config.save_minutes.is_some()
+    }
+
+    /// Settles the run's id on every rank as rank 0 has it: `resumed`'s
+    /// (its lineage continues), else a new one (collective).
+    fn settle_run_id(&mut self, resumed: Option<&str>, comm: &Communicator) -> Result<()> {
+        let own = resumed.map_or_else(crate::run_dir::new_run_id, str::to_string);
+        let all = comm.all_gather_bytes(own.as_bytes())?;
+        self.run_id = String::from_utf8(all[0].clone()).context("rank 0's run id is not text")?;
+        Ok(())
     }
 
     /// The best checkpoint kept so far.
@@ -86,23 +148,26 @@ impl<'a> Checkpointer<'a> {
         self.best.first()
     }
 
-    /// Restores `trainer` from `train.resume` when set; where the run
-    /// continues: the checkpoint's data cursor when it trained the same
-    /// `data.range`, else the first example of this run's range.
-    pub fn resume(&self, trainer: &mut Trainer, rank: usize) -> Result<Cursor> {
-        let Some(spec) = &self.config.resume else { return Ok(Cursor::default()) };
-        // `auto` (a requeued job's habit): the latest checkpoint if there is one.
-        if spec == "auto" && checkpoint::list(self.plan.output)?.is_empty() {
+    /// Restores `trainer` from `train.resume` when set (`auto`, a requeued
+    /// job's habit: the latest checkpoint if there is one) and settles the
+    /// run's id; where the run continues: the checkpoint's data cursor when
+    /// it trained the same `data.range`, else the first example of this
+    /// run's range (collective).
+    pub fn resume(&mut self, trainer: &mut Trainer, comm: &Communicator) -> Result<Cursor> {
+        let rank = comm.env().rank;
+        let from = self.config.resume.as_deref().map(|spec| checkpoint::resume_from(spec, self.plan.output)).transpose()?.flatten();
+        let Some(dir) = from else {
+            self.settle_run_id(None, comm)?;
             return Ok(Cursor::default());
-        }
-        let spec = if spec == "auto" { "latest" } else { spec.as_str() };
-        let dir = checkpoint::resolve(spec, self.plan.output)?;
+        };
         let started = std::time::Instant::now();
         let mut reader = Reader::open(&dir, trainer.model())?;
         let (adamw_step, micro_steps, loss_scale) = (reader.adamw_step()?, reader.manifest().micro_steps, reader.loss_scale()?);
         let steps = reader.manifest().step;
         trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, steps, micro_steps, loss_scale.as_ref())?;
         self.resume_comm_state(&mut reader, trainer, rank)?;
+        self.settle_run_id(reader.manifest().run_id.as_deref(), comm)?;
+        self.latest = Some(dir.clone());
         let manifest = reader.manifest();
         let same_slice = manifest.data_range == self.data_range;
         let cursor = match same_slice {
@@ -181,40 +246,77 @@ impl<'a> Checkpointer<'a> {
     /// (more epochs, the next slice of the file) resumes where this one
     /// ended; then finishes every save (collective).
     pub fn after_run(&mut self, trainer: &Trainer, end: Cursor, comm: &Communicator) -> Result<()> {
-        if self.config.save_every > 0 {
+        if self.saves() {
             self.save(trainer, end, comm, true)?;
         }
         self.finish(comm)
     }
 
-    /// Finishes a save every rank has written; saves when `next.step` is due.
-    pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<()> {
-        if let Some(pending) = &self.pending {
-            // Every rank decides alike: one small reduction while a save is in flight.
-            let unwritten = comm.sum_over_ranks(&[if pending.written() { 0.0 } else { 1.0 }])?[0];
-            if unwritten == 0.0 {
-                self.finish(comm)?;
+    /// After each optimizer step, every rank learns in one small reduction
+    /// what all must do alike: finish the save in flight once every rank's
+    /// file is written, save when `next.step` is due or rank 0's clock says
+    /// `train.save_minutes` passed, and, when any rank got a stopping
+    /// signal, save `next.step` (then requeue the Slurm job when asked) and
+    /// stop: the returned `Stop`.
+    pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<Option<Stop>> {
+        let received = self.signals.received();
+        let timed = comm.env().rank == 0 && self.config.save_minutes.is_some_and(|minutes| self.last_save_started.elapsed().as_secs_f64() >= minutes * 60.0);
+        // Which of the stopping signals, in order of precedence: the save signal, SIGTERM, SIGINT.
+        let candidates = [self.save_signal, libc::SIGTERM, libc::SIGINT];
+        let mut flags = vec![f64::from(self.pending.as_ref().is_some_and(|p| !p.written())), f64::from(timed)];
+        flags.extend(candidates.map(|signal| f64::from(received == Some(signal))));
+        if comm.env().world_size > 1 {
+            flags = comm.sum_over_ranks(&flags)?;
+        }
+        if self.pending.is_some() && flags[0] == 0.0 {
+            self.finish(comm)?;
+        }
+        let signalled = candidates.into_iter().zip(&flags[2..]).find(|(_, count)| **count > 0.0).map(|(signal, _)| signal);
+        // After the run's last step only its evaluation, last save and final/ are left: the run ends as it would.
+        let last_step = next.epoch >= self.config.epochs;
+        if let Some(signal) = signalled.filter(|_| !last_step) {
+            let checkpoint = self.save(trainer, next, comm, true)?;
+            if signal == self.save_signal && self.config.requeue {
+                if comm.env().rank == 0 {
+                    requeue();
+                }
+                // No rank leaves before the job is requeued (srun may stop the job when one does).
+                comm.world().barrier()?.wait()?;
             }
+            return Ok(Some(Stop { signal, checkpoint }));
+        }
+        if let (Some(signal), 0) = (signalled, comm.env().rank) {
+            tracing::warn!("{} after the run's last step: the run ends as it would, with its evaluation, last checkpoint and final/", signals::name(signal));
         }
         let every = self.config.save_every;
-        if every == 0 || next.step % every != 0 {
-            return Ok(());
+        if flags[1] > 0.0 || (every > 0 && next.step % every == 0) {
+            self.save(trainer, next, comm, false)?;
         }
-        self.save(trainer, next, comm, false).map(|_| ())
+        Ok(None)
     }
 
     /// Waits for the save in flight, if any, and finishes it (collective).
     pub fn finish(&mut self, comm: &Communicator) -> Result<()> {
         if let Some(pending) = self.pending.take() {
-            pending.finish(self.plan.tokenizer, comm)?;
+            self.latest = Some(pending.finish(self.plan.tokenizer, comm)?);
             self.prune(comm)?;
+        }
+        Ok(())
+    }
+
+    /// Saves the epoch's end (`train.save_each_epoch`), and keeps it when
+    /// its monitored score is among the best `train.save_best`.
+    pub fn after_epoch(&mut self, trainer: &Trainer, next: Cursor, epoch: &EpochResult, comm: &Communicator) -> Result<()> {
+        self.keep_if_best(trainer, next, epoch, comm)?;
+        if self.config.save_each_epoch {
+            self.save(trainer, next, comm, false)?;
         }
         Ok(())
     }
 
     /// Keeps the epoch's checkpoint when its monitored score is among the
     /// best `train.save_best` (every rank decides the same: the scores are).
-    pub fn after_epoch(&mut self, trainer: &Trainer, next: Cursor, epoch: &EpochResult, comm: &Communicator) -> Result<()> {
+    fn keep_if_best(&mut self, trainer: &Trainer, next: Cursor, epoch: &EpochResult, comm: &Communicator) -> Result<()> {
         let (Some(monitor), keep) = (self.monitor.clone(), self.config.save_best) else { return Ok(()) };
         if keep == 0 {
             return Ok(());
@@ -241,7 +343,7 @@ impl<'a> Checkpointer<'a> {
     fn prune(&self, comm: &Communicator) -> Result<()> {
         if comm.env().rank == 0 {
             let best: Vec<usize> = self.best.iter().map(|b| b.step).collect();
-            checkpoint::prune(self.plan.output, self.config.save_total_limit, &best)?;
+            checkpoint::prune(self.plan.output, self.config.save_total_limit, &best, &self.run_id)?;
         }
         Ok(())
     }
@@ -256,6 +358,7 @@ impl<'a> Checkpointer<'a> {
             return Ok(dir);
         }
         let blocked = std::time::Instant::now();
+        self.last_save_started = blocked;
         let manifest = Manifest {
             format_version: checkpoint::FORMAT_VERSION,
             ft_version: env!("CARGO_PKG_VERSION").into(),
@@ -273,6 +376,8 @@ impl<'a> Checkpointer<'a> {
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
             base_model: self.plan.base_model.map(Path::to_path_buf),
             comm: Some(self.comm.clone()),
+            run_id: Some(self.run_id.clone()),
+            saved_at: Some(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64()),
         };
         let background = !wait && !trainer.offloaded();
         let views = trainer.checkpoint_part();
@@ -319,5 +424,20 @@ impl<'a> Checkpointer<'a> {
             ft_sys::cuda_stream_synchronize(index)?;
         }
         Ok(views.iter().zip(&self.snapshot).map(|((start, _), buffers)| (*start, buffers.each_ref().map(Tensor::shallow_clone))).collect())
+    }
+}
+
+/// Requeues this Slurm job (`scontrol requeue $SLURM_JOB_ID`), as
+/// `train.requeue` asks after the save on `train.save_signal`; says what
+/// happened rather than failing: the checkpoint is saved either way.
+fn requeue() {
+    let Ok(job) = std::env::var("SLURM_JOB_ID") else {
+        tracing::warn!("train.requeue is set but SLURM_JOB_ID is not: there is no Slurm job to requeue");
+        return;
+    };
+    match std::process::Command::new("scontrol").args(["requeue", &job]).status() {
+        Ok(status) if status.success() => tracing::info!("requeued Slurm job {job} (train.requeue): it continues from this checkpoint with --resume auto"),
+        Ok(status) => tracing::warn!("`scontrol requeue {job}` {status}: the job is not requeued"),
+        Err(error) => tracing::warn!("cannot run `scontrol requeue {job}`: {error}; the job is not requeued"),
     }
 }

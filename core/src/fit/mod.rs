@@ -34,8 +34,27 @@ use log::RunLog;
 use monitor::{EarlyStopping, Monitor};
 use profiling::ProfileWindow;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
+
+/// A run stopped by a signal (SIGINT, SIGTERM, `train.save_signal`) once
+/// every rank had saved `checkpoint`: what `run` fails with on every rank,
+/// so the process exits with `signals::SAVED_AND_STOPPED`.
+#[derive(Debug)]
+pub struct Interrupted {
+    pub signal: String,
+    pub step: usize,
+    pub checkpoint: PathBuf,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped by {} after step {}: saved checkpoint {}", self.signal, self.step, self.checkpoint.display())
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// Everything a run is made of.
 pub struct Fit<'a> {
@@ -189,7 +208,7 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, resolved_config, checkpoints } = fit;
+    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
@@ -202,7 +221,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let monitor = Monitor::from_config(config);
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
     let mut checkpointer = Checkpointer::new(checkpoints, config, data.range, strategy.name(), world, comm_record, monitor)?;
-    let resumed = checkpointer.resume(&mut trainer, rank)?;
+    let resumed = checkpointer.resume(&mut trainer, comm)?;
     let Cursor { epoch: first_epoch, epoch_step: first_epoch_step, mut step } = resumed;
     if plan.finished(resumed) {
         if rank == 0 {
@@ -236,6 +255,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     }
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
     let mut log = RunLog::new(sinks, comm, offload.to_host(), last_step, config.log_every);
+    resolved_config.insert("run_id".into(), checkpointer.run_id().into());
     log.params(&resolved_config)?;
     let sampler = match device {
         Device::Cuda(index) => crate::gpu::UtilizationSampler::start(index),
@@ -263,7 +283,10 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             let last_of_epoch = epoch_step + 1 == plan.steps_per_epoch;
             log.after_step(step, epoch_progress, epoch_step + 1 == stop_at, lr, &outcome, started, offloaded_before, trainer.offload_stats())?;
             let next = if last_of_epoch { Cursor { epoch: epoch + 1, epoch_step: 0, step } } else { Cursor { epoch, epoch_step: epoch_step + 1, step } };
-            checkpointer.after_step(&trainer, next, comm)?;
+            if let Some(stop) = checkpointer.after_step(&trainer, next, comm)? {
+                let signal = crate::signals::name(stop.signal);
+                return Err(Interrupted { signal, step, checkpoint: stop.checkpoint }.into());
+            }
             crate::checkpoint::fault_point("after-step", step);
             // `train.eval_every`, besides the evaluation that ends the epoch (or the run) below.
             if config.eval_every > 0 && step % config.eval_every == 0 && epoch_step + 1 != stop_at {
@@ -312,6 +335,8 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     )?;
     summary.stopped_early_after_epoch = stopped_early;
     summary.best_checkpoint = checkpointer.best().cloned();
+    summary.run_id = checkpointer.run_id().into();
+    summary.last_checkpoint = checkpointer.latest().map(PathBuf::from);
     log.finish(&summary)?;
     Ok(Some((summary, trainer.params()?)))
 }

@@ -102,6 +102,10 @@ pub struct Summary {
     pub stopped_early_after_epoch: Option<usize>,
     /// The best checkpoint kept by `train.save_best`.
     pub best_checkpoint: Option<BestCheckpoint>,
+    /// The run's id (a resumed run keeps its checkpoint's), as its checkpoints and metrics record it.
+    pub run_id: String,
+    /// The newest checkpoint: where `--resume latest` continues.
+    pub last_checkpoint: Option<std::path::PathBuf>,
     /// Bytes rank 0 sent per optimizer step, by collective kind and in
     /// total, averaged over the steps trained (ring algorithms' counts:
     /// `Collective`).
@@ -214,6 +218,8 @@ impl Summary {
             comm_bytes_per_step: comm_bytes_per_step(comm, totals)?,
             stopped_early_after_epoch: None,
             best_checkpoint: None,
+            run_id: String::new(),
+            last_checkpoint: None,
         })
     }
 

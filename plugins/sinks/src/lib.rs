@@ -30,30 +30,57 @@ fn run_name(output: &Path) -> String {
     output.file_name().map_or("ft".into(), |n| n.to_string_lossy().into_owned())
 }
 
-/// One JSON object per line: `{"step": 3, "loss": 2.31, …}`.
+/// One JSON object per line: `{"step": 3, "loss": 2.31, "run_id": "…", …}`.
 pub struct JsonlSink {
     path: PathBuf,
     out: BufWriter<File>,
+    /// The run's id (from its params), in every line.
+    run_id: Option<String>,
 }
 
-/// Opens `dir/name` for a sink: appended to when a run resumes, else new.
-fn open_metrics_file(dir: &Path, name: &str, append: bool) -> Result<(PathBuf, File)> {
+/// Reads the step a line of a metrics file records (None: no step, a torn line).
+type StepOf = fn(index: usize, line: &str) -> Option<u64>;
+
+/// Opens `dir/name` for a sink: new for a fresh run; for a run continuing
+/// from step `resumed`, its lines up to that step kept and appended to.
+fn open_metrics_file(dir: &Path, name: &str, resumed: Option<u64>, step_of: StepOf) -> Result<(PathBuf, File)> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create metrics directory {}", dir.display()))?;
     let path = dir.join(name);
+    if let Some(step) = resumed {
+        keep_through(&path, step, step_of)?;
+    }
     let file = std::fs::OpenOptions::new()
         .create(true)
         .write(true)
-        .append(append)
-        .truncate(!append)
+        .append(resumed.is_some())
+        .truncate(resumed.is_none())
         .open(&path)
         .with_context(|| format!("cannot create {}", path.display()))?;
     Ok((path, file))
 }
 
+/// Drops `path`'s lines of steps after `step` — what a run wrote after the
+/// checkpoint a resumed run continues from, and a torn last line — replacing
+/// the file atomically; no file, nothing to drop.
+fn keep_through(path: &Path, step: u64, step_of: StepOf) -> Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        read => read.with_context(|| format!("cannot read {}", path.display()))?,
+    };
+    let kept: String = text.lines().enumerate().filter(|(index, line)| step_of(*index, line).is_some_and(|s| s <= step)).map(|(_, line)| format!("{line}\n")).collect();
+    if kept == text {
+        return Ok(());
+    }
+    let temporary = path.with_file_name(format!(".{}.tmp", path.file_name().unwrap_or_default().to_string_lossy()));
+    std::fs::write(&temporary, kept).with_context(|| format!("cannot write {}", temporary.display()))?;
+    std::fs::rename(&temporary, path).with_context(|| format!("cannot move {} to {}", temporary.display(), path.display()))
+}
+
 impl JsonlSink {
-    pub fn create(dir: &Path, append: bool) -> Result<JsonlSink> {
-        let (path, file) = open_metrics_file(dir, "metrics.jsonl", append)?;
-        Ok(JsonlSink { path, out: BufWriter::new(file) })
+    pub fn create(dir: &Path, resumed: Option<u64>) -> Result<JsonlSink> {
+        let step_of: StepOf = |_, line| serde_json::from_str::<serde_json::Value>(line).ok()?.get("step")?.as_u64();
+        let (path, file) = open_metrics_file(dir, "metrics.jsonl", resumed, step_of)?;
+        Ok(JsonlSink { path, out: BufWriter::new(file), run_id: None })
     }
 }
 
@@ -62,11 +89,19 @@ impl MetricsSink for JsonlSink {
         "jsonl"
     }
 
+    fn params(&mut self, params: &std::collections::BTreeMap<String, String>) -> Result<()> {
+        self.run_id = params.get("run_id").cloned();
+        Ok(())
+    }
+
     fn record(&mut self, record: &Record) -> Result<()> {
         let mut line = serde_json::Map::new();
         line.insert("step".into(), record.step.into());
         for (key, value) in &record.values {
             line.insert(key.clone(), serde_json::Value::from(*value));
+        }
+        if let Some(id) = &self.run_id {
+            line.insert("run_id".into(), id.clone().into());
         }
         serde_json::to_writer(&mut self.out, &line)?;
         writeln!(self.out).with_context(|| format!("cannot write {}", self.path.display()))?;
@@ -88,8 +123,10 @@ pub struct CsvSink {
 }
 
 impl CsvSink {
-    pub fn create(dir: &Path, append: bool) -> Result<CsvSink> {
-        let (path, file) = open_metrics_file(dir, "metrics.csv", append)?;
+    pub fn create(dir: &Path, resumed: Option<u64>) -> Result<CsvSink> {
+        // The header comes before every step.
+        let step_of: StepOf = |index, line| if index == 0 { Some(0) } else { line.split(',').next()?.parse().ok() };
+        let (path, file) = open_metrics_file(dir, "metrics.csv", resumed, step_of)?;
         Ok(CsvSink { path, out: BufWriter::new(file), columns: None })
     }
 }
@@ -119,7 +156,7 @@ inventory::submit! {
     SinkRegistration {
         name: "csv",
         summary: "one row per step in <output>/metrics.csv",
-        create: |dir, append| Ok(Box::new(CsvSink::create(dir, append)?)),
+        create: |dir, resumed| Ok(Box::new(CsvSink::create(dir, resumed)?)),
     }
 }
 
@@ -127,7 +164,7 @@ inventory::submit! {
     SinkRegistration {
         name: "jsonl",
         summary: "one JSON object per step in <output>/metrics.jsonl",
-        create: |dir, append| Ok(Box::new(JsonlSink::create(dir, append)?)),
+        create: |dir, resumed| Ok(Box::new(JsonlSink::create(dir, resumed)?)),
     }
 }
 
@@ -139,7 +176,7 @@ mod tests {
     #[test]
     fn csv_has_a_header_and_a_row_per_record() {
         let dir = tempfile::tempdir().unwrap();
-        let mut sink = CsvSink::create(dir.path(), false).unwrap();
+        let mut sink = CsvSink::create(dir.path(), None).unwrap();
         for step in 1..=2 {
             let values = BTreeMap::from([("loss".to_string(), step as f64), ("lr".to_string(), 0.5)]);
             sink.record(&Record { step, values }).unwrap();
@@ -159,7 +196,7 @@ mod tests {
     #[test]
     fn jsonl_writes_one_object_per_record() {
         let dir = tempfile::tempdir().unwrap();
-        let mut sink = JsonlSink::create(dir.path(), false).unwrap();
+        let mut sink = JsonlSink::create(dir.path(), None).unwrap();
         for step in 1..=2 {
             let values = BTreeMap::from([("loss".to_string(), 1.5 / step as f64)]);
             sink.record(&Record { step, values }).unwrap();
@@ -171,5 +208,35 @@ mod tests {
         assert_eq!(lines[1]["step"], 2);
         assert_eq!(lines[1]["loss"], 0.75);
     }
-}
 
+    #[test]
+    fn a_resumed_run_keeps_the_records_up_to_its_checkpoint_and_repeats_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = |step: u64| Record { step, values: BTreeMap::from([("loss".to_string(), step as f64)]) };
+        let mut jsonl = JsonlSink::create(dir.path(), None).unwrap();
+        let mut csv = CsvSink::create(dir.path(), None).unwrap();
+        jsonl.params(&BTreeMap::from([("run_id".to_string(), "run-a".to_string())])).unwrap();
+        for step in 1..=5 {
+            jsonl.record(&record(step)).unwrap();
+            csv.record(&record(step)).unwrap();
+        }
+        drop((jsonl, csv));
+        // A torn last line, as a killed run may leave.
+        std::fs::OpenOptions::new().append(true).open(dir.path().join("metrics.jsonl")).unwrap().write_all(b"{\"step\": 6, \"lo").unwrap();
+        let mut jsonl = JsonlSink::create(dir.path(), Some(3)).unwrap();
+        let mut csv = CsvSink::create(dir.path(), Some(3)).unwrap();
+        for step in 4..=6 {
+            jsonl.record(&record(step)).unwrap();
+            csv.record(&record(step)).unwrap();
+        }
+        let steps: Vec<u64> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+        assert!(std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap().lines().next().unwrap().contains(r#""run_id":"run-a""#));
+        let csv_text = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
+        assert_eq!(csv_text, "step,loss\n1,1\n2,2\n3,3\n4,4\n5,5\n6,6\n");
+    }
+}

@@ -405,9 +405,9 @@ inventory::submit! {
     SinkRegistration {
         name: "mlflow",
         summary: "an MLflow run: on the tracking server MLFLOW_TRACKING_URI=http(s)://… names, else in <output>/mlruns/ (file store); experiment: output.mlflow_experiment",
-        create: |dir, append| match server::tracking_server()? {
-            Some(url) => Ok(Box::new(server::MlflowServerSink::new(url, dir, append))),
-            None => Ok(Box::new(MlflowSink::new(dir, append))),
+        create: |dir, resumed| match server::tracking_server()? {
+            Some(url) => Ok(Box::new(server::MlflowServerSink::new(url, dir, resumed.is_some()))),
+            None => Ok(Box::new(MlflowSink::new(dir, resumed.is_some()))),
         },
     }
 }

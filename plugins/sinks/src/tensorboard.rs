@@ -13,6 +13,10 @@ use std::path::{Path, PathBuf};
 pub struct TensorBoardSink {
     path: PathBuf,
     out: BufWriter<File>,
+    /// The events a file opens with, written with the first record: a run
+    /// that fails before its first step leaves an empty file, which marks
+    /// no directory as holding a run's outputs (`run_dir::claim`).
+    opening: Vec<Vec<u8>>,
 }
 
 /// Protocol-buffer encoding of the three messages TensorBoard reads.
@@ -51,13 +55,19 @@ mod proto {
     }
 }
 
+/// `SessionLog.status` START, in `Event.session_log` (field 7).
+const SESSION_START: i64 = 1;
+
 fn masked_crc(data: &[u8]) -> u32 {
     let crc = crc32c::crc32c(data);
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 impl TensorBoardSink {
-    pub fn create(dir: &Path, _append: bool) -> Result<TensorBoardSink> {
+    /// A new event file in `<dir>/tensorboard/`; for a run continuing from
+    /// step `resumed`, one that makes TensorBoard drop the later steps the
+    /// earlier files hold.
+    pub fn create(dir: &Path, resumed: Option<u64>) -> Result<TensorBoardSink> {
         let dir = dir.join("tensorboard");
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -65,12 +75,23 @@ impl TensorBoardSink {
         // A new file per run (resumes too): TensorBoard reads all files of a directory in order.
         let path = dir.join(format!("events.out.tfevents.{}.{}.{}", now.as_secs(), host.trim(), std::process::id()));
         let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-        let mut sink = TensorBoardSink { path, out: BufWriter::new(file) };
         let mut event = vec![];
         proto::double(&mut event, 1, now.as_secs_f64());
         proto::bytes(&mut event, 3, b"brain.Event:2");
-        sink.write_record(&event)?;
-        Ok(sink)
+        let mut opening = vec![event];
+        if let Some(step) = resumed {
+            // As torch's SummaryWriter(purge_step=…) does: a session that
+            // starts at the first step this run writes, on which TensorBoard's
+            // reader drops every event of that step and after read before it.
+            let mut session_log = vec![];
+            proto::int(&mut session_log, 1, SESSION_START);
+            let mut event = vec![];
+            proto::double(&mut event, 1, now.as_secs_f64());
+            proto::int(&mut event, 2, step as i64 + 1);
+            proto::bytes(&mut event, 7, &session_log);
+            opening.push(event);
+        }
+        Ok(TensorBoardSink { path, out: BufWriter::new(file), opening })
     }
 
     fn write_record(&mut self, data: &[u8]) -> Result<()> {
@@ -89,6 +110,9 @@ impl MetricsSink for TensorBoardSink {
     }
 
     fn record(&mut self, record: &Record) -> Result<()> {
+        for event in std::mem::take(&mut self.opening) {
+            self.write_record(&event)?;
+        }
         let mut summary = vec![];
         for (tag, value) in &record.values {
             let mut entry = vec![];
@@ -113,6 +137,6 @@ inventory::submit! {
     SinkRegistration {
         name: "tensorboard",
         summary: "TensorBoard event files in <output>/tensorboard/",
-        create: |dir, append| Ok(Box::new(TensorBoardSink::create(dir, append)?)),
+        create: |dir, resumed| Ok(Box::new(TensorBoardSink::create(dir, resumed)?)),
     }
 }

@@ -272,6 +272,6 @@ inventory::submit! {
     SinkRegistration {
         name: "wandb",
         summary: "a Weights & Biases run through the wandb Python client (WANDB_PROJECT, WANDB_MODE, WANDB_DIR, …)",
-        create: |dir, append| Ok(Box::new(WandbSink::new(dir, append))),
+        create: |dir, resumed| Ok(Box::new(WandbSink::new(dir, resumed.is_some()))),
     }
 }

@@ -1,0 +1,229 @@
+//! A run's output directory holds one run at a time, and only its outputs:
+//! rank 0 holds a lock in it for the run (an advisory `flock` the kernel
+//! releases however the process ends), and a run that does not resume is
+//! refused where another run's metrics or checkpoints are, unless it
+//! replaces them (`output.overwrite`). Each run has an id, which checkpoints
+//! and metrics record and which a resumed run continues.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// The lock file, in the output directory.
+pub const LOCK_FILE: &str = ".ft-run.lock";
+
+/// A new run's id: when it started (UTC) and a random suffix, e.g. `20261126-043845-3fa9c1`.
+pub fn new_run_id() -> String {
+    format!("{}-{:06x}", chrono::Utc::now().format("%Y%m%d-%H%M%S"), rand::random::<u32>() & 0xff_ffff)
+}
+
+/// Who holds the lock, as its file records it (for the message another run gets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Holder {
+    pid: u32,
+    host: String,
+    started: String,
+}
+
+impl Holder {
+    fn this_process() -> Holder {
+        Holder { pid: std::process::id(), host: hostname(), started: chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC").to_string() }
+    }
+
+    fn describe(&self) -> String {
+        format!("pid {} on host {}, started {}", self.pid, self.host, self.started)
+    }
+
+    /// Whether the process is running (this host only: another host's pids cannot be checked).
+    fn alive_here(&self) -> bool {
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        let exists = unsafe { libc::kill(self.pid as i32, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        self.host == hostname() && exists
+    }
+}
+
+fn hostname() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: gethostname writes at most the buffer's length.
+    if unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) } != 0 {
+        return "unknown".into();
+    }
+    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
+    String::from_utf8_lossy(&buffer[..end]).into_owned()
+}
+
+/// The output directory's lock, held until dropped (or the process ends).
+pub struct RunLock {
+    file: File,
+}
+
+impl RunLock {
+    /// Takes `output`'s lock (creating the directory), or says which run
+    /// holds it. A lock whose holder ended without releasing it (killed) is
+    /// taken over, with a log line naming it. Where the filesystem has no
+    /// `flock`, the recorded holder decides: a live process on this host, or
+    /// any on another host, keeps it.
+    pub fn acquire(output: &Path) -> Result<RunLock> {
+        std::fs::create_dir_all(output).with_context(|| format!("cannot create {}", output.display()))?;
+        let path = output.join(LOCK_FILE);
+        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        let mut recorded = String::new();
+        file.read_to_string(&mut recorded).with_context(|| format!("cannot read {}", path.display()))?;
+        let holder: Option<Holder> = serde_json::from_str(&recorded).ok();
+        let in_use = |holder: Option<&Holder>| {
+            let who = holder.map_or("another ft run".to_string(), Holder::describe);
+            anyhow::anyhow!("{} is in use by another run ({who}): wait for it to end, or give this run another --output-dir", output.display())
+        };
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let error = std::io::Error::last_os_error();
+            match error.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => return Err(in_use(holder.as_ref())),
+                Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
+                    if let Some(holder) = holder.as_ref().filter(|h| h.alive_here() || h.host != hostname()) {
+                        return Err(in_use(Some(holder)).context(format!(
+                            "the filesystem of {} has no file locks, so its lock file names the run: delete {} if that run is gone",
+                            output.display(),
+                            path.display()
+                        )));
+                    }
+                }
+                _ => bail!("cannot lock {}: {error}", path.display()),
+            }
+        }
+        if let Some(stale) = &holder {
+            tracing::warn!("took over the lock of {} ({}): that run ended without releasing it", output.display(), stale.describe());
+        }
+        let record = serde_json::to_string(&Holder::this_process())?;
+        (|| -> std::io::Result<()> {
+            file.set_len(0)?;
+            file.rewind()?;
+            file.write_all(record.as_bytes())?;
+            file.sync_all()
+        })()
+        .with_context(|| format!("cannot write {}", path.display()))?;
+        Ok(RunLock { file })
+    }
+}
+
+impl Drop for RunLock {
+    /// A run that ends leaves no holder recorded; the kernel releases the lock with the file.
+    fn drop(&mut self) {
+        let _ = self.file.set_len(0);
+    }
+}
+
+/// What ft writes into an output directory for one run: a run that does
+/// not resume would mix its outputs with these. Of a directory named with
+/// a filter, only the entries it passes are ft's (a user's own files stay).
+const RUN_OUTPUTS: [(&str, Option<fn(&str) -> bool>); 8] = [
+    ("metrics.jsonl", None),
+    ("metrics.csv", None),
+    ("summary.json", None),
+    ("predictions.json", None),
+    ("null_odds.json", None),
+    ("final", None),
+    ("tensorboard", Some(is_event_file)),
+    ("checkpoints", Some(is_checkpoint_entry)),
+];
+
+fn is_event_file(name: &str) -> bool {
+    name.starts_with("events.out.tfevents.")
+}
+
+/// A checkpoint, a save in progress, or the list of the best ones.
+fn is_checkpoint_entry(name: &str) -> bool {
+    name.starts_with("step-") || name.starts_with(".step-") || name.starts_with("best.json")
+}
+
+/// The previous run's outputs in `output`. An empty file is none: a run
+/// that failed before its first step leaves its metrics files empty.
+fn previous_outputs(output: &Path) -> Result<Vec<PathBuf>> {
+    let mut found = vec![];
+    for (name, filter) in RUN_OUTPUTS {
+        let path = output.join(name);
+        match filter {
+            Some(ours) if path.is_dir() => {
+                let entries = std::fs::read_dir(&path).with_context(|| format!("cannot list {}", path.display()))?;
+                found.extend(entries.flatten().filter(|e| ours(&e.file_name().to_string_lossy())).map(|e| e.path()));
+            }
+            None if path.exists() => found.push(path),
+            _ => {}
+        }
+    }
+    found.retain(|path| path.is_dir() || path.metadata().is_ok_and(|m| m.len() > 0));
+    Ok(found)
+}
+
+/// Makes `output` ready for a run: a run that resumes continues what is
+/// there; a fresh one is refused where another run's outputs are, or
+/// removes them when `overwrite` (only what ft wrote; the log names it).
+pub fn claim(output: &Path, resumes: bool, overwrite: bool) -> Result<()> {
+    if resumes {
+        return Ok(());
+    }
+    let found = previous_outputs(output)?;
+    if found.is_empty() {
+        return Ok(());
+    }
+    let mut names: Vec<String> = found.iter().map(|p| p.strip_prefix(output).unwrap_or(p).components().next().map_or(String::new(), |c| c.as_os_str().to_string_lossy().into_owned())).collect();
+    names.dedup();
+    if !overwrite {
+        bail!(
+            "{} holds another run's outputs ({}): continue that run with --resume latest, replace them with --overwrite-output-dir \
+             (output.overwrite), or give this run another --output-dir",
+            output.display(),
+            names.join(", ")
+        );
+    }
+    for path in &found {
+        let removed = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+        removed.with_context(|| format!("cannot remove {} (output.overwrite)", path.display()))?;
+    }
+    tracing::info!("output.overwrite: removed the previous run's outputs from {}: {}", output.display(), names.join(", "));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_lock_names_its_holder_and_a_released_one_is_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RunLock::acquire(dir.path()).unwrap();
+        // flock locks belong to the open file: a second open in this process conflicts as another process would.
+        let error = RunLock::acquire(dir.path()).err().unwrap().to_string();
+        assert!(error.contains(&format!("is in use by another run (pid {} on host {}", std::process::id(), hostname())), "{error}");
+        drop(first);
+        assert_eq!(std::fs::read_to_string(dir.path().join(LOCK_FILE)).unwrap(), "", "a released lock names no holder");
+        let _again = RunLock::acquire(dir.path()).unwrap();
+    }
+
+    #[test]
+    fn a_fresh_run_is_refused_where_another_ran_and_overwrite_removes_only_fts_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let output = dir.path();
+        claim(output, false, false).unwrap();
+        std::fs::write(output.join("metrics.csv"), "").unwrap();
+        claim(output, false, false).expect("an empty metrics file is no run's output");
+        std::fs::create_dir_all(output.join("checkpoints/step-00000004")).unwrap();
+        std::fs::create_dir_all(output.join("tensorboard")).unwrap();
+        for file in ["metrics.jsonl", "tensorboard/events.out.tfevents.1.host.2", "tensorboard/notes.txt", "checkpoints/best.json", "mine.txt"] {
+            std::fs::write(output.join(file), "x").unwrap();
+        }
+        let error = claim(output, false, false).unwrap_err().to_string();
+        assert!(error.contains("holds another run's outputs (metrics.jsonl, tensorboard, checkpoints)") && error.contains("--overwrite-output-dir"), "{error}");
+        claim(output, true, false).unwrap();
+        assert!(output.join("metrics.jsonl").exists(), "a resumed run keeps them");
+        claim(output, false, true).unwrap();
+        for gone in ["metrics.jsonl", "tensorboard/events.out.tfevents.1.host.2", "checkpoints/step-00000004", "checkpoints/best.json"] {
+            assert!(!output.join(gone).exists(), "{gone}");
+        }
+        assert!(output.join("tensorboard/notes.txt").exists() && output.join("mine.txt").exists(), "the user's files stay");
+        claim(output, false, false).unwrap();
+    }
+}
