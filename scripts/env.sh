@@ -8,7 +8,10 @@
 # libraries libtorch pulls in, and LD_LIBRARY_PATH still wins where this path
 # does not exist (a binary carried to another machine).
 FT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
-export VIRTUAL_ENV="$FT_ROOT/.venv"
+# The venv by its physical path: a worktree whose .venv links to another
+# checkout's builds with the same flags (and so reuses the same compiled
+# dependencies).
+export VIRTUAL_ENV="$(cd "$FT_ROOT/.venv" 2>/dev/null && pwd -P || echo "$FT_ROOT/.venv")"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 export LIBTORCH_USE_PYTORCH=1
 FT_TORCH_LIB="$(ls -d "$VIRTUAL_ENV"/lib/python3*/site-packages/torch/lib 2>/dev/null | head -n1)"

@@ -305,3 +305,58 @@ fn bad_lora_settings_are_refused_by_key() {
     let log = refusal(&["--set", "train.lora.rank=4"]);
     assert!(log.contains("rank"), "{log}");
 }
+
+/// `--merge` works from final/ as from the run's last checkpoint (the same
+/// weights), from another working directory than the run's relative
+/// `--output-dir` (the base path is resolved against the run); its errors
+/// name the flags given; `ft generate` and `ft forward` run final/'s
+/// adapter on its base as the merged model runs.
+#[test]
+fn merge_from_final_equals_merge_from_the_checkpoint_from_any_directory() {
+    let (run_cwd, other_cwd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let train = ft()
+        .current_dir(run_cwd.path())
+        .args(["train", "--lora-r", "4", "--epochs", "1", "--train-samples", "32", "--eval-samples", "4", "--nproc-per-node", "1"])
+        .args(["--batch-size", "8", "--save-every", "100", "--output-dir", "run"])
+        .output()
+        .unwrap();
+    assert!(train.status.success(), "{}", text(&train));
+    let run = run_cwd.path().join("run");
+    let export = |args: &[&str]| ft().current_dir(other_cwd.path()).arg("export").args(args).output().unwrap();
+    let checkpoint = ft_core::checkpoint::list(&run).unwrap().pop().expect("the run's last step is saved");
+    let (from_checkpoint, from_final) = (other_cwd.path().join("merged-checkpoint"), other_cwd.path().join("merged-final"));
+    for (source, out) in [(&checkpoint, &from_checkpoint), (&run.join("final"), &from_final)] {
+        let output = export(&["--checkpoint", source.to_str().unwrap(), "--merge", "--out", out.to_str().unwrap()]);
+        assert!(output.status.success(), "{}", text(&output));
+        assert!(out.join("tokenizer.json").is_file() && out.join("generation_config.json").is_file());
+    }
+    let (a, b) = (tensors(&from_checkpoint.join("model.safetensors")), tensors(&from_final.join("model.safetensors")));
+    assert_eq!(a.len(), b.len());
+    for (name, tensor) in &a {
+        assert!(b[name].equal(tensor), "{name}: merged from final/ differs from merged from the checkpoint");
+    }
+
+    // Errors name the flags the user gave.
+    let output = export(&["--checkpoint", "latest", "--output-dir", "nowhere", "--out", "x"]);
+    assert!(!output.status.success() && text(&output).contains("--checkpoint latest") && !text(&output).contains("--resume"), "{}", text(&output));
+    let output = export(&["--checkpoint", checkpoint.to_str().unwrap(), "--merge", "--base-model", "no-such-base", "--out", "x"]);
+    assert!(!output.status.success() && text(&output).contains("--base-model no-such-base"), "{}", text(&output));
+
+    // final/'s adapter runs on its base as the merged model does.
+    let run_model = |command: &str, model: &Path, args: &[&str]| {
+        let output = ft().current_dir(other_cwd.path()).args([command, "--model", model.to_str().unwrap()]).args(args).output().unwrap();
+        assert!(output.status.success(), "ft {command} --model {}: {}", model.display(), text(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let generate = ["--ids", "1,5,9,14", "--max-new-tokens", "6"];
+    assert_eq!(run_model("generate", &run.join("final"), &generate), run_model("generate", &from_final, &generate));
+    let ids = other_cwd.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2]]").unwrap();
+    let loss = |model: &Path| -> f64 {
+        let out = other_cwd.path().join("forward.safetensors");
+        let printed = run_model("forward", model, &["--ids", ids.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+        printed.trim().trim_start_matches("loss ").parse().unwrap()
+    };
+    let (adapted, merged) = (loss(&run.join("final")), loss(&from_final));
+    assert!((adapted - merged).abs() <= 1e-5 * merged.abs(), "adapter on its base: loss {adapted}; merged: {merged}");
+}

@@ -25,7 +25,7 @@ use crate::comm_hook::{Resharded, WorldChange};
 use crate::registry::CommRecord;
 use crate::train::Trainer;
 use anyhow::Result;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 /// Where checkpoints go and what they describe.
@@ -33,7 +33,10 @@ use tch::{Device, Kind, Tensor};
 pub struct CheckpointPlan<'a> {
     pub output: &'a Path,
     pub model_config: &'a serde_json::Value,
-    pub tokenizer: Option<&'a Path>,
+    /// Files each checkpoint keeps beside its state, by their name in it
+    /// and where they are (the tokenizer, its config, the chat template):
+    /// what an export needs besides the weights.
+    pub model_files: &'a [(String, PathBuf)],
     /// The directory the base weights come from (a LoRA checkpoint holds only what trains).
     pub base_model: Option<&'a Path>,
 }
@@ -206,7 +209,7 @@ impl<'a> Checkpointer<'a> {
     /// Waits for the save in flight, if any, and finishes it (collective).
     pub fn finish(&mut self, comm: &Communicator) -> Result<()> {
         if let Some(pending) = self.pending.take() {
-            pending.finish(self.plan.tokenizer, comm)?;
+            pending.finish(self.plan.model_files, comm)?;
             self.prune(comm)?;
         }
         Ok(())
@@ -271,7 +274,7 @@ impl<'a> Checkpointer<'a> {
             units: UnitLayout::of(trainer.model()),
             model_config: self.plan.model_config.clone(),
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
-            base_model: self.plan.base_model.map(Path::to_path_buf),
+            base_model: self.plan.base_model.map(|dir| checkpoint::path_in_run(dir, self.plan.output)),
             comm: Some(self.comm.clone()),
         };
         let background = !wait && !trainer.offloaded();
