@@ -275,17 +275,13 @@ fn packed_conversations_train_as_unpacked_ones_do() {
     assert!(unpacked[2] < unpacked[0], "it trains: {unpacked:?}");
 }
 
-/// tests/python/export_reference.py's `check` of an exported directory.
-fn check_export(export: &Path, source_config: &Path, chat: Option<(&Path, &Path)>) -> String {
+/// tests/python/export_reference.py's `check` of exported directories:
+/// each `{"export", "config"[, "conversations", "tokens"]}` in `cases`.
+fn check_exports(cases: &serde_json::Value) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/export_reference.py");
-    let mut command = Command::new("python");
-    command.arg(&script).args(["check", export.to_str().unwrap(), source_config.to_str().unwrap()]);
-    if let Some((conversations, tokens)) = chat {
-        command.args([conversations, tokens]);
-    }
-    let output = command.output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
-    assert!(output.status.success(), "export_reference.py on {}: {}", export.display(), text(&output));
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    let output = Command::new("python").arg(&script).args(["check", &cases.to_string()]).output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
+    assert!(output.status.success(), "export_reference.py on {cases}: {}", text(&output));
+    eprintln!("{}", String::from_utf8_lossy(&output.stdout));
 }
 
 /// An export is whole: transformers loads it in the dtype its config.json
@@ -328,11 +324,12 @@ fn exports_are_whole_for_transformers_and_ft_eval() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
+    let mut cases = vec![];
     for whole in [&export, &out.join("final")] {
         for file in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
             assert!(whole.join(file).is_file(), "{} has no {file}", whole.display());
         }
-        eprintln!("{}", check_export(whole, &config_path, Some((&conversations, &tokens))));
+        cases.push(serde_json::json!({"export": whole, "config": config_path, "conversations": conversations, "tokens": tokens}));
     }
     let output = ft()
         .args(["eval", "--model", export.to_str().unwrap(), "--eval-file", conversations.to_str().unwrap(), "--device", "cpu"])
@@ -351,5 +348,6 @@ fn exports_are_whole_for_transformers_and_ft_eval() {
     assert!(output.status.success(), "{}", text(&output));
     assert!(!demo.join("demo-data/tokenizer_config.json").exists());
     let final_dir = demo.join("final");
-    eprintln!("{}", check_export(&final_dir, &final_dir.join("config.json"), None));
+    cases.push(serde_json::json!({"export": final_dir, "config": final_dir.join("config.json")}));
+    check_exports(&serde_json::Value::from(cases));
 }

@@ -56,8 +56,7 @@ struct Console {
 
 impl Console {
     fn new() -> Console {
-        let bar = progress::bar(0);
-        bar.set_draw_target(ProgressDrawTarget::hidden());
+        let bar = progress::bar(0, ProgressDrawTarget::hidden());
         Console { draws_progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), bar }
     }
 
@@ -80,13 +79,16 @@ impl Console {
         if update.done {
             return self.bar.finish_and_clear();
         }
-        if self.bar.is_hidden() {
-            self.bar.set_draw_target(ProgressDrawTarget::stderr());
-            self.bar.reset();
+        let first = self.bar.is_hidden();
+        if first {
+            self.bar.reset_elapsed();
         }
         self.bar.set_length(update.total);
         self.bar.set_position(update.step);
         self.bar.set_message(update.message);
+        if first {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
     }
 
     /// The workers are gone: a bar rank 0 did not finish stays as it was.

@@ -51,9 +51,9 @@ impl Update {
     }
 }
 
-/// The bar on this process's stderr, `total` steps long (the same on rank 0 and in the launcher).
-pub fn bar(total: u64) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+/// The bar, `total` steps long, drawn to `target` (the same on rank 0 and in the launcher).
+pub fn bar(total: u64, target: ProgressDrawTarget) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), target);
     if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed} < {eta}]") {
         bar.set_style(style);
     }
@@ -105,7 +105,7 @@ impl Progress {
         } else if std::env::var_os(LAUNCHER_DRAWS).is_some() {
             Shown::Launcher
         } else if std::io::stderr().is_terminal() {
-            Shown::Bar(bar(total as u64))
+            Shown::Bar(bar(total as u64, ProgressDrawTarget::stderr()))
         } else {
             Shown::Lines
         };
