@@ -10,7 +10,8 @@ use common::{ft, text, without_launcher_env, FT};
 use std::process::{Command, Stdio};
 
 /// The demo, 12 steps at two ranks (96 examples, 2 × 4 a step), a line every 4.
-const RUN: &[&str] = &["train", "--epochs", "1", "--train-samples", "96", "--eval-samples", "8", "--nproc-per-node", "2", "--batch-size", "4", "--set", "train.log_every=4"];
+const RUN: &[&str] = &["train", "--epochs", "1", "--train-samples", "96", "--eval-samples", "8", "--batch-size", "4", "--set", "train.log_every=4"];
+const TWO_RANKS: &[&str] = &["--nproc-per-node", "2"];
 
 /// The protocol's marker, which must never reach the user.
 const UPDATE_MARKER: &str = "ft-progress";
@@ -21,6 +22,7 @@ fn a_log_file_gets_a_progress_line_every_log_every_steps() {
     let log = dir.path().join("stderr.log");
     let output = ft()
         .args(RUN)
+        .args(TWO_RANKS)
         .args(["--output-dir", dir.path().join("run").to_str().unwrap()])
         .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
         .output()
@@ -47,15 +49,20 @@ fn a_log_file_gets_a_progress_line_every_log_every_steps() {
 
 #[test]
 fn a_terminal_shows_the_launchers_bar_at_two_ranks() {
-    let dir = tempfile::tempdir().unwrap();
-    let run: Vec<String> = RUN.iter().map(|arg| format!("'{arg}'")).collect();
-    let command = format!("'{FT}' {} --output-dir '{}'", run.join(" "), dir.path().join("run").display());
-    // script(1) runs the command on a pseudo-terminal and copies what it shows to stdout.
-    let mut script = Command::new("script");
-    let output = without_launcher_env(&mut script).args(["-qfec", &command, "/dev/null"]).stdin(Stdio::null()).output().unwrap();
-    let shown = text(&output);
-    assert!(output.status.success(), "{shown}");
-    assert!(shown.contains("/12 steps") && shown.contains("loss ") && shown.contains('█'), "no progress bar:\n{shown}");
-    assert!(!shown.contains(UPDATE_MARKER), "{shown}");
-    assert!(shown.contains("[rank 0]"), "the ranks' lines are still shown:\n{shown}");
+    let quoted = |args: &[&str]| args.iter().map(|arg| format!("'{arg}'")).collect::<Vec<_>>().join(" ");
+    // `ft train` starting its own ranks, and `ft launch` starting them.
+    let started_by_train = [RUN, TWO_RANKS].concat();
+    let launched = [&["launch"], TWO_RANKS, &["--"], RUN].concat();
+    for run in [started_by_train, launched] {
+        let dir = tempfile::tempdir().unwrap();
+        let command = format!("'{FT}' {} --output-dir '{}'", quoted(&run), dir.path().join("run").display());
+        // script(1) runs the command on a pseudo-terminal and copies what it shows to stdout.
+        let mut script = Command::new("script");
+        let output = without_launcher_env(&mut script).args(["-qfec", &command, "/dev/null"]).stdin(Stdio::null()).output().unwrap();
+        let shown = text(&output);
+        assert!(output.status.success(), "{command}: {shown}");
+        assert!(shown.contains("/12 steps") && shown.contains("loss ") && shown.contains('█'), "{command}: no progress bar:\n{shown}");
+        assert!(!shown.contains(UPDATE_MARKER), "{shown}");
+        assert!(shown.contains("[rank 0]") && shown.contains("[rank 1]"), "the ranks' lines are still shown:\n{shown}");
+    }
 }
