@@ -307,7 +307,8 @@ fn bad_lora_settings_are_refused_by_key() {
 }
 
 /// `--merge` works from final/ as from the run's last checkpoint (the same
-/// weights), from another working directory than the run's relative
+/// weights; without it final/'s adapter is copied whole), from another
+/// working directory than the run's relative
 /// `--output-dir` (the base path is resolved against the run); its errors
 /// name the flags given; `ft generate` and `ft forward` run final/'s
 /// adapter on its base as the merged model runs.
@@ -334,6 +335,14 @@ fn merge_from_final_equals_merge_from_the_checkpoint_from_any_directory() {
     assert_eq!(a.len(), b.len());
     for (name, tensor) in &a {
         assert!(b[name].equal(tensor), "{name}: merged from final/ differs from merged from the checkpoint");
+    }
+
+    // Without --merge, final/'s adapter as it is, with the tokenizer files.
+    let adapter = other_cwd.path().join("adapter");
+    let output = export(&["--checkpoint", run.join("final").to_str().unwrap(), "--out", adapter.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output));
+    for file in [peft::CONFIG_FILE, peft::WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(adapter.join(file).is_file(), "the exported adapter has no {file}");
     }
 
     // Errors name the flags the user gave.

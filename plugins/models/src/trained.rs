@@ -56,6 +56,9 @@ pub fn export_source(spec: &str, output: &Path) -> Result<PathBuf> {
 /// (`write_model_files`): the model, or a LoRA run's adapter files (or,
 /// merged, the whole model). Returns what it wrote, e.g. "step 40 of …".
 pub fn export(source: &Path, out: &Path, export: &Export) -> Result<String> {
+    if std::fs::canonicalize(out).ok() == Some(std::fs::canonicalize(source)?) {
+        bail!("--out {} is the directory being exported: write the export elsewhere", out.display());
+    }
     if source.join("manifest.json").is_file() {
         let (step, model_config) = export_checkpoint(source, out, export)?;
         write_model_files(out, &files_in(source), &model_config)?;
@@ -63,15 +66,20 @@ pub fn export(source: &Path, out: &Path, export: &Export) -> Result<String> {
     }
     let model_config = if peft::is_adapter(source) {
         let base_dir = export.given_base()?.map_or_else(|| peft::base_model_dir(source), Ok)?;
-        let (lora, mut params) = peft::load_adapted_on(source, &base_dir, Kind::Float, Device::Cpu)
-            .with_context(|| format!("--checkpoint {}: cannot load the adapter onto its base model (another base: --base-model DIR)", source.display()))?;
         if export.merge {
+            let (lora, mut params) = peft::load_adapted_on(source, &base_dir, Kind::Float, Device::Cpu)
+                .with_context(|| format!("--merge: cannot load adapter {} onto its base model (another base: --base-model DIR)", source.display()))?;
             lora.merge(&mut params);
             hf::write_model(lora.base(), out, export.dtype, export.max_shard_bytes, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))?;
+            lora.base().hf_config().clone()
         } else {
-            peft::save_adapter(&lora, &params, out, Some(&base_dir))?;
+            // The adapter files as they are; the base's config names its special tokens.
+            std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE] {
+                std::fs::copy(source.join(name), out.join(name)).with_context(|| format!("cannot copy {} to {}", source.join(name).display(), out.display()))?;
+            }
+            hf::read_config(&base_dir).with_context(|| format!("the base model of adapter {}", source.display()))?
         }
-        lora.base().hf_config().clone()
     } else {
         if export.merge {
             bail!("--merge: {} holds a whole model, not a LoRA adapter; export it without --merge", source.display());
@@ -172,7 +180,8 @@ fn files_in(dir: &Path) -> Vec<(String, PathBuf)> {
 pub fn write_model_files(out: &Path, files: &[(String, PathBuf)], model_config: &serde_json::Value) -> Result<()> {
     for (name, from) in files {
         let to = out.join(name);
-        if std::fs::canonicalize(from).ok() != std::fs::canonicalize(&to).ok() {
+        // A run that started from its own final/ has its files there already (copying a file onto itself empties it).
+        if std::fs::canonicalize(&to).ok() != Some(std::fs::canonicalize(from)?) {
             std::fs::copy(from, &to).with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
         }
     }
