@@ -183,14 +183,14 @@ pub fn resolve(spec: &str, output: &Path) -> Result<PathBuf> {
 /// How a checkpoint records `path` of a run writing to `output`: relative
 /// to `output` when inside it (so the run directory can move, and be read
 /// from any working directory), else absolute.
-pub fn path_in_run(path: &Path, output: &Path) -> PathBuf {
+pub(crate) fn path_in_run(path: &Path, output: &Path) -> PathBuf {
     let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     let (path, output) = (absolute(path), absolute(output));
     path.strip_prefix(&output).map_or(path.clone(), Path::to_path_buf)
 }
 
 /// The run directory of checkpoint `checkpoint` (`<run>/checkpoints/step-N`).
-pub fn run_dir(checkpoint: &Path) -> PathBuf {
+fn run_dir(checkpoint: &Path) -> PathBuf {
     let absolute = std::path::absolute(checkpoint).unwrap_or_else(|_| checkpoint.to_path_buf());
     absolute.parent().and_then(Path::parent).map_or(absolute.clone(), Path::to_path_buf)
 }
