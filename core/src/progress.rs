@@ -129,13 +129,18 @@ impl Progress {
             }
             Shown::Launcher => self.send(step.step, false),
             Shown::Lines => {
-                if step.loss.is_some() || self.last_line.elapsed() >= LINE_EVERY {
+                if self.line_due(&step) {
                     let line = self.line(&step);
                     tracing::info!("{line}");
                     (self.last_line, self.tokens, self.seconds) = (Instant::now(), 0, 0.0);
                 }
             }
         }
+    }
+
+    /// A logged step, or `LINE_EVERY` since the last line.
+    fn line_due(&self, step: &Step) -> bool {
+        step.loss.is_some() || self.last_line.elapsed() >= LINE_EVERY
     }
 
     fn send(&self, step: usize, done: bool) {
@@ -179,6 +184,26 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn step(step: usize, loss: Option<f64>) -> Step {
+        Step { step, epoch: step as f64 / 10.0, loss, lr: 1e-3, tokens: 500, seconds: 0.5, memory: 2e9 }
+    }
+
+    #[test]
+    fn a_line_comes_each_logged_step_and_between_them_after_line_every() {
+        let mut progress = Progress::new(0, 10);
+        progress.shown = Shown::Lines;
+        assert!(progress.line_due(&step(1, Some(2.5))));
+        progress.after_step(step(1, Some(2.5)));
+        assert!(!progress.line_due(&step(2, None)), "a line just came");
+        progress.after_step(step(2, None));
+        progress.last_line -= LINE_EVERY;
+        assert!(progress.line_due(&step(3, None)));
+        // Between logged steps: the last logged loss, and its step.
+        let line = progress.line(&step(3, None));
+        assert!(line.starts_with("step 3/10 (30%), epoch 0.30, loss 2.5000 (step 1), lr 1.00e-3, 1000 tokens/s/rank, memory 1.86 GiB, elapsed "), "{line}");
+        assert!(line.contains(", ETA "), "{line}");
+    }
 
     #[test]
     fn updates_cross_as_lines_and_only_they_decode() {
