@@ -108,13 +108,15 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
 
 #[derive(Args)]
 pub struct ExportArgs {
-    /// A checkpoint directory, or "latest" in --output-dir.
+    /// A checkpoint directory, "latest" in --output-dir, or a trained model
+    /// directory (a run's final/).
     #[arg(long)]
     checkpoint: String,
     /// The run's output directory (where "latest" is looked for).
     #[arg(long, default_value = "ft-output")]
     output_dir: PathBuf,
-    /// The Hugging Face directory to write (config.json, model.safetensors, tokenizer.json).
+    /// The Hugging Face directory to write (config.json, model.safetensors, the tokenizer with
+    /// tokenizer_config.json and the chat template, generation_config.json).
     #[arg(long)]
     out: PathBuf,
     /// Weight dtype on disk: f32, bf16 or f16.
@@ -123,7 +125,7 @@ pub struct ExportArgs {
     /// Largest weights file, e.g. 5GB: more make model-0000k-of-0000n.safetensors and an index (export holds one file in memory).
     #[arg(long, value_parser = crate::args::parse_size)]
     max_shard_size: Option<f64>,
-    /// A LoRA checkpoint: write the base model with the adapters folded in,
+    /// A LoRA checkpoint or final/: write the base model with the adapters folded in,
     /// instead of the adapter files (adapter_config.json, adapter_model.safetensors).
     #[arg(long)]
     merge: bool,
@@ -133,14 +135,14 @@ pub struct ExportArgs {
 }
 
 pub fn export(args: ExportArgs) -> Result<i32> {
-    let dir = ft_core::checkpoint::resolve(&args.checkpoint, &args.output_dir)?;
+    let source = ft_models::trained::export_source(&args.checkpoint, &args.output_dir)?;
     let export = ft_models::trained::Export {
         dtype: args.dtype.storage_kind(),
         max_shard_bytes: args.max_shard_size.map_or(hf::DEFAULT_MAX_SHARD_BYTES, |bytes| bytes as u64),
         merge: args.merge,
         base_model: args.base_model.as_deref(),
     };
-    let step = ft_models::trained::export_checkpoint(&dir, &args.out, &export)?;
-    println!("exported step {step} of {} to {}", dir.display(), args.out.display());
+    let exported = ft_models::trained::export(&source, &args.out, &export)?;
+    println!("exported {exported} to {}", args.out.display());
     Ok(0)
 }

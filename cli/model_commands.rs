@@ -66,7 +66,7 @@ pub fn init_model(args: InitModelArgs) -> Result<i32> {
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Model directory (or hub id in the local cache).
+    /// Model directory (or hub id in the local cache), or a peft adapter directory (a LoRA run's final/) on the base it names.
     #[arg(long)]
     model: String,
     /// Text to continue (needs the model's tokenizer.json).
@@ -88,7 +88,6 @@ pub struct GenerateArgs {
 
 pub fn generate(args: GenerateArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let model = hf::load_model(&dir)?;
     let device = args.device.for_rank(0);
     let dtype = args.dtype.kind(device);
     let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
@@ -99,8 +98,8 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
         }
         _ => args.ids.clone(),
     };
+    let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
     let eos = args.eos.or_else(|| model.hf_config()["eos_token_id"].as_i64());
-    let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
     let tokens = ft_core::generate::greedy(model.as_ref(), &params, &prompt, args.max_new_tokens, eos, dtype)?;
     match tokenizer {
         Some(tokenizer) => {
@@ -114,6 +113,7 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
 
 #[derive(Args)]
 pub struct ForwardArgs {
+    /// Model directory (or hub id in the local cache), or a peft adapter directory (a LoRA run's final/) on the base it names.
     #[arg(long)]
     model: String,
     /// JSON file with token ids, [[...], ...] (one row per sequence).
@@ -133,7 +133,6 @@ pub struct ForwardArgs {
 
 pub fn forward(args: ForwardArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let model = hf::load_model(&dir)?;
     let device = args.device.for_rank(0);
     let dtype = args.dtype.kind(device);
     let rows: Vec<Vec<i64>> = serde_json::from_str(
@@ -141,7 +140,7 @@ pub fn forward(args: ForwardArgs) -> Result<i32> {
     )
     .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
     let ids = Tensor::from_slice2(&rows).to_device(device);
-    let params = hf::load_params(model.as_ref(), &dir, dtype, device)?;
+    let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
     let out = ft_core::train::loss::lm_inspection(model.as_ref(), &params, &ids, dtype, args.grads)?;
     Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("loss {:.6}", out.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])));

@@ -337,6 +337,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
             tracing::info!("{}", lora.describe());
         }
     }
+    let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.dir.as_deref());
     let fit = Fit {
         model,
         task: task.as_mut(),
@@ -349,7 +350,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         dtype: rank.dtype,
         sinks,
         resolved_config: config.flattened()?,
-        checkpoints: CheckpointPlan { output: &output, model_config: &source.config, tokenizer: Some(&tokenizer), base_model: base_dir.as_deref() },
+        checkpoints: CheckpointPlan { output: &output, model_config: &source.config, model_files: &model_files, base_model: base_dir.as_deref() },
     };
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => {
@@ -367,14 +368,8 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     if rank.rank() == 0 {
         let final_dir = output.join("final");
         let what = ft_models::trained::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
-        std::fs::copy(&tokenizer, final_dir.join("tokenizer.json"))?;
-        // A chat model's template (the one it was trained with) and the special tokens it names go with its tokenizer.
-        let template = config.data.chat_template.clone().unwrap_or(tokenizer.with_file_name("chat_template.jinja"));
-        for (from, name) in [(tokenizer.with_file_name("tokenizer_config.json"), "tokenizer_config.json"), (template, "chat_template.jinja")] {
-            if from.exists() {
-                std::fs::copy(&from, final_dir.join(name))?;
-            }
-        }
+        // What transformers needs besides the weights: the tokenizer, its special tokens and the chat template it was trained with, generation defaults.
+        ft_models::trained::write_model_files(&final_dir, &model_files, &source.config)?;
         let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
         written.extend(task.write_predictions(&output)?);
         std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;

@@ -274,3 +274,80 @@ fn packed_conversations_train_as_unpacked_ones_do() {
     }
     assert!(unpacked[2] < unpacked[0], "it trains: {unpacked:?}");
 }
+
+/// tests/python/export_reference.py's `check` of exported directories:
+/// each `{"export", "config"[, "conversations", "tokens"]}` in `cases`.
+fn check_exports(cases: &serde_json::Value) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/export_reference.py");
+    let output = Command::new("python").arg(&script).args(["check", &cases.to_string()]).output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
+    assert!(output.status.success(), "export_reference.py on {cases}: {}", text(&output));
+    eprintln!("{}", String::from_utf8_lossy(&output.stdout));
+}
+
+/// An export is whole: transformers loads it in the dtype its config.json
+/// names, its `apply_chat_template` gives the tokens ft trained on (the
+/// template the run was given, not the one beside the source's tokenizer),
+/// its generation_config names the model config's eos ids as it has them (a
+/// list), and `ft eval` runs it on the conversations; final/ is as whole.
+/// A model whose tokenizer.json came alone (the demo) gets a
+/// tokenizer_config.json with the special tokens of its config's ids.
+#[test]
+fn exports_are_whole_for_transformers_and_ft_eval() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 256);
+    // The config's special tokens are the tokenizer's, and its eos ids a list, as Llama 3's are.
+    let tokenizer = tokenizers::Tokenizer::from_file(model.join("tokenizer.json")).unwrap();
+    let id = |token: &str| tokenizer.token_to_id(token).unwrap_or_else(|| panic!("{token} is a token"));
+    let config_path = model.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["bos_token_id"] = id("<|begin_of_text|>").into();
+    config["eos_token_id"] = serde_json::json!([id("<|eot_id|>"), id("<|endoftext|>")]);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+
+    let (conversations, template) = (fixture("conversations.jsonl"), fixture("chatml.jinja"));
+    let tokens = dir.path().join("tokens.jsonl");
+    assert!(tokenize(&model, &conversations, &tokens, &["--chat-template", template.to_str().unwrap()]).status.success());
+    let out = dir.path().join("run");
+    let output = ft()
+        .args(["train", "--model", model.to_str().unwrap(), "--train-file", conversations.to_str().unwrap(), "--device", "cpu"])
+        .args(["--chat-template", template.to_str().unwrap(), "--epochs", "1", "--batch-size", "2", "--save-every", "100"])
+        .args(["--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let export = dir.path().join("export");
+    let output = ft()
+        .args(["export", "--checkpoint", "latest", "--output-dir", out.to_str().unwrap(), "--out", export.to_str().unwrap(), "--dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let mut cases = vec![];
+    for whole in [&export, &out.join("final")] {
+        for file in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+            assert!(whole.join(file).is_file(), "{} has no {file}", whole.display());
+        }
+        cases.push(serde_json::json!({"export": whole, "config": config_path, "conversations": conversations, "tokens": tokens}));
+    }
+    let output = ft()
+        .args(["eval", "--model", export.to_str().unwrap(), "--eval-file", conversations.to_str().unwrap(), "--device", "cpu"])
+        .args(["--output-dir", dir.path().join("eval").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success() && text(&output).contains("eval loss"), "{}", text(&output));
+
+    // The demo's tokenizer.json has no tokenizer_config.json beside it: final/ gets one.
+    let demo = dir.path().join("demo");
+    let output = ft()
+        .args(["train", "--epochs", "1", "--train-samples", "16", "--eval-samples", "4", "--nproc-per-node", "1", "--batch-size", "8"])
+        .args(["--output-dir", demo.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(!demo.join("demo-data/tokenizer_config.json").exists());
+    let final_dir = demo.join("final");
+    cases.push(serde_json::json!({"export": final_dir, "config": final_dir.join("config.json")}));
+    check_exports(&serde_json::Value::from(cases));
+}

@@ -305,3 +305,69 @@ fn bad_lora_settings_are_refused_by_key() {
     let log = refusal(&["--set", "train.lora.rank=4"]);
     assert!(log.contains("rank"), "{log}");
 }
+
+/// `--merge` works from final/ as from the run's last checkpoint (the same
+/// weights; without it final/'s adapter is copied whole), from another
+/// working directory than the run's relative
+/// `--output-dir` (the base path is resolved against the run); its errors
+/// name the flags given; `ft generate` and `ft forward` run final/'s
+/// adapter on its base as the merged model runs.
+#[test]
+fn merge_from_final_equals_merge_from_the_checkpoint_from_any_directory() {
+    let (run_cwd, other_cwd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let train = ft()
+        .current_dir(run_cwd.path())
+        .args(["train", "--lora-r", "4", "--epochs", "1", "--train-samples", "32", "--eval-samples", "4", "--nproc-per-node", "1"])
+        .args(["--batch-size", "8", "--lr", "1e-2", "--save-every", "100", "--output-dir", "run"])
+        .output()
+        .unwrap();
+    assert!(train.status.success(), "{}", text(&train));
+    let run = run_cwd.path().join("run");
+    let export = |args: &[&str]| ft().current_dir(other_cwd.path()).arg("export").args(args).output().unwrap();
+    let checkpoint = ft_core::checkpoint::list(&run).unwrap().pop().expect("the run's last step is saved");
+    let (from_checkpoint, from_final) = (other_cwd.path().join("merged-checkpoint"), other_cwd.path().join("merged-final"));
+    for (source, out) in [(&checkpoint, &from_checkpoint), (&run.join("final"), &from_final)] {
+        let output = export(&["--checkpoint", source.to_str().unwrap(), "--merge", "--out", out.to_str().unwrap()]);
+        assert!(output.status.success(), "{}", text(&output));
+        assert!(out.join("tokenizer.json").is_file() && out.join("generation_config.json").is_file());
+    }
+    let (a, b) = (tensors(&from_checkpoint.join("model.safetensors")), tensors(&from_final.join("model.safetensors")));
+    assert_eq!(a.len(), b.len());
+    for (name, tensor) in &a {
+        assert!(b[name].equal(tensor), "{name}: merged from final/ differs from merged from the checkpoint");
+    }
+
+    // Without --merge, final/'s adapter as it is, with the tokenizer files.
+    let adapter = other_cwd.path().join("adapter");
+    let output = export(&["--checkpoint", run.join("final").to_str().unwrap(), "--out", adapter.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output));
+    for file in [peft::CONFIG_FILE, peft::WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(adapter.join(file).is_file(), "the exported adapter has no {file}");
+    }
+
+    // Errors name the flags the user gave.
+    let output = export(&["--checkpoint", "latest", "--output-dir", "nowhere", "--out", "x"]);
+    assert!(!output.status.success() && text(&output).contains("--checkpoint latest") && !text(&output).contains("--resume"), "{}", text(&output));
+    let output = export(&["--checkpoint", checkpoint.to_str().unwrap(), "--merge", "--base-model", "no-such-base", "--out", "x"]);
+    assert!(!output.status.success() && text(&output).contains("--base-model no-such-base"), "{}", text(&output));
+
+    // final/'s adapter runs on its base as the merged model does.
+    let run_model = |command: &str, model: &Path, args: &[&str]| {
+        let output = ft().current_dir(other_cwd.path()).args([command, "--model", model.to_str().unwrap()]).args(args).output().unwrap();
+        assert!(output.status.success(), "ft {command} --model {}: {}", model.display(), text(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let generate = ["--ids", "1,5,9,14", "--max-new-tokens", "6"];
+    assert_eq!(run_model("generate", &run.join("final"), &generate), run_model("generate", &from_final, &generate));
+    let ids = other_cwd.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2]]").unwrap();
+    let logits = |model: &Path| -> Tensor {
+        let out = other_cwd.path().join("forward.safetensors");
+        run_model("forward", model, &["--ids", ids.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+        tensors(&out).remove("logits").unwrap()
+    };
+    let (adapted, merged, base) = (logits(&run.join("final")), logits(&from_final), logits(&run.join("base-model")));
+    let largest_gap = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    assert!(largest_gap(&adapted, &merged) <= 1e-5, "adapter on its base vs merged: logits differ by {}", largest_gap(&adapted, &merged));
+    assert!(largest_gap(&base, &merged) > 1e-3, "the adapters must matter to this check: they move the logits by {}", largest_gap(&base, &merged));
+}

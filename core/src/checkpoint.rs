@@ -4,7 +4,8 @@
 //! owns), `manifest.json` (step, data cursor and the `data.range` it walks,
 //! world, strategy, shard group, each unit's parameters with their offsets
 //! in its flat buffer and which element range each file holds, model
-//! config) and the tokenizer. Every
+//! config) and the files an export needs besides the weights (the
+//! tokenizer, its config, the chat template). Every
 //! rank writes its own part in parallel — nothing is gathered — and a reader
 //! of any world size and strategy reads only the ranges it owns (the
 //! safetensors header gives each tensor's offset). A save is written into a
@@ -129,7 +130,9 @@ pub struct Manifest {
     /// A LoRA run's adapters (its frozen units come from `base_model`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<crate::config::LoraConfig>,
-    /// The directory the run's base weights were read from.
+    /// The directory the run's base weights were read from: relative to
+    /// the run's output directory when inside it (`base-model`), else
+    /// absolute (`base_model_dir` reads it back).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_model: Option<PathBuf>,
     /// The communication hook whose state the rank files hold (`comm.*` tensors).
@@ -203,6 +206,26 @@ pub fn resume_from(spec: &str, output: &Path) -> Result<Option<PathBuf>> {
         "auto" => resolve("latest", output).map(Some),
         spec => resolve(spec, output).map(Some),
     }
+}
+
+/// How a checkpoint records `path` of a run writing to `output`: relative
+/// to `output` when inside it (so the run directory can move, and be read
+/// from any working directory), else absolute.
+pub(crate) fn path_in_run(path: &Path, output: &Path) -> PathBuf {
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let (path, output) = (absolute(path), absolute(output));
+    path.strip_prefix(&output).map_or(path.clone(), Path::to_path_buf)
+}
+
+/// The run directory of checkpoint `checkpoint` (`<run>/checkpoints/step-N`).
+fn run_dir(checkpoint: &Path) -> PathBuf {
+    let absolute = std::path::absolute(checkpoint).unwrap_or_else(|_| checkpoint.to_path_buf());
+    absolute.parent().and_then(Path::parent).map_or(absolute.clone(), Path::to_path_buf)
+}
+
+/// The base model directory `manifest` (of checkpoint `checkpoint`) records, resolved against its run directory.
+pub fn base_model_dir(manifest: &Manifest, checkpoint: &Path) -> Option<PathBuf> {
+    manifest.base_model.as_ref().map(|base| run_dir(checkpoint).join(base))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
@@ -379,9 +402,9 @@ impl PendingSave {
 
     /// Waits for this rank's file; once every rank's is written, rank 0
     /// writes the manifest (whose `files` and units' `shards` this fills
-    /// in) and the tokenizer, fsynced, and renames the directory into
-    /// place. Collective: every rank calls it.
-    pub fn finish(self, tokenizer: Option<&Path>, comm: &Communicator) -> Result<PathBuf> {
+    /// in) and copies `files` (name in the checkpoint, where it is), fsynced,
+    /// and renames the directory into place. Collective: every rank calls it.
+    pub fn finish(self, files: &[(String, PathBuf)], comm: &Communicator) -> Result<PathBuf> {
         let PendingSave { writer, dir, temporary, final_path, mut manifest, ranges, started, blocked_seconds } = self;
         let (rank, world) = (comm.env().rank, comm.env().world_size);
         let written = writer.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the checkpoint writer thread panicked")));
@@ -397,7 +420,7 @@ impl PendingSave {
                     .collect();
                 unit.shards.sort_by_key(|shard| shard.start);
             }
-            check_shards(&manifest, &temporary).and_then(|()| publish(&dir, &temporary, &final_path, &manifest, tokenizer))
+            check_shards(&manifest, &temporary).and_then(|()| publish(&dir, &temporary, &final_path, &manifest, files))
         } else {
             Ok(())
         };
@@ -421,15 +444,15 @@ impl PendingSave {
     }
 }
 
-/// Rank 0, once every rank's file is written: the manifest and tokenizer,
+/// Rank 0, once every rank's file is written: the manifest and `files`,
 /// fsynced, then the rename that makes the checkpoint exist.
-fn publish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest, tokenizer: Option<&Path>) -> Result<()> {
+fn publish(dir: &Path, temporary: &Path, final_path: &Path, manifest: &Manifest, files: &[(String, PathBuf)]) -> Result<()> {
     let manifest_path = temporary.join("manifest.json");
     std::fs::write(&manifest_path, serde_json::to_string_pretty(manifest)?).with_context(|| format!("cannot write {}", manifest_path.display()))?;
     File::open(&manifest_path)?.sync_all()?;
-    if let Some(tokenizer) = tokenizer {
-        let copy = temporary.join("tokenizer.json");
-        std::fs::copy(tokenizer, &copy).with_context(|| format!("cannot copy {} into the checkpoint", tokenizer.display()))?;
+    for (name, from) in files {
+        let copy = temporary.join(name);
+        std::fs::copy(from, &copy).with_context(|| format!("cannot copy {} into the checkpoint", from.display()))?;
         File::open(&copy)?.sync_all()?;
     }
     sync_dir(temporary)?;

@@ -1,12 +1,16 @@
 //! What torchrun does for one node (`ft launch`, and `ft train` starting
 //! its own local ranks): starts `nproc_per_node` workers with torchrun's
-//! environment, prefixes their output with the rank, and when one fails
-//! stops the others and exits with its code. A stopping signal (SIGINT,
-//! SIGTERM, SIGUSR1, …: `signals::STOPPING`) is passed on to the workers,
-//! which save a checkpoint and exit with `signals::SAVED_AND_STOPPED`,
-//! given `save_grace_secs` to do so; a second signal stops them at once.
+//! environment, prefixes their output with the rank (and, on a terminal,
+//! draws rank 0's progress bar from the lines it writes for it:
+//! `crate::progress`), and when one fails stops the others and exits with
+//! its code. A stopping signal (SIGINT, SIGTERM, SIGUSR1, …:
+//! `signals::STOPPING`) is passed on to the workers, which save a checkpoint
+//! and exit with `signals::SAVED_AND_STOPPED`, given `save_grace_secs` to do
+//! so; a second signal stops them at once.
 
+use crate::progress::{self, Update};
 use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use crate::signals::{self, SAVED_AND_STOPPED};
@@ -44,18 +48,72 @@ fn describe(status: ExitStatus) -> (String, i32) {
     }
 }
 
+/// Where the workers' output goes: their lines, and rank 0's progress as a
+/// bar on this process's stderr when that is a terminal (the workers' is a
+/// pipe, so they cannot draw one).
+#[derive(Clone)]
+struct Console {
+    draws_progress: bool,
+    /// Hidden until the first update, so that nothing shows before training.
+    bar: ProgressBar,
+}
+
+impl Console {
+    fn new() -> Console {
+        let bar = progress::bar(0, ProgressDrawTarget::hidden());
+        Console { draws_progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), bar }
+    }
+
+    /// A worker's line, prefixed with its rank, printed above the bar.
+    fn line(&self, rank: usize, text: &str, to_stderr: bool) {
+        self.bar.suspend(|| {
+            let _ = if to_stderr {
+                writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
+            } else {
+                writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
+            };
+        });
+    }
+
+    /// Rank 0's progress (never printed as a line: without a terminal no worker sends any).
+    fn progress(&self, update: Update) {
+        if !self.draws_progress || self.bar.is_finished() {
+            return;
+        }
+        if update.done {
+            return self.bar.finish_and_clear();
+        }
+        let first = self.bar.is_hidden();
+        if first {
+            self.bar.reset_elapsed();
+        }
+        self.bar.set_length(update.total);
+        self.bar.set_position(update.step);
+        self.bar.set_message(update.message);
+        if first {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+    }
+
+    /// The workers are gone: a bar rank 0 did not finish stays as it was.
+    fn close(&self) {
+        if !self.bar.is_finished() && !self.bar.is_hidden() {
+            self.bar.abandon();
+        }
+    }
+}
+
 /// Copies a worker's output line by line, each line prefixed with its rank.
-fn forward(rank: usize, source: impl Read + Send + 'static, to_stderr: bool) -> std::thread::JoinHandle<()> {
+fn forward(rank: usize, source: impl Read + Send + 'static, to_stderr: bool, console: Console) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(source);
         let mut line = Vec::new();
         while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches('\n');
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
-            } else {
-                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+            match Update::decode(text).filter(|_| to_stderr) {
+                Some(update) => console.progress(update),
+                None => console.line(rank, text, to_stderr),
             }
             line.clear();
         }
@@ -122,6 +180,7 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
 
     let mut received = signal_hook::iterator::Signals::new(signals::STOPPING)?;
 
+    let console = Console::new();
     let mut children = vec![];
     let mut forwarders = vec![];
     for local_rank in 0..args.nproc_per_node {
@@ -139,6 +198,11 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if console.draws_progress {
+            command.env(progress::LAUNCHER_DRAWS, "1");
+        } else {
+            command.env_remove(progress::LAUNCHER_DRAWS);
+        }
         // SAFETY: setpgid and prctl are async-signal-safe. Each worker leads
         // its own process group (stopped as one), and dies with the launcher,
         // so a killed launcher never leaves ranks waiting on a dead job.
@@ -150,8 +214,8 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
             });
         }
         let mut child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
-        forwarders.push(forward(rank, child.stdout.take().expect("piped"), false));
-        forwarders.push(forward(rank, child.stderr.take().expect("piped"), true));
+        forwarders.push(forward(rank, child.stdout.take().expect("piped"), false, console.clone()));
+        forwarders.push(forward(rank, child.stderr.take().expect("piped"), true, console.clone()));
         children.push((rank, child));
     }
 
@@ -207,5 +271,6 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
     for handle in forwarders {
         let _ = handle.join();
     }
+    console.close();
     Ok(exit_code)
 }

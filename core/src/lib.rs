@@ -31,6 +31,7 @@ pub mod offload;
 pub mod plan;
 pub mod plugin;
 pub mod profile;
+pub mod progress;
 pub mod quantize;
 pub mod registry;
 pub mod run_dir;

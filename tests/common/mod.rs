@@ -13,7 +13,7 @@ pub const FT: &str = env!("CARGO_BIN_EXE_ft");
 /// Removes what would make a process think a launcher started it (a test
 /// may itself run under one), and any fault injection.
 pub fn without_launcher_env(command: &mut Command) -> &mut Command {
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "FT_FAULT_INJECT"] {
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "FT_FAULT_INJECT", "FT_LAUNCHER_DRAWS_PROGRESS"] {
         command.env_remove(var);
     }
     command

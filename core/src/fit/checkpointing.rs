@@ -38,7 +38,10 @@ use tch::{Device, Kind, Tensor};
 pub struct CheckpointPlan<'a> {
     pub output: &'a Path,
     pub model_config: &'a serde_json::Value,
-    pub tokenizer: Option<&'a Path>,
+    /// Files each checkpoint keeps beside its state, by their name in it
+    /// and where they are (the tokenizer, its config, the chat template):
+    /// what an export needs besides the weights.
+    pub model_files: &'a [(String, PathBuf)],
     /// The directory the base weights come from (a LoRA checkpoint holds only what trains).
     pub base_model: Option<&'a Path>,
 }
@@ -298,7 +301,7 @@ impl<'a> Checkpointer<'a> {
     /// Waits for the save in flight, if any, and finishes it (collective).
     pub fn finish(&mut self, comm: &Communicator) -> Result<()> {
         if let Some(pending) = self.pending.take() {
-            self.latest = Some(pending.finish(self.plan.tokenizer, comm)?);
+            self.latest = Some(pending.finish(self.plan.model_files, comm)?);
             self.prune(comm)?;
         }
         Ok(())
@@ -374,7 +377,7 @@ impl<'a> Checkpointer<'a> {
             units: UnitLayout::of(trainer.model()),
             model_config: self.plan.model_config.clone(),
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
-            base_model: self.plan.base_model.map(Path::to_path_buf),
+            base_model: self.plan.base_model.map(|dir| checkpoint::path_in_run(dir, self.plan.output)),
             comm: Some(self.comm.clone()),
             run_id: Some(self.run_id.clone()),
             saved_at: Some(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64()),

@@ -1,13 +1,14 @@
 //! The run's log: each logged step's record (loss, learning rate, gradient
 //! norm, time, memory, offload traffic) and each epoch's evaluation go to
-//! the sinks and the progress bar on rank 0; every rank keeps the counters
-//! the summary is made of.
+//! the sinks on rank 0, and every step to its progress (`crate::progress`);
+//! every rank keeps the counters the summary is made of.
 
 use super::evaluation::Evaluation;
 use super::summary::{memory, EpochResult, RunTotals, Summary};
 use super::StepOutcome;
 use crate::comm::Communicator;
 use crate::metrics::{MetricsSink, Record};
+use crate::progress::{self, Progress};
 use crate::train::OffloadStats;
 use anyhow::Result;
 use std::collections::BTreeMap;
@@ -15,8 +16,7 @@ use std::time::Instant;
 
 pub(crate) struct RunLog<'a> {
     sinks: Vec<Box<dyn MetricsSink>>,
-    /// Rank 0's progress on the terminal (hidden elsewhere, and where stderr is no terminal).
-    progress: indicatif::ProgressBar,
+    progress: Progress,
     comm: &'a Communicator,
     offload_to_host: bool,
     log_every: usize,
@@ -28,13 +28,9 @@ pub(crate) struct RunLog<'a> {
 }
 
 impl<'a> RunLog<'a> {
-    /// A log for a run that ends at optimizer step `last_step` (where the progress bar ends).
+    /// A log for a run that ends at optimizer step `last_step` (where its progress ends).
     pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, log_every: usize) -> RunLog<'a> {
-        let progress = indicatif::ProgressBar::new(last_step as u64);
-        match indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed} < {eta}]") {
-            Ok(style) if comm.env().rank == 0 => progress.set_style(style),
-            _ => progress.set_draw_target(indicatif::ProgressDrawTarget::hidden()),
-        }
+        let progress = Progress::new(comm.env().rank, last_step);
         RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, totals: RunTotals::default() }
     }
 
@@ -61,8 +57,9 @@ impl<'a> RunLog<'a> {
         self.last_step_sent = after.iter().sum::<u64>() - before.iter().sum::<u64>();
     }
 
-    /// Counts optimizer step `step`, and logs it every `log_every` steps and
-    /// at the end of an epoch (reading the loss synchronises with the device).
+    /// Counts optimizer step `step`, shows it in the progress, and logs it
+    /// every `log_every` steps and at the end of an epoch (reading the loss
+    /// synchronises with the device).
     #[allow(clippy::too_many_arguments)]
     pub fn after_step(
         &mut self,
@@ -84,8 +81,11 @@ impl<'a> RunLog<'a> {
         t.tokens += outcome.tokens;
         t.flops += outcome.flops;
         t.steps += 1;
+        let mut shown = progress::Step { step, epoch: epoch_progress, loss: None, lr, tokens: outcome.tokens, seconds: 0.0, memory: in_use };
         if step % self.log_every != 0 && !last_of_epoch {
-            self.totals.train_seconds += started.elapsed().as_secs_f64();
+            shown.seconds = started.elapsed().as_secs_f64();
+            self.totals.train_seconds += shown.seconds;
+            self.progress.after_step(shown);
             return Ok(());
         }
         // The step's loss and its non-padding tokens over every rank, in one reduction.
@@ -115,10 +115,10 @@ impl<'a> RunLog<'a> {
             ]);
         }
         if self.comm.env().rank == 0 {
-            self.progress.set_position(step as u64);
-            self.progress.set_message(format!("loss {loss:.4} lr {lr:.2e}"));
             self.record(&Record { step: step as u64, values })?;
         }
+        (shown.loss, shown.seconds) = (Some(loss), started.elapsed().as_secs_f64());
+        self.progress.after_step(shown);
         Ok(())
     }
 
@@ -154,7 +154,7 @@ impl<'a> RunLog<'a> {
 
     /// Gives the sinks the run's summary and flushes them.
     pub fn finish(mut self, summary: &Summary) -> Result<()> {
-        self.progress.finish_and_clear();
+        self.progress.finish();
         let summary = serde_json::to_value(summary)?;
         for sink in &mut self.sinks {
             sink.summary(&summary)?;

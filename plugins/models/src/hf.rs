@@ -510,11 +510,8 @@ pub fn write_model(
         Kind::Half => "float16",
         _ => "float32",
     });
-    // transformers 5 writes and reads "dtype", and reads "torch_dtype" (older
-    // versions' name) only when "dtype" is unset: a stale "dtype" would win.
-    if config.get("dtype").is_some() {
-        config["dtype"] = dtype_name.clone();
-    }
+    // transformers 5 writes and reads "dtype"; older versions read only "torch_dtype".
+    config["dtype"] = dtype_name.clone();
     config["torch_dtype"] = dtype_name;
     let units = model.units();
     let unit_bytes: Vec<u64> = units.iter().map(|u| u.numel() as u64 * dtype.elt_size_in_bytes() as u64).collect();

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use ft_core::config::LoraConfig;
 use ft_core::lora::LoraModel;
 use ft_core::model::{head, Model};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -60,7 +60,8 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
         "use_dora": false,
         "init_lora_weights": true,
         "modules_to_save": (!modules_to_save.is_empty()).then_some(modules_to_save),
-        "base_model_name_or_path": base_model.map(|p| p.display().to_string()),
+        // Absolute, so the adapter loads from any working directory.
+        "base_model_name_or_path": base_model.map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string()),
         "inference_mode": true,
     });
     crate::hf::write_weights(&tensors, &dir.join(WEIGHTS_FILE))?;
@@ -77,9 +78,29 @@ pub fn is_adapter(dir: &Path) -> bool {
 /// `adapter_config.json` names (`base_model_name_or_path`) wrapped in its
 /// adapters, and every unit's parameters in `dtype` on `device`.
 pub fn load_adapted(dir: &Path, dtype: Kind, device: Device) -> Result<(LoraModel, Vec<Vec<Tensor>>)> {
+    load_adapted_on(dir, &base_model_dir(dir)?, dtype, device)
+}
+
+/// The base model directory adapter `dir` names (`base_model_name_or_path`).
+pub fn base_model_dir(dir: &Path) -> Result<PathBuf> {
+    let (config, config_path) = read_config(dir)?;
+    config
+        .get("base_model_name_or_path")
+        .and_then(|v| v.as_str())
+        .map(PathBuf::from)
+        .with_context(|| format!("{}: base_model_name_or_path names no base model directory", config_path.display()))
+}
+
+fn read_config(dir: &Path) -> Result<(serde_json::Value, PathBuf)> {
     let config_path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
     let config: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", config_path.display()))?;
+    Ok((config, config_path))
+}
+
+/// [`load_adapted`] onto the base model in `base_dir`.
+pub fn load_adapted_on(dir: &Path, base_dir: &Path, dtype: Kind, device: Device) -> Result<(LoraModel, Vec<Vec<Tensor>>)> {
+    let (config, config_path) = read_config(dir)?;
     let field = |key: &str| config.get(key).filter(|v| !v.is_null());
     if field("peft_type").and_then(|v| v.as_str()) != Some("LORA") {
         bail!("{}: peft_type is {:?}; ft runs LORA adapters", config_path.display(), field("peft_type"));
@@ -95,12 +116,11 @@ pub fn load_adapted(dir: &Path, dtype: Kind, device: Device) -> Result<(LoraMode
     };
     let number = |key: &str| field(key).and_then(|v| v.as_f64()).with_context(|| format!("{}: {key} is missing", config_path.display()));
     let lora_config = LoraConfig { r: number("r")? as usize, alpha: Some(number("lora_alpha")?), dropout: number("lora_dropout").unwrap_or(0.0), targets };
-    let base_dir = field("base_model_name_or_path")
-        .and_then(|v| v.as_str())
-        .map(std::path::PathBuf::from)
-        .with_context(|| format!("{}: base_model_name_or_path names no base model directory", config_path.display()))?;
-    let base = crate::hf::load_model(&base_dir).with_context(|| format!("the base model of adapter {}", dir.display()))?;
-    let mut params = crate::hf::load_params(base.as_ref(), &base_dir, dtype, device)?;
+    if !base_dir.is_dir() {
+        bail!("the base model {} of adapter {} is not a directory", base_dir.display(), dir.display());
+    }
+    let base = crate::hf::load_model(base_dir).with_context(|| format!("the base model of adapter {}", dir.display()))?;
+    let mut params = crate::hf::load_params(base.as_ref(), base_dir, dtype, device)?;
     let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?;
     let weights_path = dir.join(WEIGHTS_FILE);
     let weights: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&weights_path)

@@ -1,6 +1,8 @@
 //! What a run leaves and what reads it back: final/ (the whole model, or
-//! a LoRA run's peft adapter), `ft export` of a checkpoint (either, or the
-//! adapters merged), and `ft eval`'s loading of a trained directory. It sits
+//! a LoRA run's peft adapter), `ft export` of a checkpoint or of final/
+//! (either, or the adapters merged), each with the tokenizer files and
+//! generation defaults transformers needs (`write_model_files`), and the
+//! loading of a trained directory (`ft eval`, `ft forward`, `ft generate`). It sits
 //! above `hf` (Hugging Face model files) and `peft` (adapter files), which
 //! never import it, so the dependencies run one way.
 
@@ -8,25 +10,93 @@ use crate::{hf, peft};
 use anyhow::{bail, Context as _, Result};
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-/// How `export_checkpoint` writes a checkpoint.
+/// How `export` writes a model.
 pub struct Export<'a> {
     /// Weight dtype on disk.
     pub dtype: Kind,
     pub max_shard_bytes: u64,
-    /// A LoRA checkpoint: fold the adapters into the base weights and write
-    /// the whole model, instead of the adapter files.
+    /// A LoRA run's: fold the adapters into the base weights and write the
+    /// whole model, instead of the adapter files.
     pub merge: bool,
     /// The base weights to merge into (default: the directory the run read).
     pub base_model: Option<&'a Path>,
 }
 
-/// Writes ft checkpoint `checkpoint` into `out` with its tokenizer: a
-/// Hugging Face model directory, or for a LoRA run its adapter files (or,
-/// merged, the whole model); returns the step it holds.
-pub fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Result<usize> {
+impl Export<'_> {
+    /// `--base-model`, which must be a directory.
+    fn given_base(&self) -> Result<Option<PathBuf>> {
+        match self.base_model {
+            Some(dir) if !dir.is_dir() => bail!("--base-model {}: not a directory", dir.display()),
+            dir => Ok(dir.map(Path::to_path_buf)),
+        }
+    }
+}
+
+/// What `ft export --checkpoint SPEC` reads: "latest" (the newest checkpoint
+/// under `output`), a checkpoint directory, or a trained model directory (a
+/// run's final/). Errors name `--checkpoint`, the flag the user gave.
+pub fn export_source(spec: &str, output: &Path) -> Result<PathBuf> {
+    if spec == "latest" {
+        return ft_core::checkpoint::list(output)?.pop().with_context(|| {
+            format!("--checkpoint latest: no complete checkpoint under {} (give the run's --output-dir, or a checkpoint or final/ directory)", ft_core::checkpoint::checkpoints_dir(output).display())
+        });
+    }
+    let path = PathBuf::from(spec);
+    if path.join("manifest.json").is_file() || peft::is_adapter(&path) || path.join("config.json").is_file() {
+        return Ok(path);
+    }
+    bail!("--checkpoint {spec}: {} is neither a checkpoint (manifest.json) nor a trained model directory such as a run's final/ (config.json or adapter_config.json)", path.display())
+}
+
+/// Writes `source` (a checkpoint, or a trained model directory as a run's
+/// final/) into `out` as a Hugging Face directory, whole
+/// (`write_model_files`): the model, or a LoRA run's adapter files (or,
+/// merged, the whole model). Returns what it wrote, e.g. "step 40 of …".
+pub fn export(source: &Path, out: &Path, export: &Export) -> Result<String> {
+    if std::fs::canonicalize(out).ok() == Some(std::fs::canonicalize(source)?) {
+        bail!("--out {} is the directory being exported: write the export elsewhere", out.display());
+    }
+    if source.join("manifest.json").is_file() {
+        let (step, model_config) = export_checkpoint(source, out, export)?;
+        write_model_files(out, &files_in(source), &model_config)?;
+        return Ok(format!("step {step} of {}", source.display()));
+    }
+    let model_config = if peft::is_adapter(source) {
+        let base_dir = export.given_base()?.map_or_else(|| peft::base_model_dir(source), Ok)?;
+        if export.merge {
+            let (lora, mut params) = peft::load_adapted_on(source, &base_dir, Kind::Float, Device::Cpu)
+                .with_context(|| format!("--merge: cannot load adapter {} onto its base model (another base: --base-model DIR)", source.display()))?;
+            lora.merge(&mut params);
+            hf::write_model(lora.base(), out, export.dtype, export.max_shard_bytes, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))?;
+            lora.base().hf_config().clone()
+        } else {
+            // The adapter files as they are; the base's config names its special tokens.
+            std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE] {
+                std::fs::copy(source.join(name), out.join(name)).with_context(|| format!("cannot copy {} to {}", source.join(name).display(), out.display()))?;
+            }
+            hf::read_config(&base_dir).with_context(|| format!("the base model of adapter {}", source.display()))?
+        }
+    } else {
+        if export.merge {
+            bail!("--merge: {} holds a whole model, not a LoRA adapter; export it without --merge", source.display());
+        }
+        let model = hf::load_model(source)?;
+        let params = hf::load_params(model.as_ref(), source, Kind::Float, Device::Cpu)?;
+        hf::write_model(model.as_ref(), out, export.dtype, export.max_shard_bytes, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))?;
+        model.hf_config().clone()
+    };
+    write_model_files(out, &files_in(source), &model_config)?;
+    Ok(source.display().to_string())
+}
+
+/// Writes ft checkpoint `checkpoint`'s weights into `out`: a Hugging Face
+/// model, or for a LoRA run its adapter files (or, merged, the whole
+/// model); returns the step it holds and its model config.
+fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Result<(usize, serde_json::Value)> {
     let manifest = ft_core::checkpoint::read_manifest(checkpoint)?;
     let model = hf::build_model(manifest.model_config.clone(), &checkpoint.join("manifest.json"))?;
     match &manifest.lora {
@@ -41,12 +111,20 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Resu
             let trained = (0..lora.units().len())
                 .map(|unit| if lora.frozen(unit) { Ok(vec![]) } else { reader.unit_params(&lora, unit) })
                 .collect::<Result<Vec<_>>>()?;
-            let base_dir = export.base_model.or(manifest.base_model.as_deref());
+            let base_dir = export.given_base()?.or_else(|| ft_core::checkpoint::base_model_dir(&manifest, checkpoint));
             if !export.merge {
-                peft::save_adapter(&lora, &trained, out, base_dir)?;
+                peft::save_adapter(&lora, &trained, out, base_dir.as_deref())?;
             } else {
                 let base_dir = base_dir.with_context(|| format!("--merge: checkpoint {} does not name its base model; give --base-model DIR", checkpoint.display()))?;
-                let mut params = hf::load_params(lora.base(), base_dir, Kind::Float, Device::Cpu)
+                if !base_dir.is_dir() {
+                    bail!(
+                        "--merge: the base model {} that checkpoint {} was trained on is not there (recorded as {:?}, relative to the run directory); give its directory with --base-model DIR",
+                        base_dir.display(),
+                        checkpoint.display(),
+                        manifest.base_model.as_deref().unwrap_or(&base_dir)
+                    );
+                }
+                let mut params = hf::load_params(lora.base(), &base_dir, Kind::Float, Device::Cpu)
                     .with_context(|| format!("--merge: cannot read the base model in {}", base_dir.display()))?;
                 let mut trained = trained;
                 params.extend(trained.split_off(lora.base_units()));
@@ -59,11 +137,91 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Resu
             }
         }
     }
-    let tokenizer = checkpoint.join("tokenizer.json");
-    if tokenizer.exists() {
-        std::fs::copy(&tokenizer, out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tokenizer.display()))?;
+    Ok((manifest.step, manifest.model_config))
+}
+
+/// The files besides the weights that make a model directory usable as it
+/// was trained, by their names there.
+pub const TOKENIZER: &str = "tokenizer.json";
+pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
+pub const GENERATION_CONFIG: &str = "generation_config.json";
+
+/// A run's files besides the weights, by name, where they are (those that
+/// exist): its tokenizer; tokenizer_config.json beside it; the chat template
+/// it used (`chat_template`, else chat_template.jinja beside the tokenizer);
+/// the model directory's generation_config.json.
+pub fn model_files(tokenizer: &Path, chat_template: Option<&Path>, model_dir: Option<&Path>) -> Vec<(String, PathBuf)> {
+    let template = chat_template.map_or_else(|| tokenizer.with_file_name(CHAT_TEMPLATE), Path::to_path_buf);
+    let candidates = [
+        (TOKENIZER, Some(tokenizer.to_path_buf())),
+        (TOKENIZER_CONFIG, Some(tokenizer.with_file_name(TOKENIZER_CONFIG))),
+        (CHAT_TEMPLATE, Some(template)),
+        (GENERATION_CONFIG, model_dir.map(|dir| dir.join(GENERATION_CONFIG))),
+    ];
+    candidates.into_iter().filter_map(|(name, path)| Some((name.to_string(), path.filter(|p| p.is_file())?))).collect()
+}
+
+/// The model files `dir` holds (a checkpoint's, or a trained directory's).
+fn files_in(dir: &Path) -> Vec<(String, PathBuf)> {
+    [TOKENIZER, TOKENIZER_CONFIG, CHAT_TEMPLATE, GENERATION_CONFIG]
+        .into_iter()
+        .map(|name| (name.to_string(), dir.join(name)))
+        .filter(|(_, path)| path.is_file())
+        .collect()
+}
+
+/// Writes into `out` what besides the weights makes it usable as trained,
+/// as transformers' `save_pretrained` leaves it: each of `files` (name,
+/// where it is), then what they lack, from `model_config`: a
+/// tokenizer_config.json with its special tokens (bos, eos, pad from the
+/// config's ids, unk from the tokenizer), and generation_config.json with
+/// the config's token ids (eos as it has them: one id or a list).
+pub fn write_model_files(out: &Path, files: &[(String, PathBuf)], model_config: &serde_json::Value) -> Result<()> {
+    for (name, from) in files {
+        let to = out.join(name);
+        // A run that started from its own final/ has its files there already (copying a file onto itself empties it).
+        if std::fs::canonicalize(&to).ok() != Some(std::fs::canonicalize(from)?) {
+            std::fs::copy(from, &to).with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+        }
     }
-    Ok(manifest.step)
+    let has = |name: &str| files.iter().any(|(n, _)| n == name);
+    let ids = ["bos_token_id", "eos_token_id", "pad_token_id"].map(|key| (key, model_config.get(key).filter(|v| !v.is_null())));
+    if has(TOKENIZER) && !has(TOKENIZER_CONFIG) {
+        let json = derived_tokenizer_config(&out.join(TOKENIZER), &ids)?;
+        write_json(&out.join(TOKENIZER_CONFIG), &json)?;
+    }
+    if !has(GENERATION_CONFIG) {
+        let json: serde_json::Map<String, serde_json::Value> = ids.iter().filter_map(|(key, id)| Some((key.to_string(), (*id)?.clone()))).collect();
+        if !json.is_empty() {
+            write_json(&out.join(GENERATION_CONFIG), &serde_json::Value::Object(json))?;
+        }
+    }
+    Ok(())
+}
+
+/// tokenizer_config.json for a tokenizer.json that came without one:
+/// transformers' fast tokenizer over it, with the special tokens the model
+/// config's ids name and the unknown token of the tokenizer's model.
+fn derived_tokenizer_config(tokenizer_path: &Path, ids: &[(&str, Option<&serde_json::Value>)]) -> Result<serde_json::Value> {
+    let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_path).map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tokenizer_path.display()))?;
+    let mut config = serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": false});
+    for (key, id) in ids {
+        // eos_token_id may be a list (Llama 3's): the tokenizer's eos_token is its first.
+        let id = id.and_then(|id| id.as_u64().or_else(|| id.as_array()?.first()?.as_u64()));
+        if let Some(token) = id.and_then(|id| tokenizer.id_to_token(id as u32)) {
+            config[key.trim_end_matches("_id")] = token.into();
+        }
+    }
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tokenizer_path)?).with_context(|| format!("{} is not JSON", tokenizer_path.display()))?;
+    if let Some(unk) = json["model"]["unk_token"].as_str() {
+        config["unk_token"] = unk.into();
+    }
+    Ok(config)
+}
+
+fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(json)? + "\n").with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Writes a run's final parameters (`Trainer::params`) into `dir`: the

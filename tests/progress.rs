@@ -1,0 +1,68 @@
+//! Progress wherever a run is watched: with stderr to a file (Slurm's log,
+//! a notebook) rank 0 logs a line every `train.log_every` steps with the
+//! step, loss, learning rate, throughput, memory and ETA; on a terminal at
+//! two ranks the launcher draws rank 0's bar (the ranks' own stderr is its
+//! pipe) and never prints the lines rank 0 sends it.
+
+mod common;
+
+use common::{ft, text, without_launcher_env, FT};
+use std::process::{Command, Stdio};
+
+/// The demo, 12 steps at two ranks (96 examples, 2 × 4 a step), a line every 4.
+const RUN: &[&str] = &["train", "--epochs", "1", "--train-samples", "96", "--eval-samples", "8", "--batch-size", "4", "--set", "train.log_every=4"];
+const TWO_RANKS: &[&str] = &["--nproc-per-node", "2"];
+
+/// The protocol's marker, which must never reach the user.
+const UPDATE_MARKER: &str = "ft-progress";
+
+#[test]
+fn a_log_file_gets_a_progress_line_every_log_every_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("stderr.log");
+    let output = ft()
+        .args(RUN)
+        .args(TWO_RANKS)
+        .args(["--output-dir", dir.path().join("run").to_str().unwrap()])
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .output()
+        .unwrap();
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(output.status.success(), "{}{log}", text(&output));
+    assert!(!log.contains(UPDATE_MARKER), "{log}");
+    let lines: Vec<&str> = log.lines().filter(|line| line.contains("[rank 0]") && line.contains(" step ") && line.contains("ETA")).collect();
+    let mut steps = vec![];
+    for line in &lines {
+        let after = |key: &str| line.split(key).nth(1).and_then(|rest| rest.split([',', ' ']).find(|word| !word.is_empty())).unwrap_or_else(|| panic!("no {key:?} in {line}"));
+        let (step, total) = after(" step ").split_once('/').unwrap_or_else(|| panic!("step N/TOTAL in {line}"));
+        assert_eq!(total, "12", "{line}");
+        steps.push(step.parse::<usize>().unwrap());
+        let loss: f64 = after(" loss ").parse().unwrap_or_else(|_| panic!("a loss in {line}"));
+        assert!(loss.is_finite() && loss > 0.0, "{line}");
+        for key in [" epoch ", " lr ", " tokens/s/rank", " memory ", " elapsed ", " ETA "] {
+            assert!(line.contains(key), "no {key:?} in {line}");
+        }
+    }
+    // Every 4th step at least (a line a 30 s in between can add some), up to the last.
+    assert!(steps.windows(2).all(|w| w[0] < w[1] && w[1] - w[0] <= 4) && steps.first() <= Some(&4) && steps.last() == Some(&12), "{steps:?}\n{log}");
+}
+
+#[test]
+fn a_terminal_shows_the_launchers_bar_at_two_ranks() {
+    let quoted = |args: &[&str]| args.iter().map(|arg| format!("'{arg}'")).collect::<Vec<_>>().join(" ");
+    // `ft train` starting its own ranks, and `ft launch` starting them.
+    let started_by_train = [RUN, TWO_RANKS].concat();
+    let launched = [&["launch"], TWO_RANKS, &["--"], RUN].concat();
+    for run in [started_by_train, launched] {
+        let dir = tempfile::tempdir().unwrap();
+        let command = format!("'{FT}' {} --output-dir '{}'", quoted(&run), dir.path().join("run").display());
+        // script(1) runs the command on a pseudo-terminal and copies what it shows to stdout.
+        let mut script = Command::new("script");
+        let output = without_launcher_env(&mut script).args(["-qfec", &command, "/dev/null"]).stdin(Stdio::null()).output().unwrap();
+        let shown = text(&output);
+        assert!(output.status.success(), "{command}: {shown}");
+        assert!(shown.contains("/12 steps") && shown.contains("loss ") && shown.contains('█'), "{command}: no progress bar:\n{shown}");
+        assert!(!shown.contains(UPDATE_MARKER), "{shown}");
+        assert!(shown.contains("[rank 0]") && shown.contains("[rank 1]"), "the ranks' lines are still shown:\n{shown}");
+    }
+}
