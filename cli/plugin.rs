@@ -68,6 +68,8 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
         logs: work.join("logs"),
     };
     let rows = conformance::check(&request, &registry)?;
+    // Gone unless it keeps a failed run's log.
+    let _ = std::fs::remove_dir(&work);
     print_rows(&rows);
     Ok(if rows.iter().any(|r| matches!(r.outcome, Outcome::Fail(_))) { 1 } else { 0 })
 }

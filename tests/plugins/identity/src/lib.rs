@@ -3,8 +3,9 @@
 //! for bit), and — with `comm.identity.fault` — breaks the contract the way
 //! `ft plugin check` must catch: `sizes` (rank 1 all-reduces one element
 //! more than the others), `error` (a reduction returns an error), `panic`,
-//! `drift` (every gradient scaled by 1.001: losses off the built-in's,
-//! yet deterministic, so a resume still equals its own uninterrupted run).
+//! `drift` (1e-3 added to every gradient element this rank sends: losses
+//! off the built-in's once the learning rate is above 0, yet deterministic, so a resume
+//! still equals its own uninterrupted run).
 
 use anyhow::{bail, Result};
 use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, GradReduce, ParamGather, Pending};
@@ -30,7 +31,7 @@ impl CommHook for Identity {
                 Ok(Pending::of(request.group.all_reduce(&mut wrong, Reduction::Sum)?))
             }
             "drift" => {
-                let _ = request.input.f_mul_scalar_(1.001)?;
+                let _ = request.input.f_add_scalar_(1e-3)?;
                 Builtin.reduce(request)
             }
             _ => Builtin.reduce(request),
