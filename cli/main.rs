@@ -43,7 +43,8 @@ Flags without a command are `ft train`'s: `ft --strategy hybrid_shard --offload 
     arg_required_else_help = true
 )]
 struct Cli {
-    /// Load a strategy plug-in (a cdylib built against this ft-core); repeatable.
+    /// Load a plug-in: a cdylib built against this ft-core that adds strategies
+    /// (--strategy) and communication hooks (--comm); repeatable.
     #[arg(long = "plugin", global = true, value_name = "LIB")]
     plugins: Vec<PathBuf>,
     #[command(subcommand)]

@@ -14,8 +14,10 @@ pub struct PluginArgs {
 #[derive(clap::Subcommand)]
 enum PluginCommand {
     /// Check a communication plug-in on 2 and 3 local CPU ranks: it loads, equals
-    /// the built-in (or stays within its declared tolerance), every rank issues the
-    /// same collectives, a killed rank resumes exactly. Exit 1 if any check fails.
+    /// the built-in (or stays within its declared tolerance at every step; both
+    /// runs' losses are shown step by step), every rank issues the same
+    /// collectives, a killed rank resumes to the plug-in's own uninterrupted
+    /// losses. A failed run's output is kept in a log its row names. Exit 1 if any check fails.
     Check(CheckArgs),
 }
 
@@ -47,11 +49,12 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = match Registry::with_plugins(&all) {
         Ok(registry) => registry,
         Err(error) => {
-            print_rows(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")) }]);
+            print_rows(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")), details: vec![] }]);
             return Ok(1);
         }
     };
     let settings = args.settings.iter().map(|s| ft_core::config::parse_assignment(s).map_err(anyhow::Error::msg)).collect::<Result<_>>()?;
+    let work = std::env::temp_dir().join(format!("ft-plugin-check-{}", std::process::id()));
     let request = CheckRequest {
         ft: std::env::current_exe()?,
         library: args.library,
@@ -61,9 +64,12 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
         settings,
         raw_settings: args.settings,
         steps: args.steps.max(6),
-        scratch: std::env::temp_dir().join(format!("ft-plugin-check-{}", std::process::id())),
+        scratch: work.join("runs"),
+        logs: work.join("logs"),
     };
     let rows = conformance::check(&request, &registry)?;
+    // Gone unless it keeps a failed run's log.
+    let _ = std::fs::remove_dir(&work);
     print_rows(&rows);
     Ok(if rows.iter().any(|r| matches!(r.outcome, Outcome::Fail(_))) { 1 } else { 0 })
 }
@@ -77,6 +83,9 @@ fn print_rows(rows: &[Row]) {
             Outcome::Skipped(detail) => ("skip", detail),
         };
         println!("  {:<10} {:<width$}  {mark:<4}  {detail}", row.hook, row.check);
+        for line in &row.details {
+            println!("      {line}");
+        }
     }
     let count = |kind: fn(&Outcome) -> bool| rows.iter().filter(|r| kind(&r.outcome)).count();
     println!(

@@ -218,7 +218,9 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
         deepspeed.check(&config.train, world, env.rank == 0)?;
     }
     if args.dry_run {
-        println!("resolved configuration:\n{}\n{}", serde_json::to_string_pretty(&config)?, config.plan(world));
+        let per_node = if env.source == EnvSource::SingleProcess { world } else { env.local_world_size };
+        let comm = ft_core::setup::check_comm_hook(&config, &registry, world, per_node)?;
+        println!("resolved configuration:\n{}\n{}\n{comm}", serde_json::to_string_pretty(&config)?, config.plan(world));
         return Ok(0);
     }
     if env.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {

@@ -190,7 +190,8 @@ fn a_killed_powersgd_rank_resumes_to_the_uninterrupted_losses() {
 
     let output = args(true).output().unwrap();
     assert!(output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("comm `powersgd`: restored its state"), "{}", text(&output));
+    // The log repeats what the hook's load_state says it kept.
+    assert!(text(&output).contains("comm `powersgd`: restored its state: ") && text(&output).contains("Q matrices"), "{}", text(&output));
     let all = losses(&killed);
     assert_eq!(&all[all.len() - (20 - from.step)..], &expected[from.step..], "resumed losses differ from the uninterrupted run");
 
@@ -198,6 +199,12 @@ fn a_killed_powersgd_rank_resumes_to_the_uninterrupted_losses() {
     let output = args(true).args(["--set", "comm.powersgd.rank=3", "--epochs", "2"]).output().unwrap();
     assert!(output.status.success(), "{}", text(&output));
     assert!(text(&output).contains("holds the state of comm `powersgd`") && text(&output).contains("starts afresh"), "{}", text(&output));
+
+    // The same options with a default written out (min_compression_rate is 2,
+    // as 2.0) are the same options: the state saved without it is restored.
+    let output = args(true).args(["--set", "comm.powersgd.rank=3", "--set", "comm.powersgd.min_compression_rate=2.0", "--epochs", "3"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("comm `powersgd`: restored its state: ") && !text(&output).contains("starts afresh"), "{}", text(&output));
 }
 
 #[test]
@@ -230,6 +237,11 @@ fn bad_communication_choices_are_refused_in_one_line() {
     assert!(message.contains("comm `identity`: world all-reduce of unit") && message.contains("fails on purpose at step 1"), "{message}");
     let message = refused(&["--comm", "identity", "--set", "comm.identity.fault=\"panic\""]);
     assert!(message.contains("comm `identity`") && message.contains("the reduction panicked: the identity fixture panics on purpose"), "{message}");
+    // `--dry-run` asks the hook too: a strategy it refuses is refused before anything runs.
+    let message = refused(&["--comm", "powersgd", "--strategy", "full_shard", "--dry-run"]);
+    assert!(message.contains("comm `powersgd` cannot serve this run") && message.contains("reduce-scatters every gradient"), "{message}");
+    let output = ft_with_plugins().args(["train", "--comm", "powersgd", "--strategy", "ddp", "--dry-run"]).output().unwrap();
+    assert!(output.status.success() && text(&output).contains("comm `powersgd` serves this run"), "{}", text(&output));
     // Without the plug-in loaded, the name is unknown and the message says what is registered.
     let output = ft().args(["train", "--comm", "powersgd", "--dry-run"]).output().unwrap();
     assert!(!output.status.success() && text(&output).contains("registered: builtin"), "{}", text(&output));
@@ -237,10 +249,13 @@ fn bad_communication_choices_are_refused_in_one_line() {
 
 #[test]
 fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
+    // Where the kit keeps its runs and the logs of failed ones.
+    let scratch = tempfile::tempdir().unwrap();
     let check = |name: &str, extra: &[&str]| {
         let output = ft()
             .args(["plugin", "check", library(name).to_str().unwrap(), "--strategy", "ddp,full_shard", "--steps", "6"])
             .args(extra)
+            .env("TMPDIR", scratch.path())
             .output()
             .unwrap();
         (output.status.success(), text(&output))
@@ -253,6 +268,9 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
     ] {
         let (passed, table) = check(name, extra);
         assert!(passed && table.contains(" 0 failed"), "{name}:\n{table}");
+        // Both runs' losses, step by step, under each compared row: the built-in's, the plug-in's, the gap, what is allowed.
+        let steps: Vec<Vec<&str>> = table.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).filter(|w| w.len() == 5 && w[0].parse::<usize>().is_ok()).collect();
+        assert!(steps.iter().filter(|w| w[0] == "6").count() >= 2 && steps.iter().all(|w| w[1].parse::<f64>().is_ok() && w[2].parse::<f64>().is_ok()), "{name}:\n{table}");
         let resumed = table.lines().find(|l| l.contains("save, kill rank 1 after step 5, resume")).unwrap_or_default();
         assert!(resumed.contains(" ok ") && resumed.contains("equal bit for bit"), "{name}:\n{table}");
         // At 3 ranks powersgd keeps its Q matrices (its `reshard_state`); the others keep no state.
@@ -269,34 +287,86 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
     assert!(table.contains("reduced unit") && table.contains("all_reduce of"), "{table}");
     let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"error\""]);
     assert!(!passed && table.contains("comm `identity`") && table.contains("fails on purpose at step 1"), "{table}");
+    // The failing run's whole output is kept in a log the row names, and its last lines are shown under it.
+    let log = table.split("every rank's output: ").nth(1).and_then(|rest| rest.split(')').next()).unwrap_or_else(|| panic!("no log named:\n{table}"));
+    let kept = std::fs::read_to_string(log).unwrap();
+    assert!(kept.contains("fails on purpose at step 1") && kept.contains("[rank 1]"), "{log}:\n{kept}");
+    assert!(table.lines().any(|l| l.trim_start().starts_with("| ") && l.contains("fails on purpose")), "{table}");
+    // Losses off the built-in's fail their rows, yet the resume is judged on its own: against the plug-in's uninterrupted run.
+    let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"drift\""]);
+    assert!(!passed && table.contains("declared exact, but step "), "{table}");
+    let resumed = table.lines().find(|l| l.contains("save, kill rank 1 after step 5, resume")).unwrap_or_default();
+    assert!(resumed.contains(" ok ") && resumed.contains("equal bit for bit"), "{table}");
     let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"panic\""]);
     assert!(!passed && table.contains("panicked: the identity fixture panics on purpose"), "{table}");
     let (passed, table) = check("ft_test_plugin_abi", &[]);
-    assert!(!passed && table.contains("loads") && table.contains("ABI major 999, this ft loads 3"), "{table}");
+    assert!(!passed && table.contains("loads") && table.contains("ABI major 999, this ft loads 4"), "{table}");
 }
 
-/// The template a plug-in author copies builds outside ft's workspace
-/// against ft-core and passes `ft plugin check`.
-#[test]
-fn the_template_crate_builds_outside_the_workspace_and_passes_the_check() {
+/// A copy of the template (its Cargo.lock and build.sh too) in `scratch`,
+/// its ft-core pointed at this checkout's.
+fn template_copy(scratch: &Path) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let scratch = tempfile::tempdir().unwrap();
-    let copy = scratch.path().join("my-plugin");
-    std::fs::create_dir_all(copy.join("src")).unwrap();
     let template = root.join("examples/comm-plugin-template");
+    let copy = scratch.join("my-plugin");
+    std::fs::create_dir_all(copy.join("src")).unwrap();
     let manifest = std::fs::read_to_string(template.join("Cargo.toml")).unwrap();
     let core = root.join("core");
     std::fs::write(copy.join("Cargo.toml"), manifest.replace("path = \"../../core\"", &format!("path = {:?}", core.to_str().unwrap()))).unwrap();
-    std::fs::copy(template.join("src/lib.rs"), copy.join("src/lib.rs")).unwrap();
-    // ft's own lock file, so the copy resolves the versions ft was built with (and reuses their builds).
-    std::fs::copy(root.join("Cargo.lock"), copy.join("Cargo.lock")).unwrap();
-    let output = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--offline", "--manifest-path", copy.join("Cargo.toml").to_str().unwrap()])
+    for file in ["src/lib.rs", "Cargo.lock", "build.sh"] {
+        std::fs::copy(template.join(file), copy.join(file)).unwrap();
+    }
+    copy
+}
+
+/// The template a plug-in author copies builds outside ft's workspace with
+/// the one command PLUGINS.md gives, `./build.sh`, from a shell without
+/// ft's environment, and passes `ft plugin check`.
+#[test]
+fn the_template_builds_with_its_one_command_and_passes_the_check() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let scratch = tempfile::tempdir().unwrap();
+    let copy = template_copy(scratch.path());
+    // What scripts/env.sh sets, unset: build.sh must set it itself.
+    let path = std::env::var("PATH").unwrap_or_default();
+    let path: Vec<&str> = path.split(':').filter(|dir| !dir.contains(".venv")).collect();
+    let output = std::process::Command::new(copy.join("build.sh"))
+        .env_remove("LIBTORCH_USE_PYTORCH")
+        .env_remove("LIBTORCH")
+        .env_remove("RUSTFLAGS")
+        .env_remove("VIRTUAL_ENV")
+        .env("PATH", path.join(":"))
+        // ft's own build directory, so the dependencies ft was built with are reused (a fresh one compiles libtorch's bindings for minutes).
         .env("CARGO_TARGET_DIR", root.join("target"))
+        .env("CARGO_NET_OFFLINE", "true")
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
     let library = root.join("target/debug/libtemplate.so");
     let output = ft().args(["plugin", "check", library.to_str().unwrap(), "--strategy", "ddp", "--steps", "6"]).output().unwrap();
     assert!(output.status.success() && text(&output).contains(" 0 failed"), "{}", text(&output));
+}
+
+/// The template's Cargo.lock, which a plug-in starts from, holds the
+/// versions ft's own lock does: the crates that cross the boundary (what
+/// the loader checks) and the rest (what ft was built and tested with).
+#[test]
+fn the_template_lock_pins_the_versions_ft_is_built_with() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let packages = |path: &Path| -> Vec<(String, String)> {
+        let text = std::fs::read_to_string(path).unwrap();
+        text.split("[[package]]").skip(1).map(|p| {
+            let field = |key: &str| p.lines().find_map(|l| l.strip_prefix(&format!("{key} = \""))).unwrap().trim_end_matches('"').to_string();
+            (field("name"), field("version"))
+        }).collect()
+    };
+    let ours = packages(&root.join("Cargo.lock"));
+    let template = packages(&root.join("examples/comm-plugin-template/Cargo.lock"));
+    for (name, version) in template.iter().filter(|(name, _)| name != "ft-comm-template") {
+        assert!(ours.contains(&(name.clone(), version.clone())), "the template's Cargo.lock has {name} {version}, which ft's Cargo.lock does not");
+    }
+    for shared in ft_core::abi::SHARED_CRATES.split(", ") {
+        let (name, version) = shared.split_once(' ').unwrap();
+        assert!(template.contains(&(name.to_string(), version.to_string())), "the template's Cargo.lock lacks {shared}");
+    }
 }

@@ -395,7 +395,7 @@ fn list_shows_a_loaded_plugin_and_bad_plugins_are_refused() {
         text(&output)
     };
     let message = refused(&library("ft_test_plugin_abi"));
-    assert!(message.contains("ABI major 999, this ft loads 3"), "{message}");
+    assert!(message.contains("ABI major 999, this ft loads 4"), "{message}");
     let with_abi = |abi: &str| ft().args(["--plugin", library("ft_test_plugin_abi").to_str().unwrap(), "list"]).env("PLUGIN_FIXTURE_ABI", abi).output().unwrap();
     let refused_with = |abi: &str| {
         let output = with_abi(abi);
@@ -403,9 +403,13 @@ fn list_shows_a_loaded_plugin_and_bad_plugins_are_refused() {
         text(&output)
     };
     let message = refused_with("newer_minor");
-    assert!(message.contains("built against ABI 3.2") && message.contains("newer than this ft's 3.1"), "{message}");
+    assert!(message.contains("built against ABI 4.1") && message.contains("newer than this ft's 4.0"), "{message}");
     let message = refused_with("boundary");
-    assert!(message.contains("passes types of another shape than this ft's although both say ABI 3"), "{message}");
+    assert!(message.contains("passes types of another shape than this ft's although both say ABI 4"), "{message}");
+    // Built with another anyhow (whose errors cross into ft): refused by name, with both versions.
+    let message = refused_with("anyhow");
+    let ours = ft_core::abi::SHARED_CRATES.split(", ").find(|c| c.starts_with("anyhow ")).unwrap().trim_start_matches("anyhow ");
+    assert!(message.contains(&format!("built with anyhow 1.0.80 (this ft: {ours}), whose types cross into ft")), "{message}");
     assert!(refused_with("null").contains("returned no declaration"));
     // A plug-in of an older minor loads: what it lacks takes the defaults.
     let output = with_abi("older_minor");

@@ -12,27 +12,43 @@
 //! default for the rest.
 //!
 //! So the version has two parts. [`ABI_MAJOR`] must match: it changes when
-//! an entry or a type passed through one changes shape ([`BOUNDARY`]
-//! fingerprints those types, so a change that forgot the bump is still
-//! refused). [`ABI_MINOR`] only ever appends entries with defaults: a
-//! plug-in built against an older minor loads, and one built against a
-//! newer minor than this ft is refused (its newest methods would be
-//! ignored).
+//! an entry or a type passed through one changes shape. [`ABI_MINOR`] only
+//! ever appends entries with defaults: a plug-in built against an older
+//! minor loads, and one built against a newer minor than this ft is refused
+//! (its newest methods would be ignored).
+//!
+//! Beside the version, the boundary itself must match: [`BOUNDARY`]
+//! fingerprints the passed types' shapes (so a change that forgot the bump
+//! is still refused), and [`SHARED_CRATES`] names the versions of the
+//! crates those types and their allocations come from (tch, anyhow,
+//! serde_json), so a plug-in built with another of them is refused by name.
 
 use crate::comm::{ProcessGroup, Work};
-use crate::comm_hook::{guarded, Builtin, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Resharded, UnitInfo, Wire, WorldChange};
+use crate::comm::Collective;
+use crate::comm_hook::{
+    guarded, Builtin, CollectiveBytes, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Restored, UnitInfo, Wire,
+    WireRequest, WorldChange,
+};
 use crate::strategy::{ShardingPolicy, ShardingStrategy};
 use anyhow::Result;
 use serde_json::{Map, Value};
 use std::mem::{align_of, offset_of, size_of};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// Changes when anything passed between ft and a plug-in changes shape
-/// (3: tables of entry points instead of trait objects).
-pub const ABI_MAJOR: u32 = 3;
-/// Counts the defaulted entries appended since the major changed
-/// (1: `CommHook::reshard_state` and `CommHook::workspace_bytes`).
-pub const ABI_MINOR: u32 = 1;
+/// (3: tables of entry points instead of trait objects; 4: `wire_bytes`
+/// names its collectives, the sizes a hook declares get the request's
+/// group size and dtype, `load_state` says what it kept, `tolerance` is a
+/// curve over steps).
+pub const ABI_MAJOR: u32 = 4;
+/// Counts the defaulted entries appended since the major changed.
+pub const ABI_MINOR: u32 = 0;
+
+/// The crates whose types or allocations cross the boundary, at the
+/// versions this ft-core is built with: "tch 0.24.0, anyhow 1.0.104, …".
+/// The workspace pins them exactly (`=` in its Cargo.toml, which build.rs
+/// reads), so every plug-in built against this ft-core resolves the same.
+pub const SHARED_CRATES: &str = env!("FT_SHARED_CRATES");
 
 /// A fingerprint of the size and alignment of every type passed through a
 /// table or the registrar: equal majors with different fingerprints mean a
@@ -46,10 +62,14 @@ pub const BOUNDARY: u64 = {
         (size_of::<UnitInfo>(), align_of::<UnitInfo>()),
         (size_of::<ParamInfo>(), align_of::<ParamInfo>()),
         (size_of::<Wire>(), align_of::<Wire>()),
+        (size_of::<WireRequest>(), align_of::<WireRequest>()),
+        (size_of::<CollectiveBytes>(), align_of::<CollectiveBytes>()),
+        (size_of::<Collective>(), align_of::<Collective>()),
+        (size_of::<Kind>(), align_of::<Kind>()),
         (size_of::<ReduceStage>(), align_of::<ReduceStage>()),
         (size_of::<GatherPhase>(), align_of::<GatherPhase>()),
         (size_of::<WorldChange>(), align_of::<WorldChange>()),
-        (size_of::<Resharded>(), align_of::<Resharded>()),
+        (size_of::<Restored>(), align_of::<Restored>()),
         (size_of::<CommOption>(), align_of::<CommOption>()),
         (size_of::<ShardingPolicy>(), align_of::<ShardingPolicy>()),
         (size_of::<ProcessGroup>(), align_of::<ProcessGroup>()),
@@ -59,7 +79,8 @@ pub const BOUNDARY: u64 = {
         (size_of::<Map<String, Value>>(), align_of::<Map<String, Value>>()),
         (size_of::<CommDeclaration>(), align_of::<CommDeclaration>()),
         (size_of::<StrategyDeclaration>(), align_of::<StrategyDeclaration>()),
-        (offset_of!(HookTable, reshard_state), 0),
+        // The tables as this major's first minor has them (later minors append, changing no offset here).
+        (offset_of!(HookTable, workspace_bytes), 0),
         (offset_of!(StrategyTable, comm_hook), 0),
     ];
     // FNV-1a over the numbers.
@@ -86,18 +107,17 @@ pub struct HookTable {
     hook: *mut Hook,
     drop: unsafe fn(*mut Hook),
     name: unsafe fn(*const Hook) -> String,
-    tolerance: unsafe fn(*const Hook) -> f64,
+    tolerance: unsafe fn(*const Hook, usize) -> f64,
     check: unsafe fn(*const Hook, &CommPlan) -> Result<()>,
     reduce: unsafe fn(*mut Hook, GradReduce) -> Result<Pending>,
     gather: unsafe fn(*mut Hook, ParamGather) -> Result<Pending>,
     after_step: unsafe fn(*mut Hook, usize) -> Result<()>,
     state: unsafe fn(*const Hook) -> State,
-    load_state: unsafe fn(*mut Hook, State) -> Result<()>,
-    state_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64) -> f64,
-    wire_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, f64, f64) -> f64,
-    // 3.1
-    reshard_state: unsafe fn(*mut Hook, WorldChange, State) -> Result<Resharded>,
-    workspace_bytes: unsafe fn(*const Hook, &UnitInfo, Wire, i64) -> i64,
+    load_state: unsafe fn(*mut Hook, State) -> Result<Restored>,
+    state_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> f64,
+    wire_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> Vec<CollectiveBytes>,
+    reshard_state: unsafe fn(*mut Hook, WorldChange, State) -> Result<Restored>,
+    workspace_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> i64,
 }
 
 // SAFETY (every entry below): `hook` is the pointer `HookTable::new` made
@@ -114,8 +134,8 @@ impl HookTable {
         unsafe fn name(hook: *const Hook) -> String {
             unsafe { &*hook }.name().to_string()
         }
-        unsafe fn tolerance(hook: *const Hook) -> f64 {
-            unsafe { &*hook }.tolerance()
+        unsafe fn tolerance(hook: *const Hook, step: usize) -> f64 {
+            unsafe { &*hook }.tolerance(step)
         }
         unsafe fn check(hook: *const Hook, plan: &CommPlan) -> Result<()> {
             guarded("check", || unsafe { &*hook }.check(plan))
@@ -132,20 +152,20 @@ impl HookTable {
         unsafe fn state(hook: *const Hook) -> Vec<(String, Tensor)> {
             unsafe { &*hook }.state()
         }
-        unsafe fn load_state(hook: *mut Hook, state: Vec<(String, Tensor)>) -> Result<()> {
+        unsafe fn load_state(hook: *mut Hook, state: Vec<(String, Tensor)>) -> Result<Restored> {
             guarded("load_state", || unsafe { &mut *hook }.load_state(state))
         }
-        unsafe fn state_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
-            unsafe { &*hook }.state_bytes(unit, wire, elements)
+        unsafe fn state_bytes(hook: *const Hook, unit: &UnitInfo, request: &WireRequest) -> f64 {
+            unsafe { &*hook }.state_bytes(unit, request)
         }
-        unsafe fn wire_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-            unsafe { &*hook }.wire_bytes(unit, wire, elements, element_bytes)
+        unsafe fn wire_bytes(hook: *const Hook, unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+            unsafe { &*hook }.wire_bytes(unit, request)
         }
-        unsafe fn reshard_state(hook: *mut Hook, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+        unsafe fn reshard_state(hook: *mut Hook, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
             guarded("reshard_state", || unsafe { &mut *hook }.reshard_state(change, state))
         }
-        unsafe fn workspace_bytes(hook: *const Hook, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
-            unsafe { &*hook }.workspace_bytes(unit, wire, elements)
+        unsafe fn workspace_bytes(hook: *const Hook, unit: &UnitInfo, request: &WireRequest) -> i64 {
+            unsafe { &*hook }.workspace_bytes(unit, request)
         }
         HookTable {
             size: size_of::<HookTable>(),
@@ -180,7 +200,7 @@ pub struct TableHook {
 }
 
 impl TableHook {
-    /// The loader admits only plug-ins of this major, whose tables hold every 3.0 entry.
+    /// The loader admits only plug-ins of this major, whose tables hold `name`.
     pub fn new(table: HookTable) -> TableHook {
         // SAFETY: a table of this major has `name`.
         let name = unsafe { (table.name)(table.hook) };
@@ -195,61 +215,67 @@ impl Drop for HookTable {
     }
 }
 
-// SAFETY (every call below): entries of major 3.0 are in every table of
-// this major; later ones are checked with `has`.
+/// Calls the table's `$entry` with `$args` where the maker's table has it,
+/// else `Builtin`'s (the trait's default): a plug-in built against an older
+/// minor lacks the entries appended since.
+macro_rules! call {
+    ($hook:expr, $entry:ident($($arg:expr),*)) => {
+        if $hook.table.has(offset_of!(HookTable, $entry)) {
+            // SAFETY: the table has the entry; see `HookTable::new` for the pointer.
+            unsafe { ($hook.table.$entry)($hook.table.hook, $($arg),*) }
+        } else {
+            Builtin.$entry($($arg),*)
+        }
+    };
+}
+
 impl CommHook for TableHook {
     fn name(&self) -> &str {
         &self.name
     }
 
-    fn tolerance(&self) -> f64 {
-        unsafe { (self.table.tolerance)(self.table.hook) }
+    fn tolerance(&self, step: usize) -> f64 {
+        call!(self, tolerance(step))
     }
 
     fn check(&self, plan: &CommPlan) -> Result<()> {
-        unsafe { (self.table.check)(self.table.hook, plan) }
+        call!(self, check(plan))
     }
 
     fn reduce(&mut self, request: GradReduce) -> Result<Pending> {
-        unsafe { (self.table.reduce)(self.table.hook, request) }
+        call!(self, reduce(request))
     }
 
     fn gather(&mut self, request: ParamGather) -> Result<Pending> {
-        unsafe { (self.table.gather)(self.table.hook, request) }
+        call!(self, gather(request))
     }
 
     fn after_step(&mut self, step: usize) -> Result<()> {
-        unsafe { (self.table.after_step)(self.table.hook, step) }
+        call!(self, after_step(step))
     }
 
     fn state(&self) -> Vec<(String, Tensor)> {
-        unsafe { (self.table.state)(self.table.hook) }
+        call!(self, state())
     }
 
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        unsafe { (self.table.load_state)(self.table.hook, state) }
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<Restored> {
+        call!(self, load_state(state))
     }
 
-    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
-        unsafe { (self.table.state_bytes)(self.table.hook, unit, wire, elements) }
+    fn state_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> f64 {
+        call!(self, state_bytes(unit, request))
     }
 
-    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        unsafe { (self.table.wire_bytes)(self.table.hook, unit, wire, elements, element_bytes) }
+    fn wire_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+        call!(self, wire_bytes(unit, request))
     }
 
-    fn reshard_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
-        match self.table.has(offset_of!(HookTable, reshard_state)) {
-            true => unsafe { (self.table.reshard_state)(self.table.hook, change, state) },
-            false => Builtin.reshard_state(change, state),
-        }
+    fn reshard_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
+        call!(self, reshard_state(change, state))
     }
 
-    fn workspace_bytes(&self, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
-        match self.table.has(offset_of!(HookTable, workspace_bytes)) {
-            true => unsafe { (self.table.workspace_bytes)(self.table.hook, unit, wire, elements) },
-            false => Builtin.workspace_bytes(unit, wire, elements),
-        }
+    fn workspace_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> i64 {
+        call!(self, workspace_bytes(unit, request))
     }
 }
 
@@ -311,7 +337,7 @@ impl Drop for StrategyTable {
     }
 }
 
-// SAFETY: every entry is of major 3.0, in every table of this major.
+// SAFETY: every entry is of this major, in every table of this major.
 impl ShardingStrategy for TableStrategy {
     fn name(&self) -> &str {
         &self.name
@@ -358,21 +384,21 @@ mod tests {
     use super::*;
     use crate::comm_hook::{Builtin, CommHook};
 
-    /// Overrides the entries of both minors, so a truncated table shows which it reached.
+    /// Overrides entries on both sides of where the test cuts the table.
     struct Marked;
 
     impl CommHook for Marked {
         fn name(&self) -> &str {
             "marked"
         }
-        fn tolerance(&self) -> f64 {
-            0.25
+        fn tolerance(&self, step: usize) -> f64 {
+            0.25 * step as f64
         }
-        fn workspace_bytes(&self, _unit: &UnitInfo, _wire: Wire, elements: i64) -> i64 {
-            elements * 3
+        fn workspace_bytes(&self, _unit: &UnitInfo, request: &WireRequest) -> i64 {
+            request.elements * 3
         }
-        fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Resharded> {
-            Ok(Resharded::Kept("everything".into()))
+        fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Restored> {
+            Ok(Restored::Kept("everything".into()))
         }
     }
 
@@ -384,22 +410,27 @@ mod tests {
         UnitInfo { id: "u0".into(), name: "block 0".into(), params: vec![], numel: 10, padded: 10 }
     }
 
+    fn gather() -> WireRequest {
+        WireRequest { wire: Wire::Gather, elements: 7, dtype: Kind::Float, group_size: 2 }
+    }
+
     #[test]
     fn a_table_reaches_every_entry_the_hook_overrides() {
         let mut hook = TableHook::new(HookTable::new(Box::new(Marked)));
-        assert_eq!((hook.name(), hook.tolerance()), ("marked", 0.25));
-        assert_eq!(hook.workspace_bytes(&unit(), Wire::Gather, 7), 21);
-        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Resharded::Kept(_)));
+        assert_eq!((hook.name(), hook.tolerance(2)), ("marked", 0.5));
+        assert_eq!(hook.workspace_bytes(&unit(), &gather()), 21);
+        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Restored::Kept(_)));
     }
 
     #[test]
     fn entries_an_older_minor_lacks_are_the_defaults_and_the_rest_still_work() {
-        // A table as a plug-in built against ABI 3.0 makes it: everything up to `reshard_state`.
+        // A table as a plug-in of an older minor would make it, had the
+        // last two entries been appended since: everything up to `reshard_state`.
         let mut table = HookTable::new(Box::new(Marked));
         table.size = offset_of!(HookTable, reshard_state);
         let mut hook = TableHook::new(table);
-        assert_eq!((hook.name(), hook.tolerance()), ("marked", 0.25), "3.0's entries are called");
-        assert_eq!(hook.workspace_bytes(&unit(), Wire::Gather, 7), Builtin.workspace_bytes(&unit(), Wire::Gather, 7));
-        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Resharded::Afresh));
+        assert_eq!((hook.name(), hook.tolerance(2)), ("marked", 0.5), "the older entries are called");
+        assert_eq!(hook.workspace_bytes(&unit(), &gather()), Builtin.workspace_bytes(&unit(), &gather()));
+        assert!(matches!(hook.reshard_state(change(), vec![]).unwrap(), Restored::Afresh));
     }
 }

@@ -15,6 +15,7 @@
 //! takes a request owns it entirely (core issues nothing beside it); the
 //! result is the *sum* over the group, in the output's dtype.
 
+pub use crate::comm::Collective;
 use crate::comm::{ProcessGroup, Reduction, Work};
 use crate::model::UnitSpec;
 use anyhow::{bail, Result};
@@ -233,17 +234,16 @@ pub struct Workspace {
 
 impl Workspace {
     /// Issues a request through `issue`, handing it the workspace `hook`
-    /// asks for `wire` of `unit` (`elements` elements, on `device`).
+    /// asks for `request` on `unit` (on `device`).
     pub fn issue(
         &self,
         hook: &mut dyn CommHook,
         unit: &UnitInfo,
-        wire: Wire,
-        elements: i64,
+        request: &WireRequest,
         device: Device,
         issue: impl FnOnce(&mut dyn CommHook, Tensor) -> Result<Pending>,
     ) -> Result<Pending> {
-        let bytes = hook.workspace_bytes(unit, wire, elements).max(0);
+        let bytes = hook.workspace_bytes(unit, request).max(0);
         let workspace = Tensor::empty([bytes], (Kind::Uint8, device));
         let work = issue(hook, workspace)?;
         if bytes == 0 {
@@ -276,16 +276,24 @@ pub struct CommPlan {
     pub offload: bool,
 }
 
+/// Asks `hook` whether it serves `plan`: its refusal as a run reports it.
+pub fn check_serves(hook: &dyn CommHook, plan: &CommPlan) -> Result<()> {
+    hook.check(plan).map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))
+}
+
 /// How a communication plug-in reduces gradients and gathers parameters.
 /// Every method has a default: the built-in behaviour, or nothing.
 pub trait CommHook {
     /// The name it is registered under (`--comm NAME`).
     fn name(&self) -> &str;
 
-    /// 0 for a hook whose results equal the built-in's bit for bit; else
-    /// the relative difference in the training loss it stays within
-    /// (`ft plugin check` holds it to this).
-    fn tolerance(&self) -> f64 {
+    /// The relative difference in the training loss it stays within at
+    /// optimizer step `step` (1 for the first) against the built-in's run:
+    /// 0 for a hook whose results equal the built-in's bit for bit. A lossy
+    /// compressor's gap may grow with steps, so this is a curve, not one
+    /// number (`Tolerance` makes the common one). `ft plugin check` holds
+    /// the plug-in to it.
+    fn tolerance(&self, _step: usize) -> f64 {
         0.0
     }
 
@@ -319,43 +327,61 @@ pub trait CommHook {
     }
 
     /// Puts back what `state` returned, on resume at the same world size
-    /// with the same hook and options (on a change the state starts afresh).
-    fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<()> {
-        Ok(())
+    /// with the same hook and options (on a change the state starts
+    /// afresh); says what it kept, which the log repeats. Called only with
+    /// state to put back.
+    fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<Restored> {
+        Ok(Restored::Afresh)
     }
 
-    /// Bytes of state it keeps for `wire` of `unit` when that carries
-    /// `elements` elements (the whole unit, or this rank's shard): what `ft
-    /// plan` adds to a rank's memory. A run counts the tensors `state`
-    /// returns instead.
-    fn state_bytes(&self, _unit: &UnitInfo, _wire: Wire, _elements: f64) -> f64 {
+    /// Bytes of state it keeps for `request` on `unit` (`request.elements`:
+    /// the whole unit, or this rank's shard): what `ft plan` adds to a
+    /// rank's memory. A run counts the tensors `state` returns instead.
+    fn state_bytes(&self, _unit: &UnitInfo, _request: &WireRequest) -> f64 {
         0.0
     }
 
-    /// The bytes of the buffer it hands a collective for `wire` of `unit`,
-    /// where the built-in would hand `elements` elements of `element_bytes`
-    /// each (what `ft plan` times; the collective's algorithm factor comes
-    /// on top). Declared, not measured: a run's `comm_bytes_per_step` is the
-    /// measurement to compare it with.
-    fn wire_bytes(&self, _unit: &UnitInfo, _wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        elements * element_bytes
+    /// The collectives it issues for `request` on `unit`, each with the
+    /// bytes of this rank's input to it (an all-gather's: what this rank
+    /// contributes, not the gathered whole): what `ft plan` times, at the
+    /// group size of the run it plans, with each collective's algorithm
+    /// factor. Declared, not measured: a run's `comm_bytes_per_step` is the
+    /// measurement to compare it with. Default: the built-in's collective.
+    fn wire_bytes(&self, _unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+        vec![request.builtin()]
     }
 
-    /// On a resume at another world size (ABI 3.1): `state` is what rank
+    /// On a resume at another world size: `state` is what rank
     /// `change.saved_rank` saved (this rank's number modulo the old world
     /// size). Keep what still holds (e.g. factors every rank shares) with
     /// `load_state` and say what in `Kept`, or start afresh; the log says which.
-    fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Resharded> {
-        Ok(Resharded::Afresh)
+    fn reshard_state(&mut self, _change: WorldChange, _state: Vec<(String, Tensor)>) -> Result<Restored> {
+        Ok(Restored::Afresh)
     }
 
-    /// Scratch bytes it wants for a request of `wire` on `unit` carrying
-    /// `elements` elements (ABI 3.1). Core allocates them per request on
-    /// the request's device (`GradReduce::workspace`), counts them in the
-    /// run's memory (the peak in flight) and in `ft plan`, and frees them
-    /// when the work is done — so a hook need not hide allocations of its own.
-    fn workspace_bytes(&self, _unit: &UnitInfo, _wire: Wire, _elements: i64) -> i64 {
+    /// Scratch bytes it wants for `request` on `unit`. Core allocates them
+    /// per request on the request's device (`GradReduce::workspace`),
+    /// counts them in the run's memory (the peak in flight) and in `ft
+    /// plan`, and frees them when the work is done — so a hook need not
+    /// hide allocations of its own.
+    fn workspace_bytes(&self, _unit: &UnitInfo, _request: &WireRequest) -> i64 {
         0
+    }
+}
+
+/// A tolerance that grows linearly with steps: `base` at the first step,
+/// `per_step` more each step after (error feedback keeps a lossy
+/// compressor's gap bounded, but two runs' trajectories still drift apart).
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    pub base: f64,
+    pub per_step: f64,
+}
+
+impl Tolerance {
+    /// The relative loss difference allowed at `step` (1 for the first).
+    pub fn at(self, step: usize) -> f64 {
+        self.base + self.per_step * step.saturating_sub(1) as f64
     }
 }
 
@@ -369,19 +395,55 @@ pub struct WorldChange {
     pub saved_rank: usize,
 }
 
-/// What a hook did with state saved at another world size.
+/// What a hook kept of the state it was handed on resume (`load_state`,
+/// `reshard_state`); the log says which.
 #[derive(Debug)]
-pub enum Resharded {
+pub enum Restored {
     Afresh,
     /// It kept what the text says (for the log).
     Kept(String),
 }
 
-/// What a collective carries, for `CommHook::wire_bytes`.
+/// What a collective carries, for the sizes a hook declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wire {
     Reduce(ReduceStage),
     Gather,
+}
+
+/// One request as the built-in would carry it, for the sizes a hook
+/// declares (`wire_bytes`, `workspace_bytes`, `state_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WireRequest {
+    pub wire: Wire,
+    /// Elements of this rank's input: the whole padded unit (`World`,
+    /// `Shard`), or this rank's shard (`Replica`, `Gather`).
+    pub elements: i64,
+    /// Their dtype: `train.reduce_dtype`'s for a reduction (fp32 for a
+    /// replica stage outside offload), the compute dtype for a gather.
+    pub dtype: Kind,
+    /// Ranks in the request's group.
+    pub group_size: usize,
+}
+
+impl WireRequest {
+    /// The collective the built-in issues for it, with its input's bytes.
+    pub fn builtin(&self) -> CollectiveBytes {
+        let collective = match self.wire {
+            Wire::Reduce(ReduceStage::World | ReduceStage::Replica) => Collective::AllReduce,
+            Wire::Reduce(ReduceStage::Shard) => Collective::ReduceScatter,
+            Wire::Gather => Collective::AllGather,
+        };
+        CollectiveBytes { collective, bytes: (self.elements * self.dtype.elt_size_in_bytes() as i64) as f64 }
+    }
+}
+
+/// One collective a hook issues for a request, and the bytes of this
+/// rank's input to it (`CommHook::wire_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CollectiveBytes {
+    pub collective: Collective,
+    pub bytes: f64,
 }
 
 /// The built-in behaviour: plain collectives, the sum in the output.
@@ -416,6 +478,28 @@ pub struct CommOption {
     /// Its default, as `ft list` shows it.
     pub default: &'static str,
     pub help: &'static str,
+}
+
+impl CommOption {
+    /// Its default as `--set` would give it: the text as JSON (`4`, `true`,
+    /// `"none"`), or as a string where it is not JSON (`none`).
+    pub fn default_value(&self) -> Value {
+        serde_json::from_str(self.default).unwrap_or_else(|_| Value::String(self.default.into()))
+    }
+}
+
+/// The options a hook runs with: `given`, and every other declared option
+/// at its default; numbers as floats, so `2` and `2.0` are one value. What
+/// checkpoints record, so that writing out a default changes nothing.
+pub fn resolved_options(declared: &[CommOption], given: &Map<String, Value>) -> Map<String, Value> {
+    let number_as_float = |value: Value| match value.as_f64() {
+        Some(x) if value.is_number() => Value::from(x),
+        _ => value,
+    };
+    declared
+        .iter()
+        .map(|o| (o.key.to_string(), number_as_float(given.get(o.key).cloned().unwrap_or_else(|| o.default_value()))))
+        .collect()
 }
 
 /// Makes a hook from its options (`comm.NAME.*`, already checked to be among its declared keys).
@@ -461,5 +545,27 @@ pub fn option<T: serde::de::DeserializeOwned>(name: &str, options: &Map<String, 
         None => Ok(default),
         Some(value) => serde_json::from_value(value.clone())
             .map_err(|e| anyhow::anyhow!("comm.{name}.{key} = {value}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_resolved_with_their_defaults_so_a_default_written_out_is_the_same() {
+        const OPTIONS: &[CommOption] = &[
+            CommOption { key: "ratio", default: "0.01", help: "" },
+            CommOption { key: "rank", default: "4", help: "" },
+            CommOption { key: "mode", default: "none", help: "" },
+            CommOption { key: "warm", default: "true", help: "" },
+        ];
+        let given = |pairs: &[(&str, Value)]| pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<Map<String, Value>>();
+        let typed = resolved_options(OPTIONS, &Map::new());
+        assert_eq!(typed, resolved_options(OPTIONS, &given(&[("ratio", 0.01.into()), ("mode", "none".into())])));
+        assert_eq!(typed, resolved_options(OPTIONS, &given(&[("rank", 4.into()), ("warm", true.into())])));
+        assert_eq!(typed, resolved_options(OPTIONS, &given(&[("rank", 4.0.into())])), "4 and 4.0 are one value");
+        assert_ne!(typed, resolved_options(OPTIONS, &given(&[("rank", 3.into())])));
+        assert_eq!(typed.len(), 4);
     }
 }

@@ -5,12 +5,18 @@
 //! one line (the run's own error: the plug-in's name and message, or which
 //! ranks issued which collective), never a hang. The checks:
 //! - an exact hook (tolerance 0) gives the built-in's losses bit for bit,
-//!   and a lossy one stays within its declared tolerance;
+//!   and a lossy one stays within its declared tolerance at every step (a
+//!   curve: `CommHook::tolerance(step)`); both runs' losses are shown step by step;
 //! - every rank issues the same collectives (`dist.verify_collectives`);
-//! - a killed rank, resumed, gives the uninterrupted losses;
+//! - a killed rank, resumed, gives the plug-in's own uninterrupted losses
+//!   bit for bit (whatever the comparison with the built-in found);
 //! - a resume at another world size does what the contract says: the
 //!   hook's state is re-sharded or starts afresh, as the hook decides, and the log says which.
+//!
+//! A failed run's whole output (every rank's, through the launcher) is kept
+//! in a log file its row names, and its last lines are shown under the row.
 
+use crate::comm_hook::CommHook;
 use crate::config::{CommConfig, Config};
 use crate::registry::{Origin, Registry};
 use anyhow::{bail, Context, Result};
@@ -35,6 +41,8 @@ pub struct CheckRequest {
     pub steps: usize,
     /// Where the runs write (removed after).
     pub scratch: PathBuf,
+    /// Where a failed run's output is kept (removed if none failed).
+    pub logs: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -45,28 +53,55 @@ pub enum Outcome {
     Skipped(String),
 }
 
-/// One line of the table.
+/// One line of the table, and what is shown under it.
 #[derive(Debug, Clone)]
 pub struct Row {
     pub hook: String,
     pub check: String,
     pub outcome: Outcome,
+    /// Per-step losses of the runs compared; a failed run's last lines.
+    pub details: Vec<String>,
 }
+
+/// Lines of a failed run's output shown under its row.
+const LOG_TAIL: usize = 15;
 
 /// One training run's result.
 struct Run {
     succeeded: bool,
     log: String,
     losses: Vec<f64>,
+    /// Where its output is kept if it fails a check.
+    log_file: PathBuf,
 }
 
 impl Run {
-    /// The lines that say why the run failed.
+    /// The line that says why the run failed.
     fn why(&self) -> String {
         let lines: Vec<&str> = self.log.lines().filter(|l| l.contains("error") || l.contains("panicked")).collect();
         let last = lines.last().copied().unwrap_or("it failed without an error line");
         // A worker's line is prefixed by the launcher with its rank and a timestamp.
         last.split_once("error: ").map_or(last, |(_, message)| message).trim().to_string()
+    }
+
+    /// Why it failed and where its whole output is kept (written now).
+    fn why_kept(&self) -> String {
+        let kept = self.log_file.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| std::fs::write(&self.log_file, &self.log));
+        match kept {
+            Ok(()) => format!("{} (every rank's output: {})", self.why(), self.log_file.display()),
+            Err(e) => format!("{} (its output could not be kept in {}: {e})", self.why(), self.log_file.display()),
+        }
+    }
+
+    /// Its last lines, to show under its row.
+    fn tail(&self) -> Vec<String> {
+        let lines: Vec<&str> = self.log.lines().collect();
+        lines[lines.len().saturating_sub(LOG_TAIL)..].iter().map(|l| format!("| {l}")).collect()
+    }
+
+    /// A failed check: why, where its output is kept, and its last lines.
+    fn failed(&self) -> (Outcome, Vec<String>) {
+        (Outcome::Fail(self.why_kept()), self.tail())
     }
 }
 
@@ -99,7 +134,11 @@ impl CheckRequest {
         command.envs(env.iter().copied());
         let output = command.output().with_context(|| format!("cannot run {}", self.ft.display()))?;
         let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-        Ok(Run { succeeded: output.status.success(), log, losses: losses(dir) })
+        // Named after the run's directory under the scratch space (hook, strategy), its ranks and whether it resumed.
+        let name = dir.strip_prefix(&self.scratch).unwrap_or(dir).to_string_lossy().replace('/', "-");
+        let resumed = if extra.contains(&"--resume") { "-resumed" } else { "" };
+        let log_file = self.logs.join(format!("{name}-at-{ranks}{resumed}.log"));
+        Ok(Run { succeeded: output.status.success(), log, losses: losses(dir), log_file })
     }
 }
 
@@ -111,25 +150,60 @@ fn losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Whether `hooked` matches `builtin` as a hook of `tolerance` must.
-fn compare(hooked: &[f64], builtin: &[f64], tolerance: f64) -> Outcome {
-    if hooked.len() != builtin.len() || hooked.is_empty() {
-        return Outcome::Fail(format!("{} losses logged against the built-in's {}", hooked.len(), builtin.len()));
+/// Whether `hooked` matches `builtin` as a hook whose tolerance at step s
+/// (1 for the first) is `tolerance(s)` must: steps of tolerance 0 bit for
+/// bit. Also the table of both runs' losses, step by step.
+fn compare(hooked: &[f64], builtin: &[f64], tolerance: impl Fn(usize) -> f64) -> (Outcome, Vec<String>) {
+    let mut table = vec![format!("{:>5}  {:>12}  {:>12}  {:>10}  {:>10}", "step", "built-in", "plug-in", "gap", "allowed")];
+    for step in 1..=hooked.len().max(builtin.len()) {
+        let loss = |losses: &[f64]| losses.get(step - 1).map_or("-".to_string(), |l| format!("{l:.6}"));
+        let gap = match (hooked.get(step - 1), builtin.get(step - 1)) {
+            (Some(h), Some(b)) => format!("{:.4}%", relative(*h, *b) * 100.0),
+            _ => "-".into(),
+        };
+        table.push(format!("{step:>5}  {:>12}  {:>12}  {gap:>10}  {:>9.4}%", loss(builtin), loss(hooked), tolerance(step) * 100.0));
     }
-    let relative: Vec<f64> = hooked.iter().zip(builtin).map(|(h, b)| (h - b).abs() / b.abs().max(1e-12)).collect();
-    let (worst, largest) = relative.iter().enumerate().fold((0, 0.0), |best, (i, r)| if *r > best.1 { (i, *r) } else { best });
-    match (tolerance == 0.0, largest <= tolerance) {
-        (true, true) => Outcome::Pass(format!("bit for bit over {} steps", hooked.len())),
-        (false, true) => Outcome::Pass(format!("within {:.2}% (largest {:.3}%)", tolerance * 100.0, largest * 100.0)),
-        (true, false) => Outcome::Fail(format!("declared exact, but step {} has loss {} against {}", worst + 1, hooked[worst], builtin[worst])),
-        (false, false) => Outcome::Fail(format!(
-            "step {} differs by {:.3}% (declared tolerance {:.2}%): {} against {}",
-            worst + 1,
-            largest * 100.0,
-            tolerance * 100.0,
-            hooked[worst],
-            builtin[worst]
+    if hooked.len() != builtin.len() || hooked.is_empty() {
+        return (Outcome::Fail(format!("{} losses logged against the built-in's {}", hooked.len(), builtin.len())), table);
+    }
+    let exact = (1..=hooked.len()).all(|step| tolerance(step) == 0.0);
+    // The first step over its tolerance (a step of tolerance 0 must be equal).
+    let over = hooked.iter().zip(builtin).enumerate().find(|(i, (h, b))| {
+        let allowed = tolerance(i + 1);
+        if allowed == 0.0 { h != b } else { relative(**h, **b) > allowed }
+    });
+    let largest = hooked.iter().zip(builtin).enumerate().map(|(i, (h, b))| (i + 1, relative(*h, *b))).fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    let outcome = match (over, exact) {
+        (None, true) => Outcome::Pass(format!("bit for bit over {} steps", hooked.len())),
+        (None, false) => Outcome::Pass(format!(
+            "within the declared tolerance at every step (largest gap {:.3}% at step {}, where {:.2}% is allowed)",
+            largest.1 * 100.0,
+            largest.0,
+            tolerance(largest.0) * 100.0
         )),
+        (Some((i, (h, b))), _) if tolerance(i + 1) == 0.0 => Outcome::Fail(format!("declared exact, but step {} has loss {h} against {b}", i + 1)),
+        (Some((i, (h, b))), _) => Outcome::Fail(format!(
+            "step {} differs by {:.3}% (declared tolerance at that step {:.2}%): {h} against {b}",
+            i + 1,
+            relative(*h, *b) * 100.0,
+            tolerance(i + 1) * 100.0
+        )),
+    };
+    (outcome, table)
+}
+
+/// `hooked`'s difference from `builtin`, relative to it.
+fn relative(hooked: f64, builtin: f64) -> f64 {
+    (hooked - builtin).abs() / builtin.abs().max(1e-12)
+}
+
+/// The hook's tolerance curve in a few words: "0 (exact)", "1%", "1% at step 1 to 4% at step 8".
+fn describe_tolerance(hook: &dyn CommHook, steps: usize) -> String {
+    let (first, last) = (hook.tolerance(1), hook.tolerance(steps));
+    match (first == 0.0 && last == 0.0, first == last) {
+        (true, _) => "0 (exact)".into(),
+        (false, true) => format!("{}%", first * 100.0),
+        (false, false) => format!("{}% at step 1 to {}% at step {steps}", first * 100.0, last * 100.0),
     }
 }
 
@@ -150,6 +224,8 @@ pub fn check(request: &CheckRequest, registry: &Registry) -> Result<Vec<Row>> {
         rows.extend(check_hook(request, registry, &name, &config.comm)?);
     }
     let _ = std::fs::remove_dir_all(&request.scratch);
+    // Kept only when a run failed (a directory with logs is not removed).
+    let _ = std::fs::remove_dir(&request.logs);
     Ok(rows)
 }
 
@@ -159,22 +235,24 @@ fn list(names: &[&str]) -> String {
 
 fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &CommConfig) -> Result<Vec<Row>> {
     let mut rows = vec![];
-    let mut row = |check: String, outcome: Outcome| rows.push(Row { hook: name.to_string(), check, outcome });
+    let mut row = |check: String, (outcome, details): (Outcome, Vec<String>)| rows.push(Row { hook: name.to_string(), check, outcome, details });
     let config = CommConfig { name: Some(name.to_string()), options: comm.options.clone() };
     let ddp = (registry.strategy("ddp")?.create)();
     let hook = match registry.comm_hook(&config, ddp.as_ref()) {
         Ok((hook, _)) => hook,
         Err(e) => {
-            row("made with its options".into(), Outcome::Fail(format!("{e:#}")));
+            row("made with its options".into(), (Outcome::Fail(format!("{e:#}")), vec![]));
             return Ok(rows);
         }
     };
     row(
-        format!("loads: ABI major {}, minor ≤ {}, boundary types and rustc match", crate::abi::ABI_MAJOR, crate::abi::ABI_MINOR),
-        Outcome::Pass(format!("tolerance {}", if hook.tolerance() == 0.0 { "0 (exact)".to_string() } else { hook.tolerance().to_string() })),
+        format!("loads: ABI major {}, minor ≤ {}, rustc and the boundary (shared crates, types) match", crate::abi::ABI_MAJOR, crate::abi::ABI_MINOR),
+        (Outcome::Pass(format!("tolerance {}", describe_tolerance(hook.as_ref(), request.steps))), vec![]),
     );
     let dir = request.scratch.join(name);
-    // The first strategy the hook serves at 2 ranks hosts the resume checks.
+    // The first strategy whose run through the hook completes at 2 ranks
+    // hosts the resume checks, whatever its losses against the built-in:
+    // a resume is judged against the plug-in's own uninterrupted run.
     let mut resumable = None;
     for strategy in &request.strategies {
         let policy = (registry.strategy(strategy)?.create)().policy();
@@ -182,23 +260,26 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
             let label = format!("{strategy} at {ranks} ranks: same collectives on every rank, losses as the built-in's");
             let shard_size = policy.shard_group_size(strategy, ranks, ranks, None)?;
             if let Err(why) = hook.check(&policy.comm_plan(strategy, ranks, shard_size, false)) {
-                row(label, Outcome::Skipped(format!("the hook refuses it: {why:#}")));
+                row(label, (Outcome::Skipped(format!("the hook refuses it: {why:#}")), vec![]));
                 continue;
             }
             let builtin = request.train(&dir.join(format!("{strategy}-{ranks}-builtin")), ranks, strategy, None, &[], &[])?;
             if !builtin.succeeded {
-                bail!("the built-in run of {strategy} at {ranks} ranks failed, so nothing can be compared: {}", builtin.why());
+                bail!("the built-in run of {strategy} at {ranks} ranks failed, so nothing can be compared: {}", builtin.why_kept());
             }
             let hooked = request.train(&dir.join(format!("{strategy}-{ranks}")), ranks, strategy, Some(name), &[], &[])?;
-            let outcome = if hooked.succeeded { compare(&hooked.losses, &builtin.losses, hook.tolerance()) } else { Outcome::Fail(hooked.why()) };
-            if ranks == 2 && resumable.is_none() && matches!(outcome, Outcome::Pass(_)) {
+            if !hooked.succeeded {
+                row(label, hooked.failed());
+                continue;
+            }
+            if ranks == 2 && resumable.is_none() {
                 resumable = Some((strategy.clone(), hooked.losses.clone()));
             }
-            row(label, outcome);
+            row(label, compare(&hooked.losses, &builtin.losses, |step| hook.tolerance(step)));
         }
     }
     let Some((strategy, uninterrupted)) = resumable else {
-        row("save, kill a rank, resume".into(), Outcome::Skipped("no strategy passed at 2 ranks".into()));
+        row("save, kill a rank, resume".into(), (Outcome::Skipped("no run through the hook completed at 2 ranks".into()), vec![]));
         return Ok(rows);
     };
     // Rank 1 dies after step 5, with checkpoints every 3 steps.
@@ -209,30 +290,30 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
     let saved = crate::checkpoint::list(&killed)?.last().map(|dir| crate::checkpoint::read_manifest(dir)).transpose()?;
     let resumed = request.train(&killed, 2, &strategy, Some(name), &[&saving[..], &["--resume", "latest"]].concat(), &[])?;
     let outcome = match (crash.succeeded, saved, resumed.succeeded) {
-        (true, _, _) => Outcome::Fail("the injected kill did not happen".into()),
-        (false, None, _) => Outcome::Fail("the killed run left no checkpoint".into()),
-        (false, Some(_), false) => Outcome::Fail(resumed.why()),
+        (true, _, _) => (Outcome::Fail("the injected kill did not happen".into()), vec![]),
+        (false, None, _) => (Outcome::Fail(format!("the killed run left no checkpoint: {}", crash.why_kept())), crash.tail()),
+        (false, Some(_), false) => resumed.failed(),
         (false, Some(saved), true) => {
             // The resumed run's losses follow the killed run's in metrics.jsonl.
             let all = losses(&killed);
             let expected = &uninterrupted[saved.step.min(uninterrupted.len())..];
             let got = &all[all.len().saturating_sub(expected.len())..];
             match got == expected && !expected.is_empty() {
-                true => Outcome::Pass(format!("resumed from step {}: steps {}..{} equal bit for bit", saved.step, saved.step + 1, uninterrupted.len())),
-                false => Outcome::Fail(format!("resumed from step {}: losses {got:?} against the uninterrupted {expected:?}", saved.step)),
+                true => (Outcome::Pass(format!("resumed from step {}: steps {}..{} equal bit for bit", saved.step, saved.step + 1, uninterrupted.len())), vec![]),
+                false => (Outcome::Fail(format!("resumed from step {}: losses {got:?} against the uninterrupted {expected:?}", saved.step)), vec![]),
             }
         }
     };
-    row(format!("{strategy}: save, kill rank 1 after step 5, resume: the uninterrupted losses"), outcome);
+    row(format!("{strategy}: save, kill rank 1 after step 5, resume: the plug-in's uninterrupted losses"), outcome);
     // The same checkpoint resumed at 3 ranks: the hook re-shards its state or starts it afresh, and the log says which.
     let wider = request.train(&killed, 3, &strategy, Some(name), &["--resume", "latest", "--epochs", "2"], &[])?;
     let declared = wider.log.lines().find(|l| l.contains("its state was saved at 2 ranks"));
     let outcome = match (wider.succeeded, declared) {
-        (false, _) => Outcome::Fail(wider.why()),
-        (true, Some(line)) if line.contains("re-sharded, kept") => Outcome::Pass(format!("it re-shards: {}", line.split("kept ").last().unwrap_or(line))),
-        (true, Some(line)) if line.contains("starts afresh") => Outcome::Pass("its state starts afresh, and the log says so".into()),
-        (true, Some(line)) => Outcome::Fail(format!("the log neither says it re-sharded nor that it starts afresh: {line}")),
-        (true, None) => Outcome::Pass("it keeps no state; the run resumes".into()),
+        (false, _) => wider.failed(),
+        (true, Some(line)) if line.contains("re-sharded, kept") => (Outcome::Pass(format!("it re-shards: {}", line.split("kept ").last().unwrap_or(line))), vec![]),
+        (true, Some(line)) if line.contains("starts afresh") => (Outcome::Pass("its state starts afresh, and the log says so".into()), vec![]),
+        (true, Some(line)) => (Outcome::Fail(format!("the log neither says it re-sharded nor that it starts afresh: {line}")), vec![]),
+        (true, None) => (Outcome::Pass("it keeps no state; the run resumes".into()), vec![]),
     };
     row(format!("{strategy}: resume at 3 ranks"), outcome);
     Ok(rows)
@@ -244,10 +325,23 @@ mod tests {
 
     #[test]
     fn losses_are_compared_as_the_hook_declares() {
-        assert_eq!(compare(&[1.0, 2.0], &[1.0, 2.0], 0.0), Outcome::Pass("bit for bit over 2 steps".into()));
-        assert!(matches!(compare(&[1.0, 2.000001], &[1.0, 2.0], 0.0), Outcome::Fail(m) if m.contains("declared exact, but step 2")));
-        assert!(matches!(compare(&[1.0, 2.01], &[1.0, 2.0], 0.01), Outcome::Pass(m) if m.contains("largest 0.500%")));
-        assert!(matches!(compare(&[1.0, 2.1], &[1.0, 2.0], 0.01), Outcome::Fail(m) if m.contains("step 2 differs by 5.000%")));
-        assert!(matches!(compare(&[1.0], &[1.0, 2.0], 0.0), Outcome::Fail(m) if m.contains("1 losses logged against the built-in's 2")));
+        let outcome = |hooked: &[f64], builtin: &[f64], tolerance: f64| compare(hooked, builtin, |_| tolerance).0;
+        assert_eq!(outcome(&[1.0, 2.0], &[1.0, 2.0], 0.0), Outcome::Pass("bit for bit over 2 steps".into()));
+        assert!(matches!(outcome(&[1.0, 2.000001], &[1.0, 2.0], 0.0), Outcome::Fail(m) if m.contains("declared exact, but step 2")));
+        assert!(matches!(outcome(&[1.0, 2.01], &[1.0, 2.0], 0.01), Outcome::Pass(m) if m.contains("largest gap 0.500% at step 2")));
+        assert!(matches!(outcome(&[1.0, 2.1], &[1.0, 2.0], 0.01), Outcome::Fail(m) if m.contains("step 2 differs by 5.000%")));
+        assert!(matches!(outcome(&[1.0], &[1.0, 2.0], 0.0), Outcome::Fail(m) if m.contains("1 losses logged against the built-in's 2")));
+    }
+
+    #[test]
+    fn a_tolerance_may_grow_with_steps_and_both_runs_are_shown_per_step() {
+        let growing = crate::comm_hook::Tolerance { base: 0.01, per_step: 0.01 };
+        // 3.75% apart at step 4 is within 1% + 3 × 1%; 4% at step 2 is not within 2%.
+        let (outcome, table) = compare(&[1.0, 2.0, 3.0, 4.15], &[1.0, 2.0, 3.0, 4.0], |s| growing.at(s));
+        assert!(matches!(outcome, Outcome::Pass(ref m) if m.contains("largest gap 3.750% at step 4, where 4.00% is allowed")), "{outcome:?}");
+        assert_eq!(table.len(), 5, "a header and one line a step");
+        assert!(table[4].contains("4.000000") && table[4].contains("4.150000") && table[4].contains("3.7500%") && table[4].contains("4.0000%"), "{}", table[4]);
+        let (outcome, _) = compare(&[1.0, 2.08], &[1.0, 2.0], |s| growing.at(s));
+        assert!(matches!(outcome, Outcome::Fail(ref m) if m.contains("step 2 differs by 4.000% (declared tolerance at that step 2.00%)")), "{outcome:?}");
     }
 }

@@ -30,7 +30,7 @@
 //! Trainer, skips biases and norms — applies to one prefix.
 
 use crate::comm::{ProcessGroup, Work};
-use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, Workspace};
+use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
 use crate::model::UnitSpec;
 use crate::offload::Offload;
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
@@ -579,7 +579,7 @@ impl FlatUnit {
         group.note_caller(|| format!("comm `{}` gathered unit {} ({phase:?}, step {step})", hook.name(), info.name));
         let (shard, output) = (self.gather_source(), self.compute_alias.shallow_clone());
         let gathering = workspace
-            .issue(hook, info, Wire::Gather, shard.size()[0], shard.device(), |hook, workspace| {
+            .issue(hook, info, &WireRequest { wire: Wire::Gather, elements: shard.size()[0], dtype: shard.kind(), group_size: group.size() }, shard.device(), |hook, workspace| {
                 hook.gather(ParamGather { unit: info, phase, group, shard, output, step, seed, workspace })
             })
             .map_err(|e| e.context(format!("comm `{}`: gathering unit {}", hook.name(), info.name)))?;

@@ -4,14 +4,15 @@
 //! A plug-in is a `cdylib` depending on `ft-core`. It exports one C symbol,
 //! `ft_plugin_declaration`, returning a [`PluginDeclaration`]: the ABI
 //! version it was built against (`abi.rs`: a major that must match, a
-//! minor no newer than this ft's), the fingerprint of the types it passes,
-//! the rustc version (Rust types cross, so the compiler must match) and a
+//! minor no newer than this ft's), the rustc version (Rust types cross, so
+//! the compiler must match), the boundary — the versions of the crates
+//! whose types cross and the fingerprint of the types' shapes — and a
 //! registration function. The loader checks them in that order — reading
 //! nothing else from the library first — and refuses a mismatch naming the
 //! field. [`export_plugin!`] writes the symbol; `plugins/comm/bf16` is a
 //! complete example.
 
-use crate::abi::{table_factory, CommDeclaration, StrategyDeclaration, StrategyTable, TableStrategy, ABI_MAJOR, ABI_MINOR, BOUNDARY};
+use crate::abi::{table_factory, CommDeclaration, StrategyDeclaration, StrategyTable, TableStrategy, ABI_MAJOR, ABI_MINOR, BOUNDARY, SHARED_CRATES};
 use crate::comm_hook::{CommFactory, CommOption};
 use crate::registry::{CommEntry, Origin, Registry, StrategyEntry};
 use crate::strategy::ShardingStrategy;
@@ -24,6 +25,8 @@ use std::path::{Path, PathBuf};
 pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 #[doc(hidden)]
 pub const RUSTC_VERSION: &str = concat!(env!("FT_RUSTC_VERSION"), "\0");
+#[doc(hidden)]
+pub const SHARED_CRATES_C: &str = concat!(env!("FT_SHARED_CRATES"), "\0");
 /// The symbol every plug-in exports.
 pub const ENTRY_POINT: &str = "ft_plugin_declaration";
 
@@ -39,6 +42,8 @@ pub struct PluginDeclaration {
     pub core_version: *const c_char,
     /// NUL-terminated `rustc --version` of the plug-in's build.
     pub rustc_version: *const c_char,
+    /// NUL-terminated `abi::SHARED_CRATES` of the plug-in's build: "tch 0.24.0, anyhow …".
+    pub shared_crates: *const c_char,
     /// Called once, after the checks, to add the plug-in's strategies and communication hooks.
     pub register: fn(&mut PluginRegistrar),
 }
@@ -122,6 +127,7 @@ macro_rules! export_plugin {
                 boundary: $crate::abi::BOUNDARY,
                 core_version: $crate::plugin::CORE_VERSION.as_ptr() as *const ::std::ffi::c_char,
                 rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr() as *const ::std::ffi::c_char,
+                shared_crates: $crate::plugin::SHARED_CRATES_C.as_ptr() as *const ::std::ffi::c_char,
                 register: $register,
             };
             &DECLARATION
@@ -135,6 +141,27 @@ fn field(value: *const c_char, name: &str, path: &Path) -> Result<String> {
     }
     // SAFETY: non-null and, by the declaration's contract, NUL-terminated static data.
     Ok(unsafe { CStr::from_ptr(value) }.to_string_lossy().into_owned())
+}
+
+/// The crates of `theirs` ("name version, …", a plug-in's) at another
+/// version than in `ours`, or in only one of the lists, each as "anyhow
+/// 1.0.80 (this ft: 1.0.104)".
+fn differing_crates(theirs: &str, ours: &str) -> Vec<String> {
+    let parse = |list: &str| -> std::collections::BTreeMap<String, String> {
+        list.split(", ").filter_map(|c| c.split_once(' ')).map(|(name, version)| (name.to_string(), version.to_string())).collect()
+    };
+    let (theirs, ours) = (parse(theirs), parse(ours));
+    let names: std::collections::BTreeSet<&String> = theirs.keys().chain(ours.keys()).collect();
+    names
+        .into_iter()
+        .filter_map(|name| match (theirs.get(name), ours.get(name)) {
+            (Some(a), Some(b)) if a == b => None,
+            (Some(a), Some(b)) => Some(format!("{name} {a} (this ft: {b})")),
+            (None, Some(b)) => Some(format!("{name} of another version (this ft: {b})")),
+            (Some(a), None) => Some(format!("{name} {a} (this ft shares none)")),
+            (None, None) => None,
+        })
+        .collect()
 }
 
 impl Registry {
@@ -188,6 +215,15 @@ pub fn load(path: &Path, registry: &mut Registry) -> Result<()> {
     if rustc != RUSTC_VERSION.trim_end_matches('\0') {
         bail!("plug-in {}: built with `{rustc}`, this ft with `{}` — rebuild the plug-in with the same", path.display(), RUSTC_VERSION.trim_end_matches('\0'));
     }
+    let shared = field(declaration.shared_crates, "shared crates' versions", path)?;
+    let differing = differing_crates(&shared, SHARED_CRATES);
+    if !differing.is_empty() {
+        bail!(
+            "plug-in {}: built with {}, whose types cross into ft — rebuild it with the versions this ft pins ({SHARED_CRATES}; the Cargo.lock of examples/comm-plugin-template has them)",
+            path.display(),
+            differing.join(", ")
+        );
+    }
     if declaration.boundary != BOUNDARY {
         bail!(
             "plug-in {}: its ft-core ({core_version}) passes types of another shape than this ft's although both say ABI {ABI_MAJOR} — rebuild the plug-in against this ft-core",
@@ -210,4 +246,30 @@ pub fn load(path: &Path, registry: &mut Registry) -> Result<()> {
     }
     std::mem::forget(library);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_crates_of_other_versions_are_named() {
+        let ours = "tch 0.24.0, anyhow 1.0.104, serde_json 1.0.154";
+        assert!(differing_crates(ours, ours).is_empty());
+        let theirs = "tch 0.24.0, anyhow 1.0.80, serde_json 1.0.154";
+        assert_eq!(differing_crates(theirs, ours), vec!["anyhow 1.0.80 (this ft: 1.0.104)"]);
+        assert_eq!(differing_crates("tch 0.24.0, anyhow 1.0.104", ours), vec!["serde_json of another version (this ft: 1.0.154)"]);
+    }
+
+    /// What build.rs recorded is what the workspace resolved: one entry per
+    /// shared crate, at the version Cargo.lock holds.
+    #[test]
+    fn the_recorded_versions_are_the_resolved_ones() {
+        let lock = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.lock")).unwrap();
+        for entry in SHARED_CRATES.split(", ") {
+            let (name, version) = entry.split_once(' ').unwrap();
+            assert!(lock.contains(&format!("name = \"{name}\"\nversion = \"{version}\"\n")), "{entry} is not in Cargo.lock");
+        }
+        assert_eq!(SHARED_CRATES.split(", ").count(), 3, "{SHARED_CRATES}");
+    }
 }

@@ -4,7 +4,7 @@
 //! and plug-ins loaded at run time add entries to the same registry.
 
 use crate::abi::{table_factory, TableFactory, TableHook};
-use crate::comm_hook::{check_options, CommHook, CommOption, CommRegistration, BUILTIN};
+use crate::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::names::unknown;
@@ -55,7 +55,9 @@ pub struct CommEntry {
 }
 
 /// The communication a run uses, as its checkpoints record it: a resume
-/// with another hook or other options starts the hook's state afresh.
+/// with another hook or other options starts the hook's state afresh. The
+/// options are recorded resolved (every declared option, defaults filled
+/// in), so a default written out is the same options.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CommRecord {
     pub name: String,
@@ -175,7 +177,8 @@ impl Registry {
         let entry = self.comm(name)?;
         let options = config.options.get(name).and_then(|o| o.as_object()).cloned().unwrap_or_default();
         let table = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;
-        Ok((Box::new(TableHook::new(table)), CommRecord { name: name.to_string(), options: serde_json::Value::Object(options) }))
+        let record = CommRecord { name: name.to_string(), options: serde_json::Value::Object(resolved_options(&entry.options, &options)) };
+        Ok((Box::new(TableHook::new(table)), record))
     }
 
     pub fn strategies(&self) -> &[StrategyEntry] {

@@ -117,6 +117,24 @@ const REQUIRES: [(&str, fn(&Config) -> bool, &str); 6] = [
     ("train.warmup_ratio", |c| c.train.warmup_steps == 0, "train.warmup_steps is set too, and it takes precedence: give one"),
 ];
 
+/// Makes the run's communication hook and asks it whether it serves a run
+/// of `world` ranks, `per_node` on a node, as the run itself will (`ft
+/// train --dry-run`); the line saying so. With `--strategy auto` the plan
+/// picks the strategy from the model, so the run asks at its start.
+pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_node: usize) -> Result<String> {
+    let t = &config.train;
+    if t.strategy == crate::strategy::AUTO {
+        return Ok("communication: the hook is asked whether it serves the run when it starts (--strategy auto picks the strategy from the model)".into());
+    }
+    let strategy = (registry.strategy(&t.strategy)?.create)();
+    let (hook, _) = registry.comm_hook(&config.comm, strategy.as_ref())?;
+    let policy = strategy.policy();
+    let shard_size = policy.shard_group_size(strategy.name(), world, per_node, t.shard_group_size)?;
+    let offload = (registry.offload(&t.offload)?.create)().to_host();
+    crate::comm_hook::check_serves(hook.as_ref(), &policy.comm_plan(strategy.name(), world, shard_size, offload))?;
+    Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
+}
+
 /// One worker process of a job: who it is, where it computes, in which
 /// dtype, and its communicator.
 pub struct Rank {

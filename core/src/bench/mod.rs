@@ -324,7 +324,7 @@ pub fn run_case(
 /// `group`: on one rank, its compression and decompression. Each is timed
 /// after warm-up (a hook's state is made on first use) as the median of 5.
 pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &dyn Model, dtype: Kind, reduce: Kind, device: Device) -> Result<f64> {
-    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo, Wire, Workspace};
+    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo, Wire, WireRequest, Workspace};
     let _no_grad = tch::no_grad_guard();
     let units: Vec<UnitInfo> = model.units().iter().map(|spec| UnitInfo::new(spec, crate::flat::param_offsets(spec), spec.numel())).collect();
     let grads: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (reduce, device))).collect();
@@ -338,13 +338,13 @@ pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &d
         for ((unit, grad), shard) in units.iter().zip(&grads).zip(&shards) {
             let (input, output) = (grad.copy(), shard.empty_like());
             workspace
-                .issue(hook, unit, Wire::Reduce(ReduceStage::World), unit.padded, device, |hook, workspace| {
+                .issue(hook, unit, &WireRequest { wire: Wire::Reduce(ReduceStage::World), elements: unit.padded, dtype: reduce, group_size: group.size() }, device, |hook, workspace| {
                     let (stage, offset, accumulated, seed) = (ReduceStage::World, 0, true, 0);
                     hook.reduce(GradReduce { unit, stage, group, input: input.shallow_clone(), offset, output: input, accumulated, step, seed, workspace })
                 })?
                 .wait()?;
             workspace
-                .issue(hook, unit, Wire::Gather, unit.padded, device, |hook, workspace| {
+                .issue(hook, unit, &WireRequest { wire: Wire::Gather, elements: unit.padded, dtype, group_size: group.size() }, device, |hook, workspace| {
                     let shard = shard.shallow_clone();
                     hook.gather(ParamGather { unit, phase: GatherPhase::Forward, group, shard, output, step, seed: 0, workspace })
                 })?

@@ -24,7 +24,7 @@ use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
 use crate::comm::Communicator;
 use crate::config::{DataRange, TrainConfig};
-use crate::comm_hook::{Resharded, WorldChange};
+use crate::comm_hook::{Restored, WorldChange};
 use crate::registry::CommRecord;
 use crate::signals::{self, StopSignals};
 use crate::train::Trainer;
@@ -203,10 +203,10 @@ impl<'a> Checkpointer<'a> {
     }
 
     /// Gives the communication hook the state this rank saved, when the
-    /// checkpoint was written by the same hook with the same options; at
-    /// another world size the hook decides what of it still holds
-    /// (`CommHook::reshard_state`); with another hook or options it starts
-    /// afresh. Rank 0 says which.
+    /// checkpoint was written by the same hook with the same (resolved)
+    /// options; at another world size the hook decides what of it still
+    /// holds (`CommHook::reshard_state`); with another hook or options it
+    /// starts afresh. Rank 0 says which, as the hook reported it.
     fn resume_comm_state(&self, reader: &mut Reader, trainer: &mut Trainer, rank: usize) -> Result<()> {
         let (saved, saved_world) = (reader.manifest().comm.clone(), reader.manifest().world_size);
         let Some(saved) = saved else { return Ok(()) };
@@ -222,23 +222,21 @@ impl<'a> Checkpointer<'a> {
             }
             return Ok(());
         }
-        if saved_world == self.world {
-            let state = reader.comm_state(rank)?;
-            if !state.is_empty() && rank == 0 {
-                tracing::info!("comm `{}`: restored its state ({} tensors on rank 0)", saved.name, state.len());
-            }
-            return trainer.restore_comm_state(state);
-        }
         let change = WorldChange { saved_world, world: self.world, rank, saved_rank: rank % saved_world };
         let state = reader.comm_state(change.saved_rank)?;
         if state.is_empty() {
             return Ok(());
         }
-        let resharded = trainer.reshard_comm_state(change, state)?;
+        let tensors = state.len();
+        let (restored, how) = match saved_world == self.world {
+            true => (trainer.restore_comm_state(state)?, format!("the checkpoint holds {tensors} state tensors on rank 0")),
+            false => (trainer.reshard_comm_state(change, state)?, format!("its state was saved at {saved_world} ranks, this run has {}", self.world)),
+        };
         if rank == 0 {
-            match resharded {
-                Resharded::Afresh => tracing::warn!("comm `{}`: its state was saved at {saved_world} ranks, this run has {}: it starts afresh", saved.name, self.world),
-                Resharded::Kept(what) => tracing::info!("comm `{}`: its state was saved at {saved_world} ranks, this run has {}: re-sharded, kept {what}", saved.name, self.world),
+            match restored {
+                Restored::Afresh => tracing::warn!("comm `{}`: {how}: its hook kept none of it, so it starts afresh", saved.name),
+                Restored::Kept(what) if saved_world == self.world => tracing::info!("comm `{}`: restored its state: {what}", saved.name),
+                Restored::Kept(what) => tracing::info!("comm `{}`: {how}: re-sharded, kept {what}", saved.name),
             }
         }
         Ok(())

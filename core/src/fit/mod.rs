@@ -212,8 +212,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
-    hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
-        .map_err(|e| anyhow::anyhow!("comm `{}` cannot serve this run: {e:#}", hook.name()))?;
+    crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let options = TrainOptions::from_config(config, dtype);
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);

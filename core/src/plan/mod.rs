@@ -354,23 +354,32 @@ fn with_margins(allocated: f64) -> f64 {
 /// largest `REDUCTIONS_IN_FLIGHT + 1` unit reductions', every unit's
 /// replica reduction (the step waits for those at its end) and two
 /// gathers' (the one in use and the one prefetched).
-fn comm_state(hook: &dyn CommHook, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan) -> f64 {
-    use crate::comm_hook::{ReduceStage, Wire};
+fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan, shard_group: usize) -> f64 {
+    use crate::comm_hook::{ReduceStage, Wire, WireRequest};
     let (mut bytes, mut reductions, mut replicas, mut gathers) = (0.0, vec![], 0, vec![]);
+    let reduce = workload.reduce_dtype.kind(workload.dtype);
     for (unit, placement) in units.iter().zip(placements) {
         let (whole, shard) = (placement.shard.padded, placement.shard.len);
         for &stage in &plan.stages {
-            let elements = if stage == ReduceStage::Replica { shard } else { whole };
-            bytes += hook.state_bytes(unit, Wire::Reduce(stage), elements as f64);
-            let workspace = hook.workspace_bytes(unit, Wire::Reduce(stage), elements);
+            let request = match stage {
+                ReduceStage::World => WireRequest { wire: Wire::Reduce(stage), elements: whole, dtype: reduce, group_size: plan.world_size },
+                ReduceStage::Shard => WireRequest { wire: Wire::Reduce(stage), elements: whole, dtype: reduce, group_size: shard_group },
+                ReduceStage::Replica => {
+                    let dtype = if plan.offload { reduce } else { tch::Kind::Float };
+                    WireRequest { wire: Wire::Reduce(stage), elements: shard, dtype, group_size: plan.world_size / shard_group }
+                }
+            };
+            bytes += hook.state_bytes(unit, &request);
+            let workspace = hook.workspace_bytes(unit, &request);
             match stage {
                 ReduceStage::Replica => replicas += workspace,
                 _ => reductions.push(workspace),
             }
         }
         if plan.gathers && placement.params_sharded {
-            bytes += hook.state_bytes(unit, Wire::Gather, shard as f64);
-            gathers.push(hook.workspace_bytes(unit, Wire::Gather, shard));
+            let request = WireRequest { wire: Wire::Gather, elements: shard, dtype: workload.dtype, group_size: shard_group };
+            bytes += hook.state_bytes(unit, &request);
+            gathers.push(hook.workspace_bytes(unit, &request));
         }
     }
     let largest = |mut sizes: Vec<i64>, n: usize| -> i64 {
@@ -387,7 +396,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let placements = placements(workload, setup, group);
     let units: Vec<UnitInfo> =
         workload.model.units().iter().zip(&placements).map(|(spec, p)| UnitInfo::new(spec, param_offsets(spec), p.shard.padded)).collect();
-    let comm_state = setup.comm.map_or(0.0, |c| comm_state(c.hook.as_ref(), &units, &placements, &setup.policy.comm_plan(setup.strategy, cluster.gpus, group, setup.offload_to_host)));
+    let comm_plan = setup.policy.comm_plan(setup.strategy, cluster.gpus, group, setup.offload_to_host);
+    let comm_state = setup.comm.map_or(0.0, |c| comm_state(c.hook.as_ref(), workload, &units, &placements, &comm_plan, group));
     let state = MemoryAccount { comm_state, ..rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host) };
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };

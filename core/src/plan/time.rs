@@ -13,11 +13,12 @@
 
 use super::{Cluster, Setup, Workload};
 use crate::collectives_bench::Collective;
-use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire};
+use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
 use crate::flat::UnitPlacement;
 use crate::model::StageKind;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
+use tch::Kind;
 
 /// The share of the dense peak ft's step reaches on a GPU of the table:
 /// its model FLOPs utilisation measured 33-49% for BLOOM-560m, OPT-1.3B and
@@ -72,11 +73,28 @@ enum Group {
     Replicas,
 }
 
+/// A cluster's groups: how many ranks each has.
+#[derive(Clone, Copy)]
+struct Groups {
+    world: usize,
+    shard: usize,
+}
+
+impl Groups {
+    fn size(self, group: Group) -> usize {
+        match group {
+            Group::Shard => self.shard,
+            Group::World => self.world,
+            Group::Replicas => self.world / self.shard,
+        }
+    }
+}
+
 /// One collective of a step.
 struct Transfer {
     collective: Collective,
     group: Group,
-    /// The buffer's bytes, as nccl-tests counts them.
+    /// The buffer's bytes, as nccl-tests counts them (an all-gather's: the gathered whole).
     bytes: f64,
     /// Nothing runs beside it: the first gather, the last reduction, zero1's gather after the step.
     exposed: bool,
@@ -84,16 +102,15 @@ struct Transfer {
 
 struct Network<'a> {
     cluster: &'a Cluster,
-    shard_group: usize,
+    groups: Groups,
 }
 
 impl Network<'_> {
     fn seconds(&self, transfer: &Transfer) -> f64 {
-        let (world, per_node) = (self.cluster.gpus, self.cluster.gpus_per_node());
-        let (ranks, across_nodes) = match transfer.group {
-            Group::Shard => (self.shard_group, self.shard_group > per_node),
-            Group::World => (world, self.cluster.nodes > 1),
-            Group::Replicas => (world / self.shard_group, self.cluster.nodes > 1),
+        let ranks = self.groups.size(transfer.group);
+        let across_nodes = match transfer.group {
+            Group::Shard => self.groups.shard > self.cluster.gpus_per_node(),
+            Group::World | Group::Replicas => self.cluster.nodes > 1,
         };
         if ranks <= 1 {
             return 0.0;
@@ -103,24 +120,31 @@ impl Network<'_> {
     }
 }
 
-/// What a step's collectives carry through `hook` (None: the built-in's bytes).
+/// What a step's collectives carry through `hook` (None: the built-in's).
 struct Wires<'a> {
     hook: Option<&'a dyn CommHook>,
     units: &'a [UnitInfo],
+    groups: Groups,
     /// Elements the hook changed on their way (compressed, quantized).
     changed: f64,
 }
 
 impl Wires<'_> {
-    /// The bytes of unit `u`'s `wire` of `elements` elements of `element` bytes each.
-    fn bytes(&mut self, u: usize, wire: Wire, elements: f64, element: f64) -> f64 {
-        let builtin = elements * element;
-        let Some(hook) = self.hook else { return builtin };
-        let bytes = hook.wire_bytes(&self.units[u], wire, elements, element);
-        if bytes != builtin {
-            self.changed += elements;
+    /// The collectives of unit `u`'s `wire` over `group`, whose input is
+    /// this rank's `elements` elements of `dtype`: those the hook declares
+    /// (`CommHook::wire_bytes`), each sized for the group (an all-gather's
+    /// buffer is every member's input).
+    fn transfers(&mut self, u: usize, wire: Wire, elements: i64, dtype: Kind, group: Group, exposed: bool) -> Vec<Transfer> {
+        let group_size = self.groups.size(group);
+        let request = WireRequest { wire, elements, dtype, group_size };
+        let builtin = vec![request.builtin()];
+        let declared = self.hook.map_or_else(|| builtin.clone(), |hook| hook.wire_bytes(&self.units[u], &request));
+        if declared != builtin {
+            // A gather's work covers the whole unit it fills (dequantized, decompressed).
+            self.changed += elements as f64 * if wire == Wire::Gather { group_size as f64 } else { 1.0 };
         }
-        bytes
+        let buffer = |collective: Collective| if collective == Collective::AllGather { group_size as f64 } else { 1.0 };
+        declared.into_iter().map(|c| Transfer { collective: c.collective, group, bytes: c.bytes * buffer(c.collective), exposed }).collect()
     }
 }
 
@@ -131,35 +155,32 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usiz
     if !data_parallel {
         return out;
     }
-    let (compute, reduce) = (workload.dtype.elt_size_in_bytes() as f64, workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64);
+    let (compute, reduce) = (workload.dtype, workload.reduce_dtype.kind(workload.dtype));
     let micro_batches = workload.grad_accum;
     for micro in 0..micro_batches {
         let last = micro + 1 == micro_batches;
-        for (i, &(u, bytes)) in gathers.iter().enumerate() {
-            let bytes = wires.bytes(u, Wire::Gather, bytes / compute, compute);
-            out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes, exposed: i == 0 });
+        for (i, &(u, _)) in gathers.iter().enumerate() {
+            out.extend(wires.transfers(u, Wire::Gather, placements[u].shard.len, compute, Group::Shard, i == 0));
         }
         // Backward reduces the units in reverse: the first stage's unit last.
         let first_unit = workload.model.stages()[0].unit;
         for (u, placement) in placements.iter().enumerate() {
             let exposed = u == first_unit;
-            let (padded, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
+            let (padded, shard) = (placement.shard.padded, placement.shard.len);
             if placement.grads_sharded {
-                let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::Shard), padded, reduce);
-                out.push(Transfer { collective: Collective::ReduceScatter, group: Group::Shard, bytes, exposed });
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Shard), padded, reduce, Group::Shard, exposed));
                 // Replicas sum their shards: each micro-batch's when it goes to the host.
-                let replica = if placement.offload { Some(reduce) } else { last.then_some(4.0) };
-                if let Some(element) = replica {
-                    let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::Replica), shard, element);
-                    out.push(Transfer { collective: Collective::AllReduce, group: Group::Replicas, bytes, exposed });
+                let replica = if placement.offload { Some(reduce) } else { last.then_some(Kind::Float) };
+                if let Some(dtype) = replica {
+                    out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Replica), shard, dtype, Group::Replicas, exposed));
                 }
             } else if placement.offload || last {
-                let bytes = wires.bytes(u, Wire::Reduce(ReduceStage::World), padded, reduce);
-                out.push(Transfer { collective: Collective::AllReduce, group: Group::World, bytes, exposed });
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::World), padded, reduce, Group::World, exposed));
             }
         }
     }
     // zero1: each rank updated its slice of the replicated parameters.
+    let compute = compute.elt_size_in_bytes() as f64;
     for placement in placements.iter().filter(|p| p.optimizer_sharded && !p.params_sharded) {
         out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64 * compute, exposed: true });
     }
@@ -194,10 +215,11 @@ pub(super) fn step_time(
     }
     let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, setup.activation_checkpointing);
 
-    let network = Network { cluster, shard_group };
+    let groups = Groups { world: cluster.gpus, shard: shard_group };
+    let network = Network { cluster, groups };
     let data_parallel = cluster.gpus > 1;
     let (mut exposed, mut overlapped) = (0.0, 0.0);
-    let mut wires = Wires { hook: setup.comm.map(|c| c.hook.as_ref()), units, changed: 0.0 };
+    let mut wires = Wires { hook: setup.comm.map(|c| c.hook.as_ref()), units, groups, changed: 0.0 };
     for transfer in transfers(workload, placements, gathers, data_parallel, &mut wires) {
         let seconds = network.seconds(&transfer);
         if transfer.exposed {
@@ -228,4 +250,46 @@ pub(super) fn step_time(
     };
     let compress = setup.comm.and_then(|c| c.elements_per_second).map_or(0.0, |rate| wires.changed / rate);
     StepTime { compute, communication, optimizer, offload, compress }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm_hook::{CollectiveBytes, UnitInfo};
+
+    /// Top-k sparsification: every rank all-gathers its largest 1% of a
+    /// gradient as (fp32 value, int32 index) pairs, and sums them locally.
+    struct TopK;
+
+    impl CommHook for TopK {
+        fn name(&self) -> &str {
+            "topk"
+        }
+        fn wire_bytes(&self, _unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+            match request.wire {
+                Wire::Reduce(_) => vec![CollectiveBytes { collective: Collective::AllGather, bytes: request.elements as f64 * 0.01 * 8.0 }],
+                Wire::Gather => vec![request.builtin()],
+            }
+        }
+    }
+
+    /// The bytes each rank moves for one world reduction of `elements` fp32 elements at `world` ranks.
+    fn moved(hook: Option<&dyn CommHook>, world: usize, elements: i64) -> f64 {
+        let units = [UnitInfo { id: "u0".into(), name: "block 0".into(), params: vec![], numel: elements, padded: elements }];
+        let groups = Groups { world, shard: 1 };
+        let mut wires = Wires { hook, units: &units, groups, changed: 0.0 };
+        let transfers = wires.transfers(0, Wire::Reduce(ReduceStage::World), elements, Kind::Float, Group::World, false);
+        transfers.iter().map(|t| t.bytes * t.collective.bus_factor(groups.size(t.group))).sum()
+    }
+
+    #[test]
+    fn an_all_gather_a_hook_declares_is_sized_for_the_world_it_runs_at() {
+        let elements = 1_000_000;
+        // 1% of the elements at twice the bytes each: 1/50 of the all-reduce's
+        // input, but every rank receives every other rank's share.
+        for (world, ratio) in [(2, 1.0 / 50.0), (8, 1.0 / 12.5)] {
+            let (topk, builtin) = (moved(Some(&TopK), world, elements), moved(None, world, elements));
+            assert!((topk / builtin - ratio).abs() < 1e-12, "at {world} ranks top-k moves {} of the all-reduce's bytes", topk / builtin);
+        }
+    }
 }

@@ -17,7 +17,7 @@ pub use parallel::DataParallel;
 pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
 use crate::comm::ProcessGroup;
-use crate::comm_hook::{Builtin, CommHook, Resharded, UnitInfo, Workspace, WorldChange};
+use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::Model;
@@ -412,13 +412,13 @@ impl<'m> Trainer<'m> {
         self.hook.as_ref()
     }
 
-    /// Puts back the hook's checkpointed state.
-    pub fn restore_comm_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        self.hook.load_state(state)
+    /// Hands the hook its checkpointed state; what it kept.
+    pub fn restore_comm_state(&mut self, state: Vec<(String, Tensor)>) -> Result<Restored> {
+        self.hook.load_state(state).map_err(|e| e.context(format!("comm `{}`: restoring its state", self.hook.name())))
     }
 
-    /// Offers the hook state saved at another world size.
-    pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+    /// Offers the hook state saved at another world size; what it kept.
+    pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
         self.hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{}`: re-sharding its state", self.hook.name())))
     }
 }

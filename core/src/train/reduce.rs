@@ -5,7 +5,7 @@
 //! result is needed.
 
 use super::{DataParallel, Trainer};
-use crate::comm_hook::{GradReduce, Pending, ReduceStage, Wire};
+use crate::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -47,9 +47,9 @@ impl Trainer<'_> {
         group.note_caller(|| format!("comm `{hook}` reduced unit {unit} ({}, step {step})", stage.name()));
         let offset = if stage == ReduceStage::Replica { self.units[u].placement().shard.start } else { 0 };
         let (info, seed, step) = (&self.unit_info[u], self.options.seed as u64, self.steps);
-        let elements = input.size()[0];
+        let wire = WireRequest { wire: Wire::Reduce(stage), elements: input.size()[0], dtype: input.kind(), group_size: group.size() };
         let device = input.device();
-        let work = self.workspace.issue(self.hook.as_mut(), info, Wire::Reduce(stage), elements, device, |hook, workspace| {
+        let work = self.workspace.issue(self.hook.as_mut(), info, &wire, device, |hook, workspace| {
             hook.reduce(GradReduce { unit: info, stage, group, input, offset, output, accumulated, step, seed, workspace })
         });
         work.map_err(|e| e.context(format!("comm `{}`: {} of unit {}", self.hook.name(), stage.name(), info.name)))

@@ -1,12 +1,13 @@
 //! A communication plug-in to start from: `template` reduces and gathers
 //! with the built-in collectives and counts what it is asked to do, which
 //! is where your behaviour goes (docs/PLUGINS.md walks through a real one,
-//! `plugins/comm/powersgd`). Build with `cargo build --release`, check with
-//! `ft plugin check target/release/libtemplate.so`, run with
-//! `ft --plugin target/release/libtemplate.so train --comm template`.
+//! `plugins/comm/powersgd`). Build with `./build.sh` (add `--release` for
+//! the build you deploy), check with `ft plugin check
+//! target/debug/libtemplate.so`, run with `ft --plugin
+//! target/debug/libtemplate.so train --comm template`.
 
 use anyhow::Result;
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, GradReduce, ParamGather, Pending};
+use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, GradReduce, ParamGather, Pending, Restored};
 use ft_core::plugin::PluginRegistrar;
 use tch::{Kind, Tensor};
 
@@ -39,13 +40,15 @@ impl CommHook for Template {
         vec![("served".into(), Tensor::from_slice(&[self.served as f32]))]
     }
 
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        for (name, tensor) in state {
-            if name == "served" {
+    /// Says what it kept: the log repeats it, and a state it cannot use is `Restored::Afresh`.
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<Restored> {
+        match state.iter().find(|(name, _)| name == "served") {
+            Some((_, tensor)) => {
                 self.served = tensor.to_kind(Kind::Double).double_value(&[0]) as i64;
+                Ok(Restored::Kept(format!("the count of requests served ({})", self.served)))
             }
+            None => Ok(Restored::Afresh),
         }
-        Ok(())
     }
 }
 

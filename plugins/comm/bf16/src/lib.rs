@@ -10,7 +10,7 @@
 //! Loaded with `ft --plugin libbf16.so …`; README.md beside this file.
 
 use anyhow::Result;
-use ft_core::comm_hook::{Builtin, CommHook, GradReduce, Pending, ReduceStage, UnitInfo, Wire};
+use ft_core::comm_hook::{Builtin, CollectiveBytes, CommHook, GradReduce, Pending, ReduceStage, UnitInfo, Wire, WireRequest};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::strategy::{ShardingPolicy, ShardingStrategy};
 use ft_core::Reduction;
@@ -26,7 +26,7 @@ impl CommHook for Bf16 {
     }
 
     /// bf16 keeps about 3 significant digits of each summed gradient.
-    fn tolerance(&self) -> f64 {
+    fn tolerance(&self, _step: usize) -> f64 {
         1e-2
     }
 
@@ -50,10 +50,12 @@ impl CommHook for Bf16 {
         }))
     }
 
-    fn wire_bytes(&self, _unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        match wire {
-            Wire::Reduce(_) => elements * element_bytes.min(2.0),
-            Wire::Gather => elements * element_bytes,
+    /// The built-in's collective, on at most 2 bytes an element.
+    fn wire_bytes(&self, _unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+        let builtin = request.builtin();
+        match request.wire {
+            Wire::Reduce(_) => vec![CollectiveBytes { bytes: request.elements as f64 * request.dtype.elt_size_in_bytes().min(2) as f64, ..builtin }],
+            Wire::Gather => vec![builtin],
         }
     }
 }

@@ -28,7 +28,7 @@
 //! is quantized and how it travels.
 
 use anyhow::{bail, Result};
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, ParamGather, Pending, ReduceStage, UnitInfo, Wire};
+use ft_core::comm_hook::{option, Builtin, Collective, CollectiveBytes, CommHook, CommOption, CommPlan, GradReduce, ParamGather, Pending, ReduceStage, UnitInfo, Wire, WireRequest};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::quantize::{quantize, Quantized};
 use serde_json::{Map, Value};
@@ -59,7 +59,7 @@ impl CommHook for Int8 {
     }
 
     /// Weights within half a quantization step keep the loss within about a percent.
-    fn tolerance(&self) -> f64 {
+    fn tolerance(&self, _step: usize) -> f64 {
         0.01
     }
 
@@ -109,15 +109,20 @@ impl CommHook for Int8 {
         }))
     }
 
-    /// One byte an element, padded to whole blocks, and a 4-byte scale a block.
-    fn wire_bytes(&self, _unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        let quantized = matches!(wire, Wire::Gather) || (self.grads && wire == Wire::Reduce(ReduceStage::Shard));
-        if !quantized {
-            return elements * element_bytes;
-        }
-        let block = self.block_for(elements as i64) as f64;
-        let blocks = (elements / block).ceil();
-        blocks * (block + 4.0)
+    /// Two collectives where it quantizes (all-gathers for a gather,
+    /// all-to-alls for a gradient's reduce-scatter): one byte an element,
+    /// padded to whole blocks per row (one row, or each rank's chunk), and
+    /// a 4-byte scale a block.
+    fn wire_bytes(&self, _unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+        let (rows, collective) = match request.wire {
+            Wire::Gather => (1, Collective::AllGather),
+            Wire::Reduce(ReduceStage::Shard) if self.grads => (request.group_size as i64, Collective::AllToAll),
+            _ => return vec![request.builtin()],
+        };
+        let row = request.elements / rows;
+        let block = self.block_for(row);
+        let blocks = rows * ((row + block - 1) / block);
+        vec![CollectiveBytes { collective, bytes: (blocks * block) as f64 }, CollectiveBytes { collective, bytes: (blocks * 4) as f64 }]
     }
 }
 

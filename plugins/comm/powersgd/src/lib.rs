@@ -25,7 +25,7 @@
 
 use anyhow::{bail, Result};
 use ft_core::lowrank::{self, Factors};
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, Resharded, UnitInfo, Wire, WorldChange};
+use ft_core::comm_hook::{option, Builtin, Collective, CollectiveBytes, CommHook, CommOption, CommPlan, GradReduce, Pending, ReduceStage, Restored, UnitInfo, Wire, WireRequest, WorldChange};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::Reduction;
 use rand::{Rng, SeedableRng};
@@ -231,7 +231,7 @@ impl CommHook for PowerSgd {
     }
 
     /// Low-rank sums with error feedback track the exact run's loss closely, not exactly.
-    fn tolerance(&self) -> f64 {
+    fn tolerance(&self, _step: usize) -> f64 {
         0.05
     }
 
@@ -336,49 +336,53 @@ impl CommHook for PowerSgd {
         state
     }
 
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<Restored> {
         self.units.clear();
         self.restored = state.into_iter().collect();
-        Ok(())
+        let errors = self.restored.keys().filter(|name| name.ends_with(".error")).count();
+        let kept = format!("{errors} error buffers and {} Q matrices (each unit claims its own at its first reduction)", self.restored.len() - errors);
+        Ok(Restored::Kept(kept))
     }
 
     /// At another world size each rank's error (its share of what the sum
     /// lost, M_i − P̂Qᵀ/N) no longer adds up, but Q, the same on every rank,
     /// still warm-starts its matrix wherever the layout kept its shape.
-    fn reshard_state(&mut self, _change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Resharded> {
+    fn reshard_state(&mut self, _change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
         let q: Vec<(String, Tensor)> = state.into_iter().filter(|(name, _)| !name.ends_with(".error")).collect();
         let kept = format!("{} Q matrices (warm start; each kept where its shape still fits), error feedback restarts", q.len());
         self.load_state(q)?;
-        Ok(Resharded::Kept(kept))
+        Ok(Restored::Kept(kept))
     }
 
     /// The error (the reduced tensor's size, with error feedback) and each matrix's Q, in fp32.
-    fn state_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64) -> f64 {
-        if !matches!(wire, Wire::Reduce(ReduceStage::World | ReduceStage::Replica)) {
+    fn state_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> f64 {
+        if !matches!(request.wire, Wire::Reduce(ReduceStage::World | ReduceStage::Replica)) {
             return 0.0;
         }
         let q: i64 = Layout::new(unit, 0, unit.padded, &self.options).matrices.iter().map(|m| m.cols * m.rank).sum();
-        4.0 * (if self.options.error_feedback { elements } else { 0.0 } + q as f64)
+        4.0 * (if self.options.error_feedback { request.elements } else { 0 } + q) as f64
     }
 
     /// Without error feedback, an fp32 copy of the gradient while a stage
     /// it compresses is in flight (with it, the error buffer serves).
-    fn workspace_bytes(&self, unit: &UnitInfo, wire: Wire, elements: i64) -> i64 {
-        match wire {
-            Wire::Reduce(ReduceStage::World | ReduceStage::Replica) if !self.options.error_feedback && !Layout::new(unit, 0, unit.padded, &self.options).matrices.is_empty() => 4 * elements,
+    fn workspace_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> i64 {
+        match request.wire {
+            Wire::Reduce(ReduceStage::World | ReduceStage::Replica) if !self.options.error_feedback && !Layout::new(unit, 0, unit.padded, &self.options).matrices.is_empty() => {
+                4 * request.elements
+            }
             _ => 0,
         }
     }
 
-    /// Once compressing: the factors and the plain part, in fp32, for the
-    /// share of the unit the stage carries.
-    fn wire_bytes(&self, unit: &UnitInfo, wire: Wire, elements: f64, element_bytes: f64) -> f64 {
-        match wire {
+    /// Once compressing: all-reduces of the factors and the plain part, in
+    /// fp32, for the share of the unit the stage carries.
+    fn wire_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+        match request.wire {
             Wire::Reduce(ReduceStage::World | ReduceStage::Replica) => {
                 let share = Layout::new(unit, 0, unit.padded, &self.options).wire_elements() as f64 / unit.padded.max(1) as f64;
-                elements * share * 4.0
+                vec![CollectiveBytes { collective: Collective::AllReduce, bytes: request.elements as f64 * share * 4.0 }]
             }
-            _ => elements * element_bytes,
+            _ => vec![request.builtin()],
         }
     }
 }
