@@ -294,7 +294,7 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
         (false, None, _) => (Outcome::Fail(format!("the killed run left no checkpoint: {}", crash.why_kept())), crash.tail()),
         (false, Some(_), false) => resumed.failed(),
         (false, Some(saved), true) => {
-            // The resumed run's losses follow the killed run's in metrics.jsonl.
+            // metrics.jsonl continues from the checkpoint (the killed run's later steps are dropped): its tail is the resumed run.
             let all = losses(&killed);
             let expected = &uninterrupted[saved.step.min(uninterrupted.len())..];
             let got = &all[all.len().saturating_sub(expected.len())..];

@@ -75,6 +75,13 @@ impl Console {
         });
     }
 
+    /// The launcher's own message, printed above the bar.
+    fn say(&self, text: &str) {
+        self.bar.suspend(|| {
+            let _ = writeln!(std::io::stderr().lock(), "ft launch: {text}");
+        });
+    }
+
     /// Rank 0's progress (never printed as a line: without a terminal no worker sends any).
     fn progress(&self, update: Update) {
         if !self.draws_progress || self.bar.is_finished() {
@@ -229,10 +236,10 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
         for signal in received.pending() {
             let name = signals::name(signal);
             if saving_since.is_none() {
-                eprintln!("ft launch: {name}: passed on to the ranks, which save a checkpoint and stop (a second signal stops them at once)");
+                console.say(&format!("{name}: passed on to the ranks, which save a checkpoint and stop (a second signal stops them at once)"));
                 saving_since = Some(Instant::now());
             } else {
-                eprintln!("ft launch: {name} again: the ranks stop at once");
+                console.say(&format!("{name} again: the ranks stop at once"));
                 stopping_since.get_or_insert_with(Instant::now);
             }
             pass_on(&mut children, signal);
@@ -250,7 +257,7 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
                 }
                 Some(status) if !status.success() && stopping_since.is_none() && matches!(exit_code, 0 | SAVED_AND_STOPPED) => {
                     let (what, code) = describe(status);
-                    eprintln!("ft launch: rank {rank} {what}; stopping the other ranks");
+                    console.say(&format!("rank {rank} {what}; stopping the other ranks"));
                     exit_code = code;
                     stopping_since = Some(Instant::now());
                 }
@@ -259,7 +266,7 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
         }
         let save_grace = Duration::from_secs(args.save_grace_secs);
         if saving_since.is_some_and(|since| since.elapsed() > save_grace) && stopping_since.is_none() {
-            eprintln!("ft launch: the ranks did not stop within {} s of the signal (--save-grace-secs); stopping them", args.save_grace_secs);
+            console.say(&format!("the ranks did not stop within {} s of the signal (--save-grace-secs); stopping them", args.save_grace_secs));
             stopping_since = Some(Instant::now());
         }
         if let Some(since) = stopping_since {
