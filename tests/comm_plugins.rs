@@ -210,8 +210,11 @@ fn a_killed_powersgd_rank_resumes_to_the_uninterrupted_losses() {
 #[test]
 fn bad_communication_choices_are_refused_in_one_line() {
     let scratch = tempfile::tempdir().unwrap();
+    // Each attempt is a run of its own: a failed one may leave outputs that a fresh run into its directory is refused over.
+    let attempts = std::cell::Cell::new(0);
     let refused = |extra: &[&str]| {
-        let dir = scratch.path().join("refused");
+        attempts.set(attempts.get() + 1);
+        let dir = scratch.path().join(format!("refused-{}", attempts.get()));
         let output = ft_with_plugins()
             .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "8", "--eval-samples", "4"])
             .args(extra)

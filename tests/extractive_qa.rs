@@ -84,6 +84,8 @@ fn bad_question_answering_inputs_get_clear_messages() {
             .args(["train", "--model", model.to_str().unwrap(), "--nproc-per-node", "1", "--epochs", "1", "--batch-size", "4"])
             // Within the small BERT's 256 positions.
             .args(["--max-seq-len", "64", "--output-dir", dir.path().join("out").to_str().unwrap()])
+            // Each call is a run of its own in the one directory.
+            .arg("--overwrite-output-dir")
             .args(args)
             .output()
             .unwrap();
