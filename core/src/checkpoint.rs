@@ -182,14 +182,17 @@ fn list_by_save(output: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
     Ok(found.into_iter().map(|(manifest, dir)| (dir, manifest)).collect())
 }
 
-/// `latest` (the checkpoint saved last under `output`: the newest of the
-/// run that wrote there last, which a resumed run continues) or a directory.
+/// The checkpoint saved last under `output` (the newest of the run that
+/// wrote there last, which a resumed run continues), if any: what `latest`
+/// means for `--resume` and `ft export --checkpoint` alike.
+pub fn latest(output: &Path) -> Result<Option<PathBuf>> {
+    Ok(list_by_save(output)?.pop().map(|(dir, _)| dir))
+}
+
+/// `latest` ([`latest`]) or a directory.
 pub fn resolve(spec: &str, output: &Path) -> Result<PathBuf> {
     if spec == "latest" {
-        return list_by_save(output)?
-            .pop()
-            .map(|(dir, _)| dir)
-            .with_context(|| format!("--resume latest: no complete checkpoint under {}", checkpoints_dir(output).display()));
+        return latest(output)?.with_context(|| format!("--resume latest: no complete checkpoint under {}", checkpoints_dir(output).display()));
     }
     let path = PathBuf::from(spec);
     if !path.join("manifest.json").is_file() {

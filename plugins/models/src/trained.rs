@@ -35,12 +35,12 @@ impl Export<'_> {
     }
 }
 
-/// What `ft export --checkpoint SPEC` reads: "latest" (the newest checkpoint
-/// under `output`), a checkpoint directory, or a trained model directory (a
+/// What `ft export --checkpoint SPEC` reads: "latest" (the checkpoint saved
+/// last under `output`, as `--resume latest` takes it), a checkpoint directory, or a trained model directory (a
 /// run's final/). Errors name `--checkpoint`, the flag the user gave.
 pub fn export_source(spec: &str, output: &Path) -> Result<PathBuf> {
     if spec == "latest" {
-        return ft_core::checkpoint::list(output)?.pop().with_context(|| {
+        return ft_core::checkpoint::latest(output)?.with_context(|| {
             format!("--checkpoint latest: no complete checkpoint under {} (give the run's --output-dir, or a checkpoint or final/ directory)", ft_core::checkpoint::checkpoints_dir(output).display())
         });
     }
