@@ -29,16 +29,6 @@ fn weightless_copy(name: &str, dir: &Path) -> PathBuf {
     dir.to_path_buf()
 }
 
-/// The demo's data and tokenizer, and its model's config.json, in `dir`: `[config.json, train file, tokenizer]`.
-fn demo_files(dir: &Path) -> [PathBuf; 3] {
-    let files = ft_data::demo::write(&dir.join("demo"), 8, 1, 0).unwrap();
-    let mut config = ft_core::Config::default();
-    let model_config = ft_data::demo::configure(&mut config, &dir.join("demo")).unwrap();
-    let path = dir.join("config.json");
-    std::fs::write(&path, model_config.to_string()).unwrap();
-    [path, files.train, files.tokenizer]
-}
-
 /// `ft train` on the demo (its model and data) into `dir`, 32 examples on one rank, with `extra` flags.
 fn demo_run(dir: &Path, extra: &[&str]) -> Command {
     let mut command = ft();
@@ -130,7 +120,7 @@ fn pytorch_bin_weights_are_refused_with_the_command_that_converts_them() {
 #[test]
 fn random_weights_come_from_a_config_json_or_init_random_and_the_log_says_so() {
     let scratch = tempfile::tempdir().unwrap();
-    let [config, train_file, tokenizer] = demo_files(scratch.path());
+    let [config, train_file, tokenizer] = common::demo_files(scratch.path());
     let data = ["--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(), "--train-samples", "16"];
     let train = |model: &Path, out: &str, extra: &[&str]| {
         let mut command = ft();

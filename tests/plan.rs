@@ -187,16 +187,6 @@ fn ft_plan_refuses_bad_input_with_the_reason() {
     assert!(!output.status.success() && !text(&output).contains("panicked"), "{}", text(&output));
 }
 
-/// A tiny BLOOM on the demo's data: `(config.json, train file, tokenizer)`.
-fn demo_workload(dir: &Path) -> [PathBuf; 3] {
-    let files = ft_data::demo::write(&dir.join("demo"), 8, 1, 0).unwrap();
-    let mut config = ft_core::Config::default();
-    let model_config = ft_data::demo::configure(&mut config, &dir.join("demo")).unwrap();
-    let path = dir.join("config.json");
-    std::fs::write(&path, model_config.to_string()).unwrap();
-    [path, files.train, files.tokenizer]
-}
-
 /// `ft plan --json` for `ranks` CPU ranks in fp32, as the runs below train.
 fn plan_json(dir: &Path, config: &Path, ranks: usize, extra: &[&str]) -> Value {
     let json = dir.join(format!("plan-{ranks}-{}.json", extra.join("")));
@@ -213,7 +203,7 @@ fn plan_json(dir: &Path, config: &Path, ranks: usize, extra: &[&str]) -> Value {
 #[test]
 fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let [config, train_file, tokenizer] = demo_workload(dir.path());
+    let [config, train_file, tokenizer] = common::demo_files(dir.path());
     let mut plans: HashMap<String, Value> = HashMap::new();
     for (ranks, strategy) in [1, 2, 4].into_iter().flat_map(|ranks| STRATEGIES.map(|strategy| (ranks, strategy))) {
         // At 2 ranks the state is offloaded (held on the host); at 4 hybrid
@@ -361,7 +351,7 @@ fn recorded_h200_rows_are_within_the_calibration_bounds() {
 #[test]
 fn strategy_auto_trains_with_the_plans_choice() {
     let dir = tempfile::tempdir().unwrap();
-    let [config, train_file, tokenizer] = demo_workload(dir.path());
+    let [config, train_file, tokenizer] = common::demo_files(dir.path());
     let output_dir = dir.path().join("auto");
     let output = ft()
         .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap()])

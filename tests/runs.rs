@@ -17,16 +17,8 @@ use common::{ft, losses, summary, text};
 /// The exit code of a run that saved on a signal and stopped (README, "Runs: locks, signals, requeueing").
 const SAVED_AND_STOPPED: i32 = 75;
 
-fn train_command(dir: &Path, extra: &[&str]) -> Command {
-    let mut command = ft();
-    command
-        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
-        .args(extra);
-    command
-}
-
 fn run(dir: &Path, extra: &[&str]) -> Output {
-    train_command(dir, extra).output().unwrap()
+    common::train_command(dir, extra).output().unwrap()
 }
 
 fn succeeded(output: Output) -> String {
@@ -111,7 +103,7 @@ fn checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
 #[test]
 fn a_second_run_in_a_directory_in_use_is_refused_naming_the_first_and_a_killed_runs_lock_is_taken_over() {
     let dir = tempfile::tempdir().unwrap();
-    let mut first = start(&mut train_command(dir.path(), TWO_RANKS));
+    let mut first = start(&mut common::train_command(dir.path(), TWO_RANKS));
     wait_until("the first run holds the lock", &mut first, || lock_holder(dir.path()).is_some());
     let holder = lock_holder(dir.path()).unwrap();
     let pid = holder["pid"].as_u64().unwrap();
@@ -216,7 +208,7 @@ fn sigterm_to_the_launcher_saves_the_step_every_rank_agrees_on_and_the_resumed_r
     assert_eq!(expected.len() as u64, STEPS);
 
     let dir = tempfile::tempdir().unwrap();
-    let mut child = start(&mut train_command(dir.path(), TWO_RANKS));
+    let mut child = start(&mut common::train_command(dir.path(), TWO_RANKS));
     wait_until("3 steps are logged", &mut child, || steps(dir.path()).len() >= 3);
     send("TERM", child.id());
     let output = child.wait_with_output().unwrap();
@@ -250,7 +242,7 @@ fn sigusr1_with_requeue_under_slurm_saves_and_rank_0_requeues_the_job_once() {
     std::fs::write(bin.join("scontrol"), "#!/bin/sh\necho \"rank $RANK: $*\" >> \"$SCONTROL_CALLS\"\n").unwrap();
     assert!(Command::new("chmod").arg("+x").arg(bin.join("scontrol")).status().unwrap().success());
     let out = dir.path().join("run");
-    let mut command = train_command(&out, &[TWO_RANKS, &["--set", "train.requeue=true"]].concat());
+    let mut command = common::train_command(&out, &[TWO_RANKS, &["--set", "train.requeue=true"]].concat());
     command
         .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()))
         .env("SLURM_JOB_ID", "4242")

@@ -12,17 +12,9 @@ use common::{ft, losses, shared, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
-    let output = train_command(dir, extra).output().unwrap();
+    let output = common::train_command(dir, extra).output().unwrap();
     assert!(output.status.success(), "{}", text(&output));
     losses(dir)
-}
-
-fn train_command(dir: &Path, extra: &[&str]) -> Command {
-    let mut command = ft();
-    command
-        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
-        .args(extra);
-    command
 }
 
 fn assert_close(a: &[f64], b: &[f64], tolerance: f64) {
@@ -149,7 +141,7 @@ fn bad_training_input_is_rejected_with_clear_messages() {
 #[test]
 fn profiled_steps_leave_a_trace_and_a_table_of_op_times() {
     let dir = tempfile::tempdir().unwrap();
-    let output = train_command(dir.path(), &["--profile-steps", "2:3", "--nproc-per-node", "1"]).output().unwrap();
+    let output = common::train_command(dir.path(), &["--profile-steps", "2:3", "--nproc-per-node", "1"]).output().unwrap();
     assert!(output.status.success(), "{}", text(&output));
     let profile = dir.path().join("profile");
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(profile.join("steps-2-3.trace.json")).unwrap()).unwrap();
@@ -216,7 +208,7 @@ fn export_latest(dir: &Path, out: &Path) -> Output {
 }
 
 fn crash(dir: &Path, point: &str) {
-    let output = train_command(dir, CHECKPOINTED).env("FT_FAULT_INJECT", point).output().unwrap();
+    let output = common::train_command(dir, CHECKPOINTED).env("FT_FAULT_INJECT", point).output().unwrap();
     assert!(!output.status.success(), "the injected crash did not happen: {}", text(&output));
     assert!(text(&output).contains("FT_FAULT_INJECT: aborting"), "{}", text(&output));
 }
@@ -298,7 +290,7 @@ fn slices_resumed_one_after_the_other_train_as_one_run_over_them() {
         let flags = flags(range);
         let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
         all.extend(extra);
-        train_command(dir, &all)
+        common::train_command(dir, &all)
     };
     let run = |dir: &Path, range: &str, extra: &[&str]| command(dir, range, extra).output().unwrap();
     let succeeded = |output: Output| {
@@ -352,7 +344,7 @@ fn resuming_a_finished_run_says_so_in_one_line_and_exits_0() {
     let dir = tempfile::tempdir().unwrap();
     let flags = ["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "6"];
     assert_eq!(train(dir.path(), &flags).len(), 12);
-    let output = train_command(dir.path(), &[&flags[..], &["--resume", "latest"]].concat()).output().unwrap();
+    let output = common::train_command(dir.path(), &[&flags[..], &["--resume", "latest"]].concat()).output().unwrap();
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("nothing left to train: checkpoint step-00000012 already completed 1 epoch(s) and train.epochs is 1"), "{log}");

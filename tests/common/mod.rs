@@ -31,6 +31,25 @@ pub fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
+/// `ft train` into `dir` on the embedded demo: one epoch of 96 examples, 8 evaluated, with `extra` flags.
+pub fn train_command(dir: &Path, extra: &[&str]) -> Command {
+    let mut command = ft();
+    command
+        .args(["train", "--output-dir", dir.to_str().unwrap(), "--epochs", "1", "--train-samples", "96", "--eval-samples", "8"])
+        .args(extra);
+    command
+}
+
+/// The demo's data and tokenizer, and its model's config.json (a tiny BLOOM), in `dir`: `[config.json, train file, tokenizer]`.
+pub fn demo_files(dir: &Path) -> [PathBuf; 3] {
+    let files = ft_data::demo::write(&dir.join("demo"), 8, 1, 0).unwrap();
+    let mut config = ft_core::Config::default();
+    let model_config = ft_data::demo::configure(&mut config, &dir.join("demo")).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(&path, model_config.to_string()).unwrap();
+    [path, files.train, files.tokenizer]
+}
+
 /// A small BERT (no dropout when `deterministic`) with a WordPiece
 /// vocabulary trained on the shared SQuAD file (the test checks it is there).
 pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
