@@ -52,7 +52,7 @@ fn logits_and_loss(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor) -> (
     let inputs = Inputs::ids(ids);
     let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
     let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, None)).unwrap();
-    (logits(&hidden, &weight), lm_loss(&hidden, &weight, ids, 7).unwrap())
+    (logits(&hidden, &weight), lm_loss(&hidden, &weight, ids, 7, None).unwrap())
 }
 
 fn fixture_ids(name: &str) -> Tensor {

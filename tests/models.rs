@@ -40,7 +40,7 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
         let inputs = Inputs::ids(&ids);
         let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
         let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, &inputs, &ctx, None)).unwrap();
-        let loss = lm_loss(&hidden, &weight, &ids, 7).unwrap();
+        let loss = lm_loss(&hidden, &weight, &ids, 7, None).unwrap();
         let error = relative(&logits(&hidden, &weight), &reference["logits"], 0.0);
         assert!(error <= 1e-4, "{name}: logits differ by {error:e}");
         let error = relative(&loss, &reference["loss"], 0.0);
