@@ -337,7 +337,8 @@ fn softcapped_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor
         Some(bias) => scores + bias,
         None => scores + model::causal_bias(seq, keys - seq, q.kind(), q.device()),
     };
-    masked.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(&v)
+    // A query that sees no key (left padding's) gets zeros, as SDPA's safe softmax gives it, not NaN.
+    masked.softmax(-1, Kind::Float).nan_to_num(0.0, None, None).to_kind(q.kind()).matmul(&v)
 }
 
 impl Model for Gemma {
