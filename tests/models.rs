@@ -276,7 +276,7 @@ fn configs_asking_what_ft_does_not_compute_are_refused() {
             "phi3",
             "rope_scaling",
             serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0, 3.0, 4.0]}),
-            "(phi3): rope_scaling.short_factor has 1 factors: it needs one per rotated pair of features, 4",
+            "(phi3): rope_scaling.short_factor has 1 factors: it needs one per rotated pair of a head's features, 4 (8 of 8 rotate",
         ),
         ("llama3", "attention_dropout", 0.1.into(), "(llama): attention_dropout 0.1 is not supported"),
         ("qwen2", "use_sliding_window", true.into(), "(qwen2): use_sliding_window: true is not supported"),

@@ -226,6 +226,8 @@ impl Gemma {
             ("head_dim", head_dim),
         ])?;
         check::layers("num_hidden_layers", config.num_hidden_layers)?;
+        // The query's width: sizes that pass one by one can still multiply past any model.
+        check::sizes(&[("num_attention_heads × head_dim", heads * head_dim)])?;
         check::multiple_of(("num_attention_heads", heads), ("num_key_value_heads", kv_heads))?;
         if head_dim % 2 != 0 {
             bail!("head_dim ({head_dim}) must be even: rotary embeddings rotate pairs of features");

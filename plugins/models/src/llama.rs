@@ -203,6 +203,8 @@ impl Config {
             Some(head_dim) => check::sizes(&[("head_dim", head_dim)])?,
             None => check::multiple_of(("hidden_size", hidden), ("num_attention_heads", heads))?,
         }
+        // The query's width: sizes that pass one by one can still multiply past any model.
+        check::sizes(&[("num_attention_heads × head_dim", heads * self.head_dim())])?;
         // RoPE rotates pairs of features, a head's first half with its second.
         if self.head_dim() % 2 != 0 {
             let key = if self.head_dim.is_some() { "head_dim" } else { "hidden_size / num_attention_heads" };
@@ -244,6 +246,9 @@ impl Config {
     }
 }
 
+/// Where a head's size comes from, for refusals that depend on it.
+const HEAD_DIM_KEYS: &str = "head_dim, or hidden_size / num_attention_heads";
+
 /// What config.json's top level gives a RoPE dict that lacks it
 /// (transformers' `standardize_rope_params`).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -282,7 +287,7 @@ pub(crate) fn read_rope(key: &str, params: &RopeParameters, theta: (&str, f64), 
             // transformers' int(head_dim * partial_rotary_factor).
             let rotary_dim = (head_dim as f64 * partial) as i64;
             if rotary_dim < 2 || rotary_dim % 2 != 0 {
-                bail!("{partial_key} ({partial}) rotates {rotary_dim} of a head's {head_dim} features: rotary embeddings rotate pairs of features (an even number, at least 2)");
+                bail!("{partial_key} ({partial}) rotates {rotary_dim} of a head's {head_dim} features ({HEAD_DIM_KEYS}): rotary embeddings rotate pairs of features (an even number, at least 2)");
             }
             rotary_dim
         }
@@ -325,7 +330,11 @@ pub(crate) fn read_rope(key: &str, params: &RopeParameters, theta: (&str, f64), 
             let factors = |name: &str, factors: &Option<Vec<f64>>| -> Result<Vec<f64>> {
                 let factors = factors.clone().with_context(|| format!("{key}.{name} is required for {type_key} {kind:?}"))?;
                 if factors.len() as i64 != rotary_dim / 2 {
-                    bail!("{key}.{name} has {} factors: it needs one per rotated pair of features, {}", factors.len(), rotary_dim / 2);
+                    bail!(
+                        "{key}.{name} has {} factors: it needs one per rotated pair of a head's features, {} ({rotary_dim} of {head_dim} rotate: partial_rotary_factor × {HEAD_DIM_KEYS})",
+                        factors.len(),
+                        rotary_dim / 2
+                    );
                 }
                 for (i, &factor) in factors.iter().enumerate() {
                     check::positive(&format!("{key}.{name}[{i}]"), factor)?;
@@ -336,13 +345,18 @@ pub(crate) fn read_rope(key: &str, params: &RopeParameters, theta: (&str, f64), 
             // transformers' `_compute_longrope_parameters`: the factor from the lengths when not given.
             let factor = match (params.factor, config.max_position_embeddings) {
                 (Some(factor), _) => factor,
-                (None, Some(length)) => length as f64 / original as f64,
+                (None, Some(length)) => {
+                    check::sizes(&[("max_position_embeddings", length)])?;
+                    length as f64 / original as f64
+                }
                 (None, None) => bail!("{key}.factor (or max_position_embeddings) is required for {type_key} {kind:?}"),
             };
             check::positive(&format!("{key}.factor"), factor)?;
             let attention = match params.attention_factor {
                 Some(attention) => attention,
                 None if factor <= 1.0 => 1.0,
+                // √(1 + ln factor / ln original): an original length of 1 would divide by zero.
+                None if original < 2 => bail!("original_max_position_embeddings ({original}) must be at least 2 for {type_key} {kind:?} without {key}.attention_factor"),
                 None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
             };
             check::positive(&format!("{key}.attention_factor"), attention)?;
