@@ -21,7 +21,9 @@ use tch::{Device, Kind, Tensor};
 
 /// The target that names every linear layer of the blocks, as peft's
 /// `target_modules="all-linear"` does (every linear layer but the LM head,
-/// which ft keeps outside the blocks).
+/// which ft keeps outside the blocks; peft's also takes a linear layer
+/// outside the blocks, OPT's `project_in` and `project_out`, which ft's
+/// adapters, one unit per block, do not reach).
 pub const ALL_LINEAR: &str = "all-linear";
 
 /// One adapted linear layer.
