@@ -707,13 +707,13 @@ mod tests {
         parameters["rope_theta"] = 500000.0.into();
         assert_eq!(rope(json!({"rope_parameters": parameters})).unwrap(), hub);
         let expected = Scaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original: 8192.0 };
-        assert_eq!(hub, Rope { theta: 500000.0, scaling: expected });
+        assert_eq!(hub, Rope { theta: 500000.0, scaling: expected, rotary_dim: 8 });
         // transformers 4.4x saved "type" beside "rope_type"; either alone names the scaling too.
-        let linear = Rope { theta: DEFAULT_THETA, scaling: Scaling::Linear { factor: 2.0 } };
+        let linear = Rope { theta: DEFAULT_THETA, scaling: Scaling::Linear { factor: 2.0 }, rotary_dim: 8 };
         for scaling in [json!({"type": "linear", "rope_type": "linear", "factor": 2.0}), json!({"type": "linear", "factor": 2.0})] {
             assert_eq!(rope(json!({"rope_scaling": scaling})).unwrap(), linear);
         }
-        let plain = Rope { theta: 1e6, scaling: Scaling::None };
+        let plain = Rope { theta: 1e6, scaling: Scaling::None, rotary_dim: 8 };
         assert_eq!(rope(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})).unwrap(), plain);
         assert_eq!(rope(json!({"rope_theta": 1e6, "rope_scaling": null})).unwrap(), plain);
         // The model's length stands in for a missing original length, as in transformers.
@@ -721,14 +721,36 @@ mod tests {
         assert!(matches!(fallback.unwrap().scaling, Scaling::Llama3 { original, .. } if original == 4096.0));
     }
 
+    /// LongRoPE divides each frequency by its short factor while a batch's
+    /// positions stay within the original length and by its long factor
+    /// beyond, and scales cos and sin by √(1 + ln(factor) / ln(original)) —
+    /// on the leading `partial_rotary_factor` of each head.
+    #[test]
+    fn longrope_picks_its_factors_by_the_longest_position() {
+        let scaling = json!({"type": "su", "short_factor": [1.0, 2.0], "long_factor": [4.0, 8.0]});
+        let rope = rope(json!({"rope_scaling": scaling, "partial_rotary_factor": 0.5, "max_position_embeddings": 64, "original_max_position_embeddings": 4})).unwrap();
+        let attention = (1.0 + 16f64.ln() / 4f64.ln()).sqrt();
+        assert_eq!(rope.rotary_dim, 4);
+        assert_eq!(rope.scaling, Scaling::LongRope { short: vec![1.0, 2.0], long: vec![4.0, 8.0], original: 4, attention });
+        let plain = [1.0, 1.0 / 10000f64.sqrt()];
+        for (positions, factors) in [([0i64, 3], [1.0, 2.0]), ([0, 4], [4.0, 8.0])] {
+            let inverse = Vec::<f64>::try_from(rope.inverse_frequencies(&Tensor::from_slice(&positions).unsqueeze(0)).to_kind(Kind::Double)).unwrap();
+            for ((inverse, plain), factor) in inverse.iter().zip(plain).zip(factors) {
+                assert!((inverse - plain / factor).abs() < 1e-6, "{positions:?}: {inverse} vs {}", plain / factor);
+            }
+        }
+        let (cos, _) = rope.cos_sin(&Tensor::from_slice(&[0i64]).unsqueeze(0), Kind::Double);
+        assert!((cos.double_value(&[0, 0, 0, 0]) - attention).abs() < 1e-6, "cos(0) is the attention factor");
+    }
+
     #[test]
     fn rope_refusals_name_the_key_and_what_is_supported() {
         let message = |config| rope(config).unwrap_err().to_string();
         assert_eq!(
             message(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
-            "rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3)"
+            "rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3, longrope)"
         );
-        assert_eq!(message(json!({"rope_parameters": {"type": "dynamic"}})), "rope_parameters.type \"dynamic\" is not supported (supported: default, linear, llama3)");
+        assert_eq!(message(json!({"rope_parameters": {"type": "dynamic"}})), "rope_parameters.type \"dynamic\" is not supported (supported: default, linear, llama3, longrope)");
         assert_eq!(
             message(json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})),
             "rope_scaling.low_freq_factor is required for rope_type \"llama3\""
