@@ -436,3 +436,28 @@ fn batched_greedy_decoding_equals_one_prompt_at_a_time() {
         }
     }
 }
+
+/// What `ft plan` reads of the new families: a sliding layer attends to at
+/// most its window, so past it a token's FLOPs grow only by the global
+/// layers' attention (Gemma 3: 1 of 3 layers; Phi-3: none), and Gemma 2's
+/// soft-capped attention, computed outside SDPA, keeps its scores and
+/// probabilities per position pair; `ft plan` runs on each.
+#[test]
+fn plans_count_sliding_windows_and_soft_capped_attention() {
+    let models: Vec<(&str, Box<dyn Model>)> = ["qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"].iter().map(|name| (*name, hf::load_model(&fixture(name)).unwrap())).collect();
+    let model = |wanted: &str| models.iter().find(|(name, _)| *name == wanted).map(|(_, model)| model.as_ref()).unwrap();
+    let per_key = |name: &str, seq: i64| model(name).train_flops_per_token(seq + 1) - model(name).train_flops_per_token(seq);
+    // 12 FLOPs per query feature (heads × head_dim) and attended key, per layer that still attends to one more.
+    assert_eq!((per_key("gemma3", 2), per_key("gemma3", 10)), (12.0 * 64.0 * 3.0, 12.0 * 64.0));
+    assert_eq!((per_key("phi3", 5), per_key("phi3", 20)), (12.0 * 32.0 * 2.0, 0.0));
+    assert_eq!(per_key("qwen3", 10), 12.0 * 64.0 * 2.0, "Qwen3's query is heads × head_dim wide, not hidden_size");
+    assert_eq!(model("gemma2").activations().block_per_position_pair, 2 * 4);
+    assert_eq!(model("gemma3").activations().block_per_position_pair, 0);
+    for (name, _) in &models {
+        let output = common::ft()
+            .args(["plan", "--model", fixture(name).join("config.json").to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--seq", "64"])
+            .output()
+            .unwrap();
+        assert!(output.status.success() && common::text(&output).contains("full_shard"), "{name}: {}", common::text(&output));
+    }
+}
