@@ -389,8 +389,9 @@ pub struct LoraConfig {
     /// Dropout on each adapter's input while training.
     pub dropout: f64,
     /// Linear layers to adapt: short names (q, k, v, o, gate, up, down, as
-    /// the architecture maps them) or module names as peft's
-    /// `target_modules` (q_proj, query_key_value, …).
+    /// the architecture maps them), module names as peft's
+    /// `target_modules` (q_proj, query_key_value, …), or `all-linear`
+    /// (every linear layer of the blocks, as peft's `all-linear`).
     pub targets: Vec<String>,
 }
 

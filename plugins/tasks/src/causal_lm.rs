@@ -139,6 +139,8 @@ impl Dataset for LmDataset {
 pub struct CausalLmLoss {
     pub chunk_tokens: i64,
     pub kernels: Kernels,
+    /// The model's cap of its logits (`Model::logit_softcap`).
+    pub softcap: Option<f64>,
 }
 
 fn labels(batch: &Batch) -> Result<&Tensor> {
@@ -154,13 +156,13 @@ impl Objective for CausalLmLoss {
         // A frozen LM weight (LoRA) needs no gradient.
         let weight_grad = weight.requires_grad();
         let (loss, grad_hidden, grad_weight) =
-            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels, weight_grad)?;
+            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels, weight_grad, self.softcap)?;
         Ok((loss, vec![grad_hidden, grad_weight]))
     }
 
     fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)> {
         let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
-        let (sum, count) = lm_loss_sum(&hidden, &weight, labels(batch)?, self.chunk_tokens)?;
+        let (sum, count) = lm_loss_sum(&hidden, &weight, labels(batch)?, self.chunk_tokens, self.softcap)?;
         Ok((sum.double_value(&[]), count.double_value(&[])))
     }
 }
@@ -308,7 +310,11 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     Ok(Box::new(CausalLm {
         train,
         eval,
-        objective: CausalLmLoss { chunk_tokens: inputs.config.train.loss_chunk_tokens, kernels: Kernels::select(inputs.device) },
+        objective: CausalLmLoss {
+            chunk_tokens: inputs.config.train.loss_chunk_tokens,
+            kernels: Kernels::select(inputs.device),
+            softcap: inputs.model.logit_softcap(),
+        },
         generation,
         predictions: BTreeMap::new(),
     }))
@@ -323,7 +329,7 @@ fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
     Ok(Box::new(CausalLm {
         train: LmDataset::new(examples, 0, 1),
         eval: None,
-        objective: CausalLmLoss { chunk_tokens: spec.loss_chunk_tokens, kernels: Kernels::select(spec.device) },
+        objective: CausalLmLoss { chunk_tokens: spec.loss_chunk_tokens, kernels: Kernels::select(spec.device), softcap: spec.model.logit_softcap() },
         generation: None,
         predictions: BTreeMap::new(),
     }))
