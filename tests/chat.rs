@@ -325,25 +325,43 @@ fn published_chat_templates_tokenize_as_transformers_applies_them() {
         return;
     }
     let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
-    let mut all_tools = 0;
-    for (name, bos, eos, plain, every_tool_row) in CORPUS {
-        let dir = tempfile::tempdir().unwrap();
-        tokenizer_dir_for(dir.path(), &templates.join(format!("{name}.jinja")), bos, eos, false);
-        let files = [("conversations.jsonl", plain), ("tools.jsonl", true)];
-        for (file, rendered) in files.into_iter().filter(|(_, rendered)| *rendered) {
-            let rows = templates.join(file);
-            let out = dir.path().join("tokens.jsonl");
-            let output = tokenize(dir.path(), &rows, &out, &[]);
-            assert!(output.status.success(), "{name} {file}: {}", text(&output));
-            let mut args = vec!["check", dir.path().to_str().unwrap(), rows.to_str().unwrap(), out.to_str().unwrap()];
-            let every = file == "conversations.jsonl" || every_tool_row;
-            if every {
-                args.push("--all");
+    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+    let dir = tempfile::tempdir().unwrap();
+    let string = |path: &Path| path.to_str().unwrap().to_string();
+    // transformers loads once for all the tokenizer directories, and once for all the checks.
+    let batch = |commands: &[Vec<String>]| {
+        let file = dir.path().join("commands.json");
+        std::fs::write(&file, serde_json::to_string(commands).unwrap()).unwrap();
+        python(&["batch", file.to_str().unwrap()])
+    };
+    batch(
+        &CORPUS
+            .iter()
+            .map(|(name, bos, eos, ..)| ["make", &string(&gpt2), &string(&templates.join(format!("{name}.jinja"))), bos, eos, &string(&dir.path().join(name))].map(String::from).to_vec())
+            .collect::<Vec<_>>(),
+    );
+    let (mut checks, mut all_tools) = (vec![], 0);
+    for (name, _, _, plain, every_tool_row) in CORPUS {
+        let model = dir.path().join(name);
+        for (file, every) in [("conversations.jsonl", plain), ("tools.jsonl", every_tool_row)] {
+            if file == "conversations.jsonl" && !plain {
+                continue;
             }
-            eprintln!("{name} {file}: {}", python(&args));
+            let (rows, out) = (templates.join(file), model.join(file));
+            // Tool definitions make long prompts: room for them.
+            let output = tokenize(&model, &rows, &out, &["--max-seq-len", "4096"]);
+            assert!(output.status.success(), "{name} {file}: {}", text(&output));
+            let mut check = vec!["check".to_string(), string(&model), string(&rows), string(&out)];
+            if every {
+                check.push("--all".into());
+            }
+            checks.push(check);
             all_tools += usize::from(file == "tools.jsonl" && every);
         }
     }
+    let checked = batch(&checks);
+    eprintln!("{checked}");
+    assert_eq!(checked.matches("examples equal").count(), checks.len(), "{checked}");
     assert!(all_tools >= 3, "tool calls must render as transformers renders them on at least three published templates");
 }
 

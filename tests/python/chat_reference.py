@@ -36,6 +36,10 @@ check MODEL_DIR ROWS FT_JSONL [--all]
 loss MODEL_DIR FT_JSONL
     The model's mean next-token loss over ft's examples, on their labels
     (the assistant's tokens) and on every token, as two numbers.
+
+batch COMMANDS_JSON
+    The commands of a JSON list (each a list of the arguments above) in one
+    process.
 """
 
 import json
@@ -218,10 +222,18 @@ def loss(model_dir, ft_jsonl):
     print(sums["labels"] / counts["labels"], sums["all"] / counts["all"])
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "make":
-        make(*sys.argv[2:7], in_config="--in-config" in sys.argv)
-    elif sys.argv[1] == "loss":
-        loss(*sys.argv[2:4])
+def run(args):
+    if args[0] == "make":
+        make(*args[1:6], in_config="--in-config" in args)
+    elif args[0] == "loss":
+        loss(*args[1:3])
+    elif args[0] == "batch":  # one command's arguments per line of a JSON list, in one process (transformers loads once)
+        for command in json.load(open(args[1])):
+            print(" ".join(command[:2]), end=": ")
+            run(command)
     else:
-        check(*sys.argv[2:5], every="--all" in sys.argv)
+        check(*args[1:4], every="--all" in args)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
