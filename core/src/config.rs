@@ -103,7 +103,7 @@ pub fn preset(source: Option<&str>) -> Option<&'static PresetRegistration> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// SQuAD JSON (.json), JSONL (`text`, `prompt`/`completion` or `messages` per line) or plain text.
+    /// SQuAD JSON (.json), JSONL (`text`, `prompt`/`completion`, `messages`, ShareGPT's `conversations` or Alpaca's `instruction`/`output` per line) or plain text.
     pub train: Option<std::path::PathBuf>,
     /// SQuAD JSON for eval loss and EM/F1 (or text/JSONL for eval loss only).
     pub eval: Option<std::path::PathBuf>,
@@ -244,10 +244,16 @@ pub enum DataFormat {
     Squad,
     /// Plain text or JSONL `{"text": …}`, packed.
     Text,
-    /// JSONL `{"prompt": …, "completion": …}`.
+    /// `{"prompt": …, "completion": …}`: strings (the loss on the
+    /// completion), or message lists as TRL's conversational
+    /// prompt/completion (rendered with the chat template).
     PromptCompletion,
-    /// JSONL `{"messages": [{"role", "content"}, …]}`, rendered with the chat template.
+    /// `{"messages": [{"role", "content"}, …], "tools": […]}`, rendered with the chat template.
     Chat,
+    /// ShareGPT's `{"conversations": [{"from", "value"}, …]}`, roles mapped as axolotl maps them.
+    Sharegpt,
+    /// Alpaca's `{"instruction", "input", "output"}` in the Stanford Alpaca prompt, the loss on the output.
+    Alpaca,
 }
 
 /// Which tokens carry the loss in chat and prompt/completion examples (`data.train_on`).

@@ -1,18 +1,20 @@
 //! Data for ft's tasks: SQuAD v1.1/v2.0 files, question answering as
 //! prompts with the loss on the answer, plain text and JSONL packed for
-//! causal-LM fine-tuning, prompt/completion pairs and chat conversations
-//! (rendered with the model's chat template), the official SQuAD metrics,
-//! tokenizer loading, and the embedded demo (its data, tokenizer, model and
-//! settings).
+//! causal-LM fine-tuning, row formats (prompt/completion pairs, chat
+//! conversations with tools rendered with the model's chat template,
+//! ShareGPT, Alpaca), the official SQuAD metrics, tokenizer loading, and
+//! the embedded demo (its data, tokenizer, model and settings).
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
-//! JSONL lines) and `tokenizer` under the readers `prompt`, `text` and `chat`, under `lm`,
-//! which picks one by the file's format; `packing` (which examples share a
-//! row) stands alone.
+//! JSONL lines) and `tokenizer` under the readers `prompt`, `text` and `chat`;
+//! `formats` (a row to an example, by its format) over `chat`; under them
+//! all `lm`, which picks one by the file's format; `packing` (which
+//! examples share a row) stands alone.
 
 pub mod chat;
 pub mod demo;
 pub mod example;
+pub mod formats;
 pub mod lm;
 pub mod metrics;
 pub mod packing;

@@ -1,15 +1,15 @@
 //! Examples for a causal language model: token ids and, aligned with them,
 //! the labels the loss is taken on — from SQuAD (prompts with the loss on
-//! the answer, `prompt.rs`), text and JSONL (packed, `text.rs`), JSONL
-//! prompt/completion pairs (the loss on the completion) or conversations
-//! (the chat template's render, the loss on the assistant: `chat.rs`) —
+//! the answer, `prompt.rs`), text and JSONL (packed, `text.rs`), or JSONL
+//! rows in a row format (`formats.rs`: prompt/completion pairs,
+//! conversations rendered with the chat template, ShareGPT, Alpaca) —
 //! and `ft tokenize`'s file of them. The format is `data.format`, or
 //! detected from the file.
 
-use crate::chat::{self, ChatTemplate};
-use crate::example::{eos_id, ids, in_range, jsonl, Example, Skipped, IGNORE_INDEX};
+use crate::example::{eos_id, in_range, jsonl, Example, Skipped};
+use crate::formats::{self, RowEncoder};
 use crate::squad::{self, QaExample};
-use crate::{prompt, text, tokenizer};
+use crate::{prompt, text};
 use anyhow::{bail, Context, Result};
 use ft_core::config::{DataConfig, DataFormat, DataRange, TrainOn};
 use serde_json::Value as Json;
@@ -69,8 +69,7 @@ impl<'a> LoadOptions<'a> {
 }
 
 /// The format of `path` by its content: SQuAD for .json; for JSON lines,
-/// the first line's keys (`messages`: chat; `prompt` and `completion`;
-/// `text`); plain text otherwise.
+/// the first line's keys (`formats::detect`); plain text otherwise.
 pub fn detect(path: &Path) -> Result<DataFormat> {
     if is_squad(path) {
         return Ok(DataFormat::Squad);
@@ -80,17 +79,11 @@ pub fn detect(path: &Path) -> Result<DataFormat> {
         bail!("{} is empty", path.display())
     };
     let jsonl = path.extension().and_then(|e| e.to_str()) == Some("jsonl");
-    match serde_json::from_str::<Json>(line) {
-        Ok(Json::Object(keys)) if keys.contains_key("messages") => Ok(DataFormat::Chat),
-        Ok(Json::Object(keys)) if keys.contains_key("prompt") && keys.contains_key("completion") => Ok(DataFormat::PromptCompletion),
-        Ok(Json::Object(keys)) if keys.contains_key("text") => Ok(DataFormat::Text),
-        Ok(_) if jsonl => bail!(
-            "{} line {}: neither {{\"text\": …}}, {{\"prompt\": …, \"completion\": …}} nor {{\"messages\": […]}}",
-            path.display(),
-            number + 1
-        ),
-        Err(_) if jsonl => bail!("{} line {}: not valid JSON", path.display(), number + 1),
-        _ => Ok(DataFormat::Text),
+    match (serde_json::from_str::<Json>(line).map(|row| formats::detect(&row)), jsonl) {
+        (Ok(Some(format)), _) => Ok(format),
+        (Ok(None), true) => bail!("{} line {}: {}", path.display(), number + 1, formats::KNOWN_ROWS),
+        (Err(_), true) => bail!("{} line {}: not valid JSON", path.display(), number + 1),
+        (_, false) => Ok(DataFormat::Text),
     }
 }
 
@@ -142,36 +135,18 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
             tracing::info!("{}: {} documents as {} {what}", path.display(), documents.len(), examples.len());
             Ok((examples, vec![]))
         }
-        DataFormat::PromptCompletion | DataFormat::Chat => Ok((records(path, tokenizer, options, format)?, vec![])),
+        DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(path, tokenizer, options, format)?, vec![])),
     }
 }
 
-/// A prompt/completion or chat JSONL file's examples, one per line in
-/// order (the lines of `data.range` when set); lines the template refuses
-/// or too long for max_seq_len are skipped and counted, malformed lines are
-/// errors naming the line.
+/// A JSONL file's examples in a row format, one per line in order (the
+/// lines of `data.range` when set); lines the template refuses or too long
+/// for max_seq_len are skipped and counted, malformed lines are errors
+/// naming the line.
 fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
     let all = options.train_on == TrainOn::All;
-    let (max_len, truncate) = (options.max_seq_len, options.truncate);
-    match format {
-        DataFormat::Chat => {
-            let template = ChatTemplate::load(options.tokenizer_dir, options.chat_template)?;
-            // Template values straight from the text: objects keep their keys' order, as in Python.
-            encode_lines(path, options, in_range(options.range, jsonl::<minijinja::Value>(path)?, path, LINES)?, |value, line| {
-                template.encode(tokenizer, &chat::messages(value, path, line)?, max_len, truncate, all)
-            })
-        }
-        _ => {
-            // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
-            let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
-                Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
-                None => eos_id(tokenizer),
-            };
-            encode_lines(path, options, in_range(options.range, jsonl::<Json>(path)?, path, LINES)?, |value, line| {
-                Ok(prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(max_len, truncate))
-            })
-        }
-    }
+    let mut rows = RowEncoder::new(format, tokenizer, options.tokenizer_dir, options.chat_template, options.max_seq_len, options.truncate, all)?;
+    encode_lines(path, options, in_range(options.range, jsonl::<Json>(path)?, path, LINES)?, |row, line| rows.encode(row, &format!("{} line {line}", path.display())))
 }
 
 /// What `data.range` counts in a JSONL file of prompt/completion pairs or conversations.
@@ -215,21 +190,6 @@ fn encode_lines<T>(
     Ok(examples)
 }
 
-/// `{"prompt", "completion"}`: the prompt's tokens (with the tokenizer's
-/// own BOS), the completion's and `eos`, the loss on the latter two (on all
-/// with `all`). Tokenised apart, so the boundary is exact.
-fn prompt_completion(tokenizer: &Tokenizer, value: &Json, eos: Option<i64>, all: bool) -> Result<Example> {
-    let field = |key: &str| value.get(key).and_then(Json::as_str).with_context(|| format!("no string \"{key}\""));
-    let prompt = ids(tokenizer, field("prompt")?, true)?;
-    let mut completion = ids(tokenizer, field("completion")?, false)?;
-    completion.extend(eos);
-    let labels = match all {
-        true => [prompt.as_slice(), &completion].concat(),
-        false => std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(completion.iter().copied()).collect(),
-    };
-    Ok(Example { input_ids: [prompt, completion].concat(), labels })
-}
-
 /// Writes `examples` to `path` as JSON lines `{"input_ids", "labels"}`,
 /// atomically: a temporary file beside it, renamed into place once whole.
 pub fn write_jsonl(examples: &[Example], path: &Path) -> Result<()> {
@@ -259,6 +219,7 @@ pub fn pad_id(tokenizer: &Tokenizer) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::example::IGNORE_INDEX;
 
     #[test]
     fn the_format_is_read_from_the_first_line() {
