@@ -8,7 +8,8 @@ pyarrow) for tests/data_sources.rs:
       OUT/hub/data/{train-0000k-of-00002,test-00000-of-00001}.parquet (the
       Hub's layout) and OUT/rows.json (a JSON array of the rows)
   data_sources.py big OUT.parquet N
-      N short prompt/completion rows, to_parquet in row groups of 10,000
+      N prompt/completion rows of about 1 kB, to_parquet in row groups of
+      10,000; prints the bytes of their text
   data_sources.py peak COMMAND…
       runs COMMAND and prints its peak resident memory in KiB (its
       ru_maxrss: this process has no other child) after its own output
@@ -42,7 +43,7 @@ def write(rows_path, out):
 
 
 def big(out, n):
-    prompts = [f"Question {i}: what is {i} plus {i}, written out in words and in digits?" for i in range(n)]
+    prompts = [f"Question {i}: what is {i} plus {i}, written out in words and in digits? " * 12 for i in range(n)]
     completions = [f" It is {2 * i}, twice {i}." for i in range(n)]
     Dataset.from_dict({"prompt": prompts, "completion": completions}).to_parquet(out, batch_size=10_000)
     print(sum(len(p) + len(c) for p, c in zip(prompts, completions)))
