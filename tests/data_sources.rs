@@ -149,7 +149,7 @@ fn a_file_of_another_kind_or_a_missing_split_is_named_in_the_error() {
 }
 
 /// A Parquet file of many rows in many row groups (120,000 rows, 12 row
-/// groups, 130 MB of text) is read a record batch at a time: the peak
+/// groups, 116 MB of text) is read a record batch at a time: the peak
 /// memory of `ft tokenize` over a slice at its end exceeds that over a
 /// small file's by far less than the large file's text.
 #[test]
