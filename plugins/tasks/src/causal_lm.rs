@@ -24,6 +24,7 @@ use ft_core::train::Kernels;
 use ft_core::config::TrainOn;
 use ft_data::example::{eos_id, Example};
 use ft_data::lm::{self, LoadOptions};
+use ft_data::source::Split;
 use ft_data::squad::QaExample;
 use ft_data::{metrics, packing, prompt};
 use serde::Deserialize;
@@ -269,25 +270,20 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
     // The prompt's tokens count in training only: the eval loss stays the answer's.
     // Only training takes `data.range` of its file.
-    let load = |path: &Path, limit, training: bool| {
-        let options = LoadOptions {
-            range: if training { data.range } else { None },
-            limit,
-            include_unanswerable: options.include_unanswerable,
-            train_on_prompt: training && options.train_on_prompt,
-            train_on: if training { data.train_on } else { TrainOn::Assistant },
-            packing: training && data.packing,
-            ..LoadOptions::new(data, inputs.tokenizer)
-        };
-        lm::load(path, &tokenizer, &options)
+    let load_options = |limit, training: bool| LoadOptions {
+        range: if training { data.range } else { None },
+        limit,
+        include_unanswerable: options.include_unanswerable,
+        train_on_prompt: training && options.train_on_prompt,
+        train_on: if training { data.train_on } else { TrainOn::Assistant },
+        packing: training && data.packing,
+        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+        ..LoadOptions::new(data, inputs.tokenizer)
     };
-    let train = match &data.train {
-        Some(path) => load(path, data.train_samples, true)?.0,
-        None => vec![],
-    };
+    let train = lm::load_training(data, inputs.config.train.seed, &tokenizer, &load_options(data.train_samples, true))?.unwrap_or_default();
     let (eval, questions) = match &data.eval {
         Some(path) => {
-            let (examples, questions) = load(path, data.eval_samples, false)?;
+            let (examples, questions) = lm::load(path, &tokenizer, &load_options(data.eval_samples, false))?;
             (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
         }
         None => (None, vec![]),
