@@ -36,7 +36,7 @@ fn packing(c: &mut Criterion) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
     let model = hf::load_model(&dir).expect("fixture model");
     let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).expect("fixture weights");
-    let objective = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten };
+    let objective = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
     let examples = skewed_examples(model.dims().vocab);
     let real_tokens: usize = examples.iter().map(|e| e.input_ids.len()).sum();
     let mut group = c.benchmark_group("train_epoch_skewed_lengths");

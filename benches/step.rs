@@ -14,7 +14,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 /// The causal-LM objective over labels equal to the inputs (ATen's kernels, any device).
-const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten };
+const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
 
 fn lm_batch(ids: &Tensor) -> Batch {
     Batch { inputs: Inputs::ids(ids), targets: vec![ids.shallow_clone()] }
@@ -52,11 +52,11 @@ fn lm_head(c: &mut Criterion) {
     let weight = Tensor::randn([4096, 64], (Kind::Float, Device::Cpu)) * 0.02;
     let labels = Tensor::randint(4096, [4, 128], (Kind::Int64, Device::Cpu));
     let count = (4 * 127) as f64;
-    group.bench_function("chunked_no_autograd", |b| b.iter(|| lm_head_loss_and_grads(&hidden, &weight, &labels, count, 256, None, Kernels::Aten, true).unwrap()));
+    group.bench_function("chunked_no_autograd", |b| b.iter(|| lm_head_loss_and_grads(&hidden, &weight, &labels, count, 256, None, Kernels::Aten, true, None).unwrap()));
     group.bench_function("autograd", |b| {
         b.iter(|| {
             let (h, w) = (hidden.detach().set_requires_grad(true), weight.detach().set_requires_grad(true));
-            lm_loss(&h, &w, &labels, 256).unwrap().backward();
+            lm_loss(&h, &w, &labels, 256, None).unwrap().backward();
             (h.grad(), w.grad())
         })
     });

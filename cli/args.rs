@@ -29,9 +29,22 @@ impl Overrides {
         self.set(key, value.map(|p| p.display().to_string()))
     }
 
+    /// `--train-file`s: one is `data.train`; several are a `data.mixture`
+    /// of them, each of their examples once.
+    pub fn train_files(&mut self, files: &[PathBuf]) -> &mut Self {
+        match files {
+            [] => self,
+            [one] => self.path("data.train", Some(one)),
+            several => {
+                let sources: Vec<serde_json::Value> = several.iter().map(|file| serde_json::json!({"path": file.display().to_string()})).collect();
+                self.serialized("data.mixture", Some(sources))
+            }
+        }
+    }
+
     /// A value the configuration reads with serde (an enum such as a dtype).
     pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
-        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums serialize")))
+        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums and JSON serialize")))
     }
 }
 

@@ -1,5 +1,6 @@
-//! `ft tokenize`: what training sees of a data file — one
-//! `{"input_ids", "labels"}` line per example, in the file's order — for
+//! `ft tokenize`: what training sees of its data — one
+//! `{"input_ids", "labels"}` line per example, in the file's (or the
+//! mixture's seeded) order — for
 //! checking a chat template's masks or feeding another trainer.
 
 use crate::args::{ConfigFile, Overrides};
@@ -18,9 +19,9 @@ pub struct TokenizeArgs {
     /// Model directory or hub id in the local cache whose tokenizer (and chat template) to use (model.source).
     #[arg(long)]
     model: Option<String>,
-    /// The data: SQuAD .json, JSONL (text, prompt/completion, messages) or text (data.train).
+    /// The data: SQuAD .json, rows (JSON lines, a JSON array, Parquet, Arrow: a file, a glob, a dataset directory) or text (data.train); repeated: a mixture of them (data.mixture).
     #[arg(long)]
-    train_file: Option<PathBuf>,
+    train_file: Vec<PathBuf>,
     /// tokenizer.json (data.tokenizer; default: the model directory's).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -41,12 +42,11 @@ pub fn run(args: TokenizeArgs) -> Result<i32> {
     let mut overrides = Overrides::default();
     overrides
         .set("model.source", args.model.clone())
-        .path("data.train", args.train_file.as_ref())
+        .train_files(&args.train_file)
         .path("data.tokenizer", args.tokenizer.as_ref())
         .set("data.max_seq_len", args.max_seq_len)
         .path("data.chat_template", args.chat_template.as_ref());
     let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
-    let train = config.data.train.as_ref().context("give the data with --train-file (data.train)")?;
     let tokenizer_path = match &config.data.tokenizer {
         Some(path) => path.clone(),
         // The default preset's demo has no files until a run writes them.
@@ -55,7 +55,7 @@ pub fn run(args: TokenizeArgs) -> Result<i32> {
     };
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tokenizer_path.display()))?;
     let options = LoadOptions { range: config.data.range, ..LoadOptions::new(&config.data, &tokenizer_path) };
-    let (examples, _) = lm::load(train, &tokenizer, &options)?;
+    let examples = lm::load_training(&config.data, config.train.seed, &tokenizer, &options)?.context("give the data with --train-file (data.train)")?;
     lm::write_jsonl(&examples, &args.out)?;
     let tokens: usize = examples.iter().map(|e| e.input_ids.len()).sum();
     let labelled: usize = examples.iter().map(|e| e.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()).sum();

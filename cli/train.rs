@@ -32,9 +32,9 @@ pub struct TrainArgs {
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
     task: Option<String>,
-    /// Training data: SQuAD .json, .jsonl or text (data.train).
+    /// Training data: SQuAD .json, JSON lines or a JSON array, Parquet, Arrow (a file, a glob, a dataset directory) or text (data.train); repeated: a mixture of them (data.mixture).
     #[arg(long)]
-    train_file: Option<PathBuf>,
+    train_file: Vec<PathBuf>,
     /// Evaluation data (data.eval).
     #[arg(long)]
     eval_file: Option<PathBuf>,
@@ -142,7 +142,7 @@ impl TrainArgs {
         o.set("model.source", self.model.clone())
             .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
-            .path("data.train", self.train_file.as_ref())
+            .train_files(&self.train_file)
             .path("data.eval", self.eval_file.as_ref())
             .path("data.tokenizer", self.tokenizer.as_ref())
             .path("data.chat_template", self.chat_template.as_ref())

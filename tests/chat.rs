@@ -2,12 +2,16 @@
 //! token ids and labels for four real-style chat templates
 //! (tests/fixtures/chat: Llama 3's headers and strftime_now, ChatML/Qwen2's
 //! namespace, string methods and tojson, Mistral's [INST] with
-//! raise_exception, ChatML with {% generation %} blocks) equal
-//! `apply_chat_template` and its assistant mask (tests/python/chat_reference.py),
-//! with the GPT-2 tokenizer in ../shared and the templates' special tokens
-//! added; bad lines are errors naming the line; a tiny Llama trains on a
-//! conversation file with its loss falling, and `ft eval`'s loss over it
-//! equals transformers' with the same labels — so masked tokens carry none.
+//! raise_exception, ChatML with {% generation %} blocks) and for a corpus of
+//! published ones (tests/fixtures/templates, SOURCES.md says where each came
+//! from; plain conversations and tool calls) equal `apply_chat_template`
+//! (with `tools`) and its assistant mask; ShareGPT, Alpaca and TRL's
+//! conversational prompt/completion rows equal axolotl's and TRL's
+//! formatting (tests/python/chat_reference.py), with the GPT-2 tokenizer in
+//! ../shared and the templates' special tokens added; bad lines are errors
+//! naming the line; a tiny Llama trains on a conversation file with its
+//! loss falling, and `ft eval`'s loss over it equals transformers' with the
+//! same labels — so masked tokens carry none.
 
 mod common;
 
@@ -27,10 +31,15 @@ fn python(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// A tokenizer directory (as transformers saves it) for `template` with its
-/// BOS and EOS: GPT-2's from the shared data (the test checks it is there).
+/// A tokenizer directory (as transformers saves it) for `template`
+/// (tests/fixtures/chat/TEMPLATE.jinja) with its BOS and EOS: GPT-2's from
+/// the shared data (the test checks it is there).
 fn tokenizer_dir(dir: &Path, template: &str, bos: &str, eos: &str, in_config: bool) {
-    let template = fixture(&format!("{template}.jinja"));
+    tokenizer_dir_for(dir, &fixture(&format!("{template}.jinja")), bos, eos, in_config)
+}
+
+/// [`tokenizer_dir`] for the template file `template`.
+fn tokenizer_dir_for(dir: &Path, template: &Path, bos: &str, eos: &str, in_config: bool) {
     let gpt2 = shared::path(shared::GPT2_TOKENIZER);
     let mut args = vec!["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), bos, eos, dir.to_str().unwrap()];
     if in_config {
@@ -66,6 +75,12 @@ fn chat_templates_tokenize_as_transformers_applies_them() {
         assert!(output.status.success(), "{template}: {}", text(&output));
         let checked = python(&["check", dir.path().to_str().unwrap(), conversations.to_str().unwrap(), out.to_str().unwrap()]);
         eprintln!("{template}: {checked}");
+        if in_config {
+            // Rows with tools get the template named `tool_use` beside `default`, as transformers picks it (this one refuses every row).
+            let tools = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/tools.jsonl");
+            let output = tokenize(dir.path(), &tools, &out, &[]);
+            assert!(!output.status.success() && text(&output).contains("not this one") && text(&output).contains("no example left"), "{}", text(&output));
+        }
         if template == "mistral" {
             let log = text(&output);
             assert!(log.contains("Conversation roles must alternate") && log.contains("3 skipped as the chat template cannot render them"), "{log}");
@@ -159,6 +174,9 @@ fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
         ("{\"messages\": [{\"content\": \"x\"}]}", "line 2: message 1 has no string \"role\""),
         ("{\"messages\": [{\"role\": \"user\"}]}", "line 2: message 1 has no \"content\""),
         ("{\"messages\": \"hi\"}", "line 2: \"messages\" is not a list"),
+        // ShareGPT's speaker where a role belongs is refused, not rendered as a role of its own and never trained on.
+        ("{\"messages\": [{\"role\": \"gpt\", \"content\": \"x\"}]}", "line 2: message 1 has role \"gpt\", which no chat template knows"),
+        ("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [\"get_weather\"]}", "line 2: \"tools\" is not a list of objects"),
     ];
     let out = dir.path().join("tokens.jsonl");
     for (bad, expected) in cases {
@@ -273,6 +291,106 @@ fn packed_conversations_train_as_unpacked_ones_do() {
         assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: packed {a} vs unpacked {b}");
     }
     assert!(unpacked[2] < unpacked[0], "it trains: {unpacked:?}");
+}
+
+/// The published templates of tests/fixtures/templates (SOURCES.md), each
+/// with its BOS and EOS, whether its default template renders a
+/// conversation without tools (Hermes 3's is its `tool_use` template) and
+/// whether it renders every tool-calling row (the others refuse some, as
+/// transformers does: ft must skip exactly those).
+const CORPUS: [(&str, &str, &str, bool, bool); 12] = [
+    ("llama-3.1", "<|begin_of_text|>", "<|eot_id|>", true, true),
+    ("llama-3.2", "<|begin_of_text|>", "<|eot_id|>", true, true),
+    ("mistral-nemo", "<s>", "</s>", true, true),
+    ("qwen2.5", "<|endoftext|>", "<|im_end|>", true, true),
+    ("hermes-3", "<|begin_of_text|>", "<|im_end|>", false, true),
+    ("deepseek-r1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", true, false),
+    ("granite-3.3", "<|end_of_text|>", "<|end_of_text|>", true, false),
+    ("phi-3.5-mini", "<s>", "<|endoftext|>", true, false),
+    ("phi-4-mini", "<|endoftext|>", "<|endoftext|>", true, false),
+    ("gemma-3", "<bos>", "<eos>", true, false),
+    ("chatml", "<|endoftext|>", "<|im_end|>", true, false),
+    ("olmo-3", "<|endoftext|>", "<|endoftext|>", true, true),
+];
+
+/// Every published template of the corpus gives transformers' ids for every
+/// conversation transformers renders with it — plain, multi-turn, with a
+/// system message, and with tools (`tools` as JSON schemas or as a JSON
+/// string, tool calls with dict or string arguments and `content: null`,
+/// tool results) — and skips exactly those it refuses; the assistant's
+/// turns, tool calls included, carry the loss.
+#[test]
+fn published_chat_templates_tokenize_as_transformers_applies_them() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+    let dir = tempfile::tempdir().unwrap();
+    let string = |path: &Path| path.to_str().unwrap().to_string();
+    // transformers loads once for all the tokenizer directories, and once for all the checks.
+    let batch = |commands: &[Vec<String>]| {
+        let file = dir.path().join("commands.json");
+        std::fs::write(&file, serde_json::to_string(commands).unwrap()).unwrap();
+        python(&["batch", file.to_str().unwrap()])
+    };
+    batch(
+        &CORPUS
+            .iter()
+            .map(|(name, bos, eos, ..)| ["make", &string(&gpt2), &string(&templates.join(format!("{name}.jinja"))), bos, eos, &string(&dir.path().join(name))].map(String::from).to_vec())
+            .collect::<Vec<_>>(),
+    );
+    let (mut checks, mut all_tools) = (vec![], 0);
+    for (name, _, _, plain, every_tool_row) in CORPUS {
+        let model = dir.path().join(name);
+        for (file, every) in [("conversations.jsonl", plain), ("tools.jsonl", every_tool_row)] {
+            if file == "conversations.jsonl" && !plain {
+                continue;
+            }
+            let (rows, out) = (templates.join(file), model.join(file));
+            // Tool definitions make long prompts: room for them.
+            let output = tokenize(&model, &rows, &out, &["--max-seq-len", "4096"]);
+            assert!(output.status.success(), "{name} {file}: {}", text(&output));
+            let mut check = vec!["check".to_string(), string(&model), string(&rows), string(&out)];
+            if every {
+                check.push("--all".into());
+            }
+            checks.push(check);
+            all_tools += usize::from(file == "tools.jsonl" && every);
+        }
+    }
+    let checked = batch(&checks);
+    eprintln!("{checked}");
+    assert_eq!(checked.matches("examples equal").count(), checks.len(), "{checked}");
+    assert!(all_tools >= 3, "tool calls must render as transformers renders them on at least three published templates");
+}
+
+/// ShareGPT (axolotl's roles), Alpaca (axolotl's Stanford Alpaca prompt)
+/// and TRL's conversational prompt/completion rows, by their keys or by
+/// `data.format`, give the ids and labels the peers' own formatting gives.
+#[test]
+fn sharegpt_alpaca_and_trl_rows_tokenize_as_the_peers_format_them() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let qwen = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/qwen2.5.jinja");
+    tokenizer_dir_for(dir.path(), &qwen, "<|endoftext|>", "<|im_end|>", false);
+    let out = dir.path().join("tokens.jsonl");
+    for (file, format) in [("sharegpt.jsonl", "sharegpt"), ("alpaca.jsonl", "alpaca"), ("trl.jsonl", "prompt_completion")] {
+        let rows = fixture(file);
+        for extra in [vec![], vec!["--set".to_string(), format!("data.format={format}")]] {
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let output = tokenize(dir.path(), &rows, &out, &extra);
+            assert!(output.status.success(), "{file} {extra:?}: {}", text(&output));
+            eprintln!("{file} {extra:?}: {}", python(&["check", dir.path().to_str().unwrap(), rows.to_str().unwrap(), out.to_str().unwrap(), "--all"]));
+        }
+    }
+    // An unknown ShareGPT speaker is an error naming the file and line.
+    let rows = dir.path().join("bad.jsonl");
+    std::fs::write(&rows, "{\"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}]}\n{\"conversations\": [{\"from\": \"bot\", \"value\": \"hi\"}]}\n").unwrap();
+    let output = tokenize(dir.path(), &rows, &out, &[]);
+    assert!(!output.status.success() && text(&output).contains("bad.jsonl line 2: turn 1 is from \"bot\""), "{}", text(&output));
 }
 
 /// tests/python/export_reference.py's `check` of exported directories:

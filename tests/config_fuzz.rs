@@ -65,6 +65,42 @@ fn tiny_configs() -> Vec<Value> {
             "rope_theta": 10000.0, "sliding_window": 2, "tie_word_embeddings": false, "hidden_act": "silu",
             "initializer_range": 0.02, "attention_dropout": 0.0
         }),
+        // Per-head q/k norms, head_dim apart from hidden / heads.
+        json!({
+            "model_type": "qwen3", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": true, "attention_bias": false, "use_sliding_window": false,
+            "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // Soft-capping, a window of 2 on layer 0.
+        json!({
+            "model_type": "gemma2", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 8, "sliding_window": 2,
+            "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0, "rope_theta": 10000.0, "tie_word_embeddings": true, "attention_bias": false,
+            "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // Local and global RoPE, the global one scaled.
+        json!({
+            "model_type": "gemma3_text", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 8, "sliding_window": 2,
+            "sliding_window_pattern": 3, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "attn_logit_softcapping": null,
+            "final_logit_softcapping": null, "use_bidirectional_attention": false, "tie_word_embeddings": true,
+            "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
+        // LongRoPE on 6 of 8 features (Phi-4-mini's form), fused projections, a window.
+        json!({
+            "model_type": "phi3", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "max_position_embeddings": 64,
+            "original_max_position_embeddings": 2, "sliding_window": 3,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0]},
+            "tie_word_embeddings": true, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "hidden_act": "silu",
+            "initializer_range": 0.02, "attention_dropout": 0.0
+        }),
         json!({
             "model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
             "intermediate_size": 32, "vocab_size": 64, "max_position_embeddings": 32, "type_vocab_size": 2,

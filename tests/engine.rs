@@ -11,7 +11,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 /// The causal-LM objective over labels equal to the inputs (ATen's kernels, any device).
-const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten };
+const LM_LOSS: CausalLmLoss = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
 
 fn lm_batch(ids: &Tensor) -> Batch {
     Batch { inputs: Inputs::ids(ids), targets: vec![ids.shallow_clone()] }
@@ -30,22 +30,26 @@ fn max_relative(a: &Tensor, b: &Tensor) -> f64 {
     error / b.abs().max().double_value(&[]).max(1e-12)
 }
 
+/// With and without soft-capped logits (Gemma 2's `c · tanh(z / c)`, whose
+/// derivative the chunked gradients fold in by hand).
 #[test]
 fn fused_head_loss_equals_autograd_cross_entropy() {
-    tch::manual_seed(0);
-    let hidden = Tensor::randn([2, 9, 8], (Kind::Double, Device::Cpu)).set_requires_grad(true);
-    let weight = Tensor::randn([11, 8], (Kind::Double, Device::Cpu)).set_requires_grad(true);
-    let labels = Tensor::randint(11, [2, 9], (Kind::Int64, Device::Cpu));
-    let _ = labels.get(0).narrow(0, 0, 4).fill_(-100); // a prompt without loss
-    let reference = lm_loss(&hidden, &weight, &labels, 5).unwrap();
-    reference.backward();
-    let count = labels.narrow(1, 1, 8).ne(-100).sum(Kind::Float).double_value(&[]);
-    for chunk in [3, 100] {
-        let (loss, grad_hidden, grad_weight) =
-            lm_head_loss_and_grads(&hidden.detach(), &weight.detach(), &labels, count, chunk, None, Kernels::Aten, true).unwrap();
-        assert!(max_relative(&loss.to_kind(Kind::Double), &reference.detach()) < 1e-6);
-        assert!(max_relative(&grad_hidden, &hidden.grad()) < 1e-6, "hidden grad, chunk {chunk}");
-        assert!(max_relative(&grad_weight, &weight.grad()) < 1e-6, "weight grad, chunk {chunk}");
+    for softcap in [None, Some(2.0)] {
+        tch::manual_seed(0);
+        let hidden = Tensor::randn([2, 9, 8], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+        let weight = Tensor::randn([11, 8], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+        let labels = Tensor::randint(11, [2, 9], (Kind::Int64, Device::Cpu));
+        let _ = labels.get(0).narrow(0, 0, 4).fill_(-100); // a prompt without loss
+        let reference = lm_loss(&hidden, &weight, &labels, 5, softcap).unwrap();
+        reference.backward();
+        let count = labels.narrow(1, 1, 8).ne(-100).sum(Kind::Float).double_value(&[]);
+        for chunk in [3, 100] {
+            let (loss, grad_hidden, grad_weight) =
+                lm_head_loss_and_grads(&hidden.detach(), &weight.detach(), &labels, count, chunk, None, Kernels::Aten, true, softcap).unwrap();
+            assert!(max_relative(&loss.to_kind(Kind::Double), &reference.detach()) < 1e-6, "{softcap:?}");
+            assert!(max_relative(&grad_hidden, &hidden.grad()) < 1e-6, "hidden grad, chunk {chunk}, {softcap:?}");
+            assert!(max_relative(&grad_weight, &weight.grad()) < 1e-6, "weight grad, chunk {chunk}, {softcap:?}");
+        }
     }
 }
 
@@ -56,7 +60,7 @@ fn reference_grads(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor) -> (
     let inputs = Inputs::ids(ids);
     let ctx = model.context(&inputs, 0, Kind::Float, true).unwrap();
     let (hidden, weight) = lm_outputs(forward(model, &leaves, &inputs, &ctx, None)).unwrap();
-    let loss = lm_loss(&hidden, &weight, ids, 1024).unwrap();
+    let loss = lm_loss(&hidden, &weight, ids, 1024, None).unwrap();
     loss.backward();
     (loss.double_value(&[]), leaves.iter().map(|u| u.iter().map(Tensor::grad).collect()).collect())
 }

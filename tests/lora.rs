@@ -1,16 +1,19 @@
 //! LoRA against Hugging Face peft (tests/python/peft_reference.py): ft's
 //! adapters, written as peft writes them, load with `PeftModel` onto the
 //! transformers model and give ft's logits, loss and adapter gradients
-//! (fp32, CPU; BLOOM, OPT, Llama, GQA-Llama, Llama 3, Qwen2, Mistral); fresh
-//! adapters start as peft's do; merged weights are the adapted model; the
-//! demo trains adapters whose exports load; bad settings are refused by key.
+//! (fp32, CPU; BLOOM, OPT, Llama, GQA-Llama, Llama 3, Qwen2, Mistral, Qwen3,
+//! Gemma 2 and 3, Phi-3 and Phi-4-mini); `all-linear` adapts the layers
+//! peft's `all-linear` does; fresh adapters start as peft's do; merged
+//! weights are the adapted model; the demo and tiny Qwen3, Gemma 3 and Phi-3
+//! models train adapters on two ranks whose exports load; bad settings are
+//! refused by key.
 //! Every strategy against the single-process LoRA run is in
 //! tests/strategies.rs.
 
 use ft_core::config::LoraConfig;
-use ft_core::lora::LoraModel;
+use ft_core::lora::{LoraModel, ALL_LINEAR};
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
-use ft_core::train::loss::{lm_loss, logits};
+use ft_core::train::loss::{lm_loss, logits, softcapped};
 use ft_models::{hf, peft};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -52,7 +55,8 @@ fn logits_and_loss(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor) -> (
     let inputs = Inputs::ids(ids);
     let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
     let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, None)).unwrap();
-    (logits(&hidden, &weight), lm_loss(&hidden, &weight, ids, 7).unwrap())
+    let softcap = model.logit_softcap();
+    (softcapped(logits(&hidden, &weight), softcap), lm_loss(&hidden, &weight, ids, 7, softcap).unwrap())
 }
 
 fn fixture_ids(name: &str) -> Tensor {
@@ -81,7 +85,7 @@ fn adapted(name: &str, targets: &[&str]) -> (LoraModel, Vec<Vec<Tensor>>) {
 
 #[test]
 fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
-    let cases: [(&str, &[&str]); 8] = [
+    let cases: [(&str, &[&str]); 13] = [
         ("llama", &["q", "k", "v", "o", "gate", "up", "down"]),
         // The same short names on Llama 3's tied head, Qwen2's biased q/k/v and Mistral's window.
         ("llama3", &["q", "k", "v", "o", "gate", "up", "down"]),
@@ -93,6 +97,12 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
         // q, k and v are BLOOM's one fused layer.
         ("bloom", &["q", "v", "o", "up", "down"]),
         ("bloom", &["query_key_value"]),
+        // Qwen3's q/k norms, Gemma's soft-capping and alternating layers, Phi-3's fused layers.
+        ("qwen3", &[ALL_LINEAR]),
+        ("gemma2", &[ALL_LINEAR]),
+        ("gemma3", &["q", "k", "v", "o", "gate", "up", "down"]),
+        ("phi3", &[ALL_LINEAR]),
+        ("phi4-mini", &["qkv", "o", "gate_up", "down"]),
     ];
     for (name, targets) in cases {
         let case = format!("{name} {targets:?}");
@@ -124,6 +134,87 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
         }
         assert_eq!(compared, grads.len(), "{case}: peft trains exactly ft's adapters");
         assert_eq!(compared, 2 * lora.targets().len(), "{case}: an A and a B per adapted layer");
+    }
+}
+
+/// `all-linear` adapts every linear layer of the blocks, exactly the
+/// modules peft's `target_modules="all-linear"` adapts on the same
+/// transformers model (every linear layer but the LM head) — but OPT's
+/// `project_in` and `project_out` around its blocks, which ft's adapters
+/// (one unit per block) do not reach.
+#[test]
+fn all_linear_adapts_what_peft_adapts() {
+    let names = ["llama-gqa", "qwen3", "gemma2", "gemma3", "phi3", "opt", "bloom"];
+    let script = r#"
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+for fixture in sys.argv[1:]:
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32), LoraConfig(r=4, target_modules="all-linear"))
+    modules = sorted(name.removeprefix("base_model.model.") for name, module in model.named_modules() if hasattr(module, "lora_A"))
+    print(" ".join(modules))
+"#;
+    let dirs: Vec<PathBuf> = names.iter().map(|name| fixture(name)).collect();
+    let output = Command::new("python").args(["-c", script]).args(&dirs).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let peft_modules: Vec<&str> = stdout.lines().collect();
+    assert_eq!(peft_modules.len(), names.len(), "{stdout}");
+    for (name, expected) in names.iter().zip(peft_modules) {
+        let outside_blocks = ["model.decoder.project_in", "model.decoder.project_out"];
+        let expected = expected.split(' ').filter(|m| *name != "opt" || !outside_blocks.contains(m)).collect::<Vec<_>>().join(" ");
+        let lora = LoraModel::new(hf::load_model(&fixture(name)).unwrap(), &lora_config(4, 8.0, &[ALL_LINEAR])).unwrap();
+        let mut ours: Vec<&str> = lora.targets().iter().map(|t| t.hf_module.as_str()).collect();
+        ours.sort();
+        assert_eq!(ours.join(" "), expected, "{name}");
+    }
+}
+
+/// A tiny Qwen3, Gemma 3 and Phi-3 (the fixtures' configs sized to the demo
+/// tokenizer, random weights) train `all-linear` adapters on two CPU ranks
+/// over Gloo: the loss falls, final/'s adapter loads in peft on the base
+/// model the run wrote, and the merged export gives peft's logits in
+/// transformers.
+#[test]
+fn qwen3_gemma3_and_phi3_train_adapters_on_two_ranks() {
+    let scratch = tempfile::tempdir().unwrap();
+    let demo = ft_data::demo::write(&scratch.path().join("demo"), 64, 8, 0).unwrap();
+    let mut demo_config = ft_core::Config::default();
+    let vocab = ft_data::demo::configure(&mut demo_config, &scratch.path().join("demo")).unwrap()["vocab_size"].clone();
+    for name in ["qwen3", "gemma3", "phi3"] {
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+        config["vocab_size"] = vocab.clone();
+        let config_file = scratch.path().join(format!("{name}.json"));
+        std::fs::write(&config_file, config.to_string()).unwrap();
+        let out = scratch.path().join(name);
+        let run = ft()
+            .args(["train", "--model", config_file.to_str().unwrap(), "--train-file", demo.train.to_str().unwrap()])
+            .args(["--tokenizer", demo.tokenizer.to_str().unwrap(), "--max-seq-len", "96", "--epochs", "3", "--batch-size", "4"])
+            .args(["--lora-r", "4", "--lora-targets", ALL_LINEAR, "--lr", "1e-2", "--nproc-per-node", "2", "--device", "cpu"])
+            .args(["--report-to", "jsonl", "--save-every", "1000", "--set", "train.log_every=1", "--output-dir", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let log = text(&run);
+        assert!(run.status.success(), "{name}: {log}");
+        assert!(log.contains("LoRA r=4"), "{name}: {log}");
+        let losses = losses(&out);
+        let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+        let (first, last) = (mean(&losses[..4]), mean(&losses[losses.len() - 4..]));
+        assert!(last < first, "{name}: the adapters learn: loss {first:.3} over the first 4 steps, {last:.3} over the last 4");
+
+        let merged = scratch.path().join(format!("{name}-merged"));
+        let export = ft()
+            .args(["export", "--checkpoint", "latest", "--output-dir", out.to_str().unwrap(), "--out", merged.to_str().unwrap(), "--merge"])
+            .output()
+            .unwrap();
+        assert!(export.status.success(), "{name}: {}", text(&export));
+        let ids = scratch.path().join("ids.json");
+        std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 20, 7, 19, 11, 30]]").unwrap();
+        let (with_peft, with_merged) = (scratch.path().join(format!("{name}-peft")), scratch.path().join(format!("{name}-transformers")));
+        reference_script(&[Path::new("--reference"), &out.join("base-model"), &out.join("final"), &ids, &with_peft]);
+        reference_script(&[Path::new("--logits"), &merged, &ids, &with_merged]);
+        let error = relative(&read(&with_merged)["logits"], &read(&with_peft)["logits"], 0.0);
+        assert!(error <= 1e-4, "{name}: the merged export's logits differ from peft's by {error:e}");
     }
 }
 

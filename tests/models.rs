@@ -1,19 +1,21 @@
 //! Models against transformers' outputs stored by bench/parity/make_fixtures.sh
 //! (tiny BLOOM, OPT, Llama, GQA-Llama, Llama 3 with llama3 RoPE scaling,
-//! Qwen2 and Mistral with a sliding window), their exports loading in
-//! transformers, and every loading error's message.
+//! Qwen2, Mistral with a sliding window, Qwen3, Gemma 2 and Gemma 3 with
+//! sliding and global layers, Phi-3 with LongRoPE and Phi-4-mini's partial
+//! rotary), their exports loading in transformers, and every loading error's
+//! message.
 
 mod common;
 use common::shared;
 
 use ft_core::generate::{greedy, greedy_batch, Decoding};
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
-use ft_core::train::loss::{lm_loss, logits};
+use ft_core::train::loss::{lm_loss, logits, softcapped};
 use ft_models::hf;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-const FIXTURES: [&str; 7] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2", "mistral"];
+const FIXTURES: [&str; 12] = ["bloom", "opt", "llama", "llama-gqa", "llama3", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -40,8 +42,8 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
         let inputs = Inputs::ids(&ids);
         let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
         let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, &inputs, &ctx, None)).unwrap();
-        let loss = lm_loss(&hidden, &weight, &ids, 7).unwrap();
-        let error = relative(&logits(&hidden, &weight), &reference["logits"], 0.0);
+        let loss = lm_loss(&hidden, &weight, &ids, 7, model.logit_softcap()).unwrap();
+        let error = relative(&softcapped(logits(&hidden, &weight), model.logit_softcap()), &reference["logits"], 0.0);
         assert!(error <= 1e-4, "{name}: logits differ by {error:e}");
         let error = relative(&loss, &reference["loss"], 0.0);
         assert!(error <= 1e-5, "{name}: loss {} vs {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
@@ -70,8 +72,8 @@ fn logits_loss_gradients_and_greedy_tokens_match_transformers() {
 /// Packing (`data.packing`): a row holding several examples, told apart by
 /// `Inputs::documents`, gives each example's tokens the logits and the
 /// per-token losses it gets alone — positions restart (learned, RoPE and
-/// ALiBi alike), attention stays inside the example, and Mistral's sliding
-/// window (5 here) still applies within the 7-token one.
+/// ALiBi alike), attention stays inside the example, and the sliding
+/// windows (Mistral's 5, Gemma's 4) still apply within the 7-token one.
 #[test]
 fn a_packed_row_computes_what_its_examples_compute_alone() {
     let lengths = [7, 3, 6];
@@ -126,23 +128,39 @@ fn logits_and_tokens(dir: &Path, rows: &[Vec<i64>]) -> (Tensor, Vec<i64>) {
     let inputs = Inputs::ids(&ids);
     let ctx = model.context(&inputs, 0, Kind::Float, false).unwrap();
     let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, &inputs, &ctx, None)).unwrap();
-    (logits(&hidden, &weight), greedy(model.as_ref(), &params, &rows[0][..8], 32, None, Kind::Float).unwrap())
+    let logits = softcapped(logits(&hidden, &weight), model.logit_softcap());
+    (logits, greedy(model.as_ref(), &params, &rows[0][..8], 32, None, Kind::Float).unwrap())
 }
 
-/// The parity above would pass vacuously if the llama3 scaling or the
-/// sliding window changed nothing on the fixtures' sequences: without each,
-/// ft's logits leave transformers' by far more than the bound, and without
-/// the window so do Mistral's greedy tokens (the KV-cache path; the tied
-/// Llama 3 fixture repeats one token either way).
+/// The parity above would pass vacuously if what sets a family apart
+/// changed nothing on the fixtures' sequences: the RoPE scalings (Llama 3's,
+/// Phi-3's LongRoPE, Gemma 3's global linear one), the sliding windows
+/// (Mistral's, Gemma 2's and Gemma 3's local layers', Phi-3's), the
+/// soft-capping (Gemma 2), query_pre_attn_scalar (Gemma): without each, ft's logits leave
+/// transformers' by far more than the bound, and without the window so do
+/// Mistral's greedy tokens (the KV-cache path; the tied Llama 3 fixture
+/// repeats one token either way).
 #[test]
 fn the_fixtures_exercise_the_rope_scaling_and_the_window() {
-    for (name, key) in [("llama3", "rope_scaling"), ("mistral", "sliding_window")] {
+    let changes: [(&str, &str, serde_json::Value); 10] = [
+        ("llama3", "rope_scaling", serde_json::Value::Null),
+        ("mistral", "sliding_window", serde_json::Value::Null),
+        ("phi3", "rope_scaling", serde_json::Value::Null),
+        ("phi3", "sliding_window", serde_json::Value::Null),
+        ("gemma2", "sliding_window", 64.into()),
+        ("gemma2", "attn_logit_softcapping", serde_json::Value::Null),
+        ("gemma2", "final_logit_softcapping", serde_json::Value::Null),
+        ("gemma3", "sliding_window", 64.into()),
+        ("gemma3", "rope_scaling", serde_json::Value::Null),
+        ("gemma3", "query_pre_attn_scalar", 16.into()),
+    ];
+    for (name, key, value) in changes {
         let reference: std::collections::HashMap<String, Tensor> =
             Tensor::read_safetensors(fixture(name).join("reference.safetensors")).unwrap().into_iter().collect();
         let (logits, tokens) = logits_and_tokens(&fixture(name), &rows(name));
         assert!(relative(&logits, &reference["logits"], 0.0) <= 1e-4, "{name}: with {key}");
         let dir = copy_of(name);
-        edit_config(dir.path(), key, serde_json::Value::Null);
+        edit_config(dir.path(), key, value);
         let (logits, tokens_without) = logits_and_tokens(dir.path(), &rows(name));
         let error = relative(&logits, &reference["logits"], 0.0);
         assert!(error > 1e-2, "{name}: without {key} the logits differ by only {error:e}");
@@ -219,9 +237,15 @@ fn truncated_safetensors_is_rejected() {
 #[test]
 fn unknown_model_type_and_bad_config_are_rejected() {
     let dir = copy_of("bloom");
-    edit_config(dir.path(), "model_type", "blom".into());
-    let message = load_error(dir.path());
-    assert!(message.contains("unknown model_type `blom`; did you mean `bloom`?"), "{message}");
+    // No guess, even a letter away: another model_type is another architecture.
+    for (model_type, near) in [("blom", "bloom"), ("qwen4", "qwen3"), ("gemma3", "gemma3_text")] {
+        edit_config(dir.path(), "model_type", model_type.into());
+        let message = load_error(dir.path());
+        assert!(message.contains(&format!("unknown model_type `{model_type}` (registered: ")) && !message.contains("did you mean"), "{message}");
+        for supported in ["bloom", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"] {
+            assert!(message.contains(supported), "{near}: {message}");
+        }
+    }
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     assert!(load_error(dir.path()).contains("config.json is not valid JSON"));
     let dir = copy_of("llama");
@@ -234,12 +258,25 @@ fn unknown_model_type_and_bad_config_are_rejected() {
 /// is refused in one line naming the file, the architecture and the key.
 #[test]
 fn configs_asking_what_ft_does_not_compute_are_refused() {
-    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 13] = [
         (
             "llama3",
             "rope_scaling",
             serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
-            "(llama): rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3)",
+            "(llama): rope_scaling.rope_type \"yarn\" is not supported (supported: default, linear, llama3, longrope)",
+        ),
+        ("llama3", "partial_rotary_factor", 0.5.into(), "(llama): partial_rotary_factor is not supported for Llama"),
+        ("qwen3", "use_sliding_window", true.into(), "(qwen3): use_sliding_window: true is not supported: ft runs every Qwen3 layer"),
+        ("gemma3", "attn_logit_softcapping", 50.0.into(), "(gemma3_text): attn_logit_softcapping is not supported for Gemma3"),
+        ("gemma3", "layer_types", serde_json::json!(["sliding_attention", "full_attention"]), "(gemma3_text): layer_types has 2 entries: it needs one per layer, 3"),
+        ("gemma2", "hidden_activation", "gelu".into(), "(gemma2): Gemma2 hidden_activation \"gelu\" is not supported"),
+        ("gemma2", "use_bidirectional_attention", true.into(), "(gemma2): use_bidirectional_attention: true is not supported"),
+        ("phi3", "resid_pdrop", 0.1.into(), "(phi3): resid_pdrop 0.1 is not supported"),
+        (
+            "phi3",
+            "rope_scaling",
+            serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0, 3.0, 4.0]}),
+            "(phi3): rope_scaling.short_factor has 1 factors: it needs one per rotated pair of a head's features, 4 (8 of 8 rotate",
         ),
         ("llama3", "attention_dropout", 0.1.into(), "(llama): attention_dropout 0.1 is not supported"),
         ("qwen2", "use_sliding_window", true.into(), "(qwen2): use_sliding_window: true is not supported"),
@@ -313,7 +350,7 @@ fn saved_models_load_back_identically_in_each_dtype() {
 fn saved_models_split_into_shards_that_transformers_loads() {
     let scratch = tempfile::tempdir().unwrap();
     let mut pairs = vec![];
-    for name in ["llama-gqa", "llama3", "qwen2", "mistral"] {
+    for name in ["llama-gqa", "llama3", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"] {
         let dir = fixture(name);
         let model: Box<dyn Model> = hf::load_model(&dir).unwrap();
         let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
@@ -397,5 +434,30 @@ fn batched_greedy_decoding_equals_one_prompt_at_a_time() {
         for (row, alone) in stopping.iter().zip(&prompts) {
             assert_eq!(row, &greedy(model.as_ref(), &params, alone, 12, eos, Kind::Float).unwrap(), "{name} with an end token");
         }
+    }
+}
+
+/// What `ft plan` reads of the new families: a sliding layer attends to at
+/// most its window, so past it a token's FLOPs grow only by the global
+/// layers' attention (Gemma 3: 1 of 3 layers; Phi-3: none), and Gemma 2's
+/// soft-capped attention, computed outside SDPA, keeps its scores and
+/// probabilities per position pair; `ft plan` runs on each.
+#[test]
+fn plans_count_sliding_windows_and_soft_capped_attention() {
+    let models: Vec<(&str, Box<dyn Model>)> = ["qwen3", "gemma2", "gemma3", "phi3", "phi4-mini"].iter().map(|name| (*name, hf::load_model(&fixture(name)).unwrap())).collect();
+    let model = |wanted: &str| models.iter().find(|(name, _)| *name == wanted).map(|(_, model)| model.as_ref()).unwrap();
+    let per_key = |name: &str, seq: i64| model(name).train_flops_per_token(seq + 1) - model(name).train_flops_per_token(seq);
+    // 12 FLOPs per query feature (heads × head_dim) and attended key, per layer that still attends to one more.
+    assert_eq!((per_key("gemma3", 2), per_key("gemma3", 10)), (12.0 * 64.0 * 3.0, 12.0 * 64.0));
+    assert_eq!((per_key("phi3", 5), per_key("phi3", 20)), (12.0 * 32.0 * 2.0, 0.0));
+    assert_eq!(per_key("qwen3", 10), 12.0 * 64.0 * 2.0, "Qwen3's query is heads × head_dim wide, not hidden_size");
+    assert_eq!(model("gemma2").activations().block_per_position_pair, 2 * 4);
+    assert_eq!(model("gemma3").activations().block_per_position_pair, 0);
+    for (name, _) in &models {
+        let output = common::ft()
+            .args(["plan", "--model", fixture(name).join("config.json").to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--seq", "64"])
+            .output()
+            .unwrap();
+        assert!(output.status.success() && common::text(&output).contains("full_shard"), "{name}: {}", common::text(&output));
     }
 }

@@ -12,7 +12,7 @@ cargo build --quiet
 FT=target/debug/ft
 CONFIGS=../shared/data/configs
 OUT=tests/fixtures
-MODELS=(bloom opt llama llama-gqa llama3 qwen2 mistral)
+MODELS=(bloom opt llama llama-gqa llama3 qwen2 mistral qwen3 gemma2 gemma3 phi3 phi4-mini)
 # Only the model fixtures: tests/fixtures/plan/ is not made here.
 for name in "${MODELS[@]}"; do rm -rf "${OUT:?}/$name"; done
 TINY_VOCAB=(--set vocab_size=128)
@@ -52,5 +52,50 @@ python bench/parity/init_hf.py $OUT/qwen2 --seed 5 --keep saved --config "{\"mod
 python bench/parity/init_hf.py $OUT/mistral --seed 6 --keep given --config "{\"model_type\": \"mistral\", $TINY,
   \"rope_theta\": 10000.0, \"rms_norm_eps\": 1e-05, \"max_position_embeddings\": 128, \"sliding_window\": 5,
   \"tie_word_embeddings\": false}"
+# Qwen3 (tied, per-head q/k norms, head_dim 16 apart from hidden/heads) as
+# transformers 5 writes it; weights drawn wider so that attention moves the logits.
+python bench/parity/init_hf.py $OUT/qwen3 --seed 8 --keep saved --config "{\"model_type\": \"qwen3\", $TINY,
+  \"head_dim\": 16, \"tie_word_embeddings\": true, \"rope_theta\": 1000000.0, \"max_position_embeddings\": 128,
+  \"initializer_range\": 0.1}"
+# Gemma 2: layer 0 slides over 4 keys, layer 1 is global; soft-caps small
+# enough that they change the logits at these sizes; query_pre_attn_scalar
+# apart from head_dim. Gemma's and Phi-3's pad_token_id is null here: their
+# configs' ids lie outside this vocabulary, and transformers' embedding
+# would zero the pad row's gradient (ft's trains every row).
+python bench/parity/init_hf.py $OUT/gemma2 --seed 9 --keep saved --config "{\"model_type\": \"gemma2\", $TINY,
+  \"head_dim\": 16, \"query_pre_attn_scalar\": 24, \"sliding_window\": 4, \"attn_logit_softcapping\": 2.0,
+  \"final_logit_softcapping\": 3.0, \"max_position_embeddings\": 128, \"pad_token_id\": null, \"initializer_range\": 0.06}"
+# Gemma 3 (text) in the hub's keys: 2 local layers (a window of 4 keys, base
+# rope_local_base_freq) to 1 global (rope_theta, with Gemma 3 4B's linear
+# scaling), as sliding_window_pattern 3 makes them.  Its bf16 row misses the 2e-2
+# bound (about 3e-2 to 5e-2, by the seed): at these sizes transformers' own
+# bf16 logits lie 4e-2 from its fp32 ones, eager or SDPA.
+python bench/parity/init_hf.py $OUT/gemma3 --seed 10 --keep given --config "{\"model_type\": \"gemma3_text\", $TINY,
+  \"num_hidden_layers\": 3, \"head_dim\": 16, \"query_pre_attn_scalar\": 24, \"sliding_window\": 4,
+  \"sliding_window_pattern\": 3, \"rope_theta\": 1000000.0, \"rope_local_base_freq\": 10000.0,
+  \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 8.0}, \"final_logit_softcapping\": null,
+  \"attn_logit_softcapping\": null, \"max_position_embeddings\": 128, \"pad_token_id\": null, \"initializer_range\": 0.06}"
+# Phi-3 with LongRoPE in the hub's keys and an original length of 2, so that
+# every sequence of the tests (the shortest packed example has 3 tokens)
+# rotates with the long factors and the attention factor — transformers
+# switches factor sets by the batch's longest position and recomputes its
+# cache on the crossing, which ft's cache does not (phi3.rs) — and a window
+# of 12 keys on every layer.
+python bench/parity/init_hf.py $OUT/phi3 --seed 11 --keep given --config "{\"model_type\": \"phi3\", $TINY,
+  \"rope_theta\": 10000.0, \"max_position_embeddings\": 64, \"original_max_position_embeddings\": 2,
+  \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1.0, 1.5, 2.0, 3.0],
+  \"long_factor\": [1.0, 4.0, 9.0, 16.0]}, \"sliding_window\": 12, \"tie_word_embeddings\": false,
+  \"pad_token_id\": null, \"bos_token_id\": 1, \"eos_token_id\": 2,
+  \"initializer_range\": 0.1}"
+# Phi-4-mini's form (tied, partial_rotary_factor 0.75: 12 of a head's 16
+# features rotate) as transformers 5 writes it.
+python bench/parity/init_hf.py $OUT/phi4-mini --seed 12 --keep saved --config "{\"model_type\": \"phi3\",
+  \"vocab_size\": 128, \"hidden_size\": 64, \"intermediate_size\": 64, \"num_hidden_layers\": 2,
+  \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"partial_rotary_factor\": 0.75,
+  \"rope_theta\": 10000.0, \"max_position_embeddings\": 64, \"original_max_position_embeddings\": 2,
+  \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1.0, 1.0, 1.5, 2.0, 3.0, 4.0],
+  \"long_factor\": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}, \"tie_word_embeddings\": true, \"initializer_range\": 0.06,
+  \"pad_token_id\": null, \"bos_token_id\": 1, \"eos_token_id\": 2}"
 python bench/parity/parity.py --ft $FT --device cpu --batch 2 --seq 16 --write-fixtures \
-  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3 $OUT/qwen2 $OUT/mistral
+  $OUT/bloom $OUT/opt $OUT/llama $OUT/llama-gqa $OUT/llama3 $OUT/qwen2 $OUT/mistral \
+  $OUT/qwen3 $OUT/gemma2 $OUT/gemma3 $OUT/phi3 $OUT/phi4-mini

@@ -103,7 +103,11 @@ pub fn preset(source: Option<&str>) -> Option<&'static PresetRegistration> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// SQuAD JSON (.json), JSONL (`text`, `prompt`/`completion` or `messages` per line) or plain text.
+    /// A data source: SQuAD JSON (.json), JSONL or a JSON array of rows,
+    /// Parquet or Arrow (a file, a glob, or a dataset directory: the Hub's
+    /// `data/train-*.parquet`, `save_to_disk`'s), or plain text. Rows hold
+    /// `text`, `prompt`/`completion`, `messages`, ShareGPT's `conversations`
+    /// or Alpaca's `instruction`/`output`.
     pub train: Option<std::path::PathBuf>,
     /// SQuAD JSON for eval loss and EM/F1 (or text/JSONL for eval loss only).
     pub eval: Option<std::path::PathBuf>,
@@ -137,6 +141,35 @@ pub struct DataConfig {
     /// fill it (the run logs how many); false: train it, split among the
     /// ranks as evenly as they allow (it needs an example for each rank).
     pub drop_last: bool,
+    /// The split of a dataset directory to train on (a `DatasetDict`'s, the
+    /// Hub's `data/{split}-*.parquet`); default: the only one, else `train`.
+    pub split: Option<String>,
+    /// The split `data.eval` reads; default: the only one, else
+    /// `validation`, `valid`, `dev` or `test`, whichever it has.
+    pub eval_split: Option<String>,
+    /// The names the formats read (`text`, `prompt`, `messages`, …) given to
+    /// other columns of the file: `columns.text = "abstract"`.
+    pub columns: BTreeMap<String, String>,
+    /// Several training sources interleaved in a seeded order, instead of
+    /// `train` (several `--train-file`s).
+    pub mixture: Vec<MixtureSource>,
+}
+
+/// One source of `data.mixture`: its own path, format, split and columns
+/// (by default `data.*`'s) and its share: `weight` (of the examples the
+/// weighted sources hold together) or `samples` (examples); neither: each
+/// of its examples once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixtureSource {
+    pub path: std::path::PathBuf,
+    #[serde(default)]
+    pub format: DataFormat,
+    pub weight: Option<f64>,
+    pub samples: Option<usize>,
+    pub split: Option<String>,
+    #[serde(default)]
+    pub columns: BTreeMap<String, String>,
 }
 
 /// `data.range`: the training file's examples [start, end) in the order
@@ -234,20 +267,27 @@ impl<'de> Deserialize<'de> for DataRange {
     }
 }
 
-/// What a data file holds (`data.format`).
+/// What a data file's rows (or text) hold (`data.format`); where they come
+/// from (JSONL, Parquet, Arrow, …) is read from the file itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum DataFormat {
-    /// SQuAD for a .json file; for JSONL, the keys of its first line; else plain text.
+    /// SQuAD for a SQuAD .json file; for rows, the keys of the first; else plain text.
     #[default]
     Auto,
     Squad,
-    /// Plain text or JSONL `{"text": …}`, packed.
+    /// Plain text or rows `{"text": …}`, packed.
     Text,
-    /// JSONL `{"prompt": …, "completion": …}`.
+    /// Rows `{"prompt": …, "completion": …}`: strings (the loss on the
+    /// completion), or message lists as TRL's conversational
+    /// prompt/completion (rendered with the chat template).
     PromptCompletion,
-    /// JSONL `{"messages": [{"role", "content"}, …]}`, rendered with the chat template.
+    /// Rows `{"messages": [{"role", "content"}, …], "tools": […]}`, rendered with the chat template.
     Chat,
+    /// ShareGPT's `{"conversations": [{"from", "value"}, …]}`, roles mapped as axolotl maps them.
+    Sharegpt,
+    /// Alpaca's `{"instruction", "input", "output"}` in the Stanford Alpaca prompt, the loss on the output.
+    Alpaca,
 }
 
 /// Which tokens carry the loss in chat and prompt/completion examples (`data.train_on`).
@@ -279,6 +319,10 @@ impl Default for DataConfig {
             chat_template: None,
             packing: false,
             drop_last: true,
+            split: None,
+            eval_split: None,
+            columns: BTreeMap::new(),
+            mixture: vec![],
         }
     }
 }
@@ -389,8 +433,9 @@ pub struct LoraConfig {
     /// Dropout on each adapter's input while training.
     pub dropout: f64,
     /// Linear layers to adapt: short names (q, k, v, o, gate, up, down, as
-    /// the architecture maps them) or module names as peft's
-    /// `target_modules` (q_proj, query_key_value, …).
+    /// the architecture maps them), module names as peft's
+    /// `target_modules` (q_proj, query_key_value, …), or `all-linear`
+    /// (every linear layer of the blocks, as peft's `all-linear`).
     pub targets: Vec<String>,
 }
 

@@ -5,7 +5,7 @@
 //! what bounds decoding at small batches.
 
 use crate::model::{forward, lm_outputs, Inputs, KvCache, Model, StageKind};
-use crate::train::loss::logits;
+use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
@@ -118,7 +118,7 @@ impl<'a> Step<'a> {
         let inputs = Inputs { input_ids: Tensor::from_slice2(&left_padded).to_device(device), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None };
         let ctx = model.context(&inputs, 0, decoding.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
-        let tokens = logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight).argmax(-1, false);
+        let tokens = softcapped(logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight), model.logit_softcap()).argmax(-1, false);
         let slot = Tensor::from_slice(&[longest as i64]).to_device(device);
         for cache in &mut caches {
             cache.fix_shapes(&slot)?;
@@ -137,7 +137,7 @@ impl<'a> Step<'a> {
         let capacity = self.mask.size()[1];
         let ctx = self.model.context(&inputs, capacity - 1, self.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
-        self.tokens.copy_(&logits(&hidden, &weight).argmax(-1, false));
+        self.tokens.copy_(&softcapped(logits(&hidden, &weight), self.model.logit_softcap()).argmax(-1, false));
         let _ = self.slot.g_add_scalar_(1);
         Ok(())
     }

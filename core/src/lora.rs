@@ -19,6 +19,13 @@ use anyhow::{bail, Result};
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
 
+/// The target that names every linear layer of the blocks, as peft's
+/// `target_modules="all-linear"` does (every linear layer but the LM head,
+/// which ft keeps outside the blocks; peft's also takes a linear layer
+/// outside the blocks, OPT's `project_in` and `project_out`, which ft's
+/// adapters, one unit per block, do not reach).
+pub const ALL_LINEAR: &str = "all-linear";
+
 /// One adapted linear layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Target {
@@ -65,8 +72,10 @@ impl LoraModel {
         let aliases = base.lora_modules();
         let mut selected: BTreeSet<(usize, String)> = BTreeSet::new();
         for target in &config.targets {
-            // A short name stands for exact in-block names; any other is matched as peft matches it.
+            // `all-linear` takes every linear layer of the blocks (peft's: all but the LM head);
+            // a short name stands for exact in-block names; any other is matched as peft matches it.
             let selects: Box<dyn Fn(&str) -> bool> = match aliases.iter().find(|(alias, _)| alias == target) {
+                _ if target == ALL_LINEAR => Box::new(|_: &str| true),
                 Some((_, modules)) => Box::new(move |module: &str| modules.contains(&module)),
                 None => Box::new(|module: &str| names_module(module, target)),
             };
@@ -82,7 +91,7 @@ impl LoraModel {
                 let modules: Vec<&str> = linear_layers(&base_layout.units).filter(|(u, _, _)| *u == first_block).map(|(_, _, m)| m).collect();
                 let short: Vec<&str> = aliases.iter().map(|(alias, _)| *alias).collect();
                 bail!(
-                    "train.lora.targets: {target:?} names no linear layer of {}'s blocks; use {}the layers' names ({})",
+                    "train.lora.targets: {target:?} names no linear layer of {}'s blocks; use {ALL_LINEAR}, {}the layers' names ({})",
                     base.model_type(),
                     if short.is_empty() { String::new() } else { format!("{} or ", short.join(", ")) },
                     modules.join(", ")
@@ -263,8 +272,8 @@ impl Model for LoraModel {
     fn embed(&self, params: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {
         self.base.embed(params, inputs, ctx)
     }
-    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
-        self.base.block(params, x, ctx, cache)
+    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, layer: usize, cache: Option<&mut KvCache>) -> Tensor {
+        self.base.block(params, x, ctx, layer, cache)
     }
     fn head(&self, params: &Params, x: &Tensor) -> Vec<Tensor> {
         self.base.head(params, x)
@@ -286,6 +295,9 @@ impl Model for LoraModel {
     }
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
         self.base.lora_modules()
+    }
+    fn logit_softcap(&self) -> Option<f64> {
+        self.base.logit_softcap()
     }
 
     /// A frozen parameter costs forward and the input's gradient (4 FLOPs

@@ -200,6 +200,10 @@ pub struct Context {
     pub train: bool,
     /// Absolute position of every token, [batch, seq] (counts the KV cache).
     pub positions: Tensor,
+    /// What the sliding-window layers of a model whose layers alternate
+    /// (Gemma's local and global attention) use in place of `attention_bias`
+    /// and `rope`; None where every layer attends alike.
+    pub local: Option<LocalAttention>,
     /// Additive attention bias broadcastable to [batch, heads, seq, keys], in the
     /// compute dtype, with the causal and padding masks folded in; `None` means
     /// plain causal attention (SDPA's `is_causal`, no materialised mask).
@@ -207,6 +211,13 @@ pub struct Context {
     /// RoPE's cos and sign-folded sin (−sin on the first half of head_dim,
     /// +sin on the second), [batch, seq, 1, head_dim], when the model rotates:
     /// a rotation is x·cos + roll(x, head_dim/2)·signed_sin.
+    pub rope: Option<(Tensor, Tensor)>,
+}
+
+/// The attention bias and RoPE of a model's sliding-window layers, beside
+/// its global layers' in [`Context`].
+pub struct LocalAttention {
+    pub attention_bias: Option<Tensor>,
     pub rope: Option<(Tensor, Tensor)>,
 }
 
@@ -348,6 +359,11 @@ pub struct Activations {
     /// (query, key) position pair of a micro-batch: one per head for
     /// ALiBi, 0 when attention masks itself.
     pub bias_per_position_pair: i64,
+    /// Compute-dtype elements each block keeps per (query, key) position
+    /// pair of a micro-batch: an attention computed outside SDPA's fused
+    /// kernels (Gemma 2's soft-capped scores) keeps its scores and
+    /// probabilities; 0 under SDPA.
+    pub block_per_position_pair: i64,
 }
 
 impl Activations {
@@ -373,6 +389,7 @@ impl Activations {
             block_backward: 2 * i,
             embed: d,
             bias_per_position_pair: 0,
+            block_per_position_pair: 0,
         }
     }
 
@@ -475,7 +492,10 @@ pub trait Model: Send + Sync {
 
     fn embed(&self, params: &Params, inputs: &Inputs, ctx: &Context) -> Tensor;
 
-    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor;
+    /// Block number `layer` (counting from 0) of the stages: an
+    /// architecture whose layers differ (Gemma's sliding and global
+    /// attention) reads it; the others ignore it.
+    fn block(&self, params: &Params, x: &Tensor, ctx: &Context, layer: usize, cache: Option<&mut KvCache>) -> Tensor;
 
     /// The head's outputs, as its kind defines them (see [`head`]); a
     /// causal LM returns the final norm's hidden states and the LM weight
@@ -524,6 +544,13 @@ pub trait Model: Send + Sync {
         &[]
     }
 
+    /// The cap `c` of a causal LM's final logits, `c · tanh(logits / c)`
+    /// (Gemma 2's `final_logit_softcapping`), which the losses, `ft
+    /// forward` and generation apply; None where logits are used as they are.
+    fn logit_softcap(&self) -> Option<f64> {
+        None
+    }
+
     /// Total parameters.
     fn numel(&self) -> i64 {
         self.units().iter().map(UnitSpec::numel).sum()
@@ -553,7 +580,7 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
             StageKind::Embed => x = Some(model.embed(&p, inputs, ctx)),
             StageKind::Block => {
                 let cache = caches.as_deref_mut().map(|c| &mut c[block]);
-                x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, cache));
+                x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, block, cache));
                 block += 1;
             }
             StageKind::Head => return model.head(&p, x.as_ref().expect("embed runs first")),
@@ -614,18 +641,25 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
 /// Scaled-dot-product attention over [batch, heads, seq, head_dim] tensors:
 /// causal without a materialised mask when there is no bias and no cache.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: bool) -> Tensor {
+    scaled_attention(q, k, v, &ctx.attention_bias, ctx.train, grouped_kv, None)
+}
+
+/// [`attention`] under `bias` (in place of the context's: a model whose
+/// layers mask differently) with the scores scaled by `scale` (None:
+/// 1/√head_dim).
+pub fn scaled_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor>, train: bool, grouped_kv: bool, scale: Option<f64>) -> Tensor {
     let (seq, keys) = (q.size()[2], k.size()[2]);
-    if seq == 1 && !ctx.train {
-        return single_query_attention(q, k, v, ctx.attention_bias.as_ref(), grouped_kv);
+    if seq == 1 && !train {
+        return single_query_attention(q, k, v, bias.as_ref(), grouped_kv, scale);
     }
-    match &ctx.attention_bias {
-        Some(bias) => Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, None, grouped_kv),
+    match bias {
+        Some(bias) => Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, scale, grouped_kv),
         // One new token attends to every cached key: nothing to mask.
-        None if seq == 1 => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, false, None, grouped_kv),
-        None if seq == keys => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, grouped_kv),
+        None if seq == 1 => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, false, scale, grouped_kv),
+        None if seq == keys => Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, scale, grouped_kv),
         None => {
             let bias = causal_bias(seq, keys - seq, q.kind(), q.device());
-            Tensor::scaled_dot_product_attention(q, k, v, Some(&bias), 0.0, false, None, grouped_kv)
+            Tensor::scaled_dot_product_attention(q, k, v, Some(&bias), 0.0, false, scale, grouped_kv)
         }
     }
 }
@@ -634,7 +668,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: 
 /// products and a softmax. SDPA's GPU backends would pick cuDNN, which
 /// plans anew for every key length — milliseconds of host time per call,
 /// more than the step's arithmetic.
-fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool) -> Tensor {
+fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool, scale: Option<f64>) -> Tensor {
     let (heads, kv_heads, head_dim) = (q.size()[1], k.size()[1], q.size()[3]);
     let (k, v) = if grouped_kv && kv_heads != heads {
         let repeats = heads / kv_heads;
@@ -642,7 +676,7 @@ fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tens
     } else {
         (k.shallow_clone(), v.shallow_clone())
     };
-    let mut scores = q.matmul(&k.transpose(2, 3)).to_kind(Kind::Float) / (head_dim as f64).sqrt();
+    let mut scores = q.matmul(&k.transpose(2, 3)).to_kind(Kind::Float) * scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
     if let Some(bias) = bias {
         scores += bias.to_kind(Kind::Float);
     }

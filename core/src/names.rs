@@ -13,7 +13,17 @@ pub fn did_you_mean(name: &str, known: &[&str]) -> String {
 
 /// "unknown strategy `ful_shard`; did you mean `full_shard`? (registered: …)"
 pub fn unknown(what: &str, name: &str, known: &[&str]) -> anyhow::Error {
-    let suggestion = did_you_mean(name, known);
+    listed(what, name, &did_you_mean(name, known), known)
+}
+
+/// "unknown model_type `qwen3` (registered: …)": no guess, for names where
+/// the closest known one is another thing altogether (a model_type a letter
+/// away is another architecture, whose math would run on these weights).
+pub fn unknown_without_guess(what: &str, name: &str, known: &[&str]) -> anyhow::Error {
+    listed(what, name, "", known)
+}
+
+fn listed(what: &str, name: &str, suggestion: &str, known: &[&str]) -> anyhow::Error {
     let known = if known.is_empty() { "none".to_string() } else { known.join(", ") };
     anyhow::anyhow!("unknown {what} `{name}`{suggestion} (registered: {known}; `ft list` shows them)")
 }

@@ -7,7 +7,7 @@ use crate::abi::{table_factory, TableFactory, TableHook};
 use crate::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
-use crate::names::unknown;
+use crate::names::{unknown, unknown_without_guess};
 use crate::model::ModelRegistration;
 use crate::offload::OffloadRegistration;
 use crate::strategy::{ShardingStrategy, StrategyRegistration};
@@ -231,7 +231,7 @@ impl Registry {
     pub fn model(&self, model_type: &str) -> Result<&'static ModelRegistration> {
         self.models.iter().copied().find(|m| m.model_type == model_type).ok_or_else(|| {
             let names: Vec<&str> = self.models.iter().map(|m| m.model_type).collect();
-            unknown("model_type", model_type, &names)
+            unknown_without_guess("model_type", model_type, &names)
         })
     }
 

@@ -53,7 +53,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if config.data.max_seq_len < 8 {
         bail!("data.max_seq_len must be at least 8 (got {})", config.data.max_seq_len);
     }
-    if !config.uses_preset() && config.data.train.is_none() {
+    if !config.uses_preset() && config.data.train.is_none() && config.data.mixture.is_empty() {
         bail!("set data.train (--train-file) to train {}; only a preset (`ft list`) brings its own data", config.model.source);
     }
     if t.initial_loss_scale.is_nan() || t.initial_loss_scale < 1.0 {

@@ -1,4 +1,4 @@
-"""transformers' side of tests/chat.rs.
+"""transformers' side of tests/chat.rs and tests/templates.rs.
 
 make TOKENIZER_JSON TEMPLATE BOS EOS OUT_DIR [--in-config]
     A tokenizer directory as transformers saves one: TOKENIZER_JSON with the
@@ -6,19 +6,40 @@ make TOKENIZER_JSON TEMPLATE BOS EOS OUT_DIR [--in-config]
     chat template (chat_template.jinja, or with --in-config a named
     "default" template in tokenizer_config.json).
 
-check MODEL_DIR CONVERSATIONS FT_JSONL
-    Checks `ft tokenize`'s lines against transformers: input_ids are
-    apply_chat_template(messages, tokenize=True); labels are the ids where
-    the assistant mask is 1, else -100 — the mask is
-    return_assistant_tokens_mask's for a template with {% generation %},
-    else each assistant message's characters between the render of the
-    messages before it with the generation prompt and the render ending
-    with it, mapped to tokens as transformers maps generation blocks.
-    Conversations transformers cannot render must be the ones ft skipped.
+check MODEL_DIR ROWS FT_JSONL [--all]
+    Checks `ft tokenize`'s lines against the peers' own formatting of each
+    row, by its keys:
+    - `messages` (and `tools`): input_ids are transformers'
+      apply_chat_template(messages, tools=tools, tokenize=True); labels are
+      the ids where the assistant mask is 1, else -100 — the mask is
+      return_assistant_tokens_mask's for a template with {% generation %},
+      else each assistant message's characters between the render of the
+      messages before it with the generation prompt and the render ending
+      with it, mapped to tokens as transformers maps generation blocks;
+      where those renders are not prefixes of the whole one, the message's
+      content found around a sentinel and the end of its turn (the leading
+      tokens that the render ending with it writes after its content and
+      the whole render writes there too).
+    - `conversations` (ShareGPT): the turns mapped to messages as axolotl
+      maps them (ChatTemplatePrompter's default roles), then as `messages`.
+    - `prompt` and `completion` as message lists: TRL's SFTTrainer
+      (trl/trainer/sft_trainer.py, tokenize_fn): the ids of prompt +
+      completion, the loss after as many tokens as the prompt rendered with
+      add_generation_prompt=True has.
+    - `instruction`, `input`, `output` (Alpaca): axolotl's AlpacaPrompter
+      and InstructionPromptTokenizingStrategy: the Stanford Alpaca prompt
+      tokenised with the tokenizer's special tokens, then the output's
+      tokens without a BOS and the EOS, the loss on the latter.
+    Rows transformers cannot render must be the ones ft skipped; with --all
+    there must be none.
 
 loss MODEL_DIR FT_JSONL
     The model's mean next-token loss over ft's examples, on their labels
     (the assistant's tokens) and on every token, as two numbers.
+
+batch COMMANDS_JSON
+    The commands of a JSON list (each a list of the arguments above) in one
+    process.
 """
 
 import json
@@ -26,7 +47,26 @@ import sys
 
 from transformers import PreTrainedTokenizerFast, AutoTokenizer
 
-SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "[INST]", "[/INST]"]
+# The special tokens the templates of tests/fixtures/chat and tests/fixtures/templates write.
+SPECIAL = [
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+    "<|im_start|>", "<|im_end|>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+    "<|tool|>", "<|/tool|>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<|start_of_role|>",
+    "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+    "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+]
+# An assistant message's content while its place in a render is looked for (ft's chat.rs uses the same).
+SENTINEL = "\U000F0003"
+# axolotl's default ShareGPT speakers (src/axolotl/prompt_strategies/chat_template.py, ChatTemplatePrompter.roles).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
+# axolotl's AlpacaPrompter (src/axolotl/prompters.py), the Stanford Alpaca prompt.
+ALPACA_SYSTEM = "Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request."
+ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+ALPACA_TURN = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def make(tokenizer_json, template, bos, eos, out, in_config=False):
@@ -58,46 +98,110 @@ def mark(encoding, mask, start, end):
     return True
 
 
-def expected(tokenizer, messages):
+def plain(messages):
+    """The messages as apply_chat_template renders them: keys whose value is None dropped."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def render(tokenizer, messages, tools, add_generation_prompt=False):
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages, tools, text):
+    """Each assistant message's characters in `text` (see `check` above)."""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], tools, True) if i else ""
+        through = render(tokenizer, messages[: i + 1], tools)
+        if through.startswith(before) and text.startswith(through):
+            yield len(before), len(through)
+            continue
+        marked = messages[:i] + [{**message, "content": SENTINEL}] + messages[i + 1 :]
+        whole, own = render(tokenizer, marked, tools), render(tokenizer, marked[: i + 1], tools)
+        assert whole.count(SENTINEL) == 1 and own.count(SENTINEL) == 1, (whole, own)
+        head, tail = whole.split(SENTINEL)
+        own_tail = own.split(SENTINEL)[1]
+        assert text.startswith(head) and text.endswith(tail) and len(head) + len(tail) <= len(text), (head, tail, text)
+        mine = tokenizer(own_tail, add_special_tokens=False, return_offsets_mapping=True)
+        theirs = tokenizer(tail, add_special_tokens=False)["input_ids"]
+        shared = 0
+        while shared < min(len(mine["input_ids"]), len(theirs)) and mine["input_ids"][shared] == theirs[shared]:
+            shared += 1
+        yield len(head), len(text) - len(tail) + (mine["offset_mapping"][shared - 1][1] if shared else 0)
+
+
+def conversation(tokenizer, messages, tools):
+    messages = plain(messages)
     template = tokenizer.chat_template
     if "generation" in template and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}"):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         mask = out["assistant_masks"]
     else:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)
+        text = render(tokenizer, messages, tools)
         encoding = tokenizer(text, add_special_tokens=False)
         assert encoding["input_ids"] == out["input_ids"]
         mask = [0] * len(out["input_ids"])
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-            through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            assert text.startswith(through) and through.startswith(before), (before, through, text)
-            if not mark(encoding, mask, len(before), len(through)):
+        for start, end in assistant_spans(tokenizer, messages, tools, text):
+            if not mark(encoding, mask, start, end):
                 break
     ids = list(out["input_ids"])
     return ids, [t if m else -100 for t, m in zip(ids, mask)]
 
 
-def check(model_dir, conversations, ft_jsonl):
+def prompt_completion(tokenizer, prompt, completion):
+    """Tokenised apart: the prompt with the tokenizer's special tokens, the completion without a BOS, then the EOS
+    unless it ends with it (TRL's add_eos, axolotl's _tokenize)."""
+    p = tokenizer(prompt)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if not c or c[-1] != tokenizer.eos_token_id:
+        c.append(tokenizer.eos_token_id)
+    return p + c, [-100] * len(p) + c
+
+
+def expected(tokenizer, row):
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    if "messages" in row:
+        return conversation(tokenizer, row["messages"], tools)
+    if "conversations" in row:
+        messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"], **{k: v for k, v in t.items() if k not in ("from", "value")}} for t in row["conversations"]]
+        return conversation(tokenizer, messages, tools)
+    if "prompt" in row and isinstance(row["prompt"], list):
+        prompt_ids = tokenizer.apply_chat_template(plain(row["prompt"]), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(plain(row["prompt"] + row["completion"]), tools=tools, tokenize=True, return_dict=True)["input_ids"]
+        ids = list(ids)
+        return ids, [-100] * len(prompt_ids) + ids[len(prompt_ids) :]
+    if "prompt" in row:
+        return prompt_completion(tokenizer, row["prompt"], row["completion"])
+    if row.get("input"):
+        prompt = ALPACA_SYSTEM + "\n\n" + ALPACA_TURN.format(instruction=row["instruction"], input=row["input"])
+    else:
+        prompt = ALPACA_SYSTEM_NO_INPUT + "\n\n" + ALPACA_TURN_NO_INPUT.format(instruction=row["instruction"])
+    return prompt_completion(tokenizer, prompt, row["output"])
+
+
+def check(model_dir, rows, ft_jsonl, every=False):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     want = []
-    for line in open(conversations):
+    for line in open(rows):
         if not line.strip():
             continue
-        messages = json.loads(line)["messages"]
+        row = json.loads(line)
         try:
-            want.append(expected(tokenizer, messages))
+            want.append(expected(tokenizer, row))
+        except AssertionError:  # the rule for the assistant's tokens, not the template, failed
+            raise
         except Exception as error:  # the template refused it: ft must have skipped it
-            print(f"transformers cannot render {messages}: {error}", file=sys.stderr)
+            assert not every, f"transformers cannot render {row}: {error!r}"
+            print(f"transformers cannot render {row}: {error}", file=sys.stderr)
     got = [json.loads(line) for line in open(ft_jsonl)]
     assert len(got) == len(want), f"ft wrote {len(got)} examples, transformers renders {len(want)}"
     for n, (g, (ids, labels)) in enumerate(zip(got, want)):
         assert g["input_ids"] == ids, f"example {n}: input_ids\nft:           {g['input_ids']}\ntransformers: {ids}\n{tokenizer.decode(ids)!r}"
         assert g["labels"] == labels, f"example {n}: labels\nft:           {g['labels']}\ntransformers: {labels}\n{tokenizer.decode(ids)!r}"
-        assert any(l != -100 for l in labels), f"example {n}: no assistant token"
+        assert any(l != -100 for l in labels), f"example {n}: no trained token"
     print(f"{len(want)} examples equal")
 
 
@@ -118,10 +222,18 @@ def loss(model_dir, ft_jsonl):
     print(sums["labels"] / counts["labels"], sums["all"] / counts["all"])
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "make":
-        make(*sys.argv[2:7], in_config="--in-config" in sys.argv)
-    elif sys.argv[1] == "loss":
-        loss(*sys.argv[2:4])
+def run(args):
+    if args[0] == "make":
+        make(*args[1:6], in_config="--in-config" in args)
+    elif args[0] == "loss":
+        loss(*args[1:3])
+    elif args[0] == "batch":  # one command's arguments per line of a JSON list, in one process (transformers loads once)
+        for command in json.load(open(args[1])):
+            print(" ".join(command[:2]), end=": ")
+            run(command)
     else:
-        check(*sys.argv[2:5])
+        check(*args[1:4], every="--all" in args)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

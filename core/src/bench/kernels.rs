@@ -123,7 +123,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
     let (rows, seq, dtype) = (ids.size()[0], ids.size()[1], trainer.units()[0].compute_kind());
     let hidden = Tensor::randn([rows, seq, dims.hidden], (dtype, device));
     let weight = Tensor::randn([dims.vocab, dims.hidden], (dtype, device)) * 0.02;
-    let head = |kernels| lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, chunk_tokens, None, kernels, true);
+    let head = |kernels| lm_head_loss_and_grads(&hidden, &weight, ids, normalizer, chunk_tokens, None, kernels, true, None);
     let head_ft_ms = timed(&mut || head(Kernels::Ft).map(drop))?;
     let head_aten_ms = timed(&mut || head(Kernels::Aten).map(drop))?;
     let ((ft_loss, ft_hidden, ft_weight), (aten_loss, aten_hidden, aten_weight)) = (head(Kernels::Ft)?, head(Kernels::Aten)?);

@@ -226,7 +226,8 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
     let activations = model.activations();
     let element = Walk::element(micro.dtype);
     let tokens = (micro.batch * micro.seq) as f64;
-    let block = activations.block_bytes_per_token(element as i64) as f64 * tokens;
+    let pairs = (micro.batch * micro.seq * micro.seq) as f64;
+    let block = activations.block_bytes_per_token(element as i64) as f64 * tokens + activations.block_per_position_pair as f64 * element * pairs;
     let output = dims.hidden as f64 * element * tokens;
     let embed = activations.embed as f64 * element * tokens;
     let block_backward = activations.block_backward as f64 * element * tokens;

@@ -14,14 +14,15 @@ pub const IGNORE_INDEX: i64 = -100;
 
 /// Mean next-token cross-entropy over labels that are not `IGNORE_INDEX`,
 /// with `labels` aligned to the inputs (shifted here, as Hugging Face does).
-/// Logits exist `chunk` tokens at a time, in fp32 only for the chunk.
-pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<Tensor> {
-    let (sum, count) = lm_loss_sum(hidden, weight, labels, chunk)?;
+/// Logits exist `chunk` tokens at a time, in fp32 only for the chunk,
+/// soft-capped by `softcap` when the model caps them ([`softcapped`]).
+pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<Tensor> {
+    let (sum, count) = lm_loss_sum(hidden, weight, labels, chunk, softcap)?;
     Ok(sum / count.clamp_min(1.0))
 }
 
 /// The summed next-token cross-entropy and the number of target tokens.
-pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64) -> Result<(Tensor, Tensor)> {
+pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
     let (batch, seq, dim) = hidden.size3()?;
     if labels.size() != [batch, seq] {
         bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
@@ -34,7 +35,7 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
     let mut start = 0;
     while start < tokens {
         let len = chunk.min(tokens - start);
-        let logits = hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float);
+        let logits = softcapped(hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float), softcap);
         let sum = logits.cross_entropy_loss::<Tensor>(
             &targets.narrow(0, start, len),
             None,
@@ -53,6 +54,14 @@ pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
     hidden.matmul(&weight.tr()).to_kind(Kind::Float)
 }
 
+/// `logits` soft-capped as `Model::logit_softcap` says: `c · tanh(logits / c)`.
+pub fn softcapped(logits: Tensor, softcap: Option<f64>) -> Tensor {
+    match softcap {
+        Some(cap) => (logits / cap).tanh() * cap,
+        None => logits,
+    }
+}
+
 
 /// Loss and gradients of the LM head, `chunk` tokens at a time, without
 /// autograd: logits exist for one chunk only. `labels` are aligned
@@ -60,7 +69,9 @@ pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
 /// divided by `normalizer` (the target tokens of the whole global batch, so
 /// micro-batches and ranks add up to the global mean). Returns the loss and
 /// the gradients of `hidden` and, with `weight_grad`, of `weight`
-/// (undefined without: a frozen LM head skips that matmul).
+/// (undefined without: a frozen LM head skips that matmul). With `softcap`
+/// the logits are soft-capped first ([`softcapped`]; ATen's ops then, not
+/// ft's kernel).
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head_loss_and_grads(
     hidden: &Tensor,
@@ -71,6 +82,7 @@ pub fn lm_head_loss_and_grads(
     grad_multiplier: Option<&Tensor>,
     kernels: Kernels,
     weight_grad: bool,
+    softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
@@ -96,6 +108,13 @@ pub fn lm_head_loss_and_grads(
             None => scale.shallow_clone(),
         };
         let mut logits = h.matmul(&weight.tr());
+        // c · tanh(z / c)'s derivative, 1 − tanh², multiplies the capped logits' gradient.
+        let mut cap_derivative = None;
+        if let Some(cap) = softcap {
+            let tanh = (logits.to_kind(Kind::Float) / cap).tanh();
+            cap_derivative = Some(1.0 - tanh.square());
+            logits = tanh * cap;
+        }
         // d loss / d logits = (softmax − one-hot(target)) · scale.
         let grad_logits = if kernels == Kernels::Ft && logits.kind() == Kind::BFloat16 {
             let mut row_loss = Tensor::empty([len], (Kind::Float, hidden.device()));
@@ -113,6 +132,9 @@ pub fn lm_head_loss_and_grads(
             let mut probs = log_probs;
             let _ = probs.exp_();
             let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+            if let Some(derivative) = &cap_derivative {
+                let _ = probs.g_mul_(derivative);
+            }
             let mut grad_logits = probs.to_kind(weight.kind());
             let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
             grad_logits
@@ -151,8 +173,9 @@ pub fn lm_inspection(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor, dt
     let inputs = Inputs::ids(ids);
     let ctx = model.context(&inputs, 0, dtype, false)?;
     let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, None))?;
-    let loss = lm_loss(&hidden, &weight, ids, 1024)?;
-    let mut out = vec![("logits".to_string(), logits(&hidden, &weight).detach()), ("loss".to_string(), loss.detach())];
+    let softcap = model.logit_softcap();
+    let loss = lm_loss(&hidden, &weight, ids, 1024, softcap)?;
+    let mut out = vec![("logits".to_string(), softcapped(logits(&hidden, &weight), softcap).detach()), ("loss".to_string(), loss.detach())];
     if with_grads {
         loss.backward();
         for (unit, tensors) in model.units().iter().zip(params) {

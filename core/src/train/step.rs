@@ -38,6 +38,11 @@ fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], view
     crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true)
 }
 
+/// Which block of the model stage `index` is (the blocks before it).
+fn block_number(stages: &[Stage], index: usize) -> usize {
+    stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count()
+}
+
 impl Trainer<'_> {
     /// Starts gathering unit `u` if it is sharded and released (a prefetch).
     fn prefetch(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
@@ -109,13 +114,14 @@ impl Trainer<'_> {
                 }
                 StageKind::Block => {
                     let input = input.expect("a block follows the embedding");
+                    let layer = block_number(stages, index);
                     if checkpoint {
                         tch::manual_seed(seed_for(index));
-                        let y = tch::no_grad(|| model.block(&params, &input, &ctx, None));
+                        let y = tch::no_grad(|| model.block(&params, &input, &ctx, layer, None));
                         x = Some(y);
                         saved.push(Saved { input: Some(input), outputs: vec![], grads: vec![] });
                     } else {
-                        let y = model.block(&params, &input, &ctx, None);
+                        let y = model.block(&params, &input, &ctx, layer, None);
                         x = Some(y.detach());
                         saved.push(Saved { input: Some(input), outputs: vec![y], grads: vec![] });
                     }
@@ -150,7 +156,7 @@ impl Trainer<'_> {
                 // Recompute the checkpointed block, with the same dropout masks.
                 let params = stage_params(model, &self.units, &mut views, stage);
                 tch::manual_seed(seed_for(index));
-                s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, None)];
+                s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, block_number(stages, index), None)];
             }
             if s.grads.is_empty() {
                 // None: nothing up to this stage trains, so nothing needs a gradient through it.

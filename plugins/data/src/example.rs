@@ -1,6 +1,6 @@
 //! What every reader builds and shares, below them all: a tokenised example
-//! with its labels, tokenizing a string, the end token, and a JSONL file's
-//! lines with errors that name the file and line.
+//! with its labels, tokenizing a string, the end token, and which of a
+//! file's examples `data.range` takes.
 
 use anyhow::{Context as _, Result};
 use ft_core::config::DataRange;
@@ -70,16 +70,31 @@ pub fn in_range<T>(range: Option<DataRange>, all: Vec<T>, file: &Path, examples:
     Ok(selected)
 }
 
-/// A JSONL file's non-blank lines, parsed as `T`, with their line numbers (from 1).
-pub fn jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
-    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    content
-        .lines()
-        .enumerate()
-        .filter(|(_, line)| !line.trim().is_empty())
-        .map(|(number, line)| {
-            let value = serde_json::from_str(line).with_context(|| format!("{} line {}: not valid JSON", path.display(), number + 1))?;
-            Ok((number + 1, value))
-        })
-        .collect()
+/// Counts a file's examples as they stream past, saying which of them
+/// `data.range` takes, so that no example outside it is held.
+pub struct Positions {
+    range: Option<DataRange>,
+    seen: usize,
+}
+
+impl Positions {
+    pub fn new(range: Option<DataRange>) -> Positions {
+        Positions { range, seen: 0 }
+    }
+
+    /// Whether the next example is in the range (every one without a range).
+    pub fn take(&mut self) -> bool {
+        self.seen += 1;
+        self.range.is_none_or(|range| range.contains(self.seen - 1))
+    }
+
+    /// Once every example of `file` has been counted: an error when the
+    /// range is not within them, else what it took, in the log.
+    pub fn finish(&self, file: &Path, examples: &str) -> Result<()> {
+        if let Some(range) = self.range {
+            range.positions(self.seen, file, examples)?;
+            tracing::info!("{}", range.describe(self.seen, file, examples));
+        }
+        Ok(())
+    }
 }

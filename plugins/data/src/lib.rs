@@ -1,23 +1,30 @@
 //! Data for ft's tasks: SQuAD v1.1/v2.0 files, question answering as
-//! prompts with the loss on the answer, plain text and JSONL packed for
-//! causal-LM fine-tuning, prompt/completion pairs and chat conversations
-//! (rendered with the model's chat template), the official SQuAD metrics,
-//! tokenizer loading, and the embedded demo (its data, tokenizer, model and
-//! settings).
+//! prompts with the loss on the answer, plain text and rows (JSON lines, a
+//! JSON array, Parquet, Arrow; several sources mixed) packed for
+//! causal-LM fine-tuning, row formats (prompt/completion pairs, chat
+//! conversations with tools rendered with the model's chat template,
+//! ShareGPT, Alpaca), the official SQuAD metrics, tokenizer loading, and
+//! the embedded demo (its data, tokenizer, model and settings).
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
-//! JSONL lines) and `tokenizer` under the readers `prompt`, `text` and `chat`, under `lm`,
-//! which picks one by the file's format; `packing` (which examples share a
-//! row) stands alone.
+//! which examples `data.range` takes), `source` (rows from JSON lines, JSON
+//! arrays, Parquet and Arrow: where the data comes from) and `tokenizer`
+//! under the readers `prompt`, `text` and `chat`; `formats` (a row to an
+//! example, by its format: what a row means) over `chat`; under them all
+//! `lm`, which picks one by the data's format and mixes sources
+//! (`mixture`); `packing` (which examples share a row) stands alone.
 
 pub mod chat;
 pub mod demo;
 pub mod example;
+pub mod formats;
 pub mod lm;
 pub mod metrics;
+pub mod mixture;
 pub mod packing;
 pub mod prompt;
 pub mod qa;
+pub mod source;
 pub mod squad;
 pub mod text;
 pub mod tokenizer;

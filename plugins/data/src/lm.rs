@@ -1,15 +1,18 @@
 //! Examples for a causal language model: token ids and, aligned with them,
 //! the labels the loss is taken on — from SQuAD (prompts with the loss on
-//! the answer, `prompt.rs`), text and JSONL (packed, `text.rs`), JSONL
-//! prompt/completion pairs (the loss on the completion) or conversations
-//! (the chat template's render, the loss on the assistant: `chat.rs`) —
-//! and `ft tokenize`'s file of them. The format is `data.format`, or
-//! detected from the file.
+//! the answer, `prompt.rs`), text (packed, `text.rs`), or rows in a row
+//! format (`formats.rs`: prompt/completion pairs, conversations rendered
+//! with the chat template, ShareGPT, Alpaca) — and `ft tokenize`'s file of
+//! them. The rows come from a source (`source.rs`: JSON lines, a JSON
+//! array, Parquet, Arrow); the format is `data.format`, or detected from
+//! the first row. Several sources mix (`mixture.rs`).
 
-use crate::chat::{self, ChatTemplate};
-use crate::example::{eos_id, ids, in_range, jsonl, Example, Skipped, IGNORE_INDEX};
+use crate::example::{eos_id, in_range, Example, Positions, Skipped};
+use crate::formats::{self, RowEncoder};
+use crate::mixture::{self, Share};
+use crate::source::{Columns, Kind, Row, Source, Split};
 use crate::squad::{self, QaExample};
-use crate::{prompt, text, tokenizer};
+use crate::{prompt, text};
 use anyhow::{bail, Context, Result};
 use ft_core::config::{DataConfig, DataFormat, DataRange, TrainOn};
 use serde_json::Value as Json;
@@ -17,16 +20,12 @@ use std::io::Write as _;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
-/// SQuAD files are JSON; anything else is text or JSONL.
-pub fn is_squad(path: &Path) -> bool {
-    path.extension().and_then(|e| e.to_str()) == Some("json")
-}
-
 /// What [`load`] reads a file with.
+#[derive(Clone, Copy)]
 pub struct LoadOptions<'a> {
     pub max_seq_len: usize,
     /// Only the file's examples in this range (`data.range`), in file order:
-    /// SQuAD's questions, JSONL's lines, text's packed sequences.
+    /// SQuAD's questions, rows (JSONL's lines), text's packed sequences.
     pub range: Option<DataRange>,
     /// Keep the first N examples (None: all), of the range when there is one.
     pub limit: Option<usize>,
@@ -47,6 +46,10 @@ pub struct LoadOptions<'a> {
     /// Text: each document its own examples (packed with boundaries by the
     /// task) instead of one stream cut into full sequences.
     pub packing: bool,
+    /// The split of a dataset directory (`data.split`, `data.eval_split`).
+    pub split: Split<'a>,
+    /// The names the formats read, given to other columns (`data.columns`).
+    pub columns: &'a Columns,
 }
 
 impl<'a> LoadOptions<'a> {
@@ -64,43 +67,83 @@ impl<'a> LoadOptions<'a> {
             tokenizer_dir: tokenizer.parent().unwrap_or(Path::new(".")),
             chat_template: data.chat_template.as_deref(),
             packing: data.packing,
+            split: Split::train(data.split.as_deref()),
+            columns: &data.columns,
         }
     }
 }
 
-/// The format of `path` by its content: SQuAD for .json; for JSON lines,
-/// the first line's keys (`messages`: chat; `prompt` and `completion`;
-/// `text`); plain text otherwise.
-pub fn detect(path: &Path) -> Result<DataFormat> {
-    if is_squad(path) {
+/// The format of a source by its content: SQuAD for a SQuAD file; for
+/// rows, the first one's keys (`formats::detect`); plain text otherwise.
+pub fn detect(source: &Source, columns: &Columns) -> Result<DataFormat> {
+    if source.kind == Kind::Squad {
         return Ok(DataFormat::Squad);
     }
-    let content = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let Some((number, line)) = content.lines().enumerate().find(|(_, line)| !line.trim().is_empty()) else {
-        bail!("{} is empty", path.display())
-    };
-    let jsonl = path.extension().and_then(|e| e.to_str()) == Some("jsonl");
-    match serde_json::from_str::<Json>(line) {
-        Ok(Json::Object(keys)) if keys.contains_key("messages") => Ok(DataFormat::Chat),
-        Ok(Json::Object(keys)) if keys.contains_key("prompt") && keys.contains_key("completion") => Ok(DataFormat::PromptCompletion),
-        Ok(Json::Object(keys)) if keys.contains_key("text") => Ok(DataFormat::Text),
-        Ok(_) if jsonl => bail!(
-            "{} line {}: neither {{\"text\": …}}, {{\"prompt\": …, \"completion\": …}} nor {{\"messages\": […]}}",
-            path.display(),
-            number + 1
-        ),
-        Err(_) if jsonl => bail!("{} line {}: not valid JSON", path.display(), number + 1),
+    let Some(row) = source.first_row(columns)? else { bail!("{} is empty", source.name) };
+    let text = source.kind == Kind::Text;
+    let json = serde_json::from_str::<Json>(row.json()?);
+    if let Some(format) = json.as_ref().ok().and_then(formats::detect) {
+        return Ok(format);
+    }
+    match json {
+        Ok(Json::Object(keys)) if !text => {
+            let columns = keys.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+            bail!("{row}: {} (its columns: {columns}; data.columns.NAME=COLUMN reads another column as NAME)", formats::KNOWN_ROWS)
+        }
+        Ok(_) if !text => bail!("{row}: {}", formats::KNOWN_ROWS),
+        Err(_) if !text => bail!("{row}: not valid JSON"),
         _ => Ok(DataFormat::Text),
     }
 }
 
-/// Tokenised examples of a file, and its questions when it is SQuAD.
+/// The training examples: `data.train`'s, or the sources of
+/// `data.mixture` interleaved in an order fixed by `seed`; of
+/// `options.range` (counted over the mixture), up to `options.limit`.
+/// None: no training data is set.
+pub fn load_training(data: &DataConfig, seed: u64, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<Option<Vec<Example>>> {
+    let sources = match (&data.train, data.mixture.as_slice()) {
+        (None, []) => return Ok(None),
+        (Some(path), []) => return Ok(Some(load(path, tokenizer, options)?.0)),
+        (Some(_), [_, ..]) => bail!(
+            "data.train and data.mixture are both set: give one training file (data.train) or several (data.mixture, or --train-file more than once)"
+        ),
+        (None, sources) => sources,
+    };
+    let mut parts = vec![];
+    for source in sources {
+        let name = source.path.display().to_string();
+        let share = Share::new(source.weight, source.samples, &name)?;
+        let own = LoadOptions {
+            range: None,
+            limit: None,
+            format: if source.format == DataFormat::Auto { options.format } else { source.format },
+            split: Split { name: source.split.as_deref().or(options.split.name), ..options.split },
+            columns: if source.columns.is_empty() { options.columns } else { &source.columns },
+            ..*options
+        };
+        parts.push(mixture::Part { examples: load(&source.path, tokenizer, &own)?.0, name, share });
+    }
+    let mut examples = in_range(options.range, mixture::interleave(parts, seed)?, Path::new("data.mixture"), "examples of the mixture")?;
+    if let Some(limit) = options.limit {
+        examples.truncate(limit);
+    }
+    Ok(Some(examples))
+}
+
+/// Tokenised examples of a source, and its questions when it is SQuAD.
 pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<(Vec<Example>, Vec<QaExample>)> {
     let max_len = options.max_seq_len;
+    let source = Source::open(path, options.split)?;
     let format = match options.format {
-        DataFormat::Auto => detect(path)?,
+        DataFormat::Auto => detect(&source, options.columns)?,
         format => format,
     };
+    match (format, source.kind) {
+        (DataFormat::Squad, Kind::Squad) => {}
+        (DataFormat::Squad, kind) => bail!("data.format=squad reads SQuAD JSON files; {} is {}", source.name, kind.describe()),
+        (format, Kind::Squad) => bail!("{} is a SQuAD file, which data.format={} does not read (leave data.format unset)", source.name, serde_json::to_value(format)?.as_str().unwrap_or("?")),
+        _ => {}
+    }
     match format {
         DataFormat::Squad => {
             let (mut questions, stats) = squad::read(path, options.include_unanswerable, options.range)?;
@@ -128,106 +171,75 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
         }
         // (Auto was resolved above.)
         DataFormat::Text | DataFormat::Auto => {
-            let documents = text::read_documents(path)?;
-            // The whole file is read before the range is taken, so that
-            // slices of it are the examples one run over it would train on.
-            let (examples, what) = match options.packing {
-                true => (text::documents(tokenizer, &documents, max_len, eos_id(tokenizer))?, format!("document pieces of at most {max_len} tokens")),
-                false => (text::pack(tokenizer, &documents, max_len, eos_id(tokenizer))?, format!("sequences of {max_len} tokens")),
+            // Every document is read, so that slices of the source are the
+            // examples one run over it would train on; only the range's are kept.
+            let documents = text::read_documents(&source, options.columns)?;
+            let (mut positions, mut examples) = (Positions::new(options.range), vec![]);
+            let keep = |example| {
+                if positions.take() && options.limit.is_none_or(|limit| examples.len() < limit) {
+                    examples.push(example);
+                }
             };
-            let mut examples = in_range(options.range, examples, path, &what)?;
-            if let Some(limit) = options.limit {
-                examples.truncate(limit);
-            }
-            tracing::info!("{}: {} documents as {} {what}", path.display(), documents.len(), examples.len());
+            let (count, what) = match options.packing {
+                true => (text::documents(tokenizer, documents, max_len, eos_id(tokenizer), keep)?, format!("document pieces of at most {max_len} tokens")),
+                false => (text::pack(tokenizer, documents, max_len, eos_id(tokenizer), keep)?, format!("sequences of {max_len} tokens")),
+            };
+            positions.finish(Path::new(&source.name), &what)?;
+            tracing::info!("{}: {count} documents as {} {what}", source.name, examples.len());
             Ok((examples, vec![]))
         }
-        DataFormat::PromptCompletion | DataFormat::Chat => Ok((records(path, tokenizer, options, format)?, vec![])),
+        DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(&source, tokenizer, options, format)?, vec![])),
     }
 }
 
-/// A prompt/completion or chat JSONL file's examples, one per line in
-/// order (the lines of `data.range` when set); lines the template refuses
-/// or too long for max_seq_len are skipped and counted, malformed lines are
-/// errors naming the line.
-fn records(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
+/// A source's examples in a row format, one per row in order (the rows of
+/// `data.range` when set); rows the template refuses or too long for
+/// max_seq_len are skipped and counted, malformed rows are errors naming
+/// the row.
+fn records(source: &Source, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
     let all = options.train_on == TrainOn::All;
-    let (max_len, truncate) = (options.max_seq_len, options.truncate);
-    match format {
-        DataFormat::Chat => {
-            let template = ChatTemplate::load(options.tokenizer_dir, options.chat_template)?;
-            // Template values straight from the text: objects keep their keys' order, as in Python.
-            encode_lines(path, options, in_range(options.range, jsonl::<minijinja::Value>(path)?, path, LINES)?, |value, line| {
-                template.encode(tokenizer, &chat::messages(value, path, line)?, max_len, truncate, all)
-            })
-        }
-        _ => {
-            // The completion ends with the tokenizer's own EOS (as TRL appends `eos_token`), else a known end token.
-            let eos = match tokenizer::special_tokens(&tokenizer::config(options.tokenizer_dir)?).get("eos_token").and_then(Json::as_str) {
-                Some(token) => tokenizer.token_to_id(token).map(i64::from).or(eos_id(tokenizer)),
-                None => eos_id(tokenizer),
-            };
-            encode_lines(path, options, in_range(options.range, jsonl::<Json>(path)?, path, LINES)?, |value, line| {
-                Ok(prompt_completion(tokenizer, value, eos, all).with_context(|| format!("{} line {line}", path.display()))?.fit(max_len, truncate))
-            })
-        }
-    }
+    let mut rows = RowEncoder::new(format, tokenizer, options.tokenizer_dir, options.chat_template, options.max_seq_len, options.truncate, all)?;
+    encode_rows(source, options, |row| rows.encode(&row.parse::<Json>()?, &row.to_string()))
 }
 
-/// What `data.range` counts in a JSONL file of prompt/completion pairs or conversations.
-const LINES: &str = "examples (non-blank lines)";
-
-/// Each line's example by `encode`, up to `options.limit`; the skipped are
-/// counted (the first unrenderable one's reason logged), and a file that
-/// leaves none is an error.
-fn encode_lines<T>(
-    path: &Path,
-    options: &LoadOptions,
-    lines: Vec<(usize, T)>,
-    mut encode: impl FnMut(&T, usize) -> Result<Result<Example, Skipped>>,
-) -> Result<Vec<Example>> {
-    let (mut examples, mut unrenderable, mut too_long) = (vec![], 0, 0);
-    for (line, value) in &lines {
-        if options.limit.is_some_and(|limit| examples.len() >= limit) {
-            break;
+/// Each row's example by `encode` (the rows of the range, up to
+/// `options.limit`); the skipped are counted (the first unrenderable one's
+/// reason logged), and a source that leaves none is an error.
+fn encode_rows(source: &Source, options: &LoadOptions, mut encode: impl FnMut(&Row) -> Result<Result<Example, Skipped>>) -> Result<Vec<Example>> {
+    let (mut positions, mut examples, mut encoded, mut unrenderable, mut too_long) = (Positions::new(options.range), vec![], 0, 0, 0);
+    for row in source.rows(options.columns) {
+        let row = row?;
+        if !positions.take() || options.limit.is_some_and(|limit| examples.len() >= limit) {
+            continue;
         }
-        match encode(value, *line)? {
+        encoded += 1;
+        match encode(&row)? {
             Ok(example) => examples.push(example),
             Err(Skipped::TooLong) => too_long += 1,
             Err(Skipped::Unrenderable(reason)) => {
                 if unrenderable == 0 {
-                    tracing::warn!("{} line {line}: the chat template cannot render it: {reason}", path.display());
+                    tracing::warn!("{row}: the chat template cannot render it: {reason}");
                 }
                 unrenderable += 1;
             }
         }
     }
-    if examples.is_empty() && !lines.is_empty() {
-        bail!("{}: no example left ({unrenderable} the chat template cannot render, {too_long} longer than max_seq_len {})", path.display(), options.max_seq_len);
+    let counted = match source.kind {
+        Kind::Jsonl | Kind::Text => "examples (non-blank lines)",
+        _ => "examples (rows)",
+    };
+    positions.finish(Path::new(&source.name), counted)?;
+    if examples.is_empty() && encoded > 0 {
+        bail!("{}: no example left ({unrenderable} the chat template cannot render, {too_long} longer than max_seq_len {})", source.name, options.max_seq_len);
     }
     tracing::info!(
         "{}: {} examples ({unrenderable} skipped as the chat template cannot render them, {too_long} longer than max_seq_len {}{})",
-        path.display(),
+        source.name,
         examples.len(),
         options.max_seq_len,
         if options.truncate { ", cut" } else { " skipped" }
     );
     Ok(examples)
-}
-
-/// `{"prompt", "completion"}`: the prompt's tokens (with the tokenizer's
-/// own BOS), the completion's and `eos`, the loss on the latter two (on all
-/// with `all`). Tokenised apart, so the boundary is exact.
-fn prompt_completion(tokenizer: &Tokenizer, value: &Json, eos: Option<i64>, all: bool) -> Result<Example> {
-    let field = |key: &str| value.get(key).and_then(Json::as_str).with_context(|| format!("no string \"{key}\""));
-    let prompt = ids(tokenizer, field("prompt")?, true)?;
-    let mut completion = ids(tokenizer, field("completion")?, false)?;
-    completion.extend(eos);
-    let labels = match all {
-        true => [prompt.as_slice(), &completion].concat(),
-        false => std::iter::repeat_n(IGNORE_INDEX, prompt.len()).chain(completion.iter().copied()).collect(),
-    };
-    Ok(Example { input_ids: [prompt, completion].concat(), labels })
 }
 
 /// Writes `examples` to `path` as JSON lines `{"input_ids", "labels"}`,
@@ -259,6 +271,7 @@ pub fn pad_id(tokenizer: &Tokenizer) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::example::IGNORE_INDEX;
 
     #[test]
     fn the_format_is_read_from_the_first_line() {
@@ -267,20 +280,27 @@ mod tests {
             ("a.jsonl", "\n{\"messages\": []}\n", Some(DataFormat::Chat)),
             ("a.jsonl", "{\"prompt\": \"p\", \"completion\": \"c\"}", Some(DataFormat::PromptCompletion)),
             ("a.jsonl", "{\"text\": \"t\"}", Some(DataFormat::Text)),
+            ("a.jsonl", "{\"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}]}", Some(DataFormat::Sharegpt)),
+            ("a.jsonl", "{\"instruction\": \"i\", \"input\": \"\", \"output\": \"o\"}", Some(DataFormat::Alpaca)),
             ("a.txt", "Once upon a time", Some(DataFormat::Text)),
             ("a.txt", "{\"messages\": []}", Some(DataFormat::Chat)),
             ("a.jsonl", "{\"prompt\": \"p\"}", None),
             ("a.jsonl", "\n\nnot json", None),
         ];
+        let detect_in = |path: &Path| detect(&Source::open(path, Split::train(None))?, &Columns::new());
         for (name, content, expected) in cases {
             let path = dir.path().join(name);
             std::fs::write(&path, content).unwrap();
             match expected {
-                Some(format) => assert_eq!(detect(&path).unwrap(), format, "{content}"),
-                None => assert!(detect(&path).unwrap_err().to_string().contains(&format!("{name} line ")), "{content}"),
+                Some(format) => assert_eq!(detect_in(&path).unwrap(), format, "{content}"),
+                None => assert!(detect_in(&path).unwrap_err().to_string().contains(&format!("{name} line ")), "{content}"),
             }
         }
-        assert_eq!(detect(Path::new("squad.json")).unwrap(), DataFormat::Squad);
+        let squad = dir.path().join("squad.json");
+        std::fs::write(&squad, "{\"version\": \"v2.0\", \"data\": []}").unwrap();
+        assert_eq!(detect_in(&squad).unwrap(), DataFormat::Squad);
+        std::fs::write(&squad, "[{\"text\": \"t\"}]").unwrap();
+        assert_eq!(detect_in(&squad).unwrap(), DataFormat::Text);
     }
 
     #[test]

@@ -212,7 +212,7 @@ impl Model for Bert {
         if self.config.hidden_dropout_prob > 0.0 {
             block.push(Saved::mask("two dropout masks", 2 * d));
         }
-        Activations { block, block_backward: 2 * i, embed: 2 * d, bias_per_position_pair: 0 }
+        Activations { block, block_backward: 2 * i, embed: 2 * d, bias_per_position_pair: 0, block_per_position_pair: 0 }
     }
 
     /// A base checkpoint has the encoder but no `qa_outputs`.
@@ -249,7 +249,7 @@ impl Model for Bert {
         // Padding is hidden from every query as a key; a padded query still attends to the
         // real tokens (as transformers' bidirectional mask does), its output unused.
         let attention_bias = inputs.attention_mask.as_ref().map(|mask| model::padding_bias(mask, dtype));
-        Ok(Context { train, positions, attention_bias, rope: None })
+        Ok(Context { train, positions, attention_bias, rope: None, local: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {
@@ -269,7 +269,7 @@ impl Model for Bert {
     }
 
     /// An encoder keeps no cache: `context` refuses cached positions.
-    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _cache: Option<&mut KvCache>) -> Tensor {
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _layer: usize, _cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
         let heads = self.config.num_attention_heads;
         let (hidden_dropout, train) = (self.config.hidden_dropout_prob, ctx.train);

@@ -151,7 +151,7 @@ impl Model for Bloom {
         let slopes: Vec<Tensor> = self.slopes.iter().map(|&slope| Tensor::scalar_tensor(slope, (Kind::Float, device))).collect();
         let slopes = Tensor::stack(&slopes, 0).view([1, -1, 1, 1]);
         let bias = (slopes * distance).to_kind(dtype) + model::decoder_mask_bias(inputs, past, dtype)?;
-        Ok(Context { train, positions, attention_bias: Some(bias), rope: None })
+        Ok(Context { train, positions, attention_bias: Some(bias), rope: None, local: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
@@ -159,7 +159,7 @@ impl Model for Bloom {
         p.layer_norm(&x, "word_embeddings_layernorm", self.config.layer_norm_epsilon)
     }
 
-    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _layer: usize, cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
         let heads = self.config.n_head;
         let head_dim = d / heads;

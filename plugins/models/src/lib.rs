@@ -1,16 +1,19 @@
 //! Model architectures for ft, one file each (in the manner of
 //! candle-transformers), and Hugging Face file I/O. Each architecture
 //! registers itself under its config.json `model_type`; Llama's relatives
-//! (Qwen2, Mistral) are files that build `llama.rs`'s block with their own
-//! switches.
+//! (Qwen2, Qwen3, Mistral, Phi-3) are files that build `llama.rs`'s block
+//! with their own switches; Gemma 2 and 3 share `gemma.rs`.
 
 pub mod bert;
 pub mod bloom;
 mod check;
+pub mod gemma;
 pub mod hf;
 pub mod llama;
 pub mod mistral;
 pub mod opt;
 pub mod peft;
+pub mod phi3;
 pub mod qwen2;
+pub mod qwen3;
 pub mod trained;

@@ -16,7 +16,9 @@ use serde::Deserialize;
 
 /// transformers' MistralConfig values for keys config.json leaves out
 /// (an explicit `null` stays null: no window, as many key-value heads as heads).
-const DEFAULTS: [(&str, i64); 2] = [("num_key_value_heads", 8), ("sliding_window", 4096)];
+fn defaults() -> [(&'static str, serde_json::Value); 2] {
+    [("num_key_value_heads", 8.into()), ("sliding_window", 4096.into())]
+}
 
 /// Mistral's own key.
 #[derive(Deserialize)]
@@ -25,12 +27,12 @@ struct Keys {
 }
 
 pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
-    Llama::build(hf_config, &DEFAULTS, |config| {
+    Llama::build(hf_config, &defaults(), |config| {
         let keys: Keys = check::parse(config)?;
         if let Some(window) = keys.sliding_window {
             check::sizes(&[("sliding_window", window)])?;
         }
-        Ok(Variant { name: "Mistral", qkv_bias: false, o_bias: false, mlp_bias: false, sliding_window: keys.sliding_window })
+        Ok(Variant { sliding_window: keys.sliding_window, ..Variant::plain("Mistral") })
     })
 }
 

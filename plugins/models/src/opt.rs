@@ -182,7 +182,7 @@ impl Model for Opt {
         if self.config.dropout > 0.0 {
             block.push(Saved::mask("two dropout masks", 2 * d));
         }
-        Activations { block, block_backward: 2 * i, embed: d, bias_per_position_pair: 0 }
+        Activations { block, block_backward: 2 * i, embed: d, bias_per_position_pair: 0, block_per_position_pair: 0 }
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
@@ -196,7 +196,7 @@ impl Model for Opt {
             true => Some(model::decoder_mask_bias(inputs, past, dtype)?),
             false => None,
         };
-        Ok(Context { train, positions, attention_bias, rope: None })
+        Ok(Context { train, positions, attention_bias, rope: None, local: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {
@@ -208,7 +208,7 @@ impl Model for Opt {
         x + positions
     }
 
-    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> Tensor {
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _layer: usize, cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, d) = x.size3().expect("hidden states are [batch, seq, dim]");
         let heads = self.config.num_attention_heads;
         let pre_norm = self.config.do_layer_norm_before;

@@ -16,28 +16,37 @@ use serde::Deserialize;
 
 /// transformers' Qwen2Config value for a key config.json leaves out (an
 /// explicit `null` stays null: as many key-value heads as heads).
-const DEFAULTS: [(&str, i64); 1] = [("num_key_value_heads", 32)];
+fn defaults() -> [(&'static str, serde_json::Value); 1] {
+    [("num_key_value_heads", 32.into())]
+}
 
-/// Qwen2's own keys: whether any layer slides (`layer_types` is how
-/// transformers 5 writes it, one entry per layer).
+/// Qwen2's and Qwen3's switch for sliding windows: whether any layer
+/// slides (`layer_types` is how transformers 5 writes it, one entry per layer).
 #[derive(Deserialize)]
-struct Keys {
+struct SlidingKeys {
     #[serde(default)]
     use_sliding_window: bool,
     #[serde(default)]
     layer_types: Option<Vec<String>>,
 }
 
+/// Refuses a Qwen config (`name`: Qwen2, Qwen3) whose layers slide: ft
+/// gives every layer the same mask, and the released models leave it off.
+pub(crate) fn full_attention_only(config: &serde_json::Value, name: &str) -> Result<()> {
+    let keys: SlidingKeys = check::parse(config)?;
+    if keys.use_sliding_window {
+        bail!("use_sliding_window: true is not supported: ft runs every {name} layer with full attention (set it to false)");
+    }
+    if let Some((layer, kind)) = keys.layer_types.iter().flatten().enumerate().find(|(_, kind)| *kind != "full_attention") {
+        bail!("layer_types[{layer}] is {kind:?}: ft runs every {name} layer with full attention (only \"full_attention\")");
+    }
+    Ok(())
+}
+
 pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
-    Llama::build(hf_config, &DEFAULTS, |config| {
-        let keys: Keys = check::parse(config)?;
-        if keys.use_sliding_window {
-            bail!("use_sliding_window: true is not supported: ft runs every Qwen2 layer with full attention (set it to false)");
-        }
-        if let Some((layer, kind)) = keys.layer_types.iter().flatten().enumerate().find(|(_, kind)| *kind != "full_attention") {
-            bail!("layer_types[{layer}] is {kind:?}: ft runs every Qwen2 layer with full attention (only \"full_attention\")");
-        }
-        Ok(Variant { name: "Qwen2", qkv_bias: true, o_bias: false, mlp_bias: false, sliding_window: None })
+    Llama::build(hf_config, &defaults(), |config| {
+        full_attention_only(config, "Qwen2")?;
+        Ok(Variant { qkv_bias: true, ..Variant::plain("Qwen2") })
     })
 }
 

@@ -24,6 +24,7 @@ use ft_core::train::Kernels;
 use ft_core::config::TrainOn;
 use ft_data::example::{eos_id, Example};
 use ft_data::lm::{self, LoadOptions};
+use ft_data::source::Split;
 use ft_data::squad::QaExample;
 use ft_data::{metrics, packing, prompt};
 use serde::Deserialize;
@@ -139,6 +140,8 @@ impl Dataset for LmDataset {
 pub struct CausalLmLoss {
     pub chunk_tokens: i64,
     pub kernels: Kernels,
+    /// The model's cap of its logits (`Model::logit_softcap`).
+    pub softcap: Option<f64>,
 }
 
 fn labels(batch: &Batch) -> Result<&Tensor> {
@@ -154,13 +157,13 @@ impl Objective for CausalLmLoss {
         // A frozen LM weight (LoRA) needs no gradient.
         let weight_grad = weight.requires_grad();
         let (loss, grad_hidden, grad_weight) =
-            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels, weight_grad)?;
+            lm_head_loss_and_grads(&hidden, &weight, labels(batch)?, normalizer, self.chunk_tokens, loss_scale, self.kernels, weight_grad, self.softcap)?;
         Ok((loss, vec![grad_hidden, grad_weight]))
     }
 
     fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)> {
         let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
-        let (sum, count) = lm_loss_sum(&hidden, &weight, labels(batch)?, self.chunk_tokens)?;
+        let (sum, count) = lm_loss_sum(&hidden, &weight, labels(batch)?, self.chunk_tokens, self.softcap)?;
         Ok((sum.double_value(&[]), count.double_value(&[])))
     }
 }
@@ -267,25 +270,20 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
     // The prompt's tokens count in training only: the eval loss stays the answer's.
     // Only training takes `data.range` of its file.
-    let load = |path: &Path, limit, training: bool| {
-        let options = LoadOptions {
-            range: if training { data.range } else { None },
-            limit,
-            include_unanswerable: options.include_unanswerable,
-            train_on_prompt: training && options.train_on_prompt,
-            train_on: if training { data.train_on } else { TrainOn::Assistant },
-            packing: training && data.packing,
-            ..LoadOptions::new(data, inputs.tokenizer)
-        };
-        lm::load(path, &tokenizer, &options)
+    let load_options = |limit, training: bool| LoadOptions {
+        range: if training { data.range } else { None },
+        limit,
+        include_unanswerable: options.include_unanswerable,
+        train_on_prompt: training && options.train_on_prompt,
+        train_on: if training { data.train_on } else { TrainOn::Assistant },
+        packing: training && data.packing,
+        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+        ..LoadOptions::new(data, inputs.tokenizer)
     };
-    let train = match &data.train {
-        Some(path) => load(path, data.train_samples, true)?.0,
-        None => vec![],
-    };
+    let train = lm::load_training(data, inputs.config.train.seed, &tokenizer, &load_options(data.train_samples, true))?.unwrap_or_default();
     let (eval, questions) = match &data.eval {
         Some(path) => {
-            let (examples, questions) = load(path, data.eval_samples, false)?;
+            let (examples, questions) = lm::load(path, &tokenizer, &load_options(data.eval_samples, false))?;
             (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
         }
         None => (None, vec![]),
@@ -308,7 +306,11 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     Ok(Box::new(CausalLm {
         train,
         eval,
-        objective: CausalLmLoss { chunk_tokens: inputs.config.train.loss_chunk_tokens, kernels: Kernels::select(inputs.device) },
+        objective: CausalLmLoss {
+            chunk_tokens: inputs.config.train.loss_chunk_tokens,
+            kernels: Kernels::select(inputs.device),
+            softcap: inputs.model.logit_softcap(),
+        },
         generation,
         predictions: BTreeMap::new(),
     }))
@@ -323,7 +325,7 @@ fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
     Ok(Box::new(CausalLm {
         train: LmDataset::new(examples, 0, 1),
         eval: None,
-        objective: CausalLmLoss { chunk_tokens: spec.loss_chunk_tokens, kernels: Kernels::select(spec.device) },
+        objective: CausalLmLoss { chunk_tokens: spec.loss_chunk_tokens, kernels: Kernels::select(spec.device), softcap: spec.model.logit_softcap() },
         generation: None,
         predictions: BTreeMap::new(),
     }))

@@ -282,6 +282,9 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     if data.packing {
         bail!("data.packing is for causal language models: extractive_qa reads each window of a question and its context whole");
     }
+    if !data.mixture.is_empty() || data.split.is_some() || data.eval_split.is_some() || !data.columns.is_empty() {
+        bail!("data.mixture, data.split, data.eval_split and data.columns are for causal language models' rows: extractive_qa reads SQuAD JSON files");
+    }
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
     let windows = WindowConfig { max_seq_length: data.max_seq_len, doc_stride: options.doc_stride };
     let featurizer = QaFeaturizer::new(tokenizer, &inputs.tokenizer.display().to_string(), windows)?;

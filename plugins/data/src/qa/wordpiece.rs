@@ -86,7 +86,8 @@ pub fn train_bert_tokenizer<'a>(texts: impl Iterator<Item = &'a str>, vocab_size
 /// A BERT tokenizer trained on a file's text: a SQuAD file's contexts and
 /// questions (.json), or a text/JSONL file's documents.
 pub fn train_on_file(path: &std::path::Path, vocab_size: usize) -> Result<Tokenizer> {
-    let texts: Vec<String> = if crate::lm::is_squad(path) {
+    let source = crate::source::Source::open(path, crate::source::Split::train(None))?;
+    let texts: Vec<String> = if source.kind == crate::source::Kind::Squad {
         let (examples, _) = crate::squad::read(path, true, None)?;
         let mut texts: Vec<String> = examples.iter().map(|e| e.question.clone()).collect();
         let mut contexts: Vec<&String> = examples.iter().map(|e| &e.context).collect();
@@ -94,7 +95,7 @@ pub fn train_on_file(path: &std::path::Path, vocab_size: usize) -> Result<Tokeni
         texts.extend(contexts.into_iter().cloned());
         texts
     } else {
-        crate::text::read_documents(path)?
+        crate::text::read_documents(&source, &Default::default())?.collect::<Result<_>>()?
     };
     train_bert_tokenizer(texts.iter().map(String::as_str), vocab_size).with_context(|| format!("training a WordPiece vocabulary on {}", path.display()))
 }
