@@ -104,17 +104,26 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
         ("phi3", &[ALL_LINEAR]),
         ("phi4-mini", &["qkv", "o", "gate_up", "down"]),
     ];
-    for (name, targets) in cases {
+    // ft's side of every case, then peft's in one process.
+    let scratch = tempfile::tempdir().unwrap();
+    let mut jobs: Vec<PathBuf> = vec![];
+    let ours: Vec<_> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (name, targets))| {
+            let (lora, params) = adapted(name, targets);
+            let (ft_logits, loss) = logits_and_loss(&lora, &params, &fixture_ids(name));
+            loss.backward();
+            let (adapter, out) = (scratch.path().join(format!("adapter-{i}")), scratch.path().join(format!("out-{i}")));
+            let detached: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::detach).collect() }).collect();
+            peft::save_adapter(&lora, &detached, &adapter, Some(&fixture(name))).unwrap();
+            jobs.extend(["--reference".into(), fixture(name), adapter, fixture(name).join("ids.json"), out.clone()]);
+            (lora, params, ft_logits, loss, out)
+        })
+        .collect();
+    reference_script(&jobs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
+    for ((name, targets), (lora, params, ft_logits, loss, out)) in cases.iter().zip(ours) {
         let case = format!("{name} {targets:?}");
-        let (lora, params) = adapted(name, targets);
-        let ids = fixture_ids(name);
-        let (ft_logits, loss) = logits_and_loss(&lora, &params, &ids);
-        loss.backward();
-        let scratch = tempfile::tempdir().unwrap();
-        let (adapter, out) = (scratch.path().join("adapter"), scratch.path().join("out"));
-        let detached: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::detach).collect() }).collect();
-        peft::save_adapter(&lora, &detached, &adapter, Some(&fixture(name))).unwrap();
-        reference_script(&[Path::new("--reference"), &fixture(name), &adapter, &fixture(name).join("ids.json"), &out]);
         let reference = read(&out);
 
         let error = relative(&ft_logits, &reference["logits"], 0.0);
@@ -211,8 +220,7 @@ fn qwen3_gemma3_and_phi3_train_adapters_on_two_ranks() {
         let ids = scratch.path().join("ids.json");
         std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 20, 7, 19, 11, 30]]").unwrap();
         let (with_peft, with_merged) = (scratch.path().join(format!("{name}-peft")), scratch.path().join(format!("{name}-transformers")));
-        reference_script(&[Path::new("--reference"), &out.join("base-model"), &out.join("final"), &ids, &with_peft]);
-        reference_script(&[Path::new("--logits"), &merged, &ids, &with_merged]);
+        reference_script(&[Path::new("--reference"), &out.join("base-model"), &out.join("final"), &ids, &with_peft, Path::new("--logits"), &merged, &ids, &with_merged]);
         let error = relative(&read(&with_merged)["logits"], &read(&with_peft)["logits"], 0.0);
         assert!(error <= 1e-4, "{name}: the merged export's logits differ from peft's by {error:e}");
     }
@@ -367,8 +375,7 @@ fn the_demo_trains_adapters_whose_exports_load_in_peft_and_transformers() {
     let ids = scratch.path().join("ids.json");
     std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 120, 7, 19, 11, 30]]").unwrap();
     let (with_peft, with_merged) = (scratch.path().join("peft"), scratch.path().join("transformers"));
-    reference_script(&[Path::new("--reference"), &base, &final_dir, &ids, &with_peft]);
-    reference_script(&[Path::new("--logits"), &merged, &ids, &with_merged]);
+    reference_script(&[Path::new("--reference"), &base, &final_dir, &ids, &with_peft, Path::new("--logits"), &merged, &ids, &with_merged]);
     let error = relative(&read(&with_merged)["logits"], &read(&with_peft)["logits"], 0.0);
     assert!(error <= 1e-4, "the merged export's logits differ from peft's by {error:e}");
 }

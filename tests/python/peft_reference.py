@@ -14,6 +14,7 @@ the transformers model, run forward and backward.
 --logits MODEL IDS OUT
     a plain transformers model's logits on IDS (a merged export), as
     OUT/reference.safetensors.
+Each option may be given several times.
 """
 
 import argparse
@@ -71,18 +72,19 @@ def logits(model_dir, ids_path, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference", nargs=4, metavar=("BASE", "ADAPTER", "IDS", "OUT"))
-    parser.add_argument("--qa-logits", nargs=4, metavar=("BASE", "ADAPTER", "IDS", "OUT"))
-    parser.add_argument("--logits", nargs=3, metavar=("MODEL", "IDS", "OUT"))
+    # Each option may repeat: one process (one import of torch and peft) serves a test's every case.
+    parser.add_argument("--reference", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
+    parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
+    parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
     args = parser.parse_args()
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    if args.reference:
-        reference(*args.reference)
-    if args.qa_logits:
-        qa_logits(*args.qa_logits)
-    if args.logits:
-        logits(*args.logits)
+    for job in args.reference:
+        reference(*job)
+    for job in args.qa_logits:
+        qa_logits(*job)
+    for job in args.logits:
+        logits(*job)
 
 
 if __name__ == "__main__":
