@@ -246,6 +246,10 @@ fn unknown_model_type_and_bad_config_are_rejected() {
             assert!(message.contains(supported), "{near}: {message}");
         }
     }
+    // Gemma 3 from 4B up: a vision tower over a text model ft knows.
+    edit_config(dir.path(), "text_config", serde_json::json!({"model_type": "gemma3_text"}));
+    let message = load_error(dir.path());
+    assert!(message.contains("`gemma3` is a multimodal model whose text_config is `gemma3_text`, which ft trains"), "{message}");
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     assert!(load_error(dir.path()).contains("config.json is not valid JSON"));
     let dir = copy_of("llama");

@@ -80,10 +80,25 @@ pub(crate) fn build_model(config: serde_json::Value, origin: &Path) -> Result<Bo
         .with_context(|| format!("{origin} has no \"model_type\""))?
         .to_string();
     let registry = ft_core::Registry::builtin();
-    let build = registry.model(&model_type).with_context(|| origin.to_string())?.build;
+    let registration = registry.model(&model_type).map_err(|unknown| match multimodal_text_model(&config, &registry) {
+        // Gemma 3 from 4B up, Mistral 3, LLaVA: a text model ft knows under a
+        // vision tower, whose weights are named for the whole model.
+        Some(text_type) => unknown.context(format!(
+            "{origin}: `{model_type}` is a multimodal model whose text_config is `{text_type}`, which ft trains, \
+             but ft reads only text models' checkpoints (a `{text_type}` config.json and its weights)"
+        )),
+        None => unknown.context(origin.to_string()),
+    })?;
+    let build = registration.build;
     let model = build(config).with_context(|| format!("{origin} ({model_type})"))?;
     check::parameters(model.units()).with_context(|| format!("{origin} ({model_type})"))?;
     Ok(model)
+}
+
+/// The registered `model_type` of `config`'s `text_config`, where it has one.
+fn multimodal_text_model(config: &serde_json::Value, registry: &ft_core::Registry) -> Option<String> {
+    let text_type = config.get("text_config")?.get("model_type")?.as_str()?;
+    registry.model(text_type).ok().map(|_| text_type.to_string())
 }
 
 /// A model to start from: a config.json alone (random weights), or a
