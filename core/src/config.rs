@@ -822,6 +822,10 @@ fn describe(error: figment::Error) -> String {
             kind => {
                 let problem = match kind {
                     figment::error::Kind::InvalidType(actual, expected) => format!("expected {}, found {actual}", in_words(expected)),
+                    // A file kind where a row format belongs: say where the kind is read from.
+                    figment::error::Kind::UnknownVariant(actual, _) if path == "data.format" && SOURCE_KINDS.contains(&actual.as_str()) => {
+                        format!("{kind}; `{actual}` is a kind of file, which ft reads from the file itself: data.format says what its rows hold")
+                    }
                     other => other.to_string(),
                 };
                 match origin {
@@ -834,6 +838,9 @@ fn describe(error: figment::Error) -> String {
     }
     lines.join("\n")
 }
+
+/// Kinds of data file a user may take for a `data.format`.
+const SOURCE_KINDS: [&str; 4] = ["parquet", "arrow", "json", "jsonl"];
 
 /// What serde calls a Rust type, as a user would say it.
 fn in_words(expected: &str) -> String {
@@ -939,6 +946,14 @@ mod tests {
         assert!(err.contains("unknown config key `dist.timout_secs` (config file "), "{err}");
         assert!(err.contains("did you mean `timeout_secs`?"), "{err}");
         assert!(err.contains("ft.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_file_kind_given_as_data_format_says_where_the_kind_is_read_from() {
+        let err = Config::load_with_env(None, &[("data.format", "parquet".into())], &[], no_env()).unwrap_err().to_string();
+        assert!(err.contains("config key `data.format`") && err.contains("`parquet` is a kind of file, which ft reads from the file itself"), "{err}");
+        let err = Config::load_with_env(None, &[("data.format", "chatml".into())], &[], no_env()).unwrap_err().to_string();
+        assert!(err.contains("`sharegpt`") && !err.contains("kind of file"), "{err}");
     }
 
     #[test]
