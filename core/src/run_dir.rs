@@ -172,11 +172,15 @@ pub fn claim(output: &Path, resumes: bool, overwrite: bool) -> Result<()> {
     let mut names: Vec<String> = found.iter().map(|p| p.strip_prefix(output).unwrap_or(p).components().next().map_or(String::new(), |c| c.as_os_str().to_string_lossy().into_owned())).collect();
     names.dedup();
     if !overwrite {
+        // Only a run that saved a checkpoint can be continued.
+        let checkpoints = output.join("checkpoints");
+        let saved = found.iter().any(|path| path.parent() == Some(checkpoints.as_path()) && path.is_dir());
         bail!(
-            "{} holds another run's outputs ({}): continue that run with --resume latest, replace them with --overwrite-output-dir \
-             (output.overwrite), or give this run another --output-dir",
+            "{} holds another run's outputs ({}): {}replace them with --overwrite-output-dir (output.overwrite), or give this run \
+             another --output-dir",
             output.display(),
-            names.join(", ")
+            names.join(", "),
+            if saved { "continue that run with --resume latest, " } else { "" }
         );
     }
     for path in &found {
@@ -217,6 +221,11 @@ mod tests {
         }
         let error = claim(output, false, false).unwrap_err().to_string();
         assert!(error.contains("holds another run's outputs (metrics.jsonl, tensorboard, checkpoints)") && error.contains("--overwrite-output-dir"), "{error}");
+        assert!(error.contains("--resume latest"), "a run that saved a checkpoint can be continued: {error}");
+        std::fs::rename(output.join("checkpoints/step-00000004"), dir.path().join("elsewhere")).unwrap();
+        let error = claim(output, false, false).unwrap_err().to_string();
+        assert!(error.contains("holds another run's outputs") && !error.contains("--resume"), "nothing to continue: {error}");
+        std::fs::rename(dir.path().join("elsewhere"), output.join("checkpoints/step-00000004")).unwrap();
         claim(output, true, false).unwrap();
         assert!(output.join("metrics.jsonl").exists(), "a resumed run keeps them");
         claim(output, false, true).unwrap();
