@@ -354,7 +354,7 @@ fn text_rows(file: &Path, kind: Kind, columns: Rc<Columns>) -> Result<Rows> {
     if kind == Kind::JsonArray {
         let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
         let rows: Vec<Box<serde_json::value::RawValue>> =
-            serde_json::from_str(&text).with_context(|| format!("{} is not a JSON array of rows", file.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON (a JSON array of rows, as its first character says)", file.display()))?;
         return Ok(Box::new(rows.into_iter().enumerate().map(move |(number, raw)| {
             let row = Row { file: path.clone(), number, unit: "row", text: Text::Json(raw.get().to_string()) };
             match raw.get().starts_with('{') {
