@@ -9,6 +9,7 @@
 //! accumulates over both uses.
 
 use anyhow::{bail, ensure, Result};
+use crate::kernels::Kernels;
 use tch::{Device, Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
@@ -140,7 +141,7 @@ impl<'a> Params<'a> {
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
         // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
-        let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && crate::train::Kernels::loaded(x.device());
+        let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && Kernels::loaded(x.device());
         let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
         let Some((adapters, a)) = adapter else {
             return match bias {
@@ -163,7 +164,7 @@ impl<'a> Params<'a> {
     pub fn layer_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.get(&format!("{name}.bias")));
         let same = weight.kind() == x.kind() && bias.kind() == x.kind();
-        if same && matches!(x.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(x.device()) {
+        if same && matches!(x.kind(), Kind::Float | Kind::BFloat16) && Kernels::loaded(x.device()) {
             return ft_sys::layer_norm(x, weight, bias, eps).unwrap_or_else(|e| panic!("LayerNorm {name}: {e}"));
         }
         x.layer_norm(weight.size(), Some(weight), Some(bias), eps, true)
@@ -614,7 +615,7 @@ pub fn lm_outputs(outputs: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
 /// On a GPU where ft's kernels load, one kernel each way (`ft_sys::rope`);
 /// ATen's three forward and four backward kernels elsewhere.
 pub fn rotary(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-    rotary_with(x, cos, signed_sin, crate::train::Kernels::loaded(x.device()))
+    rotary_with(x, cos, signed_sin, Kernels::loaded(x.device()))
 }
 
 /// `rotary` with ft's kernel when `fused` (and it serves the kind and
@@ -634,7 +635,7 @@ pub fn rotary_with(x: &Tensor, cos: &Tensor, signed_sin: &Tensor, fused: bool) -
 /// broadcast, a bug in the model file.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     let same = gate.size() == up.size() && gate.kind() == up.kind() && gate.is_contiguous() && up.is_contiguous();
-    let fused = same && matches!(gate.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(gate.device());
+    let fused = same && matches!(gate.kind(), Kind::Float | Kind::BFloat16) && Kernels::loaded(gate.device());
     ft_sys::swiglu(gate, up, fused).unwrap_or_else(|e| panic!("swiglu: {e}"))
 }
 

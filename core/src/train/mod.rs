@@ -13,6 +13,8 @@ mod reduce;
 mod step;
 
 pub use crate::flat::unflatten;
+/// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
+pub use crate::kernels::Kernels;
 pub use parallel::DataParallel;
 pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
@@ -73,48 +75,6 @@ impl TrainOptions {
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
         }
-    }
-}
-
-/// Which kernels the step runs where ATen and ft's own CUDA kernels
-/// (`ft_sys::kernels`) both could.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernels {
-    /// ATen's ops: any device and dtype.
-    Aten,
-    /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
-    /// logits, the gradient written over them; ATen's ops otherwise), ft's
-    /// one-pass AdamW, and the blocks' fused ops (`model::rotary`,
-    /// `model::swiglu`, `Params::linear`'s bias gradient, `Params::layer_norm`).
-    Ft,
-}
-
-impl Kernels {
-    /// ft's kernels on a GPU where they compile and load (once per process),
-    /// ATen elsewhere or when the environment sets `FT_KERNELS=aten`.
-    pub fn select(device: tch::Device) -> Kernels {
-        if Self::aten_asked() {
-            return Kernels::Aten;
-        }
-        match ft_sys::kernels::available(device) {
-            Ok(()) => Kernels::Ft,
-            Err(why) => {
-                if device.is_cuda() {
-                    tracing::warn!("{why}; using ATen's cross-entropy and AdamW instead (slower, more memory)");
-                }
-                Kernels::Aten
-            }
-        }
-    }
-
-    /// Whether `select` picks ft's kernels on `device`, without its warning:
-    /// what a model's block asks before a fused op (cached after the first load).
-    pub fn loaded(device: tch::Device) -> bool {
-        device.is_cuda() && !Self::aten_asked() && ft_sys::kernels::available(device).is_ok()
-    }
-
-    fn aten_asked() -> bool {
-        std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten")
     }
 }
 
