@@ -10,6 +10,7 @@
 
 use anyhow::{bail, ensure, Result};
 use crate::kernels::Kernels;
+use ft_sys::float8::Float8;
 use tch::{Device, Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
@@ -102,17 +103,34 @@ struct Adapters<'a> {
     train: bool,
 }
 
+impl Adapters<'_> {
+    /// The adapter's share of linear layer `name`: `scale · (dropout(x)·Aᵀ)·Bᵀ`.
+    fn delta(&self, x: &Tensor, a: &Tensor, name: &str) -> Tensor {
+        let b = self.params.get(&format!("{name}.lora_B.weight"));
+        let AdapterScaling { scale, dropout } = self.scaling;
+        let x = if self.train && dropout > 0.0 { x.dropout(dropout, true) } else { x.shallow_clone() };
+        (x.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
+    }
+}
+
 /// The tensors of one unit, looked up by their in-unit name.
 pub struct Params<'a> {
     spec: &'a UnitSpec,
     tensors: &'a [Tensor],
     adapters: Option<Box<Adapters<'a>>>,
+    /// `linear`'s GEMMs in float8 (`ft_sys::float8`); None: in the tensors' dtype.
+    float8: Option<Float8>,
 }
 
 impl<'a> Params<'a> {
     pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
         assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
-        Params { spec, tensors, adapters: None }
+        Params { spec, tensors, adapters: None, float8: None }
+    }
+
+    /// These parameters with `linear`'s GEMMs in float8 as `float8` says.
+    pub fn with_float8(self, float8: Option<Float8>) -> Params<'a> {
+        Params { float8, ..self }
     }
 
     /// These parameters with a stage's adapters, which `linear` adds to the
@@ -138,23 +156,40 @@ impl<'a> Params<'a> {
     /// targets the layer (scaled at rank r, the narrowest point). Without
     /// dropout that is one autograd node (`ft_sys::lora_linear`) whose
     /// GEMMs accumulate the adapter's share instead of adding it after.
+    /// Under float8 (`with_float8`), x·Wᵀ's GEMMs — forward and both
+    /// backward — run in float8 (`ft_sys::float8::linear`) and the bias and
+    /// adapters are added after in the output's dtype, as torchao's
+    /// `Float8Linear` adds its bias; a layer whose widths are not multiples
+    /// of 16, which float8 GEMMs need, stays in the compute dtype unless
+    /// emulated (torchao's auto-filter skips such layers too).
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
+        let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
+        let float8 = self.float8.filter(|f| f.emulate || weight.size().iter().all(|width| width % 16 == 0));
+        if let Some(float8) = float8 {
+            let out = ft_sys::float8::linear(x, weight, float8).unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
+            let out = match bias {
+                Some(bias) => out + bias.to_kind(x.kind()),
+                None => out,
+            };
+            return match adapter {
+                Some((adapters, a)) => out + adapters.delta(x, a, name),
+                None => out,
+            };
+        }
         // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
         let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && Kernels::loaded(x.device());
-        let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
         let Some((adapters, a)) = adapter else {
             return match bias {
                 Some(bias) if fused => ft_sys::bias_linear(x, weight, bias).unwrap_or_else(|e| panic!("linear {name}: {e}")),
                 _ => x.linear(weight, bias),
             };
         };
-        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         let AdapterScaling { scale, dropout } = adapters.scaling;
         if adapters.train && dropout > 0.0 {
-            let dropped = x.dropout(dropout, true);
-            return x.linear(weight, bias) + (dropped.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None);
+            return x.linear(weight, bias) + adapters.delta(x, a, name);
         }
+        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         ft_sys::lora_linear(x, weight, bias, a, b, scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 

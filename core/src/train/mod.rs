@@ -26,6 +26,7 @@ use crate::model::Model;
 use crate::offload::Offload;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
+use ft_sys::float8::Float8;
 use ft_sys::AdamW;
 use optim::LossScaler;
 use tch::{Kind, Tensor};
@@ -43,6 +44,8 @@ pub struct TrainOptions {
     /// fp16's first loss scale (dynamic: halved on overflow, doubled after
     /// 2000 clean steps, as torch.amp.GradScaler does).
     pub initial_loss_scale: f64,
+    /// The blocks' linear layers in float8 (`Params::linear`); None: in `dtype`.
+    pub float8: Option<Float8>,
 }
 
 impl Default for TrainOptions {
@@ -54,6 +57,7 @@ impl Default for TrainOptions {
             activation_checkpointing: false,
             seed: 0,
             initial_loss_scale: 65536.0,
+            float8: None,
         }
     }
 }
@@ -74,6 +78,7 @@ impl TrainOptions {
             activation_checkpointing: config.activation_checkpointing,
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
+            float8: config.float8(),
         }
     }
 }
@@ -185,6 +190,9 @@ impl<'m> TrainerBuilder<'m> {
         }
         let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
+        if let Some(float8) = options.float8 {
+            float8_serves(float8, device)?;
+        }
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
             scaler,
@@ -206,6 +214,32 @@ impl<'m> TrainerBuilder<'m> {
             kernels: Kernels::select(device),
         })
     }
+}
+
+/// Refuses float8 GEMMs where they cannot run: on a CPU unless emulated,
+/// or on a GPU before compute capability 8.9 (Ada, Hopper), which has no
+/// float8 tensor cores.
+fn float8_serves(float8: Float8, device: tch::Device) -> Result<()> {
+    if float8.emulate {
+        return Ok(());
+    }
+    let tch::Device::Cuda(index) = device else {
+        anyhow::bail!(
+            "train.fp8 (--fp8) needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) for its float8 GEMMs; this rank computes on {device:?}. \
+             To run float8 training's numerics on a CPU (slowly: for tests), set train.fp8_emulate=true (--set train.fp8_emulate=true)"
+        );
+    };
+    capability_serves_float8(index, ft_sys::kernels::compute_capability(index)?)
+}
+
+/// Whether GPU `index` of compute capability (major, minor) has float8 tensor cores.
+fn capability_serves_float8(index: usize, (major, minor): (i32, i32)) -> Result<()> {
+    if (major, minor) < (8, 9) {
+        anyhow::bail!(
+            "train.fp8 (--fp8): GPU cuda:{index} has compute capability {major}.{minor}, and float8 GEMMs need 8.9 or newer (Ada, Hopper); train without --fp8 (bf16) on it"
+        );
+    }
+    Ok(())
 }
 
 impl<'m> Trainer<'m> {
@@ -380,5 +414,17 @@ impl<'m> Trainer<'m> {
     /// Offers the hook state saved at another world size; what it kept.
     pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
         self.hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{}`: re-sharding its state", self.hook.name())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn float8_is_refused_before_ada_by_name_and_capability() {
+        let refusal = super::capability_serves_float8(1, (8, 0)).unwrap_err().to_string();
+        assert!(refusal.contains("GPU cuda:1 has compute capability 8.0") && refusal.contains("8.9 or newer"), "{refusal}");
+        for capability in [(8, 9), (9, 0), (10, 0)] {
+            assert!(super::capability_serves_float8(0, capability).is_ok(), "{capability:?}");
+        }
     }
 }

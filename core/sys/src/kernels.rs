@@ -101,16 +101,30 @@ pub fn compile(arch: &str) -> Result<String> {
     Ok(ptx.to_src())
 }
 
-fn load(device_index: usize) -> Result<Functions> {
+/// GPU `device_index` through the driver, and a reader of its attributes.
+fn driver_device(device_index: usize) -> Result<(sys::CUdevice, impl Fn(sys::CUdevice_attribute) -> Result<i32>)> {
     // SAFETY: only probes whether the library can be opened.
     if !unsafe { sys::is_culib_present() } {
         return Err(error("driver", "libcuda.so.1 not found"));
     }
     driver::init().map_err(|e| error("cuInit", e))?;
     let device = driver::device::get(device_index as i32).map_err(|e| error("cuDeviceGet", e))?;
-    let attribute = |attribute| unsafe { driver::device::get_attribute(device, attribute) }.map_err(|e| error("device attribute", e));
-    let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-    let minor = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let attribute = move |attribute| unsafe { driver::device::get_attribute(device, attribute) }.map_err(|e| error("device attribute", e));
+    Ok((device, attribute))
+}
+
+/// GPU `device_index`'s compute capability, (major, minor).
+pub fn compute_capability(device_index: usize) -> Result<(i32, i32)> {
+    let (_, attribute) = driver_device(device_index)?;
+    Ok((
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
+fn load(device_index: usize) -> Result<Functions> {
+    let (device, attribute) = driver_device(device_index)?;
+    let (major, minor) = compute_capability(device_index)?;
     let multiprocessors = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
     let ptx = std::ffi::CString::new(compile(&format!("compute_{major}{minor}"))?).map_err(|e| error("PTX", e))?;
     // SAFETY: PyTorch runs on the device's primary context; retaining it and
