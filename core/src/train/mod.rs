@@ -192,6 +192,7 @@ impl<'m> TrainerBuilder<'m> {
         let device = params[0][0].device();
         if let Some(float8) = options.float8 {
             float8_serves(float8, device)?;
+            warn_of_narrow_layers(model, float8);
         }
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
@@ -225,11 +226,31 @@ fn float8_serves(float8: Float8, device: tch::Device) -> Result<()> {
     }
     let tch::Device::Cuda(index) = device else {
         anyhow::bail!(
-            "train.fp8 (--fp8) needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) for its float8 GEMMs; this rank computes on {device:?}. \
-             To run float8 training's numerics on a CPU (slowly: for tests), set train.fp8_emulate=true (--set train.fp8_emulate=true)"
+            "train.fp8 (--fp8) needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) for its float8 GEMMs; this rank computes on {}. \
+             To run float8 training's numerics on a CPU (slowly: for tests), set train.fp8_emulate=true (--set train.fp8_emulate=true)",
+            format!("{device:?}").to_lowercase()
         );
     };
     capability_serves_float8(index, ft_sys::kernels::compute_capability(index)?)
+}
+
+/// Says which of the blocks' weight matrices keep the compute dtype under
+/// float8: those with a width that is not a multiple of 16, which float8
+/// GEMMs need (`Params::linear` skips them, as torchao's auto-filter does).
+fn warn_of_narrow_layers(model: &dyn Model, float8: Float8) {
+    if float8.emulate {
+        return;
+    }
+    let units = model.units();
+    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| &units[s.unit]);
+    let narrow: Vec<&str> =
+        blocks.flat_map(|u| &u.params).filter(|p| p.shape.len() == 2 && p.shape.iter().any(|w| w % 16 != 0)).map(|p| p.hf_name.as_str()).collect();
+    if let Some(first) = narrow.first() {
+        tracing::warn!(
+            "train.fp8: {} linear layers keep the compute dtype, their widths not multiples of 16 as float8 GEMMs need (the first: {first})",
+            narrow.len()
+        );
+    }
 }
 
 /// Whether GPU `index` of compute capability (major, minor) has float8 tensor cores.
