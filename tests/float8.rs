@@ -4,7 +4,8 @@
 //! torchao's bit for bit; a float8 linear layer's output and gradients
 //! equal an emulated `Float8Linear`'s (tensorwise and rowwise); a tiny
 //! Llama's training step under float8 equals torchao's converted
-//! transformers model's step; and the runs float8 cannot serve are refused.
+//! transformers model's step (and, with activation checkpointing, ft's own
+//! step exactly); and the runs float8 cannot serve are refused.
 
 use ft_core::dataset::Batch;
 use ft_core::model::{Init, Inputs, ParamSpec, Params, UnitSpec};
@@ -124,14 +125,14 @@ fn max_relative(actual: &Tensor, expected: &Tensor) -> f64 {
 
 /// One ft training step on the fixture's rows: its loss, every
 /// parameter's gradient and every parameter after AdamW, by Hugging Face name.
-fn ft_step(float8: Option<Float8>) -> (f64, HashMap<String, (Tensor, Tensor)>) {
+fn ft_step(float8: Option<Float8>, activation_checkpointing: bool) -> (f64, HashMap<String, (Tensor, Tensor)>) {
     let dir = fixture();
     let model = hf::load_model(&dir).unwrap();
     let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
     let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(dir.join("ids.json")).unwrap()).unwrap();
     let ids = Tensor::from_slice2(&rows);
     let adamw = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-8 };
-    let options = TrainOptions { adamw, max_grad_norm: None, float8, ..Default::default() };
+    let options = TrainOptions { adamw, max_grad_norm: None, float8, activation_checkpointing, ..Default::default() };
     let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
     let objective = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
     let batch = Batch { inputs: Inputs::ids(&ids), targets: vec![ids.shallow_clone()] };
@@ -164,16 +165,22 @@ fn a_tiny_llamas_float8_step_equals_torchaos_emulated_step() {
     let out = scratch.path().join("out");
     let (model, ids) = (fixture(), fixture().join("ids.json"));
     let torchao = reference(&["--llama-step", model.to_str().unwrap(), ids.to_str().unwrap(), "tensorwise", out.to_str().unwrap()], &[&out]);
-    let (loss, step) = ft_step(Some(emulated(Recipe::Tensorwise)));
+    let (loss, step) = ft_step(Some(emulated(Recipe::Tensorwise)), false);
     assert_eq!(step.len(), torchao.keys().filter(|k| k.starts_with("grad.")).count(), "the same parameters");
     let torchao_loss = torchao["loss"].double_value(&[]);
     assert!((loss - torchao_loss).abs() <= 1e-5 * torchao_loss, "loss {loss} vs torchao's {torchao_loss}");
     let (grads, params) = worst_error(&step, &torchao);
     assert!(grads <= 1e-5 && params <= 1e-6, "float8 step vs torchao's: gradients within {grads:e}, parameters within {params:e}");
     // Without float8 the same step is measurably farther from torchao's float8 step.
-    let (_, fp32_step) = ft_step(None);
+    let (_, fp32_step) = ft_step(None, false);
     let (fp32_grads, _) = worst_error(&fp32_step, &torchao);
     assert!(fp32_grads > 100.0 * grads.max(1e-7), "fp32 step's gradients differ by only {fp32_grads:e} from torchao's float8 step");
+    // Recomputed blocks (activation checkpointing) cast and multiply the same values again.
+    let (checkpointed_loss, checkpointed) = ft_step(Some(emulated(Recipe::Tensorwise)), true);
+    assert_eq!(checkpointed_loss, loss);
+    for (name, (grad, after)) in &checkpointed {
+        assert!(grad.equal(&step[name].0) && after.equal(&step[name].1), "{name} under activation checkpointing");
+    }
 }
 
 #[test]

@@ -98,7 +98,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         t.lora.validate()?;
     }
     if t.fp8 != crate::config::Fp8::Off && t.dtype == crate::device::DType::F16 {
-        bail!("train.fp8 (--fp8) with train.dtype fp16 (--dtype fp16): float8 training keeps its activations and gradients in bf16 (or f32) around the float8 GEMMs, as torchao's recipes do, and fp16's loss scaling does not compose with float8's own scales; use --dtype bf16");
+        bail!("{}", crate::train::FLOAT8_WITH_FP16);
     }
     if let Some([first, last]) = t.profile_steps {
         if first == 0 || first > last {

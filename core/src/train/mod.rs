@@ -191,6 +191,7 @@ impl<'m> TrainerBuilder<'m> {
         let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
         if let Some(float8) = options.float8 {
+            anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
             float8_serves(float8, device)?;
             warn_of_narrow_layers(model, float8);
         }
@@ -216,6 +217,9 @@ impl<'m> TrainerBuilder<'m> {
         })
     }
 }
+
+/// Why fp16 is refused with float8: `setup::validate` says it before any rank starts, the builder for every other caller.
+pub const FLOAT8_WITH_FP16: &str = "train.fp8 (--fp8) with train.dtype fp16 (--dtype fp16): float8 training keeps its activations and gradients in bf16 (or f32) around the float8 GEMMs, as torchao's recipes do, and fp16's loss scaling does not compose with float8's own scales; use --dtype bf16";
 
 /// Refuses float8 GEMMs where they cannot run: on a CPU unless emulated,
 /// or on a GPU before compute capability 8.9 (Ada, Hopper), which has no
