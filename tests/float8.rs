@@ -2,7 +2,8 @@
 //! own functions (tests/python/float8_reference.py), emulated on CPU as
 //! `Float8LinearConfig(emulate=True)` runs them: ft's scales and casts equal
 //! torchao's bit for bit; a float8 linear layer's output and gradients
-//! equal an emulated `Float8Linear`'s (tensorwise and rowwise); a tiny
+//! equal an emulated `Float8Linear`'s (tensorwise and rowwise), and
+//! `_scaled_mm`'s own GEMMs (on CPU: tensorwise) their emulation's; a tiny
 //! Llama's training step under float8 equals torchao's converted
 //! transformers model's step (and, with activation checkpointing, ft's own
 //! step exactly); and the runs float8 cannot serve are refused.
@@ -110,6 +111,19 @@ fn casts_scales_and_linear_layers_equal_torchaos_bit_for_bit() {
         same_bits(&x.grad(), expected("grad_x"), &format!("{recipe_name} input gradient"));
         same_bits(&tensors[0].grad(), expected("grad_weight"), &format!("{recipe_name} weight gradient"));
         same_bits(&tensors[1].grad(), expected("grad_bias"), &format!("{recipe_name} bias gradient"));
+    }
+    // The float8 GEMMs themselves (`_scaled_mm`, tensorwise: what ATen serves
+    // on a CPU) give what their emulation gives, to the bf16 output's rounding;
+    // the weight gradient's inner dimension, 15 tokens, is padded to 16.
+    let gemms = |emulate: bool| {
+        let (x, w) = (input.detach().set_requires_grad(true), weight.detach().set_requires_grad(true));
+        let out = float8::linear(&x, &w, Float8 { recipe: Recipe::Tensorwise, emulate }).unwrap();
+        (&out * &grad).sum(Kind::BFloat16).backward();
+        [out, x.grad(), w.grad()].map(|t| t.to_kind(Kind::Float))
+    };
+    for ((scaled_mm, emulated), what) in gemms(false).iter().zip(gemms(true)).zip(["output", "input gradient", "weight gradient"]) {
+        let error = max_relative(scaled_mm, &emulated);
+        assert!(error <= 1e-2, "_scaled_mm's {what} differs from the emulation's by {error:e}");
     }
     // The recipes differ, so the comparison above tells them apart.
     assert!(torchao["tensorwise.grad_weight"].ne_tensor(&torchao["rowwise.grad_weight"]).any().int64_value(&[]) == 1);
