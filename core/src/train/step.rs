@@ -13,6 +13,7 @@ use crate::comm_hook::{GatherPhase, Pending};
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
 use crate::model::{Params, Stage, StageKind};
+use ft_sys::float8::Float8;
 use crate::task::Objective;
 use anyhow::Result;
 use std::collections::VecDeque;
@@ -30,12 +31,15 @@ struct Saved {
 
 /// The parameters `stage` runs with (its adapters joined), as views of its
 /// units' flat buffers: made once per unit per micro-batch, while gathered.
-fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage) -> Params<'v> {
+/// A block's linear layers run in float8 when the run's `float8` says so
+/// (never the embeddings' or the head's: the LM head stays in the compute dtype).
+fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage, float8: Option<Float8>) -> Params<'v> {
     for unit in std::iter::once(stage.unit).chain(stage.adapter) {
         views[unit].get_or_insert_with(|| units[unit].views());
     }
     let views: &'v [Option<Vec<Tensor>>] = views;
-    crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true)
+    let params = crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true);
+    params.with_float8(float8.filter(|_| stage.kind == StageKind::Block))
 }
 
 /// Which block of the model stage `index` is (the blocks before it).
@@ -104,7 +108,7 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, stage);
+            let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
             let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
             match stage.kind {
                 StageKind::Embed => {
@@ -154,7 +158,7 @@ impl Trainer<'_> {
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
-                let params = stage_params(model, &self.units, &mut views, stage);
+                let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, block_number(stages, index), None)];
             }
