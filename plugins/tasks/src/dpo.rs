@@ -360,12 +360,15 @@ impl Objective for DpoLoss {
         let values = tch::with_grad(|| self.pair_values(&sums, &token_logps, batch))?;
         let loss = tch::with_grad(|| values.loss.sum(Kind::Float) / normalizer);
         loss.backward();
-        let (sums_grad, tokens_grad) = (sums.grad(), token_logps.grad());
         // ... then through the head: each token's cross-entropy (its negated log-probability) weighed by that gradient, negated.
+        // A gradient is undefined where no loss type reads it (the sums under `sft` alone, the tokens without `sft`).
         let owners = &batch.targets[SEQUENCE_OF_TOKEN];
-        let mut token_weights = -sums_grad.index_select(0, &owners.reshape([-1])).view_as(owners);
-        if tokens_grad.defined() {
-            token_weights -= tokens_grad;
+        let mut token_weights = owners.zeros_like().to_kind(Kind::Float);
+        if sums.grad().defined() {
+            token_weights -= sums.grad().index_select(0, &owners.reshape([-1])).view_as(owners);
+        }
+        if token_logps.grad().defined() {
+            token_weights -= token_logps.grad();
         }
         let weight_grad = weight.requires_grad();
         let (_, grad_hidden, grad_weight) =
