@@ -4,9 +4,10 @@
 //! figures (`rewards/*`, `logps/*`) equal TRL's at each of two steps to
 //! 1e-5 (relative above 1), for standard, conversational and implicit-prompt
 //! pairs, a list of losses with weights, and TRL's `keep_end` truncation;
-//! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; a
-//! resumed run reuses its reference log-probabilities; bad preference rows
-//! are errors naming the file and line.
+//! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; LoRA's
+//! base run with every step equals the precomputed reference; a resumed run
+//! reuses its reference log-probabilities; bad preference rows are errors
+//! naming the file and line.
 
 mod common;
 
@@ -185,11 +186,13 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
     assert!(ours[0][1]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{:?}", ours[0]);
 }
 
-/// 2 ranks over Gloo (2 pairs each) train as 1 rank (4 pairs) does; a run
-/// resumed from its checkpoint reuses the reference log-probabilities it
-/// kept and continues as the uninterrupted run.
+/// 2 ranks over Gloo (2 pairs each) train as 1 rank (4 pairs) does; with
+/// LoRA, the base run with every step (adapters off) as the reference
+/// equals the precomputed reference; a run resumed from its checkpoint
+/// reuses the reference log-probabilities it kept and continues as the
+/// uninterrupted run.
 #[test]
-fn two_ranks_equal_one_and_a_resume_reuses_the_reference() {
+fn two_ranks_equal_one_lora_base_equals_precomputed_and_a_resume_reuses_the_reference() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
         return;
     }
@@ -205,6 +208,13 @@ fn two_ranks_equal_one_and_a_resume_reuses_the_reference() {
     let (one, _) = run("one", &["--nproc-per-node", "1", "--max-steps", "3"]);
     let (two, _) = run("two", &["--nproc-per-node", "2", "--batch-size", "2", "--max-steps", "3"]);
     assert_equal_steps(&two, &one, "2 ranks vs 1");
+    // LoRA: the reference precomputed from the starting weights (the base: the adapters start at zero) on 1 rank
+    // equals the base run with every step (adapters off) on 2 ranks under full_shard.
+    let lora = ["--lora-r", "4", "--max-steps", "3"];
+    let (precomputed, _) = run("lora-precomputed", &[&lora[..], &["--nproc-per-node", "1"]].concat());
+    let (base, _) = run("lora-base", &[&lora[..], &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--set", "task.precompute_ref=false"]].concat());
+    assert_equal_steps(&base, &precomputed, "LoRA's base at every step vs precomputed");
+    assert!(precomputed[2]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{precomputed:?}");
     let (first, _) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "2"]);
     assert_eq!(first.len(), 2);
     let (resumed, log) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "3", "--resume", "latest"]);
@@ -234,6 +244,7 @@ fn bad_preference_rows_are_errors_naming_the_file_and_line() {
             "line 2: the chat template cannot render the prompt: invalid operation: Conversation roles must alternate",
         ),
         (good.clone(), vec!["--set", "task.loss_type=simpo"], "unknown variant `simpo`"),
+        (good.clone(), vec!["--set", "task.precompute_ref=false"], "this run has no adapters (--lora-r)"),
     ];
     for (i, (bad, extra, expected)) in cases.into_iter().enumerate() {
         let data = jsonl(dir.path(), &format!("bad{i}.jsonl"), &[good.clone(), bad]);

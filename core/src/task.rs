@@ -34,6 +34,18 @@ pub trait Objective: Send + Sync {
     fn take_step_metrics(&self) -> StepMetrics {
         StepMetrics::default()
     }
+
+    /// Whether each training micro-batch also runs through the model with
+    /// its adapters off (LoRA's base: a preference loss's reference model),
+    /// without gradients, before its loss; only asked of a model with adapters.
+    fn wants_base_outputs(&self) -> bool {
+        false
+    }
+
+    /// The base's head outputs on `batch`, given before `loss_and_grads` of the same batch.
+    fn base_outputs(&self, _outputs: &[Tensor], _batch: &Batch) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Sums of per-example figures, and the examples they sum over.

@@ -16,7 +16,9 @@
 //! first step, from the starting weights (TRL's `precompute_ref_log_probs`;
 //! with LoRA the adapters start at zero, so that is the base): each rank its
 //! share of the pairs, kept in `OUTPUT/reference_logps.json`, which a resumed
-//! run reuses.
+//! run reuses. With LoRA and `task.precompute_ref=false`, the trainer runs
+//! each micro-batch through the base (adapters off, no gradients) before
+//! its loss instead, as TRL does with a peft model.
 //!
 //! Task keys: `task.loss_type` (one of TRL's names or a list of them),
 //! `task.loss_weights` (one per loss type; 1 each by default), `task.beta`,
@@ -117,12 +119,6 @@ impl Options {
         }
         if types.contains(&LossType::ExoPair) && !(options.label_smoothing > 0.0 && options.label_smoothing < 1.0) {
             bail!("the exo_pair loss needs task.label_smoothing in (0, 1) (its ε; the EXO paper suggests 1e-3), not {}", options.label_smoothing);
-        }
-        if !options.precompute_ref {
-            bail!(
-                "task.precompute_ref=false (a reference model run at every step: LoRA's base with the adapters off, or a frozen copy) is not available yet; \
-                 the dpo task computes the reference log-probabilities once before training (task.precompute_ref=true, the default)"
-            );
         }
         Ok(options)
     }
@@ -261,6 +257,10 @@ pub struct DpoLoss {
     softcap: Option<f64>,
     /// The training micro-batches' figures since the last step's end.
     metrics: Mutex<StepMetrics>,
+    /// The reference runs with every training micro-batch: LoRA's base
+    /// (`task.precompute_ref=false`); its log-probabilities of the batch
+    /// about to be trained, once the trainer gave them.
+    base_reference: Option<Mutex<Option<Tensor>>>,
 }
 
 /// Per-pair values: the loss (weighted sum over the loss types) and TRL's six figures.
@@ -283,10 +283,7 @@ impl DpoLoss {
     /// TRL's `_compute_loss` from the sequences' summed log-probabilities
     /// `logps` (chosen, then rejected), per pair; the `sft` term is the
     /// batch's mean NLL over the chosen completions' tokens, counted per pair.
-    fn pair_values(&self, logps: &Tensor, token_logps: &Tensor, batch: &Batch) -> Result<PairValues> {
-        let Some(reference) = batch.targets.get(REFERENCE) else {
-            bail!("the dpo task's batch has no reference log-probabilities: they are computed before training (`ft eval` of a preference file is not available yet)");
-        };
+    fn pair_values(&self, logps: &Tensor, token_logps: &Tensor, reference: &Tensor, batch: &Batch) -> Result<PairValues> {
         let pairs = logps.size()[0] / 2;
         let (chosen_logps, rejected_logps) = (logps.narrow(0, 0, pairs), logps.narrow(0, pairs, pairs));
         let chosen_ratio = &chosen_logps - reference.narrow(0, 0, pairs);
@@ -334,6 +331,11 @@ impl DpoLoss {
     }
 }
 
+/// The reference log-probabilities precomputed for `batch`.
+fn precomputed(batch: &Batch) -> Result<&Tensor> {
+    batch.targets.get(REFERENCE).context("the dpo task's batch has no precomputed reference log-probabilities")
+}
+
 /// TRL's six figures of `values`, summed over its pairs.
 fn metric_sums(values: &PairValues) -> StepMetrics {
     let sum = |t: &Tensor| t.sum(Kind::Double).double_value(&[]);
@@ -357,7 +359,11 @@ impl Objective for DpoLoss {
         let logps = self.sequence_logps(&hidden, &weight, batch)?;
         // The loss of the summed log-probabilities and its gradient by autograd (a few numbers a pair) ...
         let (sums, token_logps) = (logps.sums.detach().set_requires_grad(true), logps.tokens.detach().set_requires_grad(true));
-        let values = tch::with_grad(|| self.pair_values(&sums, &token_logps, batch))?;
+        let reference = match &self.base_reference {
+            Some(base) => base.lock().expect("reference lock").take().context("the trainer gave no base outputs before the loss")?,
+            None => precomputed(batch)?.shallow_clone(),
+        };
+        let values = tch::with_grad(|| self.pair_values(&sums, &token_logps, &reference, batch))?;
         let loss = tch::with_grad(|| values.loss.sum(Kind::Float) / normalizer);
         loss.backward();
         // ... then through the head: each token's cross-entropy (its negated log-probability) weighed by that gradient, negated.
@@ -380,12 +386,24 @@ impl Objective for DpoLoss {
     fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)> {
         let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
         let logps = self.sequence_logps(&hidden, &weight, batch)?;
-        let values = self.pair_values(&logps.sums, &logps.tokens, batch)?;
+        let values = self.pair_values(&logps.sums, &logps.tokens, precomputed(batch)?, batch)?;
         Ok((values.loss.sum(Kind::Double).double_value(&[]), values.loss.size()[0] as f64))
     }
 
     fn take_step_metrics(&self) -> StepMetrics {
         std::mem::take(&mut *self.metrics.lock().expect("metrics lock"))
+    }
+
+    fn wants_base_outputs(&self) -> bool {
+        self.base_reference.is_some()
+    }
+
+    fn base_outputs(&self, outputs: &[Tensor], batch: &Batch) -> Result<()> {
+        if let Some(base) = &self.base_reference {
+            let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+            *base.lock().expect("reference lock") = Some(self.sequence_logps(&hidden, &weight, batch)?.sums);
+        }
+        Ok(())
     }
 }
 
@@ -440,7 +458,8 @@ impl Dpo {
     /// The file a resumed run reuses, if it holds these pairs' log-probabilities.
     fn kept_reference(&self, path: &Path, fingerprint: &str) -> Option<ReferenceFile> {
         let kept: ReferenceFile = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
-        (kept.fingerprint == fingerprint && kept.train.len() == self.train.len() && kept.eval.len() == self.eval.as_ref().map_or(0, |e| e.len())).then_some(kept)
+        let train = if self.objective.base_reference.is_some() { 0 } else { self.train.len() };
+        (kept.fingerprint == fingerprint && kept.train.len() == train && kept.eval.len() == self.eval.as_ref().map_or(0, |e| e.len())).then_some(kept)
     }
 }
 
@@ -471,7 +490,7 @@ impl Task for Dpo {
             let ctx = model.context(&batch.inputs, 0, dtype, false)?;
             let (hidden, weight) = lm_outputs(model::forward(model, params, &batch.inputs, &ctx, None))?;
             let logps = self.objective.sequence_logps(&hidden, &weight, &batch)?;
-            mine.add(metric_sums(&self.objective.pair_values(&logps.sums, &logps.tokens, &batch)?));
+            mine.add(metric_sums(&self.objective.pair_values(&logps.sums, &logps.tokens, precomputed(&batch)?, &batch)?));
         }
         let mut local = vec![mine.count];
         local.extend(mine.sums.values());
@@ -484,8 +503,9 @@ impl Task for Dpo {
         Ok(vec![])
     }
 
-    /// The reference log-probabilities: those the run kept when it resumes
-    /// with the same pairs, else computed from the starting weights and kept.
+    /// The reference log-probabilities (of the evaluation pairs alone when
+    /// LoRA's base runs with every step): those the run kept when it
+    /// resumes with the same pairs, else computed from the starting weights and kept.
     fn before_training(&mut self, start: &Start) -> Result<()> {
         let path = start.output.join(REFERENCE_FILE);
         let fingerprint = self.fingerprint();
@@ -497,7 +517,11 @@ impl Task for Dpo {
             (true, None) => bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display()),
             (false, _) => {
                 let started = std::time::Instant::now();
-                let train = self.logps(&self.train, start.model, start.params, start.dtype, start.comm)?;
+                // With LoRA's base run at every step, only the evaluation pairs need theirs now.
+                let train = match self.objective.base_reference {
+                    None => self.logps(&self.train, start.model, start.params, start.dtype, start.comm)?,
+                    Some(_) => vec![],
+                };
                 let eval = match &self.eval {
                     Some(eval) => self.logps(eval, start.model, start.params, start.dtype, start.comm)?,
                     None => vec![],
@@ -520,7 +544,9 @@ impl Task for Dpo {
         if reuse && start.comm.env().rank == 0 {
             tracing::info!("reference log-probabilities reused from {}", path.display());
         }
-        self.train.reference = Some(reference.train);
+        if self.objective.base_reference.is_none() {
+            self.train.reference = Some(reference.train);
+        }
         if let Some(eval) = &mut self.eval {
             eval.reference = Some(reference.eval);
         }
@@ -537,6 +563,7 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
         kernels: Kernels::select(device),
         softcap: model.logit_softcap(),
         metrics: Mutex::new(StepMetrics::default()),
+        base_reference: (!options.precompute_ref).then(|| Mutex::new(None)),
     })
 }
 
@@ -544,6 +571,12 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
     task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
     let options = Options::read(&serde_json::Value::Object(inputs.config.task.options.clone()))?;
+    if !options.precompute_ref && inputs.model.adapter_scaling().is_none() {
+        bail!(
+            "task.precompute_ref=false runs the reference with every step as LoRA's base (its adapters off), and this run has no adapters (--lora-r); \
+             a frozen copy of the whole model is not available yet: leave task.precompute_ref at true"
+        );
+    }
     let data = &inputs.config.data;
     if !data.mixture.is_empty() {
         bail!("the dpo task reads one training file (data.train); data.mixture is not available for preference pairs yet");
@@ -572,7 +605,9 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
         Ok(PairDataset { pairs, reference: None, pad_id, pad_multiple, packed_rows })
     };
-    let Some(train_path) = &data.train else { bail!("the dpo task needs a training file of preference pairs (--train-file)") };
+    let Some(train_path) = &data.train else {
+        bail!("the dpo task trains on a file of preference pairs (--train-file); `ft eval` of preference pairs alone (it needs the reference model's log-probabilities) is not available yet")
+    };
     let train = load(train_path, true)?;
     let eval = data.eval.as_deref().map(|path| load(path, false)).transpose()?;
     Ok(Box::new(Dpo {
@@ -648,7 +683,6 @@ mod tests {
             (serde_json::json!({"loss_type": "simpo"}), "unknown variant `simpo`, expected one of `sigmoid`"),
             (serde_json::json!({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}), "1 weights for the 2 loss types"),
             (serde_json::json!({"loss_type": "robust", "label_smoothing": 0.5}), "task.label_smoothing must be in [0, 0.5)"),
-            (serde_json::json!({"precompute_ref": false}), "not available yet"),
             (serde_json::json!({"bet": 0.1}), "unknown field `bet`"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
