@@ -6,8 +6,9 @@
 //! pairs, a list of losses with weights, and TRL's `keep_end` truncation;
 //! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; LoRA's
 //! base run with every step equals the precomputed reference; a resumed run
-//! reuses its reference log-probabilities; bad preference rows are errors
-//! naming the file and line.
+//! reuses its reference log-probabilities; Parquet, Arrow and JSON arrays
+//! give the pairs JSON lines give; bad preference rows are errors naming the
+//! file and line.
 
 mod common;
 
@@ -255,4 +256,36 @@ fn bad_preference_rows_are_errors_naming_the_file_and_line() {
             assert!(log.contains(&format!("bad{i}.jsonl {expected}")), "the file is named: {log}");
         }
     }
+}
+
+/// Preference pairs read from every source — Parquet and Arrow as
+/// `datasets` writes them (tests/python/data_sources.py), a JSON array —
+/// are those of the JSON lines: the same reference log-probabilities; and
+/// `data.range` takes the file's pairs in order.
+#[test]
+fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    let [_, conversational, _] = preference_files(dir.path());
+    let written = dir.path().join("written");
+    std::fs::create_dir(&written).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/data_sources.py");
+    let output = Command::new("python").arg(&script).args(["write", conversational.to_str().unwrap(), written.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let reference = |name: &str, data: &Path, extra: &[&str]| -> Value {
+        let out = dir.path().join(name);
+        let output = train(&model, data, &out, &[&["--max-seq-len", "64", "--max-steps", "1", "--batch-size", "2"], extra].concat());
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        serde_json::from_str(&std::fs::read_to_string(out.join("reference_logps.json")).unwrap()).unwrap()
+    };
+    let lines = reference("jsonl", &conversational, &[]);
+    assert_eq!(lines["train"].as_array().unwrap().len(), 4);
+    for source in ["rows.parquet", "saved", "rows.json"] {
+        assert_eq!(reference(source, &written.join(source), &[]), lines, "{source}");
+    }
+    let range = reference("range", &conversational, &["--set", "data.range=1:3"]);
+    assert_eq!(range["train"].as_array().unwrap()[..], lines["train"].as_array().unwrap()[1..3]);
 }
