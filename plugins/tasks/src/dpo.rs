@@ -110,7 +110,7 @@ impl Options {
     fn read(value: &serde_json::Value) -> Result<Options> {
         let options: Options = task::options(NAME, value)?;
         options.losses()?;
-        if !(options.beta > 0.0) {
+        if options.beta <= 0.0 || options.beta.is_nan() {
             bail!("task.beta must be positive, not {}", options.beta);
         }
         let types = &options.loss_type;
