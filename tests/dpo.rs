@@ -3,7 +3,8 @@
 //! template (f32, CPU), every loss type's loss, gradient norm and TRL's six
 //! figures (`rewards/*`, `logps/*`) equal TRL's at each of two steps to
 //! 1e-5 (relative above 1), for standard, conversational and implicit-prompt
-//! pairs, a list of losses with weights, and TRL's `keep_end` truncation;
+//! pairs, a list of losses with weights, and TRL's `keep_end` truncation,
+//! and so do the evaluation's loss and figures on an evaluation file;
 //! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; LoRA's
 //! base run with every step equals the precomputed reference; a resumed run
 //! reuses its reference log-probabilities; Parquet, Arrow and JSON arrays
@@ -88,6 +89,12 @@ fn steps(out: &Path) -> Vec<Value> {
     metrics.lines().map(|line| serde_json::from_str::<Value>(line).unwrap()).filter(|record| record.get("loss").is_some()).collect()
 }
 
+/// A training run's evaluations (the records with an `eval_loss`).
+fn evaluations(out: &Path) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    metrics.lines().map(|line| serde_json::from_str::<Value>(line).unwrap()).filter(|record| record.get("eval_loss").is_some()).collect()
+}
+
 /// `ft train --task dpo` on `data` from `model`: 4 pairs a step, 2 steps,
 /// the learning rate constant, with `extra` flags; the run's directory.
 fn train(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
@@ -104,12 +111,18 @@ fn train(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::process:
 fn assert_equal_steps(ours: &[Value], theirs: &[Value], what: &str) {
     assert_eq!(ours.len(), theirs.len(), "{what}: steps {ours:?} vs {theirs:?}");
     for (step, (ours, theirs)) in ours.iter().zip(theirs).enumerate() {
-        let logps = theirs["logps/chosen"].as_f64().unwrap().abs().max(theirs["logps/rejected"].as_f64().unwrap().abs());
-        for key in FIGURES {
-            let (a, b) = (ours[key].as_f64().unwrap_or_else(|| panic!("{what}: no {key} in {ours}")), theirs[key].as_f64().unwrap());
-            let scale = if key.starts_with("rewards/") && key != "rewards/accuracies" { BETA * logps } else { b.abs() };
-            assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}, step {}: {key} {a} vs {b}", step + 1);
-        }
+        assert_equal_figures(ours, theirs, "", &format!("{what}, step {}", step + 1));
+    }
+}
+
+/// [`assert_equal_steps`] for one record, its keys named with `prefix` (evaluations': `eval_`).
+fn assert_equal_figures(ours: &Value, theirs: &Value, prefix: &str, what: &str) {
+    let figure = |record: &Value, key: &str| record[format!("{prefix}{key}")].as_f64().unwrap_or_else(|| panic!("{what}: no {prefix}{key} in {record}"));
+    let logps = figure(theirs, "logps/chosen").abs().max(figure(theirs, "logps/rejected").abs());
+    for key in FIGURES.iter().filter(|key| prefix.is_empty() || **key != "grad_norm") {
+        let (a, b) = (figure(ours, key), figure(theirs, key));
+        let scale = if key.starts_with("rewards/") && *key != "rewards/accuracies" { BETA * logps } else { b.abs() };
+        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}: {prefix}{key} {a} vs {b}");
     }
 }
 
@@ -121,26 +134,27 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_llama(dir.path());
     let [standard, conversational, implicit] = preference_files(dir.path());
-    // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode)
-    let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str)> = vec![];
+    // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode, evaluation file)
+    let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str, Option<&Path>)> = vec![];
     for loss in ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "sft", "sigmoid_norm"] {
         let smoothing = match loss {
             "robust" => 0.1,
             "exo_pair" => 1e-3,
             _ => 0.0,
         };
-        cases.push((&standard, vec![loss], None, smoothing, 64, "keep_start"));
+        cases.push((&standard, vec![loss], None, smoothing, 64, "keep_start", None));
     }
-    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 64, "keep_start"));
-    cases.push((&conversational, vec!["ipo", "sft"], Some(vec![1.0, 0.5]), 0.0, 64, "keep_start"));
-    cases.push((&implicit, vec!["sigmoid"], None, 0.0, 64, "keep_start"));
+    // Evaluated after each step (each an epoch) on the implicit-prompt pairs.
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit)));
+    cases.push((&conversational, vec!["ipo", "sft"], Some(vec![1.0, 0.5]), 0.0, 64, "keep_start", None));
+    cases.push((&implicit, vec!["sigmoid"], None, 0.0, 64, "keep_start", None));
     // Cut to their last 12 tokens (each prompt shortened from the left).
-    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end"));
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end", None));
     let references: Vec<Value> = cases
         .iter()
-        .map(|(data, losses, weights, smoothing, max_length, truncation)| {
+        .map(|(data, losses, weights, smoothing, max_length, truncation, eval)| {
             json!({"model": model, "data": data, "loss_type": losses, "loss_weights": weights, "beta": BETA, "label_smoothing": smoothing,
-                   "max_length": max_length, "truncation_mode": truncation, "batch_size": 4, "steps": 2, "lr": 1e-2})
+                   "max_length": max_length, "truncation_mode": truncation, "batch_size": 4, "steps": 2, "lr": 1e-2, "eval": eval})
         })
         .collect();
     let cases_file = dir.path().join("cases.json");
@@ -151,7 +165,8 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
     let trl = Command::new("python").arg(&script).args(["run", cases_file.to_str().unwrap(), trl_out.to_str().unwrap()]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
 
     let mut ours = vec![];
-    for (i, (data, losses, weights, smoothing, max_length, truncation)) in cases.iter().enumerate() {
+    let mut our_evals = vec![];
+    for (i, (data, losses, weights, smoothing, max_length, truncation, eval)) in cases.iter().enumerate() {
         let out = dir.path().join(format!("run{i}"));
         let mut flags = vec![
             "--max-seq-len".to_string(),
@@ -166,10 +181,14 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
         if let Some(weights) = weights {
             flags.extend(["--set".to_string(), format!("task.loss_weights={}", json!(weights))]);
         }
+        if let Some(eval) = eval {
+            flags.extend(["--eval-file".to_string(), eval.display().to_string()]);
+        }
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let output = train(&model, data, &out, &flags);
         assert!(output.status.success(), "{losses:?} on {}: {}", data.display(), text(&output));
         ours.push(steps(&out));
+        our_evals.push(evaluations(&out));
     }
     // Padded pairs (TRL's batch) give what the padding-free rows give.
     let padded = dir.path().join("padded");
@@ -179,10 +198,17 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
 
     let trl = trl.wait_with_output().unwrap();
     assert!(trl.status.success(), "dpo_reference.py: {}", text(&trl));
-    let theirs: Vec<Vec<Value>> = serde_json::from_str(&std::fs::read_to_string(&trl_out).unwrap()).unwrap();
-    for ((case, ours), theirs) in cases.iter().zip(&ours).zip(&theirs) {
-        assert_equal_steps(ours, theirs, &format!("{:?} on {} ({} {})", case.1, case.0.display(), case.4, case.5));
+    let theirs: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&trl_out).unwrap()).unwrap();
+    for (((case, ours), our_evals), theirs) in cases.iter().zip(&ours).zip(&our_evals).zip(&theirs) {
+        let what = format!("{:?} on {} ({} {})", case.1, case.0.display(), case.4, case.5);
+        assert_equal_steps(ours, theirs["train"].as_array().unwrap(), &what);
+        let their_evals = theirs["eval"].as_array().unwrap();
+        assert_eq!(our_evals.len(), their_evals.len(), "{what}: evaluations {our_evals:?} vs {their_evals:?}");
+        for (a, b) in our_evals.iter().zip(their_evals) {
+            assert_equal_figures(a, b, "eval_", &format!("{what}, evaluation"));
+        }
     }
+    assert_eq!(our_evals[12].len(), 2, "the evaluated case: {our_evals:?}");
     // The figures move: the second step's rewards are not the first's zeros.
     assert!(ours[0][1]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{:?}", ours[0]);
 }

@@ -4,13 +4,14 @@ run CASES_JSON OUT_JSON
     CASES_JSON is a list of cases, each {"model": DIR, "data": JSONL,
     "loss_type": [...], "loss_weights": [...] or null, "beta": B,
     "label_smoothing": S, "max_length": N, "truncation_mode": M,
-    "batch_size": B, "steps": N, "lr": LR}. Each trains the model (f32,
+    "batch_size": B, "steps": N, "lr": LR, "eval": JSONL or null}. Each trains the model (f32,
     CPU, dropout off) with DPOTrainer from its starting weights, the
     reference log-probabilities precomputed from them, AdamW with the
     Trainer's defaults at a constant learning rate, clipping at 1.0, every
     step logged; the batch is the whole file each step (so the sampler's
-    order does not matter). OUT_JSON gets, per case, each step's logged
-    loss, grad_norm and rewards/logps figures.
+    order does not matter). OUT_JSON gets, per case, {"train": each
+    step's logged loss, grad_norm and rewards/logps figures, "eval": with
+    an evaluation file, its eval_loss and eval_ figures after each step}.
 
 bf16 is off: DPOConfig turns it on by default, and on a CPU its autocast
 would compute the model in bfloat16.
@@ -31,10 +32,13 @@ KEYS = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accu
 class Logs(TrainerCallback):
     def __init__(self):
         self.steps = []
+        self.evals = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.steps.append({key: logs[key] for key in KEYS})
+        if logs and "eval_loss" in logs:
+            self.evals.append({"eval_" + key: logs["eval_" + key] for key in KEYS if key != "grad_norm"})
 
 
 def run(case):
@@ -65,11 +69,17 @@ def run(case):
             truncation_mode=case["truncation_mode"],
             precompute_ref_log_probs=True,
             dataloader_drop_last=True,
+            per_device_eval_batch_size=case["batch_size"],
+            eval_strategy="steps" if case["eval"] else "no",
+            eval_steps=1,
         )
         logs = Logs()
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[logs])
+        eval_dataset = load_dataset("json", data_files=case["eval"], split="train") if case["eval"] else None
+        trainer = DPOTrainer(
+            model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=[logs]
+        )
         trainer.train()
-    return logs.steps
+    return {"train": logs.steps, "eval": logs.evals}
 
 
 def main():
