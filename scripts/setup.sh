@@ -7,7 +7,7 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, wandb,
+#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, trl, wandb,
 #     datasets and pyarrow; torchao, whose float8 functions the float8 tests match).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
@@ -20,6 +20,7 @@ TRANSFORMERS_VERSION=5.23.0
 MLFLOW_VERSION=3.17.2
 PEFT_VERSION=0.21.2
 TORCHAO_VERSION=0.18.0
+TRL_VERSION=1.16.0
 WANDB_VERSION=0.31.0
 DATASETS_VERSION=5.2.0
 PYARROW_VERSION=25.0.1
@@ -69,6 +70,11 @@ fi
 if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
   echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
+fi
+# The DPO tests train with TRL's DPOTrainer and compare losses and figures.
+if ! .venv/bin/python -c "import trl, sys; sys.exit(trl.__version__ != '$TRL_VERSION')" 2>/dev/null; then
+  echo "setup: installing trl==$TRL_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "trl==$TRL_VERSION"
 fi
 # The data readers' tests write Parquet and Arrow files with Hugging Face's
 # `datasets` (to_parquet, save_to_disk) and pyarrow, and compare.

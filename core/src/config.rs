@@ -288,6 +288,10 @@ pub enum DataFormat {
     Sharegpt,
     /// Alpaca's `{"instruction", "input", "output"}` in the Stanford Alpaca prompt, the loss on the output.
     Alpaca,
+    /// TRL's preference rows `{"prompt", "chosen", "rejected"}` (strings or
+    /// message lists; without `prompt`, the one `chosen` and `rejected`
+    /// share): what the `dpo` task trains on.
+    Preference,
 }
 
 /// Which tokens carry the loss in chat and prompt/completion examples (`data.train_on`).
