@@ -9,6 +9,7 @@ use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
+use ft_core::config::{Fp8, TrainConfig};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
 use ft_core::model::Model;
@@ -66,6 +67,9 @@ pub struct BenchArgs {
     reduce_dtype: ReduceDtype,
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
+    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
+    fp8: Option<Fp8>,
     #[arg(long, default_value_t = 1024)]
     loss_chunk_tokens: i64,
     /// On one GPU, also time the phases apart (synchronising between them):
@@ -218,7 +222,8 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
     ] {
         argv.extend([flag.to_string(), value]);
     }
-    let optional = [("--shard-group-size", args.shard_group_size.map(|s| s.to_string())), ("--task", args.task.clone())];
+    let fp8 = args.fp8.map(|fp8| serde_json::to_value(fp8).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
+    let optional = [("--shard-group-size", args.shard_group_size.map(|s| s.to_string())), ("--task", args.task.clone()), ("--fp8", fp8)];
     for (flag, value) in optional.into_iter().filter_map(|(flag, value)| Some((flag, value?))) {
         argv.extend([flag.to_string(), value]);
     }
@@ -277,5 +282,10 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,
         profile: args.profile.clone(),
+        float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
     }
+}
+
+fn parse_fp8(text: &str) -> Result<Fp8, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected off, tensorwise or rowwise"))
 }

@@ -108,6 +108,11 @@ pub struct TrainArgs {
     /// dtype gradients are reduced in: fp32 or compute (train.reduce_dtype).
     #[arg(long)]
     reduce_dtype: Option<String>,
+    /// Float8 linear layers in the blocks: off, tensorwise or rowwise, torchao's
+    /// recipes (train.fp8); a GPU of compute capability 8.9+ (Ada, Hopper), or
+    /// anywhere with --set train.fp8_emulate=true (fp32 emulation, for tests).
+    #[arg(long, value_name = "off|tensorwise|rowwise")]
+    fp8: Option<String>,
     /// Where master weights and optimizer state live: none or cpu (train.offload).
     #[arg(long)]
     offload: Option<String>,
@@ -170,6 +175,7 @@ impl TrainArgs {
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
+            .set("train.fp8", self.fp8.clone())
             .set("train.offload", self.offload.clone())
             .set("comm.name", self.comm.clone())
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));

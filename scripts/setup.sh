@@ -7,8 +7,8 @@
 #     for; the CUDA build, ~4.6 GB with its nvidia-* wheels) and the CUDA/NCCL
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
-#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, wandb,
-#     datasets and pyarrow).
+#     the tests check ft's files with (tensorboard, transformers, mlflow, peft, trl, wandb,
+#     datasets and pyarrow; torchao, whose float8 functions the float8 tests match).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,8 @@ TENSORBOARD_VERSION=2.21.0
 TRANSFORMERS_VERSION=5.23.0
 MLFLOW_VERSION=3.17.2
 PEFT_VERSION=0.21.2
+TORCHAO_VERSION=0.18.0
+TRL_VERSION=1.16.0
 WANDB_VERSION=0.31.0
 DATASETS_VERSION=5.2.0
 PYARROW_VERSION=25.0.1
@@ -58,10 +60,21 @@ if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.versio
   echo "setup: installing mlflow==$MLFLOW_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
 fi
+# The float8 tests compare ft's casts, scales, linear layers and a model's
+# step with torchao's float8 training, emulated on CPU.
+if ! .venv/bin/python -c "import torchao, sys; sys.exit(torchao.__version__ != '$TORCHAO_VERSION')" 2>/dev/null; then
+  echo "setup: installing torchao==$TORCHAO_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "torchao==$TORCHAO_VERSION"
+fi
 # The LoRA tests load ft's adapters with peft and compare.
 if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
   echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
+fi
+# The DPO tests train with TRL's DPOTrainer and compare losses and figures.
+if ! .venv/bin/python -c "import trl, sys; sys.exit(trl.__version__ != '$TRL_VERSION')" 2>/dev/null; then
+  echo "setup: installing trl==$TRL_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "trl==$TRL_VERSION"
 fi
 # The data readers' tests write Parquet and Arrow files with Hugging Face's
 # `datasets` (to_parquet, save_to_disk) and pyarrow, and compare.

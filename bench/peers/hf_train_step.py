@@ -1,8 +1,10 @@
 """The PyTorch side of `ft bench` on one GPU: transformers' *ForCausalLM from
 a config.json with random weights, fp32 parameters, bf16 autocast, fused
-AdamW, loss on every token — eager, or under torch.compile with --compile.
+AdamW, loss on every token — eager, or under torch.compile with --compile;
+with --float8 RECIPE, torchao's float8 training (`convert_to_float8_training`
+with that recipe on every linear layer but the LM head, as torchtitan does).
 
-    python3 bench/peers/hf_train_step.py --config CONFIG.json --batch 8 --seq 512 [--compile]
+    python3 bench/peers/hf_train_step.py --config CONFIG.json --batch 8 --seq 512 [--compile] [--float8 tensorwise]
 """
 import argparse
 import json
@@ -21,6 +23,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--liger", action="store_true", help="Liger Kernel's fused kernels, patched in before the model is built")
+    parser.add_argument("--float8", choices=["tensorwise", "rowwise"], help="torchao float8 linear layers with this recipe")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -31,6 +34,11 @@ def main():
         assert config.model_type in MODEL_TYPE_TO_APPLY_LIGER_FN, f"Liger Kernel has no kernels for {config.model_type}"
         _apply_liger_kernel(config.model_type)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda().train()
+    if args.float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = Float8LinearConfig.from_recipe_name(args.float8)
+        convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn != "lm_head", config=recipe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     forward = torch.compile(model) if args.compile else model
     batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda") for _ in range(4)]
@@ -58,7 +66,7 @@ def main():
     layers, hidden = config.num_hidden_layers, config.hidden_size
     mfu = (6 * n + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9
-    name = f"transformers {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
+    name = f"transformers {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}{f' + torchao float8 {args.float8}' if args.float8 else ''}"
     print(f"{name}: {config.model_type} {n / 1e6:.0f}M params, batch {args.batch}x{args.seq}: {tokens_per_s:.0f} tokens/s, "
           f"{seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, peak allocated {peak:.1f} GB, "
           f"peak reserved {torch.cuda.max_memory_reserved() / 1e9:.1f} GB, last loss {loss.item():.4f}")

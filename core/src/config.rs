@@ -288,6 +288,10 @@ pub enum DataFormat {
     Sharegpt,
     /// Alpaca's `{"instruction", "input", "output"}` in the Stanford Alpaca prompt, the loss on the output.
     Alpaca,
+    /// TRL's preference rows `{"prompt", "chosen", "rejected"}` (strings or
+    /// message lists; without `prompt`, the one `chosen` and `rejected`
+    /// share): what the `dpo` task trains on.
+    Preference,
 }
 
 /// Which tokens carry the loss in chat and prompt/completion examples (`data.train_on`).
@@ -419,6 +423,23 @@ pub struct TrainConfig {
     pub save_best: usize,
     /// Low-rank adapters on a frozen base (`r` 0: full fine-tuning).
     pub lora: LoraConfig,
+    /// Float8 linear layers: off, tensorwise or rowwise (torchao's recipes
+    /// of those names; `ft_sys::float8`).
+    pub fp8: Fp8,
+    /// Emulate the float8 GEMMs: cast to float8 and back, multiply in fp32
+    /// (torchao's `Float8LinearConfig(emulate=True)`), on any device — for
+    /// CPU and tests, slower than bf16.
+    pub fp8_emulate: bool,
+}
+
+/// `train.fp8`: which float8 recipe a run's linear layers follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8 {
+    #[default]
+    Off,
+    Tensorwise,
+    Rowwise,
 }
 
 /// LoRA as Hugging Face peft configures it (`r`, `lora_alpha`,
@@ -442,6 +463,18 @@ pub struct LoraConfig {
 impl Default for LoraConfig {
     fn default() -> Self {
         LoraConfig { r: 0, alpha: None, dropout: 0.0, targets: vec!["q".into(), "v".into()] }
+    }
+}
+
+impl TrainConfig {
+    /// The run's float8 linear layers; None when `train.fp8` is off.
+    pub fn float8(&self) -> Option<ft_sys::float8::Float8> {
+        let recipe = match self.fp8 {
+            Fp8::Off => return None,
+            Fp8::Tensorwise => ft_sys::float8::Recipe::Tensorwise,
+            Fp8::Rowwise => ft_sys::float8::Recipe::Rowwise,
+        };
+        Some(ft_sys::float8::Float8 { recipe, emulate: self.fp8_emulate })
     }
 }
 
@@ -528,6 +561,8 @@ impl Default for TrainConfig {
             early_stopping_min_delta: 0.0,
             save_best: 0,
             lora: LoraConfig::default(),
+            fp8: Fp8::Off,
+            fp8_emulate: false,
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod fit;
 pub mod flat;
 pub mod generate;
 pub mod gpu;
+pub mod kernels;
 pub mod launch;
 pub mod lora;
 pub mod lowrank;
@@ -46,7 +47,7 @@ pub mod train;
 pub use ft_sys::AdamW;
 /// The CUDA caching allocator's counters (current and peak, allocated and reserved).
 pub use ft_sys::{cuda_memory, CudaMemory};
-pub use ft_sys::{fused_adamw, kernels};
+pub use ft_sys::fused_adamw;
 
 pub use comm::{Backend, CommError, CommOptions, Communicator, ProcessGroup, Reduction, Work};
 pub use comm_hook::CommHook;

@@ -9,6 +9,8 @@
 //! accumulates over both uses.
 
 use anyhow::{bail, ensure, Result};
+use crate::kernels::Kernels;
+use ft_sys::float8::Float8;
 use tch::{Device, Kind, Tensor};
 
 /// How a parameter is initialised when no checkpoint provides it.
@@ -101,17 +103,34 @@ struct Adapters<'a> {
     train: bool,
 }
 
+impl Adapters<'_> {
+    /// The adapter's share of linear layer `name`: `scale · (dropout(x)·Aᵀ)·Bᵀ`.
+    fn delta(&self, x: &Tensor, a: &Tensor, name: &str) -> Tensor {
+        let b = self.params.get(&format!("{name}.lora_B.weight"));
+        let AdapterScaling { scale, dropout } = self.scaling;
+        let x = if self.train && dropout > 0.0 { x.dropout(dropout, true) } else { x.shallow_clone() };
+        (x.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
+    }
+}
+
 /// The tensors of one unit, looked up by their in-unit name.
 pub struct Params<'a> {
     spec: &'a UnitSpec,
     tensors: &'a [Tensor],
     adapters: Option<Box<Adapters<'a>>>,
+    /// `linear`'s GEMMs in float8 (`ft_sys::float8`); None: in the tensors' dtype.
+    float8: Option<Float8>,
 }
 
 impl<'a> Params<'a> {
     pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
         assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
-        Params { spec, tensors, adapters: None }
+        Params { spec, tensors, adapters: None, float8: None }
+    }
+
+    /// These parameters with `linear`'s GEMMs in float8 as `float8` says.
+    pub fn with_float8(self, float8: Option<Float8>) -> Params<'a> {
+        Params { float8, ..self }
     }
 
     /// These parameters with a stage's adapters, which `linear` adds to the
@@ -137,23 +156,40 @@ impl<'a> Params<'a> {
     /// targets the layer (scaled at rank r, the narrowest point). Without
     /// dropout that is one autograd node (`ft_sys::lora_linear`) whose
     /// GEMMs accumulate the adapter's share instead of adding it after.
+    /// Under float8 (`with_float8`), x·Wᵀ's GEMMs — forward and both
+    /// backward — run in float8 (`ft_sys::float8::linear`) and the bias and
+    /// adapters are added after in the output's dtype, as torchao's
+    /// `Float8Linear` adds its bias; a layer whose widths are not multiples
+    /// of 16, which float8 GEMMs need, stays in the compute dtype unless
+    /// emulated (torchao's auto-filter skips such layers too).
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
-        // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
-        let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && crate::train::Kernels::loaded(x.device());
         let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
+        let float8 = self.float8.filter(|f| f.emulate || weight.size().iter().all(|width| width % 16 == 0));
+        if let Some(float8) = float8 {
+            let out = ft_sys::float8::linear(x, weight, float8).unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
+            let out = match bias {
+                Some(bias) => out + bias.to_kind(x.kind()),
+                None => out,
+            };
+            return match adapter {
+                Some((adapters, a)) => out + adapters.delta(x, a, name),
+                None => out,
+            };
+        }
+        // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
+        let fused = bias.is_some_and(|b| matches!(b.kind(), Kind::Float | Kind::BFloat16)) && Kernels::loaded(x.device());
         let Some((adapters, a)) = adapter else {
             return match bias {
                 Some(bias) if fused => ft_sys::bias_linear(x, weight, bias).unwrap_or_else(|e| panic!("linear {name}: {e}")),
                 _ => x.linear(weight, bias),
             };
         };
-        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         let AdapterScaling { scale, dropout } = adapters.scaling;
         if adapters.train && dropout > 0.0 {
-            let dropped = x.dropout(dropout, true);
-            return x.linear(weight, bias) + (dropped.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None);
+            return x.linear(weight, bias) + adapters.delta(x, a, name);
         }
+        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         ft_sys::lora_linear(x, weight, bias, a, b, scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 
@@ -163,7 +199,7 @@ impl<'a> Params<'a> {
     pub fn layer_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.get(&format!("{name}.bias")));
         let same = weight.kind() == x.kind() && bias.kind() == x.kind();
-        if same && matches!(x.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(x.device()) {
+        if same && matches!(x.kind(), Kind::Float | Kind::BFloat16) && Kernels::loaded(x.device()) {
             return ft_sys::layer_norm(x, weight, bias, eps).unwrap_or_else(|e| panic!("LayerNorm {name}: {e}"));
         }
         x.layer_norm(weight.size(), Some(weight), Some(bias), eps, true)
@@ -614,7 +650,7 @@ pub fn lm_outputs(outputs: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
 /// On a GPU where ft's kernels load, one kernel each way (`ft_sys::rope`);
 /// ATen's three forward and four backward kernels elsewhere.
 pub fn rotary(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-    rotary_with(x, cos, signed_sin, crate::train::Kernels::loaded(x.device()))
+    rotary_with(x, cos, signed_sin, Kernels::loaded(x.device()))
 }
 
 /// `rotary` with ft's kernel when `fused` (and it serves the kind and
@@ -634,7 +670,7 @@ pub fn rotary_with(x: &Tensor, cos: &Tensor, signed_sin: &Tensor, fused: bool) -
 /// broadcast, a bug in the model file.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     let same = gate.size() == up.size() && gate.kind() == up.kind() && gate.is_contiguous() && up.is_contiguous();
-    let fused = same && matches!(gate.kind(), Kind::Float | Kind::BFloat16) && crate::train::Kernels::loaded(gate.device());
+    let fused = same && matches!(gate.kind(), Kind::Float | Kind::BFloat16) && Kernels::loaded(gate.device());
     ft_sys::swiglu(gate, up, fused).unwrap_or_else(|e| panic!("swiglu: {e}"))
 }
 

@@ -97,6 +97,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.lora.enabled() || config.given("train.lora.r") {
         t.lora.validate()?;
     }
+    if t.fp8 != crate::config::Fp8::Off && t.dtype == crate::device::DType::F16 {
+        bail!("{}", crate::train::FLOAT8_WITH_FP16);
+    }
     if let Some([first, last]) = t.profile_steps {
         if first == 0 || first > last {
             bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");
@@ -108,13 +111,14 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
 /// Keys that only act with another: each, when given, needs its rule to
 /// hold, else it would do nothing in silence.
 #[allow(clippy::type_complexity)]
-const REQUIRES: [(&str, fn(&Config) -> bool, &str); 6] = [
+const REQUIRES: [(&str, fn(&Config) -> bool, &str); 7] = [
     ("train.lora.alpha", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.dropout", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.targets", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.monitor_mode", |c| c.train.monitor.is_some(), "there is no train.monitor (the score it says the direction of)"),
     ("train.early_stopping_min_delta", |c| c.train.early_stopping_patience > 0, "train.early_stopping_patience is 0 (early stopping is off)"),
     ("train.warmup_ratio", |c| c.train.warmup_steps == 0, "train.warmup_steps is set too, and it takes precedence: give one"),
+    ("train.fp8_emulate", |c| c.train.fp8 != crate::config::Fp8::Off, "float8 is off: set train.fp8 (--fp8 tensorwise|rowwise) to train with float8 linear layers"),
 ];
 
 /// Makes the run's communication hook and asks it whether it serves a run

@@ -26,6 +26,56 @@ pub trait Objective: Send + Sync {
 
     /// The summed loss of a batch and its total loss weight (evaluation).
     fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)>;
+
+    /// Figures of the training micro-batches since the last call, beside
+    /// the loss (DPO's `rewards/chosen`, …): the loop takes them after each
+    /// step and logs, at each logged step, their sums over ranks and steps
+    /// divided by the examples counted. None for most objectives.
+    fn take_step_metrics(&self) -> StepMetrics {
+        StepMetrics::default()
+    }
+
+    /// Whether each training micro-batch also runs through the model with
+    /// its adapters off (LoRA's base: a preference loss's reference model),
+    /// without gradients, before its loss; only asked of a model with adapters.
+    fn wants_base_outputs(&self) -> bool {
+        false
+    }
+
+    /// The base's head outputs on `batch`, given before `loss_and_grads` of the same batch.
+    fn base_outputs(&self, _outputs: &[Tensor], _batch: &Batch) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Sums of per-example figures, and the examples they sum over.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepMetrics {
+    pub sums: BTreeMap<String, f64>,
+    pub count: f64,
+}
+
+impl StepMetrics {
+    /// Adds `other`'s sums and count to these.
+    pub fn add(&mut self, other: StepMetrics) {
+        for (name, sum) in other.sums {
+            *self.sums.entry(name).or_default() += sum;
+        }
+        self.count += other.count;
+    }
+}
+
+/// What a task may prepare before the first step (`Task::before_training`).
+pub struct Start<'a> {
+    pub model: &'a dyn Model,
+    /// The starting parameters, whole on every rank, in the compute dtype.
+    pub params: &'a [Vec<Tensor>],
+    pub dtype: Kind,
+    pub comm: &'a Communicator,
+    /// The run's output directory, where what the task keeps for a resume goes.
+    pub output: &'a Path,
+    /// The run continues from a checkpoint (`train.resume`).
+    pub resuming: bool,
 }
 
 /// What a task's scoring found: named scores, the same on every rank.
@@ -56,6 +106,13 @@ pub trait Task {
     /// in the field's usual files (e.g. SQuAD's `predictions.json`); returns
     /// the names of the files written.
     fn write_predictions(&self, dir: &Path) -> Result<Vec<String>>;
+
+    /// Called once on every rank before training starts (collective): what
+    /// a task computes from the starting model (DPO's reference
+    /// log-probabilities). Nothing by default.
+    fn before_training(&mut self, _start: &Start) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a task is built from.

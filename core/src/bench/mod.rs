@@ -42,6 +42,8 @@ pub struct BenchCase {
     pub breakdown: bool,
     /// Profile 3 more steps on rank 0 into this directory.
     pub profile: Option<PathBuf>,
+    /// The blocks' linear layers in float8 (`--fp8`).
+    pub float8: Option<ft_sys::float8::Float8>,
 }
 
 /// One configuration's result.
@@ -234,6 +236,7 @@ pub fn run_case(
         max_grad_norm: Some(1.0),
         activation_checkpointing: case.activation_checkpointing,
         seed: 0,
+        float8: case.float8,
         ..TrainOptions::default()
     };
     let params = crate::model::init_params(model, 0, Kind::Float, device);

@@ -9,6 +9,7 @@ use super::StepOutcome;
 use crate::comm::Communicator;
 use crate::metrics::{MetricsSink, Record};
 use crate::progress::{self, Progress};
+use crate::task::StepMetrics;
 use crate::train::OffloadStats;
 use anyhow::Result;
 use std::collections::BTreeMap;
@@ -24,6 +25,8 @@ pub(crate) struct RunLog<'a> {
     epoch_loss: Option<f64>,
     /// Bytes this rank sent in collectives during the last step.
     last_step_sent: u64,
+    /// The objective's figures of the steps since the last logged one.
+    metrics: StepMetrics,
     totals: RunTotals,
 }
 
@@ -31,7 +34,7 @@ impl<'a> RunLog<'a> {
     /// A log for a run that ends at optimizer step `last_step` (where its progress ends).
     pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, log_every: usize) -> RunLog<'a> {
         let progress = Progress::new(comm.env().rank, last_step);
-        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, totals: RunTotals::default() }
+        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, metrics: StepMetrics::default(), totals: RunTotals::default() }
     }
 
     /// Gives the sinks the run's resolved configuration, before any record.
@@ -81,6 +84,7 @@ impl<'a> RunLog<'a> {
         t.tokens += outcome.tokens;
         t.flops += outcome.flops;
         t.steps += 1;
+        self.metrics.add(outcome.metrics.clone());
         let mut shown = progress::Step { step, epoch: epoch_progress, loss: None, lr, tokens: outcome.tokens, seconds: 0.0, memory: in_use };
         if step % self.log_every != 0 && !last_of_epoch {
             shown.seconds = started.elapsed().as_secs_f64();
@@ -88,9 +92,12 @@ impl<'a> RunLog<'a> {
             self.progress.after_step(shown);
             return Ok(());
         }
-        // The step's loss and its non-padding tokens over every rank, in one reduction.
-        let summed = self.comm.sum_over_ranks(&[outcome.loss.double_value(&[]), outcome.tokens as f64])?;
-        let (loss, tokens) = (summed[0], summed[1]);
+        // The step's loss, its non-padding tokens and the objective's figures over every rank, in one reduction.
+        let metrics = std::mem::take(&mut self.metrics);
+        let mut local = vec![outcome.loss.double_value(&[]), outcome.tokens as f64, metrics.count];
+        local.extend(metrics.sums.values());
+        let summed = self.comm.sum_over_ranks(&local)?;
+        let (loss, tokens, count) = (summed[0], summed[1], summed[2]);
         self.totals.train_seconds += started.elapsed().as_secs_f64();
         (self.totals.last_loss, self.epoch_loss) = (Some(loss), Some(loss));
         let mut values = BTreeMap::from([
@@ -102,6 +109,8 @@ impl<'a> RunLog<'a> {
             ("tokens".to_string(), tokens),
             ("memory_bytes".to_string(), in_use),
         ]);
+        // Averaged over the examples of every step since the last logged one, as TRL averages its logging window.
+        values.extend(metrics.sums.keys().zip(&summed[3..]).map(|(name, sum)| (name.clone(), sum / count.max(1.0))));
         if self.comm.env().world_size > 1 {
             values.insert("comm_bytes".to_string(), self.last_step_sent as f64);
         }

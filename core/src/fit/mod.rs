@@ -163,6 +163,8 @@ pub(crate) struct StepOutcome {
     pub examples: usize,
     pub tokens: usize,
     pub flops: f64,
+    /// The objective's own figures of this step (`Objective::take_step_metrics`).
+    pub metrics: crate::task::StepMetrics,
 }
 
 /// One optimizer step over global batch `epoch_step` of `order`: this rank's
@@ -181,7 +183,7 @@ fn train_step(
 ) -> Result<StepOutcome> {
     // Every rank knows the whole global batch, so the exact normaliser needs no communication.
     let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
-    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0 };
+    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default() };
     let micro_steps = layout.micro_steps(order, epoch_step);
     for micro in 0..micro_steps {
         let indices = layout.micro(order, epoch_step, rank, micro);
@@ -195,6 +197,7 @@ fn train_step(
         outcome.loss += trainer.forward_backward(&batch, objective, normalizer, micro + 1 == micro_steps)?;
     }
     outcome.grad_norm = trainer.step(lr)?;
+    outcome.metrics = objective.take_step_metrics();
     Ok(outcome)
 }
 
@@ -213,6 +216,8 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
+    let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
+    task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: checkpoints.output, resuming })?;
     let options = TrainOptions::from_config(config, dtype);
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);

@@ -49,6 +49,33 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
     Ok((total, count))
 }
 
+/// Each label's log-probability under the head's logits, [batch, seq]
+/// aligned with `labels` (position i: log p(labels\[i\] | the tokens before
+/// i)), 0 where the label is ignored and at position 0; the logits formed
+/// `chunk` tokens at a time, in fp32 only for the chunk.
+pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<Tensor> {
+    let _no_grad = tch::no_grad_guard();
+    let (batch, seq, dim) = hidden.size3()?;
+    if labels.size() != [batch, seq] {
+        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+    }
+    let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
+    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
+    let tokens = targets.size()[0];
+    let mut parts = vec![];
+    let mut start = 0;
+    while start < tokens {
+        let len = chunk.min(tokens - start);
+        let target = targets.narrow(0, start, len);
+        let logits = softcapped(hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float), softcap);
+        let picked = logits.log_softmax(-1, Kind::Float).gather(1, &target.clamp_min(0).unsqueeze(1), false).squeeze_dim(1);
+        parts.push(picked * target.ne(IGNORE_INDEX).to_kind(Kind::Float));
+        start += len;
+    }
+    let logps = Tensor::cat(&parts, 0).view([batch, seq - 1]);
+    Ok(Tensor::cat(&[logps.zeros_like().narrow(1, 0, 1), logps], 1))
+}
+
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
 pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
     hidden.matmul(&weight.tr()).to_kind(Kind::Float)
@@ -84,13 +111,36 @@ pub fn lm_head_loss_and_grads(
     weight_grad: bool,
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let token_weights = labels.ne(IGNORE_INDEX).to_kind(Kind::Float) / normalizer;
+    lm_head_weighted_loss_and_grads(hidden, weight, labels, &token_weights, chunk, grad_multiplier, kernels, weight_grad, softcap)
+}
+
+/// [`lm_head_loss_and_grads`] with each target's cross-entropy weighed by
+/// its own `token_weights` [batch, seq] (aligned with `labels`; any sign)
+/// instead of 1 / normalizer: the loss is Σ weight · cross-entropy. What a
+/// loss of per-sequence log-probabilities (DPO's) backpropagates through
+/// the head: its gradient with respect to each token's log-probability,
+/// negated, is that token's weight.
+#[allow(clippy::too_many_arguments)]
+pub fn lm_head_weighted_loss_and_grads(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    token_weights: &Tensor,
+    chunk: i64,
+    grad_multiplier: Option<&Tensor>,
+    kernels: Kernels,
+    weight_grad: bool,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
     let (batch, seq, dim) = hidden.size3()?;
-    if labels.size() != [batch, seq] {
-        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+    if labels.size() != [batch, seq] || token_weights.size() != [batch, seq] {
+        bail!("labels {:?} and weights {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size(), token_weights.size());
     }
     let inputs = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
     let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
+    let weights = token_weights.narrow(1, 1, seq - 1).reshape([-1]).to_kind(Kind::Float);
     let tokens = targets.size()[0];
     let mut grad_inputs = Vec::new();
     // Accumulated in the weight's dtype by the matmul itself (fp32 inside cuBLAS).
@@ -102,7 +152,7 @@ pub fn lm_head_loss_and_grads(
         let h = inputs.narrow(0, start, len);
         let target = targets.narrow(0, start, len).contiguous();
         let valid = target.ne(IGNORE_INDEX);
-        let scale = valid.to_kind(Kind::Float) / normalizer;
+        let scale = weights.narrow(0, start, len) * valid.to_kind(Kind::Float);
         let row_scale = match grad_multiplier {
             Some(multiplier) => &scale * multiplier,
             None => scale.shallow_clone(),

@@ -13,6 +13,8 @@ mod reduce;
 mod step;
 
 pub use crate::flat::unflatten;
+/// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
+pub use crate::kernels::Kernels;
 pub use parallel::DataParallel;
 pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
 
@@ -24,6 +26,7 @@ use crate::model::Model;
 use crate::offload::Offload;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
+use ft_sys::float8::Float8;
 use ft_sys::AdamW;
 use optim::LossScaler;
 use tch::{Kind, Tensor};
@@ -41,6 +44,8 @@ pub struct TrainOptions {
     /// fp16's first loss scale (dynamic: halved on overflow, doubled after
     /// 2000 clean steps, as torch.amp.GradScaler does).
     pub initial_loss_scale: f64,
+    /// The blocks' linear layers in float8 (`Params::linear`); None: in `dtype`.
+    pub float8: Option<Float8>,
 }
 
 impl Default for TrainOptions {
@@ -52,6 +57,7 @@ impl Default for TrainOptions {
             activation_checkpointing: false,
             seed: 0,
             initial_loss_scale: 65536.0,
+            float8: None,
         }
     }
 }
@@ -72,49 +78,8 @@ impl TrainOptions {
             activation_checkpointing: config.activation_checkpointing,
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
+            float8: config.float8(),
         }
-    }
-}
-
-/// Which kernels the step runs where ATen and ft's own CUDA kernels
-/// (`ft_sys::kernels`) both could.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernels {
-    /// ATen's ops: any device and dtype.
-    Aten,
-    /// On a GPU: ft's fused cross-entropy for bf16 logits (two reads of the
-    /// logits, the gradient written over them; ATen's ops otherwise), ft's
-    /// one-pass AdamW, and the blocks' fused ops (`model::rotary`,
-    /// `model::swiglu`, `Params::linear`'s bias gradient, `Params::layer_norm`).
-    Ft,
-}
-
-impl Kernels {
-    /// ft's kernels on a GPU where they compile and load (once per process),
-    /// ATen elsewhere or when the environment sets `FT_KERNELS=aten`.
-    pub fn select(device: tch::Device) -> Kernels {
-        if Self::aten_asked() {
-            return Kernels::Aten;
-        }
-        match ft_sys::kernels::available(device) {
-            Ok(()) => Kernels::Ft,
-            Err(why) => {
-                if device.is_cuda() {
-                    tracing::warn!("{why}; using ATen's cross-entropy and AdamW instead (slower, more memory)");
-                }
-                Kernels::Aten
-            }
-        }
-    }
-
-    /// Whether `select` picks ft's kernels on `device`, without its warning:
-    /// what a model's block asks before a fused op (cached after the first load).
-    pub fn loaded(device: tch::Device) -> bool {
-        device.is_cuda() && !Self::aten_asked() && ft_sys::kernels::available(device).is_ok()
-    }
-
-    fn aten_asked() -> bool {
-        std::env::var("FT_KERNELS").is_ok_and(|v| v == "aten")
     }
 }
 
@@ -225,6 +190,11 @@ impl<'m> TrainerBuilder<'m> {
         }
         let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
+        if let Some(float8) = options.float8 {
+            anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
+            float8_serves(float8, device)?;
+            warn_of_narrow_layers(model, float8);
+        }
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
             scaler,
@@ -246,6 +216,55 @@ impl<'m> TrainerBuilder<'m> {
             kernels: Kernels::select(device),
         })
     }
+}
+
+/// Why fp16 is refused with float8: `setup::validate` says it before any rank starts, the builder for every other caller.
+pub const FLOAT8_WITH_FP16: &str = "train.fp8 (--fp8) with train.dtype fp16 (--dtype fp16): float8 training keeps its activations and gradients in bf16 (or f32) around the float8 GEMMs, as torchao's recipes do, and fp16's loss scaling does not compose with float8's own scales; use --dtype bf16";
+
+/// Refuses float8 GEMMs where they cannot run: on a CPU unless emulated,
+/// or on a GPU before compute capability 8.9 (Ada, Hopper), which has no
+/// float8 tensor cores.
+fn float8_serves(float8: Float8, device: tch::Device) -> Result<()> {
+    if float8.emulate {
+        return Ok(());
+    }
+    let tch::Device::Cuda(index) = device else {
+        anyhow::bail!(
+            "train.fp8 (--fp8) needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) for its float8 GEMMs; this rank computes on {}. \
+             To run float8 training's numerics on a CPU (slowly: for tests), set train.fp8_emulate=true (--set train.fp8_emulate=true)",
+            format!("{device:?}").to_lowercase()
+        );
+    };
+    capability_serves_float8(index, ft_sys::kernels::compute_capability(index)?)
+}
+
+/// Says which of the blocks' weight matrices keep the compute dtype under
+/// float8: those with a width that is not a multiple of 16, which float8
+/// GEMMs need (`Params::linear` skips them, as torchao's auto-filter does).
+fn warn_of_narrow_layers(model: &dyn Model, float8: Float8) {
+    if float8.emulate {
+        return;
+    }
+    let units = model.units();
+    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| &units[s.unit]);
+    let narrow: Vec<&str> =
+        blocks.flat_map(|u| &u.params).filter(|p| p.shape.len() == 2 && p.shape.iter().any(|w| w % 16 != 0)).map(|p| p.hf_name.as_str()).collect();
+    if let Some(first) = narrow.first() {
+        tracing::warn!(
+            "train.fp8: {} linear layers keep the compute dtype, their widths not multiples of 16 as float8 GEMMs need (the first: {first})",
+            narrow.len()
+        );
+    }
+}
+
+/// Whether GPU `index` of compute capability (major, minor) has float8 tensor cores.
+fn capability_serves_float8(index: usize, (major, minor): (i32, i32)) -> Result<()> {
+    if (major, minor) < (8, 9) {
+        anyhow::bail!(
+            "train.fp8 (--fp8): GPU cuda:{index} has compute capability {major}.{minor}, and float8 GEMMs need 8.9 or newer (Ada, Hopper); train without --fp8 (bf16) on it"
+        );
+    }
+    Ok(())
 }
 
 impl<'m> Trainer<'m> {
@@ -420,5 +439,17 @@ impl<'m> Trainer<'m> {
     /// Offers the hook state saved at another world size; what it kept.
     pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
         self.hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{}`: re-sharding its state", self.hook.name())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn float8_is_refused_before_ada_by_name_and_capability() {
+        let refusal = super::capability_serves_float8(1, (8, 0)).unwrap_err().to_string();
+        assert!(refusal.contains("GPU cuda:1 has compute capability 8.0") && refusal.contains("8.9 or newer"), "{refusal}");
+        for capability in [(8, 9), (9, 0), (10, 0)] {
+            assert!(super::capability_serves_float8(0, capability).is_ok(), "{capability:?}");
+        }
     }
 }

@@ -13,6 +13,7 @@ use crate::comm_hook::{GatherPhase, Pending};
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
 use crate::model::{Params, Stage, StageKind};
+use ft_sys::float8::Float8;
 use crate::task::Objective;
 use anyhow::Result;
 use std::collections::VecDeque;
@@ -30,12 +31,15 @@ struct Saved {
 
 /// The parameters `stage` runs with (its adapters joined), as views of its
 /// units' flat buffers: made once per unit per micro-batch, while gathered.
-fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage) -> Params<'v> {
+/// A block's linear layers run in float8 when the run's `float8` says so
+/// (never the embeddings' or the head's: the LM head stays in the compute dtype).
+fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage, float8: Option<Float8>) -> Params<'v> {
     for unit in std::iter::once(stage.unit).chain(stage.adapter) {
         views[unit].get_or_insert_with(|| units[unit].views());
     }
     let views: &'v [Option<Vec<Tensor>>] = views;
-    crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true)
+    let params = crate::model::stage_params(model, stage, |unit| views[unit].as_deref().expect("made above"), true);
+    params.with_float8(float8.filter(|_| stage.kind == StageKind::Block))
 }
 
 /// Which block of the model stage `index` is (the blocks before it).
@@ -74,6 +78,37 @@ impl Trainer<'_> {
         self.units[stage.unit].trainable() || stage.adapter.is_some()
     }
 
+    /// Runs `batch` through the model with every adapter off (LoRA's base),
+    /// without gradients, and gives `objective` the head's outputs (while
+    /// the head's unit is gathered: they may be views of it): each unit
+    /// gathered and released as forward does, the adapters' units never read.
+    fn base_forward(&mut self, batch: &Batch, objective: &dyn Objective) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let model = self.model;
+        let ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
+        let stages = model.stages();
+        let reshard_after_forward = self.reshard_after_forward();
+        let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
+        let mut x = None;
+        for (index, stage) in stages.iter().enumerate() {
+            self.gather(stage.unit, GatherPhase::Forward)?;
+            if let Some(next) = stages.get(index + 1) {
+                self.prefetch(next.unit, GatherPhase::Forward)?;
+            }
+            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage });
+            match stage.kind {
+                StageKind::Embed => x = Some(model.embed(&params, &batch.inputs, &ctx)),
+                StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
+                StageKind::Head => objective.base_outputs(&model.head(&params, x.as_ref().expect("the head follows the blocks")), batch)?,
+            }
+            let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
+            if reshard_after_forward && !used_next {
+                self.release(stage.unit)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Forward and backward of one micro-batch; gradients add up until
     /// `step`. The head's outputs go to `objective`, whose loss is divided by
     /// `normalizer`, the whole global batch's loss weight.
@@ -81,6 +116,9 @@ impl Trainer<'_> {
     /// Returns this micro-batch's share of the loss, on the device.
     pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, last_micro_batch: bool) -> Result<Tensor> {
         let model = self.model;
+        if objective.wants_base_outputs() && model.adapter_scaling().is_some() {
+            self.base_forward(batch, objective)?;
+        }
         let inputs = &batch.inputs;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
         let ctx = model.context(inputs, 0, dtype, true)?;
@@ -104,7 +142,7 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, stage);
+            let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
             let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
             match stage.kind {
                 StageKind::Embed => {
@@ -154,7 +192,7 @@ impl Trainer<'_> {
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
-                let params = stage_params(model, &self.units, &mut views, stage);
+                let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, block_number(stages, index), None)];
             }

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -61,6 +62,16 @@ char* guarded(Body&& body) {
     return copy_message(error.what());
   } catch (...) {
     return copy_message("unknown C++ exception");
+  }
+}
+
+// Calls Rust through `call(message, capacity)`, which returns non-zero with
+// a message on failure; that becomes an exception (an autograd node's error).
+template <typename Call>
+void call_rust(Call&& call) {
+  char message[512] = {0};
+  if (call(message, sizeof message) != 0) {
+    throw std::runtime_error(message);
   }
 }
 
@@ -457,12 +468,11 @@ enum FusedOp : int { kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluB
 using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
 
 void run_fused(int64_t kernel, FusedOp op, std::initializer_list<const at::Tensor*> tensors) {
-  char message[512] = {0};
   std::vector<const at::Tensor*> operands(tensors);
-  if (reinterpret_cast<FusedKernel>(kernel)(op, operands.data(), static_cast<int>(operands.size()), message,
-                                            sizeof message) != 0) {
-    throw std::runtime_error(message);
-  }
+  call_rust([&](char* message, size_t capacity) {
+    return reinterpret_cast<FusedKernel>(kernel)(op, operands.data(), static_cast<int>(operands.size()), message,
+                                                 capacity);
+  });
 }
 
 // A linear layer's bias gradient: the column sums of the [tokens, out]
@@ -509,6 +519,67 @@ struct BiasLinear : public torch::autograd::Function<BiasLinear> {
 
 char* ft_bias_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, FusedKernel kernel, at::Tensor** out) {
   return guarded([&] { *out = new at::Tensor(BiasLinear::apply(*x, *weight, *bias, reinterpret_cast<int64_t>(kernel))); });
+}
+
+// A linear layer's GEMMs in float8 (ft-sys's float8.rs, in Rust): `step` 0
+// is forward (inputs x, W; one output, x·Wᵀ), 1 backward (inputs x, W and
+// the output's gradient; outputs the input's and the weight's gradients,
+// each only where `wanted`). `recipe` says how operands are cast and
+// scaled. Rust allocates each output and hands it over (`outputs`).
+using Float8Gemms = int (*)(int step, int recipe, const at::Tensor* const* inputs, int count, const bool* wanted,
+                            at::Tensor** outputs, char* message, size_t capacity);
+
+// Takes ownership of the tensor Rust allocated (null: none).
+at::Tensor take(at::Tensor* handed) {
+  if (handed == nullptr) {
+    return at::Tensor();
+  }
+  at::Tensor tensor = std::move(*handed);
+  delete handed;
+  return tensor;
+}
+
+std::vector<at::Tensor> run_float8(int64_t gemms, int step, int64_t recipe, std::vector<const at::Tensor*> inputs,
+                                   std::vector<bool> wanted) {
+  std::vector<at::Tensor*> outputs(wanted.size(), nullptr);
+  std::unique_ptr<bool[]> flags(new bool[wanted.size()]);
+  std::copy(wanted.begin(), wanted.end(), flags.get());
+  call_rust([&](char* message, size_t capacity) {
+    return reinterpret_cast<Float8Gemms>(gemms)(step, static_cast<int>(recipe), inputs.data(),
+                                                static_cast<int>(inputs.size()), flags.get(), outputs.data(), message,
+                                                capacity);
+  });
+  std::vector<at::Tensor> taken;
+  for (at::Tensor* output : outputs) {
+    taken.push_back(take(output));
+  }
+  return taken;
+}
+
+// x·Wᵀ with the forward GEMM and both backward GEMMs in float8; x and W are
+// saved in their own precision and cast again in backward, as torchao's
+// Float8Linear does.
+struct Float8Linear : public torch::autograd::Function<Float8Linear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            int64_t gemms, int64_t recipe) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["gemms"] = gemms;
+    ctx->saved_data["recipe"] = recipe;
+    return run_float8(gemms, 0, recipe, {&x, &weight}, {true})[0];
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &grad = grads[0];
+    auto out = run_float8(ctx->saved_data["gemms"].toInt(), 1, ctx->saved_data["recipe"].toInt(), {&x, &weight, &grad},
+                          {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
+    return {out[0], out[1], at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_float8_linear(at::Tensor* x, at::Tensor* weight, Float8Gemms gemms, int recipe, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(Float8Linear::apply(*x, *weight, reinterpret_cast<int64_t>(gemms), recipe)); });
 }
 
 // LayerNorm over the last dimension with ATen's forward and input

@@ -6,6 +6,7 @@
 //! its tensors alive until it is dropped (c10d holds references), so dropping
 //! Rust handles early never frees memory a collective still uses.
 
+pub mod float8;
 pub mod kernels;
 pub mod host_bytes;
 
@@ -114,6 +115,7 @@ extern "C" {
     ) -> *mut c_char;
     fn ft_layer_norm(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, gemms: Float8Gemms, recipe: i32, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
@@ -517,11 +519,8 @@ mod fused_op {
 
 /// The shim's `FusedOp` onto `kernels`.
 unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, count: i32, message: *mut c_char, capacity: usize) -> i32 {
-    // SAFETY: the shim passes `count` live at::Tensors that it keeps owning;
-    // the wrappers are never dropped, so they free nothing.
-    let tensors: Vec<_> = (0..count.max(0) as usize)
-        .map(|i| std::mem::ManuallyDrop::new(unsafe { Tensor::from_ptr(*tensors.add(i) as *mut RawTensor) }))
-        .collect();
+    // SAFETY: the shim passes `count` live at::Tensors that it keeps owning.
+    let tensors = unsafe { borrowed(tensors, count) };
     let run = || -> Result<()> {
         let mut t: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
         match (op, t.as_mut_slice()) {
@@ -533,12 +532,30 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
             _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),
         }
     };
+    // SAFETY: the shim's buffer holds `capacity` bytes.
+    unsafe { report(run, message, capacity) }
+}
+
+/// The shim's tensors as tch's, without taking them over.
+///
+/// # Safety
+/// `tensors` must point at `count` live at::Tensors that outlive the result.
+unsafe fn borrowed(tensors: *const *const RawTensor, count: i32) -> Vec<std::mem::ManuallyDrop<Tensor>> {
+    // The wrappers are never dropped, so they free nothing.
+    (0..count.max(0) as usize).map(|i| std::mem::ManuallyDrop::new(unsafe { Tensor::from_ptr(*tensors.add(i) as *mut RawTensor) })).collect()
+}
+
+/// Runs `run` for the shim: 0, or 1 with its error (a panic's too) in `message`.
+///
+/// # Safety
+/// `message` must hold `capacity` bytes.
+unsafe fn report(run: impl FnOnce() -> Result<()>, message: *mut c_char, capacity: usize) -> i32 {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| Err(ShimError("ft's kernel panicked".into())));
     match result {
         Ok(()) => 0,
         Err(ShimError(text)) if capacity > 0 => {
             let bytes = &text.as_bytes()[..text.len().min(capacity - 1)];
-            // SAFETY: the shim's buffer holds `capacity` bytes; at most capacity − 1 plus the NUL are written.
+            // SAFETY: at most capacity − 1 bytes plus the NUL are written.
             unsafe {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), message as *mut u8, bytes.len());
                 *message.add(bytes.len()) = 0;
@@ -547,6 +564,54 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
         }
         Err(_) => 1,
     }
+}
+
+/// How the shim's `Float8Linear` node runs its GEMMs: step 0 (forward) or 1
+/// (backward), the `float8::Float8` code, the inputs, which outputs are
+/// wanted, where each output's at::Tensor goes (handed over), and a buffer
+/// for an error's message.
+type Float8Gemms = unsafe extern "C" fn(i32, i32, *const *const RawTensor, i32, *const bool, *mut *mut RawTensor, *mut c_char, usize) -> i32;
+
+/// The shim's `Float8Linear` onto `float8`.
+unsafe extern "C" fn float8_gemms(
+    step: i32,
+    code: i32,
+    inputs: *const *const RawTensor,
+    count: i32,
+    wanted: *const bool,
+    outputs: *mut *mut RawTensor,
+    message: *mut c_char,
+    capacity: usize,
+) -> i32 {
+    // SAFETY: the shim passes `count` live at::Tensors that it keeps owning.
+    let inputs = unsafe { borrowed(inputs, count) };
+    let float8 = float8::Float8::from_code(code);
+    let run = || -> Result<()> {
+        let results: Vec<Option<Tensor>> = match (step, &inputs[..]) {
+            (0, [x, weight]) => vec![Some(float8.forward(x, weight)?)],
+            // SAFETY: backward's node passes two flags.
+            (1, [x, weight, grad]) => float8.backward(x, weight, grad, unsafe { [*wanted, *wanted.add(1)] })?.into(),
+            _ => return Err(ShimError(format!("no float8 step {step} over {count} tensors"))),
+        };
+        for (i, result) in results.into_iter().enumerate() {
+            if let Some(mut tensor) = result {
+                // SAFETY: the shim has a slot per output and takes over the at::Tensor tch allocated.
+                unsafe { *outputs.add(i) = tensor.as_mut_ptr() };
+                std::mem::forget(tensor);
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: the shim's buffer holds `capacity` bytes.
+    unsafe { report(run, message, capacity) }
+}
+
+/// `float8::linear`'s node.
+fn float8_linear(x: &Tensor, weight: &Tensor, code: i32) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_float8_linear(tensor_ptr(x), tensor_ptr(weight), float8_gemms, code, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
 }
 
 /// The raw `cudaStream_t` of `device_index`'s current stream.

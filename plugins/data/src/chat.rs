@@ -251,6 +251,19 @@ impl ChatTemplate {
         Ok(Example { input_ids, labels }.fit(max_seq_len, truncate))
     }
 
+    /// The token ids of `conversation` rendered (with the generation prompt
+    /// when asked) and tokenised as `apply_chat_template(tokenize=True)`
+    /// does: without the tokenizer's own special tokens. Err: why the
+    /// template cannot render it.
+    pub fn render_ids(&self, tokenizer: &Tokenizer, conversation: &Conversation, add_generation_prompt: bool) -> Result<Result<Vec<i64>, String>> {
+        let text = match self.render(conversation, &conversation.messages, add_generation_prompt) {
+            Ok(rendered) => rendered.text,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let encoding = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg).context("cannot tokenize a rendered conversation")?;
+        Ok(Ok(encoding.get_ids().iter().map(|&id| id as i64).collect()))
+    }
+
     /// Each assistant message's characters in `full`: between the render of
     /// the messages before it with the generation prompt and the render
     /// ending with it where both are prefixes of `full`, else as

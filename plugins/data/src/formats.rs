@@ -17,13 +17,14 @@ use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
 /// The format a row's keys say: `messages` (chat), `conversations`
-/// (ShareGPT), `prompt` and `completion`, `instruction` and `output`
+/// (ShareGPT), `chosen` or `rejected` (TRL's preference pairs), `prompt` and `completion`, `instruction` and `output`
 /// (Alpaca), `text`; none for other rows.
 pub fn detect(row: &Json) -> Option<DataFormat> {
     let has = |key: &str| row.get(key).is_some();
     match () {
         _ if has("messages") => Some(DataFormat::Chat),
         _ if has("conversations") => Some(DataFormat::Sharegpt),
+        _ if has("chosen") || has("rejected") => Some(DataFormat::Preference),
         _ if has("prompt") && has("completion") => Some(DataFormat::PromptCompletion),
         _ if has("instruction") && has("output") => Some(DataFormat::Alpaca),
         _ if has("text") => Some(DataFormat::Text),
@@ -32,7 +33,7 @@ pub fn detect(row: &Json) -> Option<DataFormat> {
 }
 
 /// What a row of no known format is told, after "FILE line N: ".
-pub const KNOWN_ROWS: &str = "neither {\"text\": …}, {\"prompt\": …, \"completion\": …}, {\"messages\": […]}, ShareGPT's {\"conversations\": […]} nor Alpaca's {\"instruction\": …, \"output\": …}";
+pub const KNOWN_ROWS: &str = "neither {\"text\": …}, {\"prompt\": …, \"completion\": …}, {\"messages\": […]}, ShareGPT's {\"conversations\": […]}, a preference pair {\"prompt\": …, \"chosen\": …, \"rejected\": …} nor Alpaca's {\"instruction\": …, \"output\": …}";
 
 /// ShareGPT's speakers and the roles they become: axolotl's default mapping
 /// (src/axolotl/prompt_strategies/chat_template.py, `ChatTemplatePrompter.roles`).
@@ -198,6 +199,8 @@ mod tests {
             (json!({"prompt": [], "completion": []}), Some(DataFormat::PromptCompletion)),
             (json!({"instruction": "i", "input": "", "output": "o"}), Some(DataFormat::Alpaca)),
             (json!({"text": "t"}), Some(DataFormat::Text)),
+            (json!({"prompt": "p", "chosen": "c", "rejected": "r"}), Some(DataFormat::Preference)),
+            (json!({"chosen": [], "rejected": []}), Some(DataFormat::Preference)),
             (json!({"prompt": "p"}), None),
             (json!([1]), None),
         ] {

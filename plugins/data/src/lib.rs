@@ -3,14 +3,15 @@
 //! JSON array, Parquet, Arrow; several sources mixed) packed for
 //! causal-LM fine-tuning, row formats (prompt/completion pairs, chat
 //! conversations with tools rendered with the model's chat template,
-//! ShareGPT, Alpaca), the official SQuAD metrics, tokenizer loading, and
+//! ShareGPT, Alpaca), preference pairs (TRL's format, for DPO), the official SQuAD metrics, tokenizer loading, and
 //! the embedded demo (its data, tokenizer, model and settings).
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
 //! which examples `data.range` takes), `source` (rows from JSON lines, JSON
 //! arrays, Parquet and Arrow: where the data comes from) and `tokenizer`
 //! under the readers `prompt`, `text` and `chat`; `formats` (a row to an
-//! example, by its format: what a row means) over `chat`; under them all
+//! example, by its format: what a row means) and `preference` (a row to a
+//! chosen/rejected pair) over `chat`; under them all
 //! `lm`, which picks one by the data's format and mixes sources
 //! (`mixture`); `packing` (which examples share a row) stands alone.
 
@@ -22,6 +23,7 @@ pub mod lm;
 pub mod metrics;
 pub mod mixture;
 pub mod packing;
+pub mod preference;
 pub mod prompt;
 pub mod qa;
 pub mod source;

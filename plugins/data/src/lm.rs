@@ -189,6 +189,7 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
             Ok((examples, vec![]))
         }
         DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(&source, tokenizer, options, format)?, vec![])),
+        DataFormat::Preference => bail!("{} holds preference pairs (\"chosen\"/\"rejected\"), which train with --task dpo", source.name),
     }
 }
 

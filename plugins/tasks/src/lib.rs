@@ -3,4 +3,5 @@
 //! The loop in ft-core knows none of them.
 
 pub mod causal_lm;
+pub mod dpo;
 pub mod extractive_qa;

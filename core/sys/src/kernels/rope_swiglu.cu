@@ -1,0 +1,111 @@
+// Part of ft's CUDA kernels (core/sys/src/kernels.rs compiles them with NVRTC as one
+// source: common.cuh first, then each family's file, so each may use common.cuh's helpers).
+
+// 16 bytes of values (4 fp32 or 8 bf16) moved as one word: the
+// memory-bound kernels below read and write whole words where the caller
+// found every pointer 16-byte aligned and the lengths divisible (`packed`).
+template <typename T> struct Pack {
+  static constexpr int N = 16 / sizeof(T);
+  uint4 word;
+  __device__ __forceinline__ void read(const T* x, long long i) { word = *reinterpret_cast<const uint4*>(x + i); }
+  __device__ __forceinline__ void write(T* x, long long i) const { *reinterpret_cast<uint4*>(x + i) = word; }
+  __device__ __forceinline__ float get(int k) const { return load(reinterpret_cast<const T*>(&word), k); }
+  __device__ __forceinline__ void set(int k, float v) { store(reinterpret_cast<T*>(&word), k, v); }
+};
+
+// Rotary embeddings over rows of head_dim = 2·half: y[j] = x[j]·cos[j] +
+// x[j ⊕ half]·sin[j], j ⊕ half being j's partner in the other half (sin
+// carries rotate_half's sign); one cos/sin row per `heads` rows of x. With
+// `transpose`, the adjoint (the backward): sin[j ⊕ half] in place of sin[j].
+// A thread per W pairs (j, j + half), W = Pack<T>::N when `packed` else 1,
+// both outputs rounded once.
+template <typename T, int W>
+__device__ void rope_pairs(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin, T* __restrict__ y,
+                           long long rows, int heads, int half, int transpose) {
+  const int groups = half / W;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * groups; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / groups;
+    const int j = (int)(i - row * groups) * W;
+    const long long at = row * 2 * half + j, angle = (row / heads) * 2 * half + j;
+    Pack<T> a, b, c1, c2, s1, s2, y1, y2;
+    if (W == 1) {
+      a.set(0, load(x, at)); b.set(0, load(x, at + half));
+      c1.set(0, load(cos, angle)); c2.set(0, load(cos, angle + half));
+      s1.set(0, load(sin, angle)); s2.set(0, load(sin, angle + half));
+    } else {
+      a.read(x, at); b.read(x, at + half); c1.read(cos, angle); c2.read(cos, angle + half); s1.read(sin, angle); s2.read(sin, angle + half);
+    }
+    if (transpose) { const Pack<T> t = s1; s1 = s2; s2 = t; }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      y1.set(k, fmaf(a.get(k), c1.get(k), b.get(k) * s1.get(k)));
+      y2.set(k, fmaf(b.get(k), c2.get(k), a.get(k) * s2.get(k)));
+    }
+    if (W == 1) {
+      store(y, at, y1.get(0)); store(y, at + half, y2.get(0));
+    } else {
+      y1.write(y, at); y2.write(y, at + half);
+    }
+  }
+}
+
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, long long rows, int heads, int half, int transpose, int packed) {
+  if (packed) rope_pairs<T, Pack<T>::N>(x, cos, sin, y, rows, heads, half, transpose);
+  else rope_pairs<T, 1>(x, cos, sin, y, rows, heads, half, transpose);
+}
+
+extern "C" __global__ void rope_f32(const float* x, const float* cos, const float* sin, float* y, long long rows, int heads, int half, int transpose, int packed) {
+  rope(x, cos, sin, y, rows, heads, half, transpose, packed);
+}
+extern "C" __global__ void rope_bf16(const bf16* x, const bf16* cos, const bf16* sin, bf16* y, long long rows, int heads, int half, int transpose, int packed) {
+  rope(x, cos, sin, y, rows, heads, half, transpose, packed);
+}
+
+// SwiGLU: y = silu(g)·u forward; backward du = silu(g)·dy and
+// dg = dy·u·σ(g)·(1 + g·(1 − σ(g))), silu recomputed from g. A thread per
+// W values (as `rope_pairs`).
+template <typename T, int W>
+__device__ void swiglu_values(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ grad,
+                              T* __restrict__ out, T* __restrict__ grad_up, long long n) {
+  for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += (long long)gridDim.x * blockDim.x * W) {
+    Pack<T> g, u, dy, o, du;
+    if (W == 1) {
+      g.set(0, load(gate, i)); u.set(0, load(up, i));
+      if (grad != nullptr) dy.set(0, load(grad, i));
+    } else {
+      g.read(gate, i); u.read(up, i);
+      if (grad != nullptr) dy.read(grad, i);
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float gk = g.get(k), sigmoid = 1.f / (1.f + __expf(-gk));
+      if (grad == nullptr) {
+        o.set(k, gk * sigmoid * u.get(k));
+      } else {
+        du.set(k, gk * sigmoid * dy.get(k));
+        o.set(k, dy.get(k) * u.get(k) * sigmoid * fmaf(gk, 1.f - sigmoid, 1.f));
+      }
+    }
+    if (W == 1) {
+      store(out, i, o.get(0));
+      if (grad != nullptr) store(grad_up, i, du.get(0));
+    } else {
+      o.write(out, i);
+      if (grad != nullptr) du.write(grad_up, i);
+    }
+  }
+}
+
+template <typename T>
+__device__ void swiglu(const T* gate, const T* up, const T* grad, T* out, T* grad_up, long long n, int packed) {
+  if (packed) swiglu_values<T, Pack<T>::N>(gate, up, grad, out, grad_up, n);
+  else swiglu_values<T, 1>(gate, up, grad, out, grad_up, n);
+}
+
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, const float* grad, float* out, float* grad_up, long long n, int packed) {
+  swiglu(gate, up, grad, out, grad_up, n, packed);
+}
+extern "C" __global__ void swiglu_bf16(const bf16* gate, const bf16* up, const bf16* grad, bf16* out, bf16* grad_up, long long n, int packed) {
+  swiglu(gate, up, grad, out, grad_up, n, packed);
+}

@@ -1,0 +1,692 @@
+//! `dpo`: preference tuning of a causal LM — DPO and its family with TRL's
+//! losses (trl/trainer/dpo_trainer.py, `_compute_loss`, TRL 1.16) — over
+//! TRL's preference rows (`ft_data::preference`: standard, conversational,
+//! implicit prompt) from any source.
+//!
+//! Each pair's chosen and rejected sequence go through the model in one
+//! forward: as TRL's batch (every chosen sequence, then every rejected one,
+//! right-padded) or, with `task.padding_free` (the default), packed into
+//! rows with document boundaries (`ft_data::packing`), so no padding is
+//! computed. Each completion's log-probability is summed from the head's
+//! logits a chunk of tokens at a time (no full-vocabulary logits), the loss
+//! is taken over those sums, and its gradient goes back through the head as
+//! a weight per token (`lm_head_weighted_loss_and_grads`).
+//!
+//! The reference model's log-probabilities are computed once, before the
+//! first step, from the starting weights (TRL's `precompute_ref_log_probs`;
+//! with LoRA the adapters start at zero, so that is the base): each rank its
+//! share of the pairs, kept in `OUTPUT/reference_logps.json`, which a resumed
+//! run reuses. With LoRA and `task.precompute_ref=false`, the trainer runs
+//! each micro-batch through the base (adapters off, no gradients) before
+//! its loss instead, as TRL does with a peft model.
+//!
+//! Task keys: `task.loss_type` (one of TRL's names or a list of them),
+//! `task.loss_weights` (one per loss type; 1 each by default), `task.beta`,
+//! `task.label_smoothing` (robust, exo_pair), `task.truncation_mode`
+//! (`keep_start`/`keep_end` cut sequences longer than `data.max_seq_len` as
+//! TRL's `max_length`; `skip` leaves those pairs out; by default keep_start
+//! with `data.truncate`, else skip), `task.padding_free`, `task.precompute_ref`.
+
+use anyhow::{bail, Context as _, Result};
+use ft_core::batches::to_device_async;
+use ft_core::comm::Communicator;
+use ft_core::dataset::{Batch, Dataset};
+use ft_core::model::{self, head, lm_outputs, Inputs, Model};
+use ft_core::task::{self, Objective, Scores, Start, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration};
+use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, IGNORE_INDEX};
+use ft_core::train::Kernels;
+use ft_data::preference::{self, Pair, Sequence, Truncation};
+use ft_data::source::Split;
+use ft_data::{lm, packing};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+use std::sync::Mutex;
+use tch::{Device, Kind, Tensor};
+
+const NAME: &str = "dpo";
+
+/// Where a run keeps its reference log-probabilities.
+const REFERENCE_FILE: &str = "reference_logps.json";
+
+/// TRL's loss types ft computes (`DPOConfig.loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum LossType {
+    Sigmoid,
+    Hinge,
+    Ipo,
+    ExoPair,
+    NcaPair,
+    Robust,
+    BcoPair,
+    SppoHard,
+    ApoZero,
+    ApoDown,
+    /// The NLL of the chosen completions, mean over their tokens (RPO's term: TRL's `rpo_alpha` became this loss's weight).
+    Sft,
+    /// SimPO-style: the log-ratios' difference per completion token.
+    SigmoidNorm,
+}
+
+/// `task.loss_type`: one of TRL's names, or a list of them.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<LossType>, D::Error> {
+    let value = match serde_json::Value::deserialize(deserializer)? {
+        serde_json::Value::String(one) => serde_json::Value::from(vec![one]),
+        many => many,
+    };
+    serde_json::from_value(value).map_err(serde::de::Error::custom)
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Options {
+    #[serde(deserialize_with = "one_or_many")]
+    loss_type: Vec<LossType>,
+    loss_weights: Option<Vec<f64>>,
+    beta: f64,
+    label_smoothing: f64,
+    truncation_mode: Option<Truncation>,
+    padding_free: bool,
+    precompute_ref: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            loss_type: vec![LossType::Sigmoid],
+            loss_weights: None,
+            beta: 0.1,
+            label_smoothing: 0.0,
+            truncation_mode: None,
+            padding_free: true,
+            precompute_ref: true,
+        }
+    }
+}
+
+impl Options {
+    fn read(value: &serde_json::Value) -> Result<Options> {
+        let options: Options = task::options(NAME, value)?;
+        options.losses()?;
+        if options.beta <= 0.0 || options.beta.is_nan() {
+            bail!("task.beta must be positive, not {}", options.beta);
+        }
+        let types = &options.loss_type;
+        if types.contains(&LossType::Robust) && !(0.0..0.5).contains(&options.label_smoothing) {
+            bail!("task.label_smoothing must be in [0, 0.5) for the robust loss, not {}", options.label_smoothing);
+        }
+        if types.contains(&LossType::ExoPair) && !(options.label_smoothing > 0.0 && options.label_smoothing < 1.0) {
+            bail!("the exo_pair loss needs task.label_smoothing in (0, 1) (its ε; the EXO paper suggests 1e-3), not {}", options.label_smoothing);
+        }
+        Ok(options)
+    }
+
+    /// Each loss type with its weight.
+    fn losses(&self) -> Result<Vec<(LossType, f64)>> {
+        let types = self.loss_type.clone();
+        if types.is_empty() {
+            bail!("task.loss_type is an empty list: name at least one of TRL's loss types (sigmoid, ipo, …)");
+        }
+        let weights = self.loss_weights.clone().unwrap_or_else(|| vec![1.0; types.len()]);
+        if weights.len() != types.len() {
+            bail!("task.loss_weights has {} weights for the {} loss types of task.loss_type", weights.len(), types.len());
+        }
+        Ok(types.into_iter().zip(weights).collect())
+    }
+}
+
+/// A pair's two sequences as rows: which sequence each token is of, its
+/// label (the token where it is a completion's, else ignored).
+fn sequence_labels(sequence: &Sequence) -> Vec<i64> {
+    sequence.ids.iter().enumerate().map(|(i, &id)| if i >= sequence.completion_start { id } else { IGNORE_INDEX }).collect()
+}
+
+/// Preference pairs, each weighed 1 in the loss (TRL's loss is a mean over pairs).
+pub struct PairDataset {
+    pairs: Vec<Pair>,
+    /// The reference's log-probabilities of each pair's chosen and rejected completion, once computed.
+    reference: Option<Vec<[f64; 2]>>,
+    pad_id: i64,
+    pad_multiple: usize,
+    /// Pack each batch's pairs into rows of at most this many tokens with
+    /// document boundaries, instead of TRL's padded rows (None).
+    packed_rows: Option<usize>,
+}
+
+/// A batch's targets, in order: labels [rows, seq]; each token's sequence
+/// [rows, seq] (chosen of pair k: k, rejected: pairs + k); each sequence's
+/// completion tokens [2 · pairs]; with a reference, its log-probabilities [2 · pairs].
+const LABELS: usize = 0;
+const SEQUENCE_OF_TOKEN: usize = 1;
+const COMPLETION_TOKENS: usize = 2;
+const REFERENCE: usize = 3;
+
+impl PairDataset {
+    /// The sequences of `indices`' pairs, chosen ones first (TRL's order).
+    fn sequences<'p>(&'p self, indices: &[usize]) -> Vec<&'p Sequence> {
+        let chosen = indices.iter().map(|&i| &self.pairs[i].chosen);
+        chosen.chain(indices.iter().map(|&i| &self.pairs[i].rejected)).collect()
+    }
+
+    /// Rows of sequence numbers: one each (padded), or packed (each pair's two together).
+    fn rows(&self, indices: &[usize]) -> Vec<Vec<usize>> {
+        let pairs = indices.len();
+        match self.packed_rows {
+            None => (0..2 * pairs).map(|s| vec![s]).collect(),
+            Some(capacity) => {
+                let lengths: Vec<usize> = indices.iter().map(|&i| self.tokens(i)).collect();
+                let longest = lengths.iter().copied().max().unwrap_or(0);
+                packing::pack(&lengths, capacity.max(longest)).into_iter().map(|row| row.into_iter().flat_map(|k| [k, pairs + k]).collect()).collect()
+            }
+        }
+    }
+}
+
+impl Dataset for PairDataset {
+    fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    fn tokens(&self, index: usize) -> usize {
+        self.pairs[index].chosen.ids.len() + self.pairs[index].rejected.ids.len()
+    }
+
+    fn loss_weight(&self, _index: usize) -> usize {
+        1
+    }
+
+    fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
+        let sequences = self.sequences(indices);
+        let rows = self.rows(indices);
+        let width = |row: &[usize]| row.iter().map(|&s| sequences[s].ids.len()).sum::<usize>();
+        let longest = rows.iter().map(|row| width(row)).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
+        let (mut ids, mut labels, mut owners, mut documents) = (vec![], vec![], vec![], vec![]);
+        for row in &rows {
+            let (mut row_ids, mut row_labels, mut row_owners, mut row_documents) = (vec![], vec![], vec![], vec![]);
+            for (document, &s) in row.iter().enumerate() {
+                let mut own_labels = sequence_labels(sequences[s]);
+                // Nothing of a sequence precedes its first token: no label there (a seam, when packed).
+                own_labels[0] = IGNORE_INDEX;
+                row_ids.extend(&sequences[s].ids);
+                row_labels.extend(own_labels);
+                row_owners.resize(row_ids.len(), s as i64);
+                row_documents.resize(row_ids.len(), document as i64);
+            }
+            row_ids.resize(longest, self.pad_id);
+            row_labels.resize(longest, IGNORE_INDEX);
+            row_owners.resize(longest, 0);
+            row_documents.resize(longest, row.len() as i64);
+            ids.push(row_ids);
+            labels.push(row_labels);
+            owners.push(row_owners);
+            documents.push(row_documents);
+        }
+        let mut inputs = Inputs::ids(&to_device_async(&Tensor::from_slice2(&ids), device));
+        inputs.documents = self.packed_rows.is_some().then(|| to_device_async(&Tensor::from_slice2(&documents), device));
+        let completion_tokens: Vec<f32> = sequences.iter().map(|s| s.completion_tokens() as f32).collect();
+        let mut targets = vec![
+            to_device_async(&Tensor::from_slice2(&labels), device),
+            to_device_async(&Tensor::from_slice2(&owners), device),
+            to_device_async(&Tensor::from_slice(&completion_tokens), device),
+        ];
+        if let Some(reference) = &self.reference {
+            let logps: Vec<f32> = (0..2).flat_map(|side| indices.iter().map(move |&i| reference[i][side] as f32)).collect();
+            targets.push(to_device_async(&Tensor::from_slice(&logps), device));
+        }
+        Ok(Batch { inputs, targets })
+    }
+}
+
+/// What one micro-batch's sequences came to.
+struct SequenceLogps {
+    /// Each token's log-probability [rows, seq] (0 off the completions).
+    tokens: Tensor,
+    /// Each sequence's sum [2 · pairs]: chosen, then rejected.
+    sums: Tensor,
+}
+
+/// TRL's DPO losses over summed completion log-probabilities.
+pub struct DpoLoss {
+    losses: Vec<(LossType, f64)>,
+    beta: f64,
+    label_smoothing: f64,
+    chunk_tokens: i64,
+    kernels: Kernels,
+    softcap: Option<f64>,
+    /// The training micro-batches' figures since the last step's end.
+    metrics: Mutex<StepMetrics>,
+    /// The reference runs with every training micro-batch: LoRA's base
+    /// (`task.precompute_ref=false`); its log-probabilities of the batch
+    /// about to be trained, once the trainer gave them.
+    base_reference: Option<Mutex<Option<Tensor>>>,
+}
+
+/// Per-pair values: the loss (weighted sum over the loss types) and TRL's six figures.
+struct PairValues {
+    loss: Tensor,
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+}
+
+impl DpoLoss {
+    fn sequence_logps(&self, hidden: &Tensor, weight: &Tensor, batch: &Batch) -> Result<SequenceLogps> {
+        let tokens = lm_label_logps(hidden, weight, &batch.targets[LABELS], self.chunk_tokens, self.softcap)?;
+        let sequences = batch.targets[COMPLETION_TOKENS].size()[0];
+        let sums = Tensor::zeros([sequences], (Kind::Float, tokens.device())).index_add(0, &batch.targets[SEQUENCE_OF_TOKEN].reshape([-1]), &tokens.reshape([-1]));
+        Ok(SequenceLogps { tokens, sums })
+    }
+
+    /// TRL's `_compute_loss` from the sequences' summed log-probabilities
+    /// `logps` (chosen, then rejected), per pair; the `sft` term is the
+    /// batch's mean NLL over the chosen completions' tokens, counted per pair.
+    fn pair_values(&self, logps: &Tensor, token_logps: &Tensor, reference: &Tensor, batch: &Batch) -> Result<PairValues> {
+        let pairs = logps.size()[0] / 2;
+        let (chosen_logps, rejected_logps) = (logps.narrow(0, 0, pairs), logps.narrow(0, pairs, pairs));
+        let chosen_ratio = &chosen_logps - reference.narrow(0, 0, pairs);
+        let rejected_ratio = &rejected_logps - reference.narrow(0, pairs, pairs);
+        let delta = &chosen_ratio - &rejected_ratio;
+        let (beta, smoothing) = (self.beta, self.label_smoothing);
+        let counts = batch.targets[COMPLETION_TOKENS].clamp_min(1.0);
+        let per_token_delta = || &chosen_ratio / counts.narrow(0, 0, pairs) - &rejected_ratio / counts.narrow(0, pairs, pairs);
+        let mut loss = Tensor::zeros([pairs], (Kind::Float, logps.device()));
+        for &(loss_type, weight) in &self.losses {
+            let per_pair: Tensor = match loss_type {
+                LossType::Sigmoid => -(&delta * beta).log_sigmoid(),
+                LossType::Hinge => (-(&delta * beta) + 1.0).relu(),
+                LossType::Ipo => (per_token_delta() - 1.0 / (2.0 * beta)).square(),
+                LossType::ExoPair => {
+                    let (log_qw, log_ql) = ((&delta * beta).log_sigmoid(), (-(&delta * beta)).log_sigmoid());
+                    log_qw.exp() * (&log_qw - (-smoothing).ln_1p()) + log_ql.exp() * (&log_ql - smoothing.ln())
+                }
+                LossType::NcaPair => {
+                    let (chosen, rejected) = (&chosen_ratio * beta, &rejected_ratio * beta);
+                    -chosen.log_sigmoid() - (-&chosen).log_sigmoid() * 0.5 - (-rejected).log_sigmoid() * 0.5
+                }
+                LossType::Robust => {
+                    let clean = (&delta * beta).log_sigmoid() * -(1.0 - smoothing);
+                    let flipped = (-(&delta * beta)).log_sigmoid() * -smoothing;
+                    (clean - flipped) / (1.0 - 2.0 * smoothing)
+                }
+                LossType::BcoPair => -(&chosen_ratio * beta).log_sigmoid() - (-(&rejected_ratio * beta)).log_sigmoid(),
+                LossType::SppoHard => (&chosen_ratio - 0.5 / beta).square() + (&rejected_ratio + 0.5 / beta).square(),
+                LossType::ApoZero => -(&chosen_ratio * beta).sigmoid() + 1.0 + (&rejected_ratio * beta).sigmoid(),
+                LossType::ApoDown => (&chosen_ratio * beta).sigmoid() - (&delta * beta).sigmoid() + 1.0,
+                LossType::Sft => {
+                    // The chosen completions' tokens: those of sequences 0..pairs.
+                    let chosen_tokens = batch.targets[SEQUENCE_OF_TOKEN].lt(pairs).logical_and(&batch.targets[LABELS].ne(IGNORE_INDEX));
+                    let chosen_tokens = chosen_tokens.narrow(1, 1, chosen_tokens.size()[1] - 1).to_kind(Kind::Float);
+                    let shifted = token_logps.narrow(1, 1, token_logps.size()[1] - 1);
+                    let mean = -(shifted * &chosen_tokens).sum(Kind::Float) / chosen_tokens.sum(Kind::Float).clamp_min(1.0);
+                    mean.expand([pairs], false)
+                }
+                LossType::SigmoidNorm => -(per_token_delta() * beta).log_sigmoid(),
+            };
+            loss += per_pair * weight;
+        }
+        Ok(PairValues { loss, chosen_rewards: chosen_ratio.detach() * beta, rejected_rewards: rejected_ratio.detach() * beta, chosen_logps: chosen_logps.detach(), rejected_logps: rejected_logps.detach() })
+    }
+}
+
+/// The reference log-probabilities precomputed for `batch`.
+fn precomputed(batch: &Batch) -> Result<&Tensor> {
+    batch.targets.get(REFERENCE).context("the dpo task's batch has no precomputed reference log-probabilities")
+}
+
+/// TRL's six figures of `values`, summed over its pairs.
+fn metric_sums(values: &PairValues) -> StepMetrics {
+    let sum = |t: &Tensor| t.sum(Kind::Double).double_value(&[]);
+    let (chosen, rejected) = (&values.chosen_rewards, &values.rejected_rewards);
+    StepMetrics {
+        sums: BTreeMap::from([
+            ("rewards/chosen".to_string(), sum(chosen)),
+            ("rewards/rejected".to_string(), sum(rejected)),
+            ("rewards/accuracies".to_string(), sum(&chosen.gt_tensor(rejected))),
+            ("rewards/margins".to_string(), sum(&(chosen - rejected))),
+            ("logps/chosen".to_string(), sum(&values.chosen_logps)),
+            ("logps/rejected".to_string(), sum(&values.rejected_logps)),
+        ]),
+        count: chosen.size()[0] as f64,
+    }
+}
+
+impl Objective for DpoLoss {
+    fn loss_and_grads(&self, outputs: &[Tensor], batch: &Batch, normalizer: f64, loss_scale: Option<&Tensor>) -> Result<(Tensor, Vec<Tensor>)> {
+        let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+        let logps = self.sequence_logps(&hidden, &weight, batch)?;
+        // The loss of the summed log-probabilities and its gradient by autograd (a few numbers a pair) ...
+        let (sums, token_logps) = (logps.sums.detach().set_requires_grad(true), logps.tokens.detach().set_requires_grad(true));
+        let reference = match &self.base_reference {
+            Some(base) => base.lock().expect("reference lock").take().context("the trainer gave no base outputs before the loss")?,
+            None => precomputed(batch)?.shallow_clone(),
+        };
+        let values = tch::with_grad(|| self.pair_values(&sums, &token_logps, &reference, batch))?;
+        let loss = tch::with_grad(|| values.loss.sum(Kind::Float) / normalizer);
+        loss.backward();
+        // ... then through the head: each token's cross-entropy (its negated log-probability) weighed by that gradient, negated.
+        // A gradient is undefined where no loss type reads it (the sums under `sft` alone, the tokens without `sft`).
+        let owners = &batch.targets[SEQUENCE_OF_TOKEN];
+        let mut token_weights = owners.zeros_like().to_kind(Kind::Float);
+        if sums.grad().defined() {
+            token_weights -= sums.grad().index_select(0, &owners.reshape([-1])).view_as(owners);
+        }
+        if token_logps.grad().defined() {
+            token_weights -= token_logps.grad();
+        }
+        let weight_grad = weight.requires_grad();
+        let (_, grad_hidden, grad_weight) =
+            lm_head_weighted_loss_and_grads(&hidden, &weight, &batch.targets[LABELS], &token_weights, self.chunk_tokens, loss_scale, self.kernels, weight_grad, self.softcap)?;
+        self.metrics.lock().expect("metrics lock").add(metric_sums(&values));
+        Ok((loss.detach(), vec![grad_hidden, grad_weight]))
+    }
+
+    fn loss_sum(&self, outputs: &[Tensor], batch: &Batch) -> Result<(f64, f64)> {
+        let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+        let logps = self.sequence_logps(&hidden, &weight, batch)?;
+        let values = self.pair_values(&logps.sums, &logps.tokens, precomputed(batch)?, batch)?;
+        Ok((values.loss.sum(Kind::Double).double_value(&[]), values.loss.size()[0] as f64))
+    }
+
+    fn take_step_metrics(&self) -> StepMetrics {
+        std::mem::take(&mut *self.metrics.lock().expect("metrics lock"))
+    }
+
+    fn wants_base_outputs(&self) -> bool {
+        self.base_reference.is_some()
+    }
+
+    fn base_outputs(&self, outputs: &[Tensor], batch: &Batch) -> Result<()> {
+        if let Some(base) = &self.base_reference {
+            let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+            *base.lock().expect("reference lock") = Some(self.sequence_logps(&hidden, &weight, batch)?.sums);
+        }
+        Ok(())
+    }
+}
+
+/// The reference log-probabilities a run keeps, and what they are of.
+#[derive(Serialize, Deserialize)]
+struct ReferenceFile {
+    /// A hash of the pairs' tokens: a resume reuses the file only for the same pairs.
+    fingerprint: String,
+    train: Vec<[f64; 2]>,
+    eval: Vec<[f64; 2]>,
+}
+
+pub struct Dpo {
+    train: PairDataset,
+    eval: Option<PairDataset>,
+    objective: DpoLoss,
+    batch_size: usize,
+}
+
+impl Dpo {
+    /// Each pair's summed chosen and rejected log-probabilities under
+    /// `params` (each rank its share, in batches, gathered on every rank).
+    fn logps(&self, data: &PairDataset, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Vec<[f64; 2]>> {
+        let _no_grad = tch::no_grad_guard();
+        let mine = task::rank_share(comm, data.len());
+        let mut logps = vec![];
+        for indices in mine.chunks(self.batch_size.max(1)) {
+            let batch = data.collate(indices, comm.device())?;
+            let ctx = model.context(&batch.inputs, 0, dtype, false)?;
+            let (hidden, weight) = lm_outputs(model::forward(model, params, &batch.inputs, &ctx, None))?;
+            let sums: Vec<f64> = Vec::try_from(self.objective.sequence_logps(&hidden, &weight, &batch)?.sums.to_kind(Kind::Double))?;
+            let pairs = indices.len();
+            logps.extend(indices.iter().enumerate().map(|(k, &i)| (i, [sums[k], sums[pairs + k]])));
+        }
+        let mut all = vec![[0.0; 2]; data.len()];
+        for (i, pair) in task::all_gather_json(comm, &logps)?.into_iter().flatten() {
+            all[i] = pair;
+        }
+        Ok(all)
+    }
+
+    fn fingerprint(&self) -> String {
+        let mut hasher = fnv::FnvHasher::default();
+        for pair in self.train.pairs.iter().chain(self.eval.iter().flat_map(|e| &e.pairs)) {
+            for sequence in [&pair.chosen, &pair.rejected] {
+                (&sequence.ids, sequence.completion_start).hash(&mut hasher);
+            }
+        }
+        format!("{:016x}", hasher.finish())
+    }
+
+    /// The file a resumed run reuses, if it holds these pairs' log-probabilities.
+    fn kept_reference(&self, path: &Path, fingerprint: &str) -> Option<ReferenceFile> {
+        let kept: ReferenceFile = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+        let train = if self.objective.base_reference.is_some() { 0 } else { self.train.len() };
+        (kept.fingerprint == fingerprint && kept.train.len() == train && kept.eval.len() == self.eval.as_ref().map_or(0, |e| e.len())).then_some(kept)
+    }
+}
+
+impl Task for Dpo {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn train_set(&self) -> &dyn Dataset {
+        &self.train
+    }
+
+    fn eval_set(&self) -> Option<&dyn Dataset> {
+        self.eval.as_ref().map(|d| d as &dyn Dataset)
+    }
+
+    fn objective(&self) -> &dyn Objective {
+        &self.objective
+    }
+
+    /// TRL's six figures over the evaluation pairs (the loss is the loop's).
+    fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
+        let Some(data) = &self.eval else { return Ok(Scores::default()) };
+        let _no_grad = tch::no_grad_guard();
+        let mut mine = StepMetrics::default();
+        for indices in task::rank_share(comm, data.len()).chunks(self.batch_size.max(1)) {
+            let batch = data.collate(indices, comm.device())?;
+            let ctx = model.context(&batch.inputs, 0, dtype, false)?;
+            let (hidden, weight) = lm_outputs(model::forward(model, params, &batch.inputs, &ctx, None))?;
+            let logps = self.objective.sequence_logps(&hidden, &weight, &batch)?;
+            mine.add(metric_sums(&self.objective.pair_values(&logps.sums, &logps.tokens, precomputed(&batch)?, &batch)?));
+        }
+        let mut local = vec![mine.count];
+        local.extend(mine.sums.values());
+        let summed = comm.sum_over_ranks(&local)?;
+        let values = mine.sums.keys().zip(&summed[1..]).map(|(name, sum)| (name.clone(), sum / summed[0].max(1.0))).collect();
+        Ok(Scores { values, examples: summed[0] as usize })
+    }
+
+    fn write_predictions(&self, _dir: &Path) -> Result<Vec<String>> {
+        Ok(vec![])
+    }
+
+    /// The reference log-probabilities (of the evaluation pairs alone when
+    /// LoRA's base runs with every step): those the run kept when it
+    /// resumes with the same pairs, else computed from the starting weights and kept.
+    fn before_training(&mut self, start: &Start) -> Result<()> {
+        let path = start.output.join(REFERENCE_FILE);
+        let fingerprint = self.fingerprint();
+        let kept = if start.resuming { self.kept_reference(&path, &fingerprint) } else { None };
+        // Every rank must take the same branch: rank 0's view of the file decides.
+        let reuse = start.comm.sum_over_ranks(&[if start.comm.env().rank == 0 && kept.is_some() { 1.0 } else { 0.0 }])?[0] > 0.0;
+        let reference = match (reuse, kept) {
+            (true, Some(kept)) => kept,
+            (true, None) => bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display()),
+            (false, _) => {
+                let started = std::time::Instant::now();
+                // With LoRA's base run at every step, only the evaluation pairs need theirs now.
+                let train = match self.objective.base_reference {
+                    None => self.logps(&self.train, start.model, start.params, start.dtype, start.comm)?,
+                    Some(_) => vec![],
+                };
+                let eval = match &self.eval {
+                    Some(eval) => self.logps(eval, start.model, start.params, start.dtype, start.comm)?,
+                    None => vec![],
+                };
+                let computed = ReferenceFile { fingerprint, train, eval };
+                if start.comm.env().rank == 0 {
+                    std::fs::create_dir_all(start.output)?;
+                    std::fs::write(&path, serde_json::to_vec(&computed)?).with_context(|| format!("cannot write {}", path.display()))?;
+                    tracing::info!(
+                        "reference log-probabilities of {} training and {} evaluation pairs computed in {:.1} s, kept in {}",
+                        computed.train.len(),
+                        computed.eval.len(),
+                        started.elapsed().as_secs_f64(),
+                        path.display()
+                    );
+                }
+                computed
+            }
+        };
+        if reuse && start.comm.env().rank == 0 {
+            tracing::info!("reference log-probabilities reused from {}", path.display());
+        }
+        if self.objective.base_reference.is_none() {
+            self.train.reference = Some(reference.train);
+        }
+        if let Some(eval) = &mut self.eval {
+            eval.reference = Some(reference.eval);
+        }
+        Ok(())
+    }
+}
+
+fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn Model) -> Result<DpoLoss> {
+    Ok(DpoLoss {
+        losses: options.losses()?,
+        beta: options.beta,
+        label_smoothing: options.label_smoothing,
+        chunk_tokens,
+        kernels: Kernels::select(device),
+        softcap: model.logit_softcap(),
+        metrics: Mutex::new(StepMetrics::default()),
+        base_reference: (!options.precompute_ref).then(|| Mutex::new(None)),
+    })
+}
+
+fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
+    task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
+    task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
+    let options = Options::read(&serde_json::Value::Object(inputs.config.task.options.clone()))?;
+    if !options.precompute_ref && inputs.model.adapter_scaling().is_none() {
+        bail!(
+            "task.precompute_ref=false runs the reference with every step as LoRA's base (its adapters off), and this run has no adapters (--lora-r); \
+             a frozen copy of the whole model is not available yet: leave task.precompute_ref at true"
+        );
+    }
+    let data = &inputs.config.data;
+    if !data.mixture.is_empty() {
+        bail!("the dpo task reads one training file (data.train); data.mixture is not available for preference pairs yet");
+    }
+    if data.packing {
+        bail!("data.packing does not apply to the dpo task: its pairs are packed with task.padding_free (the default)");
+    }
+    let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
+    let pad_id = lm::pad_id(&tokenizer);
+    let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 }).max(1);
+    let truncation = options.truncation_mode.unwrap_or(if data.truncate { Truncation::KeepStart } else { Truncation::Skip });
+    let tokenizer_dir = inputs.tokenizer.parent().unwrap_or(Path::new("."));
+    let load = |path: &Path, training: bool| -> Result<PairDataset> {
+        let load_options = preference::LoadOptions {
+            max_length: data.max_seq_len,
+            truncation,
+            range: if training { data.range } else { None },
+            limit: if training { data.train_samples } else { data.eval_samples },
+            tokenizer_dir,
+            chat_template: data.chat_template.as_deref(),
+            split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+            columns: &data.columns,
+        };
+        let pairs = preference::load(path, &tokenizer, &load_options)?;
+        // A packed row holds a pair's two sequences of at most max_seq_len each.
+        let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
+        Ok(PairDataset { pairs, reference: None, pad_id, pad_multiple, packed_rows })
+    };
+    let Some(train_path) = &data.train else {
+        bail!("the dpo task trains on a file of preference pairs (--train-file); `ft eval` of preference pairs alone (it needs the reference model's log-probabilities) is not available yet")
+    };
+    let train = load(train_path, true)?;
+    let eval = data.eval.as_deref().map(|path| load(path, false)).transpose()?;
+    Ok(Box::new(Dpo {
+        train,
+        eval,
+        objective: objective(&options, inputs.config.train.loss_chunk_tokens, inputs.device, inputs.model)?,
+        batch_size: inputs.config.train.eval_batch_size,
+    }))
+}
+
+/// Random pairs (a shared prompt, then two completions, of `seq` tokens
+/// each), the reference at 0: what `ft bench` times a step with.
+fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
+    tch::manual_seed(spec.seed);
+    let ids = Tensor::randint(spec.model.dims().vocab, [2 * spec.examples as i64, spec.seq], (Kind::Int64, Device::Cpu));
+    let rows: Vec<Vec<i64>> = Vec::try_from(ids)?;
+    let prompt = (spec.seq / 2) as usize;
+    let pairs = rows
+        .chunks(2)
+        .map(|two| {
+            let rejected: Vec<i64> = two[0][..prompt].iter().chain(&two[1][prompt..]).copied().collect();
+            Pair { chosen: Sequence { ids: two[0].clone(), completion_start: prompt }, rejected: Sequence { ids: rejected, completion_start: prompt } }
+        })
+        .collect::<Vec<_>>();
+    let reference = Some(vec![[0.0; 2]; pairs.len()]);
+    Ok(Box::new(Dpo {
+        train: PairDataset { pairs, reference, pad_id: 0, pad_multiple: 1, packed_rows: Some(2 * spec.seq as usize) },
+        eval: None,
+        objective: objective(&Options::default(), spec.loss_chunk_tokens, spec.device, spec.model)?,
+        batch_size: 1,
+    }))
+}
+
+inventory::submit! {
+    TaskRegistration {
+        name: NAME,
+        summary: "preference tuning of a causal LM: DPO and TRL's other pairwise losses over chosen/rejected pairs, the reference precomputed",
+        head_kind: head::CAUSAL_LM,
+        build,
+        synthetic,
+        check_options: |value| Options::read(value).map(drop),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(prompt: &[i64], chosen: &[i64], rejected: &[i64]) -> Pair {
+        let sequence = |completion: &[i64]| Sequence { ids: [prompt, completion].concat(), completion_start: prompt.len() };
+        Pair { chosen: sequence(chosen), rejected: sequence(rejected) }
+    }
+
+    #[test]
+    fn padded_rows_are_trls_batch_and_packed_rows_keep_each_pair_together() {
+        let pairs = vec![pair(&[1, 2], &[3], &[4, 5]), pair(&[6], &[7, 8], &[9])];
+        let mut data = PairDataset { pairs, reference: Some(vec![[-1.0, -2.0], [-3.0, -4.0]]), pad_id: 0, pad_multiple: 1, packed_rows: None };
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        let rows = |t: &Tensor| Vec::<Vec<i64>>::try_from(t).unwrap();
+        assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 0], vec![6, 7, 8, 0], vec![1, 2, 4, 5], vec![6, 9, 0, 0]]);
+        assert_eq!(rows(&batch.targets[LABELS]), vec![vec![-100, -100, 3, -100], vec![-100, 7, 8, -100], vec![-100, -100, 4, 5], vec![-100, 9, -100, -100]]);
+        assert_eq!(Vec::<f32>::try_from(&batch.targets[REFERENCE]).unwrap(), vec![-1.0, -3.0, -2.0, -4.0]);
+        data.packed_rows = Some(6);
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 1, 2, 4, 5], vec![6, 7, 8, 6, 9, 0, 0]]);
+        assert_eq!(rows(&batch.targets[SEQUENCE_OF_TOKEN]), vec![vec![0, 0, 0, 2, 2, 2, 2], vec![1, 1, 1, 3, 3, 0, 0]]);
+        assert_eq!(rows(batch.inputs.documents.as_ref().unwrap()), vec![vec![0, 0, 0, 1, 1, 1, 1], vec![0, 0, 0, 1, 1, 2, 2]]);
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        for (options, expected) in [
+            (serde_json::json!({"loss_type": "simpo"}), "unknown variant `simpo`, expected one of `sigmoid`"),
+            (serde_json::json!({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}), "1 weights for the 2 loss types"),
+            (serde_json::json!({"loss_type": "robust", "label_smoothing": 0.5}), "task.label_smoothing must be in [0, 0.5)"),
+            (serde_json::json!({"bet": 0.1}), "unknown field `bet`"),
+        ] {
+            let err = Options::read(&options).unwrap_err().to_string();
+            assert!(err.contains(expected), "{options}: {err}");
+        }
+    }
+}

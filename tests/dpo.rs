@@ -1,0 +1,317 @@
+//! The `dpo` task against TRL 1.16's DPOTrainer (tests/python/dpo_reference.py):
+//! on a random tiny Llama with GPT-2's tokenizer and the Llama 3 chat
+//! template (f32, CPU), every loss type's loss, gradient norm and TRL's six
+//! figures (`rewards/*`, `logps/*`) equal TRL's at each of two steps to
+//! 1e-5 (relative above 1), for standard, conversational and implicit-prompt
+//! pairs, a list of losses with weights, and TRL's `keep_end` truncation,
+//! and so do the evaluation's loss and figures on an evaluation file;
+//! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; LoRA's
+//! base run with every step equals the precomputed reference; a resumed run
+//! reuses its reference log-probabilities; Parquet, Arrow and JSON arrays
+//! give the pairs JSON lines give; bad preference rows are errors naming the
+//! file and line.
+
+mod common;
+
+use common::{ft, shared, text};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// TRL's default β, which every run here keeps.
+const BETA: f64 = 0.1;
+
+const FIGURES: [&str; 8] = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"];
+
+/// A random tiny Llama in `dir`/model with GPT-2's tokens and Llama 3's chat template and special tokens.
+fn tiny_llama(dir: &Path) -> PathBuf {
+    let model = dir.join("model");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
+    let output = ft()
+        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
+        .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
+    let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja");
+    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+    let output = Command::new("python")
+        .arg(&script)
+        .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    model
+}
+
+fn message(role: &str, content: &str) -> Value {
+    json!({"role": role, "content": content})
+}
+
+/// Writes `rows` as JSON lines to `dir`/`name`.
+fn jsonl(dir: &Path, name: &str, rows: &[Value]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, rows.iter().map(|row| row.to_string() + "\n").collect::<String>()).unwrap();
+    path
+}
+
+/// Four pairs of each format: standard strings, conversations with their prompt, and conversations sharing it.
+fn preference_files(dir: &Path) -> [PathBuf; 3] {
+    let standard = [
+        ("The capital of France is", " Paris.", " Berlin, which is in Germany."),
+        ("Two plus two equals", " four.", " five"),
+        ("The sky is", " blue on a clear day.", " green."),
+        ("Water boils at", " 100 degrees Celsius at sea level.", " 50 degrees."),
+    ];
+    let standard: Vec<Value> = standard.iter().map(|(p, c, r)| json!({"prompt": p, "chosen": c, "rejected": r})).collect();
+    let turns = [
+        (vec![message("user", "What is the capital of France?")], "Paris.", "Berlin, I think."),
+        (vec![message("system", "Be brief."), message("user", "2+2?")], "4", "It is five."),
+        (vec![message("user", "Capital of Italy?")], "Rome.", "Milan, surely."),
+        (vec![message("user", "Opposite of hot?")], "Cold.", "Warm-ish."),
+    ];
+    let conversational: Vec<Value> =
+        turns.iter().map(|(prompt, c, r)| json!({"prompt": prompt, "chosen": [message("assistant", c)], "rejected": [message("assistant", r)]})).collect();
+    let implicit: Vec<Value> = turns
+        .iter()
+        .map(|(prompt, c, r)| {
+            let whole = |answer: &str| [prompt.clone(), vec![message("assistant", answer)]].concat();
+            json!({"chosen": whole(c), "rejected": whole(r)})
+        })
+        .collect();
+    [jsonl(dir, "standard.jsonl", &standard), jsonl(dir, "conversational.jsonl", &conversational), jsonl(dir, "implicit.jsonl", &implicit)]
+}
+
+/// A training run's logged steps (the records with a loss).
+fn steps(out: &Path) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    metrics.lines().map(|line| serde_json::from_str::<Value>(line).unwrap()).filter(|record| record.get("loss").is_some()).collect()
+}
+
+/// A training run's evaluations (the records with an `eval_loss`).
+fn evaluations(out: &Path) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    metrics.lines().map(|line| serde_json::from_str::<Value>(line).unwrap()).filter(|record| record.get("eval_loss").is_some()).collect()
+}
+
+/// `ft train --task dpo` on `data` from `model`: 4 pairs a step, 2 steps,
+/// the learning rate constant, with `extra` flags; the run's directory.
+fn train(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    ft().args(["train", "--task", "dpo", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--device", "cpu"])
+        .args(["--batch-size", "4", "--max-steps", "2", "--lr", "1e-2", "--set", "train.schedule=constant", "--report-to", "jsonl"])
+        .args(["--output-dir", out.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// Every figure of every step equal to 1e-5 (relative above 1); a reward,
+/// β times a difference of two log-probabilities, to 1e-5 of those.
+fn assert_equal_steps(ours: &[Value], theirs: &[Value], what: &str) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: steps {ours:?} vs {theirs:?}");
+    for (step, (ours, theirs)) in ours.iter().zip(theirs).enumerate() {
+        assert_equal_figures(ours, theirs, "", &format!("{what}, step {}", step + 1));
+    }
+}
+
+/// [`assert_equal_steps`] for one record, its keys named with `prefix` (evaluations': `eval_`).
+fn assert_equal_figures(ours: &Value, theirs: &Value, prefix: &str, what: &str) {
+    let figure = |record: &Value, key: &str| record[format!("{prefix}{key}")].as_f64().unwrap_or_else(|| panic!("{what}: no {prefix}{key} in {record}"));
+    let logps = figure(theirs, "logps/chosen").abs().max(figure(theirs, "logps/rejected").abs());
+    for key in FIGURES.iter().filter(|key| prefix.is_empty() || **key != "grad_norm") {
+        let (a, b) = (figure(ours, key), figure(theirs, key));
+        let scale = if key.starts_with("rewards/") && *key != "rewards/accuracies" { BETA * logps } else { b.abs() };
+        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}: {prefix}{key} {a} vs {b}");
+    }
+}
+
+#[test]
+fn every_loss_equals_trls_dpo_trainer_in_every_format() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    let [standard, conversational, implicit] = preference_files(dir.path());
+    // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode, evaluation file)
+    let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str, Option<&Path>)> = vec![];
+    for loss in ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "sft", "sigmoid_norm"] {
+        let smoothing = match loss {
+            "robust" => 0.1,
+            "exo_pair" => 1e-3,
+            _ => 0.0,
+        };
+        cases.push((&standard, vec![loss], None, smoothing, 64, "keep_start", None));
+    }
+    // Evaluated after each step (each an epoch) on the implicit-prompt pairs.
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit)));
+    cases.push((&conversational, vec!["ipo", "sft"], Some(vec![1.0, 0.5]), 0.0, 64, "keep_start", None));
+    cases.push((&implicit, vec!["sigmoid"], None, 0.0, 64, "keep_start", None));
+    // Cut to their last 12 tokens (each prompt shortened from the left).
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end", None));
+    let references: Vec<Value> = cases
+        .iter()
+        .map(|(data, losses, weights, smoothing, max_length, truncation, eval)| {
+            json!({"model": model, "data": data, "loss_type": losses, "loss_weights": weights, "beta": BETA, "label_smoothing": smoothing,
+                   "max_length": max_length, "truncation_mode": truncation, "batch_size": 4, "steps": 2, "lr": 1e-2, "eval": eval})
+        })
+        .collect();
+    let cases_file = dir.path().join("cases.json");
+    std::fs::write(&cases_file, serde_json::to_string(&references).unwrap()).unwrap();
+    let trl_out = dir.path().join("trl.json");
+    // TRL trains in the background while ft does.
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/dpo_reference.py");
+    let trl = Command::new("python").arg(&script).args(["run", cases_file.to_str().unwrap(), trl_out.to_str().unwrap()]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+
+    let mut ours = vec![];
+    let mut our_evals = vec![];
+    for (i, (data, losses, weights, smoothing, max_length, truncation, eval)) in cases.iter().enumerate() {
+        let out = dir.path().join(format!("run{i}"));
+        let mut flags = vec![
+            "--max-seq-len".to_string(),
+            max_length.to_string(),
+            "--set".to_string(),
+            format!("task.loss_type={}", json!(losses)),
+            "--set".to_string(),
+            format!("task.label_smoothing={smoothing}"),
+            "--set".to_string(),
+            format!("task.truncation_mode={truncation}"),
+        ];
+        if let Some(weights) = weights {
+            flags.extend(["--set".to_string(), format!("task.loss_weights={}", json!(weights))]);
+        }
+        if let Some(eval) = eval {
+            flags.extend(["--eval-file".to_string(), eval.display().to_string()]);
+        }
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let output = train(&model, data, &out, &flags);
+        assert!(output.status.success(), "{losses:?} on {}: {}", data.display(), text(&output));
+        ours.push(steps(&out));
+        our_evals.push(evaluations(&out));
+    }
+    // Padded pairs (TRL's batch) give what the padding-free rows give.
+    let padded = dir.path().join("padded");
+    let output = train(&model, &conversational, &padded, &["--max-seq-len", "64", "--set", "task.padding_free=false", "--set", "data.truncate=true"]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert_equal_steps(&steps(&padded), &ours[cases.len() - 4], "padded vs padding-free");
+
+    let trl = trl.wait_with_output().unwrap();
+    assert!(trl.status.success(), "dpo_reference.py: {}", text(&trl));
+    let theirs: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&trl_out).unwrap()).unwrap();
+    for (((case, ours), our_evals), theirs) in cases.iter().zip(&ours).zip(&our_evals).zip(&theirs) {
+        let what = format!("{:?} on {} ({} {})", case.1, case.0.display(), case.4, case.5);
+        assert_equal_steps(ours, theirs["train"].as_array().unwrap(), &what);
+        let their_evals = theirs["eval"].as_array().unwrap();
+        assert_eq!(our_evals.len(), their_evals.len(), "{what}: evaluations {our_evals:?} vs {their_evals:?}");
+        for (a, b) in our_evals.iter().zip(their_evals) {
+            assert_equal_figures(a, b, "eval_", &format!("{what}, evaluation"));
+        }
+    }
+    assert_eq!(our_evals[12].len(), 2, "the evaluated case: {our_evals:?}");
+    // The figures move: the second step's rewards are not the first's zeros.
+    assert!(ours[0][1]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{:?}", ours[0]);
+}
+
+/// 2 ranks over Gloo (2 pairs each) train as 1 rank (4 pairs) does; with
+/// LoRA, the base run with every step (adapters off) as the reference
+/// equals the precomputed reference; a run resumed from its checkpoint
+/// reuses the reference log-probabilities it kept and continues as the
+/// uninterrupted run.
+#[test]
+fn two_ranks_equal_one_lora_base_equals_precomputed_and_a_resume_reuses_the_reference() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    let [standard, ..] = preference_files(dir.path());
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let output = train(&model, &standard, &out, &[&["--max-seq-len", "64"], extra].concat());
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        (steps(&out), text(&output))
+    };
+    let (one, _) = run("one", &["--nproc-per-node", "1", "--max-steps", "3"]);
+    let (two, _) = run("two", &["--nproc-per-node", "2", "--batch-size", "2", "--max-steps", "3"]);
+    assert_equal_steps(&two, &one, "2 ranks vs 1");
+    // LoRA: the reference precomputed from the starting weights (the base: the adapters start at zero) on 1 rank
+    // equals the base run with every step (adapters off) on 2 ranks under full_shard.
+    let lora = ["--lora-r", "4", "--max-steps", "3"];
+    let (precomputed, _) = run("lora-precomputed", &[&lora[..], &["--nproc-per-node", "1"]].concat());
+    let (base, _) = run("lora-base", &[&lora[..], &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--set", "task.precompute_ref=false"]].concat());
+    assert_equal_steps(&base, &precomputed, "LoRA's base at every step vs precomputed");
+    assert!(precomputed[2]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{precomputed:?}");
+    let (first, _) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "2"]);
+    assert_eq!(first.len(), 2);
+    let (resumed, log) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "3", "--resume", "latest"]);
+    assert!(log.contains("reference log-probabilities reused from"), "{log}");
+    assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "resumed vs uninterrupted");
+}
+
+/// A row without `rejected`, with an empty completion, or whose prompt the
+/// chat template cannot render is an error naming the file and line; the
+/// task's keys are checked before any work.
+#[test]
+fn bad_preference_rows_are_errors_naming_the_file_and_line() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    let good = json!({"prompt": "Hi", "chosen": " there", "rejected": " no"});
+    // Mistral's template refuses two user turns in a row.
+    let mistral = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/mistral.jinja");
+    let cases = [
+        (json!({"prompt": "Hi", "chosen": " there"}), vec![], "line 2: no \"rejected\""),
+        (json!({"prompt": "Hi", "chosen": "", "rejected": " no"}), vec![], "line 2: \"chosen\" is an empty completion"),
+        (
+            json!({"prompt": [message("user", "a"), message("user", "b")], "chosen": [message("assistant", "c")], "rejected": [message("assistant", "d")]}),
+            vec!["--chat-template", mistral.to_str().unwrap()],
+            "line 2: the chat template cannot render the prompt: invalid operation: Conversation roles must alternate",
+        ),
+        (good.clone(), vec!["--set", "task.loss_type=simpo"], "unknown variant `simpo`"),
+        (good.clone(), vec!["--set", "task.precompute_ref=false"], "this run has no adapters (--lora-r)"),
+    ];
+    for (i, (bad, extra, expected)) in cases.into_iter().enumerate() {
+        let data = jsonl(dir.path(), &format!("bad{i}.jsonl"), &[good.clone(), bad]);
+        let output = train(&model, &data, &dir.path().join(format!("run{i}")), &extra);
+        let log = text(&output);
+        assert!(!output.status.success() && log.contains(expected) && !log.contains("panicked"), "{expected}: {log}");
+        if i < 3 {
+            assert!(log.contains(&format!("bad{i}.jsonl {expected}")), "the file is named: {log}");
+        }
+    }
+}
+
+/// Preference pairs read from every source — Parquet and Arrow as
+/// `datasets` writes them (tests/python/data_sources.py), a JSON array —
+/// are those of the JSON lines: the same reference log-probabilities; and
+/// `data.range` takes the file's pairs in order.
+#[test]
+fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    let [_, conversational, _] = preference_files(dir.path());
+    let written = dir.path().join("written");
+    std::fs::create_dir(&written).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/data_sources.py");
+    let output = Command::new("python").arg(&script).args(["write", conversational.to_str().unwrap(), written.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let reference = |name: &str, data: &Path, extra: &[&str]| -> Value {
+        let out = dir.path().join(name);
+        let output = train(&model, data, &out, &[&["--max-seq-len", "64", "--max-steps", "1", "--batch-size", "2"], extra].concat());
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        serde_json::from_str(&std::fs::read_to_string(out.join("reference_logps.json")).unwrap()).unwrap()
+    };
+    let lines = reference("jsonl", &conversational, &[]);
+    assert_eq!(lines["train"].as_array().unwrap().len(), 4);
+    for source in ["rows.parquet", "saved", "rows.json"] {
+        assert_eq!(reference(source, &written.join(source), &[]), lines, "{source}");
+    }
+    let range = reference("range", &conversational, &["--set", "data.range=1:3"]);
+    assert_eq!(range["train"].as_array().unwrap()[..], lines["train"].as_array().unwrap()[1..3]);
+}
