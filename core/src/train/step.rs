@@ -95,7 +95,7 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage });
+            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage }, self.options.float8);
             match stage.kind {
                 StageKind::Embed => x = Some(model.embed(&params, &batch.inputs, &ctx)),
                 StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
