@@ -68,7 +68,8 @@ impl StepMetrics {
 /// What a task may prepare before the first step (`Task::before_training`).
 pub struct Start<'a> {
     pub model: &'a dyn Model,
-    /// The starting parameters, whole on every rank, in the compute dtype.
+    /// The starting parameters, whole on every rank, as loaded (fp32 masters
+    /// under bf16: a task computing with them casts them to `dtype`).
     pub params: &'a [Vec<Tensor>],
     pub dtype: Kind,
     pub comm: &'a Communicator,

@@ -517,13 +517,15 @@ impl Task for Dpo {
             (true, None) => bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display()),
             (false, _) => {
                 let started = std::time::Instant::now();
+                // The reference computes as the steps will: with the parameters in the compute dtype.
+                let params: Vec<Vec<Tensor>> = start.params.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
                 // With LoRA's base run at every step, only the evaluation pairs need theirs now.
                 let train = match self.objective.base_reference {
-                    None => self.logps(&self.train, start.model, start.params, start.dtype, start.comm)?,
+                    None => self.logps(&self.train, start.model, &params, start.dtype, start.comm)?,
                     Some(_) => vec![],
                 };
                 let eval = match &self.eval {
-                    Some(eval) => self.logps(eval, start.model, start.params, start.dtype, start.comm)?,
+                    Some(eval) => self.logps(eval, start.model, &params, start.dtype, start.comm)?,
                     None => vec![],
                 };
                 let computed = ReferenceFile { fingerprint, train, eval };
