@@ -345,15 +345,7 @@ fn softcapped_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor
 
 impl Model for Gemma {
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
-        &[
-            ("q", &["self_attn.q_proj"]),
-            ("k", &["self_attn.k_proj"]),
-            ("v", &["self_attn.v_proj"]),
-            ("o", &["self_attn.o_proj"]),
-            ("gate", &["mlp.gate_proj"]),
-            ("up", &["mlp.up_proj"]),
-            ("down", &["mlp.down_proj"]),
-        ]
+        crate::llama::PROJECTIONS
     }
     fn layout(&self) -> &Layout {
         &self.layout

@@ -546,20 +546,24 @@ impl Llama {
     }
 }
 
+/// LoRA's short names for the projections of a block with separate q, k,
+/// v and gate, up (Llama's, and Gemma's, whose blocks name them alike).
+pub(crate) const PROJECTIONS: &[(&str, &[&str])] = &[
+    ("q", &["self_attn.q_proj"]),
+    ("k", &["self_attn.k_proj"]),
+    ("v", &["self_attn.v_proj"]),
+    ("o", &["self_attn.o_proj"]),
+    ("gate", &["mlp.gate_proj"]),
+    ("up", &["mlp.up_proj"]),
+    ("down", &["mlp.down_proj"]),
+];
+
 impl Model for Llama {
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
         if self.variant.fused {
             return &[("qkv", &["self_attn.qkv_proj"]), ("o", &["self_attn.o_proj"]), ("gate_up", &["mlp.gate_up_proj"]), ("down", &["mlp.down_proj"])];
         }
-        &[
-            ("q", &["self_attn.q_proj"]),
-            ("k", &["self_attn.k_proj"]),
-            ("v", &["self_attn.v_proj"]),
-            ("o", &["self_attn.o_proj"]),
-            ("gate", &["mlp.gate_proj"]),
-            ("up", &["mlp.up_proj"]),
-            ("down", &["mlp.down_proj"]),
-        ]
+        PROJECTIONS
     }
     fn layout(&self) -> &Layout {
         &self.layout
