@@ -23,28 +23,11 @@ pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, so
 
 /// The summed next-token cross-entropy and the number of target tokens.
 pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
-    let (batch, seq, dim) = hidden.size3()?;
-    if labels.size() != [batch, seq] {
-        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
-    }
-    let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
-    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
+    let (chunks, targets) = logit_chunks(hidden, weight, labels, chunk, softcap)?;
     let count = targets.ne(IGNORE_INDEX).sum(Kind::Float);
-    let tokens = targets.size()[0];
     let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
-    let mut start = 0;
-    while start < tokens {
-        let len = chunk.min(tokens - start);
-        let logits = softcapped(hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float), softcap);
-        let sum = logits.cross_entropy_loss::<Tensor>(
-            &targets.narrow(0, start, len),
-            None,
-            tch::Reduction::Sum,
-            IGNORE_INDEX,
-            0.0,
-        );
-        total += sum;
-        start += len;
+    for (logits, target) in chunks {
+        total += logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Sum, IGNORE_INDEX, 0.0);
     }
     Ok((total, count))
 }
@@ -55,6 +38,28 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
 /// `chunk` tokens at a time, in fp32 only for the chunk.
 pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
+    let (batch, seq, _) = hidden.size3()?;
+    let (chunks, _) = logit_chunks(hidden, weight, labels, chunk, softcap)?;
+    let parts: Vec<Tensor> = chunks
+        .map(|(logits, target)| {
+            let picked = logits.log_softmax(-1, Kind::Float).gather(1, &target.clamp_min(0).unsqueeze(1), false).squeeze_dim(1);
+            picked * target.ne(IGNORE_INDEX).to_kind(Kind::Float)
+        })
+        .collect();
+    let logps = Tensor::cat(&parts, 0).view([batch, seq - 1]);
+    Ok(Tensor::cat(&[logps.zeros_like().narrow(1, 0, 1), logps], 1))
+}
+
+/// The next-token targets (`labels` shifted, flattened) and, `chunk` tokens
+/// at a time, the chunk's fp32 logits (soft-capped as the model caps them)
+/// with its targets: the one walk both losses above take over the head.
+fn logit_chunks<'a>(
+    hidden: &Tensor,
+    weight: &'a Tensor,
+    labels: &Tensor,
+    chunk: i64,
+    softcap: Option<f64>,
+) -> Result<(impl Iterator<Item = (Tensor, Tensor)> + 'a, Tensor)> {
     let (batch, seq, dim) = hidden.size3()?;
     if labels.size() != [batch, seq] {
         bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
@@ -62,18 +67,13 @@ pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: 
     let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
     let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
     let tokens = targets.size()[0];
-    let mut parts = vec![];
-    let mut start = 0;
-    while start < tokens {
+    let chunk_targets = targets.shallow_clone();
+    let chunks = (0..tokens).step_by(chunk.max(1) as usize).map(move |start| {
         let len = chunk.min(tokens - start);
-        let target = targets.narrow(0, start, len);
         let logits = softcapped(hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float), softcap);
-        let picked = logits.log_softmax(-1, Kind::Float).gather(1, &target.clamp_min(0).unsqueeze(1), false).squeeze_dim(1);
-        parts.push(picked * target.ne(IGNORE_INDEX).to_kind(Kind::Float));
-        start += len;
-    }
-    let logps = Tensor::cat(&parts, 0).view([batch, seq - 1]);
-    Ok(Tensor::cat(&[logps.zeros_like().narrow(1, 0, 1), logps], 1))
+        (logits, chunk_targets.narrow(0, start, len))
+    });
+    Ok((chunks, targets))
 }
 
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
