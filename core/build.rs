@@ -23,8 +23,11 @@ fn main() {
     println!("cargo:rustc-env=FT_RUSTC_VERSION={version}");
 
     // ft-core's workspace (the one its `.workspace = true` dependencies come
-    // from), wherever the crate depending on it is built.
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    // from), wherever the crate depending on it is built. Read when the
+    // script runs, not when it was compiled: a build directory moved with
+    // its compiled script still finds the workspace it now builds.
+    let dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for build scripts");
+    let manifest = Path::new(&dir).join("../Cargo.toml");
     println!("cargo:rerun-if-changed={}", manifest.display());
     let text = std::fs::read_to_string(&manifest).unwrap_or_else(|e| panic!("cannot read {}: {e}", manifest.display()));
     let pinned = SHARED_CRATES.map(|name| match pinned_version(&text, name) {
