@@ -67,7 +67,8 @@ fn params_difference(a: &Path, b: &Path) -> f64 {
 #[test]
 fn an_out_of_tree_identity_hook_equals_the_builtin_collectives_bit_for_bit() {
     let scratch = tempfile::tempdir().unwrap();
-    for ranks in [2, 3] {
+    // Three ranks, whose shards are uneven; `ft plugin check` (below) runs the hook at two.
+    for ranks in [3] {
         for strategy in ["ddp", "full_shard"] {
             let builtin = train(scratch.path(), &format!("{strategy}-{ranks}"), ranks, &["--strategy", strategy]);
             let hooked = train(scratch.path(), &format!("{strategy}-{ranks}-identity"), ranks, &["--strategy", strategy, "--comm", "identity"]);

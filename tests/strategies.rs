@@ -201,7 +201,9 @@ fn every_strategy_equals_the_baseline(workload: Workload) {
     let baseline = train(workload, scratch.path(), "baseline", 1, &[]);
     let mut held: HashMap<String, Value> = HashMap::new();
     for ranks in [2, 4] {
-        for (name, flags) in strategies(ranks, &ds_config) {
+        // Four ranks of every strategy once (BLOOM's); the other models at four ranks in the one layout two cannot make.
+        let runs = strategies(ranks, &ds_config).into_iter().filter(|(name, _)| ranks == 2 || workload == Workload::Bloom || name.starts_with("hybrid"));
+        for (name, flags) in runs {
             let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
             let run_name = format!("{name}-{ranks}");
             let run = train(workload, scratch.path(), &run_name, ranks, &flags);
@@ -223,7 +225,7 @@ fn every_strategy_equals_the_baseline(workload: Workload) {
 /// shard_grad_op keeps more gathered at once than full_shard.
 fn assert_memory_matches_theory(held: &HashMap<String, Value>) {
     let state = |run: &str, rank: usize, what: &str| held[run]["state_per_rank"][rank][what].as_f64().unwrap();
-    for ranks in [2usize, 4] {
+    for ranks in [2usize, 4].into_iter().filter(|ranks| held.contains_key(&format!("ddp-{ranks}"))) {
         let n = ranks as f64;
         let ddp = |what: &str| state(&format!("ddp-{ranks}"), 0, what);
         let ratio = |run: &str, rank: usize, what: &str| state(&format!("{run}-{ranks}"), rank, what) / ddp(what);
@@ -243,7 +245,8 @@ fn assert_memory_matches_theory(held: &HashMap<String, Value>) {
         assert!(peak("shard_grad_op") > peak("zero3"), "shard_grad_op {} vs full_shard {}", peak("shard_grad_op"), peak("zero3"));
         assert_eq!(held[&format!("zero3-{ranks}")]["strategy"], "full_shard");
     }
-    let hybrid = |what: &str| state("hybrid_2x2-4", 0, what) / state("ddp-4", 0, what);
+    // ddp holds the same on every rank whatever their number.
+    let hybrid = |what: &str| state("hybrid_2x2-4", 0, what) / state("ddp-2", 0, what);
     assert!((hybrid("optimizer_state") - 0.5).abs() < 0.01, "hybrid 2x2 shards over its group of 2");
     assert_eq!(held["hybrid_2x2-4"]["shard_group_size"], 2);
 }
