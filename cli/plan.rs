@@ -204,6 +204,12 @@ pub struct CalibrateArgs {
     /// Elements of each host optimizer buffer timed (four buffers of fp32).
     #[arg(long, default_value_t = 64 << 20)]
     host_elements: i64,
+    /// Also time each block layer's shape in float8 (`--fp8 tensorwise`:
+    /// its GEMMs and casts) against the compute dtype, on a GPU of compute
+    /// capability 8.9+; `ft train --set train.fp8_calibration=F` keeps the
+    /// shapes float8 does not speed up in the compute dtype.
+    #[arg(long)]
+    fp8: bool,
     /// Where to write the calibration.
     #[arg(long, value_name = "JSON")]
     out: PathBuf,
@@ -221,6 +227,7 @@ pub fn calibrate(args: CalibrateArgs, plugins: &[PathBuf]) -> Result<i32> {
         dtype: args.dtype.kind(device),
         device,
         host_elements: args.host_elements,
+        float8: args.fp8,
     };
     let calibration = plan::calibrate(&options, &registry)?;
     calibration.save(&args.out)?;

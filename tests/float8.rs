@@ -9,7 +9,7 @@
 //! step exactly); and the runs float8 cannot serve are refused.
 
 use ft_core::dataset::Batch;
-use ft_core::model::{Init, Inputs, ParamSpec, Params, UnitSpec};
+use ft_core::model::{Float8Layers, Init, Inputs, ParamSpec, Params, UnitSpec};
 use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
 use ft_core::AdamW;
 use ft_models::hf;
@@ -103,7 +103,8 @@ fn casts_scales_and_linear_layers_equal_torchaos_bit_for_bit() {
     for (recipe_name, recipe) in RECIPES {
         let x = input.detach().set_requires_grad(true);
         let tensors = [weight.detach().set_requires_grad(true), bias.detach().set_requires_grad(true)];
-        let out = Params::new(&spec, &tensors).with_float8(Some(emulated(recipe))).linear(&x, "fc");
+        let layers = Float8Layers::all(emulated(recipe));
+        let out = Params::new(&spec, &tensors).with_float8(Some(&layers)).linear(&x, "fc");
         // d(Σ out·grad)/d out is `grad` exactly.
         (&out * &grad).sum(Kind::BFloat16).backward();
         let expected = |what: &str| &torchao[&format!("{recipe_name}.{what}")];
@@ -117,7 +118,7 @@ fn casts_scales_and_linear_layers_equal_torchaos_bit_for_bit() {
     // the weight gradient's inner dimension, 15 tokens, is padded to 16.
     let gemms = |emulate: bool| {
         let (x, w) = (input.detach().set_requires_grad(true), weight.detach().set_requires_grad(true));
-        let out = float8::linear(&x, &w, Float8 { recipe: Recipe::Tensorwise, emulate }).unwrap();
+        let out = float8::linear(&x, &w, Float8 { recipe: Recipe::Tensorwise, emulate }, false, 0).unwrap();
         (&out * &grad).sum(Kind::BFloat16).backward();
         [out, x.grad(), w.grad()].map(|t| t.to_kind(Kind::Float))
     };
@@ -226,4 +227,95 @@ fn float8_is_refused_where_it_cannot_run_and_emulates_on_cpu() {
     assert!(ok, "{message}");
     let (ok, message) = run(&["--fp8", "rowwise", "--set", "train.fp8_emulate=true", "--lora-r", "4"]);
     assert!(ok, "{message}");
+}
+
+/// The float8 numerics guard: each logged step gives the sinks every
+/// block's largest amax and smallest scale per tensor role — at step 1 the
+/// weights' are the starting weights' own largest |w| — and a run that
+/// diverges stops at the step whose cast met a NaN or an infinity, naming
+/// the layer, after finishing the last good step's checkpoint. And which
+/// layers cast: those an `ft calibrate --fp8` file measured faster.
+#[test]
+fn the_numerics_guard_reports_amaxes_stops_a_diverging_run_naming_the_layer_and_calibration_picks_the_layers() {
+    let scratch = tempfile::tempdir().unwrap();
+    let [config, train, tokenizer] = common::demo_files(scratch.path());
+    let model = scratch.path().join("model");
+    let output = ft().args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let run = |name: &str, args: &[&str]| {
+        let dir = scratch.path().join(name);
+        let output = ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", train.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
+            .args(["--output-dir", dir.to_str().unwrap(), "--train-samples", "48", "--eval-samples", "4", "--batch-size", "8", "--device", "cpu"])
+            .args(["--dtype", "f32", "--fp8", "tensorwise", "--set", "train.fp8_emulate=true", "--report-to", "jsonl", "--save-every", "1"])
+            .args(args)
+            .output()
+            .unwrap();
+        (dir, output.status.success(), text(&output))
+    };
+    let (dir, ok, message) = run("steady", &["--max-steps", "2"]);
+    assert!(ok, "{message}");
+    let first: serde_json::Value = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).find(|r: &serde_json::Value| r["step"] == 1).unwrap();
+    let weights = Tensor::read_safetensors(model.join("model.safetensors")).unwrap();
+    let blocks = weights.iter().filter(|(name, _)| name.ends_with("query_key_value.weight")).count();
+    assert!(blocks >= 2, "{blocks} blocks");
+    for block in 0..blocks {
+        let value = |what: &str| first[format!("fp8/block_{block}/{what}")].as_f64().unwrap_or_else(|| panic!("no fp8/block_{block}/{what} in {first}"));
+        // The block's linear layers are its 2-D weights.
+        let largest = weights
+            .iter()
+            .filter(|(name, w)| name.contains(&format!("h.{block}.")) && w.dim() == 2)
+            .map(|(_, w)| w.abs().max().double_value(&[]))
+            .fold(0.0, f64::max);
+        // Equal but for serde_json's parsing of the JSON numbers (within an ulp).
+        let same = |a: f64, b: f64, what: &str| assert!((a - b).abs() <= 1e-15 * b.abs(), "block {block}: {what}: {a} vs {b}");
+        same(value("amax_weight"), largest, "its weights' largest |w| at the first step");
+        same(value("scale_weight"), 448.0 / largest, "e4m3's largest value over the amax");
+        for role in ["input", "grad_output"] {
+            let amax = value(&format!("amax_{role}"));
+            assert!(amax.is_finite() && amax > 0.0, "block {block} {role}: {amax}");
+        }
+        same(value("scale_grad_output"), 57344.0 / value("amax_grad_output"), "output gradients are e5m2");
+    }
+    // A calibration that measured float8 faster for the MLP's first layer alone: the others stay in f32 and cast nothing.
+    let mlp_in = weights.iter().find(|(name, _)| name.ends_with("h.0.mlp.dense_h_to_4h.weight")).map(|(_, w)| w.size()).unwrap();
+    let gemms: Vec<serde_json::Value> = weights
+        .iter()
+        .filter(|(name, w)| name.contains("h.0.") && w.dim() == 2)
+        .map(|(_, w)| {
+            let (n, k) = (w.size()[0], w.size()[1]);
+            let float8 = if w.size() == mlp_in { 2e12 } else { 5e11 };
+            serde_json::json!({"m": 1, "n": n, "k": k, "flops_per_second": 1e12, "float8_flops_per_second": float8})
+        })
+        .collect();
+    let calibration = scratch.path().join("calibration.json");
+    let file = serde_json::json!({"version": 1, "device": "test", "dtype": "Float", "host_optimizer_elements_per_second": {}, "gemms": gemms});
+    std::fs::write(&calibration, file.to_string()).unwrap();
+    let calibrated = format!("train.fp8_calibration={}", calibration.display());
+    let (dir, ok, message) = run("calibrated", &["--max-steps", "1", "--set", &calibrated]);
+    assert!(ok && message.contains("stay in the compute dtype: train.fp8_calibration measured float8 slower there"), "{message}");
+    let first: serde_json::Value = serde_json::from_str(std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().next().unwrap()).unwrap();
+    let mlp_in_amax = weights.iter().find(|(name, _)| name.ends_with("h.0.mlp.dense_h_to_4h.weight")).unwrap().1.abs().max().double_value(&[]);
+    let amax = first["fp8/block_0/amax_weight"].as_f64().unwrap();
+    assert!((amax - mlp_in_amax).abs() <= 1e-15 * mlp_in_amax, "only the MLP's first layer casts: {amax} vs {mlp_in_amax}");
+    // What the calibration lacks, or a run it cannot choose for, is named.
+    let (_, ok, message) = run("calibrated-all", &["--max-steps", "1", "--set", &calibrated, "--set", "train.fp8_layers=all"]);
+    assert!(!ok && message.contains("train.fp8_calibration") && message.contains("train.fp8_layers=all casts every layer"), "{message}");
+    std::fs::write(&calibration, serde_json::json!({"version": 1, "device": "test", "dtype": "Float", "host_optimizer_elements_per_second": {}, "gemms": []}).to_string()).unwrap();
+    let (_, ok, message) = run("uncalibrated", &["--max-steps", "1", "--set", &calibrated]);
+    assert!(!ok && message.contains("has no float8 rate for the") && message.contains("ft calibrate --fp8"), "{message}");
+
+    // A learning rate of 1e30 makes the weights overflow their products at the second step.
+    let (dir, ok, message) = run("diverging", &["--max-steps", "4", "--lr", "1e30"]);
+    assert!(!ok && !message.contains("panicked"), "{message}");
+    let stopped = guarded_step(&message);
+    let named = ["input", "weight", "grad_output"].iter().any(|role| message.contains(&format!("'s {role} in block ")));
+    assert!(message.contains("float8 numerics guard: at step") && named && message.contains("a NaN or infinity reached its float8 cast"), "{message}");
+    assert!(dir.join(format!("checkpoints/step-{:08}", stopped - 1)).exists() && !dir.join(format!("checkpoints/step-{stopped:08}")).exists(), "the steps before {stopped} are saved, not it: {:?}\n{message}", std::fs::read_dir(dir.join("checkpoints")).map(|d| d.map(|e| e.unwrap().file_name()).collect::<Vec<_>>()));
+}
+
+/// The step a guard's message names ("at step N").
+fn guarded_step(message: &str) -> usize {
+    let after = &message[message.find("at step ").expect("a step") + 8..];
+    after[..after.find(' ').unwrap()].parse().unwrap()
 }

@@ -392,8 +392,12 @@ fn tiny_opt() -> PathBuf {
 
 /// `ft calibrate`'s measurement of `model` at 2 x 16 tokens in fp32 on this CPU.
 fn calibrated_on_cpu(model: &dyn Model) -> plan::Calibration {
-    let options = plan::CalibrateOptions { models: &[model], tokens: 32, loss_chunk_tokens: 1024, dtype: Kind::Float, device: tch::Device::Cpu, host_elements: 1 << 20 };
-    plan::calibrate(&options, &Registry::builtin()).unwrap()
+    calibrate_on_cpu(model, false).unwrap()
+}
+
+fn calibrate_on_cpu(model: &dyn Model, float8: bool) -> anyhow::Result<plan::Calibration> {
+    let options = plan::CalibrateOptions { models: &[model], tokens: 32, loss_chunk_tokens: 1024, dtype: Kind::Float, device: tch::Device::Cpu, host_elements: 1 << 20, float8 };
+    plan::calibrate(&options, &Registry::builtin())
 }
 
 fn tiny_workload(model: &dyn Model) -> Workload<'_> {
@@ -415,6 +419,9 @@ fn calibration_measures_this_machines_rates() {
     assert!(rates.clone().all(|rate| rate.is_finite() && rate > 0.0), "{calibration:?}");
     assert!(calibration.host_optimizer_elements_per_second.contains_key("cpu"), "the cpu offload's own AdamW is timed");
     assert_eq!((calibration.host_to_device_bytes_per_second, calibration.device_to_host_bytes_per_second), (None, None), "no device, no link");
+    assert!(calibration.gemms.iter().all(|g| g.float8_flops_per_second.is_none()), "float8 is timed only when asked");
+    let refused = format!("{:#}", calibrate_on_cpu(model.as_ref(), true).unwrap_err());
+    assert!(refused.contains("ft calibrate --fp8 times float8 GEMMs") && refused.contains("compute capability 8.9"), "{refused}");
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calibration.json");
     calibration.save(&path).unwrap();

@@ -3,11 +3,14 @@ several GPUs: transformers' *ForCausalLM from a config.json (random
 weights), FSDP2 `fully_shard` on every decoder block and the root with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), optionally
 `reshard_after_forward=False` (zero2-like), CPUOffloadPolicy, torch.compile,
-or plain DDP with bf16 autocast. AdamW, clipping at 1.0, loss on every token
-of random batches. Prints one JSON line per run (rank 0).
+or plain DDP with bf16 autocast; with --float8 tensorwise (fsdp2), torchao's
+float8 training with float8 all-gathers as torchtitan runs it (every linear
+layer but the LM head, `enable_fsdp_float8_all_gather`, the scales
+precomputed after each optimizer step). AdamW, clipping at 1.0, loss on every
+token of random batches. Prints one JSON line per run (rank 0).
 
     torchrun --nproc-per-node 2 bench/peers/fsdp2_train_step.py --config CONFIG.json \
-        --mode fsdp2|ddp [--no-reshard] [--offload] [--compile] --batch 8 --seq 512
+        --mode fsdp2|ddp [--no-reshard] [--offload] [--compile] [--float8 tensorwise] --batch 8 --seq 512
 """
 import argparse
 import json
@@ -39,6 +42,7 @@ def main():
     parser.add_argument("--no-reshard", action="store_true")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--float8", choices=["tensorwise"], help="torchao float8 training with float8 all-gathers (fsdp2)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)
@@ -61,6 +65,11 @@ def main():
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if args.float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            recipe = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn != "lm_head", config=recipe)
         kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                   "reshard_after_forward": not args.no_reshard}
         if args.offload:
@@ -89,11 +98,16 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.float8:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         return loss
 
     seconds, loss = time_steps(step, args.warmup, args.steps)
     if dist.get_rank() == 0:
         name = args.mode + ("-noreshard" if args.no_reshard else "") + ("-offload" if args.offload else "") + ("-compiled" if args.compile else "")
+        name += f"-float8-{args.float8}" if args.float8 else ""
         print(json.dumps(record(name, world, args.batch, args.seq, seconds, loss)), flush=True)
     dist.destroy_process_group()
 

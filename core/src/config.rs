@@ -430,6 +430,23 @@ pub struct TrainConfig {
     /// (torchao's `Float8LinearConfig(emulate=True)`), on any device — for
     /// CPU and tests, slower than bf16.
     pub fp8_emulate: bool,
+    /// Which block linear layers run in float8: `auto`, those float8
+    /// speeds up (measured by `fp8_calibration`, or by ft's size rule
+    /// without one), or `all` (every one whose widths are multiples of 16).
+    pub fp8_layers: Fp8Layers,
+    /// An `ft calibrate --fp8` file: under `fp8_layers=auto`, the block
+    /// layers whose float8 GEMMs it measured no faster than the compute
+    /// dtype's stay in the compute dtype.
+    pub fp8_calibration: Option<std::path::PathBuf>,
+}
+
+/// `train.fp8_layers`: which block linear layers a float8 run casts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Layers {
+    #[default]
+    Auto,
+    All,
 }
 
 /// `train.fp8`: which float8 recipe a run's linear layers follow.
@@ -563,6 +580,8 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             fp8: Fp8::Off,
             fp8_emulate: false,
+            fp8_layers: Fp8Layers::Auto,
+            fp8_calibration: None,
         }
     }
 }

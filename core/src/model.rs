@@ -113,13 +113,37 @@ impl Adapters<'_> {
     }
 }
 
+/// Which linear layers run in float8 (`Params::linear`): every block layer
+/// whose widths are multiples of 16 (any layer, emulated) in `float8`'s
+/// recipe, except those whose weight shape [out, in] `kept` lists, which
+/// stay in the compute dtype (float8 is slower for them).
+#[derive(Debug, Clone)]
+pub struct Float8Layers {
+    pub float8: Float8,
+    pub kept: std::collections::BTreeSet<[i64; 2]>,
+}
+
+impl Float8Layers {
+    /// Every layer float8 can run.
+    pub fn all(float8: Float8) -> Float8Layers {
+        Float8Layers { float8, kept: Default::default() }
+    }
+
+    /// Whether the layer of `weight` runs in float8.
+    pub fn runs(&self, weight: &Tensor) -> bool {
+        let shape = weight.size();
+        let aligned = self.float8.emulate || shape.iter().all(|width| width % 16 == 0);
+        aligned && !(shape.len() == 2 && self.kept.contains(&[shape[0], shape[1]]))
+    }
+}
+
 /// The tensors of one unit, looked up by their in-unit name.
 pub struct Params<'a> {
     spec: &'a UnitSpec,
     tensors: &'a [Tensor],
     adapters: Option<Box<Adapters<'a>>>,
     /// `linear`'s GEMMs in float8 (`ft_sys::float8`); None: in the tensors' dtype.
-    float8: Option<Float8>,
+    float8: Option<&'a Float8Layers>,
 }
 
 impl<'a> Params<'a> {
@@ -129,7 +153,7 @@ impl<'a> Params<'a> {
     }
 
     /// These parameters with `linear`'s GEMMs in float8 as `float8` says.
-    pub fn with_float8(self, float8: Option<Float8>) -> Params<'a> {
+    pub fn with_float8(self, float8: Option<&'a Float8Layers>) -> Params<'a> {
         Params { float8, ..self }
     }
 
@@ -161,13 +185,14 @@ impl<'a> Params<'a> {
     /// adapters are added after in the output's dtype, as torchao's
     /// `Float8Linear` adds its bias; a layer whose widths are not multiples
     /// of 16, which float8 GEMMs need, stays in the compute dtype unless
-    /// emulated (torchao's auto-filter skips such layers too).
+    /// emulated (torchao's auto-filter skips such layers too), as does one
+    /// whose shape `Float8Layers::kept` lists.
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let (weight, bias) = (self.get(&format!("{name}.weight")), self.maybe(&format!("{name}.bias")));
         let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
-        let float8 = self.float8.filter(|f| f.emulate || weight.size().iter().all(|width| width % 16 == 0));
-        if let Some(float8) = float8 {
-            let out = ft_sys::float8::linear(x, weight, float8).unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
+        if let Some(float8) = self.float8.filter(|layers| layers.runs(weight)).map(|layers| layers.float8) {
+            let layer = ft_sys::float8::layer_id(&self.spec.name, name);
+            let out = ft_sys::float8::linear(x, weight, float8, Kernels::loaded(x.device()), layer).unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
             let out = match bias {
                 Some(bias) => out + bias.to_kind(x.kind()),
                 None => out,

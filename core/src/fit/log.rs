@@ -4,6 +4,7 @@
 //! every rank keeps the counters the summary is made of.
 
 use super::evaluation::Evaluation;
+use super::float8_guard::{Diverged, Float8Guard};
 use super::summary::{memory, EpochResult, RunTotals, Summary};
 use super::StepOutcome;
 use crate::comm::Communicator;
@@ -28,13 +29,27 @@ pub(crate) struct RunLog<'a> {
     /// The objective's figures of the steps since the last logged one.
     metrics: StepMetrics,
     totals: RunTotals,
+    /// Under `--fp8`: the casts' amaxes, checked and summarised at each logged step.
+    float8: Option<Float8Guard>,
 }
 
 impl<'a> RunLog<'a> {
     /// A log for a run that ends at optimizer step `last_step` (where its progress ends).
     pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, log_every: usize) -> RunLog<'a> {
         let progress = Progress::new(comm.env().rank, last_step);
-        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, metrics: StepMetrics::default(), totals: RunTotals::default() }
+        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, metrics: StepMetrics::default(), totals: RunTotals::default(), float8: None }
+    }
+
+    /// Guards the float8 casts' numerics (`float8_guard`) from the next step on.
+    pub fn guard_float8(&mut self, guard: Float8Guard) {
+        self.float8 = Some(guard);
+    }
+
+    /// Before a training step: what other forwards recorded is not the step's.
+    pub fn before_step(&mut self) {
+        if let Some(guard) = &mut self.float8 {
+            guard.before_step();
+        }
     }
 
     /// Gives the sinks the run's resolved configuration, before any record.
@@ -85,6 +100,9 @@ impl<'a> RunLog<'a> {
         t.flops += outcome.flops;
         t.steps += 1;
         self.metrics.add(outcome.metrics.clone());
+        if let Some(guard) = &mut self.float8 {
+            guard.after_step(step);
+        }
         let mut shown = progress::Step { step, epoch: epoch_progress, loss: None, lr, tokens: outcome.tokens, seconds: 0.0, memory: in_use };
         if step % self.log_every != 0 && !last_of_epoch {
             shown.seconds = started.elapsed().as_secs_f64();
@@ -96,8 +114,27 @@ impl<'a> RunLog<'a> {
         let metrics = std::mem::take(&mut self.metrics);
         let mut local = vec![outcome.loss.double_value(&[]), outcome.tokens as f64, metrics.count];
         local.extend(metrics.sums.values());
+        // Under --fp8, whether this rank saw a non-finite amax, last: every rank stops together.
+        let (diverged, float8_values) = self.float8.as_mut().map(Float8Guard::check).transpose()?.unwrap_or_default();
+        if self.float8.is_some() {
+            local.push(diverged.is_some() as u8 as f64);
+        }
         let summed = self.comm.sum_over_ranks(&local)?;
         let (loss, tokens, count) = (summed[0], summed[1], summed[2]);
+        if self.float8.is_some() {
+            if let Some(problem) = diverged {
+                return Err(Diverged(problem).into());
+            }
+            let ranks = summed[summed.len() - 1];
+            if ranks > 0.0 {
+                let problem = format!("float8 numerics guard: {ranks} other rank(s) found a NaN or infinite amax by step {step} (their errors name the layer); the run stops before saving this step");
+                return Err(Diverged(problem).into());
+            }
+            if !loss.is_finite() {
+                let problem = format!("float8 numerics guard: the loss at step {step} is {loss} while every float8 cast's amax was finite: the loss or the layers outside float8 (the LM head, norms) diverged; the run stops before saving this step");
+                return Err(Diverged(problem).into());
+            }
+        }
         self.totals.train_seconds += started.elapsed().as_secs_f64();
         (self.totals.last_loss, self.epoch_loss) = (Some(loss), Some(loss));
         let mut values = BTreeMap::from([
@@ -111,6 +148,7 @@ impl<'a> RunLog<'a> {
         ]);
         // Averaged over the examples of every step since the last logged one, as TRL averages its logging window.
         values.extend(metrics.sums.keys().zip(&summed[3..]).map(|(name, sum)| (name.clone(), sum / count.max(1.0))));
+        values.extend(float8_values);
         if self.comm.env().world_size > 1 {
             values.insert("comm_bytes".to_string(), self.last_step_sent as f64);
         }

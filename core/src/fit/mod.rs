@@ -7,6 +7,7 @@
 
 mod checkpointing;
 mod evaluation;
+mod float8_guard;
 mod log;
 mod monitor;
 mod profiling;
@@ -74,6 +75,9 @@ pub struct Fit<'a> {
     /// The run's whole configuration as dotted keys (`Config::flattened`), for the sinks.
     pub resolved_config: BTreeMap<String, String>,
     pub checkpoints: CheckpointPlan<'a>,
+    /// Under float8, the block weight shapes that stay in the compute dtype
+    /// (`plan::float8_kept`); None: the trainer's default.
+    pub float8_kept: Option<std::collections::BTreeSet<[i64; 2]>>,
 }
 
 /// How many steps a run has, from the training set's size (or
@@ -211,14 +215,14 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints } = fit;
+    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
     task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: checkpoints.output, resuming })?;
-    let options = TrainOptions::from_config(config, dtype);
+    let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);
 
@@ -259,6 +263,9 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     }
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
     let mut log = RunLog::new(sinks, comm, offload.to_host(), last_step, config.log_every);
+    if let Some(float8) = config.float8() {
+        log.guard_float8(float8_guard::Float8Guard::start(float8));
+    }
     resolved_config.insert("run_id".into(), checkpointer.run_id().into());
     log.params(&resolved_config)?;
     let sampler = match device {
@@ -272,6 +279,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
         let stop_at = plan.epoch_stop(start, step);
         for epoch_step in start..stop_at {
             profiler.before_step(step + 1)?;
+            log.before_step();
             let started = Instant::now();
             // Dropout's masks follow from (seed, step), so a resumed run repeats them.
             tch::manual_seed((config.seed as i64).wrapping_mul(1_000_003).wrapping_add(step as i64));
@@ -285,7 +293,13 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
             profiler.after_step(step)?;
             let epoch_progress = epoch as f64 + (epoch_step + 1) as f64 / plan.steps_per_epoch as f64;
             let last_of_epoch = epoch_step + 1 == plan.steps_per_epoch;
-            log.after_step(step, epoch_progress, epoch_step + 1 == stop_at, lr, &outcome, started, offloaded_before, trainer.offload_stats())?;
+            if let Err(error) = log.after_step(step, epoch_progress, epoch_step + 1 == stop_at, lr, &outcome, started, offloaded_before, trainer.offload_stats()) {
+                if error.is::<float8_guard::Diverged>() {
+                    // Every rank stops here together: the save in flight is the last good state.
+                    checkpointer.finish(comm)?;
+                }
+                return Err(error);
+            }
             let next = if last_of_epoch { Cursor { epoch: epoch + 1, epoch_step: 0, step } } else { Cursor { epoch, epoch_step: epoch_step + 1, step } };
             if let Some(stop) = checkpointer.after_step(&trainer, next, comm)? {
                 let signal = crate::signals::name(stop.signal);

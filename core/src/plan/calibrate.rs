@@ -76,6 +76,11 @@ pub struct GemmRate {
     #[serde(flatten)]
     pub gemm: Gemm,
     pub flops_per_second: f64,
+    /// With `ft calibrate --fp8`, for a block layer's shape: its rate as a
+    /// float8 linear layer (tensorwise, casts included), the compute
+    /// dtype's `flops_per_second` scaled by the two layers' time ratio.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub float8_flops_per_second: Option<f64>,
 }
 
 /// What to measure.
@@ -89,6 +94,8 @@ pub struct CalibrateOptions<'a> {
     pub device: Device,
     /// Elements of each host optimizer buffer (four of them: master, gradient, two moments).
     pub host_elements: i64,
+    /// Also time the block layers' shapes in float8 (a GPU of compute capability 8.9+).
+    pub float8: bool,
 }
 
 /// `model`'s GEMM shape classes at `tokens` per micro-batch and the
@@ -133,6 +140,27 @@ fn seconds_per_run(device: Device, mut run: impl FnMut() -> Result<()>) -> Resul
     }
     synchronize(device);
     Ok(start.elapsed().as_secs_f64() / runs as f64)
+}
+
+/// How much faster `gemm`'s shape runs as a float8 linear layer than as
+/// one in `dtype` (forward and backward through autograd both, casts
+/// included): the compute dtype's time over float8's.
+fn float8_speedup(gemm: Gemm, dtype: Kind, device: Device) -> Result<f64> {
+    let Gemm { m, n, k } = gemm;
+    let options = (dtype, device);
+    let (x, weight, grad) = (Tensor::f_randn([m, k], options)?.set_requires_grad(true), Tensor::f_randn([n, k], options)?.set_requires_grad(true), Tensor::f_randn([m, n], options)?);
+    let float8 = ft_sys::float8::Float8 { recipe: ft_sys::float8::Recipe::Tensorwise, emulate: false };
+    let fused = crate::kernels::Kernels::loaded(device);
+    let time = |linear: &dyn Fn() -> Result<Tensor>| {
+        seconds_per_run(device, || {
+            // d(Σ out·grad)/d out is `grad`: the same two backward GEMMs.
+            (linear()? * &grad).sum(dtype).backward();
+            Ok(())
+        })
+    };
+    let plain = time(&|| Ok(x.linear::<Tensor>(&weight, None)))?;
+    let in_float8 = time(&|| Ok(ft_sys::float8::linear(&x, &weight, float8, fused, 0)?))?;
+    Ok(plain / in_float8)
 }
 
 /// FLOP/s of `gemm`'s forward and backward products.
@@ -182,14 +210,25 @@ pub fn calibrate(options: &CalibrateOptions, registry: &Registry) -> Result<Cali
     if options.tokens < 1 || options.host_elements < 1 {
         bail!("calibrate at least one token and one host optimizer element");
     }
-    let mut classes = BTreeSet::new();
+    if options.float8 {
+        crate::train::float8_serves(ft_sys::float8::Float8 { recipe: ft_sys::float8::Recipe::Tensorwise, emulate: false }, options.device)
+            .context("ft calibrate --fp8 times float8 GEMMs")?;
+    }
+    let (mut classes, mut block_shapes) = (BTreeSet::new(), BTreeSet::new());
     for model in options.models {
         classes.extend(gemm_classes(*model, options.tokens, options.loss_chunk_tokens).into_keys());
+        block_shapes.extend(crate::train::block_weight_shapes(*model));
     }
     let mut gemms = vec![];
     for gemm in classes {
-        let rate = gemm_rate(gemm, options.dtype, options.device).with_context(|| format!("timing a {}x{}x{} GEMM", gemm.m, gemm.n, gemm.k))?;
-        gemms.push(GemmRate { gemm, flops_per_second: rate });
+        let what = || format!("timing a {}x{}x{} GEMM", gemm.m, gemm.n, gemm.k);
+        let rate = gemm_rate(gemm, options.dtype, options.device).with_context(what)?;
+        let in_float8 = options.float8 && block_shapes.contains(&[gemm.n, gemm.k]) && gemm.n % 16 == 0 && gemm.k % 16 == 0;
+        let float8_rate = match in_float8 {
+            true => Some(rate * float8_speedup(gemm, options.dtype, options.device).with_context(|| format!("{} in float8", what()))?),
+            false => None,
+        };
+        gemms.push(GemmRate { gemm, flops_per_second: rate, float8_flops_per_second: float8_rate });
     }
     let mut host_optimizer_elements_per_second = BTreeMap::new();
     for registration in registry.offloads() {
@@ -233,7 +272,8 @@ impl Calibration {
             bail!("{} is calibration format {}, this ft reads format {CALIBRATION_VERSION}: {redo}", path.display(), versioned.version);
         }
         let calibration: Calibration = serde_json::from_str(&text).with_context(|| format!("{} is not a valid `ft calibrate` file: {redo}", path.display()))?;
-        let rates = calibration.gemms.iter().map(|g| g.flops_per_second).chain(calibration.host_optimizer_elements_per_second.values().copied());
+        let rates = calibration.gemms.iter().flat_map(|g| [Some(g.flops_per_second), g.float8_flops_per_second]).flatten();
+        let rates = rates.chain(calibration.host_optimizer_elements_per_second.values().copied());
         let links = [calibration.host_to_device_bytes_per_second, calibration.device_to_host_bytes_per_second];
         if rates.chain(links.into_iter().flatten()).any(|rate| !(rate.is_finite() && rate > 0.0)) {
             bail!("{} holds a rate that is not a positive number: {redo}", path.display());
@@ -245,7 +285,12 @@ impl Calibration {
     pub fn summary(&self) -> String {
         let mut out = format!("ft calibrate on {} ({}):\n", self.device, self.dtype);
         for g in &self.gemms {
-            out += &format!("  GEMM {:>6} x {:>6} x {:>6}: {:>9.3} TFLOP/s\n", g.gemm.m, g.gemm.n, g.gemm.k, g.flops_per_second / 1e12);
+            out += &format!("  GEMM {:>6} x {:>6} x {:>6}: {:>9.3} TFLOP/s", g.gemm.m, g.gemm.n, g.gemm.k, g.flops_per_second / 1e12);
+            if let Some(float8) = g.float8_flops_per_second {
+                let verdict = if float8 > g.flops_per_second { "float8" } else { "stays in the compute dtype" };
+                out += &format!(", as a float8 layer {:.2}x: {verdict}", float8 / g.flops_per_second);
+            }
+            out += "\n";
         }
         for (offload, rate) in &self.host_optimizer_elements_per_second {
             out += &format!("  host optimizer of offload {offload}: {:.2} G elements/s\n", rate / 1e9);
@@ -255,6 +300,31 @@ impl Calibration {
             _ => "  host link: no device here; plans keep the GPU table's rate\n".into(),
         };
         out
+    }
+
+    /// The block weight shapes [out, in] of `model` that float8 does not
+    /// speed up at `tokens` per micro-batch (their class at the measured
+    /// token count nearest it): what a run with this file as
+    /// `train.fp8_calibration` keeps in the compute dtype.
+    pub fn float8_kept(&self, model: &dyn Model, tokens: i64, path: &Path) -> Result<BTreeSet<[i64; 2]>> {
+        let mut kept = BTreeSet::new();
+        for [n, k] in crate::train::block_weight_shapes(model) {
+            if n % 16 != 0 || k % 16 != 0 {
+                continue;
+            }
+            let measured = self.gemms.iter().filter(|g| g.gemm.n == n && g.gemm.k == k && g.float8_flops_per_second.is_some());
+            let Some(nearest) = measured.min_by_key(|g| (g.gemm.m - tokens).abs()) else {
+                bail!(
+                    "train.fp8_calibration {} has no float8 rate for the {n}x{k} layers of {}: make it with `ft calibrate --fp8 --config` this model",
+                    path.display(),
+                    crate::bench::model_label(model)
+                );
+            };
+            if nearest.float8_flops_per_second.is_some_and(|float8| float8 <= nearest.flops_per_second) {
+                kept.insert([n, k]);
+            }
+        }
+        Ok(kept)
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {

@@ -117,3 +117,23 @@ pub fn explain_out_of_memory(error: anyhow::Error, plan: &Plan, strategy: &str, 
     };
     error.context(format!("out of GPU memory at {}: {predicted}; {next} (`ft plan` lists every configuration)", plan.workload()))
 }
+
+/// Under `train.fp8`, the block weight shapes that stay in the compute
+/// dtype: none with `train.fp8_layers=all`; with `train.fp8_calibration`,
+/// those that file measured float8 no faster for at this run's tokens per
+/// micro-batch; None otherwise, where the trainer keeps its default
+/// (`train::float8_slow_shapes`).
+pub fn float8_kept(model: &dyn Model, config: &Config) -> Result<Option<std::collections::BTreeSet<[i64; 2]>>> {
+    if config.train.float8().is_none() {
+        return Ok(None);
+    }
+    if config.train.fp8_layers == crate::config::Fp8Layers::All {
+        return Ok(Some(Default::default()));
+    }
+    let Some(path) = config.train.fp8_calibration.as_deref() else {
+        return Ok(None);
+    };
+    let calibration = super::Calibration::load(path).context("train.fp8_calibration")?;
+    let tokens = (config.train.batch_size * config.data.max_seq_len) as i64;
+    calibration.float8_kept(model, tokens, path).map(Some)
+}

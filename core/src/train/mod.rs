@@ -22,10 +22,11 @@ use crate::comm::ProcessGroup;
 use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
-use crate::model::Model;
+use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
+use std::collections::BTreeSet;
 use ft_sys::float8::Float8;
 use ft_sys::AdamW;
 use optim::LossScaler;
@@ -46,6 +47,10 @@ pub struct TrainOptions {
     pub initial_loss_scale: f64,
     /// The blocks' linear layers in float8 (`Params::linear`); None: in `dtype`.
     pub float8: Option<Float8>,
+    /// Under float8, the block weight shapes [out, in] that stay in `dtype`
+    /// (`plan::float8_kept`); None: those too small for float8 to pay
+    /// ([`float8_slow_shapes`]), none when emulated.
+    pub float8_kept: Option<BTreeSet<[i64; 2]>>,
 }
 
 impl Default for TrainOptions {
@@ -58,6 +63,7 @@ impl Default for TrainOptions {
             seed: 0,
             initial_loss_scale: 65536.0,
             float8: None,
+            float8_kept: None,
         }
     }
 }
@@ -79,6 +85,7 @@ impl TrainOptions {
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
             float8: config.float8(),
+            float8_kept: None,
         }
     }
 }
@@ -124,6 +131,8 @@ pub struct Trainer<'m> {
     gathered_peak: i64,
     offload_stats: OffloadStats,
     kernels: Kernels,
+    /// Which block linear layers run in float8 (from `options`).
+    float8: Option<Float8Layers>,
 }
 
 /// The one way to make a [`Trainer`]: a model and options, optionally data
@@ -190,11 +199,21 @@ impl<'m> TrainerBuilder<'m> {
         }
         let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
-        if let Some(float8) = options.float8 {
-            anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
-            float8_serves(float8, device)?;
-            warn_of_narrow_layers(model, float8);
-        }
+        let float8 = match options.float8 {
+            Some(float8) => {
+                anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
+                float8_serves(float8, device)?;
+                warn_of_narrow_layers(model, float8);
+                let kept = match &options.float8_kept {
+                    Some(kept) => kept.clone(),
+                    None if float8.emulate => BTreeSet::new(),
+                    None => float8_slow_shapes(model),
+                };
+                say_which_layers_stay(model, &kept, options.float8_kept.is_some());
+                Some(Float8Layers { float8, kept })
+            }
+            None => None,
+        };
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
             scaler,
@@ -214,6 +233,7 @@ impl<'m> TrainerBuilder<'m> {
             gathered_peak: 0,
             offload_stats: OffloadStats::default(),
             kernels: Kernels::select(device),
+            float8,
         })
     }
 }
@@ -224,7 +244,7 @@ pub const FLOAT8_WITH_FP16: &str = "train.fp8 (--fp8) with train.dtype fp16 (--d
 /// Refuses float8 GEMMs where they cannot run: on a CPU unless emulated,
 /// or on a GPU before compute capability 8.9 (Ada, Hopper), which has no
 /// float8 tensor cores.
-fn float8_serves(float8: Float8, device: tch::Device) -> Result<()> {
+pub fn float8_serves(float8: Float8, device: tch::Device) -> Result<()> {
     if float8.emulate {
         return Ok(());
     }
@@ -255,6 +275,43 @@ fn warn_of_narrow_layers(model: &dyn Model, float8: Float8) {
             narrow.len()
         );
     }
+}
+
+/// Weights of fewer elements than this (4096 × 4096) keep the compute
+/// dtype under float8 without a calibration: `ft calibrate --fp8` on an H100
+/// at 8 × 1024 tokens measured ft's float8 layer (GEMMs and casts) at
+/// 0.43–0.90x of bf16's for BLOOM-560m's and OPT-1.3B's smaller shapes (up
+/// to 4096 × 1024 and 2048 × 2048) and 1.11–1.14x for OPT's 2048 × 8192
+/// (bench/results/2026-11-26-h100-fp8-calibration.md); torchao's own
+/// auto-filter (out ≤ 1024 with in ≤ 4096) leaves BLOOM slower than bf16.
+pub const FLOAT8_MIN_WEIGHT: i64 = 4096 * 4096;
+
+/// The blocks' weight shapes [out, in] too small for float8 to pay
+/// ([`FLOAT8_MIN_WEIGHT`]): what a run without `train.fp8_calibration` or
+/// `train.fp8_layers=all` keeps in the compute dtype.
+pub fn float8_slow_shapes(model: &dyn Model) -> BTreeSet<[i64; 2]> {
+    block_weight_shapes(model).into_iter().filter(|&[out, input]| out * input < FLOAT8_MIN_WEIGHT).collect()
+}
+
+/// The shapes [out, in] of the blocks' weight matrices.
+pub fn block_weight_shapes(model: &dyn Model) -> BTreeSet<[i64; 2]> {
+    let units = model.units();
+    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| &units[s.unit]);
+    blocks.flat_map(|u| &u.params).filter(|p| p.shape.len() == 2).map(|p| [p.shape[0], p.shape[1]]).collect()
+}
+
+/// Logs which block weight shapes `kept` leaves in the compute dtype, and by whose measurement.
+fn say_which_layers_stay(model: &dyn Model, kept: &BTreeSet<[i64; 2]>, calibrated: bool) {
+    let shapes = block_weight_shapes(model);
+    let stay: Vec<String> = shapes.iter().filter(|s| kept.contains(*s)).map(|[out, input]| format!("{out}x{input}")).collect();
+    if stay.is_empty() {
+        return;
+    }
+    let why = match calibrated {
+        true => "train.fp8_calibration measured float8 slower there",
+        false => "ft measured float8 slower for weights under 4096 x 4096 on an H100; `ft calibrate --fp8` measures this GPU (train.fp8_calibration uses it), train.fp8_layers=all casts every layer",
+    };
+    tracing::info!("train.fp8: the block linear layers of weight shapes {} stay in the compute dtype: {why}", stay.join(", "));
 }
 
 /// Whether GPU `index` of compute capability (major, minor) has float8 tensor cores.

@@ -12,8 +12,7 @@ use super::Trainer;
 use crate::comm_hook::{GatherPhase, Pending};
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
-use crate::model::{Params, Stage, StageKind};
-use ft_sys::float8::Float8;
+use crate::model::{Float8Layers, Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
 use std::collections::VecDeque;
@@ -33,7 +32,7 @@ struct Saved {
 /// units' flat buffers: made once per unit per micro-batch, while gathered.
 /// A block's linear layers run in float8 when the run's `float8` says so
 /// (never the embeddings' or the head's: the LM head stays in the compute dtype).
-fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage, float8: Option<Float8>) -> Params<'v> {
+fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage, float8: Option<&'v Float8Layers>) -> Params<'v> {
     for unit in std::iter::once(stage.unit).chain(stage.adapter) {
         views[unit].get_or_insert_with(|| units[unit].views());
     }
@@ -95,7 +94,7 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage }, self.options.float8);
+            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage }, self.float8.as_ref());
             match stage.kind {
                 StageKind::Embed => x = Some(model.embed(&params, &batch.inputs, &ctx)),
                 StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
@@ -142,7 +141,7 @@ impl Trainer<'_> {
             if let Some(next) = stages.get(index + 1) {
                 self.prefetch(next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
+            let params = stage_params(model, &self.units, &mut views, stage, self.float8.as_ref());
             let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
             match stage.kind {
                 StageKind::Embed => {
@@ -192,7 +191,7 @@ impl Trainer<'_> {
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
-                let params = stage_params(model, &self.units, &mut views, stage, self.options.float8);
+                let params = stage_params(model, &self.units, &mut views, stage, self.float8.as_ref());
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, block_number(stages, index), None)];
             }
@@ -230,6 +229,10 @@ impl Trainer<'_> {
         }
         for work in replica_reductions {
             work.wait()?;
+        }
+        if self.float8.is_some() {
+            // The float8 casts' cached inputs hold nothing past the micro-batch.
+            ft_sys::float8::forget_cached_inputs();
         }
         self.micro_steps += 1;
         self.pending_micro_batches += 1;

@@ -522,11 +522,12 @@ char* ft_bias_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, FusedK
 }
 
 // A linear layer's GEMMs in float8 (ft-sys's float8.rs, in Rust): `step` 0
-// is forward (inputs x, W; one output, x·Wᵀ), 1 backward (inputs x, W and
-// the output's gradient; outputs the input's and the weight's gradients,
-// each only where `wanted`). `recipe` says how operands are cast and
+// is forward (inputs x, W; outputs x·Wᵀ and what backward reuses, the
+// amaxes of x and W, or undefined), 1 backward (inputs x, W, the output's
+// gradient and those amaxes; outputs the input's and the weight's
+// gradients, each only where `wanted`). `code` says how operands are cast and
 // scaled. Rust allocates each output and hands it over (`outputs`).
-using Float8Gemms = int (*)(int step, int recipe, const at::Tensor* const* inputs, int count, const bool* wanted,
+using Float8Gemms = int (*)(int step, int64_t code, const at::Tensor* const* inputs, int count, const bool* wanted,
                             at::Tensor** outputs, char* message, size_t capacity);
 
 // Takes ownership of the tensor Rust allocated (null: none).
@@ -539,13 +540,13 @@ at::Tensor take(at::Tensor* handed) {
   return tensor;
 }
 
-std::vector<at::Tensor> run_float8(int64_t gemms, int step, int64_t recipe, std::vector<const at::Tensor*> inputs,
+std::vector<at::Tensor> run_float8(int64_t gemms, int step, int64_t code, std::vector<const at::Tensor*> inputs,
                                    std::vector<bool> wanted) {
   std::vector<at::Tensor*> outputs(wanted.size(), nullptr);
   std::unique_ptr<bool[]> flags(new bool[wanted.size()]);
   std::copy(wanted.begin(), wanted.end(), flags.get());
   call_rust([&](char* message, size_t capacity) {
-    return reinterpret_cast<Float8Gemms>(gemms)(step, static_cast<int>(recipe), inputs.data(),
+    return reinterpret_cast<Float8Gemms>(gemms)(step, code, inputs.data(),
                                                 static_cast<int>(inputs.size()), flags.get(), outputs.data(), message,
                                                 capacity);
   });
@@ -561,25 +562,27 @@ std::vector<at::Tensor> run_float8(int64_t gemms, int step, int64_t recipe, std:
 // Float8Linear does.
 struct Float8Linear : public torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            int64_t gemms, int64_t recipe) {
-    ctx->save_for_backward({x, weight});
+                            int64_t gemms, int64_t code) {
+    auto out = run_float8(gemms, 0, code, {&x, &weight}, {true, true, true});
+    ctx->save_for_backward({x, weight, out[1], out[2]});
     ctx->saved_data["gemms"] = gemms;
-    ctx->saved_data["recipe"] = recipe;
-    return run_float8(gemms, 0, recipe, {&x, &weight}, {true})[0];
+    ctx->saved_data["code"] = code;
+    return out[0];
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &grad = grads[0];
-    auto out = run_float8(ctx->saved_data["gemms"].toInt(), 1, ctx->saved_data["recipe"].toInt(), {&x, &weight, &grad},
+    auto out = run_float8(ctx->saved_data["gemms"].toInt(), 1, ctx->saved_data["code"].toInt(),
+                          {&x, &weight, &grad, &saved[2], &saved[3]},
                           {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
     return {out[0], out[1], at::Tensor(), at::Tensor()};
   }
 };
 
-char* ft_float8_linear(at::Tensor* x, at::Tensor* weight, Float8Gemms gemms, int recipe, at::Tensor** out) {
-  return guarded([&] { *out = new at::Tensor(Float8Linear::apply(*x, *weight, reinterpret_cast<int64_t>(gemms), recipe)); });
+char* ft_float8_linear(at::Tensor* x, at::Tensor* weight, Float8Gemms gemms, int64_t code, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(Float8Linear::apply(*x, *weight, reinterpret_cast<int64_t>(gemms), code)); });
 }
 
 // LayerNorm over the last dimension with ATen's forward and input

@@ -8,7 +8,7 @@
 //! multiplied in fp32 (torchao's `Float8LinearConfig(emulate=True)`), which
 //! runs anywhere and gives torchao's emulation's bits.
 
-use crate::{Result, ShimError};
+use crate::{kernels, Result, ShimError};
 use tch::{Kind, Tensor};
 
 /// How a recipe casts a linear layer's operands: torchao's
@@ -50,11 +50,21 @@ pub fn max_value(kind: Kind) -> f64 {
 /// (kept, of size 1: one scale per row of the other dimension); with
 /// `power_of_2`, rounded down to a power of two.
 pub fn scale(x: &Tensor, kind: Kind, dim: Option<i64>, power_of_2: bool) -> Tensor {
+    scale_from(&amax(x, dim), kind, power_of_2)
+}
+
+/// max |x| over the whole tensor or along `dim` (kept).
+fn amax(x: &Tensor, dim: Option<i64>) -> Tensor {
     let _no_grad = tch::no_grad_guard();
-    let amax = match dim {
+    match dim {
         None => x.abs().max(),
         Some(dim) => x.abs().amax([dim], true),
-    };
+    }
+}
+
+/// `scale`'s value from an amax.
+fn scale_from(amax: &Tensor, kind: Kind, power_of_2: bool) -> Tensor {
+    let _no_grad = tch::no_grad_guard();
     let scale = (amax.to_kind(Kind::Double).clamp_min(EPS).reciprocal() * max_value(kind)).to_kind(Kind::Float);
     if power_of_2 {
         scale.log2().floor().exp2()
@@ -70,30 +80,113 @@ pub fn cast(x: &Tensor, scale: &Tensor, kind: Kind) -> Tensor {
     (x.to_kind(Kind::Float) * scale).clamp(-max, max).to_kind(kind)
 }
 
-/// One GEMM operand in float8: its data and the scale it was cast with
-/// (x ≈ data / scale).
+/// One GEMM operand in float8: its data, the scale it was cast with
+/// (x ≈ data / scale) and the scale's reciprocal (what `_scaled_mm` takes).
 struct Operand {
     data: Tensor,
     scale: Tensor,
+    inverse: Tensor,
 }
 
 impl Operand {
+    fn shallow_clone(&self) -> Operand {
+        Operand { data: self.data.shallow_clone(), scale: self.scale.shallow_clone(), inverse: self.inverse.shallow_clone() }
+    }
+
     fn transposed(&self) -> Operand {
-        let scale = if self.scale.dim() > 1 { self.scale.tr() } else { self.scale.shallow_clone() };
-        Operand { data: self.data.tr(), scale }
+        let flip = |t: &Tensor| if t.dim() > 1 { t.tr() } else { t.shallow_clone() };
+        Operand { data: self.data.tr(), scale: flip(&self.scale), inverse: flip(&self.inverse) }
     }
 }
 
 /// What an operand is to the layer, which picks its float8 kind.
-#[derive(Clone, Copy)]
-enum Role {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
     Input,
     Weight,
     GradOutput,
 }
 
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Input => "input",
+            Role::Weight => "weight",
+            Role::GradOutput => "grad_output",
+        }
+    }
+}
+
+/// One cast's amax (max |x|, one fp32 on the tensor's device; NaN or
+/// infinite when x holds such a value): what the numerics guard reads.
+pub struct Amax {
+    /// The layer, as `layer_id` numbered it.
+    pub layer: u32,
+    pub role: Role,
+    pub value: Tensor,
+}
+
+/// The layers' names by id, and the amaxes recorded since the last `take_amaxes`.
+struct Recorder {
+    names: Vec<(String, String)>,
+    ids: std::collections::HashMap<(String, String), u32>,
+    recording: bool,
+    amaxes: Vec<Amax>,
+}
+
+fn recorder() -> std::sync::MutexGuard<'static, Recorder> {
+    static RECORDER: std::sync::OnceLock<std::sync::Mutex<Recorder>> = std::sync::OnceLock::new();
+    let recorder = RECORDER.get_or_init(|| std::sync::Mutex::new(Recorder { names: vec![], ids: Default::default(), recording: false, amaxes: vec![] }));
+    recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The id `linear` passes for linear layer `name` of unit `unit` (the same
+/// id for the same names, for the life of the process).
+pub fn layer_id(unit: &str, name: &str) -> u32 {
+    let mut recorder = recorder();
+    let key = (unit.to_string(), name.to_string());
+    if let Some(&id) = recorder.ids.get(&key) {
+        return id;
+    }
+    let id = recorder.names.len() as u32;
+    recorder.names.push(key.clone());
+    recorder.ids.insert(key, id);
+    id
+}
+
+/// The (unit, layer) names of `layer_id`'s `id`.
+pub fn layer_name(id: u32) -> (String, String) {
+    recorder().names.get(id as usize).cloned().unwrap_or_else(|| ("?".into(), format!("layer {id}")))
+}
+
+/// From now on, every float8 linear layer's forward records its input's and
+/// weight's amax, and its backward its output gradient's, until
+/// `take_amaxes` takes them (each step).
+pub fn record_amaxes() {
+    recorder().recording = true;
+}
+
+/// The amaxes recorded since the last call, in the order the casts ran.
+pub fn take_amaxes() -> Vec<Amax> {
+    std::mem::take(&mut recorder().amaxes)
+}
+
+fn record(layer: u32, role: Role, amax: &Tensor) {
+    let mut recorder = recorder();
+    if recorder.recording {
+        // Rowwise casts have an amax a row: the tensor's is their largest.
+        let value = if amax.numel() == 1 { amax.reshape([]) } else { amax.max() };
+        recorder.amaxes.push(Amax { layer, role, value });
+    }
+}
+
+/// The amaxes a tensorwise forward found for x and W, which backward's
+/// casts scale from again instead of reading x and W once more.
+pub(crate) type Saved = [Option<Tensor>; 2];
+
 impl Float8 {
-    fn kind(self, role: Role) -> Kind {
+    /// The float8 kind a tensor of `role` is cast to.
+    pub fn kind(self, role: Role) -> Kind {
         match (self.recipe, role) {
             (Recipe::Tensorwise, Role::GradOutput) => Kind::Float8e5m2,
             _ => Kind::Float8e4m3fn,
@@ -103,12 +196,21 @@ impl Float8 {
     /// `x` (2-D) cast for `role`: tensorwise, or rowwise with one scale per
     /// slice along `dim`.
     fn cast(self, x: &Tensor, role: Role, dim: i64) -> Operand {
+        self.cast_recording(x, role, dim, None)
+    }
+
+    /// `cast`, recording its amax as `layer`'s when given.
+    fn cast_recording(self, x: &Tensor, role: Role, dim: i64, layer: Option<u32>) -> Operand {
         let kind = self.kind(role);
-        let scale = match self.recipe {
-            Recipe::Tensorwise => scale(x, kind, None, false),
-            Recipe::Rowwise => scale(x, kind, Some(dim), true),
+        let (amax, power_of_2) = match self.recipe {
+            Recipe::Tensorwise => (amax(x, None), false),
+            Recipe::Rowwise => (amax(x, Some(dim)), true),
         };
-        Operand { data: cast(x, &scale, kind), scale }
+        if let Some(layer) = layer {
+            record(layer, role, &amax);
+        }
+        let scale = scale_from(&amax, kind, power_of_2);
+        Operand { data: cast(x, &scale, kind), inverse: scale.reciprocal(), scale }
     }
 
     /// a·b in `out_kind` (torchao's `float8_mm`): emulated, or `_scaled_mm`
@@ -121,29 +223,54 @@ impl Float8 {
         scaled_mm(a, b, out_kind, fast_accum)
     }
 
-    /// Forward: x·Wᵀ, x [.., in] and W [out, in]. Rowwise: a scale per token
-    /// and one per output feature.
-    pub(crate) fn forward(self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    /// Whether ft's kernels cast (`fused`: they load on this GPU): the
+    /// tensorwise recipe's casts, whose GEMMs run in float8.
+    fn casts_fused(self, fused: bool) -> bool {
+        fused && !self.emulate && self.recipe == Recipe::Tensorwise
+    }
+
+    /// Forward: x·Wᵀ, x [.., in] and W [out, in], and what backward reuses.
+    /// Rowwise: a scale per token and one per output feature.
+    pub(crate) fn forward(self, x: &Tensor, weight: &Tensor, fused: bool, layer: u32) -> Result<(Tensor, Saved)> {
         let features = x.size()[x.dim() - 1];
-        let input = self.cast(&x.reshape([-1, features]), Role::Input, -1);
-        let weight_t = self.cast(weight, Role::Weight, -1).transposed();
-        let out = self.gemm(&input, &weight_t, x.kind(), true)?;
+        let rows = x.reshape([-1, features]);
+        let (out, saved) = if self.casts_fused(fused) {
+            let rows = rows.contiguous();
+            let (x_amax, input) = INPUTS.cast(&rows, || {
+                let amax = kernels::amax(&rows)?;
+                Ok((fused_cast(&rows, &amax, Role::Input, self)?, amax))
+            })?;
+            let w_amax = kernels::amax(weight)?;
+            record(layer, Role::Input, &x_amax);
+            record(layer, Role::Weight, &w_amax);
+            let weight_t = fused_cast(weight, &w_amax, Role::Weight, self)?.transposed();
+            (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
+        } else {
+            let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
+            let weight_t = self.cast_recording(weight, Role::Weight, -1, Some(layer)).transposed();
+            (self.gemm(&input, &weight_t, x.kind(), true)?, [None, None])
+        };
         let mut shape = x.size();
         *shape.last_mut().expect("x has a feature dimension") = weight.size()[0];
-        Ok(out.reshape(shape))
+        Ok((out.reshape(shape), saved))
     }
 
     /// Backward from the output's gradient `grad`: the input's gradient
     /// dy·W (rowwise: a scale per token of dy, per input feature of W) and
     /// the weight's dyᵀ·x (per output feature of dy, per input feature of
     /// x), each only when asked for.
-    pub(crate) fn backward(self, x: &Tensor, weight: &Tensor, grad: &Tensor, wanted: [bool; 2]) -> Result<[Option<Tensor>; 2]> {
+    pub(crate) fn backward(self, x: &Tensor, weight: &Tensor, grad: &Tensor, saved: Saved, wanted: [bool; 2], fused: bool, layer: u32) -> Result<[Option<Tensor>; 2]> {
         let (features, outputs) = (x.size()[x.dim() - 1], weight.size()[0]);
         let grad = grad.reshape([-1, outputs]);
+        if self.casts_fused(fused) {
+            return self.fused_backward(&x.reshape([-1, features]).contiguous(), weight, &grad.contiguous(), saved, wanted, layer).map(|[input, weight]| [input.map(|g| g.reshape(x.size())), weight]);
+        }
+        // The output gradient's amax once: its first cast's.
+        let mut recording = Some(layer);
         let grad_input = match wanted[0] {
             false => None,
             true => {
-                let dy = self.cast(&grad, Role::GradOutput, -1);
+                let dy = self.cast_recording(&grad, Role::GradOutput, -1, recording.take());
                 let w = self.cast(weight, Role::Weight, 0);
                 Some(self.gemm(&dy, &w, grad.kind(), false)?.reshape(x.size()))
             }
@@ -151,7 +278,7 @@ impl Float8 {
         let grad_weight = match wanted[1] {
             false => None,
             true => {
-                let dy_t = self.cast(&grad, Role::GradOutput, 0).transposed();
+                let dy_t = self.cast_recording(&grad, Role::GradOutput, 0, recording.take()).transposed();
                 let rows = self.cast(&x.reshape([-1, features]), Role::Input, 0);
                 Some(self.gemm(&dy_t, &rows, grad.kind(), false)?)
             }
@@ -159,14 +286,110 @@ impl Float8 {
         Ok([grad_input, grad_weight])
     }
 
-    /// The code the shim's node carries (`Float8::from_code` reads it back).
-    pub(crate) fn code(self) -> i32 {
-        (self.recipe == Recipe::Rowwise) as i32 | (self.emulate as i32) << 1
+    /// Tensorwise backward with ft's kernels: dy cast once into both
+    /// layouts its GEMMs read, W and x cast transposed (the layouts
+    /// `_scaled_mm` needs for dy·W and dyᵀ·x) from forward's amaxes. The
+    /// same bits as `backward`'s ATen casts: a tensorwise scale does not
+    /// depend on the layout.
+    fn fused_backward(self, rows: &Tensor, weight: &Tensor, grad: &Tensor, saved: Saved, wanted: [bool; 2], layer: u32) -> Result<[Option<Tensor>; 2]> {
+        let [x_amax, w_amax] = saved;
+        let amax = |saved: Option<Tensor>, of: &Tensor| saved.map_or_else(|| kernels::amax(of), Ok);
+        let g_amax = kernels::amax(grad)?;
+        record(layer, Role::GradOutput, &g_amax);
+        let kind = self.kind(Role::GradOutput);
+        let dy = kernels::cast_float8(grad, &g_amax, kind, max_value(kind) as f32, wanted[0], wanted[1])?;
+        let grad_input = match (wanted[0], &dy.data) {
+            (true, Some(data)) => {
+                let w = transposed_cast(weight, &amax(w_amax, weight)?, Role::Weight, self)?.transposed();
+                Some(self.gemm(&Operand { data: data.shallow_clone(), scale: dy.scale.shallow_clone(), inverse: dy.inverse.shallow_clone() }, &w, grad.kind(), false)?)
+            }
+            _ => None,
+        };
+        let grad_weight = match (wanted[1], dy.transposed) {
+            (true, Some(data)) => {
+                let dy_t = Operand { data, scale: dy.scale, inverse: dy.inverse };
+                let (_, x) = TRANSPOSED_INPUTS.cast(rows, || {
+                    let amax = amax(x_amax, rows)?;
+                    Ok((transposed_cast(rows, &amax, Role::Input, self)?, amax))
+                })?;
+                let x = x.transposed();
+                Some(self.gemm(&dy_t, &x, grad.kind(), false)?)
+            }
+            _ => None,
+        };
+        Ok([grad_input, grad_weight])
     }
 
-    pub(crate) fn from_code(code: i32) -> Float8 {
-        Float8 { recipe: if code & 1 == 1 { Recipe::Rowwise } else { Recipe::Tensorwise }, emulate: code & 2 == 2 }
+    /// The code the shim's node carries, with whether ft's kernels cast and
+    /// the layer's id (`Float8::from_code` reads them back).
+    pub(crate) fn code(self, fused: bool, layer: u32) -> i64 {
+        (self.recipe == Recipe::Rowwise) as i64 | (self.emulate as i64) << 1 | (fused as i64) << 2 | (layer as i64) << 3
     }
+
+    pub(crate) fn from_code(code: i64) -> (Float8, bool, u32) {
+        let recipe = if code & 1 == 1 { Recipe::Rowwise } else { Recipe::Tensorwise };
+        (Float8 { recipe, emulate: code & 2 == 2 }, code & 4 == 4, (code >> 3) as u32)
+    }
+}
+
+/// The last input a direction cast with ft's kernels and its amax, so that
+/// the layers reading one input (Llama's q, k and v projections; gate and
+/// up) cast it once: forward's row-major casts (`INPUTS`) and backward's
+/// transposed ones (`TRANSPOSED_INPUTS`). An entry holds its tensor, so the
+/// storage cannot be reused while cached, and its version counter, which
+/// an in-place write would have moved; `forget_cached_inputs` empties both.
+struct InputCache(std::sync::Mutex<Option<CachedInput>>);
+
+struct CachedInput {
+    x: Tensor,
+    version: i64,
+    amax: Tensor,
+    cast: Operand,
+}
+
+static INPUTS: InputCache = InputCache(std::sync::Mutex::new(None));
+static TRANSPOSED_INPUTS: InputCache = InputCache(std::sync::Mutex::new(None));
+
+impl InputCache {
+    /// `x`'s amax and cast: the cached ones when x is the input cast last, else `cast`'s, then cached.
+    fn cast(&self, x: &Tensor, cast: impl FnOnce() -> Result<(Operand, Tensor)>) -> Result<(Tensor, Operand)> {
+        let mut entry = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(cached) = entry.as_ref() {
+            let same = cached.x.data_ptr() == x.data_ptr() && cached.x.device() == x.device() && cached.x.kind() == x.kind();
+            if same && cached.x.size() == x.size() && cached.x.stride() == x.stride() && cached.version == x.internal_version() {
+                return Ok((cached.amax.shallow_clone(), cached.cast.shallow_clone()));
+            }
+        }
+        let (operand, amax) = cast()?;
+        *entry = Some(CachedInput { x: x.shallow_clone(), version: x.internal_version(), amax: amax.shallow_clone(), cast: operand.shallow_clone() });
+        Ok((amax, operand))
+    }
+
+    fn forget(&self) {
+        *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+}
+
+/// Drops the cached input casts (`InputCache`) and the tensors they hold:
+/// after a step's backward, so they hold no memory through the optimizer step.
+pub fn forget_cached_inputs() {
+    INPUTS.forget();
+    TRANSPOSED_INPUTS.forget();
+}
+
+/// `x` [rows, cols] cast row-major by ft's kernel, scaled from `amax`.
+fn fused_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8) -> Result<Operand> {
+    let kind = float8.kind(role);
+    let cast = kernels::cast_float8(x, amax, kind, max_value(kind) as f32, true, false)?;
+    Ok(Operand { data: cast.data.expect("asked for"), scale: cast.scale, inverse: cast.inverse })
+}
+
+/// `x` [rows, cols] cast by ft's kernel into its transpose [cols, rows
+/// padded to 16], scaled from `amax`.
+fn transposed_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8) -> Result<Operand> {
+    let kind = float8.kind(role);
+    let cast = kernels::cast_float8(x, amax, kind, max_value(kind) as f32, false, true)?;
+    Ok(Operand { data: cast.transposed.expect("asked for"), scale: cast.scale, inverse: cast.inverse })
 }
 
 /// torchao's `addmm_float8_unwrapped` over `preprocess_addmm`'s layouts: a
@@ -189,7 +412,7 @@ fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Resu
     }
     let a_data = a_data.contiguous();
     let b_data = b_data.tr().contiguous().tr();
-    let (mut a_inverse, mut b_inverse) = (a.scale.reciprocal(), b.scale.reciprocal());
+    let (mut a_inverse, mut b_inverse) = (a.inverse.shallow_clone(), b.inverse.shallow_clone());
     let rowwise = a.scale.size() == [rows, 1] && b.scale.size() == [1, cols];
     let mut post_scale = None;
     if rowwise && !fast_accum {
@@ -208,7 +431,89 @@ fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Resu
 /// x·Wᵀ as one autograd node (the shim's `Float8Linear`) whose forward and
 /// backward GEMMs run in float8 as `float8` says; x and W stay in their own
 /// precision, saved for backward. No bias: torchao adds it after, in the
-/// output's precision.
-pub fn linear(x: &Tensor, weight: &Tensor, float8: Float8) -> Result<Tensor> {
-    crate::float8_linear(x, weight, float8.code())
+/// output's precision. With `fused_casts` (ft's kernels load on this GPU),
+/// the tensorwise recipe's casts run in ft's kernels (`kernels::amax`,
+/// `kernels::cast_float8`), bit for bit the casts ATen's ops make.
+/// `layer` (`layer_id`) names the layer to the numerics guard (`record_amaxes`).
+pub fn linear(x: &Tensor, weight: &Tensor, float8: Float8, fused_casts: bool, layer: u32) -> Result<Tensor> {
+    crate::float8_linear(x, weight, float8.code(fused_casts, layer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{linear, Float8, Recipe};
+    use tch::{Device, Kind, Tensor};
+
+    /// The same bits (any kind), NaN and signed zeros included.
+    fn assert_same_bits(fused: &Tensor, aten: &Tensor, what: &str) {
+        assert_eq!((fused.size(), fused.kind()), (aten.size(), aten.kind()), "{what}");
+        let bits = |t: &Tensor| t.contiguous().view_dtype(if t.kind() == Kind::Float { Kind::Int } else { Kind::Int16 });
+        let differ = bits(fused).ne_tensor(&bits(aten)).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(differ, 0, "{what}: {differ} of {} elements differ between ft's casts and ATen's", fused.numel());
+    }
+
+    /// x·Wᵀ's output and the gradients of the tensors that require them.
+    fn run(x: &Tensor, weight: &Tensor, grad: &Tensor, fused: bool) -> Vec<Tensor> {
+        let (x, weight) = (x.detach().set_requires_grad(x.requires_grad()), weight.detach().set_requires_grad(weight.requires_grad()));
+        let out = linear(&x, &weight, Float8 { recipe: Recipe::Tensorwise, emulate: false }, fused, 0).unwrap();
+        // d(Σ out·grad)/d out is `grad` exactly.
+        (&out * grad).sum(out.kind()).backward();
+        [x.grad(), weight.grad()].into_iter().filter(Tensor::defined).chain([out.detach()]).collect()
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU of compute capability 8.9+ (bench/gpu/llama7b_fp8_1gpu.sh runs it)"]
+    fn fused_casts_equal_atens_bit_for_bit_on_a_gpu() {
+        // This test binary uses no symbol of libtorch_cuda, so the linker left it out; its CUDA ops register when it loads.
+        // SAFETY: loading PyTorch's own library, found on LD_LIBRARY_PATH, runs only its registrations.
+        std::mem::forget(unsafe { libloading::Library::new("libtorch_cuda.so") }.expect("libtorch_cuda.so on LD_LIBRARY_PATH"));
+        let gpu = Device::Cuda(0);
+        tch::manual_seed(11);
+        // 300 tokens: the weight gradient's inner dimension is padded to 304.
+        for (tokens, inputs, outputs) in [(300, 64, 48), (4096, 1024, 2048)] {
+            for kind in [Kind::BFloat16, Kind::Float] {
+                let magnitudes = Tensor::logspace(-3.0, 3.0, tokens, 10.0, (Kind::Float, gpu)).unsqueeze(1);
+                let x = (Tensor::randn([tokens, inputs], (Kind::Float, gpu)) * magnitudes).to_kind(kind);
+                let _ = x.get(1).zero_();
+                let weight = (Tensor::randn([outputs, inputs], (Kind::Float, gpu)) * 0.05).to_kind(kind);
+                let grad = (Tensor::randn([tokens, outputs], (Kind::Float, gpu)) * 1e-4).to_kind(kind);
+                for wanted in [[true, true], [false, true], [true, false]] {
+                    let (x, weight) = (x.set_requires_grad(wanted[0]), weight.set_requires_grad(wanted[1]));
+                    let (fused, aten) = (run(&x, &weight, &grad, true), run(&x, &weight, &grad, false));
+                    assert_eq!(fused.len(), aten.len());
+                    for (i, (fused, aten)) in fused.iter().zip(&aten).enumerate() {
+                        assert_same_bits(fused, aten, &format!("{tokens}×{inputs}→{outputs} {kind:?} {wanted:?} result {i}"));
+                    }
+                }
+            }
+        }
+        // Layers reading one input cast it once (the calls above hit the cache); one written in place since is cast again.
+        let x = Tensor::randn([300, 64], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+        let weight = (Tensor::randn([48, 64], (Kind::Float, gpu)) * 0.05).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let grad = Tensor::randn([300, 48], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+        let before = run(&x, &weight, &grad, true);
+        let _ = x.shallow_clone().g_mul_scalar_(3.0);
+        let (after, aten) = (run(&x, &weight, &grad, true), run(&x, &weight, &grad, false));
+        for (i, (after, aten)) in after.iter().zip(&aten).enumerate() {
+            assert_same_bits(after, aten, &format!("after an in-place write, result {i}"));
+        }
+        assert!(!before[1].equal(&after[1]), "the written input was cast again");
+        // A tensor that does not start on 16 bytes is read two values at a time: the same bits.
+        let flat = Tensor::randn([300 * 64 + 1], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+        let offset = flat.narrow(0, 1, 300 * 64).view([300, 64]);
+        let aligned = offset.copy();
+        let amax = crate::kernels::amax(&offset).unwrap();
+        assert_same_bits(&amax, &crate::kernels::amax(&aligned).unwrap(), "amax of an offset tensor");
+        let [from_offset, from_aligned] = [&offset, &aligned].map(|x| crate::kernels::cast_float8(x, &amax, Kind::Float8e4m3fn, 448.0, true, true).unwrap());
+        for (what, a, b) in [("row-major", &from_offset.data, &from_aligned.data), ("transposed", &from_offset.transposed, &from_aligned.transposed)] {
+            let bytes = |t: &Option<Tensor>| t.as_ref().unwrap().view_dtype(Kind::Uint8).to_kind(Kind::Int16);
+            assert_same_bits(&bytes(a), &bytes(b), &format!("{what} cast of an offset tensor"));
+        }
+        // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
+        let x = Tensor::ones([1000], (Kind::BFloat16, gpu));
+        let _ = x.get(777).fill_(f64::NAN);
+        assert!(crate::kernels::amax(&x).unwrap().double_value(&[]).is_nan());
+        let _ = x.get(777).fill_(-3.5);
+        assert_eq!(crate::kernels::amax(&x).unwrap().double_value(&[]), 3.5);
+    }
 }

@@ -33,6 +33,11 @@
 //!   one pass over dy (and x). ATen's reduction over the leading dimension
 //!   and its gamma/beta kernel took 24 and 57 µs a call on BERT's
 //!   [12288, 768] on an H200; these take 12 and 18.
+//! - `fp8_amax_*`, `fp8_cast_*`: float8 linears' casts (`float8.rs`), an
+//!   amax pass and one pass that scales, clamps, rounds and writes the
+//!   float8 copy row-major, transposed or both. ATen's eager ops took seven
+//!   passes a cast — about 470 ms of a 692 ms Llama-7B step on an H200
+//!   (bench/results/2026-11-26-h200-fp8.md).
 
 use crate::{Result, ShimError};
 use cudarc::driver::{result as driver, sys};
@@ -59,6 +64,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/lowrank.cu"),
     include_str!("kernels/rope_swiglu.cu"),
     include_str!("kernels/column_sum.cu"),
+    include_str!("kernels/float8.cu"),
 );
 
 /// The kernels, loaded into one device's (primary) context.
@@ -81,6 +87,9 @@ struct Functions {
     swiglu: [sys::CUfunction; 2],
     column_sum_partial: [sys::CUfunction; 2],
     column_sum_finish: [sys::CUfunction; 2],
+    /// By the values' kind: [fp32, bf16].
+    fp8_amax: [sys::CUfunction; 2],
+    fp8_cast: [sys::CUfunction; 2],
     multiprocessors: u32,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
@@ -150,6 +159,8 @@ fn load(device_index: usize) -> Result<Functions> {
             swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
             column_sum_partial: [function("column_sum_partial_f32")?, function("column_sum_partial_bf16")?],
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
+            fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
+            fp8_cast: [function("fp8_cast_f32")?, function("fp8_cast_bf16")?],
             multiprocessors,
         })
     }
@@ -671,13 +682,109 @@ pub fn column_sum(dy: &Tensor, normalized: Option<(&Tensor, &Tensor, &Tensor)>, 
     unsafe { launch(functions.column_sum_finish[which], index, (cols as u32).div_ceil(256), 256, &mut params) }
 }
 
+/// max |x| of `x` (fp32 or bf16, CUDA, contiguous) as one fp32 on its
+/// device, NaN when any value is: what a float8 cast scales from.
+pub fn amax(x: &Tensor) -> Result<Tensor> {
+    let index = gpu_index(x, "x")?;
+    expect(x, "x", x, &x.size(), x.kind())?;
+    let functions = functions(index)?;
+    let function = functions.fp8_amax[by_kind(x.kind())?];
+    let amax = Tensor::zeros([], (Kind::Float, x.device()));
+    let mut n = x.numel() as i64;
+    if n == 0 {
+        return Ok(amax);
+    }
+    let blocks = (n as u64).div_ceil(8 * ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 8) as u32;
+    let (mut x_ptr, mut amax_ptr) = (x.data_ptr(), amax.data_ptr());
+    let mut params = [arg(&mut x_ptr), arg(&mut n), arg(&mut amax_ptr)];
+    // SAFETY: the arguments match fp8_amax_*'s signature; `x` was checked
+    // above and `amax` made here (see `adamw_` on lifetimes).
+    unsafe { launch(function, index, blocks, ELEMENTWISE_THREADS, &mut params)? };
+    Ok(amax)
+}
+
+/// fp8_cast's block (float8.cu's FP8_CAST_THREADS).
+const FP8_CAST_THREADS: u32 = 256;
+
+/// `x` [rows, cols] cast to float8 by `fp8_cast`: the copies asked for and
+/// the scale (x ≈ data / scale) with its reciprocal, each one fp32.
+pub struct Float8Cast {
+    /// [rows, cols], row-major.
+    pub data: Option<Tensor>,
+    /// [cols, rows rounded up to 16], x's transpose, zeros past `rows`
+    /// (float8 GEMMs need inner dimensions that are multiples of 16).
+    pub transposed: Option<Tensor>,
+    pub scale: Tensor,
+    pub inverse: Tensor,
+}
+
+/// `x` [rows, cols] (fp32 or bf16, CUDA, contiguous, cols even) times
+/// max(`kind`) / max(`amax`, 1e-12) (the scale in fp64, stored as fp32),
+/// clamped to ±max and rounded to `kind` (e4m3fn or e5m2): row-major when
+/// `rows_major`, transposed when `transposed`, one read of x for both.
+pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_major: bool, transposed: bool) -> Result<Float8Cast> {
+    let index = gpu_index(x, "x")?;
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    expect(x, "x", x, &[rows, cols], x.kind())?;
+    expect(amax, "amax", x, &[], Kind::Float)?;
+    if cols % 2 != 0 {
+        return Err(error("x", format!("{cols} columns: the float8 cast takes an even number")));
+    }
+    let mut e5m2: i32 = match kind {
+        Kind::Float8e4m3fn => 0,
+        Kind::Float8e5m2 => 1,
+        other => return Err(error("unsupported", format!("no float8 cast to {other:?}"))),
+    };
+    let functions = functions(index)?;
+    let function = functions.fp8_cast[by_kind(x.kind())?];
+    let options = (kind, x.device());
+    let data = row_major.then(|| Tensor::empty([rows, cols], options));
+    let padded = (rows + 15) / 16 * 16;
+    let transposed = transposed.then(|| if padded == rows { Tensor::empty([cols, padded], options) } else { Tensor::zeros([cols, padded], options) });
+    let (scale, inverse) = (Tensor::empty([], (Kind::Float, x.device())), Tensor::empty([], (Kind::Float, x.device())));
+    let row_tiles = u32::try_from((rows as u64).div_ceil(32)).map_err(|_| error("x", "too many rows"))?;
+    let col_tiles = u32::try_from((cols as u64).div_ceil(64)).ok().filter(|&t| t <= 65_535).ok_or_else(|| error("x", format!("{cols} columns: at most 4194240")))?;
+    if rows * cols == 0 {
+        let _ = scale.shallow_clone().fill_(1.0);
+        let _ = inverse.shallow_clone().fill_(1.0);
+        return Ok(Float8Cast { data, transposed, scale, inverse });
+    }
+    let pointer = |t: &Option<Tensor>| t.as_ref().map_or(std::ptr::null_mut(), Tensor::data_ptr);
+    let (mut x_ptr, mut amax_ptr, mut out_ptr, mut out_t_ptr) = (x.data_ptr(), amax.data_ptr(), pointer(&data), pointer(&transposed));
+    let (mut scale_ptr, mut inverse_ptr) = (scale.data_ptr(), inverse.data_ptr());
+    // 16 bytes a load where x allows it (`Pack` in rope_swiglu.cu).
+    let per_word = 16 / x.kind().elt_size_in_bytes() as i64;
+    let mut packed = (x.data_ptr() as usize % 16 == 0 && cols % per_word == 0) as i32;
+    let (mut rows_, mut cols_, mut max_value, mut stride) = (rows, cols, max_value, padded);
+    let mut params = [
+        arg(&mut x_ptr),
+        arg(&mut rows_),
+        arg(&mut cols_),
+        arg(&mut amax_ptr),
+        arg(&mut max_value),
+        arg(&mut e5m2),
+        arg(&mut out_ptr),
+        arg(&mut out_t_ptr),
+        arg(&mut stride),
+        arg(&mut scale_ptr),
+        arg(&mut inverse_ptr),
+        arg(&mut packed),
+    ];
+    // SAFETY: the arguments match fp8_cast_*'s signature; `x` and `amax`
+    // were checked above and the outputs made here (see `adamw_` on lifetimes).
+    unsafe { launch(function, index, (row_tiles, col_tiles), FP8_CAST_THREADS, &mut params)? };
+    Ok(Float8Cast { data, transposed, scale, inverse })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn kernel_source_compiles_with_nvrtc() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
+        // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
+        super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

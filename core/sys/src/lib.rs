@@ -115,7 +115,7 @@ extern "C" {
     ) -> *mut c_char;
     fn ft_layer_norm(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
-    fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, gemms: Float8Gemms, recipe: i32, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
@@ -566,16 +566,17 @@ unsafe fn report(run: impl FnOnce() -> Result<()>, message: *mut c_char, capacit
     }
 }
 
-/// How the shim's `Float8Linear` node runs its GEMMs: step 0 (forward) or 1
-/// (backward), the `float8::Float8` code, the inputs, which outputs are
+/// How the shim's `Float8Linear` node runs its GEMMs: step 0 (forward: x, W
+/// in; x·Wᵀ and the two amaxes backward reuses, or none, out) or 1
+/// (backward: x, W, dy and those amaxes in), the `float8::Float8` code, the inputs, which outputs are
 /// wanted, where each output's at::Tensor goes (handed over), and a buffer
 /// for an error's message.
-type Float8Gemms = unsafe extern "C" fn(i32, i32, *const *const RawTensor, i32, *const bool, *mut *mut RawTensor, *mut c_char, usize) -> i32;
+type Float8Gemms = unsafe extern "C" fn(i32, i64, *const *const RawTensor, i32, *const bool, *mut *mut RawTensor, *mut c_char, usize) -> i32;
 
 /// The shim's `Float8Linear` onto `float8`.
 unsafe extern "C" fn float8_gemms(
     step: i32,
-    code: i32,
+    code: i64,
     inputs: *const *const RawTensor,
     count: i32,
     wanted: *const bool,
@@ -585,12 +586,18 @@ unsafe extern "C" fn float8_gemms(
 ) -> i32 {
     // SAFETY: the shim passes `count` live at::Tensors that it keeps owning.
     let inputs = unsafe { borrowed(inputs, count) };
-    let float8 = float8::Float8::from_code(code);
+    let (float8, fused, layer) = float8::Float8::from_code(code);
     let run = || -> Result<()> {
         let results: Vec<Option<Tensor>> = match (step, &inputs[..]) {
-            (0, [x, weight]) => vec![Some(float8.forward(x, weight)?)],
-            // SAFETY: backward's node passes two flags.
-            (1, [x, weight, grad]) => float8.backward(x, weight, grad, unsafe { [*wanted, *wanted.add(1)] })?.into(),
+            (0, [x, weight]) => {
+                let (out, [x_amax, w_amax]) = float8.forward(x, weight, fused, layer)?;
+                vec![Some(out), x_amax, w_amax]
+            }
+            (1, [x, weight, grad, x_amax, w_amax]) => {
+                let saved = [x_amax, w_amax].map(|t| t.defined().then(|| t.shallow_clone()));
+                // SAFETY: backward's node passes two flags.
+                float8.backward(x, weight, grad, saved, unsafe { [*wanted, *wanted.add(1)] }, fused, layer)?.into()
+            }
             _ => return Err(ShimError(format!("no float8 step {step} over {count} tensors"))),
         };
         for (i, result) in results.into_iter().enumerate() {
@@ -607,7 +614,7 @@ unsafe extern "C" fn float8_gemms(
 }
 
 /// `float8::linear`'s node.
-fn float8_linear(x: &Tensor, weight: &Tensor, code: i32) -> Result<Tensor> {
+fn float8_linear(x: &Tensor, weight: &Tensor, code: i64) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
     check(unsafe { ft_float8_linear(tensor_ptr(x), tensor_ptr(weight), float8_gemms, code, &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.

@@ -1,0 +1,151 @@
+// Part of ft's CUDA kernels (core/sys/src/kernels.rs compiles them with NVRTC as one
+// source: common.cuh first, then each family's file, so each may use common.cuh's helpers).
+
+// Float8 casts as torchao's tensorwise recipe makes them (ft-sys's float8.rs
+// holds the ATen version these equal bit for bit): amax = max |x| in one
+// pass, then one pass that scales, clamps and rounds x to float8 and writes
+// it row-major, transposed, or both, instead of ATen's seven passes.
+
+// NaN-propagating max, as torch's max and amax: once NaN, stays NaN.
+__device__ __forceinline__ float max_keeping_nan(float m, float v) { return (v > m || v != v) ? v : m; }
+
+// max |x| over n values into `amax` (fp32 bits, zeroed by the caller): a
+// grid-stride pass (16 bytes a load where x is 16-byte aligned), a block
+// reduction, then an atomicMax on the bits, which order as the values do
+// for non-negative floats (NaN's above infinity).
+template <typename T>
+__device__ void fp8_amax(const T* __restrict__ x, long long n, unsigned int* amax) {
+  __shared__ float warp_max[32];
+  float m = 0.f;
+  const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long scalar_from = 0;
+  if (((size_t)x & 15) == 0) {
+    const long long packs = n / Pack<T>::N;
+    for (long long p = first; p < packs; p += stride) {
+      Pack<T> v;
+      v.read(x, p * Pack<T>::N);
+#pragma unroll
+      for (int k = 0; k < Pack<T>::N; ++k) m = max_keeping_nan(m, fabsf(v.get(k)));
+    }
+    scalar_from = packs * Pack<T>::N;
+  }
+  for (long long i = scalar_from + first; i < n; i += stride) m = max_keeping_nan(m, fabsf(load(x, i)));
+  for (int offset = 16; offset > 0; offset /= 2) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+  }
+}
+
+// Two fp32 values, already clamped to the kind's range, rounded to nearest
+// even as two float8 bytes (lo first), e4m3fn or e5m2, by Ada's and
+// Hopper's conversion instruction (the host refuses float8 before sm_89).
+__device__ __forceinline__ unsigned short to_fp8x2(float lo, float hi, int e5m2) {
+  unsigned short packed = 0;
+#if __CUDA_ARCH__ >= 890
+  if (e5m2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  }
+#else
+  __trap();
+#endif
+  return packed;
+}
+
+// x·scale clamped to ±max (NaN stays NaN, as torch's clamp).
+__device__ __forceinline__ float scaled_clamped(float x, float scale, float max_value) {
+  const float v = __fmul_rn(x, scale);
+  return v > max_value ? max_value : (v < -max_value ? -max_value : v);
+}
+
+#define FP8_TILE_ROWS 32
+#define FP8_TILE_COLS 64
+#define FP8_CAST_THREADS 256
+
+// x [rows, cols] (cols even) cast to float8 with scale = max / max(amax,
+// 1e-12) computed in fp64 and rounded to fp32 (torchao's tensor_to_scale):
+// into `out` [rows, cols] row-major and/or `out_t` [cols, out_t_stride],
+// x's transpose (the columns past `rows` left as they are: the caller's
+// zeros). A block of 256 threads a tile of 32 rows × 64 columns, each
+// thread N neighbours of a row: 16 bytes read as one word and N bytes
+// written as one where `PACKED` (x 16-byte aligned, cols a multiple of N),
+// else two values at a time. The transpose goes through shared memory so
+// both writes are coalesced. The first block also writes the scale and its
+// reciprocal (what `_scaled_mm` multiplies by).
+template <typename T, bool PACKED>
+__device__ void fp8_cast(const T* __restrict__ x, long long rows, long long cols, const unsigned int* __restrict__ amax,
+                         float max_value, int e5m2, unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
+                         long long out_t_stride, float* __restrict__ scale_out, float* __restrict__ inverse_out) {
+  constexpr int N = PACKED ? Pack<T>::N : 2;
+  constexpr int THREADS_PER_ROW = FP8_TILE_COLS / N, ROWS_PER_PASS = FP8_CAST_THREADS / THREADS_PER_ROW;
+  __shared__ __align__(8) unsigned char tile[FP8_TILE_COLS][FP8_TILE_ROWS + 8];
+  double a = (double)__uint_as_float(*amax);
+  a = a < 1e-12 ? 1e-12 : a;  // clamp_min, keeping NaN
+  const float scale = (float)__dmul_rn(1.0 / a, (double)max_value);
+  const long long row0 = (long long)blockIdx.x * FP8_TILE_ROWS, col0 = (long long)blockIdx.y * FP8_TILE_COLS;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_out = scale;
+    *inverse_out = 1.f / scale;
+  }
+  const int local_col = (threadIdx.x % THREADS_PER_ROW) * N;
+  const long long col = col0 + local_col;
+  for (int local_row = threadIdx.x / THREADS_PER_ROW; local_row < FP8_TILE_ROWS; local_row += ROWS_PER_PASS) {
+    const long long row = row0 + local_row;
+    if (row >= rows || col >= cols) continue;
+    const long long at = row * cols + col;
+    float v[N];
+    if constexpr (PACKED) {
+      Pack<T> p;
+      p.read(x, at);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = p.get(k);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = load(x, at + k);
+    }
+    union {
+      unsigned short pairs[N / 2];
+      unsigned char bytes[N];
+    } cast;
+#pragma unroll
+    for (int k = 0; k < N; k += 2)
+      cast.pairs[k / 2] = to_fp8x2(scaled_clamped(v[k], scale, max_value), scaled_clamped(v[k + 1], scale, max_value), e5m2);
+    if (out) {
+      if constexpr (N == 8) *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(cast.bytes);
+      else if constexpr (N == 4) *reinterpret_cast<unsigned int*>(out + at) = *reinterpret_cast<const unsigned int*>(cast.bytes);
+      else *reinterpret_cast<unsigned short*>(out + at) = cast.pairs[0];
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) tile[local_col + k][local_row] = cast.bytes[k];
+  }
+  if (!out_t) return;
+  __syncthreads();
+  // 64 transposed rows of 32 bytes: eight bytes a thread.
+  const int local_row = threadIdx.x / 4, first = (threadIdx.x % 4) * 8;
+  const long long row = col0 + local_row, from = row0 + first;
+  if (row >= cols || from >= rows) return;
+  unsigned char* to = out_t + row * out_t_stride + from;
+  if (from + 8 <= rows && ((size_t)to & 7) == 0) {
+    *reinterpret_cast<uint2*>(to) = *reinterpret_cast<const uint2*>(&tile[local_row][first]);
+  } else {
+    for (int i = 0; i < 8 && from + i < rows; ++i) to[i] = tile[local_row][first + i];
+  }
+}
+
+extern "C" __global__ void fp8_amax_f32(const float* x, long long n, unsigned int* amax) { fp8_amax(x, n, amax); }
+extern "C" __global__ void fp8_amax_bf16(const bf16* x, long long n, unsigned int* amax) { fp8_amax(x, n, amax); }
+extern "C" __global__ void fp8_cast_f32(const float* x, long long rows, long long cols, const unsigned int* amax, float max_value, int e5m2,
+                                        unsigned char* out, unsigned char* out_t, long long out_t_stride, float* scale, float* inverse, int packed) {
+  if (packed) fp8_cast<float, true>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+  else fp8_cast<float, false>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+}
+extern "C" __global__ void fp8_cast_bf16(const bf16* x, long long rows, long long cols, const unsigned int* amax, float max_value, int e5m2,
+                                         unsigned char* out, unsigned char* out_t, long long out_t_stride, float* scale, float* inverse, int packed) {
+  if (packed) fp8_cast<bf16, true>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+  else fp8_cast<bf16, false>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+}
