@@ -15,4 +15,4 @@ for fp8 in off tensorwise; do
   grep -E "^\| llama" $OUT/ft-$fp8.log
 done
 export PYTHONPATH=/tmp/site
-LIMIT=${LIMIT:-420} fsdp2 2 codellama-7b --mode fsdp2 --compile --float8 tensorwise --batch 2 --seq 2048 --warmup 3 --steps 6
+LIMIT=${LIMIT:-420} fsdp2 2 codellama-7b --mode fsdp2 --compile --float8 tensorwise --batch 2 --seq 2048 --warmup 8 --steps 6

@@ -16,3 +16,27 @@ __device__ __forceinline__ float load(const float* x, long long i) { return x[i]
 __device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
 __device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
 __device__ __forceinline__ void store(bf16* x, long long i, float v) { x[i] = (bf16)to_bf16(v); }
+
+// NaN-propagating max, as torch's max and amax: once NaN, stays NaN.
+__device__ __forceinline__ float max_keeping_nan(float m, float v) { return (v > m || v != v) ? v : m; }
+struct MaxKeepingNan {
+  __device__ float operator()(float m, float v) const { return max_keeping_nan(m, v); }
+};
+// fmaxf: a NaN loses to any number.
+struct MaxDroppingNan {
+  __device__ float operator()(float m, float v) const { return fmaxf(m, v); }
+};
+
+// The largest of every thread's `m` in the block by `max`, valid in thread
+// 0; `warp_max` is 32 floats of shared memory. Every thread calls it.
+template <typename Max>
+__device__ __forceinline__ float block_max(float m, float* warp_max, Max max) {
+  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  }
+  return m;
+}

@@ -6,9 +6,6 @@
 // pass, then one pass that scales, clamps and rounds x to float8 and writes
 // it row-major, transposed, or both, instead of ATen's seven passes.
 
-// NaN-propagating max, as torch's max and amax: once NaN, stays NaN.
-__device__ __forceinline__ float max_keeping_nan(float m, float v) { return (v > m || v != v) ? v : m; }
-
 // max |x| over n values into `amax` (fp32 bits, zeroed by the caller): a
 // grid-stride pass (16 bytes a load where x is 16-byte aligned), a block
 // reduction, then an atomicMax on the bits, which order as the values do
@@ -30,14 +27,8 @@ __device__ void fp8_amax(const T* __restrict__ x, long long n, unsigned int* ama
     scalar_from = packs * Pack<T>::N;
   }
   for (long long i = scalar_from + first; i < n; i += stride) m = max_keeping_nan(m, fabsf(load(x, i)));
-  for (int offset = 16; offset > 0; offset /= 2) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
-    for (int offset = 16; offset > 0; offset /= 2) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
-  }
+  m = block_max(m, warp_max, MaxKeepingNan());
+  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
 }
 
 // Two fp32 values, already clamped to the kind's range, rounded to nearest

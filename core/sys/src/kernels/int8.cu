@@ -19,16 +19,10 @@ __device__ void quantize_int8(const T* __restrict__ x, long long row_len, int bl
   float m = 0.f;
 #pragma unroll 4
   for (int i = threadIdx.x; i < count; i += blockDim.x) m = fmaxf(m, fabsf(load(in, i)));
-  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max[threadIdx.x] : 0.f;
-    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x == 0) {
-      shared_scale = fmaxf(m, 1e-30f) * (1.f / 127.f);
-      scales[b] = shared_scale;
-    }
+  m = block_max(m, warp_max, MaxDroppingNan());
+  if (threadIdx.x == 0) {
+    shared_scale = fmaxf(m, 1e-30f) * (1.f / 127.f);
+    scales[b] = shared_scale;
   }
   __syncthreads();
   const float scale = shared_scale;
