@@ -266,13 +266,15 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
         (output.status.success(), text(&output))
     };
     let check = |name: &str, extra: &[&str]| check_under("ddp", name, extra);
-    for (name, extra) in [
-        ("powersgd", &["--set", "comm.powersgd.start_iter=2"][..]),
-        ("int8", &[][..]),
-        ("bf16", &[][..]),
-        ("ft_test_plugin_identity", &[][..]),
+    // Each plug-in under the strategies its hook changes: powersgd's all-reduce (and its refusal of full_shard),
+    // int8's gathers, bf16's reductions; the identity hook's full_shard runs are the test above's.
+    for (name, strategies, extra) in [
+        ("powersgd", "ddp,full_shard", &["--set", "comm.powersgd.start_iter=2"][..]),
+        ("int8", "full_shard", &[][..]),
+        ("bf16", "ddp", &[][..]),
+        ("ft_test_plugin_identity", "ddp", &[][..]),
     ] {
-        let (passed, table) = check_under("ddp,full_shard", name, extra);
+        let (passed, table) = check_under(strategies, name, extra);
         assert!(passed && table.contains(" 0 failed"), "{name}:\n{table}");
         // Both runs' losses, step by step, under each compared row: the built-in's, the plug-in's, the gap, what is allowed.
         let steps: Vec<Vec<&str>> = table.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).filter(|w| w.len() == 5 && w[0].parse::<usize>().is_ok()).collect();
