@@ -238,12 +238,12 @@ impl Float8 {
             let rows = rows.contiguous();
             let (x_amax, input) = INPUTS.cast(&rows, || {
                 let amax = kernels::amax(&rows)?;
-                Ok((fused_cast(&rows, &amax, Role::Input, self)?, amax))
+                Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
             })?;
             let w_amax = kernels::amax(weight)?;
             record(layer, Role::Input, &x_amax);
             record(layer, Role::Weight, &w_amax);
-            let weight_t = fused_cast(weight, &w_amax, Role::Weight, self)?.transposed();
+            let weight_t = kernel_cast(weight, &w_amax, Role::Weight, self, false)?.transposed();
             (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
         } else {
             let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
@@ -300,7 +300,7 @@ impl Float8 {
         let dy = kernels::cast_float8(grad, &g_amax, kind, max_value(kind) as f32, wanted[0], wanted[1])?;
         let grad_input = match (wanted[0], &dy.data) {
             (true, Some(data)) => {
-                let w = transposed_cast(weight, &amax(w_amax, weight)?, Role::Weight, self)?.transposed();
+                let w = kernel_cast(weight, &amax(w_amax, weight)?, Role::Weight, self, true)?.transposed();
                 Some(self.gemm(&Operand { data: data.shallow_clone(), scale: dy.scale.shallow_clone(), inverse: dy.inverse.shallow_clone() }, &w, grad.kind(), false)?)
             }
             _ => None,
@@ -310,7 +310,7 @@ impl Float8 {
                 let dy_t = Operand { data, scale: dy.scale, inverse: dy.inverse };
                 let (_, x) = TRANSPOSED_INPUTS.cast(rows, || {
                     let amax = amax(x_amax, rows)?;
-                    Ok((transposed_cast(rows, &amax, Role::Input, self)?, amax))
+                    Ok((kernel_cast(rows, &amax, Role::Input, self, true)?, amax))
                 })?;
                 let x = x.transposed();
                 Some(self.gemm(&dy_t, &x, grad.kind(), false)?)
@@ -377,19 +377,13 @@ pub fn forget_cached_inputs() {
     TRANSPOSED_INPUTS.forget();
 }
 
-/// `x` [rows, cols] cast row-major by ft's kernel, scaled from `amax`.
-fn fused_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8) -> Result<Operand> {
+/// `x` [rows, cols] cast by ft's kernel, scaled from `amax`: row-major, or
+/// with `transposed` into its transpose [cols, rows padded to 16].
+fn kernel_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8, transposed: bool) -> Result<Operand> {
     let kind = float8.kind(role);
-    let cast = kernels::cast_float8(x, amax, kind, max_value(kind) as f32, true, false)?;
-    Ok(Operand { data: cast.data.expect("asked for"), scale: cast.scale, inverse: cast.inverse })
-}
-
-/// `x` [rows, cols] cast by ft's kernel into its transpose [cols, rows
-/// padded to 16], scaled from `amax`.
-fn transposed_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8) -> Result<Operand> {
-    let kind = float8.kind(role);
-    let cast = kernels::cast_float8(x, amax, kind, max_value(kind) as f32, false, true)?;
-    Ok(Operand { data: cast.transposed.expect("asked for"), scale: cast.scale, inverse: cast.inverse })
+    let cast = kernels::cast_float8(x, amax, kind, max_value(kind) as f32, !transposed, transposed)?;
+    let data = if transposed { cast.transposed } else { cast.data };
+    Ok(Operand { data: data.expect("asked for"), scale: cast.scale, inverse: cast.inverse })
 }
 
 /// torchao's `addmm_float8_unwrapped` over `preprocess_addmm`'s layouts: a
