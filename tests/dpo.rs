@@ -249,6 +249,51 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_and_a_resume_reuses_the_refe
     assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "resumed vs uninterrupted");
 }
 
+/// Every sharding strategy at 2 and 3 ranks, and full_shard offloaded,
+/// equals one rank's DPO steps (the reference log-probabilities computed
+/// sharded as the policy is); a rank killed after step 3 resumes from
+/// step 2's checkpoint to the uninterrupted run's losses.
+#[test]
+fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path());
+    // Twelve pairs: a global batch of 6 (6 × 1, 3 × 2, 2 × 3 ranks), two steps an epoch.
+    let rows: Vec<Value> = std::fs::read_to_string(&preference_files(dir.path())[0]).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let pairs = jsonl(dir.path(), "twelve.jsonl", &[&rows[..], &rows, &rows].concat());
+    let run = |name: &str, ranks: usize, extra: &[&str], fault: Option<&str>| {
+        let out = dir.path().join(name);
+        let (ranks, batch) = (ranks.to_string(), (6 / ranks).to_string());
+        let flags = [&["--max-seq-len", "64", "--max-steps", "4", "--nproc-per-node", &ranks, "--batch-size", &batch][..], extra].concat();
+        let mut command = ft();
+        command.args(["train", "--task", "dpo", "--model", model.to_str().unwrap(), "--train-file", pairs.to_str().unwrap(), "--device", "cpu"]);
+        command.args(["--lr", "1e-2", "--set", "train.schedule=constant", "--report-to", "jsonl", "--output-dir", out.to_str().unwrap()]).args(&flags);
+        if let Some(fault) = fault {
+            command.env("FT_FAULT_INJECT", fault);
+        }
+        let output = command.output().unwrap();
+        (output.status.success(), steps(&out), text(&output))
+    };
+    let (_, one, _) = run("one", 1, &[], None);
+    assert_eq!(one.len(), 4);
+    for (ranks, strategy, offload) in [(2, "zero1", false), (2, "full_shard", true), (3, "shard_grad_op", false), (3, "full_shard", false)] {
+        let name = format!("{strategy}-{ranks}{}", if offload { "-offload" } else { "" });
+        let offload: &[&str] = if offload { &["--offload", "cpu"] } else { &[] };
+        let (succeeded, sharded, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload].concat(), None);
+        assert!(succeeded, "{name}: {log}");
+        assert_equal_steps(&sharded, &one, &name);
+    }
+    let saving = ["--strategy", "full_shard", "--save-every", "2"];
+    let (succeeded, _, log) = run("killed", 2, &saving, Some("after-step:3@1"));
+    assert!(!succeeded && log.contains("FT_FAULT_INJECT: aborting"), "{log}");
+    let (succeeded, resumed, log) = run("killed", 2, &[&saving[..], &["--resume", "latest"]].concat(), None);
+    assert!(succeeded && log.contains("reference log-probabilities reused from"), "{log}");
+    // metrics.jsonl continues from step 2's checkpoint: its last two steps are the resumed run's.
+    assert_equal_steps(&resumed[resumed.len() - 2..], &one[2..], "resumed after a killed rank vs uninterrupted");
+}
+
 /// A row without `rejected`, with an empty completion, or whose prompt the
 /// chat template cannot render is an error naming the file and line; the
 /// task's keys are checked before any work.
