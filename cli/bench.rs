@@ -70,6 +70,9 @@ pub struct BenchArgs {
     /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
     #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
     fp8: Option<Fp8>,
+    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`).
+    #[arg(long, value_name = "true|false", requires = "fp8")]
+    fp8_gathers: Option<bool>,
     #[arg(long, default_value_t = 1024)]
     loss_chunk_tokens: i64,
     /// On one GPU, also time the phases apart (synchronising between them):
@@ -223,7 +226,12 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
         argv.extend([flag.to_string(), value]);
     }
     let fp8 = args.fp8.map(|fp8| serde_json::to_value(fp8).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
-    let optional = [("--shard-group-size", args.shard_group_size.map(|s| s.to_string())), ("--task", args.task.clone()), ("--fp8", fp8)];
+    let optional = [
+        ("--shard-group-size", args.shard_group_size.map(|s| s.to_string())),
+        ("--task", args.task.clone()),
+        ("--fp8", fp8),
+        ("--fp8-gathers", args.fp8_gathers.map(|on| on.to_string())),
+    ];
     for (flag, value) in optional.into_iter().filter_map(|(flag, value)| Some((flag, value?))) {
         argv.extend([flag.to_string(), value]);
     }
@@ -283,6 +291,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         breakdown: args.breakdown,
         profile: args.profile.clone(),
         float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
+        float8_gathers: args.fp8_gathers.unwrap_or(true),
     }
 }
 

@@ -438,6 +438,11 @@ pub struct TrainConfig {
     /// layers whose float8 GEMMs it measured no faster than the compute
     /// dtype's stay in the compute dtype.
     pub fp8_calibration: Option<std::path::PathBuf>,
+    /// Under `fp8=tensorwise` with a strategy that gathers sharded
+    /// parameters, gather the blocks whose weights all run in float8 as
+    /// float8 bytes (half a bf16 gather), each weight cast with its whole
+    /// tensor's scale as the layer would cast it.
+    pub fp8_gathers: bool,
 }
 
 /// `train.fp8_layers`: which block linear layers a float8 run casts.
@@ -580,6 +585,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             fp8: Fp8::Off,
             fp8_emulate: false,
+            fp8_gathers: true,
             fp8_layers: Fp8Layers::Auto,
             fp8_calibration: None,
         }

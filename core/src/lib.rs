@@ -19,6 +19,7 @@ pub mod ds_config;
 pub mod env;
 pub mod fit;
 pub mod flat;
+pub mod float8_gather;
 pub mod generate;
 pub mod gpu;
 pub mod kernels;

@@ -131,7 +131,11 @@ impl Float8Layers {
 
     /// Whether the layer of `weight` runs in float8.
     pub fn runs(&self, weight: &Tensor) -> bool {
-        let shape = weight.size();
+        self.runs_shape(&weight.size())
+    }
+
+    /// Whether a layer of weight shape `shape` runs in float8.
+    pub fn runs_shape(&self, shape: &[i64]) -> bool {
         let aligned = self.float8.emulate || shape.iter().all(|width| width % 16 == 0);
         aligned && !(shape.len() == 2 && self.kept.contains(&[shape[0], shape[1]]))
     }

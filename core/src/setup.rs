@@ -111,7 +111,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
 /// Keys that only act with another: each, when given, needs its rule to
 /// hold, else it would do nothing in silence.
 #[allow(clippy::type_complexity)]
-const REQUIRES: [(&str, fn(&Config) -> bool, &str); 9] = [
+const REQUIRES: [(&str, fn(&Config) -> bool, &str); 10] = [
     ("train.lora.alpha", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.dropout", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.targets", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
@@ -119,6 +119,7 @@ const REQUIRES: [(&str, fn(&Config) -> bool, &str); 9] = [
     ("train.early_stopping_min_delta", |c| c.train.early_stopping_patience > 0, "train.early_stopping_patience is 0 (early stopping is off)"),
     ("train.warmup_ratio", |c| c.train.warmup_steps == 0, "train.warmup_steps is set too, and it takes precedence: give one"),
     ("train.fp8_emulate", |c| c.train.fp8 != crate::config::Fp8::Off, "float8 is off: set train.fp8 (--fp8 tensorwise|rowwise) to train with float8 linear layers"),
+    ("train.fp8_gathers", |c| c.train.fp8 == crate::config::Fp8::Tensorwise, "float8 gathers cast each weight with one scale, which serves train.fp8=tensorwise (--fp8 tensorwise), and float8 is off or rowwise"),
     ("train.fp8_layers", |c| c.train.fp8 != crate::config::Fp8::Off, "float8 is off: set train.fp8 (--fp8 tensorwise|rowwise) to train with float8 linear layers"),
     (
         "train.fp8_calibration",

@@ -44,6 +44,8 @@ pub struct BenchCase {
     pub profile: Option<PathBuf>,
     /// The blocks' linear layers in float8 (`--fp8`).
     pub float8: Option<ft_sys::float8::Float8>,
+    /// Under tensorwise float8 with sharding, float8 blocks gathered as float8 (`--fp8-gathers`).
+    pub float8_gathers: bool,
 }
 
 /// One configuration's result.
@@ -237,6 +239,7 @@ pub fn run_case(
         activation_checkpointing: case.activation_checkpointing,
         seed: 0,
         float8: case.float8,
+        float8_gathers: case.float8_gathers,
         ..TrainOptions::default()
     };
     let params = crate::model::init_params(model, 0, Kind::Float, device);

@@ -27,7 +27,7 @@ use crate::offload::Offload;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use std::collections::BTreeSet;
-use ft_sys::float8::Float8;
+use ft_sys::float8::{Float8, Recipe};
 use ft_sys::AdamW;
 use optim::LossScaler;
 use tch::{Kind, Tensor};
@@ -51,6 +51,9 @@ pub struct TrainOptions {
     /// (`plan::float8_kept`); None: those too small for float8 to pay
     /// ([`float8_slow_shapes`]), none when emulated.
     pub float8_kept: Option<BTreeSet<[i64; 2]>>,
+    /// Under tensorwise float8, gather sharded blocks whose weights all run
+    /// in float8 as float8 bytes (`float8_gather`).
+    pub float8_gathers: bool,
 }
 
 impl Default for TrainOptions {
@@ -64,6 +67,7 @@ impl Default for TrainOptions {
             initial_loss_scale: 65536.0,
             float8: None,
             float8_kept: None,
+            float8_gathers: true,
         }
     }
 }
@@ -86,6 +90,7 @@ impl TrainOptions {
             initial_loss_scale: config.initial_loss_scale,
             float8: config.float8(),
             float8_kept: None,
+            float8_gathers: config.fp8_gathers,
         }
     }
 }
@@ -174,7 +179,7 @@ impl<'m> TrainerBuilder<'m> {
     /// training device: every rank passes the same ones and keeps what the
     /// policy assigns it.
     pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
-        let TrainerBuilder { model, options, parallel, hook, offload } = self;
+        let TrainerBuilder { model, options, parallel, mut hook, offload } = self;
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
@@ -197,7 +202,7 @@ impl<'m> TrainerBuilder<'m> {
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
-        let unit_info = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
+        let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let device = params[0][0].device();
         let float8 = match options.float8 {
             Some(float8) => {
@@ -214,6 +219,14 @@ impl<'m> TrainerBuilder<'m> {
             }
             None => None,
         };
+        if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers && layers.float8.recipe == Recipe::Tensorwise) {
+            let gathered = float8_gathered_units(model, &units, layers);
+            if !gathered.is_empty() {
+                tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
+                let gathered: Vec<&UnitInfo> = gathered.into_iter().map(|unit| &unit_info[unit]).collect();
+                hook = Box::new(crate::float8_gather::Float8Gathers::new(hook, &gathered));
+            }
+        }
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
         Ok(Trainer {
             scaler,
@@ -236,6 +249,17 @@ impl<'m> TrainerBuilder<'m> {
             float8,
         })
     }
+}
+
+/// The sharded units gathered in float8: blocks whose weight matrices all run in float8.
+fn float8_gathered_units(model: &dyn Model, units: &[FlatUnit], layers: &Float8Layers) -> Vec<usize> {
+    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| s.unit);
+    blocks
+        .filter(|&unit| {
+            let matrices: Vec<&Vec<i64>> = units[unit].spec.params.iter().map(|p| &p.shape).filter(|shape| shape.len() == 2).collect();
+            units[unit].placement().params_sharded && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
+        })
+        .collect()
 }
 
 /// Why fp16 is refused with float8: `setup::validate` says it before any rank starts, the builder for every other caller.

@@ -63,7 +63,7 @@ fn amax(x: &Tensor, dim: Option<i64>) -> Tensor {
 }
 
 /// `scale`'s value from an amax.
-fn scale_from(amax: &Tensor, kind: Kind, power_of_2: bool) -> Tensor {
+pub fn scale_from(amax: &Tensor, kind: Kind, power_of_2: bool) -> Tensor {
     let _no_grad = tch::no_grad_guard();
     let scale = (amax.to_kind(Kind::Double).clamp_min(EPS).reciprocal() * max_value(kind)).to_kind(Kind::Float);
     if power_of_2 {
@@ -203,6 +203,7 @@ impl Float8 {
     fn cast_recording(self, x: &Tensor, role: Role, dim: i64, layer: Option<u32>) -> Operand {
         let kind = self.kind(role);
         let (amax, power_of_2) = match self.recipe {
+            Recipe::Tensorwise if role == Role::Weight => (gathered_amax(x).unwrap_or_else(|| amax(x, None)), false),
             Recipe::Tensorwise => (amax(x, None), false),
             Recipe::Rowwise => (amax(x, Some(dim)), true),
         };
@@ -240,7 +241,10 @@ impl Float8 {
                 let amax = kernels::amax(&rows)?;
                 Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
             })?;
-            let w_amax = kernels::amax(weight)?;
+            let w_amax = match gathered_amax(weight) {
+                Some(amax) => amax,
+                None => kernels::amax(weight)?,
+            };
             record(layer, Role::Input, &x_amax);
             record(layer, Role::Weight, &w_amax);
             let weight_t = kernel_cast(weight, &w_amax, Role::Weight, self, false)?.transposed();
@@ -375,6 +379,56 @@ impl InputCache {
 pub fn forget_cached_inputs() {
     INPUTS.forget();
     TRANSPOSED_INPUTS.forget();
+}
+
+/// The amaxes of weights gathered in float8 (a sharded unit's gather,
+/// `ft_core::float8_gather`): the gather cast each weight with the scale of
+/// its whole tensor's amax, reduced over the shard group, and wrote the
+/// dequantised values into the buffer the layer reads. The layer casts that
+/// weight with the same amax instead of measuring its own, so its float8
+/// bytes are the gathered ones: with the same scale s, a value q/s rounded
+/// to bf16 (within 2⁻⁹ of it) casts back to q, float8's steps being 2⁻⁴
+/// apart or wider. Keyed by where the weight's data starts and its size;
+/// each entry names the unit that gathered it (`owner`), which forgets its
+/// entries before it gathers again, and every gather forgets those inside
+/// its buffer, so no entry outlives what it describes.
+struct GatheredWeight {
+    owner: u64,
+    address: usize,
+    numel: i64,
+    amax: Tensor,
+}
+
+static GATHERED: std::sync::Mutex<Vec<GatheredWeight>> = std::sync::Mutex::new(Vec::new());
+
+fn gathered() -> std::sync::MutexGuard<'static, Vec<GatheredWeight>> {
+    GATHERED.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Notes that `weight` (a view into a gathered buffer) holds a float8
+/// gather's dequantised values, cast with the scale of `amax`; `owner`
+/// (the unit) forgets it with `forget_gathered`.
+pub fn note_gathered(owner: u64, weight: &Tensor, amax: &Tensor) {
+    let entry = GatheredWeight { owner, address: weight.data_ptr() as usize, numel: weight.numel() as i64, amax: amax.shallow_clone() };
+    gathered().push(entry);
+}
+
+/// Forgets what `owner` noted (before it gathers again).
+pub fn forget_gathered_by(owner: u64) {
+    gathered().retain(|entry| entry.owner != owner);
+}
+
+/// Forgets any note of a weight inside `buffer`, about to be written by a gather of any kind.
+pub fn forget_gathered_in(buffer: &Tensor) {
+    let start = buffer.data_ptr() as usize;
+    let end = start + buffer.numel() * buffer.kind().elt_size_in_bytes();
+    gathered().retain(|entry| !(start..end).contains(&entry.address));
+}
+
+/// The amax a float8 gather cast `weight` with, if one did.
+fn gathered_amax(weight: &Tensor) -> Option<Tensor> {
+    let address = weight.data_ptr() as usize;
+    gathered().iter().find(|entry| entry.address == address && entry.numel == weight.numel() as i64).map(|entry| entry.amax.shallow_clone())
 }
 
 /// `x` [rows, cols] cast by ft's kernel, scaled from `amax`: row-major, or
