@@ -3,8 +3,8 @@
 //! double quantization, from fp32, bf16 and fp16, at sizes that are not a
 //! multiple of the block: ft's packed bytes and statistics equal
 //! bitsandbytes' bit for bit, its dequantization equals bitsandbytes', it
-//! reads the state dicts bitsandbytes writes (as transformers saves them)
-//! and bitsandbytes reads ft's; a malformed state is an error naming the
+//! reads the state dicts bitsandbytes writes (as transformers saves them,
+//! the packed bytes in uint8 or bf16 storage) and bitsandbytes reads ft's; a malformed state is an error naming the
 //! tensor at fault.
 
 use ft_core::nf4::{self, QuantType, Quantized4bit};
@@ -109,6 +109,11 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
         same_bits(&comparable(read.dequantize()), &expected, &format!("{name}: ft's reading of bitsandbytes' state dict"));
     }
     assert_eq!(ours.len(), 16);
+    // Packed bytes stored as bf16 (bitsandbytes' `quant_storage`) read as the same bytes.
+    let storage = tensors_of(&out.join("storage.safetensors"));
+    assert_eq!(storage["storage.weight"].kind(), Kind::BFloat16);
+    let read = Quantized4bit::from_state_dict("storage.weight", |key| storage.get(key).map(Tensor::shallow_clone)).unwrap();
+    same_bits(&read.dequantize(), &storage["storage.dequantized"], "a state dict in bf16 storage");
     // The cases differ: 4 bits lose most of fp32's, and the rules differ.
     let dequantized = |name: &str| reference[&format!("{name}.dequantized")].shallow_clone();
     assert!(!dequantized("fp32.nf4.plain.64").equal(&inputs[0].1), "quantization changes the values");
@@ -137,8 +142,8 @@ fn a_malformed_quant_state_is_an_error_naming_the_tensor() {
         (Box::new(|t| drop(t.remove("w.weight.nested_absmax"))), "w.weight.nested_absmax is missing", "missing"),
         (Box::new(|t| drop(t.remove("w.weight"))), "w.weight is missing", "missing"),
         (Box::new(|t| drop(t.remove(blob))), "expected a tensor w.weight.quant_state.bitsandbytes__nf4", "no state"),
-        (Box::new(|t| drop(t.insert("w.weight.absmax".into(), t["w.weight.absmax"].to_kind(Kind::Float)))), "w.weight.absmax: expected 5 uint8", "dtype"),
-        (Box::new(|t| drop(t.insert("w.weight.nested_absmax".into(), Tensor::ones([2], (Kind::Float, Device::Cpu))))), "w.weight.nested_absmax: expected 1 fp32", "shape"),
+        (Box::new(|t| drop(t.insert("w.weight.absmax".into(), t["w.weight.absmax"].to_kind(Kind::Float)))), "w.weight.absmax: expected uint8 indices of shape [5]", "dtype"),
+        (Box::new(|t| drop(t.insert("w.weight.nested_absmax".into(), Tensor::ones([2], (Kind::Float, Device::Cpu))))), "w.weight.nested_absmax: expected fp32 values of shape [1]", "shape"),
         (Box::new(|t| drop(t.insert("w.weight".into(), t["w.weight"].narrow(0, 0, 10)))), "w.weight: 10 packed bytes", "shape"),
         (Box::new(|t| drop(t.insert("w.weight.quant_map".into(), nf4::QuantType::Fp4.code(Device::Cpu)))), "w.weight.quant_map differs", "table"),
         (Box::new(move |t| drop(t.insert(blob.into(), json("{\"quant_type\": \"nf4\", ")))), "w.weight.quant_state.bitsandbytes__nf4 does not hold valid JSON", "JSON"),

@@ -18,10 +18,13 @@
 //! map ([`dynamic_code`]), in blocks of 256 with an fp32 absmax each.
 //!
 //! Every step is an ATen op, so it runs on any device; each mirrors the op
-//! bitsandbytes runs (its reciprocal-then-multiply for whole blocks but a
-//! division for the short last one; its CPU kernel's 65536-entry lookup
-//! table and fused multiply-add for the 8-bit statistics), since a
-//! mathematically equal formula can round differently. (The int8 blocks in
+//! bitsandbytes runs on a CPU (its reciprocal-then-multiply for whole
+//! blocks but a division for the short last one; its CPU kernel's
+//! 65536-entry lookup table and fused multiply-add for the 8-bit
+//! statistics), since a mathematically equal formula can round
+//! differently. tests/qlora.rs checks the bits on a CPU; on a GPU the same
+//! ops may round the mean of the absmaxes otherwise, and bitsandbytes' own
+//! CUDA kernels are other code, not compared. (The int8 blocks in
 //! `quantize.rs` are ft's own format, rounded their own way, so nothing
 //! but the idea is shared.)
 //!
@@ -228,8 +231,8 @@ fn quantize_8bit(values: &Tensor, code: &Tensor, blocksize: i64) -> (Tensor, Ten
     let scaled = (&padded * absmax.reciprocal().view([-1, 1])).clamp(-1.0, 1.0);
     // A block of zeros (0 · inf) takes point 0, whose entry is index 0.
     let halfway = (scaled.where_scalarother(&nonzero, -1.0) + 1.0) * 0.5;
-    // fp32's fused multiply-add, exactly: in fp64 the product and the sum
-    // are exact here, and one rounding to fp32 follows.
+    // fp32's fused multiply-add, exactly: the fp64 product is exact, and so
+    // is the fp64 sum wherever its rounding to fp32 could tell them apart.
     let point = (halfway.to_kind(Kind::Double) * 65535.0 + 0.5).to_kind(Kind::Float).to_kind(Kind::Int64);
     let indices = lookup_table(code).index_select(0, &point.reshape([-1]));
     (indices.narrow(0, 0, n), absmax)
@@ -360,7 +363,7 @@ impl Quantized4bit {
             let indices = required(&tensor, &absmax_name)?;
             ensure!(
                 indices.kind() == Kind::Uint8 && indices.size() == [blocks],
-                "{absmax_name}: expected {blocks} uint8 indices (double quantization, {n} values in blocks of {blocksize}), found {:?} {:?}",
+                "{absmax_name}: expected uint8 indices of shape [{blocks}] (double quantization; {n} values in blocks of {blocksize}), found {:?} of shape {:?}",
                 indices.kind(),
                 indices.size()
             );
@@ -387,13 +390,13 @@ fn required(tensor: &impl Fn(&str) -> Option<Tensor>, name: &str) -> Result<Tens
 /// `name`: fp32, 1-D, `len` values.
 fn float_tensor(tensor: &impl Fn(&str) -> Option<Tensor>, name: &str, len: i64) -> Result<Tensor> {
     let t = required(tensor, name)?;
-    ensure!(t.kind() == Kind::Float && t.size() == [len], "{name}: expected {len} fp32 values, found {:?} {:?}", t.kind(), t.size());
+    ensure!(t.kind() == Kind::Float && t.size() == [len], "{name}: expected fp32 values of shape [{len}], found {:?} of shape {:?}", t.kind(), t.size());
     Ok(t)
 }
 
 /// The JSON object a uint8 tensor holds.
 fn read_blob(key: &str, blob: &Tensor) -> Result<serde_json::Map<String, Value>> {
-    ensure!(blob.kind() == Kind::Uint8 && blob.dim() == 1, "{key}: expected uint8 bytes of JSON, found {:?} {:?}", blob.kind(), blob.size());
+    ensure!(blob.kind() == Kind::Uint8 && blob.dim() == 1, "{key}: expected uint8 bytes of JSON, found {:?} of shape {:?}", blob.kind(), blob.size());
     let bytes = Vec::<u8>::try_from(&blob.to_device(Device::Cpu))?;
     let value: Value = serde_json::from_slice(&bytes).with_context(|| format!("{key} does not hold valid JSON"))?;
     match value {

@@ -12,7 +12,10 @@ bnb_reference.py IN OUT
     transformers saves) go to OUT/bnb.safetensors; to
     OUT/reference.safetensors go `dequantize_4bit` of that
     (`{name}.dequantized`) and of ft's state dict as `QuantState.from_dict`
-    reads it (`{name}.ft_dequantized`).
+    reads it (`{name}.ft_dequantized`). And `bf16` quantized to NF4 with
+    double quantization into bf16 storage (`quant_storage`, as FSDP-QLoRA
+    keeps the packed bytes): its state dict under `storage.weight` to
+    OUT/storage.safetensors, with its dequantization `storage.dequantized`.
 """
 
 import os
@@ -25,6 +28,7 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 import json  # noqa: E402
 
 import bitsandbytes.functional as F  # noqa: E402
+import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
@@ -51,6 +55,10 @@ def main(inp, out):
         ft_state = F.QuantState.from_dict(parts, device="cpu")
         reference[f"{name}.ft_dequantized"] = F.dequantize_4bit(ft_states[weight], ft_state)
     os.makedirs(out, exist_ok=True)
+    packed, state = F.quantize_4bit(inputs["bf16"], compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+    storage = {"storage.weight": packed, "storage.dequantized": F.dequantize_4bit(packed, state)}
+    storage.update({f"storage.weight.{k}": v for k, v in state.as_dict(packed=True).items()})
+    save_file({k: v.contiguous().clone() for k, v in storage.items()}, os.path.join(out, "storage.safetensors"))
     # safetensors refuses tensors that share memory (the quant maps are cached).
     save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, os.path.join(out, "bnb.safetensors"))
     save_file({k: v.contiguous() for k, v in reference.items()}, os.path.join(out, "reference.safetensors"))
