@@ -4,7 +4,8 @@
 //! multiple of the block: ft's packed bytes and statistics equal
 //! bitsandbytes' bit for bit, its dequantization equals bitsandbytes', it
 //! reads the state dicts bitsandbytes writes (as transformers saves them,
-//! the packed bytes in uint8 or bf16 storage) and bitsandbytes reads ft's; a malformed state is an error naming the
+//! the packed bytes in uint8 or bf16 storage; and a tiny Llama that
+//! transformers quantized and saved) and bitsandbytes reads ft's; a malformed state is an error naming the
 //! tensor at fault.
 
 use ft_core::nf4::{self, QuantType, Quantized4bit};
@@ -73,7 +74,8 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     std::fs::write(inputs_dir.join("cases.json"), serde_json::Value::from(cases).to_string()).unwrap();
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/bnb_reference.py");
-    let output = Command::new("python").arg(&script).arg(&inputs_dir).arg(&out).output().unwrap_or_else(|error| {
+    let llama = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
+    let output = Command::new("python").arg(&script).arg(&inputs_dir).arg(&out).arg(&llama).output().unwrap_or_else(|error| {
         panic!("cannot run `python` ({error}): these tests compare with bitsandbytes; `source scripts/env.sh` first, which puts the venv's python on PATH")
     });
     assert!(output.status.success(), "{}", text(&output));
@@ -86,10 +88,10 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     let mut bnb_keys: Vec<&String> = bnb.keys().collect();
     bnb_keys.sort();
     assert_eq!(keys, bnb_keys, "ft's state dicts hold the tensors bitsandbytes' do");
+    // The same JSON (Python's spacing and number format aside).
+    let parse = |t: &Tensor| serde_json::from_slice::<serde_json::Value>(&Vec::<u8>::try_from(t).unwrap()).unwrap();
     for (key, tensor) in &ft_states {
         if key.contains(".quant_state.") {
-            // The same JSON (Python's spacing and number format aside).
-            let parse = |t: &Tensor| serde_json::from_slice::<serde_json::Value>(&Vec::<u8>::try_from(t).unwrap()).unwrap();
             assert_eq!(parse(tensor), parse(&bnb[key]), "{key}");
         } else {
             same_bits(tensor, &bnb[key], key);
@@ -114,6 +116,26 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     assert_eq!(storage["storage.weight"].kind(), Kind::BFloat16);
     let read = Quantized4bit::from_state_dict("storage.weight", |key| storage.get(key).map(Tensor::shallow_clone)).unwrap();
     same_bits(&read.dequantize(), &storage["storage.dequantized"], "a state dict in bf16 storage");
+
+    // A checkpoint transformers saved: each linear layer of the blocks holds
+    // what ft makes of the original weight, and reads back as ft's.
+    let saved = tensors_of(&out.join("transformers/model.safetensors"));
+    let original = tensors_of(&llama.join("model.safetensors"));
+    let mut weights = 0;
+    for weight in saved.keys().filter_map(|key| key.strip_suffix(".quant_state.bitsandbytes__nf4")) {
+        let ours = nf4::quantize(&original[weight], QuantType::Nf4, nf4::DEFAULT_BLOCKSIZE, true).unwrap();
+        for (key, tensor) in ours.state_dict(weight) {
+            if key.contains(".quant_state.") {
+                assert_eq!(parse(&tensor), parse(&saved[&key]), "{key}");
+            } else {
+                same_bits(&tensor, &saved[&key], &key);
+            }
+        }
+        let read = Quantized4bit::from_state_dict(weight, |key| saved.get(key).map(Tensor::shallow_clone)).unwrap();
+        same_bits(&read.dequantize(), &ours.dequantize(), &format!("{weight} as transformers saved it"));
+        weights += 1;
+    }
+    assert_eq!(weights, 2 * 7, "the 7 linear layers of each of the fixture's 2 blocks");
     // The cases differ: 4 bits lose most of fp32's, and the rules differ.
     let dequantized = |name: &str| reference[&format!("{name}.dequantized")].shallow_clone();
     assert!(!dequantized("fp32.nf4.plain.64").equal(&inputs[0].1), "quantization changes the values");

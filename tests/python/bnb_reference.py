@@ -2,7 +2,7 @@
 `bitsandbytes.functional`, on CPU) of the inputs ft quantized, and its
 reading of the state dicts ft wrote.
 
-bnb_reference.py IN OUT
+bnb_reference.py IN OUT MODEL
     IN/inputs.safetensors holds the tensors; IN/cases.json lists the cases,
     each {"name", "input", "quant_type", "double_quant", "blocksize"};
     IN/ft.safetensors holds ft's state dict of each case's weight, named
@@ -16,6 +16,9 @@ bnb_reference.py IN OUT
     double quantization into bf16 storage (`quant_storage`, as FSDP-QLoRA
     keeps the packed bytes): its state dict under `storage.weight` to
     OUT/storage.safetensors, with its dequantization `storage.dequantized`.
+    Last, the transformers model in MODEL (fp32) loaded with NF4 and double
+    quantization (`BitsAndBytesConfig`, on CPU) and saved to
+    OUT/transformers by `save_pretrained`: a checkpoint as users bring it.
 """
 
 import os
@@ -30,9 +33,10 @@ import json  # noqa: E402
 import bitsandbytes.functional as F  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 
-def main(inp, out):
+def main(inp, out, model_dir):
     inputs = load_file(os.path.join(inp, "inputs.safetensors"))
     ft_states = load_file(os.path.join(inp, "ft.safetensors"))
     with open(os.path.join(inp, "cases.json")) as f:
@@ -59,6 +63,11 @@ def main(inp, out):
     storage = {"storage.weight": packed, "storage.dequantized": F.dequantize_4bit(packed, state)}
     storage.update({f"storage.weight.{k}": v for k, v in state.as_dict(packed=True).items()})
     save_file({k: v.contiguous().clone() for k, v in storage.items()}, os.path.join(out, "storage.safetensors"))
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map="cpu", dtype=torch.float32)
+    model.save_pretrained(os.path.join(out, "transformers"))
     # safetensors refuses tensors that share memory (the quant maps are cached).
     save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, os.path.join(out, "bnb.safetensors"))
     save_file({k: v.contiguous() for k, v in reference.items()}, os.path.join(out, "reference.safetensors"))
