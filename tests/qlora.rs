@@ -49,15 +49,24 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     let (inputs_dir, out) = (scratch.path().join("in"), scratch.path().join("out"));
     std::fs::create_dir_all(&inputs_dir).unwrap();
     // 328 blocks of 64 (two blocks of 256 absmaxes, the last short) ending
-    // in 2 values; 52.5 blocks; 65 values, an odd count with an odd last
-    // dimension; and a block of 128.
-    let inputs = [("fp32", weights(161, 130, Kind::Float)), ("bf16", weights(48, 70, Kind::BFloat16)), ("fp16", weights(5, 13, Kind::Half))];
+    // in 2 values; 52.5 blocks, also in blocks of 128; 65 values, an odd
+    // count with an odd last dimension.
+    let inputs = [
+        ("fp32", weights(161, 130, Kind::Float)),
+        ("bf16", weights(48, 70, Kind::BFloat16)),
+        ("fp16", weights(5, 13, Kind::Half)),
+        // Over 2^20 values: ft quantizes it in two chunks.
+        ("large", weights(1024, 1100, Kind::BFloat16)),
+    ];
     let mut cases = Vec::new();
     let mut ft_states = Vec::new();
     let mut ours = HashMap::new();
     for (input, x) in &inputs {
         for quant_type in [QuantType::Nf4, QuantType::Fp4] {
             for double_quant in [false, true] {
+                if *input == "large" && (quant_type, double_quant) != (QuantType::Nf4, true) {
+                    continue;
+                }
                 for blocksize in if *input == "bf16" { vec![64, 128] } else { vec![64] } {
                     let name = format!("{input}.{}.{}.{blocksize}", quant_type.name(), if double_quant { "nested" } else { "plain" });
                     let quantized = nf4::quantize(x, quant_type, blocksize, double_quant).unwrap();
@@ -110,7 +119,7 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
         let read = Quantized4bit::from_state_dict(&format!("{name}.weight"), |key| bnb.get(key).map(Tensor::shallow_clone)).unwrap();
         same_bits(&comparable(read.dequantize()), &expected, &format!("{name}: ft's reading of bitsandbytes' state dict"));
     }
-    assert_eq!(ours.len(), 16);
+    assert_eq!(ours.len(), 17);
     // Packed bytes stored as bf16 (bitsandbytes' `quant_storage`) read as the same bytes.
     let storage = tensors_of(&out.join("storage.safetensors"));
     assert_eq!(storage["storage.weight"].kind(), Kind::BFloat16);

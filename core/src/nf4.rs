@@ -153,23 +153,52 @@ pub struct Quantized4bit {
     pub state: QuantState,
 }
 
+/// Values quantized at a time (whole blocks, an even count): the fp32
+/// copies and indices of one chunk are what a weight's quantization holds
+/// beside its input and output (~20 MB, however large the weight).
+const CHUNK_VALUES: i64 = 1 << 20;
+
 /// `x` (bf16, fp16 or fp32) in blocks of `blocksize`, its absmaxes
 /// quantized again when `double_quant` (bitsandbytes' `compress_statistics`).
 pub fn quantize(x: &Tensor, quant_type: QuantType, blocksize: i64, double_quant: bool) -> Result<Quantized4bit> {
     ensure!(BLOCKSIZES.contains(&blocksize), "a 4-bit block of {blocksize} values: bitsandbytes takes {BLOCKSIZES:?}");
     let dtype = x.kind();
     ensure!(matches!(dtype, Kind::Float | Kind::BFloat16 | Kind::Half), "only bf16, fp16 and fp32 tensors quantize to 4 bits, not {dtype:?}");
-    let flat = x.reshape([-1]).to_kind(Kind::Float);
+    let flat = x.reshape([-1]);
     let n = flat.numel() as i64;
+    let bounds = quant_type.bounds(x.device());
+    // Each block is quantized on its own, so chunks give the same bits.
+    let (mut packed, mut absmax) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    loop {
+        let len = (n - start).min(CHUNK_VALUES);
+        let (chunk_packed, chunk_absmax) = quantize_chunk(&flat.narrow(0, start, len), blocksize, &bounds);
+        packed.push(chunk_packed);
+        absmax.push(chunk_absmax);
+        start += len;
+        if start == n {
+            break;
+        }
+    }
+    let (packed, absmax) = (Tensor::cat(&packed, 0).unsqueeze(1), Tensor::cat(&absmax, 0));
+    let absmax = if double_quant { nested(&absmax) } else { Absmax::Plain(absmax) };
+    Ok(Quantized4bit { packed, state: QuantState { quant_type, blocksize, shape: x.size(), dtype, absmax } })
+}
+
+/// `values` (flat; all whole blocks but perhaps the last) as packed bytes
+/// and one absmax per block, with `bounds` from [`QuantType::bounds`]:
+/// bitsandbytes' `quantize_4bit` (its default, Python kernel).
+fn quantize_chunk(values: &Tensor, blocksize: i64, (midpoints, order): &(Tensor, Tensor)) -> (Tensor, Tensor) {
+    let values = values.to_kind(Kind::Float);
+    let n = values.numel() as i64;
     let (blocks, rest) = (n / blocksize, n % blocksize);
-    let whole = flat.narrow(0, 0, blocks * blocksize).view([blocks, blocksize]);
+    let whole = values.narrow(0, 0, blocks * blocksize).view([blocks, blocksize]);
     // The floor keeps a block of zeros from dividing by zero; bitsandbytes
     // stores it only for the short last block.
-    let absmax = whole.abs().amax([1i64].as_slice(), false);
+    let mut absmax = whole.abs().amax([1i64].as_slice(), false);
     let mut scaled = (&whole * absmax.clamp_min(1e-38).reciprocal().view([-1, 1])).clamp(-1.0, 1.0).reshape([-1]);
-    let mut absmax = absmax;
     if rest > 0 {
-        let tail = flat.narrow(0, blocks * blocksize, rest);
+        let tail = values.narrow(0, blocks * blocksize, rest);
         let tail_absmax = tail.abs().max().clamp_min(1e-38);
         scaled = Tensor::cat(&[scaled, (&tail / &tail_absmax).clamp(-1.0, 1.0)], 0);
         absmax = Tensor::cat(&[absmax, tail_absmax.unsqueeze(0)], 0);
@@ -177,12 +206,10 @@ pub fn quantize(x: &Tensor, quant_type: QuantType, blocksize: i64, double_quant:
     if n % 2 == 1 {
         scaled = scaled.constant_pad_nd([0, 1]);
     }
-    let (midpoints, order) = quant_type.bounds(x.device());
-    let indices = order.index_select(0, &scaled.bucketize(&midpoints, false, false).reshape([-1])).to_kind(Kind::Uint8);
+    let indices = order.index_select(0, &scaled.bucketize(midpoints, true, false)).to_kind(Kind::Uint8);
     let pairs = indices.view([-1, 2]);
-    let packed = pairs.select(1, 0).bitwise_left_shift_tensor_scalar(4).bitwise_or_tensor(&pairs.select(1, 1)).unsqueeze(1);
-    let absmax = if double_quant { nested(&absmax) } else { Absmax::Plain(absmax) };
-    Ok(Quantized4bit { packed, state: QuantState { quant_type, blocksize, shape: x.size(), dtype, absmax } })
+    let packed = pairs.select(1, 0).bitwise_left_shift_tensor_scalar(4).bitwise_or_tensor(&pairs.select(1, 1));
+    (packed, absmax)
 }
 
 /// The absmaxes minus their mean in 8-bit blocks of 256 (bitsandbytes'
