@@ -153,9 +153,10 @@ pub struct Quantized4bit {
     pub state: QuantState,
 }
 
-/// Values quantized at a time (whole blocks, an even count): the fp32
-/// copies and indices of one chunk are what a weight's quantization holds
-/// beside its input and output (~20 MB, however large the weight).
+/// Values quantized or dequantized at a time (whole blocks of every size in
+/// `BLOCKSIZES`, an even count): one chunk's fp32 copies and indices are
+/// what a weight's (de)quantization holds beside its input and output
+/// (~20 MB, however large the weight).
 const CHUNK_VALUES: i64 = 1 << 20;
 
 /// `x` (bf16, fp16 or fp32) in blocks of `blocksize`, its absmaxes
@@ -293,17 +294,29 @@ impl Absmax {
 }
 
 impl Quantized4bit {
-    /// The values, in the original shape and dtype.
+    /// The values, in the original shape and dtype, a chunk at a time (so
+    /// that beside the result, one chunk's indices and fp32 values are held).
     pub fn dequantize(&self) -> Tensor {
         let state = &self.state;
         let n: i64 = state.shape.iter().product();
+        let device = self.packed.device();
         let bytes = self.packed.reshape([-1]);
-        let nibbles = Tensor::stack(&[bytes.bitwise_right_shift_tensor_scalar(4), bytes.bitwise_and(0x0f)], 1).reshape([-1]).narrow(0, 0, n);
-        let blocks = (n + state.blocksize - 1) / state.blocksize;
-        let values = state.quant_type.dequantization_code(bytes.device()).index_select(0, &nibbles.to_kind(Kind::Int64));
-        let values = values.constant_pad_nd([0, blocks * state.blocksize - n]).view([blocks, state.blocksize]);
-        let values = (values * state.absmax.values().view([-1, 1])).reshape([-1]).narrow(0, 0, n);
-        values.to_kind(state.dtype).view(state.shape.as_slice())
+        let code = state.quant_type.dequantization_code(device);
+        let absmax = state.absmax.values();
+        let out = Tensor::empty([n], (state.dtype, device));
+        let mut start = 0;
+        while start < n {
+            let len = (n - start).min(CHUNK_VALUES);
+            let chunk = bytes.narrow(0, start / 2, (len + 1) / 2);
+            let nibbles = Tensor::stack(&[chunk.bitwise_right_shift_tensor_scalar(4), chunk.bitwise_and(0x0f)], 1).reshape([-1]).narrow(0, 0, len);
+            let blocks = (len + state.blocksize - 1) / state.blocksize;
+            let values = code.index_select(0, &nibbles.to_kind(Kind::Int)).constant_pad_nd([0, blocks * state.blocksize - len]);
+            let scales = absmax.narrow(0, start / state.blocksize, blocks).view([-1, 1]);
+            let values = (values.view([blocks, state.blocksize]) * scales).reshape([-1]).narrow(0, 0, len);
+            out.narrow(0, start, len).copy_(&values);
+            start += len;
+        }
+        out.view(state.shape.as_slice())
     }
 
     /// The tensors bitsandbytes' `QuantState.as_dict(packed=True)` and
