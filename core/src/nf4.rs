@@ -173,7 +173,7 @@ pub fn quantize(x: &Tensor, quant_type: QuantType, blocksize: i64, double_quant:
     let mut start = 0;
     loop {
         let len = (n - start).min(CHUNK_VALUES);
-        let (chunk_packed, chunk_absmax) = quantize_chunk(&flat.narrow(0, start, len), blocksize, &bounds);
+        let (chunk_packed, chunk_absmax) = quantize_chunk(&flat.narrow(0, start, len), quant_type, blocksize, &bounds);
         packed.push(chunk_packed);
         absmax.push(chunk_absmax);
         start += len;
@@ -189,7 +189,7 @@ pub fn quantize(x: &Tensor, quant_type: QuantType, blocksize: i64, double_quant:
 /// `values` (flat; all whole blocks but perhaps the last) as packed bytes
 /// and one absmax per block, with `bounds` from [`QuantType::bounds`]:
 /// bitsandbytes' `quantize_4bit` (its default, Python kernel).
-fn quantize_chunk(values: &Tensor, blocksize: i64, (midpoints, order): &(Tensor, Tensor)) -> (Tensor, Tensor) {
+fn quantize_chunk(values: &Tensor, quant_type: QuantType, blocksize: i64, (midpoints, order): &(Tensor, Tensor)) -> (Tensor, Tensor) {
     let values = values.to_kind(Kind::Float);
     let n = values.numel() as i64;
     let (blocks, rest) = (n / blocksize, n % blocksize);
@@ -207,7 +207,13 @@ fn quantize_chunk(values: &Tensor, blocksize: i64, (midpoints, order): &(Tensor,
     if n % 2 == 1 {
         scaled = scaled.constant_pad_nd([0, 1]);
     }
-    let indices = order.index_select(0, &scaled.bucketize(midpoints, true, false)).to_kind(Kind::Uint8);
+    let sorted_indices = scaled.bucketize(midpoints, true, false);
+    // NF4's table is sorted; bitsandbytes maps FP4's only.
+    let indices = match quant_type {
+        QuantType::Nf4 => sorted_indices,
+        QuantType::Fp4 => order.index_select(0, &sorted_indices),
+    }
+    .to_kind(Kind::Uint8);
     let pairs = indices.view([-1, 2]);
     let packed = pairs.select(1, 0).bitwise_left_shift_tensor_scalar(4).bitwise_or_tensor(&pairs.select(1, 1));
     (packed, absmax)
@@ -301,16 +307,18 @@ impl Quantized4bit {
         let n: i64 = state.shape.iter().product();
         let device = self.packed.device();
         let bytes = self.packed.reshape([-1]);
+        // Each byte's two values: row b is (code[b >> 4], code[b & 15]).
         let code = state.quant_type.dequantization_code(device);
+        let byte_values = Tensor::stack(&[code.repeat_interleave_self_int(16, 0, None), code.repeat([16])], 1);
         let absmax = state.absmax.values();
         let out = Tensor::empty([n], (state.dtype, device));
         let mut start = 0;
         while start < n {
             let len = (n - start).min(CHUNK_VALUES);
             let chunk = bytes.narrow(0, start / 2, (len + 1) / 2);
-            let nibbles = Tensor::stack(&[chunk.bitwise_right_shift_tensor_scalar(4), chunk.bitwise_and(0x0f)], 1).reshape([-1]).narrow(0, 0, len);
+            let values = byte_values.index_select(0, &chunk.to_kind(Kind::Int)).reshape([-1]).narrow(0, 0, len);
             let blocks = (len + state.blocksize - 1) / state.blocksize;
-            let values = code.index_select(0, &nibbles.to_kind(Kind::Int)).constant_pad_nd([0, blocks * state.blocksize - len]);
+            let values = values.constant_pad_nd([0, blocks * state.blocksize - len]);
             let scales = absmax.narrow(0, start / state.blocksize, blocks).view([-1, 1]);
             let values = (values.view([blocks, state.blocksize]) * scales).reshape([-1]).narrow(0, 0, len);
             out.narrow(0, start, len).copy_(&values);
