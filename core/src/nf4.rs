@@ -361,14 +361,14 @@ impl Quantized4bit {
     /// transformers with bitsandbytes do), its tensors found by name with
     /// `tensor`. A missing or malformed part is an error that names it.
     pub fn from_state_dict(weight: &str, tensor: impl Fn(&str) -> Option<Tensor>) -> Result<Quantized4bit> {
-        let candidates: Vec<(QuantType, String)> = [QuantType::Nf4, QuantType::Fp4].into_iter().map(|t| (t, state_key(weight, t))).collect();
-        let present: Vec<&(QuantType, String)> = candidates.iter().filter(|(_, key)| tensor(key).is_some()).collect();
-        let (key_type, key) = match present.as_slice() {
-            [one] => (*one).clone(),
-            [] => bail!("{weight} has no 4-bit quant state: expected a tensor {} (or {})", candidates[0].1, candidates[1].1),
-            _ => bail!("{weight} has two 4-bit quant states, {} and {}: keep one", candidates[0].1, candidates[1].1),
+        let [nf4_key, fp4_key] = [QuantType::Nf4, QuantType::Fp4].map(|t| state_key(weight, t));
+        let (key_type, key, blob) = match (tensor(&nf4_key), tensor(&fp4_key)) {
+            (Some(blob), None) => (QuantType::Nf4, nf4_key, blob),
+            (None, Some(blob)) => (QuantType::Fp4, fp4_key, blob),
+            (None, None) => bail!("{weight} has no 4-bit quant state: expected a tensor {nf4_key} (or {fp4_key})"),
+            (Some(_), Some(_)) => bail!("{weight} has two 4-bit quant states, {nf4_key} and {fp4_key}: keep one"),
         };
-        let blob = read_blob(&key, &tensor(&key).expect("present"))?;
+        let blob = read_blob(&key, &blob)?;
         let field = |name: &str| blob.get(name).ok_or_else(|| anyhow!("{key}: its JSON has no \"{name}\""));
         let known = ["quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"];
         if let Some(unknown) = blob.keys().find(|k| !known.contains(&k.as_str())) {
