@@ -152,8 +152,11 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     assert!(!dequantized("fp32.nf4.plain.64").equal(&dequantized("fp32.nf4.nested.64")));
 }
 
+/// A change made to a state dict.
+type Change = Box<dyn FnOnce(&mut HashMap<String, Tensor>)>;
+
 /// A state dict of `w.weight` with `change` applied, read back: the error's text.
-fn error_after(change: impl FnOnce(&mut HashMap<String, Tensor>)) -> String {
+fn error_after(change: Change) -> String {
     tch::manual_seed(5);
     let quantized = nf4::quantize(&Tensor::randn([8, 40], (Kind::BFloat16, Device::Cpu)), QuantType::Nf4, 64, true).unwrap();
     let mut tensors: HashMap<String, Tensor> = quantized.state_dict("w.weight").into_iter().collect();
@@ -168,7 +171,7 @@ fn error_after(change: impl FnOnce(&mut HashMap<String, Tensor>)) -> String {
 fn a_malformed_quant_state_is_an_error_naming_the_tensor() {
     let blob = "w.weight.quant_state.bitsandbytes__nf4";
     let json = |text: &str| Tensor::from_slice(text.as_bytes());
-    let cases: Vec<(Box<dyn FnOnce(&mut HashMap<String, Tensor>)>, &str, &str)> = vec![
+    let cases: Vec<(Change, &str, &str)> = vec![
         (Box::new(|t| drop(t.remove("w.weight.absmax"))), "w.weight.absmax is missing", "missing"),
         (Box::new(|t| drop(t.remove("w.weight.nested_absmax"))), "w.weight.nested_absmax is missing", "missing"),
         (Box::new(|t| drop(t.remove("w.weight"))), "w.weight is missing", "missing"),
