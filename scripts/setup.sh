@@ -8,7 +8,8 @@
 #     headers ProcessGroupNCCL.hpp needs (cuda-toolkit's crt and cccl extras,
 #     at the versions torch's own cuda-toolkit pin names), and the readers
 #     the tests check ft's files with (tensorboard, transformers, mlflow, peft, trl, wandb,
-#     datasets and pyarrow; torchao, whose float8 functions the float8 tests match).
+#     datasets and pyarrow; torchao, whose float8 functions the float8 tests match;
+#     bitsandbytes, whose 4-bit quantization the QLoRA tests match).
 # Safe to re-run: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,7 @@ MLFLOW_VERSION=3.17.2
 PEFT_VERSION=0.21.2
 TORCHAO_VERSION=0.18.0
 TRL_VERSION=1.16.0
+BITSANDBYTES_VERSION=0.50.2
 WANDB_VERSION=0.31.0
 DATASETS_VERSION=5.2.0
 PYARROW_VERSION=25.0.1
@@ -75,6 +77,12 @@ fi
 if ! .venv/bin/python -c "import trl, sys; sys.exit(trl.__version__ != '$TRL_VERSION')" 2>/dev/null; then
   echo "setup: installing trl==$TRL_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "trl==$TRL_VERSION"
+fi
+# The QLoRA tests compare ft's 4-bit quantization (NF4, FP4) and the state
+# dicts it reads and writes with bitsandbytes', on CPU.
+if ! .venv/bin/python -c "import bitsandbytes, sys; sys.exit(bitsandbytes.__version__ != '$BITSANDBYTES_VERSION')" 2>/dev/null; then
+  echo "setup: installing bitsandbytes==$BITSANDBYTES_VERSION into .venv (for the tests)"
+  .venv/bin/pip install --quiet --disable-pip-version-check "bitsandbytes==$BITSANDBYTES_VERSION"
 fi
 # The data readers' tests write Parquet and Arrow files with Hugging Face's
 # `datasets` (to_parquet, save_to_disk) and pyarrow, and compare.

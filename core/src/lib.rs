@@ -29,6 +29,7 @@ pub mod lowrank;
 pub mod metrics;
 pub mod model;
 pub mod names;
+pub mod nf4;
 pub mod offload;
 pub mod plan;
 pub mod plugin;

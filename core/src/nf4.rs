@@ -1,0 +1,467 @@
+//! Blockwise 4-bit quantization, NF4 and FP4, bit for bit as bitsandbytes
+//! 0.50.2 makes it (`bitsandbytes.functional.quantize_4bit` and
+//! `dequantize_4bit` on a CPU): the base weights of QLoRA, and the files
+//! transformers writes for a bitsandbytes-quantized model.
+//!
+//! A tensor of `n` values (bf16, fp16 or fp32, any shape) is read flat and
+//! cut into blocks of `blocksize` (64 by default; the last block may be
+//! shorter). Each block keeps its largest magnitude (`absmax`, fp32); each
+//! value, divided by it, becomes the 4-bit index of the nearest entry of a
+//! 16-value table ([`QuantType::code`]: NF4's normal quantiles or FP4's
+//! e2m1 values), ties to the lower value. Two indices share a byte, the
+//! first in the high nibble; an odd count ends with the index of 0.
+//! Dequantized, a value is `code[index] · absmax` in fp32, rounded to the
+//! input's dtype.
+//!
+//! Double quantization (`compress_statistics=True`) stores the absmaxes
+//! minus their mean (`offset`) as 8-bit indices into bitsandbytes' dynamic
+//! map ([`dynamic_code`]), in blocks of 256 with an fp32 absmax each.
+//!
+//! Every step is an ATen op, so it runs on any device; each mirrors the op
+//! bitsandbytes runs on a CPU (its reciprocal-then-multiply for whole
+//! blocks but a division for the short last one; its CPU kernel's
+//! 65536-entry lookup table and fused multiply-add for the 8-bit
+//! statistics), since a mathematically equal formula can round
+//! differently. tests/qlora.rs checks the bits on a CPU; on a GPU the same
+//! ops may round the mean of the absmaxes otherwise, and bitsandbytes' own
+//! CUDA kernels are other code, not compared. (The int8 blocks in
+//! `quantize.rs` are ft's own format, rounded their own way, so nothing
+//! but the idea is shared.)
+//!
+//! [`Quantized4bit::state_dict`] and [`Quantized4bit::from_state_dict`]
+//! write and read a weight as transformers saves it (bitsandbytes'
+//! `QuantState.as_dict(packed=True)`): for `x.weight`, the packed bytes
+//! `x.weight`, `x.weight.absmax`, `x.weight.quant_map`, with double
+//! quantization `x.weight.nested_absmax` and `x.weight.nested_quant_map`,
+//! and `x.weight.quant_state.bitsandbytes__nf4` (or `__fp4`): a uint8
+//! tensor holding the rest as JSON.
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use serde_json::{json, Value};
+use tch::{Device, Kind, Tensor};
+
+/// The block sizes bitsandbytes accepts.
+pub const BLOCKSIZES: [i64; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
+/// bitsandbytes' default block.
+pub const DEFAULT_BLOCKSIZE: i64 = 64;
+/// The block of double quantization's 8-bit statistics.
+pub const NESTED_BLOCKSIZE: i64 = 256;
+
+/// Which 16 values the 4-bit indices stand for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantType {
+    /// NormalFloat: quantiles of a normal distribution (QLoRA's).
+    Nf4,
+    /// A 4-bit float: sign, two exponent bits, one mantissa bit.
+    Fp4,
+}
+
+impl QuantType {
+    /// bitsandbytes' name: `nf4`, `fp4`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Nf4 => "nf4",
+            QuantType::Fp4 => "fp4",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<QuantType> {
+        [QuantType::Nf4, QuantType::Fp4].into_iter().find(|t| t.name() == name)
+    }
+
+    /// The value of each index, in [-1, 1], fp32: bitsandbytes'
+    /// `get_4bit_type` (its literals, then divided by the largest magnitude).
+    pub fn code(self, device: Device) -> Tensor {
+        // bitsandbytes' literals are Python floats, rounded to fp32 by `torch.tensor`.
+        let values: [f64; 16] = match self {
+            QuantType::Nf4 => [
+                -1.0,
+                -0.6961928009986877,
+                -0.5250730514526367,
+                -0.39491748809814453,
+                -0.28444138169288635,
+                -0.18477343022823334,
+                -0.09105003625154495,
+                0.0,
+                0.07958029955625534,
+                0.16093020141124725,
+                0.24611230194568634,
+                0.33791524171829224,
+                0.44070982933044434,
+                0.5626170039176941,
+                0.7229568362236023,
+                1.0,
+            ],
+            // In bit order: sign, then the magnitudes of 0b000..0b111 (both
+            // zeros +0: bitsandbytes writes the second as the integer -0).
+            QuantType::Fp4 => [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0],
+        };
+        let code = Tensor::from_slice(&values.map(|v| v as f32)).to_device(device);
+        let largest = code.abs().max();
+        code / largest
+    }
+
+    /// The value of each index as bitsandbytes' native kernels (CPU and
+    /// CUDA) dequantize it: the table, but FP4's index 8 (sign bit and zero)
+    /// is -0. (Its Python fallback, which a CPU runs for tensors whose last
+    /// dimension is odd, reads the table's +0: the same numbers.)
+    fn dequantization_code(self, device: Device) -> Tensor {
+        let code = self.code(device);
+        if self == QuantType::Fp4 {
+            let _ = code.narrow(0, 8, 1).fill_(-0.0);
+        }
+        code
+    }
+
+    /// The midpoints between the sorted values and, for each interval, its
+    /// index (bitsandbytes' `_get_4bit_quantize_bounds`; FP4's two zeros,
+    /// indices 0 and 8, stay in table order: 0 takes index 0, and tiny
+    /// positive values index 8).
+    fn bounds(self, device: Device) -> (Tensor, Tensor) {
+        let code = self.code(device);
+        let order = code.argsort_stable(true, 0, false);
+        let sorted = code.index_select(0, &order);
+        let midpoints = (sorted.narrow(0, 0, 15) + sorted.narrow(0, 1, 15)) / 2.0;
+        (midpoints, order)
+    }
+}
+
+/// The absmax of each 4-bit block, as stored.
+pub enum Absmax {
+    /// fp32, one per block.
+    Plain(Tensor),
+    /// Double quantization: 8-bit indices into `code`, one per block, with
+    /// an fp32 absmax per `blocksize` of them; the value is
+    /// `code[index] · absmax + offset`.
+    Nested { indices: Tensor, absmax: Tensor, code: Tensor, blocksize: i64, offset: f32 },
+}
+
+/// How to read a packed tensor back: bitsandbytes' `QuantState`.
+pub struct QuantState {
+    pub quant_type: QuantType,
+    pub blocksize: i64,
+    /// The original tensor's shape and dtype.
+    pub shape: Vec<i64>,
+    pub dtype: Kind,
+    pub absmax: Absmax,
+}
+
+/// A quantized tensor: its packed indices (uint8, `[(n + 1) / 2, 1]`, as
+/// bitsandbytes shapes them) and its state.
+pub struct Quantized4bit {
+    pub packed: Tensor,
+    pub state: QuantState,
+}
+
+/// Values quantized or dequantized at a time (whole blocks of every size in
+/// `BLOCKSIZES`, an even count): one chunk's fp32 copies and indices are
+/// what a weight's (de)quantization holds beside its input and output
+/// (~20 MB, however large the weight).
+const CHUNK_VALUES: i64 = 1 << 20;
+
+/// `x` (bf16, fp16 or fp32) in blocks of `blocksize`, its absmaxes
+/// quantized again when `double_quant` (bitsandbytes' `compress_statistics`).
+pub fn quantize(x: &Tensor, quant_type: QuantType, blocksize: i64, double_quant: bool) -> Result<Quantized4bit> {
+    ensure!(BLOCKSIZES.contains(&blocksize), "a 4-bit block of {blocksize} values: bitsandbytes takes {BLOCKSIZES:?}");
+    let dtype = x.kind();
+    ensure!(matches!(dtype, Kind::Float | Kind::BFloat16 | Kind::Half), "only bf16, fp16 and fp32 tensors quantize to 4 bits, not {dtype:?}");
+    let flat = x.reshape([-1]);
+    let n = flat.numel() as i64;
+    let bounds = quant_type.bounds(x.device());
+    // Each block is quantized on its own, so chunks give the same bits.
+    let (mut packed, mut absmax) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    loop {
+        let len = (n - start).min(CHUNK_VALUES);
+        let (chunk_packed, chunk_absmax) = quantize_chunk(&flat.narrow(0, start, len), quant_type, blocksize, &bounds);
+        packed.push(chunk_packed);
+        absmax.push(chunk_absmax);
+        start += len;
+        if start == n {
+            break;
+        }
+    }
+    let (packed, absmax) = (Tensor::cat(&packed, 0).unsqueeze(1), Tensor::cat(&absmax, 0));
+    let absmax = if double_quant { nested(&absmax) } else { Absmax::Plain(absmax) };
+    Ok(Quantized4bit { packed, state: QuantState { quant_type, blocksize, shape: x.size(), dtype, absmax } })
+}
+
+/// `values` (flat; all whole blocks but perhaps the last) as packed bytes
+/// and one absmax per block, with `bounds` from [`QuantType::bounds`]:
+/// bitsandbytes' `quantize_4bit` (its default, Python kernel).
+fn quantize_chunk(values: &Tensor, quant_type: QuantType, blocksize: i64, (midpoints, order): &(Tensor, Tensor)) -> (Tensor, Tensor) {
+    let values = values.to_kind(Kind::Float);
+    let n = values.numel() as i64;
+    let (blocks, rest) = (n / blocksize, n % blocksize);
+    let whole = values.narrow(0, 0, blocks * blocksize).view([blocks, blocksize]);
+    // The floor keeps a block of zeros from dividing by zero; bitsandbytes
+    // stores it only for the short last block.
+    let mut absmax = whole.abs().amax([1i64].as_slice(), false);
+    let mut scaled = (&whole * absmax.clamp_min(1e-38).reciprocal().view([-1, 1])).clamp(-1.0, 1.0).reshape([-1]);
+    if rest > 0 {
+        let tail = values.narrow(0, blocks * blocksize, rest);
+        let tail_absmax = tail.abs().max().clamp_min(1e-38);
+        scaled = Tensor::cat(&[scaled, (&tail / &tail_absmax).clamp(-1.0, 1.0)], 0);
+        absmax = Tensor::cat(&[absmax, tail_absmax.unsqueeze(0)], 0);
+    }
+    if n % 2 == 1 {
+        scaled = scaled.constant_pad_nd([0, 1]);
+    }
+    let sorted_indices = scaled.bucketize(midpoints, true, false);
+    // NF4's table is sorted; bitsandbytes maps FP4's only.
+    let indices = match quant_type {
+        QuantType::Nf4 => sorted_indices,
+        QuantType::Fp4 => order.index_select(0, &sorted_indices),
+    }
+    .to_kind(Kind::Uint8);
+    let pairs = indices.view([-1, 2]);
+    let packed = pairs.select(1, 0).bitwise_left_shift_tensor_scalar(4).bitwise_or_tensor(&pairs.select(1, 1));
+    (packed, absmax)
+}
+
+/// The absmaxes minus their mean in 8-bit blocks of 256 (bitsandbytes'
+/// `quantize_blockwise` on a CPU: the mean, then its native kernel).
+fn nested(absmax: &Tensor) -> Absmax {
+    let offset = absmax.mean(None::<Kind>);
+    let code = dynamic_code(absmax.device());
+    let (indices, nested_absmax) = quantize_8bit(&(absmax - &offset), &code, NESTED_BLOCKSIZE);
+    Absmax::Nested { indices, absmax: nested_absmax, code, blocksize: NESTED_BLOCKSIZE, offset: offset.double_value(&[]) as f32 }
+}
+
+/// bitsandbytes' signed dynamic map (`create_dynamic_map()`): 256 sorted
+/// fp32 values in [-1, 1] with a dynamic exponent — for each of 7
+/// decades, the midpoints of 2^i + 1 steps from 0.1 to 1, scaled by the
+/// decade, with both signs; then 0 and 1. Built with the ops it is built
+/// with, since each rounds.
+pub fn dynamic_code(device: Device) -> Tensor {
+    let mut parts = Vec::new();
+    for i in 0..7usize {
+        let boundaries = Tensor::linspace(0.1, 1.0, (1i64 << i) + 1, (Kind::Float, Device::Cpu));
+        let count = boundaries.size()[0];
+        let means = (boundaries.narrow(0, 0, count - 1) + boundaries.narrow(0, 1, count - 1)) / 2.0;
+        let decade = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0][i];
+        parts.push(&means * decade);
+        parts.push(&means * -decade);
+    }
+    parts.push(Tensor::from_slice(&[0.0f32, 1.0]));
+    let (sorted, _) = Tensor::cat(&parts, 0).sort(0, false);
+    sorted.to_device(device)
+}
+
+/// `values` (fp32, 1-D) as 8-bit indices into `code` (sorted) in blocks of
+/// `blocksize`, as bitsandbytes' CPU kernel (`quantize_cpu_impl`) makes
+/// them: each block's absmax, each value times its reciprocal, clamped to
+/// [-1, 1], mapped to one of 65536 evenly spaced points
+/// (`trunc((v + 1) · 0.5 · 65535 + 0.5)`, a fused multiply-add) and the
+/// nearest code entry of that point taken from a table; a block of zeros
+/// is all index 0.
+fn quantize_8bit(values: &Tensor, code: &Tensor, blocksize: i64) -> (Tensor, Tensor) {
+    let n = values.numel() as i64;
+    let blocks = (n + blocksize - 1) / blocksize;
+    // Zeros do not change an absmax (the kernel's starts at 0).
+    let padded = values.constant_pad_nd([0, blocks * blocksize - n]).view([blocks, blocksize]);
+    let absmax = padded.abs().amax([1i64].as_slice(), false);
+    let nonzero = absmax.ne(0.0).view([-1, 1]);
+    let scaled = (&padded * absmax.reciprocal().view([-1, 1])).clamp(-1.0, 1.0);
+    // A block of zeros (0 · inf) takes point 0, whose entry is index 0.
+    let halfway = (scaled.where_scalarother(&nonzero, -1.0) + 1.0) * 0.5;
+    // fp32's fused multiply-add, exactly: the fp64 product is exact, and so
+    // is the fp64 sum wherever its rounding to fp32 could tell them apart.
+    let point = (halfway.to_kind(Kind::Double) * 65535.0 + 0.5).to_kind(Kind::Float).to_kind(Kind::Int64);
+    let indices = lookup_table(code).index_select(0, &point.reshape([-1]));
+    (indices.narrow(0, 0, n), absmax)
+}
+
+/// The kernel's table: for each of the 65536 points `-1 + 2i / 65535`
+/// (fp32), the index of the first code midpoint not below it.
+fn lookup_table(code: &Tensor) -> Tensor {
+    let entries = code.size()[0];
+    let midpoints = (code.narrow(0, 0, entries - 1) + code.narrow(0, 1, entries - 1)) * 0.5;
+    let steps = Tensor::arange(65536, (Kind::Float, code.device())) * 2.0;
+    // Divided by a full tensor: ATen may multiply by the reciprocal of a scalar.
+    let points = steps.divide(&Tensor::full([65536], 65535.0, (Kind::Float, code.device()))) - 1.0;
+    points.bucketize(&midpoints, false, false).to_kind(Kind::Uint8)
+}
+
+impl Absmax {
+    /// One fp32 absmax per 4-bit block.
+    pub fn values(&self) -> Tensor {
+        match self {
+            Absmax::Plain(absmax) => absmax.shallow_clone(),
+            Absmax::Nested { indices, absmax, code, blocksize, offset } => {
+                let n = indices.numel() as i64;
+                let blocks = absmax.numel() as i64;
+                let values = code.index_select(0, &indices.to_kind(Kind::Int64)).constant_pad_nd([0, blocks * blocksize - n]);
+                let values = (values.view([blocks, *blocksize]) * absmax.view([-1, 1])).reshape([-1]).narrow(0, 0, n);
+                values + Tensor::from(*offset).to_device(indices.device())
+            }
+        }
+    }
+}
+
+impl Quantized4bit {
+    /// The values, in the original shape and dtype, a chunk at a time (so
+    /// that beside the result, one chunk's indices and fp32 values are held).
+    pub fn dequantize(&self) -> Tensor {
+        let state = &self.state;
+        let n: i64 = state.shape.iter().product();
+        let device = self.packed.device();
+        let bytes = self.packed.reshape([-1]);
+        // Each byte's two values: row b is (code[b >> 4], code[b & 15]).
+        let code = state.quant_type.dequantization_code(device);
+        let byte_values = Tensor::stack(&[code.repeat_interleave_self_int(16, 0, None), code.repeat([16])], 1);
+        let absmax = state.absmax.values();
+        let out = Tensor::empty([n], (state.dtype, device));
+        let mut start = 0;
+        while start < n {
+            let len = (n - start).min(CHUNK_VALUES);
+            let chunk = bytes.narrow(0, start / 2, (len + 1) / 2);
+            let values = byte_values.index_select(0, &chunk.to_kind(Kind::Int)).reshape([-1]).narrow(0, 0, len);
+            let blocks = (len + state.blocksize - 1) / state.blocksize;
+            let values = values.constant_pad_nd([0, blocks * state.blocksize - len]);
+            let scales = absmax.narrow(0, start / state.blocksize, blocks).view([-1, 1]);
+            let values = (values.view([blocks, state.blocksize]) * scales).reshape([-1]).narrow(0, 0, len);
+            out.narrow(0, start, len).copy_(&values);
+            start += len;
+        }
+        out.view(state.shape.as_slice())
+    }
+
+    /// The tensors bitsandbytes' `QuantState.as_dict(packed=True)` and
+    /// transformers save for a weight named `weight`, by name.
+    pub fn state_dict(&self, weight: &str) -> Vec<(String, Tensor)> {
+        let state = &self.state;
+        let mut blob = json!({
+            "quant_type": state.quant_type.name(),
+            "blocksize": state.blocksize,
+            "dtype": dtype_name(state.dtype),
+            "shape": state.shape,
+        });
+        let device = self.packed.device();
+        let mut tensors = vec![(weight.to_string(), self.packed.shallow_clone())];
+        match &state.absmax {
+            Absmax::Plain(absmax) => tensors.push((format!("{weight}.absmax"), absmax.shallow_clone())),
+            Absmax::Nested { indices, absmax, code, blocksize, offset } => {
+                tensors.push((format!("{weight}.absmax"), indices.shallow_clone()));
+                tensors.push((format!("{weight}.nested_absmax"), absmax.shallow_clone()));
+                tensors.push((format!("{weight}.nested_quant_map"), code.shallow_clone()));
+                let fields = blob.as_object_mut().expect("a JSON object");
+                fields.insert("nested_blocksize".into(), json!(blocksize));
+                fields.insert("nested_dtype".into(), json!("float32"));
+                fields.insert("nested_offset".into(), json!(offset));
+            }
+        }
+        tensors.push((format!("{weight}.quant_map"), state.quant_type.code(device)));
+        let text = blob.to_string();
+        tensors.push((state_key(weight, state.quant_type), Tensor::from_slice(text.as_bytes()).to_device(device)));
+        tensors
+    }
+
+    /// A weight saved as [`Quantized4bit::state_dict`] writes it (and
+    /// transformers with bitsandbytes do), its tensors found by name with
+    /// `tensor`. A missing or malformed part is an error that names it.
+    pub fn from_state_dict(weight: &str, tensor: impl Fn(&str) -> Option<Tensor>) -> Result<Quantized4bit> {
+        let [nf4_key, fp4_key] = [QuantType::Nf4, QuantType::Fp4].map(|t| state_key(weight, t));
+        let (key_type, key, blob) = match (tensor(&nf4_key), tensor(&fp4_key)) {
+            (Some(blob), None) => (QuantType::Nf4, nf4_key, blob),
+            (None, Some(blob)) => (QuantType::Fp4, fp4_key, blob),
+            (None, None) => bail!("{weight} has no 4-bit quant state: expected a tensor {nf4_key} (or {fp4_key})"),
+            (Some(_), Some(_)) => bail!("{weight} has two 4-bit quant states, {nf4_key} and {fp4_key}: keep one"),
+        };
+        let blob = read_blob(&key, &blob)?;
+        let field = |name: &str| blob.get(name).ok_or_else(|| anyhow!("{key}: its JSON has no \"{name}\""));
+        let known = ["quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"];
+        if let Some(unknown) = blob.keys().find(|k| !known.contains(&k.as_str())) {
+            bail!("{key}: unknown entry \"{unknown}\" in its JSON (bitsandbytes writes {known:?})");
+        }
+        let type_name = field("quant_type")?.as_str().ok_or_else(|| anyhow!("{key}: \"quant_type\" is not a string"))?;
+        let quant_type = QuantType::from_name(type_name).ok_or_else(|| anyhow!("{key}: unknown quant_type \"{type_name}\" (bitsandbytes writes nf4 or fp4)"))?;
+        ensure!(quant_type == key_type, "{key}: its JSON says quant_type \"{type_name}\", its name {}", key_type.name());
+        let blocksize = field("blocksize")?.as_i64().filter(|b| BLOCKSIZES.contains(b));
+        let blocksize = blocksize.ok_or_else(|| anyhow!("{key}: blocksize {} is not one of {BLOCKSIZES:?}", blob["blocksize"]))?;
+        let dtype_text = field("dtype")?.as_str().unwrap_or_default();
+        let dtype = dtype_from_name(dtype_text).ok_or_else(|| anyhow!("{key}: dtype {} is not float32, float16 or bfloat16", blob["dtype"]))?;
+        let shape: Option<Vec<i64>> = field("shape")?.as_array().and_then(|dims| dims.iter().map(|d| d.as_i64().filter(|d| *d >= 0)).collect());
+        let shape = shape.ok_or_else(|| anyhow!("{key}: shape {} is not a list of sizes", blob["shape"]))?;
+        let n: i64 = shape.iter().product();
+        let blocks = (n + blocksize - 1) / blocksize;
+
+        let packed = required(&tensor, weight)?;
+        // A `quant_storage` other than uint8 holds the same bytes.
+        let packed = if packed.kind() == Kind::Uint8 { packed } else { packed.contiguous().view_dtype(Kind::Uint8) };
+        ensure!(packed.numel() as i64 == (n + 1) / 2, "{weight}: {} packed bytes, but shape {shape:?} ({n} values) takes {}", packed.numel(), (n + 1) / 2);
+        let packed = packed.reshape([-1, 1]);
+
+        let quant_map = format!("{weight}.quant_map");
+        let code = float_tensor(&tensor, &quant_map, 16)?;
+        ensure!(
+            code.equal(&quant_type.code(code.device())),
+            "{quant_map} differs from bitsandbytes' {} table, the one bitsandbytes (and ft) dequantize with",
+            quant_type.name()
+        );
+
+        let absmax_name = format!("{weight}.absmax");
+        let nested_parts = ["nested_blocksize", "nested_dtype", "nested_offset"].map(|k| blob.contains_key(k));
+        let nested_tensors = ["nested_absmax", "nested_quant_map"].map(|k| tensor(&format!("{weight}.{k}")).is_some());
+        let absmax = if nested_parts.iter().chain(&nested_tensors).any(|p| *p) {
+            let nested_blocksize = field("nested_blocksize")?.as_i64().filter(|b| *b > 0);
+            let nested_blocksize = nested_blocksize.ok_or_else(|| anyhow!("{key}: nested_blocksize {} is not a block size", blob["nested_blocksize"]))?;
+            ensure!(field("nested_dtype")?.as_str() == Some("float32"), "{key}: nested_dtype {} is not float32", blob["nested_dtype"]);
+            let offset = field("nested_offset")?.as_f64().ok_or_else(|| anyhow!("{key}: nested_offset {} is not a number", blob["nested_offset"]))?;
+            let indices = required(&tensor, &absmax_name)?;
+            ensure!(
+                indices.kind() == Kind::Uint8 && indices.size() == [blocks],
+                "{absmax_name}: expected uint8 indices of shape [{blocks}] (double quantization; {n} values in blocks of {blocksize}), found {:?} of shape {:?}",
+                indices.kind(),
+                indices.size()
+            );
+            let nested_blocks = (blocks + nested_blocksize - 1) / nested_blocksize;
+            let absmax = float_tensor(&tensor, &format!("{weight}.nested_absmax"), nested_blocks)?;
+            let code = float_tensor(&tensor, &format!("{weight}.nested_quant_map"), 256)?;
+            Absmax::Nested { indices, absmax, code, blocksize: nested_blocksize, offset: offset as f32 }
+        } else {
+            Absmax::Plain(float_tensor(&tensor, &absmax_name, blocks)?)
+        };
+        Ok(Quantized4bit { packed, state: QuantState { quant_type, blocksize, shape, dtype, absmax } })
+    }
+}
+
+/// The name of the JSON blob's tensor: `{weight}.quant_state.bitsandbytes__nf4`.
+pub fn state_key(weight: &str, quant_type: QuantType) -> String {
+    format!("{weight}.quant_state.bitsandbytes__{}", quant_type.name())
+}
+
+fn required(tensor: &impl Fn(&str) -> Option<Tensor>, name: &str) -> Result<Tensor> {
+    tensor(name).ok_or_else(|| anyhow!("{name} is missing: a 4-bit weight's quant state needs it"))
+}
+
+/// `name`: fp32, 1-D, `len` values.
+fn float_tensor(tensor: &impl Fn(&str) -> Option<Tensor>, name: &str, len: i64) -> Result<Tensor> {
+    let t = required(tensor, name)?;
+    ensure!(t.kind() == Kind::Float && t.size() == [len], "{name}: expected fp32 values of shape [{len}], found {:?} of shape {:?}", t.kind(), t.size());
+    Ok(t)
+}
+
+/// The JSON object a uint8 tensor holds.
+fn read_blob(key: &str, blob: &Tensor) -> Result<serde_json::Map<String, Value>> {
+    ensure!(blob.kind() == Kind::Uint8 && blob.dim() == 1, "{key}: expected uint8 bytes of JSON, found {:?} of shape {:?}", blob.kind(), blob.size());
+    let bytes = Vec::<u8>::try_from(&blob.to_device(Device::Cpu))?;
+    let value: Value = serde_json::from_slice(&bytes).with_context(|| format!("{key} does not hold valid JSON"))?;
+    match value {
+        Value::Object(fields) => Ok(fields),
+        other => bail!("{key}: its JSON is {other}, not an object"),
+    }
+}
+
+/// bitsandbytes' dtype names (`str(dtype)` without `torch.`).
+fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    }
+}
+
+fn dtype_from_name(name: &str) -> Option<Kind> {
+    [Kind::Float, Kind::Half, Kind::BFloat16].into_iter().find(|k| dtype_name(*k) == name)
+}
