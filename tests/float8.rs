@@ -320,7 +320,7 @@ fn guarded_step(message: &str) -> usize {
     after[..after.find(' ').unwrap()].parse().unwrap()
 }
 
-/// Float8 gathers (`train.fp8_gathers`, on under `--fp8 tensorwise` with
+/// Float8 gathers (`train.fp8_gathers=true` under `--fp8 tensorwise` with
 /// sharding): full_shard at 2 and 3 ranks gives the losses of full_shard
 /// gathering the f32 weights bit for bit — each weight gathered as the
 /// cast of the whole tensor, the bytes a rank holding it casts (a shard's
@@ -364,23 +364,24 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
         (dir, output.status.success(), text(&output))
     };
     let gathered = |dir: &Path| common::summary(dir)["comm_bytes_per_step"]["all_gather"].as_f64().unwrap();
+    let gathers = ["--set", "train.fp8_gathers=true"];
     for ranks in [2, 3] {
-        let (float8_gathers, ok, message) = run(&format!("float8-gathers-{ranks}"), ranks, &[], None);
+        let (float8_gathers, ok, message) = run(&format!("float8-gathers-{ranks}"), ranks, &gathers, None);
         assert!(ok && message.contains("sharded blocks gathered as float8"), "{message}");
-        let (f32_gathers, ok, message) = run(&format!("f32-gathers-{ranks}"), ranks, &["--set", "train.fp8_gathers=false"], None);
+        let (f32_gathers, ok, message) = run(&format!("f32-gathers-{ranks}"), ranks, &[], None);
         assert!(ok && !message.contains("gathered as float8"), "{message}");
         assert_eq!(common::losses(&float8_gathers).len(), 4);
         assert_eq!(common::losses(&float8_gathers), common::losses(&f32_gathers), "{ranks} ranks");
     }
     let bf16 = ["--dtype", "bf16", "--max-steps", "1"];
-    let (float8_gathers, ok, message) = run("bf16-float8-gathers", 2, &bf16, None);
+    let (float8_gathers, ok, message) = run("bf16-float8-gathers", 2, &[&bf16[..], &gathers].concat(), None);
     assert!(ok, "{message}");
-    let (bf16_gathers, ok, message) = run("bf16-gathers", 2, &[&bf16[..], &["--set", "train.fp8_gathers=false"]].concat(), None);
+    let (bf16_gathers, ok, message) = run("bf16-gathers", 2, &bf16, None);
     assert!(ok, "{message}");
     let ratio = gathered(&float8_gathers) / gathered(&bf16_gathers);
     assert!(ratio <= 0.55, "float8 gathers carry {ratio:.3} of bf16 gathers' bytes");
     // Killed after step 3, resumed from step 2's checkpoint.
-    let saving = ["--save-every", "2"];
+    let saving = ["--save-every", "2", "--set", "train.fp8_gathers=true"];
     let (_, ok, message) = run("killed", 2, &saving, Some("after-step:3@1"));
     assert!(!ok && message.contains("FT_FAULT_INJECT: aborting"), "{message}");
     let (killed, ok, message) = run("killed", 2, &[&saving[..], &["--resume", "latest"]].concat(), None);

@@ -441,7 +441,9 @@ pub struct TrainConfig {
     /// Under `fp8=tensorwise` with a strategy that gathers sharded
     /// parameters, gather the blocks whose weights all run in float8 as
     /// float8 bytes (half a bf16 gather), each weight cast with its whole
-    /// tensor's scale as the layer would cast it.
+    /// tensor's scale as the layer would cast it. Off by default: over
+    /// NVLink the casts around the gather cost more than the bytes save
+    /// (README, "Float8 linear layers").
     pub fp8_gathers: bool,
 }
 
@@ -585,7 +587,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             fp8: Fp8::Off,
             fp8_emulate: false,
-            fp8_gathers: true,
+            fp8_gathers: false,
             fp8_layers: Fp8Layers::Auto,
             fp8_calibration: None,
         }

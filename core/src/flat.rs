@@ -601,6 +601,8 @@ impl FlatUnit {
         if !self.placement.params_sharded || !self.gathered {
             return Ok(0);
         }
+        // A float8 gather's notes of weights in the buffer (and the bytes they hold) go with it.
+        ft_sys::float8::forget_gathered_in(&self.compute_alias);
         ft_sys::resize_storage(&self.compute_alias, 0)?;
         self.gathered = false;
         Ok(self.gathered_bytes())

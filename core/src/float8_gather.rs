@@ -1,5 +1,5 @@
-//! Float8 parameter gathers (`train.fp8_gathers`, on by default under
-//! `--fp8 tensorwise` with a strategy that gathers sharded parameters), as
+//! Float8 parameter gathers (`train.fp8_gathers=true` under `--fp8
+//! tensorwise` with a strategy that gathers sharded parameters), as
 //! torchtitan's FSDP2 recipe gathers with torchao: a block whose weight
 //! matrices all run in float8 is gathered as float8 bytes, half a bf16
 //! gather, and its vectors (norms, biases) in the compute dtype.
@@ -10,7 +10,9 @@
 //! rank holding the whole weight would make, whatever the world size. The
 //! dequantised values land in the buffer the model reads, and the layer
 //! casts them back with that amax (`ft_sys::float8::note_gathered`), which
-//! gives the gathered bytes again: the GEMMs see exactly them.
+//! gives the gathered bytes again: the GEMMs see exactly them. On a GPU the
+//! layer reads the gathered bytes themselves and the weights' part of the
+//! compute-dtype buffer is left unwritten (float8 layers read nothing else).
 //!
 //! Mechanism around the run's hook (the built-in or a plug-in): this takes
 //! the gathers of float8 blocks and hands everything else — reductions,
@@ -86,6 +88,19 @@ fn amaxes(cache: &mut HashMap<String, (usize, Tensor)>, unit: &UnitInfo, weights
     Ok(amaxes)
 }
 
+/// `part` (a 1-D slice of one weight) cast to e4m3 with `scale`, which its
+/// whole weight's `amax` gives: by ft's kernel on a GPU where a row width
+/// divides it (the same bits as ATen's cast), else by ATen's ops.
+fn cast(part: &Tensor, amax: &Tensor, scale: &Tensor, fused: bool) -> Result<Tensor> {
+    let n = part.size()[0];
+    if let Some(cols) = [4096, 1024, 256, 64, 16, 2].into_iter().find(|cols| fused && n % cols == 0) {
+        let max = ft_sys::float8::max_value(E4M3) as f32;
+        let cast = ft_sys::kernels::cast_float8(&part.view([n / cols, cols]), amax, E4M3, max, true, false)?;
+        return Ok(cast.data.expect("asked for").view([n]));
+    }
+    Ok(ft_sys::float8::cast(part, scale, E4M3))
+}
+
 /// The part of [offset, offset + numel) inside [start, start + len), as (its start, its length).
 fn overlap(start: i64, len: i64, offset: i64, numel: i64) -> Option<(i64, i64)> {
     let (from, to) = (start.max(offset), (start + len).min(offset + numel));
@@ -125,9 +140,11 @@ impl CommHook for Float8Gathers {
         let start = group.rank() as i64 * len;
         // This rank's shard: its weights' elements as float8 bytes, the rest (vectors, padding) in the compute dtype.
         let bytes = Tensor::zeros([len], (Kind::Uint8, device));
+        let fused = crate::kernels::Kernels::loaded(device);
         for (i, &(offset, numel)) in weights.iter().enumerate() {
             if let Some((from, n)) = overlap(start, len, offset, numel) {
-                let cast = ft_sys::float8::cast(&shard.narrow(0, from - start, n), &scales.get(i as i64), E4M3);
+                let part = shard.narrow(0, from - start, n);
+                let cast = cast(&part, &amaxes.get(i as i64), &scales.get(i as i64), fused)?;
                 bytes.narrow(0, from - start, n).copy_(&cast.view_dtype(Kind::Uint8));
             }
         }
@@ -147,8 +164,18 @@ impl CommHook for Float8Gathers {
             let values = all_bytes.view_dtype(E4M3);
             for (i, &(offset, numel)) in weights.iter().enumerate() {
                 let mut weight = output.narrow(0, offset, numel);
-                weight.copy_(&(values.narrow(0, offset, numel).to_kind(Kind::Float) / scales.get(i as i64)));
-                ft_sys::float8::note_gathered(owner, &weight, &amaxes.get(i as i64));
+                let bytes = values.narrow(0, offset, numel);
+                // On a GPU the layer's GEMMs read the bytes; elsewhere they are dequantised for the layer to cast back
+                // (float8 values are exact in bf16: one rounding, of the product by 1/scale).
+                let kept = match fused {
+                    true => Some(&bytes),
+                    false => {
+                        weight.copy_(&bytes);
+                        let _ = weight.g_mul_(&scales.get(i as i64).reciprocal());
+                        None
+                    }
+                };
+                ft_sys::float8::note_gathered(owner, &weight, &amaxes.get(i as i64), kept);
             }
             output.narrow(0, rest, padded - rest).copy_(&vectors);
             Ok(())

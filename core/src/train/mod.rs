@@ -67,7 +67,7 @@ impl Default for TrainOptions {
             initial_loss_scale: 65536.0,
             float8: None,
             float8_kept: None,
-            float8_gathers: true,
+            float8_gathers: false,
         }
     }
 }

@@ -93,6 +93,12 @@ impl Operand {
         Operand { data: self.data.shallow_clone(), scale: self.scale.shallow_clone(), inverse: self.inverse.shallow_clone() }
     }
 
+    /// Float8 `data` cast with the scale `amax` gives for `kind`.
+    fn of(data: Tensor, amax: &Tensor, kind: Kind) -> Operand {
+        let scale = scale_from(amax, kind, false);
+        Operand { data, inverse: scale.reciprocal(), scale }
+    }
+
     fn transposed(&self) -> Operand {
         let flip = |t: &Tensor| if t.dim() > 1 { t.tr() } else { t.shallow_clone() };
         Operand { data: self.data.tr(), scale: flip(&self.scale), inverse: flip(&self.inverse) }
@@ -202,8 +208,16 @@ impl Float8 {
     /// `cast`, recording its amax as `layer`'s when given.
     fn cast_recording(self, x: &Tensor, role: Role, dim: i64, layer: Option<u32>) -> Operand {
         let kind = self.kind(role);
+        let gathered = if self.recipe == Recipe::Tensorwise && role == Role::Weight { gathered(x) } else { None };
+        if let Some((amax, Some(data))) = &gathered {
+            // A float8 gather's bytes, which a tensorwise scale casts alike in every layout.
+            if let Some(layer) = layer {
+                record(layer, role, amax);
+            }
+            return Operand::of(data.view(x.size().as_slice()), amax, kind);
+        }
         let (amax, power_of_2) = match self.recipe {
-            Recipe::Tensorwise if role == Role::Weight => (gathered_amax(x).unwrap_or_else(|| amax(x, None)), false),
+            Recipe::Tensorwise if gathered.is_some() => (gathered.map(|(amax, _)| amax).expect("checked"), false),
             Recipe::Tensorwise => (amax(x, None), false),
             Recipe::Rowwise => (amax(x, Some(dim)), true),
         };
@@ -241,13 +255,18 @@ impl Float8 {
                 let amax = kernels::amax(&rows)?;
                 Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
             })?;
-            let w_amax = match gathered_amax(weight) {
-                Some(amax) => amax,
+            let gathered = gathered(weight);
+            let w_amax = match &gathered {
+                Some((amax, _)) => amax.shallow_clone(),
                 None => kernels::amax(weight)?,
             };
             record(layer, Role::Input, &x_amax);
             record(layer, Role::Weight, &w_amax);
-            let weight_t = kernel_cast(weight, &w_amax, Role::Weight, self, false)?.transposed();
+            let weight_t = match gathered {
+                Some((amax, Some(data))) => Operand::of(data.view(weight.size().as_slice()), &amax, self.kind(Role::Weight)),
+                _ => kernel_cast(weight, &w_amax, Role::Weight, self, false)?,
+            }
+            .transposed();
             (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
         } else {
             let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
@@ -304,7 +323,12 @@ impl Float8 {
         let dy = kernels::cast_float8(grad, &g_amax, kind, max_value(kind) as f32, wanted[0], wanted[1])?;
         let grad_input = match (wanted[0], &dy.data) {
             (true, Some(data)) => {
-                let w = kernel_cast(weight, &amax(w_amax, weight)?, Role::Weight, self, true)?.transposed();
+                let w = match gathered(weight) {
+                    // Gathered bytes, row-major: their transpose is the layout this GEMM reads.
+                    Some((amax, Some(data))) => Operand::of(data.view(weight.size().as_slice()).tr().contiguous(), &amax, self.kind(Role::Weight)),
+                    _ => kernel_cast(weight, &amax(w_amax, weight)?, Role::Weight, self, true)?,
+                }
+                .transposed();
                 Some(self.gemm(&Operand { data: data.shallow_clone(), scale: dy.scale.shallow_clone(), inverse: dy.inverse.shallow_clone() }, &w, grad.kind(), false)?)
             }
             _ => None,
@@ -381,54 +405,68 @@ pub fn forget_cached_inputs() {
     TRANSPOSED_INPUTS.forget();
 }
 
-/// The amaxes of weights gathered in float8 (a sharded unit's gather,
-/// `ft_core::float8_gather`): the gather cast each weight with the scale of
-/// its whole tensor's amax, reduced over the shard group, and wrote the
-/// dequantised values into the buffer the layer reads. The layer casts that
-/// weight with the same amax instead of measuring its own, so its float8
-/// bytes are the gathered ones: with the same scale s, a value q/s rounded
-/// to bf16 (within 2⁻⁹ of it) casts back to q, float8's steps being 2⁻⁴
-/// apart or wider. Keyed by where the weight's data starts and its size;
-/// each entry names the unit that gathered it (`owner`), which forgets its
-/// entries before it gathers again, and every gather forgets those inside
-/// its buffer, so no entry outlives what it describes.
+/// Weights gathered in float8 (a sharded unit's gather,
+/// `ft_core::float8_gather`): the gather cast each weight with the scale
+/// of its whole tensor's amax, reduced over the shard group. On a GPU it
+/// hands the layer the gathered bytes themselves, which its GEMMs read in
+/// place of a cast of the weight (whose buffer the gather leaves unwritten);
+/// elsewhere it writes the dequantised values, which the layer casts back
+/// with that amax: with the same scale s, a value q/s rounded to bf16
+/// (within 2⁻⁹ of it) casts back to q, float8's steps being 2⁻⁴ apart or
+/// wider. Either way the GEMMs see exactly the gathered bytes. Keyed by
+/// where the weight's data starts and its size; each entry names the unit
+/// that gathered it (`owner`), which forgets its entries before it gathers
+/// again, and a gather or a release of a buffer forgets those inside it,
+/// so no entry outlives what it describes.
 struct GatheredWeight {
     owner: u64,
     address: usize,
     numel: i64,
     amax: Tensor,
+    /// The weight's float8 bytes, row-major (on a GPU).
+    data: Option<Tensor>,
 }
 
 static GATHERED: std::sync::Mutex<Vec<GatheredWeight>> = std::sync::Mutex::new(Vec::new());
 
-fn gathered() -> std::sync::MutexGuard<'static, Vec<GatheredWeight>> {
+fn registry() -> std::sync::MutexGuard<'static, Vec<GatheredWeight>> {
     GATHERED.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Notes that `weight` (a view into a gathered buffer) holds a float8
-/// gather's dequantised values, cast with the scale of `amax`; `owner`
-/// (the unit) forgets it with `forget_gathered`.
-pub fn note_gathered(owner: u64, weight: &Tensor, amax: &Tensor) {
-    let entry = GatheredWeight { owner, address: weight.data_ptr() as usize, numel: weight.numel() as i64, amax: amax.shallow_clone() };
-    gathered().push(entry);
+/// Notes that `weight` (a view into a gathered buffer) was gathered in
+/// float8 with the scale of `amax`, as `data` (its e4m3 values, when the
+/// layer is to read them instead of `weight`) or as dequantised values in
+/// `weight` itself; `owner` (the unit) forgets it with `forget_gathered_by`.
+pub fn note_gathered(owner: u64, weight: &Tensor, amax: &Tensor, data: Option<&Tensor>) {
+    let entry = GatheredWeight {
+        owner,
+        address: weight.data_ptr() as usize,
+        numel: weight.numel() as i64,
+        amax: amax.shallow_clone(),
+        data: data.map(Tensor::shallow_clone),
+    };
+    registry().push(entry);
 }
 
 /// Forgets what `owner` noted (before it gathers again).
 pub fn forget_gathered_by(owner: u64) {
-    gathered().retain(|entry| entry.owner != owner);
+    registry().retain(|entry| entry.owner != owner);
 }
 
-/// Forgets any note of a weight inside `buffer`, about to be written by a gather of any kind.
+/// Forgets any note of a weight inside `buffer`: about to be written by a
+/// gather of any kind, or released.
 pub fn forget_gathered_in(buffer: &Tensor) {
     let start = buffer.data_ptr() as usize;
     let end = start + buffer.numel() * buffer.kind().elt_size_in_bytes();
-    gathered().retain(|entry| !(start..end).contains(&entry.address));
+    registry().retain(|entry| !(start..end).contains(&entry.address));
 }
 
-/// The amax a float8 gather cast `weight` with, if one did.
-fn gathered_amax(weight: &Tensor) -> Option<Tensor> {
+/// The amax a float8 gather cast `weight` with, and its bytes when the gather kept them.
+fn gathered(weight: &Tensor) -> Option<(Tensor, Option<Tensor>)> {
     let address = weight.data_ptr() as usize;
-    gathered().iter().find(|entry| entry.address == address && entry.numel == weight.numel() as i64).map(|entry| entry.amax.shallow_clone())
+    let entries = registry();
+    let entry = entries.iter().find(|entry| entry.address == address && entry.numel == weight.numel() as i64)?;
+    Some((entry.amax.shallow_clone(), entry.data.as_ref().map(Tensor::shallow_clone)))
 }
 
 /// `x` [rows, cols] cast by ft's kernel, scaled from `amax`: row-major, or
