@@ -7,12 +7,13 @@
 //! Each weight is cast with the scale of its whole tensor's amax — the
 //! largest of the ranks' shards', one max all-reduce per unit and step (a
 //! backward re-gather reuses it) — so the gathered bytes are the cast a
-//! rank holding the whole weight would make, whatever the world size. The
-//! dequantised values land in the buffer the model reads, and the layer
-//! casts them back with that amax (`ft_sys::float8::note_gathered`), which
-//! gives the gathered bytes again: the GEMMs see exactly them. On a GPU the
-//! layer reads the gathered bytes themselves and the weights' part of the
-//! compute-dtype buffer is left unwritten (float8 layers read nothing else).
+//! rank holding the whole weight would make, whatever the world size. On a
+//! GPU the layer's GEMMs read the gathered bytes themselves
+//! (`ft_sys::float8::note_gathered`) and the weights' part of the
+//! compute-dtype buffer is left unwritten (float8 layers read nothing
+//! else); elsewhere the dequantised values land in that buffer and the
+//! layer casts them back with the gathered amax, which gives the gathered
+//! bytes again. Either way the GEMMs see exactly them.
 //!
 //! Mechanism around the run's hook (the built-in or a plug-in): this takes
 //! the gathers of float8 blocks and hands everything else — reductions,
