@@ -216,10 +216,10 @@ impl Float8 {
             }
             return Operand::of(data.view(x.size().as_slice()), amax, kind);
         }
-        let (amax, power_of_2) = match self.recipe {
-            Recipe::Tensorwise if gathered.is_some() => (gathered.map(|(amax, _)| amax).expect("checked"), false),
-            Recipe::Tensorwise => (amax(x, None), false),
-            Recipe::Rowwise => (amax(x, Some(dim)), true),
+        let (amax, power_of_2) = match (self.recipe, gathered) {
+            (Recipe::Tensorwise, Some((gathered_amax, _))) => (gathered_amax, false),
+            (Recipe::Tensorwise, None) => (amax(x, None), false),
+            (Recipe::Rowwise, _) => (amax(x, Some(dim)), true),
         };
         if let Some(layer) = layer {
             record(layer, role, &amax);
