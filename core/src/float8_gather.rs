@@ -64,7 +64,6 @@ impl Float8Gathers {
             .collect();
         Float8Gathers { inner, units, amaxes: HashMap::new() }
     }
-
 }
 
 /// The weights' amaxes over the whole unit at `step`: each rank's shard's,

@@ -11,7 +11,7 @@
 use super::{Cluster, Workload};
 use crate::device::synchronize;
 use crate::gpu;
-use crate::model::{Model, StageKind};
+use crate::model::Model;
 use crate::registry::Registry;
 use crate::AdamW;
 use anyhow::{bail, Context, Result};
@@ -103,7 +103,7 @@ pub struct CalibrateOptions<'a> {
 /// blocks), and the LM head's logits `loss_chunk_tokens` at a time, which
 /// carries the FLOPs the 6N count gives the units outside the blocks.
 fn gemm_classes(model: &dyn Model, tokens: i64, loss_chunk_tokens: i64) -> BTreeMap<Gemm, f64> {
-    let blocks: BTreeSet<usize> = model.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit).collect();
+    let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
     let mut classes = BTreeMap::new();
     let mut outside = 0;
     for (u, unit) in model.units().iter().enumerate() {

@@ -15,7 +15,6 @@ use super::{Cluster, Setup, Workload};
 use crate::collectives_bench::Collective;
 use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
 use crate::flat::UnitPlacement;
-use crate::model::StageKind;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use tch::Kind;
@@ -190,7 +189,7 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usiz
 /// Training FLOPs per token of the blocks alone (what recomputation repeats in forward).
 fn block_flops_per_token(workload: &Workload) -> f64 {
     let model = workload.model;
-    let block_units: BTreeSet<usize> = model.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit).collect();
+    let block_units: BTreeSet<usize> = crate::model::block_units(model).collect();
     let other_params: i64 = (0..model.units().len()).filter(|u| !block_units.contains(u)).map(|u| model.units()[u].numel()).sum();
     model.train_flops_per_token(workload.seq) - 6.0 * other_params as f64
 }

@@ -253,8 +253,7 @@ impl<'m> TrainerBuilder<'m> {
 
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.
 fn float8_gathered_units(model: &dyn Model, units: &[FlatUnit], layers: &Float8Layers) -> Vec<usize> {
-    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| s.unit);
-    blocks
+    crate::model::block_units(model)
         .filter(|&unit| {
             let matrices: Vec<&Vec<i64>> = units[unit].spec.params.iter().map(|p| &p.shape).filter(|shape| shape.len() == 2).collect();
             units[unit].placement().params_sharded && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
@@ -290,7 +289,7 @@ fn warn_of_narrow_layers(model: &dyn Model, float8: Float8) {
         return;
     }
     let units = model.units();
-    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| &units[s.unit]);
+    let blocks = crate::model::block_units(model).map(|unit| &units[unit]);
     let narrow: Vec<&str> =
         blocks.flat_map(|u| &u.params).filter(|p| p.shape.len() == 2 && p.shape.iter().any(|w| w % 16 != 0)).map(|p| p.hf_name.as_str()).collect();
     if let Some(first) = narrow.first() {
@@ -320,7 +319,7 @@ pub fn float8_slow_shapes(model: &dyn Model) -> BTreeSet<[i64; 2]> {
 /// The shapes [out, in] of the blocks' weight matrices.
 pub fn block_weight_shapes(model: &dyn Model) -> BTreeSet<[i64; 2]> {
     let units = model.units();
-    let blocks = model.stages().iter().filter(|s| s.kind == crate::model::StageKind::Block).map(|s| &units[s.unit]);
+    let blocks = crate::model::block_units(model).map(|unit| &units[unit]);
     blocks.flat_map(|u| &u.params).filter(|p| p.shape.len() == 2).map(|p| [p.shape[0], p.shape[1]]).collect()
 }
 
