@@ -389,6 +389,9 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
     let resumed = common::losses(&killed);
     let uninterrupted = common::losses(&scratch.path().join("float8-gathers-2"));
     assert_eq!(&resumed[resumed.len() - 2..], &uninterrupted[2..], "resumed vs uninterrupted");
+    // Where nothing is gathered (one rank) the setting does nothing, and the log says so.
+    let (_, ok, message) = run("one-rank", 1, &gathers, None);
+    assert!(ok && message.contains("train.fp8_gathers: no block is gathered in float8"), "{message}");
     // Gathers in float8 cast each weight with one scale: the rowwise recipe is refused them by name.
     let (_, ok, message) = run("rowwise", 2, &["--fp8", "rowwise", "--set", "train.fp8_gathers=true", "--dry-run"], None);
     assert!(!ok && message.contains("train.fp8_gathers") && message.contains("tensorwise"), "{message}");

@@ -221,7 +221,11 @@ impl<'m> TrainerBuilder<'m> {
         };
         if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers && layers.float8.recipe == Recipe::Tensorwise) {
             let gathered = float8_gathered_units(model, &units, layers);
-            if !gathered.is_empty() {
+            if gathered.is_empty() {
+                tracing::warn!(
+                    "train.fp8_gathers: no block is gathered in float8: the strategy gathers no sharded parameters (use full_shard, shard_grad_op or hybrid_shard), or every block keeps a layer in the compute dtype"
+                );
+            } else {
                 tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
                 let gathered: Vec<&UnitInfo> = gathered.into_iter().map(|unit| &unit_info[unit]).collect();
                 hook = Box::new(crate::float8_gather::Float8Gathers::new(hook, &gathered));
