@@ -146,6 +146,13 @@ pub struct QuantState {
     pub absmax: Absmax,
 }
 
+impl QuantState {
+    /// Values of the original tensor.
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
 /// A quantized tensor: its packed indices (uint8, `[(n + 1) / 2, 1]`, as
 /// bitsandbytes shapes them) and its state.
 pub struct Quantized4bit {
@@ -304,14 +311,25 @@ impl Quantized4bit {
     /// that beside the result, one chunk's indices and fp32 values are held).
     pub fn dequantize(&self) -> Tensor {
         let state = &self.state;
-        let n: i64 = state.shape.iter().product();
+        let out = Tensor::empty([state.numel()], (state.dtype, self.packed.device()));
+        self.dequantize_into(&out);
+        out.view(state.shape.as_slice())
+    }
+
+    /// The values written into `out` (1-D, contiguous, as many elements,
+    /// any floating dtype): rounded to the original dtype as
+    /// [`Quantized4bit::dequantize`] rounds them, then to `out`'s, as
+    /// bitsandbytes' `matmul_4bit` casts its dequantized weight to the
+    /// input's dtype.
+    pub fn dequantize_into(&self, out: &Tensor) {
+        let state = &self.state;
+        let n = state.numel();
         let device = self.packed.device();
         let bytes = self.packed.reshape([-1]);
         // Each byte's two values: row b is (code[b >> 4], code[b & 15]).
         let code = state.quant_type.dequantization_code(device);
         let byte_values = Tensor::stack(&[code.repeat_interleave_self_int(16, 0, None), code.repeat([16])], 1);
         let absmax = state.absmax.values();
-        let out = Tensor::empty([n], (state.dtype, device));
         let mut start = 0;
         while start < n {
             let len = (n - start).min(CHUNK_VALUES);
@@ -321,10 +339,9 @@ impl Quantized4bit {
             let values = values.constant_pad_nd([0, blocks * state.blocksize - len]);
             let scales = absmax.narrow(0, start / state.blocksize, blocks).view([-1, 1]);
             let values = (values.view([blocks, state.blocksize]) * scales).reshape([-1]).narrow(0, 0, len);
-            out.narrow(0, start, len).copy_(&values);
+            out.narrow(0, start, len).copy_(&values.to_kind(state.dtype));
             start += len;
         }
-        out.view(state.shape.as_slice())
     }
 
     /// The tensors bitsandbytes' `QuantState.as_dict(packed=True)` and
