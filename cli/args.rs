@@ -3,6 +3,7 @@
 //! applied over the file and the environment).
 
 use figment::value::Value;
+use ft_core::config::Quantize;
 use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
 
@@ -64,6 +65,14 @@ pub struct LoraArgs {
     /// peft's target_modules (train.lora.targets; default q,v).
     #[arg(long, value_delimiter = ',')]
     pub lora_targets: Option<Vec<String>>,
+    /// Hold the frozen base's blocks in 4 bits, nf4 or fp4, as bitsandbytes
+    /// does (model.quantize: QLoRA; with --lora-r).
+    #[arg(long, value_name = "nf4|fp4", value_parser = parse_quantize)]
+    pub quantize: Option<Quantize>,
+}
+
+fn parse_quantize(text: &str) -> Result<Quantize, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected none, nf4 or fp4"))
 }
 
 impl LoraArgs {
@@ -72,7 +81,8 @@ impl LoraArgs {
             .set("train.lora.r", self.lora_r)
             .set("train.lora.alpha", self.lora_alpha)
             .set("train.lora.dropout", self.lora_dropout)
-            .set("train.lora.targets", self.lora_targets.clone());
+            .set("train.lora.targets", self.lora_targets.clone())
+            .serialized("model.quantize", self.quantize);
     }
 
     /// The same flags, for a worker's command line.
@@ -82,6 +92,7 @@ impl LoraArgs {
             ("--lora-alpha", self.lora_alpha.map(|a| a.to_string())),
             ("--lora-dropout", self.lora_dropout.map(|d| d.to_string())),
             ("--lora-targets", self.lora_targets.as_ref().map(|t| t.join(","))),
+            ("--quantize", self.quantize.map(|q| serde_json::to_value(q).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default())),
         ];
         values.into_iter().filter_map(|(flag, value)| Some([flag.to_string(), value?])).flatten().collect()
     }

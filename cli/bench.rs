@@ -9,7 +9,7 @@ use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
-use ft_core::config::{Fp8, TrainConfig};
+use ft_core::config::{Fp8, ModelConfig, TrainConfig};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
 use ft_core::model::Model;
@@ -292,6 +292,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         profile: args.profile.clone(),
         float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
         float8_gathers: args.fp8_gathers.unwrap_or(false),
+        quantize: ModelConfig { quantize: args.lora.quantize.unwrap_or_default(), ..ModelConfig::default() }.quantization(),
     }
 }
 

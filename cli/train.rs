@@ -360,6 +360,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, model_files: &model_files, base_model: base_dir.as_deref() },
         float8_kept: plan::float8_kept(model, &config)?,
+        quantize: config.model.quantization(),
     };
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => {

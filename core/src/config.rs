@@ -45,7 +45,7 @@ pub struct CommConfig {
 }
 
 /// The model to fine-tune.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// A Hugging Face model directory, a hub id in the local cache, a
@@ -55,6 +55,48 @@ pub struct ModelConfig {
     /// Where the parameters start (`--init`): a directory's weights, which
     /// it must hold, or a random initialisation, said in the log.
     pub init: ModelInit,
+    /// Hold a LoRA run's frozen blocks in 4 bits (`--quantize`: QLoRA),
+    /// as bitsandbytes' `bnb_4bit_quant_type`: none, nf4 or fp4.
+    pub quantize: Quantize,
+    /// Values per 4-bit block, each with its own absmax (bitsandbytes' blocksize).
+    pub quant_blocksize: i64,
+    /// Quantize the blocks' absmaxes to 8 bits too (bitsandbytes'
+    /// `bnb_4bit_use_double_quant`; QLoRA's recipe).
+    pub double_quant: bool,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            source: String::new(),
+            init: ModelInit::default(),
+            quantize: Quantize::None,
+            quant_blocksize: crate::nf4::DEFAULT_BLOCKSIZE,
+            double_quant: true,
+        }
+    }
+}
+
+/// `model.quantize`: the 4-bit format of a LoRA run's frozen base, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Quantize {
+    #[default]
+    None,
+    Nf4,
+    Fp4,
+}
+
+impl ModelConfig {
+    /// The frozen base's quantization; None when `model.quantize` is none.
+    pub fn quantization(&self) -> Option<crate::packed_base::Quantization> {
+        let quant_type = match self.quantize {
+            Quantize::None => return None,
+            Quantize::Nf4 => crate::nf4::QuantType::Nf4,
+            Quantize::Fp4 => crate::nf4::QuantType::Fp4,
+        };
+        Some(crate::packed_base::Quantization { quant_type, blocksize: self.quant_blocksize, double_quant: self.double_quant })
+    }
 }
 
 /// `model.init`: what the run's parameters start from.

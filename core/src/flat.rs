@@ -23,7 +23,11 @@
 //!
 //! A frozen unit (a LoRA model's base) keeps only `compute` — whole, or
 //! this rank's shard in the compute dtype to gather from when parameters are
-//! sharded — and no master, gradient or moments; it is never reduced.
+//! sharded — and no master, gradient or moments; it is never reduced. A
+//! packed one (QLoRA's base blocks, `packed_base.rs`) keeps its parameters
+//! as 4-bit bytes instead — whole, or this rank's slice of them — and its
+//! compute buffer exists only while it is used: each gather dequantizes
+//! into it, and each release frees it, whatever the policy.
 //!
 //! Inside the buffers the matrices come first and the vectors (biases, norm
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
@@ -33,6 +37,7 @@ use crate::comm::{ProcessGroup, Work};
 use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
 use crate::model::UnitSpec;
 use crate::offload::Offload;
+use crate::packed_base::{PackedBase, PackedLayout};
 use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -177,6 +182,9 @@ pub struct UnitPlacement {
     pub offload: bool,
     /// Parameters only, in the compute dtype: no master, gradient or optimizer state.
     pub frozen: bool,
+    /// Frozen and held as 4-bit bytes: `shard` is over the bytes of the
+    /// unit's `PackedLayout`, not its elements.
+    pub packed: bool,
 }
 
 impl UnitPlacement {
@@ -192,6 +200,7 @@ impl UnitPlacement {
             grads_sharded: sharded && policy.grads == GradReduction::ReduceScatter,
             offload,
             frozen: false,
+            packed: false,
         }
     }
 
@@ -199,6 +208,14 @@ impl UnitPlacement {
     /// puts them, nothing else (so nothing to offload).
     pub fn frozen(self) -> UnitPlacement {
         UnitPlacement { frozen: true, offload: false, ..self }
+    }
+
+    /// This placement for a frozen unit held as `bytes` bytes of 4-bit
+    /// blocks and kept vectors (`PackedLayout::bytes`), sharded as the
+    /// policy shards parameters.
+    pub fn packed(self, bytes: i64, group_size: usize, group_rank: usize) -> UnitPlacement {
+        let shard = if self.params_sharded { ShardLayout::new(bytes, group_size, group_rank) } else { ShardLayout::new(bytes, 1, 0) };
+        UnitPlacement { shard, packed: true, ..self.frozen() }
     }
 
     /// This placement with whole parameters on every rank (gradients and
@@ -258,7 +275,8 @@ impl UnitPlacement {
         let compute_element = dtype.elt_size_in_bytes() as f64;
         if self.frozen {
             let held = if self.params_sharded { self.shard.len } else { self.shard.padded };
-            let params = compute_element * held as f64;
+            let element = if self.packed { 1.0 } else { compute_element };
+            let params = element * held as f64;
             return MemoryAccount { params, frozen: params, ..MemoryAccount::default() };
         }
         let owned = self.owned_len() as f64;
@@ -307,6 +325,7 @@ impl FlatLayout<'_> {
             compute_shard,
             host_pieces: vec![],
             host_grad_filled: false,
+            packed: None,
         };
         unit.release()?;
         Ok(unit)
@@ -340,6 +359,8 @@ pub struct FlatUnit {
     host_pieces: Vec<Tensor>,
     /// Offloaded: whether this step's first gradient is in (or on its way to) `grad`.
     host_grad_filled: bool,
+    /// A packed unit's bytes (its placement says `packed`).
+    packed: Option<PackedBase>,
 }
 
 impl FlatUnit {
@@ -383,6 +404,24 @@ impl FlatUnit {
         };
         let moments = [master.zeros_like(), master.zeros_like()];
         layout.assemble(compute, master, None, Tensor::new(), moments)
+    }
+
+    /// A packed unit (`placement.packed`, from `layout`'s size): `tensors`
+    /// quantized into `layout`'s bytes, of which this rank keeps its slice
+    /// when parameters are sharded; the compute buffer is released.
+    pub fn new_packed(spec: &UnitSpec, tensors: &[Tensor], dtype: Kind, placement: UnitPlacement, mut layout: PackedLayout) -> Result<FlatUnit> {
+        let _no_grad = tch::no_grad_guard();
+        let offsets = param_offsets(spec);
+        let whole = layout.pack(spec, &offsets, tensors, placement.shard.padded)?;
+        let held = if placement.params_sharded { whole.narrow(0, placement.shard.start, placement.shard.len).copy() } else { whole };
+        let device = held.device();
+        let (order, decayed) = flat_layout(spec);
+        let numel = spec.numel();
+        let none = || Tensor::empty([0], (Kind::Float, device));
+        let flat = FlatLayout { spec, order, decayed, numel, placement };
+        let mut unit = flat.assemble(Tensor::empty([numel], (dtype, device)), none(), None, Tensor::new(), [none(), none()])?;
+        unit.packed = Some(PackedBase::new(layout, held, placement.shard.padded));
+        Ok(unit)
     }
 
     /// The frozen layout: the compute copy only (whole, or this rank's
@@ -567,15 +606,25 @@ impl FlatUnit {
     }
 
     /// Starts gathering a released sharded unit (allocating its buffer)
-    /// through `hook`; returns the bytes allocated. A no-op when gathered
-    /// or in flight.
+    /// through `hook`, or a packed one's bytes (from `group`, the shard
+    /// group, when sharded) to dequantize; returns the bytes allocated. A
+    /// no-op when gathered or in flight.
     #[allow(clippy::too_many_arguments)] // each a separate part the trainer owns
-    pub(crate) fn start_gather(&mut self, group: &ProcessGroup, hook: &mut dyn CommHook, workspace: &Workspace, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
+    pub(crate) fn start_gather(&mut self, group: Option<&ProcessGroup>, hook: &mut dyn CommHook, workspace: &Workspace, info: &UnitInfo, phase: GatherPhase, step: usize, seed: u64) -> Result<i64> {
         if self.gathered || self.gathering.is_some() {
             return Ok(0);
         }
         let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
+        let group = group.filter(|_| self.placement.params_sharded);
+        if let Some(packed) = &self.packed {
+            if let Some(group) = group {
+                group.note_caller(|| format!("gathered the 4-bit bytes of unit {} ({phase:?}, step {step})", info.name));
+            }
+            self.gathering = Some(packed.start_unpack(group, self.compute_alias.shallow_clone())?);
+            return Ok(bytes);
+        }
+        let group = group.ok_or_else(|| anyhow::anyhow!("unit {} is sharded but the trainer has no shard group to gather it from", info.name))?;
         group.note_caller(|| format!("comm `{}` gathered unit {} ({phase:?}, step {step})", hook.name(), info.name));
         let (shard, output) = (self.gather_source(), self.compute_alias.shallow_clone());
         let gathering = workspace
@@ -598,7 +647,7 @@ impl FlatUnit {
 
     /// Frees a sharded unit's gathered buffer; returns the bytes freed.
     pub(crate) fn release(&mut self) -> Result<i64> {
-        if !self.placement.params_sharded || !self.gathered {
+        if !self.transient() || !self.gathered {
             return Ok(0);
         }
         // A float8 gather's notes of weights in the buffer (and the bytes they hold) go with it.
@@ -608,9 +657,14 @@ impl FlatUnit {
         Ok(self.gathered_bytes())
     }
 
+    /// Whether the compute buffer is freed between uses: sharded parameters, or packed ones.
+    pub(crate) fn transient(&self) -> bool {
+        self.placement.params_sharded || self.placement.packed
+    }
+
     /// Bytes of the unit's buffer while gathered.
     fn gathered_bytes(&self) -> i64 {
-        self.placement.shard.padded * self.compute.kind().elt_size_in_bytes() as i64
+        self.compute.size()[0] * self.compute.kind().elt_size_in_bytes() as i64
     }
 
     /// After an optimizer step: brings the compute copy up to date with the
@@ -678,6 +732,11 @@ impl FlatUnit {
 
     /// The whole parameters in the compute dtype (gathered if sharded), detached.
     pub(crate) fn whole_compute(&self, group: Option<&ProcessGroup>) -> Result<Tensor> {
+        if let Some(packed) = &self.packed {
+            let out = Tensor::empty([self.numel], (self.compute.kind(), self.device()));
+            packed.start_unpack(group.filter(|_| self.placement.params_sharded), out.shallow_clone())?.wait()?;
+            return Ok(out);
+        }
         if self.placement.params_sharded {
             self.whole(&self.gather_source(), group)
         } else {
@@ -696,6 +755,8 @@ impl FlatUnit {
 mod tests {
     use super::*;
     use crate::model::{Init, ParamSpec};
+    use crate::nf4::QuantType;
+    use crate::packed_base::Quantization;
     use crate::strategy::ShardGroup;
 
     /// Offloaded state in plain host memory (the `cpu` offload is a crate core does not depend on).
@@ -723,11 +784,11 @@ mod tests {
     fn measured(unit: &FlatUnit) -> MemoryAccount {
         let bytes = |t: &Tensor| if t.defined() { (t.numel() * t.kind().elt_size_in_bytes()) as f64 } else { 0.0 };
         // A released gathered buffer has its shape but no storage.
-        let compute = if unit.placement.params_sharded { 0.0 } else { bytes(&unit.compute) };
+        let compute = if unit.transient() { 0.0 } else { bytes(&unit.compute) };
         let compute_start = unit.compute.data_ptr() as usize;
         let master_in_compute = compute > 0.0 && (compute_start..compute_start + compute as usize).contains(&(unit.master.data_ptr() as usize));
         let master = if master_in_compute { 0.0 } else { bytes(&unit.master) };
-        let shard = unit.compute_shard.as_ref().map_or(0.0, bytes);
+        let shard = unit.compute_shard.as_ref().map_or(0.0, bytes) + unit.packed.as_ref().map_or(0.0, |p| p.held_bytes() as f64);
         let optimizer_state = bytes(&unit.exp_avg) + bytes(&unit.exp_avg_sq);
         let grads = bytes(&unit.grad);
         let host = if unit.placement.offload { master + grads + optimizer_state } else { 0.0 };
@@ -760,6 +821,11 @@ mod tests {
                         if frozen {
                             let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}");
                             assert_eq!(unit.memory(), measured(&unit), "{case}");
+                            let quantization = Quantization { quant_type: QuantType::Nf4, blocksize: 64, double_quant: dtype == Kind::Float };
+                            let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization, tch::Device::Cpu);
+                            let placement = placement.packed(layout.bytes(), group_size, group_rank);
+                            let unit = FlatUnit::new_packed(&spec, &tensors, dtype, placement, layout).unwrap();
+                            assert_eq!(unit.memory(), measured(&unit), "packed, {case}");
                             continue;
                         }
                         if !offload {

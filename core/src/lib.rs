@@ -31,6 +31,7 @@ pub mod model;
 pub mod names;
 pub mod nf4;
 pub mod offload;
+pub mod packed_base;
 pub mod plan;
 pub mod plugin;
 pub mod profile;

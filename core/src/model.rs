@@ -493,14 +493,14 @@ impl Layout {
     }
 }
 
-/// Fresh parameters for every unit of `model` as its specs ask (linear and
-/// embedding weights N(0, std), biases zero, norms one — transformers'
-/// `_init_weights`), seeded for reproducibility.
 /// The units of `model`'s transformer blocks (its `Block` stages), in stage order.
 pub fn block_units(model: &dyn Model) -> impl Iterator<Item = usize> + '_ {
     model.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit)
 }
 
+/// Fresh parameters for every unit of `model` as its specs ask (linear and
+/// embedding weights N(0, std), biases zero, norms one — transformers'
+/// `_init_weights`), seeded for reproducibility.
 pub fn init_params(model: &dyn Model, seed: i64, dtype: Kind, device: Device) -> Vec<Vec<Tensor>> {
     tch::manual_seed(seed);
     model.units().iter().map(|unit| unit.params.iter().map(|spec| spec.initial(dtype, device)).collect()).collect()

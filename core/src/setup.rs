@@ -97,6 +97,14 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.lora.enabled() || config.given("train.lora.r") {
         t.lora.validate()?;
     }
+    if config.model.quantize != crate::config::Quantize::None {
+        if !t.lora.enabled() {
+            bail!("model.quantize (--quantize) holds a LoRA run's frozen base in 4 bits: set train.lora.r (--lora-r) to train adapters on it (a fully fine-tuned model cannot train in 4 bits)");
+        }
+        if !crate::nf4::BLOCKSIZES.contains(&config.model.quant_blocksize) {
+            bail!("model.quant_blocksize is {}: bitsandbytes' 4-bit blocks hold one of {:?} values", config.model.quant_blocksize, crate::nf4::BLOCKSIZES);
+        }
+    }
     if t.fp8 != crate::config::Fp8::Off && t.dtype == crate::device::DType::F16 {
         bail!("{}", crate::train::FLOAT8_WITH_FP16);
     }
@@ -111,7 +119,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
 /// Keys that only act with another: each, when given, needs its rule to
 /// hold, else it would do nothing in silence.
 #[allow(clippy::type_complexity)]
-const REQUIRES: [(&str, fn(&Config) -> bool, &str); 10] = [
+const REQUIRES: [(&str, fn(&Config) -> bool, &str); 12] = [
+    ("model.quant_blocksize", |c| c.model.quantize != crate::config::Quantize::None, "model.quantize is none: set it (--quantize nf4|fp4) to hold the frozen base in 4 bits"),
+    ("model.double_quant", |c| c.model.quantize != crate::config::Quantize::None, "model.quantize is none: set it (--quantize nf4|fp4) to hold the frozen base in 4 bits"),
     ("train.lora.alpha", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.dropout", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),
     ("train.lora.targets", |c| c.train.lora.enabled(), "LoRA is off: set train.lora.r (--lora-r) to train adapters"),

@@ -8,6 +8,10 @@ the transformers model, run forward and backward.
     (JSON) with labels = ids in eval mode (no dropout), backward; writes
     OUT/reference.safetensors: logits, loss, and grad.<key> for every
     trainable tensor under the adapter file's key names.
+--qlora BASE ADAPTER IDS OUT QUANT_TYPE DOUBLE_QUANT
+    as --reference, with BASE's linear layers of the blocks quantized by
+    bitsandbytes as transformers does it (`BitsAndBytesConfig`: QUANT_TYPE
+    nf4 or fp4, DOUBLE_QUANT true or false, fp32 compute), on CPU: QLoRA.
 --qa-logits BASE ADAPTER IDS OUT
     BASE as BertForQuestionAnswering with ADAPTER (its trained qa_outputs
     head included): start and end logits on IDS, as OUT/reference.safetensors.
@@ -21,6 +25,10 @@ import argparse
 import json
 import os
 
+# bitsandbytes wraps its CPU fallbacks in torch.compile; without a compiler
+# pass they run as written, and quickly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -32,10 +40,11 @@ def rows(path):
         return torch.tensor(json.load(f))
 
 
-def reference(base, adapter, ids_path, out):
+def reference(base, adapter, ids_path, out, quantization=None):
     from peft import PeftModel
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    quantized = {} if quantization is None else {"quantization_config": quantization, "device_map": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **quantized)
     model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     model.eval()
     ids = rows(ids_path)
@@ -48,6 +57,18 @@ def reference(base, adapter, ids_path, out):
             tensors["grad." + name.replace(".default", "")] = parameter.grad
     os.makedirs(out, exist_ok=True)
     save_file({k: t.detach().contiguous() for k, t in tensors.items()}, os.path.join(out, "reference.safetensors"))
+
+
+def qlora(base, adapter, ids_path, out, quant_type, double_quant):
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant == "true",
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    reference(base, adapter, ids_path, out, quantization)
 
 
 def qa_logits(base, adapter, ids_path, out):
@@ -74,6 +95,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Each option may repeat: one process (one import of torch and peft) serves a test's every case.
     parser.add_argument("--reference", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
+    parser.add_argument("--qlora", nargs=6, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT", "QUANT_TYPE", "DOUBLE_QUANT"))
     parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
     args = parser.parse_args()
@@ -81,6 +103,8 @@ def main():
     logging.set_verbosity_error()
     for job in args.reference:
         reference(*job)
+    for job in args.qlora:
+        qlora(*job)
     for job in args.qa_logits:
         qa_logits(*job)
     for job in args.logits:

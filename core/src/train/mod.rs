@@ -24,6 +24,7 @@ use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
+use crate::packed_base::{PackedLayout, Quantization};
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use std::collections::BTreeSet;
@@ -54,6 +55,8 @@ pub struct TrainOptions {
     /// Under tensorwise float8, gather sharded blocks whose weights all run
     /// in float8 as float8 bytes (`float8_gather`).
     pub float8_gathers: bool,
+    /// Hold the frozen blocks' weights in 4 bits (`model.quantize`: QLoRA's base, `packed_base.rs`).
+    pub quantize: Option<Quantization>,
 }
 
 impl Default for TrainOptions {
@@ -68,6 +71,7 @@ impl Default for TrainOptions {
             float8: None,
             float8_kept: None,
             float8_gathers: false,
+            quantize: None,
         }
     }
 }
@@ -91,6 +95,7 @@ impl TrainOptions {
             float8: config.float8(),
             float8_kept: None,
             float8_gathers: config.fp8_gathers,
+            quantize: None,
         }
     }
 }
@@ -192,18 +197,26 @@ impl<'m> TrainerBuilder<'m> {
                 (false, false) => placement,
             }
         };
+        let device = params[0][0].device();
+        let packed = packed_units(model, options.quantize)?;
         let units = model
             .units()
             .iter()
             .zip(params)
             .enumerate()
-            .map(|(unit, (spec, t))| FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel()), offload))
+            .map(|(unit, (spec, t))| match (packed.contains(&unit), options.quantize) {
+                (true, Some(quantization)) => {
+                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), options.dtype, quantization, device);
+                    let placement = placement(unit, spec.numel()).packed(layout.bytes(), group_size, group_rank);
+                    FlatUnit::new_packed(spec, t, options.dtype, placement, layout)
+                }
+                _ => FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel()), offload),
+            })
             .collect::<Result<Vec<_>>>()?;
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
         let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
-        let device = params[0][0].device();
         let float8 = match options.float8 {
             Some(float8) => {
                 anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
@@ -255,12 +268,27 @@ impl<'m> TrainerBuilder<'m> {
     }
 }
 
+/// The units held in 4 bits under `quantize`: the frozen blocks (as
+/// bitsandbytes replaces the blocks' linear layers; the embeddings and the
+/// head keep the compute dtype). Quantizing a model with no frozen block
+/// (no LoRA) is refused: its weights would train in 4 bits.
+fn packed_units(model: &dyn Model, quantize: Option<Quantization>) -> Result<BTreeSet<usize>> {
+    let Some(quantization) = quantize else { return Ok(BTreeSet::new()) };
+    let packed: BTreeSet<usize> = crate::model::block_units(model).filter(|&unit| model.frozen(unit)).collect();
+    anyhow::ensure!(
+        !packed.is_empty(),
+        "model.quantize={} (--quantize) holds a LoRA run's frozen base in 4 bits, and this model has no frozen block: set train.lora.r (--lora-r) to train adapters on it",
+        quantization.quant_type.name()
+    );
+    Ok(packed)
+}
+
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.
 fn float8_gathered_units(model: &dyn Model, units: &[FlatUnit], layers: &Float8Layers) -> Vec<usize> {
     crate::model::block_units(model)
         .filter(|&unit| {
             let matrices: Vec<&Vec<i64>> = units[unit].spec.params.iter().map(|p| &p.shape).filter(|shape| shape.len() == 2).collect();
-            units[unit].placement().params_sharded && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
+            units[unit].placement().params_sharded && !units[unit].placement().packed && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
         })
         .collect()
 }

@@ -47,13 +47,20 @@ fn block_number(stages: &[Stage], index: usize) -> usize {
 }
 
 impl Trainer<'_> {
-    /// Starts gathering unit `u` if it is sharded and released (a prefetch).
+    /// Starts gathering unit `u` if it is released (a prefetch): sharded, or packed.
     fn prefetch(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
-        if let Some(group) = self.shard_group() {
-            let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
-            self.count_gathered(bytes);
-        }
+        let group = self.shard_group();
+        let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
+        self.count_gathered(bytes);
         Ok(())
+    }
+
+    /// Whether unit `u` is released after each forward and gathered again
+    /// for backward: full_shard's sharded units, and packed ones always (a
+    /// dequantized block kept to its backward would hold the whole model
+    /// in the compute dtype by the head).
+    fn released_after_forward(&self, u: usize) -> bool {
+        self.units[u].placement().packed || (self.reshard_after_forward() && self.units[u].placement().params_sharded)
     }
 
     /// Makes unit `u` usable, waiting for its gather if one is in flight.
@@ -86,7 +93,6 @@ impl Trainer<'_> {
         let model = self.model;
         let ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
         let stages = model.stages();
-        let reshard_after_forward = self.reshard_after_forward();
         let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
         let mut x = None;
         for (index, stage) in stages.iter().enumerate() {
@@ -101,7 +107,7 @@ impl Trainer<'_> {
                 StageKind::Head => objective.base_outputs(&model.head(&params, x.as_ref().expect("the head follows the blocks")), batch)?,
             }
             let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
-            if reshard_after_forward && !used_next {
+            if self.released_after_forward(stage.unit) && !used_next {
                 self.release(stage.unit)?;
             }
         }
@@ -125,7 +131,6 @@ impl Trainer<'_> {
         let seed = self.options.seed;
         let micro_steps = self.micro_steps;
         let seed_for = |stage: usize| seed.wrapping_mul(1_000_003).wrapping_add(micro_steps * 4099 + stage as i64);
-        let reshard_after_forward = self.reshard_after_forward();
         // Views are made once per unit per micro-batch, while it is gathered;
         // the graph keeps them valid across a release and the refill.
         let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
@@ -174,7 +179,7 @@ impl Trainer<'_> {
             }
             // The last stage's unit is the first backward needs: keep it.
             let used_next = stages.get(index + 1).is_none_or(|next| next.unit == unit);
-            if reshard_after_forward && !used_next {
+            if self.released_after_forward(unit) && !used_next {
                 self.release(unit)?;
             }
         }
@@ -220,7 +225,7 @@ impl Trainer<'_> {
                 self.finish_reduction(oldest, &mut replica_reductions)?;
             }
             // Done with the unit, or (full_shard) done until an earlier stage's backward needs it again.
-            if gradient_complete || (reshard_after_forward && stages[index - 1].unit != unit) {
+            if gradient_complete || (self.released_after_forward(unit) && stages[index - 1].unit != unit) {
                 self.release(unit)?;
             }
         }
