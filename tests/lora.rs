@@ -402,6 +402,15 @@ fn bad_lora_settings_are_refused_by_key() {
     assert!(log.contains("train.lora.dropout must be in [0, 1)"), "{log}");
     let log = refusal(&["--set", "train.lora.rank=4"]);
     assert!(log.contains("rank"), "{log}");
+    // QLoRA's keys (tests/qlora.rs trains it).
+    let log = refusal(&["--quantize", "nf4"]);
+    assert!(log.contains("model.quantize (--quantize) holds a LoRA run's frozen base in 4 bits: set train.lora.r (--lora-r)"), "{log}");
+    let log = refusal(&["--lora-r", "4", "--quantize", "nf4", "--set", "model.quant_blocksize=48"]);
+    assert!(log.contains("model.quant_blocksize is 48: bitsandbytes' 4-bit blocks hold one of [32, 64"), "{log}");
+    let log = refusal(&["--lora-r", "4", "--set", "model.double_quant=false"]);
+    assert!(log.contains("model.double_quant is given, but model.quantize is none"), "{log}");
+    let log = refusal(&["--lora-r", "4", "--quantize", "int4"]);
+    assert!(log.contains("invalid value 'int4' for '--quantize <nf4|fp4>'"), "{log}");
 }
 
 /// `--merge` works from final/ as from the run's last checkpoint (the same
