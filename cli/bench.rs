@@ -9,7 +9,7 @@ use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
-use ft_core::config::{Fp8, ModelConfig, TrainConfig};
+use ft_core::config::{Fp8, TrainConfig};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
 use ft_core::model::Model;
@@ -268,7 +268,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let config = Config::load(None, &overrides.0, &options)?;
     let (hook, _) = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let rank = Rank::start(&config, offload.as_ref())?;
-    let model = RunModel::new(hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?, &config.train.lora)?;
+    let model = RunModel::new(hf::ModelSource::resolve(&args.configs[0])?.set_keys(&args.overrides)?.model()?, &config.train.lora, config.model.quantization())?;
     let task = registry.task(args.task.as_deref(), model.model().head_kind())?;
     let case = case(args, args.batch[0], args.seq[0]);
     if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), hook, offload.as_ref(), &case)? {
@@ -292,7 +292,6 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         profile: args.profile.clone(),
         float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
         float8_gathers: args.fp8_gathers.unwrap_or(false),
-        quantize: ModelConfig { quantize: args.lora.quantize.unwrap_or_default(), ..ModelConfig::default() }.quantization(),
     }
 }
 

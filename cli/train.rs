@@ -305,7 +305,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         (None, Some(dir)) => dir.join("tokenizer.json"),
         (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
     };
-    let run_model = RunModel::new(source.model()?, &config.train.lora)?;
+    let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
     let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry)?;
@@ -360,7 +360,6 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         resolved_config: config.flattened()?,
         checkpoints: CheckpointPlan { output: &output, model_config: &source.config, model_files: &model_files, base_model: base_dir.as_deref() },
         float8_kept: plan::float8_kept(model, &config)?,
-        quantize: config.model.quantization(),
     };
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => {

@@ -15,8 +15,7 @@ use ft_core::dataset::Batch;
 use ft_core::kernels::Kernels;
 use ft_core::lora::{LoraModel, ALL_LINEAR};
 use ft_core::model::{Inputs, Model};
-use ft_core::nf4::{self, QuantType, Quantized4bit};
-use ft_core::packed_base::Quantization;
+use ft_core::nf4::{self, QuantType, Quantization, Quantized4bit};
 use ft_core::train::{TrainOptions, TrainerBuilder};
 use ft_models::{hf, peft};
 use ft_tasks::causal_lm::CausalLmLoss;
@@ -240,7 +239,7 @@ struct Step {
 fn qlora_step(quantization: Option<Quantization>, adapter: &Path) -> Step {
     let base = hf::load_model(&llama()).unwrap();
     let mut params = hf::load_params(base.as_ref(), &llama(), Kind::Float, Device::Cpu).unwrap();
-    let lora = LoraModel::new(base, &LoraConfig { r: 4, alpha: Some(8.0), dropout: 0.0, targets: vec![ALL_LINEAR.into()] }).unwrap();
+    let lora = LoraModel::new(base, &LoraConfig { r: 4, alpha: Some(8.0), dropout: 0.0, targets: vec![ALL_LINEAR.into()] }).unwrap().with_quantized_base(quantization);
     params.extend(lora.initial_adapters(5, Device::Cpu));
     // B starts at zero, which would leave A without a gradient.
     for (unit, tensors) in lora.units().iter().zip(&mut params).skip(lora.base_units()) {
@@ -252,7 +251,7 @@ fn qlora_step(quantization: Option<Quantization>, adapter: &Path) -> Step {
     }
     let adapters: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::copy).collect() }).collect();
     peft::save_adapter(&lora, &adapters, adapter, Some(&llama())).unwrap();
-    let options = TrainOptions { max_grad_norm: None, quantize: quantization, ..Default::default() };
+    let options = TrainOptions { max_grad_norm: None, ..Default::default() };
     let mut trainer = TrainerBuilder::new(&lora, options).build(&params).unwrap();
     let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(llama().join("ids.json")).unwrap()).unwrap();
     let ids = Tensor::from_slice2(&rows);
@@ -321,6 +320,9 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
 /// shard_grad_op gather the 4-bit bytes, zero1 and ddp keep them whole,
 /// full_shard offloaded keeps the adapters' state on the host — and a rank
 /// killed after step 3 resumes from step 2 to the uninterrupted losses.
+/// The run's adapter, loaded by peft onto its base quantized by
+/// bitsandbytes through transformers, gives the logits `ft forward` gives
+/// on final/ (which reads the adapter back onto the same 4-bit base).
 #[test]
 fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     let scratch = tempfile::tempdir().unwrap();
@@ -360,4 +362,31 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     assert!(succeeded, "{log}");
     let resumed = losses(&resumed);
     close(&resumed[resumed.len() - 2..], &expected[2..], "resumed after a killed rank");
+
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2, 40, 11]]").unwrap();
+    let logits = |adapter: &Path| {
+        let forward = scratch.path().join("forward.safetensors");
+        let output = ft().args(["forward", "--model", adapter.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", forward.to_str().unwrap()]).output().unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        tensors_of(&forward).remove("logits").unwrap()
+    };
+    let ours = logits(&one.join("final"));
+    // The same adapter without its base's quantization runs on the full-precision base.
+    let unquantized = scratch.path().join("unquantized-adapter");
+    std::fs::create_dir_all(&unquantized).unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(one.join("final").join(file), unquantized.join(file)).unwrap();
+    }
+    let full_precision = logits(&unquantized);
+    let out = scratch.path().join("peft");
+    let job = [one.join("base-model"), one.join("final"), ids, out.clone()].map(|p| p.to_str().unwrap().to_string());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");
+    let output = Command::new("python").arg(&script).arg("--qlora").args(job).args(["nf4", "true"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let theirs = &tensors_of(&out.join("reference.safetensors"))["logits"];
+    let error = relative(&ours, theirs);
+    assert!(error <= 1e-4, "ft forward on final/ vs peft over bitsandbytes: logits differ by {error:e}");
+    let error = relative(&full_precision, theirs);
+    assert!(error > 1e-3, "the full-precision base's logits differ from the 4-bit base's by only {error:e}");
 }

@@ -3,7 +3,10 @@
 base as peft users hold it), wrapped by peft's get_peft_model with LoRA
 adapters (fp32: peft's autocast_adapter_dtype default), bf16 autocast, fused
 AdamW and clipping 1.0 over the trainable parameters only, loss on every
-token — eager, or under torch.compile with --compile.
+token — eager, or under torch.compile with --compile. With --qlora, QLoRA as
+transformers + bitsandbytes run it: every linear layer of the blocks a
+bitsandbytes `Linear4bit` (NF4, double quantization, bf16 compute),
+quantized from the random bf16 weights on the GPU before peft wraps them.
 
     python3 bench/peers/peft_train_step.py --config CONFIG.json --batch 2 --seq 2048 [--compile] \
         [--lora-r 16] [--lora-alpha 32] [--targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]
@@ -23,6 +26,31 @@ from transformers import AutoConfig, AutoModelForCausalLM
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
+def quantize_blocks(model, device):
+    """Each nn.Linear of the decoder layers replaced by a bitsandbytes NF4
+    Linear4bit holding its weight (what `BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    bnb_4bit_compute_dtype=torch.bfloat16)` loads)."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, torch.nn.Linear):
+                    continue
+                quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                              device="meta")
+                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                                     quant_type="nf4").to(device)
+                if child.bias is not None:
+                    quantized.bias = child.bias
+                setattr(parent, name, quantized)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -36,6 +64,7 @@ def main():
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=32)
     parser.add_argument("--targets", default=ALL_LINEAR)
+    parser.add_argument("--qlora", action="store_true", help="the blocks' linear layers as bitsandbytes NF4 Linear4bit (double quantization, bf16 compute)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # `--device cpu`: a smoke test
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -49,6 +78,8 @@ def main():
         _apply_liger_kernel(config.model_type)
     with device:  # random init on the device itself: seconds for 7B on a GPU, minutes on the host
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if args.qlora:
+        quantize_blocks(model, device)
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                       target_modules=args.targets.split(","), task_type="CAUSAL_LM")
     model = get_peft_model(model, lora).to(device).train()
@@ -83,13 +114,14 @@ def main():
     sync()
     seconds = time.perf_counter() - start
     tokens_per_s = args.batch * args.seq * args.steps / seconds
-    n = sum(p.numel() for p in model.parameters())
+    # A 4-bit weight's parameter is its packed bytes; its quant state knows the weight's shape.
+    n = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     layers, hidden = config.num_hidden_layers, config.hidden_size
     mfu = (4 * (n - n_trainable) + 6 * n_trainable + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0
-    name = f"peft {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
+    name = f"peft{' + bitsandbytes nf4' if args.qlora else ''} {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
     print(f"{name}: {config.model_type} {n / 1e6:.0f}M params ({', '.join(frozen_dtypes)} frozen), "
           f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {args.targets}: "
           f"{n_trainable / 1e6:.2f}M trainable params ({', '.join(dtypes)}), batch {args.batch}x{args.seq}: "

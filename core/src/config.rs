@@ -89,13 +89,13 @@ pub enum Quantize {
 
 impl ModelConfig {
     /// The frozen base's quantization; None when `model.quantize` is none.
-    pub fn quantization(&self) -> Option<crate::packed_base::Quantization> {
+    pub fn quantization(&self) -> Option<crate::nf4::Quantization> {
         let quant_type = match self.quantize {
             Quantize::None => return None,
             Quantize::Nf4 => crate::nf4::QuantType::Nf4,
             Quantize::Fp4 => crate::nf4::QuantType::Fp4,
         };
-        Some(crate::packed_base::Quantization { quant_type, blocksize: self.quant_blocksize, double_quant: self.double_quant })
+        Some(crate::nf4::Quantization { quant_type, blocksize: self.quant_blocksize, double_quant: self.double_quant })
     }
 }
 

@@ -755,8 +755,7 @@ impl FlatUnit {
 mod tests {
     use super::*;
     use crate::model::{Init, ParamSpec};
-    use crate::nf4::QuantType;
-    use crate::packed_base::Quantization;
+    use crate::nf4::{QuantType, Quantization};
     use crate::strategy::ShardGroup;
 
     /// Offloaded state in plain host memory (the `cpu` offload is a crate core does not depend on).

@@ -14,6 +14,7 @@
 //! like any unit.
 
 use crate::config::LoraConfig;
+use crate::nf4::Quantization;
 use crate::model::{self, Activations, AdapterScaling, Context, Dims, Init, Inputs, KvCache, Layout, Model, ParamSpec, Params, StageKind, UnitSpec};
 use anyhow::{bail, Result};
 use std::collections::BTreeSet;
@@ -48,6 +49,8 @@ pub struct LoraModel {
     /// Base units trained whole: the question-answering head.
     trained_base_units: Vec<usize>,
     targets: Vec<Target>,
+    /// The base's blocks held in 4 bits (`model.quantize`).
+    quantization: Option<Quantization>,
 }
 
 /// A linear layer of a base unit: (unit, its weight's spec, in-unit module name).
@@ -132,7 +135,7 @@ impl LoraModel {
             .collect();
         let layout = Layout { hf_config: base_layout.hf_config.clone(), units, stages };
         let scaling = AdapterScaling { scale: config.alpha() / r as f64, dropout: config.dropout };
-        Ok(LoraModel { base, layout, config: config.clone(), scaling, base_units, trained_base_units, targets })
+        Ok(LoraModel { base, layout, config: config.clone(), scaling, base_units, trained_base_units, targets, quantization: None })
     }
 
     pub fn base(&self) -> &dyn Model {
@@ -145,6 +148,12 @@ impl LoraModel {
 
     pub fn targets(&self) -> &[Target] {
         &self.targets
+    }
+
+    /// This model over a base whose frozen blocks are held in 4 bits as
+    /// `quantization` says (None: in the compute dtype): QLoRA.
+    pub fn with_quantized_base(self, quantization: Option<Quantization>) -> LoraModel {
+        LoraModel { quantization, ..self }
     }
 
     /// The units of the base model, `0..base_units()`; adapters follow.
@@ -213,11 +222,17 @@ pub enum RunModel {
 }
 
 impl RunModel {
-    /// `base` as `config` (`train.lora`) says: wrapped in adapters when `r` is set.
-    pub fn new(base: Box<dyn Model>, config: &LoraConfig) -> Result<RunModel> {
-        Ok(match config.enabled() {
-            true => RunModel::Lora(Box::new(LoraModel::new(base, config)?)),
-            false => RunModel::Full(base),
+    /// `base` as `config` (`train.lora`) says: wrapped in adapters when
+    /// `r` is set, over blocks held in 4 bits as `quantization`
+    /// (`model.quantize`) says, which needs adapters.
+    pub fn new(base: Box<dyn Model>, config: &LoraConfig, quantization: Option<Quantization>) -> Result<RunModel> {
+        Ok(match (config.enabled(), quantization) {
+            (true, _) => RunModel::Lora(Box::new(LoraModel::new(base, config)?.with_quantized_base(quantization))),
+            (false, None) => RunModel::Full(base),
+            (false, Some(q)) => anyhow::bail!(
+                "model.quantize={} (--quantize) holds a LoRA run's frozen base in 4 bits: set train.lora.r (--lora-r) to train adapters on it (a fully fine-tuned model cannot train in 4 bits)",
+                q.quant_type.name()
+            ),
         })
     }
 
@@ -256,6 +271,9 @@ impl RunModel {
 impl Model for LoraModel {
     fn layout(&self) -> &Layout {
         &self.layout
+    }
+    fn quantized_base(&self) -> Option<Quantization> {
+        self.quantization
     }
     fn dims(&self) -> Dims {
         self.base.dims()

@@ -48,7 +48,8 @@ pub const DEFAULT_BLOCKSIZE: i64 = 64;
 pub const NESTED_BLOCKSIZE: i64 = 256;
 
 /// Which 16 values the 4-bit indices stand for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum QuantType {
     /// NormalFloat: quantiles of a normal distribution (QLoRA's).
     Nf4,
@@ -123,6 +124,24 @@ impl QuantType {
         let sorted = code.index_select(0, &order);
         let midpoints = (sorted.narrow(0, 0, 15) + sorted.narrow(0, 1, 15)) / 2.0;
         (midpoints, order)
+    }
+}
+
+/// How a model's weights are quantized (QLoRA's base: `model.quantize`,
+/// `model.quant_blocksize`, `model.double_quant`; bitsandbytes'
+/// `bnb_4bit_quant_type`, `blocksize` and `bnb_4bit_use_double_quant`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quantization {
+    pub quant_type: QuantType,
+    pub blocksize: i64,
+    pub double_quant: bool,
+}
+
+impl Quantization {
+    /// `x`'s values as this quantization holds them (dequantized, in `x`'s dtype).
+    pub fn round_trip(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(quantize(x, self.quant_type, self.blocksize, self.double_quant)?.dequantize())
     }
 }
 

@@ -8,20 +8,10 @@
 use crate::comm::ProcessGroup;
 use crate::comm_hook::Pending;
 use crate::model::UnitSpec;
-use crate::nf4::{self, Absmax, QuantState, QuantType, Quantized4bit};
+use crate::nf4::{self, Absmax, QuantState, Quantization, Quantized4bit};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
-
-/// How the base's weights are quantized: `model.quantize`,
-/// `model.quant_blocksize`, `model.double_quant` (bitsandbytes'
-/// `bnb_4bit_quant_type`, `blocksize`, `bnb_4bit_use_double_quant`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quantization {
-    pub quant_type: QuantType,
-    pub blocksize: i64,
-    pub double_quant: bool,
-}
 
 /// Every piece starts at a multiple of this many bytes, so each reads as
 /// its own dtype in place (a float view of the bytes needs its alignment).

@@ -46,8 +46,6 @@ pub struct BenchCase {
     pub float8: Option<ft_sys::float8::Float8>,
     /// Under tensorwise float8 with sharding, float8 blocks gathered as float8 (`--fp8-gathers`).
     pub float8_gathers: bool,
-    /// The frozen base's blocks in 4 bits (`--quantize`).
-    pub quantize: Option<crate::packed_base::Quantization>,
 }
 
 /// One configuration's result.
@@ -242,7 +240,6 @@ pub fn run_case(
         seed: 0,
         float8: case.float8,
         float8_gathers: case.float8_gathers,
-        quantize: case.quantize,
         ..TrainOptions::default()
     };
     let params = crate::model::init_params(model, 0, Kind::Float, device);

@@ -78,8 +78,6 @@ pub struct Fit<'a> {
     /// Under float8, the block weight shapes that stay in the compute dtype
     /// (`plan::float8_kept`); None: the trainer's default.
     pub float8_kept: Option<std::collections::BTreeSet<[i64; 2]>>,
-    /// The frozen base's blocks in 4 bits (`model.quantize`); None: in the compute dtype.
-    pub quantize: Option<crate::packed_base::Quantization>,
 }
 
 /// How many steps a run has, from the training set's size (or
@@ -217,14 +215,14 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
 pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept, quantize } = fit;
+    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
     task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: checkpoints.output, resuming })?;
-    let options = TrainOptions { float8_kept, quantize, ..TrainOptions::from_config(config, dtype) };
+    let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);
 

@@ -24,7 +24,7 @@ use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
-use crate::packed_base::{PackedLayout, Quantization};
+use crate::packed_base::PackedLayout;
 use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use std::collections::BTreeSet;
@@ -55,8 +55,6 @@ pub struct TrainOptions {
     /// Under tensorwise float8, gather sharded blocks whose weights all run
     /// in float8 as float8 bytes (`float8_gather`).
     pub float8_gathers: bool,
-    /// Hold the frozen blocks' weights in 4 bits (`model.quantize`: QLoRA's base, `packed_base.rs`).
-    pub quantize: Option<Quantization>,
 }
 
 impl Default for TrainOptions {
@@ -71,7 +69,6 @@ impl Default for TrainOptions {
             float8: None,
             float8_kept: None,
             float8_gathers: false,
-            quantize: None,
         }
     }
 }
@@ -95,7 +92,6 @@ impl TrainOptions {
             float8: config.float8(),
             float8_kept: None,
             float8_gathers: config.fp8_gathers,
-            quantize: None,
         }
     }
 }
@@ -198,13 +194,13 @@ impl<'m> TrainerBuilder<'m> {
             }
         };
         let device = params[0][0].device();
-        let packed = packed_units(model, options.quantize)?;
+        let packed = packed_units(model);
         let units = model
             .units()
             .iter()
             .zip(params)
             .enumerate()
-            .map(|(unit, (spec, t))| match (packed.contains(&unit), options.quantize) {
+            .map(|(unit, (spec, t))| match (packed.contains(&unit), model.quantized_base()) {
                 (true, Some(quantization)) => {
                     let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), options.dtype, quantization, device);
                     let placement = placement(unit, spec.numel()).packed(layout.bytes(), group_size, group_rank);
@@ -268,19 +264,14 @@ impl<'m> TrainerBuilder<'m> {
     }
 }
 
-/// The units held in 4 bits under `quantize`: the frozen blocks (as
-/// bitsandbytes replaces the blocks' linear layers; the embeddings and the
-/// head keep the compute dtype). Quantizing a model with no frozen block
-/// (no LoRA) is refused: its weights would train in 4 bits.
-fn packed_units(model: &dyn Model, quantize: Option<Quantization>) -> Result<BTreeSet<usize>> {
-    let Some(quantization) = quantize else { return Ok(BTreeSet::new()) };
-    let packed: BTreeSet<usize> = crate::model::block_units(model).filter(|&unit| model.frozen(unit)).collect();
-    anyhow::ensure!(
-        !packed.is_empty(),
-        "model.quantize={} (--quantize) holds a LoRA run's frozen base in 4 bits, and this model has no frozen block: set train.lora.r (--lora-r) to train adapters on it",
-        quantization.quant_type.name()
-    );
-    Ok(packed)
+/// The units held in 4 bits when the model's base is quantized
+/// (`Model::quantized_base`): the frozen blocks, as bitsandbytes replaces
+/// the blocks' linear layers (the embeddings and the head keep the compute dtype).
+fn packed_units(model: &dyn Model) -> BTreeSet<usize> {
+    match model.quantized_base() {
+        Some(_) => crate::model::block_units(model).filter(|&unit| model.frozen(unit)).collect(),
+        None => BTreeSet::new(),
+    }
 }
 
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.

@@ -3,17 +3,23 @@
 //! `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight`
 //! [r, in] and `.lora_B.weight` [out, r] in fp32, plus a head trained whole
 //! (a question-answering head, peft's `modules_to_save`) under
-//! `base_model.model.<name>`.
+//! `base_model.model.<name>`. An adapter trained over a 4-bit base (QLoRA)
+//! says how that base was quantized in `base_quantization.json` (peft's files
+//! have no place for it; transformers' `BitsAndBytesConfig` is where peft's
+//! users give it), and ft reads it back onto the same 4-bit values.
 
 use anyhow::{bail, Context, Result};
 use ft_core::config::LoraConfig;
 use ft_core::lora::LoraModel;
 use ft_core::model::{head, Model};
+use ft_core::nf4::Quantization;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// How the base an adapter was trained over is quantized (`nf4::Quantization` as JSON).
+pub const QUANTIZATION_FILE: &str = "base_quantization.json";
 
 /// The task peft records for a head kind.
 fn task_type(head_kind: &str) -> &'static str {
@@ -65,6 +71,14 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
         "inference_mode": true,
     });
     crate::hf::write_weights(&tensors, &dir.join(WEIGHTS_FILE))?;
+    let quantization_path = dir.join(QUANTIZATION_FILE);
+    match lora.quantized_base() {
+        Some(quantization) => std::fs::write(&quantization_path, serde_json::to_string_pretty(&quantization)? + "\n")
+            .with_context(|| format!("cannot write {}", quantization_path.display()))?,
+        // An earlier adapter's, in a directory written over: it would describe another base.
+        None if quantization_path.exists() => std::fs::remove_file(&quantization_path).with_context(|| format!("cannot remove {}", quantization_path.display()))?,
+        None => {}
+    }
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", config_path.display()))
 }
@@ -79,6 +93,20 @@ pub fn is_adapter(dir: &Path) -> bool {
 /// adapters, and every unit's parameters in `dtype` on `device`.
 pub fn load_adapted(dir: &Path, dtype: Kind, device: Device) -> Result<(LoraModel, Vec<Vec<Tensor>>)> {
     load_adapted_on(dir, &base_model_dir(dir)?, dtype, device)
+}
+
+/// How the base of the adapter in `dir` is quantized, if it is.
+fn read_quantization(dir: &Path) -> Result<Option<Quantization>> {
+    let path = dir.join(QUANTIZATION_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let quantization: Quantization = serde_json::from_str(&text).with_context(|| format!("{} does not describe a 4-bit quantization", path.display()))?;
+    if !ft_core::nf4::BLOCKSIZES.contains(&quantization.blocksize) {
+        bail!("{}: blocksize {} is not one of bitsandbytes' {:?}", path.display(), quantization.blocksize, ft_core::nf4::BLOCKSIZES);
+    }
+    Ok(Some(quantization))
 }
 
 /// The base model directory adapter `dir` names (`base_model_name_or_path`).
@@ -119,9 +147,22 @@ pub fn load_adapted_on(dir: &Path, base_dir: &Path, dtype: Kind, device: Device)
     if !base_dir.is_dir() {
         bail!("the base model {} of adapter {} is not a directory", base_dir.display(), dir.display());
     }
+    let quantization = read_quantization(dir)?;
     let base = crate::hf::load_model(base_dir).with_context(|| format!("the base model of adapter {}", dir.display()))?;
-    let mut params = crate::hf::load_params(base.as_ref(), base_dir, dtype, device)?;
-    let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?;
+    let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?.with_quantized_base(quantization);
+    let mut params = match quantization {
+        None => crate::hf::load_params(lora.base(), base_dir, dtype, device)?,
+        Some(quantization) => {
+            // Quantized from fp32, as training quantized them, then held as its 4 bits dequantize.
+            let mut params = crate::hf::load_params(lora.base(), base_dir, Kind::Float, device)?;
+            for unit in ft_core::model::block_units(&lora).filter(|&u| lora.frozen(u)) {
+                for tensor in params[unit].iter_mut().filter(|t| t.dim() == 2) {
+                    *tensor = quantization.round_trip(tensor)?;
+                }
+            }
+            params.into_iter().map(|unit| unit.into_iter().map(|t| t.to_kind(dtype)).collect()).collect()
+        }
+    };
     let weights_path = dir.join(WEIGHTS_FILE);
     let weights: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&weights_path)
         .with_context(|| format!("cannot read {}", weights_path.display()))?
