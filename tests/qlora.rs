@@ -362,6 +362,15 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     assert!(succeeded, "{log}");
     let resumed = losses(&resumed);
     close(&resumed[resumed.len() - 2..], &expected[2..], "resumed after a killed rank");
+    // Another quantization of the base is refused on resume, by key.
+    let (succeeded, _, log) = run("killed", 2, &[&saving[..], &["--resume", "latest", "--set", "model.double_quant=false"]].concat(), None);
+    assert!(!succeeded && log.contains("resume with the same model.quantize (--quantize), model.quant_blocksize and model.double_quant"), "{log}");
+    // A checkpoint's exported adapter says how its base was quantized.
+    let exported = scratch.path().join("exported");
+    let output = ft().args(["export", "--checkpoint", "latest", "--output-dir", scratch.path().join("killed").to_str().unwrap(), "--out", exported.to_str().unwrap()]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let recorded: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exported.join("base_quantization.json")).unwrap()).unwrap();
+    assert_eq!(recorded, serde_json::json!({"quant_type": "nf4", "blocksize": 64, "double_quant": true}));
 
     let ids = scratch.path().join("ids.json");
     std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2, 40, 11]]").unwrap();
@@ -379,6 +388,12 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
         std::fs::copy(one.join("final").join(file), unquantized.join(file)).unwrap();
     }
     let full_precision = logits(&unquantized);
+    // Merged, the adapters fold into the base as its 4 bits hold it.
+    let merged = scratch.path().join("merged");
+    let output = ft().args(["export", "--checkpoint", one.join("final").to_str().unwrap(), "--out", merged.to_str().unwrap(), "--merge"]).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let error = relative(&logits(&merged), &ours);
+    assert!(error <= 1e-5, "the merged export's logits differ from the adapter's on its 4-bit base by {error:e}");
     let out = scratch.path().join("peft");
     let job = [one.join("base-model"), one.join("final"), ids, out.clone()].map(|p| p.to_str().unwrap().to_string());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");

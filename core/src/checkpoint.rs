@@ -130,6 +130,9 @@ pub struct Manifest {
     /// A LoRA run's adapters (its frozen units come from `base_model`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<crate::config::LoraConfig>,
+    /// How the frozen blocks were held in 4 bits (`Model::quantized_base`: QLoRA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantized_base: Option<crate::nf4::Quantization>,
     /// The directory the run's base weights were read from: relative to
     /// the run's output directory when inside it (`base-model`), else
     /// absolute (`base_model_dir` reads it back).

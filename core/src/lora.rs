@@ -156,6 +156,20 @@ impl LoraModel {
         LoraModel { quantization, ..self }
     }
 
+    /// The base's frozen block weights in `params` (fp32, per unit) as the
+    /// 4-bit base holds them — quantized and dequantized — for what reads
+    /// a QLoRA run's model without its packed units (`ft forward`, `ft
+    /// eval`, merging); nothing changes when the base is not quantized.
+    pub fn round_base_to_4bit(&self, params: &mut [Vec<Tensor>]) -> Result<()> {
+        let Some(quantization) = self.quantization else { return Ok(()) };
+        for unit in model::block_units(self).filter(|&u| self.frozen(u)) {
+            for tensor in params[unit].iter_mut().filter(|t| t.dim() == 2) {
+                *tensor = quantization.round_trip(tensor)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The units of the base model, `0..base_units()`; adapters follow.
     pub fn base_units(&self) -> usize {
         self.base_units

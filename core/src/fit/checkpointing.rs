@@ -165,6 +165,16 @@ impl<'a> Checkpointer<'a> {
         };
         let started = std::time::Instant::now();
         let mut reader = Reader::open(&dir, trainer.model())?;
+        let (saved, now) = (reader.manifest().quantized_base, trainer.model().quantized_base());
+        if saved != now {
+            let described = |q: Option<crate::nf4::Quantization>| q.map_or("in the compute dtype".to_string(), |q| format!("{q:?}"));
+            anyhow::bail!(
+                "{} trained adapters over a base held {}, and this run holds it {}: resume with the same model.quantize (--quantize), model.quant_blocksize and model.double_quant",
+                dir.display(),
+                described(saved),
+                described(now)
+            );
+        }
         let (adamw_step, micro_steps, loss_scale) = (reader.adamw_step()?, reader.manifest().micro_steps, reader.loss_scale()?);
         let steps = reader.manifest().step;
         trainer.restore(|unit, start, len| reader.unit_state(unit, start, len), &adamw_step, steps, micro_steps, loss_scale.as_ref())?;
@@ -375,6 +385,7 @@ impl<'a> Checkpointer<'a> {
             units: UnitLayout::of(trainer.model()),
             model_config: self.plan.model_config.clone(),
             lora: self.config.lora.enabled().then(|| self.config.lora.clone()),
+            quantized_base: trainer.model().quantized_base(),
             base_model: self.plan.base_model.map(|dir| checkpoint::path_in_run(dir, self.plan.output)),
             comm: Some(self.comm.clone()),
             run_id: Some(self.run_id.clone()),

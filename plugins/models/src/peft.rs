@@ -152,14 +152,10 @@ pub fn load_adapted_on(dir: &Path, base_dir: &Path, dtype: Kind, device: Device)
     let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?.with_quantized_base(quantization);
     let mut params = match quantization {
         None => crate::hf::load_params(lora.base(), base_dir, dtype, device)?,
-        Some(quantization) => {
-            // Quantized from fp32, as training quantized them, then held as its 4 bits dequantize.
+        Some(_) => {
+            // Quantized from fp32, as training quantized them.
             let mut params = crate::hf::load_params(lora.base(), base_dir, Kind::Float, device)?;
-            for unit in ft_core::model::block_units(&lora).filter(|&u| lora.frozen(u)) {
-                for tensor in params[unit].iter_mut().filter(|t| t.dim() == 2) {
-                    *tensor = quantization.round_trip(tensor)?;
-                }
-            }
+            lora.round_base_to_4bit(&mut params)?;
             params.into_iter().map(|unit| unit.into_iter().map(|t| t.to_kind(dtype)).collect()).collect()
         }
     };

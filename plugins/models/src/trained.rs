@@ -75,7 +75,12 @@ pub fn export(source: &Path, out: &Path, export: &Export) -> Result<String> {
         } else {
             // The adapter files as they are; the base's config names its special tokens.
             std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE] {
+            let quantized = source.join(peft::QUANTIZATION_FILE).exists().then_some(peft::QUANTIZATION_FILE);
+            if quantized.is_none() && out.join(peft::QUANTIZATION_FILE).exists() {
+                // An earlier export's, which would describe another base.
+                std::fs::remove_file(out.join(peft::QUANTIZATION_FILE)).with_context(|| format!("cannot remove {}", out.join(peft::QUANTIZATION_FILE).display()))?;
+            }
+            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE].into_iter().chain(quantized) {
                 std::fs::copy(source.join(name), out.join(name)).with_context(|| format!("cannot copy {} to {}", source.join(name).display(), out.display()))?;
             }
             hf::read_config(&base_dir).with_context(|| format!("the base model of adapter {}", source.display()))?
@@ -106,7 +111,7 @@ fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Result<(
             hf::write_model(model.as_ref(), out, export.dtype, export.max_shard_bytes, |unit| reader.unit_params(model.as_ref(), unit))?;
         }
         Some(config) => {
-            let lora = ft_core::lora::LoraModel::new(model, config)?;
+            let lora = ft_core::lora::LoraModel::new(model, config)?.with_quantized_base(manifest.quantized_base);
             let mut reader = ft_core::checkpoint::Reader::open(checkpoint, &lora)?;
             let trained = (0..lora.units().len())
                 .map(|unit| if lora.frozen(unit) { Ok(vec![]) } else { reader.unit_params(&lora, unit) })
@@ -126,6 +131,7 @@ fn export_checkpoint(checkpoint: &Path, out: &Path, export: &Export) -> Result<(
                 }
                 let mut params = hf::load_params(lora.base(), &base_dir, Kind::Float, Device::Cpu)
                     .with_context(|| format!("--merge: cannot read the base model in {}", base_dir.display()))?;
+                lora.round_base_to_4bit(&mut params)?;
                 let mut trained = trained;
                 params.extend(trained.split_off(lora.base_units()));
                 // A base unit trained whole (a question-answering head) replaces the base's.
