@@ -242,9 +242,11 @@ pub fn run_case(
         float8_gathers: case.float8_gathers,
         ..TrainOptions::default()
     };
-    let params = crate::model::init_params(model, 0, Kind::Float, device);
-    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
-    drop(params);
+    // Made a unit at a time as the trainer places them (a 70B model's fp32 weights fit no GPU whole).
+    let units = model.units();
+    tch::manual_seed(0);
+    let params = |unit: usize| Ok(units[unit].params.iter().map(|spec| spec.initial(Kind::Float, device)).collect());
+    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(params)?;
     // Four micro-batches of random data per rank, each rank its own.
     let synthetic = Synthetic {
         model,

@@ -141,6 +141,35 @@ pub struct Trainer<'m> {
     float8: Option<Float8Layers>,
 }
 
+/// Where a trainer's initial parameters come from: each unit's tensors
+/// (on the training device), asked for once each, in unit order, and
+/// placed before the next is asked for — so a source that makes or reads
+/// them one unit at a time never holds the whole model in full precision
+/// (a 4-bit base is packed unit by unit).
+pub trait InitialParams {
+    fn unit(&mut self, unit: usize) -> Result<Vec<Tensor>>;
+}
+
+/// Parameters already whole, per unit.
+impl InitialParams for &[Vec<Tensor>] {
+    fn unit(&mut self, unit: usize) -> Result<Vec<Tensor>> {
+        Ok(self[unit].iter().map(Tensor::shallow_clone).collect())
+    }
+}
+
+impl InitialParams for &Vec<Vec<Tensor>> {
+    fn unit(&mut self, unit: usize) -> Result<Vec<Tensor>> {
+        self.as_slice().unit(unit)
+    }
+}
+
+/// Each unit's parameters made when asked for.
+impl<F: FnMut(usize) -> Result<Vec<Tensor>>> InitialParams for F {
+    fn unit(&mut self, unit: usize) -> Result<Vec<Tensor>> {
+        self(unit)
+    }
+}
+
 /// The one way to make a [`Trainer`]: a model and options, optionally data
 /// parallel over a strategy's groups, then the initial parameters.
 pub struct TrainerBuilder<'m> {
@@ -176,10 +205,9 @@ impl<'m> TrainerBuilder<'m> {
         self
     }
 
-    /// The trainer, from initial parameters `params[unit]` already on the
-    /// training device: every rank passes the same ones and keeps what the
-    /// policy assigns it.
-    pub fn build(self, params: &[Vec<Tensor>]) -> Result<Trainer<'m>> {
+    /// The trainer, from initial parameters `params` (every rank passes the
+    /// same ones and keeps what the policy assigns it).
+    pub fn build(self, mut params: impl InitialParams) -> Result<Trainer<'m>> {
         let TrainerBuilder { model, options, parallel, mut hook, offload } = self;
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
@@ -193,22 +221,25 @@ impl<'m> TrainerBuilder<'m> {
                 (false, false) => placement,
             }
         };
-        let device = params[0][0].device();
         let packed = packed_units(model);
         let units = model
             .units()
             .iter()
-            .zip(params)
             .enumerate()
-            .map(|(unit, (spec, t))| match (packed.contains(&unit), model.quantized_base()) {
-                (true, Some(quantization)) => {
-                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), options.dtype, quantization, device);
-                    let placement = placement(unit, spec.numel()).packed(layout.bytes(), group_size, group_rank);
-                    FlatUnit::new_packed(spec, t, options.dtype, placement, layout)
+            .map(|(unit, spec)| {
+                let t = params.unit(unit)?;
+                let device = t[0].device();
+                match (packed.contains(&unit), model.quantized_base()) {
+                    (true, Some(quantization)) => {
+                        let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), options.dtype, quantization, device);
+                        let placement = placement(unit, spec.numel()).packed(layout.bytes(), group_size, group_rank);
+                        FlatUnit::new_packed(spec, &t, options.dtype, placement, layout)
+                    }
+                    _ => FlatUnit::new(spec, &t, options.dtype, placement(unit, spec.numel()), offload),
                 }
-                _ => FlatUnit::new(spec, t, options.dtype, placement(unit, spec.numel()), offload),
             })
             .collect::<Result<Vec<_>>>()?;
+        let device = units[0].device();
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
