@@ -155,6 +155,15 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
         weights += 1;
     }
     assert_eq!(weights, 2 * 7, "the 7 linear layers of each of the fixture's 2 blocks");
+    // ft runs that checkpoint as transformers + bitsandbytes run it.
+    let forward = out.join("ft_logits.safetensors");
+    let model = out.join("transformers");
+    let ids = llama.join("ids.json");
+    let output = common::ft().args(["forward", "--model", model.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", forward.to_str().unwrap()]).output().unwrap();
+    let log = text(&output);
+    assert!(output.status.success() && log.contains("14 weights are bitsandbytes 4-bit blocks"), "{log}");
+    let error = relative(&tensors_of(&forward)["logits"], &tensors_of(&out.join("transformers_logits.safetensors"))["logits"]);
+    assert!(error <= 1e-5, "ft's logits on the checkpoint transformers saved in 4 bits differ from transformers + bitsandbytes' by {error:e}");
     // The cases differ: 4 bits lose most of fp32's, and the rules differ.
     let dequantized = |name: &str| reference[&format!("{name}.dequantized")].shallow_clone();
     assert!(!dequantized("fp32.nf4.plain.64").equal(&inputs[0].1), "quantization changes the values");

@@ -18,7 +18,8 @@ bnb_reference.py IN OUT MODEL
     OUT/storage.safetensors, with its dequantization `storage.dequantized`.
     Last, the transformers model in MODEL (fp32) loaded with NF4 and double
     quantization (`BitsAndBytesConfig`, on CPU) and saved to
-    OUT/transformers by `save_pretrained`: a checkpoint as users bring it.
+    OUT/transformers by `save_pretrained`: a checkpoint as users bring it,
+    and its logits on MODEL/ids.json to OUT/transformers_logits.safetensors.
 """
 
 import os
@@ -68,6 +69,11 @@ def main(inp, out, model_dir):
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map="cpu", dtype=torch.float32)
     model.save_pretrained(os.path.join(out, "transformers"))
+    with open(os.path.join(model_dir, "ids.json")) as f:
+        ids = torch.tensor(json.load(f))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    save_file({"logits": logits.contiguous()}, os.path.join(out, "transformers_logits.safetensors"))
     # safetensors refuses tensors that share memory (the quant maps are cached).
     save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, os.path.join(out, "bnb.safetensors"))
     save_file({k: v.contiguous() for k, v in reference.items()}, os.path.join(out, "reference.safetensors"))

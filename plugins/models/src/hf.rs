@@ -7,6 +7,7 @@ use anyhow::{bail, Context as _, Result};
 use ft_core::config::ModelInit;
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
+use ft_core::nf4;
 use ft_core::Communicator;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
@@ -327,6 +328,16 @@ fn describe(error: &SafeTensorError) -> String {
     }
 }
 
+/// A tensor of the file as stored: weights, or a 4-bit weight's packed bytes and statistics (uint8).
+fn stored_tensor(view: &safetensors::tensor::TensorView<'_>) -> Result<Tensor> {
+    let kind = match view.dtype() {
+        Dtype::U8 => Kind::Uint8,
+        other => kind_of(other)?,
+    };
+    let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
+    Ok(Tensor::f_from_data_size(view.data(), &shape, kind)?)
+}
+
 fn kind_of(dtype: Dtype) -> Result<Kind> {
     Ok(match dtype {
         Dtype::F32 => Kind::Float,
@@ -352,6 +363,10 @@ pub struct LoadReport {
     /// Checkpoint tensors no parameter reads, skipped
     /// (`Model::ignored_if_unexpected`), by their name in the file.
     pub ignored: Vec<String>,
+    /// Weights stored as bitsandbytes' 4-bit blocks (a checkpoint
+    /// transformers saved quantized), read dequantized as bitsandbytes
+    /// dequantizes them, by name.
+    pub dequantized: Vec<String>,
 }
 
 /// Seed of the parameters a checkpoint lacks: every rank, and every run,
@@ -426,6 +441,20 @@ pub fn load_params_with_report(
                 continue;
             };
             let (path, view) = &available[&name];
+            if [nf4::QuantType::Nf4, nf4::QuantType::Fp4].iter().any(|&t| available.contains_key(&nf4::state_key(&name, t))) {
+                // The packed bytes and their statistics, as transformers saves a bitsandbytes 4-bit weight.
+                let part = |key: &str| available.get(key).and_then(|(_, view)| stored_tensor(view).ok());
+                let quantized = nf4::Quantized4bit::from_state_dict(&name, part).with_context(|| format!("{name} in {}", path.display()))?;
+                if quantized.state.shape != spec.shape {
+                    misshapen.push(format!("{name}: {:?} (4-bit) in {}, expected {:?}", quantized.state.shape, path.display(), spec.shape));
+                    continue;
+                }
+                let prefix = format!("{name}.");
+                used.extend(available.keys().filter(|key| **key == name || key.starts_with(&prefix)).cloned());
+                unit_params.push(quantized.dequantize().to_kind(dtype).to_device(device));
+                report.dequantized.push(name);
+                continue;
+            }
             let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
             if shape != spec.shape {
                 misshapen.push(format!("{name}: {:?} in {}, expected {:?}", shape, path.display(), spec.shape));
@@ -464,7 +493,15 @@ pub fn load_params_with_report(
         }
         bail!(message);
     }
-    if report != LoadReport::default() {
+    if let Some(first) = report.dequantized.first() {
+        tracing::info!(
+            "{}: {} weights are bitsandbytes 4-bit blocks (the first: {first}), read dequantized as bitsandbytes dequantizes them; \
+             --quantize (with --lora-r) holds a LoRA run's base in 4 bits again, quantized anew from these values",
+            dir.display(),
+            report.dequantized.len()
+        );
+    }
+    if !report.initialised.is_empty() || !report.ignored.is_empty() {
         tracing::warn!(
             "loading {} into a {} model: initialised {} (not in the checkpoint: random until trained); \
              ignored {} (other heads' weights)",
