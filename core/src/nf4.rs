@@ -38,6 +38,8 @@
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use serde_json::{json, Value};
+use ft_sys::kernels::Absmax4bit;
+use std::sync::LazyLock;
 use tch::{Device, Kind, Tensor};
 
 /// The block sizes bitsandbytes accepts.
@@ -112,6 +114,19 @@ impl QuantType {
             let _ = code.narrow(0, 8, 1).fill_(-0.0);
         }
         code
+    }
+
+    /// `dequantization_code`'s values on the host, made once: what ft's
+    /// kernel takes.
+    fn dequantization_values(self) -> &'static [f32; 16] {
+        // In the enum's order, which `self as usize` indexes.
+        static VALUES: LazyLock<[[f32; 16]; 2]> = LazyLock::new(|| {
+            [QuantType::Nf4, QuantType::Fp4].map(|t| {
+                let values = Vec::<f32>::try_from(t.dequantization_code(Device::Cpu)).unwrap_or_default();
+                values.try_into().unwrap_or([f32::NAN; 16])
+            })
+        });
+        &VALUES[self as usize]
     }
 
     /// The midpoints between the sorted values and, for each interval, its
@@ -340,8 +355,27 @@ impl Quantized4bit {
     /// any floating dtype): rounded to the original dtype as
     /// [`Quantized4bit::dequantize`] rounds them, then to `out`'s, as
     /// bitsandbytes' `matmul_4bit` casts its dequantized weight to the
-    /// input's dtype.
+    /// input's dtype. On a GPU where ft's kernels load, one kernel
+    /// (`kernels::dequantize_4bit`) writes them, the same bits, into fp32,
+    /// bf16 or fp16; ATen's ops elsewhere, into other dtypes (fp64), when
+    /// `out` is on another device than the packed bytes, and, with a
+    /// warning, if the launch fails.
     pub fn dequantize_into(&self, out: &Tensor) {
+        let device = out.device();
+        let fused = device == self.packed.device()
+            && matches!(out.kind(), Kind::Float | Kind::BFloat16 | Kind::Half)
+            && crate::kernels::Kernels::loaded(device);
+        self.dequantize_with(out, fused)
+    }
+
+    /// `dequantize_into` by ft's kernel (`fused`) or by ATen's ops.
+    pub(crate) fn dequantize_with(&self, out: &Tensor, fused: bool) {
+        if fused {
+            match self.dequantize_by_kernel(out) {
+                Ok(()) => return,
+                Err(why) => tracing::warn!("{why}; dequantizing the 4-bit weight with ATen's ops instead"),
+            }
+        }
         let state = &self.state;
         let n = state.numel();
         let device = self.packed.device();
@@ -362,6 +396,27 @@ impl Quantized4bit {
             out.narrow(0, start, len).copy_(&values.to_kind(state.dtype));
             start += len;
         }
+    }
+
+    /// `dequantize_into` by ft's CUDA kernel, the double quantization's
+    /// absmaxes computed in it too.
+    fn dequantize_by_kernel(&self, out: &Tensor) -> Result<()> {
+        let state = &self.state;
+        ensure!(out.numel() as i64 == state.numel(), "{} values do not fit a buffer of {}", state.numel(), out.numel());
+        let packed = self.packed.contiguous().view([-1]);
+        let code = state.quant_type.dequantization_values();
+        let launch = |absmax: Absmax4bit<'_>| ft_sys::kernels::dequantize_4bit(&packed, absmax, code, state.blocksize, state.dtype, &mut out.shallow_clone());
+        match &state.absmax {
+            Absmax::Plain(absmax) => launch(Absmax4bit::Plain(&absmax.contiguous())),
+            Absmax::Nested { indices, absmax, code, blocksize, offset } => launch(Absmax4bit::Nested {
+                indices: &indices.contiguous(),
+                absmax: &absmax.contiguous(),
+                code: &code.contiguous(),
+                blocksize: *blocksize,
+                offset: *offset,
+            }),
+        }?;
+        Ok(())
     }
 
     /// The tensors bitsandbytes' `QuantState.as_dict(packed=True)` and
@@ -501,4 +556,118 @@ fn dtype_name(kind: Kind) -> &'static str {
 
 fn dtype_from_name(name: &str) -> Option<Kind> {
     [Kind::Float, Kind::Half, Kind::BFloat16].into_iter().find(|k| dtype_name(*k) == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// `q` on `device`, its packed bytes `offset` bytes into a bigger buffer.
+    fn moved(q: &Quantized4bit, device: Device, offset: i64) -> Quantized4bit {
+        let len = q.packed.numel() as i64;
+        let mut packed = Tensor::zeros([len + offset], (Kind::Uint8, device)).narrow(0, offset, len);
+        packed.copy_(&q.packed.reshape([-1]));
+        let absmax = match &q.state.absmax {
+            Absmax::Plain(absmax) => Absmax::Plain(absmax.to_device(device)),
+            Absmax::Nested { indices, absmax, code, blocksize, offset } => Absmax::Nested {
+                indices: indices.to_device(device),
+                absmax: absmax.to_device(device),
+                code: code.to_device(device),
+                blocksize: *blocksize,
+                offset: *offset,
+            },
+        };
+        let QuantState { quant_type, blocksize, ref shape, dtype, .. } = q.state;
+        Quantized4bit { packed, state: QuantState { quant_type, blocksize, shape: shape.clone(), dtype, absmax } }
+    }
+
+    fn assert_same_bits(actual: &Tensor, expected: &Tensor, what: &str) {
+        assert_eq!((actual.kind(), actual.size()), (expected.kind(), expected.size()), "{what}");
+        let bytes = |t: &Tensor| t.to_device(Device::Cpu).contiguous().view_dtype(Kind::Uint8);
+        let differ = bytes(actual).ne_tensor(&bytes(expected)).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(differ, 0, "{what}: {differ} bytes differ between ft's kernel and ATen's ops");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU (bench/gpu/nf4_kernel.sh runs it)"]
+    fn kernel_dequantizes_as_atens_ops_bit_for_bit_on_a_gpu() {
+        // This test binary uses no symbol of libtorch_cuda, so the linker left it out; its CUDA ops register when it loads.
+        // SAFETY: loading PyTorch's own library, found on LD_LIBRARY_PATH, runs only its registrations.
+        std::mem::forget(unsafe { libloading::Library::new("libtorch_cuda.so") }.expect("libtorch_cuda.so on LD_LIBRARY_PATH"));
+        let gpu = Device::Cuda(0);
+        ft_sys::kernels::available(gpu).expect("ft's kernels load");
+        tch::manual_seed(5);
+        // 20930 values (327 blocks of 64 and 2 values), 65 (odd), and over
+        // 2^20 (two of ATen's chunks); magnitudes over six orders, a block
+        // of zeros, and zeros and tiny values of both signs.
+        let cases = [(161, 130, 64), (5, 13, 64), (1024, 1100, 64), (161, 130, 32), (161, 130, 128), (1024, 1100, 4096)];
+        for (rows, cols, blocksize) in cases {
+            let magnitudes = Tensor::logspace(-3.0, 3.0, rows, 10.0, (Kind::Float, Device::Cpu)).unsqueeze(1);
+            let x = (Tensor::randn([rows, cols], (Kind::Float, Device::Cpu)) * magnitudes).reshape([-1]);
+            let _ = x.narrow(0, 64, 64.min(x.numel() as i64 - 64)).zero_();
+            for (i, v) in [(3, 0.0), (5, 1e-9), (7, -1e-9), (9, -0.0)] {
+                let _ = x.narrow(0, i, 1).fill_(v);
+            }
+            let n = x.numel() as i64;
+            for dtype in [Kind::Float, Kind::BFloat16, Kind::Half] {
+                for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+                    for double_quant in [false, true] {
+                        // Quantized on the CPU, as bitsandbytes quantizes (tests/qlora.rs).
+                        let q = quantize(&x.to_kind(dtype), quant_type, blocksize, double_quant).unwrap();
+                        for out_kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+                            let what = format!("{n} values in blocks of {blocksize}, {quant_type:?}, double {double_quant}, {dtype:?} into {out_kind:?}");
+                            let expected = Tensor::empty([n], (out_kind, Device::Cpu));
+                            q.dequantize_with(&expected, false);
+                            // Packed bytes aligned or not; out aligned, or 3 values into a buffer (guards before and after stay).
+                            for (packed_offset, out_offset) in [(0, 0), (1, 3)] {
+                                let on_gpu = moved(&q, gpu, packed_offset);
+                                let [by_kernel, by_aten] = [(); 2].map(|_| Tensor::full([n + 2 * out_offset], 7.0, (out_kind, gpu)));
+                                on_gpu.dequantize_by_kernel(&by_kernel.narrow(0, out_offset, n)).unwrap();
+                                on_gpu.dequantize_with(&by_aten.narrow(0, out_offset, n), false);
+                                let what = format!("{what}, packed at {packed_offset}, out at {out_offset}");
+                                assert_same_bits(&by_kernel, &by_aten, &format!("{what}: against ATen on the GPU"));
+                                assert_same_bits(&by_kernel.narrow(0, out_offset, n), &expected, &format!("{what}: against ATen on the CPU"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        // Bandwidth on Llama-7B's MLP weight and the 70B's largest: bytes
+        // read (packed, absmaxes) and written, per second of each path.
+        for (rows, cols) in [(4096, 11008), (8192, 28672)] {
+            let x = Tensor::randn([rows, cols], (Kind::BFloat16, gpu)) * 0.02;
+            for double_quant in [false, true] {
+                let q = quantize(&x, QuantType::Nf4, DEFAULT_BLOCKSIZE, double_quant).unwrap();
+                let n = rows * cols;
+                let [by_kernel, by_aten] = [(); 2].map(|_| Tensor::empty([n], (Kind::BFloat16, gpu)));
+                let absmax_bytes = match &q.state.absmax {
+                    Absmax::Plain(absmax) => 4 * absmax.numel(),
+                    Absmax::Nested { indices, absmax, .. } => indices.numel() + 4 * absmax.numel(),
+                };
+                let bytes = (q.packed.numel() + absmax_bytes + 2 * n as usize) as f64;
+                let timed = |fused: bool, out: &Tensor| {
+                    q.dequantize_with(out, fused);
+                    tch::Cuda::synchronize(0);
+                    let (repeats, start) = (20, Instant::now());
+                    for _ in 0..repeats {
+                        q.dequantize_with(out, fused);
+                    }
+                    tch::Cuda::synchronize(0);
+                    start.elapsed().as_secs_f64() / repeats as f64
+                };
+                let (kernel_s, aten_s) = (timed(true, &by_kernel), timed(false, &by_aten));
+                assert_same_bits(&by_kernel, &by_aten, &format!("{rows}×{cols} bf16, double {double_quant}"));
+                println!(
+                    "NF4 {rows}×{cols} bf16, double quantization {double_quant}: ft's kernel {:.1} µs ({:.0} GB/s), ATen's ops {:.1} µs ({:.0} GB/s)",
+                    kernel_s * 1e6,
+                    bytes / kernel_s / 1e9,
+                    aten_s * 1e6,
+                    bytes / aten_s / 1e9
+                );
+            }
+        }
+    }
 }

@@ -3,8 +3,9 @@
 //! vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
 //! values in the compute dtype, when a kernel serves it), the low-rank
 //! products (a 64M-element matrix, rank 4), RoPE and SwiGLU forward and
-//! backward, a bias gradient's column sums and LayerNorm forward and
-//! backward (the model's shapes), timed and compared.
+//! backward, a bias gradient's column sums, LayerNorm forward and
+//! backward and a 4-bit NF4 weight's dequantization (the model's shapes),
+//! timed and compared.
 
 use crate::dataset::Batch;
 use crate::train::loss::lm_head_loss_and_grads;
@@ -62,6 +63,10 @@ pub struct KernelCheck {
     /// (`ft_sys::layer_norm` against ATen's layer_norm).
     #[serde(default)]
     pub layer_norm: Option<Compared>,
+    /// An [intermediate, hidden] weight in NF4 with double quantization
+    /// (QLoRA's base, `nf4.rs`) dequantized into the compute dtype.
+    #[serde(default)]
+    pub nf4_dequantize: Option<Compared>,
 }
 
 /// One of ft's kernels beside ATen's ops on the same inputs, in the compute
@@ -87,7 +92,7 @@ impl KernelCheck {
         if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
             line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
         }
-        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm)];
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize)];
         for (what, c) in compared {
             if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
                 line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
@@ -223,7 +228,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         }
         Ok(outputs)
     };
-    let (mut rope, mut swiglu, mut bias_grad, mut layer_norm) = (None, None, None, None);
+    let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize) = (None, None, None, None, None);
     if crate::kernels::available(device).is_ok() {
         let leaf = |shape: &[i64]| Tensor::randn(shape, (dtype, device)).set_requires_grad(true);
         if dims.hidden % (2 * dims.heads) == 0 {
@@ -255,6 +260,13 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
             };
             with_grads(y, &grad, &[&x, &weight, &bias])
         })?);
+        let weight = Tensor::randn([dims.intermediate, dims.hidden], (dtype, device)) * 0.02;
+        let quantized = crate::nf4::quantize(&weight, crate::nf4::QuantType::Nf4, crate::nf4::DEFAULT_BLOCKSIZE, true)?;
+        nf4_dequantize = Some(compare(&|fused| {
+            let out = Tensor::empty([dims.intermediate * dims.hidden], (dtype, device));
+            quantized.dequantize_with(&out, fused);
+            Ok(vec![out])
+        })?);
     }
     Ok(KernelCheck {
         head_ft_ms,
@@ -274,6 +286,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         swiglu,
         bias_grad,
         layer_norm,
+        nf4_dequantize,
     })
 }
 

@@ -38,6 +38,10 @@
 //!   float8 copy row-major, transposed or both. ATen's eager ops took seven
 //!   passes a cast — about 470 ms of a 692 ms Llama-7B step on an H200
 //!   (bench/results/2026-11-26-h200-fp8.md).
+//! - `dequantize_4bit_*`: QLoRA's 4-bit base weights (NF4 or FP4, double
+//!   quantization or not) into a bf16, fp16 or fp32 buffer in one pass,
+//!   ~2.5 bytes moved per bf16 value. ATen's ops (`nf4.rs`) gather each
+//!   byte's two values, pad, multiply, cast and copy, a chunk at a time.
 
 use crate::{Result, ShimError};
 use cudarc::driver::{result as driver, sys};
@@ -65,6 +69,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/rope_swiglu.cu"),
     include_str!("kernels/column_sum.cu"),
     include_str!("kernels/float8.cu"),
+    include_str!("kernels/nf4.cu"),
 );
 
 /// The kernels, loaded into one device's (primary) context.
@@ -90,6 +95,8 @@ struct Functions {
     /// By the values' kind: [fp32, bf16].
     fp8_amax: [sys::CUfunction; 2],
     fp8_cast: [sys::CUfunction; 2],
+    /// By the output's kind: [fp32, bf16, fp16].
+    dequantize_4bit: [sys::CUfunction; 3],
     multiprocessors: u32,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
@@ -161,6 +168,7 @@ fn load(device_index: usize) -> Result<Functions> {
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
             fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
             fp8_cast: [function("fp8_cast_f32")?, function("fp8_cast_bf16")?],
+            dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
         })
     }
@@ -776,6 +784,94 @@ pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_ma
     Ok(Float8Cast { data, transposed, scale, inverse })
 }
 
+/// A 4-bit weight's absmaxes, one a block of values, as `dequantize_4bit`
+/// reads them (bitsandbytes' `QuantState`).
+pub enum Absmax4bit<'a> {
+    /// fp32, one a block.
+    Plain(&'a Tensor),
+    /// Double quantization: one uint8 index a block into `code` (256 fp32),
+    /// times the fp32 `absmax` of its run of `blocksize` indices, plus `offset`.
+    Nested { indices: &'a Tensor, absmax: &'a Tensor, code: &'a Tensor, blocksize: i64, offset: f32 },
+}
+
+const DEQUANTIZE_4BIT_THREADS: u32 = 256;
+
+/// `out` (1-D, contiguous, fp32, bf16 or fp16, on a GPU; a slice of a
+/// bigger buffer is fine) = the 4-bit values of `packed` (uint8, 1-D, two a
+/// byte, the first in the high nibble) in blocks of `blocksize` (a power of
+/// two, at least 8): `code[index] · absmax` in fp32, rounded to `rounding`
+/// (the original dtype: fp32, bf16 or fp16), then to `out`'s kind — the
+/// bits ft-core's `nf4.rs` computes with ATen's ops.
+pub fn dequantize_4bit(packed: &Tensor, absmax: Absmax4bit, code: &[f32; 16], blocksize: i64, rounding: Kind, out: &mut Tensor) -> Result<()> {
+    let index = gpu_index(out, "out")?;
+    let n = out.numel() as i64;
+    let by_out = match out.kind() {
+        Kind::Float => 0,
+        Kind::BFloat16 => 1,
+        Kind::Half => 2,
+        other => return Err(error("unsupported", format!("no 4-bit dequantization into {other:?}"))),
+    };
+    let mut rounding = match rounding {
+        Kind::Float => 0i32,
+        Kind::BFloat16 => 1,
+        Kind::Half => 2,
+        other => return Err(error("unsupported", format!("4-bit values round to fp32, bf16 or fp16, not {other:?}"))),
+    };
+    if blocksize < 8 || blocksize.count_ones() != 1 {
+        return Err(error("blocksize", format!("{blocksize}: the kernel takes powers of two from 8")));
+    }
+    let blocks = (n + blocksize - 1) / blocksize;
+    expect(out, "out", out, &[n], out.kind())?;
+    expect(packed, "packed", out, &[(n + 1) / 2], Kind::Uint8)?;
+    let null = std::ptr::null_mut;
+    let (mut absmax_ptr, mut indices_ptr, mut nested_absmax_ptr, mut nested_code_ptr, mut nested_blocksize, mut offset) = (null(), null(), null(), null(), 1i64, 0f32);
+    match absmax {
+        Absmax4bit::Plain(absmax) => {
+            expect(absmax, "absmax", out, &[blocks], Kind::Float)?;
+            absmax_ptr = absmax.data_ptr();
+        }
+        Absmax4bit::Nested { indices, absmax, code, blocksize: run, offset: nested_offset } => {
+            if run < 1 {
+                return Err(error("nested absmax", format!("blocks of {run} indices")));
+            }
+            expect(indices, "absmax indices", out, &[blocks], Kind::Uint8)?;
+            expect(absmax, "nested absmax", out, &[(blocks + run - 1) / run], Kind::Float)?;
+            expect(code, "nested code", out, &[256], Kind::Float)?;
+            (indices_ptr, nested_absmax_ptr, nested_code_ptr, nested_blocksize, offset) = (indices.data_ptr(), absmax.data_ptr(), code.data_ptr(), run, nested_offset);
+        }
+    }
+    let functions = functions(index)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let groups = (n as u64).div_ceil(8);
+    let grid = groups.div_ceil(DEQUANTIZE_4BIT_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut packed_ptr, mut out_ptr) = (packed.data_ptr(), out.data_ptr());
+    let mut code = *code;
+    let (mut block_shift, mut n) = (blocksize.trailing_zeros() as i32, n);
+    let (mut packed_aligned, mut out_aligned) = ((packed_ptr as usize % 4 == 0) as i32, (out_ptr as usize % 16 == 0) as i32);
+    let mut params = [
+        arg(&mut packed_ptr),
+        arg(&mut absmax_ptr),
+        arg(&mut indices_ptr),
+        arg(&mut nested_absmax_ptr),
+        arg(&mut nested_code_ptr),
+        arg(&mut nested_blocksize),
+        arg(&mut offset),
+        arg(&mut code),
+        arg(&mut block_shift),
+        arg(&mut n),
+        arg(&mut rounding),
+        arg(&mut packed_aligned),
+        arg(&mut out_aligned),
+        arg(&mut out_ptr),
+    ];
+    // SAFETY: the arguments match dequantize_4bit_*'s signature (`code` is
+    // its Code4bit, 16 fp32 by value); the tensors were checked above (see
+    // `adamw_` on their lifetime).
+    unsafe { launch(functions.dequantize_4bit[by_out], index, grid, DEQUANTIZE_4BIT_THREADS, &mut params) }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -784,7 +880,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "dequantize_4bit_f16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

@@ -40,3 +40,21 @@ __device__ __forceinline__ float block_max(float m, float* warp_max, Max max) {
   }
   return m;
 }
+
+// fp16 as raw 16-bit words (a type of its own, apart from bf16), converted
+// by the instructions CUDA's __float2half_rn and __half2float compile to.
+struct f16 {
+  unsigned short bits;
+};
+__device__ __forceinline__ unsigned short to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float from_f16(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float load(const f16* x, long long i) { return from_f16(x[i].bits); }
+__device__ __forceinline__ void store(f16* x, long long i, float v) { x[i].bits = to_f16(v); }
