@@ -218,7 +218,8 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
 /// LoRA, the base run with every step (adapters off) as the reference
 /// equals the precomputed reference; a run resumed from its checkpoint
 /// reuses the reference log-probabilities it kept and continues as the
-/// uninterrupted run; `ft eval --task dpo` of the runs' final/ equals their
+/// uninterrupted run; reference-free, each reward is β times its
+/// log-probability; `ft eval --task dpo` of the runs' final/ equals their
 /// last evaluation ([`ft_eval_equals_the_training_runs_evaluation`]).
 #[test]
 fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_reference_and_ft_eval_equals_training() {
@@ -250,6 +251,15 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_referenc
     let (resumed, log) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "3", "--resume", "latest"]);
     assert!(log.contains("reference log-probabilities reused from"), "{log}");
     assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "resumed vs uninterrupted");
+    // Reference-free: each reward is β times its own log-probability, and no reference is computed.
+    let (free, log) = run("free", &["--nproc-per-node", "1", "--max-steps", "2", "--set", "task.reference_free=true"]);
+    assert!(!log.contains("reference log-probabilities") && !dir.path().join("free/reference_logps.json").exists(), "{log}");
+    for (step, record) in free.iter().enumerate() {
+        for side in ["chosen", "rejected"] {
+            let (reward, logps) = (record[format!("rewards/{side}")].as_f64().unwrap(), record[format!("logps/{side}")].as_f64().unwrap());
+            assert!((reward - BETA * logps).abs() <= 1e-6 * logps.abs().max(1.0), "step {}: {side} reward {reward}, logps {logps}", step + 1);
+        }
+    }
     ft_eval_equals_the_training_runs_evaluation(dir.path(), &model, &conversational, &dir.path().join("one"), &dir.path().join("lora-precomputed"));
 }
 
