@@ -528,13 +528,13 @@ impl Task for Dpo {
         let kept = path.as_deref().filter(|_| start.resuming).and_then(|path| self.kept_reference(path, &fingerprint));
         // Every rank must take the same branch: rank 0's view of the file decides.
         let reuse = start.comm.sum_over_ranks(&[if start.comm.env().rank == 0 && kept.is_some() { 1.0 } else { 0.0 }])?[0] > 0.0;
-        let reference = match (reuse, kept, &path) {
-            (true, Some(kept), _) => kept,
-            (true, None, path) => {
+        let reference = match (reuse, kept) {
+            (true, Some(kept)) => kept,
+            (true, None) => {
                 let path = path.as_deref().unwrap_or(Path::new(REFERENCE_FILE));
                 bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display())
             }
-            (false, _, _) => {
+            (false, _) => {
                 let started = std::time::Instant::now();
                 // The reference computes as the steps will: with the parameters in the compute dtype.
                 let params: Vec<Vec<Tensor>> = start.params.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
