@@ -2,15 +2,17 @@
 //! the task's scores), and a checkpoint as a Hugging Face model directory.
 
 use crate::args::{ConfigFile, Overrides};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::env::{DistEnv, EnvSource};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::setup::Rank;
-use ft_core::task::TaskInputs;
+use ft_core::task::{Start, Task, TaskInputs};
 use ft_core::{Config, Registry};
 use ft_models::hf;
-use std::path::PathBuf;
+use ft_core::lora::RunModel;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -28,6 +30,11 @@ pub struct EvalArgs {
     eval_file: PathBuf,
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// The reference model of a task that compares with one (`--task dpo`):
+    /// the model training started from, e.g. the SFT model. Default for a
+    /// LoRA run's output: its base, the adapters off, as training takes it.
+    #[arg(long, value_name = "DIR")]
+    ref_model: Option<String>,
     /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -40,6 +47,9 @@ pub struct EvalArgs {
     batch_size: Option<usize>,
     #[arg(long)]
     dtype: Option<DType>,
+    /// Set any configuration key, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
+    assignments: Vec<ft_core::config::Assignment>,
     #[arg(long)]
     device: Option<DeviceSpec>,
     /// Where the predictions go.
@@ -68,7 +78,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .serialized("train.device", args.device)
         .path("output.dir", args.output_dir.as_ref())
         .set("launch.nproc_per_node", args.nproc_per_node);
-    let config = Config::load(args.config.path.as_deref(), &overrides.0, &[])?;
+    let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
     config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
     if DistEnv::from_env()?.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
@@ -78,13 +88,15 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
     let (model, params) = ft_models::trained::load_trained(&dir, rank.dtype, rank.device)?;
-    let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.as_ref(), device: rank.device };
-    let mut task = (registry.task(config.task.name.as_deref(), model.head_kind())?.build)(&inputs)?;
+    let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.model(), device: rank.device };
+    let mut task = (registry.task(config.task.name.as_deref(), model.model().head_kind())?.build)(&inputs)?;
+    give_reference(task.as_mut(), &args, &model, &params, &tokenizer, &rank)?;
+    let model = model.model();
     let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);
     if profiling.is_some() {
         ft_core::profile::start(rank.device.is_cuda())?;
     }
-    let evaluation = ft_core::fit::evaluate(model.as_ref(), &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype)?;
+    let evaluation = ft_core::fit::evaluate(model, &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype)?;
     if let Some(dir) = profiling {
         let report = ft_core::profile::stop(dir, "eval", rank.device.is_cuda(), 1)?;
         tracing::info!("profile of the evaluation: {}", report.top(25));
@@ -93,9 +105,18 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
         task.write_predictions(&config.output.dir)?;
         let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
-        let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.2}")).collect();
+        let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
         let examples = evaluation.scores.examples;
         println!("{}: eval loss {loss} over {examples} examples{scores}", args.eval_file.display());
+        // Every figure at full precision, named as a training run's evaluation records them (and Hugging Face's eval_results.json).
+        let mut results = serde_json::Map::new();
+        if let Some(loss) = evaluation.loss {
+            results.insert("eval_loss".into(), loss.into());
+        }
+        results.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), (*v).into())));
+        results.insert("eval_samples".into(), examples.into());
+        let path = config.output.dir.join("eval_results.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&results)?).with_context(|| format!("cannot write {}", path.display()))?;
         println!(
             "scored {examples} examples in {:.2} s ({:.1} examples/s; the whole evaluation {:.2} s)",
             evaluation.scoring_seconds,
@@ -104,6 +125,34 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Gives a task that compares the model with a reference (DPO) its
+/// reference, as training's `Task::before_training` takes it: the model
+/// `--ref-model` names, else a LoRA run's base (the adapters off).
+fn give_reference(task: &mut dyn Task, args: &EvalArgs, model: &RunModel, params: &[Vec<Tensor>], tokenizer: &Path, rank: &Rank) -> Result<()> {
+    if !task.compares_with_reference() {
+        if let Some(dir) = &args.ref_model {
+            bail!("--ref-model {dir}: this evaluation of task `{}` compares with no reference model (leave --ref-model out)", task.name());
+        }
+        return Ok(());
+    }
+    let given = match &args.ref_model {
+        Some(spec) => Some(ft_models::trained::load_reference(&hf::resolve(spec)?, model.base(), tokenizer, rank.dtype, rank.device)?),
+        None => None,
+    };
+    let (reference, reference_params) = match (&given, model.lora()) {
+        (Some((reference, reference_params)), _) => (reference.model(), &reference_params[..]),
+        (None, Some(lora)) => (lora.base(), &params[..lora.base_units()]),
+        (None, None) => bail!(
+            "task `{}` compares {} with its reference model, and it has no LoRA adapters whose base would be one: \
+             name the model its training started from with --ref-model DIR, or evaluate reference-free (task.reference_free=true)",
+            task.name(),
+            args.model
+        ),
+    };
+    let start = Start { model: reference, params: reference_params, dtype: rank.dtype, comm: &rank.comm, output: None, resuming: false };
+    task.before_training(&start)
 }
 
 #[derive(Args)]

@@ -99,8 +99,8 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
         _ => args.ids.clone(),
     };
     let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
-    let eos = args.eos.or_else(|| model.hf_config()["eos_token_id"].as_i64());
-    let tokens = ft_core::generate::greedy(model.as_ref(), &params, &prompt, args.max_new_tokens, eos, dtype)?;
+    let eos = args.eos.or_else(|| model.model().hf_config()["eos_token_id"].as_i64());
+    let tokens = ft_core::generate::greedy(model.model(), &params, &prompt, args.max_new_tokens, eos, dtype)?;
     match tokenizer {
         Some(tokenizer) => {
             let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
@@ -141,7 +141,7 @@ pub fn forward(args: ForwardArgs) -> Result<i32> {
     .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
     let ids = Tensor::from_slice2(&rows).to_device(device);
     let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
-    let out = ft_core::train::loss::lm_inspection(model.as_ref(), &params, &ids, dtype, args.grads)?;
+    let out = ft_core::train::loss::lm_inspection(model.model(), &params, &ids, dtype, args.grads)?;
     Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("loss {:.6}", out.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])));
     Ok(0)

@@ -9,7 +9,8 @@
 //! base run with every step equals the precomputed reference; a resumed run
 //! reuses its reference log-probabilities; Parquet, Arrow and JSON arrays
 //! give the pairs JSON lines give; bad preference rows are errors naming the
-//! file and line.
+//! file and line; `ft eval --task dpo` of a trained model equals the
+//! training run's last evaluation.
 
 mod common;
 
@@ -217,28 +218,31 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
 /// LoRA, the base run with every step (adapters off) as the reference
 /// equals the precomputed reference; a run resumed from its checkpoint
 /// reuses the reference log-probabilities it kept and continues as the
-/// uninterrupted run.
+/// uninterrupted run; reference-free, each reward is β times its
+/// log-probability; `ft eval --task dpo` of the runs' final/ equals their
+/// last evaluation ([`ft_eval_equals_the_training_runs_evaluation`]).
 #[test]
-fn two_ranks_equal_one_lora_base_equals_precomputed_and_a_resume_reuses_the_reference() {
+fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_reference_and_ft_eval_equals_training() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_llama(dir.path());
-    let [standard, ..] = preference_files(dir.path());
+    let [standard, conversational, _] = preference_files(dir.path());
+    let evaluated = ["--eval-file", conversational.to_str().unwrap()];
     let run = |name: &str, extra: &[&str]| {
         let out = dir.path().join(name);
         let output = train(&model, &standard, &out, &[&["--max-seq-len", "64"], extra].concat());
         assert!(output.status.success(), "{name}: {}", text(&output));
         (steps(&out), text(&output))
     };
-    let (one, _) = run("one", &["--nproc-per-node", "1", "--max-steps", "3"]);
+    let (one, _) = run("one", &[&["--nproc-per-node", "1", "--max-steps", "3"][..], &evaluated].concat());
     let (two, _) = run("two", &["--nproc-per-node", "2", "--batch-size", "2", "--max-steps", "3"]);
     assert_equal_steps(&two, &one, "2 ranks vs 1");
     // LoRA: the reference precomputed from the starting weights (the base: the adapters start at zero) on 1 rank
     // equals the base run with every step (adapters off) on 2 ranks under full_shard.
     let lora = ["--lora-r", "4", "--max-steps", "3"];
-    let (precomputed, _) = run("lora-precomputed", &[&lora[..], &["--nproc-per-node", "1"]].concat());
+    let (precomputed, _) = run("lora-precomputed", &[&lora[..], &["--nproc-per-node", "1"], &evaluated].concat());
     let (base, _) = run("lora-base", &[&lora[..], &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--set", "task.precompute_ref=false"]].concat());
     assert_equal_steps(&base, &precomputed, "LoRA's base at every step vs precomputed");
     assert!(precomputed[2]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{precomputed:?}");
@@ -247,6 +251,16 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_and_a_resume_reuses_the_refe
     let (resumed, log) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "3", "--resume", "latest"]);
     assert!(log.contains("reference log-probabilities reused from"), "{log}");
     assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "resumed vs uninterrupted");
+    // Reference-free: each reward is β times its own log-probability, and no reference is computed.
+    let (free, log) = run("free", &["--nproc-per-node", "1", "--max-steps", "2", "--set", "task.reference_free=true"]);
+    assert!(!log.contains("reference log-probabilities") && !dir.path().join("free/reference_logps.json").exists(), "{log}");
+    for (step, record) in free.iter().enumerate() {
+        for side in ["chosen", "rejected"] {
+            let (reward, logps) = (record[format!("rewards/{side}")].as_f64().unwrap(), record[format!("logps/{side}")].as_f64().unwrap());
+            assert!((reward - BETA * logps).abs() <= 1e-6 * logps.abs().max(1.0), "step {}: {side} reward {reward}, logps {logps}", step + 1);
+        }
+    }
+    ft_eval_equals_the_training_runs_evaluation(dir.path(), &model, &conversational, &dir.path().join("one"), &dir.path().join("lora-precomputed"));
 }
 
 /// Every sharding strategy at 2 and 3 ranks, and full_shard offloaded,
@@ -359,4 +373,83 @@ fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
     }
     let range = reference("range", &conversational, &["--set", "data.range=1:3"]);
     assert_eq!(range["train"].as_array().unwrap()[..], lines["train"].as_array().unwrap()[1..3]);
+}
+
+/// `ft eval --task dpo` of `model` on `data` with `extra` flags: its
+/// eval_results.json, or the failed run's log.
+fn eval(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> Result<Value, String> {
+    let output = ft()
+        .args(["eval", "--task", "dpo", "--model", model.to_str().unwrap(), "--eval-file", data.to_str().unwrap(), "--device", "cpu"])
+        .args(["--max-seq-len", "64", "--output-dir", out.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    match output.status.success() {
+        true => Ok(serde_json::from_str(&std::fs::read_to_string(out.join("eval_results.json")).unwrap()).unwrap()),
+        false => Err(text(&output)),
+    }
+}
+
+/// `ft eval --task dpo` of a run's final/ on `pairs` gives the loss and
+/// TRL's figures the training run's last evaluation of them gave for the
+/// same weights (so TRL's, which that equals): `full`, a full fine-tune of
+/// `model`, against it (`--ref-model`) at 2 ranks (the run's evaluation was
+/// one rank's), and `lora`, a LoRA run's adapter, against its base.
+/// Reference-free, the figures are the log-probabilities alone. Without a
+/// reference, or with one of another architecture or vocabulary, it is a
+/// clear error.
+fn ft_eval_equals_the_training_runs_evaluation(dir: &Path, model: &Path, pairs: &Path, full: &Path, lora: &Path) {
+    let last_evaluation = |run: &Path| evaluations(run).pop().unwrap_or_else(|| panic!("{}: no evaluation", run.display()));
+    let (full_eval, lora_eval) = (last_evaluation(full), last_evaluation(lora));
+    let (full, lora) = (full.join("final"), lora.join("final"));
+    let scratch = |name: &str| dir.join("eval").join(name);
+    let ours = eval(&full, pairs, &scratch("full"), &["--ref-model", model.to_str().unwrap(), "--nproc-per-node", "2"]).unwrap();
+    assert_equal_figures(&ours, &full_eval, "eval_", "ft eval of a full fine-tune at 2 ranks");
+    assert_eq!(ours["eval_samples"], 4, "{ours}");
+    let ours = eval(&lora, pairs, &scratch("lora"), &[]).unwrap();
+    assert_equal_figures(&ours, &lora_eval, "eval_", "ft eval of a LoRA run's adapter on its base");
+    // The rewards moved away from the reference's zero: a wrong reference would fail the comparisons.
+    for evaluation in [&full_eval, &lora_eval] {
+        let moved = ["chosen", "rejected"].map(|side| evaluation[format!("eval_rewards/{side}")].as_f64().unwrap().abs());
+        assert!(moved[0].max(moved[1]) > 1e-3, "{evaluation}");
+    }
+
+    // Reference-free: the policy's log-probabilities as the training run found them, each reward β times its own.
+    let free = eval(&full, pairs, &scratch("free"), &["--set", "task.reference_free=true"]).unwrap();
+    for side in ["chosen", "rejected"] {
+        let logps = free[format!("eval_logps/{side}")].as_f64().unwrap();
+        let trained = full_eval[format!("eval_logps/{side}")].as_f64().unwrap();
+        assert!((logps - trained).abs() <= 1e-5 * trained.abs().max(1.0), "{side}: {logps} vs {trained}");
+        let reward = free[format!("eval_rewards/{side}")].as_f64().unwrap();
+        assert!((reward - BETA * logps).abs() <= 1e-6 * logps.abs().max(1.0), "{side}: reward {reward}, logps {logps}");
+    }
+
+    // No reference; a reference of another architecture or vocabulary.
+    let one_layer = dir.join("one-layer");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
+    let output = ft()
+        .args(["init-model", "--config", config.to_str().unwrap(), "--out", one_layer.to_str().unwrap()])
+        .args(["--set", "vocab_size=50304", "--set", "num_hidden_layers=1"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let other_vocabulary = dir.join("other-vocabulary");
+    std::fs::create_dir(&other_vocabulary).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), other_vocabulary.join(entry.file_name())).unwrap();
+    }
+    let mut tokenizer: Value = serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer.json")).unwrap()).unwrap();
+    // One more token than the policy's tokenizer has (an id below the model's 50304).
+    tokenizer["model"]["vocab"].as_object_mut().unwrap().insert("<|another|>".into(), json!(50300));
+    std::fs::write(other_vocabulary.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (&[], "has no LoRA adapters whose base would be one: name the model its training started from with --ref-model DIR, or evaluate reference-free (task.reference_free=true)"),
+        (&["--ref-model", one_layer.to_str().unwrap()], "a llama of 1 layers, hidden size 32, vocabulary 50304, not the evaluated model's architecture (llama of 2 layers"),
+        (&["--ref-model", other_vocabulary.to_str().unwrap()], "has another vocabulary than the one the pairs are encoded with"),
+    ];
+    for (i, (flags, expected)) in cases.into_iter().enumerate() {
+        let log = eval(&full, pairs, &scratch(&format!("refused{i}")), flags).unwrap_err();
+        assert!(log.contains(expected) && !log.contains("panicked"), "{expected}: {log}");
+    }
 }

@@ -73,8 +73,9 @@ pub struct Start<'a> {
     pub params: &'a [Vec<Tensor>],
     pub dtype: Kind,
     pub comm: &'a Communicator,
-    /// The run's output directory, where what the task keeps for a resume goes.
-    pub output: &'a Path,
+    /// The run's output directory, where what the task keeps for a resume
+    /// goes (None: `ft eval`, which keeps nothing).
+    pub output: Option<&'a Path>,
     /// The run continues from a checkpoint (`train.resume`).
     pub resuming: bool,
 }
@@ -113,6 +114,14 @@ pub trait Task {
     /// log-probabilities). Nothing by default.
     fn before_training(&mut self, _start: &Start) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether the evaluation compares the model with a reference: the
+    /// model its training started from, which `before_training` is given
+    /// (DPO's reference model, unless reference-free). `ft eval` then gives
+    /// it one: a LoRA run's base, or `--ref-model`. False by default.
+    fn compares_with_reference(&self) -> bool {
+        false
     }
 }
 

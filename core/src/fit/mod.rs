@@ -221,7 +221,7 @@ pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Ve
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
-    task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: checkpoints.output, resuming })?;
+    task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: Some(checkpoints.output), resuming })?;
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
     drop(params);

@@ -246,8 +246,8 @@ pub fn save_trained(run: &RunModel, params: &[Vec<Tensor>], dir: &Path, base_mod
     }
 }
 
-/// A model and its parameters, per unit.
-pub type LoadedModel = (Box<dyn Model>, Vec<Vec<Tensor>>);
+/// A model and its parameters, per unit: the whole model, or a LoRA run's adapters on their base.
+pub type LoadedModel = (RunModel, Vec<Vec<Tensor>>);
 
 /// A trained model directory's model and parameters in `dtype` on
 /// `device`: its own weights, or (a LoRA run's final/) its adapter on the
@@ -255,9 +255,49 @@ pub type LoadedModel = (Box<dyn Model>, Vec<Vec<Tensor>>);
 pub fn load_trained(dir: &Path, dtype: Kind, device: Device) -> Result<LoadedModel> {
     if peft::is_adapter(dir) {
         let (lora, params) = peft::load_adapted(dir, dtype, device)?;
-        return Ok((Box::new(lora), params));
+        return Ok((RunModel::Lora(Box::new(lora)), params));
     }
     let model = hf::load_model(dir)?;
     let params = hf::load_params(model.as_ref(), dir, dtype, device)?;
-    Ok((model, params))
+    Ok((RunModel::Full(model), params))
+}
+
+/// The reference model `ft eval --ref-model DIR` names (loaded as
+/// [`load_trained`] loads) for a model whose base is `policy` and whose
+/// data `tokenizer` encodes: refused unless it is the same architecture
+/// (model type, every parameter's name and shape) and, where `dir` has a
+/// tokenizer.json, the same vocabulary — the reference scores the policy's token ids.
+pub fn load_reference(dir: &Path, policy: &dyn Model, tokenizer: &Path, dtype: Kind, device: Device) -> Result<LoadedModel> {
+    let (reference, params) = load_trained(dir, dtype, device)?;
+    let shapes = |model: &dyn Model| -> Vec<(String, Vec<i64>)> {
+        model.units().iter().flat_map(|unit| unit.params.iter().map(|p| (p.name.clone(), p.shape.clone()))).collect()
+    };
+    let describe = |model: &dyn Model| {
+        let dims = model.dims();
+        format!("{} of {} layers, hidden size {}, vocabulary {}", model.model_type(), dims.layers, dims.hidden, dims.vocab)
+    };
+    if reference.base().model_type() != policy.model_type() || shapes(reference.base()) != shapes(policy) {
+        bail!(
+            "--ref-model {}: a {}, not the evaluated model's architecture ({}); the reference is the model its training started from",
+            dir.display(),
+            describe(reference.base()),
+            describe(policy)
+        );
+    }
+    let their_tokenizer = dir.join("tokenizer.json");
+    if their_tokenizer.is_file() {
+        let vocabulary = |path: &Path| -> Result<std::collections::HashMap<String, u32>> {
+            let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("cannot load {}: {e}", path.display()))?;
+            Ok(tokenizer.get_vocab(true))
+        };
+        if vocabulary(&their_tokenizer)? != vocabulary(tokenizer)? {
+            bail!(
+                "--ref-model {}: its tokenizer ({}) has another vocabulary than the one the pairs are encoded with ({}); the reference is the model its training started from",
+                dir.display(),
+                their_tokenizer.display(),
+                tokenizer.display()
+            );
+        }
+    }
+    Ok((reference, params))
 }

@@ -18,14 +18,19 @@
 //! share of the pairs, kept in `OUTPUT/reference_logps.json`, which a resumed
 //! run reuses. With LoRA and `task.precompute_ref=false`, the trainer runs
 //! each micro-batch through the base (adapters off, no gradients) before
-//! its loss instead, as TRL does with a peft model.
+//! its loss instead, as TRL does with a peft model. With
+//! `task.reference_free` the reference's log-probabilities are 0 (TRL's
+//! former `reference_free`). `ft eval` (no training file) gives
+//! `before_training` the reference it has: a LoRA run's base, or the model
+//! `--ref-model` names.
 //!
 //! Task keys: `task.loss_type` (one of TRL's names or a list of them),
 //! `task.loss_weights` (one per loss type; 1 each by default), `task.beta`,
 //! `task.label_smoothing` (robust, exo_pair), `task.truncation_mode`
 //! (`keep_start`/`keep_end` cut sequences longer than `data.max_seq_len` as
 //! TRL's `max_length`; `skip` leaves those pairs out; by default keep_start
-//! with `data.truncate`, else skip), `task.padding_free`, `task.precompute_ref`.
+//! with `data.truncate`, else skip), `task.padding_free`, `task.precompute_ref`,
+//! `task.reference_free`.
 
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
@@ -90,6 +95,7 @@ struct Options {
     truncation_mode: Option<Truncation>,
     padding_free: bool,
     precompute_ref: bool,
+    reference_free: bool,
 }
 
 impl Default for Options {
@@ -102,6 +108,7 @@ impl Default for Options {
             truncation_mode: None,
             padding_free: true,
             precompute_ref: true,
+            reference_free: false,
         }
     }
 }
@@ -112,6 +119,9 @@ impl Options {
         options.losses()?;
         if options.beta <= 0.0 || options.beta.is_nan() {
             bail!("task.beta must be positive, not {}", options.beta);
+        }
+        if options.reference_free && !options.precompute_ref {
+            bail!("task.precompute_ref=false runs a reference model, which task.reference_free=true leaves out: give one of them");
         }
         let types = &options.loss_type;
         if types.contains(&LossType::Robust) && !(0.0..0.5).contains(&options.label_smoothing) {
@@ -421,6 +431,8 @@ pub struct Dpo {
     eval: Option<PairDataset>,
     objective: DpoLoss,
     batch_size: usize,
+    /// The reference's log-probabilities are 0: nothing to compute before training.
+    reference_free: bool,
 }
 
 impl Dpo {
@@ -505,16 +517,23 @@ impl Task for Dpo {
 
     /// The reference log-probabilities (of the evaluation pairs alone when
     /// LoRA's base runs with every step): those the run kept when it
-    /// resumes with the same pairs, else computed from the starting weights and kept.
+    /// resumes with the same pairs, else computed from the starting weights
+    /// (`ft eval`: the reference model) and kept in the run's output.
     fn before_training(&mut self, start: &Start) -> Result<()> {
-        let path = start.output.join(REFERENCE_FILE);
+        if self.reference_free {
+            return Ok(());
+        }
+        let path = start.output.map(|output| output.join(REFERENCE_FILE));
         let fingerprint = self.fingerprint();
-        let kept = if start.resuming { self.kept_reference(&path, &fingerprint) } else { None };
+        let kept = path.as_deref().filter(|_| start.resuming).and_then(|path| self.kept_reference(path, &fingerprint));
         // Every rank must take the same branch: rank 0's view of the file decides.
         let reuse = start.comm.sum_over_ranks(&[if start.comm.env().rank == 0 && kept.is_some() { 1.0 } else { 0.0 }])?[0] > 0.0;
         let reference = match (reuse, kept) {
             (true, Some(kept)) => kept,
-            (true, None) => bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display()),
+            (true, None) => {
+                let path = path.as_deref().unwrap_or(Path::new(REFERENCE_FILE));
+                bail!("{}: rank 0 reuses it but this rank cannot read it (is the output directory shared by every node?)", path.display())
+            }
             (false, _) => {
                 let started = std::time::Instant::now();
                 // The reference computes as the steps will: with the parameters in the compute dtype.
@@ -530,20 +549,25 @@ impl Task for Dpo {
                 };
                 let computed = ReferenceFile { fingerprint, train, eval };
                 if start.comm.env().rank == 0 {
-                    std::fs::create_dir_all(start.output)?;
-                    std::fs::write(&path, serde_json::to_vec(&computed)?).with_context(|| format!("cannot write {}", path.display()))?;
+                    let kept_in = match (start.output, &path) {
+                        (Some(output), Some(path)) => {
+                            std::fs::create_dir_all(output)?;
+                            std::fs::write(path, serde_json::to_vec(&computed)?).with_context(|| format!("cannot write {}", path.display()))?;
+                            format!(", kept in {}", path.display())
+                        }
+                        _ => String::new(),
+                    };
                     tracing::info!(
-                        "reference log-probabilities of {} training and {} evaluation pairs computed in {:.1} s, kept in {}",
+                        "reference log-probabilities of {} training and {} evaluation pairs computed in {:.1} s{kept_in}",
                         computed.train.len(),
                         computed.eval.len(),
                         started.elapsed().as_secs_f64(),
-                        path.display()
                     );
                 }
                 computed
             }
         };
-        if reuse && start.comm.env().rank == 0 {
+        if let (true, 0, Some(path)) = (reuse, start.comm.env().rank, &path) {
             tracing::info!("reference log-probabilities reused from {}", path.display());
         }
         if self.objective.base_reference.is_none() {
@@ -553,6 +577,10 @@ impl Task for Dpo {
             eval.reference = Some(reference.eval);
         }
         Ok(())
+    }
+
+    fn compares_with_reference(&self) -> bool {
+        !self.reference_free
     }
 }
 
@@ -591,6 +619,13 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 }).max(1);
     let truncation = options.truncation_mode.unwrap_or(if data.truncate { Truncation::KeepStart } else { Truncation::Skip });
     let tokenizer_dir = inputs.tokenizer.parent().unwrap_or(Path::new("."));
+    let pairs_dataset = |pairs: Vec<Pair>| {
+        // Reference-free: the reference's log-probabilities are 0.
+        let reference = options.reference_free.then(|| vec![[0.0; 2]; pairs.len()]);
+        // A packed row holds a pair's two sequences of at most max_seq_len each.
+        let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
+        PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows }
+    };
     let load = |path: &Path, training: bool| -> Result<PairDataset> {
         let load_options = preference::LoadOptions {
             max_length: data.max_seq_len,
@@ -602,21 +637,20 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
             split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
             columns: &data.columns,
         };
-        let pairs = preference::load(path, &tokenizer, &load_options)?;
-        // A packed row holds a pair's two sequences of at most max_seq_len each.
-        let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
-        Ok(PairDataset { pairs, reference: None, pad_id, pad_multiple, packed_rows })
+        Ok(pairs_dataset(preference::load(path, &tokenizer, &load_options)?))
     };
-    let Some(train_path) = &data.train else {
-        bail!("the dpo task trains on a file of preference pairs (--train-file); `ft eval` of preference pairs alone (it needs the reference model's log-probabilities) is not available yet")
+    // `ft eval` reads no training file.
+    let train = match &data.train {
+        Some(path) => load(path, true)?,
+        None => pairs_dataset(vec![]),
     };
-    let train = load(train_path, true)?;
     let eval = data.eval.as_deref().map(|path| load(path, false)).transpose()?;
     Ok(Box::new(Dpo {
         train,
         eval,
         objective: objective(&options, inputs.config.train.loss_chunk_tokens, inputs.device, inputs.model)?,
         batch_size: inputs.config.train.eval_batch_size,
+        reference_free: options.reference_free,
     }))
 }
 
@@ -640,6 +674,7 @@ fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
         eval: None,
         objective: objective(&Options::default(), spec.loss_chunk_tokens, spec.device, spec.model)?,
         batch_size: 1,
+        reference_free: false,
     }))
 }
 
@@ -686,6 +721,7 @@ mod tests {
             (serde_json::json!({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}), "1 weights for the 2 loss types"),
             (serde_json::json!({"loss_type": "robust", "label_smoothing": 0.5}), "task.label_smoothing must be in [0, 0.5)"),
             (serde_json::json!({"bet": 0.1}), "unknown field `bet`"),
+            (serde_json::json!({"reference_free": true, "precompute_ref": false}), "which task.reference_free=true leaves out"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
             assert!(err.contains(expected), "{options}: {err}");
