@@ -24,9 +24,11 @@
 //! statistics), since a mathematically equal formula can round
 //! differently. tests/qlora.rs checks the bits on a CPU; on a GPU the same
 //! ops may round the mean of the absmaxes otherwise, and bitsandbytes' own
-//! CUDA kernels are other code, not compared. (The int8 blocks in
-//! `quantize.rs` are ft's own format, rounded their own way, so nothing
-//! but the idea is shared.)
+//! CUDA kernels are other code, not compared. On a GPU where ft's kernels
+//! load, dequantization is one kernel (`kernels/nf4.cu`) that writes the
+//! ATen ops' bits (this module's GPU test checks, bench/gpu/nf4_kernel.sh
+//! runs it). (The int8 blocks in `quantize.rs` are ft's own format,
+//! rounded their own way, so nothing but the idea is shared.)
 //!
 //! [`Quantized4bit::state_dict`] and [`Quantized4bit::from_state_dict`]
 //! write and read a weight as transformers saves it (bitsandbytes'
