@@ -24,9 +24,11 @@
 //! statistics), since a mathematically equal formula can round
 //! differently. tests/qlora.rs checks the bits on a CPU; on a GPU the same
 //! ops may round the mean of the absmaxes otherwise, and bitsandbytes' own
-//! CUDA kernels are other code, not compared. (The int8 blocks in
-//! `quantize.rs` are ft's own format, rounded their own way, so nothing
-//! but the idea is shared.)
+//! CUDA kernels are other code, not compared. On a GPU where ft's kernels
+//! load, dequantization is one kernel (`kernels/nf4.cu`) that writes the
+//! ATen ops' bits (this module's GPU test checks, bench/gpu/nf4_kernel.sh
+//! runs it). (The int8 blocks in `quantize.rs` are ft's own format,
+//! rounded their own way, so nothing but the idea is shared.)
 //!
 //! [`Quantized4bit::state_dict`] and [`Quantized4bit::from_state_dict`]
 //! write and read a weight as transformers saves it (bitsandbytes'
@@ -660,12 +662,24 @@ mod tests {
                 };
                 let (kernel_s, aten_s) = (timed(true, &by_kernel), timed(false, &by_aten));
                 assert_same_bits(&by_kernel, &by_aten, &format!("{rows}×{cols} bf16, double {double_quant}"));
+                // What this GPU moves in a plain copy of the bf16 values, for scale.
+                let copy_s = {
+                    let (mut copy, repeats) = (by_aten.empty_like(), 20);
+                    tch::Cuda::synchronize(0);
+                    let start = Instant::now();
+                    for _ in 0..repeats {
+                        copy.copy_(&by_aten);
+                    }
+                    tch::Cuda::synchronize(0);
+                    start.elapsed().as_secs_f64() / repeats as f64
+                };
                 println!(
-                    "NF4 {rows}×{cols} bf16, double quantization {double_quant}: ft's kernel {:.1} µs ({:.0} GB/s), ATen's ops {:.1} µs ({:.0} GB/s)",
+                    "NF4 {rows}×{cols} bf16, double quantization {double_quant}: ft's kernel {:.1} µs ({:.0} GB/s), ATen's ops {:.1} µs ({:.0} GB/s); a bf16 copy {:.0} GB/s",
                     kernel_s * 1e6,
                     bytes / kernel_s / 1e9,
                     aten_s * 1e6,
-                    bytes / aten_s / 1e9
+                    bytes / aten_s / 1e9,
+                    4.0 * n as f64 / copy_s / 1e9
                 );
             }
         }

@@ -795,6 +795,8 @@ pub enum Absmax4bit<'a> {
 }
 
 const DEQUANTIZE_4BIT_THREADS: u32 = 256;
+/// Groups of 8 values a thread takes a pass (nf4.cu's DEQUANTIZE_4BIT_UNROLL).
+const DEQUANTIZE_4BIT_UNROLL: u64 = 4;
 
 /// `out` (1-D, contiguous, fp32, bf16 or fp16, on a GPU; a slice of a
 /// bigger buffer is fine) = the 4-bit values of `packed` (uint8, 1-D, two a
@@ -845,7 +847,7 @@ pub fn dequantize_4bit(packed: &Tensor, absmax: Absmax4bit, code: &[f32; 16], bl
         return Ok(());
     }
     let groups = (n as u64).div_ceil(8);
-    let grid = groups.div_ceil(DEQUANTIZE_4BIT_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let grid = groups.div_ceil(DEQUANTIZE_4BIT_THREADS as u64 * DEQUANTIZE_4BIT_UNROLL).min(functions.multiprocessors as u64 * 16) as u32;
     let (mut packed_ptr, mut out_ptr) = (packed.data_ptr(), out.data_ptr());
     let mut code = *code;
     let (mut block_shift, mut n) = (blocksize.trailing_zeros() as i32, n);

@@ -11,12 +11,16 @@
 // nested_code[index] · nested_absmax[block / nested_blocksize] + offset,
 // rounded after the product and after the sum as ATen's two ops round.
 //
-// A thread takes 8 values at a time (4 packed bytes; blocks hold at least
-// 32, so the 8 share an absmax): one 4-byte load where the packed bytes
-// are 4-byte aligned (`packed_aligned`), one or two 16-byte stores where
-// `out` is 16-byte aligned (`out_aligned`), else byte by byte and value by
-// value (an offset slice of a bigger buffer). Indices are 64-bit: a weight
-// may hold more than 2^31 values.
+// A thread takes 8 values at a time (4 packed bytes; blocks are powers of
+// two from 8, so the 8 share an absmax), DEQUANTIZE_4BIT_UNROLL groups a pass, a
+// block's width apart, every load issued before the first store: a warp
+// reads 128 contiguous bytes and writes 512 (bf16) a group. One 4-byte
+// load where the packed bytes are 4-byte aligned (`packed_aligned`), one
+// or two 16-byte stores where `out` is 16-byte aligned (`out_aligned`),
+// else byte by byte and value by value (an offset slice of a bigger
+// buffer). Indices are 64-bit: a weight may hold more than 2^31 values.
+#define DEQUANTIZE_4BIT_UNROLL 4
+
 struct Code4bit {
   float value[16];
 };
@@ -27,6 +31,19 @@ __device__ __forceinline__ float round_to(float v, int rounding) {
   return v;
 }
 
+// 8 values stored at out + at (16-byte aligned): one or two 16-byte words.
+__device__ __forceinline__ void store8(float* out, long long at, const float* v) {
+  reinterpret_cast<float4*>(out + at)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(out + at)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ unsigned int bits16(const bf16*, float v) { return to_bf16(v); }
+__device__ __forceinline__ unsigned int bits16(const f16*, float v) { return to_f16(v); }
+template <typename T>
+__device__ __forceinline__ void store8(T* out, long long at, const float* v) {
+  const auto pair = [&](int k) { return bits16(out, v[k]) | (bits16(out, v[k + 1]) << 16); };
+  *reinterpret_cast<uint4*>(out + at) = make_uint4(pair(0), pair(2), pair(4), pair(6));
+}
+
 template <typename T>
 __device__ void dequantize_4bit(const unsigned char* __restrict__ packed, const float* __restrict__ absmax,
                                 const unsigned char* __restrict__ absmax_indices, const float* __restrict__ nested_absmax,
@@ -35,41 +52,44 @@ __device__ void dequantize_4bit(const unsigned char* __restrict__ packed, const 
   __shared__ float table[16];
   if (threadIdx.x < 16) table[threadIdx.x] = code.value[threadIdx.x];
   __syncthreads();
-  const long long groups = (n + 7) / 8, stride = (long long)gridDim.x * blockDim.x;
-  for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const long long first = g * 8, block = first >> block_shift;
-    const int count = (int)min(8LL, n - first);
-    const float scale = absmax_indices
-        ? __fadd_rn(__fmul_rn(nested_code[absmax_indices[block]], nested_absmax[block / nested_blocksize]), offset)
-        : absmax[block];
-    // Byte k of the group in bits 8k..8k+7.
-    unsigned int bytes = 0;
-    if (packed_aligned && count == 8) {
-      bytes = *reinterpret_cast<const unsigned int*>(packed + g * 4);
-    } else {
-      for (int k = 0; k < (count + 1) / 2; ++k) bytes |= (unsigned int)packed[g * 4 + k] << (8 * k);
+  const long long groups = (n + 7) / 8, pass = (long long)blockDim.x * DEQUANTIZE_4BIT_UNROLL;
+  for (long long base = (long long)blockIdx.x * pass; base < groups; base += (long long)gridDim.x * pass) {
+    // Byte k of a group in bits 8k..8k+7.
+    unsigned int bytes[DEQUANTIZE_4BIT_UNROLL];
+    float scale[DEQUANTIZE_4BIT_UNROLL];
+#pragma unroll
+    for (int u = 0; u < DEQUANTIZE_4BIT_UNROLL; ++u) {
+      const long long g = base + u * blockDim.x + threadIdx.x;
+      if (g >= groups) break;
+      const long long block = (g * 8) >> block_shift;
+      scale[u] = absmax_indices
+          ? __fadd_rn(__fmul_rn(nested_code[absmax_indices[block]], nested_absmax[block / nested_blocksize]), offset)
+          : absmax[block];
+      if (packed_aligned && g * 8 + 8 <= n) {
+        bytes[u] = *reinterpret_cast<const unsigned int*>(packed + g * 4);
+      } else {
+        bytes[u] = 0;
+        for (int k = 0; k < 4 && g * 8 + 2 * k < n; ++k) bytes[u] |= (unsigned int)packed[g * 4 + k] << (8 * k);
+      }
     }
-    float v[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const unsigned int index = (bytes >> (8 * (k / 2) + (k % 2 ? 0 : 4))) & 15u;
-      v[k] = round_to(__fmul_rn(table[index], scale), rounding);
-    }
-    if (out_aligned && count == 8) {
-      union {
-        T values[8];
-        uint4 words[sizeof(T) / 2];
-      } eight;
+    for (int u = 0; u < DEQUANTIZE_4BIT_UNROLL; ++u) {
+      const long long g = base + u * blockDim.x + threadIdx.x, first = g * 8;
+      if (g >= groups) break;
+      float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) store(eight.values, k, v[k]);
-#pragma unroll
-      for (int w = 0; w < (int)(sizeof(T) / 2); ++w) reinterpret_cast<uint4*>(out + first)[w] = eight.words[w];
-    } else {
-      for (int k = 0; k < count; ++k) store(out, first + k, v[k]);
+      for (int k = 0; k < 8; ++k) {
+        const unsigned int index = (bytes[u] >> (8 * (k / 2) + (k % 2 ? 0 : 4))) & 15u;
+        v[k] = round_to(__fmul_rn(table[index], scale[u]), rounding);
+      }
+      if (out_aligned && first + 8 <= n) {
+        store8(out, first, v);
+      } else {
+        for (int k = 0; k < 8 && first + k < n; ++k) store(out, first + k, v[k]);
+      }
     }
   }
 }
-
 #define DEQUANTIZE_4BIT(NAME, T)                                                                                                         \
   extern "C" __global__ void NAME(const unsigned char* packed, const float* absmax, const unsigned char* absmax_indices,               \
                                   const float* nested_absmax, const float* nested_code, long long nested_blocksize, float offset,       \
