@@ -151,7 +151,7 @@ fn give_reference(task: &mut dyn Task, args: &EvalArgs, model: &RunModel, params
             args.model
         ),
     };
-    let start = Start { model: reference, params: reference_params, dtype: rank.dtype, comm: &rank.comm, output: None, resuming: false };
+    let start = Start { model: reference, params: Some(reference_params), dtype: rank.dtype, comm: &rank.comm, output: None, resuming: false };
     task.before_training(&start)
 }
 

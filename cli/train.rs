@@ -321,9 +321,8 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {
         tracing::info!("random initialisation (train.seed {seed}): {why}");
     }
-    let base_params = hf::initial_params(run_model.base(), &start, seed, rank.device)?;
-    let base_dir = hf::base_weights_dir(&run_model, &start, &base_params, &output, rank.dtype, &rank.comm)?;
-    let params = run_model.initial_params(base_params, seed.wrapping_add(1), rank.device);
+    let base_dir = hf::base_weights_dir(&run_model, &start, seed, &output, rank.dtype, &rank.comm)?;
+    let params = hf::StartingParams::new(&run_model, &start, seed, rank.device)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     let sinks = match rank.rank() {

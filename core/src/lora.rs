@@ -272,14 +272,6 @@ impl RunModel {
             RunModel::Lora(lora) => Some(lora),
         }
     }
-
-    /// Every unit's starting parameters: the base's, then fresh adapters drawn from `seed`.
-    pub fn initial_params(&self, mut base: Vec<Vec<Tensor>>, seed: i64, device: Device) -> Vec<Vec<Tensor>> {
-        if let Some(lora) = self.lora() {
-            base.extend(lora.initial_adapters(seed, device));
-        }
-        base
-    }
 }
 
 impl Model for LoraModel {

@@ -69,8 +69,10 @@ impl StepMetrics {
 pub struct Start<'a> {
     pub model: &'a dyn Model,
     /// The starting parameters, whole on every rank, as loaded (fp32 masters
-    /// under bf16: a task computing with them casts them to `dtype`).
-    pub params: &'a [Vec<Tensor>],
+    /// under bf16: a task computing with them casts them to `dtype`); None
+    /// unless the task `needs_starting_params` (a run otherwise reads them a
+    /// unit at a time as the trainer places them).
+    pub params: Option<&'a [Vec<Tensor>]>,
     pub dtype: Kind,
     pub comm: &'a Communicator,
     /// The run's output directory, where what the task keeps for a resume
@@ -114,6 +116,13 @@ pub trait Task {
     /// log-probabilities). Nothing by default.
     fn before_training(&mut self, _start: &Start) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether `before_training` computes with the whole starting model
+    /// (`Start::params`), which the run then holds whole once before
+    /// training. False by default.
+    fn needs_starting_params(&self) -> bool {
+        false
     }
 
     /// Whether the evaluation compares the model with a reference: the

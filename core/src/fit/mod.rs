@@ -28,7 +28,7 @@ use crate::offload::Offload;
 use crate::schedule::{lr_at, Schedule};
 use crate::strategy::ShardingStrategy;
 use crate::task::{Objective, Task};
-use crate::train::{DataParallel, TrainOptions, Trainer, TrainerBuilder};
+use crate::train::{DataParallel, InitialParams, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{bail, Result};
 use checkpointing::{Checkpointer, Cursor};
 use log::RunLog;
@@ -214,17 +214,26 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
-pub fn run(fit: Fit, params: Vec<Vec<Tensor>>) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
+pub fn run(fit: Fit, mut params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
-    task.before_training(&crate::task::Start { model, params: &params, dtype, comm, output: Some(checkpoints.output), resuming })?;
+    // Whole only for a task that computes with them first (DPO's reference); else each unit is placed as it is read.
+    let whole = match task.needs_starting_params() {
+        true => Some((0..model.units().len()).map(|unit| params.unit(unit)).collect::<Result<Vec<_>>>()?),
+        false => None,
+    };
+    task.before_training(&crate::task::Start { model, params: whole.as_deref(), dtype, comm, output: Some(checkpoints.output), resuming })?;
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
-    let mut trainer = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload).build(&params)?;
-    drop(params);
+    let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);
+    let mut trainer = match &whole {
+        Some(whole) => builder.build(whole)?,
+        None => builder.build(params)?,
+    };
+    drop(whole);
 
     let monitor = Monitor::from_config(config);
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;

@@ -7,6 +7,7 @@ use anyhow::{bail, Context as _, Result};
 use ft_core::config::ModelInit;
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
+use ft_core::train::InitialParams;
 use ft_core::nf4;
 use ft_core::Communicator;
 use memmap2::Mmap;
@@ -198,28 +199,58 @@ impl ModelSource {
     }
 }
 
-/// The parameters a run starts from, fp32 on `device`: the weights `start`
-/// names, or a random initialisation from `seed`.
-pub fn initial_params(model: &dyn Model, start: &Start, seed: i64, device: Device) -> Result<Vec<Vec<Tensor>>> {
-    match start {
-        Start::Weights(dir) => load_params(model, dir, Kind::Float, device),
-        Start::Random(_) => Ok(ft_core::model::init_params(model, seed, Kind::Float, device)),
+/// The parameters a run starts from, a unit at a time (the trainer places
+/// each before asking for the next), fp32 on `device`: the base's — the
+/// weights `start` names, read from their files as each unit is asked for,
+/// or a random initialisation from `seed`, drawn in unit order — then a
+/// LoRA run's fresh adapters, drawn from `seed + 1`.
+pub struct StartingParams<'a> {
+    run: &'a RunModel,
+    weights: Option<WeightReader>,
+    seed: i64,
+    device: Device,
+    adapters: Vec<Vec<Tensor>>,
+}
+
+impl<'a> StartingParams<'a> {
+    /// Checks the weights `start` names against the model (every name and shape) before anything is read.
+    pub fn new(run: &'a RunModel, start: &Start, seed: i64, device: Device) -> Result<StartingParams<'a>> {
+        let weights = start.weights_dir().map(|dir| WeightReader::open(run.base(), dir)).transpose()?;
+        Ok(StartingParams { run, weights, seed, device, adapters: vec![] })
+    }
+}
+
+impl InitialParams for StartingParams<'_> {
+    fn unit(&mut self, unit: usize) -> Result<Vec<Tensor>> {
+        let base = self.run.base();
+        let base_units = base.units().len();
+        if unit >= base_units {
+            let lora = self.run.lora().context("a model without adapters has only its own units")?;
+            if unit == base_units {
+                self.adapters = lora.initial_adapters(self.seed.wrapping_add(1), self.device);
+            }
+            return Ok(std::mem::take(&mut self.adapters[unit - base_units]));
+        }
+        match &self.weights {
+            Some(reader) => reader.unit(base, unit, Kind::Float, self.device),
+            None => {
+                // Seeded at the first unit, so the draws are those of `init_params`.
+                if unit == 0 {
+                    tch::manual_seed(self.seed);
+                }
+                Ok(base.units()[unit].params.iter().map(|spec| spec.initial(Kind::Float, self.device)).collect())
+            }
+        }
     }
 }
 
 /// Where a run's base weights are, for its checkpoints and adapter to
 /// name: the directory `start` read; for a LoRA run on a randomly
 /// initialised base (a config.json alone, the demo, `--init random`), that
-/// base — `params`, written by rank 0 in `dtype` to `output`/base-model, so
-/// its adapters have the weights they adapt; else none. Every rank calls it.
-pub fn base_weights_dir(
-    run: &RunModel,
-    start: &Start,
-    params: &[Vec<Tensor>],
-    output: &Path,
-    dtype: Kind,
-    comm: &Communicator,
-) -> Result<Option<PathBuf>> {
+/// base — drawn from `seed` as the run's `StartingParams` draw it, written
+/// by rank 0 in `dtype` to `output`/base-model a file at a time, so its
+/// adapters have the weights they adapt; else none. Every rank calls it.
+pub fn base_weights_dir(run: &RunModel, start: &Start, seed: i64, output: &Path, dtype: Kind, comm: &Communicator) -> Result<Option<PathBuf>> {
     if let Some(dir) = start.weights_dir() {
         return Ok(Some(dir.to_path_buf()));
     }
@@ -228,7 +259,8 @@ pub fn base_weights_dir(
     }
     let dir = output.join("base-model");
     if comm.env().rank == 0 {
-        save(run.base(), params, &dir, dtype)?;
+        let mut params = StartingParams::new(run, start, seed, Device::Cpu)?;
+        write_model(run.base(), &dir, dtype, DEFAULT_MAX_SHARD_BYTES, |unit| params.unit(unit))?;
     }
     comm.world().barrier()?.wait()?;
     Ok(Some(dir))
@@ -410,108 +442,165 @@ pub fn load_params_with_report(
     dtype: Kind,
     device: Device,
 ) -> Result<(Vec<Vec<Tensor>>, LoadReport)> {
-    let files = WeightFiles::open(dir)?;
-    let tensors = files.tensors();
-    let mut available: BTreeMap<String, (&Path, safetensors::tensor::TensorView<'_>)> = BTreeMap::new();
-    for (path, file) in &tensors {
-        for (name, view) in file.tensors() {
-            if let Some((first, _)) = available.insert(name.clone(), (*path, view)) {
-                bail!("tensor {name} is in both {} and {}: a checkpoint holds each tensor once", first.display(), path.display());
+    let reader = WeightReader::open(model, dir)?;
+    let params = (0..model.units().len()).map(|unit| reader.unit(model, unit, dtype, device)).collect::<Result<_>>()?;
+    Ok((params, reader.report))
+}
+
+/// Where one parameter's starting values come from.
+enum ParamSource {
+    /// A tensor of the checkpoint, by its name there.
+    Stored(String),
+    /// A weight stored as bitsandbytes' 4-bit blocks, by the packed tensor's name.
+    Quantized(String),
+    /// Not in the checkpoint, and the model allows that: its `Init`.
+    Initialised,
+}
+
+/// A model directory's weights, checked whole against the model from the
+/// files' headers (every name and shape: all problems reported together,
+/// before anything is read), then read a unit at a time, so a caller that
+/// places each unit before asking for the next (`train::InitialParams`)
+/// never holds the whole model.
+pub struct WeightReader {
+    dir: PathBuf,
+    files: WeightFiles,
+    /// Per unit, per parameter.
+    sources: Vec<Vec<ParamSource>>,
+    pub report: LoadReport,
+    /// Whether the generator has been seeded for the first initialised parameter.
+    seeded: std::cell::Cell<bool>,
+}
+
+impl WeightReader {
+    pub fn open(model: &dyn Model, dir: &Path) -> Result<WeightReader> {
+        let files = WeightFiles::open(dir)?;
+        let tensors = files.tensors();
+        let mut available: BTreeMap<String, (&Path, safetensors::tensor::TensorView<'_>)> = BTreeMap::new();
+        for (path, file) in &tensors {
+            for (name, view) in file.tensors() {
+                if let Some((first, _)) = available.insert(name.clone(), (*path, view)) {
+                    bail!("tensor {name} is in both {} and {}: a checkpoint holds each tensor once", first.display(), path.display());
+                }
             }
         }
-    }
-    let mut used = BTreeSet::new();
-    let (mut missing, mut misshapen) = (vec![], vec![]);
-    let mut report = LoadReport::default();
-    let mut params = vec![];
-    for unit in model.units() {
-        let mut unit_params = vec![];
-        for spec in &unit.params {
-            let name = checkpoint_names(&spec.hf_name).into_iter().find(|n| available.contains_key(n));
-            let Some(name) = name else {
-                if model.initialised_if_missing(&spec.hf_name) {
-                    if report.initialised.is_empty() {
-                        tch::manual_seed(MISSING_PARAMS_SEED);
+        let mut used = BTreeSet::new();
+        let (mut missing, mut misshapen) = (vec![], vec![]);
+        let mut report = LoadReport::default();
+        let mut sources = vec![];
+        for unit in model.units() {
+            let mut unit_sources = vec![];
+            for spec in &unit.params {
+                let name = checkpoint_names(&spec.hf_name).into_iter().find(|n| available.contains_key(n));
+                let Some(name) = name else {
+                    if model.initialised_if_missing(&spec.hf_name) {
+                        unit_sources.push(ParamSource::Initialised);
+                        report.initialised.push(spec.hf_name.clone());
+                    } else {
+                        missing.push(format!("{} {:?}", spec.hf_name, spec.shape));
                     }
-                    unit_params.push(spec.initial(dtype, device));
-                    report.initialised.push(spec.hf_name.clone());
-                } else {
-                    missing.push(format!("{} {:?}", spec.hf_name, spec.shape));
-                }
-                continue;
-            };
-            let (path, view) = &available[&name];
-            if [nf4::QuantType::Nf4, nf4::QuantType::Fp4].iter().any(|&t| available.contains_key(&nf4::state_key(&name, t))) {
-                // The packed bytes and their statistics, as transformers saves a bitsandbytes 4-bit weight.
-                let part = |key: &str| available.get(key).and_then(|(_, view)| stored_tensor(view).ok());
-                let quantized = nf4::Quantized4bit::from_state_dict(&name, part).with_context(|| format!("{name} in {}", path.display()))?;
-                if quantized.state.shape != spec.shape {
-                    misshapen.push(format!("{name}: {:?} (4-bit) in {}, expected {:?}", quantized.state.shape, path.display(), spec.shape));
+                    continue;
+                };
+                let (path, view) = &available[&name];
+                if [nf4::QuantType::Nf4, nf4::QuantType::Fp4].iter().any(|&t| available.contains_key(&nf4::state_key(&name, t))) {
+                    // The packed bytes and their statistics, as transformers saves a bitsandbytes 4-bit weight (its shape is checked as it is read).
+                    let prefix = format!("{name}.");
+                    used.extend(available.keys().filter(|key| **key == name || key.starts_with(&prefix)).cloned());
+                    report.dequantized.push(name.clone());
+                    unit_sources.push(ParamSource::Quantized(name));
                     continue;
                 }
-                let prefix = format!("{name}.");
-                used.extend(available.keys().filter(|key| **key == name || key.starts_with(&prefix)).cloned());
-                unit_params.push(quantized.dequantize().to_kind(dtype).to_device(device));
-                report.dequantized.push(name);
+                let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
+                if shape != spec.shape {
+                    misshapen.push(format!("{name}: {:?} in {}, expected {:?}", shape, path.display(), spec.shape));
+                    continue;
+                }
+                kind_of(view.dtype()).with_context(|| format!("{name} in {}", path.display()))?;
+                used.insert(name.clone());
+                unit_sources.push(ParamSource::Stored(name));
+            }
+            sources.push(unit_sources);
+        }
+        let tied_head_copy = |name: &str| name == "lm_head.weight" && !model.units().iter().flat_map(|u| &u.params).any(|p| p.hf_name == name);
+        let mut unexpected = vec![];
+        for (name, (_, view)) in &available {
+            if used.contains(name) || ignorable(name) || tied_head_copy(name) {
                 continue;
             }
-            let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
-            if shape != spec.shape {
-                misshapen.push(format!("{name}: {:?} in {}, expected {:?}", shape, path.display(), spec.shape));
-                continue;
-            }
-            used.insert(name.clone());
-            let context = || format!("{name} in {}", path.display());
-            let kind = kind_of(view.dtype()).with_context(context)?;
-            // The fallible calls: libtorch's refusal (an allocation, a device) becomes an error naming the tensor.
-            let tensor = Tensor::f_from_data_size(view.data(), &shape, kind)
-                .and_then(|t| t.f_to_kind(dtype))
-                .and_then(|t| t.f_to_device(device))
-                .with_context(context)?;
-            unit_params.push(tensor);
-        }
-        params.push(unit_params);
-    }
-    let tied_head_copy = |name: &str| name == "lm_head.weight" && !model.units().iter().flat_map(|u| &u.params).any(|p| p.hf_name == name);
-    let mut unexpected = vec![];
-    for (name, (_, view)) in &available {
-        if used.contains(name) || ignorable(name) || tied_head_copy(name) {
-            continue;
-        }
-        if model.ignored_if_unexpected(name) {
-            report.ignored.push(name.clone());
-        } else {
-            unexpected.push(format!("{name} {:?}", view.shape()));
-        }
-    }
-    if !missing.is_empty() || !misshapen.is_empty() || !unexpected.is_empty() {
-        let mut message = format!("the weights in {} do not fit the {} model its config.json describes:", dir.display(), model.model_type());
-        for (what, list) in [("missing", &missing), ("wrong shape", &misshapen), ("unexpected", &unexpected)] {
-            if !list.is_empty() {
-                message += &format!("\n  {what} ({}): {}", list.len(), list.join(", "));
+            if model.ignored_if_unexpected(name) {
+                report.ignored.push(name.clone());
+            } else {
+                unexpected.push(format!("{name} {:?}", view.shape()));
             }
         }
-        bail!(message);
+        if !missing.is_empty() || !misshapen.is_empty() || !unexpected.is_empty() {
+            let mut message = format!("the weights in {} do not fit the {} model its config.json describes:", dir.display(), model.model_type());
+            for (what, list) in [("missing", &missing), ("wrong shape", &misshapen), ("unexpected", &unexpected)] {
+                if !list.is_empty() {
+                    message += &format!("\n  {what} ({}): {}", list.len(), list.join(", "));
+                }
+            }
+            bail!(message);
+        }
+        if let Some(first) = report.dequantized.first() {
+            tracing::info!(
+                "{}: {} weights are bitsandbytes 4-bit blocks (the first: {first}), read dequantized as bitsandbytes dequantizes them; \
+                 --quantize (with --lora-r) holds a LoRA run's base in 4 bits again, quantized anew from these values",
+                dir.display(),
+                report.dequantized.len()
+            );
+        }
+        if !report.initialised.is_empty() || !report.ignored.is_empty() {
+            tracing::warn!(
+                "loading {} into a {} model: initialised {} (not in the checkpoint: random until trained); \
+                 ignored {} (other heads' weights)",
+                dir.display(),
+                model.model_type(),
+                list_or_none(&report.initialised),
+                list_or_none(&report.ignored),
+            );
+        }
+        drop(tensors);
+        Ok(WeightReader { dir: dir.to_path_buf(), files, sources, report, seeded: std::cell::Cell::new(false) })
     }
-    if let Some(first) = report.dequantized.first() {
-        tracing::info!(
-            "{}: {} weights are bitsandbytes 4-bit blocks (the first: {first}), read dequantized as bitsandbytes dequantizes them; \
-             --quantize (with --lora-r) holds a LoRA run's base in 4 bits again, quantized anew from these values",
-            dir.display(),
-            report.dequantized.len()
-        );
+
+    /// Unit `unit`'s parameters of `model` (the model `open` checked), as `dtype` on `device`.
+    pub fn unit(&self, model: &dyn Model, unit: usize, dtype: Kind, device: Device) -> Result<Vec<Tensor>> {
+        let tensors = self.files.tensors();
+        let find = |name: &str| tensors.iter().find_map(|(path, file)| file.tensor(name).ok().map(|view| (*path, view)));
+        model.units()[unit]
+            .params
+            .iter()
+            .zip(&self.sources[unit])
+            .map(|(spec, source)| match source {
+                ParamSource::Initialised => {
+                    if !self.seeded.replace(true) {
+                        tch::manual_seed(MISSING_PARAMS_SEED);
+                    }
+                    Ok(spec.initial(dtype, device))
+                }
+                ParamSource::Quantized(name) => {
+                    let part = |key: &str| find(key).and_then(|(_, view)| stored_tensor(&view).ok());
+                    let context = || format!("{name} in {}", self.dir.display());
+                    let quantized = nf4::Quantized4bit::from_state_dict(name, part).with_context(context)?;
+                    if quantized.state.shape != spec.shape {
+                        bail!("the weights in {} do not fit the {} model: {name} is {:?} (4-bit), expected {:?}", self.dir.display(), model.model_type(), quantized.state.shape, spec.shape);
+                    }
+                    Ok(quantized.dequantize().to_kind(dtype).to_device(device))
+                }
+                ParamSource::Stored(name) => {
+                    let (path, view) = find(name).with_context(|| format!("{name} is no longer in {}", self.dir.display()))?;
+                    let context = || format!("{name} in {}", path.display());
+                    let kind = kind_of(view.dtype()).with_context(context)?;
+                    // The fallible calls: libtorch's refusal (an allocation, a device) becomes an error naming the tensor.
+                    Tensor::f_from_data_size(view.data(), &spec.shape, kind)
+                        .and_then(|t| t.f_to_kind(dtype))
+                        .and_then(|t| t.f_to_device(device))
+                        .with_context(context)
+                }
+            })
+            .collect()
     }
-    if !report.initialised.is_empty() || !report.ignored.is_empty() {
-        tracing::warn!(
-            "loading {} into a {} model: initialised {} (not in the checkpoint: random until trained); \
-             ignored {} (other heads' weights)",
-            dir.display(),
-            model.model_type(),
-            list_or_none(&report.initialised),
-            list_or_none(&report.ignored),
-        );
-    }
-    Ok((params, report))
 }
 
 fn list_or_none(names: &[String]) -> String {

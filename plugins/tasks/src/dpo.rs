@@ -515,6 +515,13 @@ impl Task for Dpo {
         Ok(vec![])
     }
 
+    /// The reference log-probabilities need the starting model whole, unless
+    /// there are none to compute (reference-free, or LoRA's base serving the
+    /// training pairs at every step and no evaluation pairs).
+    fn needs_starting_params(&self) -> bool {
+        !self.reference_free && (self.objective.base_reference.is_none() || self.eval.is_some())
+    }
+
     /// The reference log-probabilities (of the evaluation pairs alone when
     /// LoRA's base runs with every step): those the run kept when it
     /// resumes with the same pairs, else computed from the starting weights
@@ -537,7 +544,8 @@ impl Task for Dpo {
             (false, _) => {
                 let started = std::time::Instant::now();
                 // The reference computes as the steps will: with the parameters in the compute dtype.
-                let params: Vec<Vec<Tensor>> = start.params.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
+                let starting = start.params.context("the dpo task computes its reference from the starting parameters, which the run did not hold whole")?;
+                let params: Vec<Vec<Tensor>> = starting.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
                 // With LoRA's base run at every step, only the evaluation pairs need theirs now.
                 let train = match self.objective.base_reference {
                     None => self.logps(&self.train, start.model, &params, start.dtype, start.comm)?,
