@@ -527,7 +527,8 @@ impl Task for Dpo {
     /// resumes with the same pairs, else computed from the starting weights
     /// (`ft eval`: the reference model) and kept in the run's output.
     fn before_training(&mut self, start: &Start) -> Result<()> {
-        if self.reference_free {
+        if !self.needs_starting_params() {
+            // Nothing to compute: reference-free, or LoRA's base serves every training pair and there is no evaluation file.
             return Ok(());
         }
         let path = start.output.map(|output| output.join(REFERENCE_FILE));
