@@ -321,7 +321,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {
         tracing::info!("random initialisation (train.seed {seed}): {why}");
     }
-    let base_dir = hf::base_weights_dir(&run_model, &start, seed, &output, rank.dtype, &rank.comm)?;
+    let base_dir = hf::base_weights_dir(&run_model, &start, seed, rank.device, &output, rank.dtype, &rank.comm)?;
     let params = hf::StartingParams::new(&run_model, &start, seed, rank.device)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;

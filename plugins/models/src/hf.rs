@@ -247,10 +247,11 @@ impl InitialParams for StartingParams<'_> {
 /// Where a run's base weights are, for its checkpoints and adapter to
 /// name: the directory `start` read; for a LoRA run on a randomly
 /// initialised base (a config.json alone, the demo, `--init random`), that
-/// base — drawn from `seed` as the run's `StartingParams` draw it, written
+/// base — drawn from `seed` on `device` exactly as the run's
+/// `StartingParams` draw it (a GPU's generator is not the CPU's), written
 /// by rank 0 in `dtype` to `output`/base-model a file at a time, so its
 /// adapters have the weights they adapt; else none. Every rank calls it.
-pub fn base_weights_dir(run: &RunModel, start: &Start, seed: i64, output: &Path, dtype: Kind, comm: &Communicator) -> Result<Option<PathBuf>> {
+pub fn base_weights_dir(run: &RunModel, start: &Start, seed: i64, device: Device, output: &Path, dtype: Kind, comm: &Communicator) -> Result<Option<PathBuf>> {
     if let Some(dir) = start.weights_dir() {
         return Ok(Some(dir.to_path_buf()));
     }
@@ -259,7 +260,7 @@ pub fn base_weights_dir(run: &RunModel, start: &Start, seed: i64, output: &Path,
     }
     let dir = output.join("base-model");
     if comm.env().rank == 0 {
-        let mut params = StartingParams::new(run, start, seed, Device::Cpu)?;
+        let mut params = StartingParams::new(run, start, seed, device)?;
         write_model(run.base(), &dir, dtype, DEFAULT_MAX_SHARD_BYTES, |unit| params.unit(unit))?;
     }
     comm.world().barrier()?.wait()?;
