@@ -60,7 +60,7 @@ pub struct PackedLayout {
     nested_code: Option<Tensor>,
 }
 
-/// Blocks of `numel` values in blocks of `blocksize`.
+/// How many blocks of `blocksize` values hold `numel` values.
 fn blocks(numel: i64, blocksize: i64) -> i64 {
     (numel + blocksize - 1) / blocksize
 }
@@ -83,14 +83,14 @@ impl PackedLayout {
                 let shape = spec.params[param].shape.clone();
                 let numel: i64 = shape.iter().product();
                 let storage = if shape.len() == 2 {
-                    let blocks = blocks(numel, quantization.blocksize);
+                    let count = blocks(numel, quantization.blocksize);
                     let packed = take((numel + 1) / 2);
                     if quantization.double_quant {
-                        let absmax = take(blocks);
-                        let nested = take(4 * self::blocks(blocks, nf4::NESTED_BLOCKSIZE));
+                        let absmax = take(count);
+                        let nested = take(4 * blocks(count, nf4::NESTED_BLOCKSIZE));
                         Storage::Quantized { packed, absmax, nested: Some(Nested { absmax: nested, offset: 0.0 }) }
                     } else {
-                        Storage::Quantized { packed, absmax: take(4 * blocks), nested: None }
+                        Storage::Quantized { packed, absmax: take(4 * count), nested: None }
                     }
                 } else {
                     Storage::Kept { at: take(numel * dtype.elt_size_in_bytes() as i64) }
@@ -155,12 +155,12 @@ impl PackedLayout {
                     target.shallow_clone().copy_(&read(*at, piece.numel, self.dtype));
                 }
                 Storage::Quantized { packed, absmax, nested } => {
-                    let blocks = blocks(piece.numel, self.quantization.blocksize);
+                    let count = blocks(piece.numel, self.quantization.blocksize);
                     let absmax = match nested {
-                        None => Absmax::Plain(read(*absmax, blocks, Kind::Float)),
+                        None => Absmax::Plain(read(*absmax, count, Kind::Float)),
                         Some(nested) => Absmax::Nested {
-                            indices: read(*absmax, blocks, Kind::Uint8),
-                            absmax: read(nested.absmax, self::blocks(blocks, nf4::NESTED_BLOCKSIZE), Kind::Float),
+                            indices: read(*absmax, count, Kind::Uint8),
+                            absmax: read(nested.absmax, blocks(count, nf4::NESTED_BLOCKSIZE), Kind::Float),
                             code: self.nested_code.as_ref().expect("made with double quantization").shallow_clone(),
                             blocksize: nf4::NESTED_BLOCKSIZE,
                             offset: nested.offset,
