@@ -325,8 +325,9 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
     assert!(saved >= 3.4 * matrices && saved <= 3.5 * matrices, "{saved} bytes saved on {matrices} weights held in 4 bits instead of fp32");
 }
 
-/// Every strategy trains QLoRA as one rank does — full_shard and
-/// shard_grad_op gather the 4-bit bytes, zero1 and ddp keep them whole,
+/// Every strategy trains QLoRA as one rank does — full_shard,
+/// shard_grad_op and hybrid_shard (two groups of two) gather the 4-bit
+/// bytes, zero1 and ddp keep them whole,
 /// full_shard offloaded keeps the adapters' state on the host — and a rank
 /// killed after step 3 resumes from step 2 to the uninterrupted losses.
 /// The run's adapter, loaded by peft onto its base quantized by
@@ -337,7 +338,8 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     let scratch = tempfile::tempdir().unwrap();
     let run = |name: &str, ranks: usize, extra: &[&str], fault: Option<&str>| {
         let out = scratch.path().join(name);
-        let (ranks, batch) = (ranks.to_string(), (6 / ranks).to_string());
+        // A global batch of 12: 12 × 1, 6 × 2, 4 × 3, 3 × 4.
+        let (ranks, batch) = (ranks.to_string(), (12 / ranks).to_string());
         let flags = ["--lora-r", "4", "--lora-targets", "all-linear", "--quantize", "nf4", "--max-steps", "4", "--nproc-per-node", &ranks, "--batch-size", &batch];
         let mut command = ft();
         command.args(["train", "--output-dir", out.to_str().unwrap(), "--eval-samples", "8", "--lr", "1e-2", "--report-to", "jsonl", "--device", "cpu"]).args(flags).args(extra);
@@ -357,10 +359,16 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: losses {ours:?} vs one rank's {theirs:?}");
         }
     };
-    for (ranks, strategy, offload) in [(2, "ddp", false), (2, "full_shard", true), (3, "shard_grad_op", false), (3, "zero1", false)] {
-        let name = format!("{strategy}-{ranks}{}", if offload { "-offload" } else { "" });
-        let offload: &[&str] = if offload { &["--offload", "cpu"] } else { &[] };
-        let (succeeded, out, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload].concat(), None);
+    let cases: [(usize, &[&str]); 5] = [
+        (2, &["--strategy", "ddp"]),
+        (2, &["--strategy", "full_shard", "--offload", "cpu"]),
+        (3, &["--strategy", "shard_grad_op"]),
+        (3, &["--strategy", "zero1"]),
+        (4, &["--strategy", "hybrid_shard", "--shard-group-size", "2"]),
+    ];
+    for (ranks, flags) in cases {
+        let name = format!("{}-{ranks}", flags[1]);
+        let (succeeded, out, log) = run(&name, ranks, flags, None);
         assert!(succeeded, "{name}: {log}");
         close(&losses(&out), &expected, &name);
     }
