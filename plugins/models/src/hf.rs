@@ -591,13 +591,10 @@ impl WeightReader {
                 }
                 ParamSource::Stored(name) => {
                     let (path, view) = find(name).with_context(|| format!("{name} is no longer in {}", self.dir.display()))?;
-                    let context = || format!("{name} in {}", path.display());
-                    let kind = kind_of(view.dtype()).with_context(context)?;
                     // The fallible calls: libtorch's refusal (an allocation, a device) becomes an error naming the tensor.
-                    Tensor::f_from_data_size(view.data(), &spec.shape, kind)
-                        .and_then(|t| t.f_to_kind(dtype))
-                        .and_then(|t| t.f_to_device(device))
-                        .with_context(context)
+                    stored_tensor(&view)
+                        .and_then(|t| Ok(t.f_to_kind(dtype)?.f_to_device(device)?))
+                        .with_context(|| format!("{name} in {}", path.display()))
                 }
             })
             .collect()

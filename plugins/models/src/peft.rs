@@ -71,14 +71,7 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
         "inference_mode": true,
     });
     crate::hf::write_weights(&tensors, &dir.join(WEIGHTS_FILE))?;
-    let quantization_path = dir.join(QUANTIZATION_FILE);
-    match lora.quantized_base() {
-        Some(quantization) => std::fs::write(&quantization_path, serde_json::to_string_pretty(&quantization)? + "\n")
-            .with_context(|| format!("cannot write {}", quantization_path.display()))?,
-        // An earlier adapter's, in a directory written over: it would describe another base.
-        None if quantization_path.exists() => std::fs::remove_file(&quantization_path).with_context(|| format!("cannot remove {}", quantization_path.display()))?,
-        None => {}
-    }
+    write_quantization(dir, lora.quantized_base())?;
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", config_path.display()))
 }
@@ -95,8 +88,20 @@ pub fn load_adapted(dir: &Path, dtype: Kind, device: Device) -> Result<(LoraMode
     load_adapted_on(dir, &base_model_dir(dir)?, dtype, device)
 }
 
+/// Records in `dir` how the base of its adapter is quantized; without a
+/// quantization, removes an earlier adapter's record (in a directory
+/// written over, it would describe another base).
+pub fn write_quantization(dir: &Path, quantization: Option<Quantization>) -> Result<()> {
+    let path = dir.join(QUANTIZATION_FILE);
+    match quantization {
+        Some(quantization) => std::fs::write(&path, serde_json::to_string_pretty(&quantization)? + "\n").with_context(|| format!("cannot write {}", path.display())),
+        None if path.exists() => std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display())),
+        None => Ok(()),
+    }
+}
+
 /// How the base of the adapter in `dir` is quantized, if it is.
-fn read_quantization(dir: &Path) -> Result<Option<Quantization>> {
+pub fn read_quantization(dir: &Path) -> Result<Option<Quantization>> {
     let path = dir.join(QUANTIZATION_FILE);
     if !path.exists() {
         return Ok(None);

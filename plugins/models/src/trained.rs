@@ -75,14 +75,10 @@ pub fn export(source: &Path, out: &Path, export: &Export) -> Result<String> {
         } else {
             // The adapter files as they are; the base's config names its special tokens.
             std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-            let quantized = source.join(peft::QUANTIZATION_FILE).exists().then_some(peft::QUANTIZATION_FILE);
-            if quantized.is_none() && out.join(peft::QUANTIZATION_FILE).exists() {
-                // An earlier export's, which would describe another base.
-                std::fs::remove_file(out.join(peft::QUANTIZATION_FILE)).with_context(|| format!("cannot remove {}", out.join(peft::QUANTIZATION_FILE).display()))?;
-            }
-            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE].into_iter().chain(quantized) {
+            for name in [peft::CONFIG_FILE, peft::WEIGHTS_FILE] {
                 std::fs::copy(source.join(name), out.join(name)).with_context(|| format!("cannot copy {} to {}", source.join(name).display(), out.display()))?;
             }
+            peft::write_quantization(out, peft::read_quantization(source)?)?;
             hf::read_config(&base_dir).with_context(|| format!("the base model of adapter {}", source.display()))?
         }
     } else {
