@@ -4,6 +4,7 @@
 
 use figment::value::Value;
 use ft_core::config::Quantize;
+use ft_core::lora::RunModel;
 use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
 
@@ -49,7 +50,7 @@ impl Overrides {
     }
 }
 
-/// LoRA's flags (`train.lora.*`), shared by `ft train` and `ft bench`.
+/// LoRA's flags (`train.lora.*`, `model.quantize`), shared by `ft train`, `ft bench` and `ft plan`.
 #[derive(clap::Args, Clone, Default)]
 pub struct LoraArgs {
     /// Train rank-R low-rank adapters on the frozen model instead of every parameter (train.lora.r).
@@ -83,6 +84,15 @@ impl LoraArgs {
             .set("train.lora.dropout", self.lora_dropout)
             .set("train.lora.targets", self.lora_targets.clone())
             .serialized("model.quantize", self.quantize);
+    }
+
+    /// `base` as these flags make it: adapters on it, its blocks in 4 bits
+    /// (what `ft plan` and `ft bench --plan-check` predict for).
+    pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> anyhow::Result<RunModel> {
+        let mut overrides = Overrides::default();
+        self.set(&mut overrides);
+        let config = ft_core::Config::load(None, &overrides.0, &[])?;
+        RunModel::new(base, &config.train.lora, config.model.quantization())
     }
 
     /// The same flags, for a worker's command line.

@@ -171,8 +171,8 @@ fn report(args: &BenchArgs, mut rows: Vec<Row>, plugins: &[PathBuf]) -> Result<i
 /// Each row beside `ft plan`'s prediction.
 fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()> {
     let registry = Registry::with_plugins(plugins)?;
-    let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()).collect::<Result<Vec<_>>>()?;
-    let models: Vec<&dyn Model> = models.iter().map(|m| m.as_ref()).collect();
+    let models = args.configs.iter().map(|config| args.lora.run_model(hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()?)).collect::<Result<Vec<_>>>()?;
+    let models: Vec<&dyn Model> = models.iter().map(|m| m.model()).collect();
     let gpu = match &args.gpu {
         Some(name) => GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))?,
         None => gpu::local_gpu(0)

@@ -1,7 +1,7 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_positive, parse_reduce_dtype, parse_size};
+use crate::args::{parse_positive, parse_reduce_dtype, parse_size, LoraArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
@@ -21,6 +21,9 @@ pub struct PlanArgs {
     /// Override config keys, e.g. --set num_hidden_layers=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
+    /// Plan LoRA adapters on the frozen model (and with --quantize, QLoRA's 4-bit base) as `ft train` runs them.
+    #[command(flatten)]
+    lora: LoraArgs,
     /// GPUs in all (the world size).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
@@ -127,7 +130,7 @@ fn gpu_of(args: &PlanArgs) -> Result<(&'static GpuSpec, Option<(String, f64)>)> 
 
 pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
-    let model = hf::ModelSource::resolve(&args.model)?.set_keys(&args.overrides)?.model()?;
+    let model = args.lora.run_model(hf::ModelSource::resolve(&args.model)?.set_keys(&args.overrides)?.model()?)?;
     let dtype = args.dtype.kind(tch::Device::Cuda(0));
     let (spec, local) = gpu_of(&args)?;
     let mut cluster = Cluster::new(spec, args.gpus, args.nodes, dtype)?;
@@ -156,7 +159,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
     cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);
     let workload = Workload {
-        model: model.as_ref(),
+        model: model.model(),
         batch: args.batch,
         seq: args.seq,
         grad_accum: args.grad_accum,

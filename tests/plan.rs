@@ -205,12 +205,22 @@ fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let [config, train_file, tokenizer] = common::demo_files(dir.path());
     let mut plans: HashMap<String, Value> = HashMap::new();
-    for (ranks, strategy) in [1, 2, 4].into_iter().flat_map(|ranks| STRATEGIES.map(|strategy| (ranks, strategy))) {
-        // At 2 ranks the state is offloaded (held on the host); at 4 hybrid
-        // sharding runs as 2 shard groups x 2 replicas.
-        let offload = if ranks == 2 { "cpu" } else { "none" };
-        let extra = if ranks == 4 && strategy == "hybrid_shard" { vec!["--shard-group-size", "2"] } else { vec![] };
-        let name = format!("{strategy}-{offload}-{ranks}");
+    // At 2 ranks the state is offloaded (held on the host); at 4 hybrid
+    // sharding runs as 2 shard groups x 2 replicas.
+    let mut cases: Vec<(usize, &str, &str, Vec<&str>)> = [1, 2, 4]
+        .into_iter()
+        .flat_map(|ranks| STRATEGIES.map(|strategy| (ranks, strategy)))
+        .map(|(ranks, strategy)| {
+            let extra = if ranks == 4 && strategy == "hybrid_shard" { vec!["--shard-group-size", "2"] } else { vec![] };
+            (ranks, strategy, if ranks == 2 { "cpu" } else { "none" }, extra)
+        })
+        .collect();
+    // LoRA's frozen base and adapters, and QLoRA's 4-bit blocks: packed and
+    // sharded with the adapters' state offloaded, packed and whole.
+    let qlora = vec!["--lora-r", "4", "--lora-targets", "q,o,up,down", "--quantize", "nf4"];
+    cases.extend([(2, "full_shard", "cpu", qlora.clone()), (2, "ddp", "none", qlora), (2, "zero1", "none", vec!["--lora-r", "4"])]);
+    for (ranks, strategy, offload, extra) in cases {
+        let name = format!("{strategy}-{offload}-{ranks}{}", extra.join(""));
         let output_dir = dir.path().join(&name);
         let output = ft()
             .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap()])
@@ -233,7 +243,7 @@ fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
         let held = summary["state_per_rank"].as_array().unwrap();
         assert_eq!(held.len(), ranks);
         for (rank, measured) in held.iter().enumerate() {
-            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak"] {
+            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
                 assert_eq!(predicted["state"][what], measured[what], "{name} rank {rank}: {what}");
             }
         }
@@ -346,6 +356,58 @@ fn recorded_h200_rows_are_within_the_calibration_bounds() {
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("plan check: 7 of 7 rows within ±10% peak memory and ±25% step time"), "{log}");
+}
+
+/// LoRA r16 on every linear layer over an NF4 base, as bench/gpu/qlora_7b.sh and qlora_70b_2gpu.sh ran it.
+const QLORA: [&str; 8] = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,o,gate,up,down", "--quantize", "nf4"];
+
+fn llama_70b() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/configs/llama-2-70b.json")
+}
+
+#[test]
+fn qlora_rows_measured_on_h100s_are_predicted_and_a_70b_run_fits_two_gpus_only_in_4_bits() {
+    if skipped_without_configs(&["codellama-7b"]) {
+        return;
+    }
+    // tests/fixtures/plan/h100-qlora-bench-rows.json: the `ft bench` rows of
+    // bench/results/2026-11-26-qlora.md (Llama-7B on one H100; Llama-2-70B
+    // full_shard on two, with and without offload).
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan/h100-qlora-bench-rows.json");
+    let output = ft()
+        .args(["bench", "--from-json", fixture.to_str().unwrap(), "--plan-check", "--gpu", "h100"])
+        .args(["--config", shared_config("codellama-7b").to_str().unwrap(), "--config", llama_70b().to_str().unwrap()])
+        .args(QLORA)
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("plan check: 3 of 3 rows within ±10% peak memory and ±25% step time"), "{log}");
+
+    // Llama-2-70B on two 80 GB GPUs: a bf16 base held whole (ddp) cannot
+    // fit; in 4 bits it does, and `--strategy auto` has a choice that fits.
+    let dir = tempfile::tempdir().unwrap();
+    let plan = |quantize: bool| -> Value {
+        let json = dir.path().join(format!("plan-{quantize}.json"));
+        let lora = if quantize { &QLORA[..] } else { &QLORA[..6] };
+        let output = ft()
+            .args(["plan", "--model", llama_70b().to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--batch", "1", "--seq", "2048"])
+            .args(["--host-memory", "2TB", "--json", json.to_str().unwrap()])
+            .args(lora)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+    };
+    let ddp_fits = |plan: &Value| plan["rows"].as_array().unwrap().iter().any(|r| r["strategy"] == "ddp" && r["fits"] == true);
+    let (bf16, nf4) = (plan(false), plan(true));
+    assert!(!ddp_fits(&bf16) && ddp_fits(&nf4), "ddp holds the base whole: {} GB of bf16", bf16["rows"][0]["state"]["frozen"]);
+    let chosen = &nf4["recommended"];
+    assert!(chosen["fits"] == true && chosen["peak_gpu_bytes"].as_f64().unwrap() <= 80e9, "{chosen}");
+    // The 4-bit base is 36.4 GB: each rank of a sharding strategy holds half of it.
+    let full_shard = nf4["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == "none").unwrap();
+    let frozen = full_shard["state"]["frozen"].as_f64().unwrap();
+    assert!((frozen / 18.2e9 - 1.0).abs() < 0.01, "{frozen}");
 }
 
 #[test]

@@ -145,14 +145,6 @@ impl std::iter::Sum for MemoryAccount {
     }
 }
 
-/// What a rank holds for `units` between steps (and its gradients within
-/// one) under `policy`, as rank `group_rank` of a shard group of
-/// `group_size`, computing in `dtype`: the trainer's own account
-/// (`Trainer::memory`), without allocating anything — `ft plan` reads it.
-pub fn rank_memory(units: &[UnitSpec], policy: &ShardingPolicy, group_size: usize, group_rank: usize, dtype: Kind, offload: bool) -> MemoryAccount {
-    units.iter().map(|unit| UnitPlacement::new(policy, unit.numel(), group_size, group_rank, offload).memory(dtype)).sum()
-}
-
 /// How one unit is split over its shard group.
 #[derive(Debug, Clone, Copy)]
 pub struct ShardLayout {
@@ -256,6 +248,19 @@ impl UnitPlacement {
         } else {
             whole.shallow_clone()
         }
+    }
+
+    /// Whether the compute buffer is freed between uses: sharded
+    /// parameters, or packed ones (dequantized for each use).
+    pub fn transient(&self) -> bool {
+        self.params_sharded || self.packed
+    }
+
+    /// Whether the compute buffer is freed after the unit's forward, not
+    /// only after its backward: packed units always (at most two blocks are
+    /// held dequantized), sharded ones when the policy reshards after forward.
+    pub fn released_after_forward(&self, reshard_after_forward: bool) -> bool {
+        self.packed || (reshard_after_forward && self.params_sharded)
     }
 
     /// Whether the device keeps this rank's shard in the compute dtype:
@@ -657,9 +662,9 @@ impl FlatUnit {
         Ok(self.gathered_bytes())
     }
 
-    /// Whether the compute buffer is freed between uses: sharded parameters, or packed ones.
+    /// Whether the compute buffer is freed between uses (`UnitPlacement::transient`).
     pub(crate) fn transient(&self) -> bool {
-        self.placement.params_sharded || self.placement.packed
+        self.placement.transient()
     }
 
     /// Bytes of the unit's buffer while gathered.
@@ -821,7 +826,7 @@ mod tests {
                             let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}");
                             assert_eq!(unit.memory(), measured(&unit), "{case}");
                             let quantization = Quantization { quant_type: QuantType::Nf4, blocksize: 64, double_quant: dtype == Kind::Float };
-                            let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization, tch::Device::Cpu);
+                            let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization);
                             let placement = placement.packed(layout.bytes(), group_size, group_rank);
                             let unit = FlatUnit::new_packed(&spec, &tensors, dtype, placement, layout).unwrap();
                             assert_eq!(unit.memory(), measured(&unit), "packed, {case}");
@@ -833,8 +838,6 @@ mod tests {
                         }
                         let case = format!("{policy:?} in a group of {group_size}, {dtype:?}, offload {offload}");
                         assert_eq!(unit.memory(), measured(&unit), "{case}");
-                        let from_specs = rank_memory(std::slice::from_ref(&spec), policy, group_size, group_rank, dtype, offload);
-                        assert_eq!(from_specs, measured(&unit), "{case}");
                     }
                 }
             }

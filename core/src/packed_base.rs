@@ -11,7 +11,7 @@ use crate::model::UnitSpec;
 use crate::nf4::{self, Absmax, QuantState, Quantization, Quantized4bit};
 use anyhow::{Context, Result};
 use std::sync::Arc;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// Every piece starts at a multiple of this many bytes, so each reads as
 /// its own dtype in place (a float view of the bytes needs its alignment).
@@ -56,7 +56,7 @@ pub struct PackedLayout {
     /// The dtype of kept pieces and of the dequantized values.
     dtype: Kind,
     quantization: Quantization,
-    /// Double quantization's 8-bit code, on the training device.
+    /// Double quantization's 8-bit code, on the training device (made by `pack`).
     nested_code: Option<Tensor>,
 }
 
@@ -70,7 +70,7 @@ impl PackedLayout {
     /// index: `flat::param_offsets`) in the flat compute buffer: its
     /// matrices quantized, its vectors kept in `dtype`. The pieces' values
     /// are written by [`PackedLayout::pack`].
-    pub fn new(spec: &UnitSpec, offsets: &[(usize, i64)], dtype: Kind, quantization: Quantization, device: Device) -> PackedLayout {
+    pub fn new(spec: &UnitSpec, offsets: &[(usize, i64)], dtype: Kind, quantization: Quantization) -> PackedLayout {
         let mut bytes = 0;
         let mut take = |len: i64| {
             let at = bytes;
@@ -98,8 +98,7 @@ impl PackedLayout {
                 Piece { flat_offset, numel, shape, storage }
             })
             .collect();
-        let nested_code = quantization.double_quant.then(|| nf4::dynamic_code(device));
-        PackedLayout { pieces, bytes, dtype, quantization, nested_code }
+        PackedLayout { pieces, bytes, dtype, quantization, nested_code: None }
     }
 
     /// Bytes of the buffer.
@@ -113,6 +112,7 @@ impl PackedLayout {
     pub fn pack(&mut self, spec: &UnitSpec, offsets: &[(usize, i64)], tensors: &[Tensor], padded: i64) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
         let device = tensors[0].device();
+        self.nested_code = self.quantization.double_quant.then(|| nf4::dynamic_code(device));
         let buffer = Tensor::zeros([padded], (Kind::Uint8, device));
         let write = |at: i64, values: &Tensor| {
             let bytes = values.contiguous().reshape([-1]).view_dtype(Kind::Uint8);

@@ -1,8 +1,9 @@
 //! One micro-batch's device memory, walked as `train/step.rs` runs it:
 //! the stages in order and then in reverse, each sharded unit gathered,
-//! prefetched and released where the trainer does it, what each stage keeps
+//! prefetched and released where the trainer does it (a 4-bit unit
+//! dequantized for each use), what each stage keeps
 //! for backward (the model's `Activations`), the LM head's loss buffers,
-//! and each unit's gradient from autograd's flat buffer through its
+//! and each trained unit's gradient (a LoRA stage's: its adapters') from autograd's flat buffer through its
 //! reduction into the step's gradient (`train/reduce.rs`, at most
 //! `REDUCTIONS_IN_FLIGHT` in flight). It allocates nothing.
 
@@ -70,6 +71,8 @@ struct Pending {
 
 struct Walk<'a> {
     placements: &'a [UnitPlacement],
+    /// Each unit's parameter count.
+    numels: Vec<i64>,
     micro: &'a MicroBatch,
     now: PeakBreakdown,
     peak: PeakBreakdown,
@@ -84,9 +87,12 @@ impl Walk<'_> {
         kind.elt_size_in_bytes() as f64
     }
 
-    /// Bytes of unit `u`'s whole buffer in the compute dtype.
+    /// Bytes of unit `u`'s whole buffer in the compute dtype (a packed
+    /// unit's `shard` is over its 4-bit bytes, its buffer holds its parameters).
     fn unit_bytes(&self, u: usize) -> f64 {
-        self.placements[u].shard.padded as f64 * Walk::element(self.micro.dtype)
+        let placement = self.placements[u];
+        let elements = if placement.packed { self.numels[u] } else { placement.shard.padded };
+        elements as f64 * Walk::element(self.micro.dtype)
     }
 
     fn note(&mut self) {
@@ -97,17 +103,22 @@ impl Walk<'_> {
     }
 
     fn gather(&mut self, u: usize) {
-        if self.placements[u].params_sharded && !self.gathered[u] {
+        let placement = self.placements[u];
+        if placement.transient() && !self.gathered[u] {
             self.gathered[u] = true;
             let bytes = self.unit_bytes(u);
             self.now.gathered += bytes;
             self.gathers.push((u, bytes));
+            if placement.packed && placement.params_sharded {
+                // The whole unit's 4-bit bytes, gathered to be dequantized.
+                self.briefly(placement.shard.padded as f64);
+            }
             self.note();
         }
     }
 
     fn release(&mut self, u: usize) {
-        if self.placements[u].params_sharded && self.gathered[u] {
+        if self.placements[u].transient() && self.gathered[u] {
             self.gathered[u] = false;
             self.now.gathered -= self.unit_bytes(u);
         }
@@ -203,15 +214,16 @@ impl Walk<'_> {
 }
 
 /// What the LM head's loss holds (`train/loss.rs`): while it runs (the
-/// weight's gradient, one chunk of logits — with ATen's ops also their fp32
-/// log-probabilities —, the hidden states' gradient in pieces and
-/// concatenated twice), and after it, until the head's backward.
-fn lm_loss_bytes(model: &dyn Model, micro: &MicroBatch) -> (f64, f64) {
+/// weight's gradient when `weight_trains`, one chunk of logits — with
+/// ATen's ops also their fp32 log-probabilities —, the hidden states'
+/// gradient in pieces and concatenated twice), and after it, until the
+/// head's backward.
+fn lm_loss_bytes(model: &dyn Model, micro: &MicroBatch, weight_trains: bool) -> (f64, f64) {
     let dims = model.dims();
     let element = Walk::element(micro.dtype);
     let targets = (micro.batch * (micro.seq - 1)).max(1) as f64;
     let chunk = (micro.loss_chunk_tokens as f64).min(targets);
-    let weight_grad = (dims.vocab * dims.hidden) as f64 * element;
+    let weight_grad = if weight_trains { (dims.vocab * dims.hidden) as f64 * element } else { 0.0 };
     // ft's fused kernel writes d loss / d logits over bf16 logits.
     let logits_element = if micro.dtype == Kind::BFloat16 { element } else { element + 4.0 };
     let hidden_grad = (micro.batch * micro.seq * dims.hidden) as f64 * element;
@@ -235,6 +247,7 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
     let offload = placements.iter().any(|p| p.offload);
     let mut walk = Walk {
         placements,
+        numels: model.units().iter().map(|unit| unit.numel()).collect(),
         micro,
         now: PeakBreakdown::default(),
         peak: PeakBreakdown::default(),
@@ -262,7 +275,7 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
             StageKind::Block => walk.now.activations += block,
             StageKind::Head if causal_lm => {
                 walk.now.activations += output;
-                let (during, after) = lm_loss_bytes(model, micro);
+                let (during, after) = lm_loss_bytes(model, micro, !placements[stage.unit].frozen);
                 walk.now.loss += during;
                 walk.note();
                 walk.now.loss = after;
@@ -271,7 +284,7 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
         }
         walk.note();
         let used_next = stages.get(index + 1).is_none_or(|next| next.unit == stage.unit);
-        if reshard_after_forward && !used_next {
+        if placements[stage.unit].released_after_forward(reshard_after_forward) && !used_next {
             walk.release(stage.unit);
         }
     }
@@ -290,14 +303,18 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
             walk.now.activations += block - output;
             walk.note();
         }
-        if !flat_gradient[unit] {
-            flat_gradient[unit] = true;
-            walk.now.transient += walk.unit_bytes(unit);
+        // What gets a gradient here: the unit unless frozen, and the stage's adapters.
+        let trained: Vec<usize> = Some(unit).filter(|&u| !placements[u].frozen).into_iter().chain(stage.adapter).collect();
+        for &u in &trained {
+            if !flat_gradient[u] {
+                flat_gradient[u] = true;
+                walk.now.transient += walk.unit_bytes(u);
+            }
         }
         // The parameters' gradients before autograd concatenates them into
         // the flat one, and the intermediates' gradients.
-        let working = walk.unit_bytes(unit) + if stage.kind == StageKind::Block { block_backward } else { 0.0 };
-        walk.briefly(working);
+        let parameter_grads: f64 = trained.iter().map(|&u| walk.unit_bytes(u)).sum();
+        walk.briefly(parameter_grads + if stage.kind == StageKind::Block { block_backward } else { 0.0 });
         match stage.kind {
             StageKind::Embed => walk.now.activations -= embed,
             StageKind::Block => walk.now.activations -= block,
@@ -307,14 +324,17 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
             }
             StageKind::Head => {}
         }
+        if let Some(adapter) = stage.adapter {
+            walk.reduce(adapter);
+        }
         let gradient_complete = stages.iter().position(|s| s.unit == unit) == Some(index);
-        if gradient_complete {
+        if gradient_complete && !placements[unit].frozen {
             walk.reduce(unit);
-            while walk.pending.len() > REDUCTIONS_IN_FLIGHT {
-                walk.finish_oldest_reduction();
-            }
-            walk.release(unit);
-        } else if reshard_after_forward && stages[index - 1].unit != unit {
+        }
+        while walk.pending.len() > REDUCTIONS_IN_FLIGHT {
+            walk.finish_oldest_reduction();
+        }
+        if gradient_complete || (placements[unit].released_after_forward(reshard_after_forward) && stages[index - 1].unit != unit) {
             walk.release(unit);
         }
     }

@@ -4,8 +4,10 @@
 //! micro-batch each fitting one allows.
 //!
 //! Memory is the engine's own account, not a second formula: what a rank
-//! holds between steps is `flat::rank_memory` (what `Trainer::memory`
-//! reports, by the same `UnitPlacement` the trainer allocates with), and the
+//! holds between steps is each unit's `UnitPlacement::memory` (what
+//! `Trainer::memory` reports), placed by `train::unit_placements` as the
+//! trainer places them (LoRA's frozen base and adapters, QLoRA's 4-bit
+//! blocks included), and the
 //! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
 //! with the model's activations per token (`Model::activations`). Time is
 //! `time.rs`. `ft train --strategy auto` runs the recommendation, and a
@@ -41,7 +43,7 @@ pub use time::{StepTime, ACHIEVED_FRACTION};
 use crate::collectives_bench::{Collective, CommTestRow};
 use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
-use crate::flat::{param_offsets, rank_memory, MemoryAccount, UnitPlacement};
+use crate::flat::{param_offsets, MemoryAccount, UnitPlacement};
 use crate::gpu::GpuSpec;
 use crate::model::Model;
 use crate::offload::{NoOffload, Offload};
@@ -326,7 +328,8 @@ pub struct Plan {
 
 /// The placements of `workload`'s units under `setup` in a shard group of `group`.
 fn placements(workload: &Workload, setup: &Setup, group: usize) -> Vec<UnitPlacement> {
-    workload.model.units().iter().map(|u| UnitPlacement::new(&setup.policy, u.numel(), group, 0, setup.offload_to_host)).collect()
+    let placed = crate::train::unit_placements(workload.model, &setup.policy, group, 0, setup.offload_to_host, workload.dtype);
+    placed.into_iter().map(|(placement, _)| placement).collect()
 }
 
 /// Device bytes at a micro-batch's peak with `batch` examples: allocated, and with the margins.
@@ -345,6 +348,11 @@ fn device_peak(workload: &Workload, setup: &Setup, placements: &[UnitPlacement],
     walk(workload.model, placements, state, reshard_after_forward, &micro)
 }
 
+/// Elements this rank's optimizer updates (frozen units have none).
+fn optimized_elements(placements: &[UnitPlacement]) -> f64 {
+    placements.iter().filter(|p| !p.frozen).map(|p| p.owned_len() as f64).sum()
+}
+
 fn with_margins(allocated: f64) -> f64 {
     allocated * (1.0 + FRAGMENTATION) + RUNTIME_RESERVE
 }
@@ -360,7 +368,9 @@ fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], plac
     let reduce = workload.reduce_dtype.kind(workload.dtype);
     for (unit, placement) in units.iter().zip(placements) {
         let (whole, shard) = (placement.shard.padded, placement.shard.len);
-        for &stage in &plan.stages {
+        // A frozen unit has no gradient to reduce.
+        let stages = if placement.frozen { &[][..] } else { &plan.stages[..] };
+        for &stage in stages {
             let request = match stage {
                 ReduceStage::World => WireRequest { wire: Wire::Reduce(stage), elements: whole, dtype: reduce, group_size: plan.world_size },
                 ReduceStage::Shard => WireRequest { wire: Wire::Reduce(stage), elements: whole, dtype: reduce, group_size: shard_group },
@@ -376,7 +386,8 @@ fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], plac
                 _ => reductions.push(workspace),
             }
         }
-        if plan.gathers && placement.params_sharded {
+        // 4-bit bytes are gathered by the built-in collective, never the hook.
+        if plan.gathers && placement.params_sharded && !placement.packed {
             let request = WireRequest { wire: Wire::Gather, elements: shard, dtype: workload.dtype, group_size: shard_group };
             bytes += hook.state_bytes(unit, &request);
             gathers.push(hook.workspace_bytes(unit, &request));
@@ -398,7 +409,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         workload.model.units().iter().zip(&placements).map(|(spec, p)| UnitInfo::new(spec, param_offsets(spec), p.shard.padded)).collect();
     let comm_plan = setup.policy.comm_plan(setup.strategy, cluster.gpus, group, setup.offload_to_host);
     let comm_state = setup.comm.map_or(0.0, |c| comm_state(c.hook.as_ref(), workload, &units, &placements, &comm_plan, group));
-    let state = MemoryAccount { comm_state, ..rank_memory(workload.model.units(), &setup.policy, group, 0, workload.dtype, setup.offload_to_host) };
+    let held: MemoryAccount = placements.iter().map(|p| p.memory(workload.dtype)).sum();
+    let state = MemoryAccount { comm_state, ..held };
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
     let peak_allocated_bytes = step.peak.total();
@@ -406,7 +418,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
 
     // Offloaded, the step's gradient pieces sit in pinned memory, and as
     // many again stay cached by CUDA's host allocator for the next step.
-    let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
+    let owned = optimized_elements(&placements);
     let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
     let staging = if setup.offload_to_host { 2.0 * workload.grad_accum as f64 * owned * reduce } else { 0.0 };
     let host_bytes = cluster.gpus_per_node() as f64 * (state.host + staging + PROCESS_HOST_BYTES);

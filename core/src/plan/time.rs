@@ -1,5 +1,6 @@
 //! One optimizer step's time: the model's FLOPs at the GPU's achieved rate,
-//! AdamW's pass over the optimizer state at memory bandwidth, the bytes each
+//! AdamW's pass over the optimizer state and each dequantization of a 4-bit
+//! unit at memory bandwidth, the bytes each
 //! collective moves at the bus bandwidth (nccl-tests' busbw, what `ft
 //! comm-test` measures), and offload's host optimizer and transfers — each
 //! rate from the tables below, or as `ft calibrate` measured it
@@ -28,6 +29,11 @@ pub const ACHIEVED_FRACTION: f64 = 0.42;
 /// The share of the memory bandwidth AdamW's kernel reaches (3.8 of 4.8 TB/s on an H200).
 const OPTIMIZER_BANDWIDTH_FRACTION: f64 = 0.8;
 
+/// The share of the memory bandwidth ft's 4-bit dequantization kernel
+/// reaches: 1.4-2.0 of an H100's 3.35 TB/s on Llama-7B's weights
+/// (bench/results/2026-11-26-qlora.md).
+const DEQUANTIZE_BANDWIDTH_FRACTION: f64 = 0.5;
+
 /// Bytes AdamW moves per element it updates: master, gradient and two
 /// moments read, master and moments written (28), and the gradient norm's read (4).
 const OPTIMIZER_BYTES: f64 = 32.0;
@@ -53,11 +59,14 @@ pub struct StepTime {
     /// A communication hook's compression and decompression at its measured rate.
     #[serde(default)]
     pub compress: f64,
+    /// 4-bit units dequantized for each use (QLoRA's base).
+    #[serde(default)]
+    pub dequantize: f64,
 }
 
 impl StepTime {
     pub fn total(&self) -> f64 {
-        self.compute + self.communication + self.optimizer + self.offload + self.compress
+        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize
     }
 }
 
@@ -159,11 +168,18 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usiz
     for micro in 0..micro_batches {
         let last = micro + 1 == micro_batches;
         for (i, &(u, _)) in gathers.iter().enumerate() {
-            out.extend(wires.transfers(u, Wire::Gather, placements[u].shard.len, compute, Group::Shard, i == 0));
+            let placement = &placements[u];
+            match (placement.params_sharded, placement.packed) {
+                // A whole 4-bit unit is dequantized where it is: nothing moves.
+                (false, _) => {}
+                // 4-bit bytes go through the built-in all-gather, never a hook (`packed_base.rs`).
+                (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
+                (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, compute, Group::Shard, i == 0)),
+            }
         }
         // Backward reduces the units in reverse: the first stage's unit last.
         let first_unit = workload.model.stages()[0].unit;
-        for (u, placement) in placements.iter().enumerate() {
+        for (u, placement) in placements.iter().enumerate().filter(|(_, p)| !p.frozen) {
             let exposed = u == first_unit;
             let (padded, shard) = (placement.shard.padded, placement.shard.len);
             if placement.grads_sharded {
@@ -180,7 +196,7 @@ fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usiz
     }
     // zero1: each rank updated its slice of the replicated parameters.
     let compute = compute.elt_size_in_bytes() as f64;
-    for placement in placements.iter().filter(|p| p.optimizer_sharded && !p.params_sharded) {
+    for placement in placements.iter().filter(|p| p.optimizer_sharded && !p.params_sharded && !p.frozen) {
         out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64 * compute, exposed: true });
     }
     out
@@ -229,7 +245,7 @@ pub(super) fn step_time(
     }
     let communication = exposed + (overlapped - compute).max(0.0) + CONTENTION * overlapped.min(compute);
 
-    let owned: f64 = placements.iter().map(|p| p.owned_len() as f64).sum();
+    let owned = super::optimized_elements(placements);
     let offloaded = placements.iter().any(|p| p.offload);
     let (optimizer, offload) = if offloaded {
         let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
@@ -248,7 +264,10 @@ pub(super) fn step_time(
         (owned * OPTIMIZER_BYTES / (cluster.memory_bandwidth * OPTIMIZER_BANDWIDTH_FRACTION), 0.0)
     };
     let compress = setup.comm.and_then(|c| c.elements_per_second).map_or(0.0, |rate| wires.changed / rate);
-    StepTime { compute, communication, optimizer, offload, compress }
+    // Each use of a 4-bit unit reads its bytes and writes its compute buffer.
+    let dequantized: f64 = gathers.iter().filter(|&&(u, _)| placements[u].packed).map(|&(u, buffer)| placements[u].shard.padded as f64 + buffer).sum();
+    let dequantize = workload.grad_accum as f64 * dequantized / (cluster.memory_bandwidth * DEQUANTIZE_BANDWIDTH_FRACTION);
+    StepTime { compute, communication, optimizer, offload, compress, dequantize }
 }
 
 #[cfg(test)]

@@ -212,30 +212,17 @@ impl<'m> TrainerBuilder<'m> {
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
-        let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
-        let placement = |unit: usize, numel: i64| {
-            let placement = UnitPlacement::new(&policy, numel, group_size, group_rank, offload.is_some());
-            match (model.frozen(unit), is_adapter(unit)) {
-                (true, _) => placement.frozen(),
-                (false, true) => placement.whole_params(),
-                (false, false) => placement,
-            }
-        };
-        let packed = packed_units(model);
+        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype);
         let units = model
             .units()
             .iter()
+            .zip(placed)
             .enumerate()
-            .map(|(unit, spec)| {
+            .map(|(unit, (spec, (placement, packed)))| {
                 let t = params.unit(unit)?;
-                let device = t[0].device();
-                match (packed.contains(&unit), model.quantized_base()) {
-                    (true, Some(quantization)) => {
-                        let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), options.dtype, quantization, device);
-                        let placement = placement(unit, spec.numel()).packed(layout.bytes(), group_size, group_rank);
-                        FlatUnit::new_packed(spec, &t, options.dtype, placement, layout)
-                    }
-                    _ => FlatUnit::new(spec, &t, options.dtype, placement(unit, spec.numel()), offload),
+                match packed {
+                    Some(layout) => FlatUnit::new_packed(spec, &t, options.dtype, placement, layout),
+                    None => FlatUnit::new(spec, &t, options.dtype, placement, offload),
                 }
             })
             .collect::<Result<Vec<_>>>()?;
@@ -295,14 +282,36 @@ impl<'m> TrainerBuilder<'m> {
     }
 }
 
-/// The units held in 4 bits when the model's base is quantized
-/// (`Model::quantized_base`): the frozen blocks, as bitsandbytes replaces
-/// the blocks' linear layers (the embeddings and the head keep the compute dtype).
-fn packed_units(model: &dyn Model) -> BTreeSet<usize> {
-    match model.quantized_base() {
-        Some(_) => crate::model::block_units(model).filter(|&unit| model.frozen(unit)).collect(),
-        None => BTreeSet::new(),
-    }
+/// Where each of `model`'s units keeps what under `policy`, on rank
+/// `group_rank` of a shard group of `group_size`, computing in `dtype` —
+/// the trainer's rules, which `ft plan` predicts with: a frozen unit (LoRA's
+/// base) only its parameters, an adapter its parameters whole, and, when
+/// the base is held in 4 bits (`Model::quantized_base`), the frozen blocks
+/// as the bytes of their `PackedLayout` (bitsandbytes quantizes the blocks'
+/// linear layers; the embeddings and the head keep the compute dtype).
+pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
+    let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
+    let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
+    model
+        .units()
+        .iter()
+        .enumerate()
+        .map(|(unit, spec)| {
+            let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
+            let placement = match (model.frozen(unit), is_adapter(unit)) {
+                (true, _) => placement.frozen(),
+                (false, true) => placement.whole_params(),
+                (false, false) => placement,
+            };
+            match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
+                Some(quantization) => {
+                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), dtype, quantization);
+                    (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
+                }
+                None => (placement, None),
+            }
+        })
+        .collect()
 }
 
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.

@@ -60,7 +60,7 @@ impl Trainer<'_> {
     /// dequantized block kept to its backward would hold the whole model
     /// in the compute dtype by the head).
     fn released_after_forward(&self, u: usize) -> bool {
-        self.units[u].placement().packed || (self.reshard_after_forward() && self.units[u].placement().params_sharded)
+        self.units[u].placement().released_after_forward(self.reshard_after_forward())
     }
 
     /// Makes unit `u` usable, waiting for its gather if one is in flight.
