@@ -334,6 +334,21 @@ impl WeightFiles {
         Ok(WeightFiles { files })
     }
 
+    /// Drops this process's mappings of the pages read so far: a copied
+    /// tensor's pages would otherwise stay in its resident memory until the
+    /// files close, so reading unit by unit would end with the whole
+    /// checkpoint resident. The page cache keeps them; a later read maps
+    /// them again.
+    fn forget_read_pages(&self) {
+        for (path, map) in &self.files {
+            // SAFETY: the mapping is shared and read-only, so dropping its
+            // pages loses nothing: the next read faults them in from the file.
+            if let Err(error) = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) } {
+                tracing::debug!("madvise(DONTNEED) on {}: {error}", path.display());
+            }
+        }
+    }
+
     fn tensors(&self) -> Vec<(&Path, SafeTensors<'_>)> {
         self.files
             .iter()
@@ -567,6 +582,12 @@ impl WeightReader {
 
     /// Unit `unit`'s parameters of `model` (the model `open` checked), as `dtype` on `device`.
     pub fn unit(&self, model: &dyn Model, unit: usize, dtype: Kind, device: Device) -> Result<Vec<Tensor>> {
+        let params = self.read_unit(model, unit, dtype, device);
+        self.files.forget_read_pages();
+        params
+    }
+
+    fn read_unit(&self, model: &dyn Model, unit: usize, dtype: Kind, device: Device) -> Result<Vec<Tensor>> {
         let tensors = self.files.tensors();
         let find = |name: &str| tensors.iter().find_map(|(path, file)| file.tensor(name).ok().map(|view| (*path, view)));
         model.units()[unit]
