@@ -8,7 +8,8 @@
 //! transformers quantized and saved) and bitsandbytes reads ft's; a malformed state is an error naming the
 //! tensor at fault. Then QLoRA's training: a tiny Llama's loss and adapter
 //! gradients over its 4-bit base equal peft's over bitsandbytes' (through
-//! transformers, on CPU), and every strategy trains it as one rank does.
+//! transformers, on CPU), float8 layers run over the 4-bit base, and every
+//! strategy trains it as one rank does.
 
 use ft_core::config::LoraConfig;
 use ft_core::dataset::Batch;
@@ -18,6 +19,7 @@ use ft_core::model::{Inputs, Model};
 use ft_core::nf4::{self, QuantType, Quantization, Quantized4bit};
 use ft_core::train::{TrainOptions, TrainerBuilder};
 use ft_models::{hf, peft};
+use ft_sys::float8::{Float8, Recipe};
 use ft_tasks::causal_lm::CausalLmLoss;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -242,13 +244,35 @@ struct Step {
     block_matrices: i64,
 }
 
-/// The fixture's Llama in adapters on every linear layer, its base held in
-/// 4 bits as `quantization` says (None: in fp32): one micro-batch, and the
-/// adapter written for peft to `adapter`.
-fn qlora_step(quantization: Option<Quantization>, adapter: &Path) -> Step {
+/// How [`qlora_step`] holds the base and computes.
+#[derive(Clone, Copy)]
+struct Setting {
+    /// The base's blocks in 4 bits (None: in fp32).
+    quantization: Option<Quantization>,
+    /// The values the 4 bits hold, unpacked: the blocks' weights quantized
+    /// and dequantized once, then held in fp32 as a LoRA base is.
+    unpacked: bool,
+    /// The blocks' linear layers in float8.
+    float8: Option<Float8>,
+}
+
+fn quantized(quantization: Option<Quantization>) -> Setting {
+    Setting { quantization, unpacked: false, float8: None }
+}
+
+/// The fixture's Llama in adapters on every linear layer, its base held as
+/// `setting` says: one micro-batch, and the adapter written for peft to `adapter`.
+fn qlora_step(setting: Setting, adapter: &Path) -> Step {
     let base = hf::load_model(&llama()).unwrap();
     let mut params = hf::load_params(base.as_ref(), &llama(), Kind::Float, Device::Cpu).unwrap();
-    let lora = LoraModel::new(base, &LoraConfig { r: 4, alpha: Some(8.0), dropout: 0.0, targets: vec![ALL_LINEAR.into()] }).unwrap().with_quantized_base(quantization);
+    let lora = LoraModel::new(base, &LoraConfig { r: 4, alpha: Some(8.0), dropout: 0.0, targets: vec![ALL_LINEAR.into()] }).unwrap().with_quantized_base(setting.quantization);
+    let lora = match setting.unpacked {
+        true => {
+            lora.round_base_to_4bit(&mut params).unwrap();
+            lora.with_quantized_base(None)
+        }
+        false => lora,
+    };
     params.extend(lora.initial_adapters(5, Device::Cpu));
     // B starts at zero, which would leave A without a gradient.
     for (unit, tensors) in lora.units().iter().zip(&mut params).skip(lora.base_units()) {
@@ -260,7 +284,7 @@ fn qlora_step(quantization: Option<Quantization>, adapter: &Path) -> Step {
     }
     let adapters: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::copy).collect() }).collect();
     peft::save_adapter(&lora, &adapters, adapter, Some(&llama())).unwrap();
-    let options = TrainOptions { max_grad_norm: None, ..Default::default() };
+    let options = TrainOptions { max_grad_norm: None, float8: setting.float8, ..Default::default() };
     let mut trainer = TrainerBuilder::new(&lora, options).build(&params).unwrap();
     let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(llama().join("ids.json")).unwrap()).unwrap();
     let ids = Tensor::from_slice2(&rows);
@@ -294,7 +318,7 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
         .enumerate()
         .map(|(i, &(quant_type, double_quant))| {
             let (adapter, out) = (scratch.path().join(format!("adapter-{i}")), scratch.path().join(format!("out-{i}")));
-            let step = qlora_step(Some(Quantization { quant_type, blocksize: nf4::DEFAULT_BLOCKSIZE, double_quant }), &adapter);
+            let step = qlora_step(quantized(Some(Quantization { quant_type, blocksize: nf4::DEFAULT_BLOCKSIZE, double_quant })), &adapter);
             let ids = llama().join("ids.json");
             let paths = [llama(), adapter, ids, out.clone()].map(|p| p.to_str().unwrap().to_string());
             jobs.extend(["--qlora".to_string()].into_iter().chain(paths).chain([quant_type.name().to_string(), double_quant.to_string()]));
@@ -317,7 +341,7 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
         assert!(error <= 1e-4, "{case}: an adapter's gradient differs from peft's by {error:e}");
     }
     // The base in fp32: the gradients move well past the tolerance, and the frozen blocks' 4 bytes a weight become about half a byte.
-    let full = qlora_step(None, &scratch.path().join("adapter-fp32"));
+    let full = qlora_step(quantized(None), &scratch.path().join("adapter-fp32"));
     let error = worst(&full, &tensors_of(&ours[0].1.join("reference.safetensors")));
     assert!(error > 1e-2, "an unquantized base's gradients differ from QLoRA's by only {error:e}");
     let saved = full.frozen_bytes - ours[0].0.frozen_bytes;
@@ -333,6 +357,27 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
 /// The run's adapter, loaded by peft onto its base quantized by
 /// bitsandbytes through transformers, gives the logits `ft forward` gives
 /// on final/ (which reads the adapter back onto the same 4-bit base).
+/// Float8 layers compose with the 4-bit base: with every block linear layer
+/// in float8 (torchao's tensorwise recipe, emulated), a QLoRA step equals,
+/// bit for bit, the float8 step of LoRA over an fp32 base holding the values
+/// the 4 bits hold — the float8 casts read the dequantized weights — and
+/// differs from the same QLoRA step without float8.
+#[test]
+fn float8_layers_run_over_the_4_bit_base() {
+    let scratch = tempfile::tempdir().unwrap();
+    let quantization = Some(Quantization { quant_type: QuantType::Nf4, blocksize: nf4::DEFAULT_BLOCKSIZE, double_quant: true });
+    let float8 = Some(Float8 { recipe: Recipe::Tensorwise, emulate: true });
+    let packed = qlora_step(Setting { quantization, unpacked: false, float8 }, &scratch.path().join("packed"));
+    let unpacked = qlora_step(Setting { quantization, unpacked: true, float8 }, &scratch.path().join("unpacked"));
+    assert_eq!(packed.loss.to_bits(), unpacked.loss.to_bits(), "loss {} vs {}", packed.loss, unpacked.loss);
+    for (name, grad) in &packed.grads {
+        same_bits(grad, &unpacked.grads[name], name);
+    }
+    let without = qlora_step(quantized(quantization), &scratch.path().join("without-float8"));
+    let moved = packed.grads.iter().map(|(name, grad)| relative(grad, &without.grads[name])).fold(0.0, f64::max);
+    assert!(moved > 1e-4, "float8 changed the adapters' gradients by only {moved:e}");
+}
+
 #[test]
 fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     let scratch = tempfile::tempdir().unwrap();
