@@ -37,6 +37,10 @@ struct CheckArgs {
     /// Optimizer steps per run.
     #[arg(long, default_value_t = 8)]
     steps: usize,
+    /// Keep the built-in runs' losses in DIR, and reuse those of a later check
+    /// whose built-in run is the same (ft, plug-ins, flags, environment).
+    #[arg(long, value_name = "DIR")]
+    cache: Option<PathBuf>,
 }
 
 pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
@@ -66,6 +70,7 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
         steps: args.steps.max(6),
         scratch: work.join("runs"),
         logs: work.join("logs"),
+        cache: args.cache,
     };
     let rows = conformance::check(&request, &registry)?;
     // Gone unless it keeps a failed run's log.

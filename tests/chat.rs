@@ -31,6 +31,18 @@ fn python(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// chat_reference.py's `batch` of `commands` (each one's arguments), in one
+/// process: transformers loads once. Its standard output.
+fn python_batch(dir: &Path, commands: &[Vec<String>]) -> String {
+    let file = dir.join("commands.json");
+    std::fs::write(&file, serde_json::to_string(commands).unwrap()).unwrap();
+    python(&["batch", file.to_str().unwrap()])
+}
+
+fn string(path: &Path) -> String {
+    path.to_str().unwrap().to_string()
+}
+
 /// A tokenizer directory (as transformers saves it) for `template`
 /// (tests/fixtures/chat/TEMPLATE.jinja) with its BOS and EOS: GPT-2's from
 /// the shared data (the test checks it is there).
@@ -67,18 +79,27 @@ fn chat_templates_tokenize_as_transformers_applies_them() {
         ("mistral", "<s>", "</s>", false),
         ("generation", "<|endoftext|>", "<|im_end|>", false),
     ];
-    for (template, bos, eos, in_config) in cases {
-        let dir = tempfile::tempdir().unwrap();
-        tokenizer_dir(dir.path(), template, bos, eos, in_config);
-        let out = dir.path().join("tokens.jsonl");
-        let output = tokenize(dir.path(), &conversations, &out, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let model = |template: &str| dir.path().join(template);
+    // transformers loads once to make every tokenizer directory, and once to check every output.
+    let makes = cases.iter().map(|(template, bos, eos, in_config)| {
+        let mut make = ["make", &string(&shared::path(shared::GPT2_TOKENIZER)), &string(&fixture(&format!("{template}.jinja"))), bos, eos, &string(&model(template))].map(String::from).to_vec();
+        if *in_config {
+            make.push("--in-config".into());
+        }
+        make
+    });
+    python_batch(dir.path(), &makes.collect::<Vec<_>>());
+    let mut checks = vec![];
+    for (template, _, _, in_config) in cases {
+        let out = model(template).join("tokens.jsonl");
+        let output = tokenize(&model(template), &conversations, &out, &[]);
         assert!(output.status.success(), "{template}: {}", text(&output));
-        let checked = python(&["check", dir.path().to_str().unwrap(), conversations.to_str().unwrap(), out.to_str().unwrap()]);
-        eprintln!("{template}: {checked}");
+        checks.push(["check", &string(&model(template)), &string(&conversations), &string(&out)].map(String::from).to_vec());
         if in_config {
             // Rows with tools get the template named `tool_use` beside `default`, as transformers picks it (this one refuses every row).
             let tools = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/tools.jsonl");
-            let output = tokenize(dir.path(), &tools, &out, &[]);
+            let output = tokenize(&model(template), &tools, &model(template).join("tools-tokens.jsonl"), &[]);
             assert!(!output.status.success() && text(&output).contains("not this one") && text(&output).contains("no example left"), "{}", text(&output));
         }
         if template == "mistral" {
@@ -86,6 +107,9 @@ fn chat_templates_tokenize_as_transformers_applies_them() {
             assert!(log.contains("Conversation roles must alternate") && log.contains("3 skipped as the chat template cannot render them"), "{log}");
         }
     }
+    let checked = python_batch(dir.path(), &checks);
+    eprintln!("{checked}");
+    assert_eq!(checked.matches("examples equal").count(), checks.len(), "{checked}");
 }
 
 #[test]
@@ -327,13 +351,8 @@ fn published_chat_templates_tokenize_as_transformers_applies_them() {
     let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
     let gpt2 = shared::path(shared::GPT2_TOKENIZER);
     let dir = tempfile::tempdir().unwrap();
-    let string = |path: &Path| path.to_str().unwrap().to_string();
     // transformers loads once for all the tokenizer directories, and once for all the checks.
-    let batch = |commands: &[Vec<String>]| {
-        let file = dir.path().join("commands.json");
-        std::fs::write(&file, serde_json::to_string(commands).unwrap()).unwrap();
-        python(&["batch", file.to_str().unwrap()])
-    };
+    let batch = |commands: &[Vec<String>]| python_batch(dir.path(), commands);
     batch(
         &CORPUS
             .iter()
@@ -376,16 +395,22 @@ fn sharegpt_alpaca_and_trl_rows_tokenize_as_the_peers_format_them() {
     let dir = tempfile::tempdir().unwrap();
     let qwen = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/qwen2.5.jinja");
     tokenizer_dir_for(dir.path(), &qwen, "<|endoftext|>", "<|im_end|>", false);
-    let out = dir.path().join("tokens.jsonl");
+    let mut checks = vec![];
     for (file, format) in [("sharegpt.jsonl", "sharegpt"), ("alpaca.jsonl", "alpaca"), ("trl.jsonl", "prompt_completion")] {
         let rows = fixture(file);
         for extra in [vec![], vec!["--set".to_string(), format!("data.format={format}")]] {
             let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let out = dir.path().join(format!("{file}-{}.tokens.jsonl", checks.len()));
             let output = tokenize(dir.path(), &rows, &out, &extra);
             assert!(output.status.success(), "{file} {extra:?}: {}", text(&output));
-            eprintln!("{file} {extra:?}: {}", python(&["check", dir.path().to_str().unwrap(), rows.to_str().unwrap(), out.to_str().unwrap(), "--all"]));
+            checks.push(["check", &string(dir.path()), &string(&rows), &string(&out), "--all"].map(String::from).to_vec());
         }
     }
+    // transformers loads once for every check.
+    let checked = python_batch(dir.path(), &checks);
+    eprintln!("{checked}");
+    assert_eq!(checked.matches("examples equal").count(), checks.len(), "{checked}");
+    let out = dir.path().join("tokens.jsonl");
     // An unknown ShareGPT speaker is an error naming the file and line.
     let rows = dir.path().join("bad.jsonl");
     std::fs::write(&rows, "{\"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}]}\n{\"conversations\": [{\"from\": \"bot\", \"value\": \"hi\"}]}\n").unwrap();

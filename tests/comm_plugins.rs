@@ -255,10 +255,14 @@ fn bad_communication_choices_are_refused_in_one_line() {
 fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
     // Where the kit keeps its runs and the logs of failed ones.
     let scratch = tempfile::tempdir().unwrap();
+    // The built-in runs are the same for every check of a strategy (neither the hook's library nor its
+    // comm.* settings enter them): made once, by the first check that needs them, then reused.
+    let cache = scratch.path().join("builtin-runs");
     // The faults are the hook's whatever the strategy: they are checked under ddp alone.
     let check_under = |strategies: &str, name: &str, extra: &[&str]| {
         let output = ft()
             .args(["plugin", "check", library(name).to_str().unwrap(), "--strategy", strategies, "--steps", "6"])
+            .args(["--cache", cache.to_str().unwrap()])
             .args(extra)
             .env("TMPDIR", scratch.path())
             .output()
@@ -288,6 +292,9 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
         if name == "powersgd" {
             assert!(table.contains("full_shard at 2 ranks") && table.contains("skip  the hook refuses it"), "{table}");
         }
+        // ddp's built-in runs were made by powersgd's check, full_shard's by int8's.
+        let reused = table.matches("the built-in's losses reused from").count();
+        assert_eq!(reused, if ["bf16", "ft_test_plugin_identity"].contains(&name) { 2 } else { 0 }, "{name}:\n{table}");
     }
 
     // Ranks that send different sizes: reported by unit and call, not a hang.

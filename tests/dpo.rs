@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{ft, shared, text};
+use common::{ft, made_once, shared, text};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,24 +26,28 @@ const FIGURES: [&str; 8] = ["loss", "grad_norm", "rewards/chosen", "rewards/reje
 
 /// A random tiny Llama in `dir`/model with GPT-2's tokens and Llama 3's chat template and special tokens.
 fn tiny_llama(dir: &Path) -> PathBuf {
-    let model = dir.join("model");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
-    let output = ft()
-        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-        .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
-    let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja");
-    let gpt2 = shared::path(shared::GPT2_TOKENIZER);
-    let output = Command::new("python")
-        .arg(&script)
-        .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    model
+    // Made once for every test here (an init-model and transformers' load of the tokenizer), copied into each one's `dir`.
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    made_once(&MADE, dir, |dir| {
+        let model = dir.join("model");
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
+        let output = ft()
+            .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
+            .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
+        let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja");
+        let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+        let output = Command::new("python")
+            .arg(&script)
+            .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+    });
+    dir.join("model")
 }
 
 fn message(role: &str, content: &str) -> Value {

@@ -12,7 +12,7 @@ use std::process::Stdio;
 use tch::Tensor;
 
 mod common;
-use common::{ft, losses, shared, small_bert, summary, text};
+use common::{ft, losses, made_once, shared, small_bert, summary, text};
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
@@ -116,6 +116,16 @@ fn train_with_batch(workload: Workload, scratch: &Path, name: &str, ranks: usize
     dir
 }
 
+/// The single-process BLOOM run (fp32) that the BLOOM tests compare with, in
+/// `scratch`/baseline: trained once for them all.
+fn bloom_baseline(scratch: &Path) -> PathBuf {
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    made_once(&MADE, scratch, |made| {
+        train(Workload::Bloom, made, "baseline", 1, &[]);
+    });
+    scratch.join("baseline")
+}
+
 /// The final weights: the model, or a LoRA run's adapters.
 fn final_params(dir: &Path) -> HashMap<String, Tensor> {
     let model = dir.join("final/model.safetensors");
@@ -198,7 +208,7 @@ fn every_strategy_equals_the_baseline(workload: Workload) {
     }
     let scratch = tempfile::tempdir().unwrap();
     let ds_config = write_ds_config(scratch.path());
-    let baseline = train(workload, scratch.path(), "baseline", 1, &[]);
+    let baseline = if workload == Workload::Bloom { bloom_baseline(scratch.path()) } else { train(workload, scratch.path(), "baseline", 1, &[]) };
     let mut held: HashMap<String, Value> = HashMap::new();
     for ranks in [2, 4] {
         // Four ranks of every strategy once (BLOOM's); the other models at four ranks in the one layout two cannot make.
@@ -338,7 +348,7 @@ fn every_strategy_trains_lora_adapters_like_the_single_process_baseline() {
 #[test]
 fn hybrid_shard_across_two_launcher_nodes_equals_the_baseline() {
     let scratch = tempfile::tempdir().unwrap();
-    let baseline = train(Workload::Bloom, scratch.path(), "baseline", 1, &[]);
+    let baseline = bloom_baseline(scratch.path());
     let dir = scratch.path().join("two-nodes");
     let port = ft_core::env::free_port().unwrap().to_string();
     let nodes: Vec<_> = (0..2)
@@ -367,7 +377,7 @@ fn hybrid_shard_across_two_launcher_nodes_equals_the_baseline() {
 #[test]
 fn bf16_with_fp32_masters_stays_close_to_fp32() {
     let scratch = tempfile::tempdir().unwrap();
-    let baseline = train(Workload::Bloom, scratch.path(), "baseline", 1, &[]);
+    let baseline = bloom_baseline(scratch.path());
     for (name, flags) in [
         ("zero3-bf16", vec!["--strategy", "zero3"]),
         ("zero1-bf16", vec!["--strategy", "zero1"]),
@@ -464,7 +474,7 @@ fn strategy_and_deepspeed_mistakes_are_rejected_clearly() {
 #[test]
 fn offloaded_runs_equal_the_baseline_for_every_sharded_strategy() {
     let scratch = tempfile::tempdir().unwrap();
-    let baseline = train(Workload::Bloom, scratch.path(), "baseline", 1, &[]);
+    let baseline = bloom_baseline(scratch.path());
     let mut runs: Vec<(usize, Vec<&str>)> = vec![];
     for ranks in [2, 4] {
         for strategy in ["zero1", "shard_grad_op", "full_shard"] {

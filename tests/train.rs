@@ -6,6 +6,7 @@
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 
 mod common;
 use common::{ft, losses, shared, text};
@@ -25,28 +26,41 @@ fn assert_close(a: &[f64], b: &[f64], tolerance: f64) {
     }
 }
 
+/// The losses of the demo trained with `flags`, trained once however many
+/// tests ask (`losses` is the caller's cell for those flags).
+fn trained_once(losses: &'static OnceLock<Vec<f64>>, flags: &[&str]) -> &'static [f64] {
+    losses.get_or_init(|| train(tempfile::tempdir().unwrap().path(), flags))
+}
+
+/// Two ranks of 4: three tests' run.
+fn two_ranks_of_4() -> &'static [f64] {
+    static LOSSES: OnceLock<Vec<f64>> = OnceLock::new();
+    trained_once(&LOSSES, &["--nproc-per-node", "2", "--batch-size", "4"])
+}
+
+/// One rank with the whole batch of 8: two tests' baseline.
+fn one_rank_of_8() -> &'static [f64] {
+    static LOSSES: OnceLock<Vec<f64>> = OnceLock::new();
+    trained_once(&LOSSES, &["--nproc-per-node", "1", "--batch-size", "8"])
+}
+
 #[test]
 fn same_seed_gives_bit_identical_losses() {
-    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let first = train(a.path(), &["--nproc-per-node", "2", "--batch-size", "4"]);
-    let second = train(b.path(), &["--nproc-per-node", "2", "--batch-size", "4"]);
-    assert_eq!(first, second);
+    let dir = tempfile::tempdir().unwrap();
+    let second = train(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4"]);
+    assert_eq!(two_ranks_of_4(), second);
 }
 
 #[test]
 fn accumulating_four_micro_batches_equals_one_four_times_larger() {
-    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let big = train(a.path(), &["--nproc-per-node", "1", "--batch-size", "8"]);
-    let accumulated = train(b.path(), &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "4"]);
-    assert_close(&accumulated, &big, 1e-5);
+    let dir = tempfile::tempdir().unwrap();
+    let accumulated = train(dir.path(), &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "4"]);
+    assert_close(&accumulated, one_rank_of_8(), 1e-5);
 }
 
 #[test]
 fn two_data_parallel_ranks_equal_one_rank_with_the_whole_batch() {
-    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let single = train(a.path(), &["--nproc-per-node", "1", "--batch-size", "8"]);
-    let parallel = train(b.path(), &["--nproc-per-node", "2", "--batch-size", "4"]);
-    assert_close(&parallel, &single, 1e-5);
+    assert_close(two_ranks_of_4(), one_rank_of_8(), 1e-5);
 }
 
 /// `make demo` as a newcomer runs it: every default, the whole schedule.
@@ -224,8 +238,8 @@ fn steps_saved(dir: &Path) -> Vec<String> {
 
 #[test]
 fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_checkpoint() {
-    let whole = tempfile::tempdir().unwrap();
-    let expected = train(whole.path(), CHECKPOINTED);
+    // The uninterrupted run: checkpoints change nothing it computes.
+    let expected = two_ranks_of_4().to_vec();
     assert_eq!(expected.len(), 12);
 
     // Killed right after step 7: the checkpoint of step 6 is the latest — or,

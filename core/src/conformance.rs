@@ -43,6 +43,8 @@ pub struct CheckRequest {
     pub scratch: PathBuf,
     /// Where a failed run's output is kept (removed if none failed).
     pub logs: PathBuf,
+    /// Where the built-in runs' losses are kept for later checks (`--cache`), if anywhere.
+    pub cache: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -109,8 +111,45 @@ impl CheckRequest {
     /// Trains the demo under `strategy` on `ranks` ranks into `dir`, through
     /// `comm` when given, with `extra` flags and `env` variables.
     fn train(&self, dir: &Path, ranks: usize, strategy: &str, comm: Option<&str>, extra: &[&str], env: &[(&str, &str)]) -> Result<Run> {
+        let command = self.command(&self.plugins, &self.raw_settings, dir, ranks, strategy, comm, extra, env);
+        self.run(command, dir, ranks, extra)
+    }
+
+    /// The built-in's run of `strategy` at `ranks` ranks into `dir`: ft's own
+    /// collectives, so neither a hook's `comm.*` settings nor the library under
+    /// test unless the strategy is its own. With a cache, a run made before
+    /// from the same inputs (`builtin_run_key`) is reused, and the row says so.
+    fn builtin(&self, registry: &Registry, dir: &Path, ranks: usize, strategy: &str) -> Result<(Run, Option<PathBuf>)> {
+        let under_test = Origin::Plugin(self.library.canonicalize().unwrap_or_else(|_| self.library.clone()));
+        let strategy_is_its_own = registry.strategy(strategy)?.origin == under_test;
+        let plugins: Vec<PathBuf> = self.plugins.iter().filter(|p| strategy_is_its_own || **p != self.library).cloned().collect();
+        let settings: Vec<String> = self.raw_settings.iter().filter(|s| !s.trim_start().starts_with("comm.")).cloned().collect();
+        let command = self.command(&plugins, &settings, dir, ranks, strategy, None, &[], &[]);
+        // Another setting may name a file whose contents the key cannot see: such runs are made every time.
+        let cached = match &self.cache {
+            Some(cache) if settings.is_empty() => Some(cache.join(format!("builtin-{}.json", builtin_run_key(&command, &plugins, &self.plugins, dir)?))),
+            _ => None,
+        };
+        if let Some(losses) = cached.as_ref().and_then(|file| std::fs::read(file).ok()).and_then(|json| serde_json::from_slice::<Vec<f64>>(&json).ok()) {
+            return Ok((Run { succeeded: true, log: String::new(), losses, log_file: PathBuf::new() }, cached));
+        }
+        let run = self.run(command, dir, ranks, &[])?;
+        if let (Some(file), true) = (&cached, run.succeeded) {
+            // Written whole under another name, then renamed: a check reading it at the same time sees all of it or nothing.
+            let partial = file.with_extension(format!("partial-{}", std::process::id()));
+            std::fs::create_dir_all(file.parent().unwrap_or(Path::new(".")))
+                .and_then(|_| std::fs::write(&partial, serde_json::to_vec(&run.losses)?))
+                .and_then(|_| std::fs::rename(&partial, file))
+                .with_context(|| format!("cannot write the built-in run's losses into the cache {}", file.display()))?;
+        }
+        Ok((run, None))
+    }
+
+    /// `ft [--plugin P]… train` of the demo into `dir`, with `settings` (`--set`) and the check's fixed flags.
+    #[allow(clippy::too_many_arguments)]
+    fn command(&self, plugins: &[PathBuf], settings: &[String], dir: &Path, ranks: usize, strategy: &str, comm: Option<&str>, extra: &[&str], env: &[(&str, &str)]) -> Command {
         let mut command = Command::new(&self.ft);
-        for plugin in &self.plugins {
+        for plugin in plugins {
             command.arg("--plugin").arg(plugin);
         }
         let samples = (self.steps * 2 * ranks).to_string();
@@ -123,7 +162,7 @@ impl CheckRequest {
         if let Some(comm) = comm {
             command.args(["--comm", comm]);
         }
-        for setting in &self.raw_settings {
+        for setting in settings {
             command.args(["--set", setting]);
         }
         command.args(extra);
@@ -132,6 +171,11 @@ impl CheckRequest {
             command.env_remove(var);
         }
         command.envs(env.iter().copied());
+        command
+    }
+
+    /// Runs `command`, which trains into `dir` on `ranks` ranks with `extra` flags.
+    fn run(&self, mut command: Command, dir: &Path, ranks: usize, extra: &[&str]) -> Result<Run> {
         let output = command.output().with_context(|| format!("cannot run {}", self.ft.display()))?;
         let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
         // Named after the run's directory under the scratch space (hook, strategy), its ranks and whether it resumed.
@@ -140,6 +184,48 @@ impl CheckRequest {
         let log_file = self.logs.join(format!("{name}-at-{ranks}{resumed}.log"));
         Ok(Run { succeeded: output.status.success(), log, losses: losses(dir), log_file })
     }
+}
+
+/// What a built-in run's losses follow from, as a SHA-256 in hex: the
+/// contents of the `ft` binary and of the `plugins` it loads, every other
+/// shared library this process has mapped but the plug-ins it loaded
+/// (`loaded_here`): libtorch and its kin, by path, size and modification
+/// time, which the run's `ft` loads too; its arguments but the output
+/// directory `dir`, and its whole environment. The run trains the demo
+/// embedded in `ft`, so no other file enters.
+fn builtin_run_key(command: &Command, plugins: &[PathBuf], loaded_here: &[PathBuf], dir: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut key = Sha256::new();
+    let mut field = |bytes: &[u8]| {
+        // Each field's length first, so that no two lists of fields hash alike.
+        key.update((bytes.len() as u64).to_le_bytes());
+        key.update(bytes);
+    };
+    for file in std::iter::once(Path::new(command.get_program())).chain(plugins.iter().map(PathBuf::as_path)) {
+        let mut contents = std::fs::File::open(file).with_context(|| format!("cannot read {} to key the cache", file.display()))?;
+        let mut hash = Sha256::new();
+        std::io::copy(&mut contents, &mut hash)?;
+        field(&hash.finalize());
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let plugins_here: Vec<PathBuf> = loaded_here.iter().filter_map(|p| p.canonicalize().ok()).collect();
+    let libraries: std::collections::BTreeSet<&str> = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.contains(".so")).collect();
+    for library in libraries.into_iter().filter(|l| !plugins_here.iter().any(|p| p == Path::new(l))) {
+        let modified = std::fs::metadata(library).and_then(|m| Ok((m.len(), m.modified()?))).ok();
+        field(format!("{library} {modified:?}").as_bytes());
+    }
+    for arg in command.get_args().filter(|arg| *arg != dir.as_os_str()) {
+        field(arg.as_encoded_bytes());
+    }
+    let mut environment: std::collections::BTreeMap<_, _> = std::env::vars_os().map(|(k, v)| (k, Some(v))).collect();
+    for (name, value) in command.get_envs() {
+        environment.insert(name.to_owned(), value.map(ToOwned::to_owned));
+    }
+    for (name, value) in environment.iter().filter_map(|(k, v)| Some((k, v.as_ref()?))) {
+        field(name.as_encoded_bytes());
+        field(value.as_encoded_bytes());
+    }
+    Ok(key.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Each logged step's loss in a run's metrics.jsonl (none if it has none).
@@ -263,7 +349,7 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
                 row(label, (Outcome::Skipped(format!("the hook refuses it: {why:#}")), vec![]));
                 continue;
             }
-            let builtin = request.train(&dir.join(format!("{strategy}-{ranks}-builtin")), ranks, strategy, None, &[], &[])?;
+            let (builtin, reused) = request.builtin(registry, &dir.join(format!("{strategy}-{ranks}-builtin")), ranks, strategy)?;
             if !builtin.succeeded {
                 bail!("the built-in run of {strategy} at {ranks} ranks failed, so nothing can be compared: {}", builtin.why_kept());
             }
@@ -275,7 +361,11 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
             if ranks == 2 && resumable.is_none() {
                 resumable = Some((strategy.clone(), hooked.losses.clone()));
             }
-            row(label, compare(&hooked.losses, &builtin.losses, |step| hook.tolerance(step)));
+            let (outcome, mut table) = compare(&hooked.losses, &builtin.losses, |step| hook.tolerance(step));
+            if let Some(file) = reused {
+                table.insert(0, format!("(the built-in's losses reused from {})", file.display()));
+            }
+            row(label, (outcome, table));
         }
     }
     let Some((strategy, uninterrupted)) = resumable else {
@@ -332,6 +422,26 @@ mod tests {
         assert!(matches!(outcome(&[1.0, 2.01], &[1.0, 2.0], 0.01), Outcome::Pass(m) if m.contains("largest gap 0.500% at step 2")));
         assert!(matches!(outcome(&[1.0, 2.1], &[1.0, 2.0], 0.01), Outcome::Fail(m) if m.contains("step 2 differs by 5.000%")));
         assert!(matches!(outcome(&[1.0], &[1.0, 2.0], 0.0), Outcome::Fail(m) if m.contains("1 losses logged against the built-in's 2")));
+    }
+
+    #[test]
+    fn a_cached_builtin_run_is_keyed_by_its_arguments_and_environment_but_not_its_directory() {
+        // Any file stands for ft: this test's own binary.
+        let command = |dir: &str, strategy: &str, env: Option<&str>| {
+            let mut command = Command::new(std::env::current_exe().unwrap());
+            command.args(["train", "--output-dir", dir, "--strategy", strategy]);
+            if let Some(value) = env {
+                command.env("FT_CHECK_KEY_TEST", value);
+            }
+            command
+        };
+        let key = |c: Command, dir: &str| builtin_run_key(&c, &[], &[], Path::new(dir)).unwrap();
+        let reference = key(command("a", "ddp", None), "a");
+        assert_eq!(key(command("b", "ddp", None), "b"), reference, "the output directory is no input");
+        assert_ne!(key(command("a", "full_shard", None), "a"), reference);
+        assert_ne!(key(command("a", "ddp", Some("1")), "a"), reference);
+        assert_ne!(key(command("a", "ddp", Some("2")), "a"), key(command("a", "ddp", Some("1")), "a"));
+        assert_ne!(builtin_run_key(&command("a", "ddp", None), &[std::env::current_exe().unwrap()], &[], Path::new("a")).unwrap(), reference, "the plug-ins loaded");
     }
 
     #[test]

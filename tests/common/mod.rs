@@ -85,3 +85,31 @@ pub fn losses(dir: &Path) -> Vec<f64> {
 pub fn summary(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
+
+/// Copies into `dir` the files `make` writes into a directory it is given,
+/// made once per test binary however many of its tests ask: what several
+/// tests build alike (a tiny model, a baseline run) costs one build. `made`
+/// is the caller's own cell: one per thing made.
+pub fn made_once(made: &'static std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>>, dir: &Path, make: impl FnOnce(&Path)) {
+    let files = made.get_or_init(|| {
+        let scratch = tempfile::tempdir().unwrap();
+        make(scratch.path());
+        let mut files = vec![];
+        let mut pending = vec![scratch.path().to_path_buf()];
+        while let Some(folder) = pending.pop() {
+            for entry in std::fs::read_dir(&folder).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    pending.push(path);
+                } else {
+                    files.push((path.strip_prefix(scratch.path()).unwrap().to_path_buf(), std::fs::read(&path).unwrap()));
+                }
+            }
+        }
+        files
+    });
+    for (name, contents) in files {
+        std::fs::create_dir_all(dir.join(name).parent().unwrap()).unwrap();
+        std::fs::write(dir.join(name), contents).unwrap();
+    }
+}
