@@ -83,6 +83,13 @@ impl Trainer<'_> {
         }
     }
 
+    fn units_in_mut(&mut self, set: Units) -> &mut [FlatUnit] {
+        match set {
+            Units::Model => &mut self.units,
+            Units::Reference => &mut self.reference,
+        }
+    }
+
     /// Whether unit `u` is released after each forward and gathered again
     /// for backward: full_shard's sharded units, and packed ones always (a
     /// dequantized block kept to its backward would hold the whole model
@@ -98,10 +105,7 @@ impl Trainer<'_> {
 
     fn gather_in(&mut self, set: Units, u: usize, phase: GatherPhase) -> Result<()> {
         self.prefetch_in(set, u, phase)?;
-        match set {
-            Units::Model => self.units[u].finish_gather(),
-            Units::Reference => self.reference[u].finish_gather(),
-        }
+        self.units_in_mut(set)[u].finish_gather()
     }
 
     fn release(&mut self, u: usize) -> Result<()> {
@@ -110,10 +114,8 @@ impl Trainer<'_> {
 
     /// Frees unit `u` of `set` if it is gathered and transient (a no-op otherwise).
     fn release_in(&mut self, set: Units, u: usize) -> Result<()> {
-        self.gathered_bytes -= match set {
-            Units::Model => self.units[u].release()?,
-            Units::Reference => self.reference[u].release()?,
-        };
+        let freed = self.units_in_mut(set)[u].release()?;
+        self.gathered_bytes -= freed;
         Ok(())
     }
 
