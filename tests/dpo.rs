@@ -5,9 +5,13 @@
 //! 1e-5 (relative above 1), for standard, conversational and implicit-prompt
 //! pairs, a list of losses with weights, and TRL's `keep_end` truncation,
 //! and so do the evaluation's loss and figures on an evaluation file;
-//! padded pairs equal padding-free ones; 2 ranks over Gloo equal 1; LoRA's
-//! base run with every step equals the precomputed reference; a resumed run
-//! reuses its reference log-probabilities; Parquet, Arrow and JSON arrays
+//! a frozen copy of the model as the reference run with each step equals
+//! TRL's `ref_model`; padded pairs equal padding-free ones; 2 ranks over
+//! Gloo equal 1; LoRA's base run with every step, and the frozen copy
+//! sharded or in host memory, equal the precomputed reference; a resumed
+//! run reuses its reference log-probabilities, or builds its frozen copy
+//! again, which no checkpoint holds; the summary says what each rank holds
+//! for the reference; Parquet, Arrow and JSON arrays
 //! give the pairs JSON lines give; bad preference rows are errors naming the
 //! file and line; `ft eval --task dpo` of a trained model equals the
 //! training run's last evaluation.
@@ -139,27 +143,30 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_llama(dir.path());
     let [standard, conversational, implicit] = preference_files(dir.path());
-    // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode, evaluation file)
-    let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str, Option<&Path>)> = vec![];
+    // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode, evaluation file, precompute_ref)
+    let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str, Option<&Path>, bool)> = vec![];
     for loss in ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "sft", "sigmoid_norm"] {
         let smoothing = match loss {
             "robust" => 0.1,
             "exo_pair" => 1e-3,
             _ => 0.0,
         };
-        cases.push((&standard, vec![loss], None, smoothing, 64, "keep_start", None));
+        cases.push((&standard, vec![loss], None, smoothing, 64, "keep_start", None, true));
     }
     // Evaluated after each step (each an epoch) on the implicit-prompt pairs.
-    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit)));
-    cases.push((&conversational, vec!["ipo", "sft"], Some(vec![1.0, 0.5]), 0.0, 64, "keep_start", None));
-    cases.push((&implicit, vec!["sigmoid"], None, 0.0, 64, "keep_start", None));
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit), true));
+    cases.push((&conversational, vec!["ipo", "sft"], Some(vec![1.0, 0.5]), 0.0, 64, "keep_start", None, true));
+    cases.push((&implicit, vec!["sigmoid"], None, 0.0, 64, "keep_start", None, true));
     // Cut to their last 12 tokens (each prompt shortened from the left).
-    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end", None));
+    cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end", None, true));
+    // The reference run with each step: TRL's ref_model, ft's frozen copy.
+    cases.push((&standard, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit), false));
     let references: Vec<Value> = cases
         .iter()
-        .map(|(data, losses, weights, smoothing, max_length, truncation, eval)| {
+        .map(|(data, losses, weights, smoothing, max_length, truncation, eval, precompute_ref)| {
             json!({"model": model, "data": data, "loss_type": losses, "loss_weights": weights, "beta": BETA, "label_smoothing": smoothing,
-                   "max_length": max_length, "truncation_mode": truncation, "batch_size": 4, "steps": 2, "lr": 1e-2, "eval": eval})
+                   "max_length": max_length, "truncation_mode": truncation, "batch_size": 4, "steps": 2, "lr": 1e-2, "eval": eval,
+                   "precompute_ref": precompute_ref})
         })
         .collect();
     let cases_file = dir.path().join("cases.json");
@@ -171,7 +178,7 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
 
     let mut ours = vec![];
     let mut our_evals = vec![];
-    for (i, (data, losses, weights, smoothing, max_length, truncation, eval)) in cases.iter().enumerate() {
+    for (i, (data, losses, weights, smoothing, max_length, truncation, eval, precompute_ref)) in cases.iter().enumerate() {
         let out = dir.path().join(format!("run{i}"));
         let mut flags = vec![
             "--max-seq-len".to_string(),
@@ -182,6 +189,8 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
             format!("task.label_smoothing={smoothing}"),
             "--set".to_string(),
             format!("task.truncation_mode={truncation}"),
+            "--set".to_string(),
+            format!("task.precompute_ref={precompute_ref}"),
         ];
         if let Some(weights) = weights {
             flags.extend(["--set".to_string(), format!("task.loss_weights={}", json!(weights))]);
@@ -195,17 +204,17 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
         ours.push(steps(&out));
         our_evals.push(evaluations(&out));
     }
-    // Padded pairs (TRL's batch) give what the padding-free rows give.
+    // Padded pairs (TRL's batch) give what the padding-free rows give (case 12's).
     let padded = dir.path().join("padded");
     let output = train(&model, &conversational, &padded, &["--max-seq-len", "64", "--set", "task.padding_free=false", "--set", "data.truncate=true"]);
     assert!(output.status.success(), "{}", text(&output));
-    assert_equal_steps(&steps(&padded), &ours[cases.len() - 4], "padded vs padding-free");
+    assert_equal_steps(&steps(&padded), &ours[12], "padded vs padding-free");
 
     let trl = trl.wait_with_output().unwrap();
     assert!(trl.status.success(), "dpo_reference.py: {}", text(&trl));
     let theirs: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&trl_out).unwrap()).unwrap();
     for (((case, ours), our_evals), theirs) in cases.iter().zip(&ours).zip(&our_evals).zip(&theirs) {
-        let what = format!("{:?} on {} ({} {})", case.1, case.0.display(), case.4, case.5);
+        let what = format!("{:?} on {} ({} {}, precompute_ref {})", case.1, case.0.display(), case.4, case.5, case.7);
         assert_equal_steps(ours, theirs["train"].as_array().unwrap(), &what);
         let their_evals = theirs["eval"].as_array().unwrap();
         assert_eq!(our_evals.len(), their_evals.len(), "{what}: evaluations {our_evals:?} vs {their_evals:?}");
@@ -220,13 +229,14 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
 
 /// 2 ranks over Gloo (2 pairs each) train as 1 rank (4 pairs) does; with
 /// LoRA, the base run with every step (adapters off) as the reference
-/// equals the precomputed reference; a run resumed from its checkpoint
-/// reuses the reference log-probabilities it kept and continues as the
-/// uninterrupted run; reference-free, each reward is β times its
+/// equals the precomputed reference; a run with a frozen copy as its
+/// reference, resumed from its checkpoint (which holds no more than the
+/// precomputed run's), builds the copy again from the starting model and
+/// continues as the uninterrupted run; reference-free, each reward is β times its
 /// log-probability; `ft eval --task dpo` of the runs' final/ equals their
 /// last evaluation ([`ft_eval_equals_the_training_runs_evaluation`]).
 #[test]
-fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_reference_and_ft_eval_equals_training() {
+fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_rebuilds_the_frozen_copy_and_ft_eval_equals_training() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
         return;
     }
@@ -250,11 +260,31 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_referenc
     let (base, _) = run("lora-base", &[&lora[..], &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--set", "task.precompute_ref=false"]].concat());
     assert_equal_steps(&base, &precomputed, "LoRA's base at every step vs precomputed");
     assert!(precomputed[2]["rewards/margins"].as_f64().unwrap().abs() > 1e-3, "{precomputed:?}");
-    let (first, _) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "2"]);
+    // The frozen copy is the starting model again after a resume (a copy of the trained weights would train otherwise).
+    let copy = ["--nproc-per-node", "1", "--set", "task.precompute_ref=false"];
+    let (first, log) = run("resumed", &[&copy[..], &["--max-steps", "2"]].concat());
     assert_eq!(first.len(), 2);
-    let (resumed, log) = run("resumed", &["--nproc-per-node", "1", "--max-steps", "3", "--resume", "latest"]);
-    assert!(log.contains("reference log-probabilities reused from"), "{log}");
-    assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "resumed vs uninterrupted");
+    assert!(log.contains("reference model: a frozen copy of the starting model") && !log.contains("reference log-probabilities"), "{log}");
+    let (resumed, log) = run("resumed", &[&copy[..], &["--max-steps", "3", "--resume", "latest"]].concat());
+    assert!(log.contains("reference model: a frozen copy of the starting model"), "{log}");
+    assert_equal_steps(&resumed[resumed.len() - 1..], &one[2..], "a frozen copy resumed vs the precomputed reference uninterrupted");
+    assert!(!dir.path().join("resumed/reference_logps.json").exists());
+    // The checkpoint holds the trained state alone: the bytes of the precomputed run's at the same step.
+    let checkpoint_bytes = |run: &str| -> u64 {
+        let step = dir.path().join(run).join("checkpoints/step-00000003");
+        let files = std::fs::read_dir(&step).unwrap_or_else(|e| panic!("{}: {e}", step.display())).map(|f| f.unwrap().path());
+        files.filter(|f| f.extension().is_some_and(|e| e == "safetensors")).map(|f| f.metadata().unwrap().len()).sum()
+    };
+    assert_eq!(checkpoint_bytes("resumed"), checkpoint_bytes("one"));
+    // The summary says what each run's reference is and costs: the copy, the whole model in f32; the precomputed one, 16 bytes a pair.
+    let reference = |run: &str| common::summary(&dir.path().join(run))["reference"].clone();
+    let (copy, precomputed) = (reference("resumed"), reference("one"));
+    let state = common::summary(&dir.path().join("resumed"))["state_per_rank"][0]["params"].as_f64().unwrap();
+    assert!(copy["kind"].as_str().unwrap().starts_with("a frozen copy of the starting model"), "{copy}");
+    assert_eq!((copy["device_bytes_per_rank"].clone(), copy["host_bytes_per_rank"].clone()), (json!([state]), json!([0.0])), "{copy}");
+    assert!(precomputed["kind"].as_str().unwrap().starts_with("log-probabilities precomputed"), "{precomputed}");
+    // 4 training and 4 evaluation pairs.
+    assert_eq!((precomputed["device_bytes_per_rank"].clone(), precomputed["host_bytes_per_rank"].clone()), (json!([0.0]), json!([128.0])), "{precomputed}");
     // Reference-free: each reward is β times its own log-probability, and no reference is computed.
     let (free, log) = run("free", &["--nproc-per-node", "1", "--max-steps", "2", "--set", "task.reference_free=true"]);
     assert!(!log.contains("reference log-probabilities") && !dir.path().join("free/reference_logps.json").exists(), "{log}");
@@ -267,10 +297,13 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_reuses_the_referenc
     ft_eval_equals_the_training_runs_evaluation(dir.path(), &model, &conversational, &dir.path().join("one"), &dir.path().join("lora-precomputed"));
 }
 
-/// Every sharding strategy at 2 and 3 ranks, and full_shard offloaded,
-/// equals one rank's DPO steps (the reference log-probabilities computed
-/// sharded as the policy is); a rank killed after step 3 resumes from
-/// step 2's checkpoint to the uninterrupted run's losses.
+/// Every sharding strategy at 2 and 3 ranks equals one rank's DPO steps
+/// (the reference log-probabilities computed sharded as the policy is), and
+/// so does a frozen copy as the reference under full_shard at 2 ranks,
+/// sharded as the policy is, or in host memory with `--offload cpu` (the
+/// summary says what it costs each rank: a shard of the parameters in the
+/// compute dtype); a rank killed after step 3 resumes from step 2's
+/// checkpoint to the uninterrupted run's losses.
 #[test]
 fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
@@ -296,12 +329,27 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
     };
     let (_, one, _) = run("one", 1, &[], None);
     assert_eq!(one.len(), 4);
-    for (ranks, strategy, offload) in [(2, "zero1", false), (2, "full_shard", true), (3, "shard_grad_op", false), (3, "full_shard", false)] {
-        let name = format!("{strategy}-{ranks}{}", if offload { "-offload" } else { "" });
-        let offload: &[&str] = if offload { &["--offload", "cpu"] } else { &[] };
-        let (succeeded, sharded, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload].concat(), None);
+    for (ranks, strategy, offload, copy) in
+        [(2, "zero1", false, false), (2, "full_shard", false, true), (2, "full_shard", true, true), (3, "shard_grad_op", false, false), (3, "full_shard", false, false)]
+    {
+        let name = format!("{strategy}-{ranks}{}{}", if offload { "-offload" } else { "" }, if copy { "-copy" } else { "" });
+        let offload_flags: &[&str] = if offload { &["--offload", "cpu"] } else { &[] };
+        let copy_flags: &[&str] = if copy { &["--set", "task.precompute_ref=false"] } else { &[] };
+        let (succeeded, sharded, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload_flags, copy_flags].concat(), None);
         assert!(succeeded, "{name}: {log}");
         assert_equal_steps(&sharded, &one, &name);
+        if copy {
+            // Each rank's copy is its shard of the parameters in f32: the policy's master shard (sharded
+            // parameters keep no compute copy between uses) or, offloaded, its compute shard on the device.
+            let summary = common::summary(&dir.path().join(&name));
+            let reference = &summary["reference"];
+            for rank in 0..ranks {
+                let policy = summary["state_per_rank"][rank]["params"].as_f64().unwrap();
+                let shard = if offload { policy / 2.0 } else { policy };
+                let held = [&reference["device_bytes_per_rank"][rank], &reference["host_bytes_per_rank"][rank]].map(|b| b.as_f64().unwrap());
+                assert_eq!(held, if offload { [0.0, shard] } else { [shard, 0.0] }, "{name}, rank {rank}: {reference}");
+            }
+        }
     }
     let saving = ["--strategy", "full_shard", "--save-every", "2"];
     let (succeeded, _, log) = run("killed", 2, &saving, Some("after-step:3@1"));
@@ -334,7 +382,11 @@ fn bad_preference_rows_are_errors_naming_the_file_and_line() {
             "line 2: the chat template cannot render the prompt: invalid operation: Conversation roles must alternate",
         ),
         (good.clone(), vec!["--set", "task.loss_type=simpo"], "unknown variant `simpo`"),
-        (good.clone(), vec!["--set", "task.precompute_ref=false"], "this run has no adapters (--lora-r)"),
+        (
+            good.clone(),
+            vec!["--set", "task.precompute_ref=false", "--set", "task.reference_free=true"],
+            "task.precompute_ref=false runs a reference model, which task.reference_free=true leaves out",
+        ),
     ];
     for (i, (bad, extra, expected)) in cases.into_iter().enumerate() {
         let data = jsonl(dir.path(), &format!("bad{i}.jsonl"), &[good.clone(), bad]);

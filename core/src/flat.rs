@@ -27,7 +27,11 @@
 //! packed one (QLoRA's base blocks, `packed_base.rs`) keeps its parameters
 //! as 4-bit bytes instead — whole, or this rank's slice of them — and its
 //! compute buffer exists only while it is used: each gather dequantizes
-//! into it, and each release frees it, whatever the policy.
+//! into it, and each release frees it, whatever the policy. A frozen copy
+//! (a preference loss's reference model, `UnitPlacement::frozen_copy`) is
+//! a frozen unit that, when the run offloads, keeps its compute-dtype
+//! parameters (whole, or this rank's shard) in host memory instead: each
+//! gather uploads them into a compute buffer that each release frees.
 //!
 //! Inside the buffers the matrices come first and the vectors (biases, norm
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
@@ -210,6 +214,22 @@ impl UnitPlacement {
         UnitPlacement { shard, packed: true, ..self.frozen() }
     }
 
+    /// This placement for a frozen copy that only a forward without
+    /// gradients reads (a preference loss's reference model): its
+    /// parameters where the policy puts them, in host memory when the run
+    /// offloads (uploaded for each use, and freed after). LoRA's frozen base
+    /// stays on the device (`frozen`): backward reads it too.
+    pub fn frozen_copy(self) -> UnitPlacement {
+        UnitPlacement { frozen: true, ..self }
+    }
+
+    /// Whether the unit's compute buffer is freed between uses and filled
+    /// again for each: sharded parameters, packed ones, or a frozen copy in
+    /// host memory.
+    pub fn transient(&self) -> bool {
+        self.params_sharded || self.packed || (self.frozen && self.offload)
+    }
+
     /// This placement with whole parameters on every rank (gradients and
     /// optimizer state still as the policy says): LoRA's adapters, too
     /// small to be worth gathering.
@@ -250,12 +270,6 @@ impl UnitPlacement {
         }
     }
 
-    /// Whether the compute buffer is freed between uses: sharded
-    /// parameters, or packed ones (dequantized for each use).
-    pub fn transient(&self) -> bool {
-        self.params_sharded || self.packed
-    }
-
     /// Whether the compute buffer is freed after the unit's forward, not
     /// only after its backward: packed units always (at most two blocks are
     /// held dequantized), sharded ones when the policy reshards after forward.
@@ -265,9 +279,10 @@ impl UnitPlacement {
 
     /// Whether the device keeps this rank's shard in the compute dtype:
     /// sharded parameters with no master on the device to gather from
-    /// (offloaded: it is on the host; frozen: there is none).
+    /// (offloaded: it is on the host; frozen: there is none), unless the
+    /// shard itself is in host memory (a frozen copy offloaded).
     pub fn keeps_compute_shard(&self) -> bool {
-        (self.offload || self.frozen) && self.params_sharded
+        (self.offload || self.frozen) && self.params_sharded && !(self.frozen && self.offload)
     }
 
     /// What this rank holds for the unit when computing in `dtype`:
@@ -282,7 +297,8 @@ impl UnitPlacement {
             let held = if self.params_sharded { self.shard.len } else { self.shard.padded };
             let element = if self.packed { 1.0 } else { compute_element };
             let params = element * held as f64;
-            return MemoryAccount { params, frozen: params, ..MemoryAccount::default() };
+            let host = if self.offload { params } else { 0.0 };
+            return MemoryAccount { params, frozen: params, host, ..MemoryAccount::default() };
         }
         let owned = self.owned_len() as f64;
         let master = if self.master_is_compute(dtype) { 0.0 } else { 4.0 * owned };
@@ -328,6 +344,7 @@ impl FlatLayout<'_> {
             gathered: true,
             master,
             compute_shard,
+            host_copy: None,
             host_pieces: vec![],
             host_grad_filled: false,
             packed: None,
@@ -355,6 +372,9 @@ pub struct FlatUnit {
     /// Offloaded sharded parameters: this rank's shard on the device in the
     /// compute dtype, uploaded after each step (what gathers send).
     compute_shard: Option<Tensor>,
+    /// A frozen copy offloaded: its parameters (whole, or this rank's
+    /// shard) in the compute dtype in host memory, what each gather uploads.
+    host_copy: Option<Tensor>,
     pub(crate) grad: Tensor,
     pub(crate) exp_avg: Tensor,
     pub(crate) exp_avg_sq: Tensor,
@@ -386,7 +406,7 @@ impl FlatUnit {
         drop(pieces);
         let layout = FlatLayout { spec, order, decayed, numel, placement };
         if placement.frozen {
-            return FlatUnit::frozen(layout, full, dtype);
+            return FlatUnit::frozen(layout, full, dtype, offload);
         }
         if placement.offload {
             let offload = offload.ok_or_else(|| anyhow::anyhow!("unit {} is placed off the device, but no offload stores it", spec.name))?;
@@ -430,20 +450,28 @@ impl FlatUnit {
     }
 
     /// The frozen layout: the compute copy only (whole, or this rank's
-    /// shard to gather from), no autograd leaf.
-    fn frozen(layout: FlatLayout, full: Tensor, dtype: Kind) -> Result<FlatUnit> {
+    /// shard to gather from; in host memory, stored by `offload`, for a
+    /// frozen copy offloaded), no autograd leaf.
+    fn frozen(layout: FlatLayout, full: Tensor, dtype: Kind, offload: Option<&dyn Offload>) -> Result<FlatUnit> {
         let placement = layout.placement;
         let device = full.device();
-        let (compute, compute_shard) = if placement.params_sharded {
-            let shard = Tensor::empty([placement.shard.len], (dtype, device));
-            shard.shallow_clone().copy_(&full.narrow(0, placement.shard.start, placement.shard.len));
-            (Tensor::empty([placement.shard.padded], (dtype, device)), Some(shard))
-        } else {
-            (full.to_kind(dtype).copy(), None)
+        let held = if placement.params_sharded { full.narrow(0, placement.shard.start, placement.shard.len) } else { full.shallow_clone() };
+        // A buffer to gather into (`assemble` frees it until the first gather).
+        let released = || Tensor::empty([placement.shard.padded], (dtype, device));
+        let (compute, compute_shard, host_copy) = match (placement.offload, placement.params_sharded) {
+            (true, _) => {
+                let offload = offload.ok_or_else(|| anyhow::anyhow!("unit {} is a frozen copy placed in host memory, but no offload stores it", layout.spec.name))?;
+                (released(), None, Some(offload.store(&held.to_kind(dtype), device)?))
+            }
+            // Copied out (a cast to fp32 would be a view), so the whole fp32 buffer is freed.
+            (false, true) => (released(), Some(held.to_kind(dtype).copy()), None),
+            (false, false) => (full.to_kind(dtype).copy(), None, None),
         };
-        drop(full);
+        drop((held, full));
         let none = || Tensor::empty([0], (Kind::Float, device));
-        layout.assemble(compute, none(), compute_shard, Tensor::new(), [none(), none()])
+        let mut unit = layout.assemble(compute, none(), compute_shard, Tensor::new(), [none(), none()])?;
+        unit.host_copy = host_copy;
+        Ok(unit)
     }
 
     /// The offloaded layout: fp32 state on the host, the compute copy (whole,
@@ -604,9 +632,11 @@ impl FlatUnit {
     /// Sharded parameters: the shard a gather sends, in the compute dtype
     /// (half the bytes of fp32 under bf16; a cast of this rank's shard).
     fn gather_source(&self) -> Tensor {
-        match &self.compute_shard {
-            Some(shard) => shard.shallow_clone(),
-            None => self.master.to_kind(self.compute.kind()),
+        match (&self.compute_shard, &self.host_copy) {
+            (Some(shard), _) => shard.shallow_clone(),
+            // A frozen copy's shard in (pinned) host memory, uploaded asynchronously.
+            (None, Some(host)) => host.to_device_(self.device(), host.kind(), true, false),
+            (None, None) => self.master.to_kind(self.compute.kind()),
         }
     }
 
@@ -622,6 +652,11 @@ impl FlatUnit {
         let bytes = self.gathered_bytes();
         ft_sys::resize_storage(&self.compute_alias, bytes as usize)?;
         let group = group.filter(|_| self.placement.params_sharded);
+        if let (None, Some(host)) = (group, &self.host_copy) {
+            // A frozen copy held whole in host memory: uploaded, asynchronously from pinned memory.
+            ft_sys::copy_async(&self.compute_alias, host)?;
+            return Ok(bytes);
+        }
         if let Some(packed) = &self.packed {
             if let Some(group) = group {
                 group.note_caller(|| format!("gathered the 4-bit bytes of unit {} ({phase:?}, step {step})", info.name));
@@ -793,11 +828,12 @@ mod tests {
         let master_in_compute = compute > 0.0 && (compute_start..compute_start + compute as usize).contains(&(unit.master.data_ptr() as usize));
         let master = if master_in_compute { 0.0 } else { bytes(&unit.master) };
         let shard = unit.compute_shard.as_ref().map_or(0.0, bytes) + unit.packed.as_ref().map_or(0.0, |p| p.held_bytes() as f64);
+        let host_copy = unit.host_copy.as_ref().map_or(0.0, bytes);
         let optimizer_state = bytes(&unit.exp_avg) + bytes(&unit.exp_avg_sq);
         let grads = bytes(&unit.grad);
-        let host = if unit.placement.offload { master + grads + optimizer_state } else { 0.0 };
-        let frozen = if unit.placement.frozen { compute + shard } else { 0.0 };
-        MemoryAccount { params: compute + master + shard, grads, optimizer_state, gathered_peak: 0.0, host, frozen, comm_state: 0.0 }
+        let host = if unit.placement.offload { master + grads + optimizer_state + host_copy } else { 0.0 };
+        let frozen = if unit.placement.frozen { compute + shard + host_copy } else { 0.0 };
+        MemoryAccount { params: compute + master + shard + host_copy, grads, optimizer_state, gathered_peak: 0.0, host, frozen, comm_state: 0.0 }
     }
 
     #[test]
@@ -817,14 +853,18 @@ mod tests {
         for policy in &policies {
             for (group_size, group_rank) in [(1, 0), (2, 1), (4, 3)] {
                 for dtype in [Kind::Float, Kind::BFloat16] {
-                    for (offload, frozen) in [(false, false), (true, false), (false, true)] {
+                    for (offload, frozen) in [(false, false), (true, false), (false, true), (true, true)] {
                         let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
-                        let placement = if frozen { placement.frozen() } else { placement };
+                        // Frozen and offloaded: a frozen copy in host memory (LoRA's base, `frozen`, stays on the device).
+                        let placement = if frozen { placement.frozen_copy() } else { placement };
                         let storage: Option<&dyn Offload> = if offload { Some(&HostForTests) } else { None };
                         let mut unit = FlatUnit::new(&spec, &tensors, dtype, placement, storage).unwrap();
                         if frozen {
-                            let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}");
+                            let case = format!("frozen, {policy:?} in a group of {group_size}, {dtype:?}, offload {offload}");
                             assert_eq!(unit.memory(), measured(&unit), "{case}");
+                            if offload {
+                                continue;
+                            }
                             let quantization = Quantization { quant_type: QuantType::Nf4, blocksize: 64, double_quant: dtype == Kind::Float };
                             let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization);
                             let placement = placement.packed(layout.bytes(), group_size, group_rank);

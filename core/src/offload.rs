@@ -21,11 +21,12 @@ pub trait Offload: Send + Sync {
         true
     }
 
-    /// Storage of its own for one offloaded fp32 buffer of a rank computing
-    /// on `device`, holding a copy of `values`: called once per buffer when
-    /// the trainer is built. Core copies reduced gradients into it and
-    /// uploads masters from it asynchronously, so for a GPU it should be
-    /// pinned host memory.
+    /// Storage of its own for one offloaded buffer of a rank computing on
+    /// `device`, holding a copy of `values` (fp32 state, or a frozen
+    /// reference copy's parameters in the compute dtype): called once per
+    /// buffer when the trainer is built. Core copies reduced gradients into
+    /// it and uploads masters and frozen parameters from it asynchronously,
+    /// so for a GPU it should be pinned host memory.
     fn store(&self, values: &Tensor, device: Device) -> Result<Tensor>;
 
     /// The sum of squares of an offloaded gradient (for the global norm).

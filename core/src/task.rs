@@ -35,15 +35,17 @@ pub trait Objective: Send + Sync {
         StepMetrics::default()
     }
 
-    /// Whether each training micro-batch also runs through the model with
-    /// its adapters off (LoRA's base: a preference loss's reference model),
-    /// without gradients, before its loss; only asked of a model with adapters.
-    fn wants_base_outputs(&self) -> bool {
+    /// Whether each training micro-batch also runs, without gradients and
+    /// before its loss, through a reference model (a preference loss's): the
+    /// model with its adapters off (LoRA's base), or, for a model without
+    /// adapters, a frozen copy of the starting parameters the trainer keeps
+    /// for it (`TrainerBuilder::reference_copy`).
+    fn wants_reference_outputs(&self) -> bool {
         false
     }
 
-    /// The base's head outputs on `batch`, given before `loss_and_grads` of the same batch.
-    fn base_outputs(&self, _outputs: &[Tensor], _batch: &Batch) -> Result<()> {
+    /// The reference model's head outputs on `batch`, given before `loss_and_grads` of the same batch.
+    fn reference_outputs(&self, _outputs: &[Tensor], _batch: &Batch) -> Result<()> {
         Ok(())
     }
 }
@@ -80,6 +82,18 @@ pub struct Start<'a> {
     pub output: Option<&'a Path>,
     /// The run continues from a checkpoint (`train.resume`).
     pub resuming: bool,
+}
+
+/// The reference model a task compares with while training (`Task::reference`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    /// What it is, as the log and the summary name it (DPO: a frozen copy,
+    /// LoRA's base, precomputed log-probabilities).
+    pub kind: String,
+    /// Host memory the task holds for it on each rank (precomputed
+    /// log-probabilities); what the trainer holds (a frozen copy,
+    /// `Trainer::reference_memory`) the summary adds.
+    pub host_bytes: f64,
 }
 
 /// What a task's scoring found: named scores, the same on every rank.
@@ -131,6 +145,13 @@ pub trait Task {
     /// it one: a LoRA run's base, or `--ref-model`. False by default.
     fn compares_with_reference(&self) -> bool {
         false
+    }
+
+    /// The reference model training compares with, once `before_training`
+    /// has run (None: none, the default). The log says which it is and the
+    /// summary what each rank holds for it.
+    fn reference(&self) -> Option<Reference> {
+        None
     }
 }
 

@@ -4,9 +4,11 @@ run CASES_JSON OUT_JSON
     CASES_JSON is a list of cases, each {"model": DIR, "data": JSONL,
     "loss_type": [...], "loss_weights": [...] or null, "beta": B,
     "label_smoothing": S, "max_length": N, "truncation_mode": M,
-    "batch_size": B, "steps": N, "lr": LR, "eval": JSONL or null}. Each trains the model (f32,
-    CPU, dropout off) with DPOTrainer from its starting weights, the
-    reference log-probabilities precomputed from them, AdamW with the
+    "batch_size": B, "steps": N, "lr": LR, "eval": JSONL or null,
+    "precompute_ref": true or false}. Each trains the model (f32, CPU,
+    dropout off) with DPOTrainer from its starting weights, the reference
+    log-probabilities precomputed from them (precompute_ref true) or
+    computed with each batch by a copy of them (`ref_model`), AdamW with the
     Trainer's defaults at a constant learning rate, clipping at 1.0, every
     step logged; the batch is the whole file each step (so the sampler's
     order does not matter). OUT_JSON gets, per case, {"train": each
@@ -67,7 +69,7 @@ def run(case):
             label_smoothing=case["label_smoothing"],
             max_length=case["max_length"],
             truncation_mode=case["truncation_mode"],
-            precompute_ref_log_probs=True,
+            precompute_ref_log_probs=case["precompute_ref"],
             dataloader_drop_last=True,
             per_device_eval_batch_size=case["batch_size"],
             eval_strategy="steps" if case["eval"] else "no",
@@ -75,8 +77,15 @@ def run(case):
         )
         logs = Logs()
         eval_dataset = load_dataset("json", data_files=case["eval"], split="train") if case["eval"] else None
+        ref_model = None if case["precompute_ref"] else AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)
         trainer = DPOTrainer(
-            model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=[logs]
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=[logs],
         )
         trainer.train()
     return {"train": logs.steps, "eval": logs.evals}

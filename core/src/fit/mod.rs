@@ -15,7 +15,7 @@ mod summary;
 
 pub use checkpointing::CheckpointPlan;
 pub use evaluation::{evaluate, Evaluation};
-pub use summary::{EpochResult, RankMemory, Summary};
+pub use summary::{EpochResult, RankMemory, ReferenceMemory, Summary};
 
 use crate::batches::{epoch_order, BatchLayout};
 use crate::comm::Communicator;
@@ -229,11 +229,17 @@ pub fn run(fit: Fit, mut params: impl InitialParams) -> Result<Option<(Summary, 
     task.before_training(&crate::task::Start { model, params: whole.as_deref(), dtype, comm, output: Some(checkpoints.output), resuming })?;
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);
+    let builder = builder.reference_copy(task.objective().wants_reference_outputs());
     let mut trainer = match &whole {
         Some(whole) => builder.build(whole)?,
         None => builder.build(params)?,
     };
     drop(whole);
+    let reference = task.reference();
+    if let (Some(reference), 0) = (&reference, rank) {
+        let held = summary::reference_held(summary::ReferenceMemory::of_this_rank(reference, &trainer));
+        tracing::info!("reference model: {}; rank 0 holds {held} for it", reference.kind);
+    }
 
     let monitor = Monitor::from_config(config);
     let mut early_stopping = EarlyStopping::from_config(config, monitor.as_ref())?;
@@ -359,6 +365,7 @@ pub fn run(fit: Fit, mut params: impl InitialParams) -> Result<Option<(Summary, 
         parallel.shard_size,
         offload.to_host(),
         peak_flops,
+        reference,
     )?;
     summary.stopped_early_after_epoch = stopped_early;
     summary.best_checkpoint = checkpointer.best().cloned();

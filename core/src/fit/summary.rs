@@ -10,6 +10,7 @@ use crate::checkpoint::BestCheckpoint;
 use crate::comm::{Collective, Communicator};
 use crate::flat::MemoryAccount;
 use crate::metrics::process_memory;
+use crate::task::Reference;
 use crate::train::{OffloadStats, Trainer};
 use anyhow::Result;
 use serde::Serialize;
@@ -56,6 +57,49 @@ pub struct RankMemory {
     pub min: f64,
 }
 
+/// The reference model a run compares with (`Task::reference`), and what
+/// each rank holds for it, in bytes.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ReferenceMemory {
+    /// What it is (`task::Reference::kind`).
+    pub kind: String,
+    /// On the compute device between steps: a frozen copy, or its shard.
+    pub device_bytes_per_rank: Vec<f64>,
+    /// In host memory: a frozen copy offloaded, precomputed log-probabilities.
+    pub host_bytes_per_rank: Vec<f64>,
+}
+
+impl ReferenceMemory {
+    /// What this rank holds for `reference`, [on the device, in host
+    /// memory]: the trainer's frozen copy, if it keeps one, and the task's own.
+    pub(crate) fn of_this_rank(reference: &Reference, trainer: &Trainer) -> [f64; 2] {
+        let copy = trainer.reference_memory();
+        [copy.params - copy.host, copy.host + reference.host_bytes]
+    }
+
+    /// Every rank's (collective).
+    fn gather(comm: &Communicator, reference: Reference, trainer: &Trainer) -> Result<ReferenceMemory> {
+        let held = per_rank(comm, &ReferenceMemory::of_this_rank(&reference, trainer))?;
+        Ok(ReferenceMemory {
+            kind: reference.kind,
+            device_bytes_per_rank: held.iter().map(|bytes| bytes[0]).collect(),
+            host_bytes_per_rank: held.iter().map(|bytes| bytes[1]).collect(),
+        })
+    }
+}
+
+/// How the log and the summary's table say what a rank holds for the
+/// reference model (from a few bytes a pair to a whole model's gigabytes).
+pub(crate) fn reference_held([device, host]: [f64; 2]) -> String {
+    let size = |bytes: f64| match bytes {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    };
+    format!("{} on the device, {} in host memory", size(device), size(host))
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct EpochResult {
     pub epoch: usize,
@@ -96,6 +140,8 @@ pub struct Summary {
     /// Parameters trained (with a gradient and optimizer state) and frozen (LoRA's base model).
     pub trainable_params: i64,
     pub frozen_params: i64,
+    /// The reference model training compared with (a preference task's), if any.
+    pub reference: Option<ReferenceMemory>,
     /// Mean GPU utilisation (%) of each rank while training; None without NVML.
     pub gpu_utilisation_per_rank: Option<Vec<f64>>,
     /// The epoch after which early stopping ended the run.
@@ -166,6 +212,7 @@ impl Summary {
         shard_group_size: usize,
         offload_to_host: bool,
         peak_flops_override: Option<f64>,
+        reference: Option<Reference>,
     ) -> Result<Summary> {
         let (world, device) = (comm.env().world_size, comm.device());
         // -1 marks a rank without NVML.
@@ -182,6 +229,7 @@ impl Summary {
             .into_iter()
             .map(|m| MemoryAccount { params: m[0], grads: m[1], optimizer_state: m[2], gathered_peak: m[3], host: m[4], frozen: m[5], comm_state: m[6] })
             .collect();
+        let reference = reference.map(|reference| ReferenceMemory::gather(comm, reference, trainer)).transpose()?;
         let model = trainer.model();
         let frozen_params = model.frozen_numel();
         let sums = comm.sum_over_ranks(&[totals.train_seconds, totals.examples as f64, totals.tokens as f64, totals.flops])?;
@@ -214,6 +262,7 @@ impl Summary {
             state_per_rank,
             trainable_params: model.numel() - frozen_params,
             frozen_params,
+            reference,
             gpu_utilisation_per_rank,
             comm_bytes_per_step: comm_bytes_per_step(comm, totals)?,
             stopped_early_after_epoch: None,
@@ -283,6 +332,12 @@ impl Summary {
                 "parameters",
                 format!("{:.2}M trained, {:.2}M frozen", self.trainable_params as f64 / 1e6, self.frozen_params as f64 / 1e6),
             );
+        }
+        if let Some(reference) = &self.reference {
+            out += &row("reference model", reference.kind.clone());
+            for (rank, held) in reference.device_bytes_per_rank.iter().zip(&reference.host_bytes_per_rank).enumerate() {
+                out += &row(&format!("reference held rank {rank}"), reference_held([*held.0, *held.1]));
+            }
         }
         for (rank, m) in self.state_per_rank.iter().enumerate() {
             out += &row(

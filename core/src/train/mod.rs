@@ -113,8 +113,17 @@ pub struct OffloadStats {
 pub struct Trainer<'m> {
     model: &'m dyn Model,
     units: Vec<FlatUnit>,
+    /// A frozen copy of the starting parameters, one unit per model unit:
+    /// the reference model whose outputs the objective asks for when the
+    /// model has no adapters to turn off (`TrainerBuilder::reference_copy`);
+    /// empty otherwise. Never reduced, stepped or checkpointed.
+    reference: Vec<FlatUnit>,
     /// What the communication hook is told of each unit.
     unit_info: Vec<UnitInfo>,
+    /// ... and of each unit of the reference copy: the model unit's, under
+    /// an id of its own (so no hook takes state kept for a trained unit,
+    /// such as a float8 gather's amaxes, for the copy's).
+    reference_info: Vec<UnitInfo>,
     /// How gradients are reduced and sharded parameters gathered.
     hook: Box<dyn CommHook>,
     /// The hook's scratch memory, counted.
@@ -178,11 +187,23 @@ pub struct TrainerBuilder<'m> {
     parallel: Option<&'m DataParallel<'m>>,
     hook: Box<dyn CommHook>,
     offload: Option<&'m dyn Offload>,
+    reference_copy: bool,
 }
 
 impl<'m> TrainerBuilder<'m> {
     pub fn new(model: &'m dyn Model, options: TrainOptions) -> TrainerBuilder<'m> {
-        TrainerBuilder { model, options, parallel: None, hook: Box::new(Builtin), offload: None }
+        TrainerBuilder { model, options, parallel: None, hook: Box::new(Builtin), offload: None, reference_copy: false }
+    }
+
+    /// When `wanted` (the objective asks for a reference model's outputs,
+    /// `Objective::wants_reference_outputs`) and the model has no adapters
+    /// whose base would be one: keeps a frozen copy of the initial
+    /// parameters as the reference, in the compute dtype, placed as the
+    /// policy places parameters (sharded when it shards them; in host
+    /// memory when the run offloads: `UnitPlacement::frozen_copy`).
+    pub fn reference_copy(mut self, wanted: bool) -> TrainerBuilder<'m> {
+        self.reference_copy = wanted && self.model.adapter_scaling().is_none();
+        self
     }
 
     /// Keeps fp32 masters, gradients and optimizer state where `offload`
@@ -208,29 +229,33 @@ impl<'m> TrainerBuilder<'m> {
     /// The trainer, from initial parameters `params` (every rank passes the
     /// same ones and keeps what the policy assigns it).
     pub fn build(self, mut params: impl InitialParams) -> Result<Trainer<'m>> {
-        let TrainerBuilder { model, options, parallel, mut hook, offload } = self;
+        let TrainerBuilder { model, options, parallel, mut hook, offload, reference_copy } = self;
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
         let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype);
-        let units = model
-            .units()
-            .iter()
-            .zip(placed)
-            .enumerate()
-            .map(|(unit, (spec, (placement, packed)))| {
-                let t = params.unit(unit)?;
-                match packed {
-                    Some(layout) => FlatUnit::new_packed(spec, &t, options.dtype, placement, layout),
-                    None => FlatUnit::new(spec, &t, options.dtype, placement, offload),
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (mut units, mut reference) = (vec![], vec![]);
+        for (unit, (spec, (placement, packed))) in model.units().iter().zip(placed).enumerate() {
+            let t = params.unit(unit)?;
+            if reference_copy {
+                // From the same tensors, so no unit is read twice.
+                reference.push(FlatUnit::new(spec, &t, options.dtype, placement.frozen_copy(), offload)?);
+            }
+            units.push(match packed {
+                Some(layout) => FlatUnit::new_packed(spec, &t, options.dtype, placement, layout)?,
+                None => FlatUnit::new(spec, &t, options.dtype, placement, offload)?,
+            });
+        }
         let device = units[0].device();
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
         let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
+        let reference_info = unit_info
+            .iter()
+            .take(reference.len())
+            .map(|info| UnitInfo { id: format!("reference-{}", info.id), name: format!("{} (reference copy)", info.name), ..info.clone() })
+            .collect();
         let float8 = match options.float8 {
             Some(float8) => {
                 anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
@@ -263,7 +288,9 @@ impl<'m> TrainerBuilder<'m> {
             scaler,
             model,
             units,
+            reference,
             unit_info,
+            reference_info,
             hook,
             workspace: Workspace::default(),
             offload,
@@ -541,8 +568,15 @@ impl<'m> Trainer<'m> {
             .collect()
     }
 
+    /// What this rank holds for the frozen copy kept as the reference model
+    /// (`TrainerBuilder::reference_copy`; nothing without one).
+    pub fn reference_memory(&self) -> MemoryAccount {
+        self.reference.iter().map(FlatUnit::memory).sum()
+    }
+
     /// What this rank holds for parameters, gradients and optimizer state,
-    /// and the peak of gathered units so far.
+    /// and the peak of gathered units so far (the reference copy's apart:
+    /// `reference_memory`).
     pub fn memory(&self) -> MemoryAccount {
         let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
         let state = self.hook.state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);

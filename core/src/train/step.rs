@@ -5,7 +5,10 @@
 //! unit is gathered before use (the next unit's gather is issued before this
 //! one computes, so it overlaps) and released after forward (full_shard) or
 //! after its backward (shard_grad_op). A unit's gradient is handed to
-//! `reduce.rs` as soon as backward completes it.
+//! `reduce.rs` as soon as backward completes it. An objective that compares
+//! with a reference model first gets the reference's outputs, from a
+//! forward without gradients over the same stages: the model with its
+//! adapters off (LoRA's base), or the trainer's frozen copy.
 
 use super::reduce::{PendingReduction, REDUCTIONS_IN_FLIGHT};
 use super::Trainer;
@@ -41,6 +44,15 @@ fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], view
     params.with_float8(float8.filter(|_| stage.kind == StageKind::Block))
 }
 
+/// Which of the trainer's units a forward runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Units {
+    /// The model's own (`Trainer::units`).
+    Model,
+    /// The frozen copy kept as the reference model (`Trainer::reference`).
+    Reference,
+}
+
 /// Which block of the model stage `index` is (the blocks before it).
 fn block_number(stages: &[Stage], index: usize) -> usize {
     stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count()
@@ -49,10 +61,33 @@ fn block_number(stages: &[Stage], index: usize) -> usize {
 impl Trainer<'_> {
     /// Starts gathering unit `u` if it is released (a prefetch): sharded, or packed.
     fn prefetch(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
+        self.prefetch_in(Units::Model, u, phase)
+    }
+
+    /// [`Self::prefetch`] of unit `u` of `set`.
+    fn prefetch_in(&mut self, set: Units, u: usize, phase: GatherPhase) -> Result<()> {
         let group = self.shard_group();
-        let bytes = self.units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &self.unit_info[u], phase, self.steps, self.options.seed as u64)?;
+        let (units, info) = match set {
+            Units::Model => (&mut self.units, &self.unit_info),
+            Units::Reference => (&mut self.reference, &self.reference_info),
+        };
+        let bytes = units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &info[u], phase, self.steps, self.options.seed as u64)?;
         self.count_gathered(bytes);
         Ok(())
+    }
+
+    fn units_in(&self, set: Units) -> &[FlatUnit] {
+        match set {
+            Units::Model => &self.units,
+            Units::Reference => &self.reference,
+        }
+    }
+
+    fn units_in_mut(&mut self, set: Units) -> &mut [FlatUnit] {
+        match set {
+            Units::Model => &mut self.units,
+            Units::Reference => &mut self.reference,
+        }
     }
 
     /// Whether unit `u` is released after each forward and gathered again
@@ -65,12 +100,22 @@ impl Trainer<'_> {
 
     /// Makes unit `u` usable, waiting for its gather if one is in flight.
     fn gather(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
-        self.prefetch(u, phase)?;
-        self.units[u].finish_gather()
+        self.gather_in(Units::Model, u, phase)
+    }
+
+    fn gather_in(&mut self, set: Units, u: usize, phase: GatherPhase) -> Result<()> {
+        self.prefetch_in(set, u, phase)?;
+        self.units_in_mut(set)[u].finish_gather()
     }
 
     fn release(&mut self, u: usize) -> Result<()> {
-        self.gathered_bytes -= self.units[u].release()?;
+        self.release_in(Units::Model, u)
+    }
+
+    /// Frees unit `u` of `set` if it is gathered and transient (a no-op otherwise).
+    fn release_in(&mut self, set: Units, u: usize) -> Result<()> {
+        let freed = self.units_in_mut(set)[u].release()?;
+        self.gathered_bytes -= freed;
         Ok(())
     }
 
@@ -84,31 +129,42 @@ impl Trainer<'_> {
         self.units[stage.unit].trainable() || stage.adapter.is_some()
     }
 
-    /// Runs `batch` through the model with every adapter off (LoRA's base),
-    /// without gradients, and gives `objective` the head's outputs (while
-    /// the head's unit is gathered: they may be views of it): each unit
-    /// gathered and released as forward does, the adapters' units never read.
-    fn base_forward(&mut self, batch: &Batch, objective: &dyn Objective) -> Result<()> {
-        let _no_grad = tch::no_grad_guard();
+    /// Runs `batch` through the reference model without gradients and
+    /// gives `objective` the head's outputs (while the head's unit is
+    /// gathered: they may be views of it). The reference is the frozen copy
+    /// when the trainer keeps one, else the model with every adapter off
+    /// (LoRA's base: the adapters' units never read): the same stages over
+    /// other units, each gathered and released as forward does — a copy's
+    /// after each use, since no backward reads it.
+    fn reference_forward(&mut self, batch: &Batch, objective: &dyn Objective) -> Result<()> {
         let model = self.model;
+        let set = match (self.reference.is_empty(), model.adapter_scaling().is_some()) {
+            (false, _) => Units::Reference,
+            (true, true) => Units::Model,
+            (true, false) => anyhow::bail!(
+                "the objective compares with a reference model at every step, and this trainer holds none: the model has no adapters whose base would be one, and it was built without TrainerBuilder::reference_copy"
+            ),
+        };
+        let _no_grad = tch::no_grad_guard();
         let ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
         let stages = model.stages();
-        let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units.len()).map(|_| None).collect();
+        let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units_in(set).len()).map(|_| None).collect();
         let mut x = None;
         for (index, stage) in stages.iter().enumerate() {
-            self.gather(stage.unit, GatherPhase::Forward)?;
+            self.gather_in(set, stage.unit, GatherPhase::Forward)?;
             if let Some(next) = stages.get(index + 1) {
-                self.prefetch(next.unit, GatherPhase::Forward)?;
+                self.prefetch_in(set, next.unit, GatherPhase::Forward)?;
             }
-            let params = stage_params(model, &self.units, &mut views, &Stage { adapter: None, ..*stage }, self.float8.as_ref());
+            let params = stage_params(model, self.units_in(set), &mut views, &Stage { adapter: None, ..*stage }, self.float8.as_ref());
             match stage.kind {
                 StageKind::Embed => x = Some(model.embed(&params, &batch.inputs, &ctx)),
                 StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
-                StageKind::Head => objective.base_outputs(&model.head(&params, x.as_ref().expect("the head follows the blocks")), batch)?,
+                StageKind::Head => objective.reference_outputs(&model.head(&params, x.as_ref().expect("the head follows the blocks")), batch)?,
             }
             let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
-            if self.released_after_forward(stage.unit) && !used_next {
-                self.release(stage.unit)?;
+            let release = set == Units::Reference || self.released_after_forward(stage.unit);
+            if release && !used_next {
+                self.release_in(set, stage.unit)?;
             }
         }
         Ok(())
@@ -121,8 +177,8 @@ impl Trainer<'_> {
     /// Returns this micro-batch's share of the loss, on the device.
     pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, last_micro_batch: bool) -> Result<Tensor> {
         let model = self.model;
-        if objective.wants_base_outputs() && model.adapter_scaling().is_some() {
-            self.base_forward(batch, objective)?;
+        if objective.wants_reference_outputs() {
+            self.reference_forward(batch, objective)?;
         }
         let inputs = &batch.inputs;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);

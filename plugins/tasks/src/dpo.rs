@@ -16,13 +16,19 @@
 //! first step, from the starting weights (TRL's `precompute_ref_log_probs`;
 //! with LoRA the adapters start at zero, so that is the base): each rank its
 //! share of the pairs, kept in `OUTPUT/reference_logps.json`, which a resumed
-//! run reuses. With LoRA and `task.precompute_ref=false`, the trainer runs
-//! each micro-batch through the base (adapters off, no gradients) before
-//! its loss instead, as TRL does with a peft model. With
-//! `task.reference_free` the reference's log-probabilities are 0 (TRL's
-//! former `reference_free`). `ft eval` (no training file) gives
-//! `before_training` the reference it has: a LoRA run's base, or the model
-//! `--ref-model` names.
+//! run reuses. With `task.precompute_ref=false` the trainer runs each
+//! training micro-batch through the reference (no gradients) before its
+//! loss instead, as TRL's `ref_model` does: with LoRA the base (adapters
+//! off, as TRL with a peft model), else a frozen copy of the starting
+//! model the trainer keeps in the compute dtype, placed as the strategy
+//! places frozen units (sharded when it shards parameters, in host memory
+//! under `--offload cpu`), never checkpointed (a resume builds it again
+//! from the starting model). The evaluation pairs' reference is precomputed
+//! in each case. The log and the summary say which reference a run uses and
+//! what each rank holds for it. With `task.reference_free` the reference's
+//! log-probabilities are 0 (TRL's former `reference_free`). `ft eval` (no
+//! training file) gives `before_training` the reference it has: a LoRA
+//! run's base, or the model `--ref-model` names.
 //!
 //! Task keys: `task.loss_type` (one of TRL's names or a list of them),
 //! `task.loss_weights` (one per loss type; 1 each by default), `task.beta`,
@@ -267,10 +273,11 @@ pub struct DpoLoss {
     softcap: Option<f64>,
     /// The training micro-batches' figures since the last step's end.
     metrics: Mutex<StepMetrics>,
-    /// The reference runs with every training micro-batch: LoRA's base
-    /// (`task.precompute_ref=false`); its log-probabilities of the batch
-    /// about to be trained, once the trainer gave them.
-    base_reference: Option<Mutex<Option<Tensor>>>,
+    /// The reference runs with every training micro-batch
+    /// (`task.precompute_ref=false`: LoRA's base, or the trainer's frozen
+    /// copy); its log-probabilities of the batch about to be trained, once
+    /// the trainer gave them.
+    step_reference: Option<Mutex<Option<Tensor>>>,
 }
 
 /// Per-pair values: the loss (weighted sum over the loss types) and TRL's six figures.
@@ -369,8 +376,8 @@ impl Objective for DpoLoss {
         let logps = self.sequence_logps(&hidden, &weight, batch)?;
         // The loss of the summed log-probabilities and its gradient by autograd (a few numbers a pair) ...
         let (sums, token_logps) = (logps.sums.detach().set_requires_grad(true), logps.tokens.detach().set_requires_grad(true));
-        let reference = match &self.base_reference {
-            Some(base) => base.lock().expect("reference lock").take().context("the trainer gave no base outputs before the loss")?,
+        let reference = match &self.step_reference {
+            Some(step) => step.lock().expect("reference lock").take().context("the trainer gave no reference outputs before the loss")?,
             None => precomputed(batch)?.shallow_clone(),
         };
         let values = tch::with_grad(|| self.pair_values(&sums, &token_logps, &reference, batch))?;
@@ -404,14 +411,14 @@ impl Objective for DpoLoss {
         std::mem::take(&mut *self.metrics.lock().expect("metrics lock"))
     }
 
-    fn wants_base_outputs(&self) -> bool {
-        self.base_reference.is_some()
+    fn wants_reference_outputs(&self) -> bool {
+        self.step_reference.is_some()
     }
 
-    fn base_outputs(&self, outputs: &[Tensor], batch: &Batch) -> Result<()> {
-        if let Some(base) = &self.base_reference {
+    fn reference_outputs(&self, outputs: &[Tensor], batch: &Batch) -> Result<()> {
+        if let Some(step) = &self.step_reference {
             let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
-            *base.lock().expect("reference lock") = Some(self.sequence_logps(&hidden, &weight, batch)?.sums);
+            *step.lock().expect("reference lock") = Some(self.sequence_logps(&hidden, &weight, batch)?.sums);
         }
         Ok(())
     }
@@ -433,6 +440,8 @@ pub struct Dpo {
     batch_size: usize,
     /// The reference's log-probabilities are 0: nothing to compute before training.
     reference_free: bool,
+    /// The model trains LoRA adapters (whose base is the reference run with each step).
+    adapters: bool,
 }
 
 impl Dpo {
@@ -470,7 +479,7 @@ impl Dpo {
     /// The file a resumed run reuses, if it holds these pairs' log-probabilities.
     fn kept_reference(&self, path: &Path, fingerprint: &str) -> Option<ReferenceFile> {
         let kept: ReferenceFile = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
-        let train = if self.objective.base_reference.is_some() { 0 } else { self.train.len() };
+        let train = if self.objective.step_reference.is_some() { 0 } else { self.train.len() };
         (kept.fingerprint == fingerprint && kept.train.len() == train && kept.eval.len() == self.eval.as_ref().map_or(0, |e| e.len())).then_some(kept)
     }
 }
@@ -516,19 +525,19 @@ impl Task for Dpo {
     }
 
     /// The reference log-probabilities need the starting model whole, unless
-    /// there are none to compute (reference-free, or LoRA's base serving the
-    /// training pairs at every step and no evaluation pairs).
+    /// there are none to compute (reference-free, or the reference run with
+    /// every step serving the training pairs and no evaluation pairs).
     fn needs_starting_params(&self) -> bool {
-        !self.reference_free && (self.objective.base_reference.is_none() || self.eval.is_some())
+        !self.reference_free && (self.objective.step_reference.is_none() || self.eval.is_some())
     }
 
     /// The reference log-probabilities (of the evaluation pairs alone when
-    /// LoRA's base runs with every step): those the run kept when it
+    /// the reference runs with every step): those the run kept when it
     /// resumes with the same pairs, else computed from the starting weights
     /// (`ft eval`: the reference model) and kept in the run's output.
     fn before_training(&mut self, start: &Start) -> Result<()> {
         if !self.needs_starting_params() {
-            // Nothing to compute: reference-free, or LoRA's base serves every training pair and there is no evaluation file.
+            // Nothing to compute: reference-free, or the reference runs with every step and there is no evaluation file.
             return Ok(());
         }
         let path = start.output.map(|output| output.join(REFERENCE_FILE));
@@ -547,8 +556,8 @@ impl Task for Dpo {
                 // The reference computes as the steps will: with the parameters in the compute dtype.
                 let starting = start.params.context("the dpo task computes its reference from the starting parameters, which the run did not hold whole")?;
                 let params: Vec<Vec<Tensor>> = starting.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
-                // With LoRA's base run at every step, only the evaluation pairs need theirs now.
-                let train = match self.objective.base_reference {
+                // With the reference run at every step, only the evaluation pairs need theirs now.
+                let train = match self.objective.step_reference {
                     None => self.logps(&self.train, start.model, &params, start.dtype, start.comm)?,
                     Some(_) => vec![],
                 };
@@ -579,7 +588,7 @@ impl Task for Dpo {
         if let (true, 0, Some(path)) = (reuse, start.comm.env().rank, &path) {
             tracing::info!("reference log-probabilities reused from {}", path.display());
         }
-        if self.objective.base_reference.is_none() {
+        if self.objective.step_reference.is_none() {
             self.train.reference = Some(reference.train);
         }
         if let Some(eval) = &mut self.eval {
@@ -590,6 +599,23 @@ impl Task for Dpo {
 
     fn compares_with_reference(&self) -> bool {
         !self.reference_free
+    }
+
+    /// Which of TRL's reference options the run uses; the host memory it
+    /// costs here is the precomputed log-probabilities (a frozen copy is the
+    /// trainer's to count).
+    fn reference(&self) -> Option<task::Reference> {
+        if self.reference_free {
+            return None;
+        }
+        let kind = match (&self.objective.step_reference, self.adapters) {
+            (None, _) => "log-probabilities precomputed from the starting model (task.precompute_ref=true)",
+            (Some(_), true) => "LoRA's base (the model's own frozen units, its adapters off), run with each step (task.precompute_ref=false)",
+            (Some(_), false) => "a frozen copy of the starting model, run with each step (task.precompute_ref=false)",
+        };
+        let datasets = std::iter::once(&self.train).chain(&self.eval);
+        let logps: usize = datasets.filter_map(|data| data.reference.as_ref()).map(Vec::len).sum();
+        Some(task::Reference { kind: kind.into(), host_bytes: (logps * std::mem::size_of::<[f64; 2]>()) as f64 })
     }
 }
 
@@ -602,7 +628,7 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
         kernels: Kernels::select(device),
         softcap: model.logit_softcap(),
         metrics: Mutex::new(StepMetrics::default()),
-        base_reference: (!options.precompute_ref).then(|| Mutex::new(None)),
+        step_reference: (!options.precompute_ref).then(|| Mutex::new(None)),
     })
 }
 
@@ -610,12 +636,6 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
     task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
     let options = Options::read(&serde_json::Value::Object(inputs.config.task.options.clone()))?;
-    if !options.precompute_ref && inputs.model.adapter_scaling().is_none() {
-        bail!(
-            "task.precompute_ref=false runs the reference with every step as LoRA's base (its adapters off), and this run has no adapters (--lora-r); \
-             a frozen copy of the whole model is not available yet: leave task.precompute_ref at true"
-        );
-    }
     let data = &inputs.config.data;
     if !data.mixture.is_empty() {
         bail!("the dpo task reads one training file (data.train); data.mixture is not available for preference pairs yet");
@@ -660,6 +680,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         objective: objective(&options, inputs.config.train.loss_chunk_tokens, inputs.device, inputs.model)?,
         batch_size: inputs.config.train.eval_batch_size,
         reference_free: options.reference_free,
+        adapters: inputs.model.adapter_scaling().is_some(),
     }))
 }
 
@@ -684,13 +705,14 @@ fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
         objective: objective(&Options::default(), spec.loss_chunk_tokens, spec.device, spec.model)?,
         batch_size: 1,
         reference_free: false,
+        adapters: spec.model.adapter_scaling().is_some(),
     }))
 }
 
 inventory::submit! {
     TaskRegistration {
         name: NAME,
-        summary: "preference tuning of a causal LM: DPO and TRL's other pairwise losses over chosen/rejected pairs, the reference precomputed",
+        summary: "preference tuning of a causal LM: DPO and TRL's other pairwise losses over chosen/rejected pairs, the reference precomputed or run with each step (LoRA's base, or a frozen copy)",
         head_kind: head::CAUSAL_LM,
         build,
         synthetic,
