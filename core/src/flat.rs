@@ -596,13 +596,17 @@ impl FlatUnit {
         self.master.size()[0] == self.placement.shard.padded
     }
 
+    /// Sharded parameters: this rank's shard as the device holds it — the
+    /// compute-dtype copy where one is kept, else the fp32 master — which a
+    /// gather sends cast to the compute dtype (`gather_source`).
+    pub(crate) fn held_shard(&self) -> &Tensor {
+        self.compute_shard.as_ref().unwrap_or(&self.master)
+    }
+
     /// Sharded parameters: the shard a gather sends, in the compute dtype
     /// (half the bytes of fp32 under bf16; a cast of this rank's shard).
     fn gather_source(&self) -> Tensor {
-        match &self.compute_shard {
-            Some(shard) => shard.shallow_clone(),
-            None => self.master.to_kind(self.compute.kind()),
-        }
+        self.held_shard().to_kind(self.compute.kind())
     }
 
     /// Starts gathering a released sharded unit (allocating its buffer)
