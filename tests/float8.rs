@@ -326,8 +326,9 @@ fn guarded_step(message: &str) -> usize {
 /// cast of the whole tensor, the bytes a rank holding it casts (a shard's
 /// own amax would give other bytes); in bf16, with blocks the share of the
 /// model they have in a 7B (the embedding and head gather in bf16), the
-/// gathers carry at most 0.55× bf16 gathers' bytes; a killed rank resumes
-/// to the uninterrupted losses.
+/// gathers carry at most 0.55× bf16 gathers' bytes; every block's amaxes
+/// are reduced in one all-reduce a step, on every rank (the first step's
+/// and a resumed run's too); a killed rank resumes to the uninterrupted losses.
 #[test]
 fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() {
     let scratch = tempfile::tempdir().unwrap();
@@ -360,14 +361,21 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
         if let Some(fault) = fault {
             command.env("FT_FAULT_INJECT", fault);
         }
-        let output = command.output().unwrap();
+        // The amax reductions' debug lines, which `amax_reductions` counts.
+        let output = command.env("RUST_LOG", "info,ft_core::float8_gather=debug").output().unwrap();
         (dir, output.status.success(), text(&output))
+    };
+    // Each rank's amax all-reduces, by the line each logs.
+    let amax_reductions = |message: &str, ranks: usize| -> Vec<usize> {
+        let reductions = |rank: usize| message.lines().filter(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains("in one all-reduce")).count();
+        (0..ranks).map(reductions).collect()
     };
     let gathered = |dir: &Path| common::summary(dir)["comm_bytes_per_step"]["all_gather"].as_f64().unwrap();
     let gathers = ["--set", "train.fp8_gathers=true"];
     for ranks in [2, 3] {
         let (float8_gathers, ok, message) = run(&format!("float8-gathers-{ranks}"), ranks, &gathers, None);
         assert!(ok && message.contains("sharded blocks gathered as float8"), "{message}");
+        assert_eq!(amax_reductions(&message, ranks), vec![4; ranks], "one amax reduction a step\n{message}");
         let (f32_gathers, ok, message) = run(&format!("f32-gathers-{ranks}"), ranks, &[], None);
         assert!(ok && !message.contains("gathered as float8"), "{message}");
         assert_eq!(common::losses(&float8_gathers).len(), 4);
@@ -386,6 +394,7 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
     assert!(!ok && message.contains("FT_FAULT_INJECT: aborting"), "{message}");
     let (killed, ok, message) = run("killed", 2, &[&saving[..], &["--resume", "latest"]].concat(), None);
     assert!(ok, "{message}");
+    assert_eq!(amax_reductions(&message, 2), vec![2; 2], "steps 3 and 4, from the restored shards\n{message}");
     let resumed = common::losses(&killed);
     let uninterrupted = common::losses(&scratch.path().join("float8-gathers-2"));
     assert_eq!(&resumed[resumed.len() - 2..], &uninterrupted[2..], "resumed vs uninterrupted");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Llama-7B (CodeLlama-7B shape), full_shard on 2 GPUs, 2 x 2048 tokens per GPU,
-# random weights, `--fp8 tensorwise` with float8 gathers (the default) and
-# with bf16 gathers (`--fp8-gathers false`), in one call.
+# random weights, `--fp8 tensorwise` with float8 gathers (`--fp8-gathers true`)
+# and with bf16 gathers (`--fp8-gathers false`, the default), in one call.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 CONFIG=$D/configs/codellama-7b/config.json

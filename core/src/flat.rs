@@ -629,14 +629,20 @@ impl FlatUnit {
         self.master.size()[0] == self.placement.shard.padded
     }
 
+    /// Sharded parameters: this rank's shard as the device holds it — the
+    /// compute-dtype copy where one is kept, else the fp32 master — which a
+    /// gather sends cast to the compute dtype (`gather_source`).
+    pub(crate) fn held_shard(&self) -> &Tensor {
+        self.compute_shard.as_ref().unwrap_or(&self.master)
+    }
+
     /// Sharded parameters: the shard a gather sends, in the compute dtype
     /// (half the bytes of fp32 under bf16; a cast of this rank's shard).
     fn gather_source(&self) -> Tensor {
-        match (&self.compute_shard, &self.host_copy) {
-            (Some(shard), _) => shard.shallow_clone(),
+        match &self.host_copy {
             // A frozen copy's shard in (pinned) host memory, uploaded asynchronously.
-            (None, Some(host)) => host.to_device_(self.device(), host.kind(), true, false),
-            (None, None) => self.master.to_kind(self.compute.kind()),
+            Some(host) if self.compute_shard.is_none() => host.to_device_(self.device(), host.kind(), true, false),
+            _ => self.held_shard().to_kind(self.compute.kind()),
         }
     }
 

@@ -4,11 +4,18 @@
 //! matrices all run in float8 is gathered as float8 bytes, half a bf16
 //! gather, and its vectors (norms, biases) in the compute dtype.
 //!
-//! Each weight is cast with the scale of its whole tensor's amax — the
-//! largest of the ranks' shards', one max all-reduce per unit and step (a
-//! backward re-gather reuses it) — so the gathered bytes are the cast a
-//! rank holding the whole weight would make, whatever the world size. On a
-//! GPU the layer's GEMMs read the gathered bytes themselves
+//! Each weight is cast with the scale of its whole tensor's amax, so the
+//! gathered bytes are the cast a rank holding the whole weight would make,
+//! whatever the world size. Those amaxes are [`Float8Amaxes`]: every
+//! gathered weight's at once, as torchao's
+//! `precompute_float8_dynamic_scale_for_fsdp` computes them — each rank's
+//! shard's, then one max all-reduce over the shard group — whenever the
+//! shards have changed (an optimizer step, a restore), before the next
+//! step's first gather; the trainer refreshes them, and every gather of
+//! that step (forward, backward re-gathers, each micro-batch) reads them.
+//! One small collective a step, issued while nothing else is in flight: a
+//! gather never waits on an amax reduction queued behind reduce-scatters.
+//! On a GPU the layer's GEMMs read the gathered bytes themselves
 //! (`ft_sys::float8::note_gathered`) and the weights' part of the
 //! compute-dtype buffer is left unwritten (float8 layers read nothing
 //! else); elsewhere the dequantised values land in that buffer and the
@@ -26,13 +33,15 @@ use crate::comm_hook::{
 use anyhow::Result;
 use std::collections::HashMap;
 use std::hash::Hasher;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// A unit gathered in float8: its weight matrices, which come first in its
 /// flat buffer (`flat::param_offsets`), and the rest after them.
 struct Float8Unit {
     /// (offset, elements) of each weight, in buffer order.
     weights: Vec<(i64, i64)>,
+    /// Where its weights' amaxes start in [`Float8Amaxes`]' table.
+    first_amax: i64,
     /// Where the vectors start: the weights end.
     rest: i64,
     /// `ft_sys::float8::note_gathered`'s owner.
@@ -42,50 +51,99 @@ struct Float8Unit {
 pub struct Float8Gathers {
     inner: Box<dyn CommHook>,
     units: HashMap<String, Float8Unit>,
-    /// Each unit's weights' amaxes, and the step they are of.
-    amaxes: HashMap<String, (usize, Tensor)>,
+    /// [`Float8Amaxes`]' table, which the trainer refreshes in place.
+    amaxes: Tensor,
+}
+
+/// The amax of every weight gathered in float8, over its whole tensor:
+/// computed for all of them at once, when the shards have changed, before
+/// the next gather ([`Float8Amaxes::refresh`]).
+pub struct Float8Amaxes {
+    /// Each gathered unit (the trainer's index of it) and its weights'
+    /// (offset, elements), whose amaxes follow one another in `table`.
+    units: Vec<(usize, Vec<(i64, i64)>)>,
+    /// fp32, on the device; the gathers read it (`Float8Gathers::amaxes`).
+    table: Tensor,
+    /// The compute dtype: what the gathers cast from.
+    dtype: Kind,
+    /// Whether the shards changed since `table` was computed.
+    stale: bool,
 }
 
 const E4M3: Kind = Kind::Float8e4m3fn;
 
-impl Float8Gathers {
-    /// Gathers `units` (each a unit whose matrices all run in float8; the
-    /// matrices come first) in float8 and everything else through `inner`.
-    pub fn new(inner: Box<dyn CommHook>, units: &[&UnitInfo]) -> Float8Gathers {
-        let units = units
-            .iter()
-            .map(|unit| {
-                let weights: Vec<(i64, i64)> = unit.params.iter().filter(|p| p.shape.len() == 2).map(|p| (p.offset, p.numel())).collect();
-                let rest = weights.iter().map(|(offset, numel)| offset + numel).max().unwrap_or(0);
-                let mut hasher = fnv::FnvHasher::default();
-                hasher.write(unit.id.as_bytes());
-                (unit.id.clone(), Float8Unit { weights, rest, owner: hasher.finish() })
-            })
-            .collect();
-        Float8Gathers { inner, units, amaxes: HashMap::new() }
+/// Gathers `units` (the trainer's index of each and what a hook is told of
+/// it: units whose matrices all run in float8, the matrices first) in
+/// float8 and everything else through `inner`; and the amaxes those
+/// gathers cast with, kept on `device`, which the trainer refreshes. The
+/// gathers send the shards in `dtype`, the compute dtype.
+pub fn float8_gathers(inner: Box<dyn CommHook>, units: &[(usize, &UnitInfo)], dtype: Kind, device: Device) -> (Float8Gathers, Float8Amaxes) {
+    let mut first_amax = 0;
+    let mut gathered = HashMap::new();
+    let mut weights_of = vec![];
+    for &(index, unit) in units {
+        let weights: Vec<(i64, i64)> = unit.params.iter().filter(|p| p.shape.len() == 2).map(|p| (p.offset, p.numel())).collect();
+        let rest = weights.iter().map(|(offset, numel)| offset + numel).max().unwrap_or(0);
+        let mut hasher = fnv::FnvHasher::default();
+        hasher.write(unit.id.as_bytes());
+        weights_of.push((index, weights.clone()));
+        let count = weights.len() as i64;
+        gathered.insert(unit.id.clone(), Float8Unit { weights, first_amax, rest, owner: hasher.finish() });
+        first_amax += count;
+    }
+    let table = Tensor::zeros([first_amax], (Kind::Float, device));
+    let amaxes = Float8Amaxes { units: weights_of, table: table.shallow_clone(), dtype, stale: true };
+    (Float8Gathers { inner, units: gathered, amaxes: table }, amaxes)
+}
+
+impl Float8Amaxes {
+    /// The shards changed (an optimizer step, a restore): the next
+    /// `refresh` computes the amaxes again.
+    pub fn shards_changed(&mut self) {
+        self.stale = true;
+    }
+
+    /// Computes every gathered weight's amax if the shards changed since it
+    /// last did: the largest magnitude in this rank's part of each weight
+    /// (`shard(unit)`: this rank's shard of the unit's flat buffer as a
+    /// gather casts it to the compute dtype, fp32 or already in it), then
+    /// their max over `group`, the shard group, in one all-reduce.
+    /// Collective: every rank of the group calls it at the same point.
+    pub fn refresh(&mut self, shard: impl Fn(usize) -> Tensor, group: &ProcessGroup) -> Result<()> {
+        if !self.stale {
+            return Ok(());
+        }
+        let _no_grad = tch::no_grad_guard();
+        let device = self.table.device();
+        let fused = crate::kernels::Kernels::loaded(device);
+        let mut local = vec![];
+        for (unit, weights) in &self.units {
+            let shard = shard(*unit);
+            let (len, start) = (shard.size()[0], group.rank() as i64 * shard.size()[0]);
+            for &(offset, numel) in weights {
+                local.push(match overlap(start, len, offset, numel) {
+                    Some((from, n)) => amax(&shard.narrow(0, from - start, n), fused)?,
+                    None => Tensor::zeros([], (Kind::Float, device)),
+                });
+            }
+        }
+        // Rounding to the compute dtype keeps order, so the largest magnitude
+        // rounded is the largest of the rounded values: those the gathers cast.
+        let mut table = self.table.shallow_clone();
+        table.copy_(&Tensor::stack(&local, 0).to_kind(self.dtype));
+        group.all_reduce(&mut table, Reduction::Max)?.wait()?;
+        tracing::debug!("train.fp8_gathers: the amaxes of {} weights of {} blocks, in one all-reduce", local.len(), self.units.len());
+        self.stale = false;
+        Ok(())
     }
 }
 
-/// The weights' amaxes over the whole unit at `step`: each rank's shard's,
-/// then their max over the group — or `cache`'s, on a re-gather in the same step.
-fn amaxes(cache: &mut HashMap<String, (usize, Tensor)>, unit: &UnitInfo, weights: &[(i64, i64)], group: &ProcessGroup, shard: &Tensor, step: usize) -> Result<Tensor> {
-    if let Some((at, amaxes)) = cache.get(&unit.id) {
-        if *at == step {
-            return Ok(amaxes.shallow_clone());
-        }
+/// max |x| as one fp32: by ft's kernel on a GPU where it loads (`fused`), else by ATen's ops.
+fn amax(x: &Tensor, fused: bool) -> Result<Tensor> {
+    match fused {
+        true => Ok(ft_sys::kernels::amax(x)?),
+        false => Ok(x.abs().max().to_kind(Kind::Float)),
     }
-    let (len, start) = (shard.size()[0], group.rank() as i64 * shard.size()[0]);
-    let local: Vec<Tensor> = weights
-        .iter()
-        .map(|&(offset, numel)| match overlap(start, len, offset, numel) {
-            Some((from, n)) => shard.narrow(0, from - start, n).abs().max().to_kind(Kind::Float),
-            None => Tensor::zeros([], (Kind::Float, shard.device())),
-        })
-        .collect();
-    let mut amaxes = Tensor::stack(&local, 0);
-    group.all_reduce(&mut amaxes, Reduction::Max)?.wait()?;
-    cache.insert(unit.id.clone(), (step, amaxes.shallow_clone()));
-    Ok(amaxes)
 }
 
 /// `part` (a 1-D slice of one weight) cast to e4m3 with `scale`, which its
@@ -133,8 +191,8 @@ impl CommHook for Float8Gathers {
         };
         let (owner, weights, rest) = (layout.owner, layout.weights.clone(), layout.rest);
         ft_sys::float8::forget_gathered_by(owner);
-        let ParamGather { unit, group, shard, output, step, .. } = request;
-        let amaxes = amaxes(&mut self.amaxes, unit, &weights, group, &shard, step)?;
+        let ParamGather { unit, group, shard, output, .. } = request;
+        let amaxes = self.amaxes.narrow(0, layout.first_amax, weights.len() as i64);
         let scales = ft_sys::float8::scale_from(&amaxes, E4M3, false);
         let (len, ranks, device) = (shard.size()[0], group.size() as i64, shard.device());
         let start = group.rank() as i64 * len;
@@ -198,12 +256,12 @@ impl CommHook for Float8Gathers {
         self.inner.state_bytes(unit, request)
     }
 
-    /// A float8 block's gather: one byte per element, the vectors all-reduced in
-    /// the compute dtype, and one fp32 amax per weight.
+    /// A float8 block's gather: one byte per element and the vectors
+    /// all-reduced in the compute dtype (its amaxes are reduced once a step
+    /// for every block, `Float8Amaxes`).
     fn wire_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
         match (request.wire, self.units.get(&unit.id)) {
             (Wire::Gather, Some(layout)) => vec![
-                CollectiveBytes { collective: Collective::AllReduce, bytes: 4.0 * layout.weights.len() as f64 },
                 CollectiveBytes { collective: Collective::AllGather, bytes: request.elements as f64 },
                 CollectiveBytes { collective: Collective::AllReduce, bytes: ((unit.padded - layout.rest) * request.dtype.elt_size_in_bytes() as i64) as f64 },
             ],

@@ -22,6 +22,7 @@ use crate::comm::ProcessGroup;
 use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
 use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::float8_gather::Float8Amaxes;
 use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
 use crate::packed_base::PackedLayout;
@@ -148,6 +149,9 @@ pub struct Trainer<'m> {
     kernels: Kernels,
     /// Which block linear layers run in float8 (from `options`).
     float8: Option<Float8Layers>,
+    /// Under float8 gathers: the amaxes they cast with, refreshed before a
+    /// step's first gather when the shards have changed.
+    float8_amaxes: Option<Float8Amaxes>,
 }
 
 /// Where a trainer's initial parameters come from: each unit's tensors
@@ -271,6 +275,7 @@ impl<'m> TrainerBuilder<'m> {
             }
             None => None,
         };
+        let mut float8_amaxes = None;
         if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers && layers.float8.recipe == Recipe::Tensorwise) {
             let gathered = float8_gathered_units(model, &units, layers);
             if gathered.is_empty() {
@@ -279,8 +284,10 @@ impl<'m> TrainerBuilder<'m> {
                 );
             } else {
                 tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
-                let gathered: Vec<&UnitInfo> = gathered.into_iter().map(|unit| &unit_info[unit]).collect();
-                hook = Box::new(crate::float8_gather::Float8Gathers::new(hook, &gathered));
+                let gathered: Vec<(usize, &UnitInfo)> = gathered.into_iter().map(|unit| (unit, &unit_info[unit])).collect();
+                let (gathers, amaxes) = crate::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);
+                hook = Box::new(gathers);
+                float8_amaxes = Some(amaxes);
             }
         }
         let scaler = (options.dtype == Kind::Half).then(|| LossScaler::new(options.initial_loss_scale, device));
@@ -305,6 +312,7 @@ impl<'m> TrainerBuilder<'m> {
             offload_stats: OffloadStats::default(),
             kernels: Kernels::select(device),
             float8,
+            float8_amaxes,
         })
     }
 }
@@ -536,6 +544,9 @@ impl<'m> Trainer<'m> {
             let placement = *unit.placement();
             let state = read(index, placement.owned_start(), placement.owned_len())?;
             unit.restore(&state, group)?;
+        }
+        if let Some(amaxes) = &mut self.float8_amaxes {
+            amaxes.shards_changed();
         }
         self.step.shallow_clone().copy_(step);
         self.steps = steps;

@@ -158,6 +158,9 @@ impl Trainer<'_> {
         for work in gathers {
             work.wait()?;
         }
+        if let Some(amaxes) = &mut self.float8_amaxes {
+            amaxes.shards_changed();
+        }
         self.pending_micro_batches = 0;
         self.steps += 1;
         self.hook.after_step(self.steps).map_err(|e| e.context(format!("comm `{}`", self.hook.name())))?;

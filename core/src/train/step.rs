@@ -98,6 +98,18 @@ impl Trainer<'_> {
         self.units[u].placement().released_after_forward(self.reshard_after_forward())
     }
 
+    /// Under float8 gathers, before any gather: every gathered weight's amax
+    /// in one reduction, when the shards have changed (the first step, after
+    /// an optimizer step or a restore).
+    fn refresh_float8_amaxes(&mut self) -> Result<()> {
+        let group = self.shard_group();
+        if let (Some(amaxes), Some(group)) = (&mut self.float8_amaxes, group) {
+            let units = &self.units;
+            amaxes.refresh(|unit| units[unit].held_shard().shallow_clone(), group)?;
+        }
+        Ok(())
+    }
+
     /// Makes unit `u` usable, waiting for its gather if one is in flight.
     fn gather(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         self.gather_in(Units::Model, u, phase)
@@ -176,6 +188,7 @@ impl Trainer<'_> {
     /// `last_micro_batch` synchronises gradients across replicas.
     /// Returns this micro-batch's share of the loss, on the device.
     pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, last_micro_batch: bool) -> Result<Tensor> {
+        self.refresh_float8_amaxes()?;
         let model = self.model;
         if objective.wants_reference_outputs() {
             self.reference_forward(batch, objective)?;
