@@ -5,7 +5,11 @@ sigmoid loss, AdamW; step times from the Trainer's own steps (after
 --warmup), CUDA-synchronised; the peak from torch.cuda.max_memory_allocated.
 
     python3 bench/peers/trl_dpo_step.py --config CONFIG.json --tokenizer tokenizer.json --data prefs.jsonl \
-        --batch 8 --max-length 512 [--precompute] [--compile] --json OUT.json
+        --batch 8 --max-length 512 [--precompute] [--compile] [--lora R] --json OUT.json
+
+With --lora R: peft's LoRA r=R, alpha 2R on every linear layer ("all-linear")
+over a bf16 base, as users load one for LoRA; the reference is the base with
+the adapters off (TRL's own choice when given a peft model).
 
 TRL 1.16 turns its padding_free off ("temporarily unavailable after a
 refactor"), so it is not offered here.
@@ -19,6 +23,7 @@ import time
 
 import torch
 from datasets import load_dataset
+from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import DPOConfig, DPOTrainer
 
@@ -53,12 +58,15 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs: no reference model in memory")
     parser.add_argument("--compile", action="store_true", help="the Trainer's torch_compile")
+    parser.add_argument("--lora", type=int, help="LoRA rank: adapters on every linear layer over a bf16 base")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.config)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if args.lora else torch.float32)
+    adapters = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM") if args.lora else None
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=args.tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     pairs = args.batch * (args.warmup + args.steps)
     dataset = load_dataset("json", data_files=args.data, split="train").select(range(pairs))
@@ -71,8 +79,10 @@ def main():
             dataloader_drop_last=True, seed=0,
         )
         # TRL's own copy of the reference loads the model's name from the Hub: a copy of the starting weights instead.
-        reference = None if args.precompute else copy.deepcopy(model).eval()
-        trainer = DPOTrainer(model=model, ref_model=reference, args=settings, train_dataset=dataset, processing_class=tokenizer, callbacks=[times])
+        reference = None if args.precompute or args.lora else copy.deepcopy(model).eval()
+        trainer = DPOTrainer(
+            model=model, ref_model=reference, args=settings, train_dataset=dataset, processing_class=tokenizer, callbacks=[times], peft_config=adapters
+        )
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
@@ -80,7 +90,7 @@ def main():
     step = statistics.median(times.seconds[args.warmup:])
     tokens_per_pair = sum(lengths) / len(lengths)
     result = {
-        "peer": "trl-dpo" + ("+precompute" if args.precompute else "") + ("+compile" if args.compile else ""),
+        "peer": "trl-dpo" + (f"+peft-lora{args.lora}" if args.lora else "") + ("+precompute" if args.precompute else "") + ("+compile" if args.compile else ""),
         "step_ms": step * 1e3, "pairs_per_s": args.batch / step, "tokens_per_s": tokens_per_pair * args.batch / step,
         "tokens_per_pair": tokens_per_pair, "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
     }
