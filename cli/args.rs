@@ -92,6 +92,8 @@ impl LoraArgs {
         let mut overrides = Overrides::default();
         self.set(&mut overrides);
         let config = ft_core::Config::load(None, &overrides.0, &[])?;
+        ft_core::setup::check_given_keys(&config)?;
+        ft_core::setup::check_adapters(&config)?;
         RunModel::new(base, &config.train.lora, config.model.quantization())
     }
 

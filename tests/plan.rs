@@ -177,6 +177,9 @@ fn ft_plan_refuses_bad_input_with_the_reason() {
         (vec!["--gpus", "8", "--shard-group-size", "3"], "shard group size 3 must divide the world size 8"),
         (vec!["--tflops", "0"], "\"0\": expected more than 0"),
         (vec!["--activation-checkpointing", "maybe"], "expected auto, on or off"),
+        (vec!["--lora-r", "0"], "train.lora.r (--lora-r) is 0: LoRA's rank must be at least 1"),
+        (vec!["--lora-alpha", "8"], "train.lora.alpha is given, but LoRA is off"),
+        (vec!["--quantize", "nf4"], "set train.lora.r (--lora-r) to train adapters on it"),
     ];
     for (flags, reason) in refused {
         let output = ft().args(["plan", "--model", opt.to_str().unwrap()]).args(&flags).output().unwrap();

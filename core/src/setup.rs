@@ -76,11 +76,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.max_steps.is_some() && config.given("train.epochs") {
         bail!("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains: give one");
     }
-    for (key, needs, what) in REQUIRES {
-        if config.given(key) && !needs(config) {
-            bail!("{key} is given, but {what}");
-        }
-    }
+    check_given_keys(config)?;
     if t.strategy != crate::strategy::AUTO {
         let strategy = registry.strategy(&t.strategy)?;
         (strategy.create)().policy().validate(&strategy.name)?;
@@ -94,23 +90,42 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.monitor.is_none() && (t.early_stopping_patience > 0 || t.save_best > 0) {
         bail!("train.early_stopping_patience and train.save_best need train.monitor (the score to judge epochs by, e.g. eval_f1 or eval_loss)");
     }
-    if t.lora.enabled() || config.given("train.lora.r") {
-        t.lora.validate()?;
-    }
-    if config.model.quantize != crate::config::Quantize::None {
-        if !t.lora.enabled() {
-            bail!("model.quantize (--quantize) holds a LoRA run's frozen base in 4 bits: set train.lora.r (--lora-r) to train adapters on it (a fully fine-tuned model cannot train in 4 bits)");
-        }
-        if !crate::nf4::BLOCKSIZES.contains(&config.model.quant_blocksize) {
-            bail!("model.quant_blocksize is {}: bitsandbytes' 4-bit blocks hold one of {:?} values", config.model.quant_blocksize, crate::nf4::BLOCKSIZES);
-        }
-    }
+    check_adapters(config)?;
     if t.fp8 != crate::config::Fp8::Off && t.dtype == crate::device::DType::F16 {
         bail!("{}", crate::train::FLOAT8_WITH_FP16);
     }
     if let Some([first, last]) = t.profile_steps {
         if first == 0 || first > last {
             bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");
+        }
+    }
+    Ok(())
+}
+
+/// Each key given that only acts with another (`REQUIRES`) has it.
+pub fn check_given_keys(config: &Config) -> Result<()> {
+    for (key, needs, what) in REQUIRES {
+        if config.given(key) && !needs(config) {
+            bail!("{key} is given, but {what}");
+        }
+    }
+    Ok(())
+}
+
+/// LoRA's settings (`train.lora.*`) and the 4-bit base's (`model.quantize`,
+/// which needs adapters): what `ft train` checks, and `ft plan` and `ft
+/// bench --plan-check` before they predict for them.
+pub fn check_adapters(config: &Config) -> Result<()> {
+    let lora = &config.train.lora;
+    if lora.enabled() || config.given("train.lora.r") {
+        lora.validate()?;
+    }
+    if config.model.quantize != crate::config::Quantize::None {
+        if !lora.enabled() {
+            bail!("model.quantize (--quantize) holds a LoRA run's frozen base in 4 bits: set train.lora.r (--lora-r) to train adapters on it (a fully fine-tuned model cannot train in 4 bits)");
+        }
+        if !crate::nf4::BLOCKSIZES.contains(&config.model.quant_blocksize) {
+            bail!("model.quant_blocksize is {}: bitsandbytes' 4-bit blocks hold one of {:?} values", config.model.quant_blocksize, crate::nf4::BLOCKSIZES);
         }
     }
     Ok(())
