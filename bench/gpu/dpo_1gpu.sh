@@ -11,15 +11,7 @@ source "$(dirname "$0")/lib.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/trl-*.whl .whl/datasets-*.whl \
   .whl/dill-*.whl .whl/multiprocess-*.whl || { echo "FAILED install"; exit 1; }
 CONFIG=$D/configs/bloom-560m/config.json BATCH=8 WARMUP=3 STEPS=10
-python3 - <<'PY'
-import json, random
-random.seed(0)
-words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
-text = lambda n: " ".join(random.choice(words) for _ in range(n))
-with open("/tmp/prefs.jsonl", "w") as f:
-    for _ in range(8 * 13):
-        f.write(json.dumps({"prompt": text(250), "chosen": " " + text(250), "rejected": " " + text(250)}) + "\n")
-PY
+make_pairs $((8 * 13))
 timeout ${FT_LIMIT:-240} "$FT" train --task dpo --model $CONFIG --tokenizer $D/gpt2-tokenizer.json --train-file /tmp/prefs.jsonl \
   --max-seq-len 512 --set data.truncate=true --batch-size $BATCH --epochs 1 --dtype bf16 --lr 1e-6 --report-to jsonl \
   --set train.log_every=1 --output-dir $OUT/ft-dpo > $OUT/ft-dpo.log 2>&1 || { echo "FAILED ft dpo"; tail -20 $OUT/ft-dpo.log; }

@@ -14,15 +14,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .whl/dill-*.whl .whl/multiprocess-*.whl || { echo "FAILED install"; exit 1; }
 CONFIG=${CONFIG:-$D/configs/codellama-7b/config.json} BATCH=4 WARMUP=3 STEPS=8
 LORA="--lora-r 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down"
+make_pairs $((4 * 12))
 python3 - <<'PY'
-import json, random
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-random.seed(0)
-words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
-text = lambda n: " ".join(random.choice(words) for _ in range(n))
-with open("/tmp/prefs.jsonl", "w") as f:
-    for _ in range(4 * 12):
-        f.write(json.dumps({"prompt": text(250), "chosen": " " + text(250), "rejected": " " + text(250)}) + "\n")
 tokenizer = Tokenizer(models.BPE())
 tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
 tokenizer.train(["/tmp/prefs.jsonl", ".device/squad.json"], trainers.BpeTrainer(vocab_size=32000, special_tokens=["<|endoftext|>"]))

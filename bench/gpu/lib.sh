@@ -49,3 +49,17 @@ install_deepspeed() {
 
 # deepspeed GPUS CONFIG_DIR [deepspeed_train_step.py flags…] (stopped after LIMIT seconds, default 300)
 deepspeed_peer() { timeout ${LIMIT:-300} torchrun --nproc-per-node $1 bench/peers/deepspeed_train_step.py --config $D/configs/$2/config.json "${@:3}" 2>&1 | grep -E '^\{|Error' | tail -3; }
+
+# make_pairs COUNT: COUNT preference pairs in /tmp/prefs.jsonl, each a prompt
+# and two completions of 250 of SQuAD's words in a seeded order.
+make_pairs() {
+  python3 - "$1" <<'PY'
+import json, random, sys
+random.seed(0)
+words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
+text = lambda n: " ".join(random.choice(words) for _ in range(n))
+with open("/tmp/prefs.jsonl", "w") as f:
+    for _ in range(int(sys.argv[1])):
+        f.write(json.dumps({"prompt": text(250), "chosen": " " + text(250), "rejected": " " + text(250)}) + "\n")
+PY
+}
