@@ -7,7 +7,7 @@ use clap::Args;
 use ft_core::env::{DistEnv, EnvSource};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::setup::Rank;
-use ft_core::task::{Start, Task, TaskInputs};
+use ft_core::task::{Start, Task, TaskInputs, WholeModel};
 use ft_core::{Config, Registry};
 use ft_models::hf;
 use ft_core::lora::RunModel;
@@ -151,8 +151,8 @@ fn give_reference(task: &mut dyn Task, args: &EvalArgs, model: &RunModel, params
             args.model
         ),
     };
-    let start = Start { model: reference, params: Some(reference_params), dtype: rank.dtype, comm: &rank.comm, output: None, resuming: false };
-    task.before_training(&start)
+    let mut reference = WholeModel { model: reference, params: reference_params, dtype: rank.dtype };
+    task.before_training(&mut Start { model: &mut reference, comm: &rank.comm, output: None, resuming: false })
 }
 
 #[derive(Args)]

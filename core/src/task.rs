@@ -69,19 +69,41 @@ impl StepMetrics {
 
 /// What a task may prepare before the first step (`Task::before_training`).
 pub struct Start<'a> {
-    pub model: &'a dyn Model,
-    /// The starting parameters, whole on every rank, as loaded (fp32 masters
-    /// under bf16: a task computing with them casts them to `dtype`); None
-    /// unless the task `needs_starting_params` (a run otherwise reads them a
-    /// unit at a time as the trainer places them).
-    pub params: Option<&'a [Vec<Tensor>]>,
-    pub dtype: Kind,
+    /// The model training starts from, to run forward without gradients.
+    pub model: &'a mut dyn StartingModel,
     pub comm: &'a Communicator,
     /// The run's output directory, where what the task keeps for a resume
     /// goes (None: `ft eval`, which keeps nothing).
     pub output: Option<&'a Path>,
     /// The run continues from a checkpoint (`train.resume`).
     pub resuming: bool,
+}
+
+/// The starting model as `Task::before_training` runs it: in the compute
+/// dtype, without gradients, as it is held — the trainer's own units before
+/// the first step (sharded and offloaded as the strategy placed them, so
+/// the run never holds the model whole; LoRA's adapters off), or whole
+/// parameters (`ft eval`'s reference, [`WholeModel`]).
+pub trait StartingModel {
+    /// Runs `batch` through the model and gives `head` the head's outputs
+    /// (which may be views of a unit gathered for the call). Collective
+    /// under sharding: every rank makes the same number of calls.
+    fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()>;
+}
+
+/// A model with its parameters whole, in the compute dtype.
+pub struct WholeModel<'a> {
+    pub model: &'a dyn Model,
+    pub params: &'a [Vec<Tensor>],
+    pub dtype: Kind,
+}
+
+impl StartingModel for WholeModel<'_> {
+    fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let ctx = self.model.context(&batch.inputs, 0, self.dtype, false)?;
+        head(&crate::model::forward(self.model, self.params, &batch.inputs, &ctx, None))
+    }
 }
 
 /// The reference model a task compares with while training (`Task::reference`).
@@ -128,15 +150,8 @@ pub trait Task {
     /// Called once on every rank before training starts (collective): what
     /// a task computes from the starting model (DPO's reference
     /// log-probabilities). Nothing by default.
-    fn before_training(&mut self, _start: &Start) -> Result<()> {
+    fn before_training(&mut self, _start: &mut Start) -> Result<()> {
         Ok(())
-    }
-
-    /// Whether `before_training` computes with the whole starting model
-    /// (`Start::params`), which the run then holds whole once before
-    /// training. False by default.
-    fn needs_starting_params(&self) -> bool {
-        false
     }
 
     /// Whether the evaluation compares the model with a reference: the

@@ -214,27 +214,19 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters, or None (having said so) when the
 /// checkpoint it resumed from had already trained every epoch.
-pub fn run(fit: Fit, mut params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
+pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
     crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
-    // Whole only for a task that computes with them first (DPO's reference); else each unit is placed as it is read.
-    let whole = match task.needs_starting_params() {
-        true => Some((0..model.units().len()).map(|unit| params.unit(unit)).collect::<Result<Vec<_>>>()?),
-        false => None,
-    };
-    task.before_training(&crate::task::Start { model, params: whole.as_deref(), dtype, comm, output: Some(checkpoints.output), resuming })?;
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);
     let builder = builder.reference_copy(task.objective().wants_reference_outputs());
-    let mut trainer = match &whole {
-        Some(whole) => builder.build(whole)?,
-        None => builder.build(params)?,
-    };
-    drop(whole);
+    let mut trainer = builder.build(params)?;
+    // Before the checkpoint is restored: the trainer holds the starting model.
+    task.before_training(&mut crate::task::Start { model: &mut trainer, comm, output: Some(checkpoints.output), resuming })?;
     let reference = task.reference();
     if let (Some(reference), 0) = (&reference, rank) {
         let held = summary::reference_held(summary::ReferenceMemory::of_this_rank(reference, &trainer));

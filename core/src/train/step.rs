@@ -142,21 +142,27 @@ impl Trainer<'_> {
     }
 
     /// Runs `batch` through the reference model without gradients and
-    /// gives `objective` the head's outputs (while the head's unit is
-    /// gathered: they may be views of it). The reference is the frozen copy
-    /// when the trainer keeps one, else the model with every adapter off
-    /// (LoRA's base: the adapters' units never read): the same stages over
-    /// other units, each gathered and released as forward does — a copy's
-    /// after each use, since no backward reads it.
+    /// gives `objective` the head's outputs. The reference is the frozen
+    /// copy when the trainer keeps one, else the model with every adapter
+    /// off (LoRA's base: the adapters' units never read).
     fn reference_forward(&mut self, batch: &Batch, objective: &dyn Objective) -> Result<()> {
-        let model = self.model;
-        let set = match (self.reference.is_empty(), model.adapter_scaling().is_some()) {
+        let set = match (self.reference.is_empty(), self.model.adapter_scaling().is_some()) {
             (false, _) => Units::Reference,
             (true, true) => Units::Model,
             (true, false) => anyhow::bail!(
                 "the objective compares with a reference model at every step, and this trainer holds none: the model has no adapters whose base would be one, and it was built without TrainerBuilder::reference_copy"
             ),
         };
+        // A copy's units are released after each use, since no backward reads them.
+        self.forward_without_grad(set, batch, set == Units::Reference, &mut |outputs| objective.reference_outputs(outputs, batch))
+    }
+
+    /// A forward of `batch` without gradients over `set`'s units with every
+    /// adapter off, each unit gathered and released as forward does (with
+    /// `release_each`, after each use), giving `head` the head's outputs
+    /// while the head's unit is gathered (they may be views of it).
+    fn forward_without_grad(&mut self, set: Units, batch: &Batch, release_each: bool, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
+        let model = self.model;
         let _no_grad = tch::no_grad_guard();
         let ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
         let stages = model.stages();
@@ -171,11 +177,10 @@ impl Trainer<'_> {
             match stage.kind {
                 StageKind::Embed => x = Some(model.embed(&params, &batch.inputs, &ctx)),
                 StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
-                StageKind::Head => objective.reference_outputs(&model.head(&params, x.as_ref().expect("the head follows the blocks")), batch)?,
+                StageKind::Head => head(&model.head(&params, x.as_ref().expect("the head follows the blocks")))?,
             }
             let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
-            let release = set == Units::Reference || self.released_after_forward(stage.unit);
-            if release && !used_next {
+            if (release_each || self.released_after_forward(stage.unit)) && !used_next {
                 self.release_in(set, stage.unit)?;
             }
         }
@@ -313,4 +318,14 @@ impl Trainer<'_> {
         Ok(loss.expect("the model has a head stage"))
     }
 
+}
+
+/// Before the first step the trainer is the starting model, as it holds it:
+/// each unit gathered for its use and released after it (no backward
+/// follows), LoRA's adapters off.
+impl crate::task::StartingModel for Trainer<'_> {
+    fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
+        self.refresh_float8_amaxes()?;
+        self.forward_without_grad(Units::Model, batch, true, head)
+    }
 }

@@ -13,10 +13,11 @@
 //! a weight per token (`lm_head_weighted_loss_and_grads`).
 //!
 //! The reference model's log-probabilities are computed once, before the
-//! first step, from the starting weights (TRL's `precompute_ref_log_probs`;
-//! with LoRA the adapters start at zero, so that is the base): each rank its
-//! share of the pairs, kept in `OUTPUT/reference_logps.json`, which a resumed
-//! run reuses. With `task.precompute_ref=false` the trainer runs each
+//! first step, by the trainer from the starting model as it holds it
+//! (TRL's `precompute_ref_log_probs`; sharded and offloaded as the policy,
+//! so the model is never whole on a rank; with LoRA its adapters off): each
+//! rank its share of the pairs, kept in `OUTPUT/reference_logps.json`, which
+//! a resumed run reuses. With `task.precompute_ref=false` the trainer runs each
 //! training micro-batch through the reference (no gradients) before its
 //! loss instead, as TRL's `ref_model` does: with LoRA the base (adapters
 //! off, as TRL with a peft model), else a frozen copy of the starting
@@ -42,8 +43,8 @@ use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
 use ft_core::dataset::{Batch, Dataset};
-use ft_core::model::{self, head, lm_outputs, Inputs, Model};
-use ft_core::task::{self, Objective, Scores, Start, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration};
+use ft_core::model::{head, lm_outputs, Inputs, Model};
+use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, WholeModel};
 use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, IGNORE_INDEX};
 use ft_core::train::Kernels;
 use ft_data::preference::{self, Pair, Sequence, Truncation};
@@ -445,20 +446,45 @@ pub struct Dpo {
 }
 
 impl Dpo {
-    /// Each pair's summed chosen and rejected log-probabilities under
-    /// `params` (each rank its share, in batches, gathered on every rank).
-    fn logps(&self, data: &PairDataset, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Vec<[f64; 2]>> {
-        let _no_grad = tch::no_grad_guard();
+    /// Runs this rank's share of `data`'s pairs through `model` in batches,
+    /// giving `each` a batch's pair indices, the batch and its sequences'
+    /// log-probabilities. Every rank runs as many batches, since a sharded
+    /// model's forward gathers with the other ranks: a shorter share ends
+    /// with a batch of pair 0, whose result is dropped.
+    fn for_each_batch(&self, data: &PairDataset, model: &mut dyn StartingModel, comm: &Communicator, each: &mut dyn FnMut(&[usize], &Batch, SequenceLogps) -> Result<()>) -> Result<()> {
+        let batch_size = self.batch_size.max(1);
         let mine = task::rank_share(comm, data.len());
-        let mut logps = vec![];
-        for indices in mine.chunks(self.batch_size.max(1)) {
+        let rounds = data.len().div_ceil(comm.env().world_size).div_ceil(batch_size);
+        let mut batches = mine.chunks(batch_size);
+        for _ in 0..rounds {
+            let (indices, kept) = match batches.next() {
+                Some(indices) => (indices, true),
+                None => (&[0][..], false),
+            };
             let batch = data.collate(indices, comm.device())?;
-            let ctx = model.context(&batch.inputs, 0, dtype, false)?;
-            let (hidden, weight) = lm_outputs(model::forward(model, params, &batch.inputs, &ctx, None))?;
-            let sums: Vec<f64> = Vec::try_from(self.objective.sequence_logps(&hidden, &weight, &batch)?.sums.to_kind(Kind::Double))?;
+            let mut logps = None;
+            model.forward_head(&batch, &mut |outputs| {
+                let (hidden, weight) = lm_outputs(outputs.iter().map(Tensor::shallow_clone).collect())?;
+                logps = Some(self.objective.sequence_logps(&hidden, &weight, &batch)?);
+                Ok(())
+            })?;
+            if kept {
+                each(indices, &batch, logps.context("the model's forward gave its head's outputs to no one")?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Each pair's summed chosen and rejected log-probabilities under
+    /// `model` (each rank its share, gathered on every rank).
+    fn logps(&self, data: &PairDataset, model: &mut dyn StartingModel, comm: &Communicator) -> Result<Vec<[f64; 2]>> {
+        let mut logps = vec![];
+        self.for_each_batch(data, model, comm, &mut |indices, _, batch_logps| {
+            let sums: Vec<f64> = Vec::try_from(batch_logps.sums.to_kind(Kind::Double))?;
             let pairs = indices.len();
             logps.extend(indices.iter().enumerate().map(|(k, &i)| (i, [sums[k], sums[pairs + k]])));
-        }
+            Ok(())
+        })?;
         let mut all = vec![[0.0; 2]; data.len()];
         for (i, pair) in task::all_gather_json(comm, &logps)?.into_iter().flatten() {
             all[i] = pair;
@@ -482,6 +508,13 @@ impl Dpo {
         let train = if self.objective.step_reference.is_some() { 0 } else { self.train.len() };
         (kept.fingerprint == fingerprint && kept.train.len() == train && kept.eval.len() == self.eval.as_ref().map_or(0, |e| e.len())).then_some(kept)
     }
+
+    /// Whether there are reference log-probabilities to compute before
+    /// training: not reference-free, and not (the reference run with every
+    /// step serving the training pairs) without evaluation pairs.
+    fn computes_reference(&self) -> bool {
+        !self.reference_free && (self.objective.step_reference.is_none() || self.eval.is_some())
+    }
 }
 
 impl Task for Dpo {
@@ -504,15 +537,12 @@ impl Task for Dpo {
     /// TRL's six figures over the evaluation pairs (the loss is the loop's).
     fn score(&mut self, model: &dyn Model, params: &[Vec<Tensor>], dtype: Kind, comm: &Communicator) -> Result<Scores> {
         let Some(data) = &self.eval else { return Ok(Scores::default()) };
-        let _no_grad = tch::no_grad_guard();
         let mut mine = StepMetrics::default();
-        for indices in task::rank_share(comm, data.len()).chunks(self.batch_size.max(1)) {
-            let batch = data.collate(indices, comm.device())?;
-            let ctx = model.context(&batch.inputs, 0, dtype, false)?;
-            let (hidden, weight) = lm_outputs(model::forward(model, params, &batch.inputs, &ctx, None))?;
-            let logps = self.objective.sequence_logps(&hidden, &weight, &batch)?;
-            mine.add(metric_sums(&self.objective.pair_values(&logps.sums, &logps.tokens, precomputed(&batch)?, &batch)?));
-        }
+        let objective = &self.objective;
+        self.for_each_batch(data, &mut WholeModel { model, params, dtype }, comm, &mut |_, batch, logps| {
+            mine.add(metric_sums(&objective.pair_values(&logps.sums, &logps.tokens, precomputed(batch)?, batch)?));
+            Ok(())
+        })?;
         let mut local = vec![mine.count];
         local.extend(mine.sums.values());
         let summed = comm.sum_over_ranks(&local)?;
@@ -524,20 +554,12 @@ impl Task for Dpo {
         Ok(vec![])
     }
 
-    /// The reference log-probabilities need the starting model whole, unless
-    /// there are none to compute (reference-free, or the reference run with
-    /// every step serving the training pairs and no evaluation pairs).
-    fn needs_starting_params(&self) -> bool {
-        !self.reference_free && (self.objective.step_reference.is_none() || self.eval.is_some())
-    }
-
     /// The reference log-probabilities (of the evaluation pairs alone when
     /// the reference runs with every step): those the run kept when it
-    /// resumes with the same pairs, else computed from the starting weights
+    /// resumes with the same pairs, else computed from the starting model
     /// (`ft eval`: the reference model) and kept in the run's output.
-    fn before_training(&mut self, start: &Start) -> Result<()> {
-        if !self.needs_starting_params() {
-            // Nothing to compute: reference-free, or the reference runs with every step and there is no evaluation file.
+    fn before_training(&mut self, start: &mut Start) -> Result<()> {
+        if !self.computes_reference() {
             return Ok(());
         }
         let path = start.output.map(|output| output.join(REFERENCE_FILE));
@@ -553,16 +575,13 @@ impl Task for Dpo {
             }
             (false, _) => {
                 let started = std::time::Instant::now();
-                // The reference computes as the steps will: with the parameters in the compute dtype.
-                let starting = start.params.context("the dpo task computes its reference from the starting parameters, which the run did not hold whole")?;
-                let params: Vec<Vec<Tensor>> = starting.iter().map(|unit| unit.iter().map(|t| t.to_kind(start.dtype)).collect()).collect();
                 // With the reference run at every step, only the evaluation pairs need theirs now.
                 let train = match self.objective.step_reference {
-                    None => self.logps(&self.train, start.model, &params, start.dtype, start.comm)?,
+                    None => self.logps(&self.train, start.model, start.comm)?,
                     Some(_) => vec![],
                 };
                 let eval = match &self.eval {
-                    Some(eval) => self.logps(eval, start.model, &params, start.dtype, start.comm)?,
+                    Some(eval) => self.logps(eval, start.model, start.comm)?,
                     None => vec![],
                 };
                 let computed = ReferenceFile { fingerprint, train, eval };
