@@ -304,7 +304,10 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_rebuilds_the_frozen
 }
 
 /// Every sharding strategy at 2 and 3 ranks equals one rank's DPO steps
-/// (the reference log-probabilities computed sharded as the policy is), and
+/// (the reference log-probabilities computed by the trainer over its units,
+/// sharded as the policy is: under full_shard at 3 ranks, the seven
+/// evaluation pairs make one rank run two batches and the others one, and
+/// their references still equal one rank's, as the evaluation shows), and
 /// so does a frozen copy as the reference under full_shard at 2 ranks,
 /// sharded as the policy is, or in host memory with `--offload cpu` (the
 /// summary says what it costs each rank: a shard of the parameters in the
@@ -320,6 +323,8 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
     // Twelve pairs: a global batch of 6 (6 × 1, 3 × 2, 2 × 3 ranks), two steps an epoch.
     let rows: Vec<Value> = std::fs::read_to_string(&preference_files(dir.path())[0]).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let pairs = jsonl(dir.path(), "twelve.jsonl", &[&rows[..], &rows, &rows].concat());
+    let eval_pairs = jsonl(dir.path(), "seven.jsonl", &[&rows[..], &rows[..3]].concat());
+    let evaluated = ["--eval-file", eval_pairs.to_str().unwrap()];
     let run = |name: &str, ranks: usize, extra: &[&str], fault: Option<&str>| {
         let out = dir.path().join(name);
         let (ranks, batch) = (ranks.to_string(), (6 / ranks).to_string());
@@ -333,7 +338,7 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
         let output = command.output().unwrap();
         (output.status.success(), steps(&out), text(&output))
     };
-    let (_, one, _) = run("one", 1, &[], None);
+    let (_, one, _) = run("one", 1, &evaluated, None);
     assert_eq!(one.len(), 4);
     for (ranks, strategy, offload, copy) in
         [(2, "zero1", false, false), (2, "full_shard", false, true), (2, "full_shard", true, true), (3, "shard_grad_op", false, false), (3, "full_shard", false, false)]
@@ -341,9 +346,17 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
         let name = format!("{strategy}-{ranks}{}{}", if offload { "-offload" } else { "" }, if copy { "-copy" } else { "" });
         let offload_flags: &[&str] = if offload { &["--offload", "cpu"] } else { &[] };
         let copy_flags: &[&str] = if copy { &["--set", "task.precompute_ref=false"] } else { &[] };
-        let (succeeded, sharded, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload_flags, copy_flags].concat(), None);
+        let eval_flags: &[&str] = if (ranks, strategy) == (3, "full_shard") { &evaluated } else { &[] };
+        let (succeeded, sharded, log) = run(&name, ranks, &[&["--strategy", strategy][..], offload_flags, copy_flags, eval_flags].concat(), None);
         assert!(succeeded, "{name}: {log}");
         assert_equal_steps(&sharded, &one, &name);
+        if !eval_flags.is_empty() {
+            let (ours, theirs) = (evaluations(&dir.path().join(&name)), evaluations(&dir.path().join("one")));
+            assert_eq!(ours.len(), theirs.len(), "{name}: {ours:?}");
+            for (ours, theirs) in ours.iter().zip(&theirs) {
+                assert_equal_figures(ours, theirs, "eval_", &name);
+            }
+        }
         if copy {
             // Each rank's copy is its shard of the parameters in f32: the policy's master shard (sharded
             // parameters keep no compute copy between uses) or, offloaded, its compute shard on the device.
