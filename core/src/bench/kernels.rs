@@ -1,6 +1,6 @@
 //! ft's CUDA kernels beside ATen's ops on the same random inputs (`ft
-//! bench --breakdown`): the LM head's loss and gradients (the model's
-//! vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
+//! bench --breakdown`): the LM head's loss and gradients and its labels'
+//! log-probabilities without gradients (the model's vocabulary and width), AdamW (64M parameters), blockwise int8 (64M
 //! values in the compute dtype, when a kernel serves it), the low-rank
 //! products (a 64M-element matrix, rank 4), RoPE and SwiGLU forward and
 //! backward, a bias gradient's column sums, LayerNorm forward and
@@ -8,7 +8,7 @@
 //! timed and compared.
 
 use crate::dataset::Batch;
-use crate::train::loss::lm_head_loss_and_grads;
+use crate::train::loss::{lm_head_loss_and_grads, lm_label_logps};
 use crate::train::{Kernels, Trainer};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -67,6 +67,10 @@ pub struct KernelCheck {
     /// (QLoRA's base, `nf4.rs`) dequantized into the compute dtype.
     #[serde(default)]
     pub nf4_dequantize: Option<Compared>,
+    /// The head's log-probability of each label, without gradients (DPO's
+    /// sums; `lm_label_logps`), on the batch's labels.
+    #[serde(default)]
+    pub label_logps: Option<Compared>,
 }
 
 /// One of ft's kernels beside ATen's ops on the same inputs, in the compute
@@ -92,7 +96,7 @@ impl KernelCheck {
         if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
             line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
         }
-        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize)];
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps)];
         for (what, c) in compared {
             if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
                 line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
@@ -228,8 +232,10 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         }
         Ok(outputs)
     };
-    let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize) = (None, None, None, None, None);
+    let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize, mut label_logps) = (None, None, None, None, None, None);
     if crate::kernels::available(device).is_ok() {
+        let kernels = |fused| if fused { Kernels::Ft } else { Kernels::Aten };
+        label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&hidden, &weight, ids, chunk_tokens, None, kernels(fused))?]))?);
         let leaf = |shape: &[i64]| Tensor::randn(shape, (dtype, device)).set_requires_grad(true);
         if dims.hidden % (2 * dims.heads) == 0 {
             let shape = [rows, seq, dims.heads, dims.hidden / dims.heads];
@@ -287,6 +293,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         bias_grad,
         layer_norm,
         nf4_dequantize,
+        label_logps,
     })
 }
 

@@ -23,57 +23,94 @@ pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, so
 
 /// The summed next-token cross-entropy and the number of target tokens.
 pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
-    let (chunks, targets) = logit_chunks(hidden, weight, labels, chunk, softcap)?;
-    let count = targets.ne(IGNORE_INDEX).sum(Kind::Float);
+    let rows = TargetRows::of(hidden, labels)?;
     let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
-    for (logits, target) in chunks {
-        total += logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Sum, IGNORE_INDEX, 0.0);
+    for (logits, target) in rows.logit_chunks(weight, chunk) {
+        total += softcapped(logits.to_kind(Kind::Float), softcap).cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Sum, IGNORE_INDEX, 0.0);
     }
+    let count = Tensor::full([], rows.len() as f64, (Kind::Float, hidden.device()));
     Ok((total, count))
 }
 
 /// Each label's log-probability under the head's logits, [batch, seq]
 /// aligned with `labels` (position i: log p(labels\[i\] | the tokens before
 /// i)), 0 where the label is ignored and at position 0; the logits formed
-/// `chunk` tokens at a time, in fp32 only for the chunk.
-pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<Tensor> {
+/// `chunk` target tokens at a time. With ft's kernels and bf16 logits (no
+/// soft cap) one read of each chunk gives its log-probabilities (the fused
+/// cross-entropy without its gradient pass); else ATen's fp32 log-softmax.
+pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>, kernels: Kernels) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
-    let (batch, seq, _) = hidden.size3()?;
-    let (chunks, _) = logit_chunks(hidden, weight, labels, chunk, softcap)?;
-    let parts: Vec<Tensor> = chunks
-        .map(|(logits, target)| {
-            let picked = logits.log_softmax(-1, Kind::Float).gather(1, &target.clamp_min(0).unsqueeze(1), false).squeeze_dim(1);
-            picked * target.ne(IGNORE_INDEX).to_kind(Kind::Float)
-        })
-        .collect();
-    let logps = Tensor::cat(&parts, 0).view([batch, seq - 1]);
-    Ok(Tensor::cat(&[logps.zeros_like().narrow(1, 0, 1), logps], 1))
+    let rows = TargetRows::of(hidden, labels)?;
+    let mut parts = vec![];
+    for (logits, target) in rows.logit_chunks(weight, chunk) {
+        parts.push(if kernels == Kernels::Ft && softcap.is_none() && logits.kind() == Kind::BFloat16 {
+            let mut row_loss = Tensor::empty([target.size()[0]], (Kind::Float, logits.device()));
+            ft_sys::kernels::softmax_xent_loss(&logits, &target, &mut row_loss, IGNORE_INDEX)?;
+            -row_loss
+        } else {
+            let log_probs = softcapped(logits.to_kind(Kind::Float), softcap).log_softmax(-1, Kind::Float);
+            log_probs.gather(1, &target.unsqueeze(1), false).squeeze_dim(1)
+        });
+    }
+    let logps = Tensor::zeros([labels.numel() as i64], (Kind::Float, hidden.device()));
+    let logps = match parts.is_empty() {
+        true => logps,
+        false => logps.index_copy(0, &rows.label_positions(), &Tensor::cat(&parts, 0)),
+    };
+    Ok(logps.view_as(labels))
 }
 
-/// The next-token targets (`labels` shifted, flattened) and, `chunk` tokens
-/// at a time, the chunk's fp32 logits (soft-capped as the model caps them)
-/// with its targets: the one walk both losses above take over the head.
-fn logit_chunks<'a>(
-    hidden: &Tensor,
-    weight: &'a Tensor,
-    labels: &Tensor,
-    chunk: i64,
-    softcap: Option<f64>,
-) -> Result<(impl Iterator<Item = (Tensor, Tensor)> + 'a, Tensor)> {
-    let (batch, seq, dim) = hidden.size3()?;
-    if labels.size() != [batch, seq] {
-        bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+/// The head's rows that predict a target: of the flattened hidden states,
+/// the positions whose next label is not `IGNORE_INDEX`, with those labels.
+/// Prompt tokens, padding and each sequence's last position form no
+/// logits at all (in SFT on chat data and in DPO, the prompt is often half
+/// the tokens, and the head's logits the step's largest tensor). Finding
+/// them reads the labels' mask on the host once.
+struct TargetRows {
+    /// Indices into the flattened [batch · seq] positions.
+    positions: Tensor,
+    /// The hidden states at those positions, [rows, dim].
+    inputs: Tensor,
+    targets: Tensor,
+}
+
+impl TargetRows {
+    fn of(hidden: &Tensor, labels: &Tensor) -> Result<TargetRows> {
+        let (batch, seq, dim) = hidden.size3()?;
+        if labels.size() != [batch, seq] {
+            bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
+        }
+        // Position (b, t) predicts label (b, t + 1); the last position of each sequence predicts nothing.
+        let predicts = Tensor::cat(&[labels.narrow(1, 1, seq - 1).ne(IGNORE_INDEX), labels.zeros_like().narrow(1, 0, 1).to_kind(Kind::Bool)], 1);
+        let positions = predicts.reshape([-1]).nonzero().squeeze_dim(1);
+        let inputs = hidden.reshape([-1, dim]).index_select(0, &positions);
+        let targets = labels.reshape([-1]).index_select(0, &(&positions + 1));
+        Ok(TargetRows { positions, inputs, targets })
     }
-    let hidden = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
-    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
-    let tokens = targets.size()[0];
-    let chunk_targets = targets.shallow_clone();
-    let chunks = (0..tokens).step_by(chunk.max(1) as usize).map(move |start| {
-        let len = chunk.min(tokens - start);
-        let logits = softcapped(hidden.narrow(0, start, len).matmul(&weight.tr()).to_kind(Kind::Float), softcap);
-        (logits, chunk_targets.narrow(0, start, len))
-    });
-    Ok((chunks, targets))
+
+    fn len(&self) -> i64 {
+        self.targets.size()[0]
+    }
+
+    /// Where each row's label is, in the flattened labels.
+    fn label_positions(&self) -> Tensor {
+        &self.positions + 1
+    }
+
+    /// `chunk` rows at a time, the chunk's logits in the weight's dtype
+    /// (soft-capping is the caller's) with its targets.
+    fn logit_chunks<'a>(&'a self, weight: &'a Tensor, chunk: i64) -> impl Iterator<Item = (Tensor, Tensor)> + 'a {
+        let rows = self.len();
+        (0..rows).step_by(chunk.max(1) as usize).map(move |start| {
+            let len = chunk.min(rows - start);
+            (self.inputs.narrow(0, start, len).matmul(&weight.tr()), self.targets.narrow(0, start, len))
+        })
+    }
+
+    /// `values` [rows, dim] at these rows' positions of zeros shaped like `hidden` [batch, seq, dim].
+    fn placed(&self, values: &Tensor, hidden: &Tensor) -> Tensor {
+        hidden.zeros_like().view([-1, hidden.size()[2]]).index_copy(0, &self.positions, values).view_as(hidden)
+    }
 }
 
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
@@ -134,30 +171,24 @@ pub fn lm_head_weighted_loss_and_grads(
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
-    let (batch, seq, dim) = hidden.size3()?;
-    if labels.size() != [batch, seq] || token_weights.size() != [batch, seq] {
-        bail!("labels {:?} and weights {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size(), token_weights.size());
+    if token_weights.size() != labels.size() {
+        bail!("weights {:?} do not match the labels' {:?}", token_weights.size(), labels.size());
     }
-    let inputs = hidden.narrow(1, 0, seq - 1).reshape([-1, dim]);
-    let targets = labels.narrow(1, 1, seq - 1).reshape([-1]);
-    let weights = token_weights.narrow(1, 1, seq - 1).reshape([-1]).to_kind(Kind::Float);
-    let tokens = targets.size()[0];
+    let rows = TargetRows::of(hidden, labels)?;
+    let weights = token_weights.reshape([-1]).to_kind(Kind::Float).index_select(0, &rows.label_positions());
     let mut grad_inputs = Vec::new();
     // Accumulated in the weight's dtype by the matmul itself (fp32 inside cuBLAS).
     let mut grad_weight: Option<Tensor> = None;
     let mut loss = Tensor::zeros([], (Kind::Float, hidden.device()));
     let mut start = 0;
-    while start < tokens {
-        let len = chunk.min(tokens - start);
-        let h = inputs.narrow(0, start, len);
-        let target = targets.narrow(0, start, len).contiguous();
-        let valid = target.ne(IGNORE_INDEX);
-        let scale = weights.narrow(0, start, len) * valid.to_kind(Kind::Float);
+    for (mut logits, target) in rows.logit_chunks(weight, chunk) {
+        let len = target.size()[0];
+        let h = rows.inputs.narrow(0, start, len);
+        let scale = weights.narrow(0, start, len);
         let row_scale = match grad_multiplier {
             Some(multiplier) => &scale * multiplier,
             None => scale.shallow_clone(),
         };
-        let mut logits = h.matmul(&weight.tr());
         // c · tanh(z / c)'s derivative, 1 − tanh², multiplies the capped logits' gradient.
         let mut cap_derivative = None;
         if let Some(cap) = softcap {
@@ -174,14 +205,14 @@ pub fn lm_head_weighted_loss_and_grads(
         } else {
             // Four passes over the [len, vocab] logits: log-softmax (fp32
             // out), exp in place, the cast back, the scale.
-            let safe_target = target.clamp_min(0).unsqueeze(1);
+            let target = target.unsqueeze(1);
             let log_probs = logits.log_softmax(-1, Kind::Float);
             drop(logits);
-            let picked = log_probs.gather(1, &safe_target, false).squeeze_dim(1);
+            let picked = log_probs.gather(1, &target, false).squeeze_dim(1);
             loss -= (picked * &scale).sum(Kind::Float);
             let mut probs = log_probs;
             let _ = probs.exp_();
-            let _ = probs.scatter_add_(1, &safe_target, &(-valid.to_kind(Kind::Float)).unsqueeze(1));
+            let _ = probs.scatter_add_(1, &target, &Tensor::full([len, 1], -1.0, (Kind::Float, hidden.device())));
             if let Some(derivative) = &cap_derivative {
                 let _ = probs.g_mul_(derivative);
             }
@@ -201,9 +232,11 @@ pub fn lm_head_weighted_loss_and_grads(
         }
         start += len;
     }
-    // The last position predicts nothing: its gradient is zero.
-    let grad_hidden = Tensor::cat(&grad_inputs, 0).view([batch, seq - 1, dim]);
-    let grad_hidden = Tensor::cat(&[grad_hidden, hidden.zeros_like().narrow(1, 0, 1)], 1);
+    // Positions that predict no target have a zero gradient.
+    let grad_hidden = match grad_inputs.is_empty() {
+        true => hidden.zeros_like(),
+        false => rows.placed(&Tensor::cat(&grad_inputs, 0), hidden),
+    };
     let grad_weight = match (grad_weight, weight_grad) {
         (Some(sum), _) => sum,
         (None, true) => weight.zeros_like(),

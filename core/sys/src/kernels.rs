@@ -2,7 +2,8 @@
 //! that ships with PyTorch's CUDA wheels) and launched on PyTorch's current
 //! stream, where ATen's ops leave bandwidth on the table:
 //!
-//! - `softmax_xent_backward_bf16`: the LM head's loss and d loss / d logits.
+//! - `softmax_xent_backward_bf16`: the LM head's loss and d loss / d logits
+//!   (or, forward only, the loss alone in one read: DPO's log-probabilities).
 //!   A large vocabulary makes the logits the biggest tensor of the step
 //!   (BLOOM: 250 880 × tokens). ATen needs four passes over them (log-softmax
 //!   in fp32, exp, the cast back, the scale); this kernel reads the bf16
@@ -323,6 +324,33 @@ pub fn softmax_xent_backward_(logits: &mut Tensor, targets: &Tensor, grad_scale:
     let (mut logits_ptr, mut targets_ptr, mut scale_ptr, mut loss_ptr) = (logits.data_ptr(), targets.data_ptr(), grad_scale.data_ptr(), row_loss.data_ptr());
     let mut ignore_index = ignore_index;
     let mut params = [arg(&mut logits_ptr), arg(&mut targets_ptr), arg(&mut scale_ptr), arg(&mut loss_ptr), arg(&mut vocab), arg(&mut ignore_index)];
+    // SAFETY: the arguments match softmax_xent_backward_bf16's signature and
+    // the tensors were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.xent, index, rows as u32, XENT_THREADS, &mut params) }
+}
+
+/// `row_loss[row]` (fp32) = logsumexp(row) − row[target] of each row of
+/// `logits` [rows, vocab] (bf16, CUDA, contiguous), as
+/// [`softmax_xent_backward_`] gives it, in one read of the logits and
+/// without writing them.
+pub fn softmax_xent_loss(logits: &Tensor, targets: &Tensor, row_loss: &mut Tensor, ignore_index: i64) -> Result<()> {
+    let Device::Cuda(index) = logits.device() else {
+        return Err(error("unsupported", "logits are not on a GPU"));
+    };
+    let (rows, vocab) = logits.size2().map_err(|e| error("logits", e))?;
+    expect(logits, "logits", logits, &[rows, vocab], Kind::BFloat16)?;
+    expect(targets, "targets", logits, &[rows], Kind::Int64)?;
+    expect(row_loss, "row_loss", logits, &[rows], Kind::Float)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut vocab = i32::try_from(vocab).map_err(|_| error("logits", "vocabulary over 2^31"))?;
+    let functions = functions(index)?;
+    let (mut logits_ptr, mut targets_ptr, mut loss_ptr) = (logits.data_ptr(), targets.data_ptr(), row_loss.data_ptr());
+    // A null grad_scale stops the kernel after the loss: the logits are only read.
+    let mut no_scale = std::ptr::null_mut::<c_void>();
+    let mut ignore_index = ignore_index;
+    let mut params = [arg(&mut logits_ptr), arg(&mut targets_ptr), arg(&mut no_scale), arg(&mut loss_ptr), arg(&mut vocab), arg(&mut ignore_index)];
     // SAFETY: the arguments match softmax_xent_backward_bf16's signature and
     // the tensors were checked above (see `adamw_` on their lifetime).
     unsafe { launch(functions.xent, index, rows as u32, XENT_THREADS, &mut params) }

@@ -292,7 +292,7 @@ struct PairValues {
 
 impl DpoLoss {
     fn sequence_logps(&self, hidden: &Tensor, weight: &Tensor, batch: &Batch) -> Result<SequenceLogps> {
-        let tokens = lm_label_logps(hidden, weight, &batch.targets[LABELS], self.chunk_tokens, self.softcap)?;
+        let tokens = lm_label_logps(hidden, weight, &batch.targets[LABELS], self.chunk_tokens, self.softcap, self.kernels)?;
         let sequences = batch.targets[COMPLETION_TOKENS].size()[0];
         let sums = Tensor::zeros([sequences], (Kind::Float, tokens.device())).index_add(0, &batch.targets[SEQUENCE_OF_TOKEN].reshape([-1]), &tokens.reshape([-1]));
         Ok(SequenceLogps { tokens, sums })

@@ -2,8 +2,9 @@
 // source: common.cuh first, then each family's file, so each may use common.cuh's helpers).
 //
 // The LM head's cross-entropy: one block per row; pass 1 finds the row's
-// log-sum-exp (online max and sum in fp32), pass 2 overwrites the row with
-// (softmax − one-hot) · scale.
+// log-sum-exp (online max and sum in fp32) and the row's loss, pass 2
+// overwrites the row with (softmax − one-hot) · scale — unless grad_scale is
+// null: the loss alone (DPO's log-probabilities), the logits left as they are.
 __device__ __forceinline__ void add(float& m, float& s, float v) {
   if (v > m) { s = s * __expf(m - v) + 1.f; m = v; }
   else if (v != NEG_INF) { s += __expf(v - m); }
@@ -55,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(512) softmax_xent_backward_bf16(
       else row_loss[row] = lse - bf16_lo(x[target]);
     }
   }
+  if (grad_scale == nullptr) return;
   __syncthreads();
   const float lse = shared_lse, scale = grad_scale[row];
   if (vectorized) {
