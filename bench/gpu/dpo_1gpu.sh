@@ -26,7 +26,9 @@ print(json.dumps({"ft": "dpo", "steps": len(rows), "step_ms": step * 1e3, "pairs
   "tokens_per_pair": tokens / batch, "peak_allocated_gb": s["memory_per_rank"][0]["peak"] / 1e9, "loss": s["final_train_loss"]}))
 PY
 rm -rf $OUT/ft-dpo/final $OUT/ft-dpo/checkpoints $OUT/ft-dpo/tensorboard
-for peer in "" "--precompute" "--precompute --compile"; do
+# TRL's settings, comma-separated (default: all three; the empty one is its default).
+IFS=, read -ra SETTINGS <<< "${TRL_SETTINGS-,--precompute,--precompute --compile}"
+for peer in "${SETTINGS[@]}"; do
   name=trl${peer// /}
   PYTHONPATH=/tmp/site timeout ${LIMIT:-240} python3 bench/peers/trl_dpo_step.py --config $CONFIG --tokenizer $D/gpt2-tokenizer.json \
     --data /tmp/prefs.jsonl --batch $BATCH --max-length 512 --warmup $WARMUP --steps $STEPS $peer --json $OUT/$name.json > $OUT/$name.log 2>&1 \

@@ -40,7 +40,9 @@ print(json.dumps({"ft": d.split("/")[-1], "steps": len(rows), "step_ms": step * 
 PY
   rm -rf $OUT/ft-dpo-$reference/final $OUT/ft-dpo-$reference/checkpoints
 done
-for peer in "" "--compile"; do
+# TRL's settings, comma-separated (default: eager and compiled).
+IFS=, read -ra SETTINGS <<< "${TRL_SETTINGS-,--compile}"
+for peer in "${SETTINGS[@]}"; do
   name=trl-peft${peer// /}
   PYTHONPATH=/tmp/site timeout ${LIMIT:-300} python3 bench/peers/trl_dpo_step.py --config $CONFIG --tokenizer /tmp/tokenizer.json \
     --data /tmp/prefs.jsonl --batch $BATCH --max-length 512 --warmup $WARMUP --steps $STEPS --lora 16 $peer --json $OUT/$name.json > $OUT/$name.log 2>&1 \

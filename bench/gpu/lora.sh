@@ -14,9 +14,13 @@
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 CONFIG=$D/configs/codellama-7b/config.json
-"$FT" bench --config $CONFIG --gpus 1 --strategy ddp --batch 2 --seq 2048 \
-  --lora-r 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down \
-  --warmup 3 --steps 8 --profile $OUT/lora-profile --json $OUT/ft-lora.json 2>&1 | grep -vE "^\[rank" | tail -8
+# FT_ROWS picks ft's rows: bf16 (the frozen base's GEMMs in bf16) and fp8 (in float8, tensorwise).
+for row in ${FT_ROWS:-bf16}; do
+  fp8=(); [ $row = fp8 ] && fp8=(--fp8 tensorwise)
+  "$FT" bench --config $CONFIG --gpus 1 --strategy ddp --batch 2 --seq 2048 \
+    --lora-r 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down "${fp8[@]}" \
+    --warmup 3 --steps 8 --profile $OUT/lora-$row-profile --json $OUT/ft-lora-$row.json 2>&1 | grep -vE "^\[rank" | tail -8
+done
 [ -d $D/pylib/peft ] || echo "no $D/pylib/peft: the peers use the image's own peft, if any"
 export PYTHONPATH="$D/pylib${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import peft, transformers, torch; print('peft', peft.__version__, 'from', peft.__file__, '| transformers', transformers.__version__, '| torch', torch.__version__)" \
