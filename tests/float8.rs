@@ -130,6 +130,35 @@ fn casts_scales_and_linear_layers_equal_torchaos_bit_for_bit() {
     assert!(torchao["tensorwise.grad_weight"].ne_tensor(&torchao["rowwise.grad_weight"]).any().int64_value(&[]) == 1);
 }
 
+/// A LoRA layer in float8 as one node (`float8::lora_linear`: the adapter's
+/// product accumulated into the float8 GEMM's output, its input gradient
+/// into the base's) equals the float8 layer plus the adapter's share as
+/// separate autograd nodes: output and the gradients of x, A and B, for
+/// both recipes (emulated, f32), the base frozen as LoRA leaves it.
+#[test]
+fn a_float8_lora_layer_as_one_node_equals_the_layer_plus_the_adapter() {
+    tch::manual_seed(3);
+    let options = (Kind::Float, Device::Cpu);
+    let (input, weight) = (Tensor::randn([2, 7, 32], options), Tensor::randn([48, 32], options) * 0.1);
+    let (a, b, grad) = (Tensor::randn([4, 32], options) * 0.1, Tensor::randn([48, 4], options) * 0.1, Tensor::randn([2, 7, 48], options));
+    let scale = 2.0;
+    for (name, recipe) in RECIPES {
+        let run = |one_node: bool| {
+            let (x, a, b) = (input.detach().set_requires_grad(true), a.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+            let out = match one_node {
+                true => float8::lora_linear(&x, &weight, &a, &b, scale, emulated(recipe), false, 0).unwrap(),
+                false => float8::linear(&x, &weight, emulated(recipe), false, 0).unwrap() + (x.linear::<&Tensor>(&a, None) * scale).linear::<&Tensor>(&b, None),
+            };
+            (&out * &grad).sum(Kind::Float).backward();
+            [out.detach(), x.grad(), a.grad(), b.grad()]
+        };
+        for ((ours, theirs), what) in run(true).iter().zip(run(false)).zip(["output", "x's gradient", "A's gradient", "B's gradient"]) {
+            let error = max_relative(ours, &theirs);
+            assert!(error < 1e-6, "{name}: {what} differs by {error:e}");
+        }
+    }
+}
+
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama")
 }

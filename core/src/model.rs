@@ -104,12 +104,18 @@ struct Adapters<'a> {
 }
 
 impl Adapters<'_> {
-    /// The adapter's share of linear layer `name`: `scale · (dropout(x)·Aᵀ)·Bᵀ`.
+    /// Whether dropout applies to the adapters' input (training with
+    /// dropout): their share is then a node of its own, added after.
+    fn drops_out(&self) -> bool {
+        self.train && self.scaling.dropout > 0.0
+    }
+
+    /// The adapter's share of linear layer `name` under dropout
+    /// ([`Self::drops_out`]): `scale · (dropout(x)·Aᵀ)·Bᵀ`.
     fn delta(&self, x: &Tensor, a: &Tensor, name: &str) -> Tensor {
         let b = self.params.get(&format!("{name}.lora_B.weight"));
         let AdapterScaling { scale, dropout } = self.scaling;
-        let x = if self.train && dropout > 0.0 { x.dropout(dropout, true) } else { x.shallow_clone() };
-        (x.linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
+        (x.dropout(dropout, true).linear::<&Tensor>(a, None) * scale).linear::<&Tensor>(b, None)
     }
 }
 
@@ -185,9 +191,9 @@ impl<'a> Params<'a> {
     /// dropout that is one autograd node (`ft_sys::lora_linear`) whose
     /// GEMMs accumulate the adapter's share instead of adding it after.
     /// Under float8 (`with_float8`), x·Wᵀ's GEMMs — forward and both
-    /// backward — run in float8 (`ft_sys::float8::linear`) and the bias and
-    /// adapters are added after in the output's dtype, as torchao's
-    /// `Float8Linear` adds its bias; a layer whose widths are not multiples
+    /// backward — run in float8 (`ft_sys::float8::linear`, with an adapter
+    /// and no dropout `lora_linear`: one node again) and the bias is added
+    /// after in the output's dtype, as torchao's `Float8Linear` adds it; a layer whose widths are not multiples
     /// of 16, which float8 GEMMs need, stays in the compute dtype unless
     /// emulated (torchao's auto-filter skips such layers too), as does one
     /// whose shape `Float8Layers::kept` lists.
@@ -196,14 +202,22 @@ impl<'a> Params<'a> {
         let adapter = self.adapters.as_ref().and_then(|adapters| Some((adapters, adapters.params.maybe(&format!("{name}.lora_A.weight"))?)));
         if let Some(float8) = self.float8.filter(|layers| layers.runs(weight)).map(|layers| layers.float8) {
             let layer = ft_sys::float8::layer_id(&self.spec.name, name);
-            let out = ft_sys::float8::linear(x, weight, float8, Kernels::loaded(x.device()), layer).unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
+            let fused_casts = Kernels::loaded(x.device());
+            let out = match adapter {
+                Some((adapters, a)) if !adapters.drops_out() => {
+                    let b = adapters.params.get(&format!("{name}.lora_B.weight"));
+                    ft_sys::float8::lora_linear(x, weight, a, b, adapters.scaling.scale, float8, fused_casts, layer)
+                }
+                _ => ft_sys::float8::linear(x, weight, float8, fused_casts, layer),
+            };
+            let out = out.unwrap_or_else(|e| panic!("float8 linear {name}: {e}"));
             let out = match bias {
                 Some(bias) => out + bias.to_kind(x.kind()),
                 None => out,
             };
             return match adapter {
-                Some((adapters, a)) => out + adapters.delta(x, a, name),
-                None => out,
+                Some((adapters, a)) if adapters.drops_out() => out + adapters.delta(x, a, name),
+                _ => out,
             };
         }
         // ft's kernel sums the bias gradient where it serves (a GPU, fp32 or bf16).
@@ -214,12 +228,11 @@ impl<'a> Params<'a> {
                 _ => x.linear(weight, bias),
             };
         };
-        let AdapterScaling { scale, dropout } = adapters.scaling;
-        if adapters.train && dropout > 0.0 {
+        if adapters.drops_out() {
             return x.linear(weight, bias) + adapters.delta(x, a, name);
         }
         let b = adapters.params.get(&format!("{name}.lora_B.weight"));
-        ft_sys::lora_linear(x, weight, bias, a, b, scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
+        ft_sys::lora_linear(x, weight, bias, a, b, adapters.scaling.scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.

@@ -559,15 +559,27 @@ std::vector<at::Tensor> run_float8(int64_t gemms, int step, int64_t code, std::v
 
 // x·Wᵀ with the forward GEMM and both backward GEMMs in float8; x and W are
 // saved in their own precision and cast again in backward, as torchao's
-// Float8Linear does.
+// Float8Linear does. With a low-rank adapter (a, b: LoRA's A and B, in the
+// compute dtype), scale·(x·Aᵀ)·Bᵀ lands in the float8 GEMM's output through
+// addmm's accumulate, and backward adds the adapter's input gradient into the
+// base's the same way (as LoraLinear does): autograd over separate nodes pays
+// one [tokens, out] add forward and one [tokens, in] add backward per layer.
 struct Float8Linear : public torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b, double scale,
                             int64_t gemms, int64_t code) {
     auto out = run_float8(gemms, 0, code, {&x, &weight}, {true, true, true});
-    ctx->save_for_backward({x, weight, out[1], out[2]});
+    at::Tensor product = out[0].contiguous(), down;
+    if (a.has_value()) {
+      down = at::mm(x.reshape({-1, x.size(-1)}), a->t());
+      product.view({-1, product.size(-1)}).addmm_(down, b->t(), 1, scale);
+    }
+    ctx->save_for_backward({x, weight, out[1], out[2], a.value_or(at::Tensor()), b.value_or(at::Tensor()), down});
+    ctx->saved_data["adapted"] = a.has_value();
+    ctx->saved_data["scale"] = scale;
     ctx->saved_data["gemms"] = gemms;
     ctx->saved_data["code"] = code;
-    return out[0];
+    return product;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -577,12 +589,39 @@ struct Float8Linear : public torch::autograd::Function<Float8Linear> {
     auto out = run_float8(ctx->saved_data["gemms"].toInt(), 1, ctx->saved_data["code"].toInt(),
                           {&x, &weight, &grad, &saved[2], &saved[3]},
                           {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
-    return {out[0], out[1], at::Tensor(), at::Tensor()};
+    at::Tensor grad_x = out[0], grad_a, grad_b;
+    // needs_input_grad counts tensor inputs only: absent adapters have no index.
+    if (ctx->saved_data["adapted"].toBool()) {
+      const at::Tensor &a = saved[4], &b = saved[5], &down = saved[6];
+      const double scale = ctx->saved_data["scale"].toDouble();
+      at::Tensor grad_rows = grad.reshape({-1, grad.size(-1)}), rows = x.reshape({-1, x.size(-1)});
+      at::Tensor grad_down = at::mm(grad_rows, b).mul_(scale);
+      if (grad_x.defined()) {
+        grad_x = grad_x.contiguous();
+        grad_x.view({-1, x.size(-1)}).addmm_(grad_down, a);
+      }
+      if (ctx->needs_input_grad(2)) {
+        grad_a = at::mm(grad_down.t(), rows);
+      }
+      if (ctx->needs_input_grad(3)) {
+        grad_b = at::mm(grad_rows.t(), down).mul_(scale);
+      }
+    }
+    return {grad_x, out[1], grad_a, grad_b, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-char* ft_float8_linear(at::Tensor* x, at::Tensor* weight, Float8Gemms gemms, int64_t code, at::Tensor** out) {
-  return guarded([&] { *out = new at::Tensor(Float8Linear::apply(*x, *weight, reinterpret_cast<int64_t>(gemms), code)); });
+char* ft_float8_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* a, at::Tensor* b, double scale, Float8Gemms gemms,
+                       int64_t code, at::Tensor** out) {
+  return guarded([&] {
+    std::optional<at::Tensor> maybe_a, maybe_b;
+    if (a != nullptr) {
+      maybe_a = *a;
+      maybe_b = *b;
+    }
+    *out = new at::Tensor(
+        Float8Linear::apply(*x, *weight, maybe_a, maybe_b, scale, reinterpret_cast<int64_t>(gemms), code));
+  });
 }
 
 // LayerNorm over the last dimension with ATen's forward and input

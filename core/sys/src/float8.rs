@@ -522,7 +522,18 @@ fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Resu
 /// `kernels::cast_float8`), bit for bit the casts ATen's ops make.
 /// `layer` (`layer_id`) names the layer to the numerics guard (`record_amaxes`).
 pub fn linear(x: &Tensor, weight: &Tensor, float8: Float8, fused_casts: bool, layer: u32) -> Result<Tensor> {
-    crate::float8_linear(x, weight, float8.code(fused_casts, layer))
+    crate::float8_linear(x, weight, None, float8.code(fused_casts, layer))
+}
+
+/// [`linear`] plus a low-rank adapter's `scale · (x·Aᵀ)·Bᵀ` (LoRA's `a`
+/// and `b`, in the compute dtype) in the same node: the adapter's product
+/// accumulates into the float8 GEMM's output and its input gradient into
+/// the base's, where separate nodes would add a [tokens, out] tensor
+/// forward and a [tokens, in] one backward (`crate::lora_linear` does the
+/// same in the compute dtype).
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear(x: &Tensor, weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64, float8: Float8, fused_casts: bool, layer: u32) -> Result<Tensor> {
+    crate::float8_linear(x, weight, Some((a, b, scale)), float8.code(fused_casts, layer))
 }
 
 #[cfg(test)]

@@ -115,7 +115,7 @@ extern "C" {
     ) -> *mut c_char;
     fn ft_layer_norm(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
-    fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, a: *mut RawTensor, b: *mut RawTensor, scale: f64, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
@@ -613,10 +613,11 @@ unsafe extern "C" fn float8_gemms(
     unsafe { report(run, message, capacity) }
 }
 
-/// `float8::linear`'s node.
-fn float8_linear(x: &Tensor, weight: &Tensor, code: i64) -> Result<Tensor> {
+/// `float8::linear`'s node, with `adapter` (A, B, scale) `float8::lora_linear`'s.
+fn float8_linear(x: &Tensor, weight: &Tensor, adapter: Option<(&Tensor, &Tensor, f64)>, code: i64) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
-    check(unsafe { ft_float8_linear(tensor_ptr(x), tensor_ptr(weight), float8_gemms, code, &mut raw) })?;
+    let (a, b, scale) = adapter.map_or((std::ptr::null_mut(), std::ptr::null_mut(), 0.0), |(a, b, scale)| (tensor_ptr(a), tensor_ptr(b), scale));
+    check(unsafe { ft_float8_linear(tensor_ptr(x), tensor_ptr(weight), a, b, scale, float8_gemms, code, &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
 }
