@@ -92,9 +92,40 @@ pub struct PlanArgs {
     /// the hook's compute is left out of the step time).
     #[arg(long = "compress-rate", value_name = "NAME=ELEMENTS_PER_S")]
     compress_rates: Vec<String>,
+    /// The task trained (`ft list`; default: the one for the model's head):
+    /// one that compares with a reference model (dpo) has it planned, kept as --reference says.
+    #[arg(long)]
+    task: Option<String>,
+    /// How the task's reference model is kept: precomputed (its
+    /// log-probabilities once before training: dpo's task.precompute_ref=true,
+    /// the default) or each-step (run with every micro-batch:
+    /// task.precompute_ref=false; LoRA's base with --lora-r, else a frozen copy).
+    #[arg(long, value_name = "precomputed|each-step", value_parser = parse_reference)]
+    reference: Option<plan::Reference>,
     /// Write the rows and the recommendation as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+fn parse_reference(text: &str) -> Result<plan::Reference, String> {
+    serde_json::from_value(serde_json::Value::from(text.replace('-', "_"))).map_err(|_| format!("{text:?}: expected precomputed or each-step"))
+}
+
+/// The reference model `--task` compares with, kept as `--reference` says
+/// (None: the task compares with none; a --reference for it is refused).
+fn reference_of(args: &PlanArgs, model: &dyn ft_core::Model, registry: &Registry) -> Result<Option<plan::Reference>> {
+    if args.task.is_none() && args.reference.is_none() {
+        return Ok(None);
+    }
+    let task = registry.task(args.task.as_deref(), model.head_kind())?;
+    // Whether it compares with a reference, as the task itself says (over one random example).
+    let synthetic = ft_core::task::Synthetic { model, examples: 1, seq: 2, seed: 0, device: tch::Device::Cpu, loss_chunk_tokens: args.loss_chunk_tokens };
+    let compares = (task.synthetic)(&synthetic).with_context(|| format!("--task {}", task.name))?.compares_with_reference();
+    match (compares, args.reference) {
+        (true, reference) => Ok(Some(reference.unwrap_or(plan::Reference::Precomputed))),
+        (false, None) => Ok(None),
+        (false, Some(_)) => anyhow::bail!("--reference: task {} compares with no reference model (give --task dpo)", task.name),
+    }
 }
 
 /// The hooks `--comm` names, made with their `--comm-option`s, and their `--compress-rate`s.
@@ -167,6 +198,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         reduce_dtype: args.reduce_dtype,
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
+        reference: reference_of(&args, model.model(), &registry)?,
     };
     if let Some(path) = &args.calibration {
         let calibration = Calibration::load(path)?;

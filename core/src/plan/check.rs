@@ -77,6 +77,8 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             reduce_dtype: row.reduce_dtype,
             loss_chunk_tokens,
             shard_group_size,
+            // `ft bench --task dpo` times pairs with their reference log-probabilities given: nothing of it runs in a step.
+            reference: None,
         };
         let mut cluster = Cluster::new(gpu, row.gpus, 1, dtype)?;
         if let Some(calibration) = calibration {
