@@ -54,7 +54,7 @@ fn model(config: &Path) -> Box<dyn Model> {
 }
 
 fn workload(model: &dyn Model, batch: i64, seq: i64) -> Workload<'_> {
-    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None, reference: None }
+    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None, reference: None, float8: None, float8_gathers: false }
 }
 
 fn h100s(gpus: usize, nodes: usize) -> Cluster {
@@ -597,6 +597,102 @@ fn a_calibrated_plan_takes_the_measured_rates() {
     assert!(error.contains("no rate for the 64x") && error.contains("--batch 4 and --seq 16"), "{error}");
     let error = cluster.use_calibration(&measured, &workload(model.as_ref(), 2, 16)).unwrap_err().to_string();
     assert!(error.contains("Float GEMMs") && error.contains("BFloat16"), "{error}");
+}
+
+/// `--fp8` in the plan: the block layers a calibration measured faster in
+/// float8 take its float8 rate, the others (and the head) keep the compute
+/// dtype's, as `ft train` with that file keeps them; what a rank holds is
+/// the same, the step's peak adds the casts; float8 gathers move fewer
+/// bytes than the compute dtype's; a float8 layer without a float8 rate is
+/// refused by name.
+#[test]
+fn float8_layers_take_their_measured_rates_and_float8_gathers_move_fewer_bytes() {
+    let model = model(&tiny_opt());
+    let registry = Registry::builtin();
+    let tensorwise = ft_sys::float8::Float8 { recipe: ft_sys::float8::Recipe::Tensorwise, emulate: false };
+    // The fixture's MLP input layer (ffn_dim 64 x hidden_size 32) 4x as fast in float8, every other block layer slower.
+    let fc1 = [64, 32];
+    let blocks: Vec<usize> = model.stages().iter().filter(|s| s.kind == ft_core::model::StageKind::Block).map(|s| s.unit).collect();
+    let block_shapes: std::collections::BTreeSet<[i64; 2]> = blocks.iter().flat_map(|&u| &model.units()[u].params).filter(|p| p.shape.len() == 2).map(|p| [p.shape[0], p.shape[1]]).collect();
+    // A calibration of 2 x 16 tokens: every GEMM class at 1 TFLOP/s; the block layers' also as float8 layers.
+    let gemm = |n: i64, k: i64, float8: Option<f64>| plan::GemmRate { gemm: plan::Gemm { m: 32, n, k }, flops_per_second: 1e12, float8_flops_per_second: float8 };
+    let mut gemms: Vec<plan::GemmRate> = block_shapes.iter().map(|&shape| gemm(shape[0], shape[1], Some(if shape == fc1 { 4e12 } else { 5e11 }))).collect();
+    gemms.push(gemm(model.dims().vocab, model.dims().hidden, None));
+    let measured = plan::Calibration {
+        version: plan::CALIBRATION_VERSION,
+        device: "fixture".into(),
+        dtype: "Float".into(),
+        host_optimizer_elements_per_second: Default::default(),
+        host_to_device_bytes_per_second: None,
+        device_to_host_bytes_per_second: None,
+        gemms,
+    };
+    let kept = measured.float8_kept(model.as_ref(), 32, Path::new("fixture")).unwrap();
+    let layers = ft_core::train::float8_layers(model.as_ref(), tensorwise, Some(&kept));
+    let predict = |workload: &Workload, strategy: &str, gpus: usize, calibration: Option<&plan::Calibration>| {
+        let mut cluster = h100s(gpus, 1);
+        if let Some(calibration) = calibration {
+            cluster.use_calibration(calibration, workload).unwrap();
+        }
+        plan::predict(workload, &cluster, &setup(&registry, strategy, "none", false)).unwrap()
+    };
+    let bf16 = tiny_workload(model.as_ref());
+    let float8 = Workload { float8: Some(&layers), ..tiny_workload(model.as_ref()) };
+    let (plain, cast) = (predict(&bf16, "ddp", 1, Some(&measured)), predict(&float8, "ddp", 1, Some(&measured)));
+    // The products' time shrinks by the float8 layer's share of their FLOPs, three quarters of it saved.
+    let numel = |shapes: &mut dyn Iterator<Item = &Vec<i64>>| shapes.map(|s| s.iter().product::<i64>()).sum::<i64>() as f64;
+    let fc1_flops = numel(&mut blocks.iter().flat_map(|&u| &model.units()[u].params).map(|p| &p.shape).filter(|s| s[..] == fc1[..]));
+    let matrices = numel(&mut blocks.iter().flat_map(|&u| &model.units()[u].params).map(|p| &p.shape).filter(|s| s.len() == 2));
+    let outside = numel(&mut (0..model.units().len()).filter(|u| !blocks.contains(u)).flat_map(|u| &model.units()[u].params).map(|p| &p.shape));
+    let dims = model.dims();
+    let memory_bound = 32.0 * (plan::BLOCK_BYTES_PER_TOKEN_AND_HIDDEN * (dims.layers * dims.hidden) as f64 + plan::HEAD_BYTES_PER_TOKEN_AND_VOCAB * dims.vocab as f64);
+    let bandwidth = h100s(1, 1).memory_bandwidth;
+    let products = |row: &PlanRow| row.time.compute - memory_bound / bandwidth;
+    let expected = 1.0 - 0.75 * fc1_flops / (matrices + outside);
+    assert!((products(&cast) / products(&plain) - expected).abs() < 1e-9, "{:?} vs {:?}: expected {expected}", cast.time, plain.time);
+    assert_eq!(cast.state, plain.state, "float8 layers keep what the compute dtype's keep");
+    assert!(cast.peak_allocated_bytes > plain.peak_allocated_bytes, "the casts: {:?} vs {:?}", cast.peak, plain.peak);
+    // Every layer in float8 where the calibration has no float8 rate: refused, naming what to do.
+    let all = ft_core::model::Float8Layers::all(tensorwise);
+    let mut cluster = h100s(1, 1);
+    let mut unmeasured = measured.clone();
+    unmeasured.gemms.iter_mut().for_each(|g| g.float8_flops_per_second = None);
+    let error = cluster.use_calibration(&unmeasured, &Workload { float8: Some(&all), ..tiny_workload(model.as_ref()) }).unwrap_err().to_string();
+    assert!(error.contains("no float8 rate for the 32x") && error.contains("calibrate with --fp8"), "{error}");
+    // full_shard at 2 GPUs: blocks gathered as float8 bytes (and their vectors all-reduced) take less time than in bf16.
+    let bf16 = workload(model.as_ref(), 2, 16);
+    let gathered = Workload { float8: Some(&all), float8_gathers: true, ..workload(model.as_ref(), 2, 16) };
+    let (plain, cast) = (predict(&Workload { float8: Some(&all), ..bf16 }, "full_shard", 2, None), predict(&gathered, "full_shard", 2, None));
+    assert!(cast.time.communication < plain.time.communication && cast.state == plain.state, "{:?} vs {:?}", cast.time, plain.time);
+}
+
+/// An emulated float8 run with float8 gathers under full_shard at 2 ranks
+/// holds what `ft plan --fp8 tensorwise --fp8-gathers true` says: float8
+/// changes no held state (a float8 layer keeps its input and weight in the
+/// compute dtype; a float8 gather fills the unit's buffer).
+#[test]
+fn an_emulated_float8_run_holds_what_the_plan_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = common::demo_files(dir.path());
+    let output_dir = dir.path().join("run");
+    let output = ft()
+        .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
+        .args(["--max-seq-len", "32", "--epochs", "1", "--train-samples", "4", "--batch-size", "2", "--dtype", "f32", "--set", "output.report_to=[]"])
+        .args(["--output-dir", output_dir.to_str().unwrap(), "--nproc-per-node", "2", "--strategy", "full_shard"])
+        .args(["--fp8", "tensorwise", "--set", "train.fp8_emulate=true", "--set", "train.fp8_gathers=true"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("sharded blocks gathered as float8"), "{}", text(&output));
+    let plan = plan_json(dir.path(), &config, 2, &["--fp8", "tensorwise", "--fp8-layers", "all", "--fp8-gathers", "true"]);
+    assert_eq!(plan["float8"], "float8 tensorwise block layers, gathered in float8");
+    let predicted = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == "none").unwrap();
+    let summary = common::summary(&output_dir);
+    for rank in 0..2 {
+        for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
+            assert_eq!(predicted["state"][what], summary["state_per_rank"][rank][what], "rank {rank}: {what}");
+        }
+    }
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //! `REDUCTIONS_IN_FLIGHT` in flight). It allocates nothing.
 
 use crate::flat::{MemoryAccount, UnitPlacement};
-use crate::model::{head, Model, StageKind};
+use crate::model::{head, Float8Layers, Model, StageKind};
 use crate::train::REDUCTIONS_IN_FLIGHT;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -51,6 +51,38 @@ pub(super) struct MicroBatch {
     /// The shard group or world has more than one rank, so gradients are reduced.
     pub data_parallel: bool,
     pub loss_chunk_tokens: i64,
+    /// The blocks' float8 linear layers, if any.
+    pub float8: Option<Float8Memory>,
+}
+
+/// What float8 linear layers add to a micro-batch (`ft_sys::float8`). A
+/// float8 layer keeps for backward what one in the compute dtype keeps (its
+/// input and weight, besides two amaxes), so the activations are the
+/// same; each GEMM casts both its operands to float8 (a byte an element)
+/// for the moment it runs.
+pub(super) struct Float8Memory {
+    /// The largest input features and weight (elements) of a float8 layer.
+    input_features: f64,
+    weight: f64,
+    /// ft's kernels cast (on a GPU, tensorwise): the last input cast in
+    /// each direction stays cached until the micro-batch ends, and a unit
+    /// gathered as float8 keeps its gathered bytes beside its buffer.
+    fused: bool,
+    /// The units gathered as float8 bytes.
+    gathered: Vec<bool>,
+}
+
+impl Float8Memory {
+    pub fn new(model: &dyn Model, layers: &Float8Layers, gathered: &[bool]) -> Float8Memory {
+        let shapes: Vec<[i64; 2]> = crate::train::block_weight_shapes(model).into_iter().filter(|shape| layers.runs_shape(shape)).collect();
+        let largest = |width: fn(&[i64; 2]) -> i64| shapes.iter().map(width).max().unwrap_or(0) as f64;
+        Float8Memory {
+            input_features: largest(|[_, input]| *input),
+            weight: largest(|[out, input]| out * input),
+            fused: layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise && !layers.float8.emulate,
+            gathered: gathered.to_vec(),
+        }
+    }
 }
 
 /// The units a reference model run with each micro-batch reads
@@ -152,6 +184,8 @@ impl<'a> Walk<'a> {
             *gathered = true;
             let bytes = self.bytes_in(set, u);
             self.now.gathered += bytes;
+            // A float8 gather's bytes, which the layers read in place of their buffer's.
+            self.now.transient += self.float8_gathered_bytes(set, u);
             match set {
                 Set::Model => self.gathers.push((u, bytes)),
                 Set::Copy => self.copy_gathers.push((u, bytes)),
@@ -177,6 +211,28 @@ impl<'a> Walk<'a> {
         if transient && *gathered {
             *gathered = false;
             self.now.gathered -= self.bytes_in(set, u);
+            self.now.transient -= self.float8_gathered_bytes(set, u);
+        }
+    }
+
+    /// The float8 bytes a gather of unit `u` of `set` keeps beside its buffer (on a GPU).
+    fn float8_gathered_bytes(&self, set: Set, u: usize) -> f64 {
+        match &self.micro.float8 {
+            Some(float8) if float8.fused && set == Set::Model && float8.gathered[u] => self.placements[u].shard.padded as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A block's float8 GEMMs: their operands' casts while they run, and
+    /// (ft's kernels) the input cast the direction's cache then keeps,
+    /// from the first block on; `cached` says whether it is held already.
+    fn float8_casts(&mut self, tokens: f64, cached: &mut bool) {
+        let Some(float8) = &self.micro.float8 else { return };
+        let (input, weight, fused) = (tokens * float8.input_features, float8.weight, float8.fused);
+        self.briefly(input + weight);
+        if fused && !*cached {
+            *cached = true;
+            self.now.transient += input;
         }
     }
 
@@ -375,10 +431,15 @@ pub(super) fn walk(
         walk.reference_forward(model, if reference.copy { Set::Copy } else { Set::Model }, reshard_after_forward);
     }
     let stages = model.stages();
+    // Whether ft's float8 kernels' input caches hold a cast: forward's, backward's.
+    let (mut forward_cache, mut backward_cache) = (false, false);
     for (index, stage) in stages.iter().enumerate() {
         walk.gather(stage.unit);
         if let Some(next) = stages.get(index + 1) {
             walk.gather(next.unit);
+        }
+        if stage.kind == StageKind::Block {
+            walk.float8_casts(tokens, &mut forward_cache);
         }
         match stage.kind {
             StageKind::Embed => walk.now.activations += embed,
@@ -409,6 +470,9 @@ pub(super) fn walk(
         walk.gather(unit);
         if index > 0 {
             walk.gather(stages[index - 1].unit);
+        }
+        if stage.kind == StageKind::Block {
+            walk.float8_casts(tokens, &mut backward_cache);
         }
         let recomputed = stage.kind == StageKind::Block && micro.activation_checkpointing;
         if recomputed {

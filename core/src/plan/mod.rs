@@ -45,7 +45,7 @@ use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
 use crate::flat::{param_offsets, MemoryAccount, UnitPlacement};
 use crate::gpu::GpuSpec;
-use crate::model::Model;
+use crate::model::{Float8Layers, Model};
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
 use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
@@ -189,6 +189,11 @@ pub struct Workload<'a> {
     pub shard_group_size: Option<usize>,
     /// The reference model a preference task compares with (None: none).
     pub reference: Option<Reference>,
+    /// The block linear layers that run in float8 (`--fp8`; None: none).
+    pub float8: Option<&'a Float8Layers>,
+    /// Under tensorwise float8, sharded blocks whose weights all run in
+    /// float8 gathered as float8 bytes (`train.fp8_gathers`).
+    pub float8_gathers: bool,
 }
 
 /// How a run keeps the reference model a preference task (`--task dpo`)
@@ -265,6 +270,8 @@ impl<'a> Workload<'a> {
             loss_chunk_tokens: t.loss_chunk_tokens,
             shard_group_size: t.shard_group_size,
             reference: None,
+            float8: None,
+            float8_gathers: false,
         }
     }
 }
@@ -387,6 +394,9 @@ pub struct Plan {
     pub seq: i64,
     pub grad_accum: usize,
     pub dtype: String,
+    /// The blocks' float8 linear layers (`--fp8`), if any: their recipe, and whether gathered in float8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub float8: Option<String>,
     pub rows: Vec<PlanRow>,
     pub recommended: Option<PlanRow>,
     /// With a reference model: what each way of keeping it costs under the
@@ -420,8 +430,22 @@ fn reference_units<'p>(workload: &Workload, placements: &'p [UnitPlacement], cop
     }
 }
 
+/// Which units the trainer gathers as float8 bytes (`train.fp8_gathers`
+/// under tensorwise float8), by unit.
+fn float8_gathered(workload: &Workload, placements: &[UnitPlacement]) -> Vec<bool> {
+    let mut gathered = vec![false; placements.len()];
+    if let Some(layers) = workload.float8.filter(|layers| workload.float8_gathers && layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise) {
+        for unit in crate::train::float8_gathered_units(workload.model, placements, layers) {
+            gathered[unit] = true;
+        }
+    }
+    gathered
+}
+
 /// Device bytes at a micro-batch's peak with `batch` examples, `reference`
-/// run before it: allocated, and with the margins.
+/// run before it and `float8_gathered` units gathered as float8 bytes:
+/// allocated, and with the margins.
+#[allow(clippy::too_many_arguments)] // each a separate part of the row
 fn device_peak(
     workload: &Workload,
     setup: &Setup,
@@ -430,6 +454,7 @@ fn device_peak(
     cluster: &Cluster,
     batch: i64,
     reference: Option<memory::ReferenceUnits>,
+    float8_gathered: &[bool],
 ) -> memory::StepMemory {
     let micro = MicroBatch {
         batch,
@@ -440,6 +465,7 @@ fn device_peak(
         accumulating: workload.grad_accum > 1,
         data_parallel: cluster.gpus > 1,
         loss_chunk_tokens: workload.loss_chunk_tokens,
+        float8: workload.float8.map(|layers| memory::Float8Memory::new(workload.model, layers, float8_gathered)),
     };
     let reshard_after_forward = setup.policy.params == ParamPlacement::Sharded { reshard_after_forward: true };
     walk(workload.model, placements, state, reshard_after_forward, &micro, reference)
@@ -512,7 +538,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let copy = reference_copy(workload, &placements);
     let copy_held: MemoryAccount = copy.iter().map(|p| p.memory(workload.dtype)).sum();
     let reference = reference_units(workload, &placements, &copy);
-    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference);
+    let float8_gathered = float8_gathered(workload, &placements);
+    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference, &float8_gathered);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
     let peak_allocated_bytes = step.peak.total();
     let peak_gpu_bytes = with_margins(peak_allocated_bytes);
@@ -532,13 +559,19 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         (false, _) => Some(format!("GPU: {:.1} GB of {:.1} GB", gb(peak_gpu_bytes), gb(cluster.gpu_memory.unwrap_or_default()))),
         (true, false) => Some(format!("host: {:.1} GB of {:.1} GB per node", gb(host_bytes), gb(cluster.host_memory))),
     };
-    let fits_with = |batch: i64| gpu_fits(with_margins(device_peak(workload, setup, &placements, &state, cluster, batch, reference_units(workload, &placements, &copy)).peak.total()));
+    let fits_with = |batch: i64| {
+        let step = device_peak(workload, setup, &placements, &state, cluster, batch, reference_units(workload, &placements, &copy), &float8_gathered);
+        gpu_fits(with_margins(step.peak.total()))
+    };
     let max_batch = match (cluster.gpu_memory, host_fits) {
         (None, _) => None,
         (Some(_), false) => Some(0),
         (Some(_), true) => Some(largest(fits_with)),
     };
-    let step_time = |step: &memory::StepMemory, reference_runs: bool| time::step_time(workload, cluster, setup, &placements, &copy, &units, group, step, reference_runs);
+    let step_time = |step: &memory::StepMemory, reference_runs: bool| {
+        let units = time::StepUnits { placements: &placements, copy: &copy, info: &units, float8_gathered: &float8_gathered };
+        time::step_time(workload, cluster, setup, &units, group, step, reference_runs)
+    };
     let time = step_time(&step, reference.is_some());
     let step_seconds = time.total();
     let reference = workload.reference.map(|reference| {
@@ -546,7 +579,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
             Reference::EachStep => time.reference,
             // Once before training, through the trainer's own units: what such a forward would add to each step.
             Reference::Precomputed => {
-                let own = device_peak(workload, setup, &placements, &state, cluster, workload.batch, Some(memory::ReferenceUnits { placements: &placements, copy: false }));
+                let own = Some(memory::ReferenceUnits { placements: &placements, copy: false });
+                let own = device_peak(workload, setup, &placements, &state, cluster, workload.batch, own, &float8_gathered);
                 step_time(&own, true).total() - step_seconds
             }
         };
@@ -657,6 +691,10 @@ impl Plan {
             seq: workload.seq,
             grad_accum: workload.grad_accum,
             dtype: format!("{:?}", workload.dtype),
+            float8: workload.float8.map(|layers| {
+                let gathers = if workload.float8_gathers { ", gathered in float8" } else { "" };
+                format!("float8 {} block layers{gathers}", format!("{:?}", layers.float8.recipe).to_lowercase())
+            }),
             rows,
             recommended,
             reference_options,
@@ -691,7 +729,8 @@ impl Plan {
 
     fn workload(&self) -> String {
         let accumulation = if self.grad_accum > 1 { format!(" x {} accumulated", self.grad_accum) } else { String::new() };
-        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}", self.model, self.batch, self.seq, self.dtype)
+        let float8 = self.float8.as_ref().map_or(String::new(), |float8| format!(", {float8}"));
+        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}{float8}", self.model, self.batch, self.seq, self.dtype)
     }
 
     fn hardware(&self) -> String {
