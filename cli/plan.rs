@@ -1,7 +1,7 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_fp8, parse_positive, parse_reduce_dtype, parse_size, LoraArgs};
+use crate::args::{parse_fp8, parse_positive, parse_reduce_dtype, parse_size, LoraArgs, Overrides};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
@@ -127,15 +127,20 @@ fn parse_fp8_layers(text: &str) -> Result<ft_core::config::Fp8Layers, String> {
 
 /// The block layers `--fp8` casts, as `ft train` chooses them with the same
 /// `train.fp8_layers` and, as its `train.fp8_calibration`, the plan's
-/// calibration when it measured float8 (None: no --fp8).
-fn float8_layers(args: &PlanArgs, model: &dyn ft_core::Model, dtype: tch::Kind, calibration: Option<&Calibration>) -> Result<Option<Float8Layers>> {
-    let config = ft_core::config::TrainConfig { fp8: args.fp8.unwrap_or_default(), ..Default::default() };
-    let Some(float8) = config.float8() else { return Ok(None) };
+/// calibration when it measured float8 (None: no --fp8); and whether they
+/// are gathered in float8. The flags are checked as `ft train` checks their keys.
+fn float8_layers(args: &PlanArgs, model: &dyn ft_core::Model, dtype: tch::Kind, calibration: Option<&Calibration>) -> Result<(Option<Float8Layers>, bool)> {
+    let mut overrides = Overrides::default();
+    overrides.serialized("train.fp8", args.fp8).serialized("train.fp8_layers", args.fp8_layers).set("train.fp8_gathers", args.fp8_gathers);
+    let config = ft_core::Config::load(None, &overrides.0, &[])?;
+    ft_core::setup::check_given_keys(&config)?;
+    let train = &config.train;
+    let Some(float8) = train.float8() else { return Ok((None, false)) };
     if dtype == tch::Kind::Half {
         anyhow::bail!(ft_core::train::FLOAT8_WITH_FP16);
     }
     let measured = calibration.filter(|c| c.gemms.iter().any(|g| g.float8_flops_per_second.is_some()));
-    let kept = match (args.fp8_layers.unwrap_or_default(), measured, &args.calibration) {
+    let kept = match (train.fp8_layers, measured, &args.calibration) {
         (ft_core::config::Fp8Layers::All, _, _) => Some(Default::default()),
         (_, Some(calibration), Some(path)) => Some(calibration.float8_kept(model, args.batch * args.seq, path)?),
         _ => None,
@@ -143,7 +148,7 @@ fn float8_layers(args: &PlanArgs, model: &dyn ft_core::Model, dtype: tch::Kind, 
     if measured.is_none() {
         eprintln!("ft plan: --fp8 without float8 rates (a --calibration from `ft calibrate --fp8`): float8 layers are planned at the compute dtype's rate");
     }
-    Ok(Some(ft_core::train::float8_layers(model, float8, kept.as_ref())))
+    Ok((Some(ft_core::train::float8_layers(model, float8, kept.as_ref())), train.fp8_gathers))
 }
 
 fn parse_reference(text: &str) -> Result<plan::Reference, String> {
@@ -229,7 +234,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
     cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);
     let calibration = args.calibration.as_ref().map(|path| Calibration::load(path)).transpose()?;
-    let float8 = float8_layers(&args, model.model(), dtype, calibration.as_ref())?;
+    let (float8, float8_gathers) = float8_layers(&args, model.model(), dtype, calibration.as_ref())?;
     let workload = Workload {
         model: model.model(),
         batch: args.batch,
@@ -241,7 +246,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         shard_group_size: args.shard_group_size,
         reference: reference_of(&args, model.model(), &registry)?,
         float8: float8.as_ref(),
-        float8_gathers: args.fp8_gathers.unwrap_or(false),
+        float8_gathers,
     };
     if let (Some(path), Some(calibration)) = (&args.calibration, &calibration) {
         cluster.use_calibration(calibration, &workload).with_context(|| format!("--calibration {}", path.display()))?;

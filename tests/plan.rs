@@ -2,8 +2,8 @@
 //! Qwen2.5, Mistral, Llama 3.2), its refusal of bad input, each rank's held
 //! state against real CPU runs of every strategy at 1, 2 and 4 ranks, the
 //! ZeRO paper's closed form for Llama-2-70B on 64 GPUs, multi-node plans,
-//! the calibration rows measured on H200s, `ft train --strategy auto` and the
-//! out-of-memory report.
+//! the calibration rows measured on H200s, `ft train --strategy auto`, the
+//! out-of-memory report, a DPO run's reference model and float8 (`--fp8`).
 
 mod common;
 use common::{ft, shared, text};
@@ -180,6 +180,10 @@ fn ft_plan_refuses_bad_input_with_the_reason() {
         (vec!["--lora-r", "0"], "train.lora.r (--lora-r) is 0: LoRA's rank must be at least 1"),
         (vec!["--lora-alpha", "8"], "train.lora.alpha is given, but LoRA is off"),
         (vec!["--quantize", "nf4"], "set train.lora.r (--lora-r) to train adapters on it"),
+        (vec!["--reference", "each-step"], "--reference: task causal_lm compares with no reference model (give --task dpo)"),
+        (vec!["--task", "dpo", "--reference", "sometimes"], "expected precomputed or each-step"),
+        (vec!["--fp8", "rowwise", "--fp8-gathers", "true"], "train.fp8_gathers is given, but float8 gathers cast each weight with one scale"),
+        (vec!["--fp8", "tensorwise", "--dtype", "f16"], "train.fp8 (--fp8) with train.dtype fp16"),
     ];
     for (flags, reason) in refused {
         let output = ft().args(["plan", "--model", opt.to_str().unwrap()]).args(&flags).output().unwrap();
