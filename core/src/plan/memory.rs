@@ -5,7 +5,9 @@
 //! for backward (the model's `Activations`), the LM head's loss buffers,
 //! and each trained unit's gradient (a LoRA stage's: its adapters') from autograd's flat buffer through its
 //! reduction into the step's gradient (`train/reduce.rs`, at most
-//! `REDUCTIONS_IN_FLIGHT` in flight). It allocates nothing.
+//! `REDUCTIONS_IN_FLIGHT` in flight); before them a reference model's
+//! forward when one runs with each step, and float8 layers' casts. It
+//! allocates nothing.
 
 use crate::flat::{MemoryAccount, UnitPlacement};
 use crate::model::{head, Float8Layers, Model, StageKind};

@@ -7,7 +7,7 @@
 //! holds between steps is each unit's `UnitPlacement::memory` (what
 //! `Trainer::memory` reports), placed by `train::unit_placements` as the
 //! trainer places them (LoRA's frozen base and adapters, QLoRA's 4-bit
-//! blocks included), and the
+//! blocks, a preference task's frozen reference copy included), and the
 //! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
 //! with the model's activations per token (`Model::activations`). Time is
 //! `time.rs`. `ft train --strategy auto` runs the recommendation, and a

@@ -2,9 +2,10 @@
 //! AdamW's pass over the optimizer state and each dequantization of a 4-bit
 //! unit at memory bandwidth, the bytes each
 //! collective moves at the bus bandwidth (nccl-tests' busbw, what `ft
-//! comm-test` measures), and offload's host optimizer and transfers — each
-//! rate from the tables below, or as `ft calibrate` measured it
-//! (`calibrate.rs`).
+//! comm-test` measures), offload's host optimizer and transfers, and a
+//! reference model's forward run with each step — each rate from the
+//! tables below, or as `ft calibrate` measured it (`calibrate.rs`: float8
+//! layers at their float8 rates).
 //!
 //! Calibrated on `ft bench` rows measured on H200s (bench/results/
 //! 2026-11-22-h200x2-performance.md: BLOOM-560m on 1 and 2 GPUs under ddp,
