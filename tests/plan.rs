@@ -259,57 +259,61 @@ fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
 }
 
 /// A DPO run's reference model as the trainer keeps it, against `ft plan
-/// --task dpo`: a frozen copy under full_shard at 2 ranks, sharded on the
-/// devices or (`--offload cpu`) in host memory, is what the plan says each
-/// rank holds for it (the summary's `reference`), beside the trainer's own
-/// state — its gathered peak too, which counts the copy's units gathered
-/// for their forward; that forward is in the plan's step, and the plan
-/// lists every way to keep the reference.
+/// --task dpo`: under full_shard at 2 ranks, a frozen copy sharded on the
+/// devices or (`--offload cpu`) in host memory, and LoRA's base, are what
+/// the plan says each rank holds for it (the summary's `reference`), beside
+/// the trainer's own state — its gathered peak too, which counts the units
+/// gathered for the reference's forward; that forward is in the plan's
+/// step, and the plan lists every way to keep the reference.
 #[test]
-fn a_dpo_reference_copy_is_planned_as_the_trainer_holds_it() {
+fn a_dpo_reference_is_planned_as_the_trainer_holds_it() {
     let dir = tempfile::tempdir().unwrap();
     let [config, _, tokenizer] = common::demo_files(dir.path());
     let pairs = [("The capital of France is", " Paris.", " Berlin."), ("Two plus two is", " four.", " five."), ("The sky is", " blue.", " green."), ("Ice is", " cold.", " hot.")];
     let pairs: String = pairs.iter().map(|(p, c, r)| serde_json::json!({"prompt": p, "chosen": c, "rejected": r}).to_string() + "\n").collect();
     let train_file = dir.path().join("pairs.jsonl");
     std::fs::write(&train_file, pairs).unwrap();
-    let each_step = plan_json(dir.path(), &config, 2, &["--task", "dpo", "--reference", "each-step"]);
-    let precomputed = plan_json(dir.path(), &config, 2, &["--task", "dpo"]);
     let row = |plan: &Value, offload: &str| plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == offload).unwrap().clone();
-    for offload in ["none", "cpu"] {
-        let output_dir = dir.path().join(offload);
+    let lora = ["--lora-r", "4"];
+    for (offload, extra, kind) in [("none", &[][..], "a frozen copy"), ("cpu", &[], "a frozen copy"), ("none", &lora, "LoRA's base")] {
+        let name = format!("{offload}{}", extra.join(""));
+        let each_step = plan_json(dir.path(), &config, 2, &[&["--task", "dpo", "--reference", "each-step"][..], extra].concat());
+        let precomputed = plan_json(dir.path(), &config, 2, &[&["--task", "dpo"][..], extra].concat());
+        let output_dir = dir.path().join(&name);
         let output = ft()
             .args(["train", "--task", "dpo", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
             .args(["--max-seq-len", "32", "--max-steps", "1", "--batch-size", "2", "--dtype", "f32", "--set", "output.report_to=[]"])
             .args(["--output-dir", output_dir.to_str().unwrap(), "--nproc-per-node", "2", "--strategy", "full_shard", "--offload", offload])
             .args(["--set", "task.precompute_ref=false"])
+            .args(extra)
             .output()
             .unwrap();
-        assert!(output.status.success(), "{offload}: {}", text(&output));
+        assert!(output.status.success(), "{name}: {}", text(&output));
         let summary = common::summary(&output_dir);
         let (planned, measured) = (row(&each_step, offload), &summary["reference"]);
-        assert!(planned["reference"]["kind"].as_str().unwrap().starts_with("a frozen copy"), "{planned}");
+        assert!(planned["reference"]["kind"].as_str().unwrap().starts_with(kind), "{name}: {planned}");
         for rank in 0..2 {
-            assert_eq!(planned["reference"]["device_bytes"], measured["device_bytes_per_rank"][rank], "{offload} rank {rank}: {measured}");
-            assert_eq!(planned["reference"]["host_bytes"], measured["host_bytes_per_rank"][rank], "{offload} rank {rank}: {measured}");
+            assert_eq!(planned["reference"]["device_bytes"], measured["device_bytes_per_rank"][rank], "{name} rank {rank}: {measured}");
+            assert_eq!(planned["reference"]["host_bytes"], measured["host_bytes_per_rank"][rank], "{name} rank {rank}: {measured}");
             for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
-                assert_eq!(planned["state"][what], summary["state_per_rank"][rank][what], "{offload} rank {rank}: {what}");
+                assert_eq!(planned["state"][what], summary["state_per_rank"][rank][what], "{name} rank {rank}: {what}");
             }
         }
+        // A copy costs its parameters; LoRA's base, nothing.
         let held = planned["reference"]["device_bytes"].as_f64().unwrap() + planned["reference"]["host_bytes"].as_f64().unwrap();
-        assert!(held > 0.0, "{planned}");
-        // The copy's forward is part of the step, which it makes longer than the precomputed reference's.
+        assert_eq!(held > 0.0, kind == "a frozen copy", "{name}: {planned}");
+        // The reference's forward is part of the step, which it makes longer than the precomputed reference's.
         let time = &planned["time"];
         let parts: f64 = time.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum();
-        assert!(time["reference"].as_f64().unwrap() > 0.0 && (parts - planned["step_seconds"].as_f64().unwrap()).abs() < 1e-12, "{time}");
+        assert!(time["reference"].as_f64().unwrap() > 0.0 && (parts - planned["step_seconds"].as_f64().unwrap()).abs() < 1e-12, "{name}: {time}");
         let before = row(&precomputed, offload);
-        assert!(planned["step_seconds"].as_f64().unwrap() > before["step_seconds"].as_f64().unwrap(), "{planned} vs {before}");
+        assert!(planned["step_seconds"].as_f64().unwrap() > before["step_seconds"].as_f64().unwrap(), "{name}: {planned} vs {before}");
         assert_eq!((before["reference"]["device_bytes"].as_f64(), before["reference"]["host_bytes_per_pair"].as_f64()), (Some(0.0), Some(16.0)), "{before}");
+        // Both ways of keeping it, under the recommended configuration.
+        let options = each_step["reference_options"].as_array().unwrap();
+        let kinds: Vec<&str> = options.iter().map(|option| option[1]["kind"].as_str().unwrap()).collect();
+        assert!(kinds.len() == 2 && kinds[0].starts_with("log-probabilities precomputed") && kinds[1].starts_with(kind), "{name}: {kinds:?}");
     }
-    // Both ways of keeping it, under the recommended configuration, in either plan.
-    let options = each_step["reference_options"].as_array().unwrap();
-    let kinds: Vec<&str> = options.iter().map(|option| option[1]["kind"].as_str().unwrap()).collect();
-    assert!(kinds.len() == 2 && kinds[0].starts_with("log-probabilities precomputed") && kinds[1].starts_with("a frozen copy"), "{kinds:?}");
 }
 
 #[test]
