@@ -110,6 +110,11 @@ impl LoraArgs {
     }
 }
 
+/// `--fp8`: off, tensorwise or rowwise.
+pub fn parse_fp8(text: &str) -> Result<ft_core::config::Fp8, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected off, tensorwise or rowwise"))
+}
+
 /// `--reduce-dtype`: fp32 or compute.
 pub fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
     serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))

@@ -4,7 +4,7 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::{parse_reduce_dtype, LoraArgs, Overrides};
+use crate::args::{parse_fp8, parse_reduce_dtype, LoraArgs, Overrides};
 use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -186,6 +186,8 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
         dtype: args.dtype.kind(tch::Device::Cuda(0)),
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
+        float8: args.fp8.and_then(|fp8| TrainConfig { fp8, ..TrainConfig::default() }.float8()),
+        float8_gathers: args.fp8_gathers.unwrap_or(false),
     };
     let checked = plan::check_rows(rows, &models, &registry, &settings);
     let checked = match &calibration {
@@ -293,8 +295,4 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
         float8_gathers: args.fp8_gathers.unwrap_or(false),
     }
-}
-
-fn parse_fp8(text: &str) -> Result<Fp8, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected off, tensorwise or rowwise"))
 }

@@ -1,12 +1,13 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_positive, parse_reduce_dtype, parse_size, LoraArgs};
+use crate::args::{parse_fp8, parse_positive, parse_reduce_dtype, parse_size, LoraArgs, Overrides};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::{self, GpuSpec};
+use ft_core::model::Float8Layers;
 use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, CommTestReport, Plan, PlanComm, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
@@ -92,9 +93,83 @@ pub struct PlanArgs {
     /// the hook's compute is left out of the step time).
     #[arg(long = "compress-rate", value_name = "NAME=ELEMENTS_PER_S")]
     compress_rates: Vec<String>,
+    /// The task trained (`ft list`; default: the one for the model's head):
+    /// one that compares with a reference model (dpo) has it planned, kept as --reference says.
+    #[arg(long)]
+    task: Option<String>,
+    /// How the task's reference model is kept: precomputed (its
+    /// log-probabilities once before training: dpo's task.precompute_ref=true,
+    /// the default) or each-step (run with every micro-batch:
+    /// task.precompute_ref=false; LoRA's base with --lora-r, else a frozen copy).
+    #[arg(long, value_name = "precomputed|each-step", value_parser = parse_reference)]
+    reference: Option<plan::Reference>,
+    /// Float8 linear layers in the blocks, tensorwise or rowwise (`ft train
+    /// --fp8`): their GEMMs at the float8 rates of a --calibration made by
+    /// `ft calibrate --fp8`, the layers it measured no faster kept in the
+    /// compute dtype as `train.fp8_calibration` keeps them (without one,
+    /// those `ft train` keeps, at the compute dtype's rates).
+    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
+    fp8: Option<ft_core::config::Fp8>,
+    /// Under --fp8: auto (the layers float8 speeds up, as above) or all (train.fp8_layers).
+    #[arg(long, value_name = "auto|all", value_parser = parse_fp8_layers, requires = "fp8")]
+    fp8_layers: Option<ft_core::config::Fp8Layers>,
+    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`).
+    #[arg(long, value_name = "true|false", requires = "fp8")]
+    fp8_gathers: Option<bool>,
     /// Write the rows and the recommendation as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+fn parse_fp8_layers(text: &str) -> Result<ft_core::config::Fp8Layers, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected auto or all"))
+}
+
+/// The block layers `--fp8` casts, as `ft train` chooses them with the same
+/// `train.fp8_layers` and, as its `train.fp8_calibration`, the plan's
+/// calibration when it measured float8 (None: no --fp8); and whether they
+/// are gathered in float8. The flags are checked as `ft train` checks their keys.
+fn float8_layers(args: &PlanArgs, model: &dyn ft_core::Model, dtype: tch::Kind, calibration: Option<&Calibration>) -> Result<(Option<Float8Layers>, bool)> {
+    let mut overrides = Overrides::default();
+    overrides.serialized("train.fp8", args.fp8).serialized("train.fp8_layers", args.fp8_layers).set("train.fp8_gathers", args.fp8_gathers);
+    let config = ft_core::Config::load(None, &overrides.0, &[])?;
+    ft_core::setup::check_given_keys(&config)?;
+    let train = &config.train;
+    let Some(float8) = train.float8() else { return Ok((None, false)) };
+    if dtype == tch::Kind::Half {
+        anyhow::bail!(ft_core::train::FLOAT8_WITH_FP16);
+    }
+    let measured = calibration.filter(|c| c.gemms.iter().any(|g| g.float8_flops_per_second.is_some()));
+    let kept = match (train.fp8_layers, measured, &args.calibration) {
+        (ft_core::config::Fp8Layers::All, _, _) => Some(Default::default()),
+        (_, Some(calibration), Some(path)) => Some(calibration.float8_kept(model, args.batch * args.seq, path)?),
+        _ => None,
+    };
+    if measured.is_none() {
+        eprintln!("ft plan: --fp8 without float8 rates (a --calibration from `ft calibrate --fp8`): float8 layers are planned at the compute dtype's rate");
+    }
+    Ok((Some(ft_core::train::float8_layers(model, float8, kept.as_ref())), train.fp8_gathers))
+}
+
+fn parse_reference(text: &str) -> Result<plan::Reference, String> {
+    serde_json::from_value(serde_json::Value::from(text.replace('-', "_"))).map_err(|_| format!("{text:?}: expected precomputed or each-step"))
+}
+
+/// The reference model `--task` compares with, kept as `--reference` says
+/// (None: the task compares with none; a --reference for it is refused).
+fn reference_of(args: &PlanArgs, model: &dyn ft_core::Model, registry: &Registry) -> Result<Option<plan::Reference>> {
+    if args.task.is_none() && args.reference.is_none() {
+        return Ok(None);
+    }
+    let task = registry.task(args.task.as_deref(), model.head_kind())?;
+    // Whether it compares with a reference, as the task itself says (over one random example).
+    let synthetic = ft_core::task::Synthetic { model, examples: 1, seq: 2, seed: 0, device: tch::Device::Cpu, loss_chunk_tokens: args.loss_chunk_tokens };
+    let compares = (task.synthetic)(&synthetic).with_context(|| format!("--task {}", task.name))?.compares_with_reference();
+    match (compares, args.reference) {
+        (true, reference) => Ok(Some(reference.unwrap_or(plan::Reference::Precomputed))),
+        (false, None) => Ok(None),
+        (false, Some(_)) => anyhow::bail!("--reference: task {} compares with no reference model (give --task dpo)", task.name),
+    }
 }
 
 /// The hooks `--comm` names, made with their `--comm-option`s, and their `--compress-rate`s.
@@ -158,6 +233,8 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     cluster.flops = args.tflops.map_or(cluster.flops, |t| t * 1e12);
     cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
     cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);
+    let calibration = args.calibration.as_ref().map(|path| Calibration::load(path)).transpose()?;
+    let (float8, float8_gathers) = float8_layers(&args, model.model(), dtype, calibration.as_ref())?;
     let workload = Workload {
         model: model.model(),
         batch: args.batch,
@@ -167,10 +244,12 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         reduce_dtype: args.reduce_dtype,
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
+        reference: reference_of(&args, model.model(), &registry)?,
+        float8: float8.as_ref(),
+        float8_gathers,
     };
-    if let Some(path) = &args.calibration {
-        let calibration = Calibration::load(path)?;
-        cluster.use_calibration(&calibration, &workload).with_context(|| format!("--calibration {}", path.display()))?;
+    if let (Some(path), Some(calibration)) = (&args.calibration, &calibration) {
+        cluster.use_calibration(calibration, &workload).with_context(|| format!("--calibration {}", path.display()))?;
     }
     let comms = planned_comms(&args, &registry)?;
     let plan = Plan::with_comms(&workload, &cluster, &registry, args.activation_checkpointing, &comms)?;

@@ -2,8 +2,8 @@
 //! Qwen2.5, Mistral, Llama 3.2), its refusal of bad input, each rank's held
 //! state against real CPU runs of every strategy at 1, 2 and 4 ranks, the
 //! ZeRO paper's closed form for Llama-2-70B on 64 GPUs, multi-node plans,
-//! the calibration rows measured on H200s, `ft train --strategy auto` and the
-//! out-of-memory report.
+//! the calibration rows measured on H200s, `ft train --strategy auto`, the
+//! out-of-memory report, a DPO run's reference model and float8 (`--fp8`).
 
 mod common;
 use common::{ft, shared, text};
@@ -54,7 +54,7 @@ fn model(config: &Path) -> Box<dyn Model> {
 }
 
 fn workload(model: &dyn Model, batch: i64, seq: i64) -> Workload<'_> {
-    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None }
+    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None, reference: None, float8: None, float8_gathers: false }
 }
 
 fn h100s(gpus: usize, nodes: usize) -> Cluster {
@@ -180,6 +180,10 @@ fn ft_plan_refuses_bad_input_with_the_reason() {
         (vec!["--lora-r", "0"], "train.lora.r (--lora-r) is 0: LoRA's rank must be at least 1"),
         (vec!["--lora-alpha", "8"], "train.lora.alpha is given, but LoRA is off"),
         (vec!["--quantize", "nf4"], "set train.lora.r (--lora-r) to train adapters on it"),
+        (vec!["--reference", "each-step"], "--reference: task causal_lm compares with no reference model (give --task dpo)"),
+        (vec!["--task", "dpo", "--reference", "sometimes"], "expected precomputed or each-step"),
+        (vec!["--fp8", "rowwise", "--fp8-gathers", "true"], "train.fp8_gathers is given, but float8 gathers cast each weight with one scale"),
+        (vec!["--fp8", "tensorwise", "--dtype", "f16"], "train.fp8 (--fp8) with train.dtype fp16"),
     ];
     for (flags, reason) in refused {
         let output = ft().args(["plan", "--model", opt.to_str().unwrap()]).args(&flags).output().unwrap();
@@ -251,6 +255,64 @@ fn held_state_equals_real_runs_of_every_strategy_at_1_2_and_4_ranks() {
             }
         }
         assert_eq!(predicted["shard_group_size"], summary["shard_group_size"], "{name}");
+    }
+}
+
+/// A DPO run's reference model as the trainer keeps it, against `ft plan
+/// --task dpo`: under full_shard at 2 ranks, a frozen copy sharded on the
+/// devices or (`--offload cpu`) in host memory, and LoRA's base, are what
+/// the plan says each rank holds for it (the summary's `reference`), beside
+/// the trainer's own state — its gathered peak too, which counts the units
+/// gathered for the reference's forward; that forward is in the plan's
+/// step, and the plan lists every way to keep the reference.
+#[test]
+fn a_dpo_reference_is_planned_as_the_trainer_holds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let [config, _, tokenizer] = common::demo_files(dir.path());
+    let pairs = [("The capital of France is", " Paris.", " Berlin."), ("Two plus two is", " four.", " five."), ("The sky is", " blue.", " green."), ("Ice is", " cold.", " hot.")];
+    let pairs: String = pairs.iter().map(|(p, c, r)| serde_json::json!({"prompt": p, "chosen": c, "rejected": r}).to_string() + "\n").collect();
+    let train_file = dir.path().join("pairs.jsonl");
+    std::fs::write(&train_file, pairs).unwrap();
+    let row = |plan: &Value, offload: &str| plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == offload).unwrap().clone();
+    let lora = ["--lora-r", "4"];
+    for (offload, extra, kind) in [("none", &[][..], "a frozen copy"), ("cpu", &[], "a frozen copy"), ("none", &lora, "LoRA's base")] {
+        let name = format!("{offload}{}", extra.join(""));
+        let each_step = plan_json(dir.path(), &config, 2, &[&["--task", "dpo", "--reference", "each-step"][..], extra].concat());
+        let precomputed = plan_json(dir.path(), &config, 2, &[&["--task", "dpo"][..], extra].concat());
+        let output_dir = dir.path().join(&name);
+        let output = ft()
+            .args(["train", "--task", "dpo", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
+            .args(["--max-seq-len", "32", "--max-steps", "1", "--batch-size", "2", "--dtype", "f32", "--set", "output.report_to=[]"])
+            .args(["--output-dir", output_dir.to_str().unwrap(), "--nproc-per-node", "2", "--strategy", "full_shard", "--offload", offload])
+            .args(["--set", "task.precompute_ref=false"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        let summary = common::summary(&output_dir);
+        let (planned, measured) = (row(&each_step, offload), &summary["reference"]);
+        assert!(planned["reference"]["kind"].as_str().unwrap().starts_with(kind), "{name}: {planned}");
+        for rank in 0..2 {
+            assert_eq!(planned["reference"]["device_bytes"], measured["device_bytes_per_rank"][rank], "{name} rank {rank}: {measured}");
+            assert_eq!(planned["reference"]["host_bytes"], measured["host_bytes_per_rank"][rank], "{name} rank {rank}: {measured}");
+            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
+                assert_eq!(planned["state"][what], summary["state_per_rank"][rank][what], "{name} rank {rank}: {what}");
+            }
+        }
+        // A copy costs its parameters; LoRA's base, nothing.
+        let held = planned["reference"]["device_bytes"].as_f64().unwrap() + planned["reference"]["host_bytes"].as_f64().unwrap();
+        assert_eq!(held > 0.0, kind == "a frozen copy", "{name}: {planned}");
+        // The reference's forward is part of the step, which it makes longer than the precomputed reference's.
+        let time = &planned["time"];
+        let parts: f64 = time.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum();
+        assert!(time["reference"].as_f64().unwrap() > 0.0 && (parts - planned["step_seconds"].as_f64().unwrap()).abs() < 1e-12, "{name}: {time}");
+        let before = row(&precomputed, offload);
+        assert!(planned["step_seconds"].as_f64().unwrap() > before["step_seconds"].as_f64().unwrap(), "{name}: {planned} vs {before}");
+        assert_eq!((before["reference"]["device_bytes"].as_f64(), before["reference"]["host_bytes_per_pair"].as_f64()), (Some(0.0), Some(16.0)), "{before}");
+        // Both ways of keeping it, under the recommended configuration.
+        let options = each_step["reference_options"].as_array().unwrap();
+        let kinds: Vec<&str> = options.iter().map(|option| option[1]["kind"].as_str().unwrap()).collect();
+        assert!(kinds.len() == 2 && kinds[0].starts_with("log-probabilities precomputed") && kinds[1].starts_with(kind), "{name}: {kinds:?}");
     }
 }
 
@@ -543,6 +605,102 @@ fn a_calibrated_plan_takes_the_measured_rates() {
     assert!(error.contains("no rate for the 64x") && error.contains("--batch 4 and --seq 16"), "{error}");
     let error = cluster.use_calibration(&measured, &workload(model.as_ref(), 2, 16)).unwrap_err().to_string();
     assert!(error.contains("Float GEMMs") && error.contains("BFloat16"), "{error}");
+}
+
+/// `--fp8` in the plan: the block layers a calibration measured faster in
+/// float8 take its float8 rate, the others (and the head) keep the compute
+/// dtype's, as `ft train` with that file keeps them; what a rank holds is
+/// the same, the step's peak adds the casts; float8 gathers move fewer
+/// bytes than the compute dtype's; a float8 layer without a float8 rate is
+/// refused by name.
+#[test]
+fn float8_layers_take_their_measured_rates_and_float8_gathers_move_fewer_bytes() {
+    let model = model(&tiny_opt());
+    let registry = Registry::builtin();
+    let tensorwise = ft_sys::float8::Float8 { recipe: ft_sys::float8::Recipe::Tensorwise, emulate: false };
+    // The fixture's MLP input layer (ffn_dim 64 x hidden_size 32) 4x as fast in float8, every other block layer slower.
+    let fc1 = [64, 32];
+    let blocks: Vec<usize> = model.stages().iter().filter(|s| s.kind == ft_core::model::StageKind::Block).map(|s| s.unit).collect();
+    let block_shapes: std::collections::BTreeSet<[i64; 2]> = blocks.iter().flat_map(|&u| &model.units()[u].params).filter(|p| p.shape.len() == 2).map(|p| [p.shape[0], p.shape[1]]).collect();
+    // A calibration of 2 x 16 tokens: every GEMM class at 1 TFLOP/s; the block layers' also as float8 layers.
+    let gemm = |n: i64, k: i64, float8: Option<f64>| plan::GemmRate { gemm: plan::Gemm { m: 32, n, k }, flops_per_second: 1e12, float8_flops_per_second: float8 };
+    let mut gemms: Vec<plan::GemmRate> = block_shapes.iter().map(|&shape| gemm(shape[0], shape[1], Some(if shape == fc1 { 4e12 } else { 5e11 }))).collect();
+    gemms.push(gemm(model.dims().vocab, model.dims().hidden, None));
+    let measured = plan::Calibration {
+        version: plan::CALIBRATION_VERSION,
+        device: "fixture".into(),
+        dtype: "Float".into(),
+        host_optimizer_elements_per_second: Default::default(),
+        host_to_device_bytes_per_second: None,
+        device_to_host_bytes_per_second: None,
+        gemms,
+    };
+    let kept = measured.float8_kept(model.as_ref(), 32, Path::new("fixture")).unwrap();
+    let layers = ft_core::train::float8_layers(model.as_ref(), tensorwise, Some(&kept));
+    let predict = |workload: &Workload, strategy: &str, gpus: usize, calibration: Option<&plan::Calibration>| {
+        let mut cluster = h100s(gpus, 1);
+        if let Some(calibration) = calibration {
+            cluster.use_calibration(calibration, workload).unwrap();
+        }
+        plan::predict(workload, &cluster, &setup(&registry, strategy, "none", false)).unwrap()
+    };
+    let bf16 = tiny_workload(model.as_ref());
+    let float8 = Workload { float8: Some(&layers), ..tiny_workload(model.as_ref()) };
+    let (plain, cast) = (predict(&bf16, "ddp", 1, Some(&measured)), predict(&float8, "ddp", 1, Some(&measured)));
+    // The products' time shrinks by the float8 layer's share of their FLOPs, three quarters of it saved.
+    let numel = |shapes: &mut dyn Iterator<Item = &Vec<i64>>| shapes.map(|s| s.iter().product::<i64>()).sum::<i64>() as f64;
+    let fc1_flops = numel(&mut blocks.iter().flat_map(|&u| &model.units()[u].params).map(|p| &p.shape).filter(|s| s[..] == fc1[..]));
+    let matrices = numel(&mut blocks.iter().flat_map(|&u| &model.units()[u].params).map(|p| &p.shape).filter(|s| s.len() == 2));
+    let outside = numel(&mut (0..model.units().len()).filter(|u| !blocks.contains(u)).flat_map(|u| &model.units()[u].params).map(|p| &p.shape));
+    let dims = model.dims();
+    let memory_bound = 32.0 * (plan::BLOCK_BYTES_PER_TOKEN_AND_HIDDEN * (dims.layers * dims.hidden) as f64 + plan::HEAD_BYTES_PER_TOKEN_AND_VOCAB * dims.vocab as f64);
+    let bandwidth = h100s(1, 1).memory_bandwidth;
+    let products = |row: &PlanRow| row.time.compute - memory_bound / bandwidth;
+    let expected = 1.0 - 0.75 * fc1_flops / (matrices + outside);
+    assert!((products(&cast) / products(&plain) - expected).abs() < 1e-9, "{:?} vs {:?}: expected {expected}", cast.time, plain.time);
+    assert_eq!(cast.state, plain.state, "float8 layers keep what the compute dtype's keep");
+    assert!(cast.peak_allocated_bytes > plain.peak_allocated_bytes, "the casts: {:?} vs {:?}", cast.peak, plain.peak);
+    // Every layer in float8 where the calibration has no float8 rate: refused, naming what to do.
+    let all = ft_core::model::Float8Layers::all(tensorwise);
+    let mut cluster = h100s(1, 1);
+    let mut unmeasured = measured.clone();
+    unmeasured.gemms.iter_mut().for_each(|g| g.float8_flops_per_second = None);
+    let error = cluster.use_calibration(&unmeasured, &Workload { float8: Some(&all), ..tiny_workload(model.as_ref()) }).unwrap_err().to_string();
+    assert!(error.contains("no float8 rate for the 32x") && error.contains("calibrate with --fp8"), "{error}");
+    // full_shard at 2 GPUs: blocks gathered as float8 bytes (and their vectors all-reduced) take less time than in bf16.
+    let bf16 = workload(model.as_ref(), 2, 16);
+    let gathered = Workload { float8: Some(&all), float8_gathers: true, ..workload(model.as_ref(), 2, 16) };
+    let (plain, cast) = (predict(&Workload { float8: Some(&all), ..bf16 }, "full_shard", 2, None), predict(&gathered, "full_shard", 2, None));
+    assert!(cast.time.communication < plain.time.communication && cast.state == plain.state, "{:?} vs {:?}", cast.time, plain.time);
+}
+
+/// An emulated float8 run with float8 gathers under full_shard at 2 ranks
+/// holds what `ft plan --fp8 tensorwise --fp8-gathers true` says: float8
+/// changes no held state (a float8 layer keeps its input and weight in the
+/// compute dtype; a float8 gather fills the unit's buffer).
+#[test]
+fn an_emulated_float8_run_holds_what_the_plan_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = common::demo_files(dir.path());
+    let output_dir = dir.path().join("run");
+    let output = ft()
+        .args(["train", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
+        .args(["--max-seq-len", "32", "--epochs", "1", "--train-samples", "4", "--batch-size", "2", "--dtype", "f32", "--set", "output.report_to=[]"])
+        .args(["--output-dir", output_dir.to_str().unwrap(), "--nproc-per-node", "2", "--strategy", "full_shard"])
+        .args(["--fp8", "tensorwise", "--set", "train.fp8_emulate=true", "--set", "train.fp8_gathers=true"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("sharded blocks gathered as float8"), "{}", text(&output));
+    let plan = plan_json(dir.path(), &config, 2, &["--fp8", "tensorwise", "--fp8-layers", "all", "--fp8-gathers", "true"]);
+    assert_eq!(plan["float8"], "float8 tensorwise block layers, gathered in float8");
+    let predicted = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == "none").unwrap();
+    let summary = common::summary(&output_dir);
+    for rank in 0..2 {
+        for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
+            assert_eq!(predicted["state"][what], summary["state_per_rank"][rank][what], "rank {rank}: {what}");
+        }
+    }
 }
 
 #[test]

@@ -83,7 +83,7 @@ pub fn float8_gathers(inner: Box<dyn CommHook>, units: &[(usize, &UnitInfo)], dt
     let mut weights_of = vec![];
     for &(index, unit) in units {
         let weights: Vec<(i64, i64)> = unit.params.iter().filter(|p| p.shape.len() == 2).map(|p| (p.offset, p.numel())).collect();
-        let rest = weights.iter().map(|(offset, numel)| offset + numel).max().unwrap_or(0);
+        let rest = weights_end(unit);
         let mut hasher = fnv::FnvHasher::default();
         hasher.write(unit.id.as_bytes());
         weights_of.push((index, weights.clone()));
@@ -136,6 +136,22 @@ impl Float8Amaxes {
         self.stale = false;
         Ok(())
     }
+}
+
+/// Where a unit's vectors start: its weight matrices, which come first, end.
+fn weights_end(unit: &UnitInfo) -> i64 {
+    unit.params.iter().filter(|p| p.shape.len() == 2).map(|p| p.offset + p.numel()).max().unwrap_or(0)
+}
+
+/// What a float8 block's gather (`request`) moves: one byte per element
+/// and the vectors all-reduced in the compute dtype (its amaxes are
+/// reduced once a step for every block, `Float8Amaxes`). `ft plan` plans
+/// float8 gathers with it.
+pub fn float8_gather_bytes(unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
+    vec![
+        CollectiveBytes { collective: Collective::AllGather, bytes: request.elements as f64 },
+        CollectiveBytes { collective: Collective::AllReduce, bytes: ((unit.padded - weights_end(unit)) * request.dtype.elt_size_in_bytes() as i64) as f64 },
+    ]
 }
 
 /// max |x| as one fp32: by ft's kernel on a GPU where it loads (`fused`), else by ATen's ops.
@@ -256,15 +272,9 @@ impl CommHook for Float8Gathers {
         self.inner.state_bytes(unit, request)
     }
 
-    /// A float8 block's gather: one byte per element and the vectors
-    /// all-reduced in the compute dtype (its amaxes are reduced once a step
-    /// for every block, `Float8Amaxes`).
     fn wire_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> Vec<CollectiveBytes> {
-        match (request.wire, self.units.get(&unit.id)) {
-            (Wire::Gather, Some(layout)) => vec![
-                CollectiveBytes { collective: Collective::AllGather, bytes: request.elements as f64 },
-                CollectiveBytes { collective: Collective::AllReduce, bytes: ((unit.padded - layout.rest) * request.dtype.elt_size_in_bytes() as i64) as f64 },
-            ],
+        match (request.wire, self.units.contains_key(&unit.id)) {
+            (Wire::Gather, true) => float8_gather_bytes(unit, request),
             _ => self.inner.wire_bytes(unit, request),
         }
     }

@@ -340,6 +340,7 @@ impl Calibration {
             bail!("it measured {} GEMMs and this plan computes in {dtype}: calibrate with the plan's --dtype", self.dtype);
         }
         let tokens = workload.batch * workload.seq;
+        let block_shapes = crate::train::block_weight_shapes(workload.model);
         let (mut flops, mut seconds) = (0.0, 0.0);
         for (gemm, class_flops) in gemm_classes(workload.model, tokens, workload.loss_chunk_tokens) {
             let rate = self.gemms.iter().find(|g| g.gemm == gemm).with_context(|| {
@@ -353,8 +354,22 @@ impl Calibration {
                     workload.seq
                 )
             })?;
+            // A block's layers that run in float8 (`--fp8`), at their rate as float8 layers; the others, and the head, in the compute dtype.
+            let shape = [gemm.n, gemm.k];
+            let float8 = gemm.m == tokens && block_shapes.contains(&shape) && workload.float8.is_some_and(|layers| layers.runs_shape(&shape));
+            let flops_per_second = match (float8, rate.float8_flops_per_second) {
+                (false, _) => rate.flops_per_second,
+                (true, Some(float8)) => float8,
+                (true, None) => bail!(
+                    "it has no float8 rate for the {}x{}x{} GEMM of {}'s float8 layers: calibrate with --fp8 (on a GPU of compute capability 8.9+)",
+                    gemm.m,
+                    gemm.n,
+                    gemm.k,
+                    crate::bench::model_label(workload.model)
+                ),
+            };
             flops += class_flops;
-            seconds += class_flops / rate.flops_per_second;
+            seconds += class_flops / flops_per_second;
         }
         Ok(flops / seconds)
     }

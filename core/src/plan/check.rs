@@ -53,12 +53,15 @@ pub struct BenchSettings<'a> {
     pub shard_group_size: Option<usize>,
     /// `ft calibrate`'s rates in place of the table's.
     pub calibration: Option<&'a Calibration>,
+    /// The blocks' float8 linear layers (`--fp8`: those `ft train` casts by default) and float8 gathers.
+    pub float8: Option<ft_sys::float8::Float8>,
+    pub float8_gathers: bool,
 }
 
 /// The rows that ran beside their predictions; `models` are the
 /// configurations they measured.
 pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings) -> Result<Vec<CheckedRow>> {
-    let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size, calibration } = *settings;
+    let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size, calibration, float8, float8_gathers } = *settings;
     let mut checked = vec![];
     // Rows through a communication plug-in are left out: a bench row does not record the hook's options.
     for row in rows.iter().filter(|r| r.error.is_none() && r.comm == crate::comm_hook::BUILTIN) {
@@ -68,6 +71,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             .with_context(|| format!("row of {}: give its model's configuration with --config", row.model))?;
         let strategy = registry.strategy(&row.strategy)?;
         let offload = registry.offload(&row.offload)?;
+        let float8 = float8.map(|float8| crate::train::float8_layers(model, float8, None));
         let workload = Workload {
             model,
             batch: row.batch,
@@ -77,6 +81,10 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             reduce_dtype: row.reduce_dtype,
             loss_chunk_tokens,
             shard_group_size,
+            // `ft bench --task dpo` times pairs with their reference log-probabilities given: nothing of it runs in a step.
+            reference: None,
+            float8: float8.as_ref(),
+            float8_gathers,
         };
         let mut cluster = Cluster::new(gpu, row.gpus, 1, dtype)?;
         if let Some(calibration) = calibration {

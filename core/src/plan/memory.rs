@@ -5,10 +5,12 @@
 //! for backward (the model's `Activations`), the LM head's loss buffers,
 //! and each trained unit's gradient (a LoRA stage's: its adapters') from autograd's flat buffer through its
 //! reduction into the step's gradient (`train/reduce.rs`, at most
-//! `REDUCTIONS_IN_FLIGHT` in flight). It allocates nothing.
+//! `REDUCTIONS_IN_FLIGHT` in flight); before them a reference model's
+//! forward when one runs with each step, and float8 layers' casts. It
+//! allocates nothing.
 
 use crate::flat::{MemoryAccount, UnitPlacement};
-use crate::model::{head, Model, StageKind};
+use crate::model::{head, Float8Layers, Model, StageKind};
 use crate::train::REDUCTIONS_IN_FLIGHT;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -51,6 +53,47 @@ pub(super) struct MicroBatch {
     /// The shard group or world has more than one rank, so gradients are reduced.
     pub data_parallel: bool,
     pub loss_chunk_tokens: i64,
+    /// The blocks' float8 linear layers, if any.
+    pub float8: Option<Float8Memory>,
+}
+
+/// What float8 linear layers add to a micro-batch (`ft_sys::float8`). A
+/// float8 layer keeps for backward what one in the compute dtype keeps (its
+/// input and weight, besides two amaxes), so the activations are the
+/// same; each GEMM casts both its operands to float8 (a byte an element)
+/// for the moment it runs.
+pub(super) struct Float8Memory {
+    /// The largest input features and weight (elements) of a float8 layer.
+    input_features: f64,
+    weight: f64,
+    /// ft's kernels cast (on a GPU, tensorwise): the last input cast in
+    /// each direction stays cached until the micro-batch ends, and a unit
+    /// gathered as float8 keeps its gathered bytes beside its buffer.
+    fused: bool,
+    /// The units gathered as float8 bytes.
+    gathered: Vec<bool>,
+}
+
+impl Float8Memory {
+    pub fn new(model: &dyn Model, layers: &Float8Layers, gathered: &[bool]) -> Float8Memory {
+        let shapes: Vec<[i64; 2]> = crate::train::block_weight_shapes(model).into_iter().filter(|shape| layers.runs_shape(shape)).collect();
+        let largest = |width: fn(&[i64; 2]) -> i64| shapes.iter().map(width).max().unwrap_or(0) as f64;
+        Float8Memory {
+            input_features: largest(|[_, input]| *input),
+            weight: largest(|[out, input]| out * input),
+            fused: layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise && !layers.float8.emulate,
+            gathered: gathered.to_vec(),
+        }
+    }
+}
+
+/// The units a reference model run with each micro-batch reads
+/// (`train/step.rs`'s `reference_forward`).
+#[derive(Clone, Copy)]
+pub(super) struct ReferenceUnits<'a> {
+    pub placements: &'a [UnitPlacement],
+    /// A frozen copy of the model's units (else the model's own: LoRA's base).
+    pub copy: bool,
 }
 
 /// What the walk found.
@@ -58,8 +101,19 @@ pub(super) struct StepMemory {
     pub peak: PeakBreakdown,
     /// The most bytes gathered at once (what the trainer reports as `gathered_peak`).
     pub gathered_peak: f64,
-    /// Each all-gather's unit and bytes, in the order the micro-batch starts them.
+    /// Each all-gather's unit and bytes, in the order the micro-batch starts them
+    /// (the model's units', LoRA's base as the reference included).
     pub gathers: Vec<(usize, f64)>,
+    /// The same of the reference's frozen copy.
+    pub copy_gathers: Vec<(usize, f64)>,
+}
+
+/// Which of the trainer's units a gather or release is of.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Set {
+    Model,
+    /// The reference model's frozen copy.
+    Copy,
 }
 
 /// A reduction in flight: the bytes it holds, and the gradient shard it
@@ -71,18 +125,22 @@ struct Pending {
 
 struct Walk<'a> {
     placements: &'a [UnitPlacement],
+    /// The reference's frozen copy, unit by unit (empty without one).
+    copy: &'a [UnitPlacement],
     /// Each unit's parameter count.
     numels: Vec<i64>,
     micro: &'a MicroBatch,
     now: PeakBreakdown,
     peak: PeakBreakdown,
     gathered: Vec<bool>,
+    copy_gathered: Vec<bool>,
     gathered_peak: f64,
     gathers: Vec<(usize, f64)>,
+    copy_gathers: Vec<(usize, f64)>,
     pending: VecDeque<Pending>,
 }
 
-impl Walk<'_> {
+impl<'a> Walk<'a> {
     fn element(kind: Kind) -> f64 {
         kind.elt_size_in_bytes() as f64
     }
@@ -90,9 +148,20 @@ impl Walk<'_> {
     /// Bytes of unit `u`'s whole buffer in the compute dtype (a packed
     /// unit's `shard` is over its 4-bit bytes, its buffer holds its parameters).
     fn unit_bytes(&self, u: usize) -> f64 {
-        let placement = self.placements[u];
+        self.bytes_in(Set::Model, u)
+    }
+
+    fn bytes_in(&self, set: Set, u: usize) -> f64 {
+        let placement = self.placements_of(set)[u];
         let elements = if placement.packed { self.numels[u] } else { placement.shard.padded };
         elements as f64 * Walk::element(self.micro.dtype)
+    }
+
+    fn placements_of(&self, set: Set) -> &'a [UnitPlacement] {
+        match set {
+            Set::Model => self.placements,
+            Set::Copy => self.copy,
+        }
     }
 
     fn note(&mut self) {
@@ -103,12 +172,26 @@ impl Walk<'_> {
     }
 
     fn gather(&mut self, u: usize) {
-        let placement = self.placements[u];
-        if placement.transient() && !self.gathered[u] {
-            self.gathered[u] = true;
-            let bytes = self.unit_bytes(u);
+        self.gather_in(Set::Model, u);
+    }
+
+    /// Unit `u` of `set` made whole (gathered, dequantized or uploaded) if it is released.
+    fn gather_in(&mut self, set: Set, u: usize) {
+        let placement = self.placements_of(set)[u];
+        let gathered = match set {
+            Set::Model => &mut self.gathered[u],
+            Set::Copy => &mut self.copy_gathered[u],
+        };
+        if placement.transient() && !*gathered {
+            *gathered = true;
+            let bytes = self.bytes_in(set, u);
             self.now.gathered += bytes;
-            self.gathers.push((u, bytes));
+            // A float8 gather's bytes, which the layers read in place of their buffer's.
+            self.now.transient += self.float8_gathered_bytes(set, u);
+            match set {
+                Set::Model => self.gathers.push((u, bytes)),
+                Set::Copy => self.copy_gathers.push((u, bytes)),
+            }
             if placement.packed && placement.params_sharded {
                 // The whole unit's 4-bit bytes, gathered to be dequantized.
                 self.briefly(placement.shard.padded as f64);
@@ -118,9 +201,40 @@ impl Walk<'_> {
     }
 
     fn release(&mut self, u: usize) {
-        if self.placements[u].transient() && self.gathered[u] {
-            self.gathered[u] = false;
-            self.now.gathered -= self.unit_bytes(u);
+        self.release_in(Set::Model, u);
+    }
+
+    fn release_in(&mut self, set: Set, u: usize) {
+        let transient = self.placements_of(set)[u].transient();
+        let gathered = match set {
+            Set::Model => &mut self.gathered[u],
+            Set::Copy => &mut self.copy_gathered[u],
+        };
+        if transient && *gathered {
+            *gathered = false;
+            self.now.gathered -= self.bytes_in(set, u);
+            self.now.transient -= self.float8_gathered_bytes(set, u);
+        }
+    }
+
+    /// The float8 bytes a gather of unit `u` of `set` keeps beside its buffer (on a GPU).
+    fn float8_gathered_bytes(&self, set: Set, u: usize) -> f64 {
+        match &self.micro.float8 {
+            Some(float8) if float8.fused && set == Set::Model && float8.gathered[u] => self.placements[u].shard.padded as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A block's float8 GEMMs: their operands' casts while they run, and
+    /// (ft's kernels) the input cast the direction's cache then keeps,
+    /// from the first block on; `cached` says whether it is held already.
+    fn float8_casts(&mut self, tokens: f64, cached: &mut bool) {
+        let Some(float8) = &self.micro.float8 else { return };
+        let (input, weight, fused) = (tokens * float8.input_features, float8.weight, float8.fused);
+        self.briefly(input + weight);
+        if fused && !*cached {
+            *cached = true;
+            self.now.transient += input;
         }
     }
 
@@ -213,27 +327,73 @@ impl Walk<'_> {
     }
 }
 
-/// What the LM head's loss holds (`train/loss.rs`): while it runs (the
-/// weight's gradient when `weight_trains`, one chunk of logits — with
-/// ATen's ops also their fp32 log-probabilities —, the hidden states'
-/// gradient in pieces and concatenated twice), and after it, until the
-/// head's backward.
-fn lm_loss_bytes(model: &dyn Model, micro: &MicroBatch, weight_trains: bool) -> (f64, f64) {
-    let dims = model.dims();
+/// One chunk of the LM head's logits — with ATen's ops also their fp32
+/// log-probabilities (ft's fused kernel works over bf16 logits).
+fn logits_chunk_bytes(model: &dyn Model, micro: &MicroBatch) -> f64 {
     let element = Walk::element(micro.dtype);
     let targets = (micro.batch * (micro.seq - 1)).max(1) as f64;
     let chunk = (micro.loss_chunk_tokens as f64).min(targets);
-    let weight_grad = if weight_trains { (dims.vocab * dims.hidden) as f64 * element } else { 0.0 };
-    // ft's fused kernel writes d loss / d logits over bf16 logits.
     let logits_element = if micro.dtype == Kind::BFloat16 { element } else { element + 4.0 };
+    chunk * model.dims().vocab as f64 * logits_element
+}
+
+/// What the LM head's loss holds (`train/loss.rs`): while it runs (the
+/// weight's gradient when `weight_trains`, one chunk of logits, the hidden
+/// states' gradient in pieces and concatenated twice), and after it, until
+/// the head's backward.
+fn lm_loss_bytes(model: &dyn Model, micro: &MicroBatch, weight_trains: bool) -> (f64, f64) {
+    let dims = model.dims();
+    let element = Walk::element(micro.dtype);
+    let weight_grad = if weight_trains { (dims.vocab * dims.hidden) as f64 * element } else { 0.0 };
     let hidden_grad = (micro.batch * micro.seq * dims.hidden) as f64 * element;
-    let during = weight_grad + chunk * dims.vocab as f64 * logits_element + 3.0 * hidden_grad;
+    let during = weight_grad + logits_chunk_bytes(model, micro) + 3.0 * hidden_grad;
     (during, weight_grad + hidden_grad)
+}
+
+impl Walk<'_> {
+    /// The reference's forward without gradients over `set`'s units, as
+    /// `Trainer::reference_forward` runs it before the micro-batch's own:
+    /// each unit gathered with the next prefetched, and released after its
+    /// use when it is a copy's (no backward reads it) or forward releases
+    /// it (full_shard, packed); only the hidden states between stages live
+    /// on, and the head's log-probabilities are taken a chunk of logits at a time.
+    fn reference_forward(&mut self, model: &dyn Model, set: Set, reshard_after_forward: bool) {
+        let hidden = (self.micro.batch * self.micro.seq * model.dims().hidden) as f64 * Walk::element(self.micro.dtype);
+        let stages = model.stages();
+        for (index, stage) in stages.iter().enumerate() {
+            self.gather_in(set, stage.unit);
+            if let Some(next) = stages.get(index + 1) {
+                self.gather_in(set, next.unit);
+            }
+            match stage.kind {
+                StageKind::Embed => self.now.activations += hidden,
+                // Its output beside its input.
+                StageKind::Block => self.briefly(hidden),
+                StageKind::Head => {
+                    self.briefly(logits_chunk_bytes(model, self.micro));
+                    self.now.activations -= hidden;
+                }
+            }
+            self.note();
+            let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
+            let released = set == Set::Copy || self.placements_of(set)[stage.unit].released_after_forward(reshard_after_forward);
+            if released && !used_next {
+                self.release_in(set, stage.unit);
+            }
+        }
+    }
 }
 
 /// Walks one micro-batch of `model` with its units placed as `placements`
 /// say, over `state` (what the rank holds between steps).
-pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &MemoryAccount, reshard_after_forward: bool, micro: &MicroBatch) -> StepMemory {
+pub(super) fn walk(
+    model: &dyn Model,
+    placements: &[UnitPlacement],
+    state: &MemoryAccount,
+    reshard_after_forward: bool,
+    micro: &MicroBatch,
+    reference: Option<ReferenceUnits>,
+) -> StepMemory {
     let dims = model.dims();
     let activations = model.activations();
     let element = Walk::element(micro.dtype);
@@ -245,28 +405,43 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
     let block_backward = activations.block_backward as f64 * element * tokens;
     let causal_lm = model.head_kind() == head::CAUSAL_LM;
     let offload = placements.iter().any(|p| p.offload);
+    let copy = reference.as_ref().filter(|r| r.copy).map_or(&[][..], |r| r.placements);
     let mut walk = Walk {
         placements,
+        copy,
         numels: model.units().iter().map(|unit| unit.numel()).collect(),
         micro,
         now: PeakBreakdown::default(),
         peak: PeakBreakdown::default(),
         gathered: vec![false; placements.len()],
+        copy_gathered: vec![false; copy.len()],
         gathered_peak: 0.0,
         gathers: vec![],
+        copy_gathers: vec![],
         pending: VecDeque::new(),
     };
     // Offloaded, masters, gradients and moments are on the host; the device keeps the compute copies.
     walk.now.state = state.comm_state + if offload { state.params + state.optimizer_state + state.grads - state.host } else { state.params + state.optimizer_state };
+    // The reference's frozen copy: what of it the device holds between steps.
+    let copy_held: MemoryAccount = copy.iter().map(|p| p.memory(micro.dtype)).sum();
+    walk.now.state += copy_held.params - copy_held.host;
     walk.now.grads = if micro.accumulating && !offload { state.grads } else { 0.0 };
     walk.now.activations = (activations.bias_per_position_pair * micro.seq * micro.seq) as f64 * element;
     walk.note();
 
+    if let Some(reference) = &reference {
+        walk.reference_forward(model, if reference.copy { Set::Copy } else { Set::Model }, reshard_after_forward);
+    }
     let stages = model.stages();
+    // Whether ft's float8 kernels' input caches hold a cast: forward's, backward's.
+    let (mut forward_cache, mut backward_cache) = (false, false);
     for (index, stage) in stages.iter().enumerate() {
         walk.gather(stage.unit);
         if let Some(next) = stages.get(index + 1) {
             walk.gather(next.unit);
+        }
+        if stage.kind == StageKind::Block {
+            walk.float8_casts(tokens, &mut forward_cache);
         }
         match stage.kind {
             StageKind::Embed => walk.now.activations += embed,
@@ -297,6 +472,9 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
         walk.gather(unit);
         if index > 0 {
             walk.gather(stages[index - 1].unit);
+        }
+        if stage.kind == StageKind::Block {
+            walk.float8_casts(tokens, &mut backward_cache);
         }
         let recomputed = stage.kind == StageKind::Block && micro.activation_checkpointing;
         if recomputed {
@@ -341,5 +519,5 @@ pub(super) fn walk(model: &dyn Model, placements: &[UnitPlacement], state: &Memo
     while !walk.pending.is_empty() {
         walk.finish_oldest_reduction();
     }
-    StepMemory { peak: walk.peak, gathered_peak: walk.gathered_peak, gathers: walk.gathers }
+    StepMemory { peak: walk.peak, gathered_peak: walk.gathered_peak, gathers: walk.gathers, copy_gathers: walk.copy_gathers }
 }

@@ -7,7 +7,7 @@
 //! holds between steps is each unit's `UnitPlacement::memory` (what
 //! `Trainer::memory` reports), placed by `train::unit_placements` as the
 //! trainer places them (LoRA's frozen base and adapters, QLoRA's 4-bit
-//! blocks included), and the
+//! blocks, a preference task's frozen reference copy included), and the
 //! step's peak is a walk of `train/step.rs`'s stages over it (`memory.rs`)
 //! with the model's activations per token (`Model::activations`). Time is
 //! `time.rs`. `ft train --strategy auto` runs the recommendation, and a
@@ -45,7 +45,7 @@ use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
 use crate::flat::{param_offsets, MemoryAccount, UnitPlacement};
 use crate::gpu::GpuSpec;
-use crate::model::Model;
+use crate::model::{Float8Layers, Model};
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
 use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
@@ -187,6 +187,72 @@ pub struct Workload<'a> {
     pub loss_chunk_tokens: i64,
     /// `--shard-group-size`, for the strategies that shard.
     pub shard_group_size: Option<usize>,
+    /// The reference model a preference task compares with (None: none).
+    pub reference: Option<Reference>,
+    /// The block linear layers that run in float8 (`--fp8`; None: none).
+    pub float8: Option<&'a Float8Layers>,
+    /// Under tensorwise float8, sharded blocks whose weights all run in
+    /// float8 gathered as float8 bytes (`train.fp8_gathers`).
+    pub float8_gathers: bool,
+}
+
+/// How a run keeps the reference model a preference task (`--task dpo`)
+/// compares with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reference {
+    /// Its log-probabilities computed once before training (DPO's
+    /// `task.precompute_ref=true`): a forward without gradients over the
+    /// pairs through the trainer's own units, and two f64 a pair in host memory.
+    Precomputed,
+    /// Run without gradients before each micro-batch's forward
+    /// (`task.precompute_ref=false`): LoRA's base (the model's own units,
+    /// its adapters off), or, for a model without adapters, the frozen copy
+    /// the trainer keeps (`TrainerBuilder::reference_copy`).
+    EachStep,
+}
+
+impl Reference {
+    /// Every option, in the order the plan lists them.
+    pub const ALL: [Reference; 2] = [Reference::Precomputed, Reference::EachStep];
+
+    /// Whether the trainer keeps a frozen copy of `model` for it: run with
+    /// each step and no adapters to turn off (as `TrainerBuilder::reference_copy` decides).
+    fn keeps_copy(self, model: &dyn Model) -> bool {
+        self == Reference::EachStep && model.adapter_scaling().is_none()
+    }
+
+    /// What it is, for `model`, as the plan's table names it.
+    pub fn describe(self, model: &dyn Model) -> &'static str {
+        match (self, self.keeps_copy(model)) {
+            (Reference::Precomputed, _) => "log-probabilities precomputed before training (task.precompute_ref=true)",
+            (Reference::EachStep, false) => "LoRA's base, its adapters off, run with each micro-batch (task.precompute_ref=false)",
+            (Reference::EachStep, true) => "a frozen copy of the model, run with each micro-batch (task.precompute_ref=false)",
+        }
+    }
+}
+
+/// Host bytes a precomputed reference keeps per preference pair: the
+/// chosen and the rejected completion's log-probability, an f64 each.
+pub const PRECOMPUTED_REFERENCE_BYTES_PER_PAIR: f64 = 16.0;
+
+/// What a row's reference model costs each rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceCost {
+    pub reference: Reference,
+    /// What it is (`Reference::describe`).
+    pub kind: String,
+    /// Held between steps on the device and in host memory (a frozen copy,
+    /// or its shard): what a run's summary reports as its `reference`.
+    pub device_bytes: f64,
+    pub host_bytes: f64,
+    /// Host bytes per training pair besides (precomputed log-probabilities).
+    pub host_bytes_per_pair: f64,
+    /// Its forward over one optimizer step's micro-batches, gathers and
+    /// uploads included: part of `step_seconds` when it runs with each
+    /// step, else spent once before training for each step's pairs.
+    pub forward_seconds: f64,
+    pub in_step: bool,
 }
 
 impl<'a> Workload<'a> {
@@ -203,6 +269,9 @@ impl<'a> Workload<'a> {
             reduce_dtype: t.reduce_dtype,
             loss_chunk_tokens: t.loss_chunk_tokens,
             shard_group_size: t.shard_group_size,
+            reference: None,
+            float8: None,
+            float8_gathers: false,
         }
     }
 }
@@ -288,6 +357,9 @@ pub struct PlanRow {
     pub tokens_per_second_per_gpu: f64,
     /// The largest micro-batch per GPU that fits (0: none; None: no limit known).
     pub max_batch: Option<i64>,
+    /// The workload's reference model, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferenceCost>,
 }
 
 impl PlanRow {
@@ -322,8 +394,15 @@ pub struct Plan {
     pub seq: i64,
     pub grad_accum: usize,
     pub dtype: String,
+    /// The blocks' float8 linear layers (`--fp8`), if any: their recipe, and whether gathered in float8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub float8: Option<String>,
     pub rows: Vec<PlanRow>,
     pub recommended: Option<PlanRow>,
+    /// With a reference model: what each way of keeping it costs under the
+    /// recommended configuration (else the first row's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reference_options: Vec<(String, ReferenceCost)>,
 }
 
 /// The placements of `workload`'s units under `setup` in a shard group of `group`.
@@ -332,8 +411,51 @@ fn placements(workload: &Workload, setup: &Setup, group: usize) -> Vec<UnitPlace
     placed.into_iter().map(|(placement, _)| placement).collect()
 }
 
-/// Device bytes at a micro-batch's peak with `batch` examples: allocated, and with the margins.
-fn device_peak(workload: &Workload, setup: &Setup, placements: &[UnitPlacement], state: &MemoryAccount, cluster: &Cluster, batch: i64) -> memory::StepMemory {
+/// The frozen copy the trainer keeps as the reference model, unit by unit
+/// as it places it (`UnitPlacement::frozen_copy`); empty without one.
+fn reference_copy(workload: &Workload, placements: &[UnitPlacement]) -> Vec<UnitPlacement> {
+    match workload.reference {
+        Some(reference) if reference.keeps_copy(workload.model) => placements.iter().map(|p| p.frozen_copy()).collect(),
+        _ => vec![],
+    }
+}
+
+/// The units the reference's forward reads before each micro-batch's, when
+/// it runs with each step: the frozen copy (`copy`), or LoRA's base (the model's own).
+fn reference_units<'p>(workload: &Workload, placements: &'p [UnitPlacement], copy: &'p [UnitPlacement]) -> Option<memory::ReferenceUnits<'p>> {
+    match workload.reference {
+        Some(Reference::EachStep) if copy.is_empty() => Some(memory::ReferenceUnits { placements, copy: false }),
+        Some(Reference::EachStep) => Some(memory::ReferenceUnits { placements: copy, copy: true }),
+        _ => None,
+    }
+}
+
+/// Which units the trainer gathers as float8 bytes (`train.fp8_gathers`
+/// under tensorwise float8), by unit.
+fn float8_gathered(workload: &Workload, placements: &[UnitPlacement]) -> Vec<bool> {
+    let mut gathered = vec![false; placements.len()];
+    if let Some(layers) = workload.float8.filter(|layers| workload.float8_gathers && layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise) {
+        for unit in crate::train::float8_gathered_units(workload.model, placements, layers) {
+            gathered[unit] = true;
+        }
+    }
+    gathered
+}
+
+/// Device bytes at a micro-batch's peak with `batch` examples, `reference`
+/// run before it and `float8_gathered` units gathered as float8 bytes:
+/// allocated, and with the margins.
+#[allow(clippy::too_many_arguments)] // each a separate part of the row
+fn device_peak(
+    workload: &Workload,
+    setup: &Setup,
+    placements: &[UnitPlacement],
+    state: &MemoryAccount,
+    cluster: &Cluster,
+    batch: i64,
+    reference: Option<memory::ReferenceUnits>,
+    float8_gathered: &[bool],
+) -> memory::StepMemory {
     let micro = MicroBatch {
         batch,
         seq: workload.seq,
@@ -343,9 +465,10 @@ fn device_peak(workload: &Workload, setup: &Setup, placements: &[UnitPlacement],
         accumulating: workload.grad_accum > 1,
         data_parallel: cluster.gpus > 1,
         loss_chunk_tokens: workload.loss_chunk_tokens,
+        float8: workload.float8.map(|layers| memory::Float8Memory::new(workload.model, layers, float8_gathered)),
     };
     let reshard_after_forward = setup.policy.params == ParamPlacement::Sharded { reshard_after_forward: true };
-    walk(workload.model, placements, state, reshard_after_forward, &micro)
+    walk(workload.model, placements, state, reshard_after_forward, &micro, reference)
 }
 
 /// Elements this rank's optimizer updates (frozen units have none).
@@ -411,7 +534,12 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let comm_state = setup.comm.map_or(0.0, |c| comm_state(c.hook.as_ref(), workload, &units, &placements, &comm_plan, group));
     let held: MemoryAccount = placements.iter().map(|p| p.memory(workload.dtype)).sum();
     let state = MemoryAccount { comm_state, ..held };
-    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch);
+    // The trainer's account leaves the reference's frozen copy apart (`Trainer::reference_memory`).
+    let copy = reference_copy(workload, &placements);
+    let copy_held: MemoryAccount = copy.iter().map(|p| p.memory(workload.dtype)).sum();
+    let reference = reference_units(workload, &placements, &copy);
+    let float8_gathered = float8_gathered(workload, &placements);
+    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference, &float8_gathered);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
     let peak_allocated_bytes = step.peak.total();
     let peak_gpu_bytes = with_margins(peak_allocated_bytes);
@@ -421,7 +549,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let owned = optimized_elements(&placements);
     let reduce = workload.reduce_dtype.kind(workload.dtype).elt_size_in_bytes() as f64;
     let staging = if setup.offload_to_host { 2.0 * workload.grad_accum as f64 * owned * reduce } else { 0.0 };
-    let host_bytes = cluster.gpus_per_node() as f64 * (state.host + staging + PROCESS_HOST_BYTES);
+    let host_bytes = cluster.gpus_per_node() as f64 * (state.host + copy_held.host + staging + PROCESS_HOST_BYTES);
 
     let gb = |bytes: f64| bytes / 1e9;
     let host_fits = host_bytes <= cluster.host_memory;
@@ -431,14 +559,42 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         (false, _) => Some(format!("GPU: {:.1} GB of {:.1} GB", gb(peak_gpu_bytes), gb(cluster.gpu_memory.unwrap_or_default()))),
         (true, false) => Some(format!("host: {:.1} GB of {:.1} GB per node", gb(host_bytes), gb(cluster.host_memory))),
     };
-    let fits_with = |batch: i64| gpu_fits(with_margins(device_peak(workload, setup, &placements, &state, cluster, batch).peak.total()));
+    let fits_with = |batch: i64| {
+        let step = device_peak(workload, setup, &placements, &state, cluster, batch, reference_units(workload, &placements, &copy), &float8_gathered);
+        gpu_fits(with_margins(step.peak.total()))
+    };
     let max_batch = match (cluster.gpu_memory, host_fits) {
         (None, _) => None,
         (Some(_), false) => Some(0),
         (Some(_), true) => Some(largest(fits_with)),
     };
-    let time = time::step_time(workload, cluster, setup, &placements, &units, group, &step.gathers);
+    let step_time = |step: &memory::StepMemory, reference_runs: bool| {
+        let units = time::StepUnits { placements: &placements, copy: &copy, info: &units, float8_gathered: &float8_gathered };
+        time::step_time(workload, cluster, setup, &units, group, step, reference_runs)
+    };
+    let time = step_time(&step, reference.is_some());
     let step_seconds = time.total();
+    let reference = workload.reference.map(|reference| {
+        let forward_seconds = match reference {
+            Reference::EachStep => time.reference,
+            // Once before training, through the trainer's own units: what such a forward would add to each step.
+            Reference::Precomputed => {
+                let own = Some(memory::ReferenceUnits { placements: &placements, copy: false });
+                let own = device_peak(workload, setup, &placements, &state, cluster, workload.batch, own, &float8_gathered);
+                step_time(&own, true).total() - step_seconds
+            }
+        };
+        let precomputed = reference == Reference::Precomputed;
+        ReferenceCost {
+            reference,
+            kind: reference.describe(workload.model).into(),
+            device_bytes: copy_held.params - copy_held.host,
+            host_bytes: copy_held.host,
+            host_bytes_per_pair: if precomputed { PRECOMPUTED_REFERENCE_BYTES_PER_PAIR } else { 0.0 },
+            forward_seconds,
+            in_step: !precomputed,
+        }
+    });
     Ok(PlanRow {
         strategy: setup.strategy.into(),
         comm: None,
@@ -456,6 +612,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         time,
         tokens_per_second_per_gpu: (workload.batch * workload.seq) as f64 * workload.grad_accum as f64 / step_seconds,
         max_batch,
+        reference,
     })
 }
 
@@ -522,6 +679,10 @@ impl Plan {
             }
         }
         let recommended = fastest(rows.iter().filter(|r| r.fits)).cloned();
+        let reference_options = match (workload.reference, recommended.as_ref().or(rows.first())) {
+            (Some(_), Some(row)) => Plan::reference_options(workload, cluster, registry, row)?,
+            _ => vec![],
+        };
         let model = workload.model;
         Ok(Plan {
             model: crate::bench::model_label(model),
@@ -530,9 +691,35 @@ impl Plan {
             seq: workload.seq,
             grad_accum: workload.grad_accum,
             dtype: format!("{:?}", workload.dtype),
+            float8: workload.float8.map(|layers| {
+                let gathers = if workload.float8_gathers { ", gathered in float8" } else { "" };
+                format!("float8 {} block layers{gathers}", format!("{:?}", layers.float8.recipe).to_lowercase())
+            }),
             rows,
             recommended,
+            reference_options,
         })
+    }
+
+    /// Each way of keeping the reference model under `row`'s configuration, and its label.
+    fn reference_options(workload: &Workload, cluster: &Cluster, registry: &Registry, row: &PlanRow) -> Result<Vec<(String, ReferenceCost)>> {
+        let strategy = registry.strategy(&row.strategy)?;
+        let offload = (registry.offload(&row.offload)?.create)();
+        let setup = Setup {
+            strategy: &strategy.name,
+            policy: (strategy.create)().policy(),
+            offload: &row.offload,
+            offload_to_host: offload.to_host(),
+            activation_checkpointing: row.activation_checkpointing,
+            comm: None,
+        };
+        let mut options = vec![];
+        for reference in Reference::ALL {
+            let predicted = predict(&Workload { reference: Some(reference), ..*workload }, cluster, &setup)?;
+            let label = predicted.label();
+            options.extend(predicted.reference.map(|cost| (label, cost)));
+        }
+        Ok(options)
     }
 
     /// The row of one configuration.
@@ -542,7 +729,8 @@ impl Plan {
 
     fn workload(&self) -> String {
         let accumulation = if self.grad_accum > 1 { format!(" x {} accumulated", self.grad_accum) } else { String::new() };
-        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}", self.model, self.batch, self.seq, self.dtype)
+        let float8 = self.float8.as_ref().map_or(String::new(), |float8| format!(", {float8}"));
+        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}{float8}", self.model, self.batch, self.seq, self.dtype)
     }
 
     fn hardware(&self) -> String {
@@ -589,6 +777,22 @@ impl Plan {
         }
         out += "\npeak GB: allocated at the step's peak + 5% fragmentation + 1 GiB CUDA runtime; state: parameters, optimizer \
 state and gradients held then; acts: activations; other: gathered units, loss buffers, gradients in flight. host GB: per node.\n";
+        if let Some((label, _)) = self.reference_options.first() {
+            out += &format!("reference model, per rank under {label}:\n");
+            let planned = self.rows.first().and_then(|r| r.reference.as_ref()).map(|cost| cost.reference);
+            for (_, cost) in &self.reference_options {
+                let pairs = if cost.host_bytes_per_pair > 0.0 { format!(" + {:.0} bytes a pair", cost.host_bytes_per_pair) } else { String::new() };
+                let when = if cost.in_step { "in each step" } else { "once before training, per step's pairs" };
+                out += &format!(
+                    "  {}: {} GB on the device, {} GB in host memory{pairs}; its forward {:.3} s {when}{}\n",
+                    cost.kind,
+                    gb(cost.device_bytes),
+                    gb(cost.host_bytes),
+                    cost.forward_seconds,
+                    if planned == Some(cost.reference) { "  <- planned" } else { "" }
+                );
+            }
+        }
         out += &match &self.recommended {
             Some(r) => format!(
                 "recommended: {} — {:.1} GB per GPU, {:.3} s per step, {:.0} tokens/s per GPU{}\n",

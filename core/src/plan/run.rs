@@ -59,8 +59,12 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         return Ok(None);
     }
     let lead = comm.env().rank == 0;
-    let planned = Cluster::of_job(comm, dtype)
-        .and_then(|cluster| Plan::new(&Workload::of_run(model, config, dtype), &cluster, registry, Checkpointing::Auto));
+    let planned = Cluster::of_job(comm, dtype).and_then(|cluster| {
+        // The run's float8 layers, as its trainer will choose them.
+        let float8 = config.train.float8().map(|float8| anyhow::Ok(crate::train::float8_layers(model, float8, float8_kept(model, config)?.as_ref()))).transpose()?;
+        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.fp8_gathers, ..Workload::of_run(model, config, dtype) };
+        Plan::new(&workload, &cluster, registry, Checkpointing::Auto)
+    });
     let plan = match planned {
         Ok(plan) => plan,
         Err(error) if !auto => {

@@ -2,9 +2,10 @@
 //! AdamW's pass over the optimizer state and each dequantization of a 4-bit
 //! unit at memory bandwidth, the bytes each
 //! collective moves at the bus bandwidth (nccl-tests' busbw, what `ft
-//! comm-test` measures), and offload's host optimizer and transfers — each
-//! rate from the tables below, or as `ft calibrate` measured it
-//! (`calibrate.rs`).
+//! comm-test` measures), offload's host optimizer and transfers, and a
+//! reference model's forward run with each step — each rate from the
+//! tables below, or as `ft calibrate` measured it (`calibrate.rs`: float8
+//! layers at their float8 rates).
 //!
 //! Calibrated on `ft bench` rows measured on H200s (bench/results/
 //! 2026-11-22-h200x2-performance.md: BLOOM-560m on 1 and 2 GPUs under ddp,
@@ -12,6 +13,7 @@
 //! 2 × 2048; 2026-11-22-h200x2-offload.md for offload): tests/plan.rs checks
 //! each prediction against them.
 
+use super::memory::StepMemory;
 use super::{Cluster, Setup, Workload};
 use crate::collectives_bench::Collective;
 use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
@@ -62,11 +64,16 @@ pub struct StepTime {
     /// 4-bit units dequantized for each use (QLoRA's base).
     #[serde(default)]
     pub dequantize: f64,
+    /// A reference model's forward without gradients before each
+    /// micro-batch's (a preference task's), and the uploads of a frozen
+    /// copy in host memory it does not hide; its gathers are in `communication`.
+    #[serde(default)]
+    pub reference: f64,
 }
 
 impl StepTime {
     pub fn total(&self) -> f64 {
-        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize
+        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize + self.reference
     }
 }
 
@@ -137,17 +144,33 @@ struct Wires<'a> {
     changed: f64,
 }
 
+/// A row's units: the model's placements, the reference's frozen copy's
+/// (empty without one), what the hook is told of each, and which are gathered in float8.
+pub(super) struct StepUnits<'a> {
+    pub placements: &'a [UnitPlacement],
+    pub copy: &'a [UnitPlacement],
+    pub info: &'a [UnitInfo],
+    pub float8_gathered: &'a [bool],
+}
+
 impl Wires<'_> {
     /// The collectives of unit `u`'s `wire` over `group`, whose input is
     /// this rank's `elements` elements of `dtype`: those the hook declares
-    /// (`CommHook::wire_bytes`), each sized for the group (an all-gather's
-    /// buffer is every member's input).
-    fn transfers(&mut self, u: usize, wire: Wire, elements: i64, dtype: Kind, group: Group, exposed: bool) -> Vec<Transfer> {
+    /// (`CommHook::wire_bytes`), or a float8 gather's (`float8`: the unit's
+    /// gather in float8 bytes, around the hook), each sized for the group
+    /// (an all-gather's buffer is every member's input).
+    #[allow(clippy::too_many_arguments)] // each a separate part of the collective
+    fn transfers(&mut self, u: usize, wire: Wire, elements: i64, dtype: Kind, group: Group, exposed: bool, float8: bool) -> Vec<Transfer> {
         let group_size = self.groups.size(group);
         let request = WireRequest { wire, elements, dtype, group_size };
         let builtin = vec![request.builtin()];
-        let declared = self.hook.map_or_else(|| builtin.clone(), |hook| hook.wire_bytes(&self.units[u], &request));
-        if declared != builtin {
+        let declared = match (float8, self.hook) {
+            (true, _) => crate::float8_gather::float8_gather_bytes(&self.units[u], &request),
+            (false, Some(hook)) => hook.wire_bytes(&self.units[u], &request),
+            (false, None) => builtin.clone(),
+        };
+        // ft's own casts make a float8 gather's bytes, not the hook's compression.
+        if !float8 && declared != builtin {
             // A gather's work covers the whole unit it fills (dequantized, decompressed).
             self.changed += elements as f64 * if wire == Wire::Gather { group_size as f64 } else { 1.0 };
         }
@@ -156,41 +179,59 @@ impl Wires<'_> {
     }
 }
 
-/// The collectives of one step (`gathers` are one micro-batch's all-gathers
-/// in order, by unit), and the elements the hook compressed.
-fn transfers(workload: &Workload, placements: &[UnitPlacement], gathers: &[(usize, f64)], data_parallel: bool, wires: &mut Wires) -> Vec<Transfer> {
+/// The all-gathers of `gathers` (one micro-batch's, in order, by unit of
+/// `placements`, those `float8_gathered` says in float8 bytes), the first exposed.
+fn gather_transfers(placements: &[UnitPlacement], gathers: &[(usize, f64)], float8_gathered: &[bool], dtype: Kind, wires: &mut Wires, out: &mut Vec<Transfer>) {
+    for (i, &(u, _)) in gathers.iter().enumerate() {
+        let float8 = float8_gathered.get(u).copied().unwrap_or(false);
+        let placement = &placements[u];
+        match (placement.params_sharded, placement.packed) {
+            // A whole 4-bit unit is dequantized where it is, a whole frozen copy uploaded: nothing moves between ranks.
+            (false, _) => {}
+            // 4-bit bytes go through the built-in all-gather, never a hook (`packed_base.rs`).
+            (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
+            (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, dtype, Group::Shard, i == 0, float8)),
+        }
+    }
+}
+
+/// The collectives of one step (`step`'s gathers are one micro-batch's),
+/// and the elements the hook compressed.
+fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_parallel: bool, wires: &mut Wires) -> Vec<Transfer> {
     let mut out = vec![];
     if !data_parallel {
         return out;
+    }
+    let (placements, copy) = (units.placements, units.copy);
+    // Float8 gathers cast with every gathered weight's amax, reduced over the shard group once a step before any gather.
+    let float8_weights: usize = (0..placements.len())
+        .filter(|&u| units.float8_gathered[u])
+        .map(|u| units.info[u].params.iter().filter(|p| p.shape.len() == 2).count())
+        .sum();
+    if float8_weights > 0 {
+        out.push(Transfer { collective: Collective::AllReduce, group: Group::Shard, bytes: 4.0 * float8_weights as f64, exposed: true });
     }
     let (compute, reduce) = (workload.dtype, workload.reduce_dtype.kind(workload.dtype));
     let micro_batches = workload.grad_accum;
     for micro in 0..micro_batches {
         let last = micro + 1 == micro_batches;
-        for (i, &(u, _)) in gathers.iter().enumerate() {
-            let placement = &placements[u];
-            match (placement.params_sharded, placement.packed) {
-                // A whole 4-bit unit is dequantized where it is: nothing moves.
-                (false, _) => {}
-                // 4-bit bytes go through the built-in all-gather, never a hook (`packed_base.rs`).
-                (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
-                (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, compute, Group::Shard, i == 0)),
-            }
-        }
+        // The reference's frozen copy first: its forward runs before the micro-batch's own.
+        gather_transfers(copy, &step.copy_gathers, &[], compute, wires, &mut out);
+        gather_transfers(placements, &step.gathers, units.float8_gathered, compute, wires, &mut out);
         // Backward reduces the units in reverse: the first stage's unit last.
         let first_unit = workload.model.stages()[0].unit;
         for (u, placement) in placements.iter().enumerate().filter(|(_, p)| !p.frozen) {
             let exposed = u == first_unit;
             let (padded, shard) = (placement.shard.padded, placement.shard.len);
             if placement.grads_sharded {
-                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Shard), padded, reduce, Group::Shard, exposed));
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Shard), padded, reduce, Group::Shard, exposed, false));
                 // Replicas sum their shards: each micro-batch's when it goes to the host.
                 let replica = if placement.offload { Some(reduce) } else { last.then_some(Kind::Float) };
                 if let Some(dtype) = replica {
-                    out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Replica), shard, dtype, Group::Replicas, exposed));
+                    out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Replica), shard, dtype, Group::Replicas, exposed, false));
                 }
             } else if placement.offload || last {
-                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::World), padded, reduce, Group::World, exposed));
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::World), padded, reduce, Group::World, exposed, false));
             }
         }
     }
@@ -210,18 +251,38 @@ fn block_flops_per_token(workload: &Workload) -> f64 {
     model.train_flops_per_token(workload.seq) - 6.0 * other_params as f64
 }
 
-/// The step's time under `setup`, with `placements` as its units' (and
-/// `units` what its hook is told of them) and `gathers` one micro-batch's
-/// all-gathers by unit (from the memory walk).
-pub(super) fn step_time(
-    workload: &Workload,
-    cluster: &Cluster,
-    setup: &Setup,
-    placements: &[UnitPlacement],
-    units: &[UnitInfo],
-    shard_group: usize,
-    gathers: &[(usize, f64)],
-) -> StepTime {
+/// FLOPs per token of a forward without gradients through the model's
+/// stages, adapters off: a third of training's (2N and attention's 4·layers·hidden·seq).
+fn forward_flops_per_token(workload: &Workload) -> f64 {
+    let model = workload.model;
+    let units: BTreeSet<usize> = model.stages().iter().map(|stage| stage.unit).collect();
+    let params: i64 = units.iter().map(|&u| model.units()[u].numel()).sum();
+    let dims = model.dims();
+    2.0 * params as f64 + 4.0 * (dims.layers * dims.hidden * workload.seq) as f64
+}
+
+/// Seconds of a step's reference forwards (one a micro-batch) at the
+/// step's rates, and the uploads of `copy`'s units in host memory
+/// (`copy_gathers` a micro-batch's) where that compute does not hide them.
+fn reference_seconds(workload: &Workload, cluster: &Cluster, copy: &[UnitPlacement], copy_gathers: &[(usize, f64)]) -> f64 {
+    let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
+    // A forward's share of the memory-bound kernels, as activation checkpointing's recomputation counts it.
+    let compute = tokens * forward_flops_per_token(workload) / cluster.flops + cluster.memory_bound_seconds(workload, tokens, false) / 3.0;
+    let element = workload.dtype.elt_size_in_bytes() as f64;
+    let uploaded: f64 = copy_gathers
+        .iter()
+        .filter(|&&(u, _)| copy[u].offload)
+        .map(|&(u, _)| element * if copy[u].params_sharded { copy[u].shard.len } else { copy[u].shard.padded } as f64)
+        .sum();
+    let (to_device, _) = cluster.host_link();
+    compute.max(workload.grad_accum as f64 * uploaded / to_device)
+}
+
+/// The step's time under `setup` over `units`, `step` one micro-batch's
+/// memory walk (its all-gathers by unit) and `reference_runs` whether a
+/// reference model's forward runs before each micro-batch's.
+pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, units: &StepUnits, shard_group: usize, step: &StepMemory, reference_runs: bool) -> StepTime {
+    let (placements, copy) = (units.placements, units.copy);
     let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
     let mut flops = tokens * workload.model.train_flops_per_token(workload.seq);
     if setup.activation_checkpointing {
@@ -229,13 +290,14 @@ pub(super) fn step_time(
         flops += tokens * block_flops_per_token(workload) / 3.0;
     }
     let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, setup.activation_checkpointing);
+    let reference = if reference_runs { reference_seconds(workload, cluster, copy, &step.copy_gathers) } else { 0.0 };
 
     let groups = Groups { world: cluster.gpus, shard: shard_group };
     let network = Network { cluster, groups };
     let data_parallel = cluster.gpus > 1;
     let (mut exposed, mut overlapped) = (0.0, 0.0);
-    let mut wires = Wires { hook: setup.comm.map(|c| c.hook.as_ref()), units, groups, changed: 0.0 };
-    for transfer in transfers(workload, placements, gathers, data_parallel, &mut wires) {
+    let mut wires = Wires { hook: setup.comm.map(|c| c.hook.as_ref()), units: units.info, groups, changed: 0.0 };
+    for transfer in transfers(workload, units, step, data_parallel, &mut wires) {
         let seconds = network.seconds(&transfer);
         if transfer.exposed {
             exposed += seconds;
@@ -243,7 +305,9 @@ pub(super) fn step_time(
             overlapped += seconds;
         }
     }
-    let communication = exposed + (overlapped - compute).max(0.0) + CONTENTION * overlapped.min(compute);
+    // The reference's forward hides gathers as the step's own compute does.
+    let hiding = compute + reference;
+    let communication = exposed + (overlapped - hiding).max(0.0) + CONTENTION * overlapped.min(hiding);
 
     let owned = super::optimized_elements(placements);
     let offloaded = placements.iter().any(|p| p.offload);
@@ -265,9 +329,9 @@ pub(super) fn step_time(
     };
     let compress = setup.comm.and_then(|c| c.elements_per_second).map_or(0.0, |rate| wires.changed / rate);
     // Each use of a 4-bit unit reads its bytes and writes its compute buffer.
-    let dequantized: f64 = gathers.iter().filter(|&&(u, _)| placements[u].packed).map(|&(u, buffer)| placements[u].shard.padded as f64 + buffer).sum();
+    let dequantized: f64 = step.gathers.iter().filter(|&&(u, _)| placements[u].packed).map(|&(u, buffer)| placements[u].shard.padded as f64 + buffer).sum();
     let dequantize = workload.grad_accum as f64 * dequantized / (cluster.memory_bandwidth * DEQUANTIZE_BANDWIDTH_FRACTION);
-    StepTime { compute, communication, optimizer, offload, compress, dequantize }
+    StepTime { compute, communication, optimizer, offload, compress, dequantize, reference }
 }
 
 #[cfg(test)]
@@ -296,7 +360,7 @@ mod tests {
         let units = [UnitInfo { id: "u0".into(), name: "block 0".into(), params: vec![], numel: elements, padded: elements }];
         let groups = Groups { world, shard: 1 };
         let mut wires = Wires { hook, units: &units, groups, changed: 0.0 };
-        let transfers = wires.transfers(0, Wire::Reduce(ReduceStage::World), elements, Kind::Float, Group::World, false);
+        let transfers = wires.transfers(0, Wire::Reduce(ReduceStage::World), elements, Kind::Float, Group::World, false, false);
         transfers.iter().map(|t| t.bytes * t.collective.bus_factor(groups.size(t.group))).sum()
     }
 

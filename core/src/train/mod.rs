@@ -265,19 +265,16 @@ impl<'m> TrainerBuilder<'m> {
                 anyhow::ensure!(options.dtype != Kind::Half, FLOAT8_WITH_FP16);
                 float8_serves(float8, device)?;
                 warn_of_narrow_layers(model, float8);
-                let kept = match &options.float8_kept {
-                    Some(kept) => kept.clone(),
-                    None if float8.emulate => BTreeSet::new(),
-                    None => float8_slow_shapes(model),
-                };
-                say_which_layers_stay(model, &kept, options.float8_kept.is_some());
-                Some(Float8Layers { float8, kept })
+                let layers = float8_layers(model, float8, options.float8_kept.as_ref());
+                say_which_layers_stay(model, &layers.kept, options.float8_kept.is_some());
+                Some(layers)
             }
             None => None,
         };
         let mut float8_amaxes = None;
         if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers && layers.float8.recipe == Recipe::Tensorwise) {
-            let gathered = float8_gathered_units(model, &units, layers);
+            let placements: Vec<UnitPlacement> = units.iter().map(|unit| *unit.placement()).collect();
+            let gathered = float8_gathered_units(model, &placements, layers);
             if gathered.is_empty() {
                 tracing::warn!(
                     "train.fp8_gathers: no block is gathered in float8: the strategy gathers no sharded parameters (use full_shard, shard_grad_op or hybrid_shard), or every block keeps a layer in the compute dtype"
@@ -350,13 +347,26 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
 }
 
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.
-fn float8_gathered_units(model: &dyn Model, units: &[FlatUnit], layers: &Float8Layers) -> Vec<usize> {
+pub fn float8_gathered_units(model: &dyn Model, placements: &[UnitPlacement], layers: &Float8Layers) -> Vec<usize> {
+    let units = model.units();
     crate::model::block_units(model)
         .filter(|&unit| {
-            let matrices: Vec<&Vec<i64>> = units[unit].spec.params.iter().map(|p| &p.shape).filter(|shape| shape.len() == 2).collect();
-            units[unit].placement().params_sharded && !units[unit].placement().packed && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
+            let matrices: Vec<&Vec<i64>> = units[unit].params.iter().map(|p| &p.shape).filter(|shape| shape.len() == 2).collect();
+            placements[unit].params_sharded && !placements[unit].packed && !matrices.is_empty() && matrices.iter().all(|shape| layers.runs_shape(shape))
         })
         .collect()
+}
+
+/// The block layers a run of `model` casts under `float8`: all but those
+/// of the weight shapes `kept` (`TrainOptions::float8_kept`), else of
+/// [`float8_slow_shapes`] (none when emulated).
+pub fn float8_layers(model: &dyn Model, float8: Float8, kept: Option<&BTreeSet<[i64; 2]>>) -> Float8Layers {
+    let kept = match kept {
+        Some(kept) => kept.clone(),
+        None if float8.emulate => BTreeSet::new(),
+        None => float8_slow_shapes(model),
+    };
+    Float8Layers { float8, kept }
 }
 
 /// Why fp16 is refused with float8: `setup::validate` says it before any rank starts, the builder for every other caller.
