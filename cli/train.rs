@@ -307,8 +307,10 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     };
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
+    let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
+    let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
-    let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry)?;
+    let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry, task.reference().as_ref())?;
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
@@ -323,8 +325,6 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     }
     let base_dir = hf::base_weights_dir(&run_model, &start, seed, rank.device, &output, rank.dtype, &rank.comm)?;
     let params = hf::StartingParams::new(&run_model, &start, seed, rank.device)?;
-    let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
-    let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     let sinks = match rank.rank() {
         0 => config.output.sinks()?.iter().map(|name| (registry.sink(name)?.create)(&output, resumed_step)).collect::<Result<_>>()?,
         _ => vec![],

@@ -309,6 +309,17 @@ fn a_dpo_reference_is_planned_as_the_trainer_holds_it() {
         let before = row(&precomputed, offload);
         assert!(planned["step_seconds"].as_f64().unwrap() > before["step_seconds"].as_f64().unwrap(), "{name}: {planned} vs {before}");
         assert_eq!((before["reference"]["device_bytes"].as_f64(), before["reference"]["host_bytes_per_pair"].as_f64()), (Some(0.0), Some(16.0)), "{before}");
+        // `ft train --strategy auto` plans the reference the task keeps.
+        if (offload, extra.is_empty()) == ("none", true) {
+            let output = ft()
+                .args(["train", "--task", "dpo", "--model", config.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
+                .args(["--max-seq-len", "32", "--max-steps", "1", "--batch-size", "2", "--set", "output.report_to=[]", "--set", "task.precompute_ref=false"])
+                .args(["--output-dir", dir.path().join("auto").to_str().unwrap(), "--nproc-per-node", "2", "--strategy", "auto"])
+                .output()
+                .unwrap();
+            let log = text(&output);
+            assert!(output.status.success() && log.contains("s per step; its reference model: a frozen copy"), "auto: {log}");
+        }
         // Both ways of keeping it, under the recommended configuration.
         let options = each_step["reference_options"].as_array().unwrap();
         let kinds: Vec<&str> = options.iter().map(|option| option[1]["kind"].as_str().unwrap()).collect();

@@ -116,6 +116,9 @@ pub struct Reference {
     /// log-probabilities); what the trainer holds (a frozen copy,
     /// `Trainer::reference_memory`) the summary adds.
     pub host_bytes: f64,
+    /// It runs with each step (a frozen copy, LoRA's base) rather than once
+    /// before training: how `ft train --strategy auto` plans it.
+    pub each_step: bool,
 }
 
 /// What a task's scoring found: named scores, the same on every rank.

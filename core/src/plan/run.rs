@@ -52,8 +52,10 @@ impl Cluster {
 /// one: with `--strategy auto` its recommendation becomes the run's
 /// strategy, offload and activation checkpointing; on GPUs it explains an
 /// out-of-memory failure ([`explain_out_of_memory`]), and a run that did
-/// not ask for it goes on without it when it cannot be made. Collective.
-pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry) -> Result<Option<Plan>> {
+/// not ask for it goes on without it when it cannot be made. `reference`:
+/// the task's reference model (`Task::reference`), planned as it is kept.
+/// Collective.
+pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>) -> Result<Option<Plan>> {
     let auto = config.train.strategy == AUTO;
     if !auto && !comm.device().is_cuda() {
         return Ok(None);
@@ -62,7 +64,8 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
     let planned = Cluster::of_job(comm, dtype).and_then(|cluster| {
         // The run's float8 layers, as its trainer will choose them.
         let float8 = config.train.float8().map(|float8| anyhow::Ok(crate::train::float8_layers(model, float8, float8_kept(model, config)?.as_ref()))).transpose()?;
-        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.fp8_gathers, ..Workload::of_run(model, config, dtype) };
+        let reference = reference.map(|reference| if reference.each_step { super::Reference::EachStep } else { super::Reference::Precomputed });
+        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.fp8_gathers, reference, ..Workload::of_run(model, config, dtype) };
         Plan::new(&workload, &cluster, registry, Checkpointing::Auto)
     });
     let plan = match planned {
@@ -78,7 +81,8 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
     if auto {
         let chosen = plan.choose_for_run(&config.train.offload, config.train.activation_checkpointing)?;
         if lead {
-            tracing::info!("--strategy auto: {} (ft plan: {:.1} GB per GPU, {:.3} s per step)", chosen.label(), chosen.peak_gpu_bytes / 1e9, chosen.step_seconds);
+            let reference = chosen.reference.as_ref().map(|cost| format!("; its reference model: {}", cost.kind)).unwrap_or_default();
+            tracing::info!("--strategy auto: {} (ft plan: {:.1} GB per GPU, {:.3} s per step{reference})", chosen.label(), chosen.peak_gpu_bytes / 1e9, chosen.step_seconds);
         }
         config.train.strategy = chosen.strategy.clone();
         config.train.offload = chosen.offload.clone();

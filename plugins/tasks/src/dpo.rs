@@ -634,7 +634,8 @@ impl Task for Dpo {
         };
         let datasets = std::iter::once(&self.train).chain(&self.eval);
         let logps: usize = datasets.filter_map(|data| data.reference.as_ref()).map(Vec::len).sum();
-        Some(task::Reference { kind: kind.into(), host_bytes: (logps * std::mem::size_of::<[f64; 2]>()) as f64 })
+        let host_bytes = (logps * std::mem::size_of::<[f64; 2]>()) as f64;
+        Some(task::Reference { kind: kind.into(), host_bytes, each_step: self.objective.step_reference.is_some() })
     }
 }
 
