@@ -308,49 +308,37 @@ pub fn adamw_(
 /// `row_loss[row]` (fp32) = logsumexp(row) − row[target], 0 where the target
 /// is `ignore_index` and NaN where it is outside the vocabulary.
 pub fn softmax_xent_backward_(logits: &mut Tensor, targets: &Tensor, grad_scale: &Tensor, row_loss: &mut Tensor, ignore_index: i64) -> Result<()> {
-    let Device::Cuda(index) = logits.device() else {
-        return Err(error("unsupported", "logits are not on a GPU"));
-    };
-    let (rows, vocab) = logits.size2().map_err(|e| error("logits", e))?;
-    expect(logits, "logits", logits, &[rows, vocab], Kind::BFloat16)?;
-    expect(targets, "targets", logits, &[rows], Kind::Int64)?;
-    expect(grad_scale, "grad_scale", logits, &[rows], Kind::Float)?;
-    expect(row_loss, "row_loss", logits, &[rows], Kind::Float)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    let mut vocab = i32::try_from(vocab).map_err(|_| error("logits", "vocabulary over 2^31"))?;
-    let functions = functions(index)?;
-    let (mut logits_ptr, mut targets_ptr, mut scale_ptr, mut loss_ptr) = (logits.data_ptr(), targets.data_ptr(), grad_scale.data_ptr(), row_loss.data_ptr());
-    let mut ignore_index = ignore_index;
-    let mut params = [arg(&mut logits_ptr), arg(&mut targets_ptr), arg(&mut scale_ptr), arg(&mut loss_ptr), arg(&mut vocab), arg(&mut ignore_index)];
-    // SAFETY: the arguments match softmax_xent_backward_bf16's signature and
-    // the tensors were checked above (see `adamw_` on their lifetime).
-    unsafe { launch(functions.xent, index, rows as u32, XENT_THREADS, &mut params) }
+    softmax_xent(logits, targets, Some(grad_scale), row_loss, ignore_index)
 }
 
-/// `row_loss[row]` (fp32) = logsumexp(row) − row[target] of each row of
-/// `logits` [rows, vocab] (bf16, CUDA, contiguous), as
-/// [`softmax_xent_backward_`] gives it, in one read of the logits and
-/// without writing them.
+/// `row_loss` as [`softmax_xent_backward_`] gives it, in one read of the
+/// logits and without writing them.
 pub fn softmax_xent_loss(logits: &Tensor, targets: &Tensor, row_loss: &mut Tensor, ignore_index: i64) -> Result<()> {
+    softmax_xent(logits, targets, None, row_loss, ignore_index)
+}
+
+/// The cross-entropy kernel; without `grad_scale` (a null pointer to it) it
+/// stops after the loss and only reads the logits.
+fn softmax_xent(logits: &Tensor, targets: &Tensor, grad_scale: Option<&Tensor>, row_loss: &mut Tensor, ignore_index: i64) -> Result<()> {
     let Device::Cuda(index) = logits.device() else {
         return Err(error("unsupported", "logits are not on a GPU"));
     };
     let (rows, vocab) = logits.size2().map_err(|e| error("logits", e))?;
     expect(logits, "logits", logits, &[rows, vocab], Kind::BFloat16)?;
     expect(targets, "targets", logits, &[rows], Kind::Int64)?;
+    if let Some(grad_scale) = grad_scale {
+        expect(grad_scale, "grad_scale", logits, &[rows], Kind::Float)?;
+    }
     expect(row_loss, "row_loss", logits, &[rows], Kind::Float)?;
     if rows == 0 {
         return Ok(());
     }
     let mut vocab = i32::try_from(vocab).map_err(|_| error("logits", "vocabulary over 2^31"))?;
     let functions = functions(index)?;
+    let mut scale_ptr = grad_scale.map_or(std::ptr::null_mut(), Tensor::data_ptr);
     let (mut logits_ptr, mut targets_ptr, mut loss_ptr) = (logits.data_ptr(), targets.data_ptr(), row_loss.data_ptr());
-    // A null grad_scale stops the kernel after the loss: the logits are only read.
-    let mut no_scale = std::ptr::null_mut::<c_void>();
     let mut ignore_index = ignore_index;
-    let mut params = [arg(&mut logits_ptr), arg(&mut targets_ptr), arg(&mut no_scale), arg(&mut loss_ptr), arg(&mut vocab), arg(&mut ignore_index)];
+    let mut params = [arg(&mut logits_ptr), arg(&mut targets_ptr), arg(&mut scale_ptr), arg(&mut loss_ptr), arg(&mut vocab), arg(&mut ignore_index)];
     // SAFETY: the arguments match softmax_xent_backward_bf16's signature and
     // the tensors were checked above (see `adamw_` on their lifetime).
     unsafe { launch(functions.xent, index, rows as u32, XENT_THREADS, &mut params) }
