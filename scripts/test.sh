@@ -25,6 +25,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "shared test data: ${missing[*]} not under $FT_SHARED_DIR (set FT_SHARED_DIR to where it is): the tests that read them are skipped and listed at the end"
 fi
 
+# Two tests run at once, many of them start several ranks, and each process's
+# OpenMP threads (libtorch's, in ft and in the reference pythons) spin while
+# they wait for one another: on a machine with fewer cores than busy threads
+# the spinning takes the cores the others need (a one-rank run beside
+# another took 5 to 7 times the CPU time). Sleeping waiters cost nothing here.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+
 log="$(mktemp)"
 # Each skipped test appends a line (tests/common/shared.rs).
 export FT_TEST_SKIPS="$(mktemp)"
