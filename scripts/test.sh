@@ -35,8 +35,12 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 log="$(mktemp)"
 # Each skipped test appends a line (tests/common/shared.rs).
 export FT_TEST_SKIPS="$(mktemp)"
-# The plug-in tests load the workspace's cdylibs, which `cargo test` does not build.
-cargo build --workspace 2>&1 | tee "$log"
+# The plug-in tests load the workspace's cdylibs, which `cargo test` does not
+# build. With the tests in the same build, the libraries are compiled once,
+# with the features the tests' dev-dependencies add: a build of the libraries
+# alone resolves other features, and `cargo test` compiled ft-core, the
+# plug-ins and ft a second time.
+cargo build --workspace --all-targets 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -eq 0 ]; then
     # Every test binary runs even after one fails, so one run shows every failure.
