@@ -31,6 +31,11 @@ fi
 # the spinning takes the cores the others need (a one-rank run beside
 # another took 5 to 7 times the CPU time). Sleeping waiters cost nothing here.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+# The tests' tensors of a few to a hundred MB (logits over GPT-2's 50,257
+# tokens) are mapped afresh at every step, and the kernel faulted them in 4 KiB
+# at a time; in transparent huge pages, malloc's mappings cost a third less
+# system time.
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 
 log="$(mktemp)"
 # Each skipped test appends a line (tests/common/shared.rs).
