@@ -25,11 +25,27 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "shared test data: ${missing[*]} not under $FT_SHARED_DIR (set FT_SHARED_DIR to where it is): the tests that read them are skipped and listed at the end"
 fi
 
+# Two tests run at once, many of them start several ranks, and each process's
+# OpenMP threads (libtorch's, in ft and in the reference pythons) spin while
+# they wait for one another: on a machine with fewer cores than busy threads
+# the spinning takes the cores the others need (a one-rank run beside
+# another took 5 to 7 times the CPU time). Sleeping waiters cost nothing here.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+# The tests' tensors of a few to a hundred MB (logits over GPT-2's 50,257
+# tokens) are mapped afresh at every step, and the kernel faulted them in 4 KiB
+# at a time; in transparent huge pages, malloc's mappings cost a third less
+# system time.
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
+
 log="$(mktemp)"
 # Each skipped test appends a line (tests/common/shared.rs).
 export FT_TEST_SKIPS="$(mktemp)"
-# The plug-in tests load the workspace's cdylibs, which `cargo test` does not build.
-cargo build --workspace 2>&1 | tee "$log"
+# The plug-in tests load the workspace's cdylibs, which `cargo test` does not
+# build. With the tests in the same build, the libraries are compiled once,
+# with the features the tests' dev-dependencies add: a build of the libraries
+# alone resolves other features, and `cargo test` compiled ft-core, the
+# plug-ins and ft a second time.
+cargo build --workspace --all-targets 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -eq 0 ]; then
     # Every test binary runs even after one fails, so one run shows every failure.
