@@ -126,18 +126,18 @@ fn train(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> std::process:
 fn assert_equal_steps(ours: &[Value], theirs: &[Value], what: &str) {
     assert_eq!(ours.len(), theirs.len(), "{what}: steps {ours:?} vs {theirs:?}");
     for (step, (ours, theirs)) in ours.iter().zip(theirs).enumerate() {
-        assert_equal_figures(ours, theirs, "", &format!("{what}, step {}", step + 1));
+        assert_equal_figures(ours, theirs, "", &format!("{what}, step {}", step + 1), 1e-5);
     }
 }
 
-/// [`assert_equal_steps`] for one record, its keys named with `prefix` (evaluations': `eval_`).
-fn assert_equal_figures(ours: &Value, theirs: &Value, prefix: &str, what: &str) {
+/// [`assert_equal_steps`] for one record to `tolerance`, its keys named with `prefix` (evaluations': `eval_`).
+fn assert_equal_figures(ours: &Value, theirs: &Value, prefix: &str, what: &str, tolerance: f64) {
     let figure = |record: &Value, key: &str| record[format!("{prefix}{key}")].as_f64().unwrap_or_else(|| panic!("{what}: no {prefix}{key} in {record}"));
     let logps = figure(theirs, "logps/chosen").abs().max(figure(theirs, "logps/rejected").abs());
     for key in FIGURES.iter().filter(|key| prefix.is_empty() || **key != "grad_norm") {
         let (a, b) = (figure(ours, key), figure(theirs, key));
         let scale = if key.starts_with("rewards/") && *key != "rewards/accuracies" { BETA * logps } else { b.abs() };
-        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}: {prefix}{key} {a} vs {b}");
+        assert!((a - b).abs() <= tolerance * scale.max(1.0), "{what}: {prefix}{key} {a} vs {b}");
     }
 }
 
@@ -210,11 +210,14 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
         ours.push(steps(&out));
         our_evals.push(evaluations(&out));
     }
-    // Padded pairs (TRL's batch) give what the padding-free rows give (case 12's).
-    let padded = dir.path().join("padded");
-    let output = train(&model, &conversational, &padded, &["--max-seq-len", "64", "--set", "task.padding_free=false", "--set", "data.truncate=true"]);
-    assert!(output.status.success(), "{}", text(&output));
-    assert_equal_steps(&steps(&padded), &ours[12], "padded vs padding-free");
+    // Padded pairs (TRL's batch), and packed pairs each holding its prompt twice, give what
+    // the padding-free rows with shared prompts (the default) give (case 12's).
+    for (name, layout) in [("padded", "task.padding_free=false"), ("unshared", "task.share_prompt=false")] {
+        let out = dir.path().join(name);
+        let output = train(&model, &conversational, &out, &["--max-seq-len", "64", "--set", layout, "--set", "data.truncate=true"]);
+        assert!(output.status.success(), "{}", text(&output));
+        assert_equal_steps(&steps(&out), &ours[12], &format!("{layout} vs padding-free with shared prompts"));
+    }
 
     let trl = trl.wait_with_output().unwrap();
     assert!(trl.status.success(), "dpo_reference.py: {}", text(&trl));
@@ -224,8 +227,13 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
         assert_equal_steps(ours, theirs["train"].as_array().unwrap(), &what);
         let their_evals = theirs["eval"].as_array().unwrap();
         assert_eq!(our_evals.len(), their_evals.len(), "{what}: evaluations {our_evals:?} vs {their_evals:?}");
-        for (a, b) in our_evals.iter().zip(their_evals) {
-            assert_equal_figures(a, b, "eval_", &format!("{what}, evaluation"));
+        for (k, (a, b)) in our_evals.iter().zip(their_evals).enumerate() {
+            // After a second update, to 1e-4: AdamW's first steps move each weight by about
+            // lr whatever its gradient's size, so where a gradient is near 0 the f32 rounding
+            // of another computation's order (TRL's, ft's) moves it by up to lr at lr 1e-2; after
+            // the first, the evaluation's figures are within 1e-5.
+            let tolerance = if k == 0 { 1e-5 } else { 1e-4 };
+            assert_equal_figures(a, b, "eval_", &format!("{what}, evaluation {}", k + 1), tolerance);
         }
     }
     assert_eq!(our_evals[12].len(), 2, "the evaluated case: {our_evals:?}");
@@ -354,7 +362,7 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
             let (ours, theirs) = (evaluations(&dir.path().join(&name)), evaluations(&dir.path().join("one")));
             assert_eq!(ours.len(), theirs.len(), "{name}: {ours:?}");
             for (ours, theirs) in ours.iter().zip(&theirs) {
-                assert_equal_figures(ours, theirs, "eval_", &name);
+                assert_equal_figures(ours, theirs, "eval_", &name, 1e-5);
             }
         }
         if copy {
@@ -479,10 +487,10 @@ fn ft_eval_equals_the_training_runs_evaluation(dir: &Path, model: &Path, pairs: 
     let (full, lora) = (full.join("final"), lora.join("final"));
     let scratch = |name: &str| dir.join("eval").join(name);
     let ours = eval(&full, pairs, &scratch("full"), &["--ref-model", model.to_str().unwrap(), "--nproc-per-node", "2"]).unwrap();
-    assert_equal_figures(&ours, &full_eval, "eval_", "ft eval of a full fine-tune at 2 ranks");
+    assert_equal_figures(&ours, &full_eval, "eval_", "ft eval of a full fine-tune at 2 ranks", 1e-5);
     assert_eq!(ours["eval_samples"], 4, "{ours}");
     let ours = eval(&lora, pairs, &scratch("lora"), &[]).unwrap();
-    assert_equal_figures(&ours, &lora_eval, "eval_", "ft eval of a LoRA run's adapter on its base");
+    assert_equal_figures(&ours, &lora_eval, "eval_", "ft eval of a LoRA run's adapter on its base", 1e-5);
     // The rewards moved away from the reference's zero: a wrong reference would fail the comparisons.
     for evaluation in [&full_eval, &lora_eval] {
         let moved = ["chosen", "rejected"].map(|side| evaluation[format!("eval_rewards/{side}")].as_f64().unwrap().abs());

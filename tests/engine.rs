@@ -198,7 +198,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass_for_a_span_head() {
     let _ = mask.get(1).narrow(0, 10, 6).fill_(0);
     let types = Tensor::cat(&[Tensor::zeros([3, 6], (Kind::Int64, Device::Cpu)), Tensor::ones([3, 10], (Kind::Int64, Device::Cpu))], 1);
     let batch = Batch {
-        inputs: Inputs { input_ids: ids, attention_mask: Some(mask), token_type_ids: Some(types), documents: None },
+        inputs: Inputs { input_ids: ids, attention_mask: Some(mask), token_type_ids: Some(types), documents: None, branches: None },
         targets: vec![Tensor::from_slice(&[0i64, 7, 12]), Tensor::from_slice(&[0i64, 9, 13])],
     };
     // One autograd pass: (CE(start) + CE(end)) / 2, the mean over the batch.

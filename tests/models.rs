@@ -114,6 +114,49 @@ fn a_packed_row_computes_what_its_examples_compute_alone() {
     }
 }
 
+/// Shared prefixes (`Inputs::branches`, the DPO task's shared prompt): a
+/// row of one example whose 4-token prefix both continuations (5 and 4
+/// tokens) branch from, then an example of 3 tokens, gives each
+/// continuation the logits of prefix + continuation alone — its positions
+/// follow the prefix's (learned, RoPE and ALiBi alike), it sees neither the
+/// other continuation nor the other example, and the sliding windows apply.
+#[test]
+fn a_branched_row_computes_what_prefix_and_each_continuation_compute_alone() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let model = hf::load_model(&dir).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        let _no_grad = tch::no_grad_guard();
+        let logits_of = |inputs: &Inputs| {
+            let ctx = model.context(inputs, 0, Kind::Float, false).unwrap();
+            let (hidden, weight) = lm_outputs(forward(model.as_ref(), &params, inputs, &ctx, None)).unwrap();
+            logits(&hidden, &weight).squeeze_dim(0)
+        };
+        let row = &rows(name)[0];
+        let (prefix, first, second, other) = (&row[..4], &row[4..9], &row[9..13], &row[13..16]);
+        let tagged = |values: [i64; 4]| -> Tensor {
+            let parts = [prefix.len(), first.len(), second.len(), other.len()];
+            let tags: Vec<i64> = parts.iter().zip(values).flat_map(|(&len, value)| std::iter::repeat_n(value, len)).collect();
+            Tensor::from_slice(&tags).unsqueeze(0)
+        };
+        let ids = Tensor::from_slice(row).unsqueeze(0);
+        let branched = Inputs { documents: Some(tagged([0, 0, 0, 1])), branches: Some(tagged([0, 1, 2, 0])), ..Inputs::ids(&ids) };
+        let packed = logits_of(&branched);
+        let alone = |parts: &[&[i64]]| logits_of(&Inputs::ids(&Tensor::from_slice(&parts.concat()).unsqueeze(0)));
+        for (what, expected, at) in [
+            ("the prefix and the first continuation", alone(&[prefix, first]), vec![0, 1, 2, 3, 4, 5, 6, 7, 8]),
+            ("the second continuation", alone(&[prefix, second]).narrow(0, 4, 4), vec![9, 10, 11, 12]),
+            ("the other example", alone(&[other]), vec![13, 14, 15]),
+        ] {
+            let error = relative(&packed.index_select(0, &Tensor::from_slice(&at)), &expected, 0.0);
+            assert!(error <= 1e-5, "{name}: {what} differs in the branched row by {error:e}");
+        }
+        // Without the branches the second continuation sees the first.
+        let unbranched = logits_of(&Inputs { branches: None, ..branched });
+        assert!(relative(&unbranched.narrow(0, 9, 4), &packed.narrow(0, 9, 4), 0.0) > 1e-3, "{name}: branches must change what the row computes");
+    }
+}
+
 /// A fixture's token rows (ids.json).
 fn rows(name: &str) -> Vec<Vec<i64>> {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("ids.json")).unwrap()).unwrap()

@@ -263,12 +263,24 @@ pub struct Inputs {
     /// each example and keeps attention inside it, so a packed row computes
     /// what its examples would alone. None: a row is one example.
     pub documents: Option<Tensor>,
+    /// Examples that share a prefix ([batch, seq]; a preference pair's
+    /// prompt, computed once for both completions): 0 for a token of its
+    /// example's shared prefix, b > 0 for one of its b-th continuation. A
+    /// continuation's tokens see the prefix and their own continuation
+    /// only, at positions that follow the prefix's, so each continuation
+    /// computes what prefix + continuation would alone. None: no branches.
+    pub branches: Option<Tensor>,
 }
 
 impl Inputs {
     /// Token ids alone: no padding mask, one segment, one example a row.
     pub fn ids(input_ids: &Tensor) -> Inputs {
-        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None, documents: None }
+        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None, documents: None, branches: None }
+    }
+
+    /// Whether a row holds more than one sequence (packed examples or branches).
+    pub fn packed(&self) -> bool {
+        self.documents.is_some() || self.branches.is_some()
     }
 }
 
@@ -782,17 +794,14 @@ pub fn causal_bias(seq: i64, past: i64, dtype: Kind, device: tch::Device) -> Ten
 /// A decoder's additive attention mask for `inputs`, broadcastable to
 /// [batch, 1, seq, past+seq]: causal ([`causal_bias`]), with the padding mask
 /// folded in when there is one, and for packed rows block-diagonal — a query
-/// sees the keys up to itself of its own example only. Packed rows take no
-/// KV cache.
+/// sees the keys up to itself of its own example (and branch) only
+/// ([`packed_visibility`]). Packed rows take no KV cache.
 pub fn decoder_mask_bias(inputs: &Inputs, past: i64, dtype: Kind) -> Result<Tensor> {
     let (seq, device) = (inputs.input_ids.size()[1], inputs.input_ids.device());
-    let causal = match &inputs.documents {
+    let causal = match packed_visibility(inputs) {
         None => causal_bias(seq, past, dtype, device),
-        Some(documents) => {
+        Some(visible) => {
             ensure!(past == 0, "packed rows are for training: they take no KV cache");
-            let same = documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1));
-            let order = Tensor::arange(seq, (Kind::Int64, device));
-            let visible = same.logical_and(&order.unsqueeze(1).ge_tensor(&order.unsqueeze(0)));
             Tensor::zeros(visible.size(), (dtype, device)).masked_fill(&visible.logical_not(), f64::NEG_INFINITY).unsqueeze(1)
         }
     };
@@ -803,9 +812,32 @@ pub fn decoder_mask_bias(inputs: &Inputs, past: i64, dtype: Kind) -> Result<Tens
     })
 }
 
+/// Which keys each query of a packed row sees ([batch, seq, seq] of bool),
+/// None for rows of one sequence: the keys up to itself of its own example
+/// and, where examples branch, of the shared prefix and its own branch.
+fn packed_visibility(inputs: &Inputs) -> Option<Tensor> {
+    let rows = inputs.documents.as_ref().or(inputs.branches.as_ref())?;
+    let order = Tensor::arange(rows.size()[1], (Kind::Int64, rows.device()));
+    let mut visible = order.unsqueeze(1).ge_tensor(&order.unsqueeze(0)).unsqueeze(0);
+    if let Some(documents) = &inputs.documents {
+        visible = visible.logical_and(&documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1)));
+    }
+    if let Some(branches) = &inputs.branches {
+        let key_branch = branches.unsqueeze(1);
+        visible = visible.logical_and(&branches.unsqueeze(2).eq_tensor(&key_branch).logical_or(&key_branch.eq(0)));
+    }
+    Some(visible)
+}
+
 /// A decoder's token positions for `inputs` after `past` cached ones:
-/// [`positions`], or for packed rows each token's place in its own example.
+/// [`positions`], or for packed rows each token's place in its own example
+/// (after its prefix, in a branch).
 pub fn decoder_positions(inputs: &Inputs, past: i64) -> Tensor {
+    if inputs.branches.is_some() {
+        // As many positions precede a token as keys it sees besides itself.
+        let visible = packed_visibility(inputs).expect("branched rows are packed");
+        return visible.sum_dim_intlist(-1, false, Kind::Int64) - 1;
+    }
     let Some(documents) = &inputs.documents else { return positions(&inputs.input_ids, past, inputs.attention_mask.as_ref()) };
     let seq = documents.size()[1];
     let order = Tensor::arange(seq, (Kind::Int64, documents.device())).unsqueeze(0).expand_as(documents);
@@ -822,10 +854,10 @@ pub fn decoder_positions(inputs: &Inputs, past: i64) -> Tensor {
 /// alike. ALiBi's distances and sliding windows are measured on them, so a
 /// left-padded prompt or a packed example sees what it would alone.
 pub fn query_key_positions(positions: &Tensor, past: i64, inputs: &Inputs) -> (Tensor, Tensor) {
-    match (&inputs.documents, &inputs.attention_mask) {
-        (Some(_), _) => (positions.shallow_clone(), positions.shallow_clone()),
-        (None, Some(mask)) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
-        (None, None) => (positions.narrow(0, 0, 1), Tensor::arange(past + positions.size()[1], (Kind::Int64, positions.device())).unsqueeze(0)),
+    match (inputs.packed(), &inputs.attention_mask) {
+        (true, _) => (positions.shallow_clone(), positions.shallow_clone()),
+        (false, Some(mask)) => (positions.shallow_clone(), (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)),
+        (false, None) => (positions.narrow(0, 0, 1), Tensor::arange(past + positions.size()[1], (Kind::Int64, positions.device())).unsqueeze(0)),
     }
 }
 

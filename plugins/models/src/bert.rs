@@ -237,7 +237,7 @@ impl Model for Bert {
         }
         let input_ids = &inputs.input_ids;
         let seq = input_ids.size()[1];
-        if inputs.documents.is_some() {
+        if inputs.packed() {
             bail!("BERT reads each window whole: packed rows are for causal language models");
         }
         if seq > self.config.max_position_embeddings {

@@ -425,7 +425,7 @@ impl Rope {
 /// it holds.
 pub(crate) fn attention_bias(inputs: &Inputs, positions: &Tensor, past: i64, window: Option<i64>, dtype: Kind) -> Result<Option<Tensor>> {
     let window = window.filter(|&window| past + inputs.input_ids.size()[1] > window);
-    if inputs.attention_mask.is_none() && inputs.documents.is_none() && window.is_none() {
+    if inputs.attention_mask.is_none() && !inputs.packed() && window.is_none() {
         return Ok(None);
     }
     let masked = model::decoder_mask_bias(inputs, past, dtype)?;

@@ -192,7 +192,7 @@ impl Model for Opt {
         }
         let positions = model::decoder_positions(inputs, past);
         // Without padding or packing, plain causal attention (no materialised mask).
-        let attention_bias = match inputs.attention_mask.is_some() || inputs.documents.is_some() {
+        let attention_bias = match inputs.attention_mask.is_some() || inputs.packed() {
             true => Some(model::decoder_mask_bias(inputs, past, dtype)?),
             false => None,
         };

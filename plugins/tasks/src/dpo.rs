@@ -7,7 +7,10 @@
 //! forward: as TRL's batch (every chosen sequence, then every rejected one,
 //! right-padded) or, with `task.padding_free` (the default), packed into
 //! rows with document boundaries (`ft_data::packing`), so no padding is
-//! computed. Each completion's log-probability is summed from the head's
+//! computed; packed, a pair's prompt runs once (`task.share_prompt`, the
+//! default with padding_free): both completions branch from it
+//! (`Inputs::branches`), each seeing the prompt and itself only, at the
+//! positions it would have after the prompt alone. Each completion's log-probability is summed from the head's
 //! logits a chunk of tokens at a time (no full-vocabulary logits), the loss
 //! is taken over those sums, and its gradient goes back through the head as
 //! a weight per token (`lm_head_weighted_loss_and_grads`).
@@ -36,8 +39,8 @@
 //! `task.label_smoothing` (robust, exo_pair), `task.truncation_mode`
 //! (`keep_start`/`keep_end` cut sequences longer than `data.max_seq_len` as
 //! TRL's `max_length`; `skip` leaves those pairs out; by default keep_start
-//! with `data.truncate`, else skip), `task.padding_free`, `task.precompute_ref`,
-//! `task.reference_free`.
+//! with `data.truncate`, else skip), `task.padding_free`, `task.share_prompt`,
+//! `task.precompute_ref`, `task.reference_free`.
 
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
@@ -101,6 +104,8 @@ struct Options {
     label_smoothing: f64,
     truncation_mode: Option<Truncation>,
     padding_free: bool,
+    /// None: on with padding_free.
+    share_prompt: Option<bool>,
     precompute_ref: bool,
     reference_free: bool,
 }
@@ -114,6 +119,7 @@ impl Default for Options {
             label_smoothing: 0.0,
             truncation_mode: None,
             padding_free: true,
+            share_prompt: None,
             precompute_ref: true,
             reference_free: false,
         }
@@ -126,6 +132,9 @@ impl Options {
         options.losses()?;
         if options.beta <= 0.0 || options.beta.is_nan() {
             bail!("task.beta must be positive, not {}", options.beta);
+        }
+        if options.share_prompt == Some(true) && !options.padding_free {
+            bail!("task.share_prompt=true runs a pair's prompt once in a packed row, which task.padding_free=false leaves out: give one of them");
         }
         if options.reference_free && !options.precompute_ref {
             bail!("task.precompute_ref=false runs a reference model, which task.reference_free=true leaves out: give one of them");
@@ -170,6 +179,8 @@ pub struct PairDataset {
     /// Pack each batch's pairs into rows of at most this many tokens with
     /// document boundaries, instead of TRL's padded rows (None).
     packed_rows: Option<usize>,
+    /// Packed, a pair's prompt runs once, both completions branching from it.
+    share_prompt: bool,
 }
 
 /// A batch's targets, in order: labels [rows, seq]; each token's sequence
@@ -187,17 +198,89 @@ impl PairDataset {
         chosen.chain(indices.iter().map(|&i| &self.pairs[i].rejected)).collect()
     }
 
-    /// Rows of sequence numbers: one each (padded), or packed (each pair's two together).
-    fn rows(&self, indices: &[usize]) -> Vec<Vec<usize>> {
-        let pairs = indices.len();
-        match self.packed_rows {
-            None => (0..2 * pairs).map(|s| vec![s]).collect(),
-            Some(capacity) => {
-                let lengths: Vec<usize> = indices.iter().map(|&i| self.tokens(i)).collect();
-                let longest = lengths.iter().copied().max().unwrap_or(0);
-                packing::pack(&lengths, capacity.max(longest)).into_iter().map(|row| row.into_iter().flat_map(|k| [k, pairs + k]).collect()).collect()
-            }
+    /// How many leading tokens of `pair`'s two sequences a packed row holds
+    /// once: all they share before either completion but the last, which
+    /// each branch repeats so that its hidden state predicts the
+    /// completion's first token. 0 when the prompt is not shared.
+    fn shared_prefix(&self, pair: &Pair) -> usize {
+        if !(self.share_prompt && self.packed_rows.is_some()) {
+            return 0;
         }
+        let (chosen, rejected) = (&pair.chosen, &pair.rejected);
+        let prompts = chosen.ids[..chosen.completion_start].iter().zip(&rejected.ids[..rejected.completion_start]);
+        prompts.take_while(|(a, b)| a == b).count().saturating_sub(1)
+    }
+
+    /// Rows of sequences: TRL's padded batch (each sequence a row, chosen
+    /// ones first), or each row a packing of whole pairs, one example each.
+    fn rows(&self, indices: &[usize]) -> Vec<Row> {
+        let Some(capacity) = self.packed_rows else {
+            return self.sequences(indices).into_iter().enumerate().map(|(s, sequence)| Row::default().with(sequence, 0, s, 0, 0)).collect();
+        };
+        let pairs = indices.len();
+        let lengths: Vec<usize> = indices.iter().map(|&i| self.tokens(i)).collect();
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let packed = packing::pack(&lengths, capacity.max(longest));
+        let row = |row_pairs: Vec<usize>| {
+            row_pairs.into_iter().enumerate().fold(Row::default(), |row, (document, k)| {
+                let pair = &self.pairs[indices[k]];
+                match self.shared_prefix(pair) {
+                    0 => row.with(&pair.chosen, 0, k, 2 * document, 0).with(&pair.rejected, 0, pairs + k, 2 * document + 1, 0),
+                    shared => row.with_prefix(&pair.chosen.ids[..shared], k, document).with(&pair.chosen, shared, k, document, 1).with(&pair.rejected, shared, pairs + k, document, 2),
+                }
+            })
+        };
+        packed.into_iter().map(row).collect()
+    }
+}
+
+/// One row of a batch being built: its tokens, their labels, and each
+/// token's sequence number (chosen of pair k: k, rejected: pairs + k),
+/// example and branch.
+#[derive(Default)]
+struct Row {
+    ids: Vec<i64>,
+    labels: Vec<i64>,
+    owners: Vec<i64>,
+    documents: Vec<i64>,
+    branches: Vec<i64>,
+}
+
+impl Row {
+    /// With `sequence`'s tokens from `from` on, as sequence number `owner`.
+    fn with(mut self, sequence: &Sequence, from: usize, owner: usize, document: usize, branch: i64) -> Row {
+        let mut labels = sequence_labels(sequence);
+        // Nothing of this part precedes its first token: no label there (a
+        // seam, when packed; a prompt token, in a branch).
+        labels[from] = IGNORE_INDEX;
+        self.ids.extend(&sequence.ids[from..]);
+        self.labels.extend(&labels[from..]);
+        self.fill(owner as i64, document as i64, branch);
+        self
+    }
+
+    /// With a pair's shared prompt `prefix` (branch 0, counted as sequence `owner`'s).
+    fn with_prefix(mut self, prefix: &[i64], owner: usize, document: usize) -> Row {
+        self.ids.extend(prefix);
+        self.labels.resize(self.ids.len(), IGNORE_INDEX);
+        self.fill(owner as i64, document as i64, 0);
+        self
+    }
+
+    /// Padded to `width` tokens of `pad_id`, an example of their own.
+    fn padded(mut self, width: usize, pad_id: i64) -> Row {
+        let document = self.documents.last().map_or(0, |&d| d + 1);
+        self.ids.resize(width, pad_id);
+        self.labels.resize(width, IGNORE_INDEX);
+        self.fill(0, document, 0);
+        self
+    }
+
+    /// The new tokens' sequence number, example and branch.
+    fn fill(&mut self, owner: i64, document: i64, branch: i64) {
+        self.owners.resize(self.ids.len(), owner);
+        self.documents.resize(self.ids.len(), document);
+        self.branches.resize(self.ids.len(), branch);
     }
 }
 
@@ -206,8 +289,10 @@ impl Dataset for PairDataset {
         self.pairs.len()
     }
 
+    /// The tokens a pair computes (packed with its prompt shared: that once).
     fn tokens(&self, index: usize) -> usize {
-        self.pairs[index].chosen.ids.len() + self.pairs[index].rejected.ids.len()
+        let pair = &self.pairs[index];
+        pair.chosen.ids.len() + pair.rejected.ids.len() - self.shared_prefix(pair)
     }
 
     fn loss_weight(&self, _index: usize) -> usize {
@@ -215,37 +300,20 @@ impl Dataset for PairDataset {
     }
 
     fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
-        let sequences = self.sequences(indices);
         let rows = self.rows(indices);
-        let width = |row: &[usize]| row.iter().map(|&s| sequences[s].ids.len()).sum::<usize>();
-        let longest = rows.iter().map(|row| width(row)).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
-        let (mut ids, mut labels, mut owners, mut documents) = (vec![], vec![], vec![], vec![]);
-        for row in &rows {
-            let (mut row_ids, mut row_labels, mut row_owners, mut row_documents) = (vec![], vec![], vec![], vec![]);
-            for (document, &s) in row.iter().enumerate() {
-                let mut own_labels = sequence_labels(sequences[s]);
-                // Nothing of a sequence precedes its first token: no label there (a seam, when packed).
-                own_labels[0] = IGNORE_INDEX;
-                row_ids.extend(&sequences[s].ids);
-                row_labels.extend(own_labels);
-                row_owners.resize(row_ids.len(), s as i64);
-                row_documents.resize(row_ids.len(), document as i64);
-            }
-            row_ids.resize(longest, self.pad_id);
-            row_labels.resize(longest, IGNORE_INDEX);
-            row_owners.resize(longest, 0);
-            row_documents.resize(longest, row.len() as i64);
-            ids.push(row_ids);
-            labels.push(row_labels);
-            owners.push(row_owners);
-            documents.push(row_documents);
+        let longest = rows.iter().map(|row| row.ids.len()).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
+        let rows: Vec<Row> = rows.into_iter().map(|row| row.padded(longest, self.pad_id)).collect();
+        let column = |field: fn(&Row) -> &Vec<i64>| to_device_async(&Tensor::from_slice2(&rows.iter().map(field).collect::<Vec<_>>()), device);
+        let mut inputs = Inputs::ids(&column(|row| &row.ids));
+        if self.packed_rows.is_some() {
+            inputs.documents = Some(column(|row| &row.documents));
+            inputs.branches = self.share_prompt.then(|| column(|row| &row.branches));
         }
-        let mut inputs = Inputs::ids(&to_device_async(&Tensor::from_slice2(&ids), device));
-        inputs.documents = self.packed_rows.is_some().then(|| to_device_async(&Tensor::from_slice2(&documents), device));
+        let sequences = self.sequences(indices);
         let completion_tokens: Vec<f32> = sequences.iter().map(|s| s.completion_tokens() as f32).collect();
         let mut targets = vec![
-            to_device_async(&Tensor::from_slice2(&labels), device),
-            to_device_async(&Tensor::from_slice2(&owners), device),
+            column(|row| &row.labels),
+            column(|row| &row.owners),
             to_device_async(&Tensor::from_slice(&completion_tokens), device),
         ];
         if let Some(reference) = &self.reference {
@@ -673,7 +741,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         let reference = options.reference_free.then(|| vec![[0.0; 2]; pairs.len()]);
         // A packed row holds a pair's two sequences of at most max_seq_len each.
         let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
-        PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows }
+        PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows, share_prompt: options.share_prompt.unwrap_or(options.padding_free) }
     };
     let load = |path: &Path, training: bool| -> Result<PairDataset> {
         let load_options = preference::LoadOptions {
@@ -720,7 +788,7 @@ fn synthetic(spec: &Synthetic) -> Result<Box<dyn Task>> {
         .collect::<Vec<_>>();
     let reference = Some(vec![[0.0; 2]; pairs.len()]);
     Ok(Box::new(Dpo {
-        train: PairDataset { pairs, reference, pad_id: 0, pad_multiple: 1, packed_rows: Some(2 * spec.seq as usize) },
+        train: PairDataset { pairs, reference, pad_id: 0, pad_multiple: 1, packed_rows: Some(2 * spec.seq as usize), share_prompt: true },
         eval: None,
         objective: objective(&Options::default(), spec.loss_chunk_tokens, spec.device, spec.model)?,
         batch_size: 1,
@@ -752,7 +820,7 @@ mod tests {
     #[test]
     fn padded_rows_are_trls_batch_and_packed_rows_keep_each_pair_together() {
         let pairs = vec![pair(&[1, 2], &[3], &[4, 5]), pair(&[6], &[7, 8], &[9])];
-        let mut data = PairDataset { pairs, reference: Some(vec![[-1.0, -2.0], [-3.0, -4.0]]), pad_id: 0, pad_multiple: 1, packed_rows: None };
+        let mut data = PairDataset { pairs, reference: Some(vec![[-1.0, -2.0], [-3.0, -4.0]]), pad_id: 0, pad_multiple: 1, packed_rows: None, share_prompt: false };
         let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
         let rows = |t: &Tensor| Vec::<Vec<i64>>::try_from(t).unwrap();
         assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 0], vec![6, 7, 8, 0], vec![1, 2, 4, 5], vec![6, 9, 0, 0]]);
@@ -763,6 +831,18 @@ mod tests {
         assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 1, 2, 4, 5], vec![6, 7, 8, 6, 9, 0, 0]]);
         assert_eq!(rows(&batch.targets[SEQUENCE_OF_TOKEN]), vec![vec![0, 0, 0, 2, 2, 2, 2], vec![1, 1, 1, 3, 3, 0, 0]]);
         assert_eq!(rows(batch.inputs.documents.as_ref().unwrap()), vec![vec![0, 0, 0, 1, 1, 1, 1], vec![0, 0, 0, 1, 1, 2, 2]]);
+        assert!(batch.inputs.branches.is_none());
+        // Sharing the prompt: the first pair's prompt but its last token once, then each
+        // completion after that token; the second's one-token prompt leaves nothing to share.
+        data.share_prompt = true;
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 2, 4, 5], vec![6, 7, 8, 6, 9, 0]]);
+        assert_eq!(rows(&batch.targets[LABELS]), vec![vec![-100, -100, 3, -100, 4, 5], vec![-100, 7, 8, -100, 9, -100]]);
+        assert_eq!(rows(&batch.targets[SEQUENCE_OF_TOKEN]), vec![vec![0, 0, 0, 2, 2, 2], vec![1, 1, 1, 3, 3, 0]]);
+        assert_eq!(rows(batch.inputs.documents.as_ref().unwrap()), vec![vec![0, 0, 0, 0, 0, 0], vec![0, 0, 0, 1, 1, 2]]);
+        assert_eq!(rows(batch.inputs.branches.as_ref().unwrap()), vec![vec![0, 1, 1, 2, 2, 2], vec![0, 0, 0, 0, 0, 0]]);
+        // Each token at the position it has in its own sequence.
+        assert_eq!(rows(&ft_core::model::decoder_positions(&batch.inputs, 0)), vec![vec![0, 1, 2, 1, 2, 3], vec![0, 1, 2, 0, 1, 0]]);
     }
 
     #[test]
@@ -773,6 +853,7 @@ mod tests {
             (serde_json::json!({"loss_type": "robust", "label_smoothing": 0.5}), "task.label_smoothing must be in [0, 0.5)"),
             (serde_json::json!({"bet": 0.1}), "unknown field `bet`"),
             (serde_json::json!({"reference_free": true, "precompute_ref": false}), "which task.reference_free=true leaves out"),
+            (serde_json::json!({"share_prompt": true, "padding_free": false}), "which task.padding_free=false leaves out"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
             assert!(err.contains(expected), "{options}: {err}");
