@@ -42,6 +42,7 @@ def main():
     parser.add_argument("--no-reshard", action="store_true")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-blocks", action="store_true", help="compile each transformer block, not the whole model (torchtitan's apply_compile)")
     parser.add_argument("--float8", choices=["tensorwise"], help="torchao float8 training with float8 all-gathers (fsdp2)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
@@ -75,6 +76,8 @@ def main():
         if args.offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for block in blocks(model):
+            if args.compile_blocks:
+                block.compile()
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         model.to_empty(device="cpu" if args.offload else "cuda")
@@ -107,6 +110,7 @@ def main():
     seconds, loss = time_steps(step, args.warmup, args.steps)
     if dist.get_rank() == 0:
         name = args.mode + ("-noreshard" if args.no_reshard else "") + ("-offload" if args.offload else "") + ("-compiled" if args.compile else "")
+        name += "-blocks-compiled" if args.compile_blocks else ""
         name += f"-float8-{args.float8}" if args.float8 else ""
         print(json.dumps(record(name, world, args.batch, args.seq, seconds, loss)), flush=True)
     dist.destroy_process_group()
