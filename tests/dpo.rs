@@ -428,8 +428,9 @@ fn bad_preference_rows_are_errors_naming_the_file_and_line() {
 
 /// Preference pairs read from every source — Parquet and Arrow as
 /// `datasets` writes them (tests/python/data_sources.py), a JSON array —
-/// are those of the JSON lines: the same reference log-probabilities; and
-/// `data.range` takes the file's pairs in order.
+/// are those of the JSON lines: the same reference log-probabilities;
+/// `data.range` takes the file's pairs in order; two files are a mixture of
+/// both one's pairs; a mixture source with a format is refused.
 #[test]
 fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
@@ -456,6 +457,28 @@ fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
     }
     let range = reference("range", &conversational, &["--set", "data.range=1:3"]);
     assert_eq!(range["train"].as_array().unwrap()[..], lines["train"].as_array().unwrap()[1..3]);
+    // Two training files are a mixture (each one's pairs once, in a seeded order): the pairs of both.
+    let mixed = reference("mixture", &conversational, &["--train-file", written.join("rows.parquet").to_str().unwrap()]);
+    let sorted = |pairs: &[Value]| {
+        let mut logps: Vec<[f64; 2]> = pairs.iter().map(|pair| serde_json::from_value(pair.clone()).unwrap()).collect();
+        logps.sort_by(|a, b| a[0].total_cmp(&b[0]));
+        logps
+    };
+    let twice = sorted(&[lines["train"].as_array().unwrap().as_slice(), lines["train"].as_array().unwrap()].concat());
+    let mixed = sorted(mixed["train"].as_array().unwrap());
+    assert_eq!(mixed.len(), 8, "{mixed:?}");
+    for (ours, expected) in mixed.iter().zip(&twice) {
+        assert!((ours[0] - expected[0]).abs() < 1e-4 && (ours[1] - expected[1]).abs() < 1e-4, "mixture {mixed:?} vs each file's {twice:?}");
+    }
+    // A mixture source's format is refused by name: a preference row has one.
+    let out = dir.path().join("mixture-format");
+    let mixture = format!(r#"data.mixture=[{{"path": "{}", "format": "chat"}}]"#, conversational.display());
+    let output = ft()
+        .args(["train", "--task", "dpo", "--model", model.to_str().unwrap(), "--device", "cpu", "--max-seq-len", "64", "--set", &mixture])
+        .args(["--output-dir", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!output.status.success() && text(&output).contains("has a format, which preference pairs do not take"), "{}", text(&output));
 }
 
 /// `ft eval --task dpo` of `model` on `data` with `extra` flags: its

@@ -7,9 +7,9 @@
 //! array, Parquet, Arrow); the format is `data.format`, or detected from
 //! the first row. Several sources mix (`mixture.rs`).
 
-use crate::example::{eos_id, in_range, Example, Positions, Skipped};
+use crate::example::{eos_id, Example, Positions, Skipped};
 use crate::formats::{self, RowEncoder};
-use crate::mixture::{self, Share};
+use crate::mixture;
 use crate::source::{Columns, Kind, Row, Source, Split};
 use crate::squad::{self, QaExample};
 use crate::{prompt, text};
@@ -101,18 +101,8 @@ pub fn detect(source: &Source, columns: &Columns) -> Result<DataFormat> {
 /// `options.range` (counted over the mixture), up to `options.limit`.
 /// None: no training data is set.
 pub fn load_training(data: &DataConfig, seed: u64, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<Option<Vec<Example>>> {
-    let sources = match (&data.train, data.mixture.as_slice()) {
-        (None, []) => return Ok(None),
-        (Some(path), []) => return Ok(Some(load(path, tokenizer, options)?.0)),
-        (Some(_), [_, ..]) => bail!(
-            "data.train and data.mixture are both set: give one training file (data.train) or several (data.mixture, or --train-file more than once)"
-        ),
-        (None, sources) => sources,
-    };
-    let mut parts = vec![];
-    for source in sources {
-        let name = source.path.display().to_string();
-        let share = Share::new(source.weight, source.samples, &name)?;
+    mixture::training_set(data, seed, options.range, options.limit, "examples", |path, source| {
+        let Some(source) = source else { return Ok(load(path, tokenizer, options)?.0) };
         let own = LoadOptions {
             range: None,
             limit: None,
@@ -121,13 +111,8 @@ pub fn load_training(data: &DataConfig, seed: u64, tokenizer: &Tokenizer, option
             columns: if source.columns.is_empty() { options.columns } else { &source.columns },
             ..*options
         };
-        parts.push(mixture::Part { examples: load(&source.path, tokenizer, &own)?.0, name, share });
-    }
-    let mut examples = in_range(options.range, mixture::interleave(parts, seed)?, Path::new("data.mixture"), "examples of the mixture")?;
-    if let Some(limit) = options.limit {
-        examples.truncate(limit);
-    }
-    Ok(Some(examples))
+        Ok(load(path, tokenizer, &own)?.0)
+    })
 }
 
 /// Tokenised examples of a source, and its questions when it is SQuAD.

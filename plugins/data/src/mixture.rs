@@ -4,10 +4,13 @@
 //! counts examples of this set, resumes it exactly, and `data.range`
 //! slices it as it slices one file.
 
+use crate::example::in_range;
 use anyhow::{bail, Result};
+use ft_core::config::{DataConfig, DataRange, MixtureSource};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::path::Path;
 
 /// How much of the mixture a source is.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,6 +110,41 @@ pub fn interleave<T: Clone>(parts: Vec<Part<T>>, seed: u64) -> Result<Vec<T>> {
         .collect();
     tracing::info!("data.mixture: {total} examples in a seeded order: {}", shares.join(", "));
     Ok(mixed)
+}
+
+/// The training set, of whatever a task trains on (`what` names its items
+/// in the log): `data.train`'s, as `load(path, None)` reads it (`range` and
+/// `limit` its own to apply), or each source of `data.mixture` read whole
+/// by `load(path, Some(source))` and interleaved in an order fixed by
+/// `seed`, then `range` of the mixture, up to `limit`. None: no training
+/// data is set.
+pub fn training_set<T: Clone>(
+    data: &DataConfig,
+    seed: u64,
+    range: Option<DataRange>,
+    limit: Option<usize>,
+    what: &str,
+    mut load: impl FnMut(&Path, Option<&MixtureSource>) -> Result<Vec<T>>,
+) -> Result<Option<Vec<T>>> {
+    let sources = match (&data.train, data.mixture.as_slice()) {
+        (None, []) => return Ok(None),
+        (Some(path), []) => return Ok(Some(load(path, None)?)),
+        (Some(_), [_, ..]) => bail!(
+            "data.train and data.mixture are both set: give one training file (data.train) or several (data.mixture, or --train-file more than once)"
+        ),
+        (None, sources) => sources,
+    };
+    let mut parts = vec![];
+    for source in sources {
+        let name = source.path.display().to_string();
+        let share = Share::new(source.weight, source.samples, &name)?;
+        parts.push(Part { examples: load(&source.path, Some(source))?, name, share });
+    }
+    let mut items = in_range(range, interleave(parts, seed)?, Path::new("data.mixture"), &format!("{what} of the mixture"))?;
+    if let Some(limit) = limit {
+        items.truncate(limit);
+    }
+    Ok(Some(items))
 }
 
 #[cfg(test)]

@@ -45,6 +45,7 @@
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
+use ft_core::config::DataFormat;
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, WholeModel};
@@ -52,7 +53,7 @@ use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, IGNO
 use ft_core::train::Kernels;
 use ft_data::preference::{self, Pair, Sequence, Truncation};
 use ft_data::source::Split;
-use ft_data::{lm, packing};
+use ft_data::{lm, mixture, packing};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -725,9 +726,6 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
     let options = Options::read(&serde_json::Value::Object(inputs.config.task.options.clone()))?;
     let data = &inputs.config.data;
-    if !data.mixture.is_empty() {
-        bail!("the dpo task reads one training file (data.train); data.mixture is not available for preference pairs yet");
-    }
     if data.packing {
         bail!("data.packing does not apply to the dpo task: its pairs are packed with task.padding_free (the default)");
     }
@@ -743,25 +741,33 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
         PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows, share_prompt: options.share_prompt.unwrap_or(options.padding_free) }
     };
-    let load = |path: &Path, training: bool| -> Result<PairDataset> {
-        let load_options = preference::LoadOptions {
-            max_length: data.max_seq_len,
-            truncation,
-            range: if training { data.range } else { None },
-            limit: if training { data.train_samples } else { data.eval_samples },
-            tokenizer_dir,
-            chat_template: data.chat_template.as_deref(),
-            split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
-            columns: &data.columns,
-        };
-        Ok(pairs_dataset(preference::load(path, &tokenizer, &load_options)?))
+    let load_options = |training: bool| preference::LoadOptions {
+        max_length: data.max_seq_len,
+        truncation,
+        range: if training { data.range } else { None },
+        limit: if training { data.train_samples } else { data.eval_samples },
+        tokenizer_dir,
+        chat_template: data.chat_template.as_deref(),
+        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+        columns: &data.columns,
     };
     // `ft eval` reads no training file.
-    let train = match &data.train {
-        Some(path) => load(path, true)?,
-        None => pairs_dataset(vec![]),
-    };
-    let eval = data.eval.as_deref().map(|path| load(path, false)).transpose()?;
+    let train = mixture::training_set(data, inputs.config.train.seed, data.range, data.train_samples, "preference pairs", |path, source| {
+        let Some(source) = source else { return preference::load(path, &tokenizer, &load_options(true)) };
+        if source.format != DataFormat::Auto {
+            bail!("data.mixture: {} has a format, which preference pairs do not take (their rows are TRL's preference format whatever the file)", path.display());
+        }
+        let options = preference::LoadOptions {
+            range: None,
+            limit: None,
+            split: Split::train(source.split.as_deref().or(data.split.as_deref())),
+            columns: if source.columns.is_empty() { &data.columns } else { &source.columns },
+            ..load_options(true)
+        };
+        preference::load(path, &tokenizer, &options)
+    })?;
+    let train = pairs_dataset(train.unwrap_or_default());
+    let eval = data.eval.as_deref().map(|path| preference::load(path, &tokenizer, &load_options(false)).map(pairs_dataset)).transpose()?;
     Ok(Box::new(Dpo {
         train,
         eval,
