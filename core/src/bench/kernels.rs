@@ -8,7 +8,7 @@
 //! timed and compared.
 
 use crate::dataset::Batch;
-use crate::train::loss::{lm_head_loss_and_grads, lm_label_logps};
+use crate::train::loss::{lm_head_loss_and_grads, lm_label_logps, TargetRows};
 use crate::train::{Kernels, Trainer};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -235,7 +235,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
     let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize, mut label_logps) = (None, None, None, None, None, None);
     if crate::kernels::available(device).is_ok() {
         let kernels = |fused| if fused { Kernels::Ft } else { Kernels::Aten };
-        label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&hidden, &weight, ids, chunk_tokens, None, kernels(fused))?]))?);
+        label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&TargetRows::of(&hidden, ids)?, &weight, chunk_tokens, None, kernels(fused))?]))?);
         let leaf = |shape: &[i64]| Tensor::randn(shape, (dtype, device)).set_requires_grad(true);
         if dims.hidden % (2 * dims.heads) == 0 {
             let shape = [rows, seq, dims.heads, dims.hidden / dims.heads];

@@ -32,15 +32,15 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
     Ok((total, count))
 }
 
-/// Each label's log-probability under the head's logits, [batch, seq]
-/// aligned with `labels` (position i: log p(labels\[i\] | the tokens before
-/// i)), 0 where the label is ignored and at position 0; the logits formed
-/// `chunk` target tokens at a time. With ft's kernels and bf16 logits (no
-/// soft cap) one read of each chunk gives its log-probabilities (the fused
-/// cross-entropy without its gradient pass); else ATen's fp32 log-softmax.
-pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>, kernels: Kernels) -> Result<Tensor> {
+/// Each label's log-probability under the head's logits at `rows`,
+/// [batch, seq] aligned with their labels (position i: log p(labels\[i\] |
+/// the tokens before i)), 0 where the label is ignored and at position 0;
+/// the logits formed `chunk` target tokens at a time. With ft's kernels and
+/// bf16 logits (no soft cap) one read of each chunk gives its
+/// log-probabilities (the fused cross-entropy without its gradient pass);
+/// else ATen's fp32 log-softmax.
+pub fn lm_label_logps(rows: &TargetRows, weight: &Tensor, chunk: i64, softcap: Option<f64>, kernels: Kernels) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
-    let rows = TargetRows::of(hidden, labels)?;
     let mut parts = vec![];
     for (logits, target) in rows.logit_chunks(weight, chunk) {
         parts.push(if kernels == Kernels::Ft && softcap.is_none() && logits.kind() == Kind::BFloat16 {
@@ -52,12 +52,12 @@ pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: 
             log_probs.gather(1, &target.unsqueeze(1), false).squeeze_dim(1)
         });
     }
-    let logps = Tensor::zeros([labels.numel() as i64], (Kind::Float, hidden.device()));
+    let logps = Tensor::zeros([rows.labels.iter().product::<i64>()], (Kind::Float, rows.inputs.device()));
     let logps = match parts.is_empty() {
         true => logps,
         false => logps.index_copy(0, &rows.label_positions(), &Tensor::cat(&parts, 0)),
     };
-    Ok(logps.view_as(labels))
+    Ok(logps.view(rows.labels.as_slice()))
 }
 
 /// The head's rows that predict a target: of the flattened hidden states,
@@ -65,17 +65,21 @@ pub fn lm_label_logps(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: 
 /// Prompt tokens, padding and each sequence's last position form no
 /// logits at all (in SFT on chat data and in DPO, the prompt is often half
 /// the tokens, and the head's logits the step's largest tensor). Finding
-/// them reads the labels' mask on the host once.
-struct TargetRows {
+/// them reads the labels' mask on the host once: a loss that reads the head
+/// twice (DPO's: the log-probabilities, then the gradients) builds them once.
+pub struct TargetRows {
     /// Indices into the flattened [batch · seq] positions.
     positions: Tensor,
     /// The hidden states at those positions, [rows, dim].
     inputs: Tensor,
     targets: Tensor,
+    /// The labels' shape, [batch, seq].
+    labels: Vec<i64>,
 }
 
 impl TargetRows {
-    fn of(hidden: &Tensor, labels: &Tensor) -> Result<TargetRows> {
+    /// The rows of `hidden` [batch, seq, dim] that predict one of `labels` [batch, seq].
+    pub fn of(hidden: &Tensor, labels: &Tensor) -> Result<TargetRows> {
         let (batch, seq, dim) = hidden.size3()?;
         if labels.size() != [batch, seq] {
             bail!("labels {:?} do not match the hidden states' [batch, seq] = [{batch}, {seq}]", labels.size());
@@ -85,7 +89,7 @@ impl TargetRows {
         let positions = predicts.reshape([-1]).nonzero().squeeze_dim(1);
         let inputs = hidden.reshape([-1, dim]).index_select(0, &positions);
         let targets = labels.reshape([-1]).index_select(0, &(&positions + 1));
-        Ok(TargetRows { positions, inputs, targets })
+        Ok(TargetRows { positions, inputs, targets, labels: labels.size() })
     }
 
     fn len(&self) -> i64 {
@@ -149,11 +153,13 @@ pub fn lm_head_loss_and_grads(
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let token_weights = labels.ne(IGNORE_INDEX).to_kind(Kind::Float) / normalizer;
-    lm_head_weighted_loss_and_grads(hidden, weight, labels, &token_weights, chunk, grad_multiplier, kernels, weight_grad, softcap)
+    let rows = TargetRows::of(hidden, labels)?;
+    lm_head_weighted_loss_and_grads(hidden, weight, &rows, &token_weights, chunk, grad_multiplier, kernels, weight_grad, softcap)
 }
 
-/// [`lm_head_loss_and_grads`] with each target's cross-entropy weighed by
-/// its own `token_weights` [batch, seq] (aligned with `labels`; any sign)
+/// [`lm_head_loss_and_grads`] over `rows` of `hidden`, each target's
+/// cross-entropy weighed by its own `token_weights` [batch, seq] (aligned
+/// with the labels; any sign)
 /// instead of 1 / normalizer: the loss is Σ weight · cross-entropy. What a
 /// loss of per-sequence log-probabilities (DPO's) backpropagates through
 /// the head: its gradient with respect to each token's log-probability,
@@ -162,7 +168,7 @@ pub fn lm_head_loss_and_grads(
 pub fn lm_head_weighted_loss_and_grads(
     hidden: &Tensor,
     weight: &Tensor,
-    labels: &Tensor,
+    rows: &TargetRows,
     token_weights: &Tensor,
     chunk: i64,
     grad_multiplier: Option<&Tensor>,
@@ -171,10 +177,9 @@ pub fn lm_head_weighted_loss_and_grads(
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let _no_grad = tch::no_grad_guard();
-    if token_weights.size() != labels.size() {
-        bail!("weights {:?} do not match the labels' {:?}", token_weights.size(), labels.size());
+    if token_weights.size() != rows.labels {
+        bail!("weights {:?} do not match the labels' {:?}", token_weights.size(), rows.labels);
     }
-    let rows = TargetRows::of(hidden, labels)?;
     let weights = token_weights.reshape([-1]).to_kind(Kind::Float).index_select(0, &rows.label_positions());
     let mut grad_inputs = Vec::new();
     // Accumulated in the weight's dtype by the matmul itself (fp32 inside cuBLAS).

@@ -49,7 +49,7 @@ use ft_core::config::DataFormat;
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, WholeModel};
-use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, IGNORE_INDEX};
+use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, TargetRows, IGNORE_INDEX};
 use ft_core::train::Kernels;
 use ft_data::preference::{self, Pair, Sequence, Truncation};
 use ft_data::source::Split;
@@ -327,6 +327,8 @@ impl Dataset for PairDataset {
 
 /// What one micro-batch's sequences came to.
 struct SequenceLogps {
+    /// The head's rows that predict a completion token (the gradient pass reads them again).
+    rows: TargetRows,
     /// Each token's log-probability [rows, seq] (0 off the completions).
     tokens: Tensor,
     /// Each sequence's sum [2 · pairs]: chosen, then rejected.
@@ -361,10 +363,11 @@ struct PairValues {
 
 impl DpoLoss {
     fn sequence_logps(&self, hidden: &Tensor, weight: &Tensor, batch: &Batch) -> Result<SequenceLogps> {
-        let tokens = lm_label_logps(hidden, weight, &batch.targets[LABELS], self.chunk_tokens, self.softcap, self.kernels)?;
+        let rows = TargetRows::of(hidden, &batch.targets[LABELS])?;
+        let tokens = lm_label_logps(&rows, weight, self.chunk_tokens, self.softcap, self.kernels)?;
         let sequences = batch.targets[COMPLETION_TOKENS].size()[0];
         let sums = Tensor::zeros([sequences], (Kind::Float, tokens.device())).index_add(0, &batch.targets[SEQUENCE_OF_TOKEN].reshape([-1]), &tokens.reshape([-1]));
-        Ok(SequenceLogps { tokens, sums })
+        Ok(SequenceLogps { rows, tokens, sums })
     }
 
     /// TRL's `_compute_loss` from the sequences' summed log-probabilities
@@ -465,7 +468,7 @@ impl Objective for DpoLoss {
         }
         let weight_grad = weight.requires_grad();
         let (_, grad_hidden, grad_weight) =
-            lm_head_weighted_loss_and_grads(&hidden, &weight, &batch.targets[LABELS], &token_weights, self.chunk_tokens, loss_scale, self.kernels, weight_grad, self.softcap)?;
+            lm_head_weighted_loss_and_grads(&hidden, &weight, &logps.rows, &token_weights, self.chunk_tokens, loss_scale, self.kernels, weight_grad, self.softcap)?;
         self.metrics.lock().expect("metrics lock").add(metric_sums(&values));
         Ok((loss.detach(), vec![grad_hidden, grad_weight]))
     }
