@@ -35,7 +35,8 @@
 //! run's base, or the model `--ref-model` names.
 //!
 //! Task keys: `task.loss_type` (one of TRL's names or a list of them),
-//! `task.loss_weights` (one per loss type; 1 each by default), `task.beta`,
+//! `task.loss_weights` (one per loss type; 1 each by default),
+//! `task.rpo_alpha` (the `sft` loss added with that weight), `task.beta`,
 //! `task.label_smoothing` (robust, exo_pair), `task.truncation_mode`
 //! (`keep_start`/`keep_end` cut sequences longer than `data.max_seq_len` as
 //! TRL's `max_length`; `skip` leaves those pairs out; by default keep_start
@@ -101,6 +102,8 @@ struct Options {
     #[serde(deserialize_with = "one_or_many")]
     loss_type: Vec<LossType>,
     loss_weights: Option<Vec<f64>>,
+    /// RPO (TRL before 1.0): the chosen completions' NLL added with this weight, the `sft` loss type.
+    rpo_alpha: Option<f64>,
     beta: f64,
     label_smoothing: f64,
     truncation_mode: Option<Truncation>,
@@ -116,6 +119,7 @@ impl Default for Options {
         Options {
             loss_type: vec![LossType::Sigmoid],
             loss_weights: None,
+            rpo_alpha: None,
             beta: 0.1,
             label_smoothing: 0.0,
             truncation_mode: None,
@@ -160,7 +164,14 @@ impl Options {
         if weights.len() != types.len() {
             bail!("task.loss_weights has {} weights for the {} loss types of task.loss_type", weights.len(), types.len());
         }
-        Ok(types.into_iter().zip(weights).collect())
+        let mut losses: Vec<(LossType, f64)> = types.into_iter().zip(weights).collect();
+        if let Some(alpha) = self.rpo_alpha {
+            if losses.iter().any(|(loss_type, _)| *loss_type == LossType::Sft) {
+                bail!("task.rpo_alpha adds the sft loss, which task.loss_type already lists: give its weight in task.loss_weights alone");
+            }
+            losses.push((LossType::Sft, alpha));
+        }
+        Ok(losses)
     }
 }
 
@@ -855,6 +866,12 @@ mod tests {
     }
 
     #[test]
+    fn rpo_alpha_is_the_sft_loss_with_that_weight() {
+        let options = Options::read(&serde_json::json!({"rpo_alpha": 0.5})).unwrap();
+        assert_eq!(options.losses().unwrap(), vec![(LossType::Sigmoid, 1.0), (LossType::Sft, 0.5)]);
+    }
+
+    #[test]
     fn bad_options_are_named() {
         for (options, expected) in [
             (serde_json::json!({"loss_type": "simpo"}), "unknown variant `simpo`, expected one of `sigmoid`"),
@@ -863,6 +880,7 @@ mod tests {
             (serde_json::json!({"bet": 0.1}), "unknown field `bet`"),
             (serde_json::json!({"reference_free": true, "precompute_ref": false}), "which task.reference_free=true leaves out"),
             (serde_json::json!({"share_prompt": true, "padding_free": false}), "which task.padding_free=false leaves out"),
+            (serde_json::json!({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 0.5}), "which task.loss_type already lists"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
             assert!(err.contains(expected), "{options}: {err}");
