@@ -287,9 +287,10 @@ impl UnitPlacement {
 
     /// What this rank holds for the unit when computing in `dtype`:
     /// parameters and optimizer state between steps, the gradient from
-    /// backward to the optimizer step (in fp32; a step's whole gradient on
-    /// one rank stays in the compute dtype, `accumulate_grad`, which `ft
-    /// plan`'s walk counts). `FlatUnit::new` allocates by the
+    /// backward to the optimizer step (in fp32; with ft's kernels, one
+    /// micro-batch's whole gradient on one rank stays in the compute dtype
+    /// and its reduced shard in the reduce dtype, `accumulate_grad`, which
+    /// `ft plan`'s walk counts). `FlatUnit::new` allocates by the
     /// same methods, and a test checks the two against each other.
     pub fn memory(&self, dtype: Kind) -> MemoryAccount {
         let compute_element = dtype.elt_size_in_bytes() as f64;

@@ -266,6 +266,9 @@ impl<'a> Walk<'a> {
                 return;
             }
             let (result, kept) = match (placement.grads_sharded, placement.offload) {
+                // The reduced shard: one micro-batch's gradient as it is (AdamW reads
+                // the reduce dtype), or added to the step's fp32 gradient.
+                (true, false) if !self.micro.accumulating => (shard * reduce, shard * reduce),
                 (true, false) => (shard * reduce, shard * 4.0),
                 (true, true) => (shard * reduce, 0.0),
                 // All-reduced in place, then to the host.
@@ -307,22 +310,14 @@ impl<'a> Walk<'a> {
         }
     }
 
-    /// Waits for the oldest reduction: its shard joins the step's gradient
-    /// (an fp32 copy of it when reduced in another dtype).
+    /// Waits for the oldest reduction: with one micro-batch its shard
+    /// becomes the step's gradient itself (in the reduce dtype); else it is
+    /// added to the fp32 gradient the step holds.
     fn finish_oldest_reduction(&mut self) {
         let Some(done) = self.pending.pop_front() else { return };
-        let new_gradient = done.kept > 0.0 && !self.micro.accumulating;
-        if new_gradient && self.micro.reduce != Kind::Float {
-            // Copied into an fp32 gradient beside the reduced shard.
+        self.now.transient -= done.held;
+        if done.kept > 0.0 && !self.micro.accumulating {
             self.now.grads += done.kept;
-            self.note();
-            self.now.transient -= done.held;
-        } else {
-            // An fp32 shard becomes the gradient itself.
-            self.now.transient -= done.held;
-            if new_gradient {
-                self.now.grads += done.kept;
-            }
         }
     }
 }

@@ -115,7 +115,11 @@ impl Trainer<'_> {
         let has_replicas = self.parallel.and_then(DataParallel::replicas).is_some();
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
-                self.units[u].accumulate_grad(&reduction.result, first_micro_batch, false);
+                // One micro-batch: the reduced shard is the step's gradient, in the
+                // reduce dtype, which AdamW reads (through ft's kernel only) with
+                // no fp32 copy — 2 bytes an element less and a pass over the shard.
+                let whole = first_micro_batch && last_micro_batch && self.kernels == super::Kernels::Ft;
+                self.units[u].accumulate_grad(&reduction.result, first_micro_batch, whole);
                 if has_replicas && last_micro_batch {
                     let grad = self.units[u].grad.shallow_clone();
                     replica_reductions.push(self.start_reduction(u, ReduceStage::Replica, grad.shallow_clone(), grad, true)?);
