@@ -1,7 +1,8 @@
 """PyTorch's own sharded training, the peer of `ft train --strategy …` on
 several GPUs: transformers' *ForCausalLM from a config.json (random
 weights), FSDP2 `fully_shard` on every decoder block and the root with
-MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), optionally
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32 or, with
+--reduce-dtype bf16, bf16), optionally
 `reshard_after_forward=False` (zero2-like), CPUOffloadPolicy, torch.compile,
 or plain DDP with bf16 autocast; with --float8 tensorwise (fsdp2), torchao's
 float8 training with float8 all-gathers as torchtitan runs it (every linear
@@ -44,6 +45,7 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-blocks", action="store_true", help="compile each transformer block, not the whole model (torchtitan's apply_compile)")
     parser.add_argument("--float8", choices=["tensorwise"], help="torchao float8 training with float8 all-gathers (fsdp2)")
+    parser.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32", help="MixedPrecisionPolicy's reduce_dtype (ft's --reduce-dtype fp32|compute)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)
@@ -71,7 +73,8 @@ def main():
 
             recipe = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
             convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn != "lm_head", config=recipe)
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype),
                   "reshard_after_forward": not args.no_reshard}
         if args.offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -87,6 +90,9 @@ def main():
         params = model.parameters()
     # Fused AdamW where the parameters are on the GPU; CPU-offloaded parameters take torch's CPU AdamW.
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=not args.offload)
+    # Each decoder block is its own module: compiled block by block, dynamo compiles one graph per
+    # block, more than its default cache of 8 holds (past which it runs the rest eagerly).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     forward = torch.compile(model) if args.compile else model
     batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda") for _ in range(4)]
 
@@ -94,9 +100,9 @@ def main():
         ids = batches[i % len(batches)]
         if args.mode == "ddp":
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = forward(input_ids=ids, labels=ids).loss
+                loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
         else:
-            loss = forward(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -111,6 +117,7 @@ def main():
     if dist.get_rank() == 0:
         name = args.mode + ("-noreshard" if args.no_reshard else "") + ("-offload" if args.offload else "") + ("-compiled" if args.compile else "")
         name += "-blocks-compiled" if args.compile_blocks else ""
+        name += "-reduce-bf16" if args.reduce_dtype == "bf16" else ""
         name += f"-float8-{args.float8}" if args.float8 else ""
         print(json.dumps(record(name, world, args.batch, args.seq, seconds, loss)), flush=True)
     dist.destroy_process_group()
