@@ -25,8 +25,8 @@ pub fn lm_loss(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, so
 pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
     let rows = TargetRows::of(hidden, labels)?;
     let mut total = Tensor::zeros([], (Kind::Float, hidden.device()));
-    for (logits, target) in rows.logit_chunks(weight, chunk) {
-        total += softcapped(logits.to_kind(Kind::Float), softcap).cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Sum, IGNORE_INDEX, 0.0);
+    for (_, logits, target) in rows.logit_chunks(weight, chunk) {
+        total += fp32_logits(logits, softcap).cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Sum, IGNORE_INDEX, 0.0);
     }
     let count = Tensor::full([], rows.len() as f64, (Kind::Float, hidden.device()));
     Ok((total, count))
@@ -42,13 +42,13 @@ pub fn lm_loss_sum(hidden: &Tensor, weight: &Tensor, labels: &Tensor, chunk: i64
 pub fn lm_label_logps(rows: &TargetRows, weight: &Tensor, chunk: i64, softcap: Option<f64>, kernels: Kernels) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
     let mut parts = vec![];
-    for (logits, target) in rows.logit_chunks(weight, chunk) {
+    for (_, logits, target) in rows.logit_chunks(weight, chunk) {
         parts.push(if kernels == Kernels::Ft && softcap.is_none() && logits.kind() == Kind::BFloat16 {
             let mut row_loss = Tensor::empty([target.size()[0]], (Kind::Float, logits.device()));
             ft_sys::kernels::softmax_xent_loss(&logits, &target, &mut row_loss, IGNORE_INDEX)?;
             -row_loss
         } else {
-            let log_probs = softcapped(logits.to_kind(Kind::Float), softcap).log_softmax(-1, Kind::Float);
+            let log_probs = fp32_logits(logits, softcap).log_softmax(-1, Kind::Float);
             log_probs.gather(1, &target.unsqueeze(1), false).squeeze_dim(1)
         });
     }
@@ -101,13 +101,13 @@ impl TargetRows {
         &self.positions + 1
     }
 
-    /// `chunk` rows at a time, the chunk's logits in the weight's dtype
-    /// (soft-capping is the caller's) with its targets.
-    fn logit_chunks<'a>(&'a self, weight: &'a Tensor, chunk: i64) -> impl Iterator<Item = (Tensor, Tensor)> + 'a {
+    /// `chunk` rows at a time: the chunk's first row, its logits in the
+    /// weight's dtype (soft-capping is the caller's) and its targets.
+    fn logit_chunks<'a>(&'a self, weight: &'a Tensor, chunk: i64) -> impl Iterator<Item = (i64, Tensor, Tensor)> + 'a {
         let rows = self.len();
         (0..rows).step_by(chunk.max(1) as usize).map(move |start| {
             let len = chunk.min(rows - start);
-            (self.inputs.narrow(0, start, len).matmul(&weight.tr()), self.targets.narrow(0, start, len))
+            (start, self.inputs.narrow(0, start, len).matmul(&weight.tr()), self.targets.narrow(0, start, len))
         })
     }
 
@@ -120,6 +120,11 @@ impl TargetRows {
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
 pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
     hidden.matmul(&weight.tr()).to_kind(Kind::Float)
+}
+
+/// A chunk of logits in fp32, soft-capped (what ATen's losses read).
+fn fp32_logits(logits: Tensor, softcap: Option<f64>) -> Tensor {
+    softcapped(logits.to_kind(Kind::Float), softcap)
 }
 
 /// `logits` soft-capped as `Model::logit_softcap` says: `c · tanh(logits / c)`.
@@ -185,8 +190,7 @@ pub fn lm_head_weighted_loss_and_grads(
     // Accumulated in the weight's dtype by the matmul itself (fp32 inside cuBLAS).
     let mut grad_weight: Option<Tensor> = None;
     let mut loss = Tensor::zeros([], (Kind::Float, hidden.device()));
-    let mut start = 0;
-    for (mut logits, target) in rows.logit_chunks(weight, chunk) {
+    for (start, mut logits, target) in rows.logit_chunks(weight, chunk) {
         let len = target.size()[0];
         let h = rows.inputs.narrow(0, start, len);
         let scale = weights.narrow(0, start, len);
@@ -235,7 +239,6 @@ pub fn lm_head_weighted_loss_and_grads(
                 }
             });
         }
-        start += len;
     }
     // Positions that predict no target have a zero gradient.
     let grad_hidden = match grad_inputs.is_empty() {
