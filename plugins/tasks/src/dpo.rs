@@ -238,7 +238,8 @@ impl PairDataset {
                 let pair = &self.pairs[indices[k]];
                 match self.shared_prefix(pair) {
                     0 => row.with(&pair.chosen, 0, k, 2 * document, 0).with(&pair.rejected, 0, pairs + k, 2 * document + 1, 0),
-                    shared => row.with_prefix(&pair.chosen.ids[..shared], k, document).with(&pair.chosen, shared, k, document, 1).with(&pair.rejected, shared, pairs + k, document, 2),
+                    // One example (numbered as an unshared pair's first, so numbers never repeat in a row).
+                    shared => row.with_prefix(&pair.chosen.ids[..shared], k, 2 * document).with(&pair.chosen, shared, k, 2 * document, 1).with(&pair.rejected, shared, pairs + k, 2 * document, 2),
                 }
             })
         };
@@ -863,6 +864,14 @@ mod tests {
         assert_eq!(rows(batch.inputs.branches.as_ref().unwrap()), vec![vec![0, 1, 1, 2, 2, 2], vec![0, 0, 0, 0, 0, 0]]);
         // Each token at the position it has in its own sequence.
         assert_eq!(rows(&ft_core::model::decoder_positions(&batch.inputs, 0)), vec![vec![0, 1, 2, 1, 2, 3], vec![0, 1, 2, 0, 1, 0]]);
+        // In one row, an unshared pair's two examples and then a shared pair's one are three.
+        data.pairs = vec![pair(&[6], &[7, 8, 10, 11], &[9]), pair(&[1, 2], &[3], &[4, 5])];
+        data.packed_rows = Some(13);
+        let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
+        assert_eq!(rows(&batch.inputs.input_ids), vec![vec![6, 7, 8, 10, 11, 6, 9, 1, 2, 3, 2, 4, 5]]);
+        assert_eq!(rows(batch.inputs.documents.as_ref().unwrap()), vec![vec![0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2]]);
+        assert_eq!(rows(batch.inputs.branches.as_ref().unwrap()), vec![vec![0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2]]);
+        assert_eq!(rows(&ft_core::model::decoder_positions(&batch.inputs, 0)), vec![vec![0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 1, 2, 3]]);
     }
 
     #[test]
