@@ -55,7 +55,7 @@ fi
 # A skipped test passed as far as cargo knows: it is counted as skipped, not passed.
 skipped="$(sort -u "$FT_TEST_SKIPS" | grep -c .)"
 if [ "$skipped" -gt 0 ]; then
-    echo "skipped for want of the shared test data ($skipped):"
+    echo "skipped ($skipped: shared test data missing, or a reference that cannot run on this machine):"
     sort -u "$FT_TEST_SKIPS" | sed 's/^/  /'
 fi
 awk -v skipped="$skipped" '/^test result:/ { passed += $4; failed += $6 }

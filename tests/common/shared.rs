@@ -74,17 +74,26 @@ pub fn skipped_without<File: AsRef<str>>(files: &[File]) -> bool {
     if missing.is_empty() {
         return false;
     }
-    let needs = format!("{} (needs {})", running_test(), missing.join(", "));
+    let needs = format!("needs {}", missing.join(", "));
     if std::env::var_os("FT_REQUIRE_SHARED").is_some_and(|value| value == "1") {
-        panic!("FT_REQUIRE_SHARED=1 and the shared test data is missing: {needs}");
+        panic!("FT_REQUIRE_SHARED=1 and the shared test data is missing: {} ({needs})", running_test());
     }
+    skipped_because(&needs)
+}
+
+/// Records the running test as skipped for `reason` (a reference it
+/// compares with cannot run on this machine) and returns true: a line in
+/// the file `FT_TEST_SKIPS` names (scripts/test.sh lists them at the end),
+/// else on stderr.
+pub fn skipped_because(reason: &str) -> bool {
+    let line = format!("{} ({reason})", running_test());
     match std::env::var_os("FT_TEST_SKIPS") {
         Some(log) => {
             let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap_or_else(|e| panic!("cannot open FT_TEST_SKIPS {log:?}: {e}"));
             // One write per line: tests skip in parallel, and each appends whole lines.
-            file.write_all(format!("{needs}\n").as_bytes()).unwrap_or_else(|e| panic!("cannot write FT_TEST_SKIPS {log:?}: {e}"));
+            file.write_all(format!("{line}\n").as_bytes()).unwrap_or_else(|e| panic!("cannot write FT_TEST_SKIPS {log:?}: {e}"));
         }
-        None => eprintln!("skipped {needs}"),
+        None => eprintln!("skipped {line}"),
     }
     true
 }
