@@ -167,6 +167,10 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
     cases.push((&conversational, vec!["sigmoid"], None, 0.0, 12, "keep_end", None, true));
     // The reference run with each step: TRL's ref_model, ft's frozen copy.
     cases.push((&standard, vec!["sigmoid"], None, 0.0, 64, "keep_start", Some(&implicit), false));
+    // The losses over the micro-batch's pairs sorted (AOT, smoothed and not) and DiscoPOP (τ 0.05, TRL's default).
+    cases.push((&standard, vec!["aot"], None, 0.1, 64, "keep_start", None, true));
+    cases.push((&standard, vec!["aot_unpaired"], None, 0.0, 64, "keep_start", None, true));
+    cases.push((&standard, vec!["discopop"], None, 0.0, 64, "keep_start", None, true));
     let references: Vec<Value> = cases
         .iter()
         .map(|(data, losses, weights, smoothing, max_length, truncation, eval, precompute_ref)| {

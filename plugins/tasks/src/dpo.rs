@@ -37,7 +37,8 @@
 //! Task keys: `task.loss_type` (one of TRL's names or a list of them),
 //! `task.loss_weights` (one per loss type; 1 each by default),
 //! `task.rpo_alpha` (the `sft` loss added with that weight), `task.beta`,
-//! `task.label_smoothing` (robust, exo_pair), `task.truncation_mode`
+//! `task.label_smoothing` (robust, exo_pair, aot, aot_unpaired),
+//! `task.discopop_tau` (discopop's τ, 0.05), `task.truncation_mode`
 //! (`keep_start`/`keep_end` cut sequences longer than `data.max_seq_len` as
 //! TRL's `max_length`; `skip` leaves those pairs out; by default keep_start
 //! with `data.truncate`, else skip), `task.padding_free`, `task.share_prompt`,
@@ -85,6 +86,12 @@ enum LossType {
     Sft,
     /// SimPO-style: the log-ratios' difference per completion token.
     SigmoidNorm,
+    /// AOT: the micro-batch's policy log-ratio differences sorted against the reference's.
+    Aot,
+    /// AOT unpaired: the sorted chosen log-ratios against the sorted rejected ones.
+    AotUnpaired,
+    /// DiscoPOP: logistic and exponential losses blended by sigmoid(β·Δ / τ).
+    Discopop,
 }
 
 /// `task.loss_type`: one of TRL's names, or a list of them.
@@ -106,6 +113,8 @@ struct Options {
     rpo_alpha: Option<f64>,
     beta: f64,
     label_smoothing: f64,
+    /// DiscoPOP's τ (TRL's `discopop_tau`).
+    discopop_tau: f64,
     truncation_mode: Option<Truncation>,
     padding_free: bool,
     /// None: on with padding_free.
@@ -122,6 +131,7 @@ impl Default for Options {
             rpo_alpha: None,
             beta: 0.1,
             label_smoothing: 0.0,
+            discopop_tau: 0.05,
             truncation_mode: None,
             padding_free: true,
             share_prompt: None,
@@ -137,6 +147,9 @@ impl Options {
         options.losses()?;
         if options.beta <= 0.0 || options.beta.is_nan() {
             bail!("task.beta must be positive, not {}", options.beta);
+        }
+        if options.discopop_tau <= 0.0 || options.discopop_tau.is_nan() {
+            bail!("task.discopop_tau must be positive, not {}", options.discopop_tau);
         }
         if options.share_prompt == Some(true) && !options.padding_free {
             bail!("task.share_prompt=true runs a pair's prompt once in a packed row, which task.padding_free=false leaves out: give one of them");
@@ -352,6 +365,7 @@ pub struct DpoLoss {
     losses: Vec<(LossType, f64)>,
     beta: f64,
     label_smoothing: f64,
+    discopop_tau: f64,
     chunk_tokens: i64,
     kernels: Kernels,
     softcap: Option<f64>,
@@ -392,6 +406,9 @@ impl DpoLoss {
         let rejected_ratio = &rejected_logps - reference.narrow(0, pairs, pairs);
         let delta = &chosen_ratio - &rejected_ratio;
         let (beta, smoothing) = (self.beta, self.label_smoothing);
+        // -logsigmoid(β·d)·(1 − ε) − logsigmoid(−β·d)·ε: the smoothed logistic loss AOT's two forms take.
+        let smoothed = |d: &Tensor| (d * beta).log_sigmoid() * -(1.0 - smoothing) - (-(d * beta)).log_sigmoid() * smoothing;
+        let sorted = |t: &Tensor| t.sort(0, false).0;
         let counts = batch.targets[COMPLETION_TOKENS].clamp_min(1.0);
         let per_token_delta = || &chosen_ratio / counts.narrow(0, 0, pairs) - &rejected_ratio / counts.narrow(0, pairs, pairs);
         let mut loss = Tensor::zeros([pairs], (Kind::Float, logps.device()));
@@ -426,6 +443,17 @@ impl DpoLoss {
                     mean.expand([pairs], false)
                 }
                 LossType::SigmoidNorm => -(per_token_delta() * beta).log_sigmoid(),
+                // Sorted over the micro-batch's pairs, as TRL sorts its batch: a pair's loss is no longer its own.
+                LossType::Aot => {
+                    let reference_ratios = reference.narrow(0, 0, pairs) - reference.narrow(0, pairs, pairs);
+                    smoothed(&(sorted(&(&chosen_logps - &rejected_logps)) - sorted(&reference_ratios)))
+                }
+                LossType::AotUnpaired => smoothed(&(sorted(&chosen_ratio) - sorted(&rejected_ratio))),
+                LossType::Discopop => {
+                    let logits = &delta * beta;
+                    let modulation = (&logits / self.discopop_tau).sigmoid();
+                    -logits.log_sigmoid() * (-&modulation + 1.0) + (-&logits).exp() * modulation
+                }
             };
             loss += per_pair * weight;
         }
@@ -728,6 +756,7 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
         losses: options.losses()?,
         beta: options.beta,
         label_smoothing: options.label_smoothing,
+        discopop_tau: options.discopop_tau,
         chunk_tokens,
         kernels: Kernels::select(device),
         softcap: model.logit_softcap(),
@@ -890,6 +919,7 @@ mod tests {
             (serde_json::json!({"reference_free": true, "precompute_ref": false}), "which task.reference_free=true leaves out"),
             (serde_json::json!({"share_prompt": true, "padding_free": false}), "which task.padding_free=false leaves out"),
             (serde_json::json!({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 0.5}), "which task.loss_type already lists"),
+            (serde_json::json!({"loss_type": "discopop", "discopop_tau": 0.0}), "task.discopop_tau must be positive"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
             assert!(err.contains(expected), "{options}: {err}");
