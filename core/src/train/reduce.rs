@@ -55,14 +55,21 @@ impl Trainer<'_> {
         work.map_err(|e| e.context(format!("comm `{}`: {} of unit {}", self.hook.name(), stage.name(), info.name)))
     }
 
+    /// Whether a micro-batch's gradient (whole, or its reduced shard) is the
+    /// step's gradient as it is, in the dtype it was computed or reduced in:
+    /// with one micro-batch there is nothing to accumulate, and ft's AdamW
+    /// kernel reads that dtype (the ATen path is given fp32 ones).
+    fn gradient_as_it_is(&self, first: bool, last: bool) -> bool {
+        first && last && self.kernels == super::Kernels::Ft
+    }
+
     /// Hands unit `u`'s complete micro-batch gradient to the reduction the
     /// policy asks for: reduce-scatter it now, or accumulate it and
     /// all-reduce the sum on the last micro-batch.
     pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, pending: &mut VecDeque<PendingReduction>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        // One micro-batch on one rank: the whole gradient, which AdamW reads
-        // in the compute dtype (through ft's kernel only).
-        let whole = first && last && self.parallel.is_none() && self.kernels == super::Kernels::Ft;
+        // One micro-batch on one rank: the whole gradient, which AdamW reads in the compute dtype.
+        let whole = self.parallel.is_none() && self.gradient_as_it_is(first, last);
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
         let reduce_dtype = self.parallel.map_or(Kind::Float, |p| p.reduce_dtype);
@@ -116,9 +123,8 @@ impl Trainer<'_> {
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
                 // One micro-batch: the reduced shard is the step's gradient, in the
-                // reduce dtype, which AdamW reads (through ft's kernel only) with
-                // no fp32 copy — 2 bytes an element less and a pass over the shard.
-                let whole = first_micro_batch && last_micro_batch && self.kernels == super::Kernels::Ft;
+                // reduce dtype, with no fp32 copy — 2 bytes an element less and a pass over the shard.
+                let whole = self.gradient_as_it_is(first_micro_batch, last_micro_batch);
                 self.units[u].accumulate_grad(&reduction.result, first_micro_batch, whole);
                 if has_replicas && last_micro_batch {
                     let grad = self.units[u].grad.shallow_clone();
