@@ -113,8 +113,8 @@ struct Options {
     rpo_alpha: Option<f64>,
     beta: f64,
     label_smoothing: f64,
-    /// DiscoPOP's τ (TRL's `discopop_tau`).
-    discopop_tau: f64,
+    /// DiscoPOP's τ (TRL's `discopop_tau`; None: its 0.05).
+    discopop_tau: Option<f64>,
     truncation_mode: Option<Truncation>,
     padding_free: bool,
     /// None: on with padding_free.
@@ -131,7 +131,7 @@ impl Default for Options {
             rpo_alpha: None,
             beta: 0.1,
             label_smoothing: 0.0,
-            discopop_tau: 0.05,
+            discopop_tau: None,
             truncation_mode: None,
             padding_free: true,
             share_prompt: None,
@@ -148,8 +148,18 @@ impl Options {
         if options.beta <= 0.0 || options.beta.is_nan() {
             bail!("task.beta must be positive, not {}", options.beta);
         }
-        if options.discopop_tau <= 0.0 || options.discopop_tau.is_nan() {
-            bail!("task.discopop_tau must be positive, not {}", options.discopop_tau);
+        let types = &options.loss_type;
+        if let Some(tau) = options.discopop_tau {
+            if !types.contains(&LossType::Discopop) {
+                bail!("task.discopop_tau is discopop's τ, and task.loss_type has no discopop");
+            }
+            if tau <= 0.0 || tau.is_nan() {
+                bail!("task.discopop_tau must be positive, not {tau}");
+            }
+        }
+        let smoothed = [LossType::Robust, LossType::ExoPair, LossType::Aot, LossType::AotUnpaired];
+        if options.label_smoothing != 0.0 && !types.iter().any(|loss_type| smoothed.contains(loss_type)) {
+            bail!("task.label_smoothing applies to the robust, exo_pair, aot and aot_unpaired losses, and task.loss_type has none of them");
         }
         if options.share_prompt == Some(true) && !options.padding_free {
             bail!("task.share_prompt=true runs a pair's prompt once in a packed row, which task.padding_free=false leaves out: give one of them");
@@ -157,7 +167,6 @@ impl Options {
         if options.reference_free && !options.precompute_ref {
             bail!("task.precompute_ref=false runs a reference model, which task.reference_free=true leaves out: give one of them");
         }
-        let types = &options.loss_type;
         if types.contains(&LossType::Robust) && !(0.0..0.5).contains(&options.label_smoothing) {
             bail!("task.label_smoothing must be in [0, 0.5) for the robust loss, not {}", options.label_smoothing);
         }
@@ -756,7 +765,7 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
         losses: options.losses()?,
         beta: options.beta,
         label_smoothing: options.label_smoothing,
-        discopop_tau: options.discopop_tau,
+        discopop_tau: options.discopop_tau.unwrap_or(0.05),
         chunk_tokens,
         kernels: Kernels::select(device),
         softcap: model.logit_softcap(),
@@ -920,6 +929,8 @@ mod tests {
             (serde_json::json!({"share_prompt": true, "padding_free": false}), "which task.padding_free=false leaves out"),
             (serde_json::json!({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 0.5}), "which task.loss_type already lists"),
             (serde_json::json!({"loss_type": "discopop", "discopop_tau": 0.0}), "task.discopop_tau must be positive"),
+            (serde_json::json!({"loss_type": "sigmoid", "discopop_tau": 0.1}), "task.loss_type has no discopop"),
+            (serde_json::json!({"loss_type": "ipo", "label_smoothing": 0.1}), "task.loss_type has none of them"),
         ] {
             let err = Options::read(&options).unwrap_err().to_string();
             assert!(err.contains(expected), "{options}: {err}");
