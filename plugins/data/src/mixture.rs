@@ -14,7 +14,7 @@ use std::path::Path;
 
 /// How much of the mixture a source is.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Share {
+enum Share {
     /// Each of its examples once.
     All,
     /// This many examples.
@@ -25,7 +25,7 @@ pub enum Share {
 
 impl Share {
     /// A mixture entry's `weight` or `samples` (not both), named by `name` in errors.
-    pub fn new(weight: Option<f64>, samples: Option<usize>, name: &str) -> Result<Share> {
+    fn new(weight: Option<f64>, samples: Option<usize>, name: &str) -> Result<Share> {
         match (weight, samples) {
             (Some(_), Some(_)) => bail!("data.mixture: {name} has both a weight and samples; give one"),
             (Some(w), None) if !(w.is_finite() && w > 0.0) => bail!("data.mixture: {name}'s weight must be a positive number (got {w})"),
@@ -38,10 +38,10 @@ impl Share {
 }
 
 /// One source of a mixture: its name (for the log), its examples in order, its share.
-pub struct Part<T> {
-    pub name: String,
-    pub examples: Vec<T>,
-    pub share: Share,
+struct Part<T> {
+    name: String,
+    examples: Vec<T>,
+    share: Share,
 }
 
 /// How many examples each part gives: `All` its own, `Samples` as many,
@@ -75,12 +75,13 @@ fn counts<T>(parts: &[Part<T>]) -> Vec<usize> {
 
 /// The parts' examples interleaved: each gives its count of examples in
 /// its own order (from its start again when it has fewer), at positions
-/// a seeded shuffle chooses. The log says each part's share.
-pub fn interleave<T: Clone>(parts: Vec<Part<T>>, seed: u64) -> Result<Vec<T>> {
+/// a seeded shuffle chooses. The log says each part's share of the items
+/// (`what`: examples, preference pairs).
+fn interleave<T: Clone>(parts: Vec<Part<T>>, seed: u64, what: &str) -> Result<Vec<T>> {
     let counts = counts(&parts);
     for (part, &count) in parts.iter().zip(&counts) {
         if part.examples.is_empty() && count > 0 {
-            bail!("data.mixture: {} gives no examples", part.name);
+            bail!("data.mixture: {} gives no {what}", part.name);
         }
     }
     let total: usize = counts.iter().sum();
@@ -108,7 +109,7 @@ pub fn interleave<T: Clone>(parts: Vec<Part<T>>, seed: u64) -> Result<Vec<T>> {
             format!("{} {count} ({:.1}%: {of_it})", part.name, 100.0 * count as f64 / total.max(1) as f64)
         })
         .collect();
-    tracing::info!("data.mixture: {total} examples in a seeded order: {}", shares.join(", "));
+    tracing::info!("data.mixture: {total} {what} in a seeded order: {}", shares.join(", "));
     Ok(mixed)
 }
 
@@ -140,7 +141,7 @@ pub fn training_set<T: Clone>(
         let share = Share::new(source.weight, source.samples, &name)?;
         parts.push(Part { examples: load(&source.path, Some(source))?, name, share });
     }
-    let mut items = in_range(range, interleave(parts, seed)?, Path::new("data.mixture"), &format!("{what} of the mixture"))?;
+    let mut items = in_range(range, interleave(parts, seed, what)?, Path::new("data.mixture"), &format!("{what} of the mixture"))?;
     if let Some(limit) = limit {
         items.truncate(limit);
     }
@@ -163,7 +164,7 @@ mod tests {
 
     #[test]
     fn the_order_is_the_seeds_and_each_source_keeps_its_own() {
-        let mix = |seed| interleave(vec![part("a", 30, Share::Weight(3.0)), part("b", 10, Share::Weight(1.0))], seed).unwrap();
+        let mix = |seed| interleave(vec![part("a", 30, Share::Weight(3.0)), part("b", 10, Share::Weight(1.0))], seed, "examples").unwrap();
         let (first, again, other) = (mix(7), mix(7), mix(8));
         assert_eq!(first, again);
         assert_ne!(first, other);
@@ -172,7 +173,7 @@ mod tests {
         assert_eq!(from("a"), (0..30).collect::<Vec<_>>());
         assert_eq!(from("b"), (0..10).collect::<Vec<_>>());
         // Repeated from its start when it holds fewer than its count.
-        let cycled = interleave(vec![part("x", 3, Share::Samples(7))], 0).unwrap();
+        let cycled = interleave(vec![part("x", 3, Share::Samples(7))], 0, "examples").unwrap();
         assert_eq!(cycled.iter().map(|(_, i)| *i).collect::<Vec<_>>(), [0, 1, 2, 0, 1, 2, 0]);
         assert!(Share::new(Some(1.0), Some(3), "x").unwrap_err().to_string().contains("both a weight and samples"));
         assert!(Share::new(Some(-1.0), None, "x").is_err());
