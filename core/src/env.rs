@@ -150,9 +150,12 @@ impl DistEnv {
     }
 }
 
-/// A TCP port that is free right now (the OS picks it).
+/// A TCP port that is free right now on every address (the OS picks it):
+/// rank 0's store listens on all of them, and a port free on 127.0.0.1
+/// need not be (a launch on two GPUs once failed its rendezvous so, with
+/// EADDRINUSE).
 pub fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("cannot bind a local TCP port")?;
+    let listener = TcpListener::bind("0.0.0.0:0").context("cannot bind a local TCP port")?;
     Ok(listener.local_addr()?.port())
 }
 
