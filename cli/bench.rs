@@ -70,7 +70,7 @@ pub struct BenchArgs {
     /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
     #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
     fp8: Option<Fp8>,
-    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default false).
+    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default: on under tensorwise).
     #[arg(long, value_name = "true|false", requires = "fp8")]
     fp8_gathers: Option<bool>,
     #[arg(long, default_value_t = 1024)]
@@ -187,7 +187,7 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
         float8: args.fp8.and_then(|fp8| TrainConfig { fp8, ..TrainConfig::default() }.float8()),
-        float8_gathers: args.fp8_gathers.unwrap_or(false),
+        float8_gathers: TrainConfig { fp8: args.fp8.unwrap_or_default(), fp8_gathers: args.fp8_gathers, ..TrainConfig::default() }.float8_gathers(),
     };
     let checked = plan::check_rows(rows, &models, &registry, &settings);
     let checked = match &calibration {
@@ -293,6 +293,6 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         breakdown: args.breakdown,
         profile: args.profile.clone(),
         float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
-        float8_gathers: args.fp8_gathers.unwrap_or(false),
+        float8_gathers: args.fp8_gathers,
     }
 }

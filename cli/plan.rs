@@ -113,7 +113,7 @@ pub struct PlanArgs {
     /// Under --fp8: auto (the layers float8 speeds up, as above) or all (train.fp8_layers).
     #[arg(long, value_name = "auto|all", value_parser = parse_fp8_layers, requires = "fp8")]
     fp8_layers: Option<ft_core::config::Fp8Layers>,
-    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`).
+    /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default: on under tensorwise).
     #[arg(long, value_name = "true|false", requires = "fp8")]
     fp8_gathers: Option<bool>,
     /// Write the rows and the recommendation as JSON.
@@ -148,7 +148,7 @@ fn float8_layers(args: &PlanArgs, model: &dyn ft_core::Model, dtype: tch::Kind, 
     if measured.is_none() {
         eprintln!("ft plan: --fp8 without float8 rates (a --calibration from `ft calibrate --fp8`): float8 layers are planned at the compute dtype's rate");
     }
-    Ok((Some(ft_core::train::float8_layers(model, float8, kept.as_ref())), train.fp8_gathers))
+    Ok((Some(ft_core::train::float8_layers(model, float8, kept.as_ref())), train.float8_gathers()))
 }
 
 fn parse_reference(text: &str) -> Result<plan::Reference, String> {

@@ -704,7 +704,7 @@ fn an_emulated_float8_run_holds_what_the_plan_says() {
     assert!(output.status.success(), "{}", text(&output));
     assert!(text(&output).contains("sharded blocks gathered as float8"), "{}", text(&output));
     let plan = plan_json(dir.path(), &config, 2, &["--fp8", "tensorwise", "--fp8-layers", "all", "--fp8-gathers", "true"]);
-    assert_eq!(plan["float8"], "float8 tensorwise block layers, gathered in float8");
+    assert_eq!(plan["float8"], "float8 tensorwise block layers, sharded blocks gathered in float8");
     let predicted = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == "full_shard" && r["offload"] == "none").unwrap();
     let summary = common::summary(&output_dir);
     for rank in 0..2 {

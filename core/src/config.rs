@@ -483,10 +483,9 @@ pub struct TrainConfig {
     /// Under `fp8=tensorwise` with a strategy that gathers sharded
     /// parameters, gather the blocks whose weights all run in float8 as
     /// float8 bytes (half a bf16 gather), each weight cast with its whole
-    /// tensor's scale as the layer would cast it. Off by default: over
-    /// NVLink the casts around the gather cost more than the bytes save
-    /// (README, "Float8 linear layers").
-    pub fp8_gathers: bool,
+    /// tensor's scale as the layer would cast it. Unset: on under
+    /// `fp8=tensorwise` ([`TrainConfig::float8_gathers`]).
+    pub fp8_gathers: Option<bool>,
 }
 
 /// `train.fp8_layers`: which block linear layers a float8 run casts.
@@ -541,6 +540,13 @@ impl TrainConfig {
             Fp8::Rowwise => ft_sys::float8::Recipe::Rowwise,
         };
         Some(ft_sys::float8::Float8 { recipe, emulate: self.fp8_emulate })
+    }
+
+    /// Whether sharded float8 blocks are gathered as float8 bytes:
+    /// `fp8_gathers` where given, else under `fp8=tensorwise` (the recipe
+    /// whose one scale a weight's gathered bytes can carry).
+    pub fn float8_gathers(&self) -> bool {
+        self.fp8_gathers.unwrap_or(self.fp8 == Fp8::Tensorwise)
     }
 }
 
@@ -629,7 +635,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             fp8: Fp8::Off,
             fp8_emulate: false,
-            fp8_gathers: false,
+            fp8_gathers: None,
             fp8_layers: Fp8Layers::Auto,
             fp8_calibration: None,
         }

@@ -1,5 +1,5 @@
-//! Float8 parameter gathers (`train.fp8_gathers=true` under `--fp8
-//! tensorwise` with a strategy that gathers sharded parameters), as
+//! Float8 parameter gathers (under `--fp8 tensorwise` with a strategy that
+//! gathers sharded parameters, unless `train.fp8_gathers=false`), as
 //! torchtitan's FSDP2 recipe gathers with torchao: a block whose weight
 //! matrices all run in float8 is gathered as float8 bytes, half a bf16
 //! gather, and its vectors (norms, biases) in the compute dtype.
@@ -15,10 +15,11 @@
 //! that step (forward, backward re-gathers, each micro-batch) reads them.
 //! One small collective a step, issued while nothing else is in flight: a
 //! gather never waits on an amax reduction queued behind reduce-scatters.
-//! On a GPU the layer's GEMMs read the gathered bytes themselves
-//! (`ft_sys::float8::note_gathered`) and the weights' part of the
-//! compute-dtype buffer is left unwritten (float8 layers read nothing
-//! else); elsewhere the dequantised values land in that buffer and the
+//! The bytes are gathered into the unit's own compute-dtype buffer, where
+//! its weights' values would be. On a GPU the layer's GEMMs read them
+//! there (`ft_sys::float8::note_gathered`; float8 layers read nothing
+//! else of the buffer), so a float8 gather needs no memory beside the
+//! buffer; elsewhere they are dequantised into the weights' values and the
 //! layer casts them back with the gathered amax, which gives the gathered
 //! bytes again. Either way the GEMMs see exactly them.
 //!
@@ -163,16 +164,18 @@ fn amax(x: &Tensor, fused: bool) -> Result<Tensor> {
 }
 
 /// `part` (a 1-D slice of one weight) cast to e4m3 with `scale`, which its
-/// whole weight's `amax` gives: by ft's kernel on a GPU where a row width
-/// divides it (the same bits as ATen's cast), else by ATen's ops.
-fn cast(part: &Tensor, amax: &Tensor, scale: &Tensor, fused: bool) -> Result<Tensor> {
+/// whole weight's `amax` gives, into `out` (as many bytes): by ft's kernel
+/// on a GPU where a row width divides it (the same bits as ATen's cast),
+/// else by ATen's ops.
+fn cast_into(part: &Tensor, amax: &Tensor, scale: &Tensor, fused: bool, out: &Tensor) -> Result<()> {
     let n = part.size()[0];
+    let out = out.view_dtype(E4M3);
     if let Some(cols) = [4096, 1024, 256, 64, 16, 2].into_iter().find(|cols| fused && n % cols == 0) {
         let max = ft_sys::float8::max_value(E4M3) as f32;
-        let cast = ft_sys::kernels::cast_float8(&part.view([n / cols, cols]), amax, E4M3, max, true, false)?;
-        return Ok(cast.data.expect("asked for").view([n]));
+        return Ok(ft_sys::kernels::cast_float8_into(&part.view([n / cols, cols]), amax, E4M3, max, &out.view([n / cols, cols]))?);
     }
-    Ok(ft_sys::float8::cast(part, scale, E4M3))
+    out.shallow_clone().copy_(&ft_sys::float8::cast(part, scale, E4M3));
+    Ok(())
 }
 
 /// The part of [offset, offset + numel) inside [start, start + len), as (its start, its length).
@@ -212,14 +215,12 @@ impl CommHook for Float8Gathers {
         let scales = ft_sys::float8::scale_from(&amaxes, E4M3, false);
         let (len, ranks, device) = (shard.size()[0], group.size() as i64, shard.device());
         let start = group.rank() as i64 * len;
-        // This rank's shard: its weights' elements as float8 bytes, the rest (vectors, padding) in the compute dtype.
-        let bytes = Tensor::zeros([len], (Kind::Uint8, device));
+        // This rank's shard: its weights' elements as float8 bytes; the rest is sent unread (the vectors go apart).
+        let bytes = Tensor::empty([len], (Kind::Uint8, device));
         let fused = crate::kernels::Kernels::loaded(device);
         for (i, &(offset, numel)) in weights.iter().enumerate() {
             if let Some((from, n)) = overlap(start, len, offset, numel) {
-                let part = shard.narrow(0, from - start, n);
-                let cast = cast(&part, &amaxes.get(i as i64), &scales.get(i as i64), fused)?;
-                bytes.narrow(0, from - start, n).copy_(&cast.view_dtype(Kind::Uint8));
+                cast_into(&shard.narrow(0, from - start, n), &amaxes.get(i as i64), &scales.get(i as i64), fused, &bytes.narrow(0, from - start, n))?;
             }
         }
         let padded = unit.padded;
@@ -227,7 +228,10 @@ impl CommHook for Float8Gathers {
         if let Some((from, n)) = overlap(start, len, rest, padded - rest) {
             vectors.narrow(0, from - rest, n).copy_(&shard.narrow(0, from - start, n));
         }
-        let mut all_bytes = Tensor::empty([ranks * len], (Kind::Uint8, device));
+        // The gathered bytes land at the start of the unit's own buffer, which holds no other float8 bytes: its weights'
+        // bytes, [0, rest), end below where its vectors' values start (byte rest × the dtype's width), which are copied
+        // in after the gather; float8 layers read these bytes, never the buffer's weights.
+        let mut all_bytes = output.view_dtype(Kind::Uint8).narrow(0, 0, ranks * len);
         // Each rank's vectors are zero outside its shard: their sum is the whole.
         let mut pending = Pending::of(group.all_gather_into_tensor(&mut all_bytes, &bytes)?);
         if padded > rest {
@@ -235,17 +239,24 @@ impl CommHook for Float8Gathers {
         }
         Ok(pending.then(move || {
             let _no_grad = tch::no_grad_guard();
-            let values = all_bytes.view_dtype(E4M3);
+            // Dequantising writes over the bytes (on the CPU): it reads a copy of them.
+            let values = match fused {
+                true => all_bytes.view_dtype(E4M3),
+                false => all_bytes.narrow(0, 0, rest).copy().view_dtype(E4M3),
+            };
+            // A row of 16 bytes a weight: cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale that does not start on 16 bytes.
+            let [scales, inverses] = [&scales, &scales.reciprocal()].map(|values| values.unsqueeze(1).repeat([1, 4]));
             for (i, &(offset, numel)) in weights.iter().enumerate() {
                 let mut weight = output.narrow(0, offset, numel);
                 let bytes = values.narrow(0, offset, numel);
+                let (scale, inverse) = (scales.get(i as i64).get(0), inverses.get(i as i64).get(0));
                 // On a GPU the layer's GEMMs read the bytes; elsewhere they are dequantised for the layer to cast back
                 // (float8 values are exact in bf16: one rounding, of the product by 1/scale).
                 let kept = match fused {
-                    true => Some(&bytes),
+                    true => Some(ft_sys::float8::GatheredBytes { data: bytes, scale, inverse }),
                     false => {
                         weight.copy_(&bytes);
-                        let _ = weight.g_mul_(&scales.get(i as i64).reciprocal());
+                        let _ = weight.g_mul_(&inverse);
                         None
                     }
                 };

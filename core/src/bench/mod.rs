@@ -44,8 +44,8 @@ pub struct BenchCase {
     pub profile: Option<PathBuf>,
     /// The blocks' linear layers in float8 (`--fp8`).
     pub float8: Option<ft_sys::float8::Float8>,
-    /// Under tensorwise float8 with sharding, float8 blocks gathered as float8 (`--fp8-gathers`).
-    pub float8_gathers: bool,
+    /// Under tensorwise float8 with sharding, float8 blocks gathered as float8 (`--fp8-gathers`; None: the default, on).
+    pub float8_gathers: Option<bool>,
 }
 
 /// One configuration's result.

@@ -67,22 +67,19 @@ pub(super) struct Float8Memory {
     input_features: f64,
     weight: f64,
     /// ft's kernels cast (on a GPU, tensorwise): the last input cast in
-    /// each direction stays cached until the micro-batch ends, and a unit
-    /// gathered as float8 keeps its gathered bytes beside its buffer.
+    /// each direction stays cached until the micro-batch ends. (A unit
+    /// gathered as float8 keeps its bytes inside its own buffer.)
     fused: bool,
-    /// The units gathered as float8 bytes.
-    gathered: Vec<bool>,
 }
 
 impl Float8Memory {
-    pub fn new(model: &dyn Model, layers: &Float8Layers, gathered: &[bool]) -> Float8Memory {
+    pub fn new(model: &dyn Model, layers: &Float8Layers) -> Float8Memory {
         let shapes: Vec<[i64; 2]> = crate::train::block_weight_shapes(model).into_iter().filter(|shape| layers.runs_shape(shape)).collect();
         let largest = |width: fn(&[i64; 2]) -> i64| shapes.iter().map(width).max().unwrap_or(0) as f64;
         Float8Memory {
             input_features: largest(|[_, input]| *input),
             weight: largest(|[out, input]| out * input),
             fused: layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise && !layers.float8.emulate,
-            gathered: gathered.to_vec(),
         }
     }
 }
@@ -186,8 +183,6 @@ impl<'a> Walk<'a> {
             *gathered = true;
             let bytes = self.bytes_in(set, u);
             self.now.gathered += bytes;
-            // A float8 gather's bytes, which the layers read in place of their buffer's.
-            self.now.transient += self.float8_gathered_bytes(set, u);
             match set {
                 Set::Model => self.gathers.push((u, bytes)),
                 Set::Copy => self.copy_gathers.push((u, bytes)),
@@ -213,15 +208,6 @@ impl<'a> Walk<'a> {
         if transient && *gathered {
             *gathered = false;
             self.now.gathered -= self.bytes_in(set, u);
-            self.now.transient -= self.float8_gathered_bytes(set, u);
-        }
-    }
-
-    /// The float8 bytes a gather of unit `u` of `set` keeps beside its buffer (on a GPU).
-    fn float8_gathered_bytes(&self, set: Set, u: usize) -> f64 {
-        match &self.micro.float8 {
-            Some(float8) if float8.fused && set == Set::Model && float8.gathered[u] => self.placements[u].shard.padded as f64,
-            _ => 0.0,
         }
     }
 

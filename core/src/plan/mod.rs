@@ -442,9 +442,8 @@ fn float8_gathered(workload: &Workload, placements: &[UnitPlacement]) -> Vec<boo
     gathered
 }
 
-/// Device bytes at a micro-batch's peak with `batch` examples, `reference`
-/// run before it and `float8_gathered` units gathered as float8 bytes:
-/// allocated, and with the margins.
+/// Device bytes at a micro-batch's peak with `batch` examples and
+/// `reference` run before it: allocated, and with the margins.
 #[allow(clippy::too_many_arguments)] // each a separate part of the row
 fn device_peak(
     workload: &Workload,
@@ -454,7 +453,6 @@ fn device_peak(
     cluster: &Cluster,
     batch: i64,
     reference: Option<memory::ReferenceUnits>,
-    float8_gathered: &[bool],
 ) -> memory::StepMemory {
     let micro = MicroBatch {
         batch,
@@ -465,7 +463,7 @@ fn device_peak(
         accumulating: workload.grad_accum > 1,
         data_parallel: cluster.gpus > 1,
         loss_chunk_tokens: workload.loss_chunk_tokens,
-        float8: workload.float8.map(|layers| memory::Float8Memory::new(workload.model, layers, float8_gathered)),
+        float8: workload.float8.map(|layers| memory::Float8Memory::new(workload.model, layers)),
     };
     let reshard_after_forward = setup.policy.params == ParamPlacement::Sharded { reshard_after_forward: true };
     walk(workload.model, placements, state, reshard_after_forward, &micro, reference)
@@ -539,7 +537,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let copy_held: MemoryAccount = copy.iter().map(|p| p.memory(workload.dtype)).sum();
     let reference = reference_units(workload, &placements, &copy);
     let float8_gathered = float8_gathered(workload, &placements);
-    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference, &float8_gathered);
+    let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
     let peak_allocated_bytes = step.peak.total();
     let peak_gpu_bytes = with_margins(peak_allocated_bytes);
@@ -560,7 +558,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         (true, false) => Some(format!("host: {:.1} GB of {:.1} GB per node", gb(host_bytes), gb(cluster.host_memory))),
     };
     let fits_with = |batch: i64| {
-        let step = device_peak(workload, setup, &placements, &state, cluster, batch, reference_units(workload, &placements, &copy), &float8_gathered);
+        let step = device_peak(workload, setup, &placements, &state, cluster, batch, reference_units(workload, &placements, &copy));
         gpu_fits(with_margins(step.peak.total()))
     };
     let max_batch = match (cluster.gpu_memory, host_fits) {
@@ -580,7 +578,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
             // Once before training, through the trainer's own units: what such a forward would add to each step.
             Reference::Precomputed => {
                 let own = Some(memory::ReferenceUnits { placements: &placements, copy: false });
-                let own = device_peak(workload, setup, &placements, &state, cluster, workload.batch, own, &float8_gathered);
+                let own = device_peak(workload, setup, &placements, &state, cluster, workload.batch, own);
                 step_time(&own, true).total() - step_seconds
             }
         };
@@ -692,7 +690,7 @@ impl Plan {
             grad_accum: workload.grad_accum,
             dtype: format!("{:?}", workload.dtype),
             float8: workload.float8.map(|layers| {
-                let gathers = if workload.float8_gathers { ", gathered in float8" } else { "" };
+                let gathers = if workload.float8_gathers { ", sharded blocks gathered in float8" } else { "" };
                 format!("float8 {} block layers{gathers}", format!("{:?}", layers.float8.recipe).to_lowercase())
             }),
             rows,

@@ -65,7 +65,7 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         // The run's float8 layers, as its trainer will choose them.
         let float8 = config.train.float8().map(|float8| anyhow::Ok(crate::train::float8_layers(model, float8, float8_kept(model, config)?.as_ref()))).transpose()?;
         let reference = reference.map(|reference| if reference.each_step { super::Reference::EachStep } else { super::Reference::Precomputed });
-        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.fp8_gathers, reference, ..Workload::of_run(model, config, dtype) };
+        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.float8_gathers(), reference, ..Workload::of_run(model, config, dtype) };
         Plan::new(&workload, &cluster, registry, Checkpointing::Auto)
     });
     let plan = match planned {

@@ -54,8 +54,10 @@ pub struct TrainOptions {
     /// ([`float8_slow_shapes`]), none when emulated.
     pub float8_kept: Option<BTreeSet<[i64; 2]>>,
     /// Under tensorwise float8, gather sharded blocks whose weights all run
-    /// in float8 as float8 bytes (`float8_gather`).
-    pub float8_gathers: bool,
+    /// in float8 as float8 bytes (`float8_gather`): None, by default (on);
+    /// Some, as the run asked (a run asking for them where no block is
+    /// gathered so is told).
+    pub float8_gathers: Option<bool>,
 }
 
 impl Default for TrainOptions {
@@ -69,7 +71,7 @@ impl Default for TrainOptions {
             initial_loss_scale: 65536.0,
             float8: None,
             float8_kept: None,
-            float8_gathers: false,
+            float8_gathers: None,
         }
     }
 }
@@ -272,14 +274,14 @@ impl<'m> TrainerBuilder<'m> {
             None => None,
         };
         let mut float8_amaxes = None;
-        if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers && layers.float8.recipe == Recipe::Tensorwise) {
+        if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers != Some(false) && layers.float8.recipe == Recipe::Tensorwise) {
             let placements: Vec<UnitPlacement> = units.iter().map(|unit| *unit.placement()).collect();
             let gathered = float8_gathered_units(model, &placements, layers);
-            if gathered.is_empty() {
+            if gathered.is_empty() && options.float8_gathers == Some(true) {
                 tracing::warn!(
                     "train.fp8_gathers: no block is gathered in float8: the strategy gathers no sharded parameters (use full_shard, shard_grad_op or hybrid_shard), or every block keeps a layer in the compute dtype"
                 );
-            } else {
+            } else if !gathered.is_empty() {
                 tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
                 let gathered: Vec<(usize, &UnitInfo)> = gathered.into_iter().map(|unit| (unit, &unit_info[unit])).collect();
                 let (gathers, amaxes) = crate::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);

@@ -93,12 +93,6 @@ impl Operand {
         Operand { data: self.data.shallow_clone(), scale: self.scale.shallow_clone(), inverse: self.inverse.shallow_clone() }
     }
 
-    /// Float8 `data` cast with the scale `amax` gives for `kind`.
-    fn of(data: Tensor, amax: &Tensor, kind: Kind) -> Operand {
-        let scale = scale_from(amax, kind, false);
-        Operand { data, inverse: scale.reciprocal(), scale }
-    }
-
     fn transposed(&self) -> Operand {
         let flip = |t: &Tensor| if t.dim() > 1 { t.tr() } else { t.shallow_clone() };
         Operand { data: self.data.tr(), scale: flip(&self.scale), inverse: flip(&self.inverse) }
@@ -209,15 +203,15 @@ impl Float8 {
     fn cast_recording(self, x: &Tensor, role: Role, dim: i64, layer: Option<u32>) -> Operand {
         let kind = self.kind(role);
         let gathered = if self.recipe == Recipe::Tensorwise && role == Role::Weight { gathered(x) } else { None };
-        if let Some((amax, Some(data))) = &gathered {
+        if let Some(Gathered { amax, bytes: Some(bytes) }) = &gathered {
             // A float8 gather's bytes, which a tensorwise scale casts alike in every layout.
             if let Some(layer) = layer {
                 record(layer, role, amax);
             }
-            return Operand::of(data.view(x.size().as_slice()), amax, kind);
+            return Operand { data: bytes.data.view(x.size().as_slice()), ..bytes.shallow_clone() };
         }
         let (amax, power_of_2) = match (self.recipe, gathered) {
-            (Recipe::Tensorwise, Some((gathered_amax, _))) => (gathered_amax, false),
+            (Recipe::Tensorwise, Some(gathered)) => (gathered.amax, false),
             (Recipe::Tensorwise, None) => (amax(x, None), false),
             (Recipe::Rowwise, _) => (amax(x, Some(dim)), true),
         };
@@ -257,13 +251,13 @@ impl Float8 {
             })?;
             let gathered = gathered(weight);
             let w_amax = match &gathered {
-                Some((amax, _)) => amax.shallow_clone(),
+                Some(gathered) => gathered.amax.shallow_clone(),
                 None => kernels::amax(weight)?,
             };
             record(layer, Role::Input, &x_amax);
             record(layer, Role::Weight, &w_amax);
             let weight_t = match gathered {
-                Some((amax, Some(data))) => Operand::of(data.view(weight.size().as_slice()), &amax, self.kind(Role::Weight)),
+                Some(Gathered { bytes: Some(bytes), .. }) => Operand { data: bytes.data.view(weight.size().as_slice()), ..bytes },
                 _ => kernel_cast(weight, &w_amax, Role::Weight, self, false)?,
             }
             .transposed();
@@ -325,7 +319,7 @@ impl Float8 {
             (true, Some(data)) => {
                 let w = match gathered(weight) {
                     // Gathered bytes, row-major: their transpose is the layout this GEMM reads.
-                    Some((amax, Some(data))) => Operand::of(data.view(weight.size().as_slice()).tr().contiguous(), &amax, self.kind(Role::Weight)),
+                    Some(Gathered { bytes: Some(bytes), .. }) => Operand { data: kernels::transpose_float8(&bytes.data.view(weight.size().as_slice()))?, ..bytes },
                     _ => kernel_cast(weight, &amax(w_amax, weight)?, Role::Weight, self, true)?,
                 }
                 .transposed();
@@ -422,9 +416,23 @@ struct GatheredWeight {
     owner: u64,
     address: usize,
     numel: i64,
+    gathered: Gathered,
+}
+
+/// What a float8 gather made of a weight.
+struct Gathered {
+    /// Its whole tensor's amax, which its scale is from.
     amax: Tensor,
-    /// The weight's float8 bytes, row-major (on a GPU).
-    data: Option<Tensor>,
+    /// Its float8 bytes, row-major, with their scale (on a GPU).
+    bytes: Option<Operand>,
+}
+
+/// A weight's float8 bytes as a gather made them (row-major e4m3), the
+/// scale it cast with (`scale_from` the weight's amax) and its reciprocal.
+pub struct GatheredBytes {
+    pub data: Tensor,
+    pub scale: Tensor,
+    pub inverse: Tensor,
 }
 
 static GATHERED: std::sync::Mutex<Vec<GatheredWeight>> = std::sync::Mutex::new(Vec::new());
@@ -434,16 +442,16 @@ fn registry() -> std::sync::MutexGuard<'static, Vec<GatheredWeight>> {
 }
 
 /// Notes that `weight` (a view into a gathered buffer) was gathered in
-/// float8 with the scale of `amax`, as `data` (its e4m3 values, when the
+/// float8 with the scale of `amax`, as `bytes` (its e4m3 values, when the
 /// layer is to read them instead of `weight`) or as dequantised values in
 /// `weight` itself; `owner` (the unit) forgets it with `forget_gathered_by`.
-pub fn note_gathered(owner: u64, weight: &Tensor, amax: &Tensor, data: Option<&Tensor>) {
+pub fn note_gathered(owner: u64, weight: &Tensor, amax: &Tensor, bytes: Option<GatheredBytes>) {
+    let bytes = bytes.map(|GatheredBytes { data, scale, inverse }| Operand { data, scale, inverse });
     let entry = GatheredWeight {
         owner,
         address: weight.data_ptr() as usize,
         numel: weight.numel() as i64,
-        amax: amax.shallow_clone(),
-        data: data.map(Tensor::shallow_clone),
+        gathered: Gathered { amax: amax.shallow_clone(), bytes },
     };
     registry().push(entry);
 }
@@ -462,11 +470,11 @@ pub fn forget_gathered_in(buffer: &Tensor) {
 }
 
 /// The amax a float8 gather cast `weight` with, and its bytes when the gather kept them.
-fn gathered(weight: &Tensor) -> Option<(Tensor, Option<Tensor>)> {
+fn gathered(weight: &Tensor) -> Option<Gathered> {
     let address = weight.data_ptr() as usize;
     let entries = registry();
     let entry = entries.iter().find(|entry| entry.address == address && entry.numel == weight.numel() as i64)?;
-    Some((entry.amax.shallow_clone(), entry.data.as_ref().map(Tensor::shallow_clone)))
+    Some(Gathered { amax: entry.gathered.amax.shallow_clone(), bytes: entry.gathered.bytes.as_ref().map(Operand::shallow_clone) })
 }
 
 /// `x` [rows, cols] cast by ft's kernel, scaled from `amax`: row-major, or
@@ -605,6 +613,22 @@ mod tests {
         for (what, a, b) in [("row-major", &from_offset.data, &from_aligned.data), ("transposed", &from_offset.transposed, &from_aligned.transposed)] {
             let bytes = |t: &Option<Tensor>| t.as_ref().unwrap().view_dtype(Kind::Uint8).to_kind(Kind::Int16);
             assert_same_bits(&bytes(a), &bytes(b), &format!("{what} cast of an offset tensor"));
+        }
+        // Float8 bytes transposed by ft's kernel (a gathered weight's layout for the input gradient): ATen's copy of
+        // the transposed view, byte for byte, at sizes that are and are not whole tiles; and a cast written into a
+        // slice of a larger buffer (a gather's send buffer) equals the one into a new tensor.
+        let bytes = |t: &Tensor| t.view_dtype(Kind::Uint8).to_kind(Kind::Int16);
+        for (rows, cols) in [(4096, 1024), (48, 64), (37, 70)] {
+            let x = Tensor::randn([rows, cols], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+            let amax = crate::kernels::amax(&x).unwrap();
+            let cast = crate::kernels::cast_float8(&x, &amax, Kind::Float8e4m3fn, 448.0, true, false).unwrap().data.unwrap();
+            let transposed = crate::kernels::transpose_float8(&cast).unwrap();
+            assert_same_bits(&bytes(&transposed), &bytes(&cast.tr().contiguous()), &format!("{rows}×{cols} transposed"));
+            let buffer = Tensor::zeros([rows * cols + 64], (Kind::Uint8, gpu));
+            let into = buffer.narrow(0, 16, rows * cols).view_dtype(Kind::Float8e4m3fn).view([rows, cols]);
+            crate::kernels::cast_float8_into(&x, &amax, Kind::Float8e4m3fn, 448.0, &into).unwrap();
+            assert_same_bits(&bytes(&into), &bytes(&cast), &format!("{rows}×{cols} cast into a buffer"));
+            assert_eq!(buffer.narrow(0, 0, 16).count_nonzero(None).int64_value(&[]), 0, "nothing written before the slice");
         }
         // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
         let x = Tensor::ones([1000], (Kind::BFloat16, gpu));

@@ -38,7 +38,9 @@
 //!   amax pass and one pass that scales, clamps, rounds and writes the
 //!   float8 copy row-major, transposed or both. ATen's eager ops took seven
 //!   passes a cast — about 470 ms of a 692 ms Llama-7B step on an H200
-//!   (bench/results/2026-11-26-h200-fp8.md).
+//!   (bench/results/2026-11-26-h200-fp8.md). `fp8_transpose`: float8 bytes
+//!   gathered row-major into the transposed layout, through the cast's
+//!   shared-memory tile.
 //! - `dequantize_4bit_*`: QLoRA's 4-bit base weights (NF4 or FP4, double
 //!   quantization or not) into a bf16, fp16 or fp32 buffer in one pass,
 //!   ~2.5 bytes moved per bf16 value. ATen's ops (`nf4.rs`) gather each
@@ -96,6 +98,7 @@ struct Functions {
     /// By the values' kind: [fp32, bf16].
     fp8_amax: [sys::CUfunction; 2],
     fp8_cast: [sys::CUfunction; 2],
+    fp8_transpose: sys::CUfunction,
     /// By the output's kind: [fp32, bf16, fp16].
     dequantize_4bit: [sys::CUfunction; 3],
     multiprocessors: u32,
@@ -169,6 +172,7 @@ fn load(device_index: usize) -> Result<Functions> {
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
             fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
             fp8_cast: [function("fp8_cast_f32")?, function("fp8_cast_bf16")?],
+            fp8_transpose: function("fp8_transpose")?,
             dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
         })
@@ -747,6 +751,24 @@ pub struct Float8Cast {
 /// clamped to ±max and rounded to `kind` (e4m3fn or e5m2): row-major when
 /// `rows_major`, transposed when `transposed`, one read of x for both.
 pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_major: bool, transposed: bool) -> Result<Float8Cast> {
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    let options = (kind, x.device());
+    let data = row_major.then(|| Tensor::empty([rows, cols], options));
+    let padded = (rows + 15) / 16 * 16;
+    let transposed = transposed.then(|| if padded == rows { Tensor::empty([cols, padded], options) } else { Tensor::zeros([cols, padded], options) });
+    launch_cast_float8(x, amax, kind, max_value, data, transposed)
+}
+
+/// [`cast_float8`]'s row-major cast written into `out` ([rows, cols] of
+/// `kind`, contiguous: a float8 gather's send buffer) instead of a new tensor.
+pub fn cast_float8_into(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, out: &Tensor) -> Result<()> {
+    expect(out, "out", x, &x.size(), kind)?;
+    launch_cast_float8(x, amax, kind, max_value, Some(out.shallow_clone()), None).map(|_| ())
+}
+
+/// The fp8_cast launch behind [`cast_float8`] and [`cast_float8_into`], into
+/// the outputs given: `data` [rows, cols], `transposed` [cols, rows padded to 16].
+fn launch_cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, data: Option<Tensor>, transposed: Option<Tensor>) -> Result<Float8Cast> {
     let index = gpu_index(x, "x")?;
     let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
     expect(x, "x", x, &[rows, cols], x.kind())?;
@@ -761,13 +783,9 @@ pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_ma
     };
     let functions = functions(index)?;
     let function = functions.fp8_cast[by_kind(x.kind())?];
-    let options = (kind, x.device());
-    let data = row_major.then(|| Tensor::empty([rows, cols], options));
     let padded = (rows + 15) / 16 * 16;
-    let transposed = transposed.then(|| if padded == rows { Tensor::empty([cols, padded], options) } else { Tensor::zeros([cols, padded], options) });
     let (scale, inverse) = (Tensor::empty([], (Kind::Float, x.device())), Tensor::empty([], (Kind::Float, x.device())));
-    let row_tiles = u32::try_from((rows as u64).div_ceil(32)).map_err(|_| error("x", "too many rows"))?;
-    let col_tiles = u32::try_from((cols as u64).div_ceil(64)).ok().filter(|&t| t <= 65_535).ok_or_else(|| error("x", format!("{cols} columns: at most 4194240")))?;
+    let (row_tiles, col_tiles) = fp8_tiles(rows, cols)?;
     if rows * cols == 0 {
         let _ = scale.shallow_clone().fill_(1.0);
         let _ = inverse.shallow_clone().fill_(1.0);
@@ -798,6 +816,36 @@ pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_ma
     // were checked above and the outputs made here (see `adamw_` on lifetimes).
     unsafe { launch(function, index, (row_tiles, col_tiles), FP8_CAST_THREADS, &mut params)? };
     Ok(Float8Cast { data, transposed, scale, inverse })
+}
+
+/// The float8 kernels' grid over [rows, cols]: tiles of 32 rows × 64 columns.
+fn fp8_tiles(rows: i64, cols: i64) -> Result<(u32, u32)> {
+    let row_tiles = u32::try_from((rows as u64).div_ceil(32)).map_err(|_| error("x", "too many rows"))?;
+    let col_tiles = u32::try_from((cols as u64).div_ceil(64)).ok().filter(|&t| t <= 65_535).ok_or_else(|| error("x", format!("{cols} columns: at most 4194240")))?;
+    Ok((row_tiles, col_tiles))
+}
+
+/// `x` [rows, cols] (float8, CUDA, contiguous) transposed: a new [cols,
+/// rows] tensor of the same bytes, by `fp8_transpose`.
+pub fn transpose_float8(x: &Tensor) -> Result<Tensor> {
+    let index = gpu_index(x, "x")?;
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    expect(x, "x", x, &[rows, cols], x.kind())?;
+    if !matches!(x.kind(), Kind::Float8e4m3fn | Kind::Float8e5m2) {
+        return Err(error("x", format!("{:?}: fp8_transpose moves float8 bytes", x.kind())));
+    }
+    let out = Tensor::empty([cols, rows], (x.kind(), x.device()));
+    if rows * cols == 0 {
+        return Ok(out);
+    }
+    let functions = functions(index)?;
+    let (row_tiles, col_tiles) = fp8_tiles(rows, cols)?;
+    let (mut x_ptr, mut out_ptr, mut rows_, mut cols_, mut stride) = (x.data_ptr(), out.data_ptr(), rows, cols, rows);
+    let mut params = [arg(&mut x_ptr), arg(&mut rows_), arg(&mut cols_), arg(&mut out_ptr), arg(&mut stride)];
+    // SAFETY: the arguments match fp8_transpose's signature; `x` was checked
+    // above and `out` made here (see `adamw_` on lifetimes).
+    unsafe { launch(functions.fp8_transpose, index, (row_tiles, col_tiles), FP8_CAST_THREADS, &mut params)? };
+    Ok(out)
 }
 
 /// A 4-bit weight's absmaxes, one a block of values, as `dequantize_4bit`
@@ -898,7 +946,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "dequantize_4bit_f16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "dequantize_4bit_f16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

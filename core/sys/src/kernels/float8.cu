@@ -58,6 +58,23 @@ __device__ __forceinline__ float scaled_clamped(float x, float scale, float max_
 #define FP8_TILE_COLS 64
 #define FP8_CAST_THREADS 256
 
+// A tile of x [rows, cols] from (row0, col0), held transposed in shared
+// memory, written as 64 rows of 32 bytes of `out_t` [cols, out_t_stride]:
+// eight bytes a thread, so the writes are coalesced. Called by all 256
+// threads after the tile is filled.
+__device__ void fp8_write_transposed_tile(const unsigned char (*tile)[FP8_TILE_ROWS + 8], long long row0, long long col0, long long rows,
+                                          long long cols, unsigned char* __restrict__ out_t, long long out_t_stride) {
+  const int local_row = threadIdx.x / 4, first = (threadIdx.x % 4) * 8;
+  const long long row = col0 + local_row, from = row0 + first;
+  if (row >= cols || from >= rows) return;
+  unsigned char* to = out_t + row * out_t_stride + from;
+  if (from + 8 <= rows && ((size_t)to & 7) == 0) {
+    *reinterpret_cast<uint2*>(to) = *reinterpret_cast<const uint2*>(&tile[local_row][first]);
+  } else {
+    for (int i = 0; i < 8 && from + i < rows; ++i) to[i] = tile[local_row][first + i];
+  }
+}
+
 // x [rows, cols] (cols even) cast to float8 with scale = max / max(amax,
 // 1e-12) computed in fp64 and rounded to fp32 (torchao's tensor_to_scale):
 // into `out` [rows, cols] row-major and/or `out_t` [cols, out_t_stride],
@@ -116,16 +133,35 @@ __device__ void fp8_cast(const T* __restrict__ x, long long rows, long long cols
   }
   if (!out_t) return;
   __syncthreads();
-  // 64 transposed rows of 32 bytes: eight bytes a thread.
-  const int local_row = threadIdx.x / 4, first = (threadIdx.x % 4) * 8;
-  const long long row = col0 + local_row, from = row0 + first;
-  if (row >= cols || from >= rows) return;
-  unsigned char* to = out_t + row * out_t_stride + from;
-  if (from + 8 <= rows && ((size_t)to & 7) == 0) {
-    *reinterpret_cast<uint2*>(to) = *reinterpret_cast<const uint2*>(&tile[local_row][first]);
-  } else {
-    for (int i = 0; i < 8 && from + i < rows; ++i) to[i] = tile[local_row][first + i];
+  fp8_write_transposed_tile(tile, row0, col0, rows, cols, out_t, out_t_stride);
+}
+
+// x [rows, cols] float8 bytes into `out` [cols, out_stride], x's transpose:
+// the cast's tile, filled eight bytes a thread (one 8-byte load where x
+// allows it). The input gradient's GEMM reads a weight gathered as float8
+// bytes so; ATen's copy of the transposed view runs an uncoalesced
+// elementwise kernel, 47 ms of a 357 ms step of Llama-7B on two H100s
+// (bench/results/2026-11-27-h100x2-fp8-gathers.md).
+extern "C" __global__ void fp8_transpose(const unsigned char* __restrict__ x, long long rows, long long cols,
+                                         unsigned char* __restrict__ out, long long out_stride) {
+  __shared__ __align__(8) unsigned char tile[FP8_TILE_COLS][FP8_TILE_ROWS + 8];
+  const long long row0 = (long long)blockIdx.x * FP8_TILE_ROWS, col0 = (long long)blockIdx.y * FP8_TILE_COLS;
+  // 32 rows of 64 bytes: eight bytes a thread.
+  const int local_row = threadIdx.x / 8, local_col = (threadIdx.x % 8) * 8;
+  const long long row = row0 + local_row, col = col0 + local_col;
+  if (row < rows && col < cols) {
+    const unsigned char* from = x + row * cols + col;
+    if (col + 8 <= cols && ((size_t)from & 7) == 0) {
+      const uint2 word = *reinterpret_cast<const uint2*>(from);
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&word);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) tile[local_col + k][local_row] = bytes[k];
+    } else {
+      for (int k = 0; k < 8 && col + k < cols; ++k) tile[local_col + k][local_row] = from[k];
+    }
   }
+  __syncthreads();
+  fp8_write_transposed_tile(tile, row0, col0, rows, cols, out, out_stride);
 }
 
 extern "C" __global__ void fp8_amax_f32(const float* x, long long n, unsigned int* amax) { fp8_amax(x, n, amax); }
