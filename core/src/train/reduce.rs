@@ -33,6 +33,16 @@ pub(super) enum AfterReduction {
     Nothing,
 }
 
+/// `grad` in the reduce dtype `kind`: bf16 widened to fp32 by ft's kernel
+/// where it loads (ATen's copy between the two does not vectorise: twice
+/// the time), else by ATen's cast.
+fn in_reduce_dtype(grad: &Tensor, kind: Kind, kernels: super::Kernels) -> Result<Tensor> {
+    if kernels == super::Kernels::Ft && grad.kind() == Kind::BFloat16 && kind == Kind::Float && grad.is_contiguous() {
+        return Ok(ft_sys::kernels::widen_bf16(grad)?);
+    }
+    Ok(grad.to_kind(kind))
+}
+
 impl Trainer<'_> {
     /// Starts stage `stage` of unit `u`'s reduction over `group` through the
     /// communication hook: `input` in, the sum in `output`.
@@ -79,7 +89,7 @@ impl Trainer<'_> {
             // on to the host, where micro-batches are summed, so no fp32
             // gradient stays on the device.
             let input = if fresh.defined() {
-                fresh.to_kind(reduce_dtype)
+                in_reduce_dtype(&fresh, reduce_dtype, self.kernels)?
             } else {
                 Tensor::zeros([placement.shard.padded], (reduce_dtype, unit.device()))
             };

@@ -630,6 +630,14 @@ mod tests {
             assert_same_bits(&bytes(&into), &bytes(&cast), &format!("{rows}×{cols} cast into a buffer"));
             assert_eq!(buffer.narrow(0, 0, 16).count_nonzero(None).int64_value(&[]), 0, "nothing written before the slice");
         }
+        // bf16 widened to fp32 by ft's kernel (an fp32 reduction's input): ATen's cast, bit for bit, from 16 bytes in
+        // and from an offset (the scalar path), NaN and infinities included.
+        let values = Tensor::randn([4096 * 3 + 5], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+        let _ = values.get(7).fill_(f64::NAN);
+        let _ = values.get(8).fill_(f64::INFINITY);
+        for x in [values.shallow_clone(), values.narrow(0, 3, 4096 * 3)] {
+            assert_same_bits(&crate::kernels::widen_bf16(&x).unwrap(), &x.to_kind(Kind::Float), "widened bf16");
+        }
         // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
         let x = Tensor::ones([1000], (Kind::BFloat16, gpu));
         let _ = x.get(777).fill_(f64::NAN);

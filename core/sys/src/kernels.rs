@@ -41,6 +41,8 @@
 //!   (bench/results/2026-11-26-h200-fp8.md). `fp8_transpose`: float8 bytes
 //!   gathered row-major into the transposed layout, through the cast's
 //!   shared-memory tile.
+//! - `widen_bf16`: bf16 to fp32 in one vectorised pass (an fp32 reduction's
+//!   input); ATen's copy between the kinds does not vectorise.
 //! - `dequantize_4bit_*`: QLoRA's 4-bit base weights (NF4 or FP4, double
 //!   quantization or not) into a bf16, fp16 or fp32 buffer in one pass,
 //!   ~2.5 bytes moved per bf16 value. ATen's ops (`nf4.rs`) gather each
@@ -73,6 +75,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/column_sum.cu"),
     include_str!("kernels/float8.cu"),
     include_str!("kernels/nf4.cu"),
+    include_str!("kernels/widen.cu"),
 );
 
 /// The kernels, loaded into one device's (primary) context.
@@ -99,6 +102,7 @@ struct Functions {
     fp8_amax: [sys::CUfunction; 2],
     fp8_cast: [sys::CUfunction; 2],
     fp8_transpose: sys::CUfunction,
+    widen_bf16: sys::CUfunction,
     /// By the output's kind: [fp32, bf16, fp16].
     dequantize_4bit: [sys::CUfunction; 3],
     multiprocessors: u32,
@@ -173,6 +177,7 @@ fn load(device_index: usize) -> Result<Functions> {
             fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
             fp8_cast: [function("fp8_cast_f32")?, function("fp8_cast_bf16")?],
             fp8_transpose: function("fp8_transpose")?,
+            widen_bf16: function("widen_bf16")?,
             dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
         })
@@ -731,6 +736,25 @@ pub fn amax(x: &Tensor) -> Result<Tensor> {
     Ok(amax)
 }
 
+/// `x` (bf16, CUDA, contiguous) as a new fp32 tensor of its shape, exactly.
+pub fn widen_bf16(x: &Tensor) -> Result<Tensor> {
+    let index = gpu_index(x, "x")?;
+    expect(x, "x", x, &x.size(), Kind::BFloat16)?;
+    let out = Tensor::empty(x.size(), (Kind::Float, x.device()));
+    let mut n = x.numel() as i64;
+    if n == 0 {
+        return Ok(out);
+    }
+    let functions = functions(index)?;
+    let blocks = (n as u64).div_ceil(8 * ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 8) as u32;
+    let (mut x_ptr, mut out_ptr) = (x.data_ptr(), out.data_ptr());
+    let mut params = [arg(&mut x_ptr), arg(&mut out_ptr), arg(&mut n)];
+    // SAFETY: the arguments match widen_bf16's signature; `x` was checked
+    // above and `out` made here (see `adamw_` on lifetimes).
+    unsafe { launch(functions.widen_bf16, index, blocks, ELEMENTWISE_THREADS, &mut params)? };
+    Ok(out)
+}
+
 /// fp8_cast's block (float8.cu's FP8_CAST_THREADS).
 const FP8_CAST_THREADS: u32 = 256;
 
@@ -946,7 +970,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "dequantize_4bit_f16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "dequantize_4bit_f16", "widen_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }
