@@ -410,13 +410,15 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
         assert_eq!(common::losses(&float8_gathers).len(), 4);
         assert_eq!(common::losses(&float8_gathers), common::losses(&f32_gathers), "{ranks} ranks");
     }
-    // LoRA's frozen base blocks are gathered in float8 too; their adapters (units of their own) as before.
-    let lora = ["--lora-r", "4"];
-    let (lora_float8, ok, message) = run("lora-float8-gathers", 2, &lora, None);
-    assert!(ok && message.contains("sharded blocks gathered as float8"), "{message}");
-    let (lora_f32, ok, message) = run("lora-f32-gathers", 2, &[&lora[..], &off].concat(), None);
-    assert!(ok, "{message}");
-    assert_eq!(common::losses(&lora_float8), common::losses(&lora_f32), "LoRA at 2 ranks");
+    // LoRA's frozen base blocks are gathered in float8 too, their adapters (units of their own) as before; and
+    // blocks whose optimizer runs on the host (`--offload cpu`).
+    for (name, extra) in [("lora", &["--lora-r", "4"]), ("offload", &["--offload", "cpu"])] {
+        let (float8, ok, message) = run(&format!("{name}-float8-gathers"), 2, extra, None);
+        assert!(ok && message.contains("sharded blocks gathered as float8"), "{message}");
+        let (f32, ok, message) = run(&format!("{name}-f32-gathers"), 2, &[&extra[..], &off].concat(), None);
+        assert!(ok, "{message}");
+        assert_eq!(common::losses(&float8), common::losses(&f32), "{name} at 2 ranks");
+    }
     let bf16 = ["--dtype", "bf16", "--max-steps", "1"];
     let (float8_gathers, ok, message) = run("bf16-float8-gathers", 2, &bf16, None);
     assert!(ok, "{message}");
