@@ -238,6 +238,34 @@ impl Float8 {
         fused && !self.emulate && self.recipe == Recipe::Tensorwise
     }
 
+    /// The rowwise recipe's casts by ft's kernels (`fused`: they load on this GPU).
+    fn rowwise_fused(self, fused: bool) -> bool {
+        fused && !self.emulate && self.recipe == Recipe::Rowwise
+    }
+
+    /// Rowwise with ft's kernels: `x` [R, C] (contiguous) cast with a power-of-2
+    /// scale per row (`Along::Rows`: from each row's amax) or per column, as
+    /// `cast` along dim -1 or 0 does — the same bits — and its amaxes. The
+    /// operand is x's (a view of the transposed copy [C, R padded to 16]
+    /// when `transposed`: the layout a GEMM's second operand reads), the
+    /// scales shaped as `cast`'s: [R, 1] or [1, C].
+    fn kernel_cast_along(self, x: &Tensor, along: kernels::Along, role: Role, transposed: bool) -> Result<(Operand, Tensor)> {
+        let kind = self.kind(role);
+        let max = max_value(kind) as f32;
+        let amax = kernels::amax_along(x, along)?;
+        let (scale, inverse) = kernels::float8_scales(&amax, max, true)?;
+        let cast = kernels::cast_float8_along(x, along, &scale, &inverse, kind, max, !transposed, transposed)?;
+        let data = match transposed {
+            true => cast.transposed.expect("asked for").tr(),
+            false => cast.data.expect("asked for"),
+        };
+        let shape = match along {
+            kernels::Along::Rows => [-1, 1],
+            kernels::Along::Cols => [1, -1],
+        };
+        Ok((Operand { data, scale: scale.view(shape), inverse: inverse.view(shape) }, amax))
+    }
+
     /// Forward: x·Wᵀ, x [.., in] and W [out, in], and what backward reuses.
     /// Rowwise: a scale per token and one per output feature.
     pub(crate) fn forward(self, x: &Tensor, weight: &Tensor, fused: bool, layer: u32) -> Result<(Tensor, Saved)> {
@@ -245,7 +273,7 @@ impl Float8 {
         let rows = x.reshape([-1, features]);
         let (out, saved) = if self.casts_fused(fused) {
             let rows = rows.contiguous();
-            let (x_amax, input) = INPUTS.cast(&rows, || {
+            let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || {
                 let amax = kernels::amax(&rows)?;
                 Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
             })?;
@@ -262,6 +290,13 @@ impl Float8 {
             }
             .transposed();
             (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
+        } else if self.rowwise_fused(fused) {
+            let rows = rows.contiguous();
+            let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || self.kernel_cast_along(&rows, kernels::Along::Rows, Role::Input, false))?;
+            let (weight_rows, w_amax) = self.kernel_cast_along(&weight.contiguous(), kernels::Along::Rows, Role::Weight, false)?;
+            record(layer, Role::Input, &x_amax);
+            record(layer, Role::Weight, &w_amax);
+            (self.gemm(&input, &weight_rows.transposed(), x.kind(), true)?, [None, None])
         } else {
             let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
             let weight_t = self.cast_recording(weight, Role::Weight, -1, Some(layer)).transposed();
@@ -279,8 +314,13 @@ impl Float8 {
     pub(crate) fn backward(self, x: &Tensor, weight: &Tensor, grad: &Tensor, saved: Saved, wanted: [bool; 2], fused: bool, layer: u32) -> Result<[Option<Tensor>; 2]> {
         let (features, outputs) = (x.size()[x.dim() - 1], weight.size()[0]);
         let grad = grad.reshape([-1, outputs]);
-        if self.casts_fused(fused) {
-            return self.fused_backward(&x.reshape([-1, features]).contiguous(), weight, &grad.contiguous(), saved, wanted, layer).map(|[input, weight]| [input.map(|g| g.reshape(x.size())), weight]);
+        if self.casts_fused(fused) || self.rowwise_fused(fused) {
+            let (rows, grad) = (x.reshape([-1, features]).contiguous(), grad.contiguous());
+            let [input, weight] = match self.recipe {
+                Recipe::Tensorwise => self.fused_backward(&rows, weight, &grad, saved, wanted, layer)?,
+                Recipe::Rowwise => self.rowwise_fused_backward(&rows, weight, &grad, wanted, layer)?,
+            };
+            return Ok([input.map(|g| g.reshape(x.size())), weight]);
         }
         // The output gradient's amax once: its first cast's.
         let mut recording = Some(layer);
@@ -330,7 +370,7 @@ impl Float8 {
         let grad_weight = match (wanted[1], dy.transposed) {
             (true, Some(data)) => {
                 let dy_t = Operand { data, scale: dy.scale, inverse: dy.inverse };
-                let (_, x) = TRANSPOSED_INPUTS.cast(rows, || {
+                let (_, x) = TRANSPOSED_INPUTS.cast(rows, self.recipe, || {
                     let amax = amax(x_amax, rows)?;
                     Ok((kernel_cast(rows, &amax, Role::Input, self, true)?, amax))
                 })?;
@@ -338,6 +378,37 @@ impl Float8 {
                 Some(self.gemm(&dy_t, &x, grad.kind(), false)?)
             }
             _ => None,
+        };
+        Ok([grad_input, grad_weight])
+    }
+
+    /// Rowwise backward with ft's kernels: dy cast per token for dy·W, W
+    /// per input feature into the layout that GEMM reads, dy per output
+    /// feature and x per input feature transposed for dyᵀ·x — the casts
+    /// `backward`'s ATen path makes, bit for bit, with no copy to relayout.
+    fn rowwise_fused_backward(self, rows: &Tensor, weight: &Tensor, grad: &Tensor, wanted: [bool; 2], layer: u32) -> Result<[Option<Tensor>; 2]> {
+        use kernels::Along;
+        // The output gradient's amax once: its first cast's.
+        let mut recording = Some(layer);
+        let grad_input = match wanted[0] {
+            false => None,
+            true => {
+                let (dy, g_amax) = self.kernel_cast_along(grad, Along::Rows, Role::GradOutput, false)?;
+                record(recording.take().expect("first"), Role::GradOutput, &g_amax);
+                let (w, _) = self.kernel_cast_along(&weight.contiguous(), Along::Cols, Role::Weight, true)?;
+                Some(self.gemm(&dy, &w, grad.kind(), false)?)
+            }
+        };
+        let grad_weight = match wanted[1] {
+            false => None,
+            true => {
+                let (dy, g_amax) = self.kernel_cast_along(grad, Along::Cols, Role::GradOutput, true)?;
+                if let Some(layer) = recording {
+                    record(layer, Role::GradOutput, &g_amax);
+                }
+                let (_, x) = TRANSPOSED_INPUTS.cast(rows, self.recipe, || self.kernel_cast_along(rows, Along::Cols, Role::Input, true))?;
+                Some(self.gemm(&dy.transposed(), &x, grad.kind(), false)?)
+            }
         };
         Ok([grad_input, grad_weight])
     }
@@ -364,6 +435,8 @@ struct InputCache(std::sync::Mutex<Option<CachedInput>>);
 
 struct CachedInput {
     x: Tensor,
+    /// The recipe it was cast for (a tensorwise and a rowwise cast of x differ).
+    recipe: Recipe,
     version: i64,
     amax: Tensor,
     cast: Operand,
@@ -373,17 +446,17 @@ static INPUTS: InputCache = InputCache(std::sync::Mutex::new(None));
 static TRANSPOSED_INPUTS: InputCache = InputCache(std::sync::Mutex::new(None));
 
 impl InputCache {
-    /// `x`'s amax and cast: the cached ones when x is the input cast last, else `cast`'s, then cached.
-    fn cast(&self, x: &Tensor, cast: impl FnOnce() -> Result<(Operand, Tensor)>) -> Result<(Tensor, Operand)> {
+    /// `x`'s amax and cast under `recipe`: the cached ones when x is the input cast last, else `cast`'s, then cached.
+    fn cast(&self, x: &Tensor, recipe: Recipe, cast: impl FnOnce() -> Result<(Operand, Tensor)>) -> Result<(Tensor, Operand)> {
         let mut entry = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(cached) = entry.as_ref() {
-            let same = cached.x.data_ptr() == x.data_ptr() && cached.x.device() == x.device() && cached.x.kind() == x.kind();
+            let same = cached.recipe == recipe && cached.x.data_ptr() == x.data_ptr() && cached.x.device() == x.device() && cached.x.kind() == x.kind();
             if same && cached.x.size() == x.size() && cached.x.stride() == x.stride() && cached.version == x.internal_version() {
                 return Ok((cached.amax.shallow_clone(), cached.cast.shallow_clone()));
             }
         }
         let (operand, amax) = cast()?;
-        *entry = Some(CachedInput { x: x.shallow_clone(), version: x.internal_version(), amax: amax.shallow_clone(), cast: operand.shallow_clone() });
+        *entry = Some(CachedInput { x: x.shallow_clone(), recipe, version: x.internal_version(), amax: amax.shallow_clone(), cast: operand.shallow_clone() });
         Ok((amax, operand))
     }
 
@@ -559,8 +632,12 @@ mod tests {
 
     /// x·Wᵀ's output and the gradients of the tensors that require them.
     fn run(x: &Tensor, weight: &Tensor, grad: &Tensor, fused: bool) -> Vec<Tensor> {
+        run_recipe(x, weight, grad, fused, Recipe::Tensorwise)
+    }
+
+    fn run_recipe(x: &Tensor, weight: &Tensor, grad: &Tensor, fused: bool, recipe: Recipe) -> Vec<Tensor> {
         let (x, weight) = (x.detach().set_requires_grad(x.requires_grad()), weight.detach().set_requires_grad(weight.requires_grad()));
-        let out = linear(&x, &weight, Float8 { recipe: Recipe::Tensorwise, emulate: false }, fused, 0).unwrap();
+        let out = linear(&x, &weight, Float8 { recipe, emulate: false }, fused, 0).unwrap();
         // d(Σ out·grad)/d out is `grad` exactly.
         (&out * grad).sum(out.kind()).backward();
         [x.grad(), weight.grad()].into_iter().filter(Tensor::defined).chain([out.detach()]).collect()
@@ -582,12 +659,12 @@ mod tests {
                 let _ = x.get(1).zero_();
                 let weight = (Tensor::randn([outputs, inputs], (Kind::Float, gpu)) * 0.05).to_kind(kind);
                 let grad = (Tensor::randn([tokens, outputs], (Kind::Float, gpu)) * 1e-4).to_kind(kind);
-                for wanted in [[true, true], [false, true], [true, false]] {
+                for (recipe, wanted) in [Recipe::Tensorwise, Recipe::Rowwise].into_iter().flat_map(|r| [[true, true], [false, true], [true, false]].map(|w| (r, w))) {
                     let (x, weight) = (x.set_requires_grad(wanted[0]), weight.set_requires_grad(wanted[1]));
-                    let (fused, aten) = (run(&x, &weight, &grad, true), run(&x, &weight, &grad, false));
+                    let (fused, aten) = (run_recipe(&x, &weight, &grad, true, recipe), run_recipe(&x, &weight, &grad, false, recipe));
                     assert_eq!(fused.len(), aten.len());
                     for (i, (fused, aten)) in fused.iter().zip(&aten).enumerate() {
-                        assert_same_bits(fused, aten, &format!("{tokens}×{inputs}→{outputs} {kind:?} {wanted:?} result {i}"));
+                        assert_same_bits(fused, aten, &format!("{recipe:?} {tokens}×{inputs}→{outputs} {kind:?} {wanted:?} result {i}"));
                     }
                 }
             }

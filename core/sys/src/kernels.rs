@@ -38,9 +38,11 @@
 //!   amax pass and one pass that scales, clamps, rounds and writes the
 //!   float8 copy row-major, transposed or both. ATen's eager ops took seven
 //!   passes a cast — about 470 ms of a 692 ms Llama-7B step on an H200
-//!   (bench/results/2026-11-26-h200-fp8.md). `fp8_transpose`: float8 bytes
-//!   gathered row-major into the transposed layout, through the cast's
-//!   shared-memory tile.
+//!   (bench/results/2026-11-26-h200-fp8.md). The rowwise recipe's amaxes
+//!   per row or per column (`fp8_amax_rows_*`, `fp8_amax_cols_*`), their
+//!   scales (`fp8_scales`), and the same cast reading a scale per row or
+//!   column. `fp8_transpose`: float8 bytes gathered row-major into the
+//!   transposed layout, through the cast's shared-memory tile.
 //! - `widen_bf16`: bf16 to fp32 in one vectorised pass (an fp32 reduction's
 //!   input); ATen's copy between the kinds does not vectorise.
 //! - `dequantize_4bit_*`: QLoRA's 4-bit base weights (NF4 or FP4, double
@@ -102,6 +104,10 @@ struct Functions {
     fp8_amax: [sys::CUfunction; 2],
     fp8_cast: [sys::CUfunction; 2],
     fp8_transpose: sys::CUfunction,
+    /// By the values' kind: [fp32, bf16].
+    fp8_amax_rows: [sys::CUfunction; 2],
+    fp8_amax_cols: [sys::CUfunction; 2],
+    fp8_scales: sys::CUfunction,
     widen_bf16: sys::CUfunction,
     /// By the output's kind: [fp32, bf16, fp16].
     dequantize_4bit: [sys::CUfunction; 3],
@@ -177,6 +183,9 @@ fn load(device_index: usize) -> Result<Functions> {
             fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
             fp8_cast: [function("fp8_cast_f32")?, function("fp8_cast_bf16")?],
             fp8_transpose: function("fp8_transpose")?,
+            fp8_amax_rows: [function("fp8_amax_rows_f32")?, function("fp8_amax_rows_bf16")?],
+            fp8_amax_cols: [function("fp8_amax_cols_f32")?, function("fp8_amax_cols_bf16")?],
+            fp8_scales: function("fp8_scales")?,
             widen_bf16: function("widen_bf16")?,
             dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
@@ -775,28 +784,126 @@ pub struct Float8Cast {
 /// clamped to ±max and rounded to `kind` (e4m3fn or e5m2): row-major when
 /// `rows_major`, transposed when `transposed`, one read of x for both.
 pub fn cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, row_major: bool, transposed: bool) -> Result<Float8Cast> {
+    let (data, transposed) = float8_outputs(x, kind, row_major, transposed)?;
+    launch_cast_float8(x, Scaling::Tensor(amax), kind, max_value, data, transposed)
+}
+
+/// Which of x's dimensions a rowwise cast's scales run along: one scale a
+/// row (the amax over its columns) or one a column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Along {
+    Rows,
+    Cols,
+}
+
+/// How a cast scales x: by one amax, or by a scale (and its reciprocal) a row or column.
+enum Scaling<'a> {
+    Tensor(&'a Tensor),
+    Along(Along, &'a Tensor, &'a Tensor),
+}
+
+/// [`cast_float8`] with a scale per row or per column of x (`scale`,
+/// [rows] or [cols] fp32, from [`float8_scales`]), which the returned cast
+/// carries as they are.
+#[allow(clippy::too_many_arguments)] // the cast's own options, as cast_float8's
+pub fn cast_float8_along(x: &Tensor, along: Along, scale: &Tensor, inverse: &Tensor, kind: Kind, max_value: f32, row_major: bool, transposed: bool) -> Result<Float8Cast> {
+    let (data, transposed) = float8_outputs(x, kind, row_major, transposed)?;
+    launch_cast_float8(x, Scaling::Along(along, scale, inverse), kind, max_value, data, transposed)
+}
+
+/// A float8 cast's outputs for x [rows, cols]: row-major [rows, cols], transposed [cols, rows padded to 16] (zeros past rows).
+fn float8_outputs(x: &Tensor, kind: Kind, row_major: bool, transposed: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
     let options = (kind, x.device());
     let data = row_major.then(|| Tensor::empty([rows, cols], options));
     let padded = (rows + 15) / 16 * 16;
     let transposed = transposed.then(|| if padded == rows { Tensor::empty([cols, padded], options) } else { Tensor::zeros([cols, padded], options) });
-    launch_cast_float8(x, amax, kind, max_value, data, transposed)
+    Ok((data, transposed))
+}
+
+/// max |x| of each row of `x` [rows, cols] (`Along::Rows`: [rows] fp32)
+/// or of each column ([cols]), NaN where a value is: the rowwise recipe's amaxes.
+pub fn amax_along(x: &Tensor, along: Along) -> Result<Tensor> {
+    let index = gpu_index(x, "x")?;
+    let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
+    expect(x, "x", x, &[rows, cols], x.kind())?;
+    let functions = functions(index)?;
+    let which = by_kind(x.kind())?;
+    let amax = Tensor::zeros([if along == Along::Rows { rows } else { cols }], (Kind::Float, x.device()));
+    if rows * cols == 0 {
+        return Ok(amax);
+    }
+    let (mut x_ptr, mut amax_ptr, mut rows_, mut cols_) = (x.data_ptr(), amax.data_ptr(), rows, cols);
+    match along {
+        Along::Rows => {
+            let blocks = (rows as u64).min(functions.multiprocessors as u64 * 16) as u32;
+            let mut params = [arg(&mut x_ptr), arg(&mut rows_), arg(&mut cols_), arg(&mut amax_ptr)];
+            // SAFETY: the arguments match fp8_amax_rows_*'s signature; `x` was
+            // checked above and `amax` made here (see `adamw_` on lifetimes).
+            unsafe { launch(functions.fp8_amax_rows[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }?;
+        }
+        Along::Cols => {
+            // A thread a column; enough chunks of rows for ~8 blocks a multiprocessor, each at least 16 rows.
+            let column_blocks = (cols as u64).div_ceil(ELEMENTWISE_THREADS as u64) as u32;
+            let chunks = (functions.multiprocessors * 8).div_ceil(column_blocks).clamp(1, (rows as u64).div_ceil(16) as u32).min(65_535);
+            let mut chunk = (rows as u64).div_ceil(chunks as u64) as i64;
+            let mut params = [arg(&mut x_ptr), arg(&mut rows_), arg(&mut cols_), arg(&mut chunk), arg(&mut amax_ptr)];
+            // SAFETY: the arguments match fp8_amax_cols_*'s signature (as above).
+            unsafe { launch(functions.fp8_amax_cols[which], index, (column_blocks, chunks), ELEMENTWISE_THREADS, &mut params) }?;
+        }
+    }
+    Ok(amax)
+}
+
+/// Each of `amax`'s values (fp32, 1-D) as a float8 scale for a kind whose
+/// largest value is `max_value` (torchao's `tensor_to_scale`; with
+/// `power_of_2`, rounded down to a power of two as the rowwise recipe
+/// does), and their reciprocals.
+pub fn float8_scales(amax: &Tensor, max_value: f32, power_of_2: bool) -> Result<(Tensor, Tensor)> {
+    let index = gpu_index(amax, "amax")?;
+    expect(amax, "amax", amax, &[amax.numel() as i64], Kind::Float)?;
+    let functions = functions(index)?;
+    let (scale, inverse) = (Tensor::empty_like(amax), Tensor::empty_like(amax));
+    let mut n = amax.numel() as i64;
+    if n == 0 {
+        return Ok((scale, inverse));
+    }
+    let blocks = (n as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 8) as u32;
+    let (mut amax_ptr, mut scale_ptr, mut inverse_ptr, mut max_value, mut power_of_2) = (amax.data_ptr(), scale.data_ptr(), inverse.data_ptr(), max_value, power_of_2 as i32);
+    let mut params = [arg(&mut amax_ptr), arg(&mut n), arg(&mut max_value), arg(&mut power_of_2), arg(&mut scale_ptr), arg(&mut inverse_ptr)];
+    // SAFETY: the arguments match fp8_scales's signature; `amax` was checked
+    // above and the outputs made here (see `adamw_` on lifetimes).
+    unsafe { launch(functions.fp8_scales, index, blocks, ELEMENTWISE_THREADS, &mut params)? };
+    Ok((scale, inverse))
 }
 
 /// [`cast_float8`]'s row-major cast written into `out` ([rows, cols] of
 /// `kind`, contiguous: a float8 gather's send buffer) instead of a new tensor.
 pub fn cast_float8_into(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, out: &Tensor) -> Result<()> {
     expect(out, "out", x, &x.size(), kind)?;
-    launch_cast_float8(x, amax, kind, max_value, Some(out.shallow_clone()), None).map(|_| ())
+    launch_cast_float8(x, Scaling::Tensor(amax), kind, max_value, Some(out.shallow_clone()), None).map(|_| ())
 }
 
 /// The fp8_cast launch behind [`cast_float8`] and [`cast_float8_into`], into
 /// the outputs given: `data` [rows, cols], `transposed` [cols, rows padded to 16].
-fn launch_cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, data: Option<Tensor>, transposed: Option<Tensor>) -> Result<Float8Cast> {
+fn launch_cast_float8(x: &Tensor, scaling: Scaling, kind: Kind, max_value: f32, data: Option<Tensor>, transposed: Option<Tensor>) -> Result<Float8Cast> {
     let index = gpu_index(x, "x")?;
     let (rows, cols) = x.size2().map_err(|e| error("x", e))?;
     expect(x, "x", x, &[rows, cols], x.kind())?;
-    expect(amax, "amax", x, &[], Kind::Float)?;
+    // The kernel's mode (float8.cu's FP8_SCALE_*), its amax and scales, and the scale and reciprocal the cast carries.
+    let (mut by, amax, scales, (scale, inverse)) = match scaling {
+        Scaling::Tensor(amax) => {
+            expect(amax, "amax", x, &[], Kind::Float)?;
+            let scalar = || Tensor::empty([], (Kind::Float, x.device()));
+            (0i32, Some(amax), None, (scalar(), scalar()))
+        }
+        Scaling::Along(along, scale, inverse) => {
+            let n = if along == Along::Rows { rows } else { cols };
+            expect(scale, "scale", x, &[n], Kind::Float)?;
+            expect(inverse, "inverse", x, &[n], Kind::Float)?;
+            (if along == Along::Rows { 1 } else { 2 }, None, Some(scale), (scale.shallow_clone(), inverse.shallow_clone()))
+        }
+    };
     if cols % 2 != 0 {
         return Err(error("x", format!("{cols} columns: the float8 cast takes an even number")));
     }
@@ -808,15 +915,17 @@ fn launch_cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, dat
     let functions = functions(index)?;
     let function = functions.fp8_cast[by_kind(x.kind())?];
     let padded = (rows + 15) / 16 * 16;
-    let (scale, inverse) = (Tensor::empty([], (Kind::Float, x.device())), Tensor::empty([], (Kind::Float, x.device())));
     let (row_tiles, col_tiles) = fp8_tiles(rows, cols)?;
     if rows * cols == 0 {
-        let _ = scale.shallow_clone().fill_(1.0);
-        let _ = inverse.shallow_clone().fill_(1.0);
+        if by == 0 {
+            let _ = scale.shallow_clone().fill_(1.0);
+            let _ = inverse.shallow_clone().fill_(1.0);
+        }
         return Ok(Float8Cast { data, transposed, scale, inverse });
     }
-    let pointer = |t: &Option<Tensor>| t.as_ref().map_or(std::ptr::null_mut(), Tensor::data_ptr);
-    let (mut x_ptr, mut amax_ptr, mut out_ptr, mut out_t_ptr) = (x.data_ptr(), amax.data_ptr(), pointer(&data), pointer(&transposed));
+    let pointer = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), Tensor::data_ptr);
+    let (mut x_ptr, mut amax_ptr, mut scales_ptr) = (x.data_ptr(), pointer(amax), pointer(scales));
+    let (mut out_ptr, mut out_t_ptr) = (pointer(data.as_ref()), pointer(transposed.as_ref()));
     let (mut scale_ptr, mut inverse_ptr) = (scale.data_ptr(), inverse.data_ptr());
     // 16 bytes a load where x allows it (`Pack` in rope_swiglu.cu).
     let per_word = 16 / x.kind().elt_size_in_bytes() as i64;
@@ -827,6 +936,7 @@ fn launch_cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, dat
         arg(&mut rows_),
         arg(&mut cols_),
         arg(&mut amax_ptr),
+        arg(&mut scales_ptr),
         arg(&mut max_value),
         arg(&mut e5m2),
         arg(&mut out_ptr),
@@ -835,9 +945,11 @@ fn launch_cast_float8(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, dat
         arg(&mut scale_ptr),
         arg(&mut inverse_ptr),
         arg(&mut packed),
+        arg(&mut by),
     ];
-    // SAFETY: the arguments match fp8_cast_*'s signature; `x` and `amax`
-    // were checked above and the outputs made here (see `adamw_` on lifetimes).
+    // SAFETY: the arguments match fp8_cast_*'s signature; `x` and the amax
+    // or scales were checked above and the outputs made here (see `adamw_`
+    // on lifetimes); the kernel reads `amax` only tensorwise, `scales` only not.
     unsafe { launch(function, index, (row_tiles, col_tiles), FP8_CAST_THREADS, &mut params)? };
     Ok(Float8Cast { data, transposed, scale, inverse })
 }
@@ -970,7 +1082,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "dequantize_4bit_f16", "widen_bf16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

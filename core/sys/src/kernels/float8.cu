@@ -1,10 +1,11 @@
 // Part of ft's CUDA kernels (core/sys/src/kernels.rs compiles them with NVRTC as one
 // source: common.cuh first, then each family's file, so each may use common.cuh's helpers).
 
-// Float8 casts as torchao's tensorwise recipe makes them (ft-sys's float8.rs
-// holds the ATen version these equal bit for bit): amax = max |x| in one
-// pass, then one pass that scales, clamps and rounds x to float8 and writes
-// it row-major, transposed, or both, instead of ATen's seven passes.
+// Float8 casts as torchao's tensorwise and rowwise recipes make them
+// (ft-sys's float8.rs holds the ATen version these equal bit for bit): the
+// amax — of the tensor, or of each row or column — in one pass, then one
+// pass that scales, clamps and rounds x to float8 and writes it row-major,
+// transposed, or both, instead of ATen's seven passes and a relayout copy.
 
 // max |x| over n values into `amax` (fp32 bits, zeroed by the caller): a
 // grid-stride pass (16 bytes a load where x is 16-byte aligned), a block
@@ -75,30 +76,45 @@ __device__ void fp8_write_transposed_tile(const unsigned char (*tile)[FP8_TILE_R
   }
 }
 
-// x [rows, cols] (cols even) cast to float8 with scale = max / max(amax,
-// 1e-12) computed in fp64 and rounded to fp32 (torchao's tensor_to_scale):
+// Scale = max / max(amax, 1e-12) computed in fp64 and rounded to fp32
+// (torchao's tensor_to_scale); with `power_of_2` (the rowwise recipe)
+// rounded down to a power of 2 as torch's exp2(floor(log2(scale))) in fp32.
+__device__ __forceinline__ float fp8_scale(float amax, float max_value, int power_of_2) {
+  double a = (double)amax;
+  a = a < 1e-12 ? 1e-12 : a;  // clamp_min, keeping NaN
+  const float scale = (float)__dmul_rn(1.0 / a, (double)max_value);
+  return power_of_2 ? exp2f(floorf(log2f(scale))) : scale;
+}
+
+// How a cast scales: one scale from one amax (tensorwise), or a scale per
+// row or per column of x from `scales` (rowwise, `fp8_scales`).
+#define FP8_SCALE_TENSOR 0
+#define FP8_SCALE_ROWS 1
+#define FP8_SCALE_COLS 2
+
+// x [rows, cols] (cols even) cast to float8: tensorwise with fp8_scale of
+// `amax` (the first block also writes the scale and its reciprocal, what
+// `_scaled_mm` multiplies by), or with `scales` per row or per column;
 // into `out` [rows, cols] row-major and/or `out_t` [cols, out_t_stride],
 // x's transpose (the columns past `rows` left as they are: the caller's
 // zeros). A block of 256 threads a tile of 32 rows × 64 columns, each
 // thread N neighbours of a row: 16 bytes read as one word and N bytes
 // written as one where `PACKED` (x 16-byte aligned, cols a multiple of N),
 // else two values at a time. The transpose goes through shared memory so
-// both writes are coalesced. The first block also writes the scale and its
-// reciprocal (what `_scaled_mm` multiplies by).
-template <typename T, bool PACKED>
+// both writes are coalesced.
+template <typename T, bool PACKED, int SCALES>
 __device__ void fp8_cast(const T* __restrict__ x, long long rows, long long cols, const unsigned int* __restrict__ amax,
-                         float max_value, int e5m2, unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                         long long out_t_stride, float* __restrict__ scale_out, float* __restrict__ inverse_out) {
+                         const float* __restrict__ scales, float max_value, int e5m2, unsigned char* __restrict__ out,
+                         unsigned char* __restrict__ out_t, long long out_t_stride, float* __restrict__ scale_out,
+                         float* __restrict__ inverse_out) {
   constexpr int N = PACKED ? Pack<T>::N : 2;
   constexpr int THREADS_PER_ROW = FP8_TILE_COLS / N, ROWS_PER_PASS = FP8_CAST_THREADS / THREADS_PER_ROW;
   __shared__ __align__(8) unsigned char tile[FP8_TILE_COLS][FP8_TILE_ROWS + 8];
-  double a = (double)__uint_as_float(*amax);
-  a = a < 1e-12 ? 1e-12 : a;  // clamp_min, keeping NaN
-  const float scale = (float)__dmul_rn(1.0 / a, (double)max_value);
+  const float tensor_scale = SCALES == FP8_SCALE_TENSOR ? fp8_scale(__uint_as_float(*amax), max_value, 0) : 0.f;
   const long long row0 = (long long)blockIdx.x * FP8_TILE_ROWS, col0 = (long long)blockIdx.y * FP8_TILE_COLS;
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *scale_out = scale;
-    *inverse_out = 1.f / scale;
+  if (SCALES == FP8_SCALE_TENSOR && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_out = tensor_scale;
+    *inverse_out = 1.f / tensor_scale;
   }
   const int local_col = (threadIdx.x % THREADS_PER_ROW) * N;
   const long long col = col0 + local_col;
@@ -120,9 +136,12 @@ __device__ void fp8_cast(const T* __restrict__ x, long long rows, long long cols
       unsigned short pairs[N / 2];
       unsigned char bytes[N];
     } cast;
+    float scale[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) scale[k] = SCALES == FP8_SCALE_ROWS ? scales[row] : (SCALES == FP8_SCALE_COLS ? scales[col + k] : tensor_scale);
 #pragma unroll
     for (int k = 0; k < N; k += 2)
-      cast.pairs[k / 2] = to_fp8x2(scaled_clamped(v[k], scale, max_value), scaled_clamped(v[k + 1], scale, max_value), e5m2);
+      cast.pairs[k / 2] = to_fp8x2(scaled_clamped(v[k], scale[k], max_value), scaled_clamped(v[k + 1], scale[k + 1], max_value), e5m2);
     if (out) {
       if constexpr (N == 8) *reinterpret_cast<uint2*>(out + at) = *reinterpret_cast<const uint2*>(cast.bytes);
       else if constexpr (N == 4) *reinterpret_cast<unsigned int*>(out + at) = *reinterpret_cast<const unsigned int*>(cast.bytes);
@@ -166,13 +185,81 @@ extern "C" __global__ void fp8_transpose(const unsigned char* __restrict__ x, lo
 
 extern "C" __global__ void fp8_amax_f32(const float* x, long long n, unsigned int* amax) { fp8_amax(x, n, amax); }
 extern "C" __global__ void fp8_amax_bf16(const bf16* x, long long n, unsigned int* amax) { fp8_amax(x, n, amax); }
-extern "C" __global__ void fp8_cast_f32(const float* x, long long rows, long long cols, const unsigned int* amax, float max_value, int e5m2,
-                                        unsigned char* out, unsigned char* out_t, long long out_t_stride, float* scale, float* inverse, int packed) {
-  if (packed) fp8_cast<float, true>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
-  else fp8_cast<float, false>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+// The cast's instantiations by `packed` and `by` (FP8_SCALE_*).
+template <typename T>
+__device__ void fp8_cast_by(const T* x, long long rows, long long cols, const unsigned int* amax, const float* scales, float max_value,
+                            int e5m2, unsigned char* out, unsigned char* out_t, long long out_t_stride, float* scale, float* inverse,
+                            int packed, int by) {
+#define FP8_CAST(P, S) fp8_cast<T, P, S>(x, rows, cols, amax, scales, max_value, e5m2, out, out_t, out_t_stride, scale, inverse)
+  if (by == FP8_SCALE_ROWS) packed ? FP8_CAST(true, FP8_SCALE_ROWS) : FP8_CAST(false, FP8_SCALE_ROWS);
+  else if (by == FP8_SCALE_COLS) packed ? FP8_CAST(true, FP8_SCALE_COLS) : FP8_CAST(false, FP8_SCALE_COLS);
+  else packed ? FP8_CAST(true, FP8_SCALE_TENSOR) : FP8_CAST(false, FP8_SCALE_TENSOR);
+#undef FP8_CAST
 }
-extern "C" __global__ void fp8_cast_bf16(const bf16* x, long long rows, long long cols, const unsigned int* amax, float max_value, int e5m2,
-                                         unsigned char* out, unsigned char* out_t, long long out_t_stride, float* scale, float* inverse, int packed) {
-  if (packed) fp8_cast<bf16, true>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
-  else fp8_cast<bf16, false>(x, rows, cols, amax, max_value, e5m2, out, out_t, out_t_stride, scale, inverse);
+extern "C" __global__ void fp8_cast_f32(const float* x, long long rows, long long cols, const unsigned int* amax, const float* scales,
+                                        float max_value, int e5m2, unsigned char* out, unsigned char* out_t, long long out_t_stride,
+                                        float* scale, float* inverse, int packed, int by) {
+  fp8_cast_by(x, rows, cols, amax, scales, max_value, e5m2, out, out_t, out_t_stride, scale, inverse, packed, by);
+}
+extern "C" __global__ void fp8_cast_bf16(const bf16* x, long long rows, long long cols, const unsigned int* amax, const float* scales,
+                                         float max_value, int e5m2, unsigned char* out, unsigned char* out_t, long long out_t_stride,
+                                         float* scale, float* inverse, int packed, int by) {
+  fp8_cast_by(x, rows, cols, amax, scales, max_value, e5m2, out, out_t, out_t_stride, scale, inverse, packed, by);
+}
+
+// The rowwise recipe's amaxes. max |x| of each row of x [rows, cols] into
+// amax[rows]: a block a row (grid-stride over rows), 16 bytes a load where
+// the rows start on 16 bytes, then a block reduction.
+template <typename T>
+__device__ void fp8_amax_rows(const T* __restrict__ x, long long rows, long long cols, float* __restrict__ amax) {
+  __shared__ float warp_max[32];
+  const bool packed = ((size_t)x & 15) == 0 && (cols * sizeof(T)) % 16 == 0;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* r = x + row * cols;
+    float m = 0.f;
+    if (packed) {
+      for (long long p = threadIdx.x; p < cols / Pack<T>::N; p += blockDim.x) {
+        Pack<T> v;
+        v.read(r, p * Pack<T>::N);
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; ++k) m = max_keeping_nan(m, fabsf(v.get(k)));
+      }
+    } else {
+      for (long long c = threadIdx.x; c < cols; c += blockDim.x) m = max_keeping_nan(m, fabsf(load(r, c)));
+    }
+    m = block_max(m, warp_max, MaxKeepingNan());
+    if (threadIdx.x == 0) amax[row] = m;
+    __syncthreads();  // warp_max is the next row's
+  }
+}
+
+// max |x| of each column of x [rows, cols] into amax[cols] (fp32 bits,
+// zeroed by the caller): a thread a column of `chunk` rows, then an
+// atomicMax on the bits (ordered as the values for non-negative floats).
+template <typename T>
+__device__ void fp8_amax_cols(const T* __restrict__ x, long long rows, long long cols, long long chunk, unsigned int* __restrict__ amax) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x, from = (long long)blockIdx.y * chunk;
+  if (col >= cols) return;
+  const long long to = from + chunk < rows ? from + chunk : rows;
+  float m = 0.f;
+  for (long long row = from; row < to; ++row) m = max_keeping_nan(m, fabsf(load(x, row * cols + col)));
+  atomicMax(amax + col, __float_as_uint(m));
+}
+
+extern "C" __global__ void fp8_amax_rows_f32(const float* x, long long rows, long long cols, float* amax) { fp8_amax_rows(x, rows, cols, amax); }
+extern "C" __global__ void fp8_amax_rows_bf16(const bf16* x, long long rows, long long cols, float* amax) { fp8_amax_rows(x, rows, cols, amax); }
+extern "C" __global__ void fp8_amax_cols_f32(const float* x, long long rows, long long cols, long long chunk, unsigned int* amax) {
+  fp8_amax_cols(x, rows, cols, chunk, amax);
+}
+extern "C" __global__ void fp8_amax_cols_bf16(const bf16* x, long long rows, long long cols, long long chunk, unsigned int* amax) {
+  fp8_amax_cols(x, rows, cols, chunk, amax);
+}
+
+// Each of n amaxes' scale (fp8_scale) and its reciprocal.
+extern "C" __global__ void fp8_scales(const float* amax, long long n, float max_value, int power_of_2, float* scale, float* inverse) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const float s = fp8_scale(amax[i], max_value, power_of_2);
+    scale[i] = s;
+    inverse[i] = 1.f / s;
+  }
 }
