@@ -5,13 +5,13 @@
 //! for backward (the model's `Activations`), the LM head's loss buffers,
 //! and each trained unit's gradient (a LoRA stage's: its adapters') from autograd's flat buffer through its
 //! reduction into the step's gradient (`train/reduce.rs`, at most
-//! `REDUCTIONS_IN_FLIGHT` in flight); before them a reference model's
+//! `reductions_in_flight` in flight); before them a reference model's
 //! forward when one runs with each step, and float8 layers' casts. It
 //! allocates nothing.
 
 use crate::flat::{MemoryAccount, UnitPlacement};
 use crate::model::{head, Float8Layers, Model, StageKind};
-use crate::train::REDUCTIONS_IN_FLIGHT;
+use crate::train::reductions_in_flight;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use tch::Kind;
@@ -490,7 +490,7 @@ pub(super) fn walk(
         if gradient_complete && !placements[unit].frozen {
             walk.reduce(unit);
         }
-        while walk.pending.len() > REDUCTIONS_IN_FLIGHT {
+        while walk.pending.len() > reductions_in_flight(micro.dtype, micro.reduce) {
             walk.finish_oldest_reduction();
         }
         if gradient_complete || (placements[unit].released_after_forward(reshard_after_forward) && stages[index - 1].unit != unit) {

@@ -49,7 +49,7 @@ use crate::model::{Float8Layers, Model};
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
 use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
-use crate::train::REDUCTIONS_IN_FLIGHT;
+use crate::train::reductions_in_flight;
 use anyhow::{bail, Context, Result};
 use memory::{walk, MicroBatch};
 use serde::{Deserialize, Serialize};
@@ -480,7 +480,7 @@ fn with_margins(allocated: f64) -> f64 {
 
 /// What `hook` keeps for the stages of `plan` over `units` placed as
 /// `placements`, plus the most workspace it can have in flight: the
-/// largest `REDUCTIONS_IN_FLIGHT + 1` unit reductions', every unit's
+/// largest `reductions_in_flight + 1` unit reductions', every unit's
 /// replica reduction (the step waits for those at its end) and two
 /// gathers' (the one in use and the one prefetched).
 fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan, shard_group: usize) -> f64 {
@@ -518,7 +518,7 @@ fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], plac
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         sizes.iter().take(n).sum()
     };
-    bytes + (largest(reductions, REDUCTIONS_IN_FLIGHT + 1) + replicas + largest(gathers, 2)) as f64
+    bytes + (largest(reductions, reductions_in_flight(workload.dtype, reduce) + 1) + replicas + largest(gathers, 2)) as f64
 }
 
 /// Predicts one row.

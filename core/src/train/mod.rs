@@ -16,7 +16,7 @@ pub use crate::flat::unflatten;
 /// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
 pub use crate::kernels::Kernels;
 pub use parallel::DataParallel;
-pub(crate) use reduce::REDUCTIONS_IN_FLIGHT;
+pub(crate) use reduce::reductions_in_flight;
 
 use crate::comm::ProcessGroup;
 use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};

@@ -10,10 +10,19 @@ use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
 
-/// Reduce-scatters allowed in flight before backward waits for the oldest:
+/// Reductions allowed in flight before backward waits for the oldest:
 /// enough to overlap communication with the next units' backward, few
-/// enough that whole gradients do not pile up.
-pub(crate) const REDUCTIONS_IN_FLIGHT: usize = 2;
+/// enough that whole gradients do not pile up — two of gradients reduced in
+/// the compute dtype, one of gradients widened for the reduction (fp32
+/// under bf16: each twice the bytes, and twice the time on the wire, so one
+/// unit's backward still covers it).
+pub(crate) fn reductions_in_flight(compute: Kind, reduce: Kind) -> usize {
+    if reduce.elt_size_in_bytes() > compute.elt_size_in_bytes() {
+        1
+    } else {
+        2
+    }
+}
 
 /// A gradient reduction in flight, and what to do with its result.
 pub(super) struct PendingReduction {

@@ -10,7 +10,7 @@
 //! forward without gradients over the same stages: the model with its
 //! adapters off (LoRA's base), or the trainer's frozen copy.
 
-use super::reduce::{PendingReduction, REDUCTIONS_IN_FLIGHT};
+use super::reduce::{reductions_in_flight, PendingReduction};
 use super::Trainer;
 use crate::comm_hook::{GatherPhase, Pending};
 use crate::flat::FlatUnit;
@@ -260,6 +260,7 @@ impl Trainer<'_> {
 
         let mut grad: Option<Tensor> = None;
         let mut pending: VecDeque<PendingReduction> = VecDeque::new();
+        let in_flight = reductions_in_flight(self.options.dtype, self.parallel.map_or(self.options.dtype, |p| p.reduce_dtype));
         let mut replica_reductions: Vec<Pending> = vec![];
         let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
@@ -294,7 +295,7 @@ impl Trainer<'_> {
             if gradient_complete && self.units[unit].trainable() {
                 self.reduce(unit, first_micro_batch, last_micro_batch, &mut pending)?;
             }
-            while pending.len() > REDUCTIONS_IN_FLIGHT {
+            while pending.len() > in_flight {
                 let oldest = pending.pop_front().expect("non-empty");
                 self.finish_reduction(oldest, &mut replica_reductions)?;
             }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The bf16 → fp32 widening of gradients for fp32 reduce-scatters, ft's kernel
-# (`widen_bf16`) against ATen's cast: Llama-7B full_shard on 2 GPUs, 2 x 2048
-# tokens per GPU, bf16 and `--fp8 tensorwise`, gradients reduced in fp32 (the
-# default), the build before ($D/ft-before, carried beside $FT) and after, in
-# one call, alternating. First, when carried as $D/ft_sys_tests, ft's kernels
-# against ATen's, bit for bit.
+# Two builds of ft side by side: the build before a change ($D/ft-before,
+# carried beside $FT) and after, in one call, alternating: Llama-7B full_shard
+# on 2 GPUs, 2 x 2048 tokens per GPU, bf16 and `--fp8 tensorwise`, gradients
+# reduced in fp32 (the default). First, when carried as $D/ft_sys_tests,
+# ft's kernels against ATen's, bit for bit. Used for the bf16 -> fp32
+# widening kernel and for one fp32 reduction in flight.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 [ -x $D/ft_sys_tests ] && { $D/ft_sys_tests --ignored --test-threads 1 2>&1 | tail -3; }
