@@ -66,7 +66,7 @@ pub(super) struct Float8Memory {
     /// The largest input features and weight (elements) of a float8 layer.
     input_features: f64,
     weight: f64,
-    /// ft's kernels cast (on a GPU, tensorwise): the last input cast in
+    /// ft's kernels cast (on a GPU, either recipe): the last input cast in
     /// each direction stays cached until the micro-batch ends. (A unit
     /// gathered as float8 keeps its bytes inside its own buffer.)
     fused: bool,
@@ -79,7 +79,7 @@ impl Float8Memory {
         Float8Memory {
             input_features: largest(|[_, input]| *input),
             weight: largest(|[out, input]| out * input),
-            fused: layers.float8.recipe == ft_sys::float8::Recipe::Tensorwise && !layers.float8.emulate,
+            fused: !layers.float8.emulate,
         }
     }
 }
