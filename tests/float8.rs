@@ -351,9 +351,10 @@ fn guarded_step(message: &str) -> usize {
 
 /// Float8 gathers (`train.fp8_gathers`, on by default under `--fp8
 /// tensorwise` with sharding): full_shard at 2 and 3 ranks gives the losses
-/// of full_shard gathering the f32 weights (`train.fp8_gathers=false`) bit for bit — each weight gathered as the
-/// cast of the whole tensor, the bytes a rank holding it casts (a shard's
-/// own amax would give other bytes); in bf16, with blocks the share of the
+/// of full_shard gathering the f32 weights (`train.fp8_gathers=false`) bit
+/// for bit — each weight gathered as the cast of the whole tensor, the bytes
+/// a rank holding it casts (a shard's own amax would give other bytes) — as
+/// do LoRA, `--offload cpu`, shard_grad_op and hybrid_shard; in bf16, with blocks the share of the
 /// model they have in a 7B (the embedding and head gather in bf16), the
 /// gathers carry at most 0.55× bf16 gathers' bytes; every block's amaxes
 /// are reduced in one all-reduce a step, on every rank (the first step's
@@ -378,12 +379,14 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
             false => (&model, &["--dtype", "f32", "--max-steps", "4"]),
         };
         let recipe: &[&str] = if args.contains(&"--fp8") { &[] } else { &["--fp8", "tensorwise"] };
+        let strategy: &[&str] = if args.contains(&"--strategy") { &[] } else { &["--strategy", "full_shard"] };
         let mut command = ft();
         command
             .args(["train", "--model", model.to_str().unwrap(), "--train-file", train.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap()])
             .args(["--output-dir", dir.to_str().unwrap(), "--train-samples", "48", "--eval-samples", "4", "--batch-size", "4", "--device", "cpu"])
             .args(recipe)
-            .args(["--set", "train.fp8_emulate=true", "--report-to", "jsonl", "--strategy", "full_shard"])
+            .args(["--set", "train.fp8_emulate=true", "--report-to", "jsonl"])
+            .args(strategy)
             .args(precision)
             .args(["--nproc-per-node", &ranks.to_string()])
             .args(args);
@@ -410,14 +413,21 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
         assert_eq!(common::losses(&float8_gathers).len(), 4);
         assert_eq!(common::losses(&float8_gathers), common::losses(&f32_gathers), "{ranks} ranks");
     }
-    // LoRA's frozen base blocks are gathered in float8 too, their adapters (units of their own) as before; and
-    // blocks whose optimizer runs on the host (`--offload cpu`).
-    for (name, extra) in [("lora", &["--lora-r", "4"]), ("offload", &["--offload", "cpu"])] {
-        let (float8, ok, message) = run(&format!("{name}-float8-gathers"), 2, extra, None);
+    // LoRA's frozen base blocks are gathered in float8 too, their adapters (units of their own) as before; so are
+    // blocks whose optimizer runs on the host (`--offload cpu`); and under the other strategies that gather shards.
+    let variants: [(&str, &[&str]); 4] = [
+        ("lora", &["--lora-r", "4"]),
+        ("offload", &["--offload", "cpu"]),
+        ("shard_grad_op", &["--strategy", "shard_grad_op"]),
+        ("hybrid_shard", &["--strategy", "hybrid_shard", "--shard-group-size", "2"]),
+    ];
+    for (name, extra) in variants {
+        let ranks = if name == "hybrid_shard" { 4 } else { 2 };
+        let (float8, ok, message) = run(&format!("{name}-float8-gathers"), ranks, extra, None);
         assert!(ok && message.contains("sharded blocks gathered as float8"), "{message}");
-        let (f32, ok, message) = run(&format!("{name}-f32-gathers"), 2, &[&extra[..], &off].concat(), None);
+        let (f32, ok, message) = run(&format!("{name}-f32-gathers"), ranks, &[extra, &off[..]].concat(), None);
         assert!(ok, "{message}");
-        assert_eq!(common::losses(&float8), common::losses(&f32), "{name} at 2 ranks");
+        assert_eq!(common::losses(&float8), common::losses(&f32), "{name} at {ranks} ranks");
     }
     let bf16 = ["--dtype", "bf16", "--max-steps", "1"];
     let (float8_gathers, ok, message) = run("bf16-float8-gathers", 2, &bf16, None);
