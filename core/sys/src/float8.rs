@@ -274,7 +274,7 @@ impl Float8 {
         let (out, saved) = if self.casts_fused(fused) {
             let rows = rows.contiguous();
             let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || {
-                let amax = kernels::amax(&rows)?;
+                let amax = activation_amax(&rows).map_or_else(|| kernels::amax(&rows), Ok)?;
                 Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
             })?;
             let gathered = gathered(weight);
@@ -470,6 +470,45 @@ impl InputCache {
 pub fn forget_cached_inputs() {
     INPUTS.forget();
     TRANSPOSED_INPUTS.forget();
+    *activation_slot() = None;
+}
+
+/// Whether the kernels that write a float8 layer's input compute its amax
+/// as they write it (SwiGLU's: `kernels::swiglu_`), so the layer's
+/// tensorwise cast skips its amax pass: set by the trainer when the
+/// tensorwise recipe casts with ft's kernels.
+static ACTIVATION_AMAXES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn fuse_activation_amaxes(on: bool) {
+    ACTIVATION_AMAXES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn activation_amaxes_wanted() -> bool {
+    ACTIVATION_AMAXES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The last activation whose writer computed its amax, with that amax and
+/// the activation's version then: one slot (the layer reading it runs
+/// next), holding the tensor so its storage is not reused while noted.
+type ActivationAmax = Option<(Tensor, i64, Tensor)>;
+
+fn activation_slot() -> std::sync::MutexGuard<'static, ActivationAmax> {
+    static SLOT: std::sync::Mutex<ActivationAmax> = std::sync::Mutex::new(None);
+    SLOT.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Notes `amax` (max |x|, one fp32 on x's device) as x's.
+pub(crate) fn note_activation_amax(x: &Tensor, amax: Tensor) {
+    *activation_slot() = Some((x.shallow_clone(), x.internal_version(), amax));
+}
+
+/// x's amax if its writer noted it and x is that tensor's data unchanged
+/// (the same storage start, elements, kind and version; any shape).
+fn activation_amax(x: &Tensor) -> Option<Tensor> {
+    let slot = activation_slot();
+    let (noted, version, amax) = slot.as_ref()?;
+    let same = noted.data_ptr() == x.data_ptr() && noted.numel() == x.numel() && noted.kind() == x.kind() && noted.device() == x.device();
+    (same && *version == x.internal_version() && x.is_contiguous()).then(|| amax.shallow_clone())
 }
 
 /// Weights gathered in float8 (a sharded unit's gather,
@@ -715,6 +754,24 @@ mod tests {
         for x in [values.shallow_clone(), values.narrow(0, 3, 4096 * 3)] {
             assert_same_bits(&crate::kernels::widen_bf16(&x).unwrap(), &x.to_kind(Kind::Float), "widened bf16");
         }
+        // SwiGLU's kernel computing its output's amax as it writes it: the amax of what it wrote, and a float8 layer
+        // reading that output (which then takes the noted amax instead of a pass of its own) gives the same bits.
+        let (gate, up) = (Tensor::randn([300, 128], (Kind::Float, gpu)).to_kind(Kind::BFloat16), Tensor::randn([300, 128], (Kind::Float, gpu)).to_kind(Kind::BFloat16));
+        let mut out = Tensor::empty_like(&gate);
+        let amax = Tensor::zeros([], (Kind::Float, gpu));
+        crate::kernels::swiglu_(&gate, &up, None, &mut out, None, Some(&amax)).unwrap();
+        assert_same_bits(&amax, &crate::kernels::amax(&out).unwrap(), "SwiGLU's output amax");
+        let weight = (Tensor::randn([64, 128], (Kind::Float, gpu)) * 0.05).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let through = |noted: bool| {
+            super::forget_cached_inputs();
+            super::fuse_activation_amaxes(noted);
+            let h = crate::swiglu(&gate, &up, true).unwrap();
+            assert_eq!(super::activation_amax(&h).is_some(), noted, "noted: {noted}");
+            let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
+            super::fuse_activation_amaxes(false);
+            out.detach()
+        };
+        assert_same_bits(&through(true), &through(false), "a float8 layer over SwiGLU's output, its amax noted or not");
         // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
         let x = Tensor::ones([1000], (Kind::BFloat16, gpu));
         let _ = x.get(777).fill_(f64::NAN);

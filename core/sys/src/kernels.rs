@@ -638,9 +638,10 @@ pub fn rope_(x: &Tensor, cos: &Tensor, sin: &Tensor, out: &mut Tensor, transpose
 }
 
 /// SwiGLU's gating of `gate` and `up` (same shape, contiguous, fp32 or bf16
-/// on a GPU): with `grad` None, `out` = silu(gate)·up; with `grad` (dy),
-/// `out` = d/d gate and `grad_up` = d/d up.
-pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tensor, grad_up: Option<&mut Tensor>) -> Result<()> {
+/// on a GPU): with `grad` None, `out` = silu(gate)·up, and with `amax` (one
+/// fp32, zeroed) max |out| into it, NaN if any (`amax`'s value, in the same
+/// pass); with `grad` (dy), `out` = d/d gate and `grad_up` = d/d up.
+pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tensor, grad_up: Option<&mut Tensor>, amax: Option<&Tensor>) -> Result<()> {
     let Device::Cuda(index) = gate.device() else {
         return Err(error("unsupported", "SwiGLU's input is not on a GPU"));
     };
@@ -658,6 +659,11 @@ pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tens
         (None, None) => std::ptr::null_mut(),
         _ => return Err(error("SwiGLU", "backward takes both the output gradient and up's gradient")),
     };
+    let mut amax_ptr = match (amax, grad) {
+        (Some(amax), None) => expect(amax, "SwiGLU's amax", gate, &[], Kind::Float).map(|()| amax.data_ptr())?,
+        (None, _) => std::ptr::null_mut(),
+        (Some(_), Some(_)) => return Err(error("SwiGLU", "the amax is its forward's output's")),
+    };
     let mut n = gate.numel() as i64;
     if n == 0 {
         return Ok(());
@@ -667,8 +673,16 @@ pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tens
     let width = packing(kind, n, tensors.into_iter().flatten());
     let blocks = ((n / width) as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
     let (mut gate_ptr, mut up_ptr, mut out_ptr, mut packed) = (gate.data_ptr(), up.data_ptr(), out.data_ptr(), i32::from(width > 1));
-    let mut params =
-        [arg(&mut gate_ptr), arg(&mut up_ptr), arg(&mut grad_ptr), arg(&mut out_ptr), arg(&mut grad_up_ptr), arg(&mut n), arg(&mut packed)];
+    let mut params = [
+        arg(&mut gate_ptr),
+        arg(&mut up_ptr),
+        arg(&mut grad_ptr),
+        arg(&mut out_ptr),
+        arg(&mut grad_up_ptr),
+        arg(&mut n),
+        arg(&mut packed),
+        arg(&mut amax_ptr),
+    ];
     // SAFETY: the arguments match swiglu_*'s signature and the tensors were
     // checked above (see `adamw_` on their lifetime).
     unsafe { launch(functions.swiglu[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }

@@ -525,8 +525,16 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
         let mut t: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
         match (op, t.as_mut_slice()) {
             (fused_op::ROPE | fused_op::ROPE_TRANSPOSE, [x, cos, sin, out]) => kernels::rope_(x, cos, sin, out, op == fused_op::ROPE_TRANSPOSE),
-            (fused_op::SWIGLU_FORWARD, [gate, up, out]) => kernels::swiglu_(gate, up, None, out, None),
-            (fused_op::SWIGLU_BACKWARD, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up)),
+            (fused_op::SWIGLU_FORWARD, [gate, up, out]) => {
+                // Its output's amax in the same pass, for a float8 layer reading it (`float8::note_activation_amax`).
+                let amax = float8::activation_amaxes_wanted().then(|| Tensor::zeros([], (tch::Kind::Float, gate.device())));
+                kernels::swiglu_(gate, up, None, out, None, amax.as_ref())?;
+                if let Some(amax) = amax {
+                    float8::note_activation_amax(out, amax);
+                }
+                Ok(())
+            }
+            (fused_op::SWIGLU_BACKWARD, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up), None),
             (fused_op::COLUMN_SUM, [x, out]) => kernels::column_sum(x, None, out),
             (fused_op::LAYER_NORM_PARAMS, [grad, x, mean, rstd, sums]) => kernels::column_sum(grad, Some((x, mean, rstd)), sums),
             _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),

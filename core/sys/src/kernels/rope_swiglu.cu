@@ -64,10 +64,13 @@ extern "C" __global__ void rope_bf16(const bf16* x, const bf16* cos, const bf16*
 
 // SwiGLU: y = silu(g)·u forward; backward du = silu(g)·dy and
 // dg = dy·u·σ(g)·(1 + g·(1 − σ(g))), silu recomputed from g. A thread per
-// W values (as `rope_pairs`).
+// W values (as `rope_pairs`). Returns the largest |y| as stored (NaN if
+// any), which the forward folds into `amax` when asked: a float8 layer
+// reading y then needs no pass of its own (float8.cu's fp8_amax).
 template <typename T, int W>
-__device__ void swiglu_values(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ grad,
-                              T* __restrict__ out, T* __restrict__ grad_up, long long n) {
+__device__ float swiglu_values(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ grad,
+                               T* __restrict__ out, T* __restrict__ grad_up, long long n) {
+  float m = 0.f;
   for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += (long long)gridDim.x * blockDim.x * W) {
     Pack<T> g, u, dy, o, du;
     if (W == 1) {
@@ -82,6 +85,7 @@ __device__ void swiglu_values(const T* __restrict__ gate, const T* __restrict__ 
       const float gk = g.get(k), sigmoid = 1.f / (1.f + __expf(-gk));
       if (grad == nullptr) {
         o.set(k, gk * sigmoid * u.get(k));
+        m = max_keeping_nan(m, fabsf(o.get(k)));
       } else {
         du.set(k, gk * sigmoid * dy.get(k));
         o.set(k, dy.get(k) * u.get(k) * sigmoid * fmaf(gk, 1.f - sigmoid, 1.f));
@@ -95,17 +99,25 @@ __device__ void swiglu_values(const T* __restrict__ gate, const T* __restrict__ 
       if (grad != nullptr) du.write(grad_up, i);
     }
   }
+  return m;
 }
 
+// `amax` (fp32 bits, zeroed by the caller; forward only, may be null): the
+// output's max |y|, by a block reduction and an atomicMax on the bits.
 template <typename T>
-__device__ void swiglu(const T* gate, const T* up, const T* grad, T* out, T* grad_up, long long n, int packed) {
-  if (packed) swiglu_values<T, Pack<T>::N>(gate, up, grad, out, grad_up, n);
-  else swiglu_values<T, 1>(gate, up, grad, out, grad_up, n);
+__device__ void swiglu(const T* gate, const T* up, const T* grad, T* out, T* grad_up, long long n, int packed, unsigned int* amax) {
+  __shared__ float warp_max[32];
+  float m = packed ? swiglu_values<T, Pack<T>::N>(gate, up, grad, out, grad_up, n) : swiglu_values<T, 1>(gate, up, grad, out, grad_up, n);
+  if (amax == nullptr) return;
+  m = block_max(m, warp_max, MaxKeepingNan());
+  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
 }
 
-extern "C" __global__ void swiglu_f32(const float* gate, const float* up, const float* grad, float* out, float* grad_up, long long n, int packed) {
-  swiglu(gate, up, grad, out, grad_up, n, packed);
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, const float* grad, float* out, float* grad_up, long long n, int packed,
+                                      unsigned int* amax) {
+  swiglu(gate, up, grad, out, grad_up, n, packed, amax);
 }
-extern "C" __global__ void swiglu_bf16(const bf16* gate, const bf16* up, const bf16* grad, bf16* out, bf16* grad_up, long long n, int packed) {
-  swiglu(gate, up, grad, out, grad_up, n, packed);
+extern "C" __global__ void swiglu_bf16(const bf16* gate, const bf16* up, const bf16* grad, bf16* out, bf16* grad_up, long long n, int packed,
+                                       unsigned int* amax) {
+  swiglu(gate, up, grad, out, grad_up, n, packed, amax);
 }
