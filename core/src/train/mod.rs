@@ -274,8 +274,9 @@ impl<'m> TrainerBuilder<'m> {
             None => None,
         };
         // ft's kernels compute SwiGLU's output's amax as they write it, for the down projection's tensorwise cast.
-        let tensorwise_casts = float8.as_ref().is_some_and(|layers| layers.float8.recipe == Recipe::Tensorwise && !layers.float8.emulate);
-        ft_sys::float8::fuse_activation_amaxes(tensorwise_casts && crate::kernels::Kernels::loaded(device));
+        let kernels = crate::kernels::Kernels::loaded(device);
+        let tensorwise_casts = float8.as_ref().is_some_and(|layers| layers.float8.recipe == Recipe::Tensorwise && layers.float8.casts_with_kernels(kernels));
+        ft_sys::float8::fuse_activation_amaxes(tensorwise_casts);
         let mut float8_amaxes = None;
         if let Some(layers) = float8.as_ref().filter(|layers| options.float8_gathers != Some(false) && layers.float8.recipe == Recipe::Tensorwise) {
             let placements: Vec<UnitPlacement> = units.iter().map(|unit| *unit.placement()).collect();

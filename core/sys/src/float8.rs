@@ -232,15 +232,10 @@ impl Float8 {
         scaled_mm(a, b, out_kind, fast_accum)
     }
 
-    /// Whether ft's kernels cast (`fused`: they load on this GPU): the
-    /// tensorwise recipe's casts, whose GEMMs run in float8.
-    fn casts_fused(self, fused: bool) -> bool {
-        fused && !self.emulate && self.recipe == Recipe::Tensorwise
-    }
-
-    /// The rowwise recipe's casts by ft's kernels (`fused`: they load on this GPU).
-    fn rowwise_fused(self, fused: bool) -> bool {
-        fused && !self.emulate && self.recipe == Recipe::Rowwise
+    /// Whether ft's kernels cast (`fused`: they load on this GPU) and the
+    /// GEMMs run in float8: either recipe, not emulated.
+    pub fn casts_with_kernels(self, fused: bool) -> bool {
+        fused && !self.emulate
     }
 
     /// Rowwise with ft's kernels: `x` [R, C] (contiguous) cast with a power-of-2
@@ -271,36 +266,40 @@ impl Float8 {
     pub(crate) fn forward(self, x: &Tensor, weight: &Tensor, fused: bool, layer: u32) -> Result<(Tensor, Saved)> {
         let features = x.size()[x.dim() - 1];
         let rows = x.reshape([-1, features]);
-        let (out, saved) = if self.casts_fused(fused) {
-            let rows = rows.contiguous();
-            let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || {
-                let amax = activation_amax(&rows).map_or_else(|| kernels::amax(&rows), Ok)?;
-                Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
-            })?;
-            let gathered = gathered(weight);
-            let w_amax = match &gathered {
-                Some(gathered) => gathered.amax.shallow_clone(),
-                None => kernels::amax(weight)?,
-            };
-            record(layer, Role::Input, &x_amax);
-            record(layer, Role::Weight, &w_amax);
-            let weight_t = match gathered {
-                Some(Gathered { bytes: Some(bytes), .. }) => Operand { data: bytes.data.view(weight.size().as_slice()), ..bytes },
-                _ => kernel_cast(weight, &w_amax, Role::Weight, self, false)?,
+        let (out, saved) = match (self.casts_with_kernels(fused), self.recipe) {
+            (true, Recipe::Tensorwise) => {
+                let rows = rows.contiguous();
+                let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || {
+                    let amax = activation_amax(&rows).map_or_else(|| kernels::amax(&rows), Ok)?;
+                    Ok((kernel_cast(&rows, &amax, Role::Input, self, false)?, amax))
+                })?;
+                let gathered = gathered(weight);
+                let w_amax = match &gathered {
+                    Some(gathered) => gathered.amax.shallow_clone(),
+                    None => kernels::amax(weight)?,
+                };
+                record(layer, Role::Input, &x_amax);
+                record(layer, Role::Weight, &w_amax);
+                let weight_t = match gathered {
+                    Some(Gathered { bytes: Some(bytes), .. }) => Operand { data: bytes.data.view(weight.size().as_slice()), ..bytes },
+                    _ => kernel_cast(weight, &w_amax, Role::Weight, self, false)?,
+                }
+                .transposed();
+                (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
             }
-            .transposed();
-            (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
-        } else if self.rowwise_fused(fused) {
-            let rows = rows.contiguous();
-            let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || self.kernel_cast_along(&rows, kernels::Along::Rows, Role::Input, false))?;
-            let (weight_rows, w_amax) = self.kernel_cast_along(&weight.contiguous(), kernels::Along::Rows, Role::Weight, false)?;
-            record(layer, Role::Input, &x_amax);
-            record(layer, Role::Weight, &w_amax);
-            (self.gemm(&input, &weight_rows.transposed(), x.kind(), true)?, [None, None])
-        } else {
-            let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
-            let weight_t = self.cast_recording(weight, Role::Weight, -1, Some(layer)).transposed();
-            (self.gemm(&input, &weight_t, x.kind(), true)?, [None, None])
+            (true, Recipe::Rowwise) => {
+                let rows = rows.contiguous();
+                let (x_amax, input) = INPUTS.cast(&rows, self.recipe, || self.kernel_cast_along(&rows, kernels::Along::Rows, Role::Input, false))?;
+                let (weight_rows, w_amax) = self.kernel_cast_along(&weight.contiguous(), kernels::Along::Rows, Role::Weight, false)?;
+                record(layer, Role::Input, &x_amax);
+                record(layer, Role::Weight, &w_amax);
+                (self.gemm(&input, &weight_rows.transposed(), x.kind(), true)?, [None, None])
+            }
+            (false, _) => {
+                let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
+                let weight_t = self.cast_recording(weight, Role::Weight, -1, Some(layer)).transposed();
+                (self.gemm(&input, &weight_t, x.kind(), true)?, [None, None])
+            }
         };
         let mut shape = x.size();
         *shape.last_mut().expect("x has a feature dimension") = weight.size()[0];
@@ -314,7 +313,7 @@ impl Float8 {
     pub(crate) fn backward(self, x: &Tensor, weight: &Tensor, grad: &Tensor, saved: Saved, wanted: [bool; 2], fused: bool, layer: u32) -> Result<[Option<Tensor>; 2]> {
         let (features, outputs) = (x.size()[x.dim() - 1], weight.size()[0]);
         let grad = grad.reshape([-1, outputs]);
-        if self.casts_fused(fused) || self.rowwise_fused(fused) {
+        if self.casts_with_kernels(fused) {
             let (rows, grad) = (x.reshape([-1, features]).contiguous(), grad.contiguous());
             let [input, weight] = match self.recipe {
                 Recipe::Tensorwise => self.fused_backward(&rows, weight, &grad, saved, wanted, layer)?,
