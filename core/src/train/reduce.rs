@@ -74,6 +74,12 @@ impl Trainer<'_> {
         work.map_err(|e| e.context(format!("comm `{}`: {} of unit {}", self.hook.name(), stage.name(), info.name)))
     }
 
+    /// The dtype gradients are reduced in: the data-parallel policy's, else
+    /// fp32 (one rank's offloaded gradient, summed on the host).
+    pub(super) fn reduce_dtype(&self) -> Kind {
+        self.parallel.map_or(Kind::Float, |p| p.reduce_dtype)
+    }
+
     /// Whether a micro-batch's gradient (whole, or its reduced shard) is the
     /// step's gradient as it is, in the dtype it was computed or reduced in:
     /// with one micro-batch there is nothing to accumulate, and ft's AdamW
@@ -89,9 +95,9 @@ impl Trainer<'_> {
         let _no_grad = tch::no_grad_guard();
         // One micro-batch on one rank: the whole gradient, which AdamW reads in the compute dtype.
         let whole = self.parallel.is_none() && self.gradient_as_it_is(first, last);
+        let reduce_dtype = self.reduce_dtype();
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
-        let reduce_dtype = self.parallel.map_or(Kind::Float, |p| p.reduce_dtype);
         let placement = *unit.placement();
         if placement.grads_sharded || placement.offload {
             // Reduced every micro-batch: into this rank's shard, or (offloaded)

@@ -260,7 +260,7 @@ impl Trainer<'_> {
 
         let mut grad: Option<Tensor> = None;
         let mut pending: VecDeque<PendingReduction> = VecDeque::new();
-        let in_flight = reductions_in_flight(self.options.dtype, self.parallel.map_or(self.options.dtype, |p| p.reduce_dtype));
+        let in_flight = reductions_in_flight(self.options.dtype, self.reduce_dtype());
         let mut replica_reductions: Vec<Pending> = vec![];
         let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
