@@ -449,8 +449,7 @@ impl InputCache {
     fn cast(&self, x: &Tensor, recipe: Recipe, cast: impl FnOnce() -> Result<(Operand, Tensor)>) -> Result<(Tensor, Operand)> {
         let mut entry = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(cached) = entry.as_ref() {
-            let same = cached.recipe == recipe && cached.x.data_ptr() == x.data_ptr() && cached.x.device() == x.device() && cached.x.kind() == x.kind();
-            if same && cached.x.size() == x.size() && cached.x.stride() == x.stride() && cached.version == x.internal_version() {
+            if cached.recipe == recipe && same_values(&cached.x, cached.version, x) && cached.x.size() == x.size() && cached.x.stride() == x.stride() {
                 return Ok((cached.amax.shallow_clone(), cached.cast.shallow_clone()));
             }
         }
@@ -462,6 +461,13 @@ impl InputCache {
     fn forget(&self) {
         *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
     }
+}
+
+/// Whether `x` holds the values `held` held at `version`: the same storage
+/// start, device, kind and element count, and no write since (a view
+/// shares its tensor's version counter).
+fn same_values(held: &Tensor, version: i64, x: &Tensor) -> bool {
+    held.data_ptr() == x.data_ptr() && held.device() == x.device() && held.kind() == x.kind() && held.numel() == x.numel() && version == x.internal_version()
 }
 
 /// Drops the cached input casts (`InputCache`) and the tensors they hold:
@@ -506,8 +512,7 @@ pub(crate) fn note_activation_amax(x: &Tensor, amax: Tensor) {
 fn activation_amax(x: &Tensor) -> Option<Tensor> {
     let slot = activation_slot();
     let (noted, version, amax) = slot.as_ref()?;
-    let same = noted.data_ptr() == x.data_ptr() && noted.numel() == x.numel() && noted.kind() == x.kind() && noted.device() == x.device();
-    (same && *version == x.internal_version() && x.is_contiguous()).then(|| amax.shallow_clone())
+    (same_values(noted, *version, x) && x.is_contiguous()).then(|| amax.shallow_clone())
 }
 
 /// Weights gathered in float8 (a sharded unit's gather,
