@@ -240,6 +240,7 @@ impl<'a> Walk<'a> {
         let flat = self.unit_bytes(u);
         let (padded, shard) = (placement.shard.padded as f64, placement.shard.len as f64);
         if placement.grads_sharded || placement.offload {
+            self.make_room();
             // Cast to the reduce dtype (the same buffer when the dtypes agree).
             let input = if cast { padded * reduce } else { flat };
             if cast {
@@ -288,11 +289,19 @@ impl<'a> Walk<'a> {
             }
         }
         if self.micro.data_parallel {
+            self.make_room();
             // In place in fp32, else through a copy in the reduce dtype.
             let copy = if self.micro.reduce == Kind::Float { 0.0 } else { padded * reduce };
             self.now.transient += copy;
             self.note();
             self.pending.push_back(Pending { held: copy, kept: 0.0 });
+        }
+    }
+
+    /// Finishes the oldest reductions until a new one may start.
+    fn make_room(&mut self) {
+        while self.pending.len() >= reductions_in_flight(self.micro.dtype, self.micro.reduce) {
+            self.finish_oldest_reduction();
         }
     }
 
@@ -489,9 +498,6 @@ pub(super) fn walk(
         let gradient_complete = stages.iter().position(|s| s.unit == unit) == Some(index);
         if gradient_complete && !placements[unit].frozen {
             walk.reduce(unit);
-        }
-        while walk.pending.len() > reductions_in_flight(micro.dtype, micro.reduce) {
-            walk.finish_oldest_reduction();
         }
         if gradient_complete || (placements[unit].released_after_forward(reshard_after_forward) && stages[index - 1].unit != unit) {
             walk.release(unit);

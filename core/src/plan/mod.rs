@@ -480,7 +480,7 @@ fn with_margins(allocated: f64) -> f64 {
 
 /// What `hook` keeps for the stages of `plan` over `units` placed as
 /// `placements`, plus the most workspace it can have in flight: the
-/// largest `reductions_in_flight + 1` unit reductions', every unit's
+/// largest `reductions_in_flight` unit reductions', every unit's
 /// replica reduction (the step waits for those at its end) and two
 /// gathers' (the one in use and the one prefetched).
 fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan, shard_group: usize) -> f64 {
@@ -518,7 +518,7 @@ fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], plac
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         sizes.iter().take(n).sum()
     };
-    bytes + (largest(reductions, reductions_in_flight(workload.dtype, reduce) + 1) + replicas + largest(gathers, 2)) as f64
+    bytes + (largest(reductions, reductions_in_flight(workload.dtype, reduce)) + replicas + largest(gathers, 2)) as f64
 }
 
 /// Predicts one row.

@@ -10,12 +10,14 @@ use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
 
-/// Reductions allowed in flight before backward waits for the oldest:
-/// enough to overlap communication with the next units' backward, few
-/// enough that whole gradients do not pile up — two of gradients reduced in
-/// the compute dtype, one of gradients widened for the reduction (fp32
-/// under bf16: each twice the bytes, and twice the time on the wire, so one
-/// unit's backward still covers it).
+/// Unit reductions alive at once, the one being started included: a new
+/// one waits for the oldest first, so that its input (a gradient widened
+/// for the reduction is allocated for it) never joins a full set. Enough to
+/// overlap communication with the next units' backward, few enough that
+/// whole gradients do not pile up — two of gradients reduced in the compute
+/// dtype, one of gradients widened for the reduction (fp32 under bf16: each
+/// twice the bytes, and twice the time on the wire, so one unit's backward
+/// still covers it).
 pub(crate) fn reductions_in_flight(compute: Kind, reduce: Kind) -> usize {
     if reduce.elt_size_in_bytes() > compute.elt_size_in_bytes() {
         1
@@ -24,15 +26,29 @@ pub(crate) fn reductions_in_flight(compute: Kind, reduce: Kind) -> usize {
     }
 }
 
+/// A step's gradient reductions in flight: the units' (at most `limit`,
+/// oldest first) and the replica stages', waited for at the step's end.
+pub(super) struct Reductions {
+    pending: VecDeque<PendingReduction>,
+    limit: usize,
+    replicas: Vec<Pending>,
+}
+
+impl Reductions {
+    pub(super) fn new(limit: usize) -> Self {
+        Reductions { pending: VecDeque::new(), limit, replicas: vec![] }
+    }
+}
+
 /// A gradient reduction in flight, and what to do with its result.
-pub(super) struct PendingReduction {
+struct PendingReduction {
     unit: usize,
     work: Pending,
     result: Tensor,
     then: AfterReduction,
 }
 
-pub(super) enum AfterReduction {
+enum AfterReduction {
     /// A reduce-scattered micro-batch gradient: add it to the unit's shard.
     AddToShard { first_micro_batch: bool, last_micro_batch: bool },
     /// A gradient all-reduced in a narrower dtype: copy it back to fp32.
@@ -91,7 +107,7 @@ impl Trainer<'_> {
     /// Hands unit `u`'s complete micro-batch gradient to the reduction the
     /// policy asks for: reduce-scatter it now, or accumulate it and
     /// all-reduce the sum on the last micro-batch.
-    pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, pending: &mut VecDeque<PendingReduction>) -> Result<()> {
+    pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, reductions: &mut Reductions) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         // One micro-batch on one rank: the whole gradient, which AdamW reads in the compute dtype.
         let whole = self.parallel.is_none() && self.gradient_as_it_is(first, last);
@@ -103,6 +119,8 @@ impl Trainer<'_> {
             // Reduced every micro-batch: into this rank's shard, or (offloaded)
             // on to the host, where micro-batches are summed, so no fp32
             // gradient stays on the device.
+            self.make_room(reductions)?;
+            let unit = &mut self.units[u];
             let input = if fresh.defined() {
                 in_reduce_dtype(&fresh, reduce_dtype, self.kernels)?
             } else {
@@ -122,25 +140,47 @@ impl Trainer<'_> {
                 false => (ReduceStage::World, input.shallow_clone()),
             };
             let work = self.start_reduction(u, stage, input, result.shallow_clone(), first && last)?;
-            pending.push_back(PendingReduction { unit: u, work, result, then });
+            reductions.pending.push_back(PendingReduction { unit: u, work, result, then });
             return Ok(());
         }
         unit.accumulate_grad(&fresh, first, whole);
         if self.parallel.is_some() && last {
+            self.make_room(reductions)?;
+            let unit = &self.units[u];
             // fp32: in place in the gradient; else through a narrower copy.
             let (result, then) = match reduce_dtype {
                 Kind::Float => (unit.grad.shallow_clone(), AfterReduction::Nothing),
                 narrower => (unit.grad.to_kind(narrower), AfterReduction::CopyToGrad),
             };
             let work = self.start_reduction(u, ReduceStage::World, result.shallow_clone(), result.shallow_clone(), true)?;
-            pending.push_back(PendingReduction { unit: u, work, result, then });
+            reductions.pending.push_back(PendingReduction { unit: u, work, result, then });
+        }
+        Ok(())
+    }
+
+    /// Finishes the oldest reductions until a new one may start.
+    fn make_room(&mut self, reductions: &mut Reductions) -> Result<()> {
+        while reductions.pending.len() >= reductions.limit {
+            let oldest = reductions.pending.pop_front().expect("a full set is not empty");
+            self.finish_reduction(oldest, &mut reductions.replicas)?;
+        }
+        Ok(())
+    }
+
+    /// Finishes every reduction of the step.
+    pub(super) fn finish_reductions(&mut self, mut reductions: Reductions) -> Result<()> {
+        while let Some(oldest) = reductions.pending.pop_front() {
+            self.finish_reduction(oldest, &mut reductions.replicas)?;
+        }
+        for work in reductions.replicas {
+            work.wait()?;
         }
         Ok(())
     }
 
     /// Waits for one reduction and files its result; a gradient shard complete
     /// on the last micro-batch is then all-reduced across replica groups.
-    pub(super) fn finish_reduction(&mut self, reduction: PendingReduction, replica_reductions: &mut Vec<Pending>) -> Result<()> {
+    fn finish_reduction(&mut self, reduction: PendingReduction, replica_reductions: &mut Vec<Pending>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         reduction.work.wait()?;
         let u = reduction.unit;

@@ -10,15 +10,14 @@
 //! forward without gradients over the same stages: the model with its
 //! adapters off (LoRA's base), or the trainer's frozen copy.
 
-use super::reduce::{reductions_in_flight, PendingReduction};
+use super::reduce::{reductions_in_flight, Reductions};
 use super::Trainer;
-use crate::comm_hook::{GatherPhase, Pending};
+use crate::comm_hook::GatherPhase;
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
 use crate::model::{Float8Layers, Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
-use std::collections::VecDeque;
 use tch::Tensor;
 
 /// What forward keeps of one stage for backward.
@@ -259,9 +258,7 @@ impl Trainer<'_> {
         }
 
         let mut grad: Option<Tensor> = None;
-        let mut pending: VecDeque<PendingReduction> = VecDeque::new();
-        let in_flight = reductions_in_flight(self.options.dtype, self.reduce_dtype());
-        let mut replica_reductions: Vec<Pending> = vec![];
+        let mut reductions = Reductions::new(reductions_in_flight(self.options.dtype, self.reduce_dtype()));
         let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
             let unit = stage.unit;
@@ -289,27 +286,18 @@ impl Trainer<'_> {
             drop(s);
             if let Some(adapter) = stage.adapter {
                 // A stage's adapters serve it alone: their gradient is complete.
-                self.reduce(adapter, first_micro_batch, last_micro_batch, &mut pending)?;
+                self.reduce(adapter, first_micro_batch, last_micro_batch, &mut reductions)?;
             }
             let gradient_complete = stages.iter().position(|st| st.unit == unit) == Some(index);
             if gradient_complete && self.units[unit].trainable() {
-                self.reduce(unit, first_micro_batch, last_micro_batch, &mut pending)?;
-            }
-            while pending.len() > in_flight {
-                let oldest = pending.pop_front().expect("non-empty");
-                self.finish_reduction(oldest, &mut replica_reductions)?;
+                self.reduce(unit, first_micro_batch, last_micro_batch, &mut reductions)?;
             }
             // Done with the unit, or (full_shard) done until an earlier stage's backward needs it again.
             if gradient_complete || (self.released_after_forward(unit) && stages[index - 1].unit != unit) {
                 self.release(unit)?;
             }
         }
-        while let Some(oldest) = pending.pop_front() {
-            self.finish_reduction(oldest, &mut replica_reductions)?;
-        }
-        for work in replica_reductions {
-            work.wait()?;
-        }
+        self.finish_reductions(reductions)?;
         if self.float8.is_some() {
             // The float8 casts' cached inputs hold nothing past the micro-batch.
             ft_sys::float8::forget_cached_inputs();
