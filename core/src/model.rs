@@ -729,6 +729,19 @@ pub fn rotary_with(x: &Tensor, cos: &Tensor, signed_sin: &Tensor, fused: bool) -
     (x * cos).addcmul(&x.roll([head_dim / 2], [3]), signed_sin)
 }
 
+/// RMSNorm over the last dimension with `weight`. Where float8 layers read
+/// its output and ft's kernels load, ft's kernel writes it and its amax in
+/// one pass (`ft_sys::rms_norm`), so their casts take no pass of their own;
+/// ATen's own kernel elsewhere (one pass too, without the amax).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let hidden = x.size().last().copied().unwrap_or(0);
+    let fits = matches!(x.kind(), Kind::Float | Kind::BFloat16) && weight.kind() == x.kind() && weight.size() == [hidden];
+    if fits && ft_sys::float8::activation_amaxes_wanted() && Kernels::loaded(x.device()) {
+        return ft_sys::rms_norm(x, weight, eps).unwrap_or_else(|e| panic!("RMSNorm: {e}"));
+    }
+    x.rms_norm([hidden], Some(weight), Some(eps))
+}
+
 /// SwiGLU's gating, silu(gate) · up, as one autograd node that keeps only
 /// `gate` and `up` for backward (`ft_sys::swiglu`), in one kernel each way
 /// on a GPU where ft's kernels load. Panics only on inputs that do not

@@ -464,7 +464,9 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
 // Rust) as the autograd nodes below call them: `tensors` are the op's
 // operands, outputs last; non-zero means failure, with a message in
 // `message`. A null kernel leaves a node on ATen's ops.
-enum FusedOp : int { kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3, kColumnSum = 4, kLayerNormParams = 5 };
+enum FusedOp : int {
+  kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3, kColumnSum = 4, kLayerNormParams = 5, kRmsNormForward = 6
+};
 using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
 
 void run_fused(int64_t kernel, FusedOp op, std::initializer_list<const at::Tensor*> tensors) {
@@ -671,6 +673,51 @@ char* ft_layer_norm(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, double 
       throw std::invalid_argument("LayerNorm's node needs ft's kernel");
     }
     *out = new at::Tensor(LayerNorm::apply(*x, *weight, *bias, eps, reinterpret_cast<int64_t>(kernel)));
+  });
+}
+
+// RMSNorm over the last dimension: ft's kernel forward (which also writes
+// the output's amax for the float8 layers reading it), ATen's fused
+// backward from the rstd the forward kept.
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            int64_t kernel) {
+    const int64_t cols = x.size(-1);
+    at::Tensor rows = x.contiguous().view({-1, cols});
+    at::Tensor out = at::empty_like(rows);
+    at::Tensor rstd = at::empty({rows.size(0), 1}, rows.options().dtype(at::kFloat));
+    at::Tensor epsilon = at::scalar_tensor(eps, at::kDouble);
+    run_fused(kernel, kRmsNormForward, {&rows, &weight, &epsilon, &out, &rstd});
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["rstd"] = rstd;
+    return out.view(x.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &weight = saved[1];
+    at::Tensor rows = saved[0].contiguous().view({-1, weight.size(0)});
+    at::Tensor rstd = ctx->saved_data["rstd"].toTensor();
+    const bool wants_x = ctx->needs_input_grad(0), wants_weight = ctx->needs_input_grad(1);
+    if (!wants_x && !wants_weight) {
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    at::Tensor grad = grads[0].contiguous().view_as(rows);
+    auto [grad_x, grad_weight] = at::_fused_rms_norm_backward(grad, rows, {rows.size(1)}, rstd, weight, {wants_x, wants_weight});
+    if (grad_x.defined()) {
+      grad_x = grad_x.view(grads[0].sizes());
+    }
+    return {grad_x, grad_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_rms_norm(at::Tensor* x, at::Tensor* weight, double eps, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] {
+    if (kernel == nullptr) {
+      throw std::invalid_argument("RMSNorm's node needs ft's kernel");
+    }
+    *out = new at::Tensor(RmsNorm::apply(*x, *weight, eps, reinterpret_cast<int64_t>(kernel)));
   });
 }
 

@@ -479,7 +479,8 @@ pub fn forget_cached_inputs() {
 }
 
 /// Whether the kernels that write a float8 layer's input compute its amax
-/// as they write it (SwiGLU's: `kernels::swiglu_`), so the layer's
+/// as they write it (SwiGLU's and RMSNorm's: `kernels::swiglu_`,
+/// `kernels::rms_norm_`), so the layer's
 /// tensorwise cast skips its amax pass: set by the trainer when the
 /// tensorwise recipe casts with ft's kernels.
 static ACTIVATION_AMAXES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -488,7 +489,7 @@ pub fn fuse_activation_amaxes(on: bool) {
     ACTIVATION_AMAXES.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-pub(crate) fn activation_amaxes_wanted() -> bool {
+pub fn activation_amaxes_wanted() -> bool {
     ACTIVATION_AMAXES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
@@ -776,6 +777,48 @@ mod tests {
             out.detach()
         };
         assert_same_bits(&through(true), &through(false), "a float8 layer over SwiGLU's output, its amax noted or not");
+        // RMSNorm by ft's kernel: ATen's rms_norm within one rounding of the output's kind (the squares are summed in
+        // another order), both gradients (ATen's backward from the rstd the kernel kept) within the same, and the
+        // amax of what it wrote; a float8 layer over it gives the same bits with that amax noted and without.
+        let within_a_rounding = |ours: &Tensor, aten: &Tensor, what: &str| {
+            let unit = if ours.kind() == Kind::BFloat16 { 2f64.powi(-8) } else { 2f64.powi(-20) };
+            let (ours, aten) = (ours.to_kind(Kind::Float), aten.to_kind(Kind::Float));
+            let worst = (&ours - &aten).abs().max().double_value(&[]) / aten.abs().max().double_value(&[]);
+            assert!(worst <= unit, "{what}: {worst:e} of the largest value apart, over {unit:e}");
+        };
+        for (rows, cols, kind) in [(300, 4096, Kind::BFloat16), (4, 33000, Kind::BFloat16), (37, 70, Kind::BFloat16), (300, 128, Kind::Float)] {
+            let x = Tensor::randn([2, rows, cols], (Kind::Float, gpu)).to_kind(kind);
+            let weight = (Tensor::randn([cols], (Kind::Float, gpu)) * 0.1 + 1.0).to_kind(kind);
+            let grad = Tensor::randn([2, rows, cols], (Kind::Float, gpu)).to_kind(kind);
+            let norm = |ours: bool| {
+                let (x, weight) = (x.detach().set_requires_grad(true), weight.detach().set_requires_grad(true));
+                super::fuse_activation_amaxes(ours);
+                let out = if ours { crate::rms_norm(&x, &weight, 1e-5).unwrap() } else { x.rms_norm([cols], Some(&weight), Some(1e-5)) };
+                if ours {
+                    let noted = super::activation_amax(&out.view([-1, cols])).expect("RMSNorm noted its amax");
+                    assert_same_bits(&noted, &crate::kernels::amax(&out).unwrap(), &format!("RMSNorm's output amax, {rows}×{cols} {kind:?}"));
+                }
+                super::fuse_activation_amaxes(false);
+                (&out * &grad).sum(out.kind()).backward();
+                [out.detach(), x.grad(), weight.grad()]
+            };
+            let (ours, aten) = (norm(true), norm(false));
+            for ((what, ours), aten) in ["output", "input gradient", "weight gradient"].iter().zip(&ours).zip(&aten) {
+                within_a_rounding(ours, aten, &format!("RMSNorm's {what}, {rows}×{cols} {kind:?}"));
+            }
+        }
+        let x = Tensor::randn([300, 128], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+        let norm_weight = Tensor::ones([128], (Kind::BFloat16, gpu));
+        let through = |noted: bool| {
+            super::forget_cached_inputs();
+            super::fuse_activation_amaxes(noted);
+            let h = crate::rms_norm(&x, &norm_weight, 1e-5).unwrap();
+            assert_eq!(super::activation_amax(&h).is_some(), noted, "noted: {noted}");
+            let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
+            super::fuse_activation_amaxes(false);
+            out.detach()
+        };
+        assert_same_bits(&through(true), &through(false), "a float8 layer over RMSNorm's output, its amax noted or not");
         // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
         let x = Tensor::ones([1000], (Kind::BFloat16, gpu));
         let _ = x.get(777).fill_(f64::NAN);

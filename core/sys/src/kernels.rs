@@ -43,6 +43,9 @@
 //!   scales (`fp8_scales`), and the same cast reading a scale per row or
 //!   column. `fp8_transpose`: float8 bytes gathered row-major into the
 //!   transposed layout, through the cast's shared-memory tile.
+//! - `rms_norm_*`: RMSNorm's forward, which also writes its output's amax
+//!   for the float8 layers reading it (ATen's rms_norm is one kernel too,
+//!   but its amax would take another pass over the output).
 //! - `widen_bf16`: bf16 to fp32 in one vectorised pass (an fp32 reduction's
 //!   input); ATen's copy between the kinds does not vectorise.
 //! - `dequantize_4bit_*`: QLoRA's 4-bit base weights (NF4 or FP4, double
@@ -78,6 +81,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/float8.cu"),
     include_str!("kernels/nf4.cu"),
     include_str!("kernels/widen.cu"),
+    include_str!("kernels/rms_norm.cu"),
 );
 
 /// The kernels, loaded into one device's (primary) context.
@@ -98,6 +102,7 @@ struct Functions {
     /// By the values' kind: [fp32, bf16].
     rope: [sys::CUfunction; 2],
     swiglu: [sys::CUfunction; 2],
+    rms_norm: [sys::CUfunction; 2],
     column_sum_partial: [sys::CUfunction; 2],
     column_sum_finish: [sys::CUfunction; 2],
     /// By the values' kind: [fp32, bf16].
@@ -178,6 +183,7 @@ fn load(device_index: usize) -> Result<Functions> {
             lowrank_expand: [function("lowrank_expand_f32")?, function("lowrank_expand_bf16")?],
             rope: [function("rope_f32")?, function("rope_bf16")?],
             swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
+            rms_norm: [function("rms_norm_f32")?, function("rms_norm_bf16")?],
             column_sum_partial: [function("column_sum_partial_f32")?, function("column_sum_partial_bf16")?],
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
             fp8_amax: [function("fp8_amax_f32")?, function("fp8_amax_bf16")?],
@@ -688,6 +694,46 @@ pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tens
     unsafe { launch(functions.swiglu[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
 }
 
+/// Words (16 bytes, or one value where unpacked) an `rms_norm_*` thread
+/// holds in registers (rms_norm.cu's RMS_NORM_HELD).
+const RMS_NORM_HELD: u32 = 4;
+
+/// RMSNorm's forward over the rows of `x` ([rows, cols], contiguous, fp32
+/// or bf16) into `out` (the same) with `weight` ([cols], x's kind):
+/// w·(x·rstd), rstd = 1/√(mean(x²) + eps) in fp32, written to `rstd`
+/// ([rows, 1], fp32: what ATen's `_fused_rms_norm_backward` reads). With
+/// `amax` (one fp32, zeroed) also the output's max |y|, NaN if any.
+pub fn rms_norm_(x: &Tensor, weight: &Tensor, eps: f64, out: &mut Tensor, rstd: &mut Tensor, amax: Option<&Tensor>) -> Result<()> {
+    let index = gpu_index(x, "RMSNorm's input")?;
+    let (rows, cols) = x.size2().map_err(|e| error("RMSNorm's input", e))?;
+    let kind = x.kind();
+    let which = by_kind(kind)?;
+    expect(x, "RMSNorm's input", x, &[rows, cols], kind)?;
+    expect(weight, "RMSNorm's weight", x, &[cols], kind)?;
+    expect(out, "RMSNorm's output", x, &[rows, cols], kind)?;
+    expect(rstd, "RMSNorm's rstd", x, &[rows, 1], Kind::Float)?;
+    let mut amax_ptr = match amax {
+        Some(amax) => expect(amax, "RMSNorm's amax", x, &[], Kind::Float).map(|()| amax.data_ptr())?,
+        None => std::ptr::null_mut(),
+    };
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let mut packed = i32::from(packing(kind, cols, [x, weight, &*out]) > 1);
+    let (mut x_ptr, mut weight_ptr, mut out_ptr, mut rstd_ptr) = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr());
+    let (mut cols, mut eps) = (i32::try_from(cols).map_err(|_| error("RMSNorm's input", format!("{cols} columns")))?, eps as f32);
+    let blocks = u32::try_from(rows).map_err(|_| error("RMSNorm's input", format!("{rows} rows")))?;
+    // Enough threads that each holds at most RMS_NORM_HELD words of its row
+    // (more blocks resident per SM than a fixed 256 would leave), whole warps.
+    let words = cols as u32 / if packed == 1 { 16 / kind.elt_size_in_bytes() as u32 } else { 1 };
+    let threads = words.div_ceil(RMS_NORM_HELD).next_multiple_of(32).clamp(32, 1024);
+    let mut params = [arg(&mut x_ptr), arg(&mut weight_ptr), arg(&mut out_ptr), arg(&mut rstd_ptr), arg(&mut amax_ptr), arg(&mut cols), arg(&mut eps), arg(&mut packed)];
+    // SAFETY: the arguments match rms_norm_*'s signature and the tensors
+    // were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.rms_norm[which], index, blocks, threads, &mut params) }
+}
+
 /// Row lanes of a `column_sum_partial_*` block (the source's COLUMN_LANES).
 const COLUMN_LANES: u32 = 8;
 
@@ -1096,7 +1142,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

@@ -114,6 +114,7 @@ extern "C" {
         out: *mut *mut RawTensor,
     ) -> *mut c_char;
     fn ft_layer_norm(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_rms_norm(x: *mut RawTensor, weight: *mut RawTensor, eps: f64, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, a: *mut RawTensor, b: *mut RawTensor, scale: f64, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
@@ -479,6 +480,17 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     Ok(unsafe { Tensor::from_ptr(raw) })
 }
 
+/// RMSNorm over the last dimension as one autograd node: ft's kernel
+/// forward, which also computes the output's amax when float8 layers want
+/// it (`float8::fuse_activation_amaxes`), and ATen's fused backward from
+/// the rstd it kept. On a GPU, fp32 or bf16.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    check(unsafe { ft_rms_norm(tensor_ptr(x), tensor_ptr(weight), eps, Some(fused_kernel), &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
 /// silu(gate) · up (SwiGLU's gating) as one autograd node that saves only
 /// `gate` and `up` and recomputes silu(gate) in backward: one activation of
 /// [tokens, ffn] less per block than ATen's silu and mul keep. With
@@ -515,6 +527,7 @@ mod fused_op {
     pub const SWIGLU_BACKWARD: i32 = 3;
     pub const COLUMN_SUM: i32 = 4;
     pub const LAYER_NORM_PARAMS: i32 = 5;
+    pub const RMS_NORM_FORWARD: i32 = 6;
 }
 
 /// The shim's `FusedOp` onto `kernels`.
@@ -529,6 +542,15 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
                 // Its output's amax in the same pass, for a float8 layer reading it (`float8::note_activation_amax`).
                 let amax = float8::activation_amaxes_wanted().then(|| Tensor::zeros([], (tch::Kind::Float, gate.device())));
                 kernels::swiglu_(gate, up, None, out, None, amax.as_ref())?;
+                if let Some(amax) = amax {
+                    float8::note_activation_amax(out, amax);
+                }
+                Ok(())
+            }
+            (fused_op::RMS_NORM_FORWARD, [x, weight, eps, out, rstd]) => {
+                // As SwiGLU's: the output's amax in the same pass.
+                let amax = float8::activation_amaxes_wanted().then(|| Tensor::zeros([], (tch::Kind::Float, x.device())));
+                kernels::rms_norm_(x, weight, eps.double_value(&[]), out, rstd, amax.as_ref())?;
                 if let Some(amax) = amax {
                     float8::note_activation_amax(out, amax);
                 }

@@ -542,7 +542,7 @@ impl Llama {
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        x.rms_norm([self.config.hidden_size], Some(weight), Some(self.config.rms_norm_eps))
+        model::rms_norm(x, weight, self.config.rms_norm_eps)
     }
 }
 
