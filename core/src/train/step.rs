@@ -256,6 +256,10 @@ impl Trainer<'_> {
                 self.release(unit)?;
             }
         }
+        if self.float8.is_some() {
+            // Forward's cached input casts and noted amaxes served its layers: they hold nothing through backward.
+            ft_sys::float8::forget_cached_inputs();
+        }
 
         let mut grad: Option<Tensor> = None;
         let mut reductions = Reductions::new(reductions_in_flight(self.options.dtype, self.reduce_dtype()));
@@ -299,7 +303,7 @@ impl Trainer<'_> {
         }
         self.finish_reductions(reductions)?;
         if self.float8.is_some() {
-            // The float8 casts' cached inputs hold nothing past the micro-batch.
+            // Nor backward's (and a recomputed block's) past the micro-batch.
             ft_sys::float8::forget_cached_inputs();
         }
         self.micro_steps += 1;

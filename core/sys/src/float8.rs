@@ -509,11 +509,16 @@ pub(crate) fn note_activation_amax(x: &Tensor, amax: Tensor) {
 }
 
 /// x's amax if its writer noted it and x is that tensor's data unchanged
-/// (the same storage start, elements, kind and version; any shape).
+/// (the same storage start, elements, kind and version; any shape), taken
+/// from the slot: the first layer reading x casts it, and the input cache
+/// serves the others, so the slot lets go of x at once.
 fn activation_amax(x: &Tensor) -> Option<Tensor> {
-    let slot = activation_slot();
-    let (noted, version, amax) = slot.as_ref()?;
-    (same_values(noted, *version, x) && x.is_contiguous()).then(|| amax.shallow_clone())
+    let mut slot = activation_slot();
+    let (noted, version, _) = slot.as_ref()?;
+    if !(same_values(noted, *version, x) && x.is_contiguous()) {
+        return None;
+    }
+    slot.take().map(|(_, _, amax)| amax)
 }
 
 /// Weights gathered in float8 (a sharded unit's gather,
@@ -771,8 +776,9 @@ mod tests {
             super::forget_cached_inputs();
             super::fuse_activation_amaxes(noted);
             let h = crate::swiglu(&gate, &up, true).unwrap();
-            assert_eq!(super::activation_amax(&h).is_some(), noted, "noted: {noted}");
+            assert_eq!(super::activation_slot().is_some(), noted, "noted: {noted}");
             let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
+            assert!(super::activation_slot().is_none(), "the layer took the noted amax");
             super::fuse_activation_amaxes(false);
             out.detach()
         };
@@ -813,8 +819,9 @@ mod tests {
             super::forget_cached_inputs();
             super::fuse_activation_amaxes(noted);
             let h = crate::rms_norm(&x, &norm_weight, 1e-5).unwrap();
-            assert_eq!(super::activation_amax(&h).is_some(), noted, "noted: {noted}");
+            assert_eq!(super::activation_slot().is_some(), noted, "noted: {noted}");
             let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
+            assert!(super::activation_slot().is_none(), "the layer took the noted amax");
             super::fuse_activation_amaxes(false);
             out.detach()
         };
