@@ -771,18 +771,23 @@ mod tests {
         let amax = Tensor::zeros([], (Kind::Float, gpu));
         crate::kernels::swiglu_(&gate, &up, None, &mut out, None, Some(&amax)).unwrap();
         assert_same_bits(&amax, &crate::kernels::amax(&out).unwrap(), "SwiGLU's output amax");
+        // A float8 layer over what `write` returns (300 × 128) gives the same bits with its amax noted and without, and
+        // takes the noted amax out of the slot.
         let weight = (Tensor::randn([64, 128], (Kind::Float, gpu)) * 0.05).to_kind(Kind::BFloat16).set_requires_grad(true);
-        let through = |noted: bool| {
-            super::forget_cached_inputs();
-            super::fuse_activation_amaxes(noted);
-            let h = crate::swiglu(&gate, &up, true).unwrap();
-            assert_eq!(super::activation_slot().is_some(), noted, "noted: {noted}");
-            let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
-            assert!(super::activation_slot().is_none(), "the layer took the noted amax");
-            super::fuse_activation_amaxes(false);
-            out.detach()
+        let same_over = |write: &dyn Fn() -> Tensor, what: &str| {
+            let through = |noted: bool| {
+                super::forget_cached_inputs();
+                super::fuse_activation_amaxes(noted);
+                let h = write();
+                assert_eq!(super::activation_slot().is_some(), noted, "{what}, noted: {noted}");
+                let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
+                assert!(super::activation_slot().is_none(), "the layer took {what}'s noted amax");
+                super::fuse_activation_amaxes(false);
+                out.detach()
+            };
+            assert_same_bits(&through(true), &through(false), &format!("a float8 layer over {what}'s output, its amax noted or not"));
         };
-        assert_same_bits(&through(true), &through(false), "a float8 layer over SwiGLU's output, its amax noted or not");
+        same_over(&|| crate::swiglu(&gate, &up, true).unwrap(), "SwiGLU");
         // RMSNorm by ft's kernel: ATen's rms_norm within one rounding of the output's kind (the squares are summed in
         // another order), both gradients (ATen's backward from the rstd the kernel kept) within the same, and the
         // amax of what it wrote; a float8 layer over it gives the same bits with that amax noted and without.
@@ -815,17 +820,7 @@ mod tests {
         }
         let x = Tensor::randn([300, 128], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
         let norm_weight = Tensor::ones([128], (Kind::BFloat16, gpu));
-        let through = |noted: bool| {
-            super::forget_cached_inputs();
-            super::fuse_activation_amaxes(noted);
-            let h = crate::rms_norm(&x, &norm_weight, 1e-5).unwrap();
-            assert_eq!(super::activation_slot().is_some(), noted, "noted: {noted}");
-            let out = linear(&h, &weight.detach().set_requires_grad(true), Float8 { recipe: Recipe::Tensorwise, emulate: false }, true, 0).unwrap();
-            assert!(super::activation_slot().is_none(), "the layer took the noted amax");
-            super::fuse_activation_amaxes(false);
-            out.detach()
-        };
-        assert_same_bits(&through(true), &through(false), "a float8 layer over RMSNorm's output, its amax noted or not");
+        same_over(&|| crate::rms_norm(&x, &norm_weight, 1e-5).unwrap(), "RMSNorm");
         // A NaN anywhere makes the amax NaN, as torch's max does (the numerics guard reads it).
         let x = Tensor::ones([1000], (Kind::BFloat16, gpu));
         let _ = x.get(777).fill_(f64::NAN);
