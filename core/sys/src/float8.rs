@@ -223,13 +223,14 @@ impl Float8 {
     }
 
     /// a·b in `out_kind` (torchao's `float8_mm`): emulated, or `_scaled_mm`
-    /// with fast accumulation where the recipe uses it (the forward GEMM).
-    fn gemm(self, a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Result<Tensor> {
+    /// with fast accumulation where the recipe uses it (the forward GEMM);
+    /// `fused`: ft's kernels serve the work around it.
+    fn gemm(self, a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool, fused: bool) -> Result<Tensor> {
         if self.emulate {
             let (a, b) = (a.data.to_kind(Kind::Float) / &a.scale, b.data.to_kind(Kind::Float) / &b.scale);
             return Ok(a.mm(&b).to_kind(out_kind));
         }
-        scaled_mm(a, b, out_kind, fast_accum)
+        scaled_mm(a, b, out_kind, fast_accum, fused)
     }
 
     /// Whether ft's kernels cast (`fused`: they load on this GPU) and the
@@ -285,7 +286,7 @@ impl Float8 {
                     _ => kernel_cast(weight, &w_amax, Role::Weight, self, false)?,
                 }
                 .transposed();
-                (self.gemm(&input, &weight_t, x.kind(), true)?, [Some(x_amax), Some(w_amax)])
+                (self.gemm(&input, &weight_t, x.kind(), true, true)?, [Some(x_amax), Some(w_amax)])
             }
             (true, Recipe::Rowwise) => {
                 let rows = rows.contiguous();
@@ -293,12 +294,12 @@ impl Float8 {
                 let (weight_rows, w_amax) = self.kernel_cast_along(&weight.contiguous(), kernels::Along::Rows, Role::Weight, false)?;
                 record(layer, Role::Input, &x_amax);
                 record(layer, Role::Weight, &w_amax);
-                (self.gemm(&input, &weight_rows.transposed(), x.kind(), true)?, [None, None])
+                (self.gemm(&input, &weight_rows.transposed(), x.kind(), true, true)?, [None, None])
             }
             (false, _) => {
                 let input = self.cast_recording(&rows, Role::Input, -1, Some(layer));
                 let weight_t = self.cast_recording(weight, Role::Weight, -1, Some(layer)).transposed();
-                (self.gemm(&input, &weight_t, x.kind(), true)?, [None, None])
+                (self.gemm(&input, &weight_t, x.kind(), true, false)?, [None, None])
             }
         };
         let mut shape = x.size();
@@ -328,7 +329,7 @@ impl Float8 {
             true => {
                 let dy = self.cast_recording(&grad, Role::GradOutput, -1, recording.take());
                 let w = self.cast(weight, Role::Weight, 0);
-                Some(self.gemm(&dy, &w, grad.kind(), false)?.reshape(x.size()))
+                Some(self.gemm(&dy, &w, grad.kind(), false, false)?.reshape(x.size()))
             }
         };
         let grad_weight = match wanted[1] {
@@ -336,7 +337,7 @@ impl Float8 {
             true => {
                 let dy_t = self.cast_recording(&grad, Role::GradOutput, 0, recording.take()).transposed();
                 let rows = self.cast(&x.reshape([-1, features]), Role::Input, 0);
-                Some(self.gemm(&dy_t, &rows, grad.kind(), false)?)
+                Some(self.gemm(&dy_t, &rows, grad.kind(), false, false)?)
             }
         };
         Ok([grad_input, grad_weight])
@@ -362,7 +363,7 @@ impl Float8 {
                     _ => kernel_cast(weight, &amax(w_amax, weight)?, Role::Weight, self, true)?,
                 }
                 .transposed();
-                Some(self.gemm(&Operand { data: data.shallow_clone(), scale: dy.scale.shallow_clone(), inverse: dy.inverse.shallow_clone() }, &w, grad.kind(), false)?)
+                Some(self.gemm(&Operand { data: data.shallow_clone(), scale: dy.scale.shallow_clone(), inverse: dy.inverse.shallow_clone() }, &w, grad.kind(), false, true)?)
             }
             _ => None,
         };
@@ -374,7 +375,7 @@ impl Float8 {
                     Ok((kernel_cast(rows, &amax, Role::Input, self, true)?, amax))
                 })?;
                 let x = x.transposed();
-                Some(self.gemm(&dy_t, &x, grad.kind(), false)?)
+                Some(self.gemm(&dy_t, &x, grad.kind(), false, true)?)
             }
             _ => None,
         };
@@ -395,7 +396,7 @@ impl Float8 {
                 let (dy, g_amax) = self.kernel_cast_along(grad, Along::Rows, Role::GradOutput, false)?;
                 record(recording.take().expect("first"), Role::GradOutput, &g_amax);
                 let (w, _) = self.kernel_cast_along(&weight.contiguous(), Along::Cols, Role::Weight, true)?;
-                Some(self.gemm(&dy, &w, grad.kind(), false)?)
+                Some(self.gemm(&dy, &w, grad.kind(), false, true)?)
             }
         };
         let grad_weight = match wanted[1] {
@@ -406,7 +407,7 @@ impl Float8 {
                     record(layer, Role::GradOutput, &g_amax);
                 }
                 let (_, x) = TRANSPOSED_INPUTS.cast(rows, self.recipe, || self.kernel_cast_along(rows, Along::Cols, Role::Input, true))?;
-                Some(self.gemm(&dy.transposed(), &x, grad.kind(), false)?)
+                Some(self.gemm(&dy.transposed(), &x, grad.kind(), false, true)?)
             }
         };
         Ok([grad_input, grad_weight])
@@ -611,11 +612,13 @@ fn kernel_cast(x: &Tensor, amax: &Tensor, role: Role, float8: Float8, transposed
 /// torchao's `addmm_float8_unwrapped` over `preprocess_addmm`'s layouts: a
 /// row-major, b column-major, the scales inverted. Rowwise without fast
 /// accumulation runs the tensorwise kernel and scales after (CUTLASS's
-/// rowwise kernel is slow without it); rowwise output is bf16, cast after.
+/// rowwise kernel is slow without it) — with `fused`, in one pass of ft's
+/// kernel (`kernels::scale_outer_`, the same bits); rowwise output is
+/// bf16, cast after.
 /// An inner dimension that is not a multiple of 16 (cuBLASLt's float8
 /// needs it; the token count of the weight gradient's GEMM) is padded with
 /// zeros, which add nothing.
-fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Result<Tensor> {
+fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool, fused: bool) -> Result<Tensor> {
     let (rows, inner, cols) = (a.data.size()[0], a.data.size()[1], b.data.size()[1]);
     if cols % 16 != 0 {
         return Err(ShimError(format!("float8 GEMMs need output widths that are multiples of 16, not {cols}")));
@@ -630,16 +633,18 @@ fn scaled_mm(a: &Operand, b: &Operand, out_kind: Kind, fast_accum: bool) -> Resu
     let b_data = b_data.tr().contiguous().tr();
     let (mut a_inverse, mut b_inverse) = (a.inverse.shallow_clone(), b.inverse.shallow_clone());
     let rowwise = a.scale.size() == [rows, 1] && b.scale.size() == [1, cols];
-    let mut post_scale = None;
+    let mut scaled_after = None;
     if rowwise && !fast_accum {
-        post_scale = Some(&a_inverse * &b_inverse);
+        scaled_after = Some((a_inverse.contiguous(), b_inverse.contiguous()));
         a_inverse = a_inverse.new_ones([], (Kind::Float, a_inverse.device()));
         b_inverse = a_inverse.shallow_clone();
     }
     let product_kind = if rowwise && matches!(out_kind, Kind::Half | Kind::Float) { Kind::BFloat16 } else { out_kind };
     let mut out = a_data.f_internal_scaled_mm::<Tensor>(&b_data, &a_inverse, &b_inverse, None, None, product_kind, fast_accum).map_err(|e| ShimError(format!("_scaled_mm: {e}")))?;
-    if let Some(post_scale) = post_scale {
-        out *= post_scale;
+    match scaled_after {
+        Some((a, b)) if fused => kernels::scale_outer_(&mut out, &a, &b)?,
+        Some((a, b)) => out *= &a * &b,
+        None => {}
     }
     Ok(out.to_kind(out_kind))
 }
@@ -755,6 +760,18 @@ mod tests {
             crate::kernels::cast_float8_into(&x, &amax, Kind::Float8e4m3fn, 448.0, &into).unwrap();
             assert_same_bits(&bytes(&into), &bytes(&cast), &format!("{rows}×{cols} cast into a buffer"));
             assert_eq!(buffer.narrow(0, 0, 16).count_nonzero(None).int64_value(&[]), 0, "nothing written before the slice");
+        }
+        // A rowwise GEMM's scales applied after it by ft's kernel: ATen's `y *= a * b`, bit for bit, from 16 bytes in
+        // and from an offset (the scalar path).
+        for (rows, cols) in [(300, 2048), (37, 70)] {
+            let (a, b) = (Tensor::rand([rows, 1], (Kind::Float, gpu)) * 3.0, Tensor::rand([1, cols], (Kind::Float, gpu)) / 7.0);
+            let values = Tensor::randn([rows * cols + 1], (Kind::Float, gpu)).to_kind(Kind::BFloat16);
+            for offset in [0, 1] {
+                let [mut ours, mut aten] = [0, 1].map(|_| values.copy().narrow(0, offset, rows * cols).view([rows, cols]));
+                crate::kernels::scale_outer_(&mut ours, &a, &b).unwrap();
+                aten *= &a * &b;
+                assert_same_bits(&ours, &aten, &format!("{rows}×{cols} from {offset} scaled after"));
+            }
         }
         // bf16 widened to fp32 by ft's kernel (an fp32 reduction's input): ATen's cast, bit for bit, from 16 bytes in
         // and from an offset (the scalar path), NaN and infinities included.

@@ -113,6 +113,7 @@ struct Functions {
     fp8_amax_rows: [sys::CUfunction; 2],
     fp8_amax_cols: [sys::CUfunction; 2],
     fp8_scales: sys::CUfunction,
+    fp8_scale_outer_bf16: sys::CUfunction,
     widen_bf16: sys::CUfunction,
     /// By the output's kind: [fp32, bf16, fp16].
     dequantize_4bit: [sys::CUfunction; 3],
@@ -192,6 +193,7 @@ fn load(device_index: usize) -> Result<Functions> {
             fp8_amax_rows: [function("fp8_amax_rows_f32")?, function("fp8_amax_rows_bf16")?],
             fp8_amax_cols: [function("fp8_amax_cols_f32")?, function("fp8_amax_cols_bf16")?],
             fp8_scales: function("fp8_scales")?,
+            fp8_scale_outer_bf16: function("fp8_scale_outer_bf16")?,
             widen_bf16: function("widen_bf16")?,
             dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
@@ -937,6 +939,29 @@ pub fn float8_scales(amax: &Tensor, max_value: f32, power_of_2: bool) -> Result<
     Ok((scale, inverse))
 }
 
+/// `y` ([rows, cols] bf16, contiguous) times the outer product of `a`
+/// ([rows, 1] fp32) and `b` ([1, cols] fp32), in place: ATen's `y *= a * b`,
+/// bit for bit, in one pass (a rowwise float8 GEMM's scales applied after it).
+pub fn scale_outer_(y: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+    let index = gpu_index(y, "y")?;
+    let (rows, cols) = y.size2().map_err(|e| error("y", e))?;
+    expect(y, "y", y, &[rows, cols], Kind::BFloat16)?;
+    expect(a, "a", y, &[rows, 1], Kind::Float)?;
+    expect(b, "b", y, &[1, cols], Kind::Float)?;
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let width = packing(Kind::BFloat16, cols, [&*y]);
+    let blocks = ((rows * cols / width) as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut y_ptr, mut a_ptr, mut b_ptr, mut rows, mut packed) = (y.data_ptr(), a.data_ptr(), b.data_ptr(), rows, i32::from(width > 1));
+    let mut cols = i32::try_from(cols).map_err(|_| error("y", format!("{cols} columns")))?;
+    let mut params = [arg(&mut y_ptr), arg(&mut a_ptr), arg(&mut b_ptr), arg(&mut rows), arg(&mut cols), arg(&mut packed)];
+    // SAFETY: the arguments match fp8_scale_outer_bf16's signature and the
+    // tensors were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.fp8_scale_outer_bf16, index, blocks, ELEMENTWISE_THREADS, &mut params) }
+}
+
 /// [`cast_float8`]'s row-major cast written into `out` ([rows, cols] of
 /// `kind`, contiguous: a float8 gather's send buffer) instead of a new tensor.
 pub fn cast_float8_into(x: &Tensor, amax: &Tensor, kind: Kind, max_value: f32, out: &Tensor) -> Result<()> {
@@ -1142,7 +1167,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

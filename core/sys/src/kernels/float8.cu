@@ -263,3 +263,30 @@ extern "C" __global__ void fp8_scales(const float* amax, long long n, float max_
     inverse[i] = 1.f / s;
   }
 }
+
+// A rowwise float8 GEMM's output without fast accumulation (float8.rs's
+// scaled_mm runs the tensorwise kernel with unit scales and scales after):
+// y[i, j] = y[i, j]·(a[i]·b[j]) in place, the two scales' product rounded
+// to fp32 first and the result once to bf16, as ATen's `y *= a * b`
+// computes it — without its [rows, cols] fp32 tensor of products and the
+// passes over it. A thread per W values of a row (W = Pack's when `packed`:
+// `cols` divisible and y 16-byte aligned).
+template <int W>
+__device__ void fp8_scale_outer(bf16* __restrict__ y, const float* __restrict__ a, const float* __restrict__ b, long long rows, int cols) {
+  const long long groups = rows * (cols / W);
+  for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
+    const long long at = g * W, row = at / cols;
+    const int col = (int)(at - row * cols);
+    const float scale = a[row];
+    Pack<bf16> v;
+    if (W == 1) v.set(0, load(y, at)); else v.read(y, at);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v.set(k, v.get(k) * (scale * b[col + k]));
+    if (W == 1) store(y, at, v.get(0)); else v.write(y, at);
+  }
+}
+
+extern "C" __global__ void fp8_scale_outer_bf16(bf16* y, const float* a, const float* b, long long rows, int cols, int packed) {
+  if (packed) fp8_scale_outer<Pack<bf16>::N>(y, a, b, rows, cols);
+  else fp8_scale_outer<1>(y, a, b, rows, cols);
+}
