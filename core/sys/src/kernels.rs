@@ -43,6 +43,8 @@
 //!   scales (`fp8_scales`), and the same cast reading a scale per row or
 //!   column. `fp8_transpose`: float8 bytes gathered row-major into the
 //!   transposed layout, through the cast's shared-memory tile.
+//!   `fp8_scale_outer_bf16`: a rowwise GEMM's scales applied after it, one
+//!   pass where ATen's `y *= a * b` takes two (one over fp32).
 //! - `rms_norm_*`: RMSNorm's forward, which also writes its output's amax
 //!   for the float8 layers reading it (ATen's rms_norm is one kernel too,
 //!   but its amax would take another pass over the output).
