@@ -9,7 +9,8 @@
 # carried as $D/ft_sys_tests, ft's kernels against ATen's, bit for bit. Used
 # for the bf16 -> fp32 widening kernel, for one fp32 reduction in flight, and
 # for a reduction waiting for room before its gradient is widened, and for
-# RMSNorm's amax in its kernel.
+# RMSNorm's amax in its kernel. GPUS, STRATEGY and EXTRA (more `ft bench`
+# flags, e.g. `--set num_hidden_layers=8`) change the row.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 [ -x $D/ft_sys_tests ] && { $D/ft_sys_tests --ignored --test-threads 1 2>&1 | tail -3; }
@@ -19,8 +20,9 @@ for run in ${RUNS:-off:fp32 tensorwise:fp32}; do
     binary=$FT; [ $build = before ] && binary=$D/ft-before
     name=$fp8-$reduce-$build profile=()
     [ "${PROFILE:-0}" = 1 ] && profile=(--profile $OUT/profile-$name)
-    timeout ${FT_LIMIT:-150} $binary bench --config $D/configs/codellama-7b/config.json --gpus 2 --strategy full_shard --batch 2 --seq 2048 \
-      --warmup 3 --steps 5 --fp8 $fp8 --reduce-dtype $reduce "${profile[@]}" --json $OUT/$name.json > $OUT/$name.log 2>&1 || echo "FAILED $name"
+    timeout ${FT_LIMIT:-150} $binary bench --config $D/configs/codellama-7b/config.json --gpus ${GPUS:-2} --strategy ${STRATEGY:-full_shard} \
+      --batch 2 --seq 2048 --warmup 3 --steps 5 --fp8 $fp8 --reduce-dtype $reduce ${EXTRA:-} "${profile[@]}" --json $OUT/$name.json \
+      > $OUT/$name.log 2>&1 || echo "FAILED $name"
     grep -E "^\| llama" $OUT/$name.log | sed "s/^/$fp8 $reduce $build /"
     rm -f $OUT/profile-$name/*.trace.json
   done

@@ -714,10 +714,20 @@ impl FlatUnit {
         self.compute.size()[0] * self.compute.kind().elt_size_in_bytes() as i64
     }
 
+    /// Where ft's AdamW kernel may write the updated master rounded to bf16
+    /// as it steps it (`kernels::adamw_`'s `compute`): the unit's own buffer,
+    /// when the master is whole, on the device and apart from that bf16 copy.
+    /// `refresh_compute` then has nothing left to copy.
+    pub(crate) fn compute_copy_of_master(&self) -> Option<&Tensor> {
+        let whole_copy = !self.placement.frozen && !self.placement.params_sharded && !self.offloaded_to_host() && self.master_is_whole();
+        (whole_copy && self.compute.kind() == Kind::BFloat16).then_some(&self.compute_alias)
+    }
+
     /// After an optimizer step: brings the compute copy up to date with the
-    /// master. Returns the all-gather in flight when parameters are
-    /// replicated but the master is sharded (zero1).
-    pub(crate) fn refresh_compute(&mut self, shard_group: Option<&ProcessGroup>) -> Result<Option<Work>> {
+    /// master, unless the optimizer `wrote` it already (`compute_copy_of_master`).
+    /// Returns the all-gather in flight when parameters are replicated but
+    /// the master is sharded (zero1).
+    pub(crate) fn refresh_compute(&mut self, shard_group: Option<&ProcessGroup>, wrote: bool) -> Result<Option<Work>> {
         let _no_grad = tch::no_grad_guard();
         if self.placement.frozen {
             return Ok(None);
@@ -733,7 +743,7 @@ impl FlatUnit {
             return Ok(None);
         }
         if self.master_is_whole() {
-            if !self.placement.master_is_compute(dtype) {
+            if !self.placement.master_is_compute(dtype) && !wrote {
                 self.compute_alias.copy_(&master);
             }
             return Ok(None);
@@ -757,7 +767,7 @@ impl FlatUnit {
             }
             target.shallow_clone().copy_(source);
         }
-        if let Some(work) = self.refresh_compute(shard_group)? {
+        if let Some(work) = self.refresh_compute(shard_group, false)? {
             work.wait()?;
         }
         Ok(())

@@ -143,7 +143,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
     let param = Tensor::randn([numel], (Kind::Float, device));
     let (step, grad_scale) = (Tensor::from(1f32).to_device(device), Tensor::from(2f32).to_device(device));
     let fresh = || [&param, &exp_avg, &exp_avg_sq].map(Tensor::copy);
-    let ft_step = |[p, m, v]: &[Tensor; 3]| crate::kernels::adamw_(p, &grad, m, v, hyper, &step, Some(&grad_scale), None).map_err(anyhow::Error::msg);
+    let ft_step = |[p, m, v]: &[Tensor; 3]| crate::kernels::adamw_(p, &grad, m, v, hyper, &step, Some(&grad_scale), None, None).map_err(anyhow::Error::msg);
     // ATen writes the unscaled gradient back into `grad`: it gets its own copy.
     let aten_step = |[p, m, v]: &[Tensor; 3], grad: &Tensor| {
         crate::fused_adamw(&[p], &[grad], &[m], &[v], &[&step], hyper, Some(&grad_scale), None).map_err(anyhow::Error::msg)

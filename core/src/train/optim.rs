@@ -103,8 +103,11 @@ impl Trainer<'_> {
         };
         let _ = self.step.g_add_scalar_(1.0);
         let hyper = AdamW { lr, ..self.options.adamw };
+        // ft's kernel writes the bf16 compute copies of whole masters as it steps them
+        // (unless a step may be skipped, which leaves the copy to the refresh).
+        let copies_written = self.kernels == Kernels::Ft && found_inf.is_none();
         for (decayed, hyper) in [(true, hyper), (false, AdamW { weight_decay: 0.0, ..hyper })] {
-            let (mut params, mut grads, mut m, mut v) = (vec![], vec![], vec![], vec![]);
+            let (mut params, mut grads, mut m, mut v, mut copies) = (vec![], vec![], vec![], vec![], vec![]);
             let mut host = vec![];
             for (unit, grad) in trained.iter().zip(&owned) {
                 let (split, len) = (unit.decayed_in_master(), unit.master.size()[0]);
@@ -121,11 +124,12 @@ impl Trainer<'_> {
                     grads.push(g);
                     m.push(mm);
                     v.push(vv);
+                    copies.push(unit.compute_copy_of_master().filter(|_| copies_written).map(|c| c.narrow(0, start, count)));
                 }
             }
             if !params.is_empty() && self.kernels == Kernels::Ft {
-                for (((p, g), mm), vv) in params.iter().zip(&grads).zip(&m).zip(&v) {
-                    ft_sys::kernels::adamw_(p, g, mm, vv, hyper, &self.step, grad_scale.as_ref(), found_inf.as_ref())?;
+                for ((((p, g), mm), vv), copy) in params.iter().zip(&grads).zip(&m).zip(&v).zip(&copies) {
+                    ft_sys::kernels::adamw_(p, g, mm, vv, hyper, &self.step, grad_scale.as_ref(), found_inf.as_ref(), copy.as_ref())?;
                 }
             } else if !params.is_empty() {
                 let steps: Vec<&Tensor> = params.iter().map(|_| &self.step).collect();
@@ -153,7 +157,8 @@ impl Trainer<'_> {
             if unit.offloaded_to_host() {
                 self.offload_stats.host_to_device_bytes += (unit.master.numel() * 4) as f64;
             }
-            gathers.extend(unit.refresh_compute(shard_group)?);
+            let wrote = copies_written && unit.compute_copy_of_master().is_some();
+            gathers.extend(unit.refresh_compute(shard_group, wrote)?);
         }
         for work in gathers {
             work.wait()?;

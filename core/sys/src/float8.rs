@@ -773,6 +773,24 @@ mod tests {
                 assert_same_bits(&ours, &aten, &format!("{rows}×{cols} from {offset} scaled after"));
             }
         }
+        // AdamW writing the stepped parameters' bf16 copy as it steps them: the parameters and moments it leaves are
+        // those of the step without the copy, bit for bit, and the copy is ATen's cast of the parameters, from 16
+        // bytes in and from an offset (the scalar path).
+        let hyper = crate::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
+        let step = Tensor::from(3f32).to_device(gpu);
+        for offset in [0, 1] {
+            let n = 4096 * 3 + 5;
+            let state = [1.0, 1.0, 0.1, 0.01].map(|std| (Tensor::randn([n + 1], (Kind::Float, gpu)) * std).abs_().narrow(0, offset, n));
+            let [with, without] = [0, 1].map(|_| [&state[0], &state[2], &state[3]].map(Tensor::copy));
+            let buffer = Tensor::zeros([n + 1], (Kind::BFloat16, gpu));
+            let copy = buffer.narrow(0, offset, n);
+            crate::kernels::adamw_(&with[0], &state[1], &with[1], &with[2], hyper, &step, None, None, Some(&copy)).unwrap();
+            crate::kernels::adamw_(&without[0], &state[1], &without[1], &without[2], hyper, &step, None, None, None).unwrap();
+            for (what, a, b) in [("parameters", &with[0], &without[0]), ("exp_avg", &with[1], &without[1]), ("exp_avg_sq", &with[2], &without[2])] {
+                assert_same_bits(a, b, &format!("AdamW's {what} with the copy written, from {offset}"));
+            }
+            assert_same_bits(&copy, &with[0].to_kind(Kind::BFloat16), &format!("AdamW's bf16 copy, from {offset}"));
+        }
         // bf16 widened to fp32 by ft's kernel (an fp32 reduction's input): ATen's cast, bit for bit, from 16 bytes in
         // and from an offset (the scalar path), NaN and infinities included.
         let values = Tensor::randn([4096 * 3 + 5], (Kind::Float, gpu)).to_kind(Kind::BFloat16);

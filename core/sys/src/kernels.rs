@@ -272,7 +272,9 @@ fn expect(tensor: &Tensor, name: &str, like: &Tensor, size: &[i64], kind: Kind) 
 /// contiguous, same length as `grad`, which is fp32 or bf16), as ATen's `_fused_adamw_` computes
 /// it: `step` (one float, on the device) already counts this step,
 /// `grad_scale` (one float) divides the gradient, a non-zero `found_inf`
-/// (one float) skips the update.
+/// (one float) skips the update. With `compute` (bf16, `param`'s length)
+/// each updated parameter is also written there rounded to bf16, as
+/// `compute.copy_(param)` would after the step.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_(
     param: &Tensor,
@@ -283,6 +285,7 @@ pub fn adamw_(
     step: &Tensor,
     grad_scale: Option<&Tensor>,
     found_inf: Option<&Tensor>,
+    compute: Option<&Tensor>,
 ) -> Result<()> {
     let Device::Cuda(index) = param.device() else {
         return Err(error("unsupported", "parameters are not on a GPU"));
@@ -293,6 +296,9 @@ pub fn adamw_(
     }
     let by_grad = by_kind(grad.kind())?;
     expect(grad, "grad", param, &[n], grad.kind())?;
+    if let Some(compute) = compute {
+        expect(compute, "compute", param, &[n], Kind::BFloat16)?;
+    }
     for (tensor, name) in [(Some(step), "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")] {
         if let Some(tensor) = tensor {
             if tensor.numel() != 1 || tensor.kind() != Kind::Float || tensor.device() != param.device() {
@@ -307,7 +313,7 @@ pub fn adamw_(
     let blocks = (n as u64).div_ceil(4 * ADAMW_THREADS as u64).min(functions.multiprocessors as u64 * 8) as u32;
     let pointer = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), Tensor::data_ptr);
     let (mut p, mut g, mut m, mut v) = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr());
-    let (mut step_ptr, mut scale_ptr, mut inf_ptr) = (step.data_ptr(), pointer(grad_scale), pointer(found_inf));
+    let (mut step_ptr, mut scale_ptr, mut inf_ptr, mut compute_ptr) = (step.data_ptr(), pointer(grad_scale), pointer(found_inf), pointer(compute));
     let mut n = n;
     let crate::AdamW { mut lr, mut beta1, mut beta2, mut weight_decay, mut eps } = hyper;
     let mut params = [
@@ -324,6 +330,7 @@ pub fn adamw_(
         arg(&mut step_ptr),
         arg(&mut scale_ptr),
         arg(&mut inf_ptr),
+        arg(&mut compute_ptr),
     ];
     // SAFETY: the arguments match adamw_fp32's signature; the tensors were
     // checked above and stay alive until the launch is queued, after which the
