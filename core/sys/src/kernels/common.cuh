@@ -41,6 +41,16 @@ __device__ __forceinline__ float block_max(float m, float* warp_max, Max max) {
   return m;
 }
 
+// Every thread's m (a max of |values|: non-negative, or NaN) folded into
+// *amax (fp32 bits, zeroed by the caller): a block reduction, then one
+// atomicMax on the bits, which order as the values do for non-negative
+// floats (NaN's above infinity). Every thread calls it.
+__device__ __forceinline__ void fold_amax(float m, unsigned int* amax) {
+  __shared__ float warp_max[32];
+  m = block_max(m, warp_max, MaxKeepingNan());
+  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+}
+
 // fp16 as raw 16-bit words (a type of its own, apart from bf16), converted
 // by the instructions CUDA's __float2half_rn and __half2float compile to.
 struct f16 {

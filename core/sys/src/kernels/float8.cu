@@ -8,12 +8,10 @@
 // transposed, or both, instead of ATen's seven passes and a relayout copy.
 
 // max |x| over n values into `amax` (fp32 bits, zeroed by the caller): a
-// grid-stride pass (16 bytes a load where x is 16-byte aligned), a block
-// reduction, then an atomicMax on the bits, which order as the values do
-// for non-negative floats (NaN's above infinity).
+// grid-stride pass (16 bytes a load where x is 16-byte aligned), then
+// `fold_amax`.
 template <typename T>
 __device__ void fp8_amax(const T* __restrict__ x, long long n, unsigned int* amax) {
-  __shared__ float warp_max[32];
   float m = 0.f;
   const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   long long scalar_from = 0;
@@ -28,8 +26,7 @@ __device__ void fp8_amax(const T* __restrict__ x, long long n, unsigned int* ama
     scalar_from = packs * Pack<T>::N;
   }
   for (long long i = scalar_from + first; i < n; i += stride) m = max_keeping_nan(m, fabsf(load(x, i)));
-  m = block_max(m, warp_max, MaxKeepingNan());
-  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+  fold_amax(m, amax);
 }
 
 // Two fp32 values, already clamped to the kind's range, rounded to nearest

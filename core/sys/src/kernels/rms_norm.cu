@@ -25,7 +25,7 @@ __device__ __forceinline__ float block_sum(float s, float* warp_sums) {
 template <typename T, int W>
 __device__ void rms_norm_row(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y, float* __restrict__ rstd,
                              unsigned int* amax, int cols, float eps) {
-  __shared__ float warp_sums[32], warp_max[32];
+  __shared__ float warp_sums[32];
   const long long row = blockIdx.x;
   const T* in = x + row * cols;
   T* out = y + row * cols;
@@ -71,9 +71,7 @@ __device__ void rms_norm_row(const T* __restrict__ x, const T* __restrict__ weig
   } else {
     for (int j = threadIdx.x * W; j < cols; j += stride) { read(values[0], in, j); normalize(values[0], j); }
   }
-  if (amax == nullptr) return;
-  m = block_max(m, warp_max, MaxKeepingNan());
-  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+  if (amax != nullptr) fold_amax(m, amax);
 }
 
 template <typename T>

@@ -103,14 +103,11 @@ __device__ float swiglu_values(const T* __restrict__ gate, const T* __restrict__
 }
 
 // `amax` (fp32 bits, zeroed by the caller; forward only, may be null): the
-// output's max |y|, by a block reduction and an atomicMax on the bits.
+// output's max |y| (`fold_amax`).
 template <typename T>
 __device__ void swiglu(const T* gate, const T* up, const T* grad, T* out, T* grad_up, long long n, int packed, unsigned int* amax) {
-  __shared__ float warp_max[32];
   float m = packed ? swiglu_values<T, Pack<T>::N>(gate, up, grad, out, grad_up, n) : swiglu_values<T, 1>(gate, up, grad, out, grad_up, n);
-  if (amax == nullptr) return;
-  m = block_max(m, warp_max, MaxKeepingNan());
-  if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+  if (amax != nullptr) fold_amax(m, amax);
 }
 
 extern "C" __global__ void swiglu_f32(const float* gate, const float* up, const float* grad, float* out, float* grad_up, long long n, int packed,
