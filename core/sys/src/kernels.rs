@@ -734,14 +734,14 @@ pub fn rms_norm_(x: &Tensor, weight: &Tensor, eps: f64, out: &mut Tensor, rstd: 
         return Ok(());
     }
     let functions = functions(index)?;
-    let mut packed = i32::from(packing(kind, cols, [x, weight, &*out]) > 1);
+    let width = packing(kind, cols, [x, weight, &*out]);
+    let mut packed = i32::from(width > 1);
     let (mut x_ptr, mut weight_ptr, mut out_ptr, mut rstd_ptr) = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr());
     let (mut cols, mut eps) = (i32::try_from(cols).map_err(|_| error("RMSNorm's input", format!("{cols} columns")))?, eps as f32);
     let blocks = u32::try_from(rows).map_err(|_| error("RMSNorm's input", format!("{rows} rows")))?;
     // Enough threads that each holds at most RMS_NORM_HELD words of its row
     // (more blocks resident per SM than a fixed 256 would leave), whole warps.
-    let words = cols as u32 / if packed == 1 { 16 / kind.elt_size_in_bytes() as u32 } else { 1 };
-    let threads = words.div_ceil(RMS_NORM_HELD).next_multiple_of(32).clamp(32, 1024);
+    let threads = (cols as u32 / width as u32).div_ceil(RMS_NORM_HELD).next_multiple_of(32).clamp(32, 1024);
     let mut params = [arg(&mut x_ptr), arg(&mut weight_ptr), arg(&mut out_ptr), arg(&mut rstd_ptr), arg(&mut amax_ptr), arg(&mut cols), arg(&mut eps), arg(&mut packed)];
     // SAFETY: the arguments match rms_norm_*'s signature and the tensors
     // were checked above (see `adamw_` on their lifetime).
