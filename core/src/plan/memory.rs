@@ -67,7 +67,9 @@ pub(super) struct Float8Memory {
     input_features: f64,
     weight: f64,
     /// ft's kernels cast (on a GPU, either recipe): the last input cast in
-    /// each direction stays cached until the micro-batch ends. (A unit
+    /// each direction stays cached — forward's until forward ends (with
+    /// activation checkpointing the recomputed blocks cache again until the
+    /// micro-batch ends), backward's until the micro-batch ends. (A unit
     /// gathered as float8 keeps its bytes inside its own buffer.)
     fused: bool,
 }
@@ -221,6 +223,17 @@ impl<'a> Walk<'a> {
         if fused && !*cached {
             *cached = true;
             self.now.transient += input;
+        }
+    }
+
+    /// Forward's cached input cast let go when forward ends, as the trainer
+    /// does; with activation checkpointing the first recomputed block
+    /// caches one again, so it is held on.
+    fn end_forward_float8_cache(&mut self, tokens: f64, cached: &mut bool) {
+        let Some(float8) = &self.micro.float8 else { return };
+        if *cached && !self.micro.activation_checkpointing {
+            *cached = false;
+            self.now.transient -= tokens * float8.input_features;
         }
     }
 
@@ -453,6 +466,7 @@ pub(super) fn walk(
             walk.release(stage.unit);
         }
     }
+    walk.end_forward_float8_cache(tokens, &mut forward_cache);
 
     // Units whose flat gradient autograd has started (a tied unit's lives
     // from the head's backward to the embedding's).

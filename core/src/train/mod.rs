@@ -273,7 +273,7 @@ impl<'m> TrainerBuilder<'m> {
             }
             None => None,
         };
-        // ft's kernels compute SwiGLU's output's amax as they write it, for the down projection's tensorwise cast.
+        // ft's SwiGLU and RMSNorm kernels compute their outputs' amaxes as they write them, for the next layers' tensorwise casts.
         let kernels = crate::kernels::Kernels::loaded(device);
         let tensorwise_casts = float8.as_ref().is_some_and(|layers| layers.float8.recipe == Recipe::Tensorwise && layers.float8.casts_with_kernels(kernels));
         ft_sys::float8::fuse_activation_amaxes(tensorwise_casts);
