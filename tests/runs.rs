@@ -258,3 +258,38 @@ fn sigusr1_with_requeue_under_slurm_saves_and_rank_0_requeues_the_job_once() {
     let last = *steps(&out).last().unwrap();
     assert_eq!(checkpoints(&out).last().unwrap().0, last);
 }
+
+/// A stopping signal saves and stops a run (exit 75) whatever sets its
+/// length — epochs, `--max-steps` past the default epochs, timed saves, a
+/// slice of the file — and `--resume latest` trains every step once. The
+/// signal comes from inside at a known step (`FT_FAULT_INJECT`), so the
+/// saved step is known too: the step after it, where the loop checks.
+#[test]
+fn a_signal_saves_and_stops_the_run_whatever_bounds_it_and_the_resume_repeats_no_step() {
+    // 32 examples in batches of 8 on one rank: 4 steps an epoch (3 for the slice of 24).
+    let cases: [(&[&str], &str, u64, u64); 4] = [
+        (&["--epochs", "2"], "SIGTERM", 5, 8),
+        (&["--max-steps", "20"], "SIGINT", 14, 20),
+        (&["--epochs", "2", "--set", "train.save_minutes=0.001"], "SIGUSR2", 2, 8),
+        (&["--epochs", "2", "--set", "data.range=0:24", "--set", "train.schedule_steps=6"], "SIGUSR1", 4, 6),
+    ];
+    for (bound, signal, at, total) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let train = |extra: &[&str]| {
+            let mut command = ft();
+            command.args(["train", "--output-dir", dir.path().to_str().unwrap(), "--train-samples", "32", "--eval-samples", "8"]);
+            command.args(["--nproc-per-node", "1", "--batch-size", "8"]).args(bound).args(extra);
+            command
+        };
+        let output = train(&[]).env("FT_FAULT_INJECT", format!("after-step:{at}:{signal}")).output().unwrap();
+        let log = text(&output);
+        let case = format!("{bound:?} {signal}");
+        assert_eq!(output.status.code(), Some(SAVED_AND_STOPPED), "{case}: {log}");
+        let saved = checkpoints(dir.path()).last().unwrap().clone();
+        assert_eq!(saved.0, at + 1, "{case}: the step after the signal is saved: {log}");
+        assert!(log.contains(&format!("stopped by {signal} after step {}", at + 1)), "{case}: {log}");
+        assert!(!log.contains("after the run's last step"), "{case}: {log}");
+        succeeded(train(&["--resume", "latest"]).output().unwrap());
+        assert_eq!(steps(dir.path()), (1..=total).collect::<Vec<_>>(), "{case}: every step once");
+    }
+}

@@ -238,17 +238,31 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("cannot sync {}", dir.display()))
 }
 
-/// A fault-injection point for crash tests: `FT_FAULT_INJECT=<point>:<step>`
-/// aborts the process there, as a crash or a kill would; with `@<rank>`
-/// after it, only that rank (`RANK`) aborts and the others find it gone.
+/// A fault-injection point for crash and signal tests:
+/// `FT_FAULT_INJECT=<point>:<step>` aborts the process there, as a crash or
+/// a kill would; `<point>:<step>:<signal>` (`SIGTERM`, `SIGUSR1`, …) sends
+/// the process that signal instead, at a step a test can count on; with
+/// `@<rank>` after it, only that rank (`RANK`) acts and the others find it
+/// gone, or learn of its signal as they would of any.
 pub fn fault_point(point: &str, step: usize) {
-    if let Ok(spec) = std::env::var("FT_FAULT_INJECT") {
-        let (spec, rank) = spec.split_once('@').map_or((spec.as_str(), None), |(spec, rank)| (spec, Some(rank)));
-        let this_rank = rank.is_none_or(|rank| std::env::var("RANK").is_ok_and(|mine| mine == rank));
-        if spec == format!("{point}:{step}") && this_rank {
+    let Ok(spec) = std::env::var("FT_FAULT_INJECT") else { return };
+    let (spec, rank) = spec.split_once('@').map_or((spec.as_str(), None), |(spec, rank)| (spec, Some(rank)));
+    if rank.is_some_and(|rank| std::env::var("RANK").is_ok_and(|mine| mine != rank)) {
+        return;
+    }
+    let here = format!("{point}:{step}");
+    match spec.strip_prefix(&here) {
+        Some("") => {
             eprintln!("FT_FAULT_INJECT: aborting at {point} of step {step}");
             std::process::abort();
         }
+        Some(signal) => {
+            let Some(number) = signal.strip_prefix(':').and_then(crate::signals::number) else { return };
+            eprintln!("FT_FAULT_INJECT: raising {} at {point} of step {step}", crate::signals::name(number));
+            // SAFETY: raise(3) sends this process a signal its handlers expect.
+            unsafe { libc::raise(number) };
+        }
+        None => {}
     }
 }
 

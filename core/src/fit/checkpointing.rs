@@ -267,15 +267,16 @@ impl<'a> Checkpointer<'a> {
     /// what all must do alike: finish the save in flight once every rank's
     /// file is written, save when `next.step` is due or rank 0's clock says
     /// `train.save_minutes` passed, and, when any rank got a stopping
-    /// signal, save `next.step` (then requeue the Slurm job when asked) and
-    /// stop: the returned `Stop`.
-    pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, comm: &Communicator) -> Result<Option<Stop>> {
+    /// signal before the run is over (`run_over`: the loop's own predicate,
+    /// `StepPlan::finished`), save `next.step` (then requeue the Slurm job
+    /// when asked) and stop: the returned `Stop`.
+    pub fn after_step(&mut self, trainer: &Trainer, next: Cursor, run_over: bool, comm: &Communicator) -> Result<Option<Stop>> {
         let received = self.signals.received();
         let timed = comm.env().rank == 0 && self.config.save_minutes.is_some_and(|minutes| self.last_save_started.elapsed().as_secs_f64() >= minutes * 60.0);
-        // Which of the stopping signals, in order of precedence: the save signal, SIGTERM, SIGINT.
-        let candidates = [self.save_signal, libc::SIGTERM, libc::SIGINT];
+        // Which of the stopping signals, in order of precedence: the save signal first.
+        let candidates = signals::caught(self.save_signal);
         let mut flags = vec![f64::from(self.pending.as_ref().is_some_and(|p| !p.written())), f64::from(timed)];
-        flags.extend(candidates.map(|signal| f64::from(received == Some(signal))));
+        flags.extend(candidates.iter().map(|&signal| f64::from(received == Some(signal))));
         if comm.env().world_size > 1 {
             flags = comm.sum_over_ranks(&flags)?;
         }
@@ -284,8 +285,7 @@ impl<'a> Checkpointer<'a> {
         }
         let signalled = candidates.into_iter().zip(&flags[2..]).find(|(_, count)| **count > 0.0).map(|(signal, _)| signal);
         // After the run's last step only its evaluation, last save and final/ are left: the run ends as it would.
-        let last_step = next.epoch >= self.config.epochs;
-        if let Some(signal) = signalled.filter(|_| !last_step) {
+        if let Some(signal) = signalled.filter(|_| !run_over) {
             let checkpoint = self.save(trainer, next, comm, true)?;
             if signal == self.save_signal && self.config.requeue {
                 if comm.env().rank == 0 {

@@ -152,7 +152,8 @@ impl StepPlan {
         self.max_steps.map_or(self.steps_per_epoch, |max| self.steps_per_epoch.min(epoch_step + max.saturating_sub(step)))
     }
 
-    /// Whether a run resumed at `cursor` has nothing left to train.
+    /// Whether a run at `cursor` has nothing left to train: the one answer
+    /// to "is the run over", for the loop, a resume and the stop on a signal.
     fn finished(&self, cursor: Cursor) -> bool {
         cursor.epoch >= self.epochs || self.max_steps.is_some_and(|max| cursor.step >= max)
     }
@@ -269,7 +270,7 @@ pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<
         );
     }
     let mut profiler = ProfileWindow::new(config.profile_steps, checkpoints.output.join("profile"), device, rank);
-    let mut log = RunLog::new(sinks, comm, offload.to_host(), last_step, config.log_every);
+    let mut log = RunLog::new(sinks, comm, offload.to_host(), last_step, config);
     if let Some(float8) = config.float8() {
         log.guard_float8(float8_guard::Float8Guard::start(float8));
     }
@@ -308,7 +309,7 @@ pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<
                 return Err(error);
             }
             let next = if last_of_epoch { Cursor { epoch: epoch + 1, epoch_step: 0, step } } else { Cursor { epoch, epoch_step: epoch_step + 1, step } };
-            if let Some(stop) = checkpointer.after_step(&trainer, next, comm)? {
+            if let Some(stop) = checkpointer.after_step(&trainer, next, plan.finished(next), comm)? {
                 let signal = crate::signals::name(stop.signal);
                 return Err(Interrupted { signal, step, checkpoint: stop.checkpoint }.into());
             }
@@ -338,7 +339,7 @@ pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<
             }
             break;
         }
-        if plan.max_steps == Some(step) {
+        if plan.finished(end) {
             break;
         }
     }
