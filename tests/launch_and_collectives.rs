@@ -245,3 +245,57 @@ fn torchrun_no_python_launches_ft_workers() {
     // Ranks join torchrun's own store instead of trying to host a second one on its port.
     assert!(!log.contains("failed to bind"), "{log}");
 }
+
+/// `ft launch` of two workers running `script`, started once each printed "ready".
+fn launched_until_ready(extra: &[&str], script: &str) -> std::process::Child {
+    let mut command = ft(&[&["launch", "--nproc-per-node", "2"], extra, &["--exec", "--", "sh", "-c", script]].concat());
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut ready = 0;
+    while ready < 2 {
+        let line = lines.next().expect("the workers printed ready").unwrap();
+        ready += usize::from(line.ends_with("] ready"));
+    }
+    // The rest of stdout is drained so no worker blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    child
+}
+
+fn signal(child: &std::process::Child, name: &str) {
+    assert!(Command::new("kill").args([&format!("-{name}"), &child.id().to_string()]).status().unwrap().success());
+}
+
+/// The launcher's exit code as README's table gives it: 75 when the
+/// workers saved and stopped on the signal; 128 + N when it had to stop
+/// them — N the user's second signal, or SIGKILL for workers that would
+/// not stop within the grace periods.
+#[test]
+fn launch_exit_codes_tell_a_scheduler_whether_the_workers_saved_or_were_stopped() {
+    let saving = "trap 'echo saving; exit 75' TERM; echo ready; while :; do sleep 0.1; done";
+    let child = launched_until_ready(&[], saving);
+    signal(&child, "TERM");
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(output.status.code(), Some(75), "{}", text(&output));
+
+    // A second signal (another one: identical pending signals merge) stops them at once.
+    let slow = "trap 'echo saving' TERM; echo ready; while :; do sleep 0.1; done";
+    let child = launched_until_ready(&[], slow);
+    signal(&child, "TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&child, "INT");
+    let output = child.wait_with_output().unwrap();
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(128 + 2), "{log}");
+    assert!(log.contains("ft launch: SIGINT again: the ranks stop at once"), "{log}");
+
+    // Workers that ignore the signal are stopped when --save-grace-secs runs out, then killed after --grace-secs.
+    let started = Instant::now();
+    let deaf = "trap '' TERM; echo ready; while :; do sleep 0.1; done";
+    let child = launched_until_ready(&["--save-grace-secs", "1", "--grace-secs", "1"], deaf);
+    signal(&child, "TERM");
+    let output = child.wait_with_output().unwrap();
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(128 + 9), "{log}");
+    assert!(log.contains("the ranks did not stop within 1 s of the signal (--save-grace-secs); stopping them"), "{log}");
+    assert!(started.elapsed() < Duration::from_secs(20), "the workers were not stopped");
+}

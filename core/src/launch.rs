@@ -6,7 +6,8 @@
 //! its code. A stopping signal (SIGINT, SIGTERM, SIGUSR1, …:
 //! `signals::STOPPING`) is passed on to the workers, which save a checkpoint
 //! and exit with `signals::SAVED_AND_STOPPED`, given `save_grace_secs` to do
-//! so; a second signal stops them at once.
+//! so; a second signal stops them at once. The launcher's own exit code
+//! tells a scheduler which of these happened (`exit_code`).
 
 use crate::progress::{self, Update};
 use anyhow::{bail, Context, Result};
@@ -127,6 +128,20 @@ fn forward(rank: usize, source: impl Read + Send + 'static, to_stderr: bool, con
     })
 }
 
+/// The job's exit code, as a scheduler reads it (README, "Exit codes"): a
+/// rank's own failure (its code), else 128 + the signal the ranks were
+/// force-stopped with (the user's second signal; SIGTERM or SIGKILL when
+/// they did not stop within the grace periods), else 75 when they saved
+/// and stopped on a signal, else 0.
+fn exit_code(failed: Option<i32>, forced: Option<i32>, saved_and_stopped: bool) -> i32 {
+    match (failed, forced) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) if saved_and_stopped => SAVED_AND_STOPPED,
+        (None, None) => 0,
+    }
+}
+
 /// Signals each worker's whole process group, so that programs a worker
 /// started (and which hold its output pipes) stop with it.
 fn signal_all(children: &mut [(usize, Child)], signal: i32) {
@@ -226,7 +241,11 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
         children.push((rank, child));
     }
 
-    let mut exit_code = 0;
+    // A rank's own failure, the first: its code is the job's.
+    let mut failed: Option<i32> = None;
+    let mut saved_and_stopped = false;
+    // The signal the ranks were force-stopped with, once they were: the user's second one, or the launcher's own.
+    let mut forced: Option<i32> = None;
     // Since when the workers are saving and stopping (signalled, or one of them stopped so).
     let mut saving_since: Option<Instant> = None;
     // Since when the workers are told to stop at once (a failure, or a second signal).
@@ -241,6 +260,7 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
             } else {
                 console.say(&format!("{name} again: the ranks stop at once"));
                 stopping_since.get_or_insert_with(Instant::now);
+                forced.get_or_insert(signal);
             }
             pass_on(&mut children, signal);
         }
@@ -251,30 +271,34 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
                 // The ranks agreed to stop: each saved its part and exits so.
                 Some(status) if status.code() == Some(SAVED_AND_STOPPED) => {
                     saving_since.get_or_insert_with(Instant::now);
-                    if exit_code == 0 {
-                        exit_code = SAVED_AND_STOPPED;
-                    }
+                    saved_and_stopped = true;
                 }
-                Some(status) if !status.success() && stopping_since.is_none() && matches!(exit_code, 0 | SAVED_AND_STOPPED) => {
+                Some(status) if !status.success() && stopping_since.is_none() && failed.is_none() => {
                     let (what, code) = describe(status);
                     console.say(&format!("rank {rank} {what}; stopping the other ranks"));
-                    exit_code = code;
+                    failed = Some(code);
                     stopping_since = Some(Instant::now());
                 }
                 Some(_) => {}
             }
         }
         let save_grace = Duration::from_secs(args.save_grace_secs);
-        if saving_since.is_some_and(|since| since.elapsed() > save_grace) && stopping_since.is_none() {
+        if saving_since.is_some_and(|since| since.elapsed() > save_grace) && stopping_since.is_none() && running > 0 {
             console.say(&format!("the ranks did not stop within {} s of the signal (--save-grace-secs); stopping them", args.save_grace_secs));
             stopping_since = Some(Instant::now());
         }
-        if let Some(since) = stopping_since {
+        if let Some(since) = stopping_since.filter(|_| running > 0) {
             let grace = Duration::from_secs(args.grace_secs);
-            signal_all(&mut children, if since.elapsed() < grace { libc::SIGTERM } else { libc::SIGKILL });
+            let signal = if since.elapsed() < grace { libc::SIGTERM } else { libc::SIGKILL };
+            // A failure stops the others, and its own code says why; a forced stop's code is the signal's.
+            if failed.is_none() {
+                forced = Some(forced.map_or(signal, |first| if signal == libc::SIGKILL { signal } else { first }));
+            }
+            signal_all(&mut children, signal);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    let exit_code = exit_code(failed, forced, saved_and_stopped);
     for handle in forwarders {
         let _ = handle.join();
     }
