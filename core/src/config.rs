@@ -414,8 +414,11 @@ pub struct TrainConfig {
     pub seed: u64,
     pub activation_checkpointing: bool,
     pub loss_chunk_tokens: i64,
-    /// Optimizer steps between progress/metrics records.
+    /// Optimizer steps between metrics records (the sinks' files).
     pub log_every: usize,
+    /// Without a terminal, the least seconds between two progress lines in
+    /// the log, besides the first step's, each epoch's end and the last step's.
+    pub log_seconds: f64,
     /// Optimizer steps between checkpoints (0: none).
     pub save_every: usize,
     /// Save a checkpoint at the end of every epoch, so a run always has one
@@ -614,6 +617,7 @@ impl Default for TrainConfig {
             activation_checkpointing: false,
             loss_chunk_tokens: 1024,
             log_every: 1,
+            log_seconds: 30.0,
             save_every: 0,
             save_each_epoch: true,
             save_minutes: None,

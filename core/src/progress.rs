@@ -2,8 +2,11 @@
 //! indicatif bar — drawn by rank 0 itself, or, when a launcher started the
 //! ranks (their output is its pipes), by the launcher from the lines rank 0
 //! writes for it (`LAUNCHER_DRAWS`, [`Update`]); where stderr is no terminal
-//! (a file, a Slurm log, a notebook), one plain line every `train.log_every`
-//! steps and at least every `LINE_EVERY`.
+//! (a file, a Slurm log, a notebook), one plain line for the first step,
+//! each epoch's end and the last step, and between them at most every
+//! `train.log_seconds` (30 s by default, as a tqdm bar refreshes a file
+//! rarely), so a log stays readable however fast steps go; `train.log_every`
+//! sets only what the metrics files get.
 //!
 //! Nothing here communicates: a line between logged steps shows rank 0's own
 //! figures and the loss of the last logged step, so no rank ever waits on a
@@ -22,9 +25,6 @@ pub const LAUNCHER_DRAWS: &str = "FT_LAUNCHER_DRAWS_PROGRESS";
 /// What starts a line meant for the launcher, never for the user (ASCII's
 /// record separator cannot begin a line of text a run prints).
 const UPDATE_PREFIX: &str = "\x1eft-progress ";
-
-/// The longest a log without a terminal goes without a progress line.
-pub const LINE_EVERY: Duration = Duration::from_secs(30);
 
 /// One step of progress, as rank 0 sends it to the launcher.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,6 +73,8 @@ pub(crate) struct Step {
     pub seconds: f64,
     /// Bytes in use on this rank's device.
     pub memory: f64,
+    /// The step ends an epoch.
+    pub epoch_end: bool,
 }
 
 enum Shown {
@@ -87,6 +89,8 @@ enum Shown {
 pub(crate) struct Progress {
     shown: Shown,
     total: usize,
+    /// The least time between two lines without a terminal, outside the first step, an epoch's end and the last.
+    line_every: Duration,
     started: Instant,
     steps_run: usize,
     last_line: Instant,
@@ -99,7 +103,7 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    pub fn new(rank: usize, total: usize) -> Progress {
+    pub fn new(rank: usize, total: usize, line_every: Duration) -> Progress {
         let shown = if rank != 0 {
             Shown::Nothing
         } else if std::env::var_os(LAUNCHER_DRAWS).is_some() {
@@ -110,7 +114,7 @@ impl Progress {
             Shown::Lines
         };
         let now = Instant::now();
-        Progress { shown, total, started: now, steps_run: 0, last_line: now, last_loss: None, tokens: 0, seconds: 0.0, message: String::new() }
+        Progress { shown, total, line_every, started: now, steps_run: 0, last_line: now, last_loss: None, tokens: 0, seconds: 0.0, message: String::new() }
     }
 
     pub fn after_step(&mut self, step: Step) {
@@ -138,9 +142,10 @@ impl Progress {
         }
     }
 
-    /// A logged step, or `LINE_EVERY` since the last line.
+    /// The first step this process ran, an epoch's end, the run's last
+    /// step, or `line_every` since the last line (`after_step` counted `step`).
     fn line_due(&self, step: &Step) -> bool {
-        step.loss.is_some() || self.last_line.elapsed() >= LINE_EVERY
+        self.steps_run == 1 || step.epoch_end || step.step >= self.total || self.last_line.elapsed() >= self.line_every
     }
 
     fn send(&self, step: usize, done: bool) {
@@ -185,23 +190,30 @@ impl Progress {
 mod tests {
     use super::*;
 
-    fn step(step: usize, loss: Option<f64>) -> Step {
-        Step { step, epoch: step as f64 / 10.0, loss, lr: 1e-3, tokens: 500, seconds: 0.5, memory: 2e9 }
+    fn step(step: usize, loss: Option<f64>, epoch_end: bool) -> Step {
+        Step { step, epoch: step as f64 / 10.0, loss, lr: 1e-3, tokens: 500, seconds: 0.5, memory: 2e9, epoch_end }
     }
 
     #[test]
-    fn a_line_comes_each_logged_step_and_between_them_after_line_every() {
-        let mut progress = Progress::new(0, 10);
+    fn lines_come_at_the_first_step_each_epochs_end_the_last_step_and_else_at_most_every_line_every() {
+        let line_every = Duration::from_secs(30);
+        let mut progress = Progress::new(0, 10, line_every);
         progress.shown = Shown::Lines;
-        assert!(progress.line_due(&step(1, Some(2.5))));
-        progress.after_step(step(1, Some(2.5)));
-        assert!(!progress.line_due(&step(2, None)), "a line just came");
-        progress.after_step(step(2, None));
-        progress.last_line -= LINE_EVERY;
-        assert!(progress.line_due(&step(3, None)));
+        // The first step this process runs (a resumed run's too, whatever its number).
+        progress.steps_run = 1;
+        assert!(progress.line_due(&step(4, Some(2.5), false)));
+        progress.after_step(step(4, Some(2.5), false));
+        progress.steps_run = 2;
+        assert!(!progress.line_due(&step(5, Some(2.4), false)), "a logged step is no reason for a line");
+        assert!(progress.line_due(&step(5, Some(2.4), true)), "an epoch's end");
+        assert!(progress.line_due(&step(10, Some(2.4), false)), "the last step");
+        progress.after_step(step(5, None, false));
+        progress.last_line -= line_every;
+        progress.steps_run = 3;
+        assert!(progress.line_due(&step(6, None, false)), "line_every passed");
         // Between logged steps: the last logged loss, and its step.
-        let line = progress.line(&step(3, None));
-        assert!(line.starts_with("step 3/10 (30%), epoch 0.30, loss 2.5000 (step 1), lr 1.00e-3, 1000 tokens/s/rank, memory 1.86 GiB, elapsed "), "{line}");
+        let line = progress.line(&step(6, None, false));
+        assert!(line.starts_with("step 6/10 (60%), epoch 0.60, loss 2.5000 (step 4), lr 1.00e-3, 1000 tokens/s/rank, memory 1.86 GiB, elapsed "), "{line}");
         assert!(line.contains(", ETA "), "{line}");
     }
 

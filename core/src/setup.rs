@@ -62,6 +62,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if let Some(peak) = t.peak_tflops.filter(|p| p.is_nan() || *p <= 0.0) {
         bail!("train.peak_tflops must be positive (got {peak})");
     }
+    if !(t.log_seconds >= 0.0 && t.log_seconds.is_finite()) {
+        bail!("train.log_seconds must be a number of seconds, 0 or more (got {})", t.log_seconds);
+    }
     if let Some(minutes) = t.save_minutes.filter(|m| m.is_nan() || *m <= 0.0) {
         bail!("train.save_minutes must be positive (got {minutes})");
     }

@@ -1,6 +1,7 @@
 //! The run's log: each logged step's record (loss, learning rate, gradient
 //! norm, time, memory, offload traffic) and each epoch's evaluation go to
-//! the sinks on rank 0, and every step to its progress (`crate::progress`);
+//! the sinks on rank 0 (every `train.log_every` steps), and every step to
+//! its progress (`crate::progress`, which decides what a person reads);
 //! every rank keeps the counters the summary is made of.
 
 use super::evaluation::Evaluation;
@@ -8,6 +9,7 @@ use super::float8_guard::{Diverged, Float8Guard};
 use super::summary::{memory, EpochResult, RunTotals, Summary};
 use super::StepOutcome;
 use crate::comm::Communicator;
+use crate::config::TrainConfig;
 use crate::metrics::{MetricsSink, Record};
 use crate::progress::{self, Progress};
 use crate::task::StepMetrics;
@@ -35,9 +37,9 @@ pub(crate) struct RunLog<'a> {
 
 impl<'a> RunLog<'a> {
     /// A log for a run that ends at optimizer step `last_step` (where its progress ends).
-    pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, log_every: usize) -> RunLog<'a> {
-        let progress = Progress::new(comm.env().rank, last_step);
-        RunLog { sinks, progress, comm, offload_to_host, log_every: log_every.max(1), epoch_loss: None, last_step_sent: 0, metrics: StepMetrics::default(), totals: RunTotals::default(), float8: None }
+    pub fn new(sinks: Vec<Box<dyn MetricsSink>>, comm: &'a Communicator, offload_to_host: bool, last_step: usize, config: &TrainConfig) -> RunLog<'a> {
+        let progress = Progress::new(comm.env().rank, last_step, std::time::Duration::from_secs_f64(config.log_seconds));
+        RunLog { sinks, progress, comm, offload_to_host, log_every: config.log_every.max(1), epoch_loss: None, last_step_sent: 0, metrics: StepMetrics::default(), totals: RunTotals::default(), float8: None }
     }
 
     /// Guards the float8 casts' numerics (`float8_guard`) from the next step on.
@@ -103,7 +105,7 @@ impl<'a> RunLog<'a> {
         if let Some(guard) = &mut self.float8 {
             guard.after_step(step);
         }
-        let mut shown = progress::Step { step, epoch: epoch_progress, loss: None, lr, tokens: outcome.tokens, seconds: 0.0, memory: in_use };
+        let mut shown = progress::Step { step, epoch: epoch_progress, loss: None, lr, tokens: outcome.tokens, seconds: 0.0, memory: in_use, epoch_end: last_of_epoch };
         if step % self.log_every != 0 && !last_of_epoch {
             shown.seconds = started.elapsed().as_secs_f64();
             self.totals.train_seconds += shown.seconds;
