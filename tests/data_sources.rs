@@ -7,7 +7,7 @@
 //! named in the error; mixtures of sources take their shares in a seeded
 //! order, and a run over one resumes to the uninterrupted run's losses;
 //! evaluation counts its examples in every format, the log naming each
-//! source's format.
+//! source's format, and a dataset directory evaluates on its own test split.
 
 mod common;
 
@@ -372,4 +372,48 @@ fn evaluation_counts_its_examples_in_every_format_and_the_log_names_the_format()
         assert_eq!(results["eval_samples"], questions, "{ranks} rank(s): {results}");
         assert!(results.get("eval_f1").is_some() && log.contains("SQuAD data (detected)"), "{log}");
     }
+}
+
+/// Without `--eval-file`, a dataset directory evaluates on its own
+/// validation or test split and the log says so; a directory whose other
+/// split has another name is refused, naming the flags that choose.
+#[test]
+fn a_dataset_directory_evaluates_on_its_test_split_when_no_eval_file_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let jsonl = dir.path().join("rows.jsonl");
+    write_rows(&jsonl, &labelled_rows("alpha", 8));
+    python(dir.path(), &["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    let train = |data: &Path, name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let output = ft()
+            .args(["train", "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--nproc-per-node", "1", "--max-steps", "1"])
+            .args(["--batch-size", "4", "--max-seq-len", "32", "--report-to", "jsonl"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (output.status.success(), out, text(&output))
+    };
+    let evaluated = |out: &Path| -> Vec<serde_json::Value> {
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        metrics.lines().map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()).filter(|record| record.get("eval_loss").is_some()).collect()
+    };
+    // The demo model's runs: the user's data evaluates on its own split, not on the demo's file.
+    for layout in ["dict", "hub"] {
+        let (ok, out, log) = train(&dir.path().join(layout), layout, &[]);
+        assert!(ok, "{log}");
+        assert!(log.contains(&format!("no --eval-file: evaluating on the `test` split of {}", dir.path().join(layout).display())), "{log}");
+        let records = evaluated(&out);
+        assert_eq!(records.len(), 1, "{records:?}");
+        assert_eq!(records[0]["eval_samples"], 2.0, "the test split's two rows: {records:?}");
+        assert!(common::summary(&out)["eval_samples_per_s"].as_f64().is_some_and(|rate| rate > 0.0));
+    }
+    let other = dir.path().join("other/data");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::copy(dir.path().join("hub/data/train-00000-of-00002.parquet"), other.join("train-00000-of-00001.parquet")).unwrap();
+    std::fs::copy(dir.path().join("hub/data/test-00000-of-00001.parquet"), other.join("heldout-00000-of-00001.parquet")).unwrap();
+    let (ok, _, log) = train(&dir.path().join("other"), "other", &[]);
+    assert!(!ok && log.contains("has the splits `heldout` besides the one trained on") && log.contains("--set data.eval_split=NAME") && log.contains("--eval-file"), "{log}");
+    let (ok, out, log) = train(&dir.path().join("other"), "chosen", &["--set", "data.eval_split=heldout"]);
+    assert!(ok && log.contains("evaluating on the `heldout` split"), "{log}");
+    assert_eq!(evaluated(&out)[0]["eval_samples"], 2.0);
 }
