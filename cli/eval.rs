@@ -106,8 +106,9 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         task.write_predictions(&config.output.dir)?;
         let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
         let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
-        let examples = evaluation.scores.examples;
+        let examples = evaluation.examples;
         println!("{}: eval loss {loss} over {examples} examples{scores}", args.eval_file.display());
+        let per_second = examples as f64 / evaluation.seconds.max(f64::MIN_POSITIVE);
         // Every figure at full precision, named as a training run's evaluation records them (and Hugging Face's eval_results.json).
         let mut results = serde_json::Map::new();
         if let Some(loss) = evaluation.loss {
@@ -115,14 +116,15 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         }
         results.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), (*v).into())));
         results.insert("eval_samples".into(), examples.into());
+        results.insert("eval_samples_per_second".into(), per_second.into());
         let path = config.output.dir.join("eval_results.json");
         std::fs::write(&path, serde_json::to_string_pretty(&results)?).with_context(|| format!("cannot write {}", path.display()))?;
-        println!(
-            "scored {examples} examples in {:.2} s ({:.1} examples/s; the whole evaluation {:.2} s)",
-            evaluation.scoring_seconds,
-            examples as f64 / evaluation.scoring_seconds.max(f64::MIN_POSITIVE),
-            evaluation.seconds
-        );
+        // The task's own scoring (generation, span decoding), where it has one.
+        let scoring = match evaluation.scores.examples {
+            0 => String::new(),
+            _ => format!("; its scoring {:.2} s", evaluation.scoring_seconds),
+        };
+        println!("evaluated {examples} examples in {:.2} s ({per_second:.1} examples/s{scoring})", evaluation.seconds);
     }
     Ok(0)
 }

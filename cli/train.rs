@@ -342,6 +342,9 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         );
         if let Some(lora) = run_model.lora() {
             tracing::info!("{}", lora.describe());
+            if let Some(quantized) = lora.describe_quantized_base(rank.dtype) {
+                tracing::info!("{quantized}");
+            }
         }
     }
     let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.dir.as_deref());

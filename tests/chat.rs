@@ -262,6 +262,9 @@ fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
     assert!(output.status.success(), "{}", text(&output));
     let log = text(&output);
     let ours: f64 = log.split("eval loss ").nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|l| l.parse().ok()).unwrap_or_else(|| panic!("{log}"));
+    // Every conversation is counted (none is too long).
+    let conversations_count = std::fs::read_to_string(&conversations).unwrap().lines().filter(|line| !line.trim().is_empty()).count();
+    assert!(log.contains(&format!("eval loss {ours:.4} over {conversations_count} examples")), "{log}");
     let reference = python(&["loss", model.to_str().unwrap(), tokens.to_str().unwrap()]);
     let reference: Vec<f64> = reference.split_whitespace().map(|v| v.parse().unwrap()).collect();
     assert!((ours - reference[0]).abs() < 1e-4 * reference[0], "ft {ours} vs transformers on the assistant's tokens {}", reference[0]);

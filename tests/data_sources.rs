@@ -5,7 +5,9 @@
 //! in JSON lines, in every row format; `data.columns` reads other names; a
 //! large Parquet file is read in bounded memory; a file of another kind is
 //! named in the error; mixtures of sources take their shares in a seeded
-//! order, and a run over one resumes to the uninterrupted run's losses.
+//! order, and a run over one resumes to the uninterrupted run's losses;
+//! evaluation counts its examples in every format, the log naming each
+//! source's format, and a dataset directory evaluates on its own test split.
 
 mod common;
 
@@ -285,4 +287,133 @@ fn a_run_over_a_mixture_resumes_to_the_uninterrupted_runs_losses() {
     for (step, loss) in records {
         assert_eq!(loss, expected[step as usize - 1], "step {step}");
     }
+}
+
+/// The demo's tiny BLOOM, untrained, with the demo's tokenizer, in
+/// `dir`/model (made once for this binary).
+fn demo_model(dir: &Path) -> PathBuf {
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    common::made_once(&MADE, dir, |scratch| {
+        let [config, _, tokenizer] = common::demo_files(scratch);
+        let output = ft().args(["init-model", "--config", config.to_str().unwrap(), "--out", scratch.join("model").to_str().unwrap()]).output().unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        std::fs::copy(tokenizer, scratch.join("model/tokenizer.json")).unwrap();
+    });
+    dir.join("model")
+}
+
+/// `ft eval` of `model` on `file` at `ranks` ranks with `extra` flags: its
+/// eval_results.json and its log.
+fn eval(model: &Path, file: &Path, ranks: usize, extra: &[&str]) -> (serde_json::Value, String) {
+    let out = file.with_extension(format!("eval-{ranks}"));
+    let output = ft()
+        .args(["eval", "--model", model.to_str().unwrap(), "--eval-file", file.to_str().unwrap(), "--device", "cpu", "--max-seq-len", "128"])
+        .args(["--nproc-per-node", &ranks.to_string(), "--output-dir", out.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{}: {log}", file.display());
+    (serde_json::from_str(&std::fs::read_to_string(out.join("eval_results.json")).unwrap()).unwrap(), log)
+}
+
+/// Evaluation counts the examples it evaluates over all ranks in every
+/// format a causal LM reads — the loss's examples (a row's, text's
+/// sequences), or SQuAD's questions, whose generated answers are scored —
+/// the same on one rank as on two; and the log gives each source one line,
+/// rank 0's, naming the format it detected and the source's rows.
+#[test]
+fn evaluation_counts_its_examples_in_every_format_and_the_log_names_the_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = demo_model(dir.path());
+    let five = |row: &dyn Fn(usize) -> serde_json::Value| (0..5).map(row).collect::<Vec<_>>();
+    let template = chat_template();
+    let chat_flags = ["--chat-template", template.as_str()];
+    let cases: [(&str, Vec<serde_json::Value>, &[&str]); 5] = [
+        ("text", five(&|i| serde_json::json!({"text": format!("The capital of country {i} is Kalo{i}; its river is long and its hills are green.")})), &[]),
+        ("prompt/completion", five(&|i| serde_json::json!({"prompt": format!("Where is river {i}?"), "completion": format!(" In Mira{i}.")})), &[]),
+        ("Alpaca", five(&|i| serde_json::json!({"instruction": format!("Name river {i}."), "input": "", "output": format!("Mira{i}")})), &[]),
+        (
+            "chat",
+            five(&|i| serde_json::json!({"messages": [{"role": "user", "content": format!("Where is river {i}?")}, {"role": "assistant", "content": format!("In Mira{i}.")}]})),
+            &chat_flags,
+        ),
+        (
+            "ShareGPT",
+            five(&|i| serde_json::json!({"conversations": [{"from": "human", "value": format!("Where is river {i}?")}, {"from": "gpt", "value": format!("In Mira{i}.")}]})),
+            &chat_flags,
+        ),
+    ];
+    for (format, rows, flags) in cases {
+        let file = dir.path().join(format!("{}.jsonl", format.replace('/', "-")));
+        write_rows(&file, &rows);
+        let (results, log) = eval(&model, &file, 2, flags);
+        let said = format!("{}: {format} data (detected), 5 ", file.display());
+        let lines: Vec<&str> = log.lines().filter(|line| line.contains(&said)).collect();
+        assert_eq!(lines.len(), 1, "{format}: one line, rank 0's: {log}");
+        // Text's 5 documents make the sequences the line counts; a row format's rows one example each.
+        let expected: u64 = match format {
+            "text" => lines[0].split("documents: ").nth(1).and_then(|rest| rest.split_whitespace().next()?.parse().ok()).unwrap_or_else(|| panic!("{log}")),
+            _ => 5,
+        };
+        assert_eq!(results["eval_samples"], expected, "{format}: {results}");
+        assert!(results["eval_samples_per_second"].as_f64().is_some_and(|rate| rate > 0.0), "{format}: {results}");
+        assert!(log.contains(&format!("eval loss {:.4} over {expected} examples", results["eval_loss"].as_f64().unwrap())), "{format}: {log}");
+        if format == "text" {
+            assert_eq!(eval(&model, &file, 1, flags).0["eval_samples"], expected, "one rank");
+        }
+    }
+    // SQuAD: the questions answered and scored, on one rank and on two.
+    let squad = dir.path().join("demo/demo-eval.json");
+    let file: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&squad).unwrap()).unwrap();
+    let questions: usize = file["data"].as_array().unwrap().iter().flat_map(|a| a["paragraphs"].as_array().unwrap()).map(|p| p["qas"].as_array().unwrap().len()).sum();
+    for ranks in [1, 2] {
+        let (results, log) = eval(&model, &squad, ranks, &["--set", "task.max_new_tokens=2"]);
+        assert_eq!(results["eval_samples"], questions, "{ranks} rank(s): {results}");
+        assert!(results.get("eval_f1").is_some() && log.contains("SQuAD data (detected)"), "{log}");
+    }
+}
+
+/// Without `--eval-file`, a dataset directory evaluates on its own
+/// validation or test split and the log says so; a directory whose other
+/// split has another name is refused, naming the flags that choose.
+#[test]
+fn a_dataset_directory_evaluates_on_its_test_split_when_no_eval_file_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let jsonl = dir.path().join("rows.jsonl");
+    write_rows(&jsonl, &labelled_rows("alpha", 8));
+    python(dir.path(), &["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    let train = |data: &Path, name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let output = ft()
+            .args(["train", "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--nproc-per-node", "1", "--max-steps", "1"])
+            .args(["--batch-size", "4", "--max-seq-len", "32", "--report-to", "jsonl"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (output.status.success(), out, text(&output))
+    };
+    let evaluated = |out: &Path| -> Vec<serde_json::Value> {
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        metrics.lines().map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()).filter(|record| record.get("eval_loss").is_some()).collect()
+    };
+    // The demo model's runs: the user's data evaluates on its own split, not on the demo's file.
+    for layout in ["dict", "hub"] {
+        let (ok, out, log) = train(&dir.path().join(layout), layout, &[]);
+        assert!(ok, "{log}");
+        assert!(log.contains(&format!("no --eval-file: evaluating on the `test` split of {}", dir.path().join(layout).display())), "{log}");
+        let records = evaluated(&out);
+        assert_eq!(records.len(), 1, "{records:?}");
+        assert_eq!(records[0]["eval_samples"], 2.0, "the test split's two rows: {records:?}");
+        assert!(common::summary(&out)["eval_samples_per_s"].as_f64().is_some_and(|rate| rate > 0.0));
+    }
+    let other = dir.path().join("other/data");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::copy(dir.path().join("hub/data/train-00000-of-00002.parquet"), other.join("train-00000-of-00001.parquet")).unwrap();
+    std::fs::copy(dir.path().join("hub/data/test-00000-of-00001.parquet"), other.join("heldout-00000-of-00001.parquet")).unwrap();
+    let (ok, _, log) = train(&dir.path().join("other"), "other", &[]);
+    assert!(!ok && log.contains("has the splits `heldout` besides the one trained on") && log.contains("--set data.eval_split=NAME") && log.contains("--eval-file"), "{log}");
+    let (ok, out, log) = train(&dir.path().join("other"), "chosen", &["--set", "data.eval_split=heldout"]);
+    assert!(ok && log.contains("evaluating on the `heldout` split"), "{log}");
+    assert_eq!(evaluated(&out)[0]["eval_samples"], 2.0);
 }

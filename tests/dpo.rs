@@ -516,6 +516,7 @@ fn ft_eval_equals_the_training_runs_evaluation(dir: &Path, model: &Path, pairs: 
     let ours = eval(&full, pairs, &scratch("full"), &["--ref-model", model.to_str().unwrap(), "--nproc-per-node", "2"]).unwrap();
     assert_equal_figures(&ours, &full_eval, "eval_", "ft eval of a full fine-tune at 2 ranks", 1e-5);
     assert_eq!(ours["eval_samples"], 4, "{ours}");
+    assert_eq!(full_eval["eval_samples"], 4.0, "the training run's evaluation counts the pairs too: {full_eval}");
     let ours = eval(&lora, pairs, &scratch("lora"), &[]).unwrap();
     assert_equal_figures(&ours, &lora_eval, "eval_", "ft eval of a LoRA run's adapter on its base", 1e-5);
     // The rewards moved away from the reference's zero: a wrong reference would fail the comparisons.

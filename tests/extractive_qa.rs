@@ -109,11 +109,16 @@ fn bad_question_answering_inputs_get_clear_messages() {
     assert!(log.contains("answer \"river\" is not at offset 9 of its context"), "{log}");
     let predictions: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/predictions.json")).unwrap()).unwrap();
     assert_eq!(predictions["long"], "", "a skipped question predicts no answer");
+    // The evaluation counts the questions it scored (the bad offset's left out), not their windows.
+    let metrics = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
+    let evaluations: Vec<Value> = metrics.lines().map(|line| serde_json::from_str::<Value>(line).unwrap()).filter(|record| record.get("eval_samples").is_some()).collect();
+    assert_eq!(evaluations.len(), 1, "{metrics}");
+    assert_eq!(evaluations[0]["eval_samples"], 5.0, "{metrics}");
     // data.range counts the file's questions, not their windows: 1:6 leaves out the long one.
     let slice = ["--set", "data.range=1:6", "--set", "train.schedule=constant"];
     let (ok, log) = run(&[&["--train-file", file.to_str().unwrap(), "--set", "task.doc_stride=16"][..], &slice].concat());
     assert!(ok && log.contains("data.range 1:6 takes questions 1 to 5 of its 6"), "{log}");
-    assert!(log.contains("small.json: 4 questions from 1 articles (1 with bad offsets skipped)") && !log.contains("too long"), "{log}");
+    assert!(log.contains("small.json: SQuAD data (the task's), 6 questions in 1 articles: 4 questions (1 with bad offsets skipped)") && !log.contains("too long"), "{log}");
     let (ok, log) = run(&["--train-file", file.to_str().unwrap(), "--set", "task.doc_stride=16", "--set", "data.range=4:9"]);
     assert!(!ok && log.contains("data.range 4:9 is not within") && log.contains("small.json: it has 6 questions"), "{log}");
 

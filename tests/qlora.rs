@@ -417,6 +417,26 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     };
     let (succeeded, one, log) = run("one", 1, &[], None);
     assert!(succeeded, "{log}");
+    // The log says what the 4-bit base holds: the weight matrices of base-model/'s blocks (a
+    // BLOOM block's four, 12·hidden² parameters), as bitsandbytes' nf4 holds them (a byte per two
+    // weights, an 8-bit absmax per 64, an fp32 absmax per 256 of those), against fp32.
+    let base = tensors_of(&one.join("base-model/model.safetensors"));
+    let matrices: Vec<i64> = base.iter().filter(|(name, t)| name.contains(".h.") && t.dim() == 2).map(|(_, t)| t.numel() as i64).collect();
+    let params: i64 = matrices.iter().sum();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(one.join("base-model/config.json")).unwrap()).unwrap();
+    let (hidden, layers) = (config["hidden_size"].as_i64().unwrap(), config["n_layer"].as_i64().unwrap());
+    assert_eq!((matrices.len() as i64, params), (4 * layers, 12 * hidden * hidden * layers));
+    let blocks = |values: i64, size: i64| (values + size - 1) / size;
+    let held: i64 = matrices.iter().map(|&n| n / 2 + blocks(n, 64) + 4 * blocks(blocks(n, 64), 256)).sum();
+    let megabytes = |bytes: i64| format!("{:.2} MB", bytes as f64 / 1e6);
+    let said = format!(
+        "QLoRA: {} weight matrices of the base's blocks ({params} parameters) held in nf4, blocks of 64 values, double quantized: {} instead of {} in f32, {} saved",
+        matrices.len(),
+        megabytes(held),
+        megabytes(4 * params),
+        megabytes(4 * params - held)
+    );
+    assert!(log.contains(&said), "expected {said:?}: {log}");
     let expected = losses(&one);
     assert_eq!(expected.len(), 4);
     let close = |ours: &[f64], theirs: &[f64], what: &str| {

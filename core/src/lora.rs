@@ -212,6 +212,34 @@ impl LoraModel {
         )
     }
 
+    /// What QLoRA holds in 4 bits, in one line (None when the base is not
+    /// quantized): the frozen blocks' weight matrices, how they are
+    /// quantized, and the bytes that saves against holding them in `dtype`,
+    /// the compute dtype (the blocks' vectors stay in it either way).
+    pub fn describe_quantized_base(&self, dtype: Kind) -> Option<String> {
+        let quantization = self.quantization?;
+        let units = self.units();
+        let matrices: Vec<i64> = model::block_units(self)
+            .filter(|&unit| self.frozen(unit))
+            .flat_map(|unit| units[unit].params.iter().filter(|p| p.shape.len() == 2).map(|p| p.shape.iter().product::<i64>()))
+            .collect();
+        let params: i64 = matrices.iter().sum();
+        let held: i64 = matrices.iter().map(|&numel| quantization.bytes(numel)).sum();
+        let unquantized = params * dtype.elt_size_in_bytes() as i64;
+        let megabytes = |bytes: i64| format!("{:.2} MB", bytes as f64 / 1e6);
+        Some(format!(
+            "QLoRA: {} weight matrices of the base's blocks ({params} parameters) held in {}, blocks of {} values{}: {} instead of {} in {}, {} saved",
+            matrices.len(),
+            quantization.quant_type.name(),
+            quantization.blocksize,
+            if quantization.double_quant { ", double quantized" } else { "" },
+            megabytes(held),
+            megabytes(unquantized),
+            crate::collectives_bench::dtype_name(dtype),
+            megabytes(unquantized - held)
+        ))
+    }
+
     /// Folds the adapters into the base weights: W += (alpha / r) · B A.
     /// `params` holds every unit of this model (base units first).
     pub fn merge(&self, params: &mut [Vec<Tensor>]) {

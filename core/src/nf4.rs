@@ -155,7 +155,24 @@ pub struct Quantization {
     pub double_quant: bool,
 }
 
+/// How many blocks of `blocksize` values hold `numel` values.
+pub fn blocks(numel: i64, blocksize: i64) -> i64 {
+    (numel + blocksize - 1) / blocksize
+}
+
 impl Quantization {
+    /// Bytes a weight of `numel` values takes quantized: its packed 4-bit
+    /// indices and its blocks' absmaxes (fp32; double quantized, a byte
+    /// each and an fp32 absmax per `NESTED_BLOCKSIZE` of them).
+    pub fn bytes(&self, numel: i64) -> i64 {
+        let count = blocks(numel, self.blocksize);
+        let absmaxes = match self.double_quant {
+            true => count + 4 * blocks(count, NESTED_BLOCKSIZE),
+            false => 4 * count,
+        };
+        (numel + 1) / 2 + absmaxes
+    }
+
     /// `x`'s values as this quantization holds them (dequantized, in `x`'s dtype).
     pub fn round_trip(&self, x: &Tensor) -> Result<Tensor> {
         Ok(quantize(x, self.quant_type, self.blocksize, self.double_quant)?.dequantize())

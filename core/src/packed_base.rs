@@ -8,7 +8,7 @@
 use crate::comm::ProcessGroup;
 use crate::comm_hook::Pending;
 use crate::model::UnitSpec;
-use crate::nf4::{self, Absmax, QuantState, Quantization, Quantized4bit};
+use crate::nf4::{self, blocks, Absmax, QuantState, Quantization, Quantized4bit};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
@@ -58,11 +58,6 @@ pub struct PackedLayout {
     quantization: Quantization,
     /// Double quantization's 8-bit code, on the training device (made by `pack`).
     nested_code: Option<Tensor>,
-}
-
-/// How many blocks of `blocksize` values hold `numel` values.
-fn blocks(numel: i64, blocksize: i64) -> i64 {
-    (numel + blocksize - 1) / blocksize
 }
 
 impl PackedLayout {

@@ -14,6 +14,9 @@ pub struct Evaluation {
     /// Mean loss over the evaluation set (None when the task has none).
     pub loss: Option<f64>,
     pub scores: Scores,
+    /// Examples evaluated, over all ranks: those the task scored (SQuAD's
+    /// questions, whose windows the loss is over), else those of the loss.
+    pub examples: usize,
     /// The whole evaluation, and the task's scoring alone (generation, span decoding).
     pub seconds: f64,
     pub scoring_seconds: f64,
@@ -30,7 +33,7 @@ pub fn evaluate(
     dtype: Kind,
 ) -> Result<Evaluation> {
     let started = Instant::now();
-    let loss = match task.eval_set() {
+    let (loss, loss_examples) = match task.eval_set() {
         Some(data) if !data.is_empty() => {
             let _no_grad = tch::no_grad_guard();
             let mine = crate::task::rank_share(comm, data.len());
@@ -43,12 +46,13 @@ pub fn evaluate(
                 sum += s;
                 weight += w;
             }
-            let totals = comm.sum_over_ranks(&[sum, weight])?;
-            Some(totals[0] / totals[1].max(1.0))
+            let totals = comm.sum_over_ranks(&[sum, weight, mine.len() as f64])?;
+            (Some(totals[0] / totals[1].max(1.0)), totals[2] as usize)
         }
-        _ => None,
+        _ => (None, 0),
     };
     let scoring_started = Instant::now();
     let scores = task.score(model, params, dtype, comm)?;
-    Ok(Evaluation { loss, scores, seconds: started.elapsed().as_secs_f64(), scoring_seconds: scoring_started.elapsed().as_secs_f64() })
+    let examples = if scores.examples > 0 { scores.examples } else { loss_examples };
+    Ok(Evaluation { loss, scores, examples, seconds: started.elapsed().as_secs_f64(), scoring_seconds: scoring_started.elapsed().as_secs_f64() })
 }

@@ -174,9 +174,9 @@ impl<'a> RunLog<'a> {
     /// Logs an evaluation after optimizer step `step`, `epoch_progress` epochs into the run.
     pub fn after_eval(&mut self, epoch_progress: f64, step: usize, evaluation: &Evaluation) -> Result<()> {
         self.totals.eval_seconds += evaluation.seconds;
-        self.totals.eval_examples += evaluation.scores.examples;
+        self.totals.eval_examples += evaluation.examples;
         if self.comm.env().rank == 0 {
-            let mut values = BTreeMap::from([("epoch".to_string(), epoch_progress)]);
+            let mut values = BTreeMap::from([("epoch".to_string(), epoch_progress), ("eval_samples".to_string(), evaluation.examples as f64)]);
             values.extend(evaluation.loss.map(|l| ("eval_loss".to_string(), l)));
             values.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), *v)));
             self.record(&Record { step: step as u64, values })?;

@@ -129,14 +129,15 @@ pub fn prepare(dir: &Path, seed: u64) -> Result<DemoFiles> {
 }
 
 /// Points `config`'s data and tokenizer at the demo files in `dir` (where
-/// the user set none: no training file, nor a mixture) and returns the
-/// demo model's config.json.
+/// the user set none: no training file, nor a mixture; the demo's
+/// evaluation file comes with its training file, so the user's own data
+/// evaluates on what it brings) and returns the demo model's config.json.
 pub fn configure(config: &mut ft_core::Config, dir: &Path) -> Result<serde_json::Value> {
     let data = &mut config.data;
-    if data.mixture.is_empty() {
-        data.train.get_or_insert_with(|| dir.join("demo-train.json"));
+    if data.train.is_none() && data.mixture.is_empty() {
+        data.train = Some(dir.join("demo-train.json"));
+        data.eval.get_or_insert_with(|| dir.join("demo-eval.json"));
     }
-    data.eval.get_or_insert_with(|| dir.join("demo-eval.json"));
     let tokenizer = data.tokenizer.get_or_insert_with(|| dir.join("tokenizer.json"));
     let vocab = tokenizers::Tokenizer::from_file(&*tokenizer)
         .map_err(|e| anyhow::anyhow!("cannot load the demo tokenizer {}: {e}", tokenizer.display()))?

@@ -88,6 +88,11 @@ impl Positions {
         self.range.is_none_or(|range| range.contains(self.seen - 1))
     }
 
+    /// The examples counted so far, in the range or not.
+    pub fn seen(&self) -> usize {
+        self.seen
+    }
+
     /// Once every example of `file` has been counted: an error when the
     /// range is not within them, else what it took, in the log.
     pub fn finish(&self, file: &Path, examples: &str) -> Result<()> {

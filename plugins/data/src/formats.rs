@@ -32,6 +32,45 @@ pub fn detect(row: &Json) -> Option<DataFormat> {
     }
 }
 
+/// A format as the log names it.
+pub fn name(format: DataFormat) -> &'static str {
+    match format {
+        DataFormat::Auto => "auto",
+        DataFormat::Squad => "SQuAD",
+        DataFormat::Text => "text",
+        DataFormat::PromptCompletion => "prompt/completion",
+        DataFormat::Chat => "chat",
+        DataFormat::Sharegpt => "ShareGPT",
+        DataFormat::Alpaca => "Alpaca",
+        DataFormat::Preference => "preference",
+    }
+}
+
+/// How a source's format was chosen, as its log line says.
+#[derive(Debug, Clone, Copy)]
+pub enum Chosen {
+    /// From the source's content (`data.format` auto).
+    Detected,
+    /// As `data.format` (or a mixture source's `format`) sets it.
+    Set,
+    /// The only one the task reads (DPO's preference pairs, extractive QA's SQuAD).
+    ByTask,
+}
+
+/// The one line the log gives a source, on rank 0 only (every rank reads
+/// it): its format and how that was chosen, its rows (`rows`, e.g. "12
+/// rows") and what they gave (`gave`, e.g. "10 examples (…)").
+pub fn log_source(source: &str, format: DataFormat, chosen: Chosen, rows: &str, gave: &str) {
+    if crate::logs_data() {
+        let how = match chosen {
+            Chosen::Detected => "detected",
+            Chosen::Set => "data.format",
+            Chosen::ByTask => "the task's",
+        };
+        tracing::info!("{source}: {} data ({how}), {rows}: {gave}", name(format));
+    }
+}
+
 /// What a row of no known format is told, after "FILE line N: ".
 pub const KNOWN_ROWS: &str = "neither {\"text\": …}, {\"prompt\": …, \"completion\": …}, {\"messages\": […]}, ShareGPT's {\"conversations\": […]}, a preference pair {\"prompt\": …, \"chosen\": …, \"rejected\": …} nor Alpaca's {\"instruction\": …, \"output\": …}";
 

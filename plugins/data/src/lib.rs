@@ -30,3 +30,9 @@ pub mod source;
 pub mod squad;
 pub mod text;
 pub mod tokenizer;
+
+/// Whether this process logs what it read: every rank reads the data, rank
+/// 0 (or a process no launcher started) says so.
+pub(crate) fn logs_data() -> bool {
+    ft_core::env::DistEnv::from_env().map_or(true, |env| env.rank == 0)
+}

@@ -8,7 +8,7 @@
 //! the first row. Several sources mix (`mixture.rs`).
 
 use crate::example::{eos_id, Example, Positions, Skipped};
-use crate::formats::{self, RowEncoder};
+use crate::formats::{self, Chosen, RowEncoder};
 use crate::mixture;
 use crate::source::{Columns, Kind, Row, Source, Split};
 use crate::squad::{self, QaExample};
@@ -119,9 +119,9 @@ pub fn load_training(data: &DataConfig, seed: u64, tokenizer: &Tokenizer, option
 pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<(Vec<Example>, Vec<QaExample>)> {
     let max_len = options.max_seq_len;
     let source = Source::open(path, options.split)?;
-    let format = match options.format {
-        DataFormat::Auto => detect(&source, options.columns)?,
-        format => format,
+    let (format, chosen) = match options.format {
+        DataFormat::Auto => (detect(&source, options.columns)?, Chosen::Detected),
+        format => (format, Chosen::Set),
     };
     match (format, source.kind) {
         (DataFormat::Squad, Kind::Squad) => {}
@@ -143,15 +143,13 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
                     None => too_long += 1,
                 }
             }
-            tracing::info!(
-                "{}: {} questions from {} articles ({} unanswerable and {} with bad offsets skipped, {} too long for max_seq_len {max_len})",
-                path.display(),
+            let gave = format!(
+                "{} prompts ({} unanswerable and {} with bad offsets skipped, {too_long} too long for max_seq_len {max_len})",
                 examples.len(),
-                stats.articles,
                 stats.unanswerable_skipped,
-                stats.bad_offsets_skipped,
-                too_long
+                stats.bad_offsets_skipped
             );
+            formats::log_source(&source.name, format, chosen, &format!("{} questions in {} articles", stats.questions, stats.articles), &gave);
             Ok((examples, questions))
         }
         // (Auto was resolved above.)
@@ -170,10 +168,10 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
                 false => (text::pack(tokenizer, documents, max_len, eos_id(tokenizer), keep)?, format!("sequences of {max_len} tokens")),
             };
             positions.finish(Path::new(&source.name), &what)?;
-            tracing::info!("{}: {count} documents as {} {what}", source.name, examples.len());
+            formats::log_source(&source.name, format, chosen, &format!("{count} documents"), &format!("{} {what}", examples.len()));
             Ok((examples, vec![]))
         }
-        DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(&source, tokenizer, options, format)?, vec![])),
+        DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(&source, tokenizer, options, format, chosen)?, vec![])),
         DataFormat::Preference => bail!("{} holds preference pairs (\"chosen\"/\"rejected\"), which train with --task dpo", source.name),
     }
 }
@@ -182,16 +180,23 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
 /// `data.range` when set); rows the template refuses or too long for
 /// max_seq_len are skipped and counted, malformed rows are errors naming
 /// the row.
-fn records(source: &Source, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat) -> Result<Vec<Example>> {
+fn records(source: &Source, tokenizer: &Tokenizer, options: &LoadOptions, format: DataFormat, chosen: Chosen) -> Result<Vec<Example>> {
     let all = options.train_on == TrainOn::All;
     let mut rows = RowEncoder::new(format, tokenizer, options.tokenizer_dir, options.chat_template, options.max_seq_len, options.truncate, all)?;
-    encode_rows(source, options, |row| rows.encode(&row.parse::<Json>()?, &row.to_string()))
+    encode_rows(source, options, format, chosen, |row| rows.encode(&row.parse::<Json>()?, &row.to_string()))
 }
 
 /// Each row's example by `encode` (the rows of the range, up to
 /// `options.limit`); the skipped are counted (the first unrenderable one's
-/// reason logged), and a source that leaves none is an error.
-fn encode_rows(source: &Source, options: &LoadOptions, mut encode: impl FnMut(&Row) -> Result<Result<Example, Skipped>>) -> Result<Vec<Example>> {
+/// reason logged), and a source that leaves none is an error. The log
+/// names the source's format (`format`, and how it was chosen).
+fn encode_rows(
+    source: &Source,
+    options: &LoadOptions,
+    format: DataFormat,
+    chosen: Chosen,
+    mut encode: impl FnMut(&Row) -> Result<Result<Example, Skipped>>,
+) -> Result<Vec<Example>> {
     let (mut positions, mut examples, mut encoded, mut unrenderable, mut too_long) = (Positions::new(options.range), vec![], 0, 0, 0);
     for row in source.rows(options.columns) {
         let row = row?;
@@ -218,13 +223,13 @@ fn encode_rows(source: &Source, options: &LoadOptions, mut encode: impl FnMut(&R
     if examples.is_empty() && encoded > 0 {
         bail!("{}: no example left ({unrenderable} the chat template cannot render, {too_long} longer than max_seq_len {})", source.name, options.max_seq_len);
     }
-    tracing::info!(
-        "{}: {} examples ({unrenderable} skipped as the chat template cannot render them, {too_long} longer than max_seq_len {}{})",
-        source.name,
+    let gave = format!(
+        "{} examples ({unrenderable} skipped as the chat template cannot render them, {too_long} longer than max_seq_len {}{})",
         examples.len(),
         options.max_seq_len,
         if options.truncate { ", cut" } else { " skipped" }
     );
+    formats::log_source(&source.name, format, chosen, &format!("{} rows", positions.seen()), &gave);
     Ok(examples)
 }
 

@@ -109,7 +109,9 @@ fn interleave<T: Clone>(parts: Vec<Part<T>>, seed: u64, what: &str) -> Result<Ve
             format!("{} {count} ({:.1}%: {of_it})", part.name, 100.0 * count as f64 / total.max(1) as f64)
         })
         .collect();
-    tracing::info!("data.mixture: {total} {what} in a seeded order: {}", shares.join(", "));
+    if crate::logs_data() {
+        tracing::info!("data.mixture: {total} {what} in a seeded order: {}", shares.join(", "));
+    }
     Ok(mixed)
 }
 

@@ -10,10 +10,11 @@
 
 use crate::chat::{ChatTemplate, Conversation};
 use crate::example::{ids, Positions};
+use crate::formats::{self, Chosen};
 use crate::source::{Columns, Source, Split};
 use crate::tokenizer;
 use anyhow::{bail, Context as _, Result};
-use ft_core::config::DataRange;
+use ft_core::config::{DataFormat, DataRange};
 use serde_json::Value as Json;
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -95,7 +96,8 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
     if pairs.is_empty() {
         bail!("{}: no preference pair left ({dropped} skipped: {why})", source.name);
     }
-    tracing::info!("{}: {} preference pairs ({dropped} skipped: {why})", source.name, pairs.len());
+    let gave = format!("{} preference pairs ({dropped} skipped: {why})", pairs.len());
+    formats::log_source(&source.name, DataFormat::Preference, Chosen::ByTask, &format!("{} rows", positions.seen()), &gave);
     Ok(pairs)
 }
 

@@ -268,6 +268,8 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
+    let eval_data = ft_data::source::eval_data(data)?;
+    let eval_split = eval_data.as_ref().and_then(|(_, split)| split.as_deref());
     // The prompt's tokens count in training only: the eval loss stays the answer's.
     // Only training takes `data.range` of its file.
     let load_options = |limit, training: bool| LoadOptions {
@@ -277,12 +279,12 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         train_on_prompt: training && options.train_on_prompt,
         train_on: if training { data.train_on } else { TrainOn::Assistant },
         packing: training && data.packing,
-        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(eval_split) },
         ..LoadOptions::new(data, inputs.tokenizer)
     };
     let train = lm::load_training(data, inputs.config.train.seed, &tokenizer, &load_options(data.train_samples, true))?.unwrap_or_default();
-    let (eval, questions) = match &data.eval {
-        Some(path) => {
+    let (eval, questions) = match &eval_data {
+        Some((path, _)) => {
             let (examples, questions) = lm::load(path, &tokenizer, &load_options(data.eval_samples, false))?;
             (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
         }

@@ -794,6 +794,8 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
         PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows, share_prompt: options.share_prompt.unwrap_or(options.padding_free) }
     };
+    let eval_data = ft_data::source::eval_data(data)?;
+    let eval_split = eval_data.as_ref().and_then(|(_, split)| split.as_deref());
     let load_options = |training: bool| preference::LoadOptions {
         max_length: data.max_seq_len,
         truncation,
@@ -801,7 +803,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         limit: if training { data.train_samples } else { data.eval_samples },
         tokenizer_dir,
         chat_template: data.chat_template.as_deref(),
-        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(data.eval_split.as_deref()) },
+        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(eval_split) },
         columns: &data.columns,
     };
     // `ft eval` reads no training file.
@@ -820,7 +822,7 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         preference::load(path, &tokenizer, &options)
     })?;
     let train = pairs_dataset(train.unwrap_or_default());
-    let eval = data.eval.as_deref().map(|path| preference::load(path, &tokenizer, &load_options(false)).map(pairs_dataset)).transpose()?;
+    let eval = eval_data.as_ref().map(|(path, _)| preference::load(path, &tokenizer, &load_options(false)).map(pairs_dataset)).transpose()?;
     Ok(Box::new(Dpo {
         train,
         eval,

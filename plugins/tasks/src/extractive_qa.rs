@@ -17,10 +17,11 @@
 use anyhow::{bail, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
-use ft_core::config::DataRange;
+use ft_core::config::{DataFormat, DataRange};
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::model::{self, head, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
+use ft_data::formats::{self, Chosen};
 use ft_data::qa::features::{QaFeaturizer, TrainFeature, ValidationFeature, Window, WindowConfig};
 use ft_data::qa::postprocess::{postprocess_qa_predictions, PostprocessConfig};
 use ft_data::qa::squad_eval;
@@ -258,13 +259,8 @@ fn read_examples(path: &Path, range: Option<DataRange>, limit: Option<usize>) ->
     if let Some(limit) = limit {
         examples.truncate(limit);
     }
-    tracing::info!(
-        "{}: {} questions from {} articles ({} with bad offsets skipped)",
-        path.display(),
-        examples.len(),
-        stats.articles,
-        stats.bad_offsets_skipped
-    );
+    let (rows, gave) = (format!("{} questions in {} articles", stats.questions, stats.articles), format!("{} questions ({} with bad offsets skipped)", examples.len(), stats.bad_offsets_skipped));
+    formats::log_source(&path.display().to_string(), DataFormat::Squad, Chosen::ByTask, &rows, &gave);
     Ok(examples)
 }
 

@@ -16,6 +16,7 @@
 mod columnar;
 
 use anyhow::{bail, Context as _, Result};
+use ft_core::config::DataConfig;
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::path::{Path, PathBuf};
@@ -70,8 +71,55 @@ impl<'a> Split<'a> {
     }
 
     pub fn eval(name: Option<&'a str>) -> Split<'a> {
-        Split { key: "data.eval_split", name, defaults: &["validation", "valid", "dev", "test"] }
+        Split { key: "data.eval_split", name, defaults: EVAL_SPLITS }
     }
+}
+
+/// The names of evaluation splits, in the order one is chosen: a validation split before a test split.
+const EVAL_SPLITS: &[&str] = &["validation", "valid", "val", "dev", "eval", "evaluation", "test", "testing"];
+
+/// The evaluation data of a run: `data.eval` and the split `data.eval_split`
+/// names; without `data.eval`, when the training data (`data.train`) is a
+/// dataset directory, its split `data.eval_split` names, else its validation
+/// split, else its test split, said in the log. None: nothing to evaluate on.
+/// A directory whose other splits are none of these is refused, naming the
+/// flags that choose.
+pub fn eval_data(data: &DataConfig) -> Result<Option<(PathBuf, Option<String>)>> {
+    if let Some(path) = &data.eval {
+        return Ok(Some((path.clone(), data.eval_split.clone())));
+    }
+    let Some(dir) = data.train.as_ref().filter(|path| path.is_dir()) else {
+        if let Some(split) = &data.eval_split {
+            bail!("data.eval_split={split} names a split of the evaluation data, but there is none: give it with --eval-file (data.eval), or train on a dataset directory that has the split");
+        }
+        return Ok(None);
+    };
+    let splits = dir_splits(dir)?;
+    let trained = choose_split(dir, splits.clone(), Split::train(data.split.as_deref()), "dataset directory")?.0;
+    let others: Vec<String> = splits.into_iter().filter_map(|(name, _)| name).filter(|name| Some(name) != trained.as_ref()).collect();
+    let chosen = match &data.eval_split {
+        Some(split) if others.contains(split) => split.clone(),
+        Some(split) => bail!("data.eval_split={split}: {} has no split `{split}` besides the one trained on; its other splits: {}", dir.display(), listed(&others)),
+        None if others.is_empty() => return Ok(None),
+        None => match EVAL_SPLITS.iter().find(|name| others.iter().any(|other| other == *name)) {
+            Some(name) => name.to_string(),
+            None => bail!(
+                "{} has the splits {} besides the one trained on, none of them a validation or test split: \
+                 evaluate on one with --set data.eval_split=NAME, or give other evaluation data with --eval-file",
+                dir.display(),
+                listed(&others)
+            ),
+        },
+    };
+    if crate::logs_data() {
+        tracing::info!("no --eval-file: evaluating on the `{chosen}` split of {} (--eval-file gives other data, --set data.eval_split=NAME another split)", dir.display());
+    }
+    Ok(Some((dir.clone(), Some(chosen))))
+}
+
+/// Split names as a list for a message: `train`, `test`.
+fn listed(names: &[String]) -> String {
+    names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
 }
 
 /// `data.columns`: the name a format reads → the file's column it reads it from.
@@ -273,7 +321,7 @@ fn split_named(relative: &Path) -> Option<String> {
 /// The files of the split `split` asks for.
 fn choose_split(path: &Path, splits: Vec<(Option<String>, Vec<PathBuf>)>, split: Split, what: &str) -> Result<(Option<String>, Vec<PathBuf>)> {
     let names: Vec<String> = splits.iter().filter_map(|(name, _)| name.clone()).collect();
-    let listed = || names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+    let listed = || listed(&names);
     match split.name {
         Some(wanted) if names.is_empty() => {
             bail!("{}={wanted}: {} is a {what} without splits (it is read whole; leave {} unset)", split.key, path.display(), split.key)
