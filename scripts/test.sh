@@ -48,9 +48,19 @@ export FT_TEST_SKIPS="$(mktemp)"
 cargo build --workspace --all-targets 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -eq 0 ]; then
-    # Every test binary runs even after one fails, so one run shows every failure.
-    cargo test --workspace --all-targets --no-fail-fast 2>&1 | tee -a "$log"
+    # Every test binary runs even after one fails, so one run shows every
+    # failure. libtest's --report-time (unstable: RUSTC_BOOTSTRAP, given to
+    # the test processes alone by the runner, so nothing is rebuilt) puts
+    # each test's seconds on its line, for the times below; the criterion
+    # benches, run once each in test mode, take no libtest flags.
+    runner="CARGO_TARGET_$(rustc -vV | sed -n 's/^host: //p' | tr 'a-z-' 'A-Z_')_RUNNER"
+    export "$runner=env RUSTC_BOOTSTRAP=1"
+    cargo test --workspace --lib --bins --tests --examples --no-fail-fast -- -Z unstable-options --report-time 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
+    cargo test --workspace --benches --no-fail-fast 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    unset "$runner"
+    scripts/test-times.sh "$log"
 fi
 # A skipped test passed as far as cargo knows: it is counted as skipped, not passed.
 skipped="$(sort -u "$FT_TEST_SKIPS" | grep -c .)"
