@@ -241,11 +241,16 @@ fn sync_dir(dir: &Path) -> Result<()> {
 /// A fault-injection point for crash tests: `FT_FAULT_INJECT=<point>:<step>`
 /// aborts the process there, as a crash or a kill would; with `@<rank>`
 /// after it, only that rank (`RANK`) aborts and the others find it gone.
+/// `panic:<point>:<step>` panics there instead, as a bug in ft would.
 pub fn fault_point(point: &str, step: usize) {
     if let Ok(spec) = std::env::var("FT_FAULT_INJECT") {
-        let (spec, rank) = spec.split_once('@').map_or((spec.as_str(), None), |(spec, rank)| (spec, Some(rank)));
+        let (spec, panics) = spec.strip_prefix("panic:").map_or((spec.as_str(), false), |spec| (spec, true));
+        let (spec, rank) = spec.split_once('@').map_or((spec, None), |(spec, rank)| (spec, Some(rank)));
         let this_rank = rank.is_none_or(|rank| std::env::var("RANK").is_ok_and(|mine| mine == rank));
         if spec == format!("{point}:{step}") && this_rank {
+            if panics {
+                panic!("FT_FAULT_INJECT: a panic at {point} of step {step}");
+            }
             eprintln!("FT_FAULT_INJECT: aborting at {point} of step {step}");
             std::process::abort();
         }
