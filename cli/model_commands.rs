@@ -88,7 +88,7 @@ pub struct GenerateArgs {
 
 pub fn generate(args: GenerateArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let device = args.device.for_rank(0);
+    let device = args.device.device(0)?;
     let dtype = args.dtype.kind(device);
     let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
     let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
@@ -133,7 +133,7 @@ pub struct ForwardArgs {
 
 pub fn forward(args: ForwardArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let device = args.device.for_rank(0);
+    let device = args.device.device(0)?;
     let dtype = args.dtype.kind(device);
     let rows: Vec<Vec<i64>> = serde_json::from_str(
         &std::fs::read_to_string(&args.ids).with_context(|| format!("cannot read {}", args.ids.display()))?,

@@ -1,7 +1,8 @@
-//! What a user sees of a panic, which is a bug in ft: one line naming the
-//! command and asking for a report, not Rust's panic message and libtorch's
-//! stack dump; and libtorch's errors inside code that cannot return them
-//! (a model's math) as errors where input or memory can cause them.
+//! What a user sees of a failure: an error without libtorch's C++ stack,
+//! and a panic, which is a bug in ft, as one line naming the command and
+//! asking for a report, not Rust's panic message and libtorch's stack dump;
+//! and libtorch's errors inside code that cannot return them (a model's
+//! math) as errors where input or memory can cause them.
 
 use anyhow::{bail, Result};
 use std::backtrace::{Backtrace, BacktraceStatus};
@@ -29,11 +30,12 @@ struct Panic {
 static MAIN_PANIC: Mutex<Option<Panic>> = Mutex::new(None);
 
 /// Runs the command `args` names (the process's arguments, the program's
-/// own first), whose work is `run`, and returns its exit code: a panic
-/// anywhere becomes one line on stderr (with the backtrace when
-/// `RUST_BACKTRACE` asks for it), and on the main thread, where the
-/// command runs, ends it with [`EXIT_CODE`].
-pub fn run_command(args: &[OsString], run: impl FnOnce() -> i32) -> i32 {
+/// own first), whose work is `run`, and returns its exit code: an error is
+/// printed (libtorch's C++ stack in it only when `RUST_BACKTRACE` asks for
+/// it) and exits 1; a panic anywhere becomes one line on stderr (with the
+/// backtrace when `RUST_BACKTRACE` asks for it), and on the main thread,
+/// where the command runs, ends it with [`EXIT_CODE`].
+pub fn run_command(args: &[OsString], run: impl FnOnce() -> Result<i32>) -> i32 {
     let _ = COMMAND.set(command_name(args));
     std::panic::set_hook(Box::new(|info| {
         let panic = Panic { what: describe(info), backtrace: Backtrace::capture() };
@@ -43,7 +45,12 @@ pub fn run_command(args: &[OsString], run: impl FnOnce() -> i32) -> i32 {
         }
     }));
     match catch_unwind(AssertUnwindSafe(run)) {
-        Ok(code) => code,
+        Ok(Ok(code)) => code,
+        Ok(Err(error)) => {
+            let message = format!("{error:#}");
+            eprintln!("error: {}", if backtrace_wanted() { message } else { without_libtorch_stack(&message) });
+            1
+        }
         Err(_) => {
             let panic = MAIN_PANIC.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
             report(panic.unwrap_or(Panic { what: "a panic".into(), backtrace: Backtrace::disabled() }));
@@ -98,6 +105,17 @@ fn report(panic: Panic) {
     }
 }
 
+fn backtrace_wanted() -> bool {
+    std::env::var_os("RUST_BACKTRACE").is_some_and(|value| value != "0")
+}
+
+/// `message` without the C++ stack libtorch appends to its errors
+/// ("Exception raised from … (most recent call first):" and its frames).
+fn without_libtorch_stack(message: &str) -> String {
+    let stack = |line: &&str| line.starts_with("Exception raised from ") || line.starts_with("frame #");
+    message.lines().filter(|line| !stack(line)).collect::<Vec<_>>().join("\n")
+}
+
 /// `ft <command>`: the first argument after the program that is neither
 /// a flag nor a global `--plugin`'s value.
 fn command_name(args: &[OsString]) -> String {
@@ -124,6 +142,13 @@ mod tests {
         assert_eq!(error.to_string(), "ft forward: libtorch: index out of range in self");
         let other = catch_unwind(|| libtorch_errors("x", || panic!("a bug")));
         assert!(other.is_err(), "a panic that is not libtorch's is not turned into an error");
+    }
+
+    #[test]
+    fn an_errors_libtorch_stack_is_left_out() {
+        let error = "weights: Internal torch error: Found no NVIDIA driver on your system.\nException raised from device_count_impl at CUDAFunctions.cpp:40 (most recent call first):\nframe #0: c10::Error::Error() + 0x9d\nframe #1: f() + 0x69";
+        assert_eq!(without_libtorch_stack(error), "weights: Internal torch error: Found no NVIDIA driver on your system.");
+        assert_eq!(without_libtorch_stack("a\nb"), "a\nb", "other lines stay");
     }
 
     #[test]

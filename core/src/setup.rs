@@ -185,7 +185,7 @@ impl Rank {
     /// share of the cores for its host optimizer.
     pub fn start(config: &Config, offload: &dyn Offload) -> Result<Rank> {
         let env = DistEnv::from_env()?;
-        let device = config.train.device.for_rank(env.local_rank);
+        let device = config.train.device.device(env.local_rank)?;
         share_host_cores(env.local_world_size, device, offload);
         let options = CommOptions {
             backend: backend_for(config.dist.backend, device)?,
