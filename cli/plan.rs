@@ -304,7 +304,7 @@ pub fn calibrate(args: CalibrateArgs, plugins: &[PathBuf]) -> Result<i32> {
     let device = args.device.device(0)?;
     let options = CalibrateOptions {
         models: &models,
-        tokens: args.batch * args.seq,
+        tokens: args.batch.checked_mul(args.seq).with_context(|| format!("--batch {} x --seq {}: too many tokens to count", args.batch, args.seq))?,
         loss_chunk_tokens: args.loss_chunk_tokens,
         dtype: args.dtype.kind(device),
         device,

@@ -52,8 +52,7 @@ pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i6
     if model.head_kind() != crate::model::head::CAUSAL_LM {
         bail!("greedy generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
-    // The last new token is not run through the model.
-    check_token_ids(model, prompts, decoding.max_new_tokens.saturating_sub(1))?;
+    check_token_ids(model, prompts, decoding.max_new_tokens)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     if longest.checked_add(decoding.max_new_tokens).is_none_or(|positions| i64::try_from(positions).is_err()) {
         bail!("{} new tokens after a prompt of {longest} tokens take more positions than a model can have", decoding.max_new_tokens);

@@ -285,21 +285,22 @@ impl Inputs {
 }
 
 /// Checks token ids a user gives a model (`ft forward`'s rows, prompts to
-/// continue by up to `following` more positions) before any reaches a
-/// kernel, where a bad one aborts inside libtorch ("index out of range in
-/// self"): no row is empty, every id is a row of the embedding (0 to
-/// vocab_size − 1), and no row runs past the model's learned positions.
-pub fn check_token_ids(model: &dyn Model, rows: &[Vec<i64>], following: usize) -> Result<()> {
+/// continue by `generated` tokens) before any reaches a kernel, where a
+/// bad one aborts inside libtorch ("index out of range in self"): no row is
+/// empty, every id is a row of the embedding (0 to vocab_size − 1), and no
+/// row runs past the model's learned positions.
+pub fn check_token_ids(model: &dyn Model, rows: &[Vec<i64>], generated: usize) -> Result<()> {
     let (vocab, model_type) = (model.dims().vocab, model.model_type());
     for (r, row) in rows.iter().enumerate() {
         ensure!(!row.is_empty(), "row {r} of the token ids is empty: give at least one token id");
         if let Some((position, id)) = row.iter().enumerate().find(|(_, id)| !(0..vocab).contains(*id)) {
             bail!("token id {id} (row {r}, position {position}) is not in this {model_type} model's vocabulary: ids run from 0 to {} (vocab_size {vocab} in its config.json)", vocab - 1);
         }
-        let positions = row.len().saturating_add(following);
+        // The last generated token is never run through the model.
+        let positions = row.len().saturating_add(generated.saturating_sub(1));
         if let Some(learned) = model.max_positions().filter(|&learned| i64::try_from(positions).map_or(true, |positions| positions > learned)) {
-            let generated = if following > 0 { format!(" and the {following} after them") } else { String::new() };
-            bail!("row {r}'s {} token ids{generated} take {positions} positions, more than this {model_type} model's max_position_embeddings ({learned}, in its config.json)", row.len());
+            let and_generated = if generated > 0 { format!(" and {generated} tokens generated after them") } else { String::new() };
+            bail!("row {r}'s {} token ids{and_generated} take {positions} positions, more than this {model_type} model's max_position_embeddings ({learned}, in its config.json)", row.len());
         }
     }
     Ok(())
