@@ -287,6 +287,8 @@ fn malformed_input_to_every_subcommand_is_an_error_not_a_panic() {
     let (bloom, opt) = (bloom.to_str().unwrap(), opt.to_str().unwrap());
     let llama_config = fixture("llama").join("config.json");
     let llama_config = llama_config.to_str().unwrap();
+    let [_, demo_train, demo_tokenizer] = common::demo_files(scratch.path());
+    let (demo_train, demo_tokenizer) = (demo_train.to_str().unwrap(), demo_tokenizer.to_str().unwrap());
     let not_json = file("not.json", "nonsense");
     let missing = out("missing.json");
     let ids_files = std::cell::Cell::new(0);
@@ -300,7 +302,7 @@ fn malformed_input_to_every_subcommand_is_an_error_not_a_panic() {
     let long_row = format!("[{:?}]", vec![1; 65]);
     let cases: Vec<(Vec<String>, String)> = vec![
         (words(&["launch", "--nproc-per-node", "0", "--", "list"]), "--nproc-per-node and --nnodes must be at least 1".into()),
-        (words(&["train", "--dry-run", "--output-dir", &out("run"), "--batch-size", "0"]), "train.batch_size and train.grad_accum must be at least 1".into()),
+        (words(&["train", "--dry-run", "--output-dir", &out("run"), "--batch-size", "0"]), "train.batch_size, train.eval_batch_size and train.grad_accum must be at least 1".into()),
         (words(&["train", "--output-dir", &out("run"), "--train-file", &missing]), format!("cannot read {missing}")),
         (words(&["eval", "--model", bloom, "--eval-file", &missing, "--tokenizer", &missing]), format!("cannot load tokenizer {missing}")),
         (words(&["export", "--checkpoint", &missing, "--out", &out("export")]), "is neither a checkpoint (manifest.json) nor a trained model directory".into()),
@@ -308,6 +310,7 @@ fn malformed_input_to_every_subcommand_is_an_error_not_a_panic() {
         (words(&["comm-test", "--factor", "1", "--min-bytes", "1K", "--max-bytes", "4K"]), "size sweep needs 0 < min (1024) <= max (4096) and factor (1) >= 2".into()),
         (words(&["list", "--config", &not_json]), format!("config file {not_json}")),
         (words(&["tokenize", "--train-file", &not_json, "--tokenizer", &not_json, "--out", &out("t.jsonl")]), format!("cannot load tokenizer {not_json}")),
+        (words(&["tokenize", "--train-file", demo_train, "--tokenizer", demo_tokenizer, "--max-seq-len", "1", "--out", &out("t.jsonl")]), "data.max_seq_len (--max-seq-len) must be at least 8 (got 1)".into()),
         (words(&["init-model", "--config", bloom, "--out", &out("init"), "--set", "vocab_size=-1"]), "vocab_size must be at least 1, not -1".into()),
         (words(&["generate", "--model", bloom, "--ids", "1,128"]), format!("token id 128 (row 0, position 1) {bloom_vocab}")),
         (words(&["generate", "--model", bloom, "--ids", "1,-1"]), format!("token id -1 (row 0, position 1) {bloom_vocab}")),

@@ -5,7 +5,7 @@
 use crate::comm::Communicator;
 use crate::model::{self, Model};
 use crate::task::{Scores, Task};
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -29,17 +29,18 @@ pub fn evaluate(
     batch_size: usize,
     dtype: Kind,
 ) -> Result<Evaluation> {
+    ensure!(batch_size >= 1, "train.eval_batch_size (ft eval's --batch-size) must be at least 1");
     let started = Instant::now();
     let loss = match task.eval_set() {
         Some(data) if !data.is_empty() => {
             let _no_grad = tch::no_grad_guard();
             let mine = crate::task::rank_share(comm, data.len());
             let (mut sum, mut weight) = (0.0, 0.0);
-            for indices in mine.chunks(batch_size.max(1)) {
+            for indices in mine.chunks(batch_size) {
                 let batch = data.collate(indices, comm.device())?;
                 let ctx = model.context(&batch.inputs, 0, dtype, false)?;
-                let outputs = model::forward(model, params, &batch.inputs, &ctx, None);
-                let (s, w) = task.objective().loss_sum(&outputs, &batch)?;
+                // libtorch's errors (running out of memory, above all) are errors.
+                let (s, w) = crate::panic::libtorch_errors("evaluating", || task.objective().loss_sum(&model::forward(model, params, &batch.inputs, &ctx, None), &batch))??;
                 sum += s;
                 weight += w;
             }
