@@ -21,6 +21,7 @@ pub struct Evaluation {
 
 /// Evaluates `params` (full, in `dtype`) on `task` in batches of
 /// `batch_size` (collective: every rank calls it and gets the same result).
+/// libtorch's errors (running out of memory, above all) are errors.
 pub fn evaluate(
     model: &dyn Model,
     params: &[Vec<Tensor>],
@@ -30,6 +31,10 @@ pub fn evaluate(
     dtype: Kind,
 ) -> Result<Evaluation> {
     ensure!(batch_size >= 1, "train.eval_batch_size (ft eval's --batch-size) must be at least 1");
+    crate::panic::libtorch_errors("evaluating", || evaluation(model, params, task, comm, batch_size, dtype))?
+}
+
+fn evaluation(model: &dyn Model, params: &[Vec<Tensor>], task: &mut dyn Task, comm: &Communicator, batch_size: usize, dtype: Kind) -> Result<Evaluation> {
     let started = Instant::now();
     let loss = match task.eval_set() {
         Some(data) if !data.is_empty() => {
@@ -39,8 +44,8 @@ pub fn evaluate(
             for indices in mine.chunks(batch_size) {
                 let batch = data.collate(indices, comm.device())?;
                 let ctx = model.context(&batch.inputs, 0, dtype, false)?;
-                // libtorch's errors (running out of memory, above all) are errors.
-                let (s, w) = crate::panic::libtorch_errors("evaluating", || task.objective().loss_sum(&model::forward(model, params, &batch.inputs, &ctx, None), &batch))??;
+                let outputs = model::forward(model, params, &batch.inputs, &ctx, None);
+                let (s, w) = task.objective().loss_sum(&outputs, &batch)?;
                 sum += s;
                 weight += w;
             }
