@@ -67,7 +67,11 @@ pub fn libtorch_errors<T>(what: &str, body: impl FnOnce() -> T) -> Result<T> {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => Ok(value),
         Err(payload) => match payload_text(payload.as_ref()).and_then(libtorch_message) {
-            Some(message) => bail!("{what}: libtorch: {message}"),
+            Some(message) => {
+                // Handled: not a panic for `run_command` to report.
+                MAIN_PANIC.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+                bail!("{what}: libtorch: {message}")
+            }
             None => std::panic::resume_unwind(payload),
         },
     }
