@@ -118,14 +118,9 @@ fn main() {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse_from(with_default_command(std::env::args_os().collect()));
-    let code = match run(cli) {
-        Ok(code) => code,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            1
-        }
-    };
+    let args = with_default_command(std::env::args_os().collect());
+    let cli = Cli::parse_from(&args);
+    let code = ft_core::panic::run_command(&args, || run(cli));
     // Everything of the run is dropped by now (files written and closed,
     // sinks and ranks finished); what `exit` would still do is libtorch's
     // teardown — unregistering its thousands of operators, finalizing the

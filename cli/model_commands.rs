@@ -44,7 +44,7 @@ pub fn init_model(args: InitModelArgs) -> Result<i32> {
         source.config["vocab_size"] = tokenizer.get_vocab_size(true).into();
     }
     let model = source.model()?;
-    let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu);
+    let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu)?;
     hf::save(model.as_ref(), &params, &args.out, args.dtype.storage_kind())?;
     if let Some(tokenizer) = trained {
         tokenizer.save(args.out.join("tokenizer.json"), true).map_err(anyhow::Error::msg)?;
@@ -88,7 +88,7 @@ pub struct GenerateArgs {
 
 pub fn generate(args: GenerateArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let device = args.device.for_rank(0);
+    let device = args.device.device(0)?;
     let dtype = args.dtype.kind(device);
     let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
     let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
@@ -133,15 +133,14 @@ pub struct ForwardArgs {
 
 pub fn forward(args: ForwardArgs) -> Result<i32> {
     let dir = hf::resolve(&args.model)?;
-    let device = args.device.for_rank(0);
+    let device = args.device.device(0)?;
     let dtype = args.dtype.kind(device);
     let rows: Vec<Vec<i64>> = serde_json::from_str(
         &std::fs::read_to_string(&args.ids).with_context(|| format!("cannot read {}", args.ids.display()))?,
     )
     .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
-    let ids = Tensor::from_slice2(&rows).to_device(device);
     let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
-    let out = ft_core::train::loss::lm_inspection(model.model(), &params, &ids, dtype, args.grads)?;
+    let out = ft_core::train::loss::lm_inspection(model.model(), &params, &rows, dtype, args.grads)?;
     Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("loss {:.6}", out.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])));
     Ok(0)

@@ -301,10 +301,10 @@ pub fn calibrate(args: CalibrateArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()).collect::<Result<Vec<_>>>()?;
     let models: Vec<&dyn ft_core::Model> = models.iter().map(|m| m.as_ref()).collect();
-    let device = args.device.for_rank(0);
+    let device = args.device.device(0)?;
     let options = CalibrateOptions {
         models: &models,
-        tokens: args.batch * args.seq,
+        tokens: args.batch.checked_mul(args.seq).with_context(|| format!("--batch {} x --seq {}: too many tokens to count", args.batch, args.seq))?,
         loss_chunk_tokens: args.loss_chunk_tokens,
         dtype: args.dtype.kind(device),
         device,

@@ -205,7 +205,7 @@ fn bert_base_shape_matches_transformers() {
 #[test]
 fn absent_mask_and_segments_mean_all_tokens_in_segment_zero_and_dropout_acts_only_in_training() {
     let model = hf::model_from_config(serde_json::from_str(SMALL_CONFIG).unwrap()).unwrap();
-    let params = ft_core::model::init_params(model.as_ref(), 0, Kind::Float, Device::Cpu);
+    let params = ft_core::model::init_params(model.as_ref(), 0, Kind::Float, Device::Cpu).unwrap();
     let ids = Tensor::from_slice2(&Batch::new(300, &[9, 9]).input_ids);
     let run = |inputs: &Inputs, train: bool| {
         let ctx = model.context(inputs, 0, Kind::Float, train).unwrap();

@@ -347,7 +347,7 @@ fn mutated_configs_and_weights_are_refused_clearly_and_never_panic() {
         let model_type = config["model_type"].as_str().unwrap().to_string();
         let dir = tempfile::tempdir().unwrap();
         let model = hf::model_from_config(config.clone()).unwrap();
-        hf::save(model.as_ref(), &init_params(model.as_ref(), 0, Kind::Float, Device::Cpu), dir.path(), Kind::Float).unwrap();
+        hf::save(model.as_ref(), &init_params(model.as_ref(), 0, Kind::Float, Device::Cpu).unwrap(), dir.path(), Kind::Float).unwrap();
         let config_path = dir.path().join("config.json");
         let weights_path = dir.path().join("model.safetensors");
         let (config_text, weights) = (std::fs::read_to_string(&config_path).unwrap(), std::fs::read(&weights_path).unwrap());
@@ -390,7 +390,7 @@ fn a_tensor_in_two_shards_is_refused() {
     let config = &tiny_configs()[0];
     let model = hf::model_from_config(config.clone()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    hf::save(model.as_ref(), &init_params(model.as_ref(), 0, Kind::Float, Device::Cpu), dir.path(), Kind::Float).unwrap();
+    hf::save(model.as_ref(), &init_params(model.as_ref(), 0, Kind::Float, Device::Cpu).unwrap(), dir.path(), Kind::Float).unwrap();
     let tensors = Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
     let mut weight_map = serde_json::Map::new();

@@ -191,7 +191,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass_for_a_span_head() {
         "intermediate_size": 64, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0
     });
     let model = hf::model_from_config(config).unwrap();
-    let params = ft_core::model::init_params(model.as_ref(), 0, Kind::Float, Device::Cpu);
+    let params = ft_core::model::init_params(model.as_ref(), 0, Kind::Float, Device::Cpu).unwrap();
     tch::manual_seed(1);
     let ids = Tensor::randint(97, [3, 16], (Kind::Int64, Device::Cpu));
     let mask = Tensor::ones([3, 16], (Kind::Int64, Device::Cpu));

@@ -269,3 +269,117 @@ fn report_to_none_writes_no_metrics() {
     let (ok, message) = run(&["train", "--dry-run", "--report-to", "none,jsonl"]);
     assert!(!ok && message.contains("`none` means no sink and stands alone"), "{message}");
 }
+
+/// Every subcommand refuses malformed input — token ids out of the
+/// vocabulary, negative, ragged or empty, bad or missing configs and files,
+/// flag values out of range — with an error naming it and an exit code in
+/// 1–100: no Rust panic, no libtorch stack.
+#[test]
+fn malformed_input_to_every_subcommand_is_an_error_not_a_panic() {
+    let scratch = tempfile::tempdir().unwrap();
+    let file = |name: &str, contents: &str| {
+        let path = scratch.path().join(name);
+        std::fs::write(&path, contents).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let out = |name: &str| scratch.path().join(name).to_str().unwrap().to_string();
+    let (bloom, opt) = (fixture("bloom"), fixture("opt"));
+    let (bloom, opt) = (bloom.to_str().unwrap(), opt.to_str().unwrap());
+    let llama_config = fixture("llama").join("config.json");
+    let llama_config = llama_config.to_str().unwrap();
+    let [_, demo_train, demo_tokenizer] = common::demo_files(scratch.path());
+    let (demo_train, demo_tokenizer) = (demo_train.to_str().unwrap(), demo_tokenizer.to_str().unwrap());
+    let not_json = file("not.json", "nonsense");
+    let missing = out("missing.json");
+    let ids_files = std::cell::Cell::new(0);
+    let forward = |ids: &str| {
+        ids_files.set(ids_files.get() + 1);
+        let ids = file(&format!("ids-{}.json", ids_files.get()), ids);
+        vec!["forward".to_string(), "--model".into(), bloom.into(), "--ids".into(), ids, "--out".into(), out("o.safetensors")]
+    };
+    let words = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+    let bloom_vocab = "is not in this bloom model's vocabulary: ids run from 0 to 127 (vocab_size 128 in its config.json)";
+    let long_row = format!("[{:?}]", vec![1; 65]);
+    let cases: Vec<(Vec<String>, String)> = vec![
+        (words(&["launch", "--nproc-per-node", "0", "--", "list"]), "--nproc-per-node and --nnodes must be at least 1".into()),
+        (words(&["train", "--dry-run", "--output-dir", &out("run"), "--batch-size", "0"]), "train.batch_size, train.eval_batch_size and train.grad_accum must be at least 1".into()),
+        (words(&["train", "--output-dir", &out("run"), "--train-file", &missing]), format!("cannot read {missing}")),
+        (words(&["eval", "--model", bloom, "--eval-file", &missing, "--tokenizer", &missing]), format!("cannot load tokenizer {missing}")),
+        (words(&["export", "--checkpoint", &missing, "--out", &out("export")]), "is neither a checkpoint (manifest.json) nor a trained model directory".into()),
+        (words(&["export", "--checkpoint", bloom, "--out", &out("export"), "--max-shard-size", "0"]), "invalid value '0' for '--max-shard-size".into()),
+        (words(&["comm-test", "--factor", "1", "--min-bytes", "1K", "--max-bytes", "4K"]), "size sweep needs 0 < min (1024) <= max (4096) and factor (1) >= 2".into()),
+        (words(&["list", "--config", &not_json]), format!("config file {not_json}")),
+        (words(&["tokenize", "--train-file", &not_json, "--tokenizer", &not_json, "--out", &out("t.jsonl")]), format!("cannot load tokenizer {not_json}")),
+        (words(&["tokenize", "--train-file", demo_train, "--tokenizer", demo_tokenizer, "--max-seq-len", "1", "--out", &out("t.jsonl")]), "data.max_seq_len (--max-seq-len) must be at least 8 (got 1)".into()),
+        (words(&["init-model", "--config", bloom, "--out", &out("init"), "--set", "vocab_size=-1"]), "vocab_size must be at least 1, not -1".into()),
+        (words(&["generate", "--model", bloom, "--ids", "1,128"]), format!("token id 128 (row 0, position 1) {bloom_vocab}")),
+        (words(&["generate", "--model", bloom, "--ids", "1,-1"]), format!("token id -1 (row 0, position 1) {bloom_vocab}")),
+        (words(&["generate", "--model", bloom]), "row 0 of the token ids is empty".into()),
+        (words(&["generate", "--model", bloom, "--ids", "1,x"]), "invalid value 'x' for '--ids".into()),
+        (words(&["generate", "--model", bloom, "--ids", "1", "--max-new-tokens", &usize::MAX.to_string()]), "take more positions than a model can have".into()),
+        (words(&["generate", "--model", opt, "--ids", "1,2,3", "--max-new-tokens", "100"]), "row 0's 3 token ids and 100 tokens generated after them take 102 positions, more than this opt model's max_position_embeddings (64".into()),
+        (forward("[[1, 2, 128]]"), format!("token id 128 (row 0, position 2) {bloom_vocab}")),
+        (forward("[[1, 2], [3, -5]]"), format!("token id -5 (row 1, position 1) {bloom_vocab}")),
+        (forward("[[1, 2, 3], [4, 5]]"), "row 1 has 2 token ids and row 0 has 3: the rows of a batch must all be of one length".into()),
+        (forward("[]"), "no rows of token ids".into()),
+        (forward("[[]]"), "row 0 of the token ids is empty".into()),
+        (forward("{\"ids\": [1]}"), "must hold [[id, ...], ...]".into()),
+        ([forward("[[1]]"), words(&["--device", "cuda:99"])].concat(), "device cuda:99 is CUDA GPU 99, but libtorch sees".into()),
+        ([words(&["forward", "--model", opt, "--ids"]), vec![file("long.json", &long_row)], words(&["--out", &out("o.safetensors")])].concat(), "row 0's 65 token ids take 65 positions, more than this opt model's max_position_embeddings (64".into()),
+        (words(&["bench", "--config", bloom, "--device", "cpu", "--dtype", "f32", "--warmup", "0", "--steps", "1", "--batch", "0", "--seq", "8"]), "--batch 0: it must be at least 1".into()),
+        (words(&["bench", "--from-json", &not_json]), "is not `ft bench --json` output".into()),
+        (words(&["plan", "--model", llama_config, "--gpu", "h100", "--seq", "1000000000000"]), "tokens (grad_accum 1) is beyond what ft plan counts".into()),
+        (words(&["plan", "--model", llama_config, "--gpu", "nonsense"]), "unknown --gpu \"nonsense\"".into()),
+        (words(&["calibrate", "--config", bloom, "--device", "cpu", "--batch", "100000000000", "--seq", "100000000", "--out", &out("c.json")]), "too many tokens to count".into()),
+        (words(&["plugin", "check", &out("libmissing.so")]), "does not exist".into()),
+    ];
+    // The subcommands `ft --help` lists, each of which a case must cover.
+    let help = text(&ft().arg("--help").output().unwrap());
+    let listed: std::collections::BTreeSet<String> = help
+        .lines()
+        .skip_while(|line| !line.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|line| line.starts_with("  "))
+        .filter_map(|line| line.split_whitespace().next().map(str::to_string))
+        .filter(|name| name != "help")
+        .collect();
+    let covered: std::collections::BTreeSet<String> = cases.iter().map(|(args, _)| args[0].clone()).collect();
+    assert!(listed.len() >= 14 && listed == covered, "subcommands listed: {listed:?}, covered: {covered:?}");
+    // All at once: most fail in argument or config checks, within a second.
+    let children: Vec<_> = cases
+        .iter()
+        .map(|(args, _)| ft().args(args).env_remove("RUST_BACKTRACE").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap())
+        .collect();
+    for ((args, expected), child) in cases.iter().zip(children) {
+        let output = child.wait_with_output().unwrap();
+        let message = text(&output);
+        let code = output.status.code();
+        assert!(code.is_some_and(|code| (1..=100).contains(&code)), "ft {}: exit code {code:?}: {message}", args.join(" "));
+        for sign in ["panicked", "stack backtrace", "internal error", "frame #"] {
+            assert!(!message.contains(sign), "ft {}: {sign:?} in: {message}", args.join(" "));
+        }
+        assert!(message.contains(expected.as_str()), "ft {}: expected {expected:?} in: {message}", args.join(" "));
+    }
+}
+
+/// A panic (a bug in ft) reaches the user as one line naming the command
+/// and asking for a report, exit code 70; `RUST_BACKTRACE=1` adds the
+/// backtrace.
+#[test]
+fn a_panic_is_one_line_naming_the_command_and_exit_code_70() {
+    let panicking = |backtrace: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        demo_run(dir.path(), &["--max-steps", "2"]).env("FT_FAULT_INJECT", "panic:after-step:1").env("RUST_BACKTRACE", backtrace).output().unwrap()
+    };
+    let output = panicking("0");
+    let message = text(&output);
+    assert_eq!(output.status.code(), Some(70), "{message}");
+    let reported: Vec<&str> = message.lines().filter(|line| line.contains("internal error")).collect();
+    assert_eq!(reported.len(), 1, "{message}");
+    assert!(reported[0].starts_with("ft train: internal error (a bug in ft): FT_FAULT_INJECT: a panic at after-step of step 1 at core/src/checkpoint.rs:"), "{message}");
+    assert!(reported[0].ends_with("Please report it with the command you ran; RUST_BACKTRACE=1 shows the backtrace."), "{message}");
+    assert!(!message.contains("panicked") && !message.contains("fault_point"), "no Rust panic message, no backtrace: {message}");
+    let output = panicking("1");
+    assert_eq!(output.status.code(), Some(70));
+    assert!(text(&output).contains("ft_core::checkpoint::fault_point"), "the backtrace names where: {}", text(&output));
+}

@@ -238,20 +238,23 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("cannot sync {}", dir.display()))
 }
 
-/// A fault-injection point for crash and signal tests:
+/// A fault-injection point for crash, panic and signal tests:
 /// `FT_FAULT_INJECT=<point>:<step>` aborts the process there, as a crash or
-/// a kill would; `<point>:<step>:<signal>` (`SIGTERM`, `SIGUSR1`, …) sends
-/// the process that signal instead, at a step a test can count on; with
-/// `@<rank>` after it, only that rank (`RANK`) acts and the others find it
-/// gone, or learn of its signal as they would of any.
+/// a kill would; `panic:<point>:<step>` panics there, as a bug in ft would;
+/// `<point>:<step>:<signal>` (`SIGTERM`, `SIGUSR1`, …) sends the process
+/// that signal, at a step a test can count on; with `@<rank>` after it,
+/// only that rank (`RANK`) acts and the others find it gone, or learn of
+/// its signal as they would of any.
 pub fn fault_point(point: &str, step: usize) {
     let Ok(spec) = std::env::var("FT_FAULT_INJECT") else { return };
-    let (spec, rank) = spec.split_once('@').map_or((spec.as_str(), None), |(spec, rank)| (spec, Some(rank)));
+    let (spec, panics) = spec.strip_prefix("panic:").map_or((spec.as_str(), false), |spec| (spec, true));
+    let (spec, rank) = spec.split_once('@').map_or((spec, None), |(spec, rank)| (spec, Some(rank)));
     if rank.is_some_and(|rank| std::env::var("RANK").is_ok_and(|mine| mine != rank)) {
         return;
     }
     let here = format!("{point}:{step}");
     match spec.strip_prefix(&here) {
+        Some("") if panics => panic!("FT_FAULT_INJECT: a panic at {point} of step {step}"),
         Some("") => {
             eprintln!("FT_FAULT_INJECT: aborting at {point} of step {step}");
             std::process::abort();

@@ -347,6 +347,17 @@ pub enum TrainOn {
     All,
 }
 
+impl DataConfig {
+    /// Refuses a `max_seq_len` too short for any example: every command
+    /// that builds examples would otherwise drop them all.
+    pub fn check_max_seq_len(&self) -> Result<()> {
+        if self.max_seq_len < 8 {
+            bail!("data.max_seq_len (--max-seq-len) must be at least 8 (got {})", self.max_seq_len);
+        }
+        Ok(())
+    }
+}
+
 impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {

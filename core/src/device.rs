@@ -79,8 +79,22 @@ pub enum DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// The device of the worker with local rank `local_rank`.
-    pub fn for_rank(self, local_rank: usize) -> Device {
+    /// The device of the worker with local rank `local_rank`, refused
+    /// (before libtorch fails on it with its C++ stack) where this machine
+    /// has no such GPU.
+    pub fn device(self, local_rank: usize) -> Result<Device> {
+        let device = self.for_rank(local_rank);
+        if let Device::Cuda(index) = device {
+            let visible = tch::Cuda::device_count().max(0) as usize;
+            if index >= visible {
+                bail!("device {self} is CUDA GPU {index}, but libtorch sees {visible} GPU(s) here (a driver missing, or CUDA_VISIBLE_DEVICES hiding them?): use a GPU it sees, or --device cpu");
+            }
+        }
+        Ok(device)
+    }
+
+    /// The device the worker with local rank `local_rank` asks for.
+    fn for_rank(self, local_rank: usize) -> Device {
         match self {
             DeviceSpec::Auto if tch::Cuda::is_available() => Device::Cuda(local_rank),
             DeviceSpec::Auto | DeviceSpec::Cpu => Device::Cpu,

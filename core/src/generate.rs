@@ -4,7 +4,8 @@
 //! and replayed: one launch a token instead of one per kernel, which is
 //! what bounds decoding at small batches.
 
-use crate::model::{forward, lm_outputs, Inputs, KvCache, Model, StageKind};
+use crate::model::{check_token_ids, forward, lm_outputs, Inputs, KvCache, Model, StageKind};
+use crate::panic::libtorch_errors;
 use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,16 +49,23 @@ static GRAPHS_FAILED: AtomicBool = AtomicBool::new(false);
 /// row a step; a row stops after `eos` or `max_new_tokens` tokens, the
 /// batch when every row has.
 pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
-    if prompts.iter().any(Vec::is_empty) {
-        bail!("a prompt has no tokens");
-    }
     if model.head_kind() != crate::model::head::CAUSAL_LM {
         bail!("greedy generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
-    let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
-    if decoding.max_new_tokens == 0 || prompts.is_empty() {
-        return Ok(generated);
+    check_token_ids(model, prompts, decoding.max_new_tokens)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if longest.checked_add(decoding.max_new_tokens).is_none_or(|positions| i64::try_from(positions).is_err()) {
+        bail!("{} new tokens after a prompt of {longest} tokens take more positions than a model can have", decoding.max_new_tokens);
     }
+    if decoding.max_new_tokens == 0 || prompts.is_empty() {
+        return Ok(vec![vec![]; prompts.len()]);
+    }
+    libtorch_errors("generating", || decode(model, params, prompts, decoding))?
+}
+
+/// `greedy_batch` on checked prompts.
+fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
+    let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
     let _no_grad = tch::no_grad_guard();
     let mut step = Step::after_prompts(model, params, prompts, decoding)?;
     let mut graph: Option<ft_sys::CudaGraph> = None;

@@ -32,6 +32,7 @@ pub mod names;
 pub mod nf4;
 pub mod offload;
 pub mod packed_base;
+pub mod panic;
 pub mod plan;
 pub mod plugin;
 pub mod profile;

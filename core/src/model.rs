@@ -284,6 +284,39 @@ impl Inputs {
     }
 }
 
+/// Checks token ids a user gives a model (`ft forward`'s rows, prompts to
+/// continue by `generated` tokens) before any reaches a kernel, where a
+/// bad one aborts inside libtorch ("index out of range in self"): no row is
+/// empty, every id is a row of the embedding (0 to vocab_size − 1), and no
+/// row runs past the model's learned positions.
+pub fn check_token_ids(model: &dyn Model, rows: &[Vec<i64>], generated: usize) -> Result<()> {
+    let (vocab, model_type) = (model.dims().vocab, model.model_type());
+    for (r, row) in rows.iter().enumerate() {
+        ensure!(!row.is_empty(), "row {r} of the token ids is empty: give at least one token id");
+        if let Some((position, id)) = row.iter().enumerate().find(|(_, id)| !(0..vocab).contains(*id)) {
+            bail!("token id {id} (row {r}, position {position}) is not in this {model_type} model's vocabulary: ids run from 0 to {} (vocab_size {vocab} in its config.json)", vocab - 1);
+        }
+        // The last generated token is never run through the model.
+        let positions = row.len().saturating_add(generated.saturating_sub(1));
+        if let Some(learned) = model.max_positions().filter(|&learned| i64::try_from(positions).map_or(true, |positions| positions > learned)) {
+            let and_generated = if generated > 0 { format!(" and {generated} tokens generated after them") } else { String::new() };
+            bail!("row {r}'s {} token ids{and_generated} take {positions} positions, more than this {model_type} model's max_position_embeddings ({learned}, in its config.json)", row.len());
+        }
+    }
+    Ok(())
+}
+
+/// Rows of token ids as one [batch, seq] batch on `device`, each checked by
+/// [`check_token_ids`]: at least one row, and every row of the same length.
+pub fn token_batch(model: &dyn Model, rows: &[Vec<i64>], device: Device) -> Result<Tensor> {
+    ensure!(!rows.is_empty(), "no rows of token ids: give at least one row");
+    check_token_ids(model, rows, 0)?;
+    if let Some((r, row)) = rows.iter().enumerate().find(|(_, row)| row.len() != rows[0].len()) {
+        bail!("row {r} has {} token ids and row 0 has {}: the rows of a batch must all be of one length", row.len(), rows[0].len());
+    }
+    Ok(Tensor::from_slice2(rows).to_device(device))
+}
+
 /// Per-batch inputs every block needs, built once by `Model::context`.
 pub struct Context {
     /// Dropout is active.
@@ -525,10 +558,13 @@ pub fn block_units(model: &dyn Model) -> impl Iterator<Item = usize> + '_ {
 
 /// Fresh parameters for every unit of `model` as its specs ask (linear and
 /// embedding weights N(0, std), biases zero, norms one — transformers'
-/// `_init_weights`), seeded for reproducibility.
-pub fn init_params(model: &dyn Model, seed: i64, dtype: Kind, device: Device) -> Vec<Vec<Tensor>> {
+/// `_init_weights`), seeded for reproducibility; libtorch's refusal (more
+/// memory than there is) is an error.
+pub fn init_params(model: &dyn Model, seed: i64, dtype: Kind, device: Device) -> Result<Vec<Vec<Tensor>>> {
     tch::manual_seed(seed);
-    model.units().iter().map(|unit| unit.params.iter().map(|spec| spec.initial(dtype, device)).collect()).collect()
+    crate::panic::libtorch_errors("initialising the parameters", || {
+        model.units().iter().map(|unit| unit.params.iter().map(|spec| spec.initial(dtype, device)).collect()).collect()
+    })
 }
 
 /// What a head stage returns, by the name of its kind (`Model::head_kind`);

@@ -40,8 +40,8 @@ pub fn backend_for(configured: Backend, device: Device) -> Result<Backend> {
 /// names it holds (strategy, offload, sinks, task) are looked up in `registry`.
 pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     let t = &config.train;
-    if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 {
-        bail!("train.epochs, train.batch_size and train.grad_accum must be at least 1");
+    if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 || t.eval_batch_size == 0 {
+        bail!("train.epochs, train.batch_size, train.eval_batch_size and train.grad_accum must be at least 1");
     }
     // Written to refuse NaN too.
     if t.lr.is_nan() || t.lr <= 0.0 {
@@ -50,9 +50,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     if t.schedule_steps == Some(0) {
         bail!("train.schedule_steps must be at least 1: the optimizer steps the learning-rate schedule spans");
     }
-    if config.data.max_seq_len < 8 {
-        bail!("data.max_seq_len must be at least 8 (got {})", config.data.max_seq_len);
-    }
+    config.data.check_max_seq_len()?;
     if !config.uses_preset() && config.data.train.is_none() && config.data.mixture.is_empty() {
         bail!("set data.train (--train-file) to train {}; only a preset (`ft list`) brings its own data", config.model.source);
     }
@@ -188,7 +186,7 @@ impl Rank {
     /// share of the cores for its host optimizer.
     pub fn start(config: &Config, offload: &dyn Offload) -> Result<Rank> {
         let env = DistEnv::from_env()?;
-        let device = config.train.device.for_rank(env.local_rank);
+        let device = config.train.device.device(env.local_rank)?;
         share_host_cores(env.local_world_size, device, offload);
         let options = CommOptions {
             backend: backend_for(config.dist.backend, device)?,

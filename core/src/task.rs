@@ -6,7 +6,7 @@
 //! adds another (sequence classification, …) without touching core.
 
 use crate::comm::Communicator;
-use crate::config::Config;
+use crate::config::{Config, DataConfig};
 use crate::dataset::{Batch, Dataset};
 use crate::model::Model;
 use anyhow::{bail, Result};
@@ -102,7 +102,8 @@ impl StartingModel for WholeModel<'_> {
     fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         let ctx = self.model.context(&batch.inputs, 0, self.dtype, false)?;
-        head(&crate::model::forward(self.model, self.params, &batch.inputs, &ctx, None))
+        let outputs = crate::panic::libtorch_errors("the reference model", || crate::model::forward(self.model, self.params, &batch.inputs, &ctx, None))?;
+        head(&outputs)
     }
 }
 
@@ -243,10 +244,13 @@ pub fn check_head(task: &str, expected: &str, model: &dyn Model) -> Result<()> {
     Ok(())
 }
 
-/// Refuses sequences longer than the model's learned positions
-/// (`Model::max_positions`) before any data is read, naming both keys:
-/// `data.max_seq_len` is the longest sequence (or window) a task builds.
-pub fn check_sequence_length(max_seq_len: usize, model: &dyn Model) -> Result<()> {
+/// Refuses sequences too short for any example ([`DataConfig::check_max_seq_len`])
+/// or longer than the model's learned positions (`Model::max_positions`)
+/// before any data is read, naming both keys: `data.max_seq_len` is the
+/// longest sequence (or window) a task builds.
+pub fn check_sequence_length(data: &DataConfig, model: &dyn Model) -> Result<()> {
+    data.check_max_seq_len()?;
+    let max_seq_len = data.max_seq_len;
     if let Some(positions) = model.max_positions().filter(|&positions| max_seq_len as i64 > positions) {
         bail!(
             "data.max_seq_len ({max_seq_len}) is longer than this {} model's max_position_embeddings ({positions}, in its config.json): \

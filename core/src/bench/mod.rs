@@ -20,7 +20,7 @@ use crate::strategy::{ReduceDtype, ShardingStrategy};
 use crate::task::{Synthetic, Task, TaskRegistration};
 use crate::train::{DataParallel, Kernels, TrainOptions, Trainer, TrainerBuilder};
 use crate::{AdamW, Reduction};
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -208,8 +208,24 @@ fn run_steps(trainer: &mut Trainer, task: &dyn Task, batches: &[crate::dataset::
 }
 
 /// Runs `case` on this rank (collective: every rank of the configuration
-/// calls it); rank 0 gets the row.
+/// calls it); rank 0 gets the row. libtorch's errors (a batch too large
+/// for memory, above all) are errors.
 pub fn run_case(
+    rank: &Rank,
+    model: &dyn Model,
+    task: &TaskRegistration,
+    strategy: &dyn ShardingStrategy,
+    hook: Box<dyn CommHook>,
+    offload: &dyn Offload,
+    case: &BenchCase,
+) -> Result<Option<Row>> {
+    for (flag, value) in [("--batch", case.batch), ("--seq", case.seq), ("--loss-chunk-tokens", case.loss_chunk_tokens)] {
+        ensure!(value >= 1, "{flag} {value}: it must be at least 1");
+    }
+    crate::panic::libtorch_errors("the benchmark", || measure(rank, model, task, strategy, hook, offload, case))?
+}
+
+fn measure(
     rank: &Rank,
     model: &dyn Model,
     task: &TaskRegistration,

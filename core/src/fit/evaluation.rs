@@ -5,7 +5,7 @@
 use crate::comm::Communicator;
 use crate::model::{self, Model};
 use crate::task::{Scores, Task};
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -24,6 +24,7 @@ pub struct Evaluation {
 
 /// Evaluates `params` (full, in `dtype`) on `task` in batches of
 /// `batch_size` (collective: every rank calls it and gets the same result).
+/// libtorch's errors (running out of memory, above all) are errors.
 pub fn evaluate(
     model: &dyn Model,
     params: &[Vec<Tensor>],
@@ -32,13 +33,18 @@ pub fn evaluate(
     batch_size: usize,
     dtype: Kind,
 ) -> Result<Evaluation> {
+    ensure!(batch_size >= 1, "train.eval_batch_size (ft eval's --batch-size) must be at least 1");
+    crate::panic::libtorch_errors("evaluating", || evaluation(model, params, task, comm, batch_size, dtype))?
+}
+
+fn evaluation(model: &dyn Model, params: &[Vec<Tensor>], task: &mut dyn Task, comm: &Communicator, batch_size: usize, dtype: Kind) -> Result<Evaluation> {
     let started = Instant::now();
     let (loss, loss_examples) = match task.eval_set() {
         Some(data) if !data.is_empty() => {
             let _no_grad = tch::no_grad_guard();
             let mine = crate::task::rank_share(comm, data.len());
             let (mut sum, mut weight) = (0.0, 0.0);
-            for indices in mine.chunks(batch_size.max(1)) {
+            for indices in mine.chunks(batch_size) {
                 let batch = data.collate(indices, comm.device())?;
                 let ctx = model.context(&batch.inputs, 0, dtype, false)?;
                 let outputs = model::forward(model, params, &batch.inputs, &ctx, None);

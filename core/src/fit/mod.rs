@@ -214,8 +214,14 @@ fn evaluate_now(trainer: &Trainer, model: &dyn Model, task: &mut dyn Task, comm:
 
 /// Trains `params` (every rank passes the same) as `fit` says; returns the
 /// summary and the final fp32 parameters, or None (having said so) when the
-/// checkpoint it resumed from had already trained every epoch.
+/// checkpoint it resumed from had already trained every epoch. libtorch's
+/// errors in the models' math (running out of memory, above all) end it as
+/// errors, which `ft train` explains with the plan.
 pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
+    crate::panic::libtorch_errors("training", || train(fit, params))?
+}
+
+fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;

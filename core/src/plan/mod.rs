@@ -649,6 +649,11 @@ impl Plan {
         if workload.batch < 1 || workload.seq < 2 || workload.grad_accum < 1 {
             bail!("plan a batch of at least 1 example of at least 2 tokens, and grad_accum of at least 1");
         }
+        // Attention's position pairs of a step, counted in i64.
+        let pairs = workload.batch.checked_mul(workload.seq).and_then(|tokens| tokens.checked_mul(workload.seq)?.checked_mul(i64::try_from(workload.grad_accum).ok()?));
+        if pairs.is_none() {
+            bail!("a batch of {} examples of {} tokens (grad_accum {}) is beyond what ft plan counts: plan a smaller one", workload.batch, workload.seq, workload.grad_accum);
+        }
         let mut rows = vec![];
         for strategy in registry.strategies() {
             let made = (strategy.create)();

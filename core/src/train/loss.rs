@@ -4,7 +4,8 @@
 //! bf16 logits, ATen's ops elsewhere.
 
 use super::Kernels;
-use crate::model::{forward, lm_outputs, Inputs, Model};
+use crate::model::{forward, lm_outputs, token_batch, Inputs, Model};
+use crate::panic::libtorch_errors;
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
@@ -253,11 +254,17 @@ pub fn lm_head_weighted_loss_and_grads(
     Ok((loss, grad_hidden, grad_weight))
 }
 
+/// A causal LM's logits and loss on `rows` of token ids (checked by
+/// `model::token_batch`; labels = ids), and with `with_grads` every
+/// parameter's gradient as `grad.<hf name>`, on the CPU in fp32: what `ft
+/// forward` writes for comparison with a reference. libtorch's errors
+/// (running out of memory, above all) come back as errors.
+pub fn lm_inspection(model: &dyn Model, params: &[Vec<Tensor>], rows: &[Vec<i64>], dtype: Kind, with_grads: bool) -> Result<Vec<(String, Tensor)>> {
+    let ids = token_batch(model, rows, params[0][0].device())?;
+    libtorch_errors("running the model", || inspection(model, params, &ids, dtype, with_grads))?
+}
 
-/// A causal LM's logits and loss on `ids` (labels = ids), and with
-/// `with_grads` every parameter's gradient as `grad.<hf name>`, on the CPU
-/// in fp32: what `ft forward` writes for comparison with a reference.
-pub fn lm_inspection(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor, dtype: Kind, with_grads: bool) -> Result<Vec<(String, Tensor)>> {
+fn inspection(model: &dyn Model, params: &[Vec<Tensor>], ids: &Tensor, dtype: Kind, with_grads: bool) -> Result<Vec<(String, Tensor)>> {
     for tensor in params.iter().flatten() {
         let _ = tensor.set_requires_grad(with_grads);
     }

@@ -101,6 +101,7 @@ pub fn detect(source: &Source, columns: &Columns) -> Result<DataFormat> {
 /// `options.range` (counted over the mixture), up to `options.limit`.
 /// None: no training data is set.
 pub fn load_training(data: &DataConfig, seed: u64, tokenizer: &Tokenizer, options: &LoadOptions) -> Result<Option<Vec<Example>>> {
+    data.check_max_seq_len()?;
     mixture::training_set(data, seed, options.range, options.limit, "examples", |path, source| {
         let Some(source) = source else { return Ok(load(path, tokenizer, options)?.0) };
         let own = LoadOptions {

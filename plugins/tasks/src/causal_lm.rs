@@ -262,7 +262,7 @@ impl Task for CausalLm {
 
 fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
-    task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
+    task::check_sequence_length(&inputs.config.data, inputs.model)?;
     let options: Options = task::options(NAME, &serde_json::Value::Object(inputs.config.task.options.clone()))?;
     let data = &inputs.config.data;
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;

@@ -776,7 +776,7 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
 
 fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
-    task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
+    task::check_sequence_length(&inputs.config.data, inputs.model)?;
     let options = Options::read(&serde_json::Value::Object(inputs.config.task.options.clone()))?;
     let data = &inputs.config.data;
     if data.packing {

@@ -272,7 +272,7 @@ fn log_skipped(what: &str, skipped: usize, max_seq_len: usize) {
 
 fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::QUESTION_ANSWERING, inputs.model)?;
-    task::check_sequence_length(inputs.config.data.max_seq_len, inputs.model)?;
+    task::check_sequence_length(&inputs.config.data, inputs.model)?;
     let options: Options = task::options(NAME, &serde_json::Value::Object(inputs.config.task.options.clone()))?;
     let data = &inputs.config.data;
     if data.packing {
