@@ -51,7 +51,7 @@ impl Overrides {
 }
 
 /// LoRA's flags (`train.lora.*`, `model.quantize`), shared by `ft train`, `ft bench` and `ft plan`.
-#[derive(clap::Args, Clone, Default)]
+#[derive(clap::Args, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct LoraArgs {
     /// Train rank-R low-rank adapters on the frozen model instead of every parameter (train.lora.r).
     #[arg(long, value_name = "R")]
@@ -96,18 +96,6 @@ impl LoraArgs {
         ft_core::setup::check_adapters(&config)?;
         RunModel::new(base, &config.train.lora, config.model.quantization())
     }
-
-    /// The same flags, for a worker's command line.
-    pub fn argv(&self) -> Vec<String> {
-        let values = [
-            ("--lora-r", self.lora_r.map(|r| r.to_string())),
-            ("--lora-alpha", self.lora_alpha.map(|a| a.to_string())),
-            ("--lora-dropout", self.lora_dropout.map(|d| d.to_string())),
-            ("--lora-targets", self.lora_targets.as_ref().map(|t| t.join(","))),
-            ("--quantize", self.quantize.map(|q| serde_json::to_value(q).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default())),
-        ];
-        values.into_iter().filter_map(|(flag, value)| Some([flag.to_string(), value?])).flatten().collect()
-    }
 }
 
 /// `--fp8`: off, tensorwise or rowwise.
@@ -138,6 +126,17 @@ pub fn parse_size(text: &str) -> Result<f64, String> {
     };
     let number: f64 = number.parse().map_err(|_| format!("{text:?}: expected a number and a unit, e.g. 80GB"))?;
     positive(text, number * scale)
+}
+
+/// `--comm-option comm.NAME.KEY=VALUE`: a hook's option.
+pub fn parse_comm_option(text: &str) -> Result<ft_core::config::Assignment, String> {
+    ft_core::config::Assignment::parse(text, "--comm-option")
+}
+
+/// `--compress-rate NAME=ELEMENTS_PER_S`: a hook's measured compression rate.
+pub fn parse_compress_rate(text: &str) -> Result<(String, f64), String> {
+    let (name, rate) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=ELEMENTS_PER_S"))?;
+    Ok((name.to_string(), parse_positive(rate)?))
 }
 
 /// A number above 0 (a rate or a bandwidth).

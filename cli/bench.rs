@@ -18,12 +18,14 @@ use ft_core::setup::Rank;
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Config, Registry};
 use ft_models::hf;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-#[derive(Args)]
+/// Also each configuration's worker's own, one value each (`--worker`).
+#[derive(Args, Clone, Serialize, Deserialize)]
 pub struct BenchArgs {
     /// config.json, a model directory, or a hub id in the local cache; repeat for several models.
-    #[arg(long = "config", required_unless_present = "from_json")]
+    #[arg(long = "config", required_unless_present_any = ["from_json", "worker"])]
     configs: Vec<String>,
     /// Override config keys of every model, e.g. --set num_hidden_layers=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -106,25 +108,26 @@ pub struct BenchArgs {
     /// `ft calibrate`'s file, for --plan-check: predict with its measured rates.
     #[arg(long, value_name = "JSON", requires = "plan_check")]
     calibration: Option<PathBuf>,
-    /// Set on the workers `ft bench` launches: where rank 0 writes its row.
+    /// Set on the workers `ft bench` launches: their configuration, written as JSON.
     #[arg(long, hide = true)]
+    #[serde(skip)]
+    worker: Option<PathBuf>,
+    /// Where a worker's rank 0 writes its row.
+    #[arg(skip)]
     result_file: Option<PathBuf>,
     #[command(flatten)]
     lora: LoraArgs,
 }
 
 pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
-    if let Some(result_file) = &args.result_file {
-        return worker(&args, plugins, result_file);
+    if let Some(path) = &args.worker {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        return worker(&serde_json::from_str(&text)?, plugins);
+    }
+    if !args.from_json.is_empty() {
+        return report(&args, bench::read_rows(&args.from_json)?, plugins);
     }
     let mut rows: Vec<Row> = vec![];
-    if !args.from_json.is_empty() {
-        for path in &args.from_json {
-            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
-        }
-        return report(&args, rows, plugins);
-    }
     let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     for config in &args.configs {
@@ -174,7 +177,7 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
     let models = args.configs.iter().map(|config| args.lora.run_model(hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()?)).collect::<Result<Vec<_>>>()?;
     let models: Vec<&dyn Model> = models.iter().map(|m| m.model()).collect();
     let gpu = match &args.gpu {
-        Some(name) => GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))?,
+        Some(name) => GpuSpec::named(name)?,
         None => gpu::local_gpu(0)
             .and_then(|(name, _)| GpuSpec::find(&name))
             .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
@@ -205,45 +208,21 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
 /// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
 #[allow(clippy::too_many_arguments)]
 fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, comm: Option<&str>, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
-    // The worker gets this command's own arguments with one value each.
+    // The workers get this command's own arguments with one value each.
+    let one = BenchArgs {
+        configs: vec![config.into()],
+        strategy: vec![strategy.into()],
+        comm: comm.into_iter().map(String::from).collect(),
+        gpus: vec![gpus],
+        batch: vec![batch],
+        seq: vec![seq],
+        result_file: Some(result.into()),
+        ..args.clone()
+    };
+    let arguments = result.with_extension("args.json");
+    std::fs::write(&arguments, serde_json::to_string(&one)?).with_context(|| format!("cannot write {}", arguments.display()))?;
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
-    argv.extend(["bench", "--config", config, "--strategy", strategy].map(String::from));
-    if let Some(comm) = comm {
-        argv.extend(["--comm".to_string(), comm.to_string()]);
-    }
-    argv.extend(args.comm_options.iter().flat_map(|option| ["--comm-option".to_string(), option.clone()]));
-    for (flag, value) in [
-        ("--gpus", gpus.to_string()),
-        ("--batch", batch.to_string()),
-        ("--seq", seq.to_string()),
-        ("--warmup", args.warmup.to_string()),
-        ("--steps", args.steps.to_string()),
-        ("--dtype", args.dtype.to_string()),
-        ("--device", args.device.to_string()),
-        ("--offload", args.offload.clone()),
-        ("--loss-chunk-tokens", args.loss_chunk_tokens.to_string()),
-        ("--reduce-dtype", serde_json::to_value(args.reduce_dtype)?.as_str().unwrap_or("fp32").to_string()),
-        ("--result-file", result.display().to_string()),
-    ] {
-        argv.extend([flag.to_string(), value]);
-    }
-    let fp8 = args.fp8.map(|fp8| serde_json::to_value(fp8).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
-    let optional = [
-        ("--shard-group-size", args.shard_group_size.map(|s| s.to_string())),
-        ("--task", args.task.clone()),
-        ("--fp8", fp8),
-        ("--fp8-gathers", args.fp8_gathers.map(|on| on.to_string())),
-    ];
-    for (flag, value) in optional.into_iter().filter_map(|(flag, value)| Some((flag, value?))) {
-        argv.extend([flag.to_string(), value]);
-    }
-    argv.extend(args.overrides.iter().flat_map(|set| ["--set".to_string(), set.clone()]));
-    argv.extend(args.lora.argv());
-    let switches = [("--activation-checkpointing", args.activation_checkpointing), ("--breakdown", args.breakdown)];
-    argv.extend(switches.into_iter().filter(|(_, on)| *on).map(|(flag, _)| flag.to_string()));
-    if let Some(dir) = &args.profile {
-        argv.extend(["--profile".to_string(), dir.display().to_string()]);
-    }
+    argv.extend(["bench".into(), "--worker".into(), arguments.display().to_string()]);
     let code = ft_core::launch::spawn_local(gpus, argv)?;
     if code != 0 {
         bail!("workers exited with code {code} (their output is above)");
@@ -253,12 +232,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
 }
 
 /// One configuration, run by each of its workers.
-fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i32> {
-    let single = |name: &str, count: usize| if count == 1 { Ok(()) } else { Err(anyhow::anyhow!("a bench worker takes one {name}")) };
-    single("--config", args.configs.len())?;
-    single("--strategy", args.strategy.len())?;
-    single("--batch", args.batch.len())?;
-    single("--seq", args.seq.len())?;
+fn worker(args: &BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();
@@ -274,7 +248,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let task = registry.task(args.task.as_deref(), model.model().head_kind())?;
     let case = case(args, args.batch[0], args.seq[0]);
     if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), hook, offload.as_ref(), &case)? {
-        std::fs::write(result_file, serde_json::to_string(&row)?)?;
+        std::fs::write(args.result_file.as_ref().context("a bench worker is given its result file")?, serde_json::to_string(&row)?)?;
     }
     Ok(0)
 }

@@ -2,17 +2,15 @@
 //! the task's scores), and a checkpoint as a Hugging Face model directory.
 
 use crate::args::{ConfigFile, Overrides};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
-use ft_core::env::{DistEnv, EnvSource};
+use ft_core::env::DistEnv;
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::setup::Rank;
-use ft_core::task::{Start, Task, TaskInputs, WholeModel};
+use ft_core::task::TaskInputs;
 use ft_core::{Config, Registry};
 use ft_models::hf;
-use ft_core::lora::RunModel;
-use std::path::{Path, PathBuf};
-use tch::Tensor;
+use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -47,7 +45,7 @@ pub struct EvalArgs {
     batch_size: Option<usize>,
     #[arg(long)]
     dtype: Option<DType>,
-    /// Set any configuration key, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
+    /// Set a configuration key it reads, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
     assignments: Vec<ft_core::config::Assignment>,
     #[arg(long)]
@@ -62,6 +60,13 @@ pub struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     profile: Option<PathBuf>,
 }
+
+/// The configuration keys `ft eval` reads: the model, the task, the evaluation data, its ranks.
+const READS: &[&str] = &[
+    "model.source", "task", "data.eval", "data.tokenizer", "data.chat_template", "data.eval_samples", "data.max_seq_len", "data.format",
+    "data.columns", "data.eval_split", "data.truncate", "data.pad_to_multiple_of", "train.eval_batch_size", "train.dtype", "train.device",
+    "train.loss_chunk_tokens", "output.dir", "launch", "dist",
+];
 
 pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut overrides = Overrides::default();
@@ -78,11 +83,12 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .serialized("train.device", args.device)
         .path("output.dir", args.output_dir.as_ref())
         .set("launch.nproc_per_node", args.nproc_per_node);
+    ft_core::config::check_reads(&args.assignments, "ft eval", READS)?;
     let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
     config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
-    if DistEnv::from_env()?.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
-        return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
+    if let Some(workers) = ft_core::setup::local_workers(&config, &DistEnv::from_env()?) {
+        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
     let dir = hf::resolve(&config.model.source)?;
@@ -90,7 +96,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let (model, params) = ft_models::trained::load_trained(&dir, rank.dtype, rank.device)?;
     let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.model(), device: rank.device };
     let mut task = (registry.task(config.task.name.as_deref(), model.model().head_kind())?.build)(&inputs)?;
-    give_reference(task.as_mut(), &args, &model, &params, &tokenizer, &rank)?;
+    ft_models::trained::give_reference(task.as_mut(), args.ref_model.as_deref(), &args.model, &model, &params, &tokenizer, &rank)?;
     let model = model.model();
     let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);
     if profiling.is_some() {
@@ -104,55 +110,9 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     if rank.rank() == 0 {
         std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
         task.write_predictions(&config.output.dir)?;
-        let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
-        let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
-        let examples = evaluation.scores.examples;
-        println!("{}: eval loss {loss} over {examples} examples{scores}", args.eval_file.display());
-        // Every figure at full precision, named as a training run's evaluation records them (and Hugging Face's eval_results.json).
-        let mut results = serde_json::Map::new();
-        if let Some(loss) = evaluation.loss {
-            results.insert("eval_loss".into(), loss.into());
-        }
-        results.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), (*v).into())));
-        results.insert("eval_samples".into(), examples.into());
-        let path = config.output.dir.join("eval_results.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&results)?).with_context(|| format!("cannot write {}", path.display()))?;
-        println!(
-            "scored {examples} examples in {:.2} s ({:.1} examples/s; the whole evaluation {:.2} s)",
-            evaluation.scoring_seconds,
-            examples as f64 / evaluation.scoring_seconds.max(f64::MIN_POSITIVE),
-            evaluation.seconds
-        );
+        ft_core::run_dir::finish_eval(&config.output.dir, &args.eval_file, &evaluation)?;
     }
     Ok(0)
-}
-
-/// Gives a task that compares the model with a reference (DPO) its
-/// reference, as training's `Task::before_training` takes it: the model
-/// `--ref-model` names, else a LoRA run's base (the adapters off).
-fn give_reference(task: &mut dyn Task, args: &EvalArgs, model: &RunModel, params: &[Vec<Tensor>], tokenizer: &Path, rank: &Rank) -> Result<()> {
-    if !task.compares_with_reference() {
-        if let Some(dir) = &args.ref_model {
-            bail!("--ref-model {dir}: this evaluation of task `{}` compares with no reference model (leave --ref-model out)", task.name());
-        }
-        return Ok(());
-    }
-    let given = match &args.ref_model {
-        Some(spec) => Some(ft_models::trained::load_reference(&hf::resolve(spec)?, model.base(), tokenizer, rank.dtype, rank.device)?),
-        None => None,
-    };
-    let (reference, reference_params) = match (&given, model.lora()) {
-        (Some((reference, reference_params)), _) => (reference.model(), &reference_params[..]),
-        (None, Some(lora)) => (lora.base(), &params[..lora.base_units()]),
-        (None, None) => bail!(
-            "task `{}` compares {} with its reference model, and it has no LoRA adapters whose base would be one: \
-             name the model its training started from with --ref-model DIR, or evaluate reference-free (task.reference_free=true)",
-            task.name(),
-            args.model
-        ),
-    };
-    let mut reference = WholeModel { model: reference, params: reference_params, dtype: rank.dtype };
-    task.before_training(&mut Start { model: &mut reference, comm: &rank.comm, output: None, resuming: false })
 }
 
 #[derive(Args)]

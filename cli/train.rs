@@ -2,18 +2,18 @@
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
 use crate::args::{ConfigFile, LoraArgs, Overrides};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use figment::value::Value;
-use ft_core::env::{DistEnv, EnvSource};
+use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::plan;
-use ft_core::setup::{share_host_cores, Rank};
+use ft_core::setup::{self, share_host_cores, Rank};
 use ft_core::task::TaskInputs;
 use ft_core::config::{Assignment, ModelInit};
-use ft_core::run_dir::{self, RunLock};
-use ft_core::{checkpoint, Config, Registry};
+use ft_core::run_dir;
+use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
@@ -197,100 +197,38 @@ fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
     }
 }
 
-/// The ranks the run will have: the launcher's world, or the local workers
-/// `ft train` is about to start itself.
-fn planned_world(config: &Config, env: &DistEnv) -> usize {
-    if env.source == EnvSource::SingleProcess {
-        config.launch.nproc_per_node
-    } else {
-        env.world_size
-    }
-}
-
 pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
     let mut overrides: Vec<(&str, Value)> = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
     overrides.extend(args.overrides());
     let config = Config::load(args.config.path.as_deref(), &overrides, &args.assignments)?;
-    ft_core::setup::validate(&config, &registry)?;
+    setup::validate(&config, &registry)?;
     if !config.uses_preset() {
         // A model directory without its weights is refused here, before any rank starts.
         hf::ModelSource::resolve(&config.model.source)?.start(config.model.init)?;
     }
     let env = DistEnv::from_env()?;
-    let world = planned_world(&config, &env);
+    setup::check_float8_devices(&config, &env)?;
+    let (world, per_node) = setup::planned_ranks(&config, &env);
     if let Some(deepspeed) = &deepspeed {
         deepspeed.check(&config.train, world, env.rank == 0)?;
     }
     if args.dry_run {
-        let per_node = if env.source == EnvSource::SingleProcess { world } else { env.local_world_size };
-        let comm = ft_core::setup::check_comm_hook(&config, &registry, world, per_node)?;
+        let comm = setup::check_comm_hook(&config, &registry, world, per_node)?;
         println!("resolved configuration:\n{}\n{}\n{comm}", serde_json::to_string_pretty(&config)?, config.plan(world));
         return Ok(0);
     }
-    if env.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
+    if let Some(workers) = setup::local_workers(&config, &env) {
         // Not started by a launcher: become one, with the same arguments.
-        return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
+        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     worker(config, &registry, &env)
 }
 
-/// Rank 0's hold on the output directory for the run, taken before any
-/// rank writes there: its lock, and the step the run continues its
-/// metrics from (None: a fresh run, for which the directory is made ready).
-fn claim_output(config: &Config) -> Result<(RunLock, Option<u64>)> {
-    let output = &config.output.dir;
-    let lock = RunLock::acquire(output)?;
-    let resume = config.train.resume.as_deref();
-    run_dir::claim(output, resume.is_some(), config.output.overwrite)?;
-    let resumed_step = match resume.map(|spec| checkpoint::resume_from(spec, output)).transpose()? {
-        None => None,
-        Some(None) => Some(0), // `--resume auto` with nothing to resume: step 0 of the directory's run
-        Some(Some(dir)) => Some(checkpoint::read_manifest(&dir)?.step as u64),
-    };
-    Ok((lock, resumed_step))
-}
-
-/// The command that continues this run: this process's own, with `--resume latest`.
-fn resume_command() -> String {
-    let mut words = vec![];
-    let mut arguments = std::env::args();
-    while let Some(word) = arguments.next() {
-        match word.as_str() {
-            "--resume" => {
-                arguments.next();
-            }
-            "--overwrite-output-dir" => {}
-            _ if word.starts_with("--resume=") => {}
-            _ => words.push(word),
-        }
-    }
-    words.extend(["--resume".into(), "latest".into()]);
-    let quoted = |word: String| match word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@%+".contains(c)) {
-        true => word,
-        false => format!("'{}'", word.replace('\'', r"'\''")),
-    };
-    words.into_iter().map(quoted).collect::<Vec<_>>().join(" ")
-}
-
-/// Where the model starts from: the demo's generated files (filled into
-/// `config` where the user set none) or the user's model.
-fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
-    if config.model.source != demo::NAME {
-        return hf::ModelSource::resolve(&config.model.source);
-    }
-    let dir = config.output.dir.join("demo-data");
-    if rank.rank() == 0 {
-        demo::prepare(&dir, config.train.seed)?;
-    }
-    rank.comm.world().barrier()?.wait()?;
-    Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
-}
-
 fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32> {
     let (_output_lock, resumed_step) = match env.rank {
-        0 => claim_output(&config).map(|(lock, step)| (Some(lock), step))?,
+        0 => run_dir::claim_for_run(&config).map(|(lock, step)| (Some(lock), step))?,
         _ => (None, None),
     };
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
@@ -299,12 +237,11 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     if rank.rank() == 0 {
         std::fs::create_dir_all(&output).with_context(|| format!("cannot create {}", output.display()))?;
     }
-    let source = model_source(&mut config, &rank)?;
-    let tokenizer = match (&config.data.tokenizer, &source.dir) {
-        (Some(path), _) => path.clone(),
-        (None, Some(dir)) => dir.join("tokenizer.json"),
-        (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
+    let source = match config.model.source == demo::NAME {
+        true => hf::ModelSource { config: demo::for_run(&mut config, &rank.comm)?, dir: None, config_file: None },
+        false => hf::ModelSource::resolve(&config.model.source)?,
     };
+    let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
@@ -330,21 +267,12 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         _ => vec![],
     };
     if rank.rank() == 0 {
-        tracing::info!(
-            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}, {:?}",
-            task.name(),
-            model.numel() as f64 / 1e6,
-            model.model_type(),
-            task.train_set().len(),
-            rank.world_size(),
-            rank.device,
-            rank.dtype
-        );
+        tracing::info!("{}", rank.describe_run(task.as_ref(), model));
         if let Some(lora) = run_model.lora() {
             tracing::info!("{}", lora.describe());
         }
     }
-    let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.dir.as_deref());
+    let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.files_dir().as_deref());
     let fit = Fit {
         model,
         task: task.as_mut(),
@@ -363,7 +291,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => {
             if rank.rank() == 0 {
-                tracing::warn!("{error}; continue with: {}", resume_command());
+                tracing::warn!("{error}; continue with: {}", run_dir::resume_command(std::env::args()));
             }
             return Ok(ft_core::signals::SAVED_AND_STOPPED);
         }
@@ -374,21 +302,9 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     };
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
-        let final_dir = output.join("final");
-        let what = ft_models::trained::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
-        // What transformers needs besides the weights: the tokenizer, its special tokens and the chat template it was trained with, generation defaults.
-        ft_models::trained::write_model_files(&final_dir, &model_files, &source.config)?;
-        let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
+        let mut written = vec![ft_models::trained::write_final(&output, &run_model, &final_params, base_dir.as_deref(), &model_files, &source.config)?];
         written.extend(task.write_predictions(&output)?);
-        std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-        if !config.output.sinks()?.is_empty() {
-            written.push(format!("metrics ({})", config.output.sinks()?.join(", ")));
-        }
-        print!("{}", summary.table());
-        println!("outputs in {}: {}", output.display(), written.join(", "));
-        if let Some(checkpoint) = &summary.last_checkpoint {
-            println!("the last checkpoint is {}; to train on from it (more epochs, the next data.range): {}", checkpoint.display(), resume_command());
-        }
+        run_dir::finish(&output, &summary, written, config.output.sinks()?)?;
     }
     Ok(0)
 }

@@ -882,6 +882,25 @@ pub fn parse_assignment(text: &str) -> Result<Assignment, String> {
     Assignment::parse(text, "--set")
 }
 
+/// Refuses each `--set` key that `command` does not read: it would do
+/// nothing in silence. `reads` holds dotted keys, a section's name standing
+/// for all of its keys. Only `--set` is checked: a config file and `FT_*`
+/// variables may hold other commands' keys too (one file serves a run's
+/// `ft train` and `ft eval`).
+pub fn check_reads(assignments: &[Assignment], command: &str, reads: &[&str]) -> Result<()> {
+    for assignment in assignments {
+        let mut keys = BTreeSet::from([assignment.key.clone()]);
+        if let Value::Dict(_, dict) = &assignment.value {
+            dotted_keys(&mut keys, &assignment.key, dict);
+        }
+        let read = |key: &String| reads.iter().any(|r| key == r || key.starts_with(&format!("{r}.")) || r.starts_with(&format!("{key}.")));
+        if let Some(key) = keys.iter().find(|key| !read(key)) {
+            bail!("{assignment}: `{command}` does not read `{key}` (the keys it reads: {})", reads.join(", "));
+        }
+    }
+    Ok(())
+}
+
 /// Every dotted key of `dict` under `prefix`, sections included.
 fn dotted_keys(keys: &mut BTreeSet<String>, prefix: &str, dict: &figment::value::Dict) {
     for (name, value) in dict {
@@ -1017,6 +1036,17 @@ mod tests {
         let config = Config::load_with_env(None, &[("model.source", "some/model".into())], &[], no_env()).unwrap();
         assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
         assert!(!config.uses_preset());
+    }
+
+    #[test]
+    fn set_keys_a_command_does_not_read_are_refused_naming_the_key_and_the_command() {
+        let set = |texts: &[&str]| texts.iter().map(|text| parse_assignment(text).unwrap()).collect::<Vec<_>>();
+        let reads = ["data", "train.dtype"];
+        check_reads(&set(&["data.max_seq_len=64", "train.dtype=bf16", r#"train={"dtype": "f32"}"#]), "ft eval", &reads).unwrap();
+        let refused = check_reads(&set(&["data.format=chat", "train.lr=1"]), "ft eval", &reads).unwrap_err().to_string();
+        assert!(refused.starts_with("--set train.lr=1: `ft eval` does not read `train.lr` (the keys it reads: data, train.dtype)"), "{refused}");
+        let refused = check_reads(&set(&[r#"train={"lr": 1}"#]), "ft eval", &reads).unwrap_err().to_string();
+        assert!(refused.contains("does not read `train.lr`"), "{refused}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
-use crate::env::DistEnv;
+use crate::env::{DistEnv, EnvSource};
 use crate::offload::Offload;
 use crate::registry::Registry;
 use anyhow::{bail, Result};
@@ -98,6 +98,37 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         if first == 0 || first > last {
             bail!("train.profile_steps [{first}, {last}]: steps count from 1 and the first comes before or is the last, e.g. [10, 12]");
         }
+    }
+    Ok(())
+}
+
+/// The ranks a run will have, and those on this node: the launcher's, or
+/// the local workers `ft train` is about to start itself.
+pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
+    match env.source {
+        EnvSource::SingleProcess => (config.launch.nproc_per_node, config.launch.nproc_per_node),
+        _ => (env.world_size, env.local_world_size),
+    }
+}
+
+/// The local workers a command started by no launcher starts itself
+/// (`launch.nproc_per_node` above 1), becoming their launcher; None: this
+/// process is the run's only rank, or one of a launcher's.
+pub fn local_workers(config: &Config, env: &DistEnv) -> Option<usize> {
+    (env.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1).then_some(config.launch.nproc_per_node)
+}
+
+/// Refuses `train.fp8` where this node's ranks would compute without float8
+/// GEMMs (a CPU, a GPU before compute capability 8.9), before any rank
+/// starts: the local workers `ft train` is about to start, or this rank.
+pub fn check_float8_devices(config: &Config, env: &DistEnv) -> Result<()> {
+    let Some(float8) = config.train.float8() else { return Ok(()) };
+    let local_ranks = match env.source {
+        EnvSource::SingleProcess => 0..config.launch.nproc_per_node,
+        _ => env.local_rank..env.local_rank + 1,
+    };
+    for local_rank in local_ranks {
+        crate::train::float8_serves(float8, config.train.device.for_rank(local_rank))?;
     }
     Ok(())
 }
@@ -198,6 +229,20 @@ impl Rank {
 
     pub fn rank(&self) -> usize {
         self.comm.env().rank
+    }
+
+    /// A line saying what this job trains: the task, the model, the examples, the ranks, device and dtype.
+    pub fn describe_run(&self, task: &dyn crate::task::Task, model: &dyn crate::Model) -> String {
+        format!(
+            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}, {:?}",
+            task.name(),
+            model.numel() as f64 / 1e6,
+            model.model_type(),
+            task.train_set().len(),
+            self.world_size(),
+            self.device,
+            self.dtype
+        )
     }
 
     pub fn world_size(&self) -> usize {

@@ -20,7 +20,7 @@ use crate::strategy::{ReduceDtype, ShardingStrategy};
 use crate::task::{Synthetic, Task, TaskRegistration};
 use crate::train::{DataParallel, Kernels, TrainOptions, Trainer, TrainerBuilder};
 use crate::{AdamW, Reduction};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -421,6 +421,16 @@ fn profile_steps(dir: &std::path::Path, label: &str, records: bool, cuda: bool, 
     result?;
     eprint!("{label}: {}", report.top(20));
     Ok(())
+}
+
+/// The rows saved by `ft bench --json` in `paths`, in order.
+pub fn read_rows(paths: &[PathBuf]) -> Result<Vec<Row>> {
+    let mut rows = vec![];
+    for path in paths {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
+    }
+    Ok(rows)
 }
 
 /// Exposed communication: step time beyond the same model/batch/length on one GPU.

@@ -10,6 +10,8 @@ use crate::{hf, peft};
 use anyhow::{bail, Context as _, Result};
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
+use ft_core::setup::Rank;
+use ft_core::task::{Start, Task, WholeModel};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
@@ -226,6 +228,17 @@ fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(json)? + "\n").with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Writes a finished run's OUTPUT/final: its parameters ([`save_trained`])
+/// and what transformers needs besides them ([`write_model_files`]: the
+/// tokenizer, its special tokens and the chat template it was trained
+/// with, generation defaults). Returns what it wrote, for the log.
+pub fn write_final(output: &Path, run: &RunModel, params: &[Vec<Tensor>], base_model: Option<&Path>, files: &[(String, PathBuf)], model_config: &serde_json::Value) -> Result<String> {
+    let dir = output.join("final");
+    let what = save_trained(run, params, &dir, base_model)?;
+    write_model_files(&dir, files, model_config)?;
+    Ok(format!("final/ ({what} + tokenizer)"))
+}
+
 /// Writes a run's final parameters (`Trainer::params`) into `dir`: the
 /// whole model in fp32, or a LoRA run's adapter files naming `base_model`.
 /// Returns what it wrote.
@@ -296,4 +309,30 @@ pub fn load_reference(dir: &Path, policy: &dyn Model, tokenizer: &Path, dtype: K
         }
     }
     Ok((reference, params))
+}
+
+/// Gives a task that compares the model with a reference (DPO) its
+/// reference, as training's `Task::before_training` takes it: the model
+/// `ref_model` (`ft eval --ref-model`) names, else a LoRA run's base (the
+/// adapters off). `name`: the evaluated model, for the message.
+#[allow(clippy::too_many_arguments)]
+pub fn give_reference(task: &mut dyn Task, ref_model: Option<&str>, name: &str, model: &RunModel, params: &[Vec<Tensor>], tokenizer: &Path, rank: &Rank) -> Result<()> {
+    if !task.compares_with_reference() {
+        if let Some(dir) = ref_model {
+            bail!("--ref-model {dir}: this evaluation of task `{}` compares with no reference model (leave --ref-model out)", task.name());
+        }
+        return Ok(());
+    }
+    let given = ref_model.map(|spec| load_reference(&hf::resolve(spec)?, model.base(), tokenizer, rank.dtype, rank.device)).transpose()?;
+    let (reference, reference_params) = match (&given, model.lora()) {
+        (Some((reference, reference_params)), _) => (reference.model(), &reference_params[..]),
+        (None, Some(lora)) => (lora.base(), &params[..lora.base_units()]),
+        (None, None) => bail!(
+            "task `{}` compares {name} with its reference model, and it has no LoRA adapters whose base would be one: \
+             name the model its training started from with --ref-model DIR, or evaluate reference-free (task.reference_free=true)",
+            task.name()
+        ),
+    };
+    let mut reference = WholeModel { model: reference, params: reference_params, dtype: rank.dtype };
+    task.before_training(&mut Start { model: &mut reference, comm: &rank.comm, output: None, resuming: false })
 }
