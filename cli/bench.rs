@@ -9,11 +9,11 @@ use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Row};
-use ft_core::config::{Fp8, TrainConfig};
+use ft_core::config::Fp8;
 use ft_core::device::{DType, DeviceSpec};
-use ft_core::gpu::{self, GpuSpec};
+use ft_core::gpu::GpuSpec;
 use ft_core::model::Model;
-use ft_core::plan::{self, BenchSettings};
+use ft_core::plan::{self, BenchSettings, Float8Flags};
 use ft_core::setup::Rank;
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Config, Registry};
@@ -176,32 +176,18 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
     let registry = Registry::with_plugins(plugins)?;
     let models = args.configs.iter().map(|config| args.lora.run_model(hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()?)).collect::<Result<Vec<_>>>()?;
     let models: Vec<&dyn Model> = models.iter().map(|m| m.model()).collect();
-    let gpu = match &args.gpu {
-        Some(name) => GpuSpec::named(name)?,
-        None => gpu::local_gpu(0)
-            .and_then(|(name, _)| GpuSpec::find(&name))
-            .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
-    };
-    let calibration = args.calibration.as_deref().map(|path| plan::Calibration::load(path).map(|calibration| (path, calibration))).transpose()?;
+    let calibration = args.calibration.as_deref().map(plan::Calibration::load).transpose()?;
+    let (float8, float8_gathers) = Float8Flags { fp8: args.fp8, gathers: args.fp8_gathers, ..Default::default() }.recipe();
     let settings = BenchSettings {
-        calibration: calibration.as_ref().map(|(_, calibration)| calibration),
-        gpu,
+        calibration: calibration.as_ref(),
+        gpu: GpuSpec::of_rows(args.gpu.as_deref())?,
         dtype: args.dtype.kind(tch::Device::Cuda(0)),
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
-        float8: args.fp8.and_then(|fp8| TrainConfig { fp8, ..TrainConfig::default() }.float8()),
-        float8_gathers: TrainConfig { fp8: args.fp8.unwrap_or_default(), fp8_gathers: args.fp8_gathers, ..TrainConfig::default() }.float8_gathers(),
+        float8,
+        float8_gathers,
     };
-    let checked = plan::check_rows(rows, &models, &registry, &settings);
-    let checked = match &calibration {
-        Some((path, calibration)) => {
-            let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
-            println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
-            checked
-        }
-        None => checked?,
-    };
-    print!("{}", plan::check_table(&checked));
+    print!("{}", plan::check_report(rows, &models, &registry, &settings, args.calibration.as_deref())?);
     Ok(())
 }
 
@@ -266,7 +252,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,
         profile: args.profile.clone(),
-        float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
+        float8: Float8Flags { fp8: args.fp8, ..Default::default() }.recipe().0,
         float8_gathers: args.fp8_gathers,
     }
 }

@@ -1,6 +1,6 @@
 //! `ft comm-test`: flags → ft_core::collectives_bench; table and JSON out.
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Args;
 use figment::value::Value;
 use ft_core::collectives_bench::{self, CommTestOptions};
@@ -89,18 +89,6 @@ pub fn run(args: CommTestArgs) -> Result<i32> {
     };
     let dtypes: Vec<tch::Kind> = args.dtype.iter().map(|d| d.storage_kind()).collect();
     let report = collectives_bench::run_job(comm, &options, &dtypes, args.group_size)?;
-    if rank.rank() == 0 {
-        print!("{}", collectives_bench::format_table(&report.rows));
-        if let Some(path) = &args.json {
-            let json = report.to_json(comm, &options);
-            std::fs::write(path, serde_json::to_string_pretty(&json)?).with_context(|| format!("cannot write {}", path.display()))?;
-        }
-    }
-    if report.failures_on_any_rank > 0 {
-        bail!("{} collective check(s) failed across the ranks (see the lines above)", report.failures_on_any_rank);
-    }
-    if rank.rank() == 0 && !args.no_check {
-        println!("all collectives gave the expected values on all {world} ranks");
-    }
+    report.finish(comm, &options, args.json.as_deref())?;
     Ok(0)
 }

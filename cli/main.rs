@@ -5,7 +5,6 @@ mod bench;
 mod comm_test;
 mod eval;
 mod launch;
-mod list;
 mod model_commands;
 mod plan;
 mod plugin;
@@ -148,7 +147,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::CommTest(args) => comm_test::run(args),
         Command::List(config) => {
             Config::load(config.path.as_deref(), &[], &[])?;
-            list::run(&Registry::with_plugins(&cli.plugins)?);
+            print!("{}", Registry::with_plugins(&cli.plugins)?.describe());
             Ok(0)
         }
         Command::Tokenize(args) => tokenize::run(args, &cli.plugins),

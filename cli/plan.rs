@@ -6,8 +6,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
 use ft_core::device::{DType, DeviceSpec};
-use ft_core::gpu::GpuSpec;
-use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, Float8Flags, Plan, Workload};
+use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, ClusterFlags, Float8Flags, Plan, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
 use ft_models::hf;
@@ -132,26 +131,20 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let model = args.lora.run_model(hf::ModelSource::resolve(&args.model)?.set_keys(&args.overrides)?.model()?)?;
     let dtype = args.dtype.kind(tch::Device::Cuda(0));
-    let (spec, local) = GpuSpec::given_or_local(args.gpu.as_deref())?;
-    let mut cluster = Cluster::new(spec, args.gpus, args.nodes, dtype)?;
-    if let Some((name, memory)) = local {
-        cluster.gpu = name;
-        cluster.gpu_memory = Some(memory);
-    }
-    if let Some(path) = &args.comm_test {
-        cluster.use_comm_test_file(path)?;
-    }
-    cluster.gpu_memory = args.gpu_memory.or(cluster.gpu_memory);
-    match (args.host_memory, &args.gpu) {
-        (Some(bytes), _) => cluster.host_memory = bytes,
-        // Another machine's hosts are not this one's.
-        (None, Some(_)) => cluster.assume_host_memory(),
-        (None, None) => {}
-    }
-    let gigabytes = |value: Option<f64>| value.map(|v| v * 1e9);
-    cluster.flops = args.tflops.map_or(cluster.flops, |t| t * 1e12);
-    cluster.node_bus_bandwidth = gigabytes(args.bus_bandwidth).unwrap_or(cluster.node_bus_bandwidth);
-    cluster.inter_node_bus_bandwidth = gigabytes(args.inter_node_bandwidth).unwrap_or(cluster.inter_node_bus_bandwidth);
+    let mut cluster = Cluster::from_flags(
+        &ClusterFlags {
+            gpus: args.gpus,
+            nodes: args.nodes,
+            gpu: args.gpu.as_deref(),
+            gpu_memory: args.gpu_memory,
+            host_memory: args.host_memory,
+            tflops: args.tflops,
+            bus_bandwidth: args.bus_bandwidth,
+            inter_node_bandwidth: args.inter_node_bandwidth,
+            comm_test: args.comm_test.as_deref(),
+        },
+        dtype,
+    )?;
     let calibration = args.calibration.as_ref().map(|path| Calibration::load(path).map(|c| (c, path.as_path()))).transpose()?;
     let fp8 = Float8Flags { fp8: args.fp8, layers: args.fp8_layers, gathers: args.fp8_gathers };
     let measured = calibration.as_ref().map(|(c, path)| (c, *path));

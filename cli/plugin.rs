@@ -53,7 +53,7 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = match Registry::with_plugins(&all) {
         Ok(registry) => registry,
         Err(error) => {
-            print_rows(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")), details: vec![] }]);
+            print!("{}", conformance::table(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")), details: vec![] }]));
             return Ok(1);
         }
     };
@@ -75,28 +75,6 @@ pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
     let rows = conformance::check(&request, &registry)?;
     // Gone unless it keeps a failed run's log.
     let _ = std::fs::remove_dir(&work);
-    print_rows(&rows);
+    print!("{}", conformance::table(&rows));
     Ok(if rows.iter().any(|r| matches!(r.outcome, Outcome::Fail(_))) { 1 } else { 0 })
-}
-
-fn print_rows(rows: &[Row]) {
-    let width = rows.iter().map(|r| r.check.len()).max().unwrap_or(0);
-    for row in rows {
-        let (mark, detail) = match &row.outcome {
-            Outcome::Pass(detail) => ("ok", detail),
-            Outcome::Fail(detail) => ("FAIL", detail),
-            Outcome::Skipped(detail) => ("skip", detail),
-        };
-        println!("  {:<10} {:<width$}  {mark:<4}  {detail}", row.hook, row.check);
-        for line in &row.details {
-            println!("      {line}");
-        }
-    }
-    let count = |kind: fn(&Outcome) -> bool| rows.iter().filter(|r| kind(&r.outcome)).count();
-    println!(
-        "{} passed, {} failed, {} skipped",
-        count(|o| matches!(o, Outcome::Pass(_))),
-        count(|o| matches!(o, Outcome::Fail(_))),
-        count(|o| matches!(o, Outcome::Skipped(_)))
-    );
 }

@@ -316,6 +316,27 @@ impl JobReport {
             "rows": self.rows,
         })
     }
+
+    /// Ends `ft comm-test`: rank 0 prints the table and writes the JSON
+    /// to `json`; a check that failed on any rank is an error, else rank 0
+    /// says all passed (when `options.check`).
+    pub fn finish(&self, comm: &Communicator, options: &CommTestOptions, json: Option<&std::path::Path>) -> Result<()> {
+        let rank0 = comm.env().rank == 0;
+        if rank0 {
+            print!("{}", format_table(&self.rows));
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&self.to_json(comm, options))?;
+                std::fs::write(path, text).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+            }
+        }
+        if self.failures_on_any_rank > 0 {
+            bail!("{} collective check(s) failed across the ranks (see the lines above)", self.failures_on_any_rank);
+        }
+        if rank0 && options.check {
+            println!("all collectives gave the expected values on all {} ranks", comm.env().world_size);
+        }
+        Ok(())
+    }
 }
 
 pub fn format_table(rows: &[CommTestRow]) -> String {

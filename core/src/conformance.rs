@@ -65,6 +65,32 @@ pub struct Row {
     pub details: Vec<String>,
 }
 
+/// The rows as `ft plugin check` prints them: one line each (hook, check,
+/// ok/FAIL/skip, detail) with its details under it, then the counts.
+pub fn table(rows: &[Row]) -> String {
+    let width = rows.iter().map(|r| r.check.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for row in rows {
+        let (mark, detail) = match &row.outcome {
+            Outcome::Pass(detail) => ("ok", detail),
+            Outcome::Fail(detail) => ("FAIL", detail),
+            Outcome::Skipped(detail) => ("skip", detail),
+        };
+        out += &format!("  {:<10} {:<width$}  {mark:<4}  {detail}\n", row.hook, row.check);
+        for line in &row.details {
+            out += &format!("      {line}\n");
+        }
+    }
+    let count = |kind: fn(&Outcome) -> bool| rows.iter().filter(|r| kind(&r.outcome)).count();
+    out += &format!(
+        "{} passed, {} failed, {} skipped\n",
+        count(|o| matches!(o, Outcome::Pass(_))),
+        count(|o| matches!(o, Outcome::Fail(_))),
+        count(|o| matches!(o, Outcome::Skipped(_)))
+    );
+    out
+}
+
 /// Lines of a failed run's output shown under its row.
 const LOG_TAIL: usize = 15;
 

@@ -3,7 +3,7 @@
 //! layers, the task's reference model and the communication hooks.
 
 use super::{Calibration, Cluster, CommTestReport, PlanComm, Reference};
-use crate::config::{Assignment, Config, Fp8, Fp8Layers};
+use crate::config::{Assignment, Config, Fp8, Fp8Layers, TrainConfig};
 use crate::gpu::{self, GpuSpec};
 use crate::model::{Float8Layers, Model};
 use crate::registry::Registry;
@@ -19,31 +19,68 @@ impl GpuSpec {
         GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))
     }
 
-    /// The GPU to plan for: `--gpu` where given, else this machine's
-    /// (with the name and memory NVML reports), else an H100.
-    pub fn given_or_local(name: Option<&str>) -> Result<(&'static GpuSpec, Option<(String, f64)>)> {
-        if let Some(name) = name {
-            return Ok((GpuSpec::named(name)?, None));
+    /// The GPU measured rows ran on (`ft bench --plan-check`): `--gpu`, else this machine's.
+    pub fn of_rows(name: Option<&str>) -> Result<&'static GpuSpec> {
+        match name {
+            Some(name) => GpuSpec::named(name),
+            None => gpu::local_gpu(0)
+                .and_then(|(name, _)| GpuSpec::find(&name))
+                .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)"),
         }
-        let local = gpu::local_gpu(0);
-        let spec = local.as_ref().and_then(|(name, _)| GpuSpec::find(name)).unwrap_or(gpu::FALLBACK);
-        Ok((spec, local))
     }
 }
 
-impl Cluster {
-    /// Takes the bus bandwidth of the `ft comm-test --json` report at `path` ([`Cluster::use_comm_test`]).
-    pub fn use_comm_test_file(&mut self, path: &Path) -> Result<()> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let report: CommTestReport = serde_json::from_str(&text).with_context(|| format!("{} is not `ft comm-test --json` output", path.display()))?;
-        self.use_comm_test(&report).with_context(|| format!("reading {}", path.display()))
-    }
+/// The machines `ft plan`'s flags describe; each figure left out is the
+/// GPU's (from ft's table, or as NVML reports this machine's) or this host's.
+pub struct ClusterFlags<'a> {
+    pub gpus: usize,
+    pub nodes: usize,
+    /// `--gpu`: another machine's GPU (default: this machine's, else an H100).
+    pub gpu: Option<&'a str>,
+    /// Bytes per GPU, and of host memory per node.
+    pub gpu_memory: Option<f64>,
+    pub host_memory: Option<f64>,
+    /// TFLOP/s one GPU achieves.
+    pub tflops: Option<f64>,
+    /// Bus bandwidths in GB/s: among a node's GPUs, and between nodes.
+    pub bus_bandwidth: Option<f64>,
+    pub inter_node_bandwidth: Option<f64>,
+    /// `ft comm-test --json`'s report, whose measured bus bandwidth replaces the node's (or the inter-node one).
+    pub comm_test: Option<&'a Path>,
+}
 
-    /// Host memory per node when planning for another machine's GPUs
-    /// (`--gpu` without `--host-memory`): an assumption, said on stderr.
-    pub fn assume_host_memory(&mut self) {
-        self.host_memory = super::ASSUMED_HOST_MEMORY_PER_GPU * self.gpus_per_node() as f64;
-        eprintln!("ft plan: assuming {:.0} GB of host memory per node (--host-memory sets it)", self.host_memory / 1e9);
+impl Cluster {
+    /// The cluster `flags` describe, computing in `dtype`.
+    pub fn from_flags(flags: &ClusterFlags, dtype: Kind) -> Result<Cluster> {
+        let local = if flags.gpu.is_none() { gpu::local_gpu(0) } else { None };
+        let spec = match flags.gpu {
+            Some(name) => GpuSpec::named(name)?,
+            None => local.as_ref().and_then(|(name, _)| GpuSpec::find(name)).unwrap_or(gpu::FALLBACK),
+        };
+        let mut cluster = Cluster::new(spec, flags.gpus, flags.nodes, dtype)?;
+        if let Some((name, memory)) = local {
+            cluster.gpu = name;
+            cluster.gpu_memory = Some(memory);
+        }
+        if let Some(path) = flags.comm_test {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let report: CommTestReport = serde_json::from_str(&text).with_context(|| format!("{} is not `ft comm-test --json` output", path.display()))?;
+            cluster.use_comm_test(&report).with_context(|| format!("reading {}", path.display()))?;
+        }
+        cluster.gpu_memory = flags.gpu_memory.or(cluster.gpu_memory);
+        match (flags.host_memory, flags.gpu) {
+            (Some(bytes), _) => cluster.host_memory = bytes,
+            // Another machine's hosts are not this one's.
+            (None, Some(_)) => {
+                cluster.host_memory = super::ASSUMED_HOST_MEMORY_PER_GPU * cluster.gpus_per_node() as f64;
+                eprintln!("ft plan: assuming {:.0} GB of host memory per node (--host-memory sets it)", cluster.host_memory / 1e9);
+            }
+            (None, None) => {}
+        }
+        cluster.flops = flags.tflops.map_or(cluster.flops, |t| t * 1e12);
+        cluster.node_bus_bandwidth = flags.bus_bandwidth.map_or(cluster.node_bus_bandwidth, |b| b * 1e9);
+        cluster.inter_node_bus_bandwidth = flags.inter_node_bandwidth.map_or(cluster.inter_node_bus_bandwidth, |b| b * 1e9);
+        Ok(cluster)
     }
 }
 
@@ -53,6 +90,15 @@ pub struct Float8Flags {
     pub fp8: Option<Fp8>,
     pub layers: Option<Fp8Layers>,
     pub gathers: Option<bool>,
+}
+
+impl Float8Flags {
+    /// The float8 recipe the flags ask for, and whether its sharded blocks
+    /// are gathered in float8, as `ft train` reads the keys.
+    pub fn recipe(&self) -> (Option<ft_sys::float8::Float8>, bool) {
+        let train = TrainConfig { fp8: self.fp8.unwrap_or_default(), fp8_gathers: self.gathers, ..TrainConfig::default() };
+        (train.float8(), train.float8_gathers())
+    }
 }
 
 /// The block layers `--fp8` casts, as `ft train` chooses them with the
