@@ -2,8 +2,11 @@
 //! flags as configuration overrides (each flag given sets its dotted key,
 //! applied over the file and the environment).
 
+use anyhow::Result;
 use figment::value::Value;
-use ft_core::config::Quantize;
+use ft_core::config::{Assignment, Quantize};
+use ft_core::device::{DType, DeviceSpec};
+use ft_core::Config;
 use ft_core::lora::RunModel;
 use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
@@ -14,6 +17,59 @@ pub struct ConfigFile {
     /// Configuration file (.toml, .yaml or .json); FT_SECTION__KEY variables and flags override it.
     #[arg(long = "config", env = "FT_CONFIG_FILE")]
     pub path: Option<PathBuf>,
+}
+
+/// The run configuration, for the commands that read it (`ft train`, `ft
+/// eval`, `ft tokenize`): the file, the flags for the text they share, and `--set`.
+#[derive(clap::Args)]
+pub struct Settings {
+    #[command(flatten)]
+    pub file: ConfigFile,
+    /// tokenizer.json (data.tokenizer; default: the model directory's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+    /// Tokens of an example at most (data.max_seq_len).
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// Set a configuration key the command reads, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
+    assignments: Vec<Assignment>,
+}
+
+impl Settings {
+    /// The configuration: the file, `FT_*` variables, these flags over
+    /// `flags`, then `--set`, each of whose keys must be one `command`
+    /// reads (`reads`; None: it reads every key).
+    pub fn load(&self, mut flags: Overrides, command: &str, reads: Option<&[&str]>) -> Result<Config> {
+        flags.path("data.tokenizer", self.tokenizer.as_ref()).path("data.chat_template", self.chat_template.as_ref()).set("data.max_seq_len", self.max_seq_len);
+        if let Some(reads) = reads {
+            ft_core::config::check_reads(&self.assignments, command, reads)?;
+        }
+        Config::load(self.file.path.as_deref(), &flags.0, &self.assignments)
+    }
+}
+
+/// Where and how a command's ranks compute (`ft train`, `ft eval`).
+#[derive(clap::Args)]
+pub struct RankArgs {
+    /// auto, f32, bf16 or fp16 (dynamic loss scaling) (train.dtype).
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// auto, cpu, cuda or cuda:N (train.device).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// Local ranks to start when no launcher started this process (launch.nproc_per_node).
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+}
+
+impl RankArgs {
+    pub fn set(&self, overrides: &mut Overrides) {
+        overrides.serialized("train.dtype", self.dtype).serialized("train.device", self.device).set("launch.nproc_per_node", self.nproc_per_node);
+    }
 }
 
 #[derive(Default)]
@@ -88,10 +144,10 @@ impl LoraArgs {
 
     /// `base` as these flags make it: adapters on it, its blocks in 4 bits
     /// (what `ft plan` and `ft bench --plan-check` predict for).
-    pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> anyhow::Result<RunModel> {
+    pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> Result<RunModel> {
         let mut overrides = Overrides::default();
         self.set(&mut overrides);
-        let config = ft_core::Config::load(None, &overrides.0, &[])?;
+        let config = Config::load(None, &overrides.0, &[])?;
         ft_core::setup::check_given_keys(&config)?;
         ft_core::setup::check_adapters(&config)?;
         RunModel::new(base, &config.train.lora, config.model.quantization())

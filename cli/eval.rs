@@ -1,21 +1,19 @@
 //! `ft eval` and `ft export`: a trained model on evaluation data (loss and
 //! the task's scores), and a checkpoint as a Hugging Face model directory.
 
-use crate::args::{ConfigFile, Overrides};
+use crate::args::{Overrides, RankArgs, Settings};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::env::DistEnv;
-use ft_core::device::{DType, DeviceSpec};
+use ft_core::device::DType;
 use ft_core::setup::Rank;
 use ft_core::task::TaskInputs;
-use ft_core::{Config, Registry};
+use ft_core::Registry;
 use ft_models::hf;
 use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct EvalArgs {
-    #[command(flatten)]
-    pub config: ConfigFile,
     /// Model directory (weights and tokenizer.json), e.g. a run's final/
     /// (a LoRA run's: its adapter, on the base model it names).
     #[arg(long)]
@@ -26,39 +24,27 @@ pub struct EvalArgs {
     /// The task's evaluation data, e.g. SQuAD JSON (loss and EM/F1) or text/JSONL (loss).
     #[arg(long)]
     eval_file: PathBuf,
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
     /// The reference model of a task that compares with one (`--task dpo`):
     /// the model training started from, e.g. the SFT model. Default for a
     /// LoRA run's output: its base, the adapters off, as training takes it.
     #[arg(long, value_name = "DIR")]
     ref_model: Option<String>,
-    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
-    #[arg(long)]
-    chat_template: Option<PathBuf>,
     #[arg(long)]
     eval_samples: Option<usize>,
-    #[arg(long)]
-    max_seq_len: Option<usize>,
     /// Examples per batch on each rank (train.eval_batch_size).
     #[arg(long)]
     batch_size: Option<usize>,
-    #[arg(long)]
-    dtype: Option<DType>,
-    /// Set a configuration key it reads, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<ft_core::config::Assignment>,
-    #[arg(long)]
-    device: Option<DeviceSpec>,
     /// Where the predictions go.
     #[arg(long)]
     output_dir: Option<PathBuf>,
-    #[arg(long)]
-    nproc_per_node: Option<usize>,
     /// Record the evaluation on rank 0 with PyTorch's profiler: a Chrome
     /// trace and the time per kernel in this directory.
     #[arg(long, value_name = "DIR")]
     profile: Option<PathBuf>,
+    #[command(flatten)]
+    settings: Settings,
+    #[command(flatten)]
+    ranks: RankArgs,
 }
 
 /// The configuration keys `ft eval` reads: the model, the task, the evaluation data, its ranks.
@@ -74,17 +60,11 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
         .set("model.source", Some(args.model.clone()))
         .set("task.name", args.task.clone())
         .path("data.eval", Some(&args.eval_file))
-        .path("data.tokenizer", args.tokenizer.as_ref())
-        .path("data.chat_template", args.chat_template.as_ref())
         .set("data.eval_samples", args.eval_samples)
-        .set("data.max_seq_len", args.max_seq_len)
         .set("train.eval_batch_size", args.batch_size)
-        .serialized("train.dtype", args.dtype)
-        .serialized("train.device", args.device)
-        .path("output.dir", args.output_dir.as_ref())
-        .set("launch.nproc_per_node", args.nproc_per_node);
-    ft_core::config::check_reads(&args.assignments, "ft eval", READS)?;
-    let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
+        .path("output.dir", args.output_dir.as_ref());
+    args.ranks.set(&mut overrides);
+    let config = args.settings.load(overrides, "ft eval", Some(READS))?;
     config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
     if let Some(workers) = ft_core::setup::local_workers(&config, &DistEnv::from_env()?) {

@@ -2,19 +2,17 @@
 //! (`TaskRegistration::tokenize`: causal_lm's `{"input_ids", "labels"}`,
 //! dpo's chosen and rejected rows) as JSON lines.
 
-use crate::args::{ConfigFile, Overrides};
+use crate::args::{Overrides, Settings};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::model::head;
 use ft_core::task::Tokenize;
-use ft_core::{Config, Registry};
+use ft_core::Registry;
 use ft_models::hf;
 use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TokenizeArgs {
-    #[command(flatten)]
-    pub config: ConfigFile,
     /// Model directory, its config.json, or hub id in the local cache whose tokenizer (and chat template) to use (model.source).
     #[arg(long)]
     model: Option<String>,
@@ -24,20 +22,11 @@ pub struct TokenizeArgs {
     /// The data: SQuAD .json, rows (JSON lines, a JSON array, Parquet, Arrow: a file, a glob, a dataset directory) or text (data.train); repeated: a mixture of them (data.mixture).
     #[arg(long)]
     train_file: Vec<PathBuf>,
-    /// tokenizer.json (data.tokenizer; default: the model directory's).
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    #[arg(long)]
-    max_seq_len: Option<usize>,
-    /// A Jinja chat template instead of the tokenizer's (data.chat_template).
-    #[arg(long)]
-    chat_template: Option<PathBuf>,
-    /// Set a configuration key it reads, e.g. --set data.format=chat (VALUE as JSON, else a string); repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<ft_core::config::Assignment>,
     /// Where the JSON lines go (written whole or not at all).
     #[arg(long)]
     out: PathBuf,
+    #[command(flatten)]
+    settings: Settings,
 }
 
 /// The configuration keys `ft tokenize` reads: the training data as the task reads it.
@@ -48,15 +37,8 @@ const READS: &[&str] = &[
 
 pub fn run(args: TokenizeArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut overrides = Overrides::default();
-    overrides
-        .set("model.source", args.model.clone())
-        .set("task.name", args.task.clone())
-        .train_files(&args.train_file)
-        .path("data.tokenizer", args.tokenizer.as_ref())
-        .set("data.max_seq_len", args.max_seq_len)
-        .path("data.chat_template", args.chat_template.as_ref());
-    ft_core::config::check_reads(&args.assignments, "ft tokenize", READS)?;
-    let config = Config::load(args.config.path.as_deref(), &overrides.0, &args.assignments)?;
+    overrides.set("model.source", args.model.clone()).set("task.name", args.task.clone()).train_files(&args.train_file);
+    let config = args.settings.load(overrides, "ft tokenize", Some(READS))?;
     let registry = Registry::with_plugins(plugins)?;
     let task = registry.task(config.task.name.as_deref(), head::CAUSAL_LM)?;
     let tokenize = task.tokenize.with_context(|| {

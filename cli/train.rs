@@ -1,17 +1,15 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{ConfigFile, LoraArgs, Overrides};
+use crate::args::{LoraArgs, Overrides, RankArgs, Settings};
 use anyhow::{Context, Result};
 use clap::Args;
-use figment::value::Value;
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
-use ft_core::device::{DType, DeviceSpec};
 use ft_core::plan;
 use ft_core::setup::{self, share_host_cores, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::config::{Assignment, ModelInit};
+use ft_core::config::ModelInit;
 use ft_core::run_dir;
 use ft_core::{Config, Registry};
 use ft_data::demo;
@@ -21,8 +19,6 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TrainArgs {
-    #[command(flatten)]
-    pub config: ConfigFile,
     /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset such as "demo" (model.source).
     #[arg(long)]
     model: Option<String>,
@@ -38,13 +34,6 @@ pub struct TrainArgs {
     /// Evaluation data (data.eval).
     #[arg(long)]
     eval_file: Option<PathBuf>,
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
-    #[arg(long)]
-    chat_template: Option<PathBuf>,
-    #[arg(long)]
-    max_seq_len: Option<usize>,
     /// Several training examples in one row of max_seq_len tokens, each kept to itself (data.packing).
     #[arg(long)]
     packing: bool,
@@ -66,12 +55,6 @@ pub struct TrainArgs {
     lr: Option<f64>,
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// auto, f32, bf16 or fp16 (dynamic loss scaling).
-    #[arg(long)]
-    dtype: Option<DType>,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long)]
-    device: Option<DeviceSpec>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -94,9 +77,6 @@ pub struct TrainArgs {
     /// Continue from a checkpoint: "latest", its directory, or "auto" (latest if any) (train.resume).
     #[arg(long)]
     resume: Option<String>,
-    /// Local ranks to start when no launcher started this process.
-    #[arg(long)]
-    nproc_per_node: Option<usize>,
     /// Sharding strategy (train.strategy): ddp, zero1, shard_grad_op/zero2,
     /// full_shard/zero3, hybrid_shard, a plug-in's (`ft list`), or auto:
     /// `ft plan`'s fastest that fits, with its offload and activation checkpointing.
@@ -130,28 +110,25 @@ pub struct TrainArgs {
     /// fields ft does not act on are reported.
     #[arg(long)]
     ds_config: Option<PathBuf>,
-    /// Set any configuration key, e.g. --set task.doc_stride=64 (VALUE as JSON, else a string); repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<Assignment>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
     #[command(flatten)]
     lora: LoraArgs,
+    #[command(flatten)]
+    settings: Settings,
+    #[command(flatten)]
+    ranks: RankArgs,
 }
 
 
 impl TrainArgs {
-    fn overrides(&self) -> Vec<(&'static str, Value)> {
-        let mut o = Overrides::default();
+    fn set(&self, o: &mut Overrides) {
         o.set("model.source", self.model.clone())
             .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
             .train_files(&self.train_file)
             .path("data.eval", self.eval_file.as_ref())
-            .path("data.tokenizer", self.tokenizer.as_ref())
-            .path("data.chat_template", self.chat_template.as_ref())
-            .set("data.max_seq_len", self.max_seq_len)
             .set("data.packing", self.packing.then_some(true))
             .set("data.train_samples", self.train_samples)
             .set("data.eval_samples", self.eval_samples)
@@ -161,8 +138,6 @@ impl TrainArgs {
             .set("train.grad_accum", self.grad_accum)
             .set("train.lr", self.lr)
             .set("train.weight_decay", self.weight_decay)
-            .serialized("train.dtype", self.dtype)
-            .serialized("train.device", self.device)
             .set("train.seed", self.seed)
             .set("train.activation_checkpointing", self.activation_checkpointing.then_some(true))
             .set("train.save_every", self.save_every)
@@ -171,7 +146,6 @@ impl TrainArgs {
             .path("output.dir", self.output_dir.as_ref())
             .set("output.overwrite", self.overwrite_output_dir.then_some(true))
             .set("output.report_to", self.report_to.clone())
-            .set("launch.nproc_per_node", self.nproc_per_node)
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
@@ -179,8 +153,8 @@ impl TrainArgs {
             .set("train.offload", self.offload.clone())
             .set("comm.name", self.comm.clone())
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
-        self.lora.set(&mut o);
-        o.0
+        self.ranks.set(o);
+        self.lora.set(o);
     }
 }
 
@@ -200,9 +174,10 @@ fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
 pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
-    let mut overrides: Vec<(&str, Value)> = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
-    overrides.extend(args.overrides());
-    let config = Config::load(args.config.path.as_deref(), &overrides, &args.assignments)?;
+    let mut overrides = Overrides(deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default());
+    args.set(&mut overrides);
+    // Every key is one of `ft train`'s.
+    let config = args.settings.load(overrides, "ft train", None)?;
     setup::validate(&config, &registry)?;
     if !config.uses_preset() {
         // A model directory without its weights is refused here, before any rank starts.

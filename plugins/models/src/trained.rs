@@ -336,3 +336,43 @@ pub fn give_reference(task: &mut dyn Task, ref_model: Option<&str>, name: &str, 
     let mut reference = WholeModel { model: reference, params: reference_params, dtype: rank.dtype };
     task.before_training(&mut Start { model: &mut reference, comm: &rank.comm, output: None, resuming: false })
 }
+
+/// What `ft generate` continues: text (through the model's tokenizer.json) or token ids.
+pub enum Prompt<'a> {
+    Text(&'a str),
+    Ids(&'a [i64]),
+}
+
+/// `ft generate`: the trained model in `dir` continues `prompt` greedily,
+/// up to `max_new_tokens` or `eos` (default: config.json's eos_token_id);
+/// the continuation as text, or for ids as their JSON list.
+pub fn generate(dir: &Path, prompt: Prompt, max_new_tokens: usize, eos: Option<i64>, dtype: Kind, device: Device) -> Result<String> {
+    let (ids, tokenizer): (Vec<i64>, _) = match prompt {
+        Prompt::Text(text) => {
+            let tokenizer = hf::load_tokenizer(dir)?;
+            let encoding = tokenizer.encode(text, false).map_err(anyhow::Error::msg)?;
+            (encoding.get_ids().iter().map(|&id| id as i64).collect(), Some(tokenizer))
+        }
+        Prompt::Ids(ids) => (ids.to_vec(), None),
+    };
+    let (model, params) = load_trained(dir, dtype, device)?;
+    let eos = eos.or_else(|| model.model().hf_config()["eos_token_id"].as_i64());
+    let tokens = ft_core::generate::greedy(model.model(), &params, &ids, max_new_tokens, eos, dtype)?;
+    match tokenizer {
+        Some(tokenizer) => tokenizer.decode(&tokens.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).map_err(anyhow::Error::msg),
+        None => Ok(serde_json::to_string(&tokens)?),
+    }
+}
+
+/// `ft forward`: the trained model in `dir` on the token id rows in the
+/// JSON file `ids` (`[[id, ...], ...]`); its logits and LM loss (labels =
+/// ids), and with `grads` every parameter's gradient, written to the
+/// safetensors file `out`. Returns the loss.
+pub fn forward(dir: &Path, ids: &Path, out: &Path, grads: bool, dtype: Kind, device: Device) -> Result<f64> {
+    let text = std::fs::read_to_string(ids).with_context(|| format!("cannot read {}", ids.display()))?;
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&text).with_context(|| format!("{} must hold [[id, ...], ...]", ids.display()))?;
+    let (model, params) = load_trained(dir, dtype, device)?;
+    let tensors = ft_core::train::loss::lm_inspection(model.model(), &params, &Tensor::from_slice2(&rows).to_device(device), dtype, grads)?;
+    Tensor::write_safetensors(&tensors, out).with_context(|| format!("cannot write {}", out.display()))?;
+    Ok(tensors.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])))
+}
