@@ -8,7 +8,6 @@ use ft_core::config::{Assignment, Quantize};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::Config;
 use ft_core::lora::RunModel;
-use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
 
 /// The run configuration file, for the subcommands that read one.
@@ -124,12 +123,8 @@ pub struct LoraArgs {
     pub lora_targets: Option<Vec<String>>,
     /// Hold the frozen base's blocks in 4 bits, nf4 or fp4, as bitsandbytes
     /// does (model.quantize: QLoRA; with --lora-r).
-    #[arg(long, value_name = "nf4|fp4", value_parser = parse_quantize)]
+    #[arg(long, value_name = "nf4|fp4", value_parser = parse_named::<Quantize>)]
     pub quantize: Option<Quantize>,
-}
-
-fn parse_quantize(text: &str) -> Result<Quantize, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected none, nf4 or fp4"))
 }
 
 impl LoraArgs {
@@ -154,14 +149,10 @@ impl LoraArgs {
     }
 }
 
-/// `--fp8`: off, tensorwise or rowwise.
-pub fn parse_fp8(text: &str) -> Result<ft_core::config::Fp8, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected off, tensorwise or rowwise"))
-}
-
-/// `--reduce-dtype`: fp32 or compute.
-pub fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))
+/// A plain enum the configuration reads with serde, by its name (`--fp8
+/// rowwise`); another name is refused with the names there are.
+pub fn parse_named<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|e| format!("{text:?}: {}", e.to_string().replace('`', "")))
 }
 
 /// A memory size with its unit, in bytes: 80GB (10^9 bytes each), 80GiB (2^30), also KB/MB/TB and KiB/MiB/TiB.

@@ -4,11 +4,11 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::{parse_fp8, parse_reduce_dtype, LoraArgs, Overrides};
+use crate::args::{parse_named, LoraArgs, Overrides};
 use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ft_core::bench::{self, BenchCase, Row};
+use ft_core::bench::{self, BenchCase, Configuration, Row};
 use ft_core::config::Fp8;
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::gpu::GpuSpec;
@@ -65,12 +65,12 @@ pub struct BenchArgs {
     #[arg(long)]
     shard_group_size: Option<usize>,
     /// dtype gradients are reduced in: fp32 (exact sums, FSDP2's reduce_dtype=float32) or compute.
-    #[arg(long, default_value = "fp32", value_parser = parse_reduce_dtype)]
+    #[arg(long, default_value = "fp32", value_parser = parse_named::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
     #[arg(long)]
     activation_checkpointing: bool,
     /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
-    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
+    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_named::<Fp8>)]
     fp8: Option<Fp8>,
     /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default: on under tensorwise).
     #[arg(long, value_name = "true|false", requires = "fp8")]
@@ -130,26 +130,14 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut rows: Vec<Row> = vec![];
     let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
-    for config in &args.configs {
-        for &batch in &args.batch {
-            for &seq in &args.seq {
-                for &gpus in &args.gpus {
-                    for strategy in &args.strategy {
-                        // None: the strategy's own collectives.
-                        let comms: Vec<Option<&str>> = if args.comm.is_empty() { vec![None] } else { args.comm.iter().map(|c| Some(c.as_str())).collect() };
-                        for comm in comms {
-                            let result = scratch.join(format!("row-{}.json", rows.len()));
-                            let row = launch_one(&args, plugins, config, strategy, comm, gpus, batch, seq, &result).unwrap_or_else(|e| {
-                                let comm = comm.unwrap_or(ft_core::comm_hook::BUILTIN);
-                                Row::failed(config, strategy, comm, &args.offload, &case(&args, batch, seq), gpus, format!("{e:#}"))
-                            });
-                            eprintln!("{}", row.describe());
-                            rows.push(row);
-                        }
-                    }
-                }
-            }
-        }
+    for one in bench::matrix(&args.configs, &args.batch, &args.seq, &args.gpus, &args.strategy, &args.comm) {
+        let result = scratch.join(format!("row-{}.json", rows.len()));
+        let row = launch_one(&args, plugins, &one, &result).unwrap_or_else(|e| {
+            let comm = one.comm.as_deref().unwrap_or(ft_core::comm_hook::BUILTIN);
+            Row::failed(&one.model, &one.strategy, comm, &args.offload, &case(&args, one.batch, one.seq), one.gpus, format!("{e:#}"))
+        });
+        eprintln!("{}", row.describe());
+        rows.push(row);
     }
     let _ = std::fs::remove_dir_all(&scratch);
     report(&args, rows, plugins)
@@ -191,17 +179,16 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
     Ok(())
 }
 
-/// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
-#[allow(clippy::too_many_arguments)]
-fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, comm: Option<&str>, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
+/// Runs one configuration in fresh worker processes and reads rank 0's row.
+fn launch_one(args: &BenchArgs, plugins: &[PathBuf], one: &Configuration, result: &Path) -> Result<Row> {
     // The workers get this command's own arguments with one value each.
     let one = BenchArgs {
-        configs: vec![config.into()],
-        strategy: vec![strategy.into()],
-        comm: comm.into_iter().map(String::from).collect(),
-        gpus: vec![gpus],
-        batch: vec![batch],
-        seq: vec![seq],
+        configs: vec![one.model.clone()],
+        strategy: vec![one.strategy.clone()],
+        comm: one.comm.iter().cloned().collect(),
+        gpus: vec![one.gpus],
+        batch: vec![one.batch],
+        seq: vec![one.seq],
         result_file: Some(result.into()),
         ..args.clone()
     };
@@ -209,7 +196,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
     std::fs::write(&arguments, serde_json::to_string(&one)?).with_context(|| format!("cannot write {}", arguments.display()))?;
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
     argv.extend(["bench".into(), "--worker".into(), arguments.display().to_string()]);
-    let code = ft_core::launch::spawn_local(gpus, argv)?;
+    let code = ft_core::launch::spawn_local(one.gpus[0], argv)?;
     if code != 0 {
         bail!("workers exited with code {code} (their output is above)");
     }

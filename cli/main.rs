@@ -125,20 +125,8 @@ fn main() {
             1
         }
     };
-    // Everything of the run is dropped by now (files written and closed,
-    // sinks and ranks finished); what `exit` would still do is libtorch's
-    // teardown — unregistering its thousands of operators, finalizing the
-    // CUDA libraries — a third of `ft list`'s CPU time on a CPU-only host,
-    // paid again by every rank and launcher. The kernel frees it all at once.
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    // SAFETY: flushing C's streams (what libtorch may print) takes no
-    // pointer but the null one meaning all; `_exit` ends the process.
-    unsafe {
-        libc::fflush(std::ptr::null_mut());
-        libc::_exit(code)
-    }
+    // Everything of the run is dropped by now (files written and closed, sinks and ranks finished).
+    ft_core::setup::exit_without_teardown(code)
 }
 
 fn run(cli: Cli) -> Result<i32> {

@@ -1,7 +1,8 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_comm_option, parse_compress_rate, parse_fp8, parse_positive, parse_reduce_dtype, parse_size, LoraArgs};
+use crate::args::{parse_comm_option, parse_compress_rate, parse_named, parse_positive, parse_size, LoraArgs};
+use ft_core::config::{Fp8, Fp8Layers};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
@@ -57,7 +58,7 @@ pub struct PlanArgs {
     #[arg(long)]
     shard_group_size: Option<usize>,
     /// dtype gradients are reduced in: fp32 or compute.
-    #[arg(long, default_value = "fp32", value_parser = parse_reduce_dtype)]
+    #[arg(long, default_value = "fp32", value_parser = parse_named::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
     /// Tokens per chunk of the LM head's logits.
     #[arg(long, default_value_t = 1024)]
@@ -106,21 +107,17 @@ pub struct PlanArgs {
     /// `ft calibrate --fp8`, the layers it measured no faster kept in the
     /// compute dtype as `train.fp8_calibration` keeps them (without one,
     /// those `ft train` keeps, at the compute dtype's rates).
-    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
-    fp8: Option<ft_core::config::Fp8>,
+    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_named::<Fp8>)]
+    fp8: Option<Fp8>,
     /// Under --fp8: auto (the layers float8 speeds up, as above) or all (train.fp8_layers).
-    #[arg(long, value_name = "auto|all", value_parser = parse_fp8_layers, requires = "fp8")]
-    fp8_layers: Option<ft_core::config::Fp8Layers>,
+    #[arg(long, value_name = "auto|all", value_parser = parse_named::<Fp8Layers>, requires = "fp8")]
+    fp8_layers: Option<Fp8Layers>,
     /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default: on under tensorwise).
     #[arg(long, value_name = "true|false", requires = "fp8")]
     fp8_gathers: Option<bool>,
     /// Write the rows and the recommendation as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
-}
-
-fn parse_fp8_layers(text: &str) -> Result<ft_core::config::Fp8Layers, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected auto or all"))
 }
 
 fn parse_reference(text: &str) -> Result<plan::Reference, String> {

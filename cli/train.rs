@@ -1,7 +1,7 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{LoraArgs, Overrides, RankArgs, Settings};
+use crate::args::{parse_named, LoraArgs, Overrides, RankArgs, Settings};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::env::DistEnv;
@@ -23,7 +23,7 @@ pub struct TrainArgs {
     #[arg(long)]
     model: Option<String>,
     /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
-    #[arg(long, value_name = "pretrained|random", value_parser = parse_init)]
+    #[arg(long, value_name = "pretrained|random", value_parser = parse_named::<ModelInit>)]
     init: Option<ModelInit>,
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
@@ -156,10 +156,6 @@ impl TrainArgs {
         self.ranks.set(o);
         self.lora.set(o);
     }
-}
-
-fn parse_init(text: &str) -> Result<ModelInit, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected pretrained or random"))
 }
 
 fn parse_step_range(text: &str) -> Result<[usize; 2], String> {

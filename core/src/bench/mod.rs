@@ -423,6 +423,40 @@ fn profile_steps(dir: &std::path::Path, label: &str, records: bool, cuda: bool, 
     Ok(())
 }
 
+/// One configuration of `ft bench`'s matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Configuration {
+    pub model: String,
+    pub strategy: String,
+    /// The communication hook; None: the strategy's own collectives.
+    pub comm: Option<String>,
+    pub gpus: usize,
+    /// Examples per micro-batch, of `seq` tokens.
+    pub batch: i64,
+    pub seq: i64,
+}
+
+/// Every configuration of models × batches × lengths × GPU counts ×
+/// strategies × hooks (none given: each strategy's own collectives), in that order.
+pub fn matrix(models: &[String], batches: &[i64], seqs: &[i64], gpus: &[usize], strategies: &[String], comms: &[String]) -> Vec<Configuration> {
+    let comms: Vec<Option<String>> = if comms.is_empty() { vec![None] } else { comms.iter().cloned().map(Some).collect() };
+    let mut configurations = vec![];
+    for model in models {
+        for &batch in batches {
+            for &seq in seqs {
+                for &gpus in gpus {
+                    for strategy in strategies {
+                        for comm in &comms {
+                            configurations.push(Configuration { model: model.clone(), strategy: strategy.clone(), comm: comm.clone(), gpus, batch, seq });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    configurations
+}
+
 /// The rows saved by `ft bench --json` in `paths`, in order.
 pub fn read_rows(paths: &[PathBuf]) -> Result<Vec<Row>> {
     let mut rows = vec![];
