@@ -3,8 +3,7 @@
 //! applied over the file and the environment).
 
 use anyhow::Result;
-use figment::value::Value;
-use ft_core::config::{Assignment, Quantize};
+use ft_core::config::{Assignment, Overrides, Quantize};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::Config;
 use ft_core::lora::RunModel;
@@ -68,40 +67,6 @@ pub struct RankArgs {
 impl RankArgs {
     pub fn set(&self, overrides: &mut Overrides) {
         overrides.serialized("train.dtype", self.dtype).serialized("train.device", self.device).set("launch.nproc_per_node", self.nproc_per_node);
-    }
-}
-
-#[derive(Default)]
-pub struct Overrides(pub Vec<(&'static str, Value)>);
-
-impl Overrides {
-    pub fn set<T: Into<Value>>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
-        if let Some(value) = value {
-            self.0.push((key, value.into()));
-        }
-        self
-    }
-
-    pub fn path(&mut self, key: &'static str, value: Option<&PathBuf>) -> &mut Self {
-        self.set(key, value.map(|p| p.display().to_string()))
-    }
-
-    /// `--train-file`s: one is `data.train`; several are a `data.mixture`
-    /// of them, each of their examples once.
-    pub fn train_files(&mut self, files: &[PathBuf]) -> &mut Self {
-        match files {
-            [] => self,
-            [one] => self.path("data.train", Some(one)),
-            several => {
-                let sources: Vec<serde_json::Value> = several.iter().map(|file| serde_json::json!({"path": file.display().to_string()})).collect();
-                self.serialized("data.mixture", Some(sources))
-            }
-        }
-    }
-
-    /// A value the configuration reads with serde (an enum such as a dtype).
-    pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
-        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums and JSON serialize")))
     }
 }
 

@@ -4,7 +4,8 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::{parse_named, LoraArgs, Overrides};
+use crate::args::{parse_named, LoraArgs};
+use ft_core::config::Overrides;
 use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use figment::value::Value;
+use ft_core::config::Overrides;
 use ft_core::collectives_bench::{self, CommTestOptions};
 use ft_core::device::DType;
 use ft_core::setup::Rank;
@@ -51,24 +51,17 @@ pub struct CommTestArgs {
 }
 
 impl CommTestArgs {
-    fn config_overrides(&self) -> Vec<(&'static str, Value)> {
-        let mut overrides = vec![];
-        if let Some(backend) = self.backend {
-            overrides.push(("dist.backend", Value::serialize(backend).expect("enum serializes")));
-            // Gloo moves host tensors: benchmark it on the CPU even on a GPU machine.
-            if backend == Backend::Gloo {
-                overrides.push(("train.device", "cpu".into()));
-            }
-        }
-        if let Some(timeout) = self.timeout_secs {
-            overrides.push(("dist.timeout_secs", timeout.into()));
-        }
+    fn config_overrides(&self) -> Overrides {
+        let mut overrides = Overrides::default();
+        // Gloo moves host tensors: benchmark it on the CPU even on a GPU machine.
+        let on_cpu = self.backend == Some(Backend::Gloo);
+        overrides.serialized("dist.backend", self.backend).set("train.device", on_cpu.then_some("cpu")).set("dist.timeout_secs", self.timeout_secs);
         overrides
     }
 }
 
 pub fn run(args: CommTestArgs) -> Result<i32> {
-    let config = Config::load(args.config.path.as_deref(), &args.config_overrides(), &[])?;
+    let config = Config::load(args.config.path.as_deref(), &args.config_overrides().0, &[])?;
     let collectives = args.ops.iter().map(|o| collectives_bench::parse_collective(o)).collect::<Result<Vec<_>>>()?;
     let sizes = collectives_bench::size_sweep(
         collectives_bench::parse_bytes(&args.min_bytes)?,

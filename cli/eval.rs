@@ -1,7 +1,8 @@
 //! `ft eval` and `ft export`: a trained model on evaluation data (loss and
 //! the task's scores), and a checkpoint as a Hugging Face model directory.
 
-use crate::args::{Overrides, RankArgs, Settings};
+use crate::args::{RankArgs, Settings};
+use ft_core::config::Overrides;
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::env::DistEnv;

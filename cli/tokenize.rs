@@ -2,7 +2,8 @@
 //! (`TaskRegistration::tokenize`: causal_lm's `{"input_ids", "labels"}`,
 //! dpo's chosen and rejected rows) as JSON lines.
 
-use crate::args::{Overrides, Settings};
+use crate::args::Settings;
+use ft_core::config::Overrides;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::model::head;

@@ -1,7 +1,8 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{parse_named, LoraArgs, Overrides, RankArgs, Settings};
+use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
+use ft_core::config::{ModelInit, Overrides};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::env::DistEnv;
@@ -9,7 +10,6 @@ use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::plan;
 use ft_core::setup::{self, share_host_cores, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::config::ModelInit;
 use ft_core::run_dir;
 use ft_core::{Config, Registry};
 use ft_data::demo;

@@ -882,6 +882,42 @@ pub fn parse_assignment(text: &str) -> Result<Assignment, String> {
     Assignment::parse(text, "--set")
 }
 
+/// A command's flags as configuration overrides: each flag given sets its
+/// dotted key (`Config::load`'s `flags`), applied over the file and the environment.
+#[derive(Default)]
+pub struct Overrides(pub Vec<(&'static str, Value)>);
+
+impl Overrides {
+    pub fn set<T: Into<Value>>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        if let Some(value) = value {
+            self.0.push((key, value.into()));
+        }
+        self
+    }
+
+    pub fn path(&mut self, key: &'static str, value: Option<&std::path::PathBuf>) -> &mut Self {
+        self.set(key, value.map(|p| p.display().to_string()))
+    }
+
+    /// `--train-file`s: one is `data.train`; several are a `data.mixture`
+    /// of them, each of their examples once.
+    pub fn train_files(&mut self, files: &[std::path::PathBuf]) -> &mut Self {
+        match files {
+            [] => self,
+            [one] => self.path("data.train", Some(one)),
+            several => {
+                let sources: Vec<serde_json::Value> = several.iter().map(|file| serde_json::json!({"path": file.display().to_string()})).collect();
+                self.serialized("data.mixture", Some(sources))
+            }
+        }
+    }
+
+    /// A value the configuration reads with serde (an enum such as a dtype).
+    pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums and JSON serialize")))
+    }
+}
+
 /// Refuses each `--set` key that `command` does not read: it would do
 /// nothing in silence. `reads` holds dotted keys, a section's name standing
 /// for all of its keys. Only `--set` is checked: a config file and `FT_*`

@@ -3,12 +3,11 @@
 //! layers, the task's reference model and the communication hooks.
 
 use super::{Calibration, Cluster, CommTestReport, PlanComm, Reference};
-use crate::config::{Assignment, Config, Fp8, Fp8Layers, TrainConfig};
+use crate::config::{Assignment, Config, Fp8, Fp8Layers, Overrides, TrainConfig};
 use crate::gpu::{self, GpuSpec};
 use crate::model::{Float8Layers, Model};
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
-use figment::value::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
 use tch::Kind;
@@ -107,14 +106,9 @@ impl Float8Flags {
 /// --fp8); and whether they are gathered in float8. The flags are checked
 /// as `ft train` checks their keys.
 pub fn float8_planned(flags: Float8Flags, model: &dyn Model, dtype: Kind, tokens: i64, calibration: Option<(&Calibration, &Path)>) -> Result<(Option<Float8Layers>, bool)> {
-    let mut given: Vec<(&str, Value)> = vec![];
-    for (key, value) in [("train.fp8", flags.fp8.map(Value::serialize)), ("train.fp8_layers", flags.layers.map(Value::serialize))] {
-        if let Some(value) = value {
-            given.push((key, value?));
-        }
-    }
-    given.extend(flags.gathers.map(|on| ("train.fp8_gathers", on.into())));
-    let config = Config::load(None, &given, &[])?;
+    let mut given = Overrides::default();
+    given.serialized("train.fp8", flags.fp8).serialized("train.fp8_layers", flags.layers).set("train.fp8_gathers", flags.gathers);
+    let config = Config::load(None, &given.0, &[])?;
     crate::setup::check_given_keys(&config)?;
     let train = &config.train;
     let Some(float8) = train.float8() else { return Ok((None, false)) };
