@@ -120,26 +120,6 @@ pub fn parse_named<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Stri
     serde_json::from_value(serde_json::Value::from(text)).map_err(|e| format!("{text:?}: {}", e.to_string().replace('`', "")))
 }
 
-/// A memory size with its unit, in bytes: 80GB (10^9 bytes each), 80GiB (2^30), also KB/MB/TB and KiB/MiB/TiB.
-pub fn parse_size(text: &str) -> Result<f64, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let scale = match unit.trim().to_ascii_uppercase().as_str() {
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0f64.powi(2),
-        "GIB" => 1024.0f64.powi(3),
-        "TIB" => 1024.0f64.powi(4),
-        _ => return Err(format!("{text:?}: give a size with its unit, e.g. 80GB or 80GiB")),
-    };
-    let number: f64 = number.parse().map_err(|_| format!("{text:?}: expected a number and a unit, e.g. 80GB"))?;
-    positive(text, number * scale)
-}
-
 /// `--comm-option comm.NAME.KEY=VALUE`: a hook's option.
 pub fn parse_comm_option(text: &str) -> Result<ft_core::config::Assignment, String> {
     ft_core::config::Assignment::parse(text, "--comm-option")
@@ -148,18 +128,5 @@ pub fn parse_comm_option(text: &str) -> Result<ft_core::config::Assignment, Stri
 /// `--compress-rate NAME=ELEMENTS_PER_S`: a hook's measured compression rate.
 pub fn parse_compress_rate(text: &str) -> Result<(String, f64), String> {
     let (name, rate) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=ELEMENTS_PER_S"))?;
-    Ok((name.to_string(), parse_positive(rate)?))
-}
-
-/// A number above 0 (a rate or a bandwidth).
-pub fn parse_positive(text: &str) -> Result<f64, String> {
-    positive(text, text.trim().parse().map_err(|_| format!("{text:?}: expected a number"))?)
-}
-
-fn positive(text: &str, value: f64) -> Result<f64, String> {
-    if value > 0.0 && value.is_finite() {
-        Ok(value)
-    } else {
-        Err(format!("{text:?}: expected more than 0"))
-    }
+    Ok((name.to_string(), ft_core::units::parse_positive(rate)?))
 }

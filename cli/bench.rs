@@ -151,12 +151,7 @@ fn report(args: &BenchArgs, mut rows: Vec<Row>, plugins: &[PathBuf]) -> Result<i
     if args.plan_check {
         plan_check(args, &rows, plugins)?;
     }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&rows)?).with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    if let Some(path) = &args.chart {
-        bench::chart::write(&rows, path)?;
-    }
+    bench::save(&rows, args.json.as_deref(), args.chart.as_deref())?;
     Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
 }
 

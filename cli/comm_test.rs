@@ -3,9 +3,8 @@
 use anyhow::Result;
 use clap::Args;
 use ft_core::config::Overrides;
-use ft_core::collectives_bench::{self, CommTestOptions};
+use ft_core::collectives_bench::{self, Collective, CommTestOptions};
 use ft_core::device::DType;
-use ft_core::setup::Rank;
 use ft_core::{Backend, Config};
 use std::path::PathBuf;
 
@@ -20,14 +19,14 @@ pub struct CommTestArgs {
     #[arg(long)]
     timeout_secs: Option<u64>,
     /// Collectives to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast")]
-    ops: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast", value_parser = collectives_bench::parse_collective)]
+    ops: Vec<Collective>,
     /// Smallest size (bytes; K, M, G suffixes).
-    #[arg(long, default_value = "1M")]
-    min_bytes: String,
+    #[arg(long, default_value = "1M", value_parser = collectives_bench::parse_bytes)]
+    min_bytes: usize,
     /// Largest size.
-    #[arg(long, default_value = "256M")]
-    max_bytes: String,
+    #[arg(long, default_value = "256M", value_parser = collectives_bench::parse_bytes)]
+    max_bytes: usize,
     /// Size multiplier between steps of the sweep.
     #[arg(long, default_value_t = 4)]
     factor: usize,
@@ -62,26 +61,15 @@ impl CommTestArgs {
 
 pub fn run(args: CommTestArgs) -> Result<i32> {
     let config = Config::load(args.config.path.as_deref(), &args.config_overrides().0, &[])?;
-    let collectives = args.ops.iter().map(|o| collectives_bench::parse_collective(o)).collect::<Result<Vec<_>>>()?;
-    let sizes = collectives_bench::size_sweep(
-        collectives_bench::parse_bytes(&args.min_bytes)?,
-        collectives_bench::parse_bytes(&args.max_bytes)?,
-        args.factor,
-    )?;
-    let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
-    let comm = &rank.comm;
-    let world = rank.world_size();
-    tracing::info!("rendezvous complete: rank {} of {world}, backend {}", rank.rank(), comm.backend_name());
     let options = CommTestOptions {
-        collectives,
-        sizes,
+        collectives: args.ops.clone(),
+        sizes: collectives_bench::size_sweep(args.min_bytes, args.max_bytes, args.factor)?,
         kind: tch::Kind::Float,
         warmup: args.warmup,
         iters: args.iters,
         check: !args.no_check,
     };
     let dtypes: Vec<tch::Kind> = args.dtype.iter().map(|d| d.storage_kind()).collect();
-    let report = collectives_bench::run_job(comm, &options, &dtypes, args.group_size)?;
-    report.finish(comm, &options, args.json.as_deref())?;
+    collectives_bench::run_command(&config, &options, &dtypes, args.group_size, args.json.as_deref())?;
     Ok(0)
 }

@@ -113,7 +113,7 @@ pub struct ExportArgs {
     #[arg(long, default_value = "f32")]
     dtype: DType,
     /// Largest weights file, e.g. 5GB: more make model-0000k-of-0000n.safetensors and an index (export holds one file in memory).
-    #[arg(long, value_parser = crate::args::parse_size)]
+    #[arg(long, value_parser = ft_core::units::parse_size)]
     max_shard_size: Option<f64>,
     /// A LoRA checkpoint or final/: write the base model with the adapters folded in,
     /// instead of the adapter files (adapter_config.json, adapter_model.safetensors).

@@ -1,7 +1,8 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_comm_option, parse_compress_rate, parse_named, parse_positive, parse_size, LoraArgs};
+use crate::args::{parse_comm_option, parse_compress_rate, parse_named, LoraArgs};
+use ft_core::units::{parse_positive, parse_size};
 use ft_core::config::{Fp8, Fp8Layers};
 use anyhow::{Context, Result};
 use clap::Args;

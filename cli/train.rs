@@ -3,7 +3,7 @@
 
 use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
 use ft_core::config::{ModelInit, Overrides};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
@@ -204,10 +204,8 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     };
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.as_ref())?;
+    // Rank 0's lock made the directory.
     let output = config.output.dir.clone();
-    if rank.rank() == 0 {
-        std::fs::create_dir_all(&output).with_context(|| format!("cannot create {}", output.display()))?;
-    }
     let source = match config.model.source == demo::NAME {
         true => hf::ModelSource { config: demo::for_run(&mut config, &rank.comm)?, dir: None, config_file: None },
         false => hf::ModelSource::resolve(&config.model.source)?,

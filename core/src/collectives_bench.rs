@@ -276,6 +276,15 @@ pub struct JobReport {
     pub failures_on_any_rank: usize,
 }
 
+/// `ft comm-test`: joins the job `config` describes, runs the sweep
+/// ([`run_job`]) and ends it ([`JobReport::finish`]).
+pub fn run_command(config: &crate::Config, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, json: Option<&std::path::Path>) -> Result<()> {
+    let rank = crate::setup::Rank::start(config, &crate::offload::NoOffload)?;
+    tracing::info!("rendezvous complete: rank {} of {}, backend {}", rank.rank(), rank.world_size(), rank.comm.backend_name());
+    let report = run_job(&rank.comm, options, dtypes, group_size)?;
+    report.finish(&rank.comm, options, json)
+}
+
 /// Runs the sweep for every dtype over the world and, with `group_size`,
 /// over hybrid sharding's shard and replica sub-groups too (collective:
 /// every rank calls it with the same arguments).

@@ -457,6 +457,18 @@ pub fn matrix(models: &[String], batches: &[i64], seqs: &[i64], gpus: &[usize], 
     configurations
 }
 
+/// Writes `rows` as JSON to `json` (what [`read_rows`] reads back) and
+/// their chart to `chart`, each where given.
+pub fn save(rows: &[Row], json: Option<&std::path::Path>, chart: Option<&std::path::Path>) -> Result<()> {
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(rows)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = chart {
+        chart::write(rows, path)?;
+    }
+    Ok(())
+}
+
 /// The rows saved by `ft bench --json` in `paths`, in order.
 pub fn read_rows(paths: &[PathBuf]) -> Result<Vec<Row>> {
     let mut rows = vec![];
