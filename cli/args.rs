@@ -70,6 +70,28 @@ impl RankArgs {
     }
 }
 
+/// The step `ft plan` predicts and `ft calibrate` times: the model's
+/// config.json keys changed, micro-batches of `batch` examples of `seq`
+/// tokens in the compute dtype, the LM head's logits a chunk at a time.
+#[derive(clap::Args)]
+pub struct StepShape {
+    /// Change keys of the model's config.json, e.g. --set num_hidden_layers=2.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Examples per GPU per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: i64,
+    /// Tokens per example.
+    #[arg(long, default_value_t = 512)]
+    pub seq: i64,
+    /// Compute dtype (masters stay fp32): bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Tokens per chunk of the LM head's logits.
+    #[arg(long, default_value_t = 1024)]
+    pub loss_chunk_tokens: i64,
+}
+
 /// LoRA's flags (`train.lora.*`, `model.quantize`), shared by `ft train`, `ft bench` and `ft plan`.
 #[derive(clap::Args, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct LoraArgs {
@@ -107,10 +129,7 @@ impl LoraArgs {
     pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> Result<RunModel> {
         let mut overrides = Overrides::default();
         self.set(&mut overrides);
-        let config = Config::load(None, &overrides.0, &[])?;
-        ft_core::setup::check_given_keys(&config)?;
-        ft_core::setup::check_adapters(&config)?;
-        RunModel::new(base, &config.train.lora, config.model.quantization())
+        ft_core::setup::run_model(base, &overrides)
     }
 }
 

@@ -3,7 +3,7 @@
 
 use crate::args::{RankArgs, Settings};
 use ft_core::config::Overrides;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use ft_core::env::DistEnv;
 use ft_core::device::DType;
@@ -79,19 +79,11 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut task = (registry.task(config.task.name.as_deref(), model.model().head_kind())?.build)(&inputs)?;
     ft_models::trained::give_reference(task.as_mut(), args.ref_model.as_deref(), &args.model, &model, &params, &tokenizer, &rank)?;
     let model = model.model();
-    let profiling = args.profile.as_ref().filter(|_| rank.rank() == 0);
-    if profiling.is_some() {
-        ft_core::profile::start(rank.device.is_cuda())?;
-    }
-    let evaluation = ft_core::fit::evaluate(model, &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype)?;
-    if let Some(dir) = profiling {
-        let report = ft_core::profile::stop(dir, "eval", rank.device.is_cuda(), 1)?;
-        tracing::info!("profile of the evaluation: {}", report.top(25));
-    }
+    let profile = args.profile.as_deref().filter(|_| rank.rank() == 0);
+    let evaluate = || ft_core::fit::evaluate(model, &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype);
+    let evaluation = ft_core::profile::recorded(profile, "eval", rank.device.is_cuda(), evaluate)?;
     if rank.rank() == 0 {
-        std::fs::create_dir_all(&config.output.dir).with_context(|| format!("cannot create {}", config.output.dir.display()))?;
-        task.write_predictions(&config.output.dir)?;
-        ft_core::run_dir::finish_eval(&config.output.dir, &args.eval_file, &evaluation)?;
+        ft_core::run_dir::finish_eval(&config.output.dir, &args.eval_file, &evaluation, task.as_ref())?;
     }
     Ok(0)
 }

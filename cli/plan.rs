@@ -1,13 +1,13 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_comm_option, parse_compress_rate, parse_named, LoraArgs};
+use crate::args::{parse_comm_option, parse_compress_rate, parse_named, LoraArgs, StepShape};
 use ft_core::units::{parse_positive, parse_size};
 use ft_core::config::{Fp8, Fp8Layers};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
-use ft_core::device::{DType, DeviceSpec};
+use ft_core::device::DeviceSpec;
 use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, ClusterFlags, Float8Flags, Plan, Workload};
 use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
@@ -19,9 +19,6 @@ pub struct PlanArgs {
     /// The model: a directory, a hub id in the local cache, or a config.json (no weights are read).
     #[arg(long)]
     model: String,
-    /// Override config keys, e.g. --set num_hidden_layers=2.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
     /// Plan LoRA adapters on the frozen model (and with --quantize, QLoRA's 4-bit base) as `ft train` runs them.
     #[command(flatten)]
     lora: LoraArgs,
@@ -40,18 +37,9 @@ pub struct PlanArgs {
     /// Host memory per node, e.g. 512GB (default: this machine's when planning for its GPU, else 225 GB per GPU).
     #[arg(long, value_parser = parse_size)]
     host_memory: Option<f64>,
-    /// Examples per GPU per micro-batch.
-    #[arg(long, default_value_t = 8)]
-    batch: i64,
-    /// Tokens per example.
-    #[arg(long, default_value_t = 512)]
-    seq: i64,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
-    /// Compute dtype (masters stay fp32): bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: DType,
     /// Rows with activation checkpointing, without, or both: on, off or auto.
     #[arg(long, default_value = "auto")]
     activation_checkpointing: Checkpointing,
@@ -61,9 +49,6 @@ pub struct PlanArgs {
     /// dtype gradients are reduced in: fp32 or compute.
     #[arg(long, default_value = "fp32", value_parser = parse_named::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
-    /// Tokens per chunk of the LM head's logits.
-    #[arg(long, default_value_t = 1024)]
-    loss_chunk_tokens: i64,
     /// TFLOP/s one GPU achieves, as measured (default: a share of the GPU's dense peak that ft's steps reach).
     #[arg(long, value_parser = parse_positive, conflicts_with = "calibration")]
     tflops: Option<f64>,
@@ -119,6 +104,8 @@ pub struct PlanArgs {
     /// Write the rows and the recommendation as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    #[command(flatten)]
+    shape: StepShape,
 }
 
 fn parse_reference(text: &str) -> Result<plan::Reference, String> {
@@ -127,8 +114,8 @@ fn parse_reference(text: &str) -> Result<plan::Reference, String> {
 
 pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
-    let model = args.lora.run_model(hf::ModelSource::resolve(&args.model)?.set_keys(&args.overrides)?.model()?)?;
-    let dtype = args.dtype.kind(tch::Device::Cuda(0));
+    let model = args.lora.run_model(hf::ModelSource::resolve(&args.model)?.set_keys(&args.shape.overrides)?.model()?)?;
+    let dtype = args.shape.dtype.kind(tch::Device::Cuda(0));
     let mut cluster = Cluster::from_flags(
         &ClusterFlags {
             gpus: args.gpus,
@@ -146,17 +133,17 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     let calibration = args.calibration.as_ref().map(|path| Calibration::load(path).map(|c| (c, path.as_path()))).transpose()?;
     let fp8 = Float8Flags { fp8: args.fp8, layers: args.fp8_layers, gathers: args.fp8_gathers };
     let measured = calibration.as_ref().map(|(c, path)| (c, *path));
-    let (float8, float8_gathers) = plan::float8_planned(fp8, model.model(), dtype, args.batch * args.seq, measured)?;
+    let (float8, float8_gathers) = plan::float8_planned(fp8, model.model(), dtype, args.shape.batch * args.shape.seq, measured)?;
     let workload = Workload {
         model: model.model(),
-        batch: args.batch,
-        seq: args.seq,
+        batch: args.shape.batch,
+        seq: args.shape.seq,
         grad_accum: args.grad_accum,
         dtype,
         reduce_dtype: args.reduce_dtype,
-        loss_chunk_tokens: args.loss_chunk_tokens,
+        loss_chunk_tokens: args.shape.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
-        reference: plan::reference_planned(args.task.as_deref(), args.reference, model.model(), &registry, args.loss_chunk_tokens)?,
+        reference: plan::reference_planned(args.task.as_deref(), args.reference, model.model(), &registry, args.shape.loss_chunk_tokens)?,
         float8: float8.as_ref(),
         float8_gathers,
     };
@@ -177,21 +164,6 @@ pub struct CalibrateArgs {
     /// The models whose GEMM shapes are timed: config.json, a model directory or a hub id (repeatable).
     #[arg(long = "config", required = true)]
     configs: Vec<String>,
-    /// Override config keys of every model, e.g. --set num_hidden_layers=2.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
-    /// Examples per GPU per micro-batch, as the plan will have.
-    #[arg(long, default_value_t = 8)]
-    batch: i64,
-    /// Tokens per example.
-    #[arg(long, default_value_t = 512)]
-    seq: i64,
-    /// Compute dtype: bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: DType,
-    /// Tokens per chunk of the LM head's logits.
-    #[arg(long, default_value_t = 1024)]
-    loss_chunk_tokens: i64,
     /// cuda, cpu, or auto (the GPU when there is one).
     #[arg(long, default_value = "auto")]
     device: DeviceSpec,
@@ -207,18 +179,20 @@ pub struct CalibrateArgs {
     /// Where to write the calibration.
     #[arg(long, value_name = "JSON")]
     out: PathBuf,
+    #[command(flatten)]
+    shape: StepShape,
 }
 
 pub fn calibrate(args: CalibrateArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
-    let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()).collect::<Result<Vec<_>>>()?;
+    let models = args.configs.iter().map(|config| hf::ModelSource::resolve(config)?.set_keys(&args.shape.overrides)?.model()).collect::<Result<Vec<_>>>()?;
     let models: Vec<&dyn ft_core::Model> = models.iter().map(|m| m.as_ref()).collect();
     let device = args.device.for_rank(0);
     let options = CalibrateOptions {
         models: &models,
-        tokens: args.batch * args.seq,
-        loss_chunk_tokens: args.loss_chunk_tokens,
-        dtype: args.dtype.kind(device),
+        tokens: args.shape.batch * args.shape.seq,
+        loss_chunk_tokens: args.shape.loss_chunk_tokens,
+        dtype: args.shape.dtype.kind(device),
         device,
         host_elements: args.host_elements,
         float8: args.fp8,

@@ -4,9 +4,8 @@
 
 use crate::args::Settings;
 use ft_core::config::Overrides;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
-use ft_core::model::head;
 use ft_core::task::Tokenize;
 use ft_core::Registry;
 use ft_models::hf;
@@ -40,12 +39,7 @@ pub fn run(args: TokenizeArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut overrides = Overrides::default();
     overrides.set("model.source", args.model.clone()).set("task.name", args.task.clone()).train_files(&args.train_file);
     let config = args.settings.load(overrides, "ft tokenize", Some(READS))?;
-    let registry = Registry::with_plugins(plugins)?;
-    let task = registry.task(config.task.name.as_deref(), head::CAUSAL_LM)?;
-    let tokenize = task.tokenize.with_context(|| {
-        let writers: Vec<&str> = registry.tasks().iter().filter(|t| t.tokenize.is_some()).map(|t| t.name).collect();
-        format!("task `{}` has no rows `ft tokenize` writes (--task {})", task.name, writers.join(" or --task "))
-    })?;
+    let tokenize = Registry::with_plugins(plugins)?.tokenize(config.task.name.as_deref())?;
     let tokenizer = match &config.data.tokenizer {
         Some(path) => path.clone(),
         // The default preset's demo has no files until a run writes them.

@@ -307,6 +307,17 @@ impl Registry {
         }
     }
 
+    /// What `ft tokenize --task NAME` writes the rows with: task `name`'s
+    /// (default: the causal LM head's task); a task without rows to write
+    /// is refused naming those with.
+    pub fn tokenize(&self, name: Option<&str>) -> Result<fn(&crate::task::Tokenize) -> Result<String>> {
+        let task = self.task(name, crate::model::head::CAUSAL_LM)?;
+        task.tokenize.with_context(|| {
+            let writers: Vec<&str> = self.tasks.iter().filter(|t| t.tokenize.is_some()).map(|t| t.name).collect();
+            format!("task `{}` has no rows `ft tokenize` writes (--task {})", task.name, writers.join(" or --task "))
+        })
+    }
+
     pub fn sink(&self, name: &str) -> Result<&SinkEntry> {
         self.sinks.iter().find(|s| s.name == name).ok_or_else(|| {
             let names: Vec<&str> = self.sinks.iter().map(|s| s.name.as_str()).collect();

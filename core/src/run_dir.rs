@@ -226,10 +226,13 @@ pub fn finish(output: &Path, summary: &crate::fit::Summary, mut written: Vec<Str
     Ok(())
 }
 
-/// Ends `ft eval`, on rank 0: prints the evaluation of `data` and writes
-/// OUTPUT/eval_results.json, every figure at full precision, named as a
-/// training run's evaluation records them (and Hugging Face's eval_results.json).
-pub fn finish_eval(output: &Path, data: &Path, evaluation: &crate::fit::Evaluation) -> Result<()> {
+/// Ends `ft eval`, on rank 0: writes the task's predictions into `output`,
+/// prints the evaluation of `data` and writes OUTPUT/eval_results.json,
+/// every figure at full precision, named as a training run's evaluation
+/// records them (and Hugging Face's eval_results.json).
+pub fn finish_eval(output: &Path, data: &Path, evaluation: &crate::fit::Evaluation, task: &dyn crate::task::Task) -> Result<()> {
+    std::fs::create_dir_all(output).with_context(|| format!("cannot create {}", output.display()))?;
+    task.write_predictions(output)?;
     let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
     let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
     let examples = evaluation.scores.examples;

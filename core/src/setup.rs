@@ -162,6 +162,16 @@ pub fn check_adapters(config: &Config) -> Result<()> {
     Ok(())
 }
 
+/// `base` as LoRA's keys given as `flags` make it (`train.lora.*`,
+/// `model.quantize`), checked as `ft train` checks them: what `ft plan` and
+/// `ft bench --plan-check` predict for.
+pub fn run_model(base: Box<dyn crate::Model>, flags: &crate::config::Overrides) -> Result<crate::lora::RunModel> {
+    let config = Config::load(None, &flags.0, &[])?;
+    check_given_keys(&config)?;
+    check_adapters(&config)?;
+    crate::lora::RunModel::new(base, &config.train.lora, config.model.quantization())
+}
+
 /// Keys that only act with another: each, when given, needs its rule to
 /// hold, else it would do nothing in silence.
 #[allow(clippy::type_complexity)]
