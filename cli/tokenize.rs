@@ -44,7 +44,8 @@ pub fn run(args: TokenizeArgs, plugins: &[PathBuf]) -> Result<i32> {
         Some(path) => path.clone(),
         // The default preset's demo has no files until a run writes them.
         None if config.uses_preset() => bail!("give the model whose tokenizer to use: --model DIR (or --tokenizer FILE)"),
-        None => hf::ModelSource::resolve(&config.model.source)?.tokenizer(None)?,
+        // A model directory (or its config.json's) holds it; no config.json is read.
+        None => hf::resolve(&config.model.source)?.join("tokenizer.json"),
     };
     println!("{}", tokenize(&Tokenize { config: &config, tokenizer: &tokenizer, out: &args.out })?);
     Ok(0)
