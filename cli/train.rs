@@ -8,7 +8,7 @@ use clap::Args;
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::plan;
-use ft_core::setup::{self, share_host_cores, Rank};
+use ft_core::setup::{self, Rank};
 use ft_core::task::TaskInputs;
 use ft_core::run_dir;
 use ft_core::{Config, Registry};
@@ -220,10 +220,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
-    if offload.to_host() && !configured_offload.to_host() {
-        // The host optimizer gets its share of the cores, as Rank::start gives an offloaded run.
-        share_host_cores(rank.comm.env().local_world_size, rank.device, offload.as_ref());
-    }
+    rank.share_cores_with(offload.as_ref(), configured_offload.as_ref());
     let seed = config.train.seed as i64;
     let start = source.start(config.model.init)?;
     if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {

@@ -259,6 +259,15 @@ impl Rank {
         self.comm.env().rank
     }
 
+    /// Gives `offload`, when the plan chose it (`--strategy auto`) over the
+    /// `configured` one, its host optimizer's share of the cores, as
+    /// [`Rank::start`] gives an offloaded run.
+    pub fn share_cores_with(&self, offload: &dyn Offload, configured: &dyn Offload) {
+        if offload.to_host() && !configured.to_host() {
+            share_host_cores(self.comm.env().local_world_size, self.device, offload);
+        }
+    }
+
     /// A line saying what this job trains: the task, the model, the examples, the ranks, device and dtype.
     pub fn describe_run(&self, task: &dyn crate::task::Task, model: &dyn crate::Model) -> String {
         format!(
