@@ -2,10 +2,11 @@
 //! flags as configuration overrides (each flag given sets its dotted key,
 //! applied over the file and the environment).
 
-use figment::value::Value;
-use ft_core::config::Quantize;
+use anyhow::Result;
+use ft_core::config::{Assignment, Overrides, Quantize};
+use ft_core::device::{DType, DeviceSpec};
+use ft_core::Config;
 use ft_core::lora::RunModel;
-use ft_core::strategy::ReduceDtype;
 use std::path::PathBuf;
 
 /// The run configuration file, for the subcommands that read one.
@@ -16,42 +17,83 @@ pub struct ConfigFile {
     pub path: Option<PathBuf>,
 }
 
-#[derive(Default)]
-pub struct Overrides(pub Vec<(&'static str, Value)>);
+/// The run configuration, for the commands that read it (`ft train`, `ft
+/// eval`, `ft tokenize`): the file, the flags for the text they share, and `--set`.
+#[derive(clap::Args)]
+pub struct Settings {
+    #[command(flatten)]
+    pub file: ConfigFile,
+    /// tokenizer.json (data.tokenizer; default: the model directory's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+    /// Tokens of an example at most (data.max_seq_len).
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// Set a configuration key the command reads, e.g. --set task.beta=0.1 (VALUE as JSON, else a string); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
+    assignments: Vec<Assignment>,
+}
 
-impl Overrides {
-    pub fn set<T: Into<Value>>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
-        if let Some(value) = value {
-            self.0.push((key, value.into()));
+impl Settings {
+    /// The configuration: the file, `FT_*` variables, these flags over
+    /// `flags`, then `--set`, each of whose keys must be one `command`
+    /// reads (`reads`; None: it reads every key).
+    pub fn load(&self, mut flags: Overrides, command: &str, reads: Option<&[&str]>) -> Result<Config> {
+        flags.path("data.tokenizer", self.tokenizer.as_ref()).path("data.chat_template", self.chat_template.as_ref()).set("data.max_seq_len", self.max_seq_len);
+        if let Some(reads) = reads {
+            ft_core::config::check_reads(&self.assignments, command, reads)?;
         }
-        self
-    }
-
-    pub fn path(&mut self, key: &'static str, value: Option<&PathBuf>) -> &mut Self {
-        self.set(key, value.map(|p| p.display().to_string()))
-    }
-
-    /// `--train-file`s: one is `data.train`; several are a `data.mixture`
-    /// of them, each of their examples once.
-    pub fn train_files(&mut self, files: &[PathBuf]) -> &mut Self {
-        match files {
-            [] => self,
-            [one] => self.path("data.train", Some(one)),
-            several => {
-                let sources: Vec<serde_json::Value> = several.iter().map(|file| serde_json::json!({"path": file.display().to_string()})).collect();
-                self.serialized("data.mixture", Some(sources))
-            }
-        }
-    }
-
-    /// A value the configuration reads with serde (an enum such as a dtype).
-    pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
-        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums and JSON serialize")))
+        Config::load(self.file.path.as_deref(), &flags.0, &self.assignments)
     }
 }
 
+/// Where and how a command's ranks compute (`ft train`, `ft eval`).
+#[derive(clap::Args)]
+pub struct RankArgs {
+    /// auto, f32, bf16 or fp16 (dynamic loss scaling) (train.dtype).
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// auto, cpu, cuda or cuda:N (train.device).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// Local ranks to start when no launcher started this process (launch.nproc_per_node).
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+}
+
+impl RankArgs {
+    pub fn set(&self, overrides: &mut Overrides) {
+        overrides.serialized("train.dtype", self.dtype).serialized("train.device", self.device).set("launch.nproc_per_node", self.nproc_per_node);
+    }
+}
+
+/// The step `ft plan` predicts and `ft calibrate` times: the model's
+/// config.json keys changed, micro-batches of `batch` examples of `seq`
+/// tokens in the compute dtype, the LM head's logits a chunk at a time.
+#[derive(clap::Args)]
+pub struct StepShape {
+    /// Change keys of the model's config.json, e.g. --set num_hidden_layers=2.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Examples per GPU per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: i64,
+    /// Tokens per example.
+    #[arg(long, default_value_t = 512)]
+    pub seq: i64,
+    /// Compute dtype (masters stay fp32): bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Tokens per chunk of the LM head's logits.
+    #[arg(long, default_value_t = 1024)]
+    pub loss_chunk_tokens: i64,
+}
+
 /// LoRA's flags (`train.lora.*`, `model.quantize`), shared by `ft train`, `ft bench` and `ft plan`.
-#[derive(clap::Args, Clone, Default)]
+#[derive(clap::Args, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct LoraArgs {
     /// Train rank-R low-rank adapters on the frozen model instead of every parameter (train.lora.r).
     #[arg(long, value_name = "R")]
@@ -68,12 +110,8 @@ pub struct LoraArgs {
     pub lora_targets: Option<Vec<String>>,
     /// Hold the frozen base's blocks in 4 bits, nf4 or fp4, as bitsandbytes
     /// does (model.quantize: QLoRA; with --lora-r).
-    #[arg(long, value_name = "nf4|fp4", value_parser = parse_quantize)]
+    #[arg(long, value_name = "nf4|fp4", value_parser = parse_named::<Quantize>)]
     pub quantize: Option<Quantize>,
-}
-
-fn parse_quantize(text: &str) -> Result<Quantize, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected none, nf4 or fp4"))
 }
 
 impl LoraArgs {
@@ -88,67 +126,26 @@ impl LoraArgs {
 
     /// `base` as these flags make it: adapters on it, its blocks in 4 bits
     /// (what `ft plan` and `ft bench --plan-check` predict for).
-    pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> anyhow::Result<RunModel> {
+    pub fn run_model(&self, base: Box<dyn ft_core::Model>) -> Result<RunModel> {
         let mut overrides = Overrides::default();
         self.set(&mut overrides);
-        let config = ft_core::Config::load(None, &overrides.0, &[])?;
-        ft_core::setup::check_given_keys(&config)?;
-        ft_core::setup::check_adapters(&config)?;
-        RunModel::new(base, &config.train.lora, config.model.quantization())
-    }
-
-    /// The same flags, for a worker's command line.
-    pub fn argv(&self) -> Vec<String> {
-        let values = [
-            ("--lora-r", self.lora_r.map(|r| r.to_string())),
-            ("--lora-alpha", self.lora_alpha.map(|a| a.to_string())),
-            ("--lora-dropout", self.lora_dropout.map(|d| d.to_string())),
-            ("--lora-targets", self.lora_targets.as_ref().map(|t| t.join(","))),
-            ("--quantize", self.quantize.map(|q| serde_json::to_value(q).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default())),
-        ];
-        values.into_iter().filter_map(|(flag, value)| Some([flag.to_string(), value?])).flatten().collect()
+        ft_core::setup::run_model(base, &overrides)
     }
 }
 
-/// `--fp8`: off, tensorwise or rowwise.
-pub fn parse_fp8(text: &str) -> Result<ft_core::config::Fp8, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected off, tensorwise or rowwise"))
+/// A plain enum the configuration reads with serde, by its name (`--fp8
+/// rowwise`); another name is refused with the names there are.
+pub fn parse_named<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|e| format!("{text:?}: {}", e.to_string().replace('`', "")))
 }
 
-/// `--reduce-dtype`: fp32 or compute.
-pub fn parse_reduce_dtype(text: &str) -> Result<ReduceDtype, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected fp32 or compute"))
+/// `--comm-option comm.NAME.KEY=VALUE`: a hook's option.
+pub fn parse_comm_option(text: &str) -> Result<ft_core::config::Assignment, String> {
+    ft_core::config::Assignment::parse(text, "--comm-option")
 }
 
-/// A memory size with its unit, in bytes: 80GB (10^9 bytes each), 80GiB (2^30), also KB/MB/TB and KiB/MiB/TiB.
-pub fn parse_size(text: &str) -> Result<f64, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let scale = match unit.trim().to_ascii_uppercase().as_str() {
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0f64.powi(2),
-        "GIB" => 1024.0f64.powi(3),
-        "TIB" => 1024.0f64.powi(4),
-        _ => return Err(format!("{text:?}: give a size with its unit, e.g. 80GB or 80GiB")),
-    };
-    let number: f64 = number.parse().map_err(|_| format!("{text:?}: expected a number and a unit, e.g. 80GB"))?;
-    positive(text, number * scale)
-}
-
-/// A number above 0 (a rate or a bandwidth).
-pub fn parse_positive(text: &str) -> Result<f64, String> {
-    positive(text, text.trim().parse().map_err(|_| format!("{text:?}: expected a number"))?)
-}
-
-fn positive(text: &str, value: f64) -> Result<f64, String> {
-    if value > 0.0 && value.is_finite() {
-        Ok(value)
-    } else {
-        Err(format!("{text:?}: expected more than 0"))
-    }
+/// `--compress-rate NAME=ELEMENTS_PER_S`: a hook's measured compression rate.
+pub fn parse_compress_rate(text: &str) -> Result<(String, f64), String> {
+    let (name, rate) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=ELEMENTS_PER_S"))?;
+    Ok((name.to_string(), ft_core::units::parse_positive(rate)?))
 }

@@ -4,26 +4,29 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::{parse_fp8, parse_reduce_dtype, LoraArgs, Overrides};
+use crate::args::{parse_named, LoraArgs};
+use ft_core::config::Overrides;
 use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ft_core::bench::{self, BenchCase, Row};
-use ft_core::config::{Fp8, TrainConfig};
+use ft_core::bench::{self, BenchCase, Configuration, Row};
+use ft_core::config::Fp8;
 use ft_core::device::{DType, DeviceSpec};
-use ft_core::gpu::{self, GpuSpec};
+use ft_core::gpu::GpuSpec;
 use ft_core::model::Model;
-use ft_core::plan::{self, BenchSettings};
+use ft_core::plan::{self, BenchSettings, Float8Flags};
 use ft_core::setup::Rank;
 use ft_core::strategy::ReduceDtype;
 use ft_core::{Config, Registry};
 use ft_models::hf;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-#[derive(Args)]
+/// Also each configuration's worker's own, one value each (`--worker`).
+#[derive(Args, Clone, Serialize, Deserialize)]
 pub struct BenchArgs {
     /// config.json, a model directory, or a hub id in the local cache; repeat for several models.
-    #[arg(long = "config", required_unless_present = "from_json")]
+    #[arg(long = "config", required_unless_present_any = ["from_json", "worker"])]
     configs: Vec<String>,
     /// Override config keys of every model, e.g. --set num_hidden_layers=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -63,12 +66,12 @@ pub struct BenchArgs {
     #[arg(long)]
     shard_group_size: Option<usize>,
     /// dtype gradients are reduced in: fp32 (exact sums, FSDP2's reduce_dtype=float32) or compute.
-    #[arg(long, default_value = "fp32", value_parser = parse_reduce_dtype)]
+    #[arg(long, default_value = "fp32", value_parser = parse_named::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
     #[arg(long)]
     activation_checkpointing: bool,
     /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
-    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_fp8)]
+    #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_named::<Fp8>)]
     fp8: Option<Fp8>,
     /// Under --fp8 tensorwise with sharding, gather float8 blocks as float8 bytes (`train.fp8_gathers`; default: on under tensorwise).
     #[arg(long, value_name = "true|false", requires = "fp8")]
@@ -106,47 +109,36 @@ pub struct BenchArgs {
     /// `ft calibrate`'s file, for --plan-check: predict with its measured rates.
     #[arg(long, value_name = "JSON", requires = "plan_check")]
     calibration: Option<PathBuf>,
-    /// Set on the workers `ft bench` launches: where rank 0 writes its row.
+    /// Set on the workers `ft bench` launches: their configuration, written as JSON.
     #[arg(long, hide = true)]
+    #[serde(skip)]
+    worker: Option<PathBuf>,
+    /// Where a worker's rank 0 writes its row.
+    #[arg(skip)]
     result_file: Option<PathBuf>,
     #[command(flatten)]
     lora: LoraArgs,
 }
 
 pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
-    if let Some(result_file) = &args.result_file {
-        return worker(&args, plugins, result_file);
+    if let Some(path) = &args.worker {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        return worker(&serde_json::from_str(&text)?, plugins);
+    }
+    if !args.from_json.is_empty() {
+        return report(&args, bench::read_rows(&args.from_json)?, plugins);
     }
     let mut rows: Vec<Row> = vec![];
-    if !args.from_json.is_empty() {
-        for path in &args.from_json {
-            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
-        }
-        return report(&args, rows, plugins);
-    }
     let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
-    for config in &args.configs {
-        for &batch in &args.batch {
-            for &seq in &args.seq {
-                for &gpus in &args.gpus {
-                    for strategy in &args.strategy {
-                        // None: the strategy's own collectives.
-                        let comms: Vec<Option<&str>> = if args.comm.is_empty() { vec![None] } else { args.comm.iter().map(|c| Some(c.as_str())).collect() };
-                        for comm in comms {
-                            let result = scratch.join(format!("row-{}.json", rows.len()));
-                            let row = launch_one(&args, plugins, config, strategy, comm, gpus, batch, seq, &result).unwrap_or_else(|e| {
-                                let comm = comm.unwrap_or(ft_core::comm_hook::BUILTIN);
-                                Row::failed(config, strategy, comm, &args.offload, &case(&args, batch, seq), gpus, format!("{e:#}"))
-                            });
-                            eprintln!("{}", row.describe());
-                            rows.push(row);
-                        }
-                    }
-                }
-            }
-        }
+    for one in bench::matrix(&args.configs, &args.batch, &args.seq, &args.gpus, &args.strategy, &args.comm) {
+        let result = scratch.join(format!("row-{}.json", rows.len()));
+        let row = launch_one(&args, plugins, &one, &result).unwrap_or_else(|e| {
+            let comm = one.comm.as_deref().unwrap_or(ft_core::comm_hook::BUILTIN);
+            Row::failed(&one.model, &one.strategy, comm, &args.offload, &case(&args, one.batch, one.seq), one.gpus, format!("{e:#}"))
+        });
+        eprintln!("{}", row.describe());
+        rows.push(row);
     }
     let _ = std::fs::remove_dir_all(&scratch);
     report(&args, rows, plugins)
@@ -159,12 +151,7 @@ fn report(args: &BenchArgs, mut rows: Vec<Row>, plugins: &[PathBuf]) -> Result<i
     if args.plan_check {
         plan_check(args, &rows, plugins)?;
     }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&rows)?).with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    if let Some(path) = &args.chart {
-        bench::chart::write(&rows, path)?;
-    }
+    bench::save(&rows, args.json.as_deref(), args.chart.as_deref())?;
     Ok(if rows.iter().any(|r| r.error.is_some()) { 1 } else { 0 })
 }
 
@@ -173,78 +160,39 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
     let registry = Registry::with_plugins(plugins)?;
     let models = args.configs.iter().map(|config| args.lora.run_model(hf::ModelSource::resolve(config)?.set_keys(&args.overrides)?.model()?)).collect::<Result<Vec<_>>>()?;
     let models: Vec<&dyn Model> = models.iter().map(|m| m.model()).collect();
-    let gpu = match &args.gpu {
-        Some(name) => GpuSpec::find(name).with_context(|| format!("unknown --gpu {name:?}: ft knows {}", GpuSpec::keys()))?,
-        None => gpu::local_gpu(0)
-            .and_then(|(name, _)| GpuSpec::find(&name))
-            .context("--plan-check needs the GPU the rows ran on: give --gpu (`ft plan --help` lists them)")?,
-    };
-    let calibration = args.calibration.as_deref().map(|path| plan::Calibration::load(path).map(|calibration| (path, calibration))).transpose()?;
+    let calibration = args.calibration.as_deref().map(plan::Calibration::load).transpose()?;
+    let (float8, float8_gathers) = Float8Flags { fp8: args.fp8, gathers: args.fp8_gathers, ..Default::default() }.recipe();
     let settings = BenchSettings {
-        calibration: calibration.as_ref().map(|(_, calibration)| calibration),
-        gpu,
+        calibration: calibration.as_ref(),
+        gpu: GpuSpec::of_rows(args.gpu.as_deref())?,
         dtype: args.dtype.kind(tch::Device::Cuda(0)),
         loss_chunk_tokens: args.loss_chunk_tokens,
         shard_group_size: args.shard_group_size,
-        float8: args.fp8.and_then(|fp8| TrainConfig { fp8, ..TrainConfig::default() }.float8()),
-        float8_gathers: TrainConfig { fp8: args.fp8.unwrap_or_default(), fp8_gathers: args.fp8_gathers, ..TrainConfig::default() }.float8_gathers(),
+        float8,
+        float8_gathers,
     };
-    let checked = plan::check_rows(rows, &models, &registry, &settings);
-    let checked = match &calibration {
-        Some((path, calibration)) => {
-            let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
-            println!("\nplan check with the rates measured on {} ({})", calibration.device, path.display());
-            checked
-        }
-        None => checked?,
-    };
-    print!("{}", plan::check_table(&checked));
+    print!("{}", plan::check_report(rows, &models, &registry, &settings, args.calibration.as_deref())?);
     Ok(())
 }
 
-/// Runs one configuration in `gpus` fresh worker processes and reads rank 0's row.
-#[allow(clippy::too_many_arguments)]
-fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &str, comm: Option<&str>, gpus: usize, batch: i64, seq: i64, result: &Path) -> Result<Row> {
-    // The worker gets this command's own arguments with one value each.
+/// Runs one configuration in fresh worker processes and reads rank 0's row.
+fn launch_one(args: &BenchArgs, plugins: &[PathBuf], one: &Configuration, result: &Path) -> Result<Row> {
+    // The workers get this command's own arguments with one value each.
+    let one = BenchArgs {
+        configs: vec![one.model.clone()],
+        strategy: vec![one.strategy.clone()],
+        comm: one.comm.iter().cloned().collect(),
+        gpus: vec![one.gpus],
+        batch: vec![one.batch],
+        seq: vec![one.seq],
+        result_file: Some(result.into()),
+        ..args.clone()
+    };
+    let arguments = result.with_extension("args.json");
+    std::fs::write(&arguments, serde_json::to_string(&one)?).with_context(|| format!("cannot write {}", arguments.display()))?;
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
-    argv.extend(["bench", "--config", config, "--strategy", strategy].map(String::from));
-    if let Some(comm) = comm {
-        argv.extend(["--comm".to_string(), comm.to_string()]);
-    }
-    argv.extend(args.comm_options.iter().flat_map(|option| ["--comm-option".to_string(), option.clone()]));
-    for (flag, value) in [
-        ("--gpus", gpus.to_string()),
-        ("--batch", batch.to_string()),
-        ("--seq", seq.to_string()),
-        ("--warmup", args.warmup.to_string()),
-        ("--steps", args.steps.to_string()),
-        ("--dtype", args.dtype.to_string()),
-        ("--device", args.device.to_string()),
-        ("--offload", args.offload.clone()),
-        ("--loss-chunk-tokens", args.loss_chunk_tokens.to_string()),
-        ("--reduce-dtype", serde_json::to_value(args.reduce_dtype)?.as_str().unwrap_or("fp32").to_string()),
-        ("--result-file", result.display().to_string()),
-    ] {
-        argv.extend([flag.to_string(), value]);
-    }
-    let fp8 = args.fp8.map(|fp8| serde_json::to_value(fp8).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default());
-    let optional = [
-        ("--shard-group-size", args.shard_group_size.map(|s| s.to_string())),
-        ("--task", args.task.clone()),
-        ("--fp8", fp8),
-        ("--fp8-gathers", args.fp8_gathers.map(|on| on.to_string())),
-    ];
-    for (flag, value) in optional.into_iter().filter_map(|(flag, value)| Some((flag, value?))) {
-        argv.extend([flag.to_string(), value]);
-    }
-    argv.extend(args.overrides.iter().flat_map(|set| ["--set".to_string(), set.clone()]));
-    argv.extend(args.lora.argv());
-    let switches = [("--activation-checkpointing", args.activation_checkpointing), ("--breakdown", args.breakdown)];
-    argv.extend(switches.into_iter().filter(|(_, on)| *on).map(|(flag, _)| flag.to_string()));
-    if let Some(dir) = &args.profile {
-        argv.extend(["--profile".to_string(), dir.display().to_string()]);
-    }
-    let code = ft_core::launch::spawn_local(gpus, argv)?;
+    argv.extend(["bench".into(), "--worker".into(), arguments.display().to_string()]);
+    let code = ft_core::launch::spawn_local(one.gpus[0], argv)?;
     if code != 0 {
         bail!("workers exited with code {code} (their output is above)");
     }
@@ -253,12 +201,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], config: &str, strategy: &st
 }
 
 /// One configuration, run by each of its workers.
-fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i32> {
-    let single = |name: &str, count: usize| if count == 1 { Ok(()) } else { Err(anyhow::anyhow!("a bench worker takes one {name}")) };
-    single("--config", args.configs.len())?;
-    single("--strategy", args.strategy.len())?;
-    single("--batch", args.batch.len())?;
-    single("--seq", args.seq.len())?;
+fn worker(args: &BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let strategy = (registry.strategy(&args.strategy[0])?.create)();
     let offload = (registry.offload(&args.offload)?.create)();
@@ -274,7 +217,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf], result_file: &Path) -> Result<i
     let task = registry.task(args.task.as_deref(), model.model().head_kind())?;
     let case = case(args, args.batch[0], args.seq[0]);
     if let Some(row) = bench::run_case(&rank, model.model(), task, strategy.as_ref(), hook, offload.as_ref(), &case)? {
-        std::fs::write(result_file, serde_json::to_string(&row)?)?;
+        std::fs::write(args.result_file.as_ref().context("a bench worker is given its result file")?, serde_json::to_string(&row)?)?;
     }
     Ok(0)
 }
@@ -292,7 +235,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,
         profile: args.profile.clone(),
-        float8: TrainConfig { fp8: args.fp8.unwrap_or_default(), ..TrainConfig::default() }.float8(),
+        float8: Float8Flags { fp8: args.fp8, ..Default::default() }.recipe().0,
         float8_gathers: args.fp8_gathers,
     }
 }

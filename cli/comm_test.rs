@@ -1,11 +1,10 @@
 //! `ft comm-test`: flags → ft_core::collectives_bench; table and JSON out.
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Args;
-use figment::value::Value;
-use ft_core::collectives_bench::{self, CommTestOptions};
+use ft_core::config::Overrides;
+use ft_core::collectives_bench::{self, Collective, CommTestOptions};
 use ft_core::device::DType;
-use ft_core::setup::Rank;
 use ft_core::{Backend, Config};
 use std::path::PathBuf;
 
@@ -20,14 +19,14 @@ pub struct CommTestArgs {
     #[arg(long)]
     timeout_secs: Option<u64>,
     /// Collectives to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast")]
-    ops: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast", value_parser = collectives_bench::parse_collective)]
+    ops: Vec<Collective>,
     /// Smallest size (bytes; K, M, G suffixes).
-    #[arg(long, default_value = "1M")]
-    min_bytes: String,
+    #[arg(long, default_value = "1M", value_parser = collectives_bench::parse_bytes)]
+    min_bytes: usize,
     /// Largest size.
-    #[arg(long, default_value = "256M")]
-    max_bytes: String,
+    #[arg(long, default_value = "256M", value_parser = collectives_bench::parse_bytes)]
+    max_bytes: usize,
     /// Size multiplier between steps of the sweep.
     #[arg(long, default_value_t = 4)]
     factor: usize,
@@ -51,56 +50,26 @@ pub struct CommTestArgs {
 }
 
 impl CommTestArgs {
-    fn config_overrides(&self) -> Vec<(&'static str, Value)> {
-        let mut overrides = vec![];
-        if let Some(backend) = self.backend {
-            overrides.push(("dist.backend", Value::serialize(backend).expect("enum serializes")));
-            // Gloo moves host tensors: benchmark it on the CPU even on a GPU machine.
-            if backend == Backend::Gloo {
-                overrides.push(("train.device", "cpu".into()));
-            }
-        }
-        if let Some(timeout) = self.timeout_secs {
-            overrides.push(("dist.timeout_secs", timeout.into()));
-        }
+    fn config_overrides(&self) -> Overrides {
+        let mut overrides = Overrides::default();
+        // Gloo moves host tensors: benchmark it on the CPU even on a GPU machine.
+        let on_cpu = self.backend == Some(Backend::Gloo);
+        overrides.serialized("dist.backend", self.backend).set("train.device", on_cpu.then_some("cpu")).set("dist.timeout_secs", self.timeout_secs);
         overrides
     }
 }
 
 pub fn run(args: CommTestArgs) -> Result<i32> {
-    let config = Config::load(args.config.path.as_deref(), &args.config_overrides(), &[])?;
-    let collectives = args.ops.iter().map(|o| collectives_bench::parse_collective(o)).collect::<Result<Vec<_>>>()?;
-    let sizes = collectives_bench::size_sweep(
-        collectives_bench::parse_bytes(&args.min_bytes)?,
-        collectives_bench::parse_bytes(&args.max_bytes)?,
-        args.factor,
-    )?;
-    let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
-    let comm = &rank.comm;
-    let world = rank.world_size();
-    tracing::info!("rendezvous complete: rank {} of {world}, backend {}", rank.rank(), comm.backend_name());
+    let config = Config::load(args.config.path.as_deref(), &args.config_overrides().0, &[])?;
     let options = CommTestOptions {
-        collectives,
-        sizes,
+        collectives: args.ops.clone(),
+        sizes: collectives_bench::size_sweep(args.min_bytes, args.max_bytes, args.factor)?,
         kind: tch::Kind::Float,
         warmup: args.warmup,
         iters: args.iters,
         check: !args.no_check,
     };
     let dtypes: Vec<tch::Kind> = args.dtype.iter().map(|d| d.storage_kind()).collect();
-    let report = collectives_bench::run_job(comm, &options, &dtypes, args.group_size)?;
-    if rank.rank() == 0 {
-        print!("{}", collectives_bench::format_table(&report.rows));
-        if let Some(path) = &args.json {
-            let json = report.to_json(comm, &options);
-            std::fs::write(path, serde_json::to_string_pretty(&json)?).with_context(|| format!("cannot write {}", path.display()))?;
-        }
-    }
-    if report.failures_on_any_rank > 0 {
-        bail!("{} collective check(s) failed across the ranks (see the lines above)", report.failures_on_any_rank);
-    }
-    if rank.rank() == 0 && !args.no_check {
-        println!("all collectives gave the expected values on all {world} ranks");
-    }
+    collectives_bench::run_command(&config, &options, &dtypes, args.group_size, args.json.as_deref())?;
     Ok(0)
 }

@@ -4,8 +4,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
+use ft_models::trained::{self, Prompt};
 use std::path::PathBuf;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 #[derive(Args)]
 pub struct InitModelArgs {
@@ -87,27 +88,12 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(args: GenerateArgs) -> Result<i32> {
-    let dir = hf::resolve(&args.model)?;
     let device = args.device.device(0)?;
-    let dtype = args.dtype.kind(device);
-    let tokenizer = if args.prompt.is_some() { Some(hf::load_tokenizer(&dir)?) } else { None };
-    let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
-        (Some(text), Some(tokenizer)) => {
-            let encoding = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?;
-            encoding.get_ids().iter().map(|&id| id as i64).collect()
-        }
-        _ => args.ids.clone(),
+    let prompt = match &args.prompt {
+        Some(text) => Prompt::Text(text),
+        None => Prompt::Ids(&args.ids),
     };
-    let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
-    let eos = args.eos.or_else(|| model.model().hf_config()["eos_token_id"].as_i64());
-    let tokens = ft_core::generate::greedy(model.model(), &params, &prompt, args.max_new_tokens, eos, dtype)?;
-    match tokenizer {
-        Some(tokenizer) => {
-            let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
-            println!("{}", tokenizer.decode(&ids, true).map_err(anyhow::Error::msg)?);
-        }
-        None => println!("{}", serde_json::to_string(&tokens)?),
-    }
+    println!("{}", trained::generate(&hf::resolve(&args.model)?, prompt, args.max_new_tokens, args.eos, args.dtype.kind(device), device)?);
     Ok(0)
 }
 
@@ -132,16 +118,8 @@ pub struct ForwardArgs {
 }
 
 pub fn forward(args: ForwardArgs) -> Result<i32> {
-    let dir = hf::resolve(&args.model)?;
     let device = args.device.device(0)?;
-    let dtype = args.dtype.kind(device);
-    let rows: Vec<Vec<i64>> = serde_json::from_str(
-        &std::fs::read_to_string(&args.ids).with_context(|| format!("cannot read {}", args.ids.display()))?,
-    )
-    .with_context(|| format!("{} must hold [[id, ...], ...]", args.ids.display()))?;
-    let (model, params) = ft_models::trained::load_trained(&dir, dtype, device)?;
-    let out = ft_core::train::loss::lm_inspection(model.model(), &params, &rows, dtype, args.grads)?;
-    Tensor::write_safetensors(&out, &args.out).with_context(|| format!("cannot write {}", args.out.display()))?;
-    println!("loss {:.6}", out.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])));
+    let loss = trained::forward(&hf::resolve(&args.model)?, &args.ids, &args.out, args.grads, args.dtype.kind(device), device)?;
+    println!("loss {loss:.6}");
     Ok(0)
 }

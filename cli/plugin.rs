@@ -1,8 +1,7 @@
-//! `ft plugin check`: flags → the conformance kit (ft_core::conformance) → its table.
+//! `ft plugin check`: flags → the conformance kit (ft_core::conformance::run).
 
 use anyhow::Result;
-use ft_core::conformance::{self, CheckRequest, Outcome, Row};
-use ft_core::Registry;
+use ft_core::conformance;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -45,58 +44,5 @@ struct CheckArgs {
 
 pub fn run(args: PluginArgs, plugins: &[PathBuf]) -> Result<i32> {
     let PluginCommand::Check(args) = args.command;
-    println!("ft plugin check {}", args.library.display());
-    let mut all = plugins.to_vec();
-    if !all.contains(&args.library) {
-        all.push(args.library.clone());
-    }
-    let registry = match Registry::with_plugins(&all) {
-        Ok(registry) => registry,
-        Err(error) => {
-            print_rows(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")), details: vec![] }]);
-            return Ok(1);
-        }
-    };
-    let settings = args.settings.iter().map(|s| ft_core::config::parse_assignment(s).map_err(anyhow::Error::msg)).collect::<Result<_>>()?;
-    let work = std::env::temp_dir().join(format!("ft-plugin-check-{}", std::process::id()));
-    let request = CheckRequest {
-        ft: std::env::current_exe()?,
-        library: args.library,
-        plugins: all,
-        comm: args.comm,
-        strategies: args.strategy,
-        settings,
-        raw_settings: args.settings,
-        steps: args.steps.max(6),
-        scratch: work.join("runs"),
-        logs: work.join("logs"),
-        cache: args.cache,
-    };
-    let rows = conformance::check(&request, &registry)?;
-    // Gone unless it keeps a failed run's log.
-    let _ = std::fs::remove_dir(&work);
-    print_rows(&rows);
-    Ok(if rows.iter().any(|r| matches!(r.outcome, Outcome::Fail(_))) { 1 } else { 0 })
-}
-
-fn print_rows(rows: &[Row]) {
-    let width = rows.iter().map(|r| r.check.len()).max().unwrap_or(0);
-    for row in rows {
-        let (mark, detail) = match &row.outcome {
-            Outcome::Pass(detail) => ("ok", detail),
-            Outcome::Fail(detail) => ("FAIL", detail),
-            Outcome::Skipped(detail) => ("skip", detail),
-        };
-        println!("  {:<10} {:<width$}  {mark:<4}  {detail}", row.hook, row.check);
-        for line in &row.details {
-            println!("      {line}");
-        }
-    }
-    let count = |kind: fn(&Outcome) -> bool| rows.iter().filter(|r| kind(&r.outcome)).count();
-    println!(
-        "{} passed, {} failed, {} skipped",
-        count(|o| matches!(o, Outcome::Pass(_))),
-        count(|o| matches!(o, Outcome::Fail(_))),
-        count(|o| matches!(o, Outcome::Skipped(_)))
-    );
+    conformance::run(args.library, plugins, args.comm, args.strategy, args.settings, args.steps, args.cache)
 }

@@ -1,19 +1,17 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{ConfigFile, LoraArgs, Overrides};
-use anyhow::{bail, Context, Result};
+use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
+use ft_core::config::{ModelInit, Overrides};
+use anyhow::Result;
 use clap::Args;
-use figment::value::Value;
-use ft_core::env::{DistEnv, EnvSource};
+use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
-use ft_core::device::{DType, DeviceSpec};
 use ft_core::plan;
-use ft_core::setup::{share_host_cores, Rank};
+use ft_core::setup::{self, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::config::{Assignment, ModelInit};
-use ft_core::run_dir::{self, RunLock};
-use ft_core::{checkpoint, Config, Registry};
+use ft_core::run_dir;
+use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
@@ -21,13 +19,11 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TrainArgs {
-    #[command(flatten)]
-    pub config: ConfigFile,
     /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset such as "demo" (model.source).
     #[arg(long)]
     model: Option<String>,
     /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
-    #[arg(long, value_name = "pretrained|random", value_parser = parse_init)]
+    #[arg(long, value_name = "pretrained|random", value_parser = parse_named::<ModelInit>)]
     init: Option<ModelInit>,
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
@@ -38,13 +34,6 @@ pub struct TrainArgs {
     /// Evaluation data (data.eval).
     #[arg(long)]
     eval_file: Option<PathBuf>,
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// A Jinja chat template for conversations instead of the tokenizer's (data.chat_template).
-    #[arg(long)]
-    chat_template: Option<PathBuf>,
-    #[arg(long)]
-    max_seq_len: Option<usize>,
     /// Several training examples in one row of max_seq_len tokens, each kept to itself (data.packing).
     #[arg(long)]
     packing: bool,
@@ -66,12 +55,6 @@ pub struct TrainArgs {
     lr: Option<f64>,
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// auto, f32, bf16 or fp16 (dynamic loss scaling).
-    #[arg(long)]
-    dtype: Option<DType>,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long)]
-    device: Option<DeviceSpec>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -94,9 +77,6 @@ pub struct TrainArgs {
     /// Continue from a checkpoint: "latest", its directory, or "auto" (latest if any) (train.resume).
     #[arg(long)]
     resume: Option<String>,
-    /// Local ranks to start when no launcher started this process.
-    #[arg(long)]
-    nproc_per_node: Option<usize>,
     /// Sharding strategy (train.strategy): ddp, zero1, shard_grad_op/zero2,
     /// full_shard/zero3, hybrid_shard, a plug-in's (`ft list`), or auto:
     /// `ft plan`'s fastest that fits, with its offload and activation checkpointing.
@@ -130,28 +110,25 @@ pub struct TrainArgs {
     /// fields ft does not act on are reported.
     #[arg(long)]
     ds_config: Option<PathBuf>,
-    /// Set any configuration key, e.g. --set task.doc_stride=64 (VALUE as JSON, else a string); repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
-    assignments: Vec<Assignment>,
     /// Print the resolved configuration and the planned run, then stop.
     #[arg(long)]
     dry_run: bool,
     #[command(flatten)]
     lora: LoraArgs,
+    #[command(flatten)]
+    settings: Settings,
+    #[command(flatten)]
+    ranks: RankArgs,
 }
 
 
 impl TrainArgs {
-    fn overrides(&self) -> Vec<(&'static str, Value)> {
-        let mut o = Overrides::default();
+    fn set(&self, o: &mut Overrides) {
         o.set("model.source", self.model.clone())
             .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
             .train_files(&self.train_file)
             .path("data.eval", self.eval_file.as_ref())
-            .path("data.tokenizer", self.tokenizer.as_ref())
-            .path("data.chat_template", self.chat_template.as_ref())
-            .set("data.max_seq_len", self.max_seq_len)
             .set("data.packing", self.packing.then_some(true))
             .set("data.train_samples", self.train_samples)
             .set("data.eval_samples", self.eval_samples)
@@ -161,8 +138,6 @@ impl TrainArgs {
             .set("train.grad_accum", self.grad_accum)
             .set("train.lr", self.lr)
             .set("train.weight_decay", self.weight_decay)
-            .serialized("train.dtype", self.dtype)
-            .serialized("train.device", self.device)
             .set("train.seed", self.seed)
             .set("train.activation_checkpointing", self.activation_checkpointing.then_some(true))
             .set("train.save_every", self.save_every)
@@ -171,7 +146,6 @@ impl TrainArgs {
             .path("output.dir", self.output_dir.as_ref())
             .set("output.overwrite", self.overwrite_output_dir.then_some(true))
             .set("output.report_to", self.report_to.clone())
-            .set("launch.nproc_per_node", self.nproc_per_node)
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
@@ -179,13 +153,9 @@ impl TrainArgs {
             .set("train.offload", self.offload.clone())
             .set("comm.name", self.comm.clone())
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
-        self.lora.set(&mut o);
-        o.0
+        self.ranks.set(o);
+        self.lora.set(o);
     }
-}
-
-fn parse_init(text: &str) -> Result<ModelInit, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|_| format!("{text:?}: expected pretrained or random"))
 }
 
 fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
@@ -197,114 +167,50 @@ fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
     }
 }
 
-/// The ranks the run will have: the launcher's world, or the local workers
-/// `ft train` is about to start itself.
-fn planned_world(config: &Config, env: &DistEnv) -> usize {
-    if env.source == EnvSource::SingleProcess {
-        config.launch.nproc_per_node
-    } else {
-        env.world_size
-    }
-}
-
 pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let registry = Registry::with_plugins(plugins)?;
     let deepspeed = args.ds_config.as_deref().map(|path| ft_core::ds_config::read(path, &registry)).transpose()?;
-    let mut overrides: Vec<(&str, Value)> = deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default();
-    overrides.extend(args.overrides());
-    let config = Config::load(args.config.path.as_deref(), &overrides, &args.assignments)?;
-    ft_core::setup::validate(&config, &registry)?;
+    let mut overrides = Overrides(deepspeed.as_ref().map(|d| d.overrides.clone()).unwrap_or_default());
+    args.set(&mut overrides);
+    // Every key is one of `ft train`'s.
+    let config = args.settings.load(overrides, "ft train", None)?;
+    setup::validate(&config, &registry)?;
     if !config.uses_preset() {
         // A model directory without its weights is refused here, before any rank starts.
         hf::ModelSource::resolve(&config.model.source)?.start(config.model.init)?;
     }
     let env = DistEnv::from_env()?;
-    let world = planned_world(&config, &env);
+    setup::check_float8_devices(&config, &env)?;
+    let (world, per_node) = setup::planned_ranks(&config, &env);
     if let Some(deepspeed) = &deepspeed {
         deepspeed.check(&config.train, world, env.rank == 0)?;
     }
     if args.dry_run {
-        let per_node = if env.source == EnvSource::SingleProcess { world } else { env.local_world_size };
-        let comm = ft_core::setup::check_comm_hook(&config, &registry, world, per_node)?;
+        let comm = setup::check_comm_hook(&config, &registry, world, per_node)?;
         println!("resolved configuration:\n{}\n{}\n{comm}", serde_json::to_string_pretty(&config)?, config.plan(world));
         return Ok(0);
     }
-    if env.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1 {
+    if let Some(workers) = setup::local_workers(&config, &env) {
         // Not started by a launcher: become one, with the same arguments.
-        return ft_core::launch::spawn_local(config.launch.nproc_per_node, std::env::args().skip(1).collect());
+        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     worker(config, &registry, &env)
 }
 
-/// Rank 0's hold on the output directory for the run, taken before any
-/// rank writes there: its lock, and the step the run continues its
-/// metrics from (None: a fresh run, for which the directory is made ready).
-fn claim_output(config: &Config) -> Result<(RunLock, Option<u64>)> {
-    let output = &config.output.dir;
-    let lock = RunLock::acquire(output)?;
-    let resume = config.train.resume.as_deref();
-    run_dir::claim(output, resume.is_some(), config.output.overwrite)?;
-    let resumed_step = match resume.map(|spec| checkpoint::resume_from(spec, output)).transpose()? {
-        None => None,
-        Some(None) => Some(0), // `--resume auto` with nothing to resume: step 0 of the directory's run
-        Some(Some(dir)) => Some(checkpoint::read_manifest(&dir)?.step as u64),
-    };
-    Ok((lock, resumed_step))
-}
-
-/// The command that continues this run: this process's own, with `--resume latest`.
-fn resume_command() -> String {
-    let mut words = vec![];
-    let mut arguments = std::env::args();
-    while let Some(word) = arguments.next() {
-        match word.as_str() {
-            "--resume" => {
-                arguments.next();
-            }
-            "--overwrite-output-dir" => {}
-            _ if word.starts_with("--resume=") => {}
-            _ => words.push(word),
-        }
-    }
-    words.extend(["--resume".into(), "latest".into()]);
-    let quoted = |word: String| match word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@%+".contains(c)) {
-        true => word,
-        false => format!("'{}'", word.replace('\'', r"'\''")),
-    };
-    words.into_iter().map(quoted).collect::<Vec<_>>().join(" ")
-}
-
-/// Where the model starts from: the demo's generated files (filled into
-/// `config` where the user set none) or the user's model.
-fn model_source(config: &mut Config, rank: &Rank) -> Result<hf::ModelSource> {
-    if config.model.source != demo::NAME {
-        return hf::ModelSource::resolve(&config.model.source);
-    }
-    let dir = config.output.dir.join("demo-data");
-    if rank.rank() == 0 {
-        demo::prepare(&dir, config.train.seed)?;
-    }
-    rank.comm.world().barrier()?.wait()?;
-    Ok(hf::ModelSource { config: demo::configure(config, &dir)?, dir: None, config_file: None })
-}
-
 fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32> {
     let (_output_lock, resumed_step) = match env.rank {
-        0 => claim_output(&config).map(|(lock, step)| (Some(lock), step))?,
+        0 => run_dir::claim_for_run(&config).map(|(lock, step)| (Some(lock), step))?,
         _ => (None, None),
     };
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.as_ref())?;
+    // Rank 0's lock made the directory.
     let output = config.output.dir.clone();
-    if rank.rank() == 0 {
-        std::fs::create_dir_all(&output).with_context(|| format!("cannot create {}", output.display()))?;
-    }
-    let source = model_source(&mut config, &rank)?;
-    let tokenizer = match (&config.data.tokenizer, &source.dir) {
-        (Some(path), _) => path.clone(),
-        (None, Some(dir)) => dir.join("tokenizer.json"),
-        (None, None) => bail!("set data.tokenizer (--tokenizer): {} has no directory to find tokenizer.json in", config.model.source),
+    let source = match config.model.source == demo::NAME {
+        true => hf::ModelSource { config: demo::for_run(&mut config, &rank.comm)?, dir: None, config_file: None },
+        false => hf::ModelSource::resolve(&config.model.source)?,
     };
+    let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
@@ -314,10 +220,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
-    if offload.to_host() && !configured_offload.to_host() {
-        // The host optimizer gets its share of the cores, as Rank::start gives an offloaded run.
-        share_host_cores(rank.comm.env().local_world_size, rank.device, offload.as_ref());
-    }
+    rank.share_cores_with(offload.as_ref(), configured_offload.as_ref());
     let seed = config.train.seed as i64;
     let start = source.start(config.model.init)?;
     if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {
@@ -330,16 +233,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         _ => vec![],
     };
     if rank.rank() == 0 {
-        tracing::info!(
-            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}, {:?}",
-            task.name(),
-            model.numel() as f64 / 1e6,
-            model.model_type(),
-            task.train_set().len(),
-            rank.world_size(),
-            rank.device,
-            rank.dtype
-        );
+        tracing::info!("{}", rank.describe_run(task.as_ref(), model));
         if let Some(lora) = run_model.lora() {
             tracing::info!("{}", lora.describe());
             if let Some(quantized) = lora.describe_quantized_base(rank.dtype) {
@@ -347,7 +241,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
             }
         }
     }
-    let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.dir.as_deref());
+    let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.files_dir().as_deref());
     let fit = Fit {
         model,
         task: task.as_mut(),
@@ -366,7 +260,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => {
             if rank.rank() == 0 {
-                tracing::warn!("{error}; continue with: {}", resume_command());
+                tracing::warn!("{error}; continue with: {}", run_dir::resume_command(std::env::args()));
             }
             return Ok(ft_core::signals::SAVED_AND_STOPPED);
         }
@@ -377,21 +271,9 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     };
     let Some((summary, final_params)) = trained else { return Ok(0) };
     if rank.rank() == 0 {
-        let final_dir = output.join("final");
-        let what = ft_models::trained::save_trained(&run_model, &final_params, &final_dir, base_dir.as_deref())?;
-        // What transformers needs besides the weights: the tokenizer, its special tokens and the chat template it was trained with, generation defaults.
-        ft_models::trained::write_model_files(&final_dir, &model_files, &source.config)?;
-        let mut written = vec![format!("final/ ({what} + tokenizer)"), "summary.json".into()];
+        let mut written = vec![ft_models::trained::write_final(&output, &run_model, &final_params, base_dir.as_deref(), &model_files, &source.config)?];
         written.extend(task.write_predictions(&output)?);
-        std::fs::write(output.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-        if !config.output.sinks()?.is_empty() {
-            written.push(format!("metrics ({})", config.output.sinks()?.join(", ")));
-        }
-        print!("{}", summary.table());
-        println!("outputs in {}: {}", output.display(), written.join(", "));
-        if let Some(checkpoint) = &summary.last_checkpoint {
-            println!("the last checkpoint is {}; to train on from it (more epochs, the next data.range): {}", checkpoint.display(), resume_command());
-        }
+        run_dir::finish(&output, &summary, written, config.output.sinks()?)?;
     }
     Ok(0)
 }

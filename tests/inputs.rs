@@ -3,7 +3,9 @@
 //! when asked for, and said), options that need another are errors, `--set`
 //! keys are checked by every command and bad values name where they came
 //! from, the epoch's short last batch is logged or trained, and
-//! `--max-steps`, `train.eval_every` and `--report-to none` do what they say.
+//! `--max-steps`, `train.eval_every` and `--report-to none` do what they
+//! say; `ft tokenize` writes its task's rows, and `--fp8` where it cannot
+//! run is refused before any rank starts.
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -121,7 +123,9 @@ fn pytorch_bin_weights_are_refused_with_the_command_that_converts_them() {
 fn random_weights_come_from_a_config_json_or_init_random_and_the_log_says_so() {
     let scratch = tempfile::tempdir().unwrap();
     let [config, train_file, tokenizer] = common::demo_files(scratch.path());
-    let data = ["--train-file", train_file.to_str().unwrap(), "--tokenizer", tokenizer.to_str().unwrap(), "--train-samples", "16"];
+    // The config.json's directory holds the tokenizer.json the runs read.
+    std::fs::copy(&tokenizer, config.with_file_name("tokenizer.json")).unwrap();
+    let data = ["--train-file", train_file.to_str().unwrap(), "--train-samples", "16"];
     let train = |model: &Path, out: &str, extra: &[&str]| {
         let mut command = ft();
         command
@@ -137,12 +141,16 @@ fn random_weights_come_from_a_config_json_or_init_random_and_the_log_says_so() {
     let dir = scratch.path().join("weightless");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(&config, dir.join("config.json")).unwrap();
+    std::fs::copy(&tokenizer, dir.join("tokenizer.json")).unwrap();
     let log = succeeded(train(&dir, "init-random", &["--init", "random", "--lora-r", "4"]));
     assert!(log.contains(&format!("random initialisation (train.seed 42): model.init is random (--init random): the weights in {} are not read", dir.display())), "{log}");
     assert!(scratch.path().join("init-random/base-model/model.safetensors").is_file());
-    // Pretrained weights asked of a config.json alone.
+    // Pretrained weights asked of a config.json alone, and of one with weights beside it (a run's final/).
     let output = train(&config, "pretrained", &["--init", "pretrained"]);
     assert!(!output.status.success() && text(&output).contains("model.init is pretrained (--init pretrained), but"), "{}", text(&output));
+    let trained = scratch.path().join("from-config/final/config.json");
+    let log = succeeded(train(&trained, "pretrained-beside", &["--init", "pretrained"]));
+    assert!(!log.contains("random initialisation"), "{log}");
 }
 
 #[test]
@@ -382,4 +390,82 @@ fn a_panic_is_one_line_naming_the_command_and_exit_code_70() {
     let output = panicking("1");
     assert_eq!(output.status.code(), Some(70));
     assert!(text(&output).contains("ft_core::checkpoint::fault_point"), "the backtrace names where: {}", text(&output));
+}
+
+/// `--set` keys `ft eval` and `ft tokenize` do not read are refused naming
+/// the key and the command, before anything is read; keys they read are taken.
+#[test]
+fn set_keys_a_command_does_not_read_are_errors_naming_the_key_and_the_command() {
+    let (ok, message) = run(&["eval", "--model", "no-such-model", "--eval-file", "e.json", "--set", "train.lr=1"]);
+    assert!(!ok && message.contains("--set train.lr=1: `ft eval` does not read `train.lr`"), "{message}");
+    let (ok, message) = run(&["tokenize", "--train-file", "t.txt", "--out", "o.jsonl", "--set", "train.lora.r=4"]);
+    assert!(!ok && message.contains("--set train.lora.r=4: `ft tokenize` does not read `train.lora.r`"), "{message}");
+    let (ok, message) = run(&["eval", "--model", "no-such-model", "--eval-file", "e.json", "--set", "task.beta=0.2"]);
+    assert!(!ok && message.contains("model \"no-such-model\" not found locally"), "a key ft eval reads passes: {message}");
+}
+
+/// `ft tokenize` writes the rows its task trains on: causal_lm's by
+/// default, from a model given as its config.json (the tokenizer beside
+/// it); the dpo task's chosen and rejected rows with `--task dpo`, which
+/// preference data without it is refused naming; a task with no rows to
+/// write is refused naming those with.
+#[test]
+fn ft_tokenize_writes_the_rows_of_the_task_it_is_given() {
+    let scratch = tempfile::tempdir().unwrap();
+    let [config, train_file, tokenizer] = common::demo_files(scratch.path());
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    let tokenize = |extra: &[&str], out: &str| {
+        let out = scratch.path().join(out);
+        let (ok, message) = run(&[&["tokenize", "--out", &path(&out)][..], extra].concat());
+        (ok, message, std::fs::read_to_string(&out).unwrap_or_default())
+    };
+    // A config.json finds the tokenizer.json in its directory, as the directory itself does.
+    let beside = tokenizer.with_file_name("config.json");
+    std::fs::copy(&config, &beside).unwrap();
+    let text = ["--train-file", &path(&train_file), "--set", "data.max_seq_len=64"];
+    let (ok, message, by_config) = tokenize(&[&["--model", &path(&beside)][..], &text].concat(), "by-config.jsonl");
+    assert!(ok && message.contains("examples") && !by_config.is_empty(), "{message}");
+    let (ok, message, by_directory) = tokenize(&[&["--model", &path(beside.parent().unwrap())][..], &text].concat(), "by-directory.jsonl");
+    assert!(ok && by_config == by_directory, "{message}");
+
+    let rows = [("The capital of Ruritania is", " Strelsau.", " Zenda, by the lake."), ("Two plus two is", " four.", " five")];
+    let pairs = scratch.path().join("pairs.jsonl");
+    let lines: String = rows.iter().map(|(p, c, r)| serde_json::json!({"prompt": p, "chosen": c, "rejected": r}).to_string() + "\n").collect();
+    std::fs::write(&pairs, lines).unwrap();
+    let preference = ["--model", &path(beside.parent().unwrap()), "--train-file", &path(&pairs)];
+    let (ok, message, _) = tokenize(&preference, "refused.jsonl");
+    assert!(!ok && message.contains("holds preference pairs") && message.contains("(--task dpo)"), "{message}");
+    let (ok, message, _) = tokenize(&[&preference[..], &["--task", "extractive_qa"]].concat(), "refused.jsonl");
+    assert!(!ok && message.contains("task `extractive_qa` has no rows `ft tokenize` writes (--task causal_lm or --task dpo)"), "{message}");
+    let (ok, message, written) = tokenize(&[&preference[..], &["--task", "dpo"]].concat(), "pairs.tokens.jsonl");
+    assert!(ok && message.contains("2 preference pairs"), "{message}");
+    let decoder = tokenizers::Tokenizer::from_file(&tokenizer).unwrap();
+    let ids = |row: &Value, key: &str| -> Vec<i64> { row[key].as_array().unwrap_or_else(|| panic!("no {key} in {row}")).iter().map(|v| v.as_i64().unwrap()).collect() };
+    let written: Vec<Value> = written.lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    assert_eq!(written.len(), rows.len());
+    for (row, (prompt, chosen, rejected)) in written.iter().zip(rows) {
+        let mut prompts = vec![];
+        for (side, completion) in [("chosen", chosen), ("rejected", rejected)] {
+            let (input_ids, labels) = (ids(row, &format!("{side}_input_ids")), ids(row, &format!("{side}_labels")));
+            let prompt_tokens = labels.iter().take_while(|&&label| label == -100).count();
+            assert!(prompt_tokens > 0 && prompt_tokens < input_ids.len(), "{row}");
+            assert_eq!(labels[prompt_tokens..], input_ids[prompt_tokens..], "the completion's tokens carry the loss: {row}");
+            let decoded = decoder.decode(&input_ids.iter().map(|&id| id as u32).collect::<Vec<_>>(), false).unwrap();
+            assert!(decoded.starts_with(&format!("{prompt}{completion}")), "{decoded:?}");
+            prompts.push(input_ids[..prompt_tokens].to_vec());
+        }
+        assert_eq!(prompts[0], prompts[1], "both sequences start with the same prompt: {row}");
+    }
+}
+
+/// `--fp8` on a CPU is refused by `ft train` itself, before it starts its
+/// local ranks (none prints a line) or writes anything.
+#[test]
+fn fp8_where_it_cannot_run_is_refused_before_any_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let (ok, message) = run(&["train", "--fp8", "tensorwise", "--device", "cpu", "--nproc-per-node", "2", "--output-dir", out.to_str().unwrap()]);
+    assert!(!ok && message.contains("train.fp8 (--fp8) needs a CUDA GPU of compute capability 8.9 or newer"), "{message}");
+    assert!(!message.contains("[rank "), "no rank started: {message}");
+    assert!(!out.exists(), "a refused run writes nothing");
 }

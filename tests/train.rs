@@ -446,6 +446,10 @@ print(((ours - theirs).abs().max() / theirs.abs().max()).item())";
 fn flags_without_a_command_are_train_and_ft_alone_leads_with_the_demo() {
     let help = text(&ft().output().unwrap());
     assert!(help.starts_with("Start here: `ft train` fine-tunes the embedded demo"), "{help}");
+    // The demo's time is README's measured one.
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let measured = readme.split("`ft-output/`. About ").nth(1).and_then(|rest| rest.split(';').next()).expect("README says how long the demo takes");
+    assert!(help.contains(&format!("about {measured})")), "README: about {measured}; ft: {help}");
     let dir = tempfile::tempdir().unwrap();
     let output = ft().args(["--strategy", "hybrid_shard", "--offload", "cpu", "--dry-run", "--output-dir", dir.path().to_str().unwrap()]).output().unwrap();
     let plan = text(&output);

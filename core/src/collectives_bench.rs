@@ -276,6 +276,15 @@ pub struct JobReport {
     pub failures_on_any_rank: usize,
 }
 
+/// `ft comm-test`: joins the job `config` describes, runs the sweep
+/// ([`run_job`]) and ends it ([`JobReport::finish`]).
+pub fn run_command(config: &crate::Config, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, json: Option<&std::path::Path>) -> Result<()> {
+    let rank = crate::setup::Rank::start(config, &crate::offload::NoOffload)?;
+    tracing::info!("rendezvous complete: rank {} of {}, backend {}", rank.rank(), rank.world_size(), rank.comm.backend_name());
+    let report = run_job(&rank.comm, options, dtypes, group_size)?;
+    report.finish(&rank.comm, options, json)
+}
+
 /// Runs the sweep for every dtype over the world and, with `group_size`,
 /// over hybrid sharding's shard and replica sub-groups too (collective:
 /// every rank calls it with the same arguments).
@@ -315,6 +324,27 @@ impl JobReport {
             "iters": options.iters,
             "rows": self.rows,
         })
+    }
+
+    /// Ends `ft comm-test`: rank 0 prints the table and writes the JSON
+    /// to `json`; a check that failed on any rank is an error, else rank 0
+    /// says all passed (when `options.check`).
+    pub fn finish(&self, comm: &Communicator, options: &CommTestOptions, json: Option<&std::path::Path>) -> Result<()> {
+        let rank0 = comm.env().rank == 0;
+        if rank0 {
+            print!("{}", format_table(&self.rows));
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&self.to_json(comm, options))?;
+                std::fs::write(path, text).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+            }
+        }
+        if self.failures_on_any_rank > 0 {
+            bail!("{} collective check(s) failed across the ranks (see the lines above)", self.failures_on_any_rank);
+        }
+        if rank0 && options.check {
+            println!("all collectives gave the expected values on all {} ranks", comm.env().world_size);
+        }
+        Ok(())
     }
 }
 

@@ -897,6 +897,61 @@ pub fn parse_assignment(text: &str) -> Result<Assignment, String> {
     Assignment::parse(text, "--set")
 }
 
+/// A command's flags as configuration overrides: each flag given sets its
+/// dotted key (`Config::load`'s `flags`), applied over the file and the environment.
+#[derive(Default)]
+pub struct Overrides(pub Vec<(&'static str, Value)>);
+
+impl Overrides {
+    pub fn set<T: Into<Value>>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        if let Some(value) = value {
+            self.0.push((key, value.into()));
+        }
+        self
+    }
+
+    pub fn path(&mut self, key: &'static str, value: Option<&std::path::PathBuf>) -> &mut Self {
+        self.set(key, value.map(|p| p.display().to_string()))
+    }
+
+    /// `--train-file`s: one is `data.train`; several are a `data.mixture`
+    /// of them, each of their examples once.
+    pub fn train_files(&mut self, files: &[std::path::PathBuf]) -> &mut Self {
+        match files {
+            [] => self,
+            [one] => self.path("data.train", Some(one)),
+            several => {
+                let sources: Vec<serde_json::Value> = several.iter().map(|file| serde_json::json!({"path": file.display().to_string()})).collect();
+                self.serialized("data.mixture", Some(sources))
+            }
+        }
+    }
+
+    /// A value the configuration reads with serde (an enum such as a dtype).
+    pub fn serialized<T: serde::Serialize>(&mut self, key: &'static str, value: Option<T>) -> &mut Self {
+        self.set(key, value.map(|v| Value::serialize(v).expect("plain enums and JSON serialize")))
+    }
+}
+
+/// Refuses each `--set` key that `command` does not read: it would do
+/// nothing in silence. `reads` holds dotted keys, a section's name standing
+/// for all of its keys. Only `--set` is checked: a config file and `FT_*`
+/// variables may hold other commands' keys too (one file serves a run's
+/// `ft train` and `ft eval`).
+pub fn check_reads(assignments: &[Assignment], command: &str, reads: &[&str]) -> Result<()> {
+    for assignment in assignments {
+        let mut keys = BTreeSet::from([assignment.key.clone()]);
+        if let Value::Dict(_, dict) = &assignment.value {
+            dotted_keys(&mut keys, &assignment.key, dict);
+        }
+        let read = |key: &String| reads.iter().any(|r| key == r || key.starts_with(&format!("{r}.")) || r.starts_with(&format!("{key}.")));
+        if let Some(key) = keys.iter().find(|key| !read(key)) {
+            bail!("{assignment}: `{command}` does not read `{key}` (the keys it reads: {})", reads.join(", "));
+        }
+    }
+    Ok(())
+}
+
 /// Every dotted key of `dict` under `prefix`, sections included.
 fn dotted_keys(keys: &mut BTreeSet<String>, prefix: &str, dict: &figment::value::Dict) {
     for (name, value) in dict {
@@ -1032,6 +1087,17 @@ mod tests {
         let config = Config::load_with_env(None, &[("model.source", "some/model".into())], &[], no_env()).unwrap();
         assert_eq!((config.train.lr, config.launch.nproc_per_node, config.data.max_seq_len), (5e-5, 1, 512));
         assert!(!config.uses_preset());
+    }
+
+    #[test]
+    fn set_keys_a_command_does_not_read_are_refused_naming_the_key_and_the_command() {
+        let set = |texts: &[&str]| texts.iter().map(|text| parse_assignment(text).unwrap()).collect::<Vec<_>>();
+        let reads = ["data", "train.dtype"];
+        check_reads(&set(&["data.max_seq_len=64", "train.dtype=bf16", r#"train={"dtype": "f32"}"#]), "ft eval", &reads).unwrap();
+        let refused = check_reads(&set(&["data.format=chat", "train.lr=1"]), "ft eval", &reads).unwrap_err().to_string();
+        assert!(refused.starts_with("--set train.lr=1: `ft eval` does not read `train.lr` (the keys it reads: data, train.dtype)"), "{refused}");
+        let refused = check_reads(&set(&[r#"train={"lr": 1}"#]), "ft eval", &reads).unwrap_err().to_string();
+        assert!(refused.contains("does not read `train.lr`"), "{refused}");
     }
 
     #[test]

@@ -65,6 +65,71 @@ pub struct Row {
     pub details: Vec<String>,
 }
 
+/// `ft plugin check LIBRARY`: loads it beside `plugins` (a failure to load
+/// is the table's one row), runs [`check`] with these settings (`--set`,
+/// as given) in a scratch directory, and prints the table. Returns the
+/// exit code: 1 if a check failed.
+pub fn run(library: PathBuf, plugins: &[PathBuf], comm: Option<String>, strategies: Vec<String>, raw_settings: Vec<String>, steps: usize, cache: Option<PathBuf>) -> Result<i32> {
+    println!("ft plugin check {}", library.display());
+    let mut all = plugins.to_vec();
+    if !all.contains(&library) {
+        all.push(library.clone());
+    }
+    let registry = match Registry::with_plugins(&all) {
+        Ok(registry) => registry,
+        Err(error) => {
+            print!("{}", table(&[Row { hook: "-".into(), check: "loads".into(), outcome: Outcome::Fail(format!("{error:#}")), details: vec![] }]));
+            return Ok(1);
+        }
+    };
+    let settings = raw_settings.iter().map(|s| crate::config::parse_assignment(s).map_err(anyhow::Error::msg)).collect::<Result<_>>()?;
+    let work = std::env::temp_dir().join(format!("ft-plugin-check-{}", std::process::id()));
+    let request = CheckRequest {
+        ft: std::env::current_exe()?,
+        library,
+        plugins: all,
+        comm,
+        strategies,
+        settings,
+        raw_settings,
+        steps: steps.max(6),
+        scratch: work.join("runs"),
+        logs: work.join("logs"),
+        cache,
+    };
+    let rows = check(&request, &registry)?;
+    // Gone unless it keeps a failed run's log.
+    let _ = std::fs::remove_dir(&work);
+    print!("{}", table(&rows));
+    Ok(if rows.iter().any(|r| matches!(r.outcome, Outcome::Fail(_))) { 1 } else { 0 })
+}
+
+/// The rows as `ft plugin check` prints them: one line each (hook, check,
+/// ok/FAIL/skip, detail) with its details under it, then the counts.
+pub fn table(rows: &[Row]) -> String {
+    let width = rows.iter().map(|r| r.check.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for row in rows {
+        let (mark, detail) = match &row.outcome {
+            Outcome::Pass(detail) => ("ok", detail),
+            Outcome::Fail(detail) => ("FAIL", detail),
+            Outcome::Skipped(detail) => ("skip", detail),
+        };
+        out += &format!("  {:<10} {:<width$}  {mark:<4}  {detail}\n", row.hook, row.check);
+        for line in &row.details {
+            out += &format!("      {line}\n");
+        }
+    }
+    let count = |kind: fn(&Outcome) -> bool| rows.iter().filter(|r| kind(&r.outcome)).count();
+    out += &format!(
+        "{} passed, {} failed, {} skipped\n",
+        count(|o| matches!(o, Outcome::Pass(_))),
+        count(|o| matches!(o, Outcome::Fail(_))),
+        count(|o| matches!(o, Outcome::Skipped(_)))
+    );
+    out
+}
+
 /// Lines of a failed run's output shown under its row.
 const LOG_TAIL: usize = 15;
 

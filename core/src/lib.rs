@@ -46,6 +46,7 @@ pub mod signals;
 pub mod strategy;
 pub mod task;
 pub mod train;
+pub mod units;
 
 /// AdamW's hyper-parameters (the fused step itself is in the shim).
 pub use ft_sys::AdamW;

@@ -33,6 +33,18 @@ impl Report {
     }
 }
 
+/// Runs `work` as one step, recorded with the profiler into `dir` as
+/// `<label>.*` where a directory is given (`ft eval --profile`), its top
+/// kernels logged.
+pub fn recorded<T>(dir: Option<&Path>, label: &str, cuda: bool, work: impl FnOnce() -> Result<T>) -> Result<T> {
+    let Some(dir) = dir else { return work() };
+    start(cuda)?;
+    let result = work()?;
+    let report = stop(dir, label, cuda, 1)?;
+    tracing::info!("profile of {label} ({}): {}", dir.display(), report.top(25));
+    Ok(result)
+}
+
 /// Stops the recording `start` began over `steps` steps and writes
 /// `<dir>/<label>.trace.json` and `<dir>/<label>.kernels.tsv`.
 pub fn stop(dir: &Path, label: &str, cuda: bool, steps: usize) -> Result<Report> {

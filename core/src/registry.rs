@@ -246,6 +246,48 @@ impl Registry {
         })
     }
 
+    /// What it holds, as `ft list` prints it: models, tasks, strategies,
+    /// communication hooks and their options, offloads, sinks, presets.
+    pub fn describe(&self) -> String {
+        let mut lines = vec![];
+        lines.push("models (config.json model_type):".to_string());
+        for m in self.models() {
+            lines.push(format!("  {:<16} {}", m.model_type, m.summary));
+        }
+        lines.push("tasks (--task; the default is the one for the model's head):".to_string());
+        for t in self.tasks() {
+            lines.push(format!("  {:<16} {} [head: {}]", t.name, t.summary, t.head_kind));
+        }
+        lines.push("strategies:".to_string());
+        if self.strategies().is_empty() {
+            lines.push("  (none registered)".to_string());
+        }
+        for s in self.strategies() {
+            let aliases = if s.aliases.is_empty() { String::new() } else { format!(" (alias {})", s.aliases.join(", ")) };
+            lines.push(format!("  {:<16} {}{aliases} [{}]", s.name, s.summary, s.origin));
+        }
+        lines.push("communication (--comm; options as --set comm.NAME.KEY=VALUE):".to_string());
+        for c in self.comms() {
+            lines.push(format!("  {:<16} {} [{}]", c.name, c.summary, c.origin));
+            for option in &c.options {
+                lines.push(format!("  {:<18} {} = {:<8} {}", "", option.key, option.default, option.help));
+            }
+        }
+        lines.push("offload (--offload):".to_string());
+        for o in self.offloads() {
+            lines.push(format!("  {:<16} {} [built-in]", o.name, o.summary));
+        }
+        lines.push("metrics sinks:".to_string());
+        for s in self.sinks() {
+            lines.push(format!("  {:<16} {} [{}]", s.name, s.summary, s.origin));
+        }
+        lines.push("presets (--model NAME):".to_string());
+        for p in self.presets() {
+            lines.push(format!("  {:<16} {}{}", p.name, p.summary, if p.default { " [default]" } else { "" }));
+        }
+        lines.join("\n") + "\n"
+    }
+
     pub fn presets(&self) -> &[&'static PresetRegistration] {
         &self.presets
     }
@@ -263,6 +305,17 @@ impl Registry {
                 format!("no registered task trains a {head_kind} head (registered: {}); choose one with --task", names.join(", "))
             }),
         }
+    }
+
+    /// What `ft tokenize --task NAME` writes the rows with: task `name`'s
+    /// (default: the causal LM head's task); a task without rows to write
+    /// is refused naming those with.
+    pub fn tokenize(&self, name: Option<&str>) -> Result<fn(&crate::task::Tokenize) -> Result<String>> {
+        let task = self.task(name, crate::model::head::CAUSAL_LM)?;
+        task.tokenize.with_context(|| {
+            let writers: Vec<&str> = self.tasks.iter().filter(|t| t.tokenize.is_some()).map(|t| t.name).collect();
+            format!("task `{}` has no rows `ft tokenize` writes (--task {})", task.name, writers.join(" or --task "))
+        })
     }
 
     pub fn sink(&self, name: &str) -> Result<&SinkEntry> {

@@ -3,7 +3,8 @@
 //! releases however the process ends), and a run that does not resume is
 //! refused where another run's metrics or checkpoints are, unless it
 //! replaces them (`output.overwrite`). Each run has an id, which checkpoints
-//! and metrics record and which a resumed run continues.
+//! and metrics record and which a resumed run continues. What a finished
+//! `ft train` or `ft eval` leaves there besides is written here too.
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -191,9 +192,103 @@ pub fn claim(output: &Path, resumes: bool, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
+/// Rank 0's hold on the output directory for the run, taken before any
+/// rank writes there: its lock, and the step the run continues its
+/// metrics from (None: a fresh run, for which the directory is made ready).
+pub fn claim_for_run(config: &crate::Config) -> Result<(RunLock, Option<u64>)> {
+    let output = &config.output.dir;
+    let lock = RunLock::acquire(output)?;
+    let resume = config.train.resume.as_deref();
+    claim(output, resume.is_some(), config.output.overwrite)?;
+    let resumed_step = match resume.map(|spec| crate::checkpoint::resume_from(spec, output)).transpose()? {
+        None => None,
+        Some(None) => Some(0), // `--resume auto` with nothing to resume: step 0 of the directory's run
+        Some(Some(dir)) => Some(crate::checkpoint::read_manifest(&dir)?.step as u64),
+    };
+    Ok((lock, resumed_step))
+}
+
+/// Ends a finished run, on rank 0: writes OUTPUT/summary.json, prints the
+/// summary's table, a line naming the outputs (`written`, then the summary
+/// and the `sinks`' metrics), and how to train on from its last checkpoint.
+pub fn finish(output: &Path, summary: &crate::fit::Summary, mut written: Vec<String>, sinks: &[String]) -> Result<()> {
+    let path = output.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(summary)?).with_context(|| format!("cannot write {}", path.display()))?;
+    written.push("summary.json".into());
+    if !sinks.is_empty() {
+        written.push(format!("metrics ({})", sinks.join(", ")));
+    }
+    print!("{}", summary.table());
+    println!("outputs in {}: {}", output.display(), written.join(", "));
+    if let Some(checkpoint) = &summary.last_checkpoint {
+        println!("the last checkpoint is {}; to train on from it (more epochs, the next data.range): {}", checkpoint.display(), resume_command(std::env::args()));
+    }
+    Ok(())
+}
+
+/// Ends `ft eval`, on rank 0: writes the task's predictions into `output`,
+/// prints the evaluation of `data` and writes OUTPUT/eval_results.json,
+/// every figure at full precision, named as a training run's evaluation
+/// records them (and Hugging Face's eval_results.json).
+pub fn finish_eval(output: &Path, data: &Path, evaluation: &crate::fit::Evaluation, task: &dyn crate::task::Task) -> Result<()> {
+    std::fs::create_dir_all(output).with_context(|| format!("cannot create {}", output.display()))?;
+    task.write_predictions(output)?;
+    let loss = evaluation.loss.map_or("n/a".into(), |l| format!("{l:.4}"));
+    let scores: String = evaluation.scores.values.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
+    let examples = evaluation.examples;
+    println!("{}: eval loss {loss} over {examples} examples{scores}", data.display());
+    let per_second = examples as f64 / evaluation.seconds.max(f64::MIN_POSITIVE);
+    // Every figure at full precision, named as a training run's evaluation records them (and Hugging Face's eval_results.json).
+    let mut results = serde_json::Map::new();
+    if let Some(loss) = evaluation.loss {
+        results.insert("eval_loss".into(), loss.into());
+    }
+    results.extend(evaluation.scores.values.iter().map(|(k, v)| (format!("eval_{k}"), (*v).into())));
+    results.insert("eval_samples".into(), examples.into());
+    results.insert("eval_samples_per_second".into(), per_second.into());
+    let path = output.join("eval_results.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&results)?).with_context(|| format!("cannot write {}", path.display()))?;
+    // The task's own scoring (generation, span decoding), where it has one.
+    let scoring = match evaluation.scores.examples {
+        0 => String::new(),
+        _ => format!("; its scoring {:.2} s", evaluation.scoring_seconds),
+    };
+    println!("evaluated {examples} examples in {:.2} s ({per_second:.1} examples/s{scoring})", evaluation.seconds);
+    Ok(())
+}
+
+/// The command that continues a run started with `arguments` (the
+/// program's own first): the same, with `--resume latest`, quoted for a shell.
+pub fn resume_command(arguments: impl IntoIterator<Item = String>) -> String {
+    let mut words = vec![];
+    let mut arguments = arguments.into_iter();
+    while let Some(word) = arguments.next() {
+        match word.as_str() {
+            "--resume" => {
+                arguments.next();
+            }
+            "--overwrite-output-dir" => {}
+            _ if word.starts_with("--resume=") => {}
+            _ => words.push(word),
+        }
+    }
+    words.extend(["--resume".into(), "latest".into()]);
+    let quoted = |word: String| match word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@%+".contains(c)) {
+        true => word,
+        false => format!("'{}'", word.replace('\'', r"'\''")),
+    };
+    words.into_iter().map(quoted).collect::<Vec<_>>().join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_resume_command_is_the_runs_own_with_resume_latest_quoted_for_a_shell() {
+        let arguments = ["ft", "train", "--resume", "auto", "--overwrite-output-dir", "--output-dir", "my run", "--resume=x", "--lr", "1e-4"];
+        assert_eq!(resume_command(arguments.map(String::from)), "ft train --output-dir 'my run' --lr 1e-4 --resume latest");
+    }
 
     #[test]
     fn a_held_lock_names_its_holder_and_a_released_one_is_taken() {

@@ -4,7 +4,7 @@
 
 use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
-use crate::env::DistEnv;
+use crate::env::{DistEnv, EnvSource};
 use crate::offload::Offload;
 use crate::registry::Registry;
 use anyhow::{bail, Result};
@@ -103,6 +103,37 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     Ok(())
 }
 
+/// The ranks a run will have, and those on this node: the launcher's, or
+/// the local workers `ft train` is about to start itself.
+pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
+    match env.source {
+        EnvSource::SingleProcess => (config.launch.nproc_per_node, config.launch.nproc_per_node),
+        _ => (env.world_size, env.local_world_size),
+    }
+}
+
+/// The local workers a command started by no launcher starts itself
+/// (`launch.nproc_per_node` above 1), becoming their launcher; None: this
+/// process is the run's only rank, or one of a launcher's.
+pub fn local_workers(config: &Config, env: &DistEnv) -> Option<usize> {
+    (env.source == EnvSource::SingleProcess && config.launch.nproc_per_node > 1).then_some(config.launch.nproc_per_node)
+}
+
+/// Refuses `train.fp8` where this node's ranks would compute without float8
+/// GEMMs (a CPU, a GPU before compute capability 8.9), before any rank
+/// starts: the local workers `ft train` is about to start, or this rank.
+pub fn check_float8_devices(config: &Config, env: &DistEnv) -> Result<()> {
+    let Some(float8) = config.train.float8() else { return Ok(()) };
+    let local_ranks = match env.source {
+        EnvSource::SingleProcess => 0..config.launch.nproc_per_node,
+        _ => env.local_rank..env.local_rank + 1,
+    };
+    for local_rank in local_ranks {
+        crate::train::float8_serves(float8, config.train.device.device(local_rank)?)?;
+    }
+    Ok(())
+}
+
 /// Each key given that only acts with another (`REQUIRES`) has it.
 pub fn check_given_keys(config: &Config) -> Result<()> {
     for (key, needs, what) in REQUIRES {
@@ -130,6 +161,16 @@ pub fn check_adapters(config: &Config) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `base` as LoRA's keys given as `flags` make it (`train.lora.*`,
+/// `model.quantize`), checked as `ft train` checks them: what `ft plan` and
+/// `ft bench --plan-check` predict for.
+pub fn run_model(base: Box<dyn crate::Model>, flags: &crate::config::Overrides) -> Result<crate::lora::RunModel> {
+    let config = Config::load(None, &flags.0, &[])?;
+    check_given_keys(&config)?;
+    check_adapters(&config)?;
+    crate::lora::RunModel::new(base, &config.train.lora, config.model.quantization())
 }
 
 /// Keys that only act with another: each, when given, needs its rule to
@@ -172,6 +213,24 @@ pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_n
     Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
 }
 
+/// Ends the process with `code` once everything of a command is dropped
+/// (files written and closed, sinks and ranks finished): its output
+/// flushed, without what `exit` would still do, libtorch's teardown —
+/// unregistering its thousands of operators, finalizing the CUDA libraries
+/// — a third of `ft list`'s CPU time on a CPU-only host, paid again by
+/// every rank and launcher. The kernel frees it all at once.
+pub fn exit_without_teardown(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: flushing C's streams (what libtorch may print) takes no
+    // pointer but the null one meaning all; `_exit` ends the process.
+    unsafe {
+        libc::fflush(std::ptr::null_mut());
+        libc::_exit(code)
+    }
+}
+
 /// One worker process of a job: who it is, where it computes, in which
 /// dtype, and its communicator.
 pub struct Rank {
@@ -199,6 +258,29 @@ impl Rank {
 
     pub fn rank(&self) -> usize {
         self.comm.env().rank
+    }
+
+    /// Gives `offload`, when the plan chose it (`--strategy auto`) over the
+    /// `configured` one, its host optimizer's share of the cores, as
+    /// [`Rank::start`] gives an offloaded run.
+    pub fn share_cores_with(&self, offload: &dyn Offload, configured: &dyn Offload) {
+        if offload.to_host() && !configured.to_host() {
+            share_host_cores(self.comm.env().local_world_size, self.device, offload);
+        }
+    }
+
+    /// A line saying what this job trains: the task, the model, the examples, the ranks, device and dtype.
+    pub fn describe_run(&self, task: &dyn crate::task::Task, model: &dyn crate::Model) -> String {
+        format!(
+            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}, {:?}",
+            task.name(),
+            model.numel() as f64 / 1e6,
+            model.model_type(),
+            task.train_set().len(),
+            self.world_size(),
+            self.device,
+            self.dtype
+        )
     }
 
     pub fn world_size(&self) -> usize {

@@ -209,6 +209,17 @@ pub struct TaskRegistration {
     pub synthetic: fn(&Synthetic) -> Result<Box<dyn Task>>,
     /// Checks the task's `task.*` keys before any worker starts.
     pub check_options: fn(&serde_json::Value) -> Result<()>,
+    /// `ft tokenize`: writes the rows the task trains on, as JSON lines,
+    /// and says what it wrote (None: the task has no such rows to give).
+    pub tokenize: Option<fn(&Tokenize) -> Result<String>>,
+}
+
+/// What `ft tokenize` gives a task: `data.*` and `task.*`, the
+/// tokenizer.json, and the file the JSON lines go to.
+pub struct Tokenize<'a> {
+    pub config: &'a Config,
+    pub tokenizer: &'a Path,
+    pub out: &'a Path,
 }
 inventory::collect!(TaskRegistration);
 

@@ -20,7 +20,7 @@ use crate::strategy::{ReduceDtype, ShardingStrategy};
 use crate::task::{Synthetic, Task, TaskRegistration};
 use crate::train::{DataParallel, Kernels, TrainOptions, Trainer, TrainerBuilder};
 use crate::{AdamW, Reduction};
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -437,6 +437,62 @@ fn profile_steps(dir: &std::path::Path, label: &str, records: bool, cuda: bool, 
     result?;
     eprint!("{label}: {}", report.top(20));
     Ok(())
+}
+
+/// One configuration of `ft bench`'s matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Configuration {
+    pub model: String,
+    pub strategy: String,
+    /// The communication hook; None: the strategy's own collectives.
+    pub comm: Option<String>,
+    pub gpus: usize,
+    /// Examples per micro-batch, of `seq` tokens.
+    pub batch: i64,
+    pub seq: i64,
+}
+
+/// Every configuration of models × batches × lengths × GPU counts ×
+/// strategies × hooks (none given: each strategy's own collectives), in that order.
+pub fn matrix(models: &[String], batches: &[i64], seqs: &[i64], gpus: &[usize], strategies: &[String], comms: &[String]) -> Vec<Configuration> {
+    let comms: Vec<Option<String>> = if comms.is_empty() { vec![None] } else { comms.iter().cloned().map(Some).collect() };
+    let mut configurations = vec![];
+    for model in models {
+        for &batch in batches {
+            for &seq in seqs {
+                for &gpus in gpus {
+                    for strategy in strategies {
+                        for comm in &comms {
+                            configurations.push(Configuration { model: model.clone(), strategy: strategy.clone(), comm: comm.clone(), gpus, batch, seq });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    configurations
+}
+
+/// Writes `rows` as JSON to `json` (what [`read_rows`] reads back) and
+/// their chart to `chart`, each where given.
+pub fn save(rows: &[Row], json: Option<&std::path::Path>, chart: Option<&std::path::Path>) -> Result<()> {
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(rows)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = chart {
+        chart::write(rows, path)?;
+    }
+    Ok(())
+}
+
+/// The rows saved by `ft bench --json` in `paths`, in order.
+pub fn read_rows(paths: &[PathBuf]) -> Result<Vec<Row>> {
+    let mut rows = vec![];
+    for path in paths {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        rows.extend(serde_json::from_str::<Vec<Row>>(&text).with_context(|| format!("{} is not `ft bench --json` output", path.display()))?);
+    }
+    Ok(rows)
 }
 
 /// Exposed communication: step time beyond the same model/batch/length on one GPU.

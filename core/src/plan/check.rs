@@ -58,6 +58,20 @@ pub struct BenchSettings<'a> {
     pub float8_gathers: bool,
 }
 
+/// `ft bench --plan-check`'s report: [`check_rows`] as [`check_table`],
+/// said to use the rates measured in the calibration file at `calibration` where given.
+pub fn check_report(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings, calibration: Option<&std::path::Path>) -> Result<String> {
+    let checked = check_rows(rows, models, registry, settings);
+    let (checked, header) = match (calibration, settings.calibration) {
+        (Some(path), Some(measured)) => {
+            let checked = checked.with_context(|| format!("--calibration {}", path.display()))?;
+            (checked, format!("\nplan check with the rates measured on {} ({})\n", measured.device, path.display()))
+        }
+        _ => (checked?, String::new()),
+    };
+    Ok(header + &check_table(&checked))
+}
+
 /// The rows that ran beside their predictions; `models` are the
 /// configurations they measured.
 pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, settings: &BenchSettings) -> Result<Vec<CheckedRow>> {

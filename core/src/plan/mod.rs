@@ -30,12 +30,14 @@
 
 mod calibrate;
 mod check;
+mod flags;
 mod memory;
 mod run;
 mod time;
 
 pub use calibrate::{calibrate, CalibrateOptions, Calibration, Gemm, GemmRate, CALIBRATION_VERSION, BLOCK_BYTES_PER_TOKEN_AND_HIDDEN, HEAD_BYTES_PER_TOKEN_AND_VOCAB};
-pub use check::{check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
+pub use check::{check_report, check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
+pub use flags::{float8_planned, planned_comms, reference_planned, ClusterFlags, Float8Flags};
 pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, float8_kept, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};

@@ -128,6 +128,18 @@ pub fn prepare(dir: &Path, seed: u64) -> Result<DemoFiles> {
     write(dir, 400, 40, seed)
 }
 
+/// The demo as a run of `ft train` takes it: rank 0 writes its files in
+/// OUTPUT/demo-data while the others wait, then [`configure`] points
+/// `config` at them. Collective: every rank calls it.
+pub fn for_run(config: &mut ft_core::Config, comm: &ft_core::Communicator) -> Result<serde_json::Value> {
+    let dir = config.output.dir.join("demo-data");
+    if comm.env().rank == 0 {
+        prepare(&dir, config.train.seed)?;
+    }
+    comm.world().barrier()?.wait()?;
+    configure(config, &dir)
+}
+
 /// Points `config`'s data and tokenizer at the demo files in `dir` (where
 /// the user set none: no training file, nor a mixture; the demo's
 /// evaluation file comes with its training file, so the user's own data

@@ -173,7 +173,7 @@ pub fn load(path: &Path, tokenizer: &Tokenizer, options: &LoadOptions) -> Result
             Ok((examples, vec![]))
         }
         DataFormat::PromptCompletion | DataFormat::Chat | DataFormat::Sharegpt | DataFormat::Alpaca => Ok((records(&source, tokenizer, options, format, chosen)?, vec![])),
-        DataFormat::Preference => bail!("{} holds preference pairs (\"chosen\"/\"rejected\"), which train with --task dpo", source.name),
+        DataFormat::Preference => bail!("{} holds preference pairs (\"chosen\"/\"rejected\"): the dpo task's data (--task dpo)", source.name),
     }
 }
 
@@ -234,9 +234,10 @@ fn encode_rows(
     Ok(examples)
 }
 
-/// Writes `examples` to `path` as JSON lines `{"input_ids", "labels"}`,
-/// atomically: a temporary file beside it, renamed into place once whole.
-pub fn write_jsonl(examples: &[Example], path: &Path) -> Result<()> {
+/// Writes `examples` to `path` as JSON lines (an [`Example`]'s are
+/// `{"input_ids", "labels"}`), atomically: a temporary file beside it,
+/// renamed into place once whole.
+pub fn write_jsonl<T: serde::Serialize>(examples: &[T], path: &Path) -> Result<()> {
     let name = path.file_name().with_context(|| format!("{} is not a file name", path.display()))?;
     let temporary = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
     let write = || -> Result<()> {

@@ -17,11 +17,15 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
-/// A directory, or a hub id (`org/name`) found in the local Hugging Face cache.
+/// A directory, or a hub id (`org/name`) found in the local Hugging Face
+/// cache; a model's config.json stands for the directory it lies in.
 pub fn resolve(spec: &str) -> Result<PathBuf> {
     let path = PathBuf::from(spec);
     if path.is_dir() {
         return Ok(path);
+    }
+    if path.is_file() && path.file_name().is_some_and(|name| name == "config.json") {
+        return Ok(directory_of(&path));
     }
     if path.exists() {
         bail!("{spec} is a file; give the model's directory (with config.json and *.safetensors)");
@@ -50,6 +54,14 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
             entry.display()
         )
     })
+}
+
+/// The directory `file` lies in (`.` for a bare file name).
+fn directory_of(file: &Path) -> PathBuf {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
@@ -151,6 +163,23 @@ impl ModelSource {
         Ok(self)
     }
 
+    /// The directory its files lie in (tokenizer.json, the weights): the
+    /// model directory, or the one its config.json is in (None: a config
+    /// made in memory, as the demo's).
+    pub fn files_dir(&self) -> Option<PathBuf> {
+        self.dir.clone().or_else(|| self.config_file.as_deref().map(directory_of))
+    }
+
+    /// The tokenizer.json a command reads: `given` (data.tokenizer,
+    /// --tokenizer), else the one in the model's directory.
+    pub fn tokenizer(&self, given: Option<&Path>) -> Result<PathBuf> {
+        match (given, self.files_dir()) {
+            (Some(path), _) => Ok(path.to_path_buf()),
+            (None, Some(dir)) => Ok(dir.join("tokenizer.json")),
+            (None, None) => bail!("set data.tokenizer (--tokenizer): this model's config is made in memory, with no directory to find tokenizer.json in"),
+        }
+    }
+
     /// The model its config describes; a refusal names the file.
     pub fn model(&self) -> Result<Box<dyn Model>> {
         build_model(self.config.clone(), self.config_file.as_deref().unwrap_or(Path::new("config.json")))
@@ -180,9 +209,12 @@ impl ModelSource {
     /// weights, which it must hold (never random weights in their place);
     /// random for a config.json alone, a preset's model, or `random`.
     pub fn start(&self, init: ModelInit) -> Result<Start> {
-        let weightless = match &self.config_file {
-            Some(file) => format!("--model {} is a config.json alone, without weights", file.display()),
-            None => "the preset's model comes without weights".to_string(),
+        // A config.json given alone: the weights in its directory, if any.
+        let weights_beside = self.files_dir().filter(|dir| self.dir.is_none() && weight_files(dir).is_ok());
+        let weightless = match (&self.config_file, &weights_beside) {
+            (Some(file), Some(_)) => format!("--model {} is a config.json (--init pretrained reads the weights beside it)", file.display()),
+            (Some(file), None) => format!("--model {} is a config.json alone, without weights", file.display()),
+            (None, _) => "the preset's model comes without weights".to_string(),
         };
         match (init, &self.dir) {
             (ModelInit::Random, Some(dir)) => Ok(Start::Random(format!("model.init is random (--init random): the weights in {} are not read", dir.display()))),
@@ -193,7 +225,10 @@ impl ModelSource {
                 })?;
                 Ok(Start::Weights(dir.clone()))
             }
-            (ModelInit::Pretrained, None) => bail!("model.init is pretrained (--init pretrained), but {weightless}: give the model directory that holds them"),
+            (ModelInit::Pretrained, None) => match weights_beside {
+                Some(dir) => Ok(Start::Weights(dir)),
+                None => bail!("model.init is pretrained (--init pretrained), but {weightless}: give the model directory that holds them"),
+            },
             (ModelInit::Auto, None) => Ok(Start::Random(weightless)),
         }
     }

@@ -10,6 +10,8 @@ use crate::{hf, peft};
 use anyhow::{bail, Context as _, Result};
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
+use ft_core::setup::Rank;
+use ft_core::task::{Start, Task, WholeModel};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
@@ -226,6 +228,17 @@ fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(json)? + "\n").with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Writes a finished run's OUTPUT/final: its parameters ([`save_trained`])
+/// and what transformers needs besides them ([`write_model_files`]: the
+/// tokenizer, its special tokens and the chat template it was trained
+/// with, generation defaults). Returns what it wrote, for the log.
+pub fn write_final(output: &Path, run: &RunModel, params: &[Vec<Tensor>], base_model: Option<&Path>, files: &[(String, PathBuf)], model_config: &serde_json::Value) -> Result<String> {
+    let dir = output.join("final");
+    let what = save_trained(run, params, &dir, base_model)?;
+    write_model_files(&dir, files, model_config)?;
+    Ok(format!("final/ ({what} + tokenizer)"))
+}
+
 /// Writes a run's final parameters (`Trainer::params`) into `dir`: the
 /// whole model in fp32, or a LoRA run's adapter files naming `base_model`.
 /// Returns what it wrote.
@@ -296,4 +309,70 @@ pub fn load_reference(dir: &Path, policy: &dyn Model, tokenizer: &Path, dtype: K
         }
     }
     Ok((reference, params))
+}
+
+/// Gives a task that compares the model with a reference (DPO) its
+/// reference, as training's `Task::before_training` takes it: the model
+/// `ref_model` (`ft eval --ref-model`) names, else a LoRA run's base (the
+/// adapters off). `name`: the evaluated model, for the message.
+#[allow(clippy::too_many_arguments)]
+pub fn give_reference(task: &mut dyn Task, ref_model: Option<&str>, name: &str, model: &RunModel, params: &[Vec<Tensor>], tokenizer: &Path, rank: &Rank) -> Result<()> {
+    if !task.compares_with_reference() {
+        if let Some(dir) = ref_model {
+            bail!("--ref-model {dir}: this evaluation of task `{}` compares with no reference model (leave --ref-model out)", task.name());
+        }
+        return Ok(());
+    }
+    let given = ref_model.map(|spec| load_reference(&hf::resolve(spec)?, model.base(), tokenizer, rank.dtype, rank.device)).transpose()?;
+    let (reference, reference_params) = match (&given, model.lora()) {
+        (Some((reference, reference_params)), _) => (reference.model(), &reference_params[..]),
+        (None, Some(lora)) => (lora.base(), &params[..lora.base_units()]),
+        (None, None) => bail!(
+            "task `{}` compares {name} with its reference model, and it has no LoRA adapters whose base would be one: \
+             name the model its training started from with --ref-model DIR, or evaluate reference-free (task.reference_free=true)",
+            task.name()
+        ),
+    };
+    let mut reference = WholeModel { model: reference, params: reference_params, dtype: rank.dtype };
+    task.before_training(&mut Start { model: &mut reference, comm: &rank.comm, output: None, resuming: false })
+}
+
+/// What `ft generate` continues: text (through the model's tokenizer.json) or token ids.
+pub enum Prompt<'a> {
+    Text(&'a str),
+    Ids(&'a [i64]),
+}
+
+/// `ft generate`: the trained model in `dir` continues `prompt` greedily,
+/// up to `max_new_tokens` or `eos` (default: config.json's eos_token_id);
+/// the continuation as text, or for ids as their JSON list.
+pub fn generate(dir: &Path, prompt: Prompt, max_new_tokens: usize, eos: Option<i64>, dtype: Kind, device: Device) -> Result<String> {
+    let (ids, tokenizer): (Vec<i64>, _) = match prompt {
+        Prompt::Text(text) => {
+            let tokenizer = hf::load_tokenizer(dir)?;
+            let encoding = tokenizer.encode(text, false).map_err(anyhow::Error::msg)?;
+            (encoding.get_ids().iter().map(|&id| id as i64).collect(), Some(tokenizer))
+        }
+        Prompt::Ids(ids) => (ids.to_vec(), None),
+    };
+    let (model, params) = load_trained(dir, dtype, device)?;
+    let eos = eos.or_else(|| model.model().hf_config()["eos_token_id"].as_i64());
+    let tokens = ft_core::generate::greedy(model.model(), &params, &ids, max_new_tokens, eos, dtype)?;
+    match tokenizer {
+        Some(tokenizer) => tokenizer.decode(&tokens.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).map_err(anyhow::Error::msg),
+        None => Ok(serde_json::to_string(&tokens)?),
+    }
+}
+
+/// `ft forward`: the trained model in `dir` on the token id rows in the
+/// JSON file `ids` (`[[id, ...], ...]`); its logits and LM loss (labels =
+/// ids), and with `grads` every parameter's gradient, written to the
+/// safetensors file `out`. Returns the loss.
+pub fn forward(dir: &Path, ids: &Path, out: &Path, grads: bool, dtype: Kind, device: Device) -> Result<f64> {
+    let text = std::fs::read_to_string(ids).with_context(|| format!("cannot read {}", ids.display()))?;
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&text).with_context(|| format!("{} must hold [[id, ...], ...]", ids.display()))?;
+    let (model, params) = load_trained(dir, dtype, device)?;
+    let tensors = ft_core::train::loss::lm_inspection(model.model(), &params, &rows, dtype, grads)?;
+    Tensor::write_safetensors(&tensors, out).with_context(|| format!("cannot write {}", out.display()))?;
+    Ok(tensors.iter().find(|(name, _)| name == "loss").map_or(f64::NAN, |(_, t)| t.double_value(&[])))
 }

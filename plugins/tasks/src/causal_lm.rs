@@ -12,16 +12,16 @@
 //! the answer's), `task.cuda_graph` (false: decode without replaying the
 //! step as a CUDA graph, to compare or to debug).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::generate::{greedy_batch, Decoding};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
-use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
+use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration, Tokenize};
 use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
 use ft_core::train::Kernels;
-use ft_core::config::TrainOn;
+use ft_core::config::{DataConfig, TrainOn};
 use ft_data::example::{eos_id, Example};
 use ft_data::lm::{self, LoadOptions};
 use ft_data::source::Split;
@@ -260,6 +260,41 @@ impl Task for CausalLm {
     }
 }
 
+/// How the training file is read, or (`eval`: the split of the evaluation
+/// data, `ft_data::source::eval_data`'s) the evaluation file. The prompt's
+/// tokens count in training only: the eval loss stays the answer's. Only
+/// training takes `data.range` of its file.
+fn load_options<'a>(data: &'a DataConfig, options: &Options, tokenizer: &'a Path, eval: Option<Option<&'a str>>) -> LoadOptions<'a> {
+    let training = eval.is_none();
+    LoadOptions {
+        range: if training { data.range } else { None },
+        limit: if training { data.train_samples } else { data.eval_samples },
+        include_unanswerable: options.include_unanswerable,
+        train_on_prompt: training && options.train_on_prompt,
+        train_on: if training { data.train_on } else { TrainOn::Assistant },
+        packing: training && data.packing,
+        split: match eval {
+            None => Split::train(data.split.as_deref()),
+            Some(split) => Split::eval(split),
+        },
+        ..LoadOptions::new(data, tokenizer)
+    }
+}
+
+/// `ft tokenize`: the training examples as training reads them, one
+/// `{"input_ids", "labels"}` line each (-100 where no loss is taken).
+fn tokenize(given: &Tokenize) -> Result<String> {
+    let options: Options = task::options(NAME, &serde_json::Value::Object(given.config.task.options.clone()))?;
+    let data = &given.config.data;
+    let tokenizer = ft_data::tokenizer::open(given.tokenizer)?;
+    let examples = lm::load_training(data, given.config.train.seed, &tokenizer, &load_options(data, &options, given.tokenizer, None))?
+        .context("give the data with --train-file (data.train)")?;
+    lm::write_jsonl(&examples, given.out)?;
+    let tokens: usize = examples.iter().map(|e| e.input_ids.len()).sum();
+    let labelled: usize = examples.iter().map(|e| e.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()).sum();
+    Ok(format!("{} examples, {tokens} tokens ({labelled} with a label) in {}", examples.len(), given.out.display()))
+}
+
 fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
     task::check_sequence_length(&inputs.config.data, inputs.model)?;
@@ -269,23 +304,11 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 });
     let eval_data = ft_data::source::eval_data(data)?;
-    let eval_split = eval_data.as_ref().and_then(|(_, split)| split.as_deref());
-    // The prompt's tokens count in training only: the eval loss stays the answer's.
-    // Only training takes `data.range` of its file.
-    let load_options = |limit, training: bool| LoadOptions {
-        range: if training { data.range } else { None },
-        limit,
-        include_unanswerable: options.include_unanswerable,
-        train_on_prompt: training && options.train_on_prompt,
-        train_on: if training { data.train_on } else { TrainOn::Assistant },
-        packing: training && data.packing,
-        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(eval_split) },
-        ..LoadOptions::new(data, inputs.tokenizer)
-    };
-    let train = lm::load_training(data, inputs.config.train.seed, &tokenizer, &load_options(data.train_samples, true))?.unwrap_or_default();
+    let eval_split = eval_data.as_ref().map(|(_, split)| split.as_deref());
+    let train = lm::load_training(data, inputs.config.train.seed, &tokenizer, &load_options(data, &options, inputs.tokenizer, None))?.unwrap_or_default();
     let (eval, questions) = match &eval_data {
         Some((path, _)) => {
-            let (examples, questions) = lm::load(path, &tokenizer, &load_options(data.eval_samples, false))?;
+            let (examples, questions) = lm::load(path, &tokenizer, &load_options(data, &options, inputs.tokenizer, eval_split))?;
             (Some(LmDataset::new(examples, pad_id, pad_multiple)), questions)
         }
         None => (None, vec![]),
@@ -341,6 +364,7 @@ inventory::submit! {
         build,
         synthetic,
         check_options: |value| task::options::<Options>(NAME, value).map(drop),
+        tokenize: Some(tokenize),
     }
 }
 

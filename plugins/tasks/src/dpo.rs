@@ -47,10 +47,10 @@
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
 use ft_core::comm::Communicator;
-use ft_core::config::DataFormat;
+use ft_core::config::{Config, DataConfig, DataFormat};
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
-use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, WholeModel};
+use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, Tokenize, WholeModel};
 use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, TargetRows, IGNORE_INDEX};
 use ft_core::train::Kernels;
 use ft_data::preference::{self, Pair, Sequence, Truncation};
@@ -62,6 +62,7 @@ use std::hash::{Hash, Hasher};
 use std::path::Path;
 use std::sync::Mutex;
 use tch::{Device, Kind, Tensor};
+use tokenizers::Tokenizer;
 
 const NAME: &str = "dpo";
 
@@ -774,6 +775,68 @@ fn objective(options: &Options, chunk_tokens: i64, device: Device, model: &dyn M
     })
 }
 
+/// How the training pairs are read, or (`eval`: the split of the
+/// evaluation data, `ft_data::source::eval_data`'s) the evaluation pairs.
+fn load_options<'a>(data: &'a DataConfig, options: &Options, tokenizer: &'a Path, eval: Option<Option<&'a str>>) -> preference::LoadOptions<'a> {
+    let training = eval.is_none();
+    preference::LoadOptions {
+        max_length: data.max_seq_len,
+        truncation: options.truncation_mode.unwrap_or(if data.truncate { Truncation::KeepStart } else { Truncation::Skip }),
+        range: if training { data.range } else { None },
+        limit: if training { data.train_samples } else { data.eval_samples },
+        tokenizer_dir: tokenizer.parent().unwrap_or(Path::new(".")),
+        chat_template: data.chat_template.as_deref(),
+        split: match eval {
+            None => Split::train(data.split.as_deref()),
+            Some(split) => Split::eval(split),
+        },
+        columns: &data.columns,
+    }
+}
+
+/// The training pairs of `data.train` or `data.mixture` (None: neither is set).
+fn training_pairs(config: &Config, options: &Options, tokenizer_path: &Path, tokenizer: &Tokenizer) -> Result<Option<Vec<Pair>>> {
+    let data = &config.data;
+    mixture::training_set(data, config.train.seed, data.range, data.train_samples, "preference pairs", |path, source| {
+        let Some(source) = source else { return preference::load(path, tokenizer, &load_options(data, options, tokenizer_path, None)) };
+        if source.format != DataFormat::Auto {
+            bail!("data.mixture: {} has a format, which preference pairs do not take (their rows are TRL's preference format whatever the file)", path.display());
+        }
+        let options = preference::LoadOptions {
+            range: None,
+            limit: None,
+            split: Split::train(source.split.as_deref().or(data.split.as_deref())),
+            columns: if source.columns.is_empty() { &data.columns } else { &source.columns },
+            ..load_options(data, options, tokenizer_path, None)
+        };
+        preference::load(path, tokenizer, &options)
+    })
+}
+
+/// `ft tokenize --task dpo`: the training pairs as the task reads them, one
+/// line each: `{"chosen_input_ids", "chosen_labels", "rejected_input_ids",
+/// "rejected_labels"}`, each sequence the prompt then its completion, its
+/// labels -100 over the prompt (where no loss is taken).
+fn tokenize(given: &Tokenize) -> Result<String> {
+    let options = Options::read(&serde_json::Value::Object(given.config.task.options.clone()))?;
+    let tokenizer = ft_data::tokenizer::open(given.tokenizer)?;
+    let pairs = training_pairs(given.config, &options, given.tokenizer, &tokenizer)?.context("give the data with --train-file (data.train)")?;
+    let labels = |sequence: &Sequence| -> Vec<i64> { sequence.ids.iter().enumerate().map(|(i, &id)| if i < sequence.completion_start { IGNORE_INDEX } else { id }).collect() };
+    let rows: Vec<serde_json::Value> = pairs
+        .iter()
+        .map(|pair| {
+            serde_json::json!({
+                "chosen_input_ids": pair.chosen.ids, "chosen_labels": labels(&pair.chosen),
+                "rejected_input_ids": pair.rejected.ids, "rejected_labels": labels(&pair.rejected),
+            })
+        })
+        .collect();
+    lm::write_jsonl(&rows, given.out)?;
+    let tokens: usize = pairs.iter().map(|pair| pair.chosen.ids.len() + pair.rejected.ids.len()).sum();
+    let completions: usize = pairs.iter().map(|pair| pair.chosen.completion_tokens() + pair.rejected.completion_tokens()).sum();
+    Ok(format!("{} preference pairs, {tokens} tokens ({completions} in completions) in {}", pairs.len(), given.out.display()))
+}
+
 fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     task::check_head(NAME, head::CAUSAL_LM, inputs.model)?;
     task::check_sequence_length(&inputs.config.data, inputs.model)?;
@@ -785,8 +848,6 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let tokenizer = ft_data::tokenizer::load(inputs.tokenizer, inputs.model.dims().vocab)?;
     let pad_id = lm::pad_id(&tokenizer);
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 }).max(1);
-    let truncation = options.truncation_mode.unwrap_or(if data.truncate { Truncation::KeepStart } else { Truncation::Skip });
-    let tokenizer_dir = inputs.tokenizer.parent().unwrap_or(Path::new("."));
     let pairs_dataset = |pairs: Vec<Pair>| {
         // Reference-free: the reference's log-probabilities are 0.
         let reference = options.reference_free.then(|| vec![[0.0; 2]; pairs.len()]);
@@ -794,35 +855,11 @@ fn build(inputs: &TaskInputs) -> Result<Box<dyn Task>> {
         let packed_rows = options.padding_free.then_some(2 * data.max_seq_len);
         PairDataset { pairs, reference, pad_id, pad_multiple, packed_rows, share_prompt: options.share_prompt.unwrap_or(options.padding_free) }
     };
-    let eval_data = ft_data::source::eval_data(data)?;
-    let eval_split = eval_data.as_ref().and_then(|(_, split)| split.as_deref());
-    let load_options = |training: bool| preference::LoadOptions {
-        max_length: data.max_seq_len,
-        truncation,
-        range: if training { data.range } else { None },
-        limit: if training { data.train_samples } else { data.eval_samples },
-        tokenizer_dir,
-        chat_template: data.chat_template.as_deref(),
-        split: if training { Split::train(data.split.as_deref()) } else { Split::eval(eval_split) },
-        columns: &data.columns,
-    };
     // `ft eval` reads no training file.
-    let train = mixture::training_set(data, inputs.config.train.seed, data.range, data.train_samples, "preference pairs", |path, source| {
-        let Some(source) = source else { return preference::load(path, &tokenizer, &load_options(true)) };
-        if source.format != DataFormat::Auto {
-            bail!("data.mixture: {} has a format, which preference pairs do not take (their rows are TRL's preference format whatever the file)", path.display());
-        }
-        let options = preference::LoadOptions {
-            range: None,
-            limit: None,
-            split: Split::train(source.split.as_deref().or(data.split.as_deref())),
-            columns: if source.columns.is_empty() { &data.columns } else { &source.columns },
-            ..load_options(true)
-        };
-        preference::load(path, &tokenizer, &options)
-    })?;
-    let train = pairs_dataset(train.unwrap_or_default());
-    let eval = eval_data.as_ref().map(|(path, _)| preference::load(path, &tokenizer, &load_options(false)).map(pairs_dataset)).transpose()?;
+    let train = pairs_dataset(training_pairs(inputs.config, &options, inputs.tokenizer, &tokenizer)?.unwrap_or_default());
+    let eval_data = ft_data::source::eval_data(data)?;
+    let eval_options = load_options(data, &options, inputs.tokenizer, Some(eval_data.as_ref().and_then(|(_, split)| split.as_deref())));
+    let eval = eval_data.as_ref().map(|(path, _)| preference::load(path, &tokenizer, &eval_options).map(pairs_dataset)).transpose()?;
     Ok(Box::new(Dpo {
         train,
         eval,
@@ -866,6 +903,7 @@ inventory::submit! {
         build,
         synthetic,
         check_options: |value| Options::read(value).map(drop),
+        tokenize: Some(tokenize),
     }
 }
 

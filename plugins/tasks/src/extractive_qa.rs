@@ -360,6 +360,7 @@ inventory::submit! {
         build,
         synthetic,
         check_options: |value| task::options::<Options>(NAME, value).map(drop),
+        tokenize: None,
     }
 }
 
