@@ -508,3 +508,106 @@ fn plans_count_sliding_windows_and_soft_capped_attention() {
         assert!(output.status.success() && common::text(&output).contains("full_shard"), "{name}: {}", common::text(&output));
     }
 }
+
+/// The mixture-of-experts families' tiny models: 2 layers (layer 1 dense,
+/// by `mlp_only_layers`), 8 experts of which each token takes 2, with the
+/// load-balancing loss on (a coefficient large enough that its gradient
+/// shows): each made once per test binary by transformers
+/// (tests/python/moe_reference.py), with its outputs on a right-padded batch.
+fn moe_models(dir: &Path) -> Vec<&'static str> {
+    let cases = serde_json::json!({
+        "qwen3_moe": {"seed": 11, "config": {
+            "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "tie_word_embeddings": false}},
+    });
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    common::made_once(&MADE, dir, |made| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+        let output = std::process::Command::new(python()).arg(script).arg("make").arg(made).arg(cases.to_string()).output().unwrap();
+        assert!(output.status.success(), "{}", common::text(&output));
+    });
+    vec!["qwen3_moe"]
+}
+
+fn python() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+}
+
+fn tensors(path: &Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(path).unwrap().into_iter().collect()
+}
+
+/// Each family's logits (at the real tokens), loss with the load-balancing
+/// loss, that loss alone and every parameter's gradient equal
+/// transformers' on a right-padded batch, whose padding the router's
+/// statistics skip as transformers' attention mask makes them.
+#[test]
+fn moe_logits_loss_aux_loss_and_gradients_match_transformers() {
+    let scratch = tempfile::tempdir().unwrap();
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name);
+        let reference = tensors(&dir.join("reference.safetensors"));
+        let model = hf::load_model(&dir.join("hub")).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir.join("hub"), Kind::Float, Device::Cpu).unwrap();
+        for t in params.iter().flatten() {
+            let _ = t.set_requires_grad(true);
+        }
+        let (ids, mask) = (&reference["ids"], &reference["mask"]);
+        let inputs = Inputs { attention_mask: Some(mask.shallow_clone()), ..Inputs::ids(ids) };
+        let ctx = model.context(&inputs, 0, Kind::Float, true).unwrap();
+        let (outputs, aux) = ft_core::model::forward_with_auxiliary(model.as_ref(), &params, &inputs, &ctx, None);
+        let (hidden, weight) = lm_outputs(outputs).unwrap();
+        let real = mask.unsqueeze(-1).to_kind(Kind::Float);
+        let error = relative(&(logits(&hidden, &weight) * &real), &(&reference["logits"] * &real), 0.0);
+        assert!(error <= 1e-5, "{name}: logits differ by {error:e}");
+        let labels = ids.masked_fill(&mask.eq(0), -100);
+        let aux = aux.expect("output_router_logits adds the load-balancing loss");
+        let coefficient = model.auxiliary_loss().unwrap().coefficient();
+        let error = relative(&(&aux / coefficient), &reference["aux_loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: aux loss {} vs {}", aux.double_value(&[]) / coefficient, reference["aux_loss"].double_value(&[]));
+        let loss = lm_loss(&hidden, &weight, &labels, 7, None).unwrap() + aux;
+        let error = relative(&loss, &reference["loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: loss {} vs {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
+        loss.backward();
+        let mut compared = 0;
+        for (unit, tensors) in model.units().iter().zip(&params) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
+                let expected = &reference[&format!("grad.{}", spec.hf_name)];
+                let error = relative(&tensor.grad(), expected, 0.0);
+                assert!(error <= 1e-5, "{name}: gradient of {} differs by {error:e}", spec.hf_name);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{name}: every reference gradient has a parameter");
+    }
+}
+
+/// The Hub's per-expert files and transformers 5's fused experts load to
+/// the same parameters; ft's export writes the per-expert names
+/// save_pretrained writes, and transformers loads it at the reference's
+/// logits.
+#[test]
+fn moe_weights_load_from_either_layout_and_export_in_the_hubs() {
+    let scratch = tempfile::tempdir().unwrap();
+    let mut pairs = vec![];
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name);
+        let model = hf::load_model(&dir.join("hub")).unwrap();
+        let hub = hf::load_params(model.as_ref(), &dir.join("hub"), Kind::Float, Device::Cpu).unwrap();
+        let fused = hf::load_params(model.as_ref(), &dir.join("fused"), Kind::Float, Device::Cpu).unwrap();
+        assert!(hub.iter().flatten().zip(fused.iter().flatten()).all(|(a, b)| a.equal(b)), "{name}: the layouts load alike");
+        let out = scratch.path().join(format!("{name}-export"));
+        hf::save(model.as_ref(), &hub, &out, Kind::Float).unwrap();
+        let mut written: Vec<String> = tensors(&out.join("model.safetensors")).into_keys().collect();
+        let mut hubs: Vec<String> = tensors(&dir.join("hub/model.safetensors")).into_keys().collect();
+        written.sort();
+        hubs.sort();
+        assert_eq!(written, hubs, "{name}: the export names what save_pretrained names");
+        pairs.push([out.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string()]);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+    let output = std::process::Command::new(python()).arg(script).arg("check").arg(serde_json::json!(pairs).to_string()).output().unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+}

@@ -16,6 +16,7 @@
 //! `_compute_llama3_parameters`).
 
 use crate::check;
+use crate::moe::Moe;
 use anyhow::{bail, Context as _, Result};
 use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
@@ -468,6 +469,8 @@ pub struct Llama {
     head_dim: i64,
     kv_heads: i64,
     rope: Rope,
+    /// The experts that replace the MLP of the sparse layers (`moe.rs`); None: every layer is dense.
+    experts: Option<Moe>,
 }
 
 impl Llama {
@@ -538,11 +541,30 @@ impl Llama {
             units.len() - 1
         };
         let layout = Layout::new(hf_config, units, blocks, head_unit);
-        Ok(Llama { config, variant, layout, head_dim, kv_heads, rope })
+        Ok(Llama { config, variant, layout, head_dim, kv_heads, rope, experts: None })
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         model::rms_norm(x, weight, self.config.rms_norm_eps)
+    }
+
+    /// This model with `moe`'s experts in place of the MLP of its sparse
+    /// layers (a mixture-of-experts family: `qwen3_moe.rs`, …).
+    pub(crate) fn with_experts(mut self, moe: Moe) -> Result<Llama> {
+        if self.variant.fused || self.variant.mlp_bias {
+            bail!("{}: experts replace an MLP of separate, bias-free projections", self.variant.name);
+        }
+        let normal = Init::Normal { std: self.config.initializer_range };
+        for layer in (0..self.config.num_hidden_layers as usize).filter(|&layer| moe.is_sparse(layer)) {
+            let unit = &mut self.layout.units[1 + layer];
+            let at = unit.params.iter().position(|p| p.name == "mlp.gate_proj.weight").expect("a dense block has an MLP");
+            unit.params.retain(|p| !p.name.starts_with("mlp."));
+            let prefix = format!("model.layers.{layer}.");
+            unit.params.splice(at..at, moe.params(&prefix, self.config.hidden_size, normal));
+        }
+        check::parameters(&self.layout.units)?;
+        self.experts = Some(moe);
+        Ok(self)
     }
 }
 
@@ -620,21 +642,27 @@ impl Model for Llama {
     fn train_flops_per_token(&self, seq: i64) -> f64 {
         let features = self.config.num_attention_heads * self.head_dim;
         let keys = self.variant.sliding_window.map_or(seq, |window| seq.min(window));
-        6.0 * self.numel() as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+        // A token runs k of the experts: the others' parameters do no work for it.
+        let idle = self.experts.as_ref().map_or(0, |moe| moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 * moe.idle_params_per_layer(self.config.hidden_size));
+        6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+    }
+
+    fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
+        self.experts.as_ref().filter(|moe| moe.aux_loss_coef.is_some()).map(|moe| moe as &dyn model::AuxiliaryLoss)
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
         let positions = model::decoder_positions(inputs, past);
         let rope = Some(self.rope.cos_sin(&positions, dtype));
         let attention_bias = attention_bias(inputs, &positions, past, self.variant.sliding_window, dtype)?;
-        Ok(Context { train, positions, attention_bias, rope, local: None })
+        Ok(Context { train, positions, attention_bias, rope, local: None, auxiliary: model::Auxiliary::of(inputs) })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
         Tensor::embedding(p.get("embed_tokens.weight"), &inputs.input_ids, -1, false, false)
     }
 
-    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _layer: usize, cache: Option<&mut KvCache>) -> Tensor {
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, layer: usize, cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, _) = x.size3().expect("hidden states are [batch, seq, dim]");
         let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
@@ -665,6 +693,9 @@ impl Model for Llama {
         let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
         let x = x + p.linear(&attn, "self_attn.o_proj");
         let h = self.rms_norm(&x, p.get("post_attention_layernorm.weight"));
+        if let Some(moe) = self.experts.as_ref().filter(|moe| moe.is_sparse(layer)) {
+            return x + moe.forward(p, &h, ctx);
+        }
         let gated = match self.variant.fused {
             false => model::swiglu(&p.linear(&h, "mlp.gate_proj"), &p.linear(&h, "mlp.up_proj")),
             true => {

@@ -109,7 +109,7 @@ impl Dataset for LmDataset {
     /// ignored.
     fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
         let longest = indices.iter().map(|&i| self.tokens(i)).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
-        let (mut ids, mut labels, mut documents) = (vec![], vec![], vec![]);
+        let (mut ids, mut labels, mut documents, mut real) = (vec![], vec![], vec![], vec![]);
         for &row in indices {
             let (mut row_ids, mut row_labels, mut row_documents) = (vec![], vec![], vec![]);
             for (document, example) in self.row_examples(row).enumerate() {
@@ -122,6 +122,7 @@ impl Dataset for LmDataset {
             }
             // Padding is an example of its own.
             let padding = self.rows[row].len() as i64;
+            real.push([vec![1i64; row_ids.len()], vec![0; longest - row_ids.len()]].concat());
             row_ids.resize(longest, self.pad_id);
             row_labels.resize(longest, IGNORE_INDEX);
             row_documents.resize(longest, padding);
@@ -132,6 +133,9 @@ impl Dataset for LmDataset {
         let packed = indices.iter().any(|&i| self.rows[i].len() > 1);
         let mut inputs = Inputs::ids(&to_device_async(&Tensor::from_slice2(&ids), device));
         inputs.documents = packed.then(|| to_device_async(&Tensor::from_slice2(&documents), device));
+        // Right padding needs no attention mask under a causal one; what counts tokens still skips it.
+        let padded = real.iter().flatten().any(|&token| token == 0);
+        inputs.token_mask = padded.then(|| to_device_async(&Tensor::from_slice2(&real), device));
         Ok(Batch { inputs, targets: vec![to_device_async(&Tensor::from_slice2(&labels), device)] })
     }
 }
