@@ -509,8 +509,8 @@ fn plans_count_sliding_windows_and_soft_capped_attention() {
     }
 }
 
-/// The mixture-of-experts families' tiny models: 2 layers (layer 1 dense,
-/// by `mlp_only_layers`), 8 experts of which each token takes 2, with the
+/// The mixture-of-experts families' tiny models: 2 layers (the Qwen
+/// families' layer 1 dense, by `mlp_only_layers`), 8 experts of which each token takes 2, with the
 /// load-balancing loss on (a coefficient large enough that its gradient
 /// shows): each made once per test binary by transformers
 /// (tests/python/moe_reference.py), with its outputs on a right-padded batch.
@@ -521,6 +521,16 @@ fn moe_models(dir: &Path) -> Vec<&'static str> {
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
             "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1], "output_router_logits": true,
             "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "tie_word_embeddings": false}},
+        "olmoe": {"seed": 12, "config": {
+            "model_type": "olmoe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+            "output_router_logits": true, "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "pad_token_id": null,
+            "eos_token_id": null}},
+        "qwen2_moe": {"seed": 13, "config": {
+            "model_type": "qwen2_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1}},
     });
     static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
     common::made_once(&MADE, dir, |made| {
@@ -528,7 +538,7 @@ fn moe_models(dir: &Path) -> Vec<&'static str> {
         let output = std::process::Command::new(python()).arg(script).arg("make").arg(made).arg(cases.to_string()).output().unwrap();
         assert!(output.status.success(), "{}", common::text(&output));
     });
-    vec!["qwen3_moe"]
+    vec!["qwen3_moe", "olmoe", "qwen2_moe"]
 }
 
 fn python() -> PathBuf {

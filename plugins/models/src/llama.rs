@@ -127,8 +127,8 @@ pub struct Variant {
     pub mlp_bias: bool,
     /// Each query attends to at most this many keys, itself included (None: every earlier key).
     pub sliding_window: Option<i64>,
-    /// RMSNorm over each head's query and key before RoPE (Qwen3's `q_norm`, `k_norm`).
-    pub qk_norm: bool,
+    /// RMSNorm over the query and key before RoPE (`q_norm`, `k_norm`).
+    pub qk_norm: QkNorm,
     /// One `self_attn.qkv_proj` for the query, key and value, and one
     /// `mlp.gate_up_proj` for the gate and up projections (Phi-3).
     pub fused: bool,
@@ -137,10 +137,21 @@ pub struct Variant {
     pub partial_rotary: bool,
 }
 
+/// Where a block normalises its query and key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head (Qwen3's: weights of `head_dim`).
+    PerHead,
+    /// Over the whole projection, before it is split into heads (OLMoE's:
+    /// weights of heads × head_dim and kv_heads × head_dim).
+    Projection,
+}
+
 impl Variant {
     /// Llama's block under `name`: no biases, full attention, nothing fused.
     pub fn plain(name: &'static str) -> Variant {
-        Variant { name, qkv_bias: false, o_bias: false, mlp_bias: false, sliding_window: None, qk_norm: false, fused: false, partial_rotary: false }
+        Variant { name, qkv_bias: false, o_bias: false, mlp_bias: false, sliding_window: None, qk_norm: QkNorm::None, fused: false, partial_rotary: false }
     }
 }
 
@@ -523,9 +534,14 @@ impl Llama {
                     params.push(ParamSpec::new(&prefix, &format!("{name}.bias"), &[out], Init::Zeros));
                 }
             }
-            if variant.qk_norm {
-                params.push(ParamSpec::new(&prefix, "self_attn.q_norm.weight", &[head_dim], Init::Ones));
-                params.push(ParamSpec::new(&prefix, "self_attn.k_norm.weight", &[head_dim], Init::Ones));
+            let norms = match variant.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead => Some((head_dim, head_dim)),
+                QkNorm::Projection => Some((q, kv)),
+            };
+            if let Some((q_width, k_width)) = norms {
+                params.push(ParamSpec::new(&prefix, "self_attn.q_norm.weight", &[q_width], Init::Ones));
+                params.push(ParamSpec::new(&prefix, "self_attn.k_norm.weight", &[k_width], Init::Ones));
             }
             params.push(ParamSpec::new(&prefix, "post_attention_layernorm.weight", &[d], Init::Ones));
             units.push(UnitSpec { name: format!("block {layer}"), params });
@@ -626,7 +642,7 @@ impl Model for Llama {
             Saved::fp32("two norms' reciprocal deviation", 2),
             Saved::compute("block output", d),
         ];
-        if self.variant.qk_norm {
+        if self.variant.qk_norm != QkNorm::None {
             // The per-head norms keep their inputs (the projections) and each head's reciprocal deviation.
             block.push(Saved::compute("query and key projections", q + kv));
             block.push(Saved::fp32("query and key norms' reciprocal deviation", self.config.num_attention_heads + self.kv_heads));
@@ -675,11 +691,18 @@ impl Model for Llama {
                 (qkv.narrow(2, 0, q), qkv.narrow(2, q, kv), qkv.narrow(2, q + kv, kv))
             }
         };
+        let eps = Some(self.config.rms_norm_eps);
+        let norm = |t: Tensor, name: &str| {
+            let weight = p.get(name);
+            t.rms_norm(weight.size(), Some(weight), eps)
+        };
+        let (q, k) = match self.variant.qk_norm {
+            QkNorm::Projection => (norm(q, "self_attn.q_norm.weight"), norm(k, "self_attn.k_norm.weight")),
+            _ => (q, k),
+        };
         let (mut q, mut k) = (split(q, heads), split(k, self.kv_heads));
-        if self.variant.qk_norm {
-            let eps = Some(self.config.rms_norm_eps);
-            q = q.rms_norm([head_dim], Some(p.get("self_attn.q_norm.weight")), eps);
-            k = k.rms_norm([head_dim], Some(p.get("self_attn.k_norm.weight")), eps);
+        if self.variant.qk_norm == QkNorm::PerHead {
+            (q, k) = (norm(q, "self_attn.q_norm.weight"), norm(k, "self_attn.k_norm.weight"));
         }
         let (cos, signed_sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
         // RoPE in the projections' own [batch, seq, heads, head_dim] layout.

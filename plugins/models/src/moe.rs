@@ -2,7 +2,8 @@
 //! …, which read their own config keys into a [`Moe`]): a router scores each
 //! token's experts, the token goes to its top k (dropless: always all k),
 //! each expert is a SwiGLU MLP, and the block's output is the experts'
-//! outputs weighed by the router.
+//! outputs weighed by the router (plus, in Qwen2-MoE, a shared expert every
+//! token goes through).
 //!
 //! The experts of a layer are held fused, as transformers 5 holds them:
 //! `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its
@@ -39,6 +40,9 @@ pub struct Moe {
     pub sparse: Vec<bool>,
     /// `router_aux_loss_coef` when config.json's `output_router_logits` adds the load-balancing loss.
     pub aux_loss_coef: Option<f64>,
+    /// The inner width of a SwiGLU MLP every token also goes through, its
+    /// output scaled by a sigmoid gate of its own (Qwen2-MoE's `shared_expert`).
+    pub shared_expert: Option<i64>,
 }
 
 /// The router keys every family shares.
@@ -100,11 +104,20 @@ impl Moe {
     /// The parameters of a sparse layer's MLP (names inside its block, under `prefix` in the files), for hidden size `hidden`.
     pub(crate) fn params(&self, prefix: &str, hidden: i64, init: Init) -> Vec<ParamSpec> {
         let (e, i) = (self.experts, self.inner);
-        vec![
+        let mut params = vec![
             ParamSpec::new(prefix, "mlp.gate.weight", &[e, hidden], init),
             ParamSpec::new(prefix, "mlp.experts.gate_up_proj", &[e, 2 * i, hidden], init),
             ParamSpec::new(prefix, "mlp.experts.down_proj", &[e, hidden, i], init),
-        ]
+        ];
+        if let Some(shared) = self.shared_expert {
+            params.extend([
+                ParamSpec::new(prefix, "mlp.shared_expert.gate_proj.weight", &[shared, hidden], init),
+                ParamSpec::new(prefix, "mlp.shared_expert.up_proj.weight", &[shared, hidden], init),
+                ParamSpec::new(prefix, "mlp.shared_expert.down_proj.weight", &[hidden, shared], init),
+                ParamSpec::new(prefix, "mlp.shared_expert_gate.weight", &[1, hidden], init),
+            ]);
+        }
+        params
     }
 
     /// Whether layer `layer`'s MLP is the experts.
@@ -127,7 +140,11 @@ impl Moe {
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
-        let out = self.experts(p, &tokens, &chosen, &top.to_kind(x.kind()));
+        let mut out = self.experts(p, &tokens, &chosen, &top.to_kind(x.kind()));
+        if self.shared_expert.is_some() {
+            let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
+            out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
+        }
         if self.aux_loss_coef.is_some() {
             ctx.auxiliary.record(self.load_balancing_term(&probs, &chosen, ctx.auxiliary.real_tokens.as_ref()));
         }

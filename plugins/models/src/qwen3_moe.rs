@@ -8,7 +8,7 @@
 //! defaults where they differ from Llama's.
 
 use crate::check;
-use crate::llama::{Llama, Variant};
+use crate::llama::{Llama, QkNorm, Variant};
 use crate::moe::{self, Moe, RouterKeys};
 use crate::qwen2::full_attention_only;
 use anyhow::Result;
@@ -55,8 +55,8 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         check::layers("num_hidden_layers", keys.num_hidden_layers)?;
         let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
         let sparse = moe::sparse_layers(keys.num_hidden_layers, keys.decoder_sparse_step, keys.mlp_only_layers.as_deref().unwrap_or_default())?;
-        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef });
-        Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: true, ..Variant::plain("Qwen3-MoE") })
+        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None });
+        Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::PerHead, ..Variant::plain("Qwen3-MoE") })
     })?;
     llama.with_experts(moe.expect("read with the variant"))
 }
