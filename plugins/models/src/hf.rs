@@ -422,13 +422,15 @@ pub struct LoadReport {
 const MISSING_PARAMS_SEED: i64 = 0;
 
 /// The names a parameter may have in a checkpoint, in the order tried: its
-/// own; without the base model's prefix (BloomModel, OPTModel, BertModel …
+/// own; transformers 5's for Mixtral's sparse block; without the base model's prefix (BloomModel, OPTModel, BertModel …
 /// drop "transformer." / "model." / "bert."); and either of those with the
 /// TF-era `LayerNorm.gamma` / `LayerNorm.beta` for `.weight` / `.bias`,
 /// which bert-base-uncased's hub weights still use (transformers renames
 /// them on load: the "legacy" renamings of its conversion_mapping.py).
 fn checkpoint_names(hf_name: &str) -> Vec<String> {
     let mut names = vec![hf_name.to_string()];
+    // transformers 5 names Mixtral's sparse block `mlp` (its fused experts, saved from memory).
+    names.extend(hf_name.contains(".block_sparse_moe.").then(|| hf_name.replace(".block_sparse_moe.", ".mlp.")));
     names.extend(hf_name.split_once('.').map(|(_, rest)| rest.to_string()));
     let legacy: Vec<String> = names
         .iter()

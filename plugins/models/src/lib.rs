@@ -3,7 +3,7 @@
 //! registers itself under its config.json `model_type`; Llama's relatives
 //! (Qwen2, Qwen3, Mistral, Phi-3) are files that build `llama.rs`'s block
 //! with their own switches; Gemma 2 and 3 share `gemma.rs`; the mixture-of-experts
-//! families (Qwen3-MoE, Qwen2-MoE, OLMoE) put `moe.rs`'s experts in Llama's block.
+//! families (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) put `moe.rs`'s experts in Llama's block.
 
 pub mod bert;
 pub mod bloom;
@@ -12,6 +12,7 @@ pub mod gemma;
 pub mod hf;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
 pub mod moe;
 pub mod olmoe;
 pub mod opt;

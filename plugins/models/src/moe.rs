@@ -10,7 +10,8 @@
 //! up rows) and `mlp.experts.down_proj` [E, H, I], so a grouped GEMM can take
 //! them whole. The Hub's files name each expert's matrices instead
 //! (`mlp.experts.{e}.gate_proj.weight` …): `hf.rs` reads either layout and
-//! writes the Hub's, as `save_pretrained` does, through [`hub_parts`].
+//! writes the Hub's, as `save_pretrained` does, through [`hub_parts`]
+//! (Mixtral's files name the block `block_sparse_moe`, [`Moe::hub_module`]).
 //!
 //! The router's load-balancing loss (transformers' `load_balancing_loss_func`,
 //! added when config.json has `output_router_logits`) is the model's
@@ -43,6 +44,10 @@ pub struct Moe {
     /// The inner width of a SwiGLU MLP every token also goes through, its
     /// output scaled by a sigmoid gate of its own (Qwen2-MoE's `shared_expert`).
     pub shared_expert: Option<i64>,
+    /// The sparse block's module in the Hub's files: `mlp` (Qwen, OLMoE) or
+    /// Mixtral's `block_sparse_moe` (whose experts name their matrices w1,
+    /// w3, w2 there; transformers 5 calls it `mlp` in memory).
+    pub hub_module: &'static str,
 }
 
 /// The router keys every family shares.
@@ -104,10 +109,14 @@ impl Moe {
     /// The parameters of a sparse layer's MLP (names inside its block, under `prefix` in the files), for hidden size `hidden`.
     pub(crate) fn params(&self, prefix: &str, hidden: i64, init: Init) -> Vec<ParamSpec> {
         let (e, i) = (self.experts, self.inner);
+        let routed = |name: &str, shape: &[i64]| {
+            let hf_name = format!("{prefix}{}{}", self.hub_module, name.strip_prefix("mlp").expect("an MLP parameter"));
+            ParamSpec { hf_name, name: name.into(), shape: shape.to_vec(), init }
+        };
         let mut params = vec![
-            ParamSpec::new(prefix, "mlp.gate.weight", &[e, hidden], init),
-            ParamSpec::new(prefix, "mlp.experts.gate_up_proj", &[e, 2 * i, hidden], init),
-            ParamSpec::new(prefix, "mlp.experts.down_proj", &[e, hidden, i], init),
+            routed("mlp.gate.weight", &[e, hidden]),
+            routed("mlp.experts.gate_up_proj", &[e, 2 * i, hidden]),
+            routed("mlp.experts.down_proj", &[e, hidden, i]),
         ];
         if let Some(shared) = self.shared_expert {
             params.extend([
@@ -217,11 +226,61 @@ impl AuxiliaryLoss for Moe {
 /// `….mlp.experts.gate_up_proj` of `experts` experts, each expert's
 /// `gate_proj.weight` and `up_proj.weight` (stacked over experts, each pair
 /// concatenated along the rows); for `….mlp.experts.down_proj`, each
-/// expert's `down_proj.weight`. None for any other parameter.
+/// expert's `down_proj.weight`; Mixtral's `….block_sparse_moe.experts.*`
+/// the same as `w1` (gate), `w3` (up) and `w2` (down). None for any other
+/// parameter.
 pub(crate) fn hub_parts(hf_name: &str, experts: i64) -> Option<Vec<Vec<String>>> {
-    let (stem, projections): (&str, &[&str]) = match hf_name.strip_suffix("mlp.experts.gate_up_proj") {
-        Some(stem) => (stem, &["gate_proj", "up_proj"]),
-        None => (hf_name.strip_suffix("mlp.experts.down_proj")?, &["down_proj"]),
-    };
-    Some((0..experts).map(|e| projections.iter().map(|projection| format!("{stem}mlp.experts.{e}.{projection}.weight")).collect()).collect())
+    let layouts: [(&str, &[&str], &[&str]); 2] = [("mlp", &["gate_proj", "up_proj"], &["down_proj"]), ("block_sparse_moe", &["w1", "w3"], &["w2"])];
+    layouts.iter().find_map(|(module, gate_up, down)| {
+        let (stem, projections) = match hf_name.strip_suffix(&format!("{module}.experts.gate_up_proj")) {
+            Some(stem) => (stem, gate_up),
+            None => (hf_name.strip_suffix(&format!("{module}.experts.down_proj"))?, down),
+        };
+        Some((0..experts).map(|e| projections.iter().map(|projection| format!("{stem}{module}.experts.{e}.{projection}.weight")).collect()).collect())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    /// Each family's MoE keys are read and refused by name: what ft would
+    /// otherwise compute differently from transformers, or not at all.
+    #[test]
+    fn moe_keys_are_checked_and_refused_by_name() {
+        let base = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8, "num_experts": 4, "num_experts_per_tok": 2});
+        let build = |model_type: &str, change: Value| {
+            let mut config = base.clone();
+            config.as_object_mut().unwrap().extend(change.as_object().unwrap().clone());
+            let build = match model_type {
+                "qwen3_moe" => |c| crate::qwen3_moe::new(c),
+                "qwen2_moe" => |c| crate::qwen2_moe::new(c),
+                "olmoe" => |c| crate::olmoe::new(c),
+                _ => |c| crate::mixtral::new(c),
+            };
+            build(config).map(|_| ()).map_err(|e| e.to_string())
+        };
+        for family in ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"] {
+            assert_eq!(build(family, json!({})), Ok(()), "{family}");
+            assert_eq!(build(family, json!({"num_experts_per_tok": 5})), Err("num_experts_per_tok (5) must be at most the number of experts (4)".into()), "{family}");
+            assert_eq!(build(family, json!({"num_local_experts": 3})), Err("num_experts (4) and num_local_experts (3) name the same number: give one, or the same in both".into()));
+            assert_eq!(build(family, json!({"router_aux_loss_coef": -1.0})), Err("router_aux_loss_coef must be a finite number of at least 0, not -1".into()));
+        }
+        for family in ["qwen3_moe", "qwen2_moe"] {
+            assert_eq!(build(family, json!({"mlp_only_layers": [2]})), Err("mlp_only_layers names layer 2: the model's layers are 0 to 1 (num_hidden_layers 2)".into()));
+            assert_eq!(build(family, json!({"decoder_sparse_step": 0})), Err("decoder_sparse_step must be at least 1, not 0".into()));
+            assert!(build(family, json!({"use_sliding_window": true})).unwrap_err().starts_with("use_sliding_window: true is not supported"));
+        }
+        assert!(build("olmoe", json!({"clip_qkv": 8.0})).unwrap_err().starts_with("clip_qkv 8 is not supported"));
+        assert!(build("olmoe", json!({"head_dim": 4})).unwrap_err().starts_with("head_dim (4) must be hidden_size / num_attention_heads (8) for OLMoE"));
+        assert!(build("mixtral", json!({"router_jitter_noise": 0.01})).unwrap_err().starts_with("router_jitter_noise 0.01 is not supported"));
+    }
+
+    /// Layers are sparse as transformers' Qwen MoE decoder layers decide.
+    #[test]
+    fn sparse_layers_follow_the_step_and_the_dense_list() {
+        assert_eq!(super::sparse_layers(4, 2, &[3]).unwrap(), [false, true, false, false]);
+        assert_eq!(super::sparse_layers(3, 1, &[]).unwrap(), [true, true, true]);
+    }
 }

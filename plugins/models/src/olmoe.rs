@@ -56,7 +56,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         check::layers("num_hidden_layers", keys.num_hidden_layers)?;
         let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
         let sparse = vec![true; keys.num_hidden_layers as usize];
-        moe = Some(Moe { experts, top_k, inner: keys.intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None });
+        moe = Some(Moe { experts, top_k, inner: keys.intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None, hub_module: "mlp" });
         Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::Projection, ..Variant::plain("OLMoE") })
     })?;
     llama.with_experts(moe.expect("read with the variant"))

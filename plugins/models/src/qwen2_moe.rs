@@ -60,7 +60,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
         let sparse = moe::sparse_layers(keys.num_hidden_layers, keys.decoder_sparse_step, keys.mlp_only_layers.as_deref().unwrap_or_default())?;
         let shared_expert = Some(keys.shared_expert_intermediate_size);
-        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert });
+        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert, hub_module: "mlp" });
         Ok(Variant { qkv_bias: keys.qkv_bias, ..Variant::plain("Qwen2-MoE") })
     })?;
     llama.with_experts(moe.expect("read with the variant"))

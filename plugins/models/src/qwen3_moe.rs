@@ -55,7 +55,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         check::layers("num_hidden_layers", keys.num_hidden_layers)?;
         let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
         let sparse = moe::sparse_layers(keys.num_hidden_layers, keys.decoder_sparse_step, keys.mlp_only_layers.as_deref().unwrap_or_default())?;
-        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None });
+        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None, hub_module: "mlp" });
         Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::PerHead, ..Variant::plain("Qwen3-MoE") })
     })?;
     llama.with_experts(moe.expect("read with the variant"))
