@@ -515,7 +515,16 @@ fn plans_count_sliding_windows_and_soft_capped_attention() {
 /// shows): each made once per test binary by transformers
 /// (tests/python/moe_reference.py), with its outputs on a right-padded batch.
 fn moe_models(dir: &Path) -> Vec<&'static str> {
+    // What the training test trains: Qwen3-MoE sized to the demo's tokenizer, which its directory holds.
+    let tokenizer = tempfile::tempdir().unwrap();
+    let tokenizer_file = ft_data::demo::write(tokenizer.path(), 4, 1, 0).unwrap().tokenizer;
+    let vocab = hf::load_tokenizer(tokenizer_file.parent().unwrap()).unwrap().get_vocab_size(true);
     let cases = serde_json::json!({
+        "qwen3_moe_train": {"seed": 15, "config": {
+            "model_type": "qwen3_moe", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "tie_word_embeddings": false}},
         "qwen3_moe": {"seed": 11, "config": {
             "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
@@ -542,6 +551,7 @@ fn moe_models(dir: &Path) -> Vec<&'static str> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
         let output = std::process::Command::new(python()).arg(script).arg("make").arg(made).arg(cases.to_string()).output().unwrap();
         assert!(output.status.success(), "{}", common::text(&output));
+        std::fs::copy(&tokenizer_file, made.join("qwen3_moe_train/hub/tokenizer.json")).unwrap();
     });
     vec!["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"]
 }
@@ -626,4 +636,64 @@ fn moe_weights_load_from_either_layout_and_export_in_the_hubs() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
     let output = std::process::Command::new(python()).arg(script).arg("check").arg(serde_json::json!(pairs).to_string()).output().unwrap();
     assert!(output.status.success(), "{}", common::text(&output));
+}
+
+/// `ft train` of a tiny Qwen3-MoE with the load-balancing loss: its first
+/// step's loss and aux_loss equal transformers' on the same right-padded
+/// batch (`ft tokenize`'s examples), and two ranks under full_shard, and
+/// one rank recomputing its blocks (activation checkpointing), train to
+/// one rank's losses at every step: the router's statistics are summed
+/// over the ranks before they weigh any block's gradient.
+#[test]
+fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let model = scratch.path().join("qwen3_moe_train/hub");
+    let data = scratch.path().join("train.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron", "otter", "ibex"][i % 4]), "completion": "In the hills of Kalora".repeat(1 + i % 3)}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let run = |name: &str, flags: &[&str]| {
+        let dir = scratch.path().join(name);
+        let output = common::ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", dir.to_str().unwrap()])
+            .args(["--task", "causal_lm", "--max-steps", "2", "--dtype", "f32", "--lr", "1e-3", "--seed", "3", "--set", "data.shuffle=false"])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{name}: {}", common::text(&output));
+        dir
+    };
+    let one = run("one-rank", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"]);
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let first = records.iter().find(|r| r.get("loss").is_some()).unwrap();
+
+    let tokenized = scratch.path().join("tokenized.jsonl");
+    let output = common::ft()
+        .args(["tokenize", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--out", tokenized.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+    let output = std::process::Command::new(python()).arg(script).arg("loss").arg(&model).arg(&tokenized).arg("4").output().unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+    let expected: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&output.stdout).lines().last().unwrap()).unwrap();
+    for key in ["loss", "aux_loss"] {
+        let (ours, theirs) = (first[key].as_f64().unwrap(), expected[key].as_f64().unwrap());
+        assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");
+    }
+
+    let baseline = common::losses(&one);
+    assert_eq!(baseline.len(), 2, "{baseline:?}");
+    for (name, flags) in [
+        ("two-ranks-full-shard", &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard"][..]),
+        ("recomputed", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--activation-checkpointing"][..]),
+    ] {
+        let losses = common::losses(&run(name, flags));
+        assert_eq!(losses.len(), baseline.len(), "{name}");
+        for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} step {}: loss {x} vs one rank's {y}", step + 1);
+        }
+    }
 }

@@ -15,6 +15,13 @@ make OUT_DIR JSON
     weights are drawn around 1 and the routers wider than the rest, so that
     a misread norm changes the outputs and no token's top-k is a near tie.
 
+loss MODEL_DIR TOKENIZED_JSONL N
+    Prints as JSON transformers' `loss` (with the load-balancing loss when
+    the config asks) and `aux_loss` on the first N examples of
+    TOKENIZED_JSONL (`ft tokenize`'s lines: input_ids and labels), right-padded
+    into one batch with their attention mask, as `ft train`'s first step
+    with data.shuffle=false and a global batch of N computes them.
+
 check PAIRS_JSON
     A list of [EXPORT_DIR, REFERENCE_DIR]: transformers loads each export
     with no key missing, unexpected or mis-shaped, and its logits on the
@@ -68,6 +75,24 @@ def make(out, cases):
         print(name, "loss", output.loss.item(), "aux", reference["aux_loss"].item())
 
 
+def loss(model_dir, tokenized, count):
+    with open(tokenized) as f:
+        examples = [json.loads(line) for line in f][:count]
+    longest = max(len(example["input_ids"]) for example in examples)
+    ids = torch.zeros(count, longest, dtype=torch.long)
+    labels = torch.full((count, longest), -100)
+    mask = torch.zeros(count, longest, dtype=torch.long)
+    for row, example in enumerate(examples):
+        length = len(example["input_ids"])
+        ids[row, :length] = torch.tensor(example["input_ids"])
+        labels[row, :length] = torch.tensor(example["labels"])
+        mask[row, :length] = 1
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    with torch.no_grad():
+        output = model(input_ids=ids, attention_mask=mask, labels=labels)
+    print(json.dumps({"loss": output.loss.item(), "aux_loss": output.aux_loss.item()}))
+
+
 def check(pairs):
     for export, reference_dir in pairs:
         model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True, dtype=torch.float32)
@@ -88,5 +113,7 @@ if __name__ == "__main__":
     logging.set_verbosity_error()
     if sys.argv[1] == "make":
         make(sys.argv[2], json.loads(sys.argv[3]))
+    elif sys.argv[1] == "loss":
+        loss(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         check(json.loads(sys.argv[2]))
