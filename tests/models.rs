@@ -684,16 +684,28 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
         assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");
     }
 
+    // The sparse layer's load (layer 1 is dense), and no assignment dropped.
+    let (least, most, variation) = (first["moe/layer_0/load_min"].as_f64().unwrap(), first["moe/layer_0/load_max"].as_f64().unwrap(), first["moe/layer_0/load_cv"].as_f64().unwrap());
+    assert!(least <= 1.0 / 8.0 && most >= 1.0 / 8.0 && most <= 1.0 && (variation > 0.0) == (most > least), "{first}");
+    assert!(first.get("moe/layer_1/load_min").is_none() && first["moe/dropped_assignments"] == 0.0, "{first}");
+
     let baseline = common::losses(&one);
     assert_eq!(baseline.len(), 2, "{baseline:?}");
     for (name, flags) in [
         ("two-ranks-full-shard", &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard"][..]),
         ("recomputed", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--activation-checkpointing"][..]),
     ] {
-        let losses = common::losses(&run(name, flags));
+        let dir = run(name, flags);
+        let losses = common::losses(&dir);
         assert_eq!(losses.len(), baseline.len(), "{name}");
         for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
             assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} step {}: loss {x} vs one rank's {y}", step + 1);
+        }
+        // The load is counted over every rank's tokens: the whole batch's.
+        let record: serde_json::Value = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).find(|r: &serde_json::Value| r.get("loss").is_some()).unwrap();
+        for key in ["aux_loss", "moe/layer_0/load_min", "moe/layer_0/load_max", "moe/layer_0/load_cv"] {
+            let (x, y) = (record[key].as_f64().unwrap(), first[key].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: {key} {x} vs one rank's {y}");
         }
     }
 }

@@ -341,6 +341,12 @@ pub trait AuxiliaryLoss: Send + Sync {
     fn weights(&self, statistics: &Tensor) -> Tensor;
     /// What the loss is multiplied by where it joins the objective's.
     fn coefficient(&self) -> f64;
+    /// Figures for a step's log from its statistics ([blocks, m], summed
+    /// over the step's micro-batches and the ranks), each a 0-dim tensor
+    /// read only when the step is logged (a router's load per layer).
+    fn figures(&self, _statistics: &Tensor) -> Vec<(String, Tensor)> {
+        vec![]
+    }
 }
 
 /// Per batch: which tokens a block's auxiliary statistics count, and the

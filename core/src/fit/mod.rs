@@ -171,8 +171,9 @@ pub(crate) struct StepOutcome {
     /// The objective's own figures of this step (`Objective::take_step_metrics`).
     pub metrics: crate::task::StepMetrics,
     /// This rank's share of the model's auxiliary loss, before its
-    /// coefficient (`Trainer::take_auxiliary_loss`); None where it adds none.
-    pub auxiliary_loss: Option<Tensor>,
+    /// coefficient, and the figures of its statistics (over every rank)
+    /// for the log (`Trainer::take_auxiliary`); None where it adds none.
+    pub auxiliary: Option<(Tensor, Vec<(String, Tensor)>)>,
 }
 
 /// One optimizer step over global batch `epoch_step` of `order`: this rank's
@@ -191,7 +192,7 @@ fn train_step(
 ) -> Result<StepOutcome> {
     // Every rank knows the whole global batch, so the exact normaliser needs no communication.
     let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
-    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default(), auxiliary_loss: None };
+    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default(), auxiliary: None };
     let micro_steps = layout.micro_steps(order, epoch_step);
     for micro in 0..micro_steps {
         let indices = layout.micro(order, epoch_step, rank, micro);
@@ -206,7 +207,7 @@ fn train_step(
     }
     outcome.grad_norm = trainer.step(lr)?;
     outcome.metrics = objective.take_step_metrics();
-    outcome.auxiliary_loss = trainer.take_auxiliary_loss();
+    outcome.auxiliary = trainer.take_auxiliary();
     Ok(outcome)
 }
 

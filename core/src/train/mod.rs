@@ -159,8 +159,9 @@ pub struct Trainer<'m> {
     /// Micro-batches since the last optimizer step.
     pending_micro_batches: usize,
     /// This rank's share of the model's auxiliary loss since the last
-    /// `take_auxiliary_loss`, before its coefficient, on the device.
-    auxiliary_loss: Option<Tensor>,
+    /// `take_auxiliary`, before its coefficient, and its statistics
+    /// (summed over the ranks), on the device.
+    auxiliary: Option<(Tensor, Tensor)>,
     parallel: Option<&'m DataParallel<'m>>,
     /// Present when computing in fp16.
     scaler: Option<LossScaler>,
@@ -329,7 +330,7 @@ impl<'m> TrainerBuilder<'m> {
             step: Tensor::zeros([], (Kind::Float, device)),
             micro_steps: 0,
             pending_micro_batches: 0,
-            auxiliary_loss: None,
+            auxiliary: None,
             parallel,
             gathered_bytes: 0,
             gathered_peak: 0,

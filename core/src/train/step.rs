@@ -188,22 +188,25 @@ impl Trainer<'_> {
 
     /// The weights of each recording block's auxiliary term ([blocks, n],
     /// `AuxiliaryLoss::weights`, over this micro-batch on every
-    /// data-parallel rank, divided by the step's micro-batches); None where
-    /// the model adds no auxiliary loss or no block recorded a term.
-    fn auxiliary_weights(&self, statistics: &[Tensor], micro: MicroBatch) -> Result<Option<Tensor>> {
+    /// data-parallel rank, divided by the step's micro-batches), and the
+    /// statistics they come from; None where the model adds no auxiliary
+    /// loss or no block recorded a term.
+    fn auxiliary_weights(&self, statistics: &[Tensor], micro: MicroBatch) -> Result<Option<(Tensor, Tensor)>> {
         let Some(loss) = self.model.auxiliary_loss().filter(|_| !statistics.is_empty()) else { return Ok(None) };
         let mut statistics = Tensor::stack(statistics, 0);
         if let Some(parallel) = self.parallel {
             parallel.world.all_reduce(&mut statistics, crate::comm::Reduction::Sum)?.wait()?;
         }
-        Ok(Some(loss.weights(&statistics) / micro.count as f64))
+        Ok(Some((loss.weights(&statistics) / micro.count as f64, statistics)))
     }
 
-    /// This rank's share of the model's auxiliary loss (before its
-    /// coefficient) over the micro-batches since the last call; None
-    /// where the model adds none.
-    pub fn take_auxiliary_loss(&mut self) -> Option<Tensor> {
-        self.auxiliary_loss.take()
+    /// Since the last call: this rank's share of the model's auxiliary loss
+    /// (before its coefficient) and `AuxiliaryLoss::figures` of its
+    /// statistics; None where the model adds none.
+    pub fn take_auxiliary(&mut self) -> Option<(Tensor, Vec<(String, Tensor)>)> {
+        let (share, statistics) = self.auxiliary.take()?;
+        let figures = self.model.auxiliary_loss().map(|loss| loss.figures(&statistics)).unwrap_or_default();
+        Some((share, figures))
     }
 
     /// Forward and backward of one micro-batch; gradients add up until
@@ -295,16 +298,17 @@ impl Trainer<'_> {
         }
 
         let auxiliary_weights = self.auxiliary_weights(&statistics, micro)?;
-        if let Some(weights) = &auxiliary_weights {
+        if let Some((weights, statistics)) = &auxiliary_weights {
             let values: Vec<Tensor> = auxiliary.iter().flatten().map(Tensor::detach).collect();
             let share = (weights * Tensor::stack(&values, 0)).sum(Kind::Float);
             let coefficient = model.auxiliary_loss().map_or(1.0, |loss| loss.coefficient());
             loss = loss.map(|loss| loss + &share * coefficient);
-            self.auxiliary_loss = Some(match self.auxiliary_loss.take() {
-                Some(sum) => sum + share,
-                None => share,
+            self.auxiliary = Some(match self.auxiliary.take() {
+                Some((sum, summed)) => (sum + share, summed + statistics),
+                None => (share, statistics.shallow_clone()),
             });
         }
+        let auxiliary_weights = auxiliary_weights.map(|(weights, _)| weights);
         // Block stage index → its row of the weights.
         let mut rows = 0..;
         let weight_rows: Vec<Option<i64>> = auxiliary.iter().map(|values| values.as_ref().and_then(|_| rows.next())).collect();

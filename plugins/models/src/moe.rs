@@ -220,6 +220,28 @@ impl AuxiliaryLoss for Moe {
     fn coefficient(&self) -> f64 {
         self.aux_loss_coef.unwrap_or(0.0)
     }
+
+    /// Per sparse layer, its experts' load over the step's real tokens: the
+    /// least and the most loaded expert's share of the layer's assignments
+    /// (1/E each when balanced) and the coefficient of variation of the
+    /// assignments per expert (0 when balanced); and the assignments the
+    /// router's statistics are short of k per token (always 0: dropless).
+    fn figures(&self, statistics: &Tensor) -> Vec<(String, Tensor)> {
+        let assignments = statistics.narrow(1, 0, self.experts);
+        let tokens = statistics.narrow(1, self.experts, 1).sum(Kind::Float);
+        let shares = &assignments / assignments.sum_dim_intlist(1, true, Kind::Float).clamp_min(1.0);
+        let variation = assignments.std_dim(1, false, false) / assignments.mean_dim(1, false, Kind::Float).clamp_min(1e-12);
+        let layers = self.sparse.iter().enumerate().filter(|(_, &sparse)| sparse).map(|(layer, _)| layer);
+        let mut figures = vec![];
+        for (row, layer) in layers.enumerate().take(statistics.size()[0] as usize) {
+            let row = row as i64;
+            figures.push((format!("moe/layer_{layer}/load_min"), shares.get(row).min()));
+            figures.push((format!("moe/layer_{layer}/load_max"), shares.get(row).max()));
+            figures.push((format!("moe/layer_{layer}/load_cv"), variation.get(row)));
+        }
+        figures.push(("moe/dropped_assignments".into(), tokens * self.top_k as f64 - assignments.sum(Kind::Float)));
+        figures
+    }
 }
 
 /// The tensors the Hub's files store a fused expert parameter as: for
