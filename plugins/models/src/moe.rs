@@ -109,14 +109,13 @@ impl Moe {
     /// The parameters of a sparse layer's MLP (names inside its block, under `prefix` in the files), for hidden size `hidden`.
     pub(crate) fn params(&self, prefix: &str, hidden: i64, init: Init) -> Vec<ParamSpec> {
         let (e, i) = (self.experts, self.inner);
-        let routed = |name: &str, shape: &[i64]| {
-            let hf_name = format!("{prefix}{}{}", self.hub_module, name.strip_prefix("mlp").expect("an MLP parameter"));
-            ParamSpec { hf_name, name: name.into(), shape: shape.to_vec(), init }
-        };
+        let routed = |name: &str, hub: &str, shape: &[i64]| ParamSpec { hf_name: format!("{prefix}{}.{hub}", self.hub_module), name: name.into(), shape: shape.to_vec(), init };
+        // The router is no linear layer (not `….weight` inside the block), as
+        // transformers 5's is none: LoRA's all-linear and float8 leave it alone.
         let mut params = vec![
-            routed("mlp.gate.weight", &[e, hidden]),
-            routed("mlp.experts.gate_up_proj", &[e, 2 * i, hidden]),
-            routed("mlp.experts.down_proj", &[e, hidden, i]),
+            routed("mlp.router", "gate.weight", &[e, hidden]),
+            routed("mlp.experts.gate_up_proj", "experts.gate_up_proj", &[e, 2 * i, hidden]),
+            routed("mlp.experts.down_proj", "experts.down_proj", &[e, hidden, i]),
         ];
         if let Some(shared) = self.shared_expert {
             params.extend([
@@ -145,7 +144,7 @@ impl Moe {
     pub fn forward(&self, p: &Params, x: &Tensor, ctx: &Context) -> Tensor {
         let (batch, seq, hidden) = x.size3().expect("hidden states are [batch, seq, hidden]");
         let tokens = x.reshape([-1, hidden]);
-        let logits = p.linear(&tokens, "mlp.gate");
+        let logits = tokens.linear::<&Tensor>(p.get("mlp.router"), None);
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
@@ -297,6 +296,30 @@ mod tests {
         assert!(build("olmoe", json!({"clip_qkv": 8.0})).unwrap_err().starts_with("clip_qkv 8 is not supported"));
         assert!(build("olmoe", json!({"head_dim": 4})).unwrap_err().starts_with("head_dim (4) must be hidden_size / num_attention_heads (8) for OLMoE"));
         assert!(build("mixtral", json!({"router_jitter_noise": 0.01})).unwrap_err().starts_with("router_jitter_noise 0.01 is not supported"));
+    }
+
+    /// LoRA adapts what peft adapts on transformers 5's MoE models with
+    /// all-linear — attention, the dense and shared MLPs, the shared
+    /// expert's gate — never the router (no nn.Linear there) nor the
+    /// experts (3-D); short names that would reach only the dense MLPs
+    /// (`gate`, `up`, `down`) are refused, not half-served.
+    #[test]
+    fn lora_leaves_the_router_and_the_experts_alone() {
+        let config = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8, "num_experts": 4,
+            "num_experts_per_tok": 2, "mlp_only_layers": [1]});
+        let lora = |targets: &[&str]| {
+            let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect() };
+            ft_core::lora::LoraModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora)
+        };
+        let model = lora(&["all-linear"]).unwrap();
+        let modules: std::collections::BTreeSet<&str> = model.targets().iter().map(|t| t.module.as_str()).collect();
+        assert!(modules.contains("mlp.shared_expert.gate_proj") && modules.contains("mlp.shared_expert_gate") && modules.contains("mlp.gate_proj"), "{modules:?}");
+        assert!(modules.iter().all(|m| !m.contains("router") && !m.contains("experts")), "{modules:?}");
+        for target in ["gate", "up", "down"] {
+            let message = lora(&[target]).err().expect("refused").to_string();
+            assert!(message.starts_with(&format!("train.lora.targets: \"{target}\" names no linear layer")), "{message}");
+        }
     }
 
     /// Layers are sparse as transformers' Qwen MoE decoder layers decide.
