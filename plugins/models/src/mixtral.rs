@@ -31,10 +31,6 @@ struct Keys {
     router_jitter_noise: f64,
     num_hidden_layers: i64,
     intermediate_size: i64,
-    #[serde(flatten)]
-    experts: moe::ExpertCount,
-    #[serde(flatten)]
-    router: RouterKeys,
 }
 
 pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
@@ -47,9 +43,9 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         if keys.router_jitter_noise != 0.0 {
             bail!("router_jitter_noise {} is not supported: ft's router reads its input as it is (set it to 0.0)", keys.router_jitter_noise);
         }
-        let experts = keys.experts.read(8)?;
+        let (experts_key, experts) = check::parse::<moe::ExpertCount>(config)?.read("num_local_experts", 8)?;
         check::layers("num_hidden_layers", keys.num_hidden_layers)?;
-        let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
+        let (top_k, aux_loss_coef) = check::parse::<RouterKeys>(config)?.validate((experts_key, experts))?;
         let sparse = vec![true; keys.num_hidden_layers as usize];
         moe = Some(Moe { experts, top_k, inner: keys.intermediate_size, norm_topk_prob: true, sparse, aux_loss_coef, shared_expert: None, hub_module: "block_sparse_moe" });
         Ok(Variant { sliding_window: keys.sliding_window, ..Variant::plain("Mixtral") })

@@ -61,10 +61,10 @@ pub(crate) struct RouterKeys {
 
 impl RouterKeys {
     /// Checks the keys against `experts`; returns top-k and the loss's coefficient where it is on.
-    pub(crate) fn validate(&self, experts: i64) -> Result<(i64, Option<f64>)> {
+    pub(crate) fn validate(&self, (key, experts): (&str, i64)) -> Result<(i64, Option<f64>)> {
         check::sizes(&[("num_experts_per_tok", self.num_experts_per_tok)])?;
         if self.num_experts_per_tok > experts {
-            bail!("num_experts_per_tok ({}) must be at most the number of experts ({experts})", self.num_experts_per_tok);
+            bail!("num_experts_per_tok ({}) must be at most {key} ({experts})", self.num_experts_per_tok);
         }
         check::std("router_aux_loss_coef", self.router_aux_loss_coef)?;
         Ok((self.num_experts_per_tok, self.output_router_logits.then_some(self.router_aux_loss_coef)))
@@ -83,15 +83,17 @@ pub(crate) struct ExpertCount {
 }
 
 impl ExpertCount {
-    /// The count, `default` when config.json gives neither key.
-    pub(crate) fn read(&self, default: i64) -> Result<i64> {
-        let experts = match (self.num_experts, self.num_local_experts) {
+    /// The key that gives the count and the count (`default` when
+    /// config.json gives neither key, under the family's own `key`).
+    pub(crate) fn read(&self, key: &'static str, default: i64) -> Result<(&'static str, i64)> {
+        let (key, experts) = match (self.num_experts, self.num_local_experts) {
             (Some(a), Some(b)) if a != b => bail!("num_experts ({a}) and num_local_experts ({b}) name the same number: give one, or the same in both"),
-            (Some(count), _) | (None, Some(count)) => count,
-            (None, None) => default,
+            (Some(count), _) => ("num_experts", count),
+            (None, Some(count)) => ("num_local_experts", count),
+            (None, None) => (key, default),
         };
-        check::sizes(&[("num_experts", experts)])?;
-        Ok(experts)
+        check::sizes(&[(key, experts)])?;
+        Ok((key, experts))
     }
 }
 
@@ -284,7 +286,7 @@ mod tests {
         };
         for family in ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"] {
             assert_eq!(build(family, json!({})), Ok(()), "{family}");
-            assert_eq!(build(family, json!({"num_experts_per_tok": 5})), Err("num_experts_per_tok (5) must be at most the number of experts (4)".into()), "{family}");
+            assert_eq!(build(family, json!({"num_experts_per_tok": 5})), Err("num_experts_per_tok (5) must be at most num_experts (4)".into()), "{family}");
             assert_eq!(build(family, json!({"num_local_experts": 3})), Err("num_experts (4) and num_local_experts (3) name the same number: give one, or the same in both".into()));
             assert_eq!(build(family, json!({"router_aux_loss_coef": -1.0})), Err("router_aux_loss_coef must be a finite number of at least 0, not -1".into()));
         }

@@ -34,10 +34,6 @@ struct Keys {
     num_hidden_layers: i64,
     intermediate_size: i64,
     norm_topk_prob: bool,
-    #[serde(flatten)]
-    experts: moe::ExpertCount,
-    #[serde(flatten)]
-    router: RouterKeys,
 }
 
 pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
@@ -52,9 +48,9 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
         if let Some(head_dim) = keys.head_dim.filter(|&head_dim| head_dim * keys.num_attention_heads != keys.hidden_size) {
             bail!("head_dim ({head_dim}) must be hidden_size / num_attention_heads ({}) for OLMoE, whose q_norm spans hidden_size", keys.hidden_size / keys.num_attention_heads);
         }
-        let experts = keys.experts.read(64)?;
+        let (experts_key, experts) = check::parse::<moe::ExpertCount>(config)?.read("num_experts", 64)?;
         check::layers("num_hidden_layers", keys.num_hidden_layers)?;
-        let (top_k, aux_loss_coef) = keys.router.validate(experts)?;
+        let (top_k, aux_loss_coef) = check::parse::<RouterKeys>(config)?.validate((experts_key, experts))?;
         let sparse = vec![true; keys.num_hidden_layers as usize];
         moe = Some(Moe { experts, top_k, inner: keys.intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None, hub_module: "mlp" });
         Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::Projection, ..Variant::plain("OLMoE") })
