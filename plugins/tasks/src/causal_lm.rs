@@ -361,6 +361,10 @@ mod tests {
         assert_eq!(Vec::<Vec<i64>>::try_from(&batch.inputs.input_ids).unwrap(), vec![vec![1, 2, 3], vec![4, 0, 0]]);
         assert_eq!(Vec::<Vec<i64>>::try_from(&batch.targets[0]).unwrap(), vec![vec![-100, 2, 3], vec![4, -100, -100]]);
         assert_eq!((data.loss_weight(0), data.loss_weight(1), data.tokens(0)), (2, 0, 3));
+        // Right padding needs no attention mask; what counts tokens is told which are padding.
+        assert!(batch.inputs.attention_mask.is_none());
+        assert_eq!(Vec::<Vec<i64>>::try_from(batch.inputs.token_mask.as_ref().unwrap()).unwrap(), vec![vec![1, 1, 1], vec![1, 0, 0]]);
+        assert!(data.collate(&[0], Device::Cpu).unwrap().inputs.token_mask.is_none(), "nothing padded");
         let padded = LmDataset::new(data.examples.clone(), 0, 4);
         assert_eq!(padded.collate(&[0, 1], Device::Cpu).unwrap().inputs.input_ids.size(), [2, 4]);
     }
