@@ -709,3 +709,20 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
         }
     }
 }
+
+/// Generation runs the experts through the KV cache as a forward does:
+/// left-padded prompts decoded together give each prompt's tokens alone.
+#[test]
+fn moe_batched_greedy_decoding_equals_one_prompt_at_a_time() {
+    let scratch = tempfile::tempdir().unwrap();
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name).join("hub");
+        let model = hf::load_model(&dir).unwrap();
+        assert!(!model.graph_capturable(), "{name}: the experts read their sizes on the host");
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        let prompts: Vec<Vec<i64>> = (0..3).map(|i| (0..3 + 2 * i).map(|t| (7 * t + 3 * i + 1) % 100).collect()).collect();
+        let one_at_a_time: Vec<Vec<i64>> = prompts.iter().map(|p| greedy(model.as_ref(), &params, p, 6, None, Kind::Float).unwrap()).collect();
+        let batched = greedy_batch(model.as_ref(), &params, &prompts, &Decoding::greedy(6, None, Kind::Float)).unwrap();
+        assert_eq!(batched, one_at_a_time, "{name}");
+    }
+}

@@ -723,6 +723,13 @@ pub trait Model: Send + Sync {
         None
     }
 
+    /// Whether a forward may be recorded as a CUDA graph (generation's
+    /// decoding steps): false where a block reads device values on the
+    /// host (a mixture of experts' tokens per expert, for now).
+    fn graph_capturable(&self) -> bool {
+        true
+    }
+
     /// The loss the blocks add beside the objective's from the terms they
     /// record (`Auxiliary::record`): a mixture of experts' load balancing
     /// when its config asks for it; None (the default) where none is added.

@@ -667,6 +667,11 @@ impl Model for Llama {
         6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
     }
 
+    /// Not with experts: each sparse layer reads its tokens per expert on the host (`moe.rs`).
+    fn graph_capturable(&self) -> bool {
+        self.experts.is_none()
+    }
+
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
         self.experts.as_ref().filter(|moe| moe.aux_loss_coef.is_some()).map(|moe| moe as &dyn model::AuxiliaryLoss)
     }
