@@ -640,7 +640,8 @@ fn moe_weights_load_from_either_layout_and_export_in_the_hubs() {
 
 /// `ft train` of a tiny Qwen3-MoE with the load-balancing loss: its first
 /// step's loss and aux_loss equal transformers' on the same right-padded
-/// batch (`ft tokenize`'s examples), and two ranks under full_shard, and
+/// batch (`ft tokenize`'s examples), accumulating two micro-batches its
+/// aux_loss is the mean of theirs, and two ranks under full_shard, and
 /// one rank recomputing its blocks (activation checkpointing), train to
 /// one rank's losses at every step: the router's statistics are summed
 /// over the ranks before they weigh any block's gradient.
@@ -676,13 +677,20 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
         .unwrap();
     assert!(output.status.success(), "{}", common::text(&output));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
-    let output = std::process::Command::new(python()).arg(script).arg("loss").arg(&model).arg(&tokenized).arg("4").output().unwrap();
+    // The whole first batch, and its halves (the micro-batches of a run accumulating two).
+    let slices = serde_json::json!([[0, 4], [0, 2], [2, 2]]).to_string();
+    let output = std::process::Command::new(python()).arg(script).arg("loss").arg(&model).arg(&tokenized).arg(slices).output().unwrap();
     assert!(output.status.success(), "{}", common::text(&output));
     let expected: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&output.stdout).lines().last().unwrap()).unwrap();
     for key in ["loss", "aux_loss"] {
-        let (ours, theirs) = (first[key].as_f64().unwrap(), expected[key].as_f64().unwrap());
+        let (ours, theirs) = (first[key].as_f64().unwrap(), expected[0][key].as_f64().unwrap());
         assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");
     }
+    // Accumulating two micro-batches, a step's auxiliary loss is the mean of theirs.
+    let accumulated = run("accumulated", &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "2", "--strategy", "ddp"]);
+    let record: serde_json::Value = std::fs::read_to_string(accumulated.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).find(|r: &serde_json::Value| r.get("loss").is_some()).unwrap();
+    let (ours, theirs) = (record["aux_loss"].as_f64().unwrap(), (expected[1]["aux_loss"].as_f64().unwrap() + expected[2]["aux_loss"].as_f64().unwrap()) / 2.0);
+    assert!((ours - theirs).abs() <= 1e-5 * theirs, "accumulated step 1's aux_loss: {ours} vs the mean of transformers' over its micro-batches {theirs}");
 
     // The sparse layer's load (layer 1 is dense), and no assignment dropped.
     let (least, most, variation) = (first["moe/layer_0/load_min"].as_f64().unwrap(), first["moe/layer_0/load_max"].as_f64().unwrap(), first["moe/layer_0/load_cv"].as_f64().unwrap());

@@ -15,12 +15,13 @@ make OUT_DIR JSON
     weights are drawn around 1 and the routers wider than the rest, so that
     a misread norm changes the outputs and no token's top-k is a near tie.
 
-loss MODEL_DIR TOKENIZED_JSONL N
-    Prints as JSON transformers' `loss` (with the load-balancing loss when
-    the config asks) and `aux_loss` on the first N examples of
-    TOKENIZED_JSONL (`ft tokenize`'s lines: input_ids and labels), right-padded
-    into one batch with their attention mask, as `ft train`'s first step
-    with data.shuffle=false and a global batch of N computes them.
+loss MODEL_DIR TOKENIZED_JSONL SLICES_JSON
+    Prints as a JSON list, for each [START, COUNT] of SLICES_JSON,
+    transformers' `loss` (with the load-balancing loss when the config asks)
+    and `aux_loss` on examples START to START + COUNT of TOKENIZED_JSONL
+    (`ft tokenize`'s lines: input_ids and labels), right-padded into one
+    batch with their attention mask, as `ft train` computes a micro-batch of
+    them with data.shuffle=false.
 
 check PAIRS_JSON
     A list of [EXPORT_DIR, REFERENCE_DIR]: transformers loads each export
@@ -75,9 +76,15 @@ def make(out, cases):
         print(name, "loss", output.loss.item(), "aux", reference["aux_loss"].item())
 
 
-def loss(model_dir, tokenized, count):
+def loss(model_dir, tokenized, slices):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     with open(tokenized) as f:
-        examples = [json.loads(line) for line in f][:count]
+        examples = [json.loads(line) for line in f]
+    print(json.dumps([batch_loss(model, examples[start : start + count]) for start, count in slices]))
+
+
+def batch_loss(model, examples):
+    count = len(examples)
     longest = max(len(example["input_ids"]) for example in examples)
     ids = torch.zeros(count, longest, dtype=torch.long)
     labels = torch.full((count, longest), -100)
@@ -87,10 +94,9 @@ def loss(model_dir, tokenized, count):
         ids[row, :length] = torch.tensor(example["input_ids"])
         labels[row, :length] = torch.tensor(example["labels"])
         mask[row, :length] = 1
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     with torch.no_grad():
         output = model(input_ids=ids, attention_mask=mask, labels=labels)
-    print(json.dumps({"loss": output.loss.item(), "aux_loss": output.aux_loss.item()}))
+    return {"loss": output.loss.item(), "aux_loss": output.aux_loss.item()}
 
 
 def check(pairs):
@@ -114,6 +120,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], json.loads(sys.argv[3]))
     elif sys.argv[1] == "loss":
-        loss(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        loss(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
     else:
         check(json.loads(sys.argv[2]))
