@@ -297,18 +297,23 @@ impl Trainer<'_> {
             ft_sys::float8::forget_cached_inputs();
         }
 
-        let auxiliary_weights = self.auxiliary_weights(&statistics, micro)?;
-        if let Some((weights, statistics)) = &auxiliary_weights {
+        // The gradient of each recording block's values: its weights times the loss's coefficient (and fp16's loss scale).
+        let mut auxiliary_grads = None;
+        if let Some((weights, statistics)) = self.auxiliary_weights(&statistics, micro)? {
             let values: Vec<Tensor> = auxiliary.iter().flatten().map(Tensor::detach).collect();
-            let share = (weights * Tensor::stack(&values, 0)).sum(Kind::Float);
-            let coefficient = model.auxiliary_loss().map_or(1.0, |loss| loss.coefficient());
+            let share = (&weights * Tensor::stack(&values, 0)).sum(Kind::Float);
+            let coefficient = model.auxiliary_loss().map_or(0.0, |loss| loss.coefficient());
             loss = loss.map(|loss| loss + &share * coefficient);
             self.auxiliary = Some(match self.auxiliary.take() {
                 Some((sum, summed)) => (sum + share, summed + statistics),
-                None => (share, statistics.shallow_clone()),
+                None => (share, statistics),
+            });
+            let grads = weights * coefficient;
+            auxiliary_grads = Some(match &self.scaler {
+                Some(scaler) => grads * &scaler.scale,
+                None => grads,
             });
         }
-        let auxiliary_weights = auxiliary_weights.map(|(weights, _)| weights);
         // Block stage index → its row of the weights.
         let mut rows = 0..;
         let weight_rows: Vec<Option<i64>> = auxiliary.iter().map(|values| values.as_ref().and_then(|_| rows.next())).collect();
@@ -333,11 +338,11 @@ impl Trainer<'_> {
                 // None: nothing up to this stage trains, so nothing needs a gradient through it.
                 s.grads = grad.take().into_iter().collect();
             }
-            if let (Some(weights), Some(row), Some(values)) = (&auxiliary_weights, weight_rows[index], auxiliary[index].take()) {
-                // The auxiliary loss's gradient joins the block's: its weights are the values' gradient.
+            if let (Some(grads), Some(row), Some(values)) = (&auxiliary_grads, weight_rows[index], auxiliary[index].take()) {
+                // The auxiliary loss's gradient joins the block's output's.
                 s.outputs.truncate(s.grads.len());
                 s.outputs.push(values);
-                s.grads.push(weights.get(row) * model.auxiliary_loss().map_or(1.0, |loss| loss.coefficient()));
+                s.grads.push(grads.get(row));
             }
             // Frozen parameters have no gradient to carry (a frozen
             // embedding's output, a frozen LM weight): only what does is fed.
