@@ -723,6 +723,12 @@ pub trait Model: Send + Sync {
         None
     }
 
+    /// Refuses holding the frozen blocks in 4 bits (QLoRA: `model.quantize`)
+    /// where ft's 4-bit base would not hold them as bitsandbytes does.
+    fn check_quantized_base(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether a forward may be recorded as a CUDA graph (generation's
     /// decoding steps): false where a block reads device values on the
     /// host (a mixture of experts' tokens per expert, for now).

@@ -667,6 +667,16 @@ impl Model for Llama {
         6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
     }
 
+    /// Not with experts: bitsandbytes keeps the router (no nn.Linear in
+    /// transformers 5) and the 3-D experts in the compute dtype, where ft
+    /// would quantize the router.
+    fn check_quantized_base(&self) -> Result<()> {
+        if self.experts.is_some() {
+            bail!("model.quantize (--quantize) is not supported for {} yet: a mixture of experts' router and experts are not held in 4 bits as bitsandbytes holds them (train LoRA on the compute-dtype base: drop --quantize)", self.variant.name);
+        }
+        Ok(())
+    }
+
     /// Not with experts: each sparse layer reads its tokens per expert on the host (`moe.rs`).
     fn graph_capturable(&self) -> bool {
         self.experts.is_none()

@@ -304,7 +304,8 @@ mod tests {
     /// all-linear — attention, the dense and shared MLPs, the shared
     /// expert's gate — never the router (no nn.Linear there) nor the
     /// experts (3-D); short names that would reach only the dense MLPs
-    /// (`gate`, `up`, `down`) are refused, not half-served.
+    /// (`gate`, `up`, `down`) are refused, not half-served; so is a 4-bit
+    /// base (QLoRA), which would quantize the router bitsandbytes leaves.
     #[test]
     fn lora_leaves_the_router_and_the_experts_alone() {
         let config = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
@@ -322,6 +323,10 @@ mod tests {
             let message = lora(&[target]).err().expect("refused").to_string();
             assert!(message.starts_with(&format!("train.lora.targets: \"{target}\" names no linear layer")), "{message}");
         }
+        let quantization = Some(ft_core::nf4::Quantization { quant_type: ft_core::nf4::QuantType::Nf4, blocksize: 64, double_quant: false });
+        let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
+        let message = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).err().expect("refused").to_string();
+        assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE yet"), "{message}");
     }
 
     /// Layers are sparse as transformers' Qwen MoE decoder layers decide.
