@@ -3,7 +3,9 @@
 //! Qwen2, Mistral with a sliding window, Qwen3, Gemma 2 and Gemma 3 with
 //! sliding and global layers, Phi-3 with LongRoPE and Phi-4-mini's partial
 //! rotary), their exports loading in transformers, and every loading error's
-//! message.
+//! message; and the mixture-of-experts families (Qwen3-MoE, OLMoE, Qwen2-MoE,
+//! Mixtral) made at test time by transformers (tests/python/moe_reference.py):
+//! equality, both weight layouts, export, decoding, and `ft train`.
 
 mod common;
 use common::shared;
