@@ -8,7 +8,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ft_core::dataset::Dataset;
-use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_core::train::{Kernels, MicroBatch, TrainOptions, TrainerBuilder};
 use ft_data::example::Example;
 use ft_models::hf;
 use ft_tasks::causal_lm::{CausalLmLoss, LmDataset};
@@ -49,7 +49,7 @@ fn packing(c: &mut Criterion) {
                 for step in rows.chunks(ROWS_PER_STEP) {
                     let batch = data.collate(step, Device::Cpu).unwrap();
                     let normalizer = step.iter().map(|&i| data.loss_weight(i)).sum::<usize>() as f64;
-                    let _loss = trainer.forward_backward(&batch, &objective, normalizer, true).unwrap();
+                    let _loss = trainer.forward_backward(&batch, &objective, normalizer, MicroBatch::ONLY).unwrap();
                     let _grad_norm = trainer.step(1e-3).unwrap();
                 }
             })

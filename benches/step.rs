@@ -7,7 +7,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use ft_core::dataset::Batch;
 use ft_core::model::{Inputs, Model};
 use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss};
-use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_core::train::{Kernels, MicroBatch, TrainOptions, TrainerBuilder};
 use ft_tasks::causal_lm::CausalLmLoss;
 use ft_models::hf;
 use std::path::Path;
@@ -37,7 +37,7 @@ fn training_step(c: &mut Criterion) {
         let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| {
-                let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+                let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
                 trainer.step(1e-3).unwrap()
             })
         });

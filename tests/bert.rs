@@ -91,6 +91,7 @@ impl Batch {
             token_type_ids: Some(Tensor::from_slice2(&self.token_type_ids)),
             documents: None,
             branches: None,
+            token_mask: None,
         }
     }
 
@@ -213,7 +214,7 @@ fn absent_mask_and_segments_mean_all_tokens_in_segment_zero_and_dropout_acts_onl
     };
     let bare = run(&Inputs::ids(&ids), false);
     let explicit =
-        Inputs { input_ids: ids.shallow_clone(), attention_mask: Some(ids.ones_like()), token_type_ids: Some(ids.zeros_like()), documents: None, branches: None };
+        Inputs { input_ids: ids.shallow_clone(), attention_mask: Some(ids.ones_like()), token_type_ids: Some(ids.zeros_like()), documents: None, branches: None, token_mask: None };
     assert!(relative(&bare, &run(&explicit, false), 0.0) < 1e-6, "no mask and no segments: every token attends, segment 0");
     let trained = run(&Inputs::ids(&ids), true);
     assert!(bool::try_from(trained.isfinite().all()).unwrap() && relative(&trained, &bare, 0.0) > 1e-3, "dropout while training");

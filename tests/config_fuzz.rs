@@ -102,6 +102,33 @@ fn tiny_configs() -> Vec<Value> {
             "initializer_range": 0.02, "attention_dropout": 0.0
         }),
         json!({
+            "model_type": "qwen3_moe", "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 64,
+            "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+            "output_router_logits": true, "router_aux_loss_coef": 0.01, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0,
+            "attention_bias": false, "use_sliding_window": false
+        }),
+        json!({
+            "model_type": "qwen2_moe", "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+            "shared_expert_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": false, "decoder_sparse_step": 2,
+            "mlp_only_layers": [], "output_router_logits": true, "router_aux_loss_coef": 0.01, "qkv_bias": true,
+            "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu", "use_sliding_window": false
+        }),
+        json!({
+            "model_type": "olmoe", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": false,
+            "output_router_logits": true, "router_aux_loss_coef": 0.01, "clip_qkv": null, "attention_bias": false,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false, "hidden_act": "silu"
+        }),
+        json!({
+            "model_type": "mixtral", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 3,
+            "output_router_logits": true, "router_aux_loss_coef": 0.01, "router_jitter_noise": 0.0, "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0, "tie_word_embeddings": false, "hidden_act": "silu"
+        }),
+        json!({
             "model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
             "intermediate_size": 32, "vocab_size": 64, "max_position_embeddings": 32, "type_vocab_size": 2,
             "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,

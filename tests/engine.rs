@@ -3,7 +3,7 @@
 use ft_core::dataset::Batch;
 use ft_core::model::{forward, lm_outputs, Inputs, Model};
 use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss};
-use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_core::train::{Kernels, MicroBatch, TrainOptions, TrainerBuilder};
 use ft_tasks::causal_lm::CausalLmLoss;
 use ft_models::hf;
 use ft_core::AdamW;
@@ -75,7 +75,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
             let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
             let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
-            let loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+            let loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
             assert!((loss.double_value(&[]) - expected_loss).abs() < 1e-5 * expected_loss, "{name}");
             // The accumulated flat gradient, viewed per parameter, equals autograd's.
             for (unit, expected_unit) in trainer.units().iter().zip(&expected) {
@@ -94,7 +94,7 @@ fn adamw_step_follows_the_reference_formula() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: None, ..Default::default() };
     let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(hyper.lr).unwrap();
     for ((unit, before), (grads, after)) in model.units().iter().zip(&params).zip(grads.iter().zip(trainer.params().unwrap())) {
@@ -117,7 +117,7 @@ fn clipping_by_global_norm_scales_the_gradients_adamw_sees() {
     let options = TrainOptions { adamw: hyper, max_grad_norm: Some(max_norm), ..Default::default() };
     let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+    let _loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let norm = trainer.step(hyper.lr).unwrap().double_value(&[]);
     let expected_norm = grads.iter().flatten().map(|g| g.square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
@@ -143,7 +143,7 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
         let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
         let mut losses = vec![];
         for _ in 0..steps {
-            losses.push(trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap().double_value(&[]));
+            losses.push(trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap().double_value(&[]));
             let _norm = trainer.step(hyper.lr).unwrap();
         }
         (losses, trainer.loss_scale(), trainer.params().unwrap())
@@ -169,7 +169,7 @@ fn fp16_with_loss_scaling_tracks_fp32_and_skips_overflowing_steps() {
     // scale halved continues at the halved scale, not its initial one.
     let options = |initial_loss_scale| TrainOptions { dtype: Kind::Half, adamw: hyper, initial_loss_scale, ..Default::default() };
     let mut overflowed = TrainerBuilder::new(model.as_ref(), options(huge)).build(&params).unwrap();
-    let _loss = overflowed.forward_backward(&lm_batch(&ids), &LM_LOSS, count, true).unwrap();
+    let _loss = overflowed.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
     let _norm = overflowed.step(hyper.lr).unwrap();
     let part = overflowed.checkpoint_part();
     let mut restored = TrainerBuilder::new(model.as_ref(), options(1024.0)).build(&params).unwrap();
@@ -198,7 +198,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass_for_a_span_head() {
     let _ = mask.get(1).narrow(0, 10, 6).fill_(0);
     let types = Tensor::cat(&[Tensor::zeros([3, 6], (Kind::Int64, Device::Cpu)), Tensor::ones([3, 10], (Kind::Int64, Device::Cpu))], 1);
     let batch = Batch {
-        inputs: Inputs { input_ids: ids, attention_mask: Some(mask), token_type_ids: Some(types), documents: None, branches: None },
+        inputs: Inputs { input_ids: ids, attention_mask: Some(mask), token_type_ids: Some(types), documents: None, branches: None, token_mask: None },
         targets: vec![Tensor::from_slice(&[0i64, 7, 12]), Tensor::from_slice(&[0i64, 9, 13])],
     };
     // One autograd pass: (CE(start) + CE(end)) / 2, the mean over the batch.
@@ -209,7 +209,7 @@ fn unit_by_unit_backward_equals_one_autograd_pass_for_a_span_head() {
     loss.backward();
     let options = TrainOptions { max_grad_norm: None, ..Default::default() };
     let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
-    let ours = trainer.forward_backward(&batch, &SpanLoss, 3.0, true).unwrap();
+    let ours = trainer.forward_backward(&batch, &SpanLoss, 3.0, MicroBatch::ONLY).unwrap();
     assert!((ours.double_value(&[]) - loss.double_value(&[])).abs() < 1e-5, "{ours} vs {loss}");
     for (unit, expected) in trainer.units().iter().zip(&leaves) {
         for (grad, want) in unit.grad_views().iter().zip(expected) {

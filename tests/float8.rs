@@ -10,7 +10,7 @@
 
 use ft_core::dataset::Batch;
 use ft_core::model::{Float8Layers, Init, Inputs, ParamSpec, Params, UnitSpec};
-use ft_core::train::{Kernels, TrainOptions, TrainerBuilder};
+use ft_core::train::{Kernels, MicroBatch, TrainOptions, TrainerBuilder};
 use ft_core::AdamW;
 use ft_models::hf;
 use ft_sys::float8::{self, Float8, Recipe};
@@ -181,7 +181,7 @@ fn ft_step(float8: Option<Float8>, activation_checkpointing: bool) -> (f64, Hash
     let objective = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
     let batch = Batch { inputs: Inputs::ids(&ids), targets: vec![ids.shallow_clone()] };
     let count = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let loss = trainer.forward_backward(&batch, &objective, count, true).unwrap().double_value(&[]);
+    let loss = trainer.forward_backward(&batch, &objective, count, MicroBatch::ONLY).unwrap().double_value(&[]);
     let grads: Vec<Vec<Tensor>> = trainer.units().iter().map(|u| u.grad_views().iter().map(Tensor::copy).collect()).collect();
     let _norm = trainer.step(adamw.lr).unwrap();
     let mut named = HashMap::new();

@@ -3,7 +3,9 @@
 //! Qwen2, Mistral with a sliding window, Qwen3, Gemma 2 and Gemma 3 with
 //! sliding and global layers, Phi-3 with LongRoPE and Phi-4-mini's partial
 //! rotary), their exports loading in transformers, and every loading error's
-//! message.
+//! message; and the mixture-of-experts families (Qwen3-MoE, OLMoE, Qwen2-MoE,
+//! Mixtral) made at test time by transformers (tests/python/moe_reference.py):
+//! equality, both weight layouts, export, decoding, and `ft train`.
 
 mod common;
 use common::shared;
@@ -506,5 +508,231 @@ fn plans_count_sliding_windows_and_soft_capped_attention() {
             .output()
             .unwrap();
         assert!(output.status.success() && common::text(&output).contains("full_shard"), "{name}: {}", common::text(&output));
+    }
+}
+
+/// The mixture-of-experts families' tiny models: 2 layers (the Qwen
+/// families' layer 1 dense, by `mlp_only_layers`), 8 experts of which each token takes 2, with the
+/// load-balancing loss on (a coefficient large enough that its gradient
+/// shows): each made once per test binary by transformers
+/// (tests/python/moe_reference.py), with its outputs on a right-padded batch.
+fn moe_models(dir: &Path) -> Vec<&'static str> {
+    // What the training test trains: Qwen3-MoE sized to the demo's tokenizer, which its directory holds.
+    let tokenizer = tempfile::tempdir().unwrap();
+    let tokenizer_file = ft_data::demo::write(tokenizer.path(), 4, 1, 0).unwrap().tokenizer;
+    let vocab = hf::load_tokenizer(tokenizer_file.parent().unwrap()).unwrap().get_vocab_size(true);
+    let cases = serde_json::json!({
+        "qwen3_moe_train": {"seed": 15, "config": {
+            "model_type": "qwen3_moe", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "tie_word_embeddings": false}},
+        "qwen3_moe": {"seed": 11, "config": {
+            "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "tie_word_embeddings": false}},
+        "olmoe": {"seed": 12, "config": {
+            "model_type": "olmoe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+            "output_router_logits": true, "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "pad_token_id": null,
+            "eos_token_id": null}},
+        "qwen2_moe": {"seed": 13, "config": {
+            "model_type": "qwen2_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1], "output_router_logits": true,
+            "router_aux_loss_coef": 0.1, "initializer_range": 0.1}},
+        "mixtral": {"seed": 14, "config": {
+            "model_type": "mixtral", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "output_router_logits": true, "router_aux_loss_coef": 0.1, "initializer_range": 0.1, "bos_token_id": null,
+            "eos_token_id": null}},
+    });
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    common::made_once(&MADE, dir, |made| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+        let output = std::process::Command::new(python()).arg(script).arg("make").arg(made).arg(cases.to_string()).output().unwrap();
+        assert!(output.status.success(), "{}", common::text(&output));
+        std::fs::copy(&tokenizer_file, made.join("qwen3_moe_train/hub/tokenizer.json")).unwrap();
+    });
+    vec!["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"]
+}
+
+fn python() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+}
+
+fn tensors(path: &Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(path).unwrap().into_iter().collect()
+}
+
+/// Each family's logits (at the real tokens), loss with the load-balancing
+/// loss, that loss alone and every parameter's gradient equal
+/// transformers' on a right-padded batch, whose padding the router's
+/// statistics skip as transformers' attention mask makes them.
+#[test]
+fn moe_logits_loss_aux_loss_and_gradients_match_transformers() {
+    let scratch = tempfile::tempdir().unwrap();
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name);
+        let reference = tensors(&dir.join("reference.safetensors"));
+        let model = hf::load_model(&dir.join("hub")).unwrap();
+        let params = hf::load_params(model.as_ref(), &dir.join("hub"), Kind::Float, Device::Cpu).unwrap();
+        for t in params.iter().flatten() {
+            let _ = t.set_requires_grad(true);
+        }
+        let (ids, mask) = (&reference["ids"], &reference["mask"]);
+        let inputs = Inputs { attention_mask: Some(mask.shallow_clone()), ..Inputs::ids(ids) };
+        let ctx = model.context(&inputs, 0, Kind::Float, true).unwrap();
+        let (outputs, aux) = ft_core::model::forward_with_auxiliary(model.as_ref(), &params, &inputs, &ctx, None);
+        let (hidden, weight) = lm_outputs(outputs).unwrap();
+        let real = mask.unsqueeze(-1).to_kind(Kind::Float);
+        let error = relative(&(logits(&hidden, &weight) * &real), &(&reference["logits"] * &real), 0.0);
+        assert!(error <= 1e-5, "{name}: logits differ by {error:e}");
+        let labels = ids.masked_fill(&mask.eq(0), -100);
+        let aux = aux.expect("output_router_logits adds the load-balancing loss");
+        let coefficient = model.auxiliary_loss().unwrap().coefficient();
+        let error = relative(&(&aux / coefficient), &reference["aux_loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: aux loss {} vs {}", aux.double_value(&[]) / coefficient, reference["aux_loss"].double_value(&[]));
+        let loss = lm_loss(&hidden, &weight, &labels, 7, None).unwrap() + aux;
+        let error = relative(&loss, &reference["loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: loss {} vs {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
+        loss.backward();
+        let mut compared = 0;
+        for (unit, tensors) in model.units().iter().zip(&params) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
+                // transformers 5 calls Mixtral's block_sparse_moe `mlp`.
+                let expected = &reference[&format!("grad.{}", spec.hf_name.replace(".block_sparse_moe.", ".mlp."))];
+                let error = relative(&tensor.grad(), expected, 0.0);
+                assert!(error <= 1e-5, "{name}: gradient of {} differs by {error:e}", spec.hf_name);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{name}: every reference gradient has a parameter");
+    }
+}
+
+/// The Hub's per-expert files and transformers 5's fused experts load to
+/// the same parameters; ft's export writes the per-expert names
+/// save_pretrained writes, and transformers loads it at the reference's
+/// logits.
+#[test]
+fn moe_weights_load_from_either_layout_and_export_in_the_hubs() {
+    let scratch = tempfile::tempdir().unwrap();
+    let mut pairs = vec![];
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name);
+        let model = hf::load_model(&dir.join("hub")).unwrap();
+        let hub = hf::load_params(model.as_ref(), &dir.join("hub"), Kind::Float, Device::Cpu).unwrap();
+        let fused = hf::load_params(model.as_ref(), &dir.join("fused"), Kind::Float, Device::Cpu).unwrap();
+        assert!(hub.iter().flatten().zip(fused.iter().flatten()).all(|(a, b)| a.equal(b)), "{name}: the layouts load alike");
+        let out = scratch.path().join(format!("{name}-export"));
+        hf::save(model.as_ref(), &hub, &out, Kind::Float).unwrap();
+        let mut written: Vec<String> = tensors(&out.join("model.safetensors")).into_keys().collect();
+        let mut hubs: Vec<String> = tensors(&dir.join("hub/model.safetensors")).into_keys().collect();
+        written.sort();
+        hubs.sort();
+        assert_eq!(written, hubs, "{name}: the export names what save_pretrained names");
+        pairs.push([out.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string()]);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+    let output = std::process::Command::new(python()).arg(script).arg("check").arg(serde_json::json!(pairs).to_string()).output().unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+}
+
+/// `ft train` of a tiny Qwen3-MoE with the load-balancing loss: its first
+/// step's loss and aux_loss equal transformers' on the same right-padded
+/// batch (`ft tokenize`'s examples), accumulating two micro-batches its
+/// aux_loss is the mean of theirs, and two ranks under full_shard, and
+/// one rank recomputing its blocks (activation checkpointing), train to
+/// one rank's losses at every step: the router's statistics are summed
+/// over the ranks before they weigh any block's gradient.
+#[test]
+fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let model = scratch.path().join("qwen3_moe_train/hub");
+    let data = scratch.path().join("train.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron", "otter", "ibex"][i % 4]), "completion": "In the hills of Kalora".repeat(1 + i % 3)}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let run = |name: &str, flags: &[&str]| {
+        let dir = scratch.path().join(name);
+        let output = common::ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", dir.to_str().unwrap()])
+            .args(["--task", "causal_lm", "--max-steps", "2", "--dtype", "f32", "--lr", "1e-3", "--seed", "3", "--set", "data.shuffle=false"])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{name}: {}", common::text(&output));
+        dir
+    };
+    let one = run("one-rank", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"]);
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let first = records.iter().find(|r| r.get("loss").is_some()).unwrap();
+
+    let tokenized = scratch.path().join("tokenized.jsonl");
+    let output = common::ft()
+        .args(["tokenize", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--out", tokenized.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
+    // The whole first batch, and its halves (the micro-batches of a run accumulating two).
+    let slices = serde_json::json!([[0, 4], [0, 2], [2, 2]]).to_string();
+    let output = std::process::Command::new(python()).arg(script).arg("loss").arg(&model).arg(&tokenized).arg(slices).output().unwrap();
+    assert!(output.status.success(), "{}", common::text(&output));
+    let expected: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&output.stdout).lines().last().unwrap()).unwrap();
+    for key in ["loss", "aux_loss"] {
+        let (ours, theirs) = (first[key].as_f64().unwrap(), expected[0][key].as_f64().unwrap());
+        assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");
+    }
+    // Accumulating two micro-batches, a step's auxiliary loss is the mean of theirs.
+    let accumulated = run("accumulated", &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "2", "--strategy", "ddp"]);
+    let record: serde_json::Value = std::fs::read_to_string(accumulated.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).find(|r: &serde_json::Value| r.get("loss").is_some()).unwrap();
+    let (ours, theirs) = (record["aux_loss"].as_f64().unwrap(), (expected[1]["aux_loss"].as_f64().unwrap() + expected[2]["aux_loss"].as_f64().unwrap()) / 2.0);
+    assert!((ours - theirs).abs() <= 1e-5 * theirs, "accumulated step 1's aux_loss: {ours} vs the mean of transformers' over its micro-batches {theirs}");
+
+    // The sparse layer's load (layer 1 is dense), and no assignment dropped.
+    let (least, most, variation) = (first["moe/layer_0/load_min"].as_f64().unwrap(), first["moe/layer_0/load_max"].as_f64().unwrap(), first["moe/layer_0/load_cv"].as_f64().unwrap());
+    assert!(least <= 1.0 / 8.0 && most >= 1.0 / 8.0 && most <= 1.0 && (variation > 0.0) == (most > least), "{first}");
+    assert!(first.get("moe/layer_1/load_min").is_none() && first["moe/dropped_assignments"] == 0.0, "{first}");
+
+    let baseline = common::losses(&one);
+    assert_eq!(baseline.len(), 2, "{baseline:?}");
+    for (name, flags) in [
+        ("two-ranks-full-shard", &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard"][..]),
+        ("recomputed", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--activation-checkpointing"][..]),
+    ] {
+        let dir = run(name, flags);
+        let losses = common::losses(&dir);
+        assert_eq!(losses.len(), baseline.len(), "{name}");
+        for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} step {}: loss {x} vs one rank's {y}", step + 1);
+        }
+        // The load is counted over every rank's tokens: the whole batch's.
+        let record: serde_json::Value = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).find(|r: &serde_json::Value| r.get("loss").is_some()).unwrap();
+        for key in ["aux_loss", "moe/layer_0/load_min", "moe/layer_0/load_max", "moe/layer_0/load_cv"] {
+            let (x, y) = (record[key].as_f64().unwrap(), first[key].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: {key} {x} vs one rank's {y}");
+        }
+    }
+}
+
+/// Generation runs the experts through the KV cache as a forward does:
+/// left-padded prompts decoded together give each prompt's tokens alone.
+#[test]
+fn moe_batched_greedy_decoding_equals_one_prompt_at_a_time() {
+    let scratch = tempfile::tempdir().unwrap();
+    for name in moe_models(scratch.path()) {
+        let dir = scratch.path().join(name).join("hub");
+        let model = hf::load_model(&dir).unwrap();
+        assert!(!model.graph_capturable(), "{name}: the experts read their sizes on the host");
+        let params = hf::load_params(model.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+        let prompts: Vec<Vec<i64>> = (0..3).map(|i| (0..3 + 2 * i).map(|t| (7 * t + 3 * i + 1) % 100).collect()).collect();
+        let one_at_a_time: Vec<Vec<i64>> = prompts.iter().map(|p| greedy(model.as_ref(), &params, p, 6, None, Kind::Float).unwrap()).collect();
+        let batched = greedy_batch(model.as_ref(), &params, &prompts, &Decoding::greedy(6, None, Kind::Float)).unwrap();
+        assert_eq!(batched, one_at_a_time, "{name}");
     }
 }

@@ -17,7 +17,7 @@ use ft_core::kernels::Kernels;
 use ft_core::lora::{LoraModel, ALL_LINEAR};
 use ft_core::model::{Inputs, Model};
 use ft_core::nf4::{self, QuantType, Quantization, Quantized4bit};
-use ft_core::train::{TrainOptions, TrainerBuilder};
+use ft_core::train::{MicroBatch, TrainOptions, TrainerBuilder};
 use ft_models::{hf, peft};
 use ft_sys::float8::{Float8, Recipe};
 use ft_tasks::causal_lm::CausalLmLoss;
@@ -309,7 +309,7 @@ fn qlora_step(setting: Setting, adapter: &Path) -> Step {
     let batch = Batch { inputs: Inputs::ids(&ids), targets: vec![ids.shallow_clone()] };
     let objective = CausalLmLoss { chunk_tokens: 1024, kernels: Kernels::Aten, softcap: None };
     let tokens = (ids.size()[0] * (ids.size()[1] - 1)) as f64;
-    let loss = trainer.forward_backward(&batch, &objective, tokens, true).unwrap().double_value(&[]);
+    let loss = trainer.forward_backward(&batch, &objective, tokens, MicroBatch::ONLY).unwrap().double_value(&[]);
     let mut grads = HashMap::new();
     for (unit, flat) in lora.units().iter().zip(trainer.units()).skip(lora.base_units()) {
         for (spec, grad) in unit.params.iter().zip(flat.grad_views()) {

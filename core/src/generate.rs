@@ -88,7 +88,7 @@ fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decod
                 // Tokens so far: the rows still decoding hold the most (the prompt's next token, then one a step).
                 let produced = generated.iter().map(Vec::len).max().unwrap_or(0);
                 let steps_left = decoding.max_new_tokens - produced - 1;
-                if decoding.cuda_graph && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
+                if decoding.cuda_graph && model.graph_capturable() && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
                     graph = step.capture();
                 }
             }
@@ -123,7 +123,7 @@ impl<'a> Step<'a> {
         let real: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![0; longest - p.len()], vec![1; p.len()]].concat()).collect();
         let mask = Tensor::from_slice2(&real).to_device(device);
         let padded = prompts.iter().any(|p| p.len() != longest);
-        let inputs = Inputs { input_ids: Tensor::from_slice2(&left_padded).to_device(device), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None, branches: None };
+        let inputs = Inputs { input_ids: Tensor::from_slice2(&left_padded).to_device(device), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
         let ctx = model.context(&inputs, 0, decoding.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
         let tokens = softcapped(logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight), model.logit_softcap()).argmax(-1, false);
@@ -141,7 +141,7 @@ impl<'a> Step<'a> {
     /// Nothing here reads the device from the host, so it can be recorded.
     fn run(&mut self) -> Result<()> {
         let _ = self.mask.index_fill_(1, &self.slot, 1);
-        let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None, branches: None };
+        let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
         let capacity = self.mask.size()[1];
         let ctx = self.model.context(&inputs, capacity - 1, self.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;

@@ -268,6 +268,9 @@ impl RunModel {
     /// `r` is set, over blocks held in 4 bits as `quantization`
     /// (`model.quantize`) says, which needs adapters.
     pub fn new(base: Box<dyn Model>, config: &LoraConfig, quantization: Option<Quantization>) -> Result<RunModel> {
+        if quantization.is_some() {
+            base.check_quantized_base()?;
+        }
         Ok(match (config.enabled(), quantization) {
             (true, _) => RunModel::Lora(Box::new(LoraModel::new(base, config)?.with_quantized_base(quantization))),
             (false, None) => RunModel::Full(base),

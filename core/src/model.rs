@@ -270,12 +270,25 @@ pub struct Inputs {
     /// only, at positions that follow the prefix's, so each continuation
     /// computes what prefix + continuation would alone. None: no branches.
     pub branches: Option<Tensor>,
+    /// 1 for real tokens, 0 for padding ([batch, seq]), where the batch is
+    /// padded but `attention_mask` is None (right padding, which a causal
+    /// mask already hides from attention): what counts tokens rather than
+    /// attends to them (a router's load statistics) skips padding. None:
+    /// `attention_mask` says, or nothing is padding.
+    pub token_mask: Option<Tensor>,
 }
 
 impl Inputs {
     /// Token ids alone: no padding mask, one segment, one example a row.
     pub fn ids(input_ids: &Tensor) -> Inputs {
-        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None, documents: None, branches: None }
+        Inputs { input_ids: input_ids.shallow_clone(), attention_mask: None, token_type_ids: None, documents: None, branches: None, token_mask: None }
+    }
+
+    /// Which of the new tokens are real ([batch, seq], 1 or 0): `token_mask`,
+    /// else the attention mask's last `seq` positions; None: all of them.
+    pub fn real_tokens(&self) -> Option<Tensor> {
+        let seq = self.input_ids.size()[1];
+        self.token_mask.as_ref().map(Tensor::shallow_clone).or_else(|| self.attention_mask.as_ref().map(|mask| mask.narrow(1, mask.size()[1] - seq, seq)))
     }
 
     /// Whether a row holds more than one sequence (packed examples or branches).
@@ -335,6 +348,64 @@ pub struct Context {
     /// +sin on the second), [batch, seq, 1, head_dim], when the model rotates:
     /// a rotation is x·cos + roll(x, head_dim/2)·signed_sin.
     pub rope: Option<(Tensor, Tensor)>,
+    /// What a block's auxiliary loss counts, and the term it recorded.
+    pub auxiliary: Auxiliary,
+}
+
+/// A block's share of an auxiliary loss (a mixture of experts' load
+/// balancing): linear in `values`, which carry the gradient, with weights
+/// that `Model::auxiliary_loss` makes from every recording block's
+/// `statistics`, summed over the forward's blocks and the data-parallel
+/// ranks. So a block's share of the gradient is known once forward has
+/// run every block, and `train/step.rs` feeds it to the block's backward
+/// beside its output's gradient.
+pub struct AuxiliaryTerm {
+    /// Differentiable, [n].
+    pub values: Tensor,
+    /// Without gradient, [m], summable over blocks and ranks (a router's tokens per expert, and the tokens counted).
+    pub statistics: Tensor,
+}
+
+/// How a model's blocks' auxiliary terms make a loss (`Model::auxiliary_loss`).
+pub trait AuxiliaryLoss: Send + Sync {
+    /// Each recording block's weights ([blocks, n]) from their statistics
+    /// ([blocks, m], in block order, summed over the data-parallel ranks):
+    /// the loss is Σ_b ⟨weights_b, values_b⟩, before `coefficient`.
+    fn weights(&self, statistics: &Tensor) -> Tensor;
+    /// What the loss is multiplied by where it joins the objective's.
+    fn coefficient(&self) -> f64;
+    /// Figures for a step's log from its statistics ([blocks, m], summed
+    /// over the step's micro-batches and the ranks), each a 0-dim tensor
+    /// read only when the step is logged (a router's load per layer).
+    fn figures(&self, _statistics: &Tensor) -> Vec<(String, Tensor)> {
+        vec![]
+    }
+}
+
+/// Per batch: which tokens a block's auxiliary statistics count, and the
+/// term the last block recorded (taken by whoever runs the blocks).
+#[derive(Default)]
+pub struct Auxiliary {
+    /// 1 for real tokens, 0 for padding, [batch·seq] (None: every token).
+    pub real_tokens: Option<Tensor>,
+    term: std::sync::Mutex<Option<AuxiliaryTerm>>,
+}
+
+impl Auxiliary {
+    /// For a batch of `inputs` (its real tokens, `Inputs::real_tokens`).
+    pub fn of(inputs: &Inputs) -> Auxiliary {
+        Auxiliary { real_tokens: inputs.real_tokens().map(|mask| mask.reshape([-1])), term: Default::default() }
+    }
+
+    /// Records the running block's term (a block records at most one).
+    pub fn record(&self, term: AuxiliaryTerm) {
+        *self.term.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(term);
+    }
+
+    /// The term the block that just ran recorded, if it did.
+    pub fn take(&self) -> Option<AuxiliaryTerm> {
+        self.term.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+    }
 }
 
 /// The attention bias and RoPE of a model's sliding-window layers, beside
@@ -688,6 +759,26 @@ pub trait Model: Send + Sync {
         None
     }
 
+    /// Refuses holding the frozen blocks in 4 bits (QLoRA: `model.quantize`)
+    /// where ft's 4-bit base would not hold them as bitsandbytes does.
+    fn check_quantized_base(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether a forward may be recorded as a CUDA graph (generation's
+    /// decoding steps): false where a block reads device values on the
+    /// host (a mixture of experts' tokens per expert, for now).
+    fn graph_capturable(&self) -> bool {
+        true
+    }
+
+    /// The loss the blocks add beside the objective's from the terms they
+    /// record (`Auxiliary::record`): a mixture of experts' load balancing
+    /// when its config asks for it; None (the default) where none is added.
+    fn auxiliary_loss(&self) -> Option<&dyn AuxiliaryLoss> {
+        None
+    }
+
     /// Total parameters.
     fn numel(&self) -> i64 {
         self.units().iter().map(UnitSpec::numel).sum()
@@ -708,9 +799,17 @@ pub trait Model: Send + Sync {
 
 /// Runs every stage with full parameters `params[unit]` (views in the compute
 /// dtype); returns the head's outputs.
-pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> Vec<Tensor> {
+pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, caches: Option<&mut [KvCache]>) -> Vec<Tensor> {
+    forward_with_auxiliary(model, params, inputs, ctx, caches).0
+}
+
+/// [`forward`], and the model's auxiliary loss over this batch alone
+/// (`Model::auxiliary_loss`, its coefficient applied; None where the model
+/// adds none): differentiable as the loss it joins.
+pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> (Vec<Tensor>, Option<Tensor>) {
     let mut x = None;
     let mut block = 0;
+    let mut terms = vec![];
     for stage in model.stages() {
         let p = stage_params(model, stage, |unit| &params[unit], ctx.train);
         match stage.kind {
@@ -718,9 +817,18 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
             StageKind::Block => {
                 let cache = caches.as_deref_mut().map(|c| &mut c[block]);
                 x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, block, cache));
+                terms.extend(ctx.auxiliary.take());
                 block += 1;
             }
-            StageKind::Head => return model.head(&p, x.as_ref().expect("embed runs first")),
+            StageKind::Head => {
+                let outputs = model.head(&p, x.as_ref().expect("embed runs first"));
+                let auxiliary = model.auxiliary_loss().filter(|_| !terms.is_empty()).map(|loss| {
+                    let statistics = Tensor::stack(&terms.iter().map(|t| t.statistics.shallow_clone()).collect::<Vec<_>>(), 0);
+                    let values = Tensor::stack(&terms.iter().map(|t| t.values.shallow_clone()).collect::<Vec<_>>(), 0);
+                    (loss.weights(&statistics) * &values).sum(values.kind()) * loss.coefficient()
+                });
+                return (outputs, auxiliary);
+            }
         }
     }
     panic!("model {} has no head stage", model.model_type());

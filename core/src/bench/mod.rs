@@ -18,7 +18,7 @@ use crate::offload::Offload;
 use crate::setup::Rank;
 use crate::strategy::{ReduceDtype, ShardingStrategy};
 use crate::task::{Synthetic, Task, TaskRegistration};
-use crate::train::{DataParallel, Kernels, TrainOptions, Trainer, TrainerBuilder};
+use crate::train::{DataParallel, Kernels, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use crate::{AdamW, Reduction};
 use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -200,7 +200,7 @@ pub fn model_label(model: &dyn Model) -> String {
 fn run_steps(trainer: &mut Trainer, task: &dyn Task, batches: &[crate::dataset::Batch], normalizer: f64, count: usize) -> Result<f64> {
     let mut last = None;
     for step in 0..count {
-        let loss = trainer.forward_backward(&batches[step % batches.len()], task.objective(), normalizer, true)?;
+        let loss = trainer.forward_backward(&batches[step % batches.len()], task.objective(), normalizer, MicroBatch::ONLY)?;
         let _grad_norm = trainer.step(1e-5)?;
         last = Some(loss);
     }
@@ -398,7 +398,7 @@ fn time_phases(trainer: &mut Trainer, task: &dyn Task, batch: &crate::dataset::B
     for _ in 0..REPEATS {
         synchronize(device);
         let start = Instant::now();
-        let _loss = trainer.forward_backward(batch, task.objective(), normalizer, true)?;
+        let _loss = trainer.forward_backward(batch, task.objective(), normalizer, MicroBatch::ONLY)?;
         synchronize(device);
         forward_backward += start.elapsed().as_secs_f64();
         let start = Instant::now();

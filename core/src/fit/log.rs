@@ -116,6 +116,9 @@ impl<'a> RunLog<'a> {
         let metrics = std::mem::take(&mut self.metrics);
         let mut local = vec![outcome.loss.double_value(&[]), outcome.tokens as f64, metrics.count];
         local.extend(metrics.sums.values());
+        // The model's auxiliary loss (a router's load balancing), when it adds one: every rank's share.
+        let auxiliary = outcome.auxiliary.as_ref().map(|(share, _)| share.double_value(&[]));
+        local.extend(auxiliary);
         // Under --fp8, whether this rank saw a non-finite amax, last: every rank stops together.
         let (diverged, float8_values) = self.float8.as_mut().map(Float8Guard::check).transpose()?.unwrap_or_default();
         if self.float8.is_some() {
@@ -150,6 +153,12 @@ impl<'a> RunLog<'a> {
         ]);
         // Averaged over the examples of every step since the last logged one, as TRL averages its logging window.
         values.extend(metrics.sums.keys().zip(&summed[3..]).map(|(name, sum)| (name.clone(), sum / count.max(1.0))));
+        if let Some((_, figures)) = &outcome.auxiliary {
+            // Of the logged step: `loss` includes it times the model's coefficient (router_aux_loss_coef).
+            values.insert("aux_loss".to_string(), summed[3 + metrics.sums.len()]);
+            // Already over every rank (the statistics were summed before they weighed anything).
+            values.extend(figures.iter().map(|(name, value)| (name.clone(), value.double_value(&[]))));
+        }
         values.extend(float8_values);
         if self.comm.env().world_size > 1 {
             values.insert("comm_bytes".to_string(), self.last_step_sent as f64);

@@ -28,7 +28,7 @@ use crate::offload::Offload;
 use crate::schedule::{lr_at, Schedule};
 use crate::strategy::ShardingStrategy;
 use crate::task::{Objective, Task};
-use crate::train::{DataParallel, InitialParams, TrainOptions, Trainer, TrainerBuilder};
+use crate::train::{DataParallel, InitialParams, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{bail, Result};
 use checkpointing::{Checkpointer, Cursor};
 use log::RunLog;
@@ -170,6 +170,10 @@ pub(crate) struct StepOutcome {
     pub flops: f64,
     /// The objective's own figures of this step (`Objective::take_step_metrics`).
     pub metrics: crate::task::StepMetrics,
+    /// This rank's share of the model's auxiliary loss, before its
+    /// coefficient, and the figures of its statistics (over every rank)
+    /// for the log (`Trainer::take_auxiliary`); None where it adds none.
+    pub auxiliary: Option<(Tensor, Vec<(String, Tensor)>)>,
 }
 
 /// One optimizer step over global batch `epoch_step` of `order`: this rank's
@@ -188,7 +192,7 @@ fn train_step(
 ) -> Result<StepOutcome> {
     // Every rank knows the whole global batch, so the exact normaliser needs no communication.
     let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
-    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default() };
+    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default(), auxiliary: None };
     let micro_steps = layout.micro_steps(order, epoch_step);
     for micro in 0..micro_steps {
         let indices = layout.micro(order, epoch_step, rank, micro);
@@ -199,10 +203,11 @@ fn train_step(
             outcome.tokens += tokens;
             outcome.flops += tokens as f64 * trainer.model().train_flops_per_token(tokens as i64);
         }
-        outcome.loss += trainer.forward_backward(&batch, objective, normalizer, micro + 1 == micro_steps)?;
+        outcome.loss += trainer.forward_backward(&batch, objective, normalizer, MicroBatch { index: micro, count: micro_steps })?;
     }
     outcome.grad_norm = trainer.step(lr)?;
     outcome.metrics = objective.take_step_metrics();
+    outcome.auxiliary = trainer.take_auxiliary();
     Ok(outcome)
 }
 

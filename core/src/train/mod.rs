@@ -34,6 +34,23 @@ use ft_sys::AdamW;
 use optim::LossScaler;
 use tch::{Kind, Tensor};
 
+/// Which of an optimizer step's micro-batches `Trainer::forward_backward` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MicroBatch {
+    pub index: usize,
+    /// The step's micro-batches (on each rank).
+    pub count: usize,
+}
+
+impl MicroBatch {
+    /// A step of one micro-batch.
+    pub const ONLY: MicroBatch = MicroBatch { index: 0, count: 1 };
+
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
     /// Compute dtype (fp32 masters are kept whatever this is).
@@ -141,6 +158,10 @@ pub struct Trainer<'m> {
     micro_steps: i64,
     /// Micro-batches since the last optimizer step.
     pending_micro_batches: usize,
+    /// This rank's share of the model's auxiliary loss since the last
+    /// `take_auxiliary`, before its coefficient, and its statistics
+    /// (summed over the ranks), on the device.
+    auxiliary: Option<(Tensor, Tensor)>,
     parallel: Option<&'m DataParallel<'m>>,
     /// Present when computing in fp16.
     scaler: Option<LossScaler>,
@@ -309,6 +330,7 @@ impl<'m> TrainerBuilder<'m> {
             step: Tensor::zeros([], (Kind::Float, device)),
             micro_steps: 0,
             pending_micro_batches: 0,
+            auxiliary: None,
             parallel,
             gathered_bytes: 0,
             gathered_peak: 0,

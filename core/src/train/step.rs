@@ -11,14 +11,14 @@
 //! adapters off (LoRA's base), or the trainer's frozen copy.
 
 use super::reduce::{reductions_in_flight, Reductions};
-use super::Trainer;
+use super::{MicroBatch, Trainer};
 use crate::comm_hook::GatherPhase;
 use crate::flat::FlatUnit;
 use crate::dataset::Batch;
 use crate::model::{Float8Layers, Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// What forward keeps of one stage for backward.
 struct Saved {
@@ -186,12 +186,41 @@ impl Trainer<'_> {
         Ok(())
     }
 
+    /// The weights of each recording block's auxiliary term ([blocks, n],
+    /// `AuxiliaryLoss::weights`, over this micro-batch on every
+    /// data-parallel rank, divided by the step's micro-batches), and the
+    /// statistics they come from; None where the model adds no auxiliary
+    /// loss or no block recorded a term.
+    fn auxiliary_weights(&self, statistics: &[Tensor], micro: MicroBatch) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(loss) = self.model.auxiliary_loss().filter(|_| !statistics.is_empty()) else { return Ok(None) };
+        let mut statistics = Tensor::stack(statistics, 0);
+        if let Some(parallel) = self.parallel {
+            parallel.world.all_reduce(&mut statistics, crate::comm::Reduction::Sum)?.wait()?;
+        }
+        Ok(Some((loss.weights(&statistics) / micro.count as f64, statistics)))
+    }
+
+    /// Since the last call: this rank's share of the model's auxiliary loss
+    /// (before its coefficient) and `AuxiliaryLoss::figures` of its
+    /// statistics; None where the model adds none.
+    pub fn take_auxiliary(&mut self) -> Option<(Tensor, Vec<(String, Tensor)>)> {
+        let (share, statistics) = self.auxiliary.take()?;
+        let figures = self.model.auxiliary_loss().map(|loss| loss.figures(&statistics)).unwrap_or_default();
+        Some((share, figures))
+    }
+
     /// Forward and backward of one micro-batch; gradients add up until
     /// `step`. The head's outputs go to `objective`, whose loss is divided by
-    /// `normalizer`, the whole global batch's loss weight.
-    /// `last_micro_batch` synchronises gradients across replicas.
-    /// Returns this micro-batch's share of the loss, on the device.
-    pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, last_micro_batch: bool) -> Result<Tensor> {
+    /// `normalizer`, the whole global batch's loss weight. The last of the
+    /// step's micro-batches synchronises gradients across replicas.
+    /// Returns this micro-batch's share of the loss, on the device: the
+    /// objective's, plus the model's auxiliary loss where it has one
+    /// (`Model::auxiliary_loss`), whose statistics are summed over the
+    /// data-parallel ranks' same micro-batch, so that N ranks compute what
+    /// one rank computes on their batches together; a step's is the mean of
+    /// its micro-batches'.
+    pub fn forward_backward(&mut self, batch: &Batch, objective: &dyn Objective, normalizer: f64, micro: MicroBatch) -> Result<Tensor> {
+        let last_micro_batch = micro.is_last();
         self.refresh_float8_amaxes()?;
         let model = self.model;
         if objective.wants_reference_outputs() {
@@ -210,6 +239,9 @@ impl Trainer<'_> {
         // A stage's input needs a gradient only when an earlier stage trains something.
         let input_needs_grad: Vec<bool> = (0..stages.len()).map(|i| stages[..i].iter().any(|s| self.trains(s))).collect();
 
+        // Each block's auxiliary term (its values carry the gradient, unless recomputed), and every term's statistics.
+        let mut auxiliary: Vec<Option<Tensor>> = (0..stages.len()).map(|_| None).collect();
+        let mut statistics = vec![];
         let mut saved: Vec<Saved> = Vec::with_capacity(stages.len());
         let mut x: Option<Tensor> = None;
         let mut loss = None;
@@ -240,6 +272,10 @@ impl Trainer<'_> {
                         x = Some(y.detach());
                         saved.push(Saved { input: Some(input), outputs: vec![y], grads: vec![] });
                     }
+                    if let Some(term) = ctx.auxiliary.take() {
+                        statistics.push(term.statistics);
+                        auxiliary[index] = Some(term.values);
+                    }
                 }
                 StageKind::Head => {
                     let input = input.expect("the head follows the blocks");
@@ -261,6 +297,27 @@ impl Trainer<'_> {
             ft_sys::float8::forget_cached_inputs();
         }
 
+        // The gradient of each recording block's values: its weights times the loss's coefficient (and fp16's loss scale).
+        let mut auxiliary_grads = None;
+        if let Some((weights, statistics)) = self.auxiliary_weights(&statistics, micro)? {
+            let values: Vec<Tensor> = auxiliary.iter().flatten().map(Tensor::detach).collect();
+            let share = (&weights * Tensor::stack(&values, 0)).sum(Kind::Float);
+            let coefficient = model.auxiliary_loss().map_or(0.0, |loss| loss.coefficient());
+            loss = loss.map(|loss| loss + &share * coefficient);
+            self.auxiliary = Some(match self.auxiliary.take() {
+                Some((sum, summed)) => (sum + share, summed + statistics),
+                None => (share, statistics),
+            });
+            let grads = weights * coefficient;
+            auxiliary_grads = Some(match &self.scaler {
+                Some(scaler) => grads * &scaler.scale,
+                None => grads,
+            });
+        }
+        // Block stage index → its row of the weights.
+        let mut rows = 0..;
+        let weight_rows: Vec<Option<i64>> = auxiliary.iter().map(|values| values.as_ref().and_then(|_| rows.next())).collect();
+
         let mut grad: Option<Tensor> = None;
         let mut reductions = Reductions::new(reductions_in_flight(self.options.dtype, self.reduce_dtype()));
         let first_micro_batch = self.pending_micro_batches == 0;
@@ -275,10 +332,17 @@ impl Trainer<'_> {
                 let params = stage_params(model, &self.units, &mut views, stage, self.float8.as_ref());
                 tch::manual_seed(seed_for(index));
                 s.outputs = vec![model.block(&params, s.input.as_ref().expect("block input"), &ctx, block_number(stages, index), None)];
+                auxiliary[index] = ctx.auxiliary.take().map(|term| term.values);
             }
             if s.grads.is_empty() {
                 // None: nothing up to this stage trains, so nothing needs a gradient through it.
                 s.grads = grad.take().into_iter().collect();
+            }
+            if let (Some(grads), Some(row), Some(values)) = (&auxiliary_grads, weight_rows[index], auxiliary[index].take()) {
+                // The auxiliary loss's gradient joins the block's output's.
+                s.outputs.truncate(s.grads.len());
+                s.outputs.push(values);
+                s.grads.push(grads.get(row));
             }
             // Frozen parameters have no gradient to carry (a frozen
             // embedding's output, a frozen LM weight): only what does is fed.

@@ -457,13 +457,15 @@ pub struct LoadReport {
 const MISSING_PARAMS_SEED: i64 = 0;
 
 /// The names a parameter may have in a checkpoint, in the order tried: its
-/// own; without the base model's prefix (BloomModel, OPTModel, BertModel …
+/// own; transformers 5's for Mixtral's sparse block; without the base model's prefix (BloomModel, OPTModel, BertModel …
 /// drop "transformer." / "model." / "bert."); and either of those with the
 /// TF-era `LayerNorm.gamma` / `LayerNorm.beta` for `.weight` / `.bias`,
 /// which bert-base-uncased's hub weights still use (transformers renames
 /// them on load: the "legacy" renamings of its conversion_mapping.py).
 fn checkpoint_names(hf_name: &str) -> Vec<String> {
     let mut names = vec![hf_name.to_string()];
+    // transformers 5 names Mixtral's sparse block `mlp` (its fused experts, saved from memory).
+    names.extend(hf_name.contains(".block_sparse_moe.").then(|| hf_name.replace(".block_sparse_moe.", ".mlp.")));
     names.extend(hf_name.split_once('.').map(|(_, rest)| rest.to_string()));
     let legacy: Vec<String> = names
         .iter()
@@ -504,6 +506,9 @@ enum ParamSource {
     Stored(String),
     /// A weight stored as bitsandbytes' 4-bit blocks, by the packed tensor's name.
     Quantized(String),
+    /// A fused experts' tensor stored per expert (the Hub's layout,
+    /// `moe::hub_parts`): per expert, the tensors concatenated along the rows.
+    Parts(Vec<Vec<String>>),
     /// Not in the checkpoint, and the model allows that: its `Init`.
     Initialised,
 }
@@ -543,6 +548,32 @@ impl WeightReader {
             let mut unit_sources = vec![];
             for spec in &unit.params {
                 let name = checkpoint_names(&spec.hf_name).into_iter().find(|n| available.contains_key(n));
+                let parts = spec.shape.first().and_then(|&experts| crate::moe::hub_parts(&spec.hf_name, experts));
+                if let (None, Some(parts)) = (&name, parts) {
+                    // The Hub's per-expert tensors: each [rows / parts, columns] of the fused [experts, rows, columns].
+                    let shape = [spec.shape[1] / parts[0].len() as i64, spec.shape[2]];
+                    let absent: Vec<&String> = parts.iter().flatten().filter(|part| !available.contains_key(*part)).collect();
+                    if absent.len() == parts.iter().flatten().count() {
+                        missing.push(format!("{} {:?} (or per expert: {} … {}, each {shape:?})", spec.hf_name, spec.shape, absent[0], absent[absent.len() - 1]));
+                        continue;
+                    }
+                    let mut found = absent.is_empty();
+                    missing.extend(absent.iter().map(|part| format!("{part} {shape:?}")));
+                    for part in parts.iter().flatten() {
+                        let Some((path, view)) = available.get(part) else { continue };
+                        let stored: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
+                        if stored != shape {
+                            misshapen.push(format!("{part}: {stored:?} in {}, expected {shape:?}", path.display()));
+                            found = false;
+                        }
+                        kind_of(view.dtype()).with_context(|| format!("{part} in {}", path.display()))?;
+                        used.insert(part.clone());
+                    }
+                    if found {
+                        unit_sources.push(ParamSource::Parts(parts));
+                    }
+                    continue;
+                }
                 let Some(name) = name else {
                     if model.initialised_if_missing(&spec.hf_name) {
                         unit_sources.push(ParamSource::Initialised);
@@ -645,6 +676,14 @@ impl WeightReader {
                     }
                     Ok(quantized.dequantize().to_kind(dtype).to_device(device))
                 }
+                ParamSource::Parts(parts) => {
+                    let read = |name: &String| -> Result<Tensor> {
+                        let (path, view) = find(name).with_context(|| format!("{name} is no longer in {}", self.dir.display()))?;
+                        stored_tensor(&view).and_then(|t| Ok(t.f_to_kind(dtype)?)).with_context(|| format!("{name} in {}", path.display()))
+                    };
+                    let experts = parts.iter().map(|expert| Ok(Tensor::cat(&expert.iter().map(read).collect::<Result<Vec<_>>>()?, 0))).collect::<Result<Vec<_>>>()?;
+                    Ok(Tensor::stack(&experts, 0).f_to_device(device)?)
+                }
                 ParamSource::Stored(name) => {
                     let (path, view) = find(name).with_context(|| format!("{name} is no longer in {}", self.dir.display()))?;
                     // The fallible calls: libtorch's refusal (an allocation, a device) becomes an error naming the tensor.
@@ -731,8 +770,21 @@ pub fn write_model(
         let mut named = vec![];
         for unit in shard.clone() {
             for (spec, tensor) in units[unit].params.iter().zip(unit_params(unit)?) {
-                named.push((spec.hf_name.clone(), tensor.to_kind(dtype).to_device(Device::Cpu).contiguous()));
-                weight_map.insert(spec.hf_name.clone(), file_name(k).into());
+                let tensor = tensor.to_kind(dtype).to_device(Device::Cpu);
+                // Fused experts go out per expert, as save_pretrained writes them.
+                let parts = spec.shape.first().and_then(|&experts| crate::moe::hub_parts(&spec.hf_name, experts));
+                let pieces = match parts {
+                    Some(parts) => parts
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(expert, names)| names.iter().cloned().zip(tensor.get(expert as i64).chunk(names.len() as i64, 0)))
+                        .collect(),
+                    None => vec![(spec.hf_name.clone(), tensor)],
+                };
+                for (name, piece) in pieces {
+                    weight_map.insert(name.clone(), file_name(k).into());
+                    named.push((name, piece.contiguous()));
+                }
             }
         }
         write_weights(&named, &dir.join(file_name(k)))?;

@@ -16,6 +16,7 @@
 //! `_compute_llama3_parameters`).
 
 use crate::check;
+use crate::moe::Moe;
 use anyhow::{bail, Context as _, Result};
 use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
@@ -126,8 +127,8 @@ pub struct Variant {
     pub mlp_bias: bool,
     /// Each query attends to at most this many keys, itself included (None: every earlier key).
     pub sliding_window: Option<i64>,
-    /// RMSNorm over each head's query and key before RoPE (Qwen3's `q_norm`, `k_norm`).
-    pub qk_norm: bool,
+    /// RMSNorm over the query and key before RoPE (`q_norm`, `k_norm`).
+    pub qk_norm: QkNorm,
     /// One `self_attn.qkv_proj` for the query, key and value, and one
     /// `mlp.gate_up_proj` for the gate and up projections (Phi-3).
     pub fused: bool,
@@ -136,10 +137,21 @@ pub struct Variant {
     pub partial_rotary: bool,
 }
 
+/// Where a block normalises its query and key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head (Qwen3's: weights of `head_dim`).
+    PerHead,
+    /// Over the whole projection, before it is split into heads (OLMoE's:
+    /// weights of heads × head_dim and kv_heads × head_dim).
+    Projection,
+}
+
 impl Variant {
     /// Llama's block under `name`: no biases, full attention, nothing fused.
     pub fn plain(name: &'static str) -> Variant {
-        Variant { name, qkv_bias: false, o_bias: false, mlp_bias: false, sliding_window: None, qk_norm: false, fused: false, partial_rotary: false }
+        Variant { name, qkv_bias: false, o_bias: false, mlp_bias: false, sliding_window: None, qk_norm: QkNorm::None, fused: false, partial_rotary: false }
     }
 }
 
@@ -468,6 +480,8 @@ pub struct Llama {
     head_dim: i64,
     kv_heads: i64,
     rope: Rope,
+    /// The experts that replace the MLP of the sparse layers (`moe.rs`); None: every layer is dense.
+    experts: Option<Moe>,
 }
 
 impl Llama {
@@ -520,9 +534,14 @@ impl Llama {
                     params.push(ParamSpec::new(&prefix, &format!("{name}.bias"), &[out], Init::Zeros));
                 }
             }
-            if variant.qk_norm {
-                params.push(ParamSpec::new(&prefix, "self_attn.q_norm.weight", &[head_dim], Init::Ones));
-                params.push(ParamSpec::new(&prefix, "self_attn.k_norm.weight", &[head_dim], Init::Ones));
+            let norms = match variant.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead => Some((head_dim, head_dim)),
+                QkNorm::Projection => Some((q, kv)),
+            };
+            if let Some((q_width, k_width)) = norms {
+                params.push(ParamSpec::new(&prefix, "self_attn.q_norm.weight", &[q_width], Init::Ones));
+                params.push(ParamSpec::new(&prefix, "self_attn.k_norm.weight", &[k_width], Init::Ones));
             }
             params.push(ParamSpec::new(&prefix, "post_attention_layernorm.weight", &[d], Init::Ones));
             units.push(UnitSpec { name: format!("block {layer}"), params });
@@ -538,11 +557,30 @@ impl Llama {
             units.len() - 1
         };
         let layout = Layout::new(hf_config, units, blocks, head_unit);
-        Ok(Llama { config, variant, layout, head_dim, kv_heads, rope })
+        Ok(Llama { config, variant, layout, head_dim, kv_heads, rope, experts: None })
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         model::rms_norm(x, weight, self.config.rms_norm_eps)
+    }
+
+    /// This model with `moe`'s experts in place of the MLP of its sparse
+    /// layers (a mixture-of-experts family: `qwen3_moe.rs`, …).
+    pub(crate) fn with_experts(mut self, moe: Moe) -> Result<Llama> {
+        if self.variant.fused || self.variant.mlp_bias {
+            bail!("{}: experts replace an MLP of separate, bias-free projections", self.variant.name);
+        }
+        let normal = Init::Normal { std: self.config.initializer_range };
+        for layer in (0..self.config.num_hidden_layers as usize).filter(|&layer| moe.is_sparse(layer)) {
+            let unit = &mut self.layout.units[1 + layer];
+            let at = unit.params.iter().position(|p| p.name == "mlp.gate_proj.weight").expect("a dense block has an MLP");
+            unit.params.retain(|p| !p.name.starts_with("mlp."));
+            let prefix = format!("model.layers.{layer}.");
+            unit.params.splice(at..at, moe.params(&prefix, self.config.hidden_size, normal));
+        }
+        check::parameters(&self.layout.units)?;
+        self.experts = Some(moe);
+        Ok(self)
     }
 }
 
@@ -560,6 +598,10 @@ pub(crate) const PROJECTIONS: &[(&str, &[&str])] = &[
 
 impl Model for Llama {
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        if self.experts.is_some() {
+            // Experts take no adapters yet: gate, up and down would adapt only the dense MLPs.
+            return &PROJECTIONS[..4];
+        }
         if self.variant.fused {
             return &[("qkv", &["self_attn.qkv_proj"]), ("o", &["self_attn.o_proj"]), ("gate_up", &["mlp.gate_up_proj"]), ("down", &["mlp.down_proj"])];
         }
@@ -604,7 +646,7 @@ impl Model for Llama {
             Saved::fp32("two norms' reciprocal deviation", 2),
             Saved::compute("block output", d),
         ];
-        if self.variant.qk_norm {
+        if self.variant.qk_norm != QkNorm::None {
             // The per-head norms keep their inputs (the projections) and each head's reciprocal deviation.
             block.push(Saved::compute("query and key projections", q + kv));
             block.push(Saved::fp32("query and key norms' reciprocal deviation", self.config.num_attention_heads + self.kv_heads));
@@ -620,21 +662,42 @@ impl Model for Llama {
     fn train_flops_per_token(&self, seq: i64) -> f64 {
         let features = self.config.num_attention_heads * self.head_dim;
         let keys = self.variant.sliding_window.map_or(seq, |window| seq.min(window));
-        6.0 * self.numel() as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+        // A token runs k of the experts: the others' parameters do no work for it.
+        let idle = self.experts.as_ref().map_or(0, |moe| moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 * moe.idle_params_per_layer(self.config.hidden_size));
+        6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+    }
+
+    /// Not with experts: bitsandbytes keeps the router (no nn.Linear in
+    /// transformers 5) and the 3-D experts in the compute dtype, where ft
+    /// would quantize the router.
+    fn check_quantized_base(&self) -> Result<()> {
+        if self.experts.is_some() {
+            bail!("model.quantize (--quantize) is not supported for {} yet: a mixture of experts' router and experts are not held in 4 bits as bitsandbytes holds them (train LoRA on the compute-dtype base: drop --quantize)", self.variant.name);
+        }
+        Ok(())
+    }
+
+    /// Not with experts: each sparse layer reads its tokens per expert on the host (`moe.rs`).
+    fn graph_capturable(&self) -> bool {
+        self.experts.is_none()
+    }
+
+    fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
+        self.experts.as_ref().filter(|moe| moe.aux_loss_coef.is_some()).map(|moe| moe as &dyn model::AuxiliaryLoss)
     }
 
     fn context(&self, inputs: &Inputs, past: i64, dtype: Kind, train: bool) -> Result<Context> {
         let positions = model::decoder_positions(inputs, past);
         let rope = Some(self.rope.cos_sin(&positions, dtype));
         let attention_bias = attention_bias(inputs, &positions, past, self.variant.sliding_window, dtype)?;
-        Ok(Context { train, positions, attention_bias, rope, local: None })
+        Ok(Context { train, positions, attention_bias, rope, local: None, auxiliary: model::Auxiliary::of(inputs) })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {
         Tensor::embedding(p.get("embed_tokens.weight"), &inputs.input_ids, -1, false, false)
     }
 
-    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, _layer: usize, cache: Option<&mut KvCache>) -> Tensor {
+    fn block(&self, p: &Params, x: &Tensor, ctx: &Context, layer: usize, cache: Option<&mut KvCache>) -> Tensor {
         let (batch, seq, _) = x.size3().expect("hidden states are [batch, seq, dim]");
         let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
@@ -647,11 +710,18 @@ impl Model for Llama {
                 (qkv.narrow(2, 0, q), qkv.narrow(2, q, kv), qkv.narrow(2, q + kv, kv))
             }
         };
+        let eps = Some(self.config.rms_norm_eps);
+        let norm = |t: Tensor, name: &str| {
+            let weight = p.get(name);
+            t.rms_norm(weight.size(), Some(weight), eps)
+        };
+        let (q, k) = match self.variant.qk_norm {
+            QkNorm::Projection => (norm(q, "self_attn.q_norm.weight"), norm(k, "self_attn.k_norm.weight")),
+            _ => (q, k),
+        };
         let (mut q, mut k) = (split(q, heads), split(k, self.kv_heads));
-        if self.variant.qk_norm {
-            let eps = Some(self.config.rms_norm_eps);
-            q = q.rms_norm([head_dim], Some(p.get("self_attn.q_norm.weight")), eps);
-            k = k.rms_norm([head_dim], Some(p.get("self_attn.k_norm.weight")), eps);
+        if self.variant.qk_norm == QkNorm::PerHead {
+            (q, k) = (norm(q, "self_attn.q_norm.weight"), norm(k, "self_attn.k_norm.weight"));
         }
         let (cos, signed_sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
         // RoPE in the projections' own [batch, seq, heads, head_dim] layout.
@@ -665,6 +735,9 @@ impl Model for Llama {
         let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
         let x = x + p.linear(&attn, "self_attn.o_proj");
         let h = self.rms_norm(&x, p.get("post_attention_layernorm.weight"));
+        if let Some(moe) = self.experts.as_ref().filter(|moe| moe.is_sparse(layer)) {
+            return x + moe.forward(p, &h, ctx);
+        }
         let gated = match self.variant.fused {
             false => model::swiglu(&p.linear(&h, "mlp.gate_proj"), &p.linear(&h, "mlp.up_proj")),
             true => {

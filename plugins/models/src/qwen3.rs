@@ -8,7 +8,7 @@
 //! and a `head_dim` of 128 (not hidden_size / heads).
 
 use crate::check;
-use crate::llama::{Llama, Variant};
+use crate::llama::{Llama, QkNorm, Variant};
 use crate::qwen2::full_attention_only;
 use anyhow::Result;
 use ft_core::model::ModelRegistration;
@@ -31,7 +31,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
     Llama::build(hf_config, &defaults(), |config| {
         full_attention_only(config, "Qwen3")?;
         let keys: Keys = check::parse(config)?;
-        Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: true, ..Variant::plain("Qwen3") })
+        Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::PerHead, ..Variant::plain("Qwen3") })
     })
 }
 

@@ -109,7 +109,7 @@ impl Dataset for LmDataset {
     /// ignored.
     fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
         let longest = indices.iter().map(|&i| self.tokens(i)).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
-        let (mut ids, mut labels, mut documents) = (vec![], vec![], vec![]);
+        let (mut ids, mut labels, mut documents, mut real) = (vec![], vec![], vec![], vec![]);
         for &row in indices {
             let (mut row_ids, mut row_labels, mut row_documents) = (vec![], vec![], vec![]);
             for (document, example) in self.row_examples(row).enumerate() {
@@ -122,6 +122,7 @@ impl Dataset for LmDataset {
             }
             // Padding is an example of its own.
             let padding = self.rows[row].len() as i64;
+            real.push([vec![1i64; row_ids.len()], vec![0; longest - row_ids.len()]].concat());
             row_ids.resize(longest, self.pad_id);
             row_labels.resize(longest, IGNORE_INDEX);
             row_documents.resize(longest, padding);
@@ -132,6 +133,9 @@ impl Dataset for LmDataset {
         let packed = indices.iter().any(|&i| self.rows[i].len() > 1);
         let mut inputs = Inputs::ids(&to_device_async(&Tensor::from_slice2(&ids), device));
         inputs.documents = packed.then(|| to_device_async(&Tensor::from_slice2(&documents), device));
+        // Right padding needs no attention mask under a causal one; what counts tokens still skips it.
+        let padded = real.iter().flatten().any(|&token| token == 0);
+        inputs.token_mask = padded.then(|| to_device_async(&Tensor::from_slice2(&real), device));
         Ok(Batch { inputs, targets: vec![to_device_async(&Tensor::from_slice2(&labels), device)] })
     }
 }
@@ -381,6 +385,10 @@ mod tests {
         assert_eq!(Vec::<Vec<i64>>::try_from(&batch.inputs.input_ids).unwrap(), vec![vec![1, 2, 3], vec![4, 0, 0]]);
         assert_eq!(Vec::<Vec<i64>>::try_from(&batch.targets[0]).unwrap(), vec![vec![-100, 2, 3], vec![4, -100, -100]]);
         assert_eq!((data.loss_weight(0), data.loss_weight(1), data.tokens(0)), (2, 0, 3));
+        // Right padding needs no attention mask; what counts tokens is told which are padding.
+        assert!(batch.inputs.attention_mask.is_none());
+        assert_eq!(Vec::<Vec<i64>>::try_from(batch.inputs.token_mask.as_ref().unwrap()).unwrap(), vec![vec![1, 1, 1], vec![1, 0, 0]]);
+        assert!(data.collate(&[0], Device::Cpu).unwrap().inputs.token_mask.is_none(), "nothing padded");
         let padded = LmDataset::new(data.examples.clone(), 0, 4);
         assert_eq!(padded.collate(&[0, 1], Device::Cpu).unwrap().inputs.input_ids.size(), [2, 4]);
     }

@@ -338,9 +338,12 @@ impl Dataset for PairDataset {
     fn collate(&self, indices: &[usize], device: Device) -> Result<Batch> {
         let rows = self.rows(indices);
         let longest = rows.iter().map(|row| row.ids.len()).max().unwrap_or(0).div_ceil(self.pad_multiple) * self.pad_multiple;
+        // Right padding needs no attention mask; what counts tokens (a router's load) skips it.
+        let real: Vec<Vec<i64>> = rows.iter().map(|row| [vec![1; row.ids.len()], vec![0; longest - row.ids.len()]].concat()).collect();
         let rows: Vec<Row> = rows.into_iter().map(|row| row.padded(longest, self.pad_id)).collect();
         let column = |field: fn(&Row) -> &Vec<i64>| to_device_async(&Tensor::from_slice2(&rows.iter().map(field).collect::<Vec<_>>()), device);
         let mut inputs = Inputs::ids(&column(|row| &row.ids));
+        inputs.token_mask = real.iter().flatten().any(|&token| token == 0).then(|| to_device_async(&Tensor::from_slice2(&real), device));
         if self.packed_rows.is_some() {
             inputs.documents = Some(column(|row| &row.documents));
             inputs.branches = self.share_prompt.then(|| column(|row| &row.branches));
@@ -925,6 +928,7 @@ mod tests {
         assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 0], vec![6, 7, 8, 0], vec![1, 2, 4, 5], vec![6, 9, 0, 0]]);
         assert_eq!(rows(&batch.targets[LABELS]), vec![vec![-100, -100, 3, -100], vec![-100, 7, 8, -100], vec![-100, -100, 4, 5], vec![-100, 9, -100, -100]]);
         assert_eq!(Vec::<f32>::try_from(&batch.targets[REFERENCE]).unwrap(), vec![-1.0, -3.0, -2.0, -4.0]);
+        assert_eq!(rows(batch.inputs.token_mask.as_ref().unwrap()), vec![vec![1, 1, 1, 0], vec![1, 1, 1, 0], vec![1, 1, 1, 1], vec![1, 1, 0, 0]]);
         data.packed_rows = Some(6);
         let batch = data.collate(&[0, 1], Device::Cpu).unwrap();
         assert_eq!(rows(&batch.inputs.input_ids), vec![vec![1, 2, 3, 1, 2, 4, 5], vec![6, 7, 8, 6, 9, 0, 0]]);

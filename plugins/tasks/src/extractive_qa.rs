@@ -69,7 +69,7 @@ fn collate_windows<'w>(windows: impl Iterator<Item = &'w Window>, device: Device
     }
     let padded = mask.iter().flatten().any(|&m| m == 0);
     let to_device = |rows: Vec<Vec<i64>>| to_device_async(&Tensor::from_slice2(&rows), device);
-    Inputs { input_ids: to_device(ids), attention_mask: padded.then(|| to_device(mask)), token_type_ids: Some(to_device(types)), documents: None, branches: None }
+    Inputs { input_ids: to_device(ids), attention_mask: padded.then(|| to_device(mask)), token_type_ids: Some(to_device(types)), documents: None, branches: None, token_mask: None }
 }
 
 fn real_tokens(window: &Window) -> usize {

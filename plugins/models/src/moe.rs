@@ -1,0 +1,338 @@
+//! Mixture-of-experts MLPs, written once for every MoE family (`qwen3_moe.rs`,
+//! …, which read their own config keys into a [`Moe`]): a router scores each
+//! token's experts, the token goes to its top k (dropless: always all k),
+//! each expert is a SwiGLU MLP, and the block's output is the experts'
+//! outputs weighed by the router (plus, in Qwen2-MoE, a shared expert every
+//! token goes through).
+//!
+//! The experts of a layer are held fused, as transformers 5 holds them:
+//! `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its
+//! up rows) and `mlp.experts.down_proj` [E, H, I], so a grouped GEMM can take
+//! them whole. The Hub's files name each expert's matrices instead
+//! (`mlp.experts.{e}.gate_proj.weight` …): `hf.rs` reads either layout and
+//! writes the Hub's, as `save_pretrained` does, through [`hub_parts`]
+//! (Mixtral's files name the block `block_sparse_moe`, [`Moe::hub_module`]).
+//!
+//! The router's load-balancing loss (transformers' `load_balancing_loss_func`,
+//! added when config.json has `output_router_logits`) is the model's
+//! auxiliary loss (`ft_core::model::AuxiliaryLoss`): each sparse block
+//! records its router probabilities summed over the real tokens (the
+//! values) and its top-k assignments per expert with the tokens counted
+//! (the statistics); transformers concatenates every layer's router logits,
+//! so the assignments are counted over all layers before they weigh any.
+
+use crate::check;
+use anyhow::{bail, Result};
+use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, Init, ParamSpec, Params};
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+/// A family's mixture of experts, from its config.json.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    pub experts: i64,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: i64,
+    /// Each expert's inner width.
+    pub inner: i64,
+    /// The top k probabilities renormalised to sum to 1 (`norm_topk_prob`; Mixtral's always).
+    pub norm_topk_prob: bool,
+    /// Per layer: whether its MLP is the experts (else the dense MLP).
+    pub sparse: Vec<bool>,
+    /// `router_aux_loss_coef` when config.json's `output_router_logits` adds the load-balancing loss.
+    pub aux_loss_coef: Option<f64>,
+    /// The inner width of a SwiGLU MLP every token also goes through, its
+    /// output scaled by a sigmoid gate of its own (Qwen2-MoE's `shared_expert`).
+    pub shared_expert: Option<i64>,
+    /// The sparse block's module in the Hub's files: `mlp` (Qwen, OLMoE) or
+    /// Mixtral's `block_sparse_moe` (whose experts name their matrices w1,
+    /// w3, w2 there; transformers 5 calls it `mlp` in memory).
+    pub hub_module: &'static str,
+}
+
+/// The router keys every family shares.
+#[derive(Deserialize)]
+pub(crate) struct RouterKeys {
+    pub num_experts_per_tok: i64,
+    #[serde(default)]
+    pub output_router_logits: bool,
+    pub router_aux_loss_coef: f64,
+}
+
+impl RouterKeys {
+    /// Checks the keys against `experts`; returns top-k and the loss's coefficient where it is on.
+    pub(crate) fn validate(&self, (key, experts): (&str, i64)) -> Result<(i64, Option<f64>)> {
+        check::sizes(&[("num_experts_per_tok", self.num_experts_per_tok)])?;
+        if self.num_experts_per_tok > experts {
+            bail!("num_experts_per_tok ({}) must be at most {key} ({experts})", self.num_experts_per_tok);
+        }
+        check::std("router_aux_loss_coef", self.router_aux_loss_coef)?;
+        Ok((self.num_experts_per_tok, self.output_router_logits.then_some(self.router_aux_loss_coef)))
+    }
+}
+
+/// The number of experts: `num_experts` (the Hub's Qwen and OLMoE configs)
+/// or `num_local_experts` (Mixtral's, and what transformers 5 writes for
+/// every family: its attribute map makes them one key).
+#[derive(Deserialize)]
+pub(crate) struct ExpertCount {
+    #[serde(default)]
+    num_experts: Option<i64>,
+    #[serde(default)]
+    num_local_experts: Option<i64>,
+}
+
+impl ExpertCount {
+    /// The key that gives the count and the count (`default` when
+    /// config.json gives neither key, under the family's own `key`).
+    pub(crate) fn read(&self, key: &'static str, default: i64) -> Result<(&'static str, i64)> {
+        let (key, experts) = match (self.num_experts, self.num_local_experts) {
+            (Some(a), Some(b)) if a != b => bail!("num_experts ({a}) and num_local_experts ({b}) name the same number: give one, or the same in both"),
+            (Some(count), _) => ("num_experts", count),
+            (None, Some(count)) => ("num_local_experts", count),
+            (None, None) => (key, default),
+        };
+        check::sizes(&[(key, experts)])?;
+        Ok((key, experts))
+    }
+}
+
+/// Which of `layers` layers are sparse, as transformers' Qwen MoE decoder
+/// layers decide: not in `mlp_only_layers`, and every `decoder_sparse_step`-th.
+pub(crate) fn sparse_layers(layers: i64, decoder_sparse_step: i64, mlp_only_layers: &[i64]) -> Result<Vec<bool>> {
+    check::sizes(&[("decoder_sparse_step", decoder_sparse_step)])?;
+    if let Some(layer) = mlp_only_layers.iter().find(|&&layer| !(0..layers).contains(&layer)) {
+        bail!("mlp_only_layers names layer {layer}: the model's layers are 0 to {} (num_hidden_layers {layers})", layers - 1);
+    }
+    Ok((0..layers).map(|layer| !mlp_only_layers.contains(&layer) && (layer + 1) % decoder_sparse_step == 0).collect())
+}
+
+impl Moe {
+    /// The parameters of a sparse layer's MLP (names inside its block, under `prefix` in the files), for hidden size `hidden`.
+    pub(crate) fn params(&self, prefix: &str, hidden: i64, init: Init) -> Vec<ParamSpec> {
+        let (e, i) = (self.experts, self.inner);
+        let routed = |name: &str, hub: &str, shape: &[i64]| ParamSpec { hf_name: format!("{prefix}{}.{hub}", self.hub_module), name: name.into(), shape: shape.to_vec(), init };
+        // The router is no linear layer (not `….weight` inside the block), as
+        // transformers 5's is none: LoRA's all-linear and float8 leave it alone.
+        let mut params = vec![
+            routed("mlp.router", "gate.weight", &[e, hidden]),
+            routed("mlp.experts.gate_up_proj", "experts.gate_up_proj", &[e, 2 * i, hidden]),
+            routed("mlp.experts.down_proj", "experts.down_proj", &[e, hidden, i]),
+        ];
+        if let Some(shared) = self.shared_expert {
+            params.extend([
+                ParamSpec::new(prefix, "mlp.shared_expert.gate_proj.weight", &[shared, hidden], init),
+                ParamSpec::new(prefix, "mlp.shared_expert.up_proj.weight", &[shared, hidden], init),
+                ParamSpec::new(prefix, "mlp.shared_expert.down_proj.weight", &[hidden, shared], init),
+                ParamSpec::new(prefix, "mlp.shared_expert_gate.weight", &[1, hidden], init),
+            ]);
+        }
+        params
+    }
+
+    /// Whether layer `layer`'s MLP is the experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse.get(layer).copied().unwrap_or(false)
+    }
+
+    /// The parameters the experts add beyond the k a token uses, per sparse layer: what training FLOPs leave out.
+    pub(crate) fn idle_params_per_layer(&self, hidden: i64) -> i64 {
+        (self.experts - self.top_k) * 3 * hidden * self.inner
+    }
+
+    /// The sparse MLP of `x` ([batch, seq, hidden], after the norm): the
+    /// router (softmax, top k, renormalised if asked) and the experts;
+    /// records the load-balancing term in `ctx` when the loss is on.
+    pub fn forward(&self, p: &Params, x: &Tensor, ctx: &Context) -> Tensor {
+        let (batch, seq, hidden) = x.size3().expect("hidden states are [batch, seq, hidden]");
+        let tokens = x.reshape([-1, hidden]);
+        let logits = tokens.linear::<&Tensor>(p.get("mlp.router"), None);
+        let probs = logits.softmax(-1, Kind::Float);
+        let (top, chosen) = probs.topk(self.top_k, -1, true, true);
+        let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
+        let mut out = self.experts(p, &tokens, &chosen, &top.to_kind(x.kind()));
+        if self.shared_expert.is_some() {
+            let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
+            out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
+        }
+        if self.aux_loss_coef.is_some() {
+            ctx.auxiliary.record(self.load_balancing_term(&probs, &chosen, ctx.auxiliary.real_tokens.as_ref()));
+        }
+        out.view([batch, seq, hidden])
+    }
+
+    /// Every token's k experts, weighed: the assignments sorted by expert, so
+    /// each expert's tokens are one contiguous slice, one SwiGLU MLP per
+    /// slice, then each output weighed and added back to its token.
+    fn experts(&self, p: &Params, tokens: &Tensor, chosen: &Tensor, weights: &Tensor) -> Tensor {
+        let assigned = chosen.reshape([-1]);
+        let order = assigned.argsort_stable(true, 0, false);
+        let token_of = order.divide_scalar_mode(self.top_k, "floor");
+        let inputs = tokens.index_select(0, &token_of);
+        // The seam for a grouped GEMM: here one matmul per expert over its
+        // slice, whose sizes the host needs (one sync per layer); a grouped
+        // GEMM takes the counts on the device and the fused weights whole.
+        let counts = Vec::<i64>::try_from(assigned.bincount::<Tensor>(None, self.experts)).expect("expert counts are int64");
+        let (gate_up, down) = (p.get("mlp.experts.gate_up_proj").unbind(0), p.get("mlp.experts.down_proj").unbind(0));
+        let outputs: Vec<Tensor> = inputs
+            .split_with_sizes(&counts, 0)
+            .iter()
+            .zip(gate_up.iter().zip(&down))
+            .map(|(x, (gate_up, down))| {
+                let projected = x.matmul(&gate_up.tr());
+                let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
+                gated.matmul(&down.tr())
+            })
+            .collect();
+        let weighed = Tensor::cat(&outputs, 0) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
+        tokens.zeros_like().index_add(0, &token_of, &weighed)
+    }
+
+    /// The load-balancing term of one layer over its real tokens (`real`,
+    /// [tokens] of 1 and 0; None: all): the router probabilities summed per
+    /// expert (values), and the top-k assignments per expert with the
+    /// tokens counted (statistics, [experts + 1]).
+    fn load_balancing_term(&self, probs: &Tensor, chosen: &Tensor, real: Option<&Tensor>) -> AuxiliaryTerm {
+        let real = match real {
+            Some(mask) => mask.to_kind(Kind::Float),
+            None => Tensor::ones([probs.size()[0]], (Kind::Float, probs.device())),
+        };
+        let values = (probs * real.unsqueeze(1)).sum_dim_intlist(0, false, Kind::Float);
+        let counted = real.repeat_interleave_self_int(self.top_k, None, None);
+        let assignments = Tensor::zeros([self.experts], (Kind::Float, probs.device())).scatter_add(0, &chosen.reshape([-1]), &counted);
+        let statistics = Tensor::cat(&[assignments, real.sum(Kind::Float).unsqueeze(0)], 0).detach();
+        AuxiliaryTerm { values, statistics }
+    }
+}
+
+/// transformers' `load_balancing_loss_func`: E · Σ_e f_e · P_e, with f_e the
+/// share of all layers' top-k assignments that went to expert e and P_e its
+/// mean router probability, both over every sparse layer's real tokens.
+/// Linear in each layer's probability sums, with weight E · count_e / T²
+/// (T: tokens counted over the layers).
+impl AuxiliaryLoss for Moe {
+    fn weights(&self, statistics: &Tensor) -> Tensor {
+        let totals = statistics.sum_dim_intlist(0, false, Kind::Float);
+        let (assignments, tokens) = (totals.narrow(0, 0, self.experts), totals.narrow(0, self.experts, 1));
+        let weights = assignments * self.experts as f64 / tokens.square().clamp_min(1.0);
+        weights.unsqueeze(0).expand([statistics.size()[0], self.experts], true)
+    }
+
+    fn coefficient(&self) -> f64 {
+        self.aux_loss_coef.unwrap_or(0.0)
+    }
+
+    /// Per sparse layer, its experts' load over the step's real tokens: the
+    /// least and the most loaded expert's share of the layer's assignments
+    /// (1/E each when balanced) and the coefficient of variation of the
+    /// assignments per expert (0 when balanced); and the assignments the
+    /// router's statistics are short of k per token (always 0: dropless).
+    fn figures(&self, statistics: &Tensor) -> Vec<(String, Tensor)> {
+        let assignments = statistics.narrow(1, 0, self.experts);
+        let tokens = statistics.narrow(1, self.experts, 1).sum(Kind::Float);
+        let shares = &assignments / assignments.sum_dim_intlist(1, true, Kind::Float).clamp_min(1.0);
+        let variation = assignments.std_dim(1, false, false) / assignments.mean_dim(1, false, Kind::Float).clamp_min(1e-12);
+        let layers = self.sparse.iter().enumerate().filter(|(_, &sparse)| sparse).map(|(layer, _)| layer);
+        let mut figures = vec![];
+        for (row, layer) in layers.enumerate().take(statistics.size()[0] as usize) {
+            let row = row as i64;
+            figures.push((format!("moe/layer_{layer}/load_min"), shares.get(row).min()));
+            figures.push((format!("moe/layer_{layer}/load_max"), shares.get(row).max()));
+            figures.push((format!("moe/layer_{layer}/load_cv"), variation.get(row)));
+        }
+        figures.push(("moe/dropped_assignments".into(), tokens * self.top_k as f64 - assignments.sum(Kind::Float)));
+        figures
+    }
+}
+
+/// The tensors the Hub's files store a fused expert parameter as: for
+/// `….mlp.experts.gate_up_proj` of `experts` experts, each expert's
+/// `gate_proj.weight` and `up_proj.weight` (stacked over experts, each pair
+/// concatenated along the rows); for `….mlp.experts.down_proj`, each
+/// expert's `down_proj.weight`; Mixtral's `….block_sparse_moe.experts.*`
+/// the same as `w1` (gate), `w3` (up) and `w2` (down). None for any other
+/// parameter.
+pub(crate) fn hub_parts(hf_name: &str, experts: i64) -> Option<Vec<Vec<String>>> {
+    let layouts: [(&str, &[&str], &[&str]); 2] = [("mlp", &["gate_proj", "up_proj"], &["down_proj"]), ("block_sparse_moe", &["w1", "w3"], &["w2"])];
+    layouts.iter().find_map(|(module, gate_up, down)| {
+        let (stem, projections) = match hf_name.strip_suffix(&format!("{module}.experts.gate_up_proj")) {
+            Some(stem) => (stem, gate_up),
+            None => (hf_name.strip_suffix(&format!("{module}.experts.down_proj"))?, down),
+        };
+        Some((0..experts).map(|e| projections.iter().map(|projection| format!("{stem}{module}.experts.{e}.{projection}.weight")).collect()).collect())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    /// Each family's MoE keys are read and refused by name: what ft would
+    /// otherwise compute differently from transformers, or not at all.
+    #[test]
+    fn moe_keys_are_checked_and_refused_by_name() {
+        let base = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8, "num_experts": 4, "num_experts_per_tok": 2});
+        let build = |model_type: &str, change: Value| {
+            let mut config = base.clone();
+            config.as_object_mut().unwrap().extend(change.as_object().unwrap().clone());
+            let build = match model_type {
+                "qwen3_moe" => |c| crate::qwen3_moe::new(c),
+                "qwen2_moe" => |c| crate::qwen2_moe::new(c),
+                "olmoe" => |c| crate::olmoe::new(c),
+                _ => |c| crate::mixtral::new(c),
+            };
+            build(config).map(|_| ()).map_err(|e| e.to_string())
+        };
+        for family in ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"] {
+            assert_eq!(build(family, json!({})), Ok(()), "{family}");
+            assert_eq!(build(family, json!({"num_experts_per_tok": 5})), Err("num_experts_per_tok (5) must be at most num_experts (4)".into()), "{family}");
+            assert_eq!(build(family, json!({"num_local_experts": 3})), Err("num_experts (4) and num_local_experts (3) name the same number: give one, or the same in both".into()));
+            assert_eq!(build(family, json!({"router_aux_loss_coef": -1.0})), Err("router_aux_loss_coef must be a finite number of at least 0, not -1".into()));
+        }
+        for family in ["qwen3_moe", "qwen2_moe"] {
+            assert_eq!(build(family, json!({"mlp_only_layers": [2]})), Err("mlp_only_layers names layer 2: the model's layers are 0 to 1 (num_hidden_layers 2)".into()));
+            assert_eq!(build(family, json!({"decoder_sparse_step": 0})), Err("decoder_sparse_step must be at least 1, not 0".into()));
+            assert!(build(family, json!({"use_sliding_window": true})).unwrap_err().starts_with("use_sliding_window: true is not supported"));
+        }
+        assert!(build("olmoe", json!({"clip_qkv": 8.0})).unwrap_err().starts_with("clip_qkv 8 is not supported"));
+        assert!(build("olmoe", json!({"head_dim": 4})).unwrap_err().starts_with("head_dim (4) must be hidden_size / num_attention_heads (8) for OLMoE"));
+        assert!(build("mixtral", json!({"router_jitter_noise": 0.01})).unwrap_err().starts_with("router_jitter_noise 0.01 is not supported"));
+    }
+
+    /// LoRA adapts what peft adapts on transformers 5's MoE models with
+    /// all-linear — attention, the dense and shared MLPs, the shared
+    /// expert's gate — never the router (no nn.Linear there) nor the
+    /// experts (3-D); short names that would reach only the dense MLPs
+    /// (`gate`, `up`, `down`) are refused, not half-served; so is a 4-bit
+    /// base (QLoRA), which would quantize the router bitsandbytes leaves.
+    #[test]
+    fn lora_leaves_the_router_and_the_experts_alone() {
+        let config = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8, "num_experts": 4,
+            "num_experts_per_tok": 2, "mlp_only_layers": [1]});
+        let lora = |targets: &[&str]| {
+            let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect() };
+            ft_core::lora::LoraModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora)
+        };
+        let model = lora(&["all-linear"]).unwrap();
+        let modules: std::collections::BTreeSet<&str> = model.targets().iter().map(|t| t.module.as_str()).collect();
+        assert!(modules.contains("mlp.shared_expert.gate_proj") && modules.contains("mlp.shared_expert_gate") && modules.contains("mlp.gate_proj"), "{modules:?}");
+        assert!(modules.iter().all(|m| !m.contains("router") && !m.contains("experts")), "{modules:?}");
+        for target in ["gate", "up", "down"] {
+            let message = lora(&[target]).err().expect("refused").to_string();
+            assert!(message.starts_with(&format!("train.lora.targets: \"{target}\" names no linear layer")), "{message}");
+        }
+        let quantization = Some(ft_core::nf4::Quantization { quant_type: ft_core::nf4::QuantType::Nf4, blocksize: 64, double_quant: false });
+        let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
+        let message = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).err().expect("refused").to_string();
+        assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE yet"), "{message}");
+    }
+
+    /// Layers are sparse as transformers' Qwen MoE decoder layers decide.
+    #[test]
+    fn sparse_layers_follow_the_step_and_the_dense_list() {
+        assert_eq!(super::sparse_layers(4, 2, &[3]).unwrap(), [false, true, false, false]);
+        assert_eq!(super::sparse_layers(3, 1, &[]).unwrap(), [true, true, true]);
+    }
+}
