@@ -20,17 +20,14 @@ the transformers model, run forward and backward.
     OUT/reference.safetensors.
 Each option may be given several times.
 --serve
-    one process for a whole test binary (tests/common's `reference_job`):
-    each line of stdin is a job, the JSON list of its arguments as above,
-    answered on stdout by `ft-reference ok` or `ft-reference error: ` and
-    the traceback as a JSON string.
+    jobs from stdin, one process for a whole test binary (serve.py).
 """
 
 import argparse
 import json
 import os
-import sys
-import traceback
+
+import serve
 
 # bitsandbytes wraps its CPU fallbacks in torch.compile; without a compiler
 # pass they run as written, and quickly.
@@ -105,20 +102,9 @@ def main():
     parser.add_argument("--qlora", nargs=6, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT", "QUANT_TYPE", "DOUBLE_QUANT"))
     parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
-    parser.add_argument("--serve", action="store_true")
-    args = parser.parse_args()
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    if not args.serve:
-        run(args)
-        return
-    for line in sys.stdin:
-        try:
-            run(parser.parse_args(json.loads(line)))
-            answer = "ok"
-        except BaseException:  # argparse's SystemExit too: the process serves the next job
-            answer = "error: " + json.dumps(traceback.format_exc())
-        print("ft-reference " + answer, flush=True)
+    serve.main(parser, run)
 
 
 def run(args):
