@@ -118,8 +118,8 @@ pub fn made_once(made: &'static std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>>, di
 /// binary (its `--serve` mode): one import of torch and the libraries it
 /// compares with, however many tests ask. Each job is one line on its
 /// stdin, the job's command-line arguments as a JSON list; it answers each
-/// with a line `ft-reference ok`, or `ft-reference error: ` and the
-/// traceback as a JSON string.
+/// with a line `ft-reference ok ` and what the job printed, or
+/// `ft-reference error: ` and the traceback, each as a JSON string.
 struct ServedScript {
     // Held so that the process lives as long as the binary (it ends when its stdin closes, at exit).
     _process: std::process::Child,
@@ -142,8 +142,9 @@ impl ServedScript {
 
 /// Runs a job of tests/python/`script` with `args` (as its command line
 /// takes them) in the binary's one process of that script, started by the
-/// first job under the `python` on PATH; panics with the script's error.
-pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) {
+/// first job under the `python` on PATH; returns what the job printed, and
+/// panics with the script's error.
+pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
     use std::io::{BufRead, Write};
     static SERVED: std::sync::Mutex<Vec<(String, ServedScript)>> = std::sync::Mutex::new(Vec::new());
     // A test that failed while holding the lock leaves the processes as they were.
@@ -181,5 +182,6 @@ pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) {
         let traceback: String = serde_json::from_str(error).unwrap_or_else(|_| error.to_string());
         panic!("{script} {job:?}:\n{traceback}\n{}", served.log());
     }
-    assert_eq!(answer, "ok");
+    let printed = answer.strip_prefix("ok ").unwrap_or_else(|| panic!("{script} {job:?}: answered {answer}"));
+    serde_json::from_str(printed).unwrap()
 }
