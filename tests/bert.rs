@@ -10,7 +10,6 @@ use ft_models::hf;
 use std::collections::{BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Reduction, Tensor};
 
@@ -28,17 +27,9 @@ fn write_small_config(dir: &Path) -> PathBuf {
     path
 }
 
-/// Runs tests/python/bert_reference.py with `args` under the `python` on PATH.
+/// Runs tests/python/bert_reference.py with `args`, in the binary's one process of it.
 fn reference_script(args: &[&Path]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/bert_reference.py");
-    let output = match Command::new("python").arg(&script).args(args).output() {
-        Ok(output) => output,
-        Err(error) => panic!(
-            "cannot run `python` ({error}): these tests compare with transformers; \
-             `source scripts/env.sh` first, which puts the venv's python (torch, transformers) on PATH"
-        ),
-    };
-    assert!(output.status.success(), "{} failed:\n{}", script.display(), text(&output));
+    common::reference_job("bert_reference.py", &args.iter().map(|arg| arg.as_os_str()).collect::<Vec<_>>());
 }
 
 fn read_json(path: &Path) -> serde_json::Value {

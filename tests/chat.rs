@@ -23,12 +23,9 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat").join(name)
 }
 
-/// chat_reference.py's standard output.
+/// What chat_reference.py prints for `args`, run in the binary's one process of it.
 fn python(args: &[&str]) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
-    let output = Command::new("python").arg(&script).args(args).output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
-    assert!(output.status.success(), "chat_reference.py {args:?}: {}", text(&output));
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    common::reference_job("chat_reference.py", &args.iter().map(std::ffi::OsStr::new).collect::<Vec<_>>())
 }
 
 /// chat_reference.py's `batch` of `commands` (each one's arguments), in one

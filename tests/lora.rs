@@ -28,13 +28,9 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
-/// Runs tests/python/peft_reference.py with `args` under the `python` on PATH.
+/// Runs tests/python/peft_reference.py with `args`, in the binary's one process of it.
 fn reference_script(args: &[&Path]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");
-    let output = Command::new("python").arg(&script).args(args).output().unwrap_or_else(|error| {
-        panic!("cannot run `python` ({error}): these tests compare with peft; `source scripts/env.sh` first, which puts the venv's python on PATH")
-    });
-    assert!(output.status.success(), "{}", text(&output));
+    common::reference_job("peft_reference.py", &args.iter().map(|arg| arg.as_os_str()).collect::<Vec<_>>());
 }
 
 fn read(dir: &Path) -> HashMap<String, Tensor> {

@@ -4,12 +4,12 @@
 //! loader on the shared real data.
 
 use serde_json::Value;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 mod common;
-use common::{ft, losses, shared, text};
+use common::{ft, losses, made_once, shared, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.
 fn train(dir: &Path, extra: &[&str]) -> Vec<f64> {
@@ -26,41 +26,56 @@ fn assert_close(a: &[f64], b: &[f64], tolerance: f64) {
     }
 }
 
-/// The losses of the demo trained with `flags`, trained once however many
-/// tests ask (`losses` is the caller's cell for those flags).
-fn trained_once(losses: &'static OnceLock<Vec<f64>>, flags: &[&str]) -> &'static [f64] {
-    losses.get_or_init(|| train(tempfile::tempdir().unwrap().path(), flags))
+/// The demo trained with `flags` into `dir`, trained once however many
+/// tests ask (`made` is the caller's cell for those flags); returns each
+/// step's loss.
+fn trained_once(made: &'static OnceLock<Vec<(PathBuf, Vec<u8>)>>, dir: &Path, flags: &[&str]) -> Vec<f64> {
+    made_once(made, dir, |scratch| {
+        train(scratch, flags);
+    });
+    losses(dir)
 }
 
-/// Two ranks of 4: three tests' run.
-fn two_ranks_of_4() -> &'static [f64] {
-    static LOSSES: OnceLock<Vec<f64>> = OnceLock::new();
-    trained_once(&LOSSES, &["--nproc-per-node", "2", "--batch-size", "4"])
+/// Flags of two ranks of 4, saving every 6 steps (the checkpoints change
+/// nothing the run computes).
+const TWO_RANKS_OF_4: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "6"];
+/// Flags of one rank with the whole batch of 8, saving every 6 steps.
+const ONE_RANK_OF_8: &[&str] = &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "6"];
+
+/// Two ranks of 4 in `dir`: five tests' run.
+fn two_ranks_of_4(dir: &Path) -> Vec<f64> {
+    static MADE: OnceLock<Vec<(PathBuf, Vec<u8>)>> = OnceLock::new();
+    trained_once(&MADE, dir, TWO_RANKS_OF_4)
 }
 
-/// One rank with the whole batch of 8: two tests' baseline.
-fn one_rank_of_8() -> &'static [f64] {
-    static LOSSES: OnceLock<Vec<f64>> = OnceLock::new();
-    trained_once(&LOSSES, &["--nproc-per-node", "1", "--batch-size", "8"])
+/// One rank with the whole batch of 8 in `dir`: four tests' run.
+fn one_rank_of_8(dir: &Path) -> Vec<f64> {
+    static MADE: OnceLock<Vec<(PathBuf, Vec<u8>)>> = OnceLock::new();
+    trained_once(&MADE, dir, ONE_RANK_OF_8)
+}
+
+/// The losses of `two_ranks_of_4`, or another shared run, for a test that needs no directory of it.
+fn losses_of(run: fn(&Path) -> Vec<f64>) -> Vec<f64> {
+    run(tempfile::tempdir().unwrap().path())
 }
 
 #[test]
 fn same_seed_gives_bit_identical_losses() {
     let dir = tempfile::tempdir().unwrap();
-    let second = train(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4"]);
-    assert_eq!(two_ranks_of_4(), second);
+    let second = train(dir.path(), TWO_RANKS_OF_4);
+    assert_eq!(losses_of(two_ranks_of_4), second);
 }
 
 #[test]
 fn accumulating_four_micro_batches_equals_one_four_times_larger() {
     let dir = tempfile::tempdir().unwrap();
     let accumulated = train(dir.path(), &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "4"]);
-    assert_close(&accumulated, one_rank_of_8(), 1e-5);
+    assert_close(&accumulated, &losses_of(one_rank_of_8), 1e-5);
 }
 
 #[test]
 fn two_data_parallel_ranks_equal_one_rank_with_the_whole_batch() {
-    assert_close(two_ranks_of_4(), one_rank_of_8(), 1e-5);
+    assert_close(&losses_of(two_ranks_of_4), &losses_of(one_rank_of_8), 1e-5);
 }
 
 /// `make demo` as a newcomer runs it: every default, the whole schedule.
@@ -204,9 +219,9 @@ fn squad_reader_takes_the_shared_v2_file_and_a_v1_file() {
 
 const CHECKPOINTED: &[&str] = &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "3", "--save-total-limit", "0"];
 
-/// Trains into `dir` with `extra` flags, then exports its latest checkpoint to `dir/exported`.
-fn train_and_export(dir: &Path, extra: &[&str]) -> std::path::PathBuf {
-    train(dir, extra);
+/// Makes `run` in `dir`, then exports its latest checkpoint to `dir/exported`.
+fn train_and_export(dir: &Path, run: fn(&Path) -> Vec<f64>) -> PathBuf {
+    run(dir);
     let exported = dir.join("exported");
     let output = export_latest(dir, &exported);
     assert!(output.status.success(), "{}", text(&output));
@@ -239,7 +254,7 @@ fn steps_saved(dir: &Path) -> Vec<String> {
 #[test]
 fn a_killed_run_resumes_to_the_same_losses_and_a_crash_mid_save_keeps_the_last_checkpoint() {
     // The uninterrupted run: checkpoints change nothing it computes.
-    let expected = two_ranks_of_4().to_vec();
+    let expected = losses_of(two_ranks_of_4);
     assert_eq!(expected.len(), 12);
 
     // Killed right after step 7: the checkpoint of step 6 is the latest — or,
@@ -356,9 +371,8 @@ fn slices_resumed_one_after_the_other_train_as_one_run_over_them() {
 #[test]
 fn resuming_a_finished_run_says_so_in_one_line_and_exits_0() {
     let dir = tempfile::tempdir().unwrap();
-    let flags = ["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "6"];
-    assert_eq!(train(dir.path(), &flags).len(), 12);
-    let output = common::train_command(dir.path(), &[&flags[..], &["--resume", "latest"]].concat()).output().unwrap();
+    assert_eq!(one_rank_of_8(dir.path()).len(), 12);
+    let output = common::train_command(dir.path(), &[ONE_RANK_OF_8, &["--resume", "latest"]].concat()).output().unwrap();
     let log = text(&output);
     assert!(output.status.success(), "{log}");
     assert!(log.contains("nothing left to train: checkpoint step-00000012 already completed 1 epoch(s) and train.epochs is 1"), "{log}");
@@ -368,7 +382,7 @@ fn resuming_a_finished_run_says_so_in_one_line_and_exits_0() {
 #[test]
 fn export_and_eval_reproduce_the_run() {
     let dir = tempfile::tempdir().unwrap();
-    let exported = train_and_export(dir.path(), &["--nproc-per-node", "2", "--batch-size", "4", "--save-every", "12"]);
+    let exported = train_and_export(dir.path(), two_ranks_of_4);
     // The exported checkpoint of the last step holds the final weights.
     let final_weights = tch::Tensor::read_safetensors(dir.path().join("final/model.safetensors")).unwrap();
     let exported_weights: std::collections::HashMap<String, tch::Tensor> =
@@ -412,7 +426,7 @@ fn export_and_eval_reproduce_the_run() {
 #[test]
 fn an_exported_model_loads_in_transformers_with_equal_logits() {
     let dir = tempfile::tempdir().unwrap();
-    let exported = train_and_export(dir.path(), &["--nproc-per-node", "1", "--batch-size", "8", "--save-every", "12"]);
+    let exported = train_and_export(dir.path(), one_rank_of_8);
 
     let ids: Vec<Vec<i64>> = vec![vec![5, 17, 42, 99, 3, 250, 7, 64, 12, 300]];
     let ids_file = dir.path().join("ids.json");

@@ -113,3 +113,75 @@ pub fn made_once(made: &'static std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>>, di
         std::fs::write(dir.join(name), contents).unwrap();
     }
 }
+
+/// A reference script of tests/python kept running for the whole test
+/// binary (its `--serve` mode): one import of torch and the libraries it
+/// compares with, however many tests ask. Each job is one line on its
+/// stdin, the job's command-line arguments as a JSON list; it answers each
+/// with a line `ft-reference ok ` and what the job printed, or
+/// `ft-reference error: ` and the traceback, each as a JSON string.
+struct ServedScript {
+    // Held so that the process lives as long as the binary (it ends when its stdin closes, at exit).
+    _process: std::process::Child,
+    jobs: std::process::ChildStdin,
+    answers: std::io::BufReader<std::process::ChildStdout>,
+    // Its stderr: an unlinked file, gone with the binary.
+    log: std::fs::File,
+}
+
+impl ServedScript {
+    /// What the script wrote to stderr so far.
+    fn log(&mut self) -> String {
+        use std::io::{Read, Seek};
+        let mut text = String::new();
+        self.log.seek(std::io::SeekFrom::Start(0)).unwrap();
+        self.log.read_to_string(&mut text).unwrap();
+        text
+    }
+}
+
+/// Runs a job of tests/python/`script` with `args` (as its command line
+/// takes them) in the binary's one process of that script, started by the
+/// first job under the `python` on PATH; returns what the job printed, and
+/// panics with the script's error.
+pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
+    use std::io::{BufRead, Write};
+    static SERVED: std::sync::Mutex<Vec<(String, ServedScript)>> = std::sync::Mutex::new(Vec::new());
+    // A test that failed while holding the lock leaves the processes as they were.
+    let mut served = SERVED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !served.iter().any(|(name, _)| name == script) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
+        let log = tempfile::tempfile().unwrap();
+        let mut process = Command::new("python")
+            .arg(&path)
+            .arg("--serve")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(log.try_clone().unwrap())
+            .spawn()
+            .unwrap_or_else(|error| panic!("cannot run `python` ({error}): `source scripts/env.sh` first, which puts the venv's python on PATH"));
+        let jobs = process.stdin.take().unwrap();
+        let answers = std::io::BufReader::new(process.stdout.take().unwrap());
+        served.push((script.to_string(), ServedScript { _process: process, jobs, answers, log }));
+    }
+    let (_, served) = served.iter_mut().find(|(name, _)| name == script).unwrap();
+    let job: Vec<String> = args.iter().map(|arg| arg.to_str().unwrap().to_string()).collect();
+    if writeln!(served.jobs, "{}", serde_json::to_string(&job).unwrap()).is_err() {
+        panic!("{script} ended: {}", served.log());
+    }
+    let mut line = String::new();
+    // Lines the libraries print are passed over: the answer is the line that starts with the marker.
+    while !line.starts_with("ft-reference ") {
+        line.clear();
+        if served.answers.read_line(&mut line).unwrap() == 0 {
+            panic!("{script} ended: {}", served.log());
+        }
+    }
+    let answer = line.trim_end().trim_start_matches("ft-reference ");
+    if let Some(error) = answer.strip_prefix("error: ") {
+        let traceback: String = serde_json::from_str(error).unwrap_or_else(|_| error.to_string());
+        panic!("{script} {job:?}:\n{traceback}\n{}", served.log());
+    }
+    let printed = answer.strip_prefix("ok ").unwrap_or_else(|| panic!("{script} {job:?}: answered {answer}"));
+    serde_json::from_str(printed).unwrap()
+}

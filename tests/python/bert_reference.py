@@ -16,11 +16,15 @@ torch and transformers is most of the time):
                            every parameter) and OUT/loading_info.json (the
                            keys from_pretrained found missing, unexpected or
                            mismatched).
+--serve                    jobs from stdin, one process for a whole test
+                           binary (serve.py).
 """
 
 import argparse
 import json
 import os
+
+import serve
 
 import torch
 from safetensors.torch import save_file
@@ -56,14 +60,17 @@ def main():
     parser.add_argument("--create", nargs=3, action="append", default=[], metavar=("CONFIG", "HEAD", "DIR"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference", nargs=3, metavar=("MODEL", "BATCH", "OUT"))
-    args = parser.parse_args()
     logging.disable_progress_bar()
-    for config_path, head, out in args.create:
-        if head not in HEADS:
-            parser.error(f"--create: unknown head {head!r} (one of {', '.join(HEADS)})")
-        create(config_path, head, out, args.seed)
-    if args.reference:
-        reference(*args.reference)
+
+    def run(args):
+        for config_path, head, out in args.create:
+            if head not in HEADS:
+                parser.error(f"--create: unknown head {head!r} (one of {', '.join(HEADS)})")
+            create(config_path, head, out, args.seed)
+        if args.reference:
+            reference(*args.reference)
+
+    serve.main(parser, run)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,17 @@ loss MODEL_DIR FT_JSONL
 batch COMMANDS_JSON
     The commands of a JSON list (each a list of the arguments above) in one
     process.
+
+--serve
+    Jobs from stdin, one process for a whole test binary (serve.py).
 """
 
 import json
 import sys
 
 from transformers import PreTrainedTokenizerFast, AutoTokenizer
+
+import serve
 
 # The special tokens the templates of tests/fixtures/chat and tests/fixtures/templates write.
 SPECIAL = [
@@ -236,4 +241,7 @@ def run(args):
 
 
 if __name__ == "__main__":
-    run(sys.argv[1:])
+    if sys.argv[1:] == ["--serve"]:
+        serve.serve(run)
+    else:
+        run(sys.argv[1:])

@@ -19,11 +19,15 @@ the transformers model, run forward and backward.
     a plain transformers model's logits on IDS (a merged export), as
     OUT/reference.safetensors.
 Each option may be given several times.
+--serve
+    jobs from stdin, one process for a whole test binary (serve.py).
 """
 
 import argparse
 import json
 import os
+
+import serve
 
 # bitsandbytes wraps its CPU fallbacks in torch.compile; without a compiler
 # pass they run as written, and quickly.
@@ -98,9 +102,12 @@ def main():
     parser.add_argument("--qlora", nargs=6, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT", "QUANT_TYPE", "DOUBLE_QUANT"))
     parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
-    args = parser.parse_args()
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+    serve.main(parser, run)
+
+
+def run(args):
     for job in args.reference:
         reference(*job)
     for job in args.qlora:
