@@ -63,15 +63,18 @@ def main():
     seconds = time.perf_counter() - start
     tokens_per_s = args.batch * args.seq * args.steps / seconds
     n = sum(p.numel() for p in model.parameters())
+    # A mixture of experts computes with k of its E experts per token: MFU counts the active parameters.
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    idle = 0 if not experts else sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) * (1 - config.num_experts_per_tok / experts)
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    mfu = (6 * n + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
+    mfu = (6 * (n - idle) + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9
     name = f"transformers {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}{f' + torchao float8 {args.float8}' if args.float8 else ''}"
-    print(f"{name}: {config.model_type} {n / 1e6:.0f}M params, batch {args.batch}x{args.seq}: {tokens_per_s:.0f} tokens/s, "
+    print(f"{name}: {config.model_type} {n / 1e6:.0f}M params ({(n - idle) / 1e6:.0f}M active), batch {args.batch}x{args.seq}: {tokens_per_s:.0f} tokens/s, "
           f"{seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, peak allocated {peak:.1f} GB, "
           f"peak reserved {torch.cuda.max_memory_reserved() / 1e9:.1f} GB, last loss {loss.item():.4f}")
     if args.json:
-        json.dump(dict(tool=name, model_type=config.model_type, params=n, batch=args.batch, seq=args.seq,
+        json.dump(dict(tool=name, model_type=config.model_type, params=n, active_params=n - idle, batch=args.batch, seq=args.seq,
                        tokens_per_s=tokens_per_s, mfu=mfu, peak_allocated_gb=peak, torch=torch.__version__),
                   open(args.json, "w"), indent=1)
 

@@ -88,7 +88,7 @@ fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decod
                 // Tokens so far: the rows still decoding hold the most (the prompt's next token, then one a step).
                 let produced = generated.iter().map(Vec::len).max().unwrap_or(0);
                 let steps_left = decoding.max_new_tokens - produced - 1;
-                if decoding.cuda_graph && model.graph_capturable() && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
+                if decoding.cuda_graph && model.graph_capturable(step.tokens.device(), step.dtype) && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
                     graph = step.capture();
                 }
             }

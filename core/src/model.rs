@@ -765,10 +765,11 @@ pub trait Model: Send + Sync {
         Ok(())
     }
 
-    /// Whether a forward may be recorded as a CUDA graph (generation's
-    /// decoding steps): false where a block reads device values on the
-    /// host (a mixture of experts' tokens per expert, for now).
-    fn graph_capturable(&self) -> bool {
+    /// Whether a forward on `device` in `dtype` may be recorded as a CUDA
+    /// graph (generation's decoding steps): false where a block reads device
+    /// values on the host (a mixture of experts' tokens per expert, where
+    /// its GEMMs loop over the experts).
+    fn graph_capturable(&self, _device: Device, _dtype: Kind) -> bool {
         true
     }
 

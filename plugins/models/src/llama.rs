@@ -16,12 +16,12 @@
 //! `_compute_llama3_parameters`).
 
 use crate::check;
-use crate::moe::Moe;
+use crate::moe::{self, Moe};
 use anyhow::{bail, Context as _, Result};
 use ft_core::model::{self, Activations, Context, Dims, Init, Inputs, KvCache, Layout, Model, ModelRegistration, ParamSpec, Params, Saved, UnitSpec};
 use serde::Deserialize;
 use std::f64::consts::PI;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// `rope_scaling` (hub configs) or `rope_parameters` (transformers 5): the
 /// rotation's base and how its frequencies are rescaled.
@@ -567,6 +567,7 @@ impl Llama {
     /// This model with `moe`'s experts in place of the MLP of its sparse
     /// layers (a mixture-of-experts family: `qwen3_moe.rs`, …).
     pub(crate) fn with_experts(mut self, moe: Moe) -> Result<Llama> {
+        moe::ExpertGemms::check_environment()?;
         if self.variant.fused || self.variant.mlp_bias {
             bail!("{}: experts replace an MLP of separate, bias-free projections", self.variant.name);
         }
@@ -677,9 +678,9 @@ impl Model for Llama {
         Ok(())
     }
 
-    /// Not with experts: each sparse layer reads its tokens per expert on the host (`moe.rs`).
-    fn graph_capturable(&self) -> bool {
-        self.experts.is_none()
+    /// With experts, where their GEMMs are grouped: the loop reads each sparse layer's tokens per expert on the host (`moe.rs`).
+    fn graph_capturable(&self, device: Device, dtype: Kind) -> bool {
+        self.experts.as_ref().is_none_or(|moe| moe.gemms(self.config.hidden_size, device, dtype) == moe::ExpertGemms::Grouped)
     }
 
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {

@@ -25,7 +25,7 @@ use crate::check;
 use anyhow::{bail, Result};
 use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, Init, ParamSpec, Params};
 use serde::Deserialize;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// A family's mixture of experts, from its config.json.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,6 +107,50 @@ pub(crate) fn sparse_layers(layers: i64, decoder_sparse_step: i64, mlp_only_laye
     Ok((0..layers).map(|layer| !mlp_only_layers.contains(&layer) && (layer + 1) % decoder_sparse_step == 0).collect())
 }
 
+/// How a sparse layer runs its experts' GEMMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertGemms {
+    /// ATen's grouped GEMM (`_grouped_mm`): one kernel per projection over
+    /// every expert, the slices' ends read on the device.
+    Grouped,
+    /// One matmul per expert, the slices' sizes read on the host.
+    Loop,
+}
+
+/// The environment variable that forces [`ExpertGemms::Loop`] (`FT_MOE_GEMM=loop`).
+const GEMM_VARIABLE: &str = "FT_MOE_GEMM";
+
+impl ExpertGemms {
+    /// Grouped where ATen runs `_grouped_mm` as one CUTLASS kernel: bf16 on
+    /// a GPU of compute capability 9.x or 10.x (Hopper, Blackwell). Elsewhere
+    /// ATen's own fallback loops over the groups after copying their ends to
+    /// the host, as the loop does, so the loop runs (the CPU, where the
+    /// equality tests run, included); and wherever `FT_MOE_GEMM=loop`.
+    pub(crate) fn on(device: Device, kind: Kind) -> ExpertGemms {
+        let Device::Cuda(index) = device else { return ExpertGemms::Loop };
+        let hopper_or_blackwell = ft_core::kernels::compute_capability(index).is_ok_and(|(major, _)| major == 9 || major == 10);
+        // A bad FT_MOE_GEMM was refused when the model was built (`check_environment`).
+        if kind == Kind::BFloat16 && hopper_or_blackwell && !Self::loop_asked().unwrap_or(true) {
+            ExpertGemms::Grouped
+        } else {
+            ExpertGemms::Loop
+        }
+    }
+
+    /// Refuses an `FT_MOE_GEMM` other than `loop` (or empty), before any step runs.
+    pub(crate) fn check_environment() -> Result<()> {
+        Self::loop_asked().map(|_| ())
+    }
+
+    fn loop_asked() -> Result<bool> {
+        match std::env::var(GEMM_VARIABLE).unwrap_or_default().as_str() {
+            "" => Ok(false),
+            "loop" => Ok(true),
+            value => bail!("{GEMM_VARIABLE}={value:?}: its one value is loop (the experts' GEMMs one matmul per expert, in place of ATen's grouped GEMM); unset it for the default"),
+        }
+    }
+}
+
 impl Moe {
     /// The parameters of a sparse layer's MLP (names inside its block, under `prefix` in the files), for hidden size `hidden`.
     pub(crate) fn params(&self, prefix: &str, hidden: i64, init: Init) -> Vec<ParamSpec> {
@@ -130,6 +174,18 @@ impl Moe {
         params
     }
 
+    /// How the experts' GEMMs run for hidden size `hidden` on `device` in
+    /// `kind`: grouped where [`ExpertGemms::on`] says and the rows and
+    /// columns ATen's grouped kernel reads are 16-byte aligned (both widths
+    /// multiples of 8 bf16 values).
+    pub(crate) fn gemms(&self, hidden: i64, device: Device, kind: Kind) -> ExpertGemms {
+        if hidden % 8 == 0 && self.inner % 8 == 0 {
+            ExpertGemms::on(device, kind)
+        } else {
+            ExpertGemms::Loop
+        }
+    }
+
     /// Whether layer `layer`'s MLP is the experts.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.sparse.get(layer).copied().unwrap_or(false)
@@ -150,7 +206,9 @@ impl Moe {
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
-        let mut out = self.experts(p, &tokens, &chosen, &top.to_kind(x.kind()));
+        let (gate_up, down) = (p.get("mlp.experts.gate_up_proj"), p.get("mlp.experts.down_proj"));
+        let gemms = self.gemms(hidden, x.device(), x.kind());
+        let mut out = self.experts(gate_up, down, &tokens, &chosen, &top.to_kind(x.kind()), gemms);
         if self.shared_expert.is_some() {
             let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
             out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
@@ -162,29 +220,33 @@ impl Moe {
     }
 
     /// Every token's k experts, weighed: the assignments sorted by expert, so
-    /// each expert's tokens are one contiguous slice, one SwiGLU MLP per
-    /// slice, then each output weighed and added back to its token.
-    fn experts(&self, p: &Params, tokens: &Tensor, chosen: &Tensor, weights: &Tensor) -> Tensor {
-        let assigned = chosen.reshape([-1]);
-        let order = assigned.argsort_stable(true, 0, false);
+    /// each expert's tokens are one contiguous slice ending at `ends` (on the
+    /// device), one SwiGLU MLP per slice through `gemms`, then each output
+    /// weighed and added back to its token. Only the GEMMs differ by `gemms`.
+    fn experts(&self, gate_up: &Tensor, down: &Tensor, tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms) -> Tensor {
+        // A weight the flat buffer holds at an offset not 16-byte aligned: ATen's kernel refuses it.
+        let aligned = |weight: &Tensor| weight.data_ptr() as usize % 16 == 0;
+        let gemms = if aligned(gate_up) && aligned(down) { gemms } else { ExpertGemms::Loop };
+        let (sorted, order) = chosen.reshape([-1]).sort_stable(true, 0, false);
         let token_of = order.divide_scalar_mode(self.top_k, "floor");
         let inputs = tokens.index_select(0, &token_of);
-        // The seam for a grouped GEMM: here one matmul per expert over its
-        // slice, whose sizes the host needs (one sync per layer); a grouped
-        // GEMM takes the counts on the device and the fused weights whole.
-        let counts = Vec::<i64>::try_from(assigned.bincount::<Tensor>(None, self.experts)).expect("expert counts are int64");
-        let (gate_up, down) = (p.get("mlp.experts.gate_up_proj").unbind(0), p.get("mlp.experts.down_proj").unbind(0));
-        let outputs: Vec<Tensor> = inputs
-            .split_with_sizes(&counts, 0)
-            .iter()
-            .zip(gate_up.iter().zip(&down))
-            .map(|(x, (gate_up, down))| {
-                let projected = x.matmul(&gate_up.tr());
-                let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
-                gated.matmul(&down.tr())
-            })
-            .collect();
-        let weighed = Tensor::cat(&outputs, 0) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
+        let ends = Tensor::arange(self.experts, (sorted.kind(), sorted.device())).searchsorted(&sorted, true, true, "right", None::<Tensor>);
+        // The loop's slice sizes, read on the host once per layer (the grouped GEMM reads `ends` on the device).
+        let sizes = (gemms == ExpertGemms::Loop).then(|| {
+            let ends = Vec::<i32>::try_from(&ends).expect("expert offsets are int32");
+            ends.iter().scan(0, |start, &end| Some(i64::from(end - std::mem::replace(start, end)))).collect::<Vec<i64>>()
+        });
+        // `x` [assignments, K] times each expert's slice of `weight` [E, N, K] transposed: [assignments, N].
+        let gemm = |x: &Tensor, weight: &Tensor| match &sizes {
+            None => x.internal_grouped_mm(&weight.transpose(-2, -1), Some(&ends), None, None),
+            Some(sizes) => {
+                let slices: Vec<Tensor> = x.split_with_sizes(sizes, 0).iter().zip(weight.unbind(0)).map(|(x, w)| x.matmul(&w.tr())).collect();
+                Tensor::cat(&slices, 0)
+            }
+        };
+        let projected = gemm(&inputs, gate_up);
+        let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
+        let weighed = gemm(&gated, down) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
         tokens.zeros_like().index_add(0, &token_of, &weighed)
     }
 
@@ -198,7 +260,7 @@ impl Moe {
             None => Tensor::ones([probs.size()[0]], (Kind::Float, probs.device())),
         };
         let values = (probs * real.unsqueeze(1)).sum_dim_intlist(0, false, Kind::Float);
-        let counted = real.repeat_interleave_self_int(self.top_k, None, None);
+        let counted = real.unsqueeze(1).expand([-1, self.top_k], false).reshape([-1]);
         let assignments = Tensor::zeros([self.experts], (Kind::Float, probs.device())).scatter_add(0, &chosen.reshape([-1]), &counted);
         let statistics = Tensor::cat(&[assignments, real.sum(Kind::Float).unsqueeze(0)], 0).detach();
         AuxiliaryTerm { values, statistics }
@@ -327,6 +389,36 @@ mod tests {
         let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
         let message = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).err().expect("refused").to_string();
         assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE yet"), "{message}");
+    }
+
+    /// The grouped GEMM (ATen's `_grouped_mm`, which also runs on the CPU)
+    /// gives the loop's outputs and gradients, an expert with no token
+    /// included; on the CPU the loop is what runs.
+    #[test]
+    fn grouped_gemm_equals_the_loop() {
+        use super::{ExpertGemms, Moe};
+        use tch::{Device, Kind, Tensor};
+        assert_eq!(ExpertGemms::on(Device::Cpu, Kind::BFloat16), ExpertGemms::Loop);
+        tch::manual_seed(0);
+        let (experts, top_k, inner, hidden, tokens) = (4, 2, 8, 16, 6);
+        let moe = Moe { experts, top_k, inner, norm_topk_prob: true, sparse: vec![true], aux_loss_coef: None, shared_expert: None, hub_module: "mlp" };
+        let x = Tensor::randn([tokens, hidden], (Kind::Float, Device::Cpu));
+        // Expert 2 chosen by no token.
+        let chosen = Tensor::from_slice(&[0i64, 1, 3, 0, 1, 3, 0, 1, 3, 3, 0, 1]).view([tokens, top_k]);
+        let weights = Tensor::rand([tokens, top_k], (Kind::Float, Device::Cpu));
+        let gate_up = (Tensor::randn([experts, 2 * inner, hidden], (Kind::Float, Device::Cpu)) * 0.3).set_requires_grad(true);
+        let down = (Tensor::randn([experts, hidden, inner], (Kind::Float, Device::Cpu)) * 0.3).set_requires_grad(true);
+        let run = |gemms| {
+            let out = moe.experts(&gate_up, &down, &x, &chosen, &weights, gemms);
+            let grads = Tensor::run_backward(&[(&out * &out).sum(Kind::Float)], &[&gate_up, &down], false, false);
+            (out.detach(), grads)
+        };
+        let ((grouped, grouped_grads), (looped, looped_grads)) = (run(ExpertGemms::Grouped), run(ExpertGemms::Loop));
+        assert!(grouped.allclose(&looped, 1e-5, 1e-6, false), "outputs differ by {}", (&grouped - &looped).abs().max());
+        for (g, l) in grouped_grads.iter().zip(&looped_grads) {
+            assert!(g.allclose(l, 1e-5, 1e-6, false), "gradients differ by {}", (g - l).abs().max());
+        }
+        assert!(looped_grads[0].get(2).abs().sum(Kind::Float).double_value(&[]) == 0.0 && looped.abs().sum(Kind::Float).double_value(&[]) > 0.0);
     }
 
     /// Layers are sparse as transformers' Qwen MoE decoder layers decide.
