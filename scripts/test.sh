@@ -52,10 +52,11 @@ if [ "$status" -eq 0 ]; then
     # failure. libtest's --report-time (unstable: RUSTC_BOOTSTRAP, given to
     # the test processes alone by the runner, so nothing is rebuilt) puts
     # each test's seconds on its line, for the times below; the criterion
-    # benches, run once each in test mode, take no libtest flags. They run
-    # first: the plug-in template's test builds in this target directory
+    # benches (`--bench '*'`: `--benches` would run the libraries' unit
+    # tests again), run once each in test mode, take no libtest flags. They
+    # run first: the plug-in template's test builds in this target directory
     # with features of its own, and a cargo run after it would rebuild.
-    cargo test --workspace --benches --no-fail-fast 2>&1 | tee -a "$log"
+    cargo test --workspace --bench '*' --no-fail-fast 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
     runner="CARGO_TARGET_$(rustc -vV | sed -n 's/^host: //p' | tr 'a-z-' 'A-Z_')_RUNNER"
     export "$runner=env RUSTC_BOOTSTRAP=1"
