@@ -107,6 +107,32 @@ pub(crate) fn sparse_layers(layers: i64, decoder_sparse_step: i64, mlp_only_laye
     Ok((0..layers).map(|layer| !mlp_only_layers.contains(&layer) && (layer + 1) % decoder_sparse_step == 0).collect())
 }
 
+/// The Qwen MoE families' routing keys (Qwen2-MoE's and Qwen3-MoE's): the
+/// experts' width, top-k's renormalisation and which layers are sparse.
+#[derive(Deserialize)]
+pub(crate) struct QwenRouting {
+    num_hidden_layers: i64,
+    moe_intermediate_size: i64,
+    norm_topk_prob: bool,
+    decoder_sparse_step: i64,
+    /// None is transformers' empty list.
+    mlp_only_layers: Option<Vec<i64>>,
+}
+
+impl QwenRouting {
+    /// The experts a Qwen MoE `config` describes (`default_experts` when it
+    /// gives no count), with a shared expert of `shared_expert` width (Qwen2-MoE's).
+    pub(crate) fn experts(config: &serde_json::Value, default_experts: i64, shared_expert: Option<i64>) -> Result<Moe> {
+        let keys: QwenRouting = check::parse(config)?;
+        let (experts_key, experts) = check::parse::<ExpertCount>(config)?.read("num_experts", default_experts)?;
+        check::sizes(&[("moe_intermediate_size", keys.moe_intermediate_size)])?;
+        check::layers("num_hidden_layers", keys.num_hidden_layers)?;
+        let (top_k, aux_loss_coef) = check::parse::<RouterKeys>(config)?.validate((experts_key, experts))?;
+        let sparse = sparse_layers(keys.num_hidden_layers, keys.decoder_sparse_step, keys.mlp_only_layers.as_deref().unwrap_or_default())?;
+        Ok(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert, hub_module: "mlp" })
+    }
+}
+
 /// How a sparse layer runs its experts' GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExpertGemms {

@@ -9,7 +9,7 @@
 
 use crate::check;
 use crate::llama::{Llama, QkNorm, Variant};
-use crate::moe::{self, Moe, RouterKeys};
+use crate::moe::QwenRouting;
 use crate::qwen2::full_attention_only;
 use anyhow::Result;
 use ft_core::model::ModelRegistration;
@@ -28,17 +28,11 @@ fn defaults() -> [(&'static str, serde_json::Value); 7] {
     ]
 }
 
-/// Qwen3-MoE's own keys.
+/// Qwen3-MoE's own keys besides the routing.
 #[derive(Deserialize)]
 struct Keys {
     #[serde(default)]
     attention_bias: bool,
-    num_hidden_layers: i64,
-    moe_intermediate_size: i64,
-    norm_topk_prob: bool,
-    decoder_sparse_step: i64,
-    /// None is transformers' empty list.
-    mlp_only_layers: Option<Vec<i64>>,
 }
 
 pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
@@ -46,12 +40,7 @@ pub fn new(hf_config: serde_json::Value) -> Result<Llama> {
     let llama = Llama::build(hf_config, &defaults(), |config| {
         full_attention_only(config, "Qwen3-MoE")?;
         let keys: Keys = check::parse(config)?;
-        let (experts_key, experts) = check::parse::<moe::ExpertCount>(config)?.read("num_experts", 128)?;
-        check::sizes(&[("moe_intermediate_size", keys.moe_intermediate_size)])?;
-        check::layers("num_hidden_layers", keys.num_hidden_layers)?;
-        let (top_k, aux_loss_coef) = check::parse::<RouterKeys>(config)?.validate((experts_key, experts))?;
-        let sparse = moe::sparse_layers(keys.num_hidden_layers, keys.decoder_sparse_step, keys.mlp_only_layers.as_deref().unwrap_or_default())?;
-        moe = Some(Moe { experts, top_k, inner: keys.moe_intermediate_size, norm_topk_prob: keys.norm_topk_prob, sparse, aux_loss_coef, shared_expert: None, hub_module: "mlp" });
+        moe = Some(QwenRouting::experts(config, 128, None)?);
         Ok(Variant { qkv_bias: keys.attention_bias, o_bias: keys.attention_bias, qk_norm: QkNorm::PerHead, ..Variant::plain("Qwen3-MoE") })
     })?;
     llama.with_experts(moe.expect("read with the variant"))
