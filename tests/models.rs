@@ -736,3 +736,93 @@ fn moe_batched_greedy_decoding_equals_one_prompt_at_a_time() {
         assert_eq!(batched, one_at_a_time, "{name}");
     }
 }
+
+/// Runs tests/python/peft_reference.py with `args`, in the binary's one process of it.
+fn peft_reference(args: &[&Path]) {
+    common::reference_job("peft_reference.py", &args.iter().map(|arg| arg.as_os_str()).collect::<Vec<_>>());
+}
+
+/// LoRA on the experts (`experts`, beside attention's q on Qwen3-MoE) as
+/// peft 0.21's `target_parameters` adds it: ft's adapters, their B drawn
+/// so that every factor has a gradient, written as peft writes them, load
+/// with `PeftModel.from_pretrained` on transformers' Qwen3-MoE and Mixtral
+/// at ft's logits, loss (the load-balancing loss included) and adapter
+/// gradients, and read back in ft at the same logits; merged into the
+/// experts, they load in transformers at the adapted logits.
+#[test]
+fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
+    use ft_core::lora::{LoraModel, EXPERTS};
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let ids_file = scratch.path().join("ids.json");
+    let rows = [[1i64, 5, 9, 14, 27, 3, 8, 2, 40, 77], [4, 4, 6, 20, 7, 19, 11, 30, 101, 64]];
+    std::fs::write(&ids_file, serde_json::json!(rows).to_string()).unwrap();
+    let ids = Tensor::from_slice2(&rows);
+    let cases: [(&str, &[&str]); 2] = [("qwen3_moe", &["q", EXPERTS]), ("mixtral", &[EXPERTS])];
+    let mut jobs: Vec<PathBuf> = vec![];
+    let ours: Vec<_> = cases
+        .iter()
+        .map(|(name, targets)| {
+            let dir = scratch.path().join(name).join("hub");
+            let base = hf::load_model(&dir).unwrap();
+            let mut params = hf::load_params(base.as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+            let config = ft_core::config::LoraConfig { r: 4, alpha: Some(8.0), dropout: 0.0, targets: targets.iter().map(|t| t.to_string()).collect() };
+            let lora = LoraModel::new(base, &config).unwrap();
+            assert_eq!(lora.peft_target_parameters(), ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], "{name}");
+            params.extend(lora.initial_adapters(5, Device::Cpu));
+            for (unit, tensors) in lora.units().iter().zip(&mut params).skip(lora.base_units()) {
+                for (spec, tensor) in unit.params.iter().zip(tensors) {
+                    if spec.name.ends_with("lora_B.weight") {
+                        *tensor = Tensor::randn(tensor.size(), (Kind::Float, Device::Cpu)) * 0.3;
+                    }
+                    let _ = tensor.set_requires_grad(true);
+                }
+            }
+            let logits_and_loss = |lora: &LoraModel, params: &[Vec<Tensor>]| {
+                let inputs = Inputs::ids(&ids);
+                let ctx = lora.context(&inputs, 0, Kind::Float, false).unwrap();
+                let (outputs, aux) = ft_core::model::forward_with_auxiliary(lora, params, &inputs, &ctx, None);
+                let (hidden, weight) = lm_outputs(outputs).unwrap();
+                let loss = lm_loss(&hidden, &weight, &ids, 7, None).unwrap() + aux.expect("output_router_logits adds the load-balancing loss");
+                (logits(&hidden, &weight), loss)
+            };
+            let (ft_logits, loss) = logits_and_loss(&lora, &params);
+            loss.backward();
+            let trained: Vec<Vec<Tensor>> = params.iter().enumerate().map(|(u, t)| if lora.frozen(u) { vec![] } else { t.iter().map(Tensor::detach).collect() }).collect();
+            let adapter = scratch.path().join(format!("{name}-adapter"));
+            ft_models::peft::save_adapter(&lora, &trained, &adapter, Some(&dir)).unwrap();
+            let (read_back, read_params) = ft_models::peft::load_adapted(&adapter, Kind::Float, Device::Cpu).unwrap();
+            let error = relative(&logits_and_loss(&read_back, &read_params).0, &ft_logits, 0.0);
+            assert!(error <= 1e-6, "{name}: the adapter read back gives logits {error:e} off");
+
+            let mut merged: Vec<Vec<Tensor>> = params.iter().map(|unit| unit.iter().map(Tensor::detach).collect()).collect();
+            lora.merge(&mut merged);
+            merged.truncate(lora.base_units());
+            let merged_dir = scratch.path().join(format!("{name}-merged"));
+            hf::save(lora.base(), &merged, &merged_dir, Kind::Float).unwrap();
+            let (with_peft, with_merged) = (scratch.path().join(format!("{name}-peft")), scratch.path().join(format!("{name}-transformers")));
+            jobs.extend(["--reference".into(), dir, adapter, ids_file.clone(), with_peft.clone(), "--logits".into(), merged_dir, ids_file.clone(), with_merged.clone()]);
+            (lora, params, ft_logits, loss, with_peft, with_merged)
+        })
+        .collect();
+    peft_reference(&jobs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
+    for ((name, _), (lora, params, ft_logits, loss, with_peft, with_merged)) in cases.iter().zip(ours) {
+        let reference = tensors(&with_peft.join("reference.safetensors"));
+        let error = relative(&ft_logits, &reference["logits"], 0.0);
+        assert!(error <= 1e-5, "{name}: logits differ from peft's by {error:e}");
+        let error = relative(&loss, &reference["loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: loss {} vs peft's {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
+        let mut compared = 0;
+        for (unit, tensors) in lora.units().iter().zip(&params).skip(lora.base_units()) {
+            for (spec, tensor) in unit.params.iter().zip(tensors) {
+                let expected = reference.get(&format!("grad.{}", spec.hf_name)).unwrap_or_else(|| panic!("{name}: peft has no {}", spec.hf_name));
+                let error = relative(&tensor.grad(), expected, 0.0);
+                assert!(error <= 1e-5, "{name}: gradient of {} differs from peft's by {error:e}", spec.hf_name);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{name}: peft trains exactly ft's adapters");
+        let error = relative(&tensors(&with_merged.join("reference.safetensors"))["logits"], &ft_logits, 0.0);
+        assert!(error <= 1e-5, "{name}: the merged model's logits in transformers differ by {error:e}");
+    }
+}

@@ -1,14 +1,20 @@
 //! LoRA (Hu et al., 2021), as Hugging Face peft does it: the base model is
 //! frozen and each targeted linear layer gains a trainable low-rank update,
 //! `W x + (alpha / r) · B A dropout(x)`, A drawn Kaiming-uniform and B zero so
-//! training starts from the base model's function.
+//! training starts from the base model's function. A mixture of experts'
+//! fused experts ([E, N, K], target [`EXPERTS`]) gain one such update per
+//! expert, as peft's `target_parameters` adds them (its `ParamWrapper`: no
+//! dropout), stored as peft stores them ([`expert_factors`]).
 //!
 //! A [`LoraModel`] is a [`Model`]: the base's units, frozen (a
 //! question-answering head stays trained, as peft's `modules_to_save` does
 //! for that task), then one adapter unit per block with targets, holding
-//! `{module}.lora_A.weight` [r, in] and `{module}.lora_B.weight` [out, r].
-//! Each block's stage names its adapter unit and `Params::linear` adds the
-//! update, so the architectures' math is untouched. The engine keeps a
+//! `{module}.lora_A.weight` [r, in] and `{module}.lora_B.weight` [out, r]
+//! (for a fused expert parameter `{name}.lora_A.weight` [r·E, K] and
+//! `{name}.lora_B.weight` [N, r·E]). Each block's stage names its adapter
+//! unit and `Params::linear` (the experts' GEMMs through
+//! `Params::expert_adapter`) adds the update, so the architectures' math is
+//! untouched. The engine keeps a
 //! frozen unit in the compute dtype only — sharded as the strategy says, no
 //! fp32 master, gradient or moments (`flat.rs`) — and trains the adapters
 //! like any unit.
@@ -16,7 +22,7 @@
 use crate::config::LoraConfig;
 use crate::nf4::Quantization;
 use crate::model::{self, Activations, AdapterScaling, Context, Dims, Init, Inputs, KvCache, Layout, Model, ParamSpec, Params, StageKind, UnitSpec};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
 
@@ -27,16 +33,45 @@ use tch::{Device, Kind, Tensor};
 /// adapters, one unit per block, do not reach).
 pub const ALL_LINEAR: &str = "all-linear";
 
-/// One adapted linear layer.
+/// The target that names the fused experts of a mixture of experts' sparse
+/// blocks (`Model::expert_parameters`: `mlp.experts.gate_up_proj` and
+/// `mlp.experts.down_proj`), as peft's `target_parameters` adapts them.
+/// peft's `all-linear` names no experts on Qwen2-MoE; on Qwen3-MoE, OLMoE
+/// and Mixtral it converts transformers 4's expert and router layers into
+/// parameters at twice the rank for `gate_up_proj`, which ft does not: its
+/// `all-linear` is the linear layers alone, and `experts` adds the experts.
+pub const EXPERTS: &str = "experts";
+
+/// One adapted linear layer or fused expert parameter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Target {
     /// The unit holding its A and B, and the base unit holding its weight.
     pub adapter_unit: usize,
     pub base_unit: usize,
-    /// Its name inside the base unit (`self_attn.q_proj`) and in the
-    /// Hugging Face model (`model.layers.0.self_attn.q_proj`).
+    /// Its name inside the base unit (`self_attn.q_proj`, whose weight is
+    /// `….weight`; a fused expert parameter's own name,
+    /// `mlp.experts.gate_up_proj`) and in the Hugging Face model
+    /// (`model.layers.0.self_attn.q_proj`).
     pub module: String,
     pub hf_module: String,
+    /// Whether it is a fused expert parameter [E, N, K] (peft's `target_parameters`).
+    pub fused_experts: bool,
+}
+
+/// peft's adapter on a fused expert parameter [E, N, K] of `experts`
+/// experts (its `ParamWrapper`) stores A [r·E, K], expert e's rows at
+/// e·r…, and B [N, r·E], expert e's columns at e, E + e, …: per expert, A
+/// [E, r, K] and B [E, N, r] (contiguous, as a grouped GEMM reads them);
+/// expert e's update is B[e]·A[e].
+pub fn expert_factors(a: &Tensor, b: &Tensor, experts: i64) -> (Tensor, Tensor) {
+    let (in_features, out_features) = (a.size()[1], b.size()[0]);
+    (a.reshape([experts, -1, in_features]), b.reshape([out_features, -1, experts]).permute([2, 0, 1]).contiguous())
+}
+
+/// The Hugging Face path of a block unit's module: where its parameters'
+/// names end in their in-block names (`model.layers.0.`).
+fn block_path(unit: &UnitSpec) -> Option<&str> {
+    unit.params.iter().find_map(|p| p.hf_name.strip_suffix(&p.name))
 }
 
 pub struct LoraModel {
@@ -75,6 +110,22 @@ impl LoraModel {
         let aliases = base.lora_modules();
         let mut selected: BTreeSet<(usize, String)> = BTreeSet::new();
         for target in &config.targets {
+            if target == EXPERTS {
+                let experts = base.expert_parameters();
+                if experts.is_empty() {
+                    bail!("train.lora.targets: {EXPERTS} adapts a mixture of experts' fused experts, and {} has none", base.model_type());
+                }
+                if config.dropout > 0.0 {
+                    bail!(
+                        "train.lora.dropout is {}: adapters on the experts take no dropout, as peft's on parameters (target_parameters) take none; set it to 0 or drop {EXPERTS} from train.lora.targets",
+                        config.dropout
+                    );
+                }
+                for &unit in &blocks {
+                    selected.extend(base_layout.units[unit].params.iter().filter(|p| experts.contains(&p.name.as_str())).map(|p| (unit, p.name.clone())));
+                }
+                continue;
+            }
             // `all-linear` takes every linear layer of the blocks (peft's: all but the LM head);
             // a short name stands for exact in-block names; any other is matched as peft matches it.
             let selects: Box<dyn Fn(&str) -> bool> = match aliases.iter().find(|(alias, _)| alias == target) {
@@ -94,10 +145,11 @@ impl LoraModel {
                 let modules: Vec<&str> = linear_layers(&base_layout.units).filter(|(u, _, _)| *u == first_block).map(|(_, _, m)| m).collect();
                 let short: Vec<&str> = aliases.iter().map(|(alias, _)| *alias).collect();
                 bail!(
-                    "train.lora.targets: {target:?} names no linear layer of {}'s blocks; use {ALL_LINEAR}, {}the layers' names ({})",
+                    "train.lora.targets: {target:?} names no linear layer of {}'s blocks; use {ALL_LINEAR}, {}the layers' names ({}){}",
                     base.model_type(),
                     if short.is_empty() { String::new() } else { format!("{} or ", short.join(", ")) },
-                    modules.join(", ")
+                    modules.join(", "),
+                    if base.expert_parameters().is_empty() { String::new() } else { format!("; {EXPERTS} adapts the experts") }
                 );
             }
         }
@@ -108,19 +160,34 @@ impl LoraModel {
         for stage in stages.iter_mut().filter(|s| s.kind == StageKind::Block) {
             let block = stage.unit;
             let mut params = vec![];
-            for (_, weight, module) in linear_layers(&base_layout.units).filter(|(u, _, m)| *u == block && selected.contains(&(*u, m.to_string()))) {
-                let (out_features, in_features) = (weight.shape[0], weight.shape[1]);
-                let hf_module = weight.hf_name.strip_suffix(".weight").unwrap_or(&weight.hf_name).to_string();
+            // A and B of `module` ([r, in] and [out, r], for r·E of a fused expert parameter), under `peft_module` in peft's file.
+            let mut adapt = |module: &str, peft_module: &str, rank: i64, (out_features, in_features): (i64, i64)| {
                 let spec = |matrix: &str, shape: &[i64], init| ParamSpec {
-                    hf_name: format!("base_model.model.{hf_module}.{matrix}.weight"),
+                    hf_name: format!("base_model.model.{peft_module}.{matrix}.weight"),
                     name: format!("{module}.{matrix}.weight"),
                     shape: shape.to_vec(),
                     init,
                 };
                 // kaiming_uniform_(a=√5) on [r, in]: bound = √(6 / ((1 + 5) · in)) = 1/√in.
-                params.push(spec("lora_A", &[r, in_features], Init::Uniform { bound: 1.0 / (in_features as f64).sqrt() }));
-                params.push(spec("lora_B", &[out_features, r], Init::Zeros));
-                targets.push(Target { adapter_unit: units.len(), base_unit: block, module: module.to_string(), hf_module });
+                params.push(spec("lora_A", &[rank, in_features], Init::Uniform { bound: 1.0 / (in_features as f64).sqrt() }));
+                params.push(spec("lora_B", &[out_features, rank], Init::Zeros));
+            };
+            for (_, weight, module) in linear_layers(&base_layout.units).filter(|(u, _, m)| *u == block && selected.contains(&(*u, m.to_string()))) {
+                let hf_module = weight.hf_name.strip_suffix(".weight").unwrap_or(&weight.hf_name).to_string();
+                adapt(module, &hf_module, r, (weight.shape[0], weight.shape[1]));
+                targets.push(Target { adapter_unit: units.len(), base_unit: block, module: module.to_string(), hf_module, fused_experts: false });
+            }
+            let experts: Vec<&ParamSpec> = units[block].params.iter().filter(|p| selected.contains(&(block, p.name.clone()))).collect();
+            for (i, parameter) in experts.iter().enumerate() {
+                let path = block_path(&units[block]).with_context(|| format!("{}: no parameter names its block's Hugging Face path", units[block].name))?;
+                let (module, _) = parameter.name.rsplit_once('.').unwrap_or(("", &parameter.name));
+                // peft wraps a module's parameters one in another, in their order: each wrapped later adds a `base_layer`.
+                let later = experts[i + 1..].iter().filter(|p| p.name.rsplit_once('.').map(|(m, _)| m) == Some(module)).count();
+                let peft_module = format!("{path}{module}{}", ".base_layer".repeat(later));
+                let (count, out_features, in_features) = (parameter.shape[0], parameter.shape[1], parameter.shape[2]);
+                adapt(&parameter.name, &peft_module, r * count, (out_features, in_features));
+                let hf_module = format!("{path}{}", parameter.name);
+                targets.push(Target { adapter_unit: units.len(), base_unit: block, module: parameter.name.clone(), hf_module, fused_experts: true });
             }
             if !params.is_empty() {
                 stage.adapter = Some(units.len());
@@ -184,11 +251,18 @@ impl LoraModel {
     /// (`q_proj`) when those select exactly these layers among all of the
     /// model's linear layers, else their whole names.
     pub fn peft_target_modules(&self) -> Vec<String> {
-        let chosen: BTreeSet<&str> = self.targets.iter().map(|t| t.hf_module.as_str()).collect();
+        let chosen: BTreeSet<&str> = self.targets.iter().filter(|t| !t.fused_experts).map(|t| t.hf_module.as_str()).collect();
         let short: BTreeSet<&str> = chosen.iter().map(|m| m.rsplit('.').next().unwrap_or(m)).collect();
         let all = linear_layers(&self.base.layout().units).filter_map(|(_, p, _)| p.hf_name.strip_suffix(".weight"));
         let selected_by_short: BTreeSet<&str> = all.filter(|m| short.iter().any(|s| names_module(m, s))).collect();
         let names = if selected_by_short == chosen { short } else { chosen };
+        names.into_iter().map(String::from).collect()
+    }
+
+    /// The adapted fused expert parameters as peft's `target_parameters`
+    /// (`mlp.experts.down_proj`, …), sorted as peft writes them.
+    pub fn peft_target_parameters(&self) -> Vec<String> {
+        let names: BTreeSet<&str> = self.targets.iter().filter(|t| t.fused_experts).map(|t| t.module.as_str()).collect();
         names.into_iter().map(String::from).collect()
     }
 
@@ -206,7 +280,7 @@ impl LoraModel {
             self.config.r,
             self.config.alpha(),
             self.targets.len(),
-            self.peft_target_modules().join(", "),
+            [self.peft_target_modules(), self.peft_target_parameters()].concat().join(", "),
             (self.numel() - frozen) as f64 / 1e6,
             frozen as f64 / 1e6
         )
@@ -240,8 +314,9 @@ impl LoraModel {
         ))
     }
 
-    /// Folds the adapters into the base weights: W += (alpha / r) · B A.
-    /// `params` holds every unit of this model (base units first).
+    /// Folds the adapters into the base weights: W += (alpha / r) · B A
+    /// (per expert for a fused expert parameter). `params` holds every unit
+    /// of this model (base units first).
     pub fn merge(&self, params: &mut [Vec<Tensor>]) {
         let _no_grad = tch::no_grad_guard();
         for target in &self.targets {
@@ -249,9 +324,16 @@ impl LoraModel {
             let a = adapter.get(&format!("{}.lora_A.weight", target.module)).to_kind(Kind::Float);
             let b = adapter.get(&format!("{}.lora_B.weight", target.module)).to_kind(Kind::Float);
             let base = &self.layout.units[target.base_unit];
-            let index = base.params.iter().position(|p| p.name == format!("{}.weight", target.module)).expect("targets name base weights");
+            let weight_name = if target.fused_experts { target.module.clone() } else { format!("{}.weight", target.module) };
+            let index = base.params.iter().position(|p| p.name == weight_name).expect("targets name base weights");
             let weight = &mut params[target.base_unit][index];
-            let merged = weight.to_kind(Kind::Float) + b.matmul(&a) * self.scaling.scale;
+            let update = if target.fused_experts {
+                let (a, b) = expert_factors(&a, &b, weight.size()[0]);
+                b.bmm(&a)
+            } else {
+                b.matmul(&a)
+            };
+            let merged = weight.to_kind(Kind::Float) + update * self.scaling.scale;
             *weight = merged.to_kind(weight.kind());
         }
     }
@@ -350,6 +432,17 @@ impl Model for LoraModel {
     }
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
         self.base.lora_modules()
+    }
+    fn expert_parameters(&self) -> &'static [&'static str] {
+        self.base.expert_parameters()
+    }
+    fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
+        self.base.auxiliary_loss()
+    }
+    /// Not with adapters on the experts, whose rank may send their GEMMs
+    /// through the loop, which reads sizes on the host (`moe.rs`).
+    fn graph_capturable(&self, device: Device, dtype: Kind) -> bool {
+        self.base.graph_capturable(device, dtype) && self.targets.iter().all(|t| !t.fused_experts)
     }
     fn logit_softcap(&self) -> Option<f64> {
         self.base.logit_softcap()

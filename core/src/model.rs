@@ -119,6 +119,17 @@ impl Adapters<'_> {
     }
 }
 
+/// An adapter on a fused expert parameter [E, N, K] (`Params::expert_adapter`):
+/// expert e's GEMM gains `scale · (x·A[e]ᵀ)·B[e]ᵀ`, the update
+/// `scale · B[e]·A[e]` peft adds to W[e], never formed.
+pub struct ExpertAdapter {
+    /// [E, r, K].
+    pub a: Tensor,
+    /// [E, N, r].
+    pub b: Tensor,
+    pub scale: f64,
+}
+
 /// Which linear layers run in float8 (`Params::linear`): every block layer
 /// whose widths are multiples of 16 (any layer, emulated) in `float8`'s
 /// recipe, except those whose weight shape [out, in] `kept` lists, which
@@ -183,6 +194,17 @@ impl<'a> Params<'a> {
 
     pub fn maybe(&self, name: &str) -> Option<&'a Tensor> {
         self.spec.params.iter().position(|p| p.name == name).map(|i| &self.tensors[i])
+    }
+
+    /// The low-rank update of fused expert parameter `name` ([E, N, K]:
+    /// expert e's GEMM is x·W[e]ᵀ) when an adapter targets it (LoRA's
+    /// `experts` target), for the experts' GEMMs to add.
+    pub fn expert_adapter(&self, name: &str) -> Option<ExpertAdapter> {
+        let adapters = self.adapters.as_ref()?;
+        let a = adapters.params.maybe(&format!("{name}.lora_A.weight"))?;
+        let b = adapters.params.get(&format!("{name}.lora_B.weight"));
+        let (a, b) = crate::lora::expert_factors(a, b, self.get(name).size()[0]);
+        Some(ExpertAdapter { a, b, scale: adapters.scaling.scale })
     }
 
     /// `x·Wᵀ + b` with `{name}.weight` and, when the unit has one,
@@ -749,6 +771,15 @@ pub trait Model: Send + Sync {
     /// it stands for (`q` → `self_attn.q_proj`); empty where LoRA is not
     /// supported.
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
+        &[]
+    }
+
+    /// The in-block names of the blocks' fused expert parameters ([E, N, K],
+    /// a mixture of experts' `mlp.experts.gate_up_proj` …: transformers 5's
+    /// names under the block, as peft's `target_parameters` name them),
+    /// which LoRA's `experts` target adapts; empty (the default) where the
+    /// model has none.
+    fn expert_parameters(&self) -> &'static [&'static str] {
         &[]
     }
 

@@ -600,13 +600,20 @@ pub(crate) const PROJECTIONS: &[(&str, &[&str])] = &[
 impl Model for Llama {
     fn lora_modules(&self) -> &'static [(&'static str, &'static [&'static str])] {
         if self.experts.is_some() {
-            // Experts take no adapters yet: gate, up and down would adapt only the dense MLPs.
+            // gate, up and down would adapt only the dense MLPs; the experts are `experts` (`expert_parameters`).
             return &PROJECTIONS[..4];
         }
         if self.variant.fused {
             return &[("qkv", &["self_attn.qkv_proj"]), ("o", &["self_attn.o_proj"]), ("gate_up", &["mlp.gate_up_proj"]), ("down", &["mlp.down_proj"])];
         }
         PROJECTIONS
+    }
+    fn expert_parameters(&self) -> &'static [&'static str] {
+        if self.experts.is_some() {
+            &moe::EXPERT_PARAMETERS
+        } else {
+            &[]
+        }
     }
     fn layout(&self) -> &Layout {
         &self.layout

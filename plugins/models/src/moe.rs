@@ -133,6 +133,16 @@ impl QwenRouting {
     }
 }
 
+/// The fused expert parameters of a sparse layer, by in-block name
+/// (transformers 5's under the block): what LoRA's `experts` target adapts.
+pub(crate) const EXPERT_PARAMETERS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+
+/// A fused expert weight [E, N, K] and its adapter, if LoRA adapts it.
+struct Projection<'a> {
+    weight: &'a Tensor,
+    adapter: Option<model::ExpertAdapter>,
+}
+
 /// How a sparse layer runs its experts' GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExpertGemms {
@@ -186,8 +196,8 @@ impl Moe {
         // transformers 5's is none: LoRA's all-linear and float8 leave it alone.
         let mut params = vec![
             routed("mlp.router", "gate.weight", &[e, hidden]),
-            routed("mlp.experts.gate_up_proj", "experts.gate_up_proj", &[e, 2 * i, hidden]),
-            routed("mlp.experts.down_proj", "experts.down_proj", &[e, hidden, i]),
+            routed(EXPERT_PARAMETERS[0], "experts.gate_up_proj", &[e, 2 * i, hidden]),
+            routed(EXPERT_PARAMETERS[1], "experts.down_proj", &[e, hidden, i]),
         ];
         if let Some(shared) = self.shared_expert {
             params.extend([
@@ -232,9 +242,9 @@ impl Moe {
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
-        let (gate_up, down) = (p.get("mlp.experts.gate_up_proj"), p.get("mlp.experts.down_proj"));
+        let weights = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name) });
         let gemms = self.gemms(hidden, x.device(), x.kind());
-        let mut out = self.experts(gate_up, down, &tokens, &chosen, &top.to_kind(x.kind()), gemms);
+        let mut out = self.experts(&weights, &tokens, &chosen, &top.to_kind(x.kind()), gemms);
         if self.shared_expert.is_some() {
             let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
             out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
@@ -247,12 +257,18 @@ impl Moe {
 
     /// Every token's k experts, weighed: the assignments sorted by expert, so
     /// each expert's tokens are one contiguous slice ending at `ends` (on the
-    /// device), one SwiGLU MLP per slice through `gemms`, then each output
-    /// weighed and added back to its token. Only the GEMMs differ by `gemms`.
-    fn experts(&self, gate_up: &Tensor, down: &Tensor, tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms) -> Tensor {
-        // A weight the flat buffer holds at an offset not 16-byte aligned: ATen's kernel refuses it.
+    /// device), one SwiGLU MLP per slice through `gemms` (`gate_up` then
+    /// `down`, each with its adapter's update where LoRA adapts it), then
+    /// each output weighed and added back to its token. Only the GEMMs differ
+    /// by `gemms`.
+    fn experts(&self, [gate_up, down]: &[Projection; 2], tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms) -> Tensor {
+        // A weight the flat buffer holds at an offset not 16-byte aligned, or
+        // an adapter whose rank rows are not 16 bytes: ATen's kernel refuses it.
         let aligned = |weight: &Tensor| weight.data_ptr() as usize % 16 == 0;
-        let gemms = if aligned(gate_up) && aligned(down) { gemms } else { ExpertGemms::Loop };
+        let readable = |projection: &Projection| {
+            aligned(projection.weight) && projection.adapter.as_ref().is_none_or(|adapter| aligned(&adapter.a) && adapter.a.size()[1] * adapter.a.kind().elt_size_in_bytes() as i64 % 16 == 0)
+        };
+        let gemms = if readable(gate_up) && readable(down) { gemms } else { ExpertGemms::Loop };
         let (sorted, order) = chosen.reshape([-1]).sort_stable(true, 0, false);
         let token_of = order.divide_scalar_mode(self.top_k, "floor");
         let inputs = tokens.index_select(0, &token_of);
@@ -270,9 +286,14 @@ impl Moe {
                 Tensor::cat(&slices, 0)
             }
         };
-        let projected = gemm(&inputs, gate_up);
+        // The experts' GEMM, plus LoRA's `scale · (x·A[e]ᵀ)·B[e]ᵀ` where an adapter targets the weight.
+        let project = |x: &Tensor, projection: &Projection| match &projection.adapter {
+            None => gemm(x, projection.weight),
+            Some(adapter) => gemm(x, projection.weight) + gemm(&gemm(x, &adapter.a), &adapter.b) * adapter.scale,
+        };
+        let projected = project(&inputs, gate_up);
         let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
-        let weighed = gemm(&gated, down) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
+        let weighed = project(&gated, down) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
         tokens.zeros_like().index_add(0, &token_of, &weighed)
     }
 
@@ -388,14 +409,17 @@ mod tests {
         assert!(build("mixtral", json!({"router_jitter_noise": 0.01})).unwrap_err().starts_with("router_jitter_noise 0.01 is not supported"));
     }
 
-    /// LoRA adapts what peft adapts on transformers 5's MoE models with
-    /// all-linear — attention, the dense and shared MLPs, the shared
+    /// LoRA's all-linear adapts what peft's adapts on transformers 5's
+    /// Qwen2-MoE — attention, the dense and shared MLPs, the shared
     /// expert's gate — never the router (no nn.Linear there) nor the
-    /// experts (3-D); short names that would reach only the dense MLPs
-    /// (`gate`, `up`, `down`) are refused, not half-served; so is a 4-bit
-    /// base (QLoRA), which would quantize the router bitsandbytes leaves.
+    /// experts (3-D), which `experts` adapts: the sparse layers' fused
+    /// parameters, under peft's nested names; short names that would reach
+    /// only the dense MLPs (`gate`, `up`, `down`) are refused, not
+    /// half-served; so are `experts` with dropout, which peft's adapters on
+    /// parameters refuse, and a 4-bit base (QLoRA), which would quantize the
+    /// router bitsandbytes leaves.
     #[test]
-    fn lora_leaves_the_router_and_the_experts_alone() {
+    fn lora_adapts_the_experts_only_by_name() {
         let config = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8, "num_experts": 4,
             "num_experts_per_tok": 2, "mlp_only_layers": [1]});
@@ -407,6 +431,26 @@ mod tests {
         let modules: std::collections::BTreeSet<&str> = model.targets().iter().map(|t| t.module.as_str()).collect();
         assert!(modules.contains("mlp.shared_expert.gate_proj") && modules.contains("mlp.shared_expert_gate") && modules.contains("mlp.gate_proj"), "{modules:?}");
         assert!(modules.iter().all(|m| !m.contains("router") && !m.contains("experts")), "{modules:?}");
+        use ft_core::model::Model;
+        let experts = lora(&["experts"]).unwrap();
+        let adapted: Vec<(&str, bool)> = experts.targets().iter().map(|t| (t.hf_module.as_str(), t.fused_experts)).collect();
+        assert_eq!(adapted, [("model.layers.0.mlp.experts.gate_up_proj", true), ("model.layers.0.mlp.experts.down_proj", true)]);
+        let files: Vec<(&str, &[i64])> = experts.units()[experts.base_units()..].iter().flat_map(|u| &u.params).map(|p| (p.hf_name.as_str(), p.shape.as_slice())).collect();
+        assert_eq!(
+            files,
+            [
+                ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight", &[8, 16][..]),
+                ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight", &[16, 8]),
+                ("base_model.model.model.layers.0.mlp.experts.lora_A.weight", &[8, 8]),
+                ("base_model.model.model.layers.0.mlp.experts.lora_B.weight", &[16, 8]),
+            ]
+        );
+        let dropout = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.1, targets: vec!["experts".into()] };
+        let message = ft_core::lora::LoraModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &dropout).err().expect("refused").to_string();
+        assert!(message.starts_with("train.lora.dropout is 0.1: adapters on the experts take no dropout"), "{message}");
+        let dense = json!({"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 8});
+        let dense = ft_core::lora::LoraModel::new(Box::new(crate::qwen2::new(dense).unwrap()), &ft_core::config::LoraConfig { dropout: 0.0, ..dropout });
+        assert_eq!(dense.err().expect("refused").to_string(), "train.lora.targets: experts adapts a mixture of experts' fused experts, and qwen2 has none");
         for target in ["gate", "up", "down"] {
             let message = lora(&[target]).err().expect("refused").to_string();
             assert!(message.starts_with(&format!("train.lora.targets: \"{target}\" names no linear layer")), "{message}");
@@ -419,32 +463,39 @@ mod tests {
 
     /// The grouped GEMM (ATen's `_grouped_mm`, which also runs on the CPU)
     /// gives the loop's outputs and gradients, an expert with no token
-    /// included; on the CPU the loop is what runs.
+    /// included, with and without adapters on the experts; on the CPU the
+    /// loop is what runs.
     #[test]
     fn grouped_gemm_equals_the_loop() {
-        use super::{ExpertGemms, Moe};
+        use super::{ExpertGemms, Moe, Projection};
         use tch::{Device, Kind, Tensor};
         assert_eq!(ExpertGemms::on(Device::Cpu, Kind::BFloat16), ExpertGemms::Loop);
         tch::manual_seed(0);
-        let (experts, top_k, inner, hidden, tokens) = (4, 2, 8, 16, 6);
+        let (experts, top_k, inner, hidden, tokens, rank) = (4, 2, 8, 16, 6, 4);
         let moe = Moe { experts, top_k, inner, norm_topk_prob: true, sparse: vec![true], aux_loss_coef: None, shared_expert: None, hub_module: "mlp" };
         let x = Tensor::randn([tokens, hidden], (Kind::Float, Device::Cpu));
         // Expert 2 chosen by no token.
         let chosen = Tensor::from_slice(&[0i64, 1, 3, 0, 1, 3, 0, 1, 3, 3, 0, 1]).view([tokens, top_k]);
         let weights = Tensor::rand([tokens, top_k], (Kind::Float, Device::Cpu));
-        let gate_up = (Tensor::randn([experts, 2 * inner, hidden], (Kind::Float, Device::Cpu)) * 0.3).set_requires_grad(true);
-        let down = (Tensor::randn([experts, hidden, inner], (Kind::Float, Device::Cpu)) * 0.3).set_requires_grad(true);
-        let run = |gemms| {
-            let out = moe.experts(&gate_up, &down, &x, &chosen, &weights, gemms);
-            let grads = Tensor::run_backward(&[(&out * &out).sum(Kind::Float)], &[&gate_up, &down], false, false);
-            (out.detach(), grads)
-        };
-        let ((grouped, grouped_grads), (looped, looped_grads)) = (run(ExpertGemms::Grouped), run(ExpertGemms::Loop));
-        assert!(grouped.allclose(&looped, 1e-5, 1e-6, false), "outputs differ by {}", (&grouped - &looped).abs().max());
-        for (g, l) in grouped_grads.iter().zip(&looped_grads) {
-            assert!(g.allclose(l, 1e-5, 1e-6, false), "gradients differ by {}", (g - l).abs().max());
+        let random = |shape: &[i64]| (Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.3).set_requires_grad(true);
+        let (gate_up, down) = (random(&[experts, 2 * inner, hidden]), random(&[experts, hidden, inner]));
+        let (a, b) = (random(&[experts, rank, inner]), random(&[experts, hidden, rank]));
+        for adapted in [false, true] {
+            let run = |gemms| {
+                let adapter = adapted.then(|| ft_core::model::ExpertAdapter { a: a.shallow_clone(), b: b.shallow_clone(), scale: 2.0 });
+                let projections = [Projection { weight: &gate_up, adapter: None }, Projection { weight: &down, adapter }];
+                let out = moe.experts(&projections, &x, &chosen, &weights, gemms);
+                let differentiated = if adapted { vec![&gate_up, &down, &a, &b] } else { vec![&gate_up, &down] };
+                let grads = Tensor::run_backward(&[(&out * &out).sum(Kind::Float)], &differentiated, false, false);
+                (out.detach(), grads)
+            };
+            let ((grouped, grouped_grads), (looped, looped_grads)) = (run(ExpertGemms::Grouped), run(ExpertGemms::Loop));
+            assert!(grouped.allclose(&looped, 1e-5, 1e-6, false), "outputs differ by {}", (&grouped - &looped).abs().max());
+            for (g, l) in grouped_grads.iter().zip(&looped_grads) {
+                assert!(g.allclose(l, 1e-5, 1e-6, false), "gradients differ by {}", (g - l).abs().max());
+            }
+            assert!(looped_grads[0].get(2).abs().sum(Kind::Float).double_value(&[]) == 0.0 && looped.abs().sum(Kind::Float).double_value(&[]) > 0.0);
         }
-        assert!(looped_grads[0].get(2).abs().sum(Kind::Float).double_value(&[]) == 0.0 && looped.abs().sum(Kind::Float).double_value(&[]) > 0.0);
     }
 
     /// Layers are sparse as transformers' Qwen MoE decoder layers decide.

@@ -1,7 +1,11 @@
 //! LoRA adapters in the files Hugging Face peft writes and reads
 //! (`PeftModel.from_pretrained`): `adapter_config.json`, and
 //! `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight`
-//! [r, in] and `.lora_B.weight` [out, r] in fp32, plus a head trained whole
+//! [r, in] and `.lora_B.weight` [out, r] in fp32 (on a mixture of experts'
+//! fused experts, `target_parameters`: `base_model.model.<block>.mlp.experts`
+//! `.base_layer.lora_A.weight` for `gate_up_proj`, which peft wraps first,
+//! and `….mlp.experts.lora_A.weight` for `down_proj`, A [r·E, in] and B
+//! [out, r·E] as `lora::expert_factors` reads them), plus a head trained whole
 //! (a question-answering head, peft's `modules_to_save`) under
 //! `base_model.model.<name>`. An adapter trained over a 4-bit base (QLoRA)
 //! says how that base was quantized in `base_quantization.json` (peft's files
@@ -60,6 +64,7 @@ pub fn save_adapter(lora: &LoraModel, params: &[Vec<Tensor>], dir: &Path, base_m
         "lora_alpha": config.alpha(),
         "lora_dropout": config.dropout,
         "target_modules": lora.peft_target_modules(),
+        "target_parameters": Some(lora.peft_target_parameters()).filter(|names| !names.is_empty()),
         "bias": "none",
         "fan_in_fan_out": false,
         "use_rslora": false,
@@ -143,17 +148,40 @@ pub fn load_adapted_on(dir: &Path, base_dir: &Path, dtype: Kind, device: Device)
             bail!("{}: {unsupported} is set; ft runs plain LoRA", config_path.display());
         }
     }
-    let targets = match field("target_modules") {
-        Some(serde_json::Value::Array(names)) => names.iter().filter_map(|n| n.as_str().map(String::from)).collect(),
-        other => bail!("{}: target_modules must be a list of module names (got {other:?})", config_path.display()),
+    for per_module in ["rank_pattern", "alpha_pattern"] {
+        if field(per_module).and_then(|v| v.as_object()).is_some_and(|patterns| !patterns.is_empty()) {
+            bail!("{}: {per_module} is set; ft runs one rank and alpha for every adapted layer", config_path.display());
+        }
+    }
+    let names = |key: &str| -> Result<Vec<String>> {
+        match field(key) {
+            None => Ok(vec![]),
+            Some(serde_json::Value::Array(names)) => Ok(names.iter().filter_map(|n| n.as_str().map(String::from)).collect()),
+            Some(other) => bail!("{}: {key} must be a list of names (got {other})", config_path.display()),
+        }
     };
-    let number = |key: &str| field(key).and_then(|v| v.as_f64()).with_context(|| format!("{}: {key} is missing", config_path.display()));
-    let lora_config = LoraConfig { r: number("r")? as usize, alpha: Some(number("lora_alpha")?), dropout: number("lora_dropout").unwrap_or(0.0), targets };
+    let mut targets = names("target_modules")?;
     if !base_dir.is_dir() {
         bail!("the base model {} of adapter {} is not a directory", base_dir.display(), dir.display());
     }
-    let quantization = read_quantization(dir)?;
     let base = crate::hf::load_model(base_dir).with_context(|| format!("the base model of adapter {}", dir.display()))?;
+    // ft adapts a block's fused experts together (its `experts` target).
+    let (mut parameters, mut experts) = (names("target_parameters")?, base.expert_parameters().to_vec());
+    if !parameters.is_empty() {
+        (parameters.sort(), experts.sort());
+        if parameters != experts {
+            bail!(
+                "{}: target_parameters {parameters:?}: ft adapts {} fused expert parameters together ({experts:?}, its {} target), and no other parameter",
+                config_path.display(),
+                base.model_type(),
+                ft_core::lora::EXPERTS
+            );
+        }
+        targets.push(ft_core::lora::EXPERTS.to_string());
+    }
+    let number = |key: &str| field(key).and_then(|v| v.as_f64()).with_context(|| format!("{}: {key} is missing", config_path.display()));
+    let lora_config = LoraConfig { r: number("r")? as usize, alpha: Some(number("lora_alpha")?), dropout: number("lora_dropout").unwrap_or(0.0), targets };
+    let quantization = read_quantization(dir)?;
     let lora = LoraModel::new(base, &lora_config).with_context(|| format!("adapter {}", dir.display()))?.with_quantized_base(quantization);
     let mut params = match quantization {
         None => crate::hf::load_params(lora.base(), base_dir, dtype, device)?,
