@@ -826,3 +826,49 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
         assert!(error <= 1e-5, "{name}: the merged model's logits in transformers differ by {error:e}");
     }
 }
+
+/// `ft train --lora-targets experts` on a tiny Qwen3-MoE: the adapters on
+/// the experts learn (the loss falls), final/ loads in peft at the logits
+/// `ft forward` reads from it, and `ft export --merge` folds them into the
+/// experts, which transformers loads at those logits.
+#[test]
+fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let model = scratch.path().join("qwen3_moe_train/hub");
+    let data = scratch.path().join("train.jsonl");
+    let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let out = scratch.path().join("run");
+    let output = common::ft()
+        .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
+        .args(["--task", "causal_lm", "--max-steps", "4", "--batch-size", "4", "--dtype", "f32", "--lr", "2e-2", "--nproc-per-node", "1", "--device", "cpu"])
+        .args(["--lora-r", "4", "--lora-targets", "experts"])
+        .output()
+        .unwrap();
+    let log = common::text(&output);
+    assert!(output.status.success() && log.contains("mlp.experts.down_proj, mlp.experts.gate_up_proj"), "{log}");
+    let losses = common::losses(&out);
+    assert!(losses.len() == 4 && losses[3] < losses[0], "the experts' adapters learn: {losses:?}");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("final/adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((&config["target_modules"], &config["target_parameters"]), (&serde_json::json!([]), &serde_json::json!(["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])));
+
+    let merged = scratch.path().join("merged");
+    let export = common::ft()
+        .args(["export", "--checkpoint", "latest", "--output-dir", out.to_str().unwrap(), "--out", merged.to_str().unwrap(), "--merge"])
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{}", common::text(&export));
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 20, 7, 19, 11, 30]]").unwrap();
+    let ours = scratch.path().join("ours.safetensors");
+    let forward = common::ft().args(["forward", "--model", out.join("final").to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", ours.to_str().unwrap()]).output().unwrap();
+    assert!(forward.status.success(), "{}", common::text(&forward));
+    let (with_peft, with_merged) = (scratch.path().join("peft"), scratch.path().join("transformers"));
+    peft_reference(&[Path::new("--reference"), &model, &out.join("final"), &ids, &with_peft, Path::new("--logits"), &merged, &ids, &with_merged]);
+    let ours = &tensors(&ours)["logits"];
+    for (name, reference) in [("peft", with_peft), ("the merged export in transformers", with_merged)] {
+        let error = relative(ours, &tensors(&reference.join("reference.safetensors"))["logits"], 0.0);
+        assert!(error <= 1e-5, "ft forward on final/ and {name} differ by {error:e}");
+    }
+}
