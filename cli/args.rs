@@ -104,8 +104,9 @@ pub struct LoraArgs {
     /// Dropout on the adapters' input while training (train.lora.dropout).
     #[arg(long)]
     pub lora_dropout: Option<f64>,
-    /// The linear layers to adapt: q,k,v,o,gate,up,down or module names as
-    /// peft's target_modules (train.lora.targets; default q,v).
+    /// The linear layers to adapt: q,k,v,o,gate,up,down, module names as
+    /// peft's target_modules, all-linear, or experts (a mixture of experts'
+    /// fused experts) (train.lora.targets; default q,v).
     #[arg(long, value_delimiter = ',')]
     pub lora_targets: Option<Vec<String>>,
     /// Hold the frozen base's blocks in 4 bits, nf4 or fp4, as bitsandbytes

@@ -534,8 +534,10 @@ pub struct LoraConfig {
     pub dropout: f64,
     /// Linear layers to adapt: short names (q, k, v, o, gate, up, down, as
     /// the architecture maps them), module names as peft's
-    /// `target_modules` (q_proj, query_key_value, …), or `all-linear`
-    /// (every linear layer of the blocks, as peft's `all-linear`).
+    /// `target_modules` (q_proj, query_key_value, …), `all-linear`
+    /// (every linear layer of the blocks, as peft's `all-linear`), or
+    /// `experts` (a mixture of experts' fused experts, as peft's
+    /// `target_parameters`).
     pub targets: Vec<String>,
 }
 

@@ -675,12 +675,17 @@ impl Model for Llama {
         6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
     }
 
-    /// Not with experts: bitsandbytes keeps the router (no nn.Linear in
-    /// transformers 5) and the 3-D experts in the compute dtype, where ft
-    /// would quantize the router.
+    /// Not with experts: bitsandbytes (0.50, through transformers 5's
+    /// `BitsAndBytesConfig`) holds only `nn.Linear` layers in 4 bits, so the
+    /// fused experts ([E, N, K] parameters) and the router (no `nn.Linear`
+    /// in transformers 5) stay in the compute dtype: there are no 4-bit
+    /// experts to match, and ft's 4-bit base would quantize the router.
     fn check_quantized_base(&self) -> Result<()> {
         if self.experts.is_some() {
-            bail!("model.quantize (--quantize) is not supported for {} yet: a mixture of experts' router and experts are not held in 4 bits as bitsandbytes holds them (train LoRA on the compute-dtype base: drop --quantize)", self.variant.name);
+            bail!(
+                "model.quantize (--quantize) is not supported for {}: bitsandbytes holds only linear layers in 4 bits, and a mixture of experts' fused experts ([experts, out, in] parameters) and router are none, so there are no 4-bit experts as bitsandbytes holds them to train on (train LoRA on the compute-dtype base: drop --quantize)",
+                self.variant.name
+            );
         }
         Ok(())
     }

@@ -458,7 +458,7 @@ mod tests {
         let quantization = Some(ft_core::nf4::Quantization { quant_type: ft_core::nf4::QuantType::Nf4, blocksize: 64, double_quant: false });
         let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
         let message = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).err().expect("refused").to_string();
-        assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE yet"), "{message}");
+        assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE: bitsandbytes holds only linear layers in 4 bits"), "{message}");
     }
 
     /// The grouped GEMM (ATen's `_grouped_mm`, which also runs on the CPU)
