@@ -794,6 +794,20 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
             let (read_back, read_params) = ft_models::peft::load_adapted(&adapter, Kind::Float, Device::Cpu).unwrap();
             let error = relative(&logits_and_loss(&read_back, &read_params).0, &ft_logits, 0.0);
             assert!(error <= 1e-6, "{name}: the adapter read back gives logits {error:e} off");
+            // What ft cannot run as peft would is refused by name: one fused parameter alone, a rank per module.
+            let config_file = adapter.join(ft_models::peft::CONFIG_FILE);
+            let written = std::fs::read_to_string(&config_file).unwrap();
+            for (key, value, refusal) in [
+                ("target_parameters", serde_json::json!(["mlp.experts.down_proj"]), "target_parameters [\"mlp.experts.down_proj\"]: ft adapts"),
+                ("rank_pattern", serde_json::json!({".*\\.gate_up_proj": 8}), "rank_pattern is set; ft runs one rank and alpha for every adapted layer"),
+            ] {
+                let mut edited: serde_json::Value = serde_json::from_str(&written).unwrap();
+                edited[key] = value;
+                std::fs::write(&config_file, edited.to_string()).unwrap();
+                let message = format!("{:#}", ft_models::peft::load_adapted(&adapter, Kind::Float, Device::Cpu).err().expect("refused"));
+                assert!(message.contains(refusal), "{name}: {message}");
+            }
+            std::fs::write(&config_file, written).unwrap();
 
             let mut merged: Vec<Vec<Tensor>> = params.iter().map(|unit| unit.iter().map(Tensor::detach).collect()).collect();
             lora.merge(&mut merged);

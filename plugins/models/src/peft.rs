@@ -168,7 +168,8 @@ pub fn load_adapted_on(dir: &Path, base_dir: &Path, dtype: Kind, device: Device)
     // ft adapts a block's fused experts together (its `experts` target).
     let (mut parameters, mut experts) = (names("target_parameters")?, base.expert_parameters().to_vec());
     if !parameters.is_empty() {
-        (parameters.sort(), experts.sort());
+        parameters.sort();
+        experts.sort();
         if parameters != experts {
             bail!(
                 "{}: target_parameters {parameters:?}: ft adapts {} fused expert parameters together ({experts:?}, its {} target), and no other parameter",
