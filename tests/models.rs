@@ -842,9 +842,10 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
 }
 
 /// `ft train --lora-targets experts` on a tiny Qwen3-MoE: the adapters on
-/// the experts learn (the loss falls), final/ loads in peft at the logits
-/// `ft forward` reads from it, and `ft export --merge` folds them into the
-/// experts, which transformers loads at those logits.
+/// the experts learn (the loss falls), two ranks under full_shard train as
+/// one, final/ loads in peft at the logits `ft forward` reads from it, and
+/// `ft export --merge` folds them into the experts, which transformers
+/// loads at those logits.
 #[test]
 fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
     let scratch = tempfile::tempdir().unwrap();
@@ -853,17 +854,24 @@ fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
     let data = scratch.path().join("train.jsonl");
     let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
     std::fs::write(&data, rows.join("\n") + "\n").unwrap();
-    let out = scratch.path().join("run");
-    let output = common::ft()
-        .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
-        .args(["--task", "causal_lm", "--max-steps", "4", "--batch-size", "4", "--dtype", "f32", "--lr", "2e-2", "--nproc-per-node", "1", "--device", "cpu"])
-        .args(["--lora-r", "4", "--lora-targets", "experts"])
-        .output()
-        .unwrap();
-    let log = common::text(&output);
-    assert!(output.status.success() && log.contains("mlp.experts.down_proj, mlp.experts.gate_up_proj"), "{log}");
+    let train = |name: &str, flags: &[&str]| {
+        let out = scratch.path().join(name);
+        let output = common::ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
+            .args(["--task", "causal_lm", "--max-steps", "4", "--dtype", "f32", "--lr", "2e-2", "--device", "cpu", "--set", "data.shuffle=false"])
+            .args(["--lora-r", "4", "--lora-targets", "experts"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let log = common::text(&output);
+        assert!(output.status.success() && log.contains("mlp.experts.down_proj, mlp.experts.gate_up_proj"), "{name}: {log}");
+        out
+    };
+    let out = train("run", &["--nproc-per-node", "1", "--batch-size", "4"]);
     let losses = common::losses(&out);
     assert!(losses.len() == 4 && losses[3] < losses[0], "the experts' adapters learn: {losses:?}");
+    let sharded = common::losses(&train("two-ranks", &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard"]));
+    assert!(sharded.len() == 4 && sharded.iter().zip(&losses).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs()), "two ranks {sharded:?} vs one {losses:?}");
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("final/adapter_config.json")).unwrap()).unwrap();
     assert_eq!((&config["target_modules"], &config["target_parameters"]), (&serde_json::json!([]), &serde_json::json!(["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])));
 
