@@ -5,7 +5,8 @@
 //! rotary), their exports loading in transformers, and every loading error's
 //! message; and the mixture-of-experts families (Qwen3-MoE, OLMoE, Qwen2-MoE,
 //! Mixtral) made at test time by transformers (tests/python/moe_reference.py):
-//! equality, both weight layouts, export, decoding, and `ft train`.
+//! equality, both weight layouts, export, decoding, `ft train`, and LoRA on
+//! the experts against peft (tests/python/peft_reference.py).
 
 mod common;
 use common::shared;
