@@ -3,7 +3,7 @@
 //! configuration that fails is reported as a failed row and the command
 //! exits non-zero. `--plan-check` sets each row beside `ft plan`'s prediction.
 
-mod common;
+use crate::common;
 use common::{ft, text};
 use serde_json::Value;
 use std::path::Path;

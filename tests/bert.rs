@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Reduction, Tensor};
 
-mod common;
+use crate::common;
 use common::{ft, shared, text};
 
 const SMALL_CONFIG: &str = r#"{

@@ -13,7 +13,7 @@
 //! loss falling, and `ft eval`'s loss over it equals transformers' with the
 //! same labels — so masked tokens carry none.
 
-mod common;
+use crate::common;
 
 use common::{ft, shared, text};
 use std::path::{Path, PathBuf};

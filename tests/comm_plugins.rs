@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
-mod common;
+use crate::common;
 use common::{ft, losses, summary, text};
 
 /// Where cargo put the workspace's cdylibs (next to the test's deps/ directory).
@@ -314,6 +314,8 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
     assert!(table.contains("reduced unit") && table.contains("all_reduce of"), "{table}");
     let (passed, table) = check("ft_test_plugin_identity", &["--set", "comm.identity.fault=\"error\""]);
     assert!(!passed && table.contains("comm `identity`") && table.contains("fails on purpose at step 1"), "{table}");
+    // Failed at 2 ranks, it is not run again at 3.
+    assert!(table.lines().any(|l| l.contains("ddp at 3 ranks") && l.contains("skip") && l.contains("its run failed at 2 ranks")), "{table}");
     // The failing run's whole output is kept in a log the row names, and its last lines are shown under it.
     let log = table.split("every rank's output: ").nth(1).and_then(|rest| rest.split(')').next()).unwrap_or_else(|| panic!("no log named:\n{table}"));
     let kept = std::fs::read_to_string(log).unwrap();
@@ -369,6 +371,11 @@ fn the_template_builds_with_its_one_command_and_passes_the_check() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
+    // ft's compiled crates are reused: below ft-core every crate is built with the features ft's workspace
+    // unifies (core/unified-features), so only the plug-in itself compiles.
+    let log = text(&output);
+    let recompiled: Vec<&str> = log.lines().filter(|l| l.trim_start().starts_with("Compiling ") && !l.contains("ft-comm-template")).map(str::trim).collect();
+    assert!(recompiled.is_empty(), "the template's build compiled what ft's had (a dependency's features differ outside the workspace: `cargo hakari generate`, core/Cargo.toml): {recompiled:?}");
     let library = root.join("target/debug/libtemplate.so");
     let output = ft().args(["plugin", "check", library.to_str().unwrap(), "--strategy", "ddp", "--steps", "6"]).output().unwrap();
     assert!(output.status.success() && text(&output).contains(" 0 failed"), "{}", text(&output));

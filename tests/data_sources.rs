@@ -9,7 +9,7 @@
 //! evaluation counts its examples in every format, the log naming each
 //! source's format, and a dataset directory evaluates on its own test split.
 
-mod common;
+use crate::common;
 
 use common::{ft, text};
 use std::path::{Path, PathBuf};

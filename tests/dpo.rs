@@ -16,7 +16,7 @@
 //! file and line; `ft eval --task dpo` of a trained model equals the
 //! training run's last evaluation.
 
-mod common;
+use crate::common;
 
 use common::{ft, made_once, shared, text};
 use serde_json::{json, Value};

@@ -7,7 +7,7 @@
 //! (transformers 4.x's squad_metrics) on ft's predictions and null odds.
 //! Bad inputs give clear messages.
 
-mod common;
+use crate::common;
 use common::{ft, shared, small_bert, text};
 use serde_json::Value;
 use std::path::Path;

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
-mod common;
+use crate::common;
 use common::{ft, text};
 
 const RECIPES: [(&str, Recipe); 2] = [("tensorwise", Recipe::Tensorwise), ("rowwise", Recipe::Rowwise)];

@@ -11,7 +11,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-mod common;
+use crate::common;
 use common::{ft, text};
 
 fn fixture(name: &str) -> PathBuf {

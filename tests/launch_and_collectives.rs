@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 use common::{text, without_launcher_env, FT};
 
 fn ft(args: &[&str]) -> Command {

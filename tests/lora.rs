@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
-mod common;
+use crate::common;
 use common::{ft, losses, shared, small_bert, text};
 
 fn fixture(name: &str) -> PathBuf {

@@ -8,7 +8,7 @@
 //! equality, both weight layouts, export, decoding, `ft train`, and LoRA on
 //! the experts against peft (tests/python/peft_reference.py).
 
-mod common;
+use crate::common;
 use common::shared;
 
 use ft_core::generate::{greedy, greedy_batch, Decoding};
@@ -343,15 +343,28 @@ fn configs_asking_what_ft_does_not_compute_are_refused() {
 
 #[test]
 fn hub_ids_resolve_only_through_the_local_cache() {
+    // `ft forward` with the cache in its environment: the tests share one process, whose environment they leave alone.
     let cache = tempfile::tempdir().unwrap();
-    std::env::set_var("HF_HUB_CACHE", cache.path());
-    let message = format!("{:#}", hf::resolve("nobody/absent-model").unwrap_err());
-    assert!(message.contains("model \"nobody/absent-model\" not found locally"), "{message}");
+    let ids = cache.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 2, 3]]").unwrap();
+    let forward = |model: &str| {
+        let out = cache.path().join("out.safetensors");
+        let output = common::ft().args(["forward", "--model", model, "--ids", ids.to_str().unwrap(), "--out", out.to_str().unwrap()]).env("HF_HUB_CACHE", cache.path()).output().unwrap();
+        (output.status.success(), common::text(&output))
+    };
+    let (found, message) = forward("nobody/absent-model");
+    assert!(!found && message.contains("model \"nobody/absent-model\" not found locally"), "{message}");
+    // The snapshot refs/main names is the model, not the last one by name.
     let snapshot = cache.path().join("models--org--tiny/snapshots/abc123");
-    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(cache.path().join("models--org--tiny/snapshots/zzz-empty")).unwrap();
     std::fs::create_dir_all(cache.path().join("models--org--tiny/refs")).unwrap();
     std::fs::write(cache.path().join("models--org--tiny/refs/main"), "abc123\n").unwrap();
-    assert_eq!(hf::resolve("org/tiny").unwrap(), snapshot);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("opt").join(file), snapshot.join(file)).unwrap();
+    }
+    let (found, message) = forward("org/tiny");
+    assert!(found && message.contains("loss "), "{message}");
 }
 
 #[test]

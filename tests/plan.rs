@@ -5,7 +5,7 @@
 //! the calibration rows measured on H200s, `ft train --strategy auto`, the
 //! out-of-memory report, a DPO run's reference model and float8 (`--fp8`).
 
-mod common;
+use crate::common;
 use common::{ft, shared, text};
 use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
 use ft_core::strategy::ReduceDtype;

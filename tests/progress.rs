@@ -6,7 +6,7 @@
 //! two ranks the launcher draws rank 0's bar (the ranks' own stderr is its
 //! pipe) and never prints the lines rank 0 sends it.
 
-mod common;
+use crate::common;
 
 use common::{ft, text, without_launcher_env, FT};
 use std::process::{Command, Stdio};

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
-mod common;
+use crate::common;
 use common::{ft, losses, text};
 
 /// Equal bits, NaN and signed zeros included.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 use common::{ft, losses, summary, text};
 
 /// The exit code of a run that saved on a signal and stopped (README, "Runs: locks, signals, requeueing").

@@ -4,7 +4,7 @@
 //! ft's reading of SLURM_* must make one 4-rank job whose hybrid shard
 //! groups are the nodes, and a requeued job (`--resume auto`) continues.
 
-mod common;
+use crate::common;
 use common::{shared, small_bert, text, without_launcher_env, FT};
 use serde_json::Value;
 use std::path::Path;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use tch::Tensor;
 
-mod common;
+use crate::common;
 use common::{ft, losses, made_once, shared, small_bert, summary, text};
 
 const STEPS: usize = 20;

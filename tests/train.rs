@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-mod common;
+use crate::common;
 use common::{ft, losses, made_once, shared, text};
 
 /// Runs the demo's data and model with `extra` flags into `dir`; returns each step's loss.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 use common::{ft, text};
 
 /// The demo's 96 examples make 6 optimizer steps an epoch (2 ranks of 8).

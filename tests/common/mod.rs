@@ -1,7 +1,5 @@
 //! What the integration tests share: the `ft` binary, started with an
 //! environment that does not look like a launcher's worker, and its output.
-// Each test crate compiles this module and uses part of it.
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
