@@ -5,8 +5,9 @@
 //! rotary), their exports loading in transformers, and every loading error's
 //! message; and the mixture-of-experts families (Qwen3-MoE, OLMoE, Qwen2-MoE,
 //! Mixtral) made at test time by transformers (tests/python/moe_reference.py):
-//! equality, both weight layouts, export, decoding, `ft train`, and LoRA on
-//! the experts against peft (tests/python/peft_reference.py).
+//! equality, both weight layouts, export, decoding, `ft train`, LoRA on
+//! the experts against peft (tests/python/peft_reference.py), and QLoRA's
+//! 4-bit experts against bitsandbytes.
 
 use crate::common;
 use common::shared;
@@ -907,4 +908,144 @@ fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
         let error = relative(ours, &tensors(&reference.join("reference.safetensors"))["logits"], 0.0);
         assert!(error <= 1e-5, "ft forward on final/ and {name} differ by {error:e}");
     }
+}
+
+/// QLoRA's 4-bit base on a mixture of experts (Qwen3-MoE): each frozen
+/// block packed as the trainer packs it (`PackedLayout`, what
+/// `Model::held_in_4bit` picks) and dequantized, and the base as `ft
+/// forward` rounds it (`LoraModel::round_base_to_4bit`), equal bit for bit
+/// the 4 bits bitsandbytes' `quantize_4bit` makes of each linear layer and
+/// of each fused expert tensor [E, N, K] whole (its packed bytes and quant
+/// state, dequantized by `nf4.rs`, which tests/qlora.rs checks against
+/// bitsandbytes' own dequantization) — and, where bitsandbytes runs its
+/// generic CPU path, its own `dequantize_4bit` of them (NF4 bit for bit,
+/// FP4 but for the sign of zero; on an AVX512 processor that comparison is
+/// skipped and listed: its kernel dequantizes otherwise there,
+/// `common::bitsandbytes_runs_kernels_of_its_own`).
+/// The router and norms, which bitsandbytes leaves, stay as they are. NF4
+/// double quantized and FP4.
+#[test]
+fn moe_4bit_experts_equal_bitsandbytes_bit_for_bit() {
+    use ft_core::lora::RunModel;
+    use ft_core::nf4::{QuantType, Quantization, Quantized4bit};
+    use ft_core::packed_base::PackedLayout;
+    let same_bits = |ours: &Tensor, theirs: &Tensor, what: &str| {
+        assert_eq!(ours.size(), theirs.size(), "{what}");
+        let differ = ours.contiguous().view_dtype(Kind::Int).ne_tensor(&theirs.contiguous().view_dtype(Kind::Int)).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(differ, 0, "{what}: {differ} values differ");
+    };
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let dir = scratch.path().join("qwen3_moe/hub");
+    let params = hf::load_params(hf::load_model(&dir).unwrap().as_ref(), &dir, Kind::Float, Device::Cpu).unwrap();
+    let lora = ft_core::config::LoraConfig { r: 4, alpha: None, dropout: 0.0, targets: vec!["q".into(), "v".into(), "experts".into()] };
+    let generic_bitsandbytes = !common::bitsandbytes_runs_kernels_of_its_own();
+    for (quant_type, double_quant) in [(QuantType::Nf4, true), (QuantType::Fp4, false)] {
+        let quantization = Quantization { quant_type, blocksize: 64, double_quant };
+        let rounded = scratch.path().join(format!("rounded-{}", quant_type.name()));
+        peft_reference(&[Path::new("--round"), &dir, Path::new(quant_type.name()), Path::new(&double_quant.to_string()), &rounded]);
+        let states = tensors(&rounded.with_extension("states.safetensors"));
+        let dequantized_by_bitsandbytes = generic_bitsandbytes.then(|| hf::load_params(hf::load_model(&dir).unwrap().as_ref(), &rounded, Kind::Float, Device::Cpu).unwrap());
+        let run = RunModel::new(hf::load_model(&dir).unwrap(), &lora, Some(quantization)).unwrap();
+        let qlora = run.lora().unwrap();
+        let mut by_forward: Vec<Vec<Tensor>> = params.iter().map(|unit| unit.iter().map(Tensor::shallow_clone).collect()).collect();
+        qlora.round_base_to_4bit(&mut by_forward).unwrap();
+        let mut experts_held = 0;
+        for unit in ft_core::model::block_units(qlora) {
+            let spec = &qlora.units()[unit];
+            let offsets = ft_core::flat::param_offsets(spec);
+            let mut layout = PackedLayout::new(spec, &offsets, Kind::Float, quantization, |param| qlora.held_in_4bit(param));
+            let bytes = layout.pack(spec, &offsets, &params[unit], layout.bytes()).unwrap();
+            let unpacked = Tensor::zeros([spec.numel()], (Kind::Float, Device::Cpu));
+            layout.unpack_into(&bytes, &unpacked);
+            for &(param, offset) in &offsets {
+                let (name, original) = (&spec.params[param].hf_name, &params[unit][param]);
+                let held = qlora.held_in_4bit(&spec.params[param]);
+                assert_eq!(held, states.contains_key(name.as_str()), "{quant_type:?}: {name} is held in 4 bits exactly where bitsandbytes quantizes it");
+                let expected = match held {
+                    true => Quantized4bit::from_state_dict(name, |key| states.get(key).map(Tensor::shallow_clone)).unwrap().dequantize(),
+                    false => original.shallow_clone(),
+                };
+                let by_trainer = unpacked.narrow(0, offset, original.numel() as i64).view(original.size().as_slice());
+                same_bits(&by_trainer, &expected, &format!("{quant_type:?}: {name} packed by the trainer"));
+                same_bits(&by_forward[unit][param], &expected, &format!("{quant_type:?}: {name} rounded for ft forward"));
+                if let Some(theirs) = &dequantized_by_bitsandbytes {
+                    let what = format!("{quant_type:?}: {name} against bitsandbytes' dequantize_4bit");
+                    match quant_type {
+                        QuantType::Nf4 => same_bits(&by_trainer, &theirs[unit][param], &what),
+                        // FP4's index 8 is -0 to ft as to bitsandbytes' native kernels, +0 to its generic path (`nf4.rs`).
+                        QuantType::Fp4 => assert!(by_trainer.eq_tensor(&theirs[unit][param]).all().int64_value(&[]) == 1, "{what}"),
+                    }
+                }
+                experts_held += usize::from(held && original.dim() == 3);
+            }
+        }
+        assert_eq!(experts_held, 2, "layer 0's gate_up_proj and down_proj");
+    }
+}
+
+/// `ft train --quantize nf4 --lora-targets q,v,experts` on a tiny
+/// Qwen3-MoE: the log says the experts are held in 4 bits, the adapters
+/// learn over them, a run resumed from the step-2 checkpoint takes the
+/// uninterrupted run's steps, the merged export folds the adapters into
+/// the 4-bit base at `ft forward`'s logits on final/, and those equal
+/// peft's over the base passed through bitsandbytes' NF4, experts included
+/// (where bitsandbytes dequantizes as its generic CPU path does: see
+/// `moe_4bit_experts_equal_bitsandbytes_bit_for_bit`); a 4-bit base without
+/// adapters is refused.
+#[test]
+fn moe_qlora_on_4bit_experts_trains_resumes_and_runs_as_peft_over_bitsandbytes() {
+    let scratch = tempfile::tempdir().unwrap();
+    moe_models(scratch.path());
+    let model = scratch.path().join("qwen3_moe_train/hub");
+    let data = scratch.path().join("train.jsonl");
+    let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let train = |name: &str, extra: &[&str]| {
+        let out = scratch.path().join(name);
+        let output = common::ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
+            .args(["--task", "causal_lm", "--max-steps", "4", "--batch-size", "4", "--dtype", "f32", "--lr", "2e-2", "--nproc-per-node", "1", "--device", "cpu"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (output.status.success(), out, common::text(&output))
+    };
+    let qlora = ["--lora-r", "4", "--lora-targets", "q,v,experts", "--quantize", "nf4"];
+    let (succeeded, out, log) = train("one", &[&qlora[..], &["--save-every", "2", "--save-total-limit", "0"]].concat());
+    // Layer 0 (sparse): attention's four and the two expert tensors; layer 1 (dense): attention's four and the MLP's three.
+    assert!(succeeded && log.contains("QLoRA: 11 weight matrices and 2 fused expert tensors (every expert) of the base's blocks"), "{log}");
+    let losses = common::losses(&out);
+    assert!(losses.len() == 4 && losses[3] < losses[0], "the adapters learn over the 4-bit experts: {losses:?}");
+    let (succeeded, resumed, log) = train("resumed", &[&qlora[..], &["--resume", out.join("checkpoints/step-00000002").to_str().unwrap()]].concat());
+    assert!(succeeded, "{log}");
+    let resumed = common::losses(&resumed);
+    assert!(resumed.len() >= 2, "{resumed:?}");
+    for (a, b) in resumed[resumed.len() - 2..].iter().zip(&losses[2..]) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "resumed at step 2: {resumed:?} vs {losses:?}");
+    }
+    let (succeeded, _, log) = train("refused", &qlora[4..]);
+    assert!(!succeeded && log.contains("set train.lora.r (--lora-r) to train adapters on it"), "{log}");
+
+    let merged = scratch.path().join("merged");
+    let export = common::ft().args(["export", "--checkpoint", out.join("final").to_str().unwrap(), "--out", merged.to_str().unwrap(), "--merge"]).output().unwrap();
+    assert!(export.status.success(), "{}", common::text(&export));
+    let ids = scratch.path().join("ids.json");
+    std::fs::write(&ids, "[[1, 5, 9, 14, 27, 3, 8, 2], [4, 4, 6, 20, 7, 19, 11, 30]]").unwrap();
+    let forward = |model: &Path, name: &str| {
+        let logits = scratch.path().join(name);
+        let output = common::ft().args(["forward", "--model", model.to_str().unwrap(), "--ids", ids.to_str().unwrap(), "--out", logits.to_str().unwrap()]).output().unwrap();
+        assert!(output.status.success(), "{}", common::text(&output));
+        tensors(&logits).remove("logits").unwrap()
+    };
+    let ours = forward(&out.join("final"), "ours.safetensors");
+    let error = relative(&forward(&merged, "merged.safetensors"), &ours, 0.0);
+    assert!(error <= 1e-5, "the merged export and final/ on its 4-bit base differ by {error:e}");
+    if common::bitsandbytes_runs_kernels_of_its_own() {
+        return;
+    }
+    let (rounded, with_peft) = (scratch.path().join("rounded"), scratch.path().join("peft"));
+    peft_reference(&[Path::new("--round"), &model, Path::new("nf4"), Path::new("true"), &rounded, Path::new("--reference"), &rounded, &out.join("final"), &ids, &with_peft]);
+    let error = relative(&ours, &tensors(&with_peft.join("reference.safetensors"))["logits"], 0.0);
+    assert!(error <= 1e-5, "ft forward on final/ and peft over bitsandbytes' 4-bit base differ by {error:e}");
 }

@@ -54,24 +54,9 @@ fn tensors_of(path: &Path) -> HashMap<String, Tensor> {
     Tensor::read_safetensors(path).unwrap().into_iter().collect()
 }
 
-/// Whether bitsandbytes' 4-bit layers run CPU kernels of their own here (a
-/// processor with AVX512-BF16): transformers' and peft's 4-bit models then
-/// fail or differ inside bitsandbytes (its forward repacks each weight for
-/// that kernel, which fails on layers narrower than a block; with that
-/// turned off their outputs still differ, though `bitsandbytes.functional`
-/// quantizes and dequantizes there as ft does, bit for bit), so the tests
-/// that compare with them are skipped, and listed as such. Found on
-/// 2026-11-27 on a Sapphire Rapids-class machine, where they failed at
-/// every commit; CI's processor runs bitsandbytes' generic path.
-fn bitsandbytes_runs_kernels_of_its_own() -> bool {
-    let probe = Command::new("python").args(["-c", "import bitsandbytes.functional as F; print(bool(F.has_avx512bf16()))"]).output();
-    let avx512bf16 = probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True");
-    avx512bf16 && common::shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512-BF16 processor")
-}
-
 #[test]
 fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
-    if bitsandbytes_runs_kernels_of_its_own() {
+    if common::bitsandbytes_runs_kernels_of_its_own() {
         return;
     }
     tch::manual_seed(3);
@@ -328,7 +313,7 @@ fn qlora_step(setting: Setting, adapter: &Path) -> Step {
 /// quantization).
 #[test]
 fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
-    if bitsandbytes_runs_kernels_of_its_own() {
+    if common::bitsandbytes_runs_kernels_of_its_own() {
         return;
     }
     let scratch = tempfile::tempdir().unwrap();

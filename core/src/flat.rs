@@ -855,10 +855,10 @@ mod tests {
 
     #[test]
     fn the_account_is_what_flat_units_allocate() {
-        // 29 elements: padding to every group size below.
+        // 53 elements: padding to every group size below; packed, a matrix and fused experts in 4 bits.
         let spec = UnitSpec {
             name: "unit".into(),
-            params: vec![ParamSpec::new("", "w", &[4, 6], Init::Zeros), ParamSpec::new("", "b", &[5], Init::Zeros)],
+            params: vec![ParamSpec::new("", "w", &[4, 6], Init::Zeros), ParamSpec::new("", "b", &[5], Init::Zeros), ParamSpec::new("", "experts", &[2, 3, 4], Init::Zeros)],
         };
         let tensors: Vec<Tensor> = spec.params.iter().map(|p| p.initial(Kind::Float, tch::Device::Cpu)).collect();
         let policies = [
@@ -883,7 +883,7 @@ mod tests {
                                 continue;
                             }
                             let quantization = Quantization { quant_type: QuantType::Nf4, blocksize: 64, double_quant: dtype == Kind::Float };
-                            let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization);
+                            let layout = PackedLayout::new(&spec, &param_offsets(&spec), dtype, quantization, |param| param.shape.len() >= 2);
                             let placement = placement.packed(layout.bytes(), group_size, group_rank);
                             let unit = FlatUnit::new_packed(&spec, &tensors, dtype, placement, layout).unwrap();
                             assert_eq!(unit.memory(), measured(&unit), "packed, {case}");

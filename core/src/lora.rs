@@ -230,8 +230,10 @@ impl LoraModel {
     pub fn round_base_to_4bit(&self, params: &mut [Vec<Tensor>]) -> Result<()> {
         let Some(quantization) = self.quantization else { return Ok(()) };
         for unit in model::block_units(self).filter(|&u| self.frozen(u)) {
-            for tensor in params[unit].iter_mut().filter(|t| t.dim() == 2) {
-                *tensor = quantization.round_trip(tensor)?;
+            for (spec, tensor) in self.layout.units[unit].params.iter().zip(params[unit].iter_mut()) {
+                if self.held_in_4bit(spec) {
+                    *tensor = quantization.round_trip(tensor)?;
+                }
             }
         }
         Ok(())
@@ -287,23 +289,24 @@ impl LoraModel {
     }
 
     /// What QLoRA holds in 4 bits, in one line (None when the base is not
-    /// quantized): the frozen blocks' weight matrices, how they are
-    /// quantized, and the bytes that saves against holding them in `dtype`,
-    /// the compute dtype (the blocks' vectors stay in it either way).
+    /// quantized): the frozen blocks' weight matrices and fused experts,
+    /// how they are quantized, and the bytes that saves against holding
+    /// them in `dtype`, the compute dtype (the blocks' vectors, and a
+    /// router, stay in it either way).
     pub fn describe_quantized_base(&self, dtype: Kind) -> Option<String> {
         let quantization = self.quantization?;
         let units = self.units();
-        let matrices: Vec<i64> = model::block_units(self)
-            .filter(|&unit| self.frozen(unit))
-            .flat_map(|unit| units[unit].params.iter().filter(|p| p.shape.len() == 2).map(|p| p.shape.iter().product::<i64>()))
-            .collect();
-        let params: i64 = matrices.iter().sum();
-        let held: i64 = matrices.iter().map(|&numel| quantization.bytes(numel)).sum();
+        let quantized: Vec<&ParamSpec> =
+            model::block_units(self).filter(|&unit| self.frozen(unit)).flat_map(|unit| units[unit].params.iter().filter(|p| self.held_in_4bit(p))).collect();
+        let params: i64 = quantized.iter().map(|p| p.numel()).sum();
+        let held: i64 = quantized.iter().map(|p| quantization.bytes(p.numel())).sum();
         let unquantized = params * dtype.elt_size_in_bytes() as i64;
         let megabytes = |bytes: i64| format!("{:.2} MB", bytes as f64 / 1e6);
+        let expert_tensors = quantized.iter().filter(|p| self.expert_parameters().contains(&p.name.as_str())).count();
+        let experts = if expert_tensors == 0 { String::new() } else { format!(" and {expert_tensors} fused expert tensors (every expert)") };
         Some(format!(
-            "QLoRA: {} weight matrices of the base's blocks ({params} parameters) held in {}, blocks of {} values{}: {} instead of {} in {}, {} saved",
-            matrices.len(),
+            "QLoRA: {} weight matrices{experts} of the base's blocks ({params} parameters) held in {}, blocks of {} values{}: {} instead of {} in {}, {} saved",
+            quantized.len() - expert_tensors,
             quantization.quant_type.name(),
             quantization.blocksize,
             if quantization.double_quant { ", double quantized" } else { "" },
@@ -350,9 +353,6 @@ impl RunModel {
     /// `r` is set, over blocks held in 4 bits as `quantization`
     /// (`model.quantize`) says, which needs adapters.
     pub fn new(base: Box<dyn Model>, config: &LoraConfig, quantization: Option<Quantization>) -> Result<RunModel> {
-        if quantization.is_some() {
-            base.check_quantized_base()?;
-        }
         Ok(match (config.enabled(), quantization) {
             (true, _) => RunModel::Lora(Box::new(LoraModel::new(base, config)?.with_quantized_base(quantization))),
             (false, None) => RunModel::Full(base),
@@ -435,6 +435,9 @@ impl Model for LoraModel {
     }
     fn expert_parameters(&self) -> &'static [&'static str] {
         self.base.expert_parameters()
+    }
+    fn held_in_4bit(&self, param: &ParamSpec) -> bool {
+        self.base.held_in_4bit(param)
     }
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
         self.base.auxiliary_loss()

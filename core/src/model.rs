@@ -790,10 +790,12 @@ pub trait Model: Send + Sync {
         None
     }
 
-    /// Refuses holding the frozen blocks in 4 bits (QLoRA: `model.quantize`)
-    /// where ft's 4-bit base would not hold them as bitsandbytes does.
-    fn check_quantized_base(&self) -> Result<()> {
-        Ok(())
+    /// Whether a frozen block's parameter is held in 4 bits when the base
+    /// is (QLoRA: `model.quantize`): by default its matrices, the weights
+    /// of the linear layers bitsandbytes quantizes; the rest (norms,
+    /// biases) stays in the compute dtype.
+    fn held_in_4bit(&self, param: &ParamSpec) -> bool {
+        param.shape.len() == 2
     }
 
     /// Whether a forward on `device` in `dtype` may be recorded as a CUDA

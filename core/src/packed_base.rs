@@ -1,13 +1,14 @@
 //! QLoRA's frozen base (`model.quantize`): a frozen block's weight
-//! matrices held as 4-bit blocks (`nf4.rs`, bitsandbytes' NF4 and FP4) and
-//! its vectors (norms, biases) in the compute dtype, all in one byte buffer
-//! — what a strategy shards and gathers, as bytes that are never cast, and
+//! matrices and fused experts held as 4-bit blocks (`nf4.rs`, bitsandbytes'
+//! NF4 and FP4; a 3-D expert tensor blocked flat, as `quantize_4bit` blocks
+//! any tensor) and the rest (norms, biases, a router) in the compute dtype,
+//! all in one byte buffer — what a strategy shards and gathers, as bytes that are never cast, and
 //! what is dequantized into the unit's compute buffer before each use
 //! (docs/ARCHITECTURE.md, "LoRA").
 
 use crate::comm::ProcessGroup;
 use crate::comm_hook::Pending;
-use crate::model::UnitSpec;
+use crate::model::{ParamSpec, UnitSpec};
 use crate::nf4::{self, blocks, Absmax, QuantState, Quantization, Quantized4bit};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -62,10 +63,11 @@ pub struct PackedLayout {
 
 impl PackedLayout {
     /// The layout of `spec`'s parameters, each at `offsets` (by parameter
-    /// index: `flat::param_offsets`) in the flat compute buffer: its
-    /// matrices quantized, its vectors kept in `dtype`. The pieces' values
-    /// are written by [`PackedLayout::pack`].
-    pub fn new(spec: &UnitSpec, offsets: &[(usize, i64)], dtype: Kind, quantization: Quantization) -> PackedLayout {
+    /// index: `flat::param_offsets`) in the flat compute buffer: those
+    /// `held_in_4bit` picks (`Model::held_in_4bit`: the linear layers'
+    /// matrices, a mixture of experts' fused experts) quantized, the rest
+    /// kept in `dtype`. The pieces' values are written by [`PackedLayout::pack`].
+    pub fn new(spec: &UnitSpec, offsets: &[(usize, i64)], dtype: Kind, quantization: Quantization, held_in_4bit: impl Fn(&ParamSpec) -> bool) -> PackedLayout {
         let mut bytes = 0;
         let mut take = |len: i64| {
             let at = bytes;
@@ -77,7 +79,7 @@ impl PackedLayout {
             .map(|&(param, flat_offset)| {
                 let shape = spec.params[param].shape.clone();
                 let numel: i64 = shape.iter().product();
-                let storage = if shape.len() == 2 {
+                let storage = if held_in_4bit(&spec.params[param]) {
                     let count = blocks(numel, quantization.blocksize);
                     let packed = take((numel + 1) / 2);
                     if quantization.double_quant {

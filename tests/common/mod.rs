@@ -183,3 +183,21 @@ pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
     let printed = answer.strip_prefix("ok ").unwrap_or_else(|| panic!("{script} {job:?}: answered {answer}"));
     serde_json::from_str(printed).unwrap()
 }
+
+/// Whether bitsandbytes runs 4-bit CPU kernels of its own here (0.50.2:
+/// `dequantize_4bit` on a processor PyTorch runs at AVX512, the 4-bit
+/// layers' forward with AVX512-BF16), which differ from its generic path
+/// that ft's `nf4.rs` follows: the dequantization of a tensor whose last
+/// dimension is no multiple of the block (errors of up to a whole step) and
+/// FP4's signed zeros; and transformers' and peft's 4-bit models fail or
+/// differ inside bitsandbytes (their forward repacks each weight for that
+/// kernel, which fails on layers narrower than a block). `quantize_4bit`
+/// packs there what ft packs, bit for bit. The comparisons with them are
+/// skipped, and listed as such. Found on 2026-11-27 on a Sapphire
+/// Rapids-class machine; CI's processor runs bitsandbytes' generic path.
+pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
+    let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
+    let probe = Command::new("python").args(["-c", check]).output();
+    let native = probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True");
+    native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
+}

@@ -18,6 +18,17 @@ the transformers model, run forward and backward.
 --logits MODEL IDS OUT
     a plain transformers model's logits on IDS (a merged export), as
     OUT/reference.safetensors.
+--round BASE QUANT_TYPE DOUBLE_QUANT OUT
+    BASE (fp32) with what QLoRA holds in 4 bits passed through
+    bitsandbytes' `quantize_4bit` (blocks of 64, QUANT_TYPE, DOUBLE_QUANT as
+    `compress_statistics`) and `dequantize_4bit` on CPU: every nn.Linear of
+    the blocks, as `BitsAndBytesConfig` converts them, and a mixture of
+    experts' fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `down_proj` [E, H, I]), each quantized whole as one tensor; the router
+    (no nn.Linear) as it is. Saved to OUT by `save_pretrained`; each
+    tensor's packed bytes and quant state as transformers saves them
+    (`QuantState.as_dict(packed=True)`, under the parameter's name) to
+    OUT.states.safetensors.
 Each option may be given several times.
 --serve
     jobs from stdin, one process for a whole test binary (serve.py).
@@ -95,6 +106,29 @@ def logits(model_dir, ids_path, out):
     save_file({"logits": result.contiguous()}, os.path.join(out, "reference.safetensors"))
 
 
+def round_to_4bit(base, quant_type, double_quant, out):
+    import bitsandbytes.functional as F
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    states = {}
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules(prefix="model.layers"):
+            if isinstance(module, torch.nn.Linear):
+                weights = {"weight": module.weight}
+            elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+                weights = {"gate_up_proj": module.gate_up_proj, "down_proj": module.down_proj}
+            else:
+                continue
+            for key, weight in weights.items():
+                packed, state = F.quantize_4bit(weight.data, blocksize=64, quant_type=quant_type, compress_statistics=double_quant == "true")
+                weight.copy_(F.dequantize_4bit(packed, state))
+                states[f"{name}.{key}"] = packed
+                states.update({f"{name}.{key}.{k}": v for k, v in state.as_dict(packed=True).items()})
+    model.save_pretrained(out)
+    # safetensors refuses tensors that share memory (the quant maps are cached).
+    save_file({k: v.contiguous().clone() for k, v in states.items()}, out + ".states.safetensors")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Each option may repeat: one process (one import of torch and peft) serves a test's every case.
@@ -102,12 +136,15 @@ def main():
     parser.add_argument("--qlora", nargs=6, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT", "QUANT_TYPE", "DOUBLE_QUANT"))
     parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
+    parser.add_argument("--round", nargs=4, action="append", default=[], metavar=("BASE", "QUANT_TYPE", "DOUBLE_QUANT", "OUT"))
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     serve.main(parser, run)
 
 
 def run(args):
+    for job in args.round:
+        round_to_4bit(*job)
     for job in args.reference:
         reference(*job)
     for job in args.qlora:

@@ -347,8 +347,9 @@ impl<'m> TrainerBuilder<'m> {
 /// the trainer's rules, which `ft plan` predicts with: a frozen unit (LoRA's
 /// base) only its parameters, an adapter its parameters whole, and, when
 /// the base is held in 4 bits (`Model::quantized_base`), the frozen blocks
-/// as the bytes of their `PackedLayout` (bitsandbytes quantizes the blocks'
-/// linear layers; the embeddings and the head keep the compute dtype).
+/// as the bytes of their `PackedLayout` (what `Model::held_in_4bit` picks:
+/// the blocks' linear layers, as bitsandbytes quantizes them, and a mixture
+/// of experts' fused experts; the embeddings and the head keep the compute dtype).
 pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
     let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
     let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
@@ -365,7 +366,7 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
             };
             match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
                 Some(quantization) => {
-                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), dtype, quantization);
+                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), dtype, quantization, |param| model.held_in_4bit(param));
                     (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
                 }
                 None => (placement, None),

@@ -675,19 +675,14 @@ impl Model for Llama {
         6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
     }
 
-    /// Not with experts: bitsandbytes (0.50, through transformers 5's
-    /// `BitsAndBytesConfig`) holds only `nn.Linear` layers in 4 bits, so the
-    /// fused experts ([E, N, K] parameters) and the router (no `nn.Linear`
-    /// in transformers 5) stay in the compute dtype: there are no 4-bit
-    /// experts to match, and ft's 4-bit base would quantize the router.
-    fn check_quantized_base(&self) -> Result<()> {
-        if self.experts.is_some() {
-            bail!(
-                "model.quantize (--quantize) is not supported for {}: bitsandbytes holds only linear layers in 4 bits, and a mixture of experts' fused experts ([experts, out, in] parameters) and router are none, so there are no 4-bit experts as bitsandbytes holds them to train on (train LoRA on the compute-dtype base: drop --quantize)",
-                self.variant.name
-            );
+    /// With experts, the router stays in the compute dtype, as bitsandbytes
+    /// (through transformers 5, where it is no `nn.Linear`) leaves it, and
+    /// the fused experts are held in 4 bits too (`moe::held_in_4bit`).
+    fn held_in_4bit(&self, param: &ParamSpec) -> bool {
+        match &self.experts {
+            Some(_) => moe::held_in_4bit(param),
+            None => param.shape.len() == 2,
         }
-        Ok(())
     }
 
     /// With experts, where their GEMMs are grouped: the loop reads each sparse layer's tokens per expert on the host (`moe.rs`).

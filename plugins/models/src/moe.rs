@@ -137,6 +137,18 @@ impl QwenRouting {
 /// (transformers 5's under the block): what LoRA's `experts` target adapts.
 pub(crate) const EXPERT_PARAMETERS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
+/// A sparse layer's router [E, hidden], by in-block name.
+const ROUTER: &str = "mlp.router";
+
+/// Whether QLoRA holds a sparse model's block parameter in 4 bits: the
+/// linear layers' weights (a shared expert's and its gate's), as
+/// bitsandbytes quantizes them, and the fused experts, blocked flat as
+/// bitsandbytes' `quantize_4bit` blocks a 3-D tensor; not the router, which
+/// bitsandbytes leaves in the compute dtype (in transformers 5 it is no `nn.Linear`).
+pub(crate) fn held_in_4bit(param: &ParamSpec) -> bool {
+    EXPERT_PARAMETERS.contains(&param.name.as_str()) || (param.shape.len() == 2 && param.name != ROUTER)
+}
+
 /// A fused expert weight [E, N, K] and its adapter, if LoRA adapts it.
 struct Projection<'a> {
     weight: &'a Tensor,
@@ -195,7 +207,7 @@ impl Moe {
         // The router is no linear layer (not `….weight` inside the block), as
         // transformers 5's is none: LoRA's all-linear and float8 leave it alone.
         let mut params = vec![
-            routed("mlp.router", "gate.weight", &[e, hidden]),
+            routed(ROUTER, "gate.weight", &[e, hidden]),
             routed(EXPERT_PARAMETERS[0], "experts.gate_up_proj", &[e, 2 * i, hidden]),
             routed(EXPERT_PARAMETERS[1], "experts.down_proj", &[e, hidden, i]),
         ];
@@ -238,7 +250,7 @@ impl Moe {
     pub fn forward(&self, p: &Params, x: &Tensor, ctx: &Context) -> Tensor {
         let (batch, seq, hidden) = x.size3().expect("hidden states are [batch, seq, hidden]");
         let tokens = x.reshape([-1, hidden]);
-        let logits = tokens.linear::<&Tensor>(p.get("mlp.router"), None);
+        let logits = tokens.linear::<&Tensor>(p.get(ROUTER), None);
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
@@ -416,8 +428,8 @@ mod tests {
     /// parameters, under peft's nested names; short names that would reach
     /// only the dense MLPs (`gate`, `up`, `down`) are refused, not
     /// half-served; so are `experts` with dropout, which peft's adapters on
-    /// parameters refuse, and a 4-bit base (QLoRA), which would quantize the
-    /// router bitsandbytes leaves.
+    /// parameters refuse. Over a 4-bit base (QLoRA) the experts are held in
+    /// 4 bits with the linear layers, the router as bitsandbytes leaves it.
     #[test]
     fn lora_adapts_the_experts_only_by_name() {
         let config = json!({"hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
@@ -457,8 +469,13 @@ mod tests {
         }
         let quantization = Some(ft_core::nf4::Quantization { quant_type: ft_core::nf4::QuantType::Nf4, blocksize: 64, double_quant: false });
         let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
-        let message = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).err().expect("refused").to_string();
-        assert!(message.starts_with("model.quantize (--quantize) is not supported for Qwen2-MoE: bitsandbytes holds only linear layers in 4 bits"), "{message}");
+        // QLoRA holds the experts, the shared expert and its gate in 4 bits, the router and norms in the compute dtype.
+        let qlora = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).unwrap();
+        let block = &qlora.model().units()[1];
+        let held: Vec<&str> = block.params.iter().filter(|p| qlora.model().held_in_4bit(p)).map(|p| p.name.as_str()).collect();
+        let kept: Vec<&str> = block.params.iter().filter(|p| !qlora.model().held_in_4bit(p) && p.shape.len() > 1).map(|p| p.name.as_str()).collect();
+        assert!(held.contains(&"mlp.experts.gate_up_proj") && held.contains(&"mlp.experts.down_proj") && held.contains(&"mlp.shared_expert_gate.weight"), "{held:?}");
+        assert_eq!(kept, ["mlp.router"]);
     }
 
     /// The grouped GEMM (ATen's `_grouped_mm`, which also runs on the CPU)
