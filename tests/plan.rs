@@ -768,3 +768,31 @@ fn ft_calibrate_writes_what_ft_plan_and_the_plan_check_read() {
     assert!(output.status.success() && log.contains(&format!("plan check with the rates measured on cpu ({})", path.display())), "{log}");
     assert!(log.contains("| opt 0.0M | ddp | none | off | 1 | 2x16 |"), "{log}");
 }
+
+/// A LoRA step on a mixture of experts does the FLOPs of what a token runs:
+/// the frozen weights of its k experts (forward and the input's gradient)
+/// and the adapters of those experts, not of all E — so every row's step
+/// takes time, and fewer FLOPs than the full fine-tune's.
+#[test]
+fn lora_on_a_mixture_of_experts_is_planned_by_the_parameters_a_token_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/configs/qwen3-30b-a3b.json");
+    let plan = |extra: &[&str]| {
+        let json = dir.path().join(format!("plan{}.json", extra.len()));
+        let output = ft()
+            .args(["plan", "--model", config.to_str().unwrap(), "--gpu", "h200", "--batch", "2", "--seq", "2048", "--json", json.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        let plan: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        plan["rows"].as_array().unwrap().clone()
+    };
+    let full = plan(&[]);
+    let lora = plan(&["--lora-r", "16", "--lora-targets", "q,k,v,o,experts"]);
+    let seconds = |row: &Value| row["step_seconds"].as_f64().unwrap();
+    for row in lora.iter().filter(|r| r["offload"] == "none") {
+        let same = full.iter().find(|f| f["strategy"] == row["strategy"] && f["offload"] == row["offload"] && f["activation_checkpointing"] == row["activation_checkpointing"]).unwrap();
+        assert!(seconds(row) > 0.0 && seconds(row) < seconds(same), "LoRA {row} against the full fine-tune's {same}");
+    }
+}

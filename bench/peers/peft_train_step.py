@@ -10,10 +10,15 @@ quantized from the random bf16 weights on the GPU before peft wraps them.
 
     python3 bench/peers/peft_train_step.py --config CONFIG.json --batch 2 --seq 2048 [--compile] \
         [--lora-r 16] [--lora-alpha 32] [--targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]
+        [--target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj]
+
+--target-parameters adapts parameters rather than modules (peft's
+`target_parameters`: a mixture of experts' fused experts in transformers v5).
 
 MFU counts the FLOPs a LoRA step does: 4·N per token for the frozen weights
 (forward, and the gradient of the activations only), 6·N for the trainable
-ones, plus 12·L·d·S for attention (PaLM's formula), over 989 TFLOP/s.
+ones, plus 12·L·d·S for attention (PaLM's formula), over 989 TFLOP/s;
+a mixture of experts' expert weights count k/E of their number (the active ones).
 """
 import argparse
 import json
@@ -64,6 +69,7 @@ def main():
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=32)
     parser.add_argument("--targets", default=ALL_LINEAR)
+    parser.add_argument("--target-parameters", default="", help="comma-separated parameter names (peft's target_parameters)")
     parser.add_argument("--qlora", action="store_true", help="the blocks' linear layers as bitsandbytes NF4 Linear4bit (double quantization, bf16 compute)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # `--device cpu`: a smoke test
     args = parser.parse_args()
@@ -81,7 +87,8 @@ def main():
     if args.qlora:
         quantize_blocks(model, device)
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                      target_modules=args.targets.split(","), task_type="CAUSAL_LM")
+                      target_modules=args.targets.split(","), task_type="CAUSAL_LM",
+                      target_parameters=[p for p in args.target_parameters.split(",") if p] or None)
     model = get_peft_model(model, lora).to(device).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     dtypes = sorted({str(p.dtype) for p in trainable})
@@ -117,13 +124,17 @@ def main():
     # A 4-bit weight's parameter is its packed bytes; its quant state knows the weight's shape.
     n = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
+    # A mixture of experts runs k of its E experts per token: its experts' parameters count k/E of their number.
+    experts, active = getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    if experts and active:
+        n -= sum(p.numel() for name, p in model.named_parameters() if ".experts." in name and "lora" not in name) * (1 - active / experts)
     layers, hidden = config.num_hidden_layers, config.hidden_size
     mfu = (4 * (n - n_trainable) + 6 * n_trainable + 12 * layers * hidden * args.seq) * tokens_per_s / 989e12
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0
     name = f"peft{' + bitsandbytes nf4' if args.qlora else ''} {'compiled' if args.compile else 'eager'}{' + liger' if args.liger else ''}"
     print(f"{name}: {config.model_type} {n / 1e6:.0f}M params ({', '.join(frozen_dtypes)} frozen), "
-          f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {args.targets}: "
+          f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {args.targets} {args.target_parameters}: "
           f"{n_trainable / 1e6:.2f}M trainable params ({', '.join(dtypes)}), batch {args.batch}x{args.seq}: "
           f"{tokens_per_s:.0f} tokens/s, {seconds / args.steps * 1e3:.1f} ms/step, MFU {mfu * 100:.1f}%, "
           f"peak allocated {peak:.1f} GB, peak reserved {reserved:.1f} GB, last loss {loss.item():.4f}")
@@ -131,7 +142,7 @@ def main():
         import peft
         import transformers
         json.dump(dict(tool=name, model_type=config.model_type, params=n, trainable_params=n_trainable,
-                       lora_r=args.lora_r, lora_alpha=args.lora_alpha, targets=args.targets, batch=args.batch,
+                       lora_r=args.lora_r, lora_alpha=args.lora_alpha, targets=args.targets, target_parameters=args.target_parameters, batch=args.batch,
                        seq=args.seq, tokens_per_s=tokens_per_s, step_ms=seconds / args.steps * 1e3, mfu=mfu,
                        peak_allocated_gb=peak, peak_reserved_gb=reserved, loss=loss.item(), torch=torch.__version__,
                        transformers=transformers.__version__, peft=peft.__version__),

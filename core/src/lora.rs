@@ -453,9 +453,27 @@ impl Model for LoraModel {
 
     /// A frozen parameter costs forward and the input's gradient (4 FLOPs
     /// per token), not its own gradient (2 more).
+    /// The base's idle parameters (a mixture of experts' unchosen experts)
+    /// and, in the same share, the adapters on its experts: one per expert,
+    /// each run only for the tokens routed to it.
+    fn idle_numel(&self) -> i64 {
+        let base_idle = self.base.idle_numel();
+        let experts = self.base.expert_parameters();
+        let expert_numel: i64 = self.layout.units[..self.base_units].iter().flat_map(|u| &u.params).filter(|p| experts.contains(&p.name.as_str())).map(|p| p.shape.iter().product::<i64>()).sum();
+        if base_idle == 0 || expert_numel == 0 {
+            return base_idle;
+        }
+        let adapted: Vec<String> = self.targets.iter().filter(|t| t.fused_experts).flat_map(|t| ["lora_A", "lora_B"].map(|m| format!("{}.{m}.weight", t.module))).collect();
+        let expert_adapters: i64 = self.layout.units[self.base_units..].iter().flat_map(|u| &u.params).filter(|p| adapted.contains(&p.name)).map(|p| p.shape.iter().product::<i64>()).sum();
+        base_idle + (expert_adapters as f64 * base_idle as f64 / expert_numel as f64).round() as i64
+    }
+
+    /// The frozen parameters a token runs take forward and the input's
+    /// gradient (4 of the 6 FLOPs per parameter), the adapters all 6.
     fn train_flops_per_token(&self, seq: i64) -> f64 {
-        let frozen = self.frozen_numel();
-        let adapters: i64 = self.layout.units[self.base_units..].iter().map(UnitSpec::numel).sum();
+        let base_idle = self.base.idle_numel();
+        let frozen = self.frozen_numel() - base_idle;
+        let adapters: i64 = self.layout.units[self.base_units..].iter().map(UnitSpec::numel).sum::<i64>() - (self.idle_numel() - base_idle);
         self.base.train_flops_per_token(seq) - 2.0 * frozen as f64 + 6.0 * adapters as f64
     }
 }

@@ -823,11 +823,18 @@ pub trait Model: Send + Sync {
         self.units().iter().enumerate().filter(|(unit, _)| self.frozen(*unit)).map(|(_, spec)| spec.numel()).sum()
     }
 
+    /// The parameters a token does not run (a mixture of experts' experts
+    /// beyond the k it is routed to): training FLOPs leave them out.
+    fn idle_numel(&self) -> i64 {
+        0
+    }
+
     /// Training FLOPs per token at sequence length `seq`: 6N for the matmuls
-    /// over parameters plus 12·L·d·S for attention (PaLM's MFU formula).
+    /// over the parameters a token runs plus 12·L·d·S for attention (PaLM's
+    /// MFU formula).
     fn train_flops_per_token(&self, seq: i64) -> f64 {
         let d = self.dims();
-        6.0 * self.numel() as f64 + 12.0 * (d.layers * d.hidden * seq) as f64
+        6.0 * (self.numel() - self.idle_numel()) as f64 + 12.0 * (d.layers * d.hidden * seq) as f64
     }
 }
 

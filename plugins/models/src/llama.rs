@@ -670,9 +670,12 @@ impl Model for Llama {
     fn train_flops_per_token(&self, seq: i64) -> f64 {
         let features = self.config.num_attention_heads * self.head_dim;
         let keys = self.variant.sliding_window.map_or(seq, |window| seq.min(window));
-        // A token runs k of the experts: the others' parameters do no work for it.
-        let idle = self.experts.as_ref().map_or(0, |moe| moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 * moe.idle_params_per_layer(self.config.hidden_size));
-        6.0 * (self.numel() - idle) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+        6.0 * (self.numel() - self.idle_numel()) as f64 + 12.0 * (self.config.num_hidden_layers * features * keys) as f64
+    }
+
+    /// A token runs k of the experts: the others' parameters do no work for it.
+    fn idle_numel(&self) -> i64 {
+        self.experts.as_ref().map_or(0, |moe| moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 * moe.idle_params_per_layer(self.config.hidden_size))
     }
 
     /// With experts, the router stays in the compute dtype, as bitsandbytes
