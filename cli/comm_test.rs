@@ -1,11 +1,11 @@
-//! `ft comm-test`: flags → ft_core::collectives_bench; table and JSON out.
+//! `ft comm-test`: flags → ft_core::distributed::collectives_bench; table and JSON out.
 
 use anyhow::Result;
 use clap::Args;
-use ft_core::config::Overrides;
-use ft_core::collectives_bench::{self, Collective, CommTestOptions};
-use ft_core::device::DType;
 use ft_core::{Backend, Config};
+use ft_core::config::Overrides;
+use ft_core::device::DType;
+use ft_core::distributed::collectives_bench::{self, Collective, CommTestOptions};
 use std::path::PathBuf;
 
 #[derive(Args)]

@@ -5,13 +5,13 @@ use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
 use ft_core::config::{ModelInit, Overrides};
 use anyhow::Result;
 use clap::Args;
+use ft_core::{Config, Registry};
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::plan;
+use ft_core::run_dir;
 use ft_core::setup::{self, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::run_dir;
-use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
@@ -192,7 +192,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     }
     if let Some(workers) = setup::local_workers(&config, &env) {
         // Not started by a launcher: become one, with the same arguments.
-        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
+        return ft_core::distributed::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     worker(config, &registry, &env)
 }

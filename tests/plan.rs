@@ -7,9 +7,9 @@
 
 mod common;
 use common::{ft, shared, text};
-use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
-use ft_core::strategy::ReduceDtype;
+use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::{Model, Registry};
+use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
 use ft_models::hf;
 use serde_json::Value;
 use std::collections::HashMap;

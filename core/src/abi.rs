@@ -23,13 +23,13 @@
 //! crates those types and their allocations come from (tch, anyhow,
 //! serde_json), so a plug-in built with another of them is refused by name.
 
-use crate::comm::{ProcessGroup, Work};
-use crate::comm::Collective;
-use crate::comm_hook::{
+use crate::distributed::comm::Collective;
+use crate::distributed::comm::{ProcessGroup, Work};
+use crate::distributed::comm_hook::{
     guarded, Builtin, CollectiveBytes, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Restored, UnitInfo, Wire,
     WireRequest, WorldChange,
 };
-use crate::strategy::{ShardingPolicy, ShardingStrategy};
+use crate::distributed::strategy::{ShardingPolicy, ShardingStrategy};
 use anyhow::Result;
 use serde_json::{Map, Value};
 use std::mem::{align_of, offset_of, size_of};
@@ -382,7 +382,7 @@ pub struct StrategyDeclaration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm_hook::{Builtin, CommHook};
+    use crate::distributed::comm_hook::{Builtin, CommHook};
 
     /// Overrides entries on both sides of where the test cuts the table.
     struct Marked;

@@ -16,8 +16,8 @@
 //! A failed run's whole output (every rank's, through the launcher) is kept
 //! in a log file its row names, and its last lines are shown under the row.
 
-use crate::comm_hook::CommHook;
 use crate::config::{CommConfig, Config};
+use crate::distributed::comm_hook::CommHook;
 use crate::registry::{Origin, Registry};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -511,7 +511,7 @@ mod tests {
 
     #[test]
     fn a_tolerance_may_grow_with_steps_and_both_runs_are_shown_per_step() {
-        let growing = crate::comm_hook::Tolerance { base: 0.01, per_step: 0.01 };
+        let growing = crate::distributed::comm_hook::Tolerance { base: 0.01, per_step: 0.01 };
         // 3.75% apart at step 4 is within 1% + 3 × 1%; 4% at step 2 is not within 2%.
         let (outcome, table) = compare(&[1.0, 2.0, 3.0, 4.15], &[1.0, 2.0, 3.0, 4.0], |s| growing.at(s));
         assert!(matches!(outcome, Outcome::Pass(ref m) if m.contains("largest gap 3.750% at step 4, where 4.00% is allowed")), "{outcome:?}");

@@ -10,12 +10,12 @@
 //! Each block's stage names its adapter unit and `Params::linear` adds the
 //! update, so the architectures' math is untouched. The engine keeps a
 //! frozen unit in the compute dtype only — sharded as the strategy says, no
-//! fp32 master, gradient or moments (`flat.rs`) — and trains the adapters
+//! fp32 master, gradient or moments (`distributed/flat.rs`) — and trains the adapters
 //! like any unit.
 
 use crate::config::LoraConfig;
-use crate::nf4::Quantization;
 use crate::model::{self, Activations, AdapterScaling, Context, Dims, Init, Inputs, KvCache, Layout, Model, ParamSpec, Params, StageKind, UnitSpec};
+use crate::nf4::Quantization;
 use anyhow::{bail, Result};
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -235,7 +235,7 @@ impl LoraModel {
             if quantization.double_quant { ", double quantized" } else { "" },
             megabytes(held),
             megabytes(unquantized),
-            crate::collectives_bench::dtype_name(dtype),
+            crate::distributed::collectives_bench::dtype_name(dtype),
             megabytes(unquantized - held)
         ))
     }

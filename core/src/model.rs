@@ -735,7 +735,7 @@ pub trait Model: Send + Sync {
     /// How the units that stages name as `adapter` join the linear layers
     /// (None: the model has no adapters).
     /// How the frozen blocks' weights are held in 4 bits, if they are
-    /// (QLoRA's base: the trainer packs them, `packed_base.rs`).
+    /// (QLoRA's base: the trainer packs them, `distributed/packed_base.rs`).
     fn quantized_base(&self) -> Option<crate::nf4::Quantization> {
         None
     }

@@ -4,13 +4,13 @@
 //! and plug-ins loaded at run time add entries to the same registry.
 
 use crate::abi::{table_factory, TableFactory, TableHook};
-use crate::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
+use crate::distributed::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
+use crate::distributed::strategy::{ShardingStrategy, StrategyRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
-use crate::names::{unknown, unknown_without_guess};
 use crate::model::ModelRegistration;
+use crate::names::{unknown, unknown_without_guess};
 use crate::offload::OffloadRegistration;
-use crate::strategy::{ShardingStrategy, StrategyRegistration};
 use crate::task::TaskRegistration;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -163,7 +163,7 @@ impl Registry {
     /// The hook a run uses: `comm.name`'s, made with its options; else the
     /// strategy's own, else the built-in collectives. Also what
     /// checkpoints record of it.
-    pub fn comm_hook(&self, config: &CommConfig, strategy: &dyn crate::strategy::ShardingStrategy) -> Result<(Box<dyn CommHook>, CommRecord)> {
+    pub fn comm_hook(&self, config: &CommConfig, strategy: &dyn crate::distributed::strategy::ShardingStrategy) -> Result<(Box<dyn CommHook>, CommRecord)> {
         self.check_comm(config)?;
         let own = match &config.name {
             None => strategy.comm_hook(),
@@ -329,7 +329,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::strategy::*;
+    use crate::distributed::strategy::*;
 
     fn entry(name: &str, aliases: &[&str], origin: Origin) -> StrategyEntry {
         StrategyEntry {

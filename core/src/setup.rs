@@ -2,8 +2,8 @@
 //! against the registry, this rank's device, dtype and communicator from
 //! `train.*` and `dist.*`, and the host's cores shared among its ranks.
 
-use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
+use crate::distributed::comm::{Backend, CommOptions, Communicator};
 use crate::env::{DistEnv, EnvSource};
 use crate::offload::Offload;
 use crate::registry::Registry;
@@ -78,7 +78,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         bail!("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains: give one");
     }
     check_given_keys(config)?;
-    if t.strategy != crate::strategy::AUTO {
+    if t.strategy != crate::distributed::strategy::AUTO {
         let strategy = registry.strategy(&t.strategy)?;
         (strategy.create)().policy().validate(&strategy.name)?;
     }
@@ -201,7 +201,7 @@ const REQUIRES: [(&str, fn(&Config) -> bool, &str); 12] = [
 /// picks the strategy from the model, so the run asks at its start.
 pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_node: usize) -> Result<String> {
     let t = &config.train;
-    if t.strategy == crate::strategy::AUTO {
+    if t.strategy == crate::distributed::strategy::AUTO {
         return Ok("communication: the hook is asked whether it serves the run when it starts (--strategy auto picks the strategy from the model)".into());
     }
     let strategy = (registry.strategy(&t.strategy)?.create)();
@@ -209,7 +209,7 @@ pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_n
     let policy = strategy.policy();
     let shard_size = policy.shard_group_size(strategy.name(), world, per_node, t.shard_group_size)?;
     let offload = (registry.offload(&t.offload)?.create)().to_host();
-    crate::comm_hook::check_serves(hook.as_ref(), &policy.comm_plan(strategy.name(), world, shard_size, offload))?;
+    crate::distributed::comm_hook::check_serves(hook.as_ref(), &policy.comm_plan(strategy.name(), world, shard_size, offload))?;
     Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
 }
 

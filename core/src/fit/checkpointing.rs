@@ -22,9 +22,9 @@
 use super::monitor::Monitor;
 use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
-use crate::comm::Communicator;
 use crate::config::{DataRange, TrainConfig};
-use crate::comm_hook::{Restored, WorldChange};
+use crate::distributed::comm::Communicator;
+use crate::distributed::comm_hook::{Restored, WorldChange};
 use crate::registry::CommRecord;
 use crate::signals::{self, StopSignals};
 use crate::train::Trainer;

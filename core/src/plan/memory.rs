@@ -9,7 +9,7 @@
 //! forward when one runs with each step, and float8 layers' casts. It
 //! allocates nothing.
 
-use crate::flat::{MemoryAccount, UnitPlacement};
+use crate::distributed::flat::{MemoryAccount, UnitPlacement};
 use crate::model::{head, Float8Layers, Model, StageKind};
 use crate::train::reductions_in_flight;
 use serde::{Deserialize, Serialize};

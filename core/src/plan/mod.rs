@@ -42,15 +42,15 @@ pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, float8_kept, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
 
-use crate::collectives_bench::{Collective, CommTestRow};
-use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
-use crate::flat::{param_offsets, MemoryAccount, UnitPlacement};
+use crate::distributed::collectives_bench::{Collective, CommTestRow};
+use crate::distributed::comm_hook::{CommHook, UnitInfo};
+use crate::distributed::flat::{param_offsets, MemoryAccount, UnitPlacement};
+use crate::distributed::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
 use crate::gpu::GpuSpec;
 use crate::model::{Float8Layers, Model};
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
-use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
 use crate::train::reductions_in_flight;
 use anyhow::{bail, Context, Result};
 use memory::{walk, MicroBatch};
@@ -485,8 +485,8 @@ fn with_margins(allocated: f64) -> f64 {
 /// largest `reductions_in_flight` unit reductions', every unit's
 /// replica reduction (the step waits for those at its end) and two
 /// gathers' (the one in use and the one prefetched).
-fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan, shard_group: usize) -> f64 {
-    use crate::comm_hook::{ReduceStage, Wire, WireRequest};
+fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::distributed::comm_hook::CommPlan, shard_group: usize) -> f64 {
+    use crate::distributed::comm_hook::{ReduceStage, Wire, WireRequest};
     let (mut bytes, mut reductions, mut replicas, mut gathers) = (0.0, vec![], 0, vec![]);
     let reduce = workload.reduce_dtype.kind(workload.dtype);
     for (unit, placement) in units.iter().zip(placements) {

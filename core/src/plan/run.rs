@@ -3,13 +3,13 @@
 //! fastest configuration predicted to need less.
 
 use super::{fastest, Checkpointing, Cluster, Plan, PlanRow, Workload};
-use crate::comm::{Communicator, Reduction};
 use crate::config::Config;
+use crate::distributed::comm::{Communicator, Reduction};
+use crate::distributed::strategy::AUTO;
 use crate::gpu::{self, GpuSpec};
 use crate::model::Model;
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
-use crate::strategy::AUTO;
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 

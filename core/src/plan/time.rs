@@ -15,9 +15,9 @@
 
 use super::memory::StepMemory;
 use super::{Cluster, Setup, Workload};
-use crate::collectives_bench::Collective;
-use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
-use crate::flat::UnitPlacement;
+use crate::distributed::collectives_bench::Collective;
+use crate::distributed::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
+use crate::distributed::flat::UnitPlacement;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use tch::Kind;
@@ -165,7 +165,7 @@ impl Wires<'_> {
         let request = WireRequest { wire, elements, dtype, group_size };
         let builtin = vec![request.builtin()];
         let declared = match (float8, self.hook) {
-            (true, _) => crate::float8_gather::float8_gather_bytes(&self.units[u], &request),
+            (true, _) => crate::distributed::float8_gather::float8_gather_bytes(&self.units[u], &request),
             (false, Some(hook)) => hook.wire_bytes(&self.units[u], &request),
             (false, None) => builtin.clone(),
         };
@@ -188,7 +188,7 @@ fn gather_transfers(placements: &[UnitPlacement], gathers: &[(usize, f64)], floa
         match (placement.params_sharded, placement.packed) {
             // A whole 4-bit unit is dequantized where it is, a whole frozen copy uploaded: nothing moves between ranks.
             (false, _) => {}
-            // 4-bit bytes go through the built-in all-gather, never a hook (`packed_base.rs`).
+            // 4-bit bytes go through the built-in all-gather, never a hook (`distributed/packed_base.rs`).
             (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
             (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, dtype, Group::Shard, i == 0, float8)),
         }
@@ -337,7 +337,7 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm_hook::{CollectiveBytes, UnitInfo};
+    use crate::distributed::comm_hook::{CollectiveBytes, UnitInfo};
 
     /// Top-k sparsification: every rank all-gathers its largest 1% of a
     /// gradient as (fp32 value, int32 index) pairs, and sums them locally.

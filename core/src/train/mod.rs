@@ -1,32 +1,31 @@
 //! The training engine: one process's training state — the model's units
-//! as flat buffers (`flat.rs`) and AdamW — run data-parallel as a strategy's
+//! as flat buffers (`distributed/flat.rs`) and AdamW — run data-parallel as a strategy's
 //! policy says. One micro-batch's forward and backward is `step.rs`, the
 //! gradient reductions it starts are `reduce.rs`, the optimizer step is
 //! `optim.rs`, the causal-LM head's loss is `loss.rs`, and the process
-//! groups a strategy needs are `parallel.rs`. docs/ARCHITECTURE.md follows
+//! groups a strategy needs are `distributed/parallel.rs`. docs/ARCHITECTURE.md follows
 //! one training step through these files.
 
 pub mod loss;
 mod optim;
-mod parallel;
 mod reduce;
 mod step;
 
-pub use crate::flat::unflatten;
+pub use crate::distributed::flat::unflatten;
 /// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
 pub use crate::kernels::Kernels;
-pub use parallel::DataParallel;
 pub(crate) use reduce::reductions_in_flight;
 
-use crate::comm::ProcessGroup;
-use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
-use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
-use crate::float8_gather::Float8Amaxes;
+use crate::distributed::comm::ProcessGroup;
+use crate::distributed::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
+use crate::distributed::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::distributed::float8_gather::Float8Amaxes;
+use crate::distributed::packed_base::PackedLayout;
+use crate::distributed::parallel::DataParallel;
+use crate::distributed::strategy::{ParamPlacement, ShardingPolicy};
 use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
-use crate::packed_base::PackedLayout;
-use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use std::collections::BTreeSet;
 use ft_sys::float8::{Float8, Recipe};
@@ -277,7 +276,7 @@ impl<'m> TrainerBuilder<'m> {
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
-        let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
+        let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::distributed::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let reference_info = unit_info
             .iter()
             .take(reference.len())
@@ -309,7 +308,7 @@ impl<'m> TrainerBuilder<'m> {
             } else if !gathered.is_empty() {
                 tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
                 let gathered: Vec<(usize, &UnitInfo)> = gathered.into_iter().map(|unit| (unit, &unit_info[unit])).collect();
-                let (gathers, amaxes) = crate::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);
+                let (gathers, amaxes) = crate::distributed::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);
                 hook = Box::new(gathers);
                 float8_amaxes = Some(amaxes);
             }
@@ -365,7 +364,7 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
             };
             match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
                 Some(quantization) => {
-                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), dtype, quantization);
+                    let layout = PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization);
                     (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
                 }
                 None => (placement, None),

@@ -4,8 +4,8 @@
 //! state), then the compute copies refreshed for the next forward.
 
 use super::{Kernels, Trainer};
-use crate::comm::Reduction;
-use crate::flat::FlatUnit;
+use crate::distributed::comm::Reduction;
+use crate::distributed::flat::FlatUnit;
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
 use tch::{Kind, Tensor};

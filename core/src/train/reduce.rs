@@ -4,8 +4,9 @@
 //! host as their reduction finishes. A reduction is waited for only when its
 //! result is needed.
 
-use super::{DataParallel, Trainer};
-use crate::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
+use super::Trainer;
+use crate::distributed::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
+use crate::distributed::parallel::DataParallel;
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};

@@ -12,9 +12,9 @@
 
 use super::reduce::{reductions_in_flight, Reductions};
 use super::{MicroBatch, Trainer};
-use crate::comm_hook::GatherPhase;
-use crate::flat::FlatUnit;
 use crate::dataset::Batch;
+use crate::distributed::comm_hook::GatherPhase;
+use crate::distributed::flat::FlatUnit;
 use crate::model::{Float8Layers, Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
@@ -195,7 +195,7 @@ impl Trainer<'_> {
         let Some(loss) = self.model.auxiliary_loss().filter(|_| !statistics.is_empty()) else { return Ok(None) };
         let mut statistics = Tensor::stack(statistics, 0);
         if let Some(parallel) = self.parallel {
-            parallel.world.all_reduce(&mut statistics, crate::comm::Reduction::Sum)?.wait()?;
+            parallel.world.all_reduce(&mut statistics, crate::distributed::comm::Reduction::Sum)?.wait()?;
         }
         Ok(Some((loss.weights(&statistics) / micro.count as f64, statistics)))
     }

@@ -4,9 +4,9 @@
 //! definitions so the numbers compare with nccl-tests and with
 //! `bench/peers/comm_bench.py` (PyTorch's own torch.distributed).
 
-pub use crate::comm::Collective;
-use crate::comm::{CommError, Communicator, ProcessGroup, Reduction};
+pub use crate::distributed::comm::Collective;
 use crate::device::synchronize;
+use crate::distributed::comm::{CommError, Communicator, ProcessGroup, Reduction};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;

@@ -37,12 +37,12 @@
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
 //! Trainer, skips biases and norms — applies to one prefix.
 
-use crate::comm::{ProcessGroup, Work};
-use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
+use crate::distributed::comm::{ProcessGroup, Work};
+use crate::distributed::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
+use crate::distributed::packed_base::{PackedBase, PackedLayout};
+use crate::distributed::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use crate::model::UnitSpec;
 use crate::offload::Offload;
-use crate::packed_base::{PackedBase, PackedLayout};
-use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -811,9 +811,9 @@ impl FlatUnit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::distributed::strategy::ShardGroup;
     use crate::model::{Init, ParamSpec};
     use crate::nf4::{QuantType, Quantization};
-    use crate::strategy::ShardGroup;
 
     /// Offloaded state in plain host memory (the `cpu` offload is a crate core does not depend on).
     struct HostForTests;

@@ -2,8 +2,8 @@
 //! world, the shard group that splits parameters, gradients and optimizer
 //! state, and (hybrid sharding) the replica groups across shard groups.
 
-use crate::comm::{Communicator, ProcessGroup};
-use crate::strategy::{ReduceDtype, ShardingPolicy, ShardingStrategy};
+use crate::distributed::comm::{Communicator, ProcessGroup};
+use crate::distributed::strategy::{ReduceDtype, ShardingPolicy, ShardingStrategy};
 use anyhow::Result;
 use tch::Kind;
 

@@ -15,8 +15,8 @@
 //! takes a request owns it entirely (core issues nothing beside it); the
 //! result is the *sum* over the group, in the output's dtype.
 
-pub use crate::comm::Collective;
-use crate::comm::{ProcessGroup, Reduction, Work};
+pub use crate::distributed::comm::Collective;
+use crate::distributed::comm::{ProcessGroup, Reduction, Work};
 use crate::model::UnitSpec;
 use anyhow::{bail, Result};
 use serde_json::{Map, Value};
