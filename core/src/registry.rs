@@ -173,7 +173,11 @@ impl Registry {
             let record = CommRecord { name: hook.name().to_string(), options: serde_json::json!({}) };
             return Ok((hook, record));
         }
-        let name = config.name.as_deref().unwrap_or(BUILTIN);
+        self.named_comm_hook(config, config.name.as_deref().unwrap_or(BUILTIN))
+    }
+
+    /// The hook registered as `name`, made with its options in `config`, and what checkpoints record of it.
+    pub fn named_comm_hook(&self, config: &CommConfig, name: &str) -> Result<(Box<dyn CommHook>, CommRecord)> {
         let entry = self.comm(name)?;
         let options = config.options.get(name).and_then(|o| o.as_object()).cloned().unwrap_or_default();
         let table = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;

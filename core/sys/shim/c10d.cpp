@@ -232,11 +232,15 @@ char* ft_reduce_scatter_tensor(FtGroup* group, at::Tensor* output, at::Tensor* i
   });
 }
 
-char* ft_all_to_all(FtGroup* group, at::Tensor* output, at::Tensor* input, FtWork** out) {
+// Rows (the first dimension) of `input` to each member, `input_splits[i]`
+// to member i, and of `output` from each; `splits` 0: equal chunks.
+char* ft_all_to_all(FtGroup* group, at::Tensor* output, at::Tensor* input, const int64_t* output_splits,
+                    const int64_t* input_splits, int splits, FtWork** out) {
   return guarded([&] {
-    std::vector<int64_t> equal_splits;
+    std::vector<int64_t> output_rows(output_splits, output_splits + splits);
+    std::vector<int64_t> input_rows(input_splits, input_splits + splits);
     auto result = std::make_unique<FtWork>();
-    result->work = group->backend->alltoall_base(*output, *input, equal_splits, equal_splits, c10d::AllToAllOptions());
+    result->work = group->backend->alltoall_base(*output, *input, output_rows, input_rows, c10d::AllToAllOptions());
     *out = result.release();
   });
 }

@@ -73,7 +73,15 @@ extern "C" {
         reduction: i32,
         out: *mut *mut RawWork,
     ) -> *mut c_char;
-    fn ft_all_to_all(group: *mut RawGroup, output: *mut RawTensor, input: *mut RawTensor, out: *mut *mut RawWork) -> *mut c_char;
+    fn ft_all_to_all(
+        group: *mut RawGroup,
+        output: *mut RawTensor,
+        input: *mut RawTensor,
+        output_splits: *const i64,
+        input_splits: *const i64,
+        splits: i32,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
     fn ft_broadcast(group: *mut RawGroup, tensor: *mut RawTensor, root: i32, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
@@ -271,7 +279,19 @@ impl Group {
 
     /// Equal chunks: chunk i of this member's `input` goes to member i.
     pub fn all_to_all(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
-        self.launch(|out| unsafe { ft_all_to_all(self.raw, tensor_ptr(output), tensor_ptr(input), out) })
+        self.all_to_all_rows(output, input, &[], &[])
+    }
+
+    /// Rows (the first dimension): `input_splits[i]` of `input` to member i,
+    /// `output_splits[i]` of `output` from member i, in member order (empty
+    /// splits: equal chunks).
+    pub fn all_to_all_rows(&self, output: &Tensor, input: &Tensor, output_splits: &[i64], input_splits: &[i64]) -> Result<Work> {
+        if output_splits.len() != input_splits.len() {
+            return Err(ShimError(format!("all_to_all: {} output splits and {} input splits", output_splits.len(), input_splits.len())));
+        }
+        self.launch(|out| unsafe {
+            ft_all_to_all(self.raw, tensor_ptr(output), tensor_ptr(input), output_splits.as_ptr(), input_splits.as_ptr(), input_splits.len() as i32, out)
+        })
     }
 
     pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
