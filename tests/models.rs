@@ -720,6 +720,38 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
     }
 }
 
+/// `--expert-parallel N` is checked before any rank starts, each bad degree
+/// refused in one line naming what it must divide: the world size, the
+/// experts; a dense model has none to split; a degree that fits is refused
+/// too, since the engine does not split experts yet.
+#[test]
+fn expert_parallel_degrees_are_checked_in_one_line() {
+    let scratch = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [1]});
+    std::fs::write(scratch.path().join("config.json"), config.to_string()).unwrap();
+    let data = scratch.path().join("train.jsonl");
+    std::fs::write(&data, "{\"text\": \"In the hills of Kalora\"}\n").unwrap();
+    let refused = |model: &Path, flags: &[&str]| {
+        let output = common::ft()
+            .args(["train", "--model", model.to_str().unwrap(), "--init", "random", "--train-file", data.to_str().unwrap()])
+            .args(["--output-dir", scratch.path().join("out").to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        let text = common::text(&output);
+        assert!(!output.status.success() && text.trim().lines().count() == 1, "{flags:?}: {text}");
+        text.trim().to_string()
+    };
+    let flag = "error: train.expert_parallel (--expert-parallel)";
+    assert_eq!(refused(scratch.path(), &["--expert-parallel", "3", "--nproc-per-node", "2"]), format!("{flag} 3 must divide the world size (2 ranks) into groups that each hold every expert once"));
+    assert_eq!(refused(scratch.path(), &["--expert-parallel", "3", "--nproc-per-node", "3"]), format!("{flag} 3 must divide the model's 8 experts, so that each rank of a group holds as many"));
+    assert_eq!(refused(&fixture("llama"), &["--expert-parallel", "2", "--nproc-per-node", "2"]), format!("{flag} 2: model_type llama is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)"));
+    assert!(refused(scratch.path(), &["--expert-parallel", "0"]).starts_with(&format!("{flag} must be at least 1")));
+    assert!(refused(scratch.path(), &["--expert-parallel", "2", "--nproc-per-node", "2"]).starts_with(&format!("{flag} 2: expert parallelism is not implemented yet (each rank holding 4 of the 8 experts")));
+}
+
 /// Generation runs the experts through the KV cache as a forward does:
 /// left-padded prompts decoded together give each prompt's tokens alone.
 #[test]

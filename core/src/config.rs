@@ -455,6 +455,9 @@ pub struct TrainConfig {
     /// Ranks per shard group for sharded strategies (default: the
     /// strategy's — the world, or one node for hybrid_shard).
     pub shard_group_size: Option<usize>,
+    /// Ranks of one expert-parallel group, which split a mixture of
+    /// experts' experts between them (1: every rank holds every expert).
+    pub expert_parallel: usize,
     /// dtype gradients are reduced in: fp32, or compute (bf16 halves the bytes).
     pub reduce_dtype: crate::distributed::strategy::ReduceDtype,
     /// Where optimizer state and master shards live: none (the device) or cpu.
@@ -638,6 +641,7 @@ impl Default for TrainConfig {
             resume: None,
             strategy: "ddp".into(),
             shard_group_size: None,
+            expert_parallel: 1,
             reduce_dtype: crate::distributed::strategy::ReduceDtype::Fp32,
             offload: "none".into(),
             profile_steps: None,

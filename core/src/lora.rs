@@ -354,6 +354,9 @@ impl Model for LoraModel {
     fn logit_softcap(&self) -> Option<f64> {
         self.base.logit_softcap()
     }
+    fn experts(&self) -> Option<i64> {
+        self.base.experts()
+    }
 
     /// A frozen parameter costs forward and the input's gradient (4 FLOPs
     /// per token), not its own gradient (2 more).

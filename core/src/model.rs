@@ -773,6 +773,12 @@ pub trait Model: Send + Sync {
         true
     }
 
+    /// The experts of each sparse layer, for a mixture of experts (what
+    /// `train.expert_parallel` splits over ranks); None for a dense model.
+    fn experts(&self) -> Option<i64> {
+        None
+    }
+
     /// The loss the blocks add beside the objective's from the terms they
     /// record (`Auxiliary::record`): a mixture of experts' load balancing
     /// when its config asks for it; None (the default) where none is added.

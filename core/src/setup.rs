@@ -83,6 +83,9 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         (strategy.create)().policy().validate(&strategy.name)?;
     }
     registry.offload(&t.offload)?;
+    if t.expert_parallel == 0 {
+        bail!("train.expert_parallel (--expert-parallel) must be at least 1: the ranks that split a mixture of experts' experts (1: each rank holds them all)");
+    }
     registry.check_comm(&config.comm)?;
     if let Some(name) = &config.task.name {
         let task = registry.task(Some(name), "")?;
@@ -110,6 +113,27 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
         EnvSource::SingleProcess => (config.launch.nproc_per_node, config.launch.nproc_per_node),
         _ => (env.world_size, env.local_world_size),
     }
+}
+
+/// Checks `train.expert_parallel` against the run's `world` and its
+/// `model`: a degree above 1 must divide both the world size and the
+/// experts of a mixture of experts. Such a degree is then refused as well:
+/// the engine does not split experts over ranks yet.
+pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model) -> Result<()> {
+    if degree <= 1 {
+        return Ok(());
+    }
+    let flag = format!("train.expert_parallel (--expert-parallel) {degree}");
+    let Some(experts) = model.experts() else {
+        bail!("{flag}: model_type {} is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)", model.model_type());
+    };
+    if world % degree != 0 {
+        bail!("{flag} must divide the world size ({world} ranks) into groups that each hold every expert once");
+    }
+    if experts as usize % degree != 0 {
+        bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
+    }
+    bail!("{flag}: expert parallelism is not implemented yet (each rank holding {} of the {experts} experts, tokens exchanged by all-to-all); train with 1, every rank holding every expert", experts as usize / degree)
 }
 
 /// The local workers a command started by no launcher starts itself

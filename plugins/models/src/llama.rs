@@ -683,6 +683,10 @@ impl Model for Llama {
         self.experts.as_ref().is_none_or(|moe| moe.gemms(self.config.hidden_size, device, dtype) == moe::ExpertGemms::Grouped)
     }
 
+    fn experts(&self) -> Option<i64> {
+        self.experts.as_ref().map(|moe| moe.experts)
+    }
+
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
         self.experts.as_ref().filter(|moe| moe.aux_loss_coef.is_some()).map(|moe| moe as &dyn model::AuxiliaryLoss)
     }
