@@ -117,9 +117,10 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
 
 /// Checks `train.expert_parallel` against the run's `world` and its
 /// `model`: a degree above 1 must divide both the world size and the
-/// experts of a mixture of experts. Such a degree is then refused as well:
-/// the engine does not split experts over ranks yet.
-pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model) -> Result<()> {
+/// experts of a mixture of experts, and trains the whole model on the
+/// device (not LoRA's adapters, nor state offloaded to the host: not yet).
+pub fn check_expert_parallel(train: &crate::config::TrainConfig, world: usize, model: &dyn crate::Model) -> Result<()> {
+    let degree = train.expert_parallel;
     if degree <= 1 {
         return Ok(());
     }
@@ -133,7 +134,13 @@ pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Mod
     if experts as usize % degree != 0 {
         bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
     }
-    bail!("{flag}: expert parallelism is not implemented yet (each rank holding {} of the {experts} experts, tokens exchanged by all-to-all); train with 1, every rank holding every expert", experts as usize / degree)
+    if train.lora.enabled() {
+        bail!("{flag} with LoRA (train.lora): expert parallelism trains the whole model for now; train LoRA with 1");
+    }
+    if train.offload != "none" {
+        bail!("{flag} with train.offload {}: expert parallelism keeps its state on the device for now; drop --offload, or train with 1", train.offload);
+    }
+    Ok(())
 }
 
 /// The local workers a command started by no launcher starts itself

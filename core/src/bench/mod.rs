@@ -237,7 +237,7 @@ fn measure(
 ) -> Result<Option<Row>> {
     let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
     let world = rank.world_size();
-    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype)?;
+    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype, 1)?;
     // On one rank nothing is communicated, so there is nothing to refuse.
     if world > 1 {
         hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))

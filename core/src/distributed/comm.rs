@@ -502,15 +502,18 @@ impl Communicator {
     /// ranks (by default one node), `replica` holds the ranks with the same
     /// position in every shard group.
     pub fn hybrid_groups(&self, shard_size: usize) -> Result<(ProcessGroup, ProcessGroup)> {
+        self.blocks_and_strides(shard_size, ["shard", "replica"])
+    }
+
+    /// Groups of `size` consecutive ranks, and the groups of the ranks
+    /// with the same position in each, named `names`.
+    pub fn blocks_and_strides(&self, size: usize, names: [&str; 2]) -> Result<(ProcessGroup, ProcessGroup)> {
         let world = self.env.world_size;
-        if shard_size == 0 || world % shard_size != 0 {
-            bail!("shard group size {shard_size} must divide the world size {world}");
+        if size == 0 || world % size != 0 {
+            bail!("{} group size {size} must divide the world size {world}", names[0]);
         }
-        let shards: Vec<Vec<usize>> = (0..world / shard_size)
-            .map(|g| (g * shard_size..(g + 1) * shard_size).collect())
-            .collect();
-        let replicas: Vec<Vec<usize>> =
-            (0..shard_size).map(|i| (i..world).step_by(shard_size).collect()).collect();
-        Ok((self.split("shard", &shards)?, self.split("replica", &replicas)?))
+        let blocks: Vec<Vec<usize>> = (0..world / size).map(|g| (g * size..(g + 1) * size).collect()).collect();
+        let strides: Vec<Vec<usize>> = (0..size).map(|i| (i..world).step_by(size).collect()).collect();
+        Ok((self.split(names[0], &blocks)?, self.split(names[1], &strides)?))
     }
 }

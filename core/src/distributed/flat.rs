@@ -181,6 +181,10 @@ pub struct UnitPlacement {
     /// Frozen and held as 4-bit bytes: `shard` is over the bytes of the
     /// unit's `PackedLayout`, not its elements.
     pub packed: bool,
+    /// An expert-parallel rank's rows of an experts unit, which its
+    /// buffers hold whole: where they start in the unit as the model
+    /// declares it. None for every other unit.
+    pub expert_rows: Option<i64>,
 }
 
 impl UnitPlacement {
@@ -197,7 +201,15 @@ impl UnitPlacement {
             offload,
             frozen: false,
             packed: false,
+            expert_rows: None,
         }
+    }
+
+    /// An expert-parallel rank's rows of an experts unit, `numel` elements
+    /// from `origin` on: whole on this rank (its replicas hold the same),
+    /// never gathered.
+    pub fn expert_rows(numel: i64, origin: i64, offload: bool) -> UnitPlacement {
+        UnitPlacement { expert_rows: Some(origin), ..UnitPlacement::new(&ShardingPolicy::replicated(false), numel, 1, 0, offload) }
     }
 
     /// This placement for a frozen unit: its parameters where the policy

@@ -246,7 +246,7 @@ fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_par
 /// Training FLOPs per token of the blocks alone (what recomputation repeats in forward).
 fn block_flops_per_token(workload: &Workload) -> f64 {
     let model = workload.model;
-    let block_units: BTreeSet<usize> = crate::model::block_units(model).collect();
+    let block_units: BTreeSet<usize> = model.stages().iter().filter(|stage| stage.kind == crate::model::StageKind::Block).flat_map(|stage| stage.units()).collect();
     let other_params: i64 = (0..model.units().len()).filter(|u| !block_units.contains(u)).map(|u| model.units()[u].numel()).sum();
     model.train_flops_per_token(workload.seq) - 6.0 * other_params as f64
 }
@@ -255,7 +255,7 @@ fn block_flops_per_token(workload: &Workload) -> f64 {
 /// stages, adapters off: a third of training's (2N and attention's 4·layers·hidden·seq).
 fn forward_flops_per_token(workload: &Workload) -> f64 {
     let model = workload.model;
-    let units: BTreeSet<usize> = model.stages().iter().map(|stage| stage.unit).collect();
+    let units: BTreeSet<usize> = model.stages().iter().flat_map(|stage| stage.units()).collect();
     let params: i64 = units.iter().map(|&u| model.units()[u].numel()).sum();
     let dims = model.dims();
     2.0 * params as f64 + 4.0 * (dims.layers * dims.hidden * workload.seq) as f64

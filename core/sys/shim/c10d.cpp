@@ -829,6 +829,57 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
   }
 };
 
+// An exchange of rows between ranks (expert parallelism's dispatch and
+// combine) as one autograd node: Rust runs the exchange forward and its
+// reverse on the gradient (`direction` 0 and 1), through the run's
+// communication hook. The Rust side's state for the node lives until the
+// node does: the capsule's destructor hands its handle back.
+typedef int (*ExchangeFn)(int64_t handle, int direction, const at::Tensor* input, at::Tensor** output, char* message,
+                          size_t capacity);
+typedef void (*ReleaseFn)(int64_t handle);
+
+struct ExchangeState : torch::CustomClassHolder {
+  int64_t handle;
+  ExchangeFn run;
+  ReleaseFn release;
+  ExchangeState(int64_t handle, ExchangeFn run, ReleaseFn release) : handle(handle), run(run), release(release) {}
+  ~ExchangeState() override { release(handle); }
+
+  at::Tensor exchange(int direction, const at::Tensor& input) const {
+    char message[1024] = {0};
+    at::Tensor* output = nullptr;
+    if (run(handle, direction, &input, &output, message, sizeof message) != 0) {
+      throw std::runtime_error(message);
+    }
+    at::Tensor result = std::move(*output);
+    delete output;
+    return result;
+  }
+};
+
+struct Exchange : public torch::autograd::Function<Exchange> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t handle, int64_t run,
+                            int64_t release) {
+    auto state = c10::make_intrusive<ExchangeState>(handle, reinterpret_cast<ExchangeFn>(run),
+                                                    reinterpret_cast<ReleaseFn>(release));
+    at::Tensor output = state->exchange(0, input);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto state = c10::static_intrusive_pointer_cast<ExchangeState>(ctx->saved_data["state"].toCapsule());
+    return {state->exchange(1, grads[0].contiguous()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_exchange(at::Tensor* input, int64_t handle, ExchangeFn run, ReleaseFn release, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(Exchange::apply(*input, handle, reinterpret_cast<int64_t>(run), reinterpret_cast<int64_t>(release)));
+  });
+}
+
 char* ft_swiglu(at::Tensor* gate, at::Tensor* up, FusedKernel kernel, at::Tensor** out) {
   return guarded([&] { *out = new at::Tensor(SwiGlu::apply(*gate, *up, reinterpret_cast<int64_t>(kernel))); });
 }
