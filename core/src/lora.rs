@@ -354,7 +354,7 @@ impl Model for LoraModel {
     fn logit_softcap(&self) -> Option<f64> {
         self.base.logit_softcap()
     }
-    fn experts(&self) -> Option<i64> {
+    fn experts(&self) -> Option<crate::model::Experts> {
         self.base.experts()
     }
 

@@ -378,6 +378,17 @@ pub struct Context {
     pub experts: Option<std::rc::Rc<dyn ExpertExchange>>,
 }
 
+/// A mixture of experts' routing, as the engine and `ft plan` count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Experts {
+    /// Experts in each sparse layer.
+    pub count: i64,
+    /// Experts each token goes through (top-k).
+    pub per_token: i64,
+    /// Layers whose MLP is the experts.
+    pub sparse_layers: i64,
+}
+
 /// Expert parallelism as a mixture of experts' block sees it: this rank
 /// holds experts `rank·E/size .. (rank+1)·E/size` of each sparse layer
 /// (its experts units' rows) and exchanges rows with the other ranks of
@@ -816,9 +827,9 @@ pub trait Model: Send + Sync {
         true
     }
 
-    /// The experts of each sparse layer, for a mixture of experts (what
-    /// `train.expert_parallel` splits over ranks); None for a dense model.
-    fn experts(&self) -> Option<i64> {
+    /// A mixture of experts' experts (what `train.expert_parallel` splits
+    /// over ranks, and `ft plan` counts); None for a dense model.
+    fn experts(&self) -> Option<Experts> {
         None
     }
 

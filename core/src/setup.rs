@@ -125,7 +125,7 @@ pub fn check_expert_parallel(train: &crate::config::TrainConfig, world: usize, m
         return Ok(());
     }
     let flag = format!("train.expert_parallel (--expert-parallel) {degree}");
-    let Some(experts) = model.experts() else {
+    let Some(experts) = model.experts().map(|experts| experts.count) else {
         bail!("{flag}: model_type {} is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)", model.model_type());
     };
     if world % degree != 0 {

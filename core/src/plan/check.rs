@@ -111,6 +111,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             offload_to_host: (offload.create)().to_host(),
             activation_checkpointing: row.activation_checkpointing,
             comm: None,
+            expert_parallel: 1,
         };
         let predicted = predict(&workload, &cluster, &setup)?;
         checked.push(CheckedRow {

@@ -263,20 +263,18 @@ impl<'m> TrainerBuilder<'m> {
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
-        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype);
         let experts = parallel.and_then(|p| p.experts.as_ref());
-        let expert_units = expert_units(model);
+        let expert_group = experts.map(|groups| (groups.group.size(), groups.group.rank()));
+        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype, expert_group);
         let (mut units, mut reference) = (vec![], vec![]);
         for (unit, (spec, (placement, packed))) in model.units().iter().zip(placed).enumerate() {
             let t = params.unit(unit)?;
-            if let Some(groups) = experts.filter(|_| expert_units.contains(&unit)) {
+            if let (Some(groups), Some(_)) = (experts, placement.expert_rows) {
                 // This rank's experts: its rows of the unit's parameter, held whole.
                 let rows = groups.rows(spec.params[0].shape[0]);
                 let t: Vec<Tensor> = t.iter().map(|t| t.narrow(0, rows.start, rows.end - rows.start)).collect();
                 let mut local = spec.clone();
                 local.params[0].shape[0] = rows.end - rows.start;
-                let row_elements = spec.numel() / spec.params[0].shape[0];
-                let placement = UnitPlacement::expert_rows(local.numel(), rows.start * row_elements, offload.is_some());
                 if reference_copy {
                     reference.push(FlatUnit::new(&local, &t, options.dtype, placement.frozen_copy(), offload)?);
                 }
@@ -368,14 +366,19 @@ impl<'m> TrainerBuilder<'m> {
 /// the base is held in 4 bits (`Model::quantized_base`), the frozen blocks
 /// as the bytes of their `PackedLayout` (bitsandbytes quantizes the blocks'
 /// linear layers; the embeddings and the head keep the compute dtype).
-pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
+pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind, experts: Option<(usize, usize)>) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
     let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
     let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
+    let expert_units = expert_units(model);
     model
         .units()
         .iter()
         .enumerate()
         .map(|(unit, spec)| {
+            if let Some((degree, rank)) = experts.filter(|_| expert_units.contains(&unit)) {
+                let rows = spec.numel() / degree as i64;
+                return (UnitPlacement::expert_rows(rows, rows * rank as i64, offload), None);
+            }
             let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
             let placement = match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),

@@ -689,8 +689,8 @@ impl Model for Llama {
         self.experts.as_ref().is_none_or(|moe| moe.gemms(self.config.hidden_size, device, dtype) == moe::ExpertGemms::Grouped)
     }
 
-    fn experts(&self) -> Option<i64> {
-        self.experts.as_ref().map(|moe| moe.experts)
+    fn experts(&self) -> Option<model::Experts> {
+        self.experts.as_ref().map(|moe| model::Experts { count: moe.experts, per_token: moe.top_k, sparse_layers: moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 })
     }
 
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
