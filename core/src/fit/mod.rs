@@ -233,6 +233,10 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype, config.expert_parallel)?;
     crate::distributed::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
+    if let (Some(groups), Some(experts), 0) = (&parallel.experts, model.experts(), rank) {
+        let (degree, copies) = (groups.group.size(), groups.replicas.as_ref().map_or(1, |r| r.size()));
+        tracing::info!("expert parallel {degree}: each rank holds {} of the {} experts of each sparse layer, each expert held by {copies} rank(s)", experts.count / degree as i64, experts.count);
+    }
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);
