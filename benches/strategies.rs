@@ -10,8 +10,8 @@
 //! whose plug-in is missing are skipped with a note).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ft_core::flat::{FlatUnit, UnitPlacement};
-use ft_core::strategy::{ShardGroup, ShardingPolicy};
+use ft_core::distributed::flat::{FlatUnit, UnitPlacement};
+use ft_core::distributed::strategy::{ShardGroup, ShardingPolicy};
 use ft_models::hf;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -10,14 +10,14 @@ use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Configuration, Row};
+use ft_core::{Config, Registry};
 use ft_core::config::Fp8;
 use ft_core::device::{DType, DeviceSpec};
+use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::gpu::GpuSpec;
 use ft_core::model::Model;
 use ft_core::plan::{self, BenchSettings, Float8Flags};
 use ft_core::setup::Rank;
-use ft_core::strategy::ReduceDtype;
-use ft_core::{Config, Registry};
 use ft_models::hf;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -134,7 +134,7 @@ pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     for one in bench::matrix(&args.configs, &args.batch, &args.seq, &args.gpus, &args.strategy, &args.comm) {
         let result = scratch.join(format!("row-{}.json", rows.len()));
         let row = launch_one(&args, plugins, &one, &result).unwrap_or_else(|e| {
-            let comm = one.comm.as_deref().unwrap_or(ft_core::comm_hook::BUILTIN);
+            let comm = one.comm.as_deref().unwrap_or(ft_core::distributed::comm_hook::BUILTIN);
             Row::failed(&one.model, &one.strategy, comm, &args.offload, &case(&args, one.batch, one.seq), one.gpus, format!("{e:#}"))
         });
         eprintln!("{}", row.describe());
@@ -192,7 +192,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], one: &Configuration, result
     std::fs::write(&arguments, serde_json::to_string(&one)?).with_context(|| format!("cannot write {}", arguments.display()))?;
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
     argv.extend(["bench".into(), "--worker".into(), arguments.display().to_string()]);
-    let code = ft_core::launch::spawn_local(one.gpus[0], argv)?;
+    let code = ft_core::distributed::launch::spawn_local(one.gpus[0], argv)?;
     if code != 0 {
         bail!("workers exited with code {code} (their output is above)");
     }

@@ -1,11 +1,11 @@
-//! `ft comm-test`: flags → ft_core::collectives_bench; table and JSON out.
+//! `ft comm-test`: flags → ft_core::distributed::collectives_bench; table and JSON out.
 
 use anyhow::Result;
 use clap::Args;
+use ft_core::{Backend, Config, Registry};
 use ft_core::config::Overrides;
-use ft_core::collectives_bench::{self, Collective, CommTestOptions};
 use ft_core::device::DType;
-use ft_core::{Backend, Config};
+use ft_core::distributed::collectives_bench::{self, Collective, CommTestOptions};
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -47,6 +47,14 @@ pub struct CommTestArgs {
     /// Write the results as JSON here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Run the all-to-all through this communication hook's (expert
+    /// parallelism's token exchange), with splits that differ by rank;
+    /// its options from `--set comm.NAME.KEY=VALUE` or the config file.
+    #[arg(long)]
+    comm: Option<String>,
+    /// Set a `comm.*` or `dist.*` key, e.g. --set comm.int8.block=64; repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = ft_core::config::parse_assignment)]
+    assignments: Vec<ft_core::config::Assignment>,
 }
 
 impl CommTestArgs {
@@ -59,8 +67,12 @@ impl CommTestArgs {
     }
 }
 
-pub fn run(args: CommTestArgs) -> Result<i32> {
-    let config = Config::load(args.config.path.as_deref(), &args.config_overrides().0, &[])?;
+pub fn run(args: CommTestArgs, plugins: &[PathBuf]) -> Result<i32> {
+    ft_core::config::check_reads(&args.assignments, "comm-test", &["comm", "dist"])?;
+    let config = Config::load(args.config.path.as_deref(), &args.config_overrides().0, &args.assignments)?;
+    let registry = Registry::with_plugins(plugins)?;
+    registry.check_comm(&config.comm)?;
+    let hook = args.comm.as_deref().map(|name| registry.named_comm_hook(&config.comm, name)).transpose()?.map(|(hook, _)| hook);
     let options = CommTestOptions {
         collectives: args.ops.clone(),
         sizes: collectives_bench::size_sweep(args.min_bytes, args.max_bytes, args.factor)?,
@@ -70,6 +82,6 @@ pub fn run(args: CommTestArgs) -> Result<i32> {
         check: !args.no_check,
     };
     let dtypes: Vec<tch::Kind> = args.dtype.iter().map(|d| d.storage_kind()).collect();
-    collectives_bench::run_command(&config, &options, &dtypes, args.group_size, args.json.as_deref())?;
+    collectives_bench::run_command(&config, &options, &dtypes, args.group_size, args.json.as_deref(), hook)?;
     Ok(0)
 }

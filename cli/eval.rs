@@ -5,11 +5,11 @@ use crate::args::{RankArgs, Settings};
 use ft_core::config::Overrides;
 use anyhow::Result;
 use clap::Args;
-use ft_core::env::DistEnv;
 use ft_core::device::DType;
+use ft_core::env::DistEnv;
+use ft_core::Registry;
 use ft_core::setup::Rank;
 use ft_core::task::TaskInputs;
-use ft_core::Registry;
 use ft_models::hf;
 use std::path::PathBuf;
 
@@ -69,7 +69,7 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
     if let Some(workers) = ft_core::setup::local_workers(&config, &DistEnv::from_env()?) {
-        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
+        return ft_core::distributed::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
     let dir = hf::resolve(&config.model.source)?;

@@ -1,8 +1,8 @@
-//! `ft launch`: flags → ft_core::launch.
+//! `ft launch`: flags → ft_core::distributed::launch.
 
 use anyhow::Result;
 use clap::Args;
-use ft_core::launch::LaunchOptions;
+use ft_core::distributed::launch::LaunchOptions;
 
 #[derive(Args)]
 pub struct LaunchArgs {
@@ -26,7 +26,7 @@ pub struct LaunchArgs {
     grace_secs: u64,
     /// Seconds the workers get to save a checkpoint and exit after a
     /// stopping signal (SIGINT, SIGTERM, SIGUSR1, …), passed on to them.
-    #[arg(long, default_value_t = ft_core::launch::DEFAULT_SAVE_GRACE_SECS)]
+    #[arg(long, default_value_t = ft_core::distributed::launch::DEFAULT_SAVE_GRACE_SECS)]
     save_grace_secs: u64,
     /// Run an arbitrary program instead of an `ft` subcommand (like torchrun --no-python).
     #[arg(long)]
@@ -38,5 +38,5 @@ pub struct LaunchArgs {
 
 pub fn run(args: LaunchArgs) -> Result<i32> {
     let LaunchArgs { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command } = args;
-    ft_core::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command })
+    ft_core::distributed::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command })
 }

@@ -127,7 +127,7 @@ fn main() {
 fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Launch(args) => launch::run(args),
-        Command::CommTest(args) => comm_test::run(args),
+        Command::CommTest(args) => comm_test::run(args, &cli.plugins),
         Command::List(config) => {
             Config::load(config.path.as_deref(), &[], &[])?;
             print!("{}", Registry::with_plugins(&cli.plugins)?.describe());

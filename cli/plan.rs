@@ -2,14 +2,14 @@
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
 use crate::args::{parse_comm_option, parse_compress_rate, parse_named, LoraArgs, StepShape};
-use ft_core::units::{parse_positive, parse_size};
 use ft_core::config::{Fp8, Fp8Layers};
+use ft_core::units::{parse_positive, parse_size};
 use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::config::Assignment;
 use ft_core::device::DeviceSpec;
+use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, ClusterFlags, Float8Flags, Plan, Workload};
-use ft_core::strategy::ReduceDtype;
 use ft_core::Registry;
 use ft_models::hf;
 use std::path::PathBuf;

@@ -5,13 +5,13 @@ use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
 use ft_core::config::{ModelInit, Overrides};
 use anyhow::Result;
 use clap::Args;
+use ft_core::{Config, Registry};
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::plan;
+use ft_core::run_dir;
 use ft_core::setup::{self, Rank};
 use ft_core::task::TaskInputs;
-use ft_core::run_dir;
-use ft_core::{Config, Registry};
 use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
@@ -82,6 +82,9 @@ pub struct TrainArgs {
     /// `ft plan`'s fastest that fits, with its offload and activation checkpointing.
     #[arg(long)]
     strategy: Option<String>,
+    /// Ranks that split a mixture of experts' experts between them (train.expert_parallel; default 1).
+    #[arg(long)]
+    expert_parallel: Option<usize>,
     /// Ranks per shard group (train.shard_group_size; hybrid_shard's default: one node).
     #[arg(long)]
     shard_group_size: Option<usize>,
@@ -148,6 +151,7 @@ impl TrainArgs {
             .set("output.report_to", self.report_to.clone())
             .set("train.strategy", self.strategy.clone())
             .set("train.shard_group_size", self.shard_group_size)
+            .set("train.expert_parallel", self.expert_parallel)
             .set("train.reduce_dtype", self.reduce_dtype.clone())
             .set("train.fp8", self.fp8.clone())
             .set("train.offload", self.offload.clone())
@@ -175,13 +179,17 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     // Every key is one of `ft train`'s.
     let config = args.settings.load(overrides, "ft train", None)?;
     setup::validate(&config, &registry)?;
-    if !config.uses_preset() {
-        // A model directory without its weights is refused here, before any rank starts.
-        hf::ModelSource::resolve(&config.model.source)?.start(config.model.init)?;
-    }
     let env = DistEnv::from_env()?;
     setup::check_float8_devices(&config, &env)?;
     let (world, per_node) = setup::planned_ranks(&config, &env);
+    if !config.uses_preset() {
+        // A model directory without its weights is refused here, before any rank starts; so is its expert parallelism.
+        let source = hf::ModelSource::resolve(&config.model.source)?;
+        source.start(config.model.init)?;
+        if config.train.expert_parallel > 1 {
+            setup::check_expert_parallel(&config.train, world, source.model()?.as_ref())?;
+        }
+    }
     if let Some(deepspeed) = &deepspeed {
         deepspeed.check(&config.train, world, env.rank == 0)?;
     }
@@ -192,7 +200,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     }
     if let Some(workers) = setup::local_workers(&config, &env) {
         // Not started by a launcher: become one, with the same arguments.
-        return ft_core::launch::spawn_local(workers, std::env::args().skip(1).collect());
+        return ft_core::distributed::launch::spawn_local(workers, std::env::args().skip(1).collect());
     }
     worker(config, &registry, &env)
 }
@@ -213,6 +221,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
+    setup::check_expert_parallel(&config.train, rank.world_size(), model)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.

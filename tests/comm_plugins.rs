@@ -296,6 +296,8 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
         assert!(steps.iter().filter(|w| w[0] == "6").count() >= 2 && steps.iter().all(|w| w[1].parse::<f64>().is_ok() && w[2].parse::<f64>().is_ok()), "{name}:\n{table}");
         let resumed = table.lines().find(|l| l.contains("save, kill rank 1 after step 5, resume")).unwrap_or_default();
         assert!(resumed.contains(" ok ") && resumed.contains("equal bit for bit"), "{name}:\n{table}");
+        let exchanged = table.lines().find(|l| l.contains("all-to-all at 2 and 3 ranks")).unwrap_or_default();
+        assert!(exchanged.contains(" ok ") && exchanged.contains("every rank received what the others sent it"), "{name}:\n{table}");
         // At 3 ranks powersgd keeps its Q matrices (its `reshard_state`); the others keep no state.
         let wider = table.lines().find(|l| l.contains("resume at 3 ranks")).unwrap_or_default();
         let declared = if name == "powersgd" { "it re-shards:" } else { "it keeps no state" };
@@ -330,6 +332,29 @@ fn ft_plugin_check_passes_the_in_tree_plugins_and_catches_broken_ones() {
     assert!(!passed && table.contains("panicked: the identity fixture panics on purpose"), "{table}");
     let (passed, table) = check("ft_test_plugin_abi", &[]);
     assert!(!passed && table.contains("loads") && table.contains("ABI major 999, this ft loads 4"), "{table}");
+}
+
+/// A hook's all-to-all (expert parallelism's token exchange) goes through
+/// the plug-in: `ft comm-test --comm` sends uneven rows between 3 ranks
+/// through the identity hook and gets the values expected, and the same
+/// hook sending its rows in the wrong order is caught.
+#[test]
+fn a_plugin_serves_the_all_to_all_and_a_wrong_one_is_caught() {
+    let exchange = |fault: &str| {
+        let output = ft()
+            .args(["launch", "--nproc-per-node", "3", "--", "--plugin", library("ft_test_plugin_identity").to_str().unwrap()])
+            .args(["comm-test", "--backend", "gloo", "--comm", "identity", "--ops", "all_to_all", "--min-bytes", "4K", "--max-bytes", "4K"])
+            .args(["--warmup", "0", "--iters", "1", "--set", &format!("comm.identity.fault=\"{fault}\"")])
+            .output()
+            .unwrap();
+        (output.status.success(), text(&output))
+    };
+    let (passed, log) = exchange("none");
+    assert!(passed && log.contains("all collectives gave the expected values on all 3 ranks"), "{log}");
+    // Rank 0 sends 340, 342 and 341 elements to ranks 0, 1 and 2: the splits differ by rank.
+    assert!(log.contains("all_to_all") && log.contains(" 1023 "), "{log}");
+    let (passed, log) = exchange("rows");
+    assert!(!passed && log.contains("collective check(s) failed across the ranks"), "{log}");
 }
 
 /// A copy of the template (its Cargo.lock and build.sh too) in `scratch`,

@@ -8,10 +8,10 @@
 //! transformers model's step (and, with activation checkpointing, ft's own
 //! step exactly); and the runs float8 cannot serve are refused.
 
+use ft_core::AdamW;
 use ft_core::dataset::Batch;
 use ft_core::model::{Float8Layers, Init, Inputs, ParamSpec, Params, UnitSpec};
 use ft_core::train::{Kernels, MicroBatch, TrainOptions, TrainerBuilder};
-use ft_core::AdamW;
 use ft_models::hf;
 use ft_sys::float8::{self, Float8, Recipe};
 use ft_tasks::causal_lm::CausalLmLoss;
@@ -394,7 +394,7 @@ fn float8_gathers_equal_full_precision_gathers_at_half_bf16s_bytes_and_resume() 
             command.env("FT_FAULT_INJECT", fault);
         }
         // The amax reductions' debug lines, which `amax_reductions` counts.
-        let output = command.env("RUST_LOG", "info,ft_core::float8_gather=debug").output().unwrap();
+        let output = command.env("RUST_LOG", "info,ft_core::distributed::float8_gather=debug").output().unwrap();
         (dir, output.status.success(), text(&output))
     };
     // Each rank's amax all-reduces, by the line each logs.

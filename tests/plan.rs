@@ -7,9 +7,9 @@
 
 use crate::common;
 use common::{ft, shared, text};
-use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
-use ft_core::strategy::ReduceDtype;
+use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::{Model, Registry};
+use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
 use ft_models::hf;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -69,7 +69,7 @@ fn row<'p>(plan: &'p Plan, strategy: &str, offload: &str, checkpointing: bool) -
 
 fn setup<'a>(registry: &Registry, strategy: &'a str, offload: &'a str, activation_checkpointing: bool) -> Setup<'a> {
     let policy = (registry.strategy(strategy).unwrap().create)().policy();
-    Setup { strategy, policy, offload, offload_to_host: offload == "cpu", activation_checkpointing, comm: None }
+    Setup { strategy, policy, offload, offload_to_host: offload == "cpu", activation_checkpointing, comm: None, expert_parallel: 1 }
 }
 
 #[test]
@@ -127,6 +127,48 @@ fn plugin() -> PathBuf {
     let path = exe.parent().unwrap().parent().unwrap().join("libbf16.so");
     assert!(path.is_file(), "{} missing: run `cargo build --workspace` first (scripts/test.sh does)", path.display());
     path
+}
+
+/// A mixture of experts: Qwen3-30B-A3B's parameters, all and active, as
+/// Qwen publishes them (30.5B, 3.3B); a row per expert-parallel degree
+/// within the node, whose ranks each hold 1/N of the experts' state (18
+/// bytes a parameter under ddp in bf16: fp32 master, bf16 copy, fp32
+/// gradient and moments), with the all-to-all's time only there; and on 8
+/// H200s at 2 × 2048 tokens, where ddp without it does not fit, expert
+/// parallelism recommended.
+#[test]
+fn ft_plan_counts_a_mixture_of_experts_and_recommends_an_expert_parallel_degree() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    let qwen3_30b_a3b = serde_json::json!({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001, "tie_word_embeddings": false});
+    std::fs::write(&config, qwen3_30b_a3b.to_string()).unwrap();
+    let json = dir.path().join("plan.json");
+    let output = ft()
+        .args(["plan", "--model", config.to_str().unwrap(), "--gpus", "8", "--gpu", "h200", "--host-memory", "2TB", "--batch", "2", "--seq", "2048"])
+        .args(["--activation-checkpointing", "off", "--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success() && log.contains("8 of 128 experts a token in 48 layers"), "{log}");
+    let plan: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (total, active) = (plan["experts"]["total"].as_f64().unwrap(), plan["experts"]["active"].as_f64().unwrap());
+    assert!((total / 30.5e9 - 1.0).abs() < 0.01 && (active / 3.3e9 - 1.0).abs() < 0.02, "{}", plan["experts"]);
+    let rows = plan["rows"].as_array().unwrap();
+    let ddp = |degree: Option<u64>| rows.iter().find(|r| r["strategy"] == "ddp" && r["offload"] == "none" && r["expert_parallel"].as_u64() == degree).unwrap_or_else(|| panic!("ddp at {degree:?}"));
+    let held = |row: &Value| ["params", "grads", "optimizer_state"].iter().map(|k| row["state"][*k].as_f64().unwrap()).sum::<f64>();
+    let experts = 48.0 * 128.0 * 3.0 * 2048.0 * 768.0;
+    assert!(ddp(None)["time"]["all_to_all"] == 0.0 && ddp(None)["fits"] == false, "{}", ddp(None));
+    for degree in [2, 4, 8] {
+        let row = ddp(Some(degree));
+        let expected = held(ddp(None)) - 18.0 * experts * (1.0 - 1.0 / degree as f64);
+        assert!((held(row) / expected - 1.0).abs() < 1e-9, "ep{degree}: {} held, {expected} expected", held(row));
+        assert!(row["time"]["all_to_all"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    assert!(rows.iter().all(|r| r["expert_parallel"].is_null() || r["offload"] == "none"), "expert parallelism keeps its state on the device");
+    assert!(plan["recommended"]["expert_parallel"].as_u64().is_some_and(|degree| degree > 1), "{}", plan["recommended"]);
 }
 
 #[test]

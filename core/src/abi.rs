@@ -23,13 +23,13 @@
 //! crates those types and their allocations come from (tch, anyhow,
 //! serde_json), so a plug-in built with another of them is refused by name.
 
-use crate::comm::{ProcessGroup, Work};
-use crate::comm::Collective;
-use crate::comm_hook::{
-    guarded, Builtin, CollectiveBytes, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Restored, UnitInfo, Wire,
-    WireRequest, WorldChange,
+use crate::distributed::comm::Collective;
+use crate::distributed::comm::{ProcessGroup, Work};
+use crate::distributed::comm_hook::{
+    guarded, Builtin, CollectiveBytes, CommFactory, CommHook, CommOption, CommPlan, GatherPhase, GradReduce, ParamGather, ParamInfo, Pending, ReduceStage, Restored, TokenExchange, UnitInfo,
+    Wire, WireRequest, WorldChange,
 };
-use crate::strategy::{ShardingPolicy, ShardingStrategy};
+use crate::distributed::strategy::{ShardingPolicy, ShardingStrategy};
 use anyhow::Result;
 use serde_json::{Map, Value};
 use std::mem::{align_of, offset_of, size_of};
@@ -41,8 +41,8 @@ use tch::{Kind, Tensor};
 /// group size and dtype, `load_state` says what it kept, `tolerance` is a
 /// curve over steps).
 pub const ABI_MAJOR: u32 = 4;
-/// Counts the defaulted entries appended since the major changed.
-pub const ABI_MINOR: u32 = 0;
+/// Counts the defaulted entries appended since the major changed (1: `all_to_all`).
+pub const ABI_MINOR: u32 = 1;
 
 /// The crates whose types or allocations cross the boundary, at the
 /// versions this ft-core is built with: "tch 0.24.0, anyhow 1.0.104, …".
@@ -79,7 +79,8 @@ pub const BOUNDARY: u64 = {
         (size_of::<Map<String, Value>>(), align_of::<Map<String, Value>>()),
         (size_of::<CommDeclaration>(), align_of::<CommDeclaration>()),
         (size_of::<StrategyDeclaration>(), align_of::<StrategyDeclaration>()),
-        // The tables as this major's first minor has them (later minors append, changing no offset here).
+        // The tables as this major's first minor has them (later minors append, changing no offset here;
+    // what their entries pass, `TokenExchange`, is made of the types above and std's, whose shapes rustc's version fixes).
         (offset_of!(HookTable, workspace_bytes), 0),
         (offset_of!(StrategyTable, comm_hook), 0),
     ];
@@ -118,6 +119,8 @@ pub struct HookTable {
     wire_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> Vec<CollectiveBytes>,
     reshard_state: unsafe fn(*mut Hook, WorldChange, State) -> Result<Restored>,
     workspace_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> i64,
+    // 4.1
+    all_to_all: unsafe fn(*mut Hook, TokenExchange) -> Result<Pending>,
 }
 
 // SAFETY (every entry below): `hook` is the pointer `HookTable::new` made
@@ -167,6 +170,9 @@ impl HookTable {
         unsafe fn workspace_bytes(hook: *const Hook, unit: &UnitInfo, request: &WireRequest) -> i64 {
             unsafe { &*hook }.workspace_bytes(unit, request)
         }
+        unsafe fn all_to_all(hook: *mut Hook, request: TokenExchange) -> Result<Pending> {
+            guarded("the all-to-all", || unsafe { &mut *hook }.all_to_all(request)).map(Pending::guarded)
+        }
         HookTable {
             size: size_of::<HookTable>(),
             hook: Box::into_raw(Box::new(hook)),
@@ -183,6 +189,7 @@ impl HookTable {
             wire_bytes,
             reshard_state,
             workspace_bytes,
+            all_to_all,
         }
     }
 
@@ -276,6 +283,10 @@ impl CommHook for TableHook {
 
     fn workspace_bytes(&self, unit: &UnitInfo, request: &WireRequest) -> i64 {
         call!(self, workspace_bytes(unit, request))
+    }
+
+    fn all_to_all(&mut self, request: TokenExchange) -> Result<Pending> {
+        call!(self, all_to_all(request))
     }
 }
 
@@ -382,7 +393,7 @@ pub struct StrategyDeclaration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm_hook::{Builtin, CommHook};
+    use crate::distributed::comm_hook::{Builtin, CommHook};
 
     /// Overrides entries on both sides of where the test cuts the table.
     struct Marked;

@@ -14,8 +14,8 @@
 //! moment leaves the last complete checkpoint as it was; readers never see
 //! a partial one. Format 1 (one whole `state.safetensors`) is still read.
 
-use crate::comm::Communicator;
-use crate::flat::{param_offsets, unflatten};
+use crate::distributed::comm::Communicator;
+use crate::distributed::flat::{param_offsets, unflatten};
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;

@@ -4,8 +4,8 @@
 //! keys are errors that name the key, where it came from, and the closest
 //! known key; `task.*` keys belong to the task, which checks them.
 
-use crate::comm::Backend;
 use crate::device::{DType, DeviceSpec};
+use crate::distributed::comm::Backend;
 use anyhow::{bail, Result};
 use figment::providers::{Env, Format, Json, Serialized, Toml, Yaml};
 use figment::value::Value;
@@ -455,8 +455,11 @@ pub struct TrainConfig {
     /// Ranks per shard group for sharded strategies (default: the
     /// strategy's — the world, or one node for hybrid_shard).
     pub shard_group_size: Option<usize>,
+    /// Ranks of one expert-parallel group, which split a mixture of
+    /// experts' experts between them (1: every rank holds every expert).
+    pub expert_parallel: usize,
     /// dtype gradients are reduced in: fp32, or compute (bf16 halves the bytes).
-    pub reduce_dtype: crate::strategy::ReduceDtype,
+    pub reduce_dtype: crate::distributed::strategy::ReduceDtype,
     /// Where optimizer state and master shards live: none (the device) or cpu.
     pub offload: String,
     /// Optimizer steps [first, last] (counted from 1, as in the metrics) that
@@ -640,7 +643,8 @@ impl Default for TrainConfig {
             resume: None,
             strategy: "ddp".into(),
             shard_group_size: None,
-            reduce_dtype: crate::strategy::ReduceDtype::Fp32,
+            expert_parallel: 1,
+            reduce_dtype: crate::distributed::strategy::ReduceDtype::Fp32,
             offload: "none".into(),
             profile_steps: None,
             peak_tflops: None,

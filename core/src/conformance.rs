@@ -8,6 +8,8 @@
 //!   and a lossy one stays within its declared tolerance at every step (a
 //!   curve: `CommHook::tolerance(step)`); both runs' losses are shown step by step;
 //! - every rank issues the same collectives (`dist.verify_collectives`);
+//! - the hook's all-to-all (`CommHook::all_to_all`) delivers rows of
+//!   uneven splits exactly (`ft comm-test --comm` at 2 and 3 ranks);
 //! - a killed rank, resumed, gives the plug-in's own uninterrupted losses
 //!   bit for bit (whatever the comparison with the built-in found);
 //! - a resume at another world size does what the contract says: the
@@ -16,8 +18,8 @@
 //! A failed run's whole output (every rank's, through the launcher) is kept
 //! in a log file its row names, and its last lines are shown under the row.
 
-use crate::comm_hook::CommHook;
 use crate::config::{CommConfig, Config};
+use crate::distributed::comm_hook::CommHook;
 use crate::registry::{Origin, Registry};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -210,6 +212,36 @@ impl CheckRequest {
         Ok((run, None))
     }
 
+    /// The hook's all-to-all (`CommHook::all_to_all`), through `ft
+    /// comm-test --comm` at 2 and 3 ranks, each rank's splits its own.
+    fn all_to_all(&self, name: &str) -> (Outcome, Vec<String>) {
+        for ranks in [2, 3] {
+            let mut command = Command::new(&self.ft);
+            command.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]);
+            for plugin in &self.plugins {
+                command.arg("--plugin").arg(plugin);
+            }
+            command.args(["comm-test", "--backend", "gloo", "--comm", name, "--ops", "all_to_all", "--min-bytes", "4K", "--max-bytes", "4K"]);
+            command.args(["--warmup", "0", "--iters", "1", "--timeout-secs", "60", "--set", "dist.verify_collectives=true"]);
+            for setting in self.raw_settings.iter().filter(|s| s.trim_start().starts_with("comm.")) {
+                command.args(["--set", setting]);
+            }
+            for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+                command.env_remove(var);
+            }
+            let output = match command.output() {
+                Ok(output) => output,
+                Err(e) => return (Outcome::Fail(format!("cannot run {}: {e}", self.ft.display())), vec![]),
+            };
+            let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+            let run = Run { succeeded: output.status.success(), log, losses: vec![], log_file: self.logs.join(format!("{name}-all-to-all-at-{ranks}.log")) };
+            if !run.succeeded {
+                return run.failed();
+            }
+        }
+        (Outcome::Pass("every rank received what the others sent it".into()), vec![])
+    }
+
     /// `ft [--plugin P]… train` of the demo into `dir`, with `settings` (`--set`) and the check's fixed flags.
     #[allow(clippy::too_many_arguments)]
     fn command(&self, plugins: &[PathBuf], settings: &[String], dir: &Path, ranks: usize, strategy: &str, comm: Option<&str>, extra: &[&str], env: &[(&str, &str)]) -> Command {
@@ -400,6 +432,7 @@ fn check_hook(request: &CheckRequest, registry: &Registry, name: &str, comm: &Co
         format!("loads: ABI major {}, minor ≤ {}, rustc and the boundary (shared crates, types) match", crate::abi::ABI_MAJOR, crate::abi::ABI_MINOR),
         (Outcome::Pass(format!("tolerance {}", describe_tolerance(hook.as_ref(), request.steps))), vec![]),
     );
+    row("all-to-all at 2 and 3 ranks: uneven splits, the values expected".into(), request.all_to_all(name));
     let dir = request.scratch.join(name);
     // The first strategy whose run through the hook completes at 2 ranks
     // hosts the resume checks, whatever its losses against the built-in:
@@ -518,7 +551,7 @@ mod tests {
 
     #[test]
     fn a_tolerance_may_grow_with_steps_and_both_runs_are_shown_per_step() {
-        let growing = crate::comm_hook::Tolerance { base: 0.01, per_step: 0.01 };
+        let growing = crate::distributed::comm_hook::Tolerance { base: 0.01, per_step: 0.01 };
         // 3.75% apart at step 4 is within 1% + 3 × 1%; 4% at step 2 is not within 2%.
         let (outcome, table) = compare(&[1.0, 2.0, 3.0, 4.15], &[1.0, 2.0, 3.0, 4.0], |s| growing.at(s));
         assert!(matches!(outcome, Outcome::Pass(ref m) if m.contains("largest gap 3.750% at step 4, where 4.00% is allowed")), "{outcome:?}");

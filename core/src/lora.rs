@@ -16,12 +16,12 @@
 //! `Params::expert_adapter`) adds the update, so the architectures' math is
 //! untouched. The engine keeps a
 //! frozen unit in the compute dtype only — sharded as the strategy says, no
-//! fp32 master, gradient or moments (`flat.rs`) — and trains the adapters
+//! fp32 master, gradient or moments (`distributed/flat.rs`) — and trains the adapters
 //! like any unit.
 
 use crate::config::LoraConfig;
-use crate::nf4::Quantization;
 use crate::model::{self, Activations, AdapterScaling, Context, Dims, Init, Inputs, KvCache, Layout, Model, ParamSpec, Params, StageKind, UnitSpec};
+use crate::nf4::Quantization;
 use anyhow::{bail, Context as _, Result};
 use std::collections::BTreeSet;
 use tch::{Device, Kind, Tensor};
@@ -121,7 +121,8 @@ impl LoraModel {
                         config.dropout
                     );
                 }
-                for &unit in &blocks {
+                // A sparse block's experts are units of their own (`Stage::experts`).
+                for unit in base.stages().iter().filter(|s| s.kind == StageKind::Block).flat_map(|s| s.units()) {
                     selected.extend(base_layout.units[unit].params.iter().filter(|p| experts.contains(&p.name.as_str())).map(|p| (unit, p.name.clone())));
                 }
                 continue;
@@ -177,17 +178,18 @@ impl LoraModel {
                 adapt(module, &hf_module, r, (weight.shape[0], weight.shape[1]));
                 targets.push(Target { adapter_unit: units.len(), base_unit: block, module: module.to_string(), hf_module, fused_experts: false });
             }
-            let experts: Vec<&ParamSpec> = units[block].params.iter().filter(|p| selected.contains(&(block, p.name.clone()))).collect();
-            for (i, parameter) in experts.iter().enumerate() {
+            let experts: Vec<(usize, &ParamSpec)> =
+                stage.units().flat_map(|unit| units[unit].params.iter().map(move |p| (unit, p))).filter(|(unit, p)| selected.contains(&(*unit, p.name.clone()))).collect();
+            for (i, &(expert_unit, parameter)) in experts.iter().enumerate() {
                 let path = block_path(&units[block]).with_context(|| format!("{}: no parameter names its block's Hugging Face path", units[block].name))?;
                 let (module, _) = parameter.name.rsplit_once('.').unwrap_or(("", &parameter.name));
                 // peft wraps a module's parameters one in another, in their order: each wrapped later adds a `base_layer`.
-                let later = experts[i + 1..].iter().filter(|p| p.name.rsplit_once('.').map(|(m, _)| m) == Some(module)).count();
+                let later = experts[i + 1..].iter().filter(|(_, p)| p.name.rsplit_once('.').map(|(m, _)| m) == Some(module)).count();
                 let peft_module = format!("{path}{module}{}", ".base_layer".repeat(later));
                 let (count, out_features, in_features) = (parameter.shape[0], parameter.shape[1], parameter.shape[2]);
                 adapt(&parameter.name, &peft_module, r * count, (out_features, in_features));
                 let hf_module = format!("{path}{}", parameter.name);
-                targets.push(Target { adapter_unit: units.len(), base_unit: block, module: parameter.name.clone(), hf_module, fused_experts: true });
+                targets.push(Target { adapter_unit: units.len(), base_unit: expert_unit, module: parameter.name.clone(), hf_module, fused_experts: true });
             }
             if !params.is_empty() {
                 stage.adapter = Some(units.len());
@@ -312,7 +314,7 @@ impl LoraModel {
             if quantization.double_quant { ", double quantized" } else { "" },
             megabytes(held),
             megabytes(unquantized),
-            crate::collectives_bench::dtype_name(dtype),
+            crate::distributed::collectives_bench::dtype_name(dtype),
             megabytes(unquantized - held)
         ))
     }
@@ -449,6 +451,9 @@ impl Model for LoraModel {
     }
     fn logit_softcap(&self) -> Option<f64> {
         self.base.logit_softcap()
+    }
+    fn experts(&self) -> Option<crate::model::Experts> {
+        self.base.experts()
     }
 
     /// A frozen parameter costs forward and the input's gradient (4 FLOPs

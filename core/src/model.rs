@@ -85,6 +85,18 @@ pub struct Stage {
     pub kind: StageKind,
     /// The unit holding this stage's low-rank adapters, if it has any (`lora.rs`).
     pub adapter: Option<usize>,
+    /// A mixture of experts' sparse layer: the units holding its experts'
+    /// fused `gate_up_proj` and `down_proj`, one parameter each whose rows
+    /// are the experts (what expert parallelism splits over ranks), whose
+    /// parameters join the stage's.
+    pub experts: Option<[usize; 2]>,
+}
+
+impl Stage {
+    /// The units whose parameters the stage computes with, its adapters' apart: its own, then its experts'.
+    pub fn units(&self) -> impl Iterator<Item = usize> {
+        std::iter::once(self.unit).chain(self.experts.into_iter().flatten())
+    }
 }
 
 /// How adapters join the linear layers they target: `W x + scale · B A dropout(x)`.
@@ -165,12 +177,23 @@ pub struct Params<'a> {
     adapters: Option<Box<Adapters<'a>>>,
     /// `linear`'s GEMMs in float8 (`ft_sys::float8`); None: in the tensors' dtype.
     float8: Option<&'a Float8Layers>,
+    /// Another unit's parameters looked up after these (a stage's experts).
+    joined: Option<Box<Params<'a>>>,
 }
 
 impl<'a> Params<'a> {
     pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
         assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
-        Params { spec, tensors, adapters: None, float8: None }
+        Params { spec, tensors, adapters: None, float8: None, joined: None }
+    }
+
+    /// These parameters and, after them, `other`'s (another unit's, the same stage's).
+    pub fn with_joined(self, other: Params<'a>) -> Params<'a> {
+        let joined = match self.joined {
+            Some(joined) => joined.with_joined(other),
+            None => other,
+        };
+        Params { joined: Some(Box::new(joined)), ..self }
     }
 
     /// These parameters with `linear`'s GEMMs in float8 as `float8` says.
@@ -186,14 +209,14 @@ impl<'a> Params<'a> {
 
     /// Panics on a name the unit does not declare: that is a bug in the model file.
     pub fn get(&self, name: &str) -> &'a Tensor {
-        match self.spec.params.iter().position(|p| p.name == name) {
-            Some(i) => &self.tensors[i],
-            None => panic!("unit {} has no parameter {name}", self.spec.name),
-        }
+        self.maybe(name).unwrap_or_else(|| panic!("unit {} has no parameter {name}", self.spec.name))
     }
 
     pub fn maybe(&self, name: &str) -> Option<&'a Tensor> {
-        self.spec.params.iter().position(|p| p.name == name).map(|i| &self.tensors[i])
+        match self.spec.params.iter().position(|p| p.name == name) {
+            Some(i) => Some(&self.tensors[i]),
+            None => self.joined.as_ref().and_then(|joined| joined.maybe(name)),
+        }
     }
 
     /// The low-rank update of fused expert parameter `name` ([E, N, K]:
@@ -372,6 +395,37 @@ pub struct Context {
     pub rope: Option<(Tensor, Tensor)>,
     /// What a block's auxiliary loss counts, and the term it recorded.
     pub auxiliary: Auxiliary,
+    /// Expert parallelism, when the trainer runs it: a mixture of experts'
+    /// blocks hold only their rank's experts and exchange tokens through it.
+    pub experts: Option<std::rc::Rc<dyn ExpertExchange>>,
+}
+
+/// A mixture of experts' routing, as the engine and `ft plan` count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Experts {
+    /// Experts in each sparse layer.
+    pub count: i64,
+    /// Experts each token goes through (top-k).
+    pub per_token: i64,
+    /// Layers whose MLP is the experts.
+    pub sparse_layers: i64,
+}
+
+/// Expert parallelism as a mixture of experts' block sees it: this rank
+/// holds experts `rank·E/size .. (rank+1)·E/size` of each sparse layer
+/// (its experts units' rows) and exchanges rows with the other ranks of
+/// its expert group (`Context::experts`; the trainer's, through the run's
+/// communication hook).
+pub trait ExpertExchange {
+    /// This rank's place in its expert group.
+    fn rank(&self) -> usize;
+    /// The ranks of the group.
+    fn size(&self) -> usize;
+    /// `rows`' first `sent[0]` rows to member 0, the next `sent[1]` to
+    /// member 1, …; returns the rows received, `received[j]` from member j
+    /// in member order. Differentiable: backward sends the gradient of
+    /// what was received back the way it came.
+    fn exchange(&self, rows: &Tensor, sent: &[i64], received: &[i64]) -> Result<Tensor>;
 }
 
 /// A block's share of an auxiliary loss (a mixture of experts' load
@@ -637,16 +691,17 @@ pub struct Layout {
 impl Layout {
     /// Embedding on unit 0, one block per unit of `blocks`, head on `head_unit`.
     pub fn new(hf_config: serde_json::Value, units: Vec<UnitSpec>, blocks: std::ops::Range<usize>, head_unit: usize) -> Layout {
-        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed, adapter: None }];
-        stages.extend(blocks.map(|unit| Stage { unit, kind: StageKind::Block, adapter: None }));
-        stages.push(Stage { unit: head_unit, kind: StageKind::Head, adapter: None });
+        let mut stages = vec![Stage { unit: 0, kind: StageKind::Embed, adapter: None, experts: None }];
+        stages.extend(blocks.map(|unit| Stage { unit, kind: StageKind::Block, adapter: None, experts: None }));
+        stages.push(Stage { unit: head_unit, kind: StageKind::Head, adapter: None, experts: None });
         Layout { hf_config, units, stages }
     }
 }
 
-/// The units of `model`'s transformer blocks (its `Block` stages), in stage order.
+/// The units of `model`'s transformer blocks (its `Block` stages, a sparse
+/// block's experts included: `Stage::units`), in stage order.
 pub fn block_units(model: &dyn Model) -> impl Iterator<Item = usize> + '_ {
-    model.stages().iter().filter(|s| s.kind == StageKind::Block).map(|s| s.unit)
+    model.stages().iter().filter(|s| s.kind == StageKind::Block).flat_map(|s| s.units())
 }
 
 /// Fresh parameters for every unit of `model` as its specs ask (linear and
@@ -757,7 +812,7 @@ pub trait Model: Send + Sync {
     /// How the units that stages name as `adapter` join the linear layers
     /// (None: the model has no adapters).
     /// How the frozen blocks' weights are held in 4 bits, if they are
-    /// (QLoRA's base: the trainer packs them, `packed_base.rs`).
+    /// (QLoRA's base: the trainer packs them, `distributed/packed_base.rs`).
     fn quantized_base(&self) -> Option<crate::nf4::Quantization> {
         None
     }
@@ -804,6 +859,12 @@ pub trait Model: Send + Sync {
     /// its GEMMs loop over the experts).
     fn graph_capturable(&self, _device: Device, _dtype: Kind) -> bool {
         true
+    }
+
+    /// A mixture of experts' experts (what `train.expert_parallel` splits
+    /// over ranks, and `ft plan` counts); None for a dense model.
+    fn experts(&self) -> Option<Experts> {
+        None
     }
 
     /// The loss the blocks add beside the objective's from the terms they
@@ -875,11 +936,14 @@ pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs:
     panic!("model {} has no head stage", model.model_type());
 }
 
-/// The parameters stage `stage` runs with, its adapters joined, from each
-/// unit's tensors as `tensors(unit)` gives them.
+/// The parameters stage `stage` runs with, its experts' and adapters
+/// joined, from each unit's tensors as `tensors(unit)` gives them.
 pub fn stage_params<'a>(model: &'a dyn Model, stage: &Stage, tensors: impl Fn(usize) -> &'a [Tensor], train: bool) -> Params<'a> {
     let units = model.units();
-    let p = Params::new(&units[stage.unit], tensors(stage.unit));
+    let mut p = Params::new(&units[stage.unit], tensors(stage.unit));
+    for unit in stage.experts.into_iter().flatten() {
+        p = p.with_joined(Params::new(&units[unit], tensors(unit)));
+    }
     match (stage.adapter, model.adapter_scaling()) {
         (Some(adapter), Some(scaling)) => p.with_adapters(Params::new(&units[adapter], tensors(adapter)), scaling, train),
         _ => p,

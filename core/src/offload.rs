@@ -1,5 +1,5 @@
 //! Where a rank keeps what it does not compute with: fp32 master weights,
-//! gradients and optimizer state. Core owns the mechanism (`flat.rs`,
+//! gradients and optimizer state. Core owns the mechanism (`distributed/flat.rs`,
 //! `train/`): which buffers a unit has, the copies between device and host
 //! and their overlap with compute. An `Offload` decides where offloaded
 //! buffers are stored and how they are stepped, and composes with every

@@ -59,13 +59,28 @@ pub fn run_command(args: &[OsString], run: impl FnOnce() -> Result<i32>) -> i32 
     }
 }
 
+/// An error raised from code that returns none (a model's math: a
+/// mixture of experts' token exchange), which [`libtorch_errors`] returns
+/// as an error.
+pub struct Raised(pub String);
+
+/// Raises `error` from code that cannot return it (see [`Raised`]).
+pub fn raise(error: anyhow::Error) -> ! {
+    std::panic::panic_any(Raised(format!("{error:#}")))
+}
+
 /// Runs `body`, a model's math or a tensor operation that input can make
 /// fail (ids, sizes, memory), and returns libtorch's error as an error
-/// naming `what` where tch, in a method without `f_`, panicked with it;
-/// any other panic is a bug and goes on unwinding.
+/// naming `what` where tch, in a method without `f_`, panicked with it
+/// (or the error `raise`d); any other panic is a bug and goes on unwinding.
 pub fn libtorch_errors<T>(what: &str, body: impl FnOnce() -> T) -> Result<T> {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => Ok(value),
+        Err(payload) if payload.is::<Raised>() => {
+            MAIN_PANIC.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+            let Raised(message) = payload.downcast_ref::<Raised>().expect("checked above");
+            bail!("{what}: {message}")
+        }
         Err(payload) => match payload_text(payload.as_ref()).and_then(libtorch_message) {
             Some(message) => {
                 // Handled: not a panic for `run_command` to report.

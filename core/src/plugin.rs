@@ -13,9 +13,9 @@
 //! complete example.
 
 use crate::abi::{table_factory, CommDeclaration, StrategyDeclaration, StrategyTable, TableStrategy, ABI_MAJOR, ABI_MINOR, BOUNDARY, SHARED_CRATES};
-use crate::comm_hook::{CommFactory, CommOption};
+use crate::distributed::comm_hook::{CommFactory, CommOption};
+use crate::distributed::strategy::ShardingStrategy;
 use crate::registry::{CommEntry, Origin, Registry, StrategyEntry};
-use crate::strategy::ShardingStrategy;
 use anyhow::{anyhow, bail, Context, Result};
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};

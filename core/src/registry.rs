@@ -4,13 +4,13 @@
 //! and plug-ins loaded at run time add entries to the same registry.
 
 use crate::abi::{table_factory, TableFactory, TableHook};
-use crate::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
 use crate::config::{CommConfig, PresetRegistration};
+use crate::distributed::comm_hook::{check_options, resolved_options, CommHook, CommOption, CommRegistration, BUILTIN};
+use crate::distributed::strategy::{ShardingStrategy, StrategyRegistration};
 use crate::metrics::{MetricsSink, SinkRegistration};
-use crate::names::{unknown, unknown_without_guess};
 use crate::model::ModelRegistration;
+use crate::names::{unknown, unknown_without_guess};
 use crate::offload::OffloadRegistration;
-use crate::strategy::{ShardingStrategy, StrategyRegistration};
 use crate::task::TaskRegistration;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -163,7 +163,7 @@ impl Registry {
     /// The hook a run uses: `comm.name`'s, made with its options; else the
     /// strategy's own, else the built-in collectives. Also what
     /// checkpoints record of it.
-    pub fn comm_hook(&self, config: &CommConfig, strategy: &dyn crate::strategy::ShardingStrategy) -> Result<(Box<dyn CommHook>, CommRecord)> {
+    pub fn comm_hook(&self, config: &CommConfig, strategy: &dyn crate::distributed::strategy::ShardingStrategy) -> Result<(Box<dyn CommHook>, CommRecord)> {
         self.check_comm(config)?;
         let own = match &config.name {
             None => strategy.comm_hook(),
@@ -173,7 +173,11 @@ impl Registry {
             let record = CommRecord { name: hook.name().to_string(), options: serde_json::json!({}) };
             return Ok((hook, record));
         }
-        let name = config.name.as_deref().unwrap_or(BUILTIN);
+        self.named_comm_hook(config, config.name.as_deref().unwrap_or(BUILTIN))
+    }
+
+    /// The hook registered as `name`, made with its options in `config`, and what checkpoints record of it.
+    pub fn named_comm_hook(&self, config: &CommConfig, name: &str) -> Result<(Box<dyn CommHook>, CommRecord)> {
         let entry = self.comm(name)?;
         let options = config.options.get(name).and_then(|o| o.as_object()).cloned().unwrap_or_default();
         let table = (entry.create)(&options).with_context(|| format!("comm plug-in `{name}` ({})", entry.origin))?;
@@ -329,7 +333,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::strategy::*;
+    use crate::distributed::strategy::*;
 
     fn entry(name: &str, aliases: &[&str], origin: Origin) -> StrategyEntry {
         StrategyEntry {

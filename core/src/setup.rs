@@ -2,8 +2,8 @@
 //! against the registry, this rank's device, dtype and communicator from
 //! `train.*` and `dist.*`, and the host's cores shared among its ranks.
 
-use crate::comm::{Backend, CommOptions, Communicator};
 use crate::config::Config;
+use crate::distributed::comm::{Backend, CommOptions, Communicator};
 use crate::env::{DistEnv, EnvSource};
 use crate::offload::Offload;
 use crate::registry::Registry;
@@ -78,11 +78,14 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
         bail!("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains: give one");
     }
     check_given_keys(config)?;
-    if t.strategy != crate::strategy::AUTO {
+    if t.strategy != crate::distributed::strategy::AUTO {
         let strategy = registry.strategy(&t.strategy)?;
         (strategy.create)().policy().validate(&strategy.name)?;
     }
     registry.offload(&t.offload)?;
+    if t.expert_parallel == 0 {
+        bail!("train.expert_parallel (--expert-parallel) must be at least 1: the ranks that split a mixture of experts' experts (1: each rank holds them all)");
+    }
     registry.check_comm(&config.comm)?;
     if let Some(name) = &config.task.name {
         let task = registry.task(Some(name), "")?;
@@ -110,6 +113,34 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
         EnvSource::SingleProcess => (config.launch.nproc_per_node, config.launch.nproc_per_node),
         _ => (env.world_size, env.local_world_size),
     }
+}
+
+/// Checks `train.expert_parallel` against the run's `world` and its
+/// `model`: a degree above 1 must divide both the world size and the
+/// experts of a mixture of experts, and trains the whole model on the
+/// device (not LoRA's adapters, nor state offloaded to the host: not yet).
+pub fn check_expert_parallel(train: &crate::config::TrainConfig, world: usize, model: &dyn crate::Model) -> Result<()> {
+    let degree = train.expert_parallel;
+    if degree <= 1 {
+        return Ok(());
+    }
+    let flag = format!("train.expert_parallel (--expert-parallel) {degree}");
+    let Some(experts) = model.experts().map(|experts| experts.count) else {
+        bail!("{flag}: model_type {} is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)", model.model_type());
+    };
+    if world % degree != 0 {
+        bail!("{flag} must divide the world size ({world} ranks) into groups that each hold every expert once");
+    }
+    if experts as usize % degree != 0 {
+        bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
+    }
+    if train.lora.enabled() {
+        bail!("{flag} with LoRA (train.lora): expert parallelism trains the whole model for now; train LoRA with 1");
+    }
+    if train.offload != "none" {
+        bail!("{flag} with train.offload {}: expert parallelism keeps its state on the device for now; drop --offload, or train with 1", train.offload);
+    }
+    Ok(())
 }
 
 /// The local workers a command started by no launcher starts itself
@@ -201,7 +232,7 @@ const REQUIRES: [(&str, fn(&Config) -> bool, &str); 12] = [
 /// picks the strategy from the model, so the run asks at its start.
 pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_node: usize) -> Result<String> {
     let t = &config.train;
-    if t.strategy == crate::strategy::AUTO {
+    if t.strategy == crate::distributed::strategy::AUTO {
         return Ok("communication: the hook is asked whether it serves the run when it starts (--strategy auto picks the strategy from the model)".into());
     }
     let strategy = (registry.strategy(&t.strategy)?.create)();
@@ -209,7 +240,7 @@ pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_n
     let policy = strategy.policy();
     let shard_size = policy.shard_group_size(strategy.name(), world, per_node, t.shard_group_size)?;
     let offload = (registry.offload(&t.offload)?.create)().to_host();
-    crate::comm_hook::check_serves(hook.as_ref(), &policy.comm_plan(strategy.name(), world, shard_size, offload))?;
+    crate::distributed::comm_hook::check_serves(hook.as_ref(), &policy.comm_plan(strategy.name(), world, shard_size, offload))?;
     Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
 }
 

@@ -5,9 +5,9 @@
 //! are two tasks in plugins, registered like strategies, and a third party
 //! adds another (sequence classification, …) without touching core.
 
-use crate::comm::Communicator;
 use crate::config::{Config, DataConfig};
 use crate::dataset::{Batch, Dataset};
+use crate::distributed::comm::Communicator;
 use crate::model::Model;
 use anyhow::{bail, Result};
 use serde::de::DeserializeOwned;

@@ -9,17 +9,18 @@ mod kernels;
 
 pub use kernels::KernelCheck;
 
-use crate::comm_hook::CommHook;
+use crate::{AdamW, Reduction};
 use crate::device::synchronize;
-use crate::flat::MemoryAccount;
+use crate::distributed::comm_hook::CommHook;
+use crate::distributed::flat::MemoryAccount;
+use crate::distributed::parallel::DataParallel;
+use crate::distributed::strategy::{ReduceDtype, ShardingStrategy};
 use crate::metrics::process_memory;
 use crate::model::{self, Model};
 use crate::offload::Offload;
 use crate::setup::Rank;
-use crate::strategy::{ReduceDtype, ShardingStrategy};
 use crate::task::{Synthetic, Task, TaskRegistration};
-use crate::train::{DataParallel, Kernels, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
-use crate::{AdamW, Reduction};
+use crate::train::{Kernels, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -95,7 +96,7 @@ pub struct Row {
 }
 
 fn builtin_comm() -> String {
-    crate::comm_hook::BUILTIN.into()
+    crate::distributed::comm_hook::BUILTIN.into()
 }
 
 impl Row {
@@ -170,7 +171,7 @@ pub fn table(rows: &[Row]) -> String {
             "| {} | {}{}{} | {} | {} | {}x{} | {:.0} | {:.1} | {} | {:.2} | {:.2} | {} | {:.1} | {:.2}/{:.2}/{:.2} |\n",
             r.model,
             r.strategy,
-            if r.comm == crate::comm_hook::BUILTIN { String::new() } else { format!(" + {}", r.comm) },
+            if r.comm == crate::distributed::comm_hook::BUILTIN { String::new() } else { format!(" + {}", r.comm) },
             if r.reduce_dtype == ReduceDtype::Compute { " (reduce in compute dtype)" } else { "" },
             r.offload,
             r.gpus,
@@ -236,7 +237,7 @@ fn measure(
 ) -> Result<Option<Row>> {
     let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
     let world = rank.world_size();
-    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype)?;
+    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype, 1)?;
     // On one rank nothing is communicated, so there is nothing to refuse.
     if world > 1 {
         hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
@@ -245,7 +246,7 @@ fn measure(
     let comm_name = hook.name().to_string();
     // One rank reduces nothing, so time the hook's work on every unit apart.
     let mut hook = hook;
-    let comm_hook_ms = (world == 1 && comm_name != crate::comm_hook::BUILTIN)
+    let comm_hook_ms = (world == 1 && comm_name != crate::distributed::comm_hook::BUILTIN)
         .then(|| hook_cost(hook.as_mut(), comm.world(), model, dtype, case.reduce_dtype.kind(dtype), device))
         .transpose()?;
     let options = TrainOptions {
@@ -348,9 +349,9 @@ fn measure(
 /// `group`: on one rank, its compression and decompression. Each is timed
 /// after warm-up (a hook's state is made on first use) as the median of 5.
 pub fn hook_cost(hook: &mut dyn CommHook, group: &crate::ProcessGroup, model: &dyn Model, dtype: Kind, reduce: Kind, device: Device) -> Result<f64> {
-    use crate::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo, Wire, WireRequest, Workspace};
+    use crate::distributed::comm_hook::{Builtin, GatherPhase, GradReduce, ParamGather, ReduceStage, UnitInfo, Wire, WireRequest, Workspace};
     let _no_grad = tch::no_grad_guard();
-    let units: Vec<UnitInfo> = model.units().iter().map(|spec| UnitInfo::new(spec, crate::flat::param_offsets(spec), spec.numel())).collect();
+    let units: Vec<UnitInfo> = model.units().iter().map(|spec| UnitInfo::new(spec, crate::distributed::flat::param_offsets(spec), spec.numel())).collect();
     let grads: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (reduce, device))).collect();
     let shards: Vec<Tensor> = units.iter().map(|u| Tensor::randn([u.padded], (dtype, device))).collect();
     // Past any warm-up the hook keeps exact (PowerSGD's start_iter).

@@ -22,9 +22,9 @@
 use super::monitor::Monitor;
 use super::summary::EpochResult;
 use crate::checkpoint::{self, BestCheckpoint, Manifest, PendingSave, RankPart, Reader, UnitLayout};
-use crate::comm::Communicator;
 use crate::config::{DataRange, TrainConfig};
-use crate::comm_hook::{Restored, WorldChange};
+use crate::distributed::comm::Communicator;
+use crate::distributed::comm_hook::{Restored, WorldChange};
 use crate::registry::CommRecord;
 use crate::signals::{self, StopSignals};
 use crate::train::Trainer;
@@ -401,7 +401,7 @@ impl<'a> Checkpointer<'a> {
             (Device::Cpu, Kind::Float) => t.copy(),
             _ => t.to_kind(Kind::Float).to_device(Device::Cpu),
         };
-        let comm_state = trainer.comm_hook().state().into_iter().map(|(name, t)| (name, owned(t))).collect();
+        let comm_state = trainer.comm_state().into_iter().map(|(name, t)| (name, owned(t))).collect();
         let part = RankPart { units, adamw_step, loss_scale: trainer.loss_scaler_state(), comm_state };
         let mut pending = checkpoint::start_save(self.plan.output, part, manifest, comm)?;
         self.last_saved = Some(next.step);

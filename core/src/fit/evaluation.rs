@@ -2,7 +2,7 @@
 //! over the task's evaluation set (each rank its share, summed over ranks)
 //! and the task's own scores (EM/F1, …).
 
-use crate::comm::Communicator;
+use crate::distributed::comm::Communicator;
 use crate::model::{self, Model};
 use crate::task::{Scores, Task};
 use anyhow::{ensure, Result};

@@ -18,17 +18,18 @@ pub use evaluation::{evaluate, Evaluation};
 pub use summary::{EpochResult, RankMemory, ReferenceMemory, Summary};
 
 use crate::batches::{epoch_order, BatchLayout};
-use crate::comm::Communicator;
-use crate::comm_hook::CommHook;
 use crate::config::{DataConfig, TrainConfig};
 use crate::dataset::Dataset;
+use crate::distributed::comm::Communicator;
+use crate::distributed::comm_hook::CommHook;
+use crate::distributed::parallel::DataParallel;
+use crate::distributed::strategy::ShardingStrategy;
 use crate::metrics::MetricsSink;
 use crate::model::Model;
 use crate::offload::Offload;
 use crate::schedule::{lr_at, Schedule};
-use crate::strategy::ShardingStrategy;
 use crate::task::{Objective, Task};
-use crate::train::{DataParallel, InitialParams, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
+use crate::train::{InitialParams, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{bail, Result};
 use checkpointing::{Checkpointer, Cursor};
 use log::RunLog;
@@ -230,8 +231,12 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let plan = StepPlan::new(config, data, world, task.train_set().len())?;
-    let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype)?;
-    crate::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
+    let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype, config.expert_parallel)?;
+    crate::distributed::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
+    if let (Some(groups), Some(experts), 0) = (&parallel.experts, model.experts(), rank) {
+        let (degree, copies) = (groups.group.size(), groups.replicas.as_ref().map_or(1, |r| r.size()));
+        tracing::info!("expert parallel {degree}: each rank holds {} of the {} experts of each sparse layer, each expert held by {copies} rank(s)", experts.count / degree as i64, experts.count);
+    }
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);

@@ -7,8 +7,8 @@
 //! peak for the compute dtype (`gpu::peak_flops`, or `train.peak_tflops`).
 
 use crate::checkpoint::BestCheckpoint;
-use crate::comm::{Collective, Communicator};
-use crate::flat::MemoryAccount;
+use crate::distributed::comm::{Collective, Communicator};
+use crate::distributed::flat::MemoryAccount;
 use crate::metrics::process_memory;
 use crate::task::Reference;
 use crate::train::{OffloadStats, Trainer};

@@ -78,7 +78,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
     let BenchSettings { gpu, dtype, loss_chunk_tokens, shard_group_size, calibration, float8, float8_gathers } = *settings;
     let mut checked = vec![];
     // Rows through a communication plug-in are left out: a bench row does not record the hook's options.
-    for row in rows.iter().filter(|r| r.error.is_none() && r.comm == crate::comm_hook::BUILTIN) {
+    for row in rows.iter().filter(|r| r.error.is_none() && r.comm == crate::distributed::comm_hook::BUILTIN) {
         let model = *models
             .iter()
             .find(|m| model_label(**m) == row.model)
@@ -111,6 +111,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             offload_to_host: (offload.create)().to_host(),
             activation_checkpointing: row.activation_checkpointing,
             comm: None,
+            expert_parallel: 1,
         };
         let predicted = predict(&workload, &cluster, &setup)?;
         checked.push(CheckedRow {

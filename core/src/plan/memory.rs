@@ -9,8 +9,8 @@
 //! forward when one runs with each step, and float8 layers' casts. It
 //! allocates nothing.
 
-use crate::flat::{MemoryAccount, UnitPlacement};
-use crate::model::{head, Float8Layers, Model, StageKind};
+use crate::distributed::flat::{MemoryAccount, UnitPlacement};
+use crate::model::{head, Float8Layers, Model, Stage, StageKind};
 use crate::train::reductions_in_flight;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -364,9 +364,8 @@ impl Walk<'_> {
         let hidden = (self.micro.batch * self.micro.seq * model.dims().hidden) as f64 * Walk::element(self.micro.dtype);
         let stages = model.stages();
         for (index, stage) in stages.iter().enumerate() {
-            self.gather_in(set, stage.unit);
-            if let Some(next) = stages.get(index + 1) {
-                self.gather_in(set, next.unit);
+            for unit in stage.units().chain(stages.get(index + 1).into_iter().flat_map(Stage::units)) {
+                self.gather_in(set, unit);
             }
             match stage.kind {
                 StageKind::Embed => self.now.activations += hidden,
@@ -378,10 +377,12 @@ impl Walk<'_> {
                 }
             }
             self.note();
-            let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
-            let released = set == Set::Copy || self.placements_of(set)[stage.unit].released_after_forward(reshard_after_forward);
-            if released && !used_next {
-                self.release_in(set, stage.unit);
+            for unit in stage.units() {
+                let used_next = stages.get(index + 1).is_some_and(|next| next.units().any(|u| u == unit));
+                let released = set == Set::Copy || self.placements_of(set)[unit].released_after_forward(reshard_after_forward);
+                if released && !used_next {
+                    self.release_in(set, unit);
+                }
             }
         }
     }
@@ -439,9 +440,8 @@ pub(super) fn walk(
     // Whether ft's float8 kernels' input caches hold a cast: forward's, backward's.
     let (mut forward_cache, mut backward_cache) = (false, false);
     for (index, stage) in stages.iter().enumerate() {
-        walk.gather(stage.unit);
-        if let Some(next) = stages.get(index + 1) {
-            walk.gather(next.unit);
+        for unit in stage.units().chain(stages.get(index + 1).into_iter().flat_map(Stage::units)) {
+            walk.gather(unit);
         }
         if stage.kind == StageKind::Block {
             walk.float8_casts(tokens, &mut forward_cache);
@@ -461,9 +461,11 @@ pub(super) fn walk(
             StageKind::Head => {}
         }
         walk.note();
-        let used_next = stages.get(index + 1).is_none_or(|next| next.unit == stage.unit);
-        if placements[stage.unit].released_after_forward(reshard_after_forward) && !used_next {
-            walk.release(stage.unit);
+        for unit in stage.units() {
+            let used_next = stages.get(index + 1).is_none_or(|next| next.units().any(|u| u == unit));
+            if placements[unit].released_after_forward(reshard_after_forward) && !used_next {
+                walk.release(unit);
+            }
         }
     }
     walk.end_forward_float8_cache(tokens, &mut forward_cache);
@@ -472,10 +474,8 @@ pub(super) fn walk(
     // from the head's backward to the embedding's).
     let mut flat_gradient = vec![false; placements.len()];
     for (index, stage) in stages.iter().enumerate().rev() {
-        let unit = stage.unit;
-        walk.gather(unit);
-        if index > 0 {
-            walk.gather(stages[index - 1].unit);
+        for unit in stage.units().chain(stages[..index].last().into_iter().flat_map(Stage::units)) {
+            walk.gather(unit);
         }
         if stage.kind == StageKind::Block {
             walk.float8_casts(tokens, &mut backward_cache);
@@ -486,7 +486,7 @@ pub(super) fn walk(
             walk.note();
         }
         // What gets a gradient here: the unit unless frozen, and the stage's adapters.
-        let trained: Vec<usize> = Some(unit).filter(|&u| !placements[u].frozen).into_iter().chain(stage.adapter).collect();
+        let trained: Vec<usize> = stage.units().filter(|&u| !placements[u].frozen).chain(stage.adapter).collect();
         for &u in &trained {
             if !flat_gradient[u] {
                 flat_gradient[u] = true;
@@ -509,12 +509,14 @@ pub(super) fn walk(
         if let Some(adapter) = stage.adapter {
             walk.reduce(adapter);
         }
-        let gradient_complete = stages.iter().position(|s| s.unit == unit) == Some(index);
-        if gradient_complete && !placements[unit].frozen {
-            walk.reduce(unit);
-        }
-        if gradient_complete || (placements[unit].released_after_forward(reshard_after_forward) && stages[index - 1].unit != unit) {
-            walk.release(unit);
+        for unit in stage.units() {
+            let gradient_complete = stages.iter().position(|s| s.units().any(|u| u == unit)) == Some(index);
+            if gradient_complete && !placements[unit].frozen {
+                walk.reduce(unit);
+            }
+            if gradient_complete || (placements[unit].released_after_forward(reshard_after_forward) && !stages[index - 1].units().any(|u| u == unit)) {
+                walk.release(unit);
+            }
         }
     }
     while !walk.pending.is_empty() {

@@ -42,15 +42,15 @@ pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, float8_kept, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
 
-use crate::collectives_bench::{Collective, CommTestRow};
-use crate::comm_hook::{CommHook, UnitInfo};
 use crate::config::Config;
-use crate::flat::{param_offsets, MemoryAccount, UnitPlacement};
+use crate::distributed::collectives_bench::{Collective, CommTestRow};
+use crate::distributed::comm_hook::{CommHook, UnitInfo};
+use crate::distributed::flat::{param_offsets, MemoryAccount, UnitPlacement};
+use crate::distributed::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
 use crate::gpu::GpuSpec;
 use crate::model::{Float8Layers, Model};
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
-use crate::strategy::{ParamPlacement, ReduceDtype, ShardingPolicy};
 use crate::train::reductions_in_flight;
 use anyhow::{bail, Context, Result};
 use memory::{walk, MicroBatch};
@@ -328,6 +328,8 @@ pub struct Setup<'a> {
     pub activation_checkpointing: bool,
     /// The communication hook: the strategy's own, or one planned beside it (None: the built-in collectives).
     pub comm: Option<&'a PlanComm>,
+    /// `train.expert_parallel`: the ranks that split a mixture of experts' experts (1: none).
+    pub expert_parallel: usize,
 }
 
 /// What one way of running it costs, per rank (every rank holds the same).
@@ -340,6 +342,9 @@ pub struct PlanRow {
     pub offload: String,
     pub activation_checkpointing: bool,
     pub shard_group_size: usize,
+    /// `train.expert_parallel` above 1: the ranks that split the experts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_parallel: Option<usize>,
     pub fits: bool,
     /// What it does not fit in, when it does not.
     pub exceeds: Option<String>,
@@ -377,12 +382,15 @@ impl PlanRow {
         if self.activation_checkpointing {
             label += " + activation checkpointing";
         }
+        if let Some(degree) = self.expert_parallel {
+            label += &format!(" + expert parallel {degree}");
+        }
         label
     }
 
-    /// The row of the strategy with its own communication.
+    /// The row of the strategy with its own communication (and no expert parallelism).
     fn is(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> bool {
-        self.strategy == strategy && self.comm.is_none() && self.offload == offload && self.activation_checkpointing == activation_checkpointing
+        self.strategy == strategy && self.comm.is_none() && self.offload == offload && self.activation_checkpointing == activation_checkpointing && self.expert_parallel.is_none()
     }
 }
 
@@ -391,6 +399,9 @@ impl PlanRow {
 pub struct Plan {
     /// "llama 6738.4M", as `ft bench` names models.
     pub model: String,
+    /// A mixture of experts' parameters: all of them, and those a token's forward uses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertParameters>,
     pub cluster: Cluster,
     pub batch: i64,
     pub seq: i64,
@@ -407,9 +418,41 @@ pub struct Plan {
     pub reference_options: Vec<(String, ReferenceCost)>,
 }
 
+/// A mixture of experts' parameters as a plan counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ExpertParameters {
+    pub total: i64,
+    /// What a token's forward uses: all but the experts it is not routed to.
+    pub active: i64,
+    pub experts: i64,
+    pub per_token: i64,
+    pub sparse_layers: i64,
+}
+
+impl ExpertParameters {
+    /// `model`'s, when it is a mixture of experts.
+    pub fn of(model: &dyn Model) -> Option<ExpertParameters> {
+        let experts = model.experts()?;
+        let held: i64 = crate::train::expert_units(model).iter().map(|&unit| model.units()[unit].numel()).sum();
+        let idle = held / experts.count * (experts.count - experts.per_token);
+        let total = model.numel();
+        Some(ExpertParameters { total, active: total - idle, experts: experts.count, per_token: experts.per_token, sparse_layers: experts.sparse_layers })
+    }
+}
+
+/// The expert-parallel degrees a plan weighs for `model` on `cluster`:
+/// 1, and for a mixture of experts trained whole, each degree within a
+/// node that divides the node's GPUs and the experts.
+fn expert_parallel_degrees(model: &dyn Model, cluster: &Cluster) -> Vec<usize> {
+    let experts = model.experts().filter(|_| model.adapter_scaling().is_none()).map_or(1, |experts| experts.count as usize);
+    let node = cluster.gpus_per_node();
+    (1..=node).filter(|&degree| degree == 1 || (node % degree == 0 && experts % degree == 0 && experts > 1)).collect()
+}
+
 /// The placements of `workload`'s units under `setup` in a shard group of `group`.
 fn placements(workload: &Workload, setup: &Setup, group: usize) -> Vec<UnitPlacement> {
-    let placed = crate::train::unit_placements(workload.model, &setup.policy, group, 0, setup.offload_to_host, workload.dtype);
+    let experts = (setup.expert_parallel > 1).then_some((setup.expert_parallel, 0));
+    let placed = crate::train::unit_placements(workload.model, &setup.policy, group, 0, setup.offload_to_host, workload.dtype, experts);
     placed.into_iter().map(|(placement, _)| placement).collect()
 }
 
@@ -485,8 +528,8 @@ fn with_margins(allocated: f64) -> f64 {
 /// largest `reductions_in_flight` unit reductions', every unit's
 /// replica reduction (the step waits for those at its end) and two
 /// gathers' (the one in use and the one prefetched).
-fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::comm_hook::CommPlan, shard_group: usize) -> f64 {
-    use crate::comm_hook::{ReduceStage, Wire, WireRequest};
+fn comm_state(hook: &dyn CommHook, workload: &Workload, units: &[UnitInfo], placements: &[UnitPlacement], plan: &crate::distributed::comm_hook::CommPlan, shard_group: usize) -> f64 {
+    use crate::distributed::comm_hook::{ReduceStage, Wire, WireRequest};
     let (mut bytes, mut reductions, mut replicas, mut gathers) = (0.0, vec![], 0, vec![]);
     let reduce = workload.reduce_dtype.kind(workload.dtype);
     for (unit, placement) in units.iter().zip(placements) {
@@ -601,6 +644,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         offload: setup.offload.into(),
         activation_checkpointing: setup.activation_checkpointing,
         shard_group_size: group,
+        expert_parallel: (setup.expert_parallel > 1).then_some(setup.expert_parallel),
         fits: exceeds.is_none(),
         exceeds,
         peak_gpu_bytes,
@@ -676,9 +720,12 @@ impl Plan {
                     if name.is_some() && comm.is_some_and(refused) {
                         continue;
                     }
-                    for &activation_checkpointing in checkpointing.choices() {
-                        let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, comm };
-                        rows.push(PlanRow { comm: name.map(str::to_string), ..predict(workload, cluster, &setup)? });
+                    // Expert parallelism keeps its state on the device.
+                    for expert_parallel in expert_parallel_degrees(workload.model, cluster).into_iter().filter(|&degree| degree == 1 || !to_host) {
+                        for &activation_checkpointing in checkpointing.choices() {
+                            let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, comm, expert_parallel };
+                            rows.push(PlanRow { comm: name.map(str::to_string), ..predict(workload, cluster, &setup)? });
+                        }
                     }
                 }
             }
@@ -691,6 +738,7 @@ impl Plan {
         let model = workload.model;
         Ok(Plan {
             model: crate::bench::model_label(model),
+            experts: ExpertParameters::of(model),
             cluster: cluster.clone(),
             batch: workload.batch,
             seq: workload.seq,
@@ -717,6 +765,7 @@ impl Plan {
             offload_to_host: offload.to_host(),
             activation_checkpointing: row.activation_checkpointing,
             comm: None,
+            expert_parallel: row.expert_parallel.unwrap_or(1),
         };
         let mut options = vec![];
         for reference in Reference::ALL {
@@ -735,7 +784,11 @@ impl Plan {
     fn workload(&self) -> String {
         let accumulation = if self.grad_accum > 1 { format!(" x {} accumulated", self.grad_accum) } else { String::new() };
         let float8 = self.float8.as_ref().map_or(String::new(), |float8| format!(", {float8}"));
-        format!("{}, batch {} x {} tokens per GPU{accumulation}, {}{float8}", self.model, self.batch, self.seq, self.dtype)
+        let experts = self.experts.map_or(String::new(), |e| {
+            let billions = |n: i64| n as f64 / 1e9;
+            format!(" ({:.2}B parameters, {:.2}B active: {} of {} experts a token in {} layers)", billions(e.total), billions(e.active), e.per_token, e.experts, e.sparse_layers)
+        });
+        format!("{}{experts}, batch {} x {} tokens per GPU{accumulation}, {}{float8}", self.model, self.batch, self.seq, self.dtype)
     }
 
     fn hardware(&self) -> String {
@@ -765,7 +818,7 @@ impl Plan {
             let other = r.peak.gathered + r.peak.loss + r.peak.transient;
             out += &format!(
                 "{:<24} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10.3} {:>13.0} {:>10}{}\n",
-                r.comm.as_ref().map_or(r.strategy.clone(), |comm| format!("{}+{comm}", r.strategy)),
+                r.comm.as_ref().map_or(r.strategy.clone(), |comm| format!("{}+{comm}", r.strategy)) + &r.expert_parallel.map_or(String::new(), |degree| format!(" ep{degree}")),
                 r.offload,
                 if r.activation_checkpointing { "on" } else { "off" },
                 if r.fits { "yes" } else { "no" },
@@ -800,10 +853,11 @@ state and gradients held then; acts: activations; other: gathered units, loss bu
         }
         out += &match &self.recommended {
             Some(r) => format!(
-                "recommended: {} — {:.1} GB per GPU, {:.3} s per step, {:.0} tokens/s per GPU{}\n",
+                "recommended: {} — {:.1} GB per GPU, {:.3} s per step{}, {:.0} tokens/s per GPU{}\n",
                 r.label(),
                 r.peak_gpu_bytes / 1e9,
                 r.step_seconds,
+                if r.time.all_to_all > 0.0 { format!(" (all-to-all {:.3} s)", r.time.all_to_all) } else { String::new() },
                 r.tokens_per_second_per_gpu,
                 r.max_batch.map_or(String::new(), |b| format!("; micro-batches up to {b} fit"))
             ),

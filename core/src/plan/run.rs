@@ -3,13 +3,13 @@
 //! fastest configuration predicted to need less.
 
 use super::{fastest, Checkpointing, Cluster, Plan, PlanRow, Workload};
-use crate::comm::{Communicator, Reduction};
 use crate::config::Config;
+use crate::distributed::comm::{Communicator, Reduction};
+use crate::distributed::strategy::AUTO;
 use crate::gpu::{self, GpuSpec};
 use crate::model::Model;
 use crate::offload::{NoOffload, Offload};
 use crate::registry::Registry;
-use crate::strategy::AUTO;
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
@@ -79,7 +79,7 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         Err(error) => return Err(error.context("--strategy auto needs ft plan's prediction")),
     };
     if auto {
-        let chosen = plan.choose_for_run(&config.train.offload, config.train.activation_checkpointing)?;
+        let chosen = plan.choose_for_run(&config.train.offload, config.train.activation_checkpointing, config.train.expert_parallel)?;
         if lead {
             let reference = chosen.reference.as_ref().map(|cost| format!("; its reference model: {}", cost.kind)).unwrap_or_default();
             tracing::info!("--strategy auto: {} (ft plan: {:.1} GB per GPU, {:.3} s per step{reference})", chosen.label(), chosen.peak_gpu_bytes / 1e9, chosen.step_seconds);
@@ -87,16 +87,18 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         config.train.strategy = chosen.strategy.clone();
         config.train.offload = chosen.offload.clone();
         config.train.activation_checkpointing = chosen.activation_checkpointing;
+        config.train.expert_parallel = chosen.expert_parallel.unwrap_or(1);
     }
     Ok(Some(plan))
 }
 
 impl Plan {
     /// The row `ft train --strategy auto` runs: the fastest that fits,
-    /// keeping activation checkpointing when the run turned it on and an
-    /// offload when it chose one.
-    pub fn choose_for_run(&self, offload: &str, activation_checkpointing: bool) -> Result<&PlanRow> {
-        let allowed = |r: &&PlanRow| (offload == NoOffload.name() || r.offload == offload) && (r.activation_checkpointing || !activation_checkpointing);
+    /// keeping activation checkpointing when the run turned it on, an
+    /// offload when it chose one and an expert-parallel degree above 1 when it set one.
+    pub fn choose_for_run(&self, offload: &str, activation_checkpointing: bool, expert_parallel: usize) -> Result<&PlanRow> {
+        let degree_kept = |r: &PlanRow| expert_parallel == 1 || r.expert_parallel == Some(expert_parallel);
+        let allowed = |r: &&PlanRow| (offload == NoOffload.name() || r.offload == offload) && (r.activation_checkpointing || !activation_checkpointing) && degree_kept(r);
         fastest(self.rows.iter().filter(allowed).filter(|r| r.fits)).with_context(|| {
             format!("--strategy auto: no configuration fits {} on {}; {}", self.workload(), self.hardware(), self.largest_batch_hint())
         })

@@ -15,9 +15,9 @@
 
 use super::memory::StepMemory;
 use super::{Cluster, Setup, Workload};
-use crate::collectives_bench::Collective;
-use crate::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
-use crate::flat::UnitPlacement;
+use crate::distributed::collectives_bench::Collective;
+use crate::distributed::comm_hook::{CommHook, ReduceStage, UnitInfo, Wire, WireRequest};
+use crate::distributed::flat::UnitPlacement;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use tch::Kind;
@@ -69,11 +69,16 @@ pub struct StepTime {
     /// copy in host memory it does not hide; its gathers are in `communication`.
     #[serde(default)]
     pub reference: f64,
+    /// Expert parallelism's token exchanges: each sparse layer's dispatch
+    /// and combine, forward and backward (and forward again when
+    /// recomputed), which nothing overlaps.
+    #[serde(default)]
+    pub all_to_all: f64,
 }
 
 impl StepTime {
     pub fn total(&self) -> f64 {
-        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize + self.reference
+        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize + self.reference + self.all_to_all
     }
 }
 
@@ -86,6 +91,10 @@ enum Group {
     World,
     /// Hybrid sharding's replicas: the ranks holding the same shard in the other groups.
     Replicas,
+    /// An expert group: consecutive ranks.
+    Experts,
+    /// The ranks holding the same experts in the other expert groups.
+    ExpertReplicas,
 }
 
 /// A cluster's groups: how many ranks each has.
@@ -93,6 +102,7 @@ enum Group {
 struct Groups {
     world: usize,
     shard: usize,
+    experts: usize,
 }
 
 impl Groups {
@@ -101,6 +111,8 @@ impl Groups {
             Group::Shard => self.shard,
             Group::World => self.world,
             Group::Replicas => self.world / self.shard,
+            Group::Experts => self.experts,
+            Group::ExpertReplicas => self.world / self.experts,
         }
     }
 }
@@ -125,7 +137,8 @@ impl Network<'_> {
         let ranks = self.groups.size(transfer.group);
         let across_nodes = match transfer.group {
             Group::Shard => self.groups.shard > self.cluster.gpus_per_node(),
-            Group::World | Group::Replicas => self.cluster.nodes > 1,
+            Group::Experts => self.groups.experts > self.cluster.gpus_per_node(),
+            Group::World | Group::Replicas | Group::ExpertReplicas => self.cluster.nodes > 1,
         };
         if ranks <= 1 {
             return 0.0;
@@ -165,7 +178,7 @@ impl Wires<'_> {
         let request = WireRequest { wire, elements, dtype, group_size };
         let builtin = vec![request.builtin()];
         let declared = match (float8, self.hook) {
-            (true, _) => crate::float8_gather::float8_gather_bytes(&self.units[u], &request),
+            (true, _) => crate::distributed::float8_gather::float8_gather_bytes(&self.units[u], &request),
             (false, Some(hook)) => hook.wire_bytes(&self.units[u], &request),
             (false, None) => builtin.clone(),
         };
@@ -188,7 +201,7 @@ fn gather_transfers(placements: &[UnitPlacement], gathers: &[(usize, f64)], floa
         match (placement.params_sharded, placement.packed) {
             // A whole 4-bit unit is dequantized where it is, a whole frozen copy uploaded: nothing moves between ranks.
             (false, _) => {}
-            // 4-bit bytes go through the built-in all-gather, never a hook (`packed_base.rs`).
+            // 4-bit bytes go through the built-in all-gather, never a hook (`distributed/packed_base.rs`).
             (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
             (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, dtype, Group::Shard, i == 0, float8)),
         }
@@ -231,7 +244,9 @@ fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_par
                     out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Replica), shard, dtype, Group::Replicas, exposed, false));
                 }
             } else if placement.offload || last {
-                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::World), padded, reduce, Group::World, exposed, false));
+                // An expert-parallel rank's experts are summed over their other holders.
+                let group = if placement.expert_rows.is_some() { Group::ExpertReplicas } else { Group::World };
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::World), padded, reduce, group, exposed, false));
             }
         }
     }
@@ -255,7 +270,7 @@ fn block_flops_per_token(workload: &Workload) -> f64 {
 /// stages, adapters off: a third of training's (2N and attention's 4·layers·hidden·seq).
 fn forward_flops_per_token(workload: &Workload) -> f64 {
     let model = workload.model;
-    let units: BTreeSet<usize> = model.stages().iter().map(|stage| stage.unit).collect();
+    let units: BTreeSet<usize> = model.stages().iter().flat_map(|stage| stage.units()).collect();
     let params: i64 = units.iter().map(|&u| model.units()[u].numel()).sum();
     let dims = model.dims();
     2.0 * params as f64 + 4.0 * (dims.layers * dims.hidden * workload.seq) as f64
@@ -292,7 +307,7 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, setup.activation_checkpointing);
     let reference = if reference_runs { reference_seconds(workload, cluster, copy, &step.copy_gathers) } else { 0.0 };
 
-    let groups = Groups { world: cluster.gpus, shard: shard_group };
+    let groups = Groups { world: cluster.gpus, shard: shard_group, experts: setup.expert_parallel };
     let network = Network { cluster, groups };
     let data_parallel = cluster.gpus > 1;
     let (mut exposed, mut overlapped) = (0.0, 0.0);
@@ -331,13 +346,27 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     // Each use of a 4-bit unit reads its bytes and writes its compute buffer.
     let dequantized: f64 = step.gathers.iter().filter(|&&(u, _)| placements[u].packed).map(|&(u, buffer)| placements[u].shard.padded as f64 + buffer).sum();
     let dequantize = workload.grad_accum as f64 * dequantized / (cluster.memory_bandwidth * DEQUANTIZE_BANDWIDTH_FRACTION);
-    StepTime { compute, communication, optimizer, offload, compress, dequantize, reference }
+    let all_to_all = all_to_all_seconds(workload, setup, &network);
+    StepTime { compute, communication, optimizer, offload, compress, dequantize, reference, all_to_all }
+}
+
+/// Expert parallelism's token exchanges of a step: per micro-batch and
+/// sparse layer, each assignment's hidden state to its expert's rank and
+/// back, in forward and again (their gradients) in backward, and forward's
+/// once more when blocks are recomputed; each rank's input to one is
+/// its tokens × experts per token × hidden size.
+fn all_to_all_seconds(workload: &Workload, setup: &Setup, network: &Network) -> f64 {
+    let Some(experts) = workload.model.experts().filter(|_| setup.expert_parallel > 1) else { return 0.0 };
+    let element = workload.dtype.elt_size_in_bytes() as f64;
+    let bytes = (workload.batch * workload.seq * experts.per_token * workload.model.dims().hidden) as f64 * element;
+    let exchanges = if setup.activation_checkpointing { 6 } else { 4 } * experts.sparse_layers as usize * workload.grad_accum;
+    exchanges as f64 * network.seconds(&Transfer { collective: Collective::AllToAll, group: Group::Experts, bytes, exposed: true })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm_hook::{CollectiveBytes, UnitInfo};
+    use crate::distributed::comm_hook::{CollectiveBytes, UnitInfo};
 
     /// Top-k sparsification: every rank all-gathers its largest 1% of a
     /// gradient as (fp32 value, int32 index) pairs, and sums them locally.
@@ -358,7 +387,7 @@ mod tests {
     /// The bytes each rank moves for one world reduction of `elements` fp32 elements at `world` ranks.
     fn moved(hook: Option<&dyn CommHook>, world: usize, elements: i64) -> f64 {
         let units = [UnitInfo { id: "u0".into(), name: "block 0".into(), params: vec![], numel: elements, padded: elements }];
-        let groups = Groups { world, shard: 1 };
+        let groups = Groups { world, shard: 1, experts: 1 };
         let mut wires = Wires { hook, units: &units, groups, changed: 0.0 };
         let transfers = wires.transfers(0, Wire::Reduce(ReduceStage::World), elements, Kind::Float, Group::World, false, false);
         transfers.iter().map(|t| t.bytes * t.collective.bus_factor(groups.size(t.group))).sum()

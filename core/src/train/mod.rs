@@ -1,34 +1,36 @@
 //! The training engine: one process's training state — the model's units
-//! as flat buffers (`flat.rs`) and AdamW — run data-parallel as a strategy's
+//! as flat buffers (`distributed/flat.rs`) and AdamW — run data-parallel as a strategy's
 //! policy says. One micro-batch's forward and backward is `step.rs`, the
 //! gradient reductions it starts are `reduce.rs`, the optimizer step is
 //! `optim.rs`, the causal-LM head's loss is `loss.rs`, and the process
-//! groups a strategy needs are `parallel.rs`. docs/ARCHITECTURE.md follows
+//! groups a strategy needs are `distributed/parallel.rs`. docs/ARCHITECTURE.md follows
 //! one training step through these files.
 
 pub mod loss;
 mod optim;
-mod parallel;
 mod reduce;
 mod step;
 
-pub use crate::flat::unflatten;
+pub use crate::distributed::flat::unflatten;
 /// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
 pub use crate::kernels::Kernels;
-pub use parallel::DataParallel;
 pub(crate) use reduce::reductions_in_flight;
 
-use crate::comm::ProcessGroup;
-use crate::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
 use crate::config::TrainConfig;
-use crate::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
-use crate::float8_gather::Float8Amaxes;
+use crate::distributed::comm::ProcessGroup;
+use crate::distributed::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
+use crate::distributed::experts::{ExpertGroups, SharedHook};
+use crate::distributed::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
+use crate::distributed::float8_gather::Float8Amaxes;
+use crate::distributed::packed_base::PackedLayout;
+use crate::distributed::parallel::DataParallel;
+use crate::distributed::strategy::{ParamPlacement, ShardingPolicy};
 use crate::model::{Float8Layers, Model};
 use crate::offload::Offload;
-use crate::packed_base::PackedLayout;
-use crate::strategy::{ParamPlacement, ShardingPolicy};
 use anyhow::Result;
+use std::cell::RefCell;
 use std::collections::BTreeSet;
+use std::rc::Rc;
 use ft_sys::float8::{Float8, Recipe};
 use ft_sys::AdamW;
 use optim::LossScaler;
@@ -144,8 +146,9 @@ pub struct Trainer<'m> {
     /// an id of its own (so no hook takes state kept for a trained unit,
     /// such as a float8 gather's amaxes, for the copy's).
     reference_info: Vec<UnitInfo>,
-    /// How gradients are reduced and sharded parameters gathered.
-    hook: Box<dyn CommHook>,
+    /// How gradients are reduced, sharded parameters gathered and tokens
+    /// exchanged (shared with the token exchanges of expert parallelism).
+    hook: SharedHook,
     /// The hook's scratch memory, counted.
     workspace: Workspace,
     /// Where offloaded state is stored and how it is stepped (None: nothing is offloaded).
@@ -260,10 +263,24 @@ impl<'m> TrainerBuilder<'m> {
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
-        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype);
+        let experts = parallel.and_then(|p| p.experts.as_ref());
+        let expert_group = experts.map(|groups| (groups.group.size(), groups.group.rank()));
+        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype, expert_group);
         let (mut units, mut reference) = (vec![], vec![]);
         for (unit, (spec, (placement, packed))) in model.units().iter().zip(placed).enumerate() {
             let t = params.unit(unit)?;
+            if let (Some(groups), Some(_)) = (experts, placement.expert_rows) {
+                // This rank's experts: its rows of the unit's parameter, held whole.
+                let rows = groups.rows(spec.params[0].shape[0]);
+                let t: Vec<Tensor> = t.iter().map(|t| t.narrow(0, rows.start, rows.end - rows.start)).collect();
+                let mut local = spec.clone();
+                local.params[0].shape[0] = rows.end - rows.start;
+                if reference_copy {
+                    reference.push(FlatUnit::new(&local, &t, options.dtype, placement.frozen_copy(), offload)?);
+                }
+                units.push(FlatUnit::new(&local, &t, options.dtype, placement, offload)?);
+                continue;
+            }
             if reference_copy {
                 // From the same tensors, so no unit is read twice.
                 reference.push(FlatUnit::new(spec, &t, options.dtype, placement.frozen_copy(), offload)?);
@@ -277,7 +294,7 @@ impl<'m> TrainerBuilder<'m> {
         if units.iter().all(|u| !u.trainable()) {
             anyhow::bail!("every parameter of the model is frozen: nothing to train");
         }
-        let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
+        let unit_info: Vec<UnitInfo> = units.iter().map(|u| UnitInfo::new(&u.spec, crate::distributed::flat::param_offsets(&u.spec), u.placement().shard.padded)).collect();
         let reference_info = unit_info
             .iter()
             .take(reference.len())
@@ -309,7 +326,7 @@ impl<'m> TrainerBuilder<'m> {
             } else if !gathered.is_empty() {
                 tracing::info!("train.fp8_gathers: {} sharded blocks gathered as float8 (their vectors in the compute dtype)", gathered.len());
                 let gathered: Vec<(usize, &UnitInfo)> = gathered.into_iter().map(|unit| (unit, &unit_info[unit])).collect();
-                let (gathers, amaxes) = crate::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);
+                let (gathers, amaxes) = crate::distributed::float8_gather::float8_gathers(hook, &gathered, options.dtype, device);
                 hook = Box::new(gathers);
                 float8_amaxes = Some(amaxes);
             }
@@ -322,7 +339,7 @@ impl<'m> TrainerBuilder<'m> {
             reference,
             unit_info,
             reference_info,
-            hook,
+            hook: Rc::new(RefCell::new(hook)),
             workspace: Workspace::default(),
             offload,
             steps: 0,
@@ -350,14 +367,19 @@ impl<'m> TrainerBuilder<'m> {
 /// as the bytes of their `PackedLayout` (what `Model::held_in_4bit` picks:
 /// the blocks' linear layers, as bitsandbytes quantizes them, and a mixture
 /// of experts' fused experts; the embeddings and the head keep the compute dtype).
-pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
+pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind, experts: Option<(usize, usize)>) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
     let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
     let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
+    let expert_units = expert_units(model);
     model
         .units()
         .iter()
         .enumerate()
         .map(|(unit, spec)| {
+            if let Some((degree, rank)) = experts.filter(|_| expert_units.contains(&unit)) {
+                let rows = spec.numel() / degree as i64;
+                return (UnitPlacement::expert_rows(rows, rows * rank as i64, offload), None);
+            }
             let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
             let placement = match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),
@@ -366,13 +388,18 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
             };
             match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
                 Some(quantization) => {
-                    let layout = PackedLayout::new(spec, &crate::flat::param_offsets(spec), dtype, quantization, |param| model.held_in_4bit(param));
+                    let layout = PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization, |param| model.held_in_4bit(param));
                     (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
                 }
                 None => (placement, None),
             }
         })
         .collect()
+}
+
+/// The units holding a mixture of experts' experts (`Stage::experts`), which expert parallelism splits by rows.
+pub fn expert_units(model: &dyn Model) -> BTreeSet<usize> {
+    model.stages().iter().flat_map(|stage| stage.experts.into_iter().flatten()).collect()
 }
 
 /// The sharded units gathered in float8: blocks whose weight matrices all run in float8.
@@ -525,6 +552,38 @@ impl<'m> Trainer<'m> {
         self.parallel.map_or(1, |p| p.shard_size)
     }
 
+    /// Expert parallelism's groups, when the trainer runs it.
+    fn experts(&self) -> Option<&'m ExpertGroups> {
+        self.parallel.and_then(|p| p.experts.as_ref())
+    }
+
+    /// What a mixture of experts' blocks exchange tokens through, when the trainer runs expert parallelism.
+    fn token_exchanger(&self) -> Option<Rc<dyn crate::model::ExpertExchange>> {
+        let groups = self.experts()?;
+        Some(Rc::new(crate::distributed::experts::TokenExchanger { group: groups.group.clone(), hook: self.hook.clone() }))
+    }
+
+    /// How many ranks hold this rank's experts, and which of them this rank is.
+    fn expert_replicas(&self) -> (usize, usize) {
+        self.experts().and_then(|e| e.replicas.as_ref()).map_or((1, 0), |r| (r.size(), r.rank()))
+    }
+
+    /// Unit `index`'s parameters from `whole`, this rank's whole flat
+    /// buffer of them, shaped as the model declares them: an
+    /// expert-parallel unit's rows gathered from its expert group
+    /// (collective then).
+    fn model_shaped(&self, index: usize, whole: Tensor) -> Result<Vec<Tensor>> {
+        let unit = &self.units[index];
+        match (unit.placement().expert_rows, self.experts()) {
+            (Some(_), Some(groups)) => {
+                let mut all = Tensor::empty([(whole.numel() * groups.group.size()) as i64], (whole.kind(), whole.device()));
+                groups.group.all_gather_into_tensor(&mut all, &whole.contiguous())?.wait()?;
+                Ok(unflatten(&self.model.units()[index], &all))
+            }
+            _ => Ok(unflatten(&unit.spec, &whole)),
+        }
+    }
+
     /// How many ranks hold the same copy of a unit's optimizer state and
     /// which of them this rank is: a sharded state's replicas (hybrid
     /// sharding's other shard groups), or every rank when it is whole.
@@ -552,14 +611,17 @@ impl<'m> Trainer<'m> {
                     let empty = || Tensor::empty([0], (Kind::Float, tch::Device::Cpu));
                     return (0, [empty(), empty(), empty()]);
                 }
-                let (copies, index) = self.holders(placement.optimizer_sharded);
+                let (copies, index) = match placement.expert_rows {
+                    Some(_) => self.expert_replicas(),
+                    None => self.holders(placement.optimizer_sharded),
+                };
                 let owned_start = placement.owned_start();
                 let valid = (u.numel() - owned_start).clamp(0, placement.owned_len());
                 let split = ShardLayout::new(valid, copies, index);
                 let local = split.start.min(valid);
                 let len = split.len.min(valid - local);
                 let take = |t: &Tensor| t.narrow(0, local, len);
-                (owned_start + local, [take(&u.master), take(&u.exp_avg), take(&u.exp_avg_sq)])
+                (placement.expert_rows.unwrap_or(0) + owned_start + local, [take(&u.master), take(&u.exp_avg), take(&u.exp_avg_sq)])
             })
             .collect()
     }
@@ -581,7 +643,7 @@ impl<'m> Trainer<'m> {
         let group = self.shard_group();
         for (index, unit) in self.units.iter_mut().enumerate().filter(|(_, u)| u.trainable()) {
             let placement = *unit.placement();
-            let state = read(index, placement.owned_start(), placement.owned_len())?;
+            let state = read(index, placement.expert_rows.unwrap_or(0) + placement.owned_start(), placement.owned_len())?;
             unit.restore(&state, group)?;
         }
         if let Some(amaxes) = &mut self.float8_amaxes {
@@ -601,18 +663,16 @@ impl<'m> Trainer<'m> {
     /// (gathered when sharded; collective then).
     pub fn compute_params(&self) -> Result<Vec<Vec<Tensor>>> {
         let group = self.shard_group();
-        self.units.iter().map(|u| Ok(unflatten(&u.spec, &u.whole_compute(group)?.detach()))).collect()
+        (0..self.units.len()).map(|u| self.model_shaped(u, self.units[u].whole_compute(group)?.detach())).collect()
     }
 
     /// The current fp32 parameters of the trained units, per unit, shaped
     /// as the model declares them (gathered when sharded; collective then);
     /// a frozen unit's entry is empty (the model's files hold it).
     pub fn params(&self) -> Result<Vec<Vec<Tensor>>> {
-        let group = self.shard_group();
-        self.units
-            .iter()
-            .map(|u| match u.trainable() {
-                true => Ok(unflatten(&u.spec, &u.whole(&u.master, group)?)),
+        (0..self.units.len())
+            .map(|u| match self.units[u].trainable() {
+                true => self.model_shaped(u, self.units[u].whole(&self.units[u].master, self.shard_group())?),
                 false => Ok(vec![]),
             })
             .collect()
@@ -629,7 +689,7 @@ impl<'m> Trainer<'m> {
     /// `reference_memory`).
     pub fn memory(&self) -> MemoryAccount {
         let held: MemoryAccount = self.units.iter().map(FlatUnit::memory).sum();
-        let state = self.hook.state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);
+        let state = self.hook.borrow().state().iter().fold(0.0, |bytes, (_, t)| bytes + (t.numel() * t.kind().elt_size_in_bytes()) as f64);
         let comm_state = state + self.workspace.peak() as f64;
         MemoryAccount { gathered_peak: self.gathered_peak as f64, comm_state, ..held }
     }
@@ -653,19 +713,23 @@ impl<'m> Trainer<'m> {
         self.model
     }
 
-    /// The communication hook (its name, its state for a checkpoint).
-    pub fn comm_hook(&self) -> &dyn CommHook {
-        self.hook.as_ref()
+    /// The communication hook's state, for a checkpoint.
+    pub fn comm_state(&self) -> Vec<(String, Tensor)> {
+        self.hook.borrow().state()
     }
 
     /// Hands the hook its checkpointed state; what it kept.
     pub fn restore_comm_state(&mut self, state: Vec<(String, Tensor)>) -> Result<Restored> {
-        self.hook.load_state(state).map_err(|e| e.context(format!("comm `{}`: restoring its state", self.hook.name())))
+        let mut hook = self.hook.borrow_mut();
+        let name = hook.name().to_string();
+        hook.load_state(state).map_err(|e| e.context(format!("comm `{name}`: restoring its state")))
     }
 
     /// Offers the hook state saved at another world size; what it kept.
     pub fn reshard_comm_state(&mut self, change: WorldChange, state: Vec<(String, Tensor)>) -> Result<Restored> {
-        self.hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{}`: re-sharding its state", self.hook.name())))
+        let mut hook = self.hook.borrow_mut();
+        let name = hook.name().to_string();
+        hook.reshard_state(change, state).map_err(|e| e.context(format!("comm `{name}`: re-sharding its state")))
     }
 }
 

@@ -4,8 +4,8 @@
 //! state), then the compute copies refreshed for the next forward.
 
 use super::{Kernels, Trainer};
-use crate::comm::Reduction;
-use crate::flat::FlatUnit;
+use crate::distributed::comm::Reduction;
+use crate::distributed::flat::FlatUnit;
 use anyhow::{bail, Result};
 use ft_sys::AdamW;
 use tch::{Kind, Tensor};
@@ -84,9 +84,19 @@ impl Trainer<'_> {
                 _ => Ok(g.norm_scalaropt_dtype(2.0, Kind::Float).square()),
             })
             .collect::<Result<Vec<Tensor>>>()?;
-        let mut sum_of_squares = Tensor::stack(&squares, 0).sum(Kind::Float);
+        // An expert-parallel rank's experts are its own: summed over its expert group.
+        let of_experts = |experts: bool| {
+            let parts: Vec<&Tensor> = squares.iter().zip(&trained).filter(|(_, u)| u.placement().expert_rows.is_some() == experts).map(|(s, _)| s).collect();
+            if parts.is_empty() { Tensor::zeros([], (Kind::Float, device)) } else { Tensor::stack(&parts, 0).sum(Kind::Float) }
+        };
+        let mut sum_of_squares = of_experts(false);
         if let Some(group) = self.shard_group().filter(|_| trained[0].placement().optimizer_sharded) {
             group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
+        }
+        if let Some(experts) = self.experts() {
+            let mut of_experts = of_experts(true);
+            experts.group.all_reduce(&mut of_experts, Reduction::Sum)?.wait()?;
+            sum_of_squares += of_experts;
         }
         let mut total_norm = sum_of_squares.sqrt();
         // fp16: gradients carry the loss scale; an overflow skips the step.
@@ -168,7 +178,9 @@ impl Trainer<'_> {
         }
         self.pending_micro_batches = 0;
         self.steps += 1;
-        self.hook.after_step(self.steps).map_err(|e| e.context(format!("comm `{}`", self.hook.name())))?;
+        let mut hook = self.hook.borrow_mut();
+        let name = hook.name().to_string();
+        hook.after_step(self.steps).map_err(|e| e.context(format!("comm `{name}`")))?;
         Ok(total_norm)
     }
 

@@ -4,8 +4,10 @@
 //! host as their reduction finishes. A reduction is waited for only when its
 //! result is needed.
 
-use super::{DataParallel, Trainer};
-use crate::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
+use super::Trainer;
+use crate::distributed::comm::ProcessGroup;
+use crate::distributed::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
+use crate::distributed::parallel::DataParallel;
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -68,26 +70,38 @@ fn in_reduce_dtype(grad: &Tensor, kind: Kind, kernels: super::Kernels) -> Result
     Ok(grad.to_kind(kind))
 }
 
-impl Trainer<'_> {
+impl<'m> Trainer<'m> {
     /// Starts stage `stage` of unit `u`'s reduction over `group` through the
     /// communication hook: `input` in, the sum in `output`.
     fn start_reduction(&mut self, u: usize, stage: ReduceStage, input: Tensor, output: Tensor, accumulated: bool) -> Result<Pending> {
         let parallel = self.parallel.expect("reductions run data-parallel");
         let group = match stage {
-            ReduceStage::World => parallel.world,
+            ReduceStage::World => self.world_of(u).expect("a world stage has ranks to reduce over"),
             ReduceStage::Shard => parallel.shard().expect("sharded gradients have a shard group"),
             ReduceStage::Replica => parallel.replicas().expect("a replica stage has replica groups"),
         };
-        let (hook, unit, step) = (self.hook.name(), &self.unit_info[u].name, self.steps);
-        group.note_caller(|| format!("comm `{hook}` reduced unit {unit} ({}, step {step})", stage.name()));
+        let mut hook = self.hook.borrow_mut();
+        let (name, unit, step) = (hook.name().to_string(), &self.unit_info[u].name, self.steps);
+        group.note_caller(|| format!("comm `{name}` reduced unit {unit} ({}, step {step})", stage.name()));
         let offset = if stage == ReduceStage::Replica { self.units[u].placement().shard.start } else { 0 };
         let (info, seed, step) = (&self.unit_info[u], self.options.seed as u64, self.steps);
         let wire = WireRequest { wire: Wire::Reduce(stage), elements: input.size()[0], dtype: input.kind(), group_size: group.size() };
         let device = input.device();
-        let work = self.workspace.issue(self.hook.as_mut(), info, &wire, device, |hook, workspace| {
+        let work = self.workspace.issue(hook.as_mut(), info, &wire, device, |hook, workspace| {
             hook.reduce(GradReduce { unit: info, stage, group, input, offset, output, accumulated, step, seed, workspace })
         });
-        work.map_err(|e| e.context(format!("comm `{}`: {} of unit {}", self.hook.name(), stage.name(), info.name)))
+        work.map_err(|e| e.context(format!("comm `{name}`: {} of unit {}", stage.name(), info.name)))
+    }
+
+    /// The ranks unit `u`'s whole gradient is summed over: the world, or an
+    /// expert-parallel unit's replicas (its experts' other holders); None
+    /// where no other rank computes it.
+    fn world_of(&self, u: usize) -> Option<&'m ProcessGroup> {
+        let parallel = self.parallel?;
+        match self.units[u].placement().expert_rows {
+            Some(_) => parallel.experts.as_ref().and_then(|experts| experts.replicas.as_ref()),
+            None => Some(parallel.world),
+        }
     }
 
     /// The dtype gradients are reduced in: the data-parallel policy's, else
@@ -109,8 +123,9 @@ impl Trainer<'_> {
     /// all-reduce the sum on the last micro-batch.
     pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, reductions: &mut Reductions) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        // One micro-batch on one rank: the whole gradient, which AdamW reads in the compute dtype.
-        let whole = self.parallel.is_none() && self.gradient_as_it_is(first, last);
+        // One micro-batch on one rank (or experts no other rank holds): the whole gradient, which AdamW reads in the compute dtype.
+        let reduced_over = self.world_of(u);
+        let whole = reduced_over.is_none() && self.gradient_as_it_is(first, last);
         let reduce_dtype = self.reduce_dtype();
         let unit = &mut self.units[u];
         let fresh = unit.take_compute_grad()?;
@@ -144,7 +159,7 @@ impl Trainer<'_> {
             return Ok(());
         }
         unit.accumulate_grad(&fresh, first, whole);
-        if self.parallel.is_some() && last {
+        if reduced_over.is_some() && last {
             self.make_room(reductions)?;
             let unit = &self.units[u];
             // fp32: in place in the gradient; else through a narrower copy.

@@ -12,9 +12,9 @@
 
 use super::reduce::{reductions_in_flight, Reductions};
 use super::{MicroBatch, Trainer};
-use crate::comm_hook::GatherPhase;
-use crate::flat::FlatUnit;
 use crate::dataset::Batch;
+use crate::distributed::comm_hook::GatherPhase;
+use crate::distributed::flat::FlatUnit;
 use crate::model::{Float8Layers, Params, Stage, StageKind};
 use crate::task::Objective;
 use anyhow::Result;
@@ -35,7 +35,7 @@ struct Saved {
 /// A block's linear layers run in float8 when the run's `float8` says so
 /// (never the embeddings' or the head's: the LM head stays in the compute dtype).
 fn stage_params<'v>(model: &'v dyn crate::model::Model, units: &[FlatUnit], views: &'v mut [Option<Vec<Tensor>>], stage: &Stage, float8: Option<&'v Float8Layers>) -> Params<'v> {
-    for unit in std::iter::once(stage.unit).chain(stage.adapter) {
+    for unit in stage.units().chain(stage.adapter) {
         views[unit].get_or_insert_with(|| units[unit].views());
     }
     let views: &'v [Option<Vec<Tensor>>] = views;
@@ -50,6 +50,11 @@ enum Units {
     Model,
     /// The frozen copy kept as the reference model (`Trainer::reference`).
     Reference,
+}
+
+/// Whether the stage after `index` computes with unit `unit` too (a tied embedding's head).
+fn used_next(stages: &[Stage], index: usize, unit: usize) -> bool {
+    stages.get(index + 1).is_some_and(|next| next.units().any(|u| u == unit))
 }
 
 /// Which block of the model stage `index` is (the blocks before it).
@@ -70,7 +75,7 @@ impl Trainer<'_> {
             Units::Model => (&mut self.units, &self.unit_info),
             Units::Reference => (&mut self.reference, &self.reference_info),
         };
-        let bytes = units[u].start_gather(group, self.hook.as_mut(), &self.workspace, &info[u], phase, self.steps, self.options.seed as u64)?;
+        let bytes = units[u].start_gather(group, self.hook.borrow_mut().as_mut(), &self.workspace, &info[u], phase, self.steps, self.options.seed as u64)?;
         self.count_gathered(bytes);
         Ok(())
     }
@@ -137,7 +142,7 @@ impl Trainer<'_> {
 
     /// Whether stage `stage` has parameters to train: its unit, or its adapters.
     fn trains(&self, stage: &Stage) -> bool {
-        self.units[stage.unit].trainable() || stage.adapter.is_some()
+        stage.units().any(|unit| self.units[unit].trainable()) || stage.adapter.is_some()
     }
 
     /// Runs `batch` through the reference model without gradients and
@@ -163,14 +168,17 @@ impl Trainer<'_> {
     fn forward_without_grad(&mut self, set: Units, batch: &Batch, release_each: bool, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
         let model = self.model;
         let _no_grad = tch::no_grad_guard();
-        let ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
+        let mut ctx = model.context(&batch.inputs, 0, self.options.dtype, false)?;
+        ctx.experts = self.token_exchanger();
         let stages = model.stages();
         let mut views: Vec<Option<Vec<Tensor>>> = (0..self.units_in(set).len()).map(|_| None).collect();
         let mut x = None;
         for (index, stage) in stages.iter().enumerate() {
-            self.gather_in(set, stage.unit, GatherPhase::Forward)?;
-            if let Some(next) = stages.get(index + 1) {
-                self.prefetch_in(set, next.unit, GatherPhase::Forward)?;
+            for unit in stage.units() {
+                self.gather_in(set, unit, GatherPhase::Forward)?;
+            }
+            for next in stages.get(index + 1).into_iter().flat_map(Stage::units) {
+                self.prefetch_in(set, next, GatherPhase::Forward)?;
             }
             let params = stage_params(model, self.units_in(set), &mut views, &Stage { adapter: None, ..*stage }, self.float8.as_ref());
             match stage.kind {
@@ -178,9 +186,10 @@ impl Trainer<'_> {
                 StageKind::Block => x = x.map(|input| model.block(&params, &input, &ctx, block_number(stages, index), None)),
                 StageKind::Head => head(&model.head(&params, x.as_ref().expect("the head follows the blocks")))?,
             }
-            let used_next = stages.get(index + 1).is_some_and(|next| next.unit == stage.unit);
-            if (release_each || self.released_after_forward(stage.unit)) && !used_next {
-                self.release_in(set, stage.unit)?;
+            for unit in stage.units() {
+                if (release_each || self.released_after_forward(unit)) && !used_next(stages, index, unit) {
+                    self.release_in(set, unit)?;
+                }
             }
         }
         Ok(())
@@ -195,7 +204,7 @@ impl Trainer<'_> {
         let Some(loss) = self.model.auxiliary_loss().filter(|_| !statistics.is_empty()) else { return Ok(None) };
         let mut statistics = Tensor::stack(statistics, 0);
         if let Some(parallel) = self.parallel {
-            parallel.world.all_reduce(&mut statistics, crate::comm::Reduction::Sum)?.wait()?;
+            parallel.world.all_reduce(&mut statistics, crate::distributed::comm::Reduction::Sum)?.wait()?;
         }
         Ok(Some((loss.weights(&statistics) / micro.count as f64, statistics)))
     }
@@ -228,7 +237,8 @@ impl Trainer<'_> {
         }
         let inputs = &batch.inputs;
         let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
-        let ctx = model.context(inputs, 0, dtype, true)?;
+        let mut ctx = model.context(inputs, 0, dtype, true)?;
+        ctx.experts = self.token_exchanger();
         let stages = model.stages();
         let seed = self.options.seed;
         let micro_steps = self.micro_steps;
@@ -246,10 +256,11 @@ impl Trainer<'_> {
         let mut x: Option<Tensor> = None;
         let mut loss = None;
         for (index, stage) in stages.iter().enumerate() {
-            let unit = stage.unit;
-            self.gather(unit, GatherPhase::Forward)?;
-            if let Some(next) = stages.get(index + 1) {
-                self.prefetch(next.unit, GatherPhase::Forward)?;
+            for unit in stage.units() {
+                self.gather(unit, GatherPhase::Forward)?;
+            }
+            for next in stages.get(index + 1).into_iter().flat_map(Stage::units) {
+                self.prefetch(next, GatherPhase::Forward)?;
             }
             let params = stage_params(model, &self.units, &mut views, stage, self.float8.as_ref());
             let input = x.take().map(|t| t.set_requires_grad(input_needs_grad[index]));
@@ -286,10 +297,11 @@ impl Trainer<'_> {
                     saved.push(Saved { input: Some(input), outputs, grads });
                 }
             }
-            // The last stage's unit is the first backward needs: keep it.
-            let used_next = stages.get(index + 1).is_none_or(|next| next.unit == unit);
-            if self.released_after_forward(unit) && !used_next {
-                self.release(unit)?;
+            // The last stage's units are the first backward needs: keep them.
+            for unit in stage.units() {
+                if self.released_after_forward(unit) && index + 1 < stages.len() && !used_next(stages, index, unit) {
+                    self.release(unit)?;
+                }
             }
         }
         if self.float8.is_some() {
@@ -322,10 +334,11 @@ impl Trainer<'_> {
         let mut reductions = Reductions::new(reductions_in_flight(self.options.dtype, self.reduce_dtype()));
         let first_micro_batch = self.pending_micro_batches == 0;
         for (index, (stage, mut s)) in stages.iter().zip(saved).enumerate().rev() {
-            let unit = stage.unit;
-            self.gather(unit, GatherPhase::Backward)?;
-            if index > 0 {
-                self.prefetch(stages[index - 1].unit, GatherPhase::Backward)?;
+            for unit in stage.units() {
+                self.gather(unit, GatherPhase::Backward)?;
+            }
+            for previous in stages[..index].last().into_iter().flat_map(Stage::units) {
+                self.prefetch(previous, GatherPhase::Backward)?;
             }
             if s.outputs.is_empty() {
                 // Recompute the checkpointed block, with the same dropout masks.
@@ -356,13 +369,15 @@ impl Trainer<'_> {
                 // A stage's adapters serve it alone: their gradient is complete.
                 self.reduce(adapter, first_micro_batch, last_micro_batch, &mut reductions)?;
             }
-            let gradient_complete = stages.iter().position(|st| st.unit == unit) == Some(index);
-            if gradient_complete && self.units[unit].trainable() {
-                self.reduce(unit, first_micro_batch, last_micro_batch, &mut reductions)?;
-            }
-            // Done with the unit, or (full_shard) done until an earlier stage's backward needs it again.
-            if gradient_complete || (self.released_after_forward(unit) && stages[index - 1].unit != unit) {
-                self.release(unit)?;
+            for unit in stage.units() {
+                let gradient_complete = stages.iter().position(|st| st.units().any(|u| u == unit)) == Some(index);
+                if gradient_complete && self.units[unit].trainable() {
+                    self.reduce(unit, first_micro_batch, last_micro_batch, &mut reductions)?;
+                }
+                // Done with the unit, or (full_shard) done until an earlier stage's backward needs it again.
+                if gradient_complete || (self.released_after_forward(unit) && !stages[index - 1].units().any(|u| u == unit)) {
+                    self.release(unit)?;
+                }
             }
         }
         self.finish_reductions(reductions)?;

@@ -232,11 +232,15 @@ char* ft_reduce_scatter_tensor(FtGroup* group, at::Tensor* output, at::Tensor* i
   });
 }
 
-char* ft_all_to_all(FtGroup* group, at::Tensor* output, at::Tensor* input, FtWork** out) {
+// Rows (the first dimension) of `input` to each member, `input_splits[i]`
+// to member i, and of `output` from each; `splits` 0: equal chunks.
+char* ft_all_to_all(FtGroup* group, at::Tensor* output, at::Tensor* input, const int64_t* output_splits,
+                    const int64_t* input_splits, int splits, FtWork** out) {
   return guarded([&] {
-    std::vector<int64_t> equal_splits;
+    std::vector<int64_t> output_rows(output_splits, output_splits + splits);
+    std::vector<int64_t> input_rows(input_splits, input_splits + splits);
     auto result = std::make_unique<FtWork>();
-    result->work = group->backend->alltoall_base(*output, *input, equal_splits, equal_splits, c10d::AllToAllOptions());
+    result->work = group->backend->alltoall_base(*output, *input, output_rows, input_rows, c10d::AllToAllOptions());
     *out = result.release();
   });
 }
@@ -824,6 +828,57 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
     return {grad_gate, grad_up, at::Tensor()};
   }
 };
+
+// An exchange of rows between ranks (expert parallelism's dispatch and
+// combine) as one autograd node: Rust runs the exchange forward and its
+// reverse on the gradient (`direction` 0 and 1), through the run's
+// communication hook. The Rust side's state for the node lives until the
+// node does: the capsule's destructor hands its handle back.
+typedef int (*ExchangeFn)(int64_t handle, int direction, const at::Tensor* input, at::Tensor** output, char* message,
+                          size_t capacity);
+typedef void (*ReleaseFn)(int64_t handle);
+
+struct ExchangeState : torch::CustomClassHolder {
+  int64_t handle;
+  ExchangeFn run;
+  ReleaseFn release;
+  ExchangeState(int64_t handle, ExchangeFn run, ReleaseFn release) : handle(handle), run(run), release(release) {}
+  ~ExchangeState() override { release(handle); }
+
+  at::Tensor exchange(int direction, const at::Tensor& input) const {
+    char message[1024] = {0};
+    at::Tensor* output = nullptr;
+    if (run(handle, direction, &input, &output, message, sizeof message) != 0) {
+      throw std::runtime_error(message);
+    }
+    at::Tensor result = std::move(*output);
+    delete output;
+    return result;
+  }
+};
+
+struct Exchange : public torch::autograd::Function<Exchange> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t handle, int64_t run,
+                            int64_t release) {
+    auto state = c10::make_intrusive<ExchangeState>(handle, reinterpret_cast<ExchangeFn>(run),
+                                                    reinterpret_cast<ReleaseFn>(release));
+    at::Tensor output = state->exchange(0, input);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto state = c10::static_intrusive_pointer_cast<ExchangeState>(ctx->saved_data["state"].toCapsule());
+    return {state->exchange(1, grads[0].contiguous()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_exchange(at::Tensor* input, int64_t handle, ExchangeFn run, ReleaseFn release, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(Exchange::apply(*input, handle, reinterpret_cast<int64_t>(run), reinterpret_cast<int64_t>(release)));
+  });
+}
 
 char* ft_swiglu(at::Tensor* gate, at::Tensor* up, FusedKernel kernel, at::Tensor** out) {
   return guarded([&] { *out = new at::Tensor(SwiGlu::apply(*gate, *up, reinterpret_cast<int64_t>(kernel))); });

@@ -523,7 +523,7 @@ fn activation_amax(x: &Tensor) -> Option<Tensor> {
 }
 
 /// Weights gathered in float8 (a sharded unit's gather,
-/// `ft_core::float8_gather`): the gather cast each weight with the scale
+/// `ft_core::distributed::float8_gather`): the gather cast each weight with the scale
 /// of its whole tensor's amax, reduced over the shard group. On a GPU it
 /// hands the layer the gathered bytes themselves, which its GEMMs read in
 /// place of a cast of the weight (whose buffer the gather leaves unwritten);

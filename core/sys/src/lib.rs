@@ -73,7 +73,15 @@ extern "C" {
         reduction: i32,
         out: *mut *mut RawWork,
     ) -> *mut c_char;
-    fn ft_all_to_all(group: *mut RawGroup, output: *mut RawTensor, input: *mut RawTensor, out: *mut *mut RawWork) -> *mut c_char;
+    fn ft_all_to_all(
+        group: *mut RawGroup,
+        output: *mut RawTensor,
+        input: *mut RawTensor,
+        output_splits: *const i64,
+        input_splits: *const i64,
+        splits: i32,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
     fn ft_broadcast(group: *mut RawGroup, tensor: *mut RawTensor, root: i32, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
@@ -118,6 +126,7 @@ extern "C" {
     fn ft_bias_linear(x: *mut RawTensor, weight: *mut RawTensor, bias: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, a: *mut RawTensor, b: *mut RawTensor, scale: f64, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_exchange(input: *mut RawTensor, handle: i64, run: ExchangeFn, release: ReleaseFn, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
     fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
     fn ft_graph_capture_end(graph: *mut RawGraph) -> *mut c_char;
@@ -271,7 +280,19 @@ impl Group {
 
     /// Equal chunks: chunk i of this member's `input` goes to member i.
     pub fn all_to_all(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
-        self.launch(|out| unsafe { ft_all_to_all(self.raw, tensor_ptr(output), tensor_ptr(input), out) })
+        self.all_to_all_rows(output, input, &[], &[])
+    }
+
+    /// Rows (the first dimension): `input_splits[i]` of `input` to member i,
+    /// `output_splits[i]` of `output` from member i, in member order (empty
+    /// splits: equal chunks).
+    pub fn all_to_all_rows(&self, output: &Tensor, input: &Tensor, output_splits: &[i64], input_splits: &[i64]) -> Result<Work> {
+        if output_splits.len() != input_splits.len() {
+            return Err(ShimError(format!("all_to_all: {} output splits and {} input splits", output_splits.len(), input_splits.len())));
+        }
+        self.launch(|out| unsafe {
+            ft_all_to_all(self.raw, tensor_ptr(output), tensor_ptr(input), output_splits.as_ptr(), input_splits.as_ptr(), input_splits.len() as i32, out)
+        })
     }
 
     pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
@@ -512,6 +533,51 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     check(unsafe { ft_rope(tensor_ptr(x), tensor_ptr(cos), tensor_ptr(sin), Some(fused_kernel), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Rows exchanged between ranks, as an exchange node runs them (`exchange`).
+pub trait Exchanger {
+    /// `input`'s rows sent where the exchange sends them, and the rows
+    /// received; with `reverse`, `input` is the gradient of what was
+    /// received, sent back the way it came.
+    fn exchange(&self, input: &Tensor, reverse: bool) -> std::result::Result<Tensor, String>;
+}
+
+/// `exchanger`'s exchange of `input` as one autograd node, whose backward
+/// is its reverse exchange of the gradient; `exchanger` lives as long as
+/// the node (to its backward, or to the forward's end when nothing will
+/// call backward).
+pub fn exchange(input: &Tensor, exchanger: Box<dyn Exchanger>) -> Result<Tensor> {
+    let handle = Box::into_raw(Box::new(exchanger)) as i64;
+    let mut raw = std::ptr::null_mut();
+    // The shim hands `handle` back through `release_exchanger`, once, whatever happens.
+    check(unsafe { ft_exchange(tensor_ptr(input), handle, run_exchanger, release_exchanger, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+type ExchangeFn = unsafe extern "C" fn(i64, i32, *const RawTensor, *mut *mut RawTensor, *mut c_char, usize) -> i32;
+type ReleaseFn = unsafe extern "C" fn(i64);
+
+/// The shim's exchange node onto the `Exchanger` behind `handle`: `direction` 1 is backward's.
+unsafe extern "C" fn run_exchanger(handle: i64, direction: i32, input: *const RawTensor, output: *mut *mut RawTensor, message: *mut c_char, capacity: usize) -> i32 {
+    // SAFETY: `handle` is `exchange`'s box, alive until `release_exchanger`; `input` a live at::Tensor the shim keeps owning.
+    let exchanger = unsafe { &*(handle as *const Box<dyn Exchanger>) };
+    let input = unsafe { borrowed(&input, 1) };
+    let run = || -> Result<()> {
+        let mut tensor = exchanger.exchange(&input[0], direction == 1).map_err(ShimError)?;
+        // Handed over: the shim owns the at::Tensor from here.
+        unsafe { *output = tensor.as_mut_ptr() };
+        std::mem::forget(tensor);
+        Ok(())
+    };
+    // SAFETY: the shim's buffer holds `capacity` bytes.
+    unsafe { report(run, message, capacity) }
+}
+
+unsafe extern "C" fn release_exchanger(handle: i64) {
+    // SAFETY: `exchange`'s box, released once by the node's state.
+    drop(unsafe { Box::from_raw(handle as *mut Box<dyn Exchanger>) });
 }
 
 /// How the shim's autograd nodes call ft's kernels: the op (the shim's

@@ -249,7 +249,7 @@ impl Model for Bert {
         // Padding is hidden from every query as a key; a padded query still attends to the
         // real tokens (as transformers' bidirectional mask does), its output unused.
         let attention_bias = inputs.attention_mask.as_ref().map(|mask| model::padding_bias(mask, dtype));
-        Ok(Context { train, positions, attention_bias, rope: None, local: None, auxiliary: Default::default() })
+        Ok(Context { train, positions, attention_bias, rope: None, local: None, auxiliary: Default::default(), experts: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {

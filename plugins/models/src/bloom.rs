@@ -151,7 +151,7 @@ impl Model for Bloom {
         let slopes: Vec<Tensor> = self.slopes.iter().map(|&slope| Tensor::scalar_tensor(slope, (Kind::Float, device))).collect();
         let slopes = Tensor::stack(&slopes, 0).view([1, -1, 1, 1]);
         let bias = (slopes * distance).to_kind(dtype) + model::decoder_mask_bias(inputs, past, dtype)?;
-        Ok(Context { train, positions, attention_bias: Some(bias), rope: None, local: None, auxiliary: Default::default() })
+        Ok(Context { train, positions, attention_bias: Some(bias), rope: None, local: None, auxiliary: Default::default(), experts: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {

@@ -429,7 +429,7 @@ impl Model for Gemma {
                 rope: Some(self.local_rope.cos_sin(&positions, dtype)),
             }),
         };
-        Ok(Context { train, positions, attention_bias, rope, local, auxiliary: Default::default() })
+        Ok(Context { train, positions, attention_bias, rope, local, auxiliary: Default::default(), experts: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {

@@ -577,7 +577,13 @@ impl Llama {
             let at = unit.params.iter().position(|p| p.name == "mlp.gate_proj.weight").expect("a dense block has an MLP");
             unit.params.retain(|p| !p.name.starts_with("mlp."));
             let prefix = format!("model.layers.{layer}.");
-            unit.params.splice(at..at, moe.params(&prefix, self.config.hidden_size, normal));
+            let (experts, params): (Vec<_>, Vec<_>) = moe.params(&prefix, self.config.hidden_size, normal).into_iter().partition(|p| p.name.starts_with("mlp.experts."));
+            unit.params.splice(at..at, params);
+            // Each fused expert parameter a unit of its own, after the others: what expert parallelism splits by rows.
+            let name = unit.name.clone();
+            let first = self.layout.units.len();
+            self.layout.units.extend(experts.into_iter().map(|param| UnitSpec { name: format!("{name} {}", param.name), params: vec![param] }));
+            self.layout.stages[1 + layer].experts = Some([first, first + 1]);
         }
         check::parameters(&self.layout.units)?;
         self.experts = Some(moe);
@@ -693,6 +699,10 @@ impl Model for Llama {
         self.experts.as_ref().is_none_or(|moe| moe.gemms(self.config.hidden_size, device, dtype) == moe::ExpertGemms::Grouped)
     }
 
+    fn experts(&self) -> Option<model::Experts> {
+        self.experts.as_ref().map(|moe| model::Experts { count: moe.experts, per_token: moe.top_k, sparse_layers: moe.sparse.iter().filter(|&&sparse| sparse).count() as i64 })
+    }
+
     fn auxiliary_loss(&self) -> Option<&dyn model::AuxiliaryLoss> {
         self.experts.as_ref().filter(|moe| moe.aux_loss_coef.is_some()).map(|moe| moe as &dyn model::AuxiliaryLoss)
     }
@@ -701,7 +711,7 @@ impl Model for Llama {
         let positions = model::decoder_positions(inputs, past);
         let rope = Some(self.rope.cos_sin(&positions, dtype));
         let attention_bias = attention_bias(inputs, &positions, past, self.variant.sliding_window, dtype)?;
-        Ok(Context { train, positions, attention_bias, rope, local: None, auxiliary: model::Auxiliary::of(inputs) })
+        Ok(Context { train, positions, attention_bias, rope, local: None, auxiliary: model::Auxiliary::of(inputs), experts: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, _ctx: &Context) -> Tensor {

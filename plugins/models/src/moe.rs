@@ -12,6 +12,9 @@
 //! (`mlp.experts.{e}.gate_proj.weight` …): `hf.rs` reads either layout and
 //! writes the Hub's, as `save_pretrained` does, through [`hub_parts`]
 //! (Mixtral's files name the block `block_sparse_moe`, [`Moe::hub_module`]).
+//! Each is a unit of its own (`Stage::experts`): under expert parallelism a
+//! rank holds its rows of them and exchanges tokens with the ranks holding
+//! the others ([`Moe::exchanged_mlps`], through `Context::experts`).
 //!
 //! The router's load-balancing loss (transformers' `load_balancing_loss_func`,
 //! added when config.json has `output_router_logits`) is the model's
@@ -23,7 +26,7 @@
 
 use crate::check;
 use anyhow::{bail, Result};
-use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, Init, ParamSpec, Params};
+use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, ExpertExchange, Init, ParamSpec, Params};
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
@@ -256,7 +259,7 @@ impl Moe {
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
         let weights = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name) });
         let gemms = self.gemms(hidden, x.device(), x.kind());
-        let mut out = self.experts(&weights, &tokens, &chosen, &top.to_kind(x.kind()), gemms);
+        let mut out = self.experts(&weights, &tokens, &chosen, &top.to_kind(x.kind()), gemms, ctx.experts.as_deref());
         if self.shared_expert.is_some() {
             let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
             out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
@@ -268,12 +271,72 @@ impl Moe {
     }
 
     /// Every token's k experts, weighed: the assignments sorted by expert, so
-    /// each expert's tokens are one contiguous slice ending at `ends` (on the
-    /// device), one SwiGLU MLP per slice through `gemms` (`gate_up` then
-    /// `down`, each with its adapter's update where LoRA adapts it), then
-    /// each output weighed and added back to its token. Only the GEMMs differ
-    /// by `gemms`.
-    fn experts(&self, [gate_up, down]: &[Projection; 2], tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms) -> Tensor {
+    /// each expert's tokens are one contiguous slice, one SwiGLU MLP per
+    /// slice through `gemms` (`gate_up` then `down`, each with its adapter's
+    /// update where LoRA adapts it), then each output weighed and added back
+    /// to its token. Under expert parallelism (`exchange`), the slices go to
+    /// the ranks holding their experts and the outputs come back
+    /// ([`Self::exchanged_mlps`]). Only the GEMMs differ by `gemms`.
+    fn experts(&self, projections: &[Projection; 2], tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms, exchange: Option<&dyn ExpertExchange>) -> Tensor {
+        let (sorted, order) = chosen.reshape([-1]).sort_stable(true, 0, false);
+        let token_of = order.divide_scalar_mode(self.top_k, "floor");
+        let inputs = tokens.index_select(0, &token_of);
+        let outputs = match exchange {
+            None => {
+                let ends = Tensor::arange(self.experts, (sorted.kind(), sorted.device())).searchsorted(&sorted, true, true, "right", None::<Tensor>);
+                self.mlps(projections, &inputs, &ends, gemms)
+            }
+            Some(exchange) => self.exchanged_mlps(projections, &inputs, &sorted, gemms, exchange).unwrap_or_else(|e| ft_core::panic::raise(e)),
+        };
+        let weighed = outputs * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
+        tokens.zeros_like().index_add(0, &token_of, &weighed)
+    }
+
+    /// The assignments' rows `inputs`, sorted by expert over all E, through
+    /// this rank's experts (`projections`' weights hold rows `rank·E/N ..`
+    /// of the layer's, N the expert group's ranks; no adapters: LoRA is
+    /// refused with expert parallelism): each member's rows for the
+    /// experts a rank holds are sent to it — the counts first, so each
+    /// knows what it receives — run through those experts, and sent back,
+    /// in `inputs`' order.
+    fn exchanged_mlps(&self, projections: &[Projection; 2], inputs: &Tensor, sorted: &Tensor, gemms: ExpertGemms, exchange: &dyn ExpertExchange) -> anyhow::Result<Tensor> {
+        let (ranks, local) = (exchange.size() as i64, projections[0].weight.size()[0]);
+        // Rows per expert, then per rank holding it; what each member sends each rank, per local expert.
+        let counts = sorted.bincount(None::<Tensor>, self.experts).to_kind(Kind::Int64);
+        let received_counts = exchange.exchange(&counts.view([self.experts, 1]), &vec![local; ranks as usize], &vec![local; ranks as usize])?;
+        let counts = Vec::<i64>::try_from(counts.to_device(Device::Cpu))?;
+        let received_counts = Vec::<i64>::try_from(received_counts.reshape([-1]).to_device(Device::Cpu))?;
+        let sent: Vec<i64> = counts.chunks(local as usize).map(|chunk| chunk.iter().sum()).collect();
+        let received: Vec<i64> = received_counts.chunks(local as usize).map(|chunk| chunk.iter().sum()).collect();
+        let rows = exchange.exchange(inputs, &sent, &received)?;
+        // Received grouped by member, then by expert: regrouped by expert, as the GEMMs take them.
+        let starts: Vec<i64> = received.iter().scan(0, |start, &n| Some(std::mem::replace(start, *start + n))).collect();
+        let mut by_expert = Vec::with_capacity(rows.size()[0] as usize);
+        let mut ends = Vec::with_capacity(local as usize);
+        for expert in 0..local as usize {
+            for (member, start) in starts.iter().enumerate() {
+                let before: i64 = received_counts[member * local as usize..member * local as usize + expert].iter().sum();
+                by_expert.extend(start + before..start + before + received_counts[member * local as usize + expert]);
+            }
+            ends.push(by_expert.len() as i32);
+        }
+        let mut back = vec![0i64; by_expert.len()];
+        for (position, &row) in by_expert.iter().enumerate() {
+            back[row as usize] = position as i64;
+        }
+        let device = inputs.device();
+        let by_expert = Tensor::from_slice(&by_expert).to_device(device);
+        let ends = Tensor::from_slice(&ends).to_device(device);
+        let outputs = self.mlps(projections, &rows.index_select(0, &by_expert), &ends, gemms);
+        let outputs = outputs.index_select(0, &Tensor::from_slice(&back).to_device(device));
+        exchange.exchange(&outputs, &received, &sent)
+    }
+
+    /// One SwiGLU MLP per expert of `projections` (`gate_up`, `down`) over
+    /// `inputs`, sorted by expert, expert e's rows ending at `ends[e]`
+    /// (int32, on the device).
+    fn mlps(&self, projections: &[Projection; 2], inputs: &Tensor, ends: &Tensor, gemms: ExpertGemms) -> Tensor {
+        let [gate_up, down] = projections;
         // A weight the flat buffer holds at an offset not 16-byte aligned, or
         // an adapter whose rank rows are not 16 bytes: ATen's kernel refuses it.
         let aligned = |weight: &Tensor| weight.data_ptr() as usize % 16 == 0;
@@ -281,18 +344,14 @@ impl Moe {
             aligned(projection.weight) && projection.adapter.as_ref().is_none_or(|adapter| aligned(&adapter.a) && adapter.a.size()[1] * adapter.a.kind().elt_size_in_bytes() as i64 % 16 == 0)
         };
         let gemms = if readable(gate_up) && readable(down) { gemms } else { ExpertGemms::Loop };
-        let (sorted, order) = chosen.reshape([-1]).sort_stable(true, 0, false);
-        let token_of = order.divide_scalar_mode(self.top_k, "floor");
-        let inputs = tokens.index_select(0, &token_of);
-        let ends = Tensor::arange(self.experts, (sorted.kind(), sorted.device())).searchsorted(&sorted, true, true, "right", None::<Tensor>);
         // The loop's slice sizes, read on the host once per layer (the grouped GEMM reads `ends` on the device).
         let sizes = (gemms == ExpertGemms::Loop).then(|| {
-            let ends = Vec::<i32>::try_from(&ends).expect("expert offsets are int32");
+            let ends = Vec::<i32>::try_from(ends).expect("expert offsets are int32");
             ends.iter().scan(0, |start, &end| Some(i64::from(end - std::mem::replace(start, end)))).collect::<Vec<i64>>()
         });
         // `x` [assignments, K] times each expert's slice of `weight` [E, N, K] transposed: [assignments, N].
         let gemm = |x: &Tensor, weight: &Tensor| match &sizes {
-            None => x.internal_grouped_mm(&weight.transpose(-2, -1), Some(&ends), None, None),
+            None => x.internal_grouped_mm(&weight.transpose(-2, -1), Some(ends), None, None),
             Some(sizes) => {
                 let slices: Vec<Tensor> = x.split_with_sizes(sizes, 0).iter().zip(weight.unbind(0)).map(|(x, w)| x.matmul(&w.tr())).collect();
                 Tensor::cat(&slices, 0)
@@ -303,10 +362,9 @@ impl Moe {
             None => gemm(x, projection.weight),
             Some(adapter) => gemm(x, projection.weight) + gemm(&gemm(x, &adapter.a), &adapter.b) * adapter.scale,
         };
-        let projected = project(&inputs, gate_up);
+        let projected = project(inputs, gate_up);
         let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
-        let weighed = project(&gated, down) * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
-        tokens.zeros_like().index_add(0, &token_of, &weighed)
+        project(&gated, down)
     }
 
     /// The load-balancing term of one layer over its real tokens (`real`,
@@ -471,9 +529,11 @@ mod tests {
         let lora = ft_core::config::LoraConfig { r: 2, alpha: None, dropout: 0.0, targets: vec!["q".into()] };
         // QLoRA holds the experts, the shared expert and its gate in 4 bits, the router and norms in the compute dtype.
         let qlora = ft_core::lora::RunModel::new(Box::new(crate::qwen2_moe::new(config.clone()).unwrap()), &lora, quantization).unwrap();
-        let block = &qlora.model().units()[1];
-        let held: Vec<&str> = block.params.iter().filter(|p| qlora.model().held_in_4bit(p)).map(|p| p.name.as_str()).collect();
-        let kept: Vec<&str> = block.params.iter().filter(|p| !qlora.model().held_in_4bit(p) && p.shape.len() > 1).map(|p| p.name.as_str()).collect();
+        // The block's units: its own, then its experts' (`Stage::units`).
+        let units = qlora.model().units();
+        let block: Vec<&ft_core::model::ParamSpec> = qlora.model().stages()[1].units().flat_map(|unit| &units[unit].params).collect();
+        let held: Vec<&str> = block.iter().filter(|p| qlora.model().held_in_4bit(p)).map(|p| p.name.as_str()).collect();
+        let kept: Vec<&str> = block.iter().filter(|p| !qlora.model().held_in_4bit(p) && p.shape.len() > 1).map(|p| p.name.as_str()).collect();
         assert!(held.contains(&"mlp.experts.gate_up_proj") && held.contains(&"mlp.experts.down_proj") && held.contains(&"mlp.shared_expert_gate.weight"), "{held:?}");
         assert_eq!(kept, ["mlp.router"]);
     }
@@ -501,7 +561,7 @@ mod tests {
             let run = |gemms| {
                 let adapter = adapted.then(|| ft_core::model::ExpertAdapter { a: a.shallow_clone(), b: b.shallow_clone(), scale: 2.0 });
                 let projections = [Projection { weight: &gate_up, adapter: None }, Projection { weight: &down, adapter }];
-                let out = moe.experts(&projections, &x, &chosen, &weights, gemms);
+                let out = moe.experts(&projections, &x, &chosen, &weights, gemms, None);
                 let differentiated = if adapted { vec![&gate_up, &down, &a, &b] } else { vec![&gate_up, &down] };
                 let grads = Tensor::run_backward(&[(&out * &out).sum(Kind::Float)], &differentiated, false, false);
                 (out.detach(), grads)

@@ -196,7 +196,7 @@ impl Model for Opt {
             true => Some(model::decoder_mask_bias(inputs, past, dtype)?),
             false => None,
         };
-        Ok(Context { train, positions, attention_bias, rope: None, local: None, auxiliary: Default::default() })
+        Ok(Context { train, positions, attention_bias, rope: None, local: None, auxiliary: Default::default(), experts: None })
     }
 
     fn embed(&self, p: &Params, inputs: &Inputs, ctx: &Context) -> Tensor {

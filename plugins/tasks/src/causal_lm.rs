@@ -14,14 +14,14 @@
 
 use anyhow::{bail, Context, Result};
 use ft_core::batches::to_device_async;
-use ft_core::comm::Communicator;
+use ft_core::config::{DataConfig, TrainOn};
 use ft_core::dataset::{Batch, Dataset};
+use ft_core::distributed::comm::Communicator;
 use ft_core::generate::{greedy_batch, Decoding};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration, Tokenize};
-use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
 use ft_core::train::Kernels;
-use ft_core::config::{DataConfig, TrainOn};
+use ft_core::train::loss::{lm_head_loss_and_grads, lm_loss_sum, IGNORE_INDEX};
 use ft_data::example::{eos_id, Example};
 use ft_data::lm::{self, LoadOptions};
 use ft_data::source::Split;

@@ -46,13 +46,13 @@
 
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
-use ft_core::comm::Communicator;
 use ft_core::config::{Config, DataConfig, DataFormat};
 use ft_core::dataset::{Batch, Dataset};
+use ft_core::distributed::comm::Communicator;
 use ft_core::model::{head, lm_outputs, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Start, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, Tokenize, WholeModel};
-use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, TargetRows, IGNORE_INDEX};
 use ft_core::train::Kernels;
+use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps, TargetRows, IGNORE_INDEX};
 use ft_data::preference::{self, Pair, Sequence, Truncation};
 use ft_data::source::Split;
 use ft_data::{lm, mixture, packing};

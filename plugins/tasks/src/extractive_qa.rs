@@ -16,9 +16,9 @@
 
 use anyhow::{bail, Result};
 use ft_core::batches::to_device_async;
-use ft_core::comm::Communicator;
 use ft_core::config::{DataFormat, DataRange};
 use ft_core::dataset::{Batch, Dataset};
+use ft_core::distributed::comm::Communicator;
 use ft_core::model::{self, head, Inputs, Model};
 use ft_core::task::{self, Objective, Scores, Synthetic, Task, TaskInputs, TaskRegistration};
 use ft_data::formats::{self, Chosen};

@@ -5,7 +5,7 @@
 //! weights: the whole model, or this rank's shard plus the unit being
 //! gathered.
 //!
-//! Core's mechanism (`flat.rs`, `train/`) moves the data:
+//! Core's mechanism (`distributed/flat.rs`, `train/`) moves the data:
 //! - it copies each reduced gradient into the host buffer as the unit's
 //!   reduction finishes;
 //! - it uploads the updated masters asynchronously before the next forward

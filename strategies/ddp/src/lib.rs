@@ -4,7 +4,7 @@
 //! the units before it; with gradient accumulation only the last
 //! micro-batch communicates.
 
-use ft_core::strategy::{FixedPolicy, ShardingPolicy, StrategyRegistration};
+use ft_core::distributed::strategy::{FixedPolicy, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "ddp";
 

@@ -4,7 +4,7 @@
 //! its backward, and its gradient is reduce-scattered: the least memory, at
 //! two gathers per unit per micro-batch.
 
-use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
+use ft_core::distributed::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "full_shard";
 

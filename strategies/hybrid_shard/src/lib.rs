@@ -4,7 +4,7 @@
 //! scattered inside the group, is all-reduced with the same shard of the
 //! other groups. `--shard-group-size` sets the group.
 
-use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
+use ft_core::distributed::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "hybrid_shard";
 

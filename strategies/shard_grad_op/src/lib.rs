@@ -4,7 +4,7 @@
 //! its backward is done (one gather per micro-batch), and its gradient is
 //! reduce-scattered.
 
-use ft_core::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
+use ft_core::distributed::strategy::{FixedPolicy, ShardGroup, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "shard_grad_op";
 

@@ -3,7 +3,7 @@
 //! 1/N slice of every unit, updates that slice, and all-gathers the updated
 //! slices into everyone's parameters after the step.
 
-use ft_core::strategy::{FixedPolicy, ShardingPolicy, StrategyRegistration};
+use ft_core::distributed::strategy::{FixedPolicy, ShardingPolicy, StrategyRegistration};
 
 const NAME: &str = "zero1";
 

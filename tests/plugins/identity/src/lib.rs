@@ -5,10 +5,11 @@
 //! more than the others), `error` (a reduction returns an error), `panic`,
 //! `drift` (1e-3 added to every gradient element this rank sends: losses
 //! off the built-in's once the learning rate is above 0, yet deterministic, so a resume
-//! still equals its own uninterrupted run).
+//! still equals its own uninterrupted run), `rows` (its all-to-all sends each
+//! rank's rows in reverse order: the right sizes, the wrong values).
 
 use anyhow::{bail, Result};
-use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, GradReduce, ParamGather, Pending};
+use ft_core::comm_hook::{option, Builtin, CommHook, CommOption, GradReduce, ParamGather, Pending, TokenExchange};
 use ft_core::plugin::PluginRegistrar;
 use ft_core::Reduction;
 use tch::Tensor;
@@ -41,10 +42,17 @@ impl CommHook for Identity {
     fn gather(&mut self, request: ParamGather) -> Result<Pending> {
         Builtin.gather(request)
     }
+
+    fn all_to_all(&mut self, request: TokenExchange) -> Result<Pending> {
+        match self.fault.as_str() {
+            "rows" => Builtin.all_to_all(TokenExchange { input: request.input.flip([0]), ..request }),
+            _ => Builtin.all_to_all(request),
+        }
+    }
 }
 
 fn register(registrar: &mut PluginRegistrar) {
-    const OPTIONS: &[CommOption] = &[CommOption { key: "fault", default: "none", help: "none, sizes, error, panic or drift" }];
+    const OPTIONS: &[CommOption] = &[CommOption { key: "fault", default: "none", help: "none, sizes, error, panic, drift or rows" }];
     registrar.add_comm("identity", "the built-in collectives, wrapped (a test fixture)", OPTIONS, |options| {
         Ok(Box::new(Identity { fault: option("identity", options, "fault", "none".to_string())? }))
     });

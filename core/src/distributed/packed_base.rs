@@ -6,8 +6,8 @@
 //! what is dequantized into the unit's compute buffer before each use
 //! (docs/ARCHITECTURE.md, "LoRA").
 
-use crate::comm::ProcessGroup;
-use crate::comm_hook::Pending;
+use crate::distributed::comm::ProcessGroup;
+use crate::distributed::comm_hook::Pending;
 use crate::model::{ParamSpec, UnitSpec};
 use crate::nf4::{self, blocks, Absmax, QuantState, Quantization, Quantized4bit};
 use anyhow::{Context, Result};

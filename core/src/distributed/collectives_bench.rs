@@ -4,9 +4,10 @@
 //! definitions so the numbers compare with nccl-tests and with
 //! `bench/peers/comm_bench.py` (PyTorch's own torch.distributed).
 
-pub use crate::comm::Collective;
-use crate::comm::{CommError, Communicator, ProcessGroup, Reduction};
+pub use crate::distributed::comm::Collective;
 use crate::device::synchronize;
+use crate::distributed::comm::{Communicator, ProcessGroup, Reduction};
+use crate::distributed::comm_hook::{CommHook, TokenExchange};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -142,10 +143,37 @@ struct Buffers {
     output: Tensor,
     /// Elements in the buffer nccl-tests sizes by.
     elements: usize,
+    /// A hook's all-to-all: its uneven splits.
+    splits: Option<Uneven>,
 }
 
-/// Allocates `op`'s buffers for `bytes`, rounded down so every rank gets an equal chunk.
-fn buffers(op: Collective, bytes: usize, group: &ProcessGroup, kind: Kind, device: Device) -> Result<Buffers> {
+/// The splits of a hook's all-to-all of about `chunk` elements per pair of members.
+struct Uneven {
+    chunk: usize,
+    /// What this member sends each member, and receives from each.
+    sent: Vec<i64>,
+    received: Vec<i64>,
+}
+
+/// Elements member `from` sends member `to` through a hook's all-to-all:
+/// `chunk` give or take one, so the splits differ by rank, as expert
+/// parallelism's do.
+fn uneven_elements(chunk: usize, from: usize, to: usize) -> i64 {
+    (chunk + (from + 2 * to) % 3) as i64 - 1
+}
+
+/// A hook's all-to-all of about `elements` per member, each member's splits uneven.
+fn uneven_buffers(elements: usize, group: &ProcessGroup, kind: Kind, device: Device) -> Buffers {
+    let (n, me, chunk) = (group.size(), group.rank(), elements / group.size());
+    let sent: Vec<i64> = (0..n).map(|to| uneven_elements(chunk, me, to)).collect();
+    let received: Vec<i64> = (0..n).map(|from| uneven_elements(chunk, from, me)).collect();
+    let (input, output) = (Tensor::empty([sent.iter().sum::<i64>()], (kind, device)), Tensor::empty([received.iter().sum::<i64>()], (kind, device)));
+    Buffers { elements: input.numel(), input, output, splits: Some(Uneven { chunk, sent, received }) }
+}
+
+/// Allocates `op`'s buffers for `bytes`, rounded down so every rank gets an
+/// equal chunk (uneven ones for a `hook`'s all-to-all).
+fn buffers(op: Collective, bytes: usize, group: &ProcessGroup, kind: Kind, device: Device, hook: bool) -> Result<Buffers> {
     let n = group.size();
     let element_size = kind.elt_size_in_bytes();
     let elements = (bytes / element_size / n) * n;
@@ -164,14 +192,20 @@ fn buffers(op: Collective, bytes: usize, group: &ProcessGroup, kind: Kind, devic
         Collective::ReduceScatter => {
             (Tensor::empty([elements as i64], options), Tensor::empty([(elements / n) as i64], options))
         }
+        Collective::AllToAll if hook => return Ok(uneven_buffers(elements, group, kind, device)),
         Collective::AllToAll => (Tensor::empty([elements as i64], options), Tensor::empty([elements as i64], options)),
     };
-    Ok(Buffers { input, output, elements })
+    Ok(Buffers { input, output, elements, splits: None })
 }
 
-/// Launches `op` once on `b` and waits for it.
-fn run_once(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction) -> Result<(), CommError> {
+/// Launches `op` once on `b` and waits for it (a hook's all-to-all through `hook`).
+fn run_once(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction, hook: Option<&mut Box<dyn CommHook>>) -> Result<()> {
     let root = group.size() - 1;
+    if let (Collective::AllToAll, Some(hook), Some(uneven)) = (op, hook, &b.splits) {
+        let (input, output) = (b.input.shallow_clone(), b.output.shallow_clone());
+        let request = TokenExchange { group, input, output, input_splits: uneven.sent.clone(), output_splits: uneven.received.clone() };
+        return hook.all_to_all(request)?.wait();
+    }
     let work = match op {
         Collective::AllReduce => group.all_reduce(&mut b.output, reduction)?,
         Collective::AllGather => group.all_gather_into_tensor(&mut b.output, &b.input)?,
@@ -179,18 +213,18 @@ fn run_once(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Re
         Collective::AllToAll => group.all_to_all(&mut b.output, &b.input)?,
         Collective::Broadcast => group.broadcast(&mut b.output, root)?,
     };
-    work.wait()
+    Ok(work.wait()?)
 }
 
 /// Fills the input with this rank's pattern, runs `op`, and compares with
 /// what the group must produce. Broadcast's root is the last member, so a
 /// root other than 0 is exercised.
-fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction, kind: Kind) -> Result<bool> {
+fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduction, kind: Kind, hook: Option<&mut Box<dyn CommHook>>) -> Result<bool> {
     let (n, me) = (group.size(), group.rank());
     let device = b.input.device();
     let input_len = b.input.numel();
     b.input.copy_(&pattern(input_len, 0, (me + 1) as f64, device));
-    run_once(op, group, b, reduction)?;
+    run_once(op, group, b, reduction, hook)?;
     let sum_of_scales = (n * (n + 1) / 2) as f64;
     let output_len = b.output.numel();
     let expected = match (op, reduction) {
@@ -205,6 +239,17 @@ fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduc
         (Collective::ReduceScatter, Reduction::Avg) => {
             pattern(output_len, me * output_len, sum_of_scales / n as f64, device)
         }
+        (Collective::AllToAll, _) if b.splits.is_some() => {
+            // Member j's elements for `me`, at the offset they have in j's input.
+            let chunk = b.splits.as_ref().map_or(0, |uneven| uneven.chunk);
+            let chunks: Vec<Tensor> = (0..n)
+                .map(|j| {
+                    let before: i64 = (0..me).map(|to| uneven_elements(chunk, j, to)).sum();
+                    pattern(uneven_elements(chunk, j, me) as usize, before as usize, (j + 1) as f64, device)
+                })
+                .collect();
+            Tensor::cat(&chunks, 0)
+        }
         (Collective::AllToAll, _) => {
             // Chunk j of the output is chunk `me` of rank j's input.
             let chunk = output_len / n;
@@ -218,29 +263,30 @@ fn check(op: Collective, group: &ProcessGroup, b: &mut Buffers, reduction: Reduc
 }
 
 /// Runs the sweep over `group`. Every member must call it with the same options;
-/// all members get the same rows (times are the slowest member's).
-pub fn run(group: &ProcessGroup, device: Device, options: &CommTestOptions) -> Result<Vec<CommTestRow>> {
+/// all members get the same rows (times are the slowest member's). With a
+/// `hook`, the all-to-all goes through its `all_to_all`, with uneven splits.
+pub fn run(group: &ProcessGroup, device: Device, options: &CommTestOptions, hook: &mut Option<Box<dyn CommHook>>) -> Result<Vec<CommTestRow>> {
     let mut rows = vec![];
     for &op in &options.collectives {
         for &bytes in &options.sizes {
-            let mut b = buffers(op, bytes, group, options.kind, device)?;
+            let mut b = buffers(op, bytes, group, options.kind, device, hook.is_some())?;
             let correct = if options.check {
                 let mut all_correct = true;
                 for &reduction in checked_reductions(op) {
-                    all_correct &= check(op, group, &mut b, reduction, options.kind)?;
+                    all_correct &= check(op, group, &mut b, reduction, options.kind, hook.as_mut())?;
                 }
                 Some(all_correct)
             } else {
                 None
             };
             for _ in 0..options.warmup {
-                run_once(op, group, &mut b, Reduction::Sum)?;
+                run_once(op, group, &mut b, Reduction::Sum, hook.as_mut())?;
             }
             synchronize(device);
             group.barrier()?.wait()?;
             let start = Instant::now();
             for _ in 0..options.iters {
-                run_once(op, group, &mut b, Reduction::Sum)?;
+                run_once(op, group, &mut b, Reduction::Sum, hook.as_mut())?;
             }
             synchronize(device);
             let seconds = start.elapsed().as_secs_f64() / options.iters.max(1) as f64;
@@ -278,17 +324,18 @@ pub struct JobReport {
 
 /// `ft comm-test`: joins the job `config` describes, runs the sweep
 /// ([`run_job`]) and ends it ([`JobReport::finish`]).
-pub fn run_command(config: &crate::Config, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, json: Option<&std::path::Path>) -> Result<()> {
+/// With a `hook`, its all-to-all is what runs as `all_to_all`.
+pub fn run_command(config: &crate::Config, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, json: Option<&std::path::Path>, mut hook: Option<Box<dyn CommHook>>) -> Result<()> {
     let rank = crate::setup::Rank::start(config, &crate::offload::NoOffload)?;
     tracing::info!("rendezvous complete: rank {} of {}, backend {}", rank.rank(), rank.world_size(), rank.comm.backend_name());
-    let report = run_job(&rank.comm, options, dtypes, group_size)?;
+    let report = run_job(&rank.comm, options, dtypes, group_size, &mut hook)?;
     report.finish(&rank.comm, options, json)
 }
 
 /// Runs the sweep for every dtype over the world and, with `group_size`,
 /// over hybrid sharding's shard and replica sub-groups too (collective:
 /// every rank calls it with the same arguments).
-pub fn run_job(comm: &Communicator, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>) -> Result<JobReport> {
+pub fn run_job(comm: &Communicator, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, hook: &mut Option<Box<dyn CommHook>>) -> Result<JobReport> {
     let mut groups = vec![];
     if let Some(size) = group_size {
         let (shard, replica) = comm.hybrid_groups(size)?;
@@ -298,9 +345,9 @@ pub fn run_job(comm: &Communicator, options: &CommTestOptions, dtypes: &[Kind], 
     let mut rows = vec![];
     for &kind in dtypes {
         let options = CommTestOptions { kind, ..options.clone() };
-        rows.extend(run(comm.world(), comm.device(), &options)?);
+        rows.extend(run(comm.world(), comm.device(), &options, hook)?);
         for group in &groups {
-            rows.extend(run(group, comm.device(), &options)?);
+            rows.extend(run(group, comm.device(), &options, hook)?);
         }
     }
     let failed: Vec<&CommTestRow> = rows.iter().filter(|r| r.correct == Some(false)).collect();

@@ -37,12 +37,12 @@
 //! weights) after, so AdamW's weight decay — which, as in Hugging Face's
 //! Trainer, skips biases and norms — applies to one prefix.
 
-use crate::comm::{ProcessGroup, Work};
-use crate::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
+use crate::distributed::comm::{ProcessGroup, Work};
+use crate::distributed::comm_hook::{CommHook, GatherPhase, ParamGather, Pending, UnitInfo, Wire, WireRequest, Workspace};
+use crate::distributed::packed_base::{PackedBase, PackedLayout};
+use crate::distributed::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use crate::model::UnitSpec;
 use crate::offload::Offload;
-use crate::packed_base::{PackedBase, PackedLayout};
-use crate::strategy::{GradReduction, ParamPlacement, ShardingPolicy};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -181,6 +181,10 @@ pub struct UnitPlacement {
     /// Frozen and held as 4-bit bytes: `shard` is over the bytes of the
     /// unit's `PackedLayout`, not its elements.
     pub packed: bool,
+    /// An expert-parallel rank's rows of an experts unit, which its
+    /// buffers hold whole: where they start in the unit as the model
+    /// declares it. None for every other unit.
+    pub expert_rows: Option<i64>,
 }
 
 impl UnitPlacement {
@@ -197,7 +201,15 @@ impl UnitPlacement {
             offload,
             frozen: false,
             packed: false,
+            expert_rows: None,
         }
+    }
+
+    /// An expert-parallel rank's rows of an experts unit, `numel` elements
+    /// from `origin` on: whole on this rank (its replicas hold the same),
+    /// never gathered.
+    pub fn expert_rows(numel: i64, origin: i64, offload: bool) -> UnitPlacement {
+        UnitPlacement { expert_rows: Some(origin), ..UnitPlacement::new(&ShardingPolicy::replicated(false), numel, 1, 0, offload) }
     }
 
     /// This placement for a frozen unit: its parameters where the policy
@@ -811,9 +823,9 @@ impl FlatUnit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::distributed::strategy::ShardGroup;
     use crate::model::{Init, ParamSpec};
     use crate::nf4::{QuantType, Quantization};
-    use crate::strategy::ShardGroup;
 
     /// Offloaded state in plain host memory (the `cpu` offload is a crate core does not depend on).
     struct HostForTests;

@@ -15,8 +15,8 @@
 //! takes a request owns it entirely (core issues nothing beside it); the
 //! result is the *sum* over the group, in the output's dtype.
 
-pub use crate::comm::Collective;
-use crate::comm::{ProcessGroup, Reduction, Work};
+pub use crate::distributed::comm::Collective;
+use crate::distributed::comm::{ProcessGroup, Reduction, Work};
 use crate::model::UnitSpec;
 use anyhow::{bail, Result};
 use serde_json::{Map, Value};
@@ -150,6 +150,22 @@ pub struct ParamGather<'a> {
     pub seed: u64,
     /// As `GradReduce::workspace`.
     pub workspace: Tensor,
+}
+
+/// One all-to-all of rows in variable numbers a hook is asked for: the
+/// tokens of an expert-parallel layer dispatched to the ranks holding their
+/// experts, the experts' outputs combined back, and each one's reverse in
+/// backward. Each rank's splits are its own (the counts were exchanged
+/// before), so unlike every other request the sizes differ across ranks;
+/// the row width and the dtype do not.
+pub struct TokenExchange<'a> {
+    pub group: &'a ProcessGroup,
+    /// `input_splits[i]` rows go to group rank i, in rank order.
+    pub input: Tensor,
+    /// `output_splits[j]` rows come from group rank j, in rank order: fill every row.
+    pub output: Tensor,
+    pub input_splits: Vec<i64>,
+    pub output_splits: Vec<i64>,
 }
 
 /// Work a hook started: collectives in flight, and what to do once they
@@ -314,6 +330,14 @@ pub trait CommHook {
         Builtin.gather(request)
     }
 
+    /// Exchanges rows between the ranks of `request.group` (expert
+    /// parallelism's dispatch and combine): `request.output` holds every
+    /// rank's rows for this one, in rank order, once the work is done.
+    /// Appended in 4.1: a plug-in built before gets `Builtin`'s.
+    fn all_to_all(&mut self, request: TokenExchange) -> Result<Pending> {
+        Builtin.all_to_all(request)
+    }
+
     /// After each optimizer step (`step` steps taken): refresh a cache, advance a counter.
     fn after_step(&mut self, _step: usize) -> Result<()> {
         Ok(())
@@ -468,6 +492,11 @@ impl CommHook for Builtin {
     fn gather(&mut self, request: ParamGather) -> Result<Pending> {
         let ParamGather { group, shard, mut output, .. } = request;
         Ok(Pending::of(group.all_gather_into_tensor(&mut output, &shard)?))
+    }
+
+    fn all_to_all(&mut self, request: TokenExchange) -> Result<Pending> {
+        let TokenExchange { group, input, mut output, input_splits, output_splits } = request;
+        Ok(Pending::of(group.all_to_all_rows(&mut output, &input, &output_splits, &input_splits)?))
     }
 }
 

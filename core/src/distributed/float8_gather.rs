@@ -27,8 +27,8 @@
 //! the gathers of float8 blocks and hands everything else — reductions,
 //! other units' gathers, state — to the hook it wraps.
 
-use crate::comm::{ProcessGroup, Reduction};
-use crate::comm_hook::{
+use crate::distributed::comm::{ProcessGroup, Reduction};
+use crate::distributed::comm_hook::{
     Collective, CollectiveBytes, CommHook, CommPlan, GradReduce, ParamGather, Pending, Restored, UnitInfo, Wire, WireRequest, WorldChange,
 };
 use anyhow::Result;

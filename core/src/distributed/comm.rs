@@ -102,8 +102,13 @@ pub struct ByteCounters([AtomicU64; 4]);
 impl ByteCounters {
     fn add(&self, kind: Collective, tensor: &Tensor, size: usize) {
         let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+        self.add_bytes(kind, kind.sent(bytes, size));
+    }
+
+    /// `sent` bytes of `kind` leaving this member.
+    fn add_bytes(&self, kind: Collective, sent: u64) {
         let counter = Collective::COUNTED.iter().position(|&k| k == kind).expect("a counted collective");
-        self.0[counter].fetch_add(kind.sent(bytes, size), Ordering::Relaxed);
+        self.0[counter].fetch_add(sent, Ordering::Relaxed);
     }
 
     /// Bytes sent so far, in `Collective::COUNTED`'s order.
@@ -193,10 +198,16 @@ impl ProcessGroup {
     /// the same size, so this exchange itself never mismatches — and a
     /// difference is an error on every member naming both sides.
     fn verify(&self, kind: Collective, tensor: &Tensor) -> Result<(), CommError> {
+        self.verify_elements(kind, tensor, tensor.numel() as i64)
+    }
+
+    /// [`Self::verify`] with `elements` standing for `tensor`'s size: what
+    /// every member passes alike (a row's width, where the rows differ).
+    fn verify_elements(&self, kind: Collective, tensor: &Tensor, elements: i64) -> Result<(), CommError> {
         let Some(verifier) = &self.verifier else { return Ok(()) };
         let call = verifier.calls.fetch_add(1, Ordering::Relaxed) as i64;
         let dtype = VERIFIED_KINDS.iter().position(|k| *k == tensor.kind()).map_or(99, |i| i as i64);
-        let mine = [kind as i64, tensor.numel() as i64, dtype, call];
+        let mine = [kind as i64, elements, dtype, call];
         let describe = |row: &[i64]| {
             let kind = Collective::COUNTED.get(row[0] as usize).map_or("?", |k| k.name());
             let dtype = VERIFIED_KINDS.get(row[2] as usize).map_or("another dtype".to_string(), |k| format!("{k:?}"));
@@ -263,6 +274,30 @@ impl ProcessGroup {
         self.verify(Collective::AllToAll, input)?;
         self.sent.add(Collective::AllToAll, input, self.size());
         self.work("all_to_all", self.inner.all_to_all(output, input))
+    }
+
+    /// All-to-all of rows (the first dimension) in variable numbers:
+    /// `input_splits[i]` rows of `input` go to member i, and `output`
+    /// receives `output_splits[j]` rows from each member j, in group-rank
+    /// order. The splits are each member's own (exchange the counts first);
+    /// every row has the same width on every member, which
+    /// `dist.verify_collectives` checks in place of the sizes.
+    pub fn all_to_all_rows(&self, output: &mut Tensor, input: &Tensor, output_splits: &[i64], input_splits: &[i64]) -> Result<Work, CommError> {
+        let failed = |message: String| CommError { op: "all_to_all", group: self.name.clone(), rank: self.rank, size: self.size(), message };
+        let rows = |t: &Tensor| t.size().first().copied().unwrap_or(0);
+        if input_splits.len() != self.size() || output_splits.len() != self.size() {
+            return Err(failed(format!("{} input and {} output splits for a group of {}", input_splits.len(), output_splits.len(), self.size())));
+        }
+        if input_splits.iter().sum::<i64>() != rows(input) || output_splits.iter().sum::<i64>() != rows(output) {
+            return Err(failed(format!("splits of {} and {} rows for an input of {} and an output of {}", input_splits.iter().sum::<i64>(), output_splits.iter().sum::<i64>(), rows(input), rows(output))));
+        }
+        let width = if rows(input) > 0 { input.numel() as i64 / rows(input) } else { input.size().iter().skip(1).product() };
+        self.verify_elements(Collective::AllToAll, input, width)?;
+        // What leaves this member: every row but those it sends itself.
+        let kept = input_splits[self.rank];
+        let bytes = ((rows(input) - kept) * width) as u64 * input.kind().elt_size_in_bytes() as u64;
+        self.sent.add_bytes(Collective::AllToAll, bytes);
+        self.work("all_to_all", self.inner.all_to_all_rows(output, input, output_splits, input_splits))
     }
 
     /// Every member's `tensor` becomes the group-rank `root`'s.
@@ -467,15 +502,18 @@ impl Communicator {
     /// ranks (by default one node), `replica` holds the ranks with the same
     /// position in every shard group.
     pub fn hybrid_groups(&self, shard_size: usize) -> Result<(ProcessGroup, ProcessGroup)> {
+        self.blocks_and_strides(shard_size, ["shard", "replica"])
+    }
+
+    /// Groups of `size` consecutive ranks, and the groups of the ranks
+    /// with the same position in each, named `names`.
+    pub fn blocks_and_strides(&self, size: usize, names: [&str; 2]) -> Result<(ProcessGroup, ProcessGroup)> {
         let world = self.env.world_size;
-        if shard_size == 0 || world % shard_size != 0 {
-            bail!("shard group size {shard_size} must divide the world size {world}");
+        if size == 0 || world % size != 0 {
+            bail!("{} group size {size} must divide the world size {world}", names[0]);
         }
-        let shards: Vec<Vec<usize>> = (0..world / shard_size)
-            .map(|g| (g * shard_size..(g + 1) * shard_size).collect())
-            .collect();
-        let replicas: Vec<Vec<usize>> =
-            (0..shard_size).map(|i| (i..world).step_by(shard_size).collect()).collect();
-        Ok((self.split("shard", &shards)?, self.split("replica", &replicas)?))
+        let blocks: Vec<Vec<usize>> = (0..world / size).map(|g| (g * size..(g + 1) * size).collect()).collect();
+        let strides: Vec<Vec<usize>> = (0..size).map(|i| (i..world).step_by(size).collect()).collect();
+        Ok((self.split(names[0], &blocks)?, self.split(names[1], &strides)?))
     }
 }

@@ -2,8 +2,9 @@
 //! world, the shard group that splits parameters, gradients and optimizer
 //! state, and (hybrid sharding) the replica groups across shard groups.
 
-use crate::comm::{Communicator, ProcessGroup};
-use crate::strategy::{ReduceDtype, ShardingPolicy, ShardingStrategy};
+use crate::distributed::comm::{Communicator, ProcessGroup};
+use crate::distributed::experts::ExpertGroups;
+use crate::distributed::strategy::{ReduceDtype, ShardingPolicy, ShardingStrategy};
 use anyhow::Result;
 use tch::Kind;
 
@@ -20,27 +21,30 @@ pub struct DataParallel<'c> {
     replicas: Option<ProcessGroup>,
     /// The dtype gradients travel in.
     pub reduce_dtype: Kind,
+    /// Expert parallelism's groups (`train.expert_parallel` above 1).
+    pub experts: Option<ExpertGroups>,
 }
 
 impl<'c> DataParallel<'c> {
     /// The groups `strategy` needs over `comm`'s world (collective: every
     /// rank calls it). `size_override` is `--shard-group-size`; `reduce` is
     /// the run's reduce dtype (the policy may fix its own) and `compute` the
-    /// compute dtype it may name.
+    /// compute dtype it may name; `expert_parallel` the ranks of an expert group.
     pub fn new(
         comm: &'c Communicator,
         strategy: &dyn ShardingStrategy,
         size_override: Option<usize>,
         reduce: ReduceDtype,
         compute: Kind,
+        expert_parallel: usize,
     ) -> Result<DataParallel<'c>> {
         let policy = strategy.policy();
         policy.validate(strategy.name())?;
         let env = comm.env();
         let world = env.world_size;
         let reduce_dtype = reduce.kind(compute);
-        let mut parallel =
-            DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype };
+        let experts = (expert_parallel > 1).then(|| ExpertGroups::new(comm, expert_parallel)).transpose()?;
+        let mut parallel = DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype, experts };
         let size = policy.shard_group_size(strategy.name(), world, env.local_world_size, size_override)?;
         if size == 1 {
             return Ok(parallel);

@@ -134,8 +134,8 @@ impl ShardingPolicy {
 
     /// What a run of this policy asks of its communication hook, in a world
     /// of `world` ranks with shard groups of `shard_size` (1: nothing sharded).
-    pub fn comm_plan(&self, strategy: &str, world: usize, shard_size: usize, offload: bool) -> crate::comm_hook::CommPlan {
-        use crate::comm_hook::ReduceStage;
+    pub fn comm_plan(&self, strategy: &str, world: usize, shard_size: usize, offload: bool) -> crate::distributed::comm_hook::CommPlan {
+        use crate::distributed::comm_hook::ReduceStage;
         let sharded = shard_size > 1;
         let grads_sharded = sharded && self.grads == GradReduction::ReduceScatter;
         let mut stages = vec![];
@@ -146,7 +146,7 @@ impl ShardingPolicy {
             }
         }
         let gathers = sharded && matches!(self.params, ParamPlacement::Sharded { .. });
-        crate::comm_hook::CommPlan { strategy: strategy.to_string(), stages, gathers, world_size: world, offload }
+        crate::distributed::comm_hook::CommPlan { strategy: strategy.to_string(), stages, gathers, world_size: world, offload }
     }
 
     /// Refuses combinations the mechanism cannot run, saying why.
@@ -182,7 +182,7 @@ pub trait ShardingStrategy: Send + Sync {
 
     /// The communication behaviour the strategy brings (`--comm` chooses
     /// another); None: the built-in collectives.
-    fn comm_hook(&self) -> Option<Box<dyn crate::comm_hook::CommHook>> {
+    fn comm_hook(&self) -> Option<Box<dyn crate::distributed::comm_hook::CommHook>> {
         None
     }
 }
