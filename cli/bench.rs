@@ -65,6 +65,9 @@ pub struct BenchArgs {
     offload: String,
     #[arg(long)]
     shard_group_size: Option<usize>,
+    /// Ranks that split a mixture of experts' experts between them (train.expert_parallel).
+    #[arg(long, default_value_t = 1)]
+    expert_parallel: usize,
     /// dtype gradients are reduced in: fp32 (exact sums, FSDP2's reduce_dtype=float32) or compute.
     #[arg(long, default_value = "fp32", value_parser = parse_named::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
@@ -231,6 +234,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         steps: args.steps,
         shard_group_size: args.shard_group_size,
         reduce_dtype: args.reduce_dtype,
+        expert_parallel: args.expert_parallel,
         activation_checkpointing: args.activation_checkpointing,
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,

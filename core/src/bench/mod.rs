@@ -37,6 +37,8 @@ pub struct BenchCase {
     pub steps: usize,
     pub shard_group_size: Option<usize>,
     pub reduce_dtype: ReduceDtype,
+    /// Ranks that split a mixture of experts' experts (`train.expert_parallel`; 1: each holds them all).
+    pub expert_parallel: usize,
     pub activation_checkpointing: bool,
     pub loss_chunk_tokens: i64,
     /// On one GPU, time the phases apart and check ft's kernels against ATen's.
@@ -64,6 +66,9 @@ pub struct Row {
     pub activation_checkpointing: bool,
     #[serde(default)]
     pub reduce_dtype: ReduceDtype,
+    /// Rows written before it was recorded ran with 1.
+    #[serde(default = "one")]
+    pub expert_parallel: usize,
     pub gpus: usize,
     pub batch: i64,
     pub seq: i64,
@@ -95,6 +100,10 @@ pub struct Row {
     pub error: Option<String>,
 }
 
+fn one() -> usize {
+    1
+}
+
 fn builtin_comm() -> String {
     crate::distributed::comm_hook::BUILTIN.into()
 }
@@ -110,6 +119,7 @@ impl Row {
             offload: offload.into(),
             activation_checkpointing: case.activation_checkpointing,
             reduce_dtype: case.reduce_dtype,
+            expert_parallel: case.expert_parallel,
             gpus,
             batch: case.batch,
             seq: case.seq,
@@ -237,7 +247,10 @@ fn measure(
 ) -> Result<Option<Row>> {
     let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
     let world = rank.world_size();
-    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype, 1)?;
+    let train = crate::config::TrainConfig { expert_parallel: case.expert_parallel, offload: offload.name().into(), ..Default::default() };
+    crate::setup::check_expert_parallel(&train, world, model)?;
+    ensure!(case.expert_parallel == 1 || model.frozen_numel() == 0, "--expert-parallel {} with LoRA (--lora-r): expert parallelism trains the whole model for now", case.expert_parallel);
+    let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype, case.expert_parallel)?;
     // On one rank nothing is communicated, so there is nothing to refuse.
     if world > 1 {
         hook.check(&parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))
@@ -322,6 +335,7 @@ fn measure(
         offload: offload.name().into(),
         activation_checkpointing: case.activation_checkpointing,
         reduce_dtype: case.reduce_dtype,
+        expert_parallel: case.expert_parallel,
         gpus: world,
         batch: case.batch,
         seq: case.seq,
