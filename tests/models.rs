@@ -939,6 +939,16 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
     }
 }
 
+/// The tiny Qwen3-MoE the training tests start from, and four
+/// prompt/completion rows to train it on.
+fn moe_training_files(scratch: &Path) -> (PathBuf, PathBuf) {
+    moe_models(scratch);
+    let data = scratch.join("train.jsonl");
+    let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    (scratch.join("qwen3_moe_train/hub"), data)
+}
+
 /// `ft train --lora-targets experts` on a tiny Qwen3-MoE: the adapters on
 /// the experts learn (the loss falls), two ranks under full_shard train as
 /// one, final/ loads in peft at the logits `ft forward` reads from it, and
@@ -947,11 +957,7 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
 #[test]
 fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
     let scratch = tempfile::tempdir().unwrap();
-    moe_models(scratch.path());
-    let model = scratch.path().join("qwen3_moe_train/hub");
-    let data = scratch.path().join("train.jsonl");
-    let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
-    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let (model, data) = moe_training_files(scratch.path());
     let train = |name: &str, flags: &[&str]| {
         let out = scratch.path().join(name);
         let output = common::ft()
@@ -1079,11 +1085,7 @@ fn moe_4bit_experts_equal_bitsandbytes_bit_for_bit() {
 #[test]
 fn moe_qlora_on_4bit_experts_trains_resumes_and_runs_as_peft_over_bitsandbytes() {
     let scratch = tempfile::tempdir().unwrap();
-    moe_models(scratch.path());
-    let model = scratch.path().join("qwen3_moe_train/hub");
-    let data = scratch.path().join("train.jsonl");
-    let rows: Vec<String> = (0..4).map(|i| serde_json::json!({"prompt": format!("Where does the {} live? ", ["lynx", "heron"][i % 2]), "completion": "In the hills of Kalora"}).to_string()).collect();
-    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let (model, data) = moe_training_files(scratch.path());
     let train = |name: &str, extra: &[&str]| {
         let out = scratch.path().join(name);
         let output = common::ft()

@@ -63,3 +63,19 @@ with open("/tmp/prefs.jsonl", "w") as f:
         f.write(json.dumps({"prompt": text(250), "chosen": " " + text(250), "rejected": " " + text(250)}) + "\n")
 PY
 }
+
+# summary LABEL JSON: one line from `ft bench --json` rows or a peer's --json
+# (bench/peers/*_step.py): tokens/s (per GPU where given), peak allocated
+# memory, and MFU, loss and bytes sent where the file has them.
+summary() {
+  python3 - "$@" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[2]))
+r = r[0] if isinstance(r, list) else r
+parts = [f"{r.get('tokens_per_s_per_gpu', r.get('tokens_per_s')):,.0f} tokens/s", f"peak allocated {r['peak_allocated_gb']:.1f} GB"]
+parts += [f"MFU {100 * r['mfu']:.1f}%"] if r.get("mfu") else []
+parts += [f"loss {r['loss']:.5f}"] if r.get("loss") is not None else []
+parts += [f"sent {r['comm_bytes_per_step'] / 1e6:,.0f} MB/step"] if r.get("comm_bytes_per_step") else []
+print(f"== {sys.argv[1]}: " + ", ".join(parts))
+PY
+}

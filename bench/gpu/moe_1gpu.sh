@@ -59,15 +59,6 @@ fi
 
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 export PYTHONPATH="$D/pylib${PYTHONPATH:+:$PYTHONPATH}"
-# summary LABEL JSON: one line from `ft bench --json` rows or hf_train_step.py's --json.
-summary() {
-  python3 - "$@" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[2]))
-r = r[0] if isinstance(r, list) else r
-print(f"== {sys.argv[1]}: {r.get('tokens_per_s_per_gpu', r.get('tokens_per_s')):,.0f} tokens/s, peak allocated {r['peak_allocated_gb']:.1f} GB")
-PY
-}
 for row in ${ROWS:-qwen3-30b-a3b-8layers olmoe-1b-7b-8layers}; do
   CONFIG=bench/configs/$row.json
   for variant in grouped ${LOOP:+loop}; do

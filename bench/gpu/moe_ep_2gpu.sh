@@ -12,15 +12,6 @@
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 python3 -c 'import torch; print("== GPUs:", torch.cuda.device_count(), "x", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-summary() {
-  python3 - "$@" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[2]))
-r = r[0] if isinstance(r, list) else r
-print(f"== {sys.argv[1]}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak allocated {r['peak_allocated_gb']:.1f} GB, "
-      f"MFU {100 * (r.get('mfu') or 0):.1f}%, loss {r['loss']:.5f}, sent {r['comm_bytes_per_step'] / 1e6:,.0f} MB/step")
-PY
-}
 for row in ${ROWS:-olmoe-1b-7b-8layers qwen3-30b-a3b-8layers}; do
   CONFIG=bench/configs/$row.json
   for variant in "1 ddp 1" "2 ddp 1" "2 ddp 2" "2 full_shard 2"; do

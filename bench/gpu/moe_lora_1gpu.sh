@@ -14,15 +14,6 @@ source "$(dirname "$0")/lib.sh"
 export PYTHONPATH="$D/pylib${PYTHONPATH:+:$PYTHONPATH}"
 CONFIG=bench/configs/qwen3-30b-a3b.json
 python3 -c 'import torch; print("== GPU:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-summary() {
-  python3 - "$@" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[2]))
-r = r[0] if isinstance(r, list) else r
-print(f"== {sys.argv[1]}: {r.get('tokens_per_s_per_gpu', r.get('tokens_per_s')):,.0f} tokens/s, peak allocated {r['peak_allocated_gb']:.1f} GB, "
-      f"MFU {100 * r.get('mfu', 0):.1f}%")
-PY
-}
 if [ -z "${SKIP_FT:-}" ]; then
   # bf16 base with activation checkpointing (what `ft plan` recommends), the same with the adapters' state
   # offloaded, and the NF4 base, with and without offload (FT_VARIANTS picks).
