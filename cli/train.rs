@@ -187,7 +187,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
         let source = hf::ModelSource::resolve(&config.model.source)?;
         source.start(config.model.init)?;
         if config.train.expert_parallel > 1 {
-            setup::check_expert_parallel(&config.train, world, source.model()?.as_ref())?;
+            setup::check_expert_parallel(config.train.expert_parallel, world, source.model()?.as_ref(), config.train.lora.enabled(), &config.train.offload)?;
         }
     }
     if let Some(deepspeed) = &deepspeed {
@@ -221,7 +221,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
-    setup::check_expert_parallel(&config.train, rank.world_size(), model)?;
+    setup::check_expert_parallel(config.train.expert_parallel, rank.world_size(), model, config.train.lora.enabled(), &config.train.offload)?;
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.

@@ -456,20 +456,18 @@ impl Model for LoraModel {
         self.base.experts()
     }
 
-    /// A frozen parameter costs forward and the input's gradient (4 FLOPs
-    /// per token), not its own gradient (2 more).
     /// The base's idle parameters (a mixture of experts' unchosen experts)
     /// and, in the same share, the adapters on its experts: one per expert,
     /// each run only for the tokens routed to it.
     fn idle_numel(&self) -> i64 {
         let base_idle = self.base.idle_numel();
         let experts = self.base.expert_parameters();
-        let expert_numel: i64 = self.layout.units[..self.base_units].iter().flat_map(|u| &u.params).filter(|p| experts.contains(&p.name.as_str())).map(|p| p.shape.iter().product::<i64>()).sum();
+        let expert_numel: i64 = self.layout.units[..self.base_units].iter().flat_map(|u| &u.params).filter(|p| experts.contains(&p.name.as_str())).map(ParamSpec::numel).sum();
         if base_idle == 0 || expert_numel == 0 {
             return base_idle;
         }
         let adapted: Vec<String> = self.targets.iter().filter(|t| t.fused_experts).flat_map(|t| ["lora_A", "lora_B"].map(|m| format!("{}.{m}.weight", t.module))).collect();
-        let expert_adapters: i64 = self.layout.units[self.base_units..].iter().flat_map(|u| &u.params).filter(|p| adapted.contains(&p.name)).map(|p| p.shape.iter().product::<i64>()).sum();
+        let expert_adapters: i64 = self.layout.units[self.base_units..].iter().flat_map(|u| &u.params).filter(|p| adapted.contains(&p.name)).map(ParamSpec::numel).sum();
         base_idle + (expert_adapters as f64 * base_idle as f64 / expert_numel as f64).round() as i64
     }
 

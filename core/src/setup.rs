@@ -115,12 +115,12 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
     }
 }
 
-/// Checks `train.expert_parallel` against the run's `world` and its
-/// `model`: a degree above 1 must divide both the world size and the
-/// experts of a mixture of experts, and trains the whole model on the
-/// device (not LoRA's adapters, nor state offloaded to the host: not yet).
-pub fn check_expert_parallel(train: &crate::config::TrainConfig, world: usize, model: &dyn crate::Model) -> Result<()> {
-    let degree = train.expert_parallel;
+/// Checks an expert-parallel `degree` (`train.expert_parallel`) against the
+/// run's `world` and its `model`: a degree above 1 must divide both the
+/// world size and the experts of a mixture of experts, and trains the whole
+/// model on the device (not LoRA's adapters, nor state offloaded to the
+/// host by `offload`: not yet).
+pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model, lora: bool, offload: &str) -> Result<()> {
     if degree <= 1 {
         return Ok(());
     }
@@ -134,11 +134,11 @@ pub fn check_expert_parallel(train: &crate::config::TrainConfig, world: usize, m
     if experts as usize % degree != 0 {
         bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
     }
-    if train.lora.enabled() {
+    if lora {
         bail!("{flag} with LoRA (train.lora): expert parallelism trains the whole model for now; train LoRA with 1");
     }
-    if train.offload != "none" {
-        bail!("{flag} with train.offload {}: expert parallelism keeps its state on the device for now; drop --offload, or train with 1", train.offload);
+    if offload != "none" {
+        bail!("{flag} with train.offload {offload}: expert parallelism keeps its state on the device for now; drop --offload, or train with 1");
     }
     Ok(())
 }

@@ -257,9 +257,9 @@ impl Moe {
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
-        let weights = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name) });
+        let projections = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name) });
         let gemms = self.gemms(hidden, x.device(), x.kind());
-        let mut out = self.experts(&weights, &tokens, &chosen, &top.to_kind(x.kind()), gemms, ctx.experts.as_deref());
+        let mut out = self.experts(&projections, &tokens, &chosen, &top.to_kind(x.kind()), gemms, ctx.experts.as_deref());
         if self.shared_expert.is_some() {
             let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
             out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
