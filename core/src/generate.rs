@@ -1,17 +1,21 @@
-//! Greedy decoding with a KV cache: the prompts run once, then one token a
-//! step. Every step after the prompt has the same shapes (the cache's whole
+//! Decoding with a KV cache, greedy or sampled (`sampling`): the prompts
+//! run once, then one token a step. Every step after the prompt has the same shapes (the cache's whole
 //! capacity under a mask), so on a GPU it is recorded once as a CUDA graph
 //! and replayed: one launch a token instead of one per kernel, which is
 //! what bounds decoding at small batches.
 
 use crate::model::{check_token_ids, forward, lm_outputs, Inputs, KvCache, Model, StageKind};
 use crate::panic::libtorch_errors;
+use sampling::{draw, sampling_logits};
 use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
 
-/// How `greedy_batch` decodes.
+pub mod sampling;
+pub use sampling::Sampling;
+
+/// How `greedy_batch` and `sample_batch` decode.
 #[derive(Debug, Clone, Copy)]
 pub struct Decoding {
     /// Tokens to generate per prompt at most.
@@ -49,8 +53,26 @@ static GRAPHS_FAILED: AtomicBool = AtomicBool::new(false);
 /// row a step; a row stops after `eos` or `max_new_tokens` tokens, the
 /// batch when every row has.
 pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
+    generate_batch(model, params, prompts, decoding, None)
+}
+
+/// `greedy_batch`, each token drawn as transformers' `generate` draws it
+/// with `do_sample=True` and `sampling`'s options; row `i` draws with
+/// `row_seeds[i]`, so its tokens depend on that seed, its prompt and the
+/// model alone (not on the other rows, nor on how many there are), and the
+/// same seed draws them again.
+pub fn sample_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], row_seeds: &[u64], sampling: &Sampling, decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
+    sampling.check(str::to_string)?;
+    if row_seeds.len() != prompts.len() {
+        bail!("sampling takes one seed per prompt: {} seeds for {} prompts", row_seeds.len(), prompts.len());
+    }
+    generate_batch(model, params, prompts, decoding, Some((sampling, row_seeds)))
+}
+
+/// `greedy_batch`, or `sample_batch` given its options and seeds.
+fn generate_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
     if model.head_kind() != crate::model::head::CAUSAL_LM {
-        bail!("greedy generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
+        bail!("generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
     check_token_ids(model, prompts, decoding.max_new_tokens)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -60,14 +82,14 @@ pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i6
     if decoding.max_new_tokens == 0 || prompts.is_empty() {
         return Ok(vec![vec![]; prompts.len()]);
     }
-    libtorch_errors("generating", || decode(model, params, prompts, decoding))?
+    libtorch_errors("generating", || decode(model, params, prompts, decoding, sampled))?
 }
 
-/// `greedy_batch` on checked prompts.
-fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
+/// `generate_batch` on checked prompts.
+fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
     let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
     let _no_grad = tch::no_grad_guard();
-    let mut step = Step::after_prompts(model, params, prompts, decoding)?;
+    let mut step = Step::after_prompts(model, params, prompts, decoding, sampled)?;
     let mut graph: Option<ft_sys::CudaGraph> = None;
     let mut finished = vec![false; prompts.len()];
     loop {
@@ -106,13 +128,25 @@ struct Step<'a> {
     tokens: Tensor,
     mask: Tensor,
     slot: Tensor,
+    /// The longest prompt's length: the slot of a row's first generated token.
+    longest: i64,
     dtype: Kind,
+    draws: Option<Draws>,
+}
+
+/// What sampling keeps on the device between steps.
+struct Draws {
+    sampling: Sampling,
+    /// `[rows, 1]`: each row's seed, as int64.
+    row_seeds: Tensor,
+    /// `[rows, vocab]`: the tokens of each row's prompt and completion so far (the repetition penalty's).
+    seen: Tensor,
 }
 
 impl<'a> Step<'a> {
     /// Runs the prompts (without padding, with no mask: plain causal
     /// attention) and fixes the caches' shapes for the steps after.
-    fn after_prompts(model: &'a dyn Model, params: &'a [Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Step<'a>> {
+    fn after_prompts(model: &'a dyn Model, params: &'a [Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Step<'a>> {
         let device = params[0][0].device();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // The prompt's positions and one per step after the first token.
@@ -123,16 +157,24 @@ impl<'a> Step<'a> {
         let real: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![0; longest - p.len()], vec![1; p.len()]].concat()).collect();
         let mask = Tensor::from_slice2(&real).to_device(device);
         let padded = prompts.iter().any(|p| p.len() != longest);
-        let inputs = Inputs { input_ids: Tensor::from_slice2(&left_padded).to_device(device), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
+        let input_ids = Tensor::from_slice2(&left_padded).to_device(device);
+        let inputs = Inputs { input_ids: input_ids.shallow_clone(), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
         let ctx = model.context(&inputs, 0, decoding.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
-        let tokens = softcapped(logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight), model.logit_softcap()).argmax(-1, false);
+        let last_logits = logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight);
+        let mut draws = sampled.map(|(sampling, row_seeds)| {
+            let seeds: Vec<i64> = row_seeds.iter().map(|&seed| seed as i64).collect();
+            // Counts, so that a pad id that is also a real token of a row stays seen.
+            let seen = Tensor::zeros([prompts.len() as i64, last_logits.size()[2]], (Kind::Int64, device)).scatter_add(1, &input_ids, &mask).gt(0);
+            Draws { sampling: *sampling, row_seeds: Tensor::from_slice(&seeds).to_device(device).unsqueeze(1), seen }
+        });
         let slot = Tensor::from_slice(&[longest as i64]).to_device(device);
         for cache in &mut caches {
             cache.fix_shapes(&slot)?;
         }
         let unwritten = Tensor::zeros([prompts.len() as i64, capacity - longest as i64], (Kind::Int64, device));
-        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, dtype: decoding.dtype })
+        let tokens = next_tokens(model, &last_logits, draws.as_mut(), &Tensor::zeros([1], (Kind::Int64, device)));
+        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, longest: longest as i64, dtype: decoding.dtype, draws })
     }
 
     /// One token per row: marks the slot real, runs the model on the last
@@ -145,7 +187,9 @@ impl<'a> Step<'a> {
         let capacity = self.mask.size()[1];
         let ctx = self.model.context(&inputs, capacity - 1, self.dtype, false)?;
         let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
-        self.tokens.copy_(&softcapped(logits(&hidden, &weight), self.model.logit_softcap()).argmax(-1, false));
+        // The token at slot `longest` is the completion's second (index 1).
+        let index = self.slot.g_sub_scalar(self.longest - 1);
+        self.tokens.copy_(&next_tokens(self.model, &logits(&hidden, &weight), self.draws.as_mut(), &index));
         let _ = self.slot.g_add_scalar_(1);
         Ok(())
     }
@@ -162,6 +206,21 @@ impl<'a> Step<'a> {
                 tracing::warn!("cannot record the decoding step as a CUDA graph ({error:#}); decoding step by step");
                 None
             }
+        }
+    }
+}
+
+/// Each row's next token (`[rows, 1]`) from its logits (`[rows, 1, vocab]`):
+/// the most likely, or with `draws` drawn as the `index`-th token of the
+/// completion (a one-element tensor on the device), and marked seen.
+fn next_tokens(model: &dyn Model, logits: &Tensor, draws: Option<&mut Draws>, index: &Tensor) -> Tensor {
+    let logits = softcapped(logits.squeeze_dim(1), model.logit_softcap());
+    match draws {
+        None => logits.argmax(-1, true),
+        Some(draws) => {
+            let tokens = draw(&sampling_logits(&logits, &draws.seen, &draws.sampling), &draws.row_seeds, index);
+            let _ = draws.seen.scatter_value_(1, &tokens, 1);
+            tokens
         }
     }
 }
