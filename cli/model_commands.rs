@@ -1,10 +1,11 @@
 //! `ft init-model`, `ft generate`, `ft forward`: models from Hugging Face files.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
-use ft_models::trained::{self, Prompt};
+use ft_core::generate::Sampling;
+use ft_models::trained::{self, Prompt, Sampled};
 use std::path::PathBuf;
 use tch::{Device, Kind};
 
@@ -85,6 +86,28 @@ pub struct GenerateArgs {
     /// Stop at this token id (default: config.json's eos_token_id).
     #[arg(long)]
     eos: Option<i64>,
+    /// Sample (transformers' do_sample) at this temperature (default 1). Any
+    /// of the five sampling options samples; without them decoding is greedy.
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f64>,
+    /// Sample from the K most likely tokens (0: all).
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<i64>,
+    /// Sample from the most likely tokens that add up to P (1: all).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f64>,
+    /// Sample from the tokens at least P times as likely as the most likely one.
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f64>,
+    /// Sample with the tokens of the prompt and completion so far penalised (1: none).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f64>,
+    /// Sampling's seed: sample i draws with seed SEED + i [default: 0].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Sample N continuations, one a line, each as JSON (a string for text).
+    #[arg(long, value_name = "N")]
+    num_samples: Option<usize>,
 }
 
 pub fn generate(args: GenerateArgs) -> Result<i32> {
@@ -93,8 +116,42 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
         Some(text) => Prompt::Text(text),
         None => Prompt::Ids(&args.ids),
     };
-    println!("{}", trained::generate(&hf::resolve(&args.model)?, prompt, args.max_new_tokens, args.eos, args.dtype.kind(device), device)?);
+    let sampled = generate_sampling(&args)?;
+    let continuations = trained::generate(&hf::resolve(&args.model)?, prompt, args.max_new_tokens, args.eos, sampled.as_ref(), args.dtype.kind(device), device)?;
+    for continuation in continuations {
+        match (&args.num_samples, &args.prompt) {
+            // Text on one line, however many lines it holds.
+            (Some(_), Some(_)) => println!("{}", serde_json::to_string(&continuation)?),
+            _ => println!("{continuation}"),
+        }
+    }
     Ok(0)
+}
+
+/// `ft generate`'s sampling options, or None for greedy decoding.
+fn generate_sampling(args: &GenerateArgs) -> Result<Option<Sampled>> {
+    let sampling_given = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some() || args.repetition_penalty.is_some();
+    if !sampling_given {
+        for (given, flag) in [(args.seed.is_some(), "--seed"), (args.num_samples.is_some(), "--num-samples")] {
+            if given {
+                bail!("{flag} is for sampling, and decoding is greedy without a sampling option: add --temperature 1.0 (or --top-k, --top-p, --min-p, --repetition-penalty)");
+            }
+        }
+        return Ok(None);
+    }
+    let defaults = Sampling::default();
+    let sampling = Sampling {
+        temperature: args.temperature.unwrap_or(defaults.temperature),
+        top_k: args.top_k.unwrap_or(defaults.top_k),
+        top_p: args.top_p.unwrap_or(defaults.top_p),
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+    };
+    sampling.check(|name| format!("--{}", name.replace('_', "-")))?;
+    if args.num_samples == Some(0) {
+        bail!("--num-samples must be at least 1");
+    }
+    Ok(Some(Sampled { sampling, seed: args.seed.unwrap_or(0), samples: args.num_samples.unwrap_or(1) }))
 }
 
 #[derive(Args)]

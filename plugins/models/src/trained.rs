@@ -8,6 +8,7 @@
 
 use crate::{hf, peft};
 use anyhow::{bail, Context as _, Result};
+use ft_core::generate::{greedy_batch, sample_batch, Decoding, Sampling};
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
 use ft_core::setup::Rank;
@@ -343,10 +344,19 @@ pub enum Prompt<'a> {
     Ids(&'a [i64]),
 }
 
+/// How `ft generate` samples: `samples` continuations of the prompt, the
+/// `i`-th drawn with seed `seed + i` (so one alone is drawn again by its seed).
+pub struct Sampled {
+    pub sampling: Sampling,
+    pub seed: u64,
+    pub samples: usize,
+}
+
 /// `ft generate`: the trained model in `dir` continues `prompt` greedily,
-/// up to `max_new_tokens` or `eos` (default: config.json's eos_token_id);
-/// the continuation as text, or for ids as their JSON list.
-pub fn generate(dir: &Path, prompt: Prompt, max_new_tokens: usize, eos: Option<i64>, dtype: Kind, device: Device) -> Result<String> {
+/// or as `sampled` says, up to `max_new_tokens` or `eos` (default:
+/// config.json's eos_token_id); each continuation as text, or for ids as
+/// their JSON list.
+pub fn generate(dir: &Path, prompt: Prompt, max_new_tokens: usize, eos: Option<i64>, sampled: Option<&Sampled>, dtype: Kind, device: Device) -> Result<Vec<String>> {
     let (ids, tokenizer): (Vec<i64>, _) = match prompt {
         Prompt::Text(text) => {
             let tokenizer = hf::load_tokenizer(dir)?;
@@ -357,11 +367,21 @@ pub fn generate(dir: &Path, prompt: Prompt, max_new_tokens: usize, eos: Option<i
     };
     let (model, params) = load_trained(dir, dtype, device)?;
     let eos = eos.or_else(|| model.model().hf_config()["eos_token_id"].as_i64());
-    let tokens = ft_core::generate::greedy(model.model(), &params, &ids, max_new_tokens, eos, dtype)?;
-    match tokenizer {
-        Some(tokenizer) => tokenizer.decode(&tokens.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).map_err(anyhow::Error::msg),
-        None => Ok(serde_json::to_string(&tokens)?),
-    }
+    let decoding = Decoding::greedy(max_new_tokens, eos, dtype);
+    let continuations = match sampled {
+        None => greedy_batch(model.model(), &params, &[ids], &decoding)?,
+        Some(Sampled { sampling, seed, samples }) => {
+            let seeds: Vec<u64> = (0..*samples as u64).map(|i| seed.wrapping_add(i)).collect();
+            sample_batch(model.model(), &params, &vec![ids; *samples], &seeds, sampling, &decoding)?
+        }
+    };
+    continuations
+        .iter()
+        .map(|tokens| match &tokenizer {
+            Some(tokenizer) => tokenizer.decode(&tokens.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).map_err(anyhow::Error::msg),
+            None => Ok(serde_json::to_string(tokens)?),
+        })
+        .collect()
 }
 
 /// `ft forward`: the trained model in `dir` on the token id rows in the
