@@ -5,3 +5,4 @@
 pub mod causal_lm;
 pub mod dpo;
 pub mod extractive_qa;
+pub mod rewards;
