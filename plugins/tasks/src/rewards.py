@@ -14,6 +14,7 @@ library, a subprocess) touches it.
 """
 
 import asyncio
+import collections.abc
 import importlib.util
 import inspect
 import json
@@ -74,10 +75,11 @@ def load(requests):
 
 def checked(index, output, expected):
     """The rewards of function `index` as floats or None (NaN is None, as TRL takes it)."""
-    if not isinstance(output, (list, tuple)) and not hasattr(output, "tolist"):
-        raise FunctionError(index, f"returned a {type(output).__name__} ({output!r:.200}), not a list of {expected} rewards")
     if hasattr(output, "tolist"):  # a NumPy array or torch tensor
         output = output.tolist()
+    if isinstance(output, (str, bytes, collections.abc.Mapping)) or not isinstance(output, collections.abc.Iterable):
+        raise FunctionError(index, f"returned a {type(output).__name__} ({output!r:.200}), not a list of {expected} rewards")
+    output = list(output)  # any iterable, as TRL takes it
     if len(output) != expected:
         raise FunctionError(index, f"returned {len(output)} rewards for {expected} completions: {output!r:.300}")
     rewards = []

@@ -42,7 +42,7 @@ const BUILT_INS: &str = "accuracy, format, length";
 pub const THINK_FORMAT_PATTERN: &str = r"^<think>(?!.*<think>)(.*?)</think>.*$";
 /// The keyword arguments TRL passes itself, which no dataset column may take.
 const RESERVED_KEYWORDS: [&str; 6] = ["prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"];
-/// How long a dropped child gets to end on its own (its atexit handlers) before it is killed.
+/// How long a child whose input is closed gets to end on its own (its atexit handlers) before it is killed.
 const CHILD_EXIT_GRACE: Duration = Duration::from_secs(2);
 
 /// One reward function, as `--reward` names it.
@@ -155,8 +155,14 @@ pub struct Rewards {
 
 impl Rewards {
     /// Prepares `specs`: compiles the built-ins' settings and, when a
-    /// Python function is named, starts the child and imports them all.
+    /// Python function is named, starts the child (FT_PYTHON, else python3) and imports them all.
     pub fn start(specs: &[RewardSpec], options: &RewardOptions) -> Result<Rewards> {
+        let python = std::env::var("FT_PYTHON").ok().filter(|program| !program.is_empty()).unwrap_or_else(|| "python3".to_string());
+        Rewards::start_under(&python, specs, options)
+    }
+
+    /// `start` with the child run by `python`.
+    fn start_under(python: &str, specs: &[RewardSpec], options: &RewardOptions) -> Result<Rewards> {
         if specs.is_empty() {
             bail!("no reward function: name one with --reward FILE.py:FUNCTION or one of {BUILT_INS}");
         }
@@ -169,11 +175,11 @@ impl Rewards {
                 bail!("task.{key} is set but no `length` reward is named (--reward length)");
             }
         }
-        let python = python_specs(specs);
-        let (child, python_names) = match python.is_empty() {
+        let python_functions = python_specs(specs);
+        let (child, python_names) = match python_functions.is_empty() {
             true => (None, vec![]),
             false => {
-                let mut child = Child::start()?;
+                let mut child = Child::start(python)?;
                 let load: Vec<Value> = specs
                     .iter()
                     .filter_map(|spec| match spec {
@@ -181,7 +187,7 @@ impl Rewards {
                         _ => None,
                     })
                     .collect();
-                let answer = child.ask(&json!({ "load": load }), "importing the reward functions", &python)?;
+                let answer = child.ask(&json!({ "load": load }), "importing the reward functions", &python_functions)?;
                 let names: Vec<String> = serde_json::from_value(answer["names"].clone()).context("the reward child's names")?;
                 (Some(child), names)
             }
@@ -376,9 +382,8 @@ struct Child {
 }
 
 impl Child {
-    fn start() -> Result<Child> {
-        let program = std::env::var("FT_PYTHON").ok().filter(|program| !program.is_empty()).unwrap_or_else(|| "python3".to_string());
-        let mut process = Command::new(&program)
+    fn start(program: &str) -> Result<Child> {
+        let mut process = Command::new(program)
             .args(["-c", CHILD_SCRIPT])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -387,7 +392,7 @@ impl Child {
             .spawn()
             .with_context(|| format!("cannot start `{program}` to run the reward functions: set FT_PYTHON to a Python 3 that imports them (python3 by default)"))?;
         let (Some(input), Some(output)) = (process.stdin.take(), process.stdout.take()) else { bail!("`{program}` for the reward functions has no pipes") };
-        Ok(Child { process, input: Some(input), output: BufReader::new(output), program })
+        Ok(Child { process, input: Some(input), output: BufReader::new(output), program: program.to_string() })
     }
 
     /// Sends `message` and returns the answer; the child's error as an error naming the function of `python` it concerns.
@@ -396,7 +401,7 @@ impl Child {
         let input = self.input.as_mut().context("the reward child's input is closed")?;
         let sent = writeln!(input, "{message}").and_then(|()| input.flush()).is_ok();
         if !sent || self.output.read_line(&mut line).unwrap_or(0) == 0 {
-            let status = self.process.wait().map(|status| status.to_string()).unwrap_or_else(|error| error.to_string());
+            let status = self.end();
             bail!("`{}`, which runs the reward functions, ended while {doing} ({status}); what it printed is above", self.program);
         }
         let answer: Value = serde_json::from_str(&line).with_context(|| format!("`{}` answered {:?}, not the reward child's JSON: is FT_PYTHON a Python 3?", self.program, line.trim_end()))?;
@@ -408,25 +413,34 @@ impl Child {
         }
         Ok(answer)
     }
+
+    /// Closes its input, which ends it, and returns how it ended: killed if it has not after CHILD_EXIT_GRACE.
+    fn end(&mut self) -> String {
+        drop(self.input.take());
+        let deadline = Instant::now() + CHILD_EXIT_GRACE;
+        loop {
+            match self.process.try_wait() {
+                Ok(Some(status)) => return status.to_string(),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Ok(None) => {
+                    let _ = self.process.kill();
+                    return self.process.wait().map_or_else(|error| error.to_string(), |status| format!("killed after {CHILD_EXIT_GRACE:?}: {status}"));
+                }
+                Err(error) => return error.to_string(),
+            }
+        }
+    }
 }
 
 impl Drop for Child {
-    /// Closes its input, which ends it; kills it if it has not ended after CHILD_EXIT_GRACE.
     fn drop(&mut self) {
-        drop(self.input.take());
-        let deadline = Instant::now() + CHILD_EXIT_GRACE;
-        while matches!(self.process.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.process.kill();
-        let _ = self.process.wait();
+        self.end();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
 
     /// Runs `script` under the venv's `python` (on PATH after scripts/env.sh, as the integration tests find it) with `input` as JSON on stdin; returns what it printed, as JSON.
     fn python_json(script: &str, input: &Value) -> Value {
@@ -435,14 +449,6 @@ mod tests {
         let output = process.wait_with_output().unwrap();
         assert!(output.status.success(), "{script}");
         serde_json::from_slice(&output.stdout).unwrap()
-    }
-
-    /// Starts `specs` with FT_PYTHON set to `python`: the tests that start a child take turns, since FT_PYTHON is the process's.
-    fn start_under(python: &str, specs: &[RewardSpec], options: &RewardOptions) -> Result<Rewards> {
-        static FT_PYTHON: Mutex<()> = Mutex::new(());
-        let _turn = FT_PYTHON.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        std::env::set_var("FT_PYTHON", python);
-        Rewards::start(specs, options)
     }
 
     fn text_batch<'a>(completions: &'a [Value], ids: &'a [Vec<i64>], columns: &'a BTreeMap<String, Vec<Value>>, prompts: &'a [Value]) -> RewardBatch<'a> {
@@ -577,14 +583,14 @@ def only_text(completions, **kwargs):
     return [0.5 if isinstance(c, str) else None for c in completions[:-1]] + [math.nan]
 
 async def judged(completion_ids, **kwargs):
-    return [-float(len(ids)) for ids in completion_ids]
+    return (-float(len(ids)) for ids in completion_ids)  # any iterable, as TRL takes it
 
 renamed = correct
 "#,
         )
         .unwrap();
         let python = |function: &str| RewardSpec::Python { file: file.clone(), function: function.into() };
-        let mut rewards = start_under("python", &[python("correct"), RewardSpec::Length, python("only_text"), python("judged")], &RewardOptions { max_completion_len: Some(2), soft_punish_cache: Some(1), ..RewardOptions::default() }).unwrap();
+        let mut rewards = Rewards::start_under("python", &[python("correct"), RewardSpec::Length, python("only_text"), python("judged")], &RewardOptions { max_completion_len: Some(2), soft_punish_cache: Some(1), ..RewardOptions::default() }).unwrap();
         assert_eq!(rewards.names(), ["correct", "length", "only_text", "judged"]);
         let prompts = [json!("2+2="), json!([{"role": "user", "content": "3+3="}])];
         let completions = [json!("4"), json!([{"role": "assistant", "content": "7"}])];
@@ -599,7 +605,7 @@ renamed = correct
             assert_eq!(scores.extra_columns, BTreeMap::from([("seen".to_string(), vec![json!(1), json!(2)])]));
         }
         // `renamed` is `correct`: TRL's name is its __name__, which two functions may not share.
-        assert!(error_of(start_under("python", &[python("correct"), python("renamed")], &RewardOptions::default())).contains("are both named `correct`"));
+        assert!(error_of(Rewards::start_under("python", &[python("correct"), python("renamed")], &RewardOptions::default())).contains("are both named `correct`"));
     }
 
     #[test]
@@ -621,21 +627,21 @@ renamed = correct
         let ids = [vec![1], vec![2]];
         let columns = BTreeMap::new();
         let batch = text_batch(&completions, &ids, &columns, &completions);
-        let failure = |function: &str| error_of(start_under("python", &[python(&file, function)], &RewardOptions::default()).unwrap().score(&batch));
+        let failure = |function: &str| error_of(Rewards::start_under("python", &[python(&file, function)], &RewardOptions::default()).unwrap().score(&batch));
         let raised = failure("raises");
         assert!(raised.contains(&format!("reward function {}:raises raised an exception:\nTraceback", file.display())) && raised.contains("ZeroDivisionError: division by zero"), "{raised}");
         assert!(failure("too_few").contains("too_few returned 1 rewards for 2 completions: [1.0]"));
         assert!(failure("text").contains("text returned '1.0' (str) for completion 0"));
         let died = failure("dies");
         assert!(died.contains("`python`, which runs the reward functions, ended while scoring (exit status: 3)"), "{died}");
-        let missing = error_of(start_under("python", &[python(&file, "absent")], &RewardOptions::default()));
+        let missing = error_of(Rewards::start_under("python", &[python(&file, "absent")], &RewardOptions::default()));
         assert!(missing.contains(&format!("{} has no function `absent`", file.display())), "{missing}");
-        let syntax = error_of(start_under("python", &[python(&broken, "reward")], &RewardOptions::default()));
+        let syntax = error_of(Rewards::start_under("python", &[python(&broken, "reward")], &RewardOptions::default()));
         assert!(syntax.contains("importing") && syntax.contains("SyntaxError"), "{syntax}");
-        let nowhere = error_of(start_under("/nonexistent/python3", &[python(&file, "raises")], &RewardOptions::default()));
+        let nowhere = error_of(Rewards::start_under("/nonexistent/python3", &[python(&file, "raises")], &RewardOptions::default()));
         assert!(nowhere.contains("cannot start `/nonexistent/python3` to run the reward functions: set FT_PYTHON"), "{nowhere}");
         // A program that is no Python: it ends without answering.
-        let not_python = error_of(start_under("false", &[python(&file, "raises")], &RewardOptions::default()));
+        let not_python = error_of(Rewards::start_under("false", &[python(&file, "raises")], &RewardOptions::default()));
         assert!(not_python.contains("`false`, which runs the reward functions, ended while importing the reward functions"), "{not_python}");
     }
 }
