@@ -25,6 +25,7 @@ mod plan;
 mod progress;
 mod qlora;
 mod runs;
+mod sampling;
 mod slurm;
 mod strategies;
 mod train;

@@ -1,14 +1,14 @@
 //! Decoding with a KV cache, greedy or sampled (`sampling`): the prompts
-//! run once, then one token a step. Every step after the prompt has the same shapes (the cache's whole
-//! capacity under a mask), so on a GPU it is recorded once as a CUDA graph
-//! and replayed: one launch a token instead of one per kernel, which is
-//! what bounds decoding at small batches.
+//! run once, then one token a step. Every step after the prompt has the
+//! same shapes (the cache's whole capacity under a mask), so on a GPU it is
+//! recorded once as a CUDA graph and replayed: one launch a token instead
+//! of one per kernel, which is what bounds decoding at small batches.
 
 use crate::model::{check_token_ids, forward, lm_outputs, Inputs, KvCache, Model, StageKind};
 use crate::panic::libtorch_errors;
-use sampling::{draw, sampling_logits};
 use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
+use sampling::{draw, sampling_logits};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
 

@@ -102,10 +102,15 @@ pub fn sampling_logits(logits: &Tensor, seen: &Tensor, sampling: &Sampling) -> T
 pub fn draw(scores: &Tensor, row_seeds: &Tensor, index: &Tensor) -> Tensor {
     let vocab = Tensor::arange(scores.size()[1], (Kind::Int64, scores.device())).unsqueeze(0);
     let bits = splitmix64(&splitmix64(&splitmix64(row_seeds).bitwise_xor_tensor(index)).bitwise_xor_tensor(&vocab));
-    // The top 24 bits as a float32 strictly inside (0, 1): a float32 holds them exactly.
-    let uniform = (logical_right_shift(&bits, 40).to_kind(Kind::Float) + 0.5) / (1u64 << 24) as f64;
-    let gumbel = -(-uniform.log()).log();
-    (scores + gumbel).argmax(-1, true)
+    (scores + gumbel(&bits)).argmax(-1, true)
+}
+
+/// Standard Gumbel noise, finite, from random int64 bits: the top 23 bits
+/// plus ½ over 2^23, a float32 uniform strictly inside (0, 1) (with 24 bits
+/// the largest would round to 1, whose noise is +inf: NaN on a filtered -inf).
+fn gumbel(bits: &Tensor) -> Tensor {
+    let uniform = (logical_right_shift(bits, 41).to_kind(Kind::Float) + 0.5) / (1u64 << 23) as f64;
+    -(-uniform.log()).log()
 }
 
 /// SplitMix64's finaliser of `x + golden ratio` on int64 tensors: the
@@ -139,6 +144,12 @@ mod tests {
         let tensor = Tensor::from_slice(&inputs.map(|x| x as i64));
         let hashed = Vec::<i64>::try_from(splitmix64(&tensor)).unwrap();
         assert_eq!(hashed.iter().map(|&h| h as u64).collect::<Vec<_>>(), inputs.map(splitmix64_of), "wrapping products, logical shifts");
+    }
+
+    #[test]
+    fn the_noise_is_finite_at_the_extreme_bits() {
+        let noise = Vec::<f32>::try_from(gumbel(&Tensor::from_slice(&[-1i64, 0, i64::MAX, i64::MIN]))).unwrap();
+        assert!(noise.iter().all(|n| n.is_finite()), "{noise:?}");
     }
 
     /// `rows` draws from `logits` (one row each, seeds 0..rows) at `index`.
