@@ -11,14 +11,17 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::{Device, Tensor};
 
-/// Example indices in the order epoch `epoch` visits them.
-pub fn epoch_order(len: usize, epoch: u64, seed: u64, shuffle: bool) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..len).collect();
+/// Example indices in the order epoch `epoch` visits them, in groups of
+/// `group` consecutive examples kept together (a prompt's completions;
+/// 1 for most tasks).
+pub fn epoch_order(len: usize, group: usize, epoch: u64, seed: u64, shuffle: bool) -> Vec<usize> {
+    let group = group.max(1);
+    let mut groups: Vec<usize> = (0..len / group).collect();
     if shuffle {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ epoch);
-        order.shuffle(&mut rng);
+        groups.shuffle(&mut rng);
     }
-    order
+    groups.into_iter().flat_map(|g| g * group..(g + 1) * group).collect()
 }
 
 /// How a global batch is split.
@@ -98,9 +101,9 @@ mod tests {
 
     #[test]
     fn ranks_and_micro_batches_tile_the_global_batch() {
-        let order = epoch_order(20, 3, 1, true);
-        assert_eq!(order, epoch_order(20, 3, 1, true));
-        assert_ne!(order, epoch_order(20, 4, 1, true));
+        let order = epoch_order(20, 1, 3, 1, true);
+        assert_eq!(order, epoch_order(20, 1, 3, 1, true));
+        assert_ne!(order, epoch_order(20, 1, 4, 1, true));
         let layout = BatchLayout { micro_batch: 2, accumulation: 2, world: 2, keep_last: false };
         assert_eq!(layout.steps_per_epoch(20), 2);
         let mut seen: Vec<usize> = vec![];
@@ -118,7 +121,7 @@ mod tests {
 
     #[test]
     fn a_short_last_batch_is_dropped_or_split_so_no_micro_batch_is_empty() {
-        let order = epoch_order(23, 0, 1, true);
+        let order = epoch_order(23, 1, 0, 1, true);
         let dropping = BatchLayout { micro_batch: 2, accumulation: 2, world: 2, keep_last: false };
         assert_eq!((dropping.steps_per_epoch(23), dropping.dropped(23)), (2, 7));
         let keeping = BatchLayout { keep_last: true, ..dropping };
@@ -137,6 +140,6 @@ mod tests {
         // 17 examples: one left over, too few for both ranks, so it is still dropped.
         assert_eq!((keeping.steps_per_epoch(17), keeping.dropped(17)), (2, 1));
         // 3 left for 2 ranks: one micro-batch each.
-        assert_eq!(keeping.micro_steps(&epoch_order(19, 0, 1, true), 2), 1);
+        assert_eq!(keeping.micro_steps(&epoch_order(19, 1, 0, 1, true), 2), 1);
     }
 }

@@ -55,13 +55,19 @@ pub trait Objective: Send + Sync {
 pub struct StepMetrics {
     pub sums: BTreeMap<String, f64>,
     pub count: f64,
+    /// What a figure sums over where not `count` (online RL's figures of a
+    /// generation, one per generation): logged only when it is above 0.
+    pub counts: BTreeMap<String, f64>,
 }
 
 impl StepMetrics {
-    /// Adds `other`'s sums and count to these.
+    /// Adds `other`'s sums and counts to these.
     pub fn add(&mut self, other: StepMetrics) {
         for (name, sum) in other.sums {
             *self.sums.entry(name).or_default() += sum;
+        }
+        for (name, count) in other.counts {
+            *self.counts.entry(name).or_default() += count;
         }
         self.count += other.count;
     }
@@ -172,6 +178,74 @@ pub trait Task {
     fn reference(&self) -> Option<Reference> {
         None
     }
+
+    /// Online RL (GRPO, RLOO): the task's training examples are
+    /// completions sampled from the model being trained, made by
+    /// [`Rollouts::generate`] before the steps that train on them. None (the
+    /// default): the examples are fixed.
+    fn rollouts(&mut self) -> Option<&mut dyn Rollouts> {
+        None
+    }
+}
+
+/// A task whose training examples the policy samples. Its training set's
+/// examples come in groups ([`Rollouts::group_size`]: the completions of
+/// one prompt), which an epoch's order keeps together; the loop calls
+/// `generate` at the first step of each window of [`RolloutWindow::steps`]
+/// optimizer steps, which then train on what it made.
+pub trait Rollouts {
+    /// Completions per prompt: examples `g·k .. g·(k+1)` are prompt k's.
+    fn group_size(&self) -> usize;
+
+    fn window(&self) -> RolloutWindow;
+
+    /// Whether `generate` compares with the reference model (a KL term):
+    /// the trainer then keeps one (LoRA's base, or a frozen copy) and
+    /// passes it in [`Rollout::reference`].
+    fn wants_reference(&self) -> bool {
+        false
+    }
+
+    /// Samples and scores the completions of `rollout.micro_batches` (this
+    /// rank's examples of the window) from the policy. Collective: every
+    /// rank calls it at the same step.
+    fn generate(&mut self, rollout: Rollout) -> Result<()>;
+}
+
+/// How long one generation serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RolloutWindow {
+    /// Optimizer steps over different examples (TRL's
+    /// `steps_per_generation` over `gradient_accumulation_steps`).
+    pub steps: usize,
+    /// Passes over the window's examples (TRL's `num_iterations`).
+    pub passes: usize,
+}
+
+/// What [`Rollouts::generate`] samples with.
+pub struct Rollout<'a> {
+    pub model: &'a dyn Model,
+    /// The policy: the trainer's current parameters, whole, in `dtype`.
+    pub params: &'a [Vec<Tensor>],
+    pub dtype: Kind,
+    /// This rank's examples of the window, a list per micro-batch in the
+    /// order they train.
+    pub micro_batches: Vec<Vec<usize>>,
+    /// Every rank's examples of the window, in the epoch's order.
+    pub examples: Vec<usize>,
+    /// Optimizer steps done before the window (where its log and its
+    /// samples' seeds start), the step the run ends at, and the epochs done
+    /// (fractional): what reward functions may shape by.
+    pub step: usize,
+    pub last_step: usize,
+    pub epoch: f64,
+    /// The run's seed (`train.seed`).
+    pub seed: u64,
+    pub comm: &'a Communicator,
+    /// The run's output directory (None: nothing is written).
+    pub output: Option<&'a Path>,
+    /// The reference model, when the task wants one (`Rollouts::wants_reference`).
+    pub reference: Option<&'a mut dyn StartingModel>,
 }
 
 /// What a task is built from.

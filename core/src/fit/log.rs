@@ -116,6 +116,7 @@ impl<'a> RunLog<'a> {
         let metrics = std::mem::take(&mut self.metrics);
         let mut local = vec![outcome.loss.double_value(&[]), outcome.tokens as f64, metrics.count];
         local.extend(metrics.sums.values());
+        local.extend(metrics.counts.values());
         // The model's auxiliary loss (a router's load balancing), when it adds one: every rank's share.
         let auxiliary = outcome.auxiliary.as_ref().map(|(share, _)| share.double_value(&[]));
         local.extend(auxiliary);
@@ -152,14 +153,27 @@ impl<'a> RunLog<'a> {
             ("memory_bytes".to_string(), in_use),
         ]);
         // Averaged over the examples of every step since the last logged one, as TRL averages its logging window.
-        values.extend(metrics.sums.keys().zip(&summed[3..]).map(|(name, sum)| (name.clone(), sum / count.max(1.0))));
+        // A figure with its own count is logged only where something was counted.
+        let counts: BTreeMap<&String, f64> = metrics.counts.keys().zip(&summed[3 + metrics.sums.len()..]).map(|(name, &count)| (name, count)).collect();
+        for (name, sum) in metrics.sums.keys().zip(&summed[3..]) {
+            match counts.get(name) {
+                Some(&own) if own > 0.0 => values.insert(name.clone(), sum / own),
+                Some(_) => None,
+                None => values.insert(name.clone(), sum / count.max(1.0)),
+            };
+        }
         if let Some((_, figures)) = &outcome.auxiliary {
             // Of the logged step: `loss` includes it times the model's coefficient (router_aux_loss_coef).
-            values.insert("aux_loss".to_string(), summed[3 + metrics.sums.len()]);
+            values.insert("aux_loss".to_string(), summed[3 + metrics.sums.len() + metrics.counts.len()]);
             // Already over every rank (the statistics were summed before they weighed anything).
             values.extend(figures.iter().map(|(name, value)| (name.clone(), value.double_value(&[]))));
         }
         values.extend(float8_values);
+        if let Some(seconds) = outcome.rollout_seconds {
+            // Online RL: the step's sampling, and its share of the step.
+            values.insert("rollout/seconds".to_string(), seconds);
+            values.insert("rollout/share".to_string(), seconds / started.elapsed().as_secs_f64());
+        }
         if self.comm.env().world_size > 1 {
             values.insert("comm_bytes".to_string(), self.last_step_sent as f64);
         }

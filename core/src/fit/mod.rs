@@ -28,7 +28,7 @@ use crate::metrics::MetricsSink;
 use crate::model::Model;
 use crate::offload::Offload;
 use crate::schedule::{lr_at, Schedule};
-use crate::task::{Objective, Task};
+use crate::task::{Objective, RolloutWindow, Task};
 use crate::train::{InitialParams, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{bail, Result};
 use checkpointing::{Checkpointer, Cursor};
@@ -86,7 +86,11 @@ pub struct Fit<'a> {
 #[derive(Debug)]
 struct StepPlan {
     layout: BatchLayout,
+    /// Optimizer steps an epoch takes (its global batches, times the
+    /// passes over each rollout window's).
     steps_per_epoch: usize,
+    /// Online RL: the windows one generation serves (`Task::rollouts`).
+    window: Option<RolloutWindow>,
     /// Epochs the run may start: `train.epochs`, or unbounded under
     /// `train.max_steps`, where the step count ends the run.
     epochs: usize,
@@ -98,13 +102,19 @@ struct StepPlan {
 }
 
 impl StepPlan {
-    fn new(config: &TrainConfig, data: &DataConfig, world: usize, examples: usize) -> Result<StepPlan> {
+    fn new(config: &TrainConfig, data: &DataConfig, world: usize, examples: usize, window: Option<RolloutWindow>) -> Result<StepPlan> {
         let range = data.range;
-        let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world, keep_last: !data.drop_last };
-        let steps_per_epoch = layout.steps_per_epoch(examples);
+        // A rollout's window trains whole global batches only.
+        let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world, keep_last: !data.drop_last && window.is_none() };
+        let batches = layout.steps_per_epoch(examples);
+        let steps_per_epoch = match window {
+            Some(window) => batches / window.steps * window.steps * window.passes,
+            None => batches,
+        };
         if steps_per_epoch == 0 {
+            let window = window.map_or(String::new(), |w| format!(" x {} steps a rollout serves", w.steps));
             bail!(
-                "{examples} training examples do not fill one global batch of {} (batch_size {} x grad_accum {} x {world} ranks)",
+                "{examples} training examples do not fill one global batch of {}{window} (batch_size {} x grad_accum {} x {world} ranks)",
                 layout.global_batch(),
                 config.batch_size,
                 config.grad_accum
@@ -112,7 +122,8 @@ impl StepPlan {
         }
         let run_steps = config.max_steps.unwrap_or(steps_per_epoch * config.epochs);
         let epochs = if config.max_steps.is_some() { usize::MAX } else { config.epochs };
-        let dropped_per_epoch = layout.dropped(examples);
+        let trained_batches = window.map_or(batches, |w| batches / w.steps * w.steps);
+        let dropped_per_epoch = examples - (trained_batches * layout.global_batch()).min(examples);
         let warmup_by_ratio = config.warmup_steps == 0 && config.warmup_ratio > 0.0;
         let schedule_steps = match (config.schedule_steps, range) {
             (Some(steps), _) => steps,
@@ -133,7 +144,7 @@ impl StepPlan {
             (None, _) => run_steps,
         };
         let warmup_steps = if warmup_by_ratio { (config.warmup_ratio * schedule_steps as f64).ceil() as usize } else { config.warmup_steps };
-        Ok(StepPlan { layout, steps_per_epoch, epochs, max_steps: config.max_steps, dropped_per_epoch, schedule_steps, warmup_steps })
+        Ok(StepPlan { layout, steps_per_epoch, window, epochs, max_steps: config.max_steps, dropped_per_epoch, schedule_steps, warmup_steps })
     }
 
     /// The step a run ends at when it starts at global batch `epoch_step` of
@@ -151,6 +162,20 @@ impl StepPlan {
     /// steps: the epoch's end, or where `train.max_steps` ends the run.
     fn epoch_stop(&self, epoch_step: usize, step: usize) -> usize {
         self.max_steps.map_or(self.steps_per_epoch, |max| self.steps_per_epoch.min(epoch_step + max.saturating_sub(step)))
+    }
+
+    /// The global batch of the epoch's order that step `epoch_step` of the
+    /// epoch trains: itself, or under rollouts its window's batch of the pass.
+    fn global_batch(&self, epoch_step: usize) -> usize {
+        match self.window {
+            Some(RolloutWindow { steps, passes }) => epoch_step / (steps * passes) * steps + epoch_step % steps,
+            None => epoch_step,
+        }
+    }
+
+    /// Whether step `epoch_step` of an epoch starts a rollout window.
+    fn starts_window(&self, epoch_step: usize) -> bool {
+        self.window.is_some_and(|w| epoch_step % (w.steps * w.passes) == 0)
     }
 
     /// Whether a run at `cursor` has nothing left to train: the one answer
@@ -175,6 +200,8 @@ pub(crate) struct StepOutcome {
     /// coefficient, and the figures of its statistics (over every rank)
     /// for the log (`Trainer::take_auxiliary`); None where it adds none.
     pub auxiliary: Option<(Tensor, Vec<(String, Tensor)>)>,
+    /// Seconds the step spent sampling its rollouts (None: it sampled none).
+    pub rollout_seconds: Option<f64>,
 }
 
 /// One optimizer step over global batch `epoch_step` of `order`: this rank's
@@ -193,7 +220,7 @@ fn train_step(
 ) -> Result<StepOutcome> {
     // Every rank knows the whole global batch, so the exact normaliser needs no communication.
     let normalizer = layout.global(order, epoch_step).iter().map(|&i| data.loss_weight(i)).sum::<usize>().max(1) as f64;
-    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default(), auxiliary: None };
+    let mut outcome = StepOutcome { loss: Tensor::zeros([], (Kind::Float, device)), grad_norm: Tensor::new(), examples: 0, tokens: 0, flops: 0.0, metrics: Default::default(), auxiliary: None, rollout_seconds: None };
     let micro_steps = layout.micro_steps(order, epoch_step);
     for micro in 0..micro_steps {
         let indices = layout.micro(order, epoch_step, rank, micro);
@@ -210,6 +237,37 @@ fn train_step(
     outcome.metrics = objective.take_step_metrics();
     outcome.auxiliary = trainer.take_auxiliary();
     Ok(outcome)
+}
+
+/// Samples the rollouts of the window whose global batch `first` (of
+/// `order`) starts at: the policy gathered whole, this rank's micro-batches
+/// of the window's steps given to the task (collective).
+#[allow(clippy::too_many_arguments)]
+fn generate_rollouts(
+    trainer: &mut Trainer,
+    model: &dyn Model,
+    task: &mut dyn Task,
+    plan: &StepPlan,
+    order: &[usize],
+    batch: usize,
+    (step, last_step, epoch): (usize, usize, f64),
+    rank: usize,
+    output: &std::path::Path,
+    config: &TrainConfig,
+    dtype: Kind,
+    comm: &Communicator,
+) -> Result<()> {
+    let window = plan.window.expect("rollouts have a window");
+    let first = batch - batch % window.steps;
+    let micro_batches = (first..first + window.steps)
+        .flat_map(|b| (0..plan.layout.micro_steps(order, b)).map(move |micro| plan.layout.micro(order, b, rank, micro).to_vec()))
+        .collect();
+    let examples = (first..first + window.steps).flat_map(|b| plan.layout.global(order, b).to_vec()).collect();
+    let params = trainer.compute_params()?;
+    let rollouts = task.rollouts().expect("a task with a rollout window has rollouts");
+    let mut reference = crate::train::ReferenceModel(trainer);
+    let reference = rollouts.wants_reference().then_some(&mut reference as &mut dyn crate::task::StartingModel);
+    rollouts.generate(crate::task::Rollout { model, params: &params, dtype, micro_batches, examples, step, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
 }
 
 /// Evaluates the trainer's current parameters (collective).
@@ -230,7 +288,8 @@ pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<
 fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
-    let plan = StepPlan::new(config, data, world, task.train_set().len())?;
+    let rollout_shape = task.rollouts().map(|r| (r.group_size(), r.window()));
+    let plan = StepPlan::new(config, data, world, task.train_set().len(), rollout_shape.map(|(_, window)| window))?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype, config.expert_parallel)?;
     crate::distributed::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     if let (Some(groups), Some(experts), 0) = (&parallel.experts, model.experts(), rank) {
@@ -240,7 +299,8 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     let resuming = config.resume.as_deref().map(|spec| crate::checkpoint::resume_from(spec, checkpoints.output)).transpose()?.flatten().is_some();
     let options = TrainOptions { float8_kept, ..TrainOptions::from_config(config, dtype) };
     let builder = TrainerBuilder::new(model, options).data_parallel(&parallel).comm(hook).offload(offload);
-    let builder = builder.reference_copy(task.objective().wants_reference_outputs());
+    let wants_reference = task.objective().wants_reference_outputs() || task.rollouts().is_some_and(|r| r.wants_reference());
+    let builder = builder.reference_copy(wants_reference);
     let mut trainer = builder.build(params)?;
     // Before the checkpoint is restored: the trainer holds the starting model.
     task.before_training(&mut crate::task::Start { model: &mut trainer, comm, output: Some(checkpoints.output), resuming })?;
@@ -298,7 +358,8 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     };
     let (mut epochs, mut stopped_early, mut end) = (vec![], None, resumed);
     for epoch in first_epoch..plan.epochs {
-        let order = epoch_order(task.train_set().len(), epoch as u64, config.seed, data.shuffle);
+        let group = rollout_shape.map_or(1, |(group, _)| group);
+        let order = epoch_order(task.train_set().len(), group, epoch as u64, config.seed, data.shuffle);
         let start = if epoch == first_epoch { first_epoch_step } else { 0 };
         let stop_at = plan.epoch_stop(start, step);
         for epoch_step in start..stop_at {
@@ -310,8 +371,20 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
             let lr = lr_at(config.schedule, config.lr, step, plan.schedule_steps, plan.warmup_steps);
             let offloaded_before = trainer.offload_stats();
             let sent_before = comm.bytes_sent();
-            let outcome =
-                train_step(&mut trainer, task.train_set(), task.objective(), &plan.layout, &order, epoch_step, rank, lr, device)?;
+            let batch = plan.global_batch(epoch_step);
+            let mut rollout_seconds = None;
+            if plan.starts_window(epoch_step) || (plan.window.is_some() && epoch == first_epoch && epoch_step == first_epoch_step) {
+                if !plan.starts_window(epoch_step) && rank == 0 {
+                    tracing::warn!("resuming inside a rollout window: its completions are sampled again from the weights at the resume, not those at the window's start");
+                }
+                let rollout = Instant::now();
+                let epoch_done = epoch as f64 + epoch_step as f64 / plan.steps_per_epoch as f64;
+                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, (step, last_step, epoch_done), rank, checkpoints.output, config, dtype, comm)?;
+                rollout_seconds = Some(rollout.elapsed().as_secs_f64());
+            }
+            let mut outcome =
+                train_step(&mut trainer, task.train_set(), task.objective(), &plan.layout, &order, batch, rank, lr, device)?;
+            outcome.rollout_seconds = rollout_seconds;
             log.count_sent(sent_before, comm.bytes_sent());
             step += 1;
             profiler.after_step(step)?;
@@ -397,21 +470,21 @@ mod tests {
     fn a_slice_of_the_file_needs_the_schedules_length_unless_nothing_depends_on_it() {
         let slice = Some("0:96".parse().unwrap());
         let linear = TrainConfig { batch_size: 4, epochs: 1, warmup_ratio: 0.25, ..TrainConfig::default() };
-        let err = StepPlan::new(&linear, &data(slice), 2, 96).unwrap_err().to_string();
+        let err = StepPlan::new(&linear, &data(slice), 2, 96, None).unwrap_err().to_string();
         assert!(err.contains("data.range 0:96 trains one slice of the file, and the learning-rate schedule (its linear decay)"), "{err}");
         assert!(err.contains("set train.schedule_steps") && err.contains("this slice has 12: 12 per epoch x 1 epoch(s)"), "{err}");
         let spanning = TrainConfig { schedule_steps: Some(120), ..linear.clone() };
-        let plan = StepPlan::new(&spanning, &data(slice), 2, 96).unwrap();
+        let plan = StepPlan::new(&spanning, &data(slice), 2, 96, None).unwrap();
         assert_eq!((plan.steps_per_epoch, plan.schedule_steps, plan.warmup_steps), (12, 120, 30), "the warm-up ratio is of the schedule's steps");
         // One run over the whole file: its own steps.
-        let plan = StepPlan::new(&linear, &data(None), 2, 96).unwrap();
+        let plan = StepPlan::new(&linear, &data(None), 2, 96, None).unwrap();
         assert_eq!((plan.schedule_steps, plan.warmup_steps), (12, 3));
         assert_eq!(plan.last_step(Cursor { epoch: 0, epoch_step: 5, step: 40 }), 47);
         assert_eq!(plan.last_step(Cursor { epoch: 0, epoch_step: 20, step: 40 }), 40);
         // A constant rate after a warm-up of fixed steps does not depend on the length; a ratio does.
         let constant = TrainConfig { schedule: Schedule::Constant, warmup_ratio: 0.0, warmup_steps: 3, ..linear };
-        assert_eq!(StepPlan::new(&constant, &data(slice), 2, 96).unwrap().warmup_steps, 3);
-        let err = StepPlan::new(&TrainConfig { warmup_steps: 0, warmup_ratio: 0.25, ..constant }, &data(slice), 2, 96).unwrap_err().to_string();
+        assert_eq!(StepPlan::new(&constant, &data(slice), 2, 96, None).unwrap().warmup_steps, 3);
+        let err = StepPlan::new(&TrainConfig { warmup_steps: 0, warmup_ratio: 0.25, ..constant }, &data(slice), 2, 96, None).unwrap_err().to_string();
         assert!(err.contains("(its warm-up ratio)"), "{err}");
     }
 
@@ -419,13 +492,30 @@ mod tests {
     fn max_steps_ends_the_run_inside_an_epoch_and_is_the_schedules_length() {
         let config = TrainConfig { batch_size: 4, max_steps: Some(30), ..TrainConfig::default() };
         // 100 examples: 12 global batches of 8 an epoch, 4 examples left out of each.
-        let plan = StepPlan::new(&config, &data(None), 2, 100).unwrap();
+        let plan = StepPlan::new(&config, &data(None), 2, 100, None).unwrap();
         assert_eq!((plan.steps_per_epoch, plan.schedule_steps, plan.dropped_per_epoch), (12, 30, 4));
         assert_eq!(plan.last_step(Cursor::default()), 30);
         assert_eq!((plan.epoch_stop(0, 0), plan.epoch_stop(0, 24), plan.epoch_stop(3, 27)), (12, 6, 6));
         assert!(!plan.finished(Cursor { epoch: 2, epoch_step: 5, step: 29 }) && plan.finished(Cursor { epoch: 2, epoch_step: 6, step: 30 }));
-        let by_epochs = StepPlan::new(&TrainConfig { max_steps: None, ..config }, &data(None), 2, 100).unwrap();
+        let by_epochs = StepPlan::new(&TrainConfig { max_steps: None, ..config }, &data(None), 2, 100, None).unwrap();
         assert_eq!((by_epochs.last_step(Cursor::default()), by_epochs.epoch_stop(0, 0)), (36, 12));
         assert!(by_epochs.finished(Cursor { epoch: 3, epoch_step: 0, step: 36 }));
+    }
+
+    #[test]
+    fn a_rollout_window_trains_its_batches_pass_after_pass() {
+        let config = TrainConfig { batch_size: 4, epochs: 1, ..TrainConfig::default() };
+        // 100 examples: 12 global batches of 8, so 4 windows of 3, each trained twice.
+        let plan = StepPlan::new(&config, &data(None), 2, 100, Some(RolloutWindow { steps: 3, passes: 2 })).unwrap();
+        assert_eq!((plan.steps_per_epoch, plan.dropped_per_epoch), (24, 4));
+        let batches: Vec<usize> = (0..9).map(|s| plan.global_batch(s)).collect();
+        assert_eq!(batches, [0, 1, 2, 0, 1, 2, 3, 4, 5]);
+        let starts: Vec<usize> = (0..24).filter(|&s| plan.starts_window(s)).collect();
+        assert_eq!(starts, [0, 6, 12, 18]);
+        // 10 global batches: the last window's lone batch is left out, and a window never takes a short batch.
+        let plan = StepPlan::new(&config, &data(None), 2, 87, Some(RolloutWindow { steps: 2, passes: 1 })).unwrap();
+        assert_eq!((plan.steps_per_epoch, plan.dropped_per_epoch), (10, 7));
+        let err = StepPlan::new(&config, &data(None), 2, 12, Some(RolloutWindow { steps: 2, passes: 1 })).unwrap_err().to_string();
+        assert!(err.contains("do not fill one global batch of 8 x 2 steps a rollout serves"), "{err}");
     }
 }

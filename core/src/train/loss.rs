@@ -61,6 +61,25 @@ pub fn lm_label_logps(rows: &TargetRows, weight: &Tensor, chunk: i64, softcap: O
     Ok(logps.view(rows.labels.as_slice()))
 }
 
+/// [`lm_label_logps`] with each position's entropy of the next-token
+/// distribution beside it (0 where the label is ignored), in ATen's fp32:
+/// what online RL logs (`entropy`) besides the log-probabilities it trains on.
+pub fn lm_label_logps_and_entropies(rows: &TargetRows, weight: &Tensor, chunk: i64, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
+    let _no_grad = tch::no_grad_guard();
+    let (mut logps, mut entropies) = (vec![], vec![]);
+    for (_, logits, target) in rows.logit_chunks(weight, chunk) {
+        let log_probs = fp32_logits(logits, softcap).log_softmax(-1, Kind::Float);
+        logps.push(log_probs.gather(1, &target.unsqueeze(1), false).squeeze_dim(1));
+        entropies.push(-(log_probs.exp() * &log_probs).sum_dim_intlist(-1, false, Kind::Float));
+    }
+    let placed = |parts: Vec<Tensor>| {
+        let zeros = Tensor::zeros([rows.labels.iter().product::<i64>()], (Kind::Float, rows.inputs.device()));
+        let values = if parts.is_empty() { zeros } else { zeros.index_copy(0, &rows.label_positions(), &Tensor::cat(&parts, 0)) };
+        values.view(rows.labels.as_slice())
+    };
+    Ok((placed(logps), placed(entropies)))
+}
+
 /// The head's rows that predict a target: of the flattened hidden states,
 /// the positions whose next label is not `IGNORE_INDEX`, with those labels.
 /// Prompt tokens, padding and each sequence's last position form no

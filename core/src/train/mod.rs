@@ -14,6 +14,7 @@ mod step;
 pub use crate::distributed::flat::unflatten;
 /// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
 pub use crate::kernels::Kernels;
+pub use step::ReferenceModel;
 pub(crate) use reduce::reductions_in_flight;
 
 use crate::config::TrainConfig;

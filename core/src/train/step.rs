@@ -150,6 +150,11 @@ impl Trainer<'_> {
     /// copy when the trainer keeps one, else the model with every adapter
     /// off (LoRA's base: the adapters' units never read).
     fn reference_forward(&mut self, batch: &Batch, objective: &dyn Objective) -> Result<()> {
+        self.reference_head(batch, &mut |outputs| objective.reference_outputs(outputs, batch))
+    }
+
+    /// [`Self::reference_forward`]'s forward, giving `head` the head's outputs.
+    fn reference_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
         let set = match (self.reference.is_empty(), self.model.adapter_scaling().is_some()) {
             (false, _) => Units::Reference,
             (true, true) => Units::Model,
@@ -158,7 +163,7 @@ impl Trainer<'_> {
             ),
         };
         // A copy's units are released after each use, since no backward reads them.
-        self.forward_without_grad(set, batch, set == Units::Reference, &mut |outputs| objective.reference_outputs(outputs, batch))
+        self.forward_without_grad(set, batch, set == Units::Reference, head)
     }
 
     /// A forward of `batch` without gradients over `set`'s units with every
@@ -390,6 +395,17 @@ impl Trainer<'_> {
         Ok(loss.expect("the model has a head stage"))
     }
 
+}
+
+/// The reference model the trainer holds (its frozen copy, or LoRA's
+/// base), for a task that runs it outside a step: online RL's rollouts.
+pub struct ReferenceModel<'t, 'm>(pub &'t mut Trainer<'m>);
+
+impl crate::task::StartingModel for ReferenceModel<'_, '_> {
+    fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
+        self.0.refresh_float8_amaxes()?;
+        self.0.reference_head(batch, head)
+    }
 }
 
 /// Before the first step the trainer is the starting model, as it holds it:

@@ -493,6 +493,7 @@ fn metric_sums(values: &PairValues) -> StepMetrics {
             ("logps/rejected".to_string(), sum(&values.rejected_logps)),
         ]),
         count: chosen.size()[0] as f64,
+        counts: BTreeMap::new(),
     }
 }
 
