@@ -28,6 +28,9 @@ pub struct TrainArgs {
     /// What to train (task.name; `ft list`): default, the task for the model's head.
     #[arg(long)]
     task: Option<String>,
+    /// A reward function of online RL (--task grpo or rloo): FILE.py:FUNCTION, called as TRL calls one, or a built-in: accuracy, format, length (task.rewards); repeatable.
+    #[arg(long, value_name = "FILE.py:FUNCTION|NAME")]
+    reward: Vec<String>,
     /// Training data: SQuAD .json, JSON lines or a JSON array, Parquet, Arrow (a file, a glob, a dataset directory) or text (data.train); repeated: a mixture of them (data.mixture).
     #[arg(long)]
     train_file: Vec<PathBuf>,
@@ -130,6 +133,7 @@ impl TrainArgs {
         o.set("model.source", self.model.clone())
             .serialized("model.init", self.init)
             .set("task.name", self.task.clone())
+            .set("task.rewards", (!self.reward.is_empty()).then(|| self.reward.clone()))
             .train_files(&self.train_file)
             .path("data.eval", self.eval_file.as_ref())
             .set("data.packing", self.packing.then_some(true))

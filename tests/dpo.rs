@@ -18,7 +18,7 @@
 
 use crate::common;
 
-use common::{ft, made_once, shared, text};
+use common::{ft, shared, text};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,38 +27,6 @@ use std::process::Command;
 const BETA: f64 = 0.1;
 
 const FIGURES: [&str; 8] = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"];
-
-/// A random tiny Llama in `dir`/model with GPT-2's tokens and Llama 3's chat template and special tokens.
-fn tiny_llama(dir: &Path) -> PathBuf {
-    // Made once for every test here (an init-model and transformers' load of the tokenizer), copied into each one's `dir`.
-    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
-    made_once(&MADE, dir, |dir| {
-        let model = dir.join("model");
-        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
-        let output = ft()
-            .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-            .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", text(&output));
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
-        // Llama 3's template with a fixed date in place of today's (`strftime_now`): the pairs' tokens, and so
-        // the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day the test runs.
-        let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
-        let dated = fixture.replace(r#"strftime_now("%d %b %Y")"#, r#""26 Nov 2026""#);
-        assert_ne!(dated, fixture, "the fixture's template reads today's date with strftime_now");
-        let template = dir.join("llama3-dated.jinja");
-        std::fs::write(&template, dated).unwrap();
-        let gpt2 = shared::path(shared::GPT2_TOKENIZER);
-        let output = Command::new("python")
-            .arg(&script)
-            .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", text(&output));
-    });
-    dir.join("model")
-}
 
 fn message(role: &str, content: &str) -> Value {
     json!({"role": role, "content": content})
@@ -147,7 +115,7 @@ fn every_loss_equals_trls_dpo_trainer_in_every_format() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_llama(dir.path());
+    let model = common::tiny_chat_llama(dir.path());
     let [standard, conversational, implicit] = preference_files(dir.path());
     // (data, TRL's loss_type, loss_weights, label_smoothing, max_length, truncation_mode, evaluation file, precompute_ref)
     let mut cases: Vec<(&Path, Vec<&str>, Option<Vec<f64>>, f64, usize, &str, Option<&Path>, bool)> = vec![];
@@ -259,7 +227,7 @@ fn two_ranks_equal_one_lora_base_equals_precomputed_a_resume_rebuilds_the_frozen
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_llama(dir.path());
+    let model = common::tiny_chat_llama(dir.path());
     let [standard, conversational, _] = preference_files(dir.path());
     let evaluated = ["--eval-file", conversational.to_str().unwrap()];
     let run = |name: &str, extra: &[&str]| {
@@ -331,7 +299,7 @@ fn every_strategy_at_two_and_three_ranks_equals_one_and_a_killed_run_resumes() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_llama(dir.path());
+    let model = common::tiny_chat_llama(dir.path());
     // Twelve pairs: a global batch of 6 (6 × 1, 3 × 2, 2 × 3 ranks), two steps an epoch.
     let rows: Vec<Value> = std::fs::read_to_string(&preference_files(dir.path())[0]).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let pairs = jsonl(dir.path(), "twelve.jsonl", &[&rows[..], &rows, &rows].concat());
@@ -400,7 +368,7 @@ fn bad_preference_rows_are_errors_naming_the_file_and_line() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_llama(dir.path());
+    let model = common::tiny_chat_llama(dir.path());
     let good = json!({"prompt": "Hi", "chosen": " there", "rejected": " no"});
     // Mistral's template refuses two user turns in a row.
     let mistral = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/mistral.jinja");
@@ -441,7 +409,7 @@ fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_llama(dir.path());
+    let model = common::tiny_chat_llama(dir.path());
     let [_, conversational, _] = preference_files(dir.path());
     let written = dir.path().join("written");
     std::fs::create_dir(&written).unwrap();

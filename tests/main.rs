@@ -16,6 +16,7 @@ mod dpo;
 mod engine;
 mod extractive_qa;
 mod float8;
+mod grpo;
 mod inputs;
 mod launch_and_collectives;
 mod lora;

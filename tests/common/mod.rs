@@ -201,3 +201,36 @@ pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
     let native = probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True");
     native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
 }
+
+/// A random tiny Llama in `dir`/model with GPT-2's tokens and Llama 3's
+/// chat template (dated, so its tokens are the same every day) and special tokens.
+pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
+    // Made once for every test here (an init-model and transformers' load of the tokenizer), copied into each one's `dir`.
+    static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
+    made_once(&MADE, dir, |dir| {
+        let model = dir.join("model");
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
+        let output = ft()
+            .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
+            .args(["--set", "vocab_size=50304", "--set", "max_position_embeddings=256"])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
+        // Llama 3's template with a fixed date in place of today's (`strftime_now`): the pairs' tokens, and so
+        // the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day the test runs.
+        let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
+        let dated = fixture.replace(r#"strftime_now("%d %b %Y")"#, r#""26 Nov 2026""#);
+        assert_ne!(dated, fixture, "the fixture's template reads today's date with strftime_now");
+        let template = dir.join("llama3-dated.jinja");
+        std::fs::write(&template, dated).unwrap();
+        let gpt2 = shared::path(shared::GPT2_TOKENIZER);
+        let output = Command::new("python")
+            .arg(&script)
+            .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+    });
+    dir.join("model")
+}

@@ -5,4 +5,5 @@
 pub mod causal_lm;
 pub mod dpo;
 pub mod extractive_qa;
+pub mod grpo;
 pub mod rewards;
