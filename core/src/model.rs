@@ -1031,19 +1031,26 @@ pub fn scaled_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor
 /// products and a softmax. SDPA's GPU backends would pick cuDNN, which
 /// plans anew for every key length — milliseconds of host time per call,
 /// more than the step's arithmetic.
+/// Grouped keys and values (GQA) are never repeated per head: each key
+/// head's queries go through it together, as [groups, head_dim] rows —
+/// copying the cache for every head each step would cost more than the
+/// step's weights.
 fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool, scale: Option<f64>) -> Tensor {
-    let (heads, kv_heads, head_dim) = (q.size()[1], k.size()[1], q.size()[3]);
-    let (k, v) = if grouped_kv && kv_heads != heads {
-        let repeats = heads / kv_heads;
-        (k.repeat_interleave_self_int(repeats, 1, None), v.repeat_interleave_self_int(repeats, 1, None))
-    } else {
-        (k.shallow_clone(), v.shallow_clone())
-    };
+    let (batch, heads, kv_heads, head_dim) = (q.size()[0], q.size()[1], k.size()[1], q.size()[3]);
+    let groups = if grouped_kv { heads / kv_heads } else { 1 };
+    // [batch, kv_heads, groups, head_dim]: the queries of each key head.
+    let q = q.reshape([batch, kv_heads, groups, head_dim]);
     let mut scores = q.matmul(&k.transpose(2, 3)).to_kind(Kind::Float) * scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
     if let Some(bias) = bias {
+        // A bias per head ([batch, heads, 1, keys]: ALiBi) splits its heads as the queries are; others broadcast.
+        let size = bias.size();
+        let bias = match size.as_slice() {
+            &[rows, h, 1, keys] if h == heads && heads > 1 => bias.reshape([rows, kv_heads, groups, keys]),
+            _ => bias.shallow_clone(),
+        };
         scores += bias.to_kind(Kind::Float);
     }
-    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(&v)
+    scores.softmax(-1, Kind::Float).to_kind(q.kind()).matmul(v).reshape([batch, heads, 1, head_dim])
 }
 
 /// [seq, past+seq] additive mask: 0 where query i may see key j (j <= past+i), -inf elsewhere.
