@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset such as "demo" (model.source).
+    /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset: "demo", "arithmetic" (online RL), `ft list` (model.source).
     #[arg(long)]
     model: Option<String>,
     /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
