@@ -12,14 +12,13 @@ use ft_core::plan;
 use ft_core::run_dir;
 use ft_core::setup::{self, Rank};
 use ft_core::task::TaskInputs;
-use ft_data::demo;
 use ft_core::lora::RunModel;
 use ft_models::hf;
 use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset such as "demo" (model.source).
+    /// Model directory (with its safetensors weights), hub id in the local cache, config.json (random weights), or a preset: "demo", "arithmetic" (online RL), `ft list` (model.source).
     #[arg(long)]
     model: Option<String>,
     /// What the parameters start from: pretrained (the model directory's weights, which it must hold) or random (model.init).
@@ -218,9 +217,9 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let rank = Rank::start(&config, configured_offload.as_ref())?;
     // Rank 0's lock made the directory.
     let output = config.output.dir.clone();
-    let source = match config.model.source == demo::NAME {
-        true => hf::ModelSource { config: demo::for_run(&mut config, &rank.comm)?, dir: None, config_file: None },
-        false => hf::ModelSource::resolve(&config.model.source)?,
+    let source = match setup::prepare_preset(&mut config, &rank.comm)? {
+        Some(model_config) => hf::ModelSource { config: model_config, dir: None, config_file: None },
+        None => hf::ModelSource::resolve(&config.model.source)?,
     };
     let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;

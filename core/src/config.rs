@@ -123,14 +123,20 @@ pub struct TaskConfig {
     pub options: serde_json::Map<String, serde_json::Value>,
 }
 
-/// Settings a plug-in bundles under a model name (the embedded demo): they
+/// Settings a plug-in bundles under a model name (the embedded demos): they
 /// apply between the defaults and the user's layers when `model.source` is
-/// that name; the `default` preset is the model when none is set.
+/// that name; the `default` preset is the model when none is set. A preset
+/// brings its own files and model (`setup::prepare_preset`).
 pub struct PresetRegistration {
     pub name: &'static str,
     pub summary: &'static str,
     pub default: bool,
     pub values: fn() -> serde_json::Value,
+    /// Writes the preset's files (data, tokenizer) into a directory it creates, from `train.seed`.
+    pub write_files: fn(&Path, u64) -> anyhow::Result<()>,
+    /// Points the configuration at the files in that directory (where the
+    /// user gave none of their own) and returns the model's config.json.
+    pub configure: fn(&mut Config, &Path) -> anyhow::Result<serde_json::Value>,
 }
 inventory::collect!(PresetRegistration);
 
@@ -1073,6 +1079,8 @@ mod tests {
             summary: "",
             default: false,
             values: || serde_json::json!({"train": {"epochs": 6, "lr": 2e-3}, "launch": {"nproc_per_node": 2}, "task": {"max_new_tokens": 8}}),
+            write_files: |_, _| Ok(()),
+            configure: |_, _| Ok(serde_json::json!({})),
         }
     }
 

@@ -24,6 +24,20 @@ pub fn share_host_cores(local_ranks: usize, device: Device, offload: &dyn Offloa
     }
 }
 
+/// The model config.json of the preset `config.model.source` names, once
+/// its files are ready: rank 0 writes them in OUTPUT/NAME-data while the
+/// others wait, then every rank points `config` at them; None when the
+/// model is no preset. Collective: every rank calls it.
+pub fn prepare_preset(config: &mut Config, comm: &Communicator) -> Result<Option<serde_json::Value>> {
+    let Some(preset) = crate::config::preset(Some(&config.model.source)) else { return Ok(None) };
+    let dir = config.output.dir.join(format!("{}-data", preset.name));
+    if comm.env().rank == 0 {
+        (preset.write_files)(&dir, config.train.seed)?;
+    }
+    comm.world().barrier()?.wait()?;
+    (preset.configure)(config, &dir).map(Some)
+}
+
 /// The c10d backend for `device`: `auto` is NCCL on a GPU and Gloo on a CPU;
 /// an explicit choice that cannot drive the device is refused.
 pub fn backend_for(configured: Backend, device: Device) -> Result<Backend> {

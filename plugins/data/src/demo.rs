@@ -128,18 +128,6 @@ pub fn prepare(dir: &Path, seed: u64) -> Result<DemoFiles> {
     write(dir, 400, 40, seed)
 }
 
-/// The demo as a run of `ft train` takes it: rank 0 writes its files in
-/// OUTPUT/demo-data while the others wait, then [`configure`] points
-/// `config` at them. Collective: every rank calls it.
-pub fn for_run(config: &mut ft_core::Config, comm: &ft_core::Communicator) -> Result<serde_json::Value> {
-    let dir = config.output.dir.join("demo-data");
-    if comm.env().rank == 0 {
-        prepare(&dir, config.train.seed)?;
-    }
-    comm.world().barrier()?.wait()?;
-    configure(config, &dir)
-}
-
 /// Points `config`'s data and tokenizer at the demo files in `dir` (where
 /// the user set none: no training file, nor a mixture; the demo's
 /// evaluation file comes with its training file, so the user's own data
@@ -151,9 +139,12 @@ pub fn configure(config: &mut ft_core::Config, dir: &Path) -> Result<serde_json:
         data.eval.get_or_insert_with(|| dir.join("demo-eval.json"));
     }
     let tokenizer = data.tokenizer.get_or_insert_with(|| dir.join("tokenizer.json"));
-    let vocab = tokenizers::Tokenizer::from_file(&*tokenizer)
-        .map_err(|e| anyhow::anyhow!("cannot load the demo tokenizer {}: {e}", tokenizer.display()))?
-        .get_vocab_size(true);
+    model_for(tokenizer)
+}
+
+/// The demo model's config.json over the tokenizer at `path`.
+pub fn model_for(path: &Path) -> Result<serde_json::Value> {
+    let vocab = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("cannot load the demo tokenizer {}: {e}", path.display()))?.get_vocab_size(true);
     Ok(model_config(vocab))
 }
 
@@ -191,6 +182,8 @@ inventory::submit! {
         summary: "a small BLOOM answering questions about invented countries, with its own data and tokenizer (2 CPU ranks)",
         default: true,
         values: preset,
+        write_files: |dir, seed| prepare(dir, seed).map(drop),
+        configure,
     }
 }
 

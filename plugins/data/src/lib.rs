@@ -4,7 +4,8 @@
 //! causal-LM fine-tuning, row formats (prompt/completion pairs, chat
 //! conversations with tools rendered with the model's chat template,
 //! ShareGPT, Alpaca), preference pairs (TRL's format, for DPO), the official SQuAD metrics, tokenizer loading, and
-//! the embedded demo (its data, tokenizer, model and settings).
+//! the embedded demos (their data, tokenizers, models and settings: the QA
+//! demo, and `arithmetic` for online RL).
 //!
 //! The modules depend one way: `example` (the example type, tokenizing,
 //! which examples `data.range` takes), `source` (rows from JSON lines, JSON
@@ -15,6 +16,7 @@
 //! `lm`, which picks one by the data's format and mixes sources
 //! (`mixture`); `packing` (which examples share a row) stands alone.
 
+pub mod arithmetic;
 pub mod chat;
 pub mod demo;
 pub mod example;

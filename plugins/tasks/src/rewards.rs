@@ -168,7 +168,7 @@ impl Rewards {
         }
         let named = |spec: &RewardSpec| specs.contains(spec);
         if options.format_pattern.is_some() && !named(&RewardSpec::Format) {
-            bail!("task.format_pattern is set but no `format` reward is named (--reward format)");
+            bail!("task.format_pattern is set but no `format` reward is named: add --reward format, or unset it (a preset's too) with --set task.format_pattern=null");
         }
         for (key, value) in [("max_completion_len", options.max_completion_len), ("soft_punish_cache", options.soft_punish_cache)] {
             if value.is_some() && !named(&RewardSpec::Length) {
