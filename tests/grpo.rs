@@ -233,3 +233,66 @@ fn the_arithmetic_demo_learns_to_add_from_its_rewards() {
         assert_eq!(row["reward"].as_f64().unwrap(), (right as u32 + only_digits as u32) as f64, "{row}");
     }
 }
+
+/// The rows of two runs' rollouts.jsonl agree: the same completions, scores and advantages.
+fn assert_equal_rollouts(ours: &[Value], theirs: &[Value], what: &str) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: rollouts");
+    for (k, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        for key in ["step", "prompt", "completion_ids", "rewards"] {
+            assert_eq!(a[key], b[key], "{what}: rollout {k}'s {key}");
+        }
+        for key in ["reward", "advantage"] {
+            let (a, b) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{what}: rollout {k}'s {key} {a} vs {b}");
+        }
+    }
+}
+
+/// 2 ranks (1 micro-batch of 4 each) sample the completions 1 rank (2
+/// micro-batches of 4) samples, as each example's completion is seeded by
+/// the example, and train the same steps: plainly, under full_shard with
+/// the state offloaded to the host, with LoRA's adapters (β > 0: the
+/// reference is their base, which the first step's KL of 0 shows, the
+/// adapters starting at zero), and with them over a 4-bit base, a window
+/// trained twice (the sampling policy's log-probabilities, taken over
+/// the gathered 4-bit base, weigh the second pass).
+#[test]
+fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::tiny_chat_llama(dir.path());
+    let (prompts, rewards) = (prompt_file(dir.path(), false), reward_file(dir.path()));
+    let run = |name: &str, ranks: usize, options: Value, extra: &[&str]| {
+        let out = dir.path().join(name);
+        // A global batch of 8 completions (2 prompts): 4 x 2 micro-batches on 1 rank, 4 x 1 on each of 2.
+        let case = Case { algorithm: "grpo", conversational: false, grad_accum: 3 - ranks, options };
+        let output = train(&model, &prompts, &rewards, &out, &case, &[&["--nproc-per-node", &ranks.to_string()], extra].concat());
+        assert!(output.status.success(), "{name}: {}", text(&output));
+        (steps(&out), rollouts(&out))
+    };
+    let figures = [&FIGURES[..], &["kl"]].concat();
+    let lora = ["--lora-r", "4"];
+    let qlora = ["--lora-r", "4", "--quantize", "nf4"];
+    let sharded = ["--strategy", "full_shard"];
+    let kl = json!({"beta": 0.04});
+    let twice = json!({"beta": 0.04, "num_iterations": 2});
+    let runs: [(&str, Value, &[&str], Vec<Vec<&str>>); 3] = [
+        ("plain", json!({}), &[], vec![vec![], vec!["--strategy", "full_shard", "--offload", "cpu"]]),
+        ("lora", kl, &lora, vec![[&lora[..], &sharded].concat()]),
+        ("qlora", twice, &qlora, vec![[&qlora[..], &sharded].concat()]),
+    ];
+    for (name, options, one_flags, two_flags) in runs {
+        let (one, one_rollouts) = run(&format!("{name}-1"), 1, options.clone(), one_flags);
+        for (k, flags) in two_flags.iter().enumerate() {
+            let what = format!("{name}: 2 ranks {flags:?} vs 1");
+            let (two, two_rollouts) = run(&format!("{name}-2-{k}"), 2, options.clone(), flags);
+            assert_equal_rollouts(&two_rollouts, &one_rollouts, &what);
+            assert_equal_steps(&two, &one, &figures, &what);
+        }
+        if name != "plain" {
+            assert!(one[0]["kl"].as_f64().unwrap().abs() < 1e-7, "{name}: {}", one[0]);
+        }
+    }
+}
