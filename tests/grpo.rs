@@ -296,3 +296,53 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
         }
     }
 }
+
+
+/// What a user gets wrong stops the run with exit code 1 and a message
+/// naming it, never a Rust panic: a reward function that raises (its
+/// name and Python traceback, every rank stopped), one that returns too
+/// few rewards, a row without `prompt` (file and line), a missing reward
+/// file, no reward at all, and a generation that is not whole groups of
+/// `task.num_generations` (said before the first step).
+#[test]
+fn a_reward_function_that_raises_and_bad_prompts_and_batches_are_errors_naming_them() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::tiny_chat_llama(dir.path());
+    let prompts = prompt_file(dir.path(), false);
+    let bad = dir.path().join("bad.py");
+    std::fs::write(&bad, "def raises(completions, **kwargs):\n    return 1 / 0\n\ndef short(completions, **kwargs):\n    return [0.0] * (len(completions) - 1)\n").unwrap();
+    let reward = |function: &str| format!("{}:{function}", bad.display());
+    let no_prompt = dir.path().join("no-prompt.jsonl");
+    std::fs::write(&no_prompt, "{\"prompt\": \"a\"}\n{\"question\": \"b\"}\n").unwrap();
+    let refusal = |train_file: &Path, extra: &[&str]| {
+        let out = dir.path().join(format!("out-{}", extra.join("-").replace('/', "")));
+        let mut command = ft();
+        command.args(["train", "--task", "grpo", "--model", model.to_str().unwrap(), "--train-file", train_file.to_str().unwrap(), "--device", "cpu", "--max-steps", "1"]);
+        command.args(["--max-seq-len", "64", "--output-dir", out.to_str().unwrap(), "--set", "task.num_generations=4", "--set", "task.max_completion_length=4"]);
+        let output = command.args(extra).output().unwrap();
+        let log = text(&output);
+        assert_eq!(output.status.code(), Some(1), "{extra:?}: {log}");
+        assert!(!log.contains("panicked") && !log.contains("internal error"), "{extra:?}: {log}");
+        log
+    };
+    let log = refusal(&prompts, &["--reward", &reward("raises"), "--nproc-per-node", "2", "--batch-size", "2"]);
+    for rank in 0..2 {
+        let said = format!("[rank {rank}] error: reward function {} raised an exception:", reward("raises"));
+        assert!(log.contains(&said), "{log}");
+    }
+    assert!(log.contains("Traceback (most recent call last)") && log.contains("ZeroDivisionError: division by zero"), "{log}");
+    let log = refusal(&prompts, &["--reward", &reward("short"), "--batch-size", "4"]);
+    assert!(log.contains(&format!("reward function {} returned 3 rewards for 4 completions", reward("short"))), "{log}");
+    let log = refusal(&no_prompt, &["--reward", &reward("short"), "--batch-size", "4"]);
+    assert!(log.contains(&format!("{} line 2: no \"prompt\"", no_prompt.display())), "{log}");
+    let log = refusal(&prompts, &["--reward", "/nonexistent/rewards.py:f", "--batch-size", "4"]);
+    assert!(log.contains("reward `/nonexistent/rewards.py:f`: no such file /nonexistent/rewards.py"), "{log}");
+    let log = refusal(&prompts, &["--batch-size", "4"]);
+    assert!(log.contains("task `grpo` needs at least one reward function: --reward FILE.py:FUNCTION"), "{log}");
+    let log = refusal(&prompts, &["--reward", &reward("short"), "--batch-size", "3", "--nproc-per-node", "2"]);
+    assert!(log.contains("error: a generation of 6 completions (batch_size 3 x grad_accum 1 x 2 ranks x 1 optimizer step(s) a generation serves) is not a whole number of groups of 4"), "{log}");
+    assert!(!log.contains("each epoch leaves out"), "said before the run plans its epochs: {log}");
+}

@@ -102,10 +102,25 @@ struct StepPlan {
 }
 
 impl StepPlan {
-    fn new(config: &TrainConfig, data: &DataConfig, world: usize, examples: usize, window: Option<RolloutWindow>) -> Result<StepPlan> {
+    /// `rollouts`: the task's group size and window (`Task::rollouts`).
+    fn new(config: &TrainConfig, data: &DataConfig, world: usize, examples: usize, rollouts: Option<(usize, RolloutWindow)>) -> Result<StepPlan> {
         let range = data.range;
+        let window = rollouts.map(|(_, window)| window);
         // A rollout's window trains whole global batches only.
         let layout = BatchLayout { micro_batch: config.batch_size, accumulation: config.grad_accum, world, keep_last: !data.drop_last && window.is_none() };
+        if let Some((group, window)) = rollouts {
+            // A generation samples whole groups: a prompt's completions are compared with each other.
+            let generation = layout.global_batch() * window.steps;
+            if generation % group != 0 {
+                bail!(
+                    "a generation of {generation} completions (batch_size {} x grad_accum {} x {world} ranks x {} optimizer step(s) a generation serves) \
+                     is not a whole number of groups of {group} completions a prompt (task.num_generations): make one a multiple of the other",
+                    config.batch_size,
+                    config.grad_accum,
+                    window.steps
+                );
+            }
+        }
         let batches = layout.steps_per_epoch(examples);
         let steps_per_epoch = match window {
             Some(window) => batches / window.steps * window.steps * window.passes,
@@ -289,7 +304,7 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let rollout_shape = task.rollouts().map(|r| (r.group_size(), r.window()));
-    let plan = StepPlan::new(config, data, world, task.train_set().len(), rollout_shape.map(|(_, window)| window))?;
+    let plan = StepPlan::new(config, data, world, task.train_set().len(), rollout_shape)?;
     let parallel = DataParallel::new(comm, strategy, config.shard_group_size, config.reduce_dtype, dtype, config.expert_parallel)?;
     crate::distributed::comm_hook::check_serves(hook.as_ref(), &parallel.policy.comm_plan(strategy.name(), world, parallel.shard_size, offload.to_host()))?;
     if let (Some(groups), Some(experts), 0) = (&parallel.experts, model.experts(), rank) {
@@ -506,16 +521,20 @@ mod tests {
     fn a_rollout_window_trains_its_batches_pass_after_pass() {
         let config = TrainConfig { batch_size: 4, epochs: 1, ..TrainConfig::default() };
         // 100 examples: 12 global batches of 8, so 4 windows of 3, each trained twice.
-        let plan = StepPlan::new(&config, &data(None), 2, 100, Some(RolloutWindow { steps: 3, passes: 2 })).unwrap();
+        let plan = StepPlan::new(&config, &data(None), 2, 100, Some((2, RolloutWindow { steps: 3, passes: 2 }))).unwrap();
         assert_eq!((plan.steps_per_epoch, plan.dropped_per_epoch), (24, 4));
         let batches: Vec<usize> = (0..9).map(|s| plan.global_batch(s)).collect();
         assert_eq!(batches, [0, 1, 2, 0, 1, 2, 3, 4, 5]);
         let starts: Vec<usize> = (0..24).filter(|&s| plan.starts_window(s)).collect();
         assert_eq!(starts, [0, 6, 12, 18]);
         // 10 global batches: the last window's lone batch is left out, and a window never takes a short batch.
-        let plan = StepPlan::new(&config, &data(None), 2, 87, Some(RolloutWindow { steps: 2, passes: 1 })).unwrap();
+        let plan = StepPlan::new(&config, &data(None), 2, 87, Some((1, RolloutWindow { steps: 2, passes: 1 }))).unwrap();
         assert_eq!((plan.steps_per_epoch, plan.dropped_per_epoch), (10, 7));
-        let err = StepPlan::new(&config, &data(None), 2, 12, Some(RolloutWindow { steps: 2, passes: 1 })).unwrap_err().to_string();
+        let err = StepPlan::new(&config, &data(None), 2, 12, Some((4, RolloutWindow { steps: 2, passes: 1 }))).unwrap_err().to_string();
         assert!(err.contains("do not fill one global batch of 8 x 2 steps a rollout serves"), "{err}");
+        // A generation of 3 x 2 ranks x 1 step: not whole groups of 4.
+        let config = TrainConfig { batch_size: 3, ..config };
+        let err = StepPlan::new(&config, &data(None), 2, 96, Some((4, RolloutWindow { steps: 1, passes: 1 }))).unwrap_err().to_string();
+        assert!(err.contains("a generation of 6 completions (batch_size 3 x grad_accum 1 x 2 ranks x 1 optimizer step(s) a generation serves) is not a whole number of groups of 4"), "{err}");
     }
 }

@@ -663,12 +663,6 @@ impl Rollouts for OnlineRl {
     fn generate(&mut self, mut rollout: Rollout) -> Result<()> {
         let started = Instant::now();
         let group = self.train.group;
-        if rollout.examples.len() % group != 0 {
-            bail!(
-                "a generation of {} completions (batch_size x grad_accum x ranks x task.steps_per_generation / grad_accum) is not a whole number of groups of task.num_generations {group}",
-                rollout.examples.len()
-            );
-        }
         let mine: Vec<usize> = rollout.micro_batches.concat();
         let device = rollout.comm.device();
         let prompt_ids: Vec<Vec<i64>> = mine.iter().map(|&i| self.train.prompts[i / group].ids.clone()).collect();
