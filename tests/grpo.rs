@@ -82,6 +82,10 @@ struct Case {
 
 /// `ft train --task ALGORITHM`: 4 completions a micro-batch, 4 per prompt, 2 steps at lr 1e-2.
 fn train(model: &Path, prompts: &Path, rewards: &Path, out: &Path, case: &Case, extra: &[&str]) -> std::process::Output {
+    train_command(model, prompts, rewards, out, case, extra).output().unwrap()
+}
+
+fn train_command(model: &Path, prompts: &Path, rewards: &Path, out: &Path, case: &Case, extra: &[&str]) -> std::process::Command {
     let mut command = ft();
     command
         .args(["train", "--task", case.algorithm, "--model", model.to_str().unwrap(), "--train-file", prompts.to_str().unwrap(), "--device", "cpu"])
@@ -92,7 +96,8 @@ fn train(model: &Path, prompts: &Path, rewards: &Path, out: &Path, case: &Case, 
     for (key, value) in case.options.as_object().unwrap() {
         command.args(["--set", &format!("task.{key}={value}")]);
     }
-    command.args(extra).output().unwrap()
+    command.args(extra);
+    command
 }
 
 /// A run's logged steps.
@@ -345,4 +350,62 @@ fn a_reward_function_that_raises_and_bad_prompts_and_batches_are_errors_naming_t
     let log = refusal(&prompts, &["--reward", &reward("short"), "--batch-size", "3", "--nproc-per-node", "2"]);
     assert!(log.contains("error: a generation of 6 completions (batch_size 3 x grad_accum 1 x 2 ranks x 1 optimizer step(s) a generation serves) is not a whole number of groups of 4"), "{log}");
     assert!(!log.contains("each epoch leaves out"), "said before the run plans its epochs: {log}");
+}
+
+/// A run killed after a step resumes (`--resume latest`) to the
+/// uninterrupted run's steps and rollouts.jsonl rows, none repeated: at a
+/// window's boundary (killed after step 3, in the window of steps 3 and 4,
+/// resumed from step 2's checkpoint: that window is sampled again, its rows
+/// replaced), and inside a window (killed after step 2, resumed from step
+/// 1's: the window's samples, kept by each rank, are trained on again).
+/// Without them the window is sampled again from the resumed weights, as
+/// the warning says, and its rows replace the first ones.
+#[test]
+fn a_killed_run_resumes_at_and_inside_a_rollout_window() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::tiny_chat_llama(dir.path());
+    let (prompts, rewards) = (prompt_file(dir.path(), false), reward_file(dir.path()));
+    // Windows of two steps of 4 completions (a prompt a step), each step saved; the reference's log-probabilities kept too.
+    let case = Case { algorithm: "grpo", conversational: false, grad_accum: 1, options: json!({"steps_per_generation": 2, "beta": 0.04}) };
+    let run = |name: &str, resume: bool, fault: Option<&str>| {
+        let out = dir.path().join(name);
+        let flags = [&["--max-steps", "4", "--save-every", "1"][..], if resume { &["--resume", "latest"] } else { &[] }].concat();
+        let mut command = train_command(&model, &prompts, &rewards, &out, &case, &flags);
+        if let Some(fault) = fault {
+            command.env("FT_FAULT_INJECT", fault);
+        }
+        let output = command.output().unwrap();
+        assert_eq!(output.status.success(), fault.is_none(), "{name}: {}", text(&output));
+        text(&output)
+    };
+    run("whole", false, None);
+    let (whole, whole_rollouts) = (steps(&dir.path().join("whole")), rollouts(&dir.path().join("whole")));
+    assert_eq!((whole.len(), whole_rollouts.len()), (4, 16));
+    for (name, killed_after) in [("boundary", 3), ("inside", 2)] {
+        run(name, false, Some(&format!("after-step:{killed_after}")));
+        if name == "inside" {
+            let copy = std::process::Command::new("cp").arg("-a").arg(dir.path().join(name)).arg(dir.path().join("unkept")).status().unwrap();
+            assert!(copy.success());
+        }
+        let log = run(name, true, None);
+        let restored = log.contains("resuming inside the rollout window that starts at step 1: its samples kept in rollout_window/ are trained on again");
+        assert!(restored == (name == "inside") && !log.contains("sampled again"), "{name}: {log}");
+        let out = dir.path().join(name);
+        let resumed = steps(&out);
+        // metrics.jsonl continues from the checkpoint: its last steps are the resumed run's.
+        let from = killed_after - 1;
+        assert_equal_steps(&resumed[resumed.len() - (4 - from)..], &whole[from..], &[&FIGURES[..], &["kl"]].concat(), name);
+        assert_equal_rollouts(&rollouts(&out), &whole_rollouts, name);
+    }
+    std::fs::remove_dir_all(dir.path().join("unkept/rollout_window")).unwrap();
+    let log = run("unkept", true, None);
+    assert!(log.contains("resuming at step 1, inside the rollout window that starts at step 1, with no samples kept for it"), "{log}");
+    let rows = rollouts(&dir.path().join("unkept"));
+    let row_steps: Vec<u64> = rows.iter().map(|row| row["step"].as_u64().unwrap()).collect();
+    assert_eq!(row_steps, [[1; 8], [3; 8]].concat());
+    let completions = |rows: &[Value]| rows[..8].iter().map(|row| row["completion_ids"].clone()).collect::<Vec<_>>();
+    assert_ne!(completions(&rows), completions(&whole_rollouts), "sampled again from step 1's weights");
 }

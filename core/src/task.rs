@@ -237,6 +237,11 @@ pub struct Rollout<'a> {
     /// samples' seeds start), the step the run ends at, and the epochs done
     /// (fractional): what reward functions may shape by.
     pub step: usize,
+    /// A resumed run starts inside the window, at this step: its earlier
+    /// steps trained before the resume on the samples the task made then,
+    /// which it may have kept in `output` to train on again; else it samples
+    /// the window again from the resumed weights, and says so.
+    pub resumed_at: Option<usize>,
     pub last_step: usize,
     pub epoch: f64,
     /// The run's seed (`train.seed`).

@@ -190,7 +190,12 @@ impl StepPlan {
 
     /// Whether step `epoch_step` of an epoch starts a rollout window.
     fn starts_window(&self, epoch_step: usize) -> bool {
-        self.window.is_some_and(|w| epoch_step % (w.steps * w.passes) == 0)
+        self.window.is_some() && self.steps_into_window(epoch_step) == 0
+    }
+
+    /// The steps of its rollout window before step `epoch_step` of an epoch (0 without rollouts).
+    fn steps_into_window(&self, epoch_step: usize) -> usize {
+        self.window.map_or(0, |w| epoch_step % (w.steps * w.passes))
     }
 
     /// Whether a run at `cursor` has nothing left to train: the one answer
@@ -254,9 +259,10 @@ fn train_step(
     Ok(outcome)
 }
 
-/// Samples the rollouts of the window whose global batch `first` (of
-/// `order`) starts at: the policy gathered whole, this rank's micro-batches
-/// of the window's steps given to the task (collective).
+/// Samples the rollouts of the window of global batch `batch` (of
+/// `order`), which starts after `step` steps (`resumed_at`: a resumed run
+/// starts inside it, at that step): the policy gathered whole, this rank's
+/// micro-batches of the window's steps given to the task (collective).
 #[allow(clippy::too_many_arguments)]
 fn generate_rollouts(
     trainer: &mut Trainer,
@@ -265,7 +271,7 @@ fn generate_rollouts(
     plan: &StepPlan,
     order: &[usize],
     batch: usize,
-    (step, last_step, epoch): (usize, usize, f64),
+    (step, last_step, epoch, resumed_at): (usize, usize, f64, Option<usize>),
     rank: usize,
     output: &std::path::Path,
     config: &TrainConfig,
@@ -282,7 +288,7 @@ fn generate_rollouts(
     let rollouts = task.rollouts().expect("a task with a rollout window has rollouts");
     let mut reference = crate::train::ReferenceModel(trainer);
     let reference = rollouts.wants_reference().then_some(&mut reference as &mut dyn crate::task::StartingModel);
-    rollouts.generate(crate::task::Rollout { model, params: &params, dtype, micro_batches, examples, step, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
+    rollouts.generate(crate::task::Rollout { model, params: &params, dtype, micro_batches, examples, step, resumed_at, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
 }
 
 /// Evaluates the trainer's current parameters (collective).
@@ -389,12 +395,12 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
             let batch = plan.global_batch(epoch_step);
             let mut rollout_seconds = None;
             if plan.starts_window(epoch_step) || (plan.window.is_some() && epoch == first_epoch && epoch_step == first_epoch_step) {
-                if !plan.starts_window(epoch_step) && rank == 0 {
-                    tracing::warn!("resuming inside a rollout window: its completions are sampled again from the weights at the resume, not those at the window's start");
-                }
+                // A resumed run may start inside a window, this many steps after its first.
+                let into = plan.steps_into_window(epoch_step);
                 let rollout = Instant::now();
-                let epoch_done = epoch as f64 + epoch_step as f64 / plan.steps_per_epoch as f64;
-                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, (step, last_step, epoch_done), rank, checkpoints.output, config, dtype, comm)?;
+                let epoch_done = epoch as f64 + (epoch_step - into) as f64 / plan.steps_per_epoch as f64;
+                let window = (step - into, last_step, epoch_done, (into > 0).then_some(step));
+                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, window, rank, checkpoints.output, config, dtype, comm)?;
                 rollout_seconds = Some(rollout.elapsed().as_secs_f64());
             }
             let mut outcome =

@@ -23,6 +23,13 @@
 //! Each window's rollouts go to `OUTPUT/rollouts.jsonl`, one row per
 //! completion grouped by prompt; TRL's figures (`reward`, `reward_std`,
 //! `rewards/NAME/mean`, `kl`, `entropy`, `clip_ratio/…`, …) are logged each step.
+//!
+//! A resume continues exactly: at a window's start the seeds make the same
+//! completions; a window of more than one step is kept by each rank in
+//! `OUTPUT/rollout_window/` (its samples, log-probabilities and advantages),
+//! which a run resumed inside it trains on again (without them, it samples
+//! again from the resumed weights and warns). A resumed run's first
+//! generation drops the rows rollouts.jsonl has of the windows it trains again.
 
 use crate::rewards::{RewardBatch, RewardOptions, RewardSpec, Rewards, TrainerState};
 use anyhow::{bail, Context as _, Result};
@@ -51,6 +58,10 @@ use tokenizers::Tokenizer;
 
 /// Where a run writes its rollouts.
 pub const ROLLOUTS_FILE: &str = "rollouts.jsonl";
+
+/// Where each rank keeps the samples of the window being trained when it
+/// spans more than one step: a run resumed inside the window trains on them again.
+const KEPT_WINDOW_DIR: &str = "rollout_window";
 
 /// TRL's GRPO loss types (`GRPOConfig.loss_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -250,7 +261,7 @@ struct Prompt {
 }
 
 /// A completion sampled for one example, and what the loss reads of it.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Sample {
     completion: Vec<i64>,
     /// Its tokens that count in the loss: all of them, or none when
@@ -602,6 +613,26 @@ pub struct OnlineRl {
     tokenizer: Tokenizer,
     eos: Option<i64>,
     window: RolloutWindow,
+    /// Whether this process has generated yet: its first generation drops
+    /// the rows rollouts.jsonl has of windows a resumed run trains again.
+    generated: bool,
+}
+
+/// A window's samples as one rank kept them, with what they are the
+/// samples of: the steps before the window, the ranks, and this rank's micro-batches.
+#[derive(Serialize, Deserialize)]
+struct KeptWindow {
+    step: usize,
+    world: usize,
+    micro_batches: Vec<Vec<usize>>,
+    samples: Vec<(usize, Sample)>,
+    tokens_per_step: f64,
+}
+
+impl KeptWindow {
+    fn path(output: &Path, rank: usize) -> std::path::PathBuf {
+        output.join(KEPT_WINDOW_DIR).join(format!("rank-{rank:05}.json"))
+    }
 }
 
 impl OnlineRl {
@@ -663,6 +694,24 @@ impl Rollouts for OnlineRl {
     fn generate(&mut self, mut rollout: Rollout) -> Result<()> {
         let started = Instant::now();
         let group = self.train.group;
+        let rank = rollout.comm.env().rank;
+        let restored = rollout.resumed_at.is_some() && self.restore_window(&rollout)?;
+        if let (Some(at), false, 0) = (rollout.resumed_at, restored, rank) {
+            tracing::warn!(
+                "resuming at step {at}, inside the rollout window that starts at step {}, with no samples kept for it ({KEPT_WINDOW_DIR}/): its completions are sampled again from the weights at the resume",
+                rollout.step + 1
+            );
+        }
+        if let (false, 0, Some(output)) = (self.generated, rank, rollout.output) {
+            // Rows of this window (unless restored) and of any after it are of steps this run trains again.
+            keep_rollouts_before(&output.join(ROLLOUTS_FILE), rollout.step + 1 + usize::from(restored))?;
+        }
+        self.generated = true;
+        if restored {
+            return Ok(());
+        }
+        // A window trains its own examples only.
+        self.train.samples.clear();
         let mine: Vec<usize> = rollout.micro_batches.concat();
         let device = rollout.comm.device();
         let prompt_ids: Vec<Vec<i64>> = mine.iter().map(|&i| self.train.prompts[i / group].ids.clone()).collect();
@@ -707,6 +756,9 @@ impl Rollouts for OnlineRl {
         }
         let window_tokens: usize = all.iter().map(|s| s.counted_tokens).sum();
         self.train.tokens_per_step = window_tokens as f64 / self.window.steps as f64;
+        if let (true, Some(output)) = (self.window.steps * self.window.passes > 1, rollout.output) {
+            self.keep_window(&rollout, output)?;
+        }
 
         let slowest = rollout.comm.all_gather_bytes(&sampled_seconds.to_le_bytes())?.iter().map(|b| f64::from_le_bytes(b[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max);
         let mut figures = self.figures(&all, &per_function, &rewards, &zero_std);
@@ -728,6 +780,44 @@ impl Rollouts for OnlineRl {
 }
 
 impl OnlineRl {
+    /// Writes this rank's samples of the window for a resume inside it
+    /// (whole or not at all: written aside, then renamed).
+    fn keep_window(&self, rollout: &Rollout, output: &Path) -> Result<()> {
+        let env = rollout.comm.env();
+        let kept = KeptWindow {
+            step: rollout.step,
+            world: env.world_size,
+            micro_batches: rollout.micro_batches.clone(),
+            samples: self.train.samples.iter().map(|(&index, sample)| (index, sample.clone())).collect(),
+            tokens_per_step: self.train.tokens_per_step,
+        };
+        let path = KeptWindow::path(output, env.rank);
+        let partial = path.with_extension("json.partial");
+        std::fs::create_dir_all(path.parent().expect("a file in a directory")).and_then(|()| std::fs::write(&partial, serde_json::to_vec(&kept)?))
+            .and_then(|()| std::fs::rename(&partial, &path))
+            .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    /// Takes back the samples kept for the window a run resumed inside,
+    /// when every rank kept them (else every rank samples again: sampling
+    /// is collective). Collective.
+    fn restore_window(&mut self, rollout: &Rollout) -> Result<bool> {
+        let env = rollout.comm.env();
+        let kept = rollout.output.and_then(|output| {
+            let path = KeptWindow::path(output, env.rank);
+            let kept: KeptWindow = serde_json::from_slice(&std::fs::read(&path).ok()?).ok()?;
+            (kept.step == rollout.step && kept.world == env.world_size && kept.micro_batches == rollout.micro_batches).then_some(kept)
+        });
+        let everywhere = rollout.comm.all_gather_bytes(&[u8::from(kept.is_some())])?.iter().all(|kept| kept == &[1]);
+        let Some(kept) = kept.filter(|_| everywhere) else { return Ok(false) };
+        self.train.samples = kept.samples.into_iter().collect();
+        self.train.tokens_per_step = kept.tokens_per_step;
+        if env.rank == 0 {
+            tracing::info!("resuming inside the rollout window that starts at step {}: its samples kept in {KEPT_WINDOW_DIR}/ are trained on again", rollout.step + 1);
+        }
+        Ok(true)
+    }
+
     /// The reward functions' scores of this rank's samples `mine`, with
     /// what every rank gathers of them, and what the functions logged
     /// (`log_metric`: each name's sum and count).
@@ -838,6 +928,18 @@ impl Task for OnlineRl {
     }
 }
 
+/// Drops the rows of `path` (rollouts.jsonl) from step `step` on, if any.
+fn keep_rollouts_before(path: &Path, step: usize) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let row_step = |line: &str| serde_json::from_str::<Json>(line).ok().and_then(|row| row["step"].as_u64()).unwrap_or(u64::MAX);
+    let kept: String = text.lines().filter(|line| row_step(line) < step as u64).map(|line| format!("{line}\n")).collect();
+    if kept.len() < text.len() {
+        let partial = path.with_extension("jsonl.partial");
+        std::fs::write(&partial, kept).and_then(|()| std::fs::rename(&partial, path)).with_context(|| format!("cannot rewrite {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// The prompt-only rows of `path` (TRL's format: a `prompt` string or
 /// message list, any other columns kept for the rewards), tokenised as TRL
 /// does: text with the tokenizer's special tokens, messages through the
@@ -937,7 +1039,7 @@ fn build(algorithm: Algorithm, inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     let objective = objective(algorithm, &options, window.steps, train.loss_chunk_tokens, inputs.device, inputs.model)?;
     let pad_multiple = data.pad_to_multiple_of.unwrap_or(if inputs.device == Device::Cpu { 1 } else { 64 }).max(1);
     let train_set = RolloutSet { prompts, group: options.num_generations, samples: BTreeMap::new(), pad_id: lm::pad_id(&tokenizer), pad_multiple, tokens_per_step: 0.0 };
-    Ok(Box::new(OnlineRl { algorithm, eos: eos_id(&tokenizer), options, train: train_set, objective, rewards, tokenizer, window }))
+    Ok(Box::new(OnlineRl { algorithm, eos: eos_id(&tokenizer), options, train: train_set, objective, rewards, tokenizer, window, generated: false }))
 }
 
 fn synthetic(_spec: &Synthetic) -> Result<Box<dyn Task>> {
