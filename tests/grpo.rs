@@ -80,7 +80,7 @@ struct Case {
     options: Value,
 }
 
-/// `ft train --task ALGORITHM`: 4 completions a micro-batch, 4 per prompt, 2 steps at lr 1e-2.
+/// `ft train --task ALGORITHM`: 4 completions a micro-batch (unless `extra` sets --batch-size), 4 per prompt, 2 steps at lr 1e-2.
 fn train(model: &Path, prompts: &Path, rewards: &Path, out: &Path, case: &Case, extra: &[&str]) -> std::process::Output {
     train_command(model, prompts, rewards, out, case, extra).output().unwrap()
 }
@@ -90,9 +90,12 @@ fn train_command(model: &Path, prompts: &Path, rewards: &Path, out: &Path, case:
     command
         .args(["train", "--task", case.algorithm, "--model", model.to_str().unwrap(), "--train-file", prompts.to_str().unwrap(), "--device", "cpu"])
         .args(["--reward", &format!("{}:odd_tokens", rewards.display()), "--reward", &format!("{}:vowels", rewards.display())])
-        .args(["--batch-size", "4", "--grad-accum", &case.grad_accum.to_string(), "--max-steps", "2", "--lr", "1e-2", "--max-seq-len", "64"])
+        .args(["--grad-accum", &case.grad_accum.to_string(), "--max-steps", "2", "--lr", "1e-2", "--max-seq-len", "64"])
         .args(["--set", "train.schedule=constant", "--set", "data.shuffle=false", "--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
         .args(["--set", "task.num_generations=4", "--set", "task.max_completion_length=6"]);
+    if !extra.contains(&"--batch-size") {
+        command.args(["--batch-size", "4"]);
+    }
     for (key, value) in case.options.as_object().unwrap() {
         command.args(["--set", &format!("task.{key}={value}")]);
     }
@@ -271,8 +274,9 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
     let (prompts, rewards) = (prompt_file(dir.path(), false), reward_file(dir.path()));
     let run = |name: &str, ranks: usize, options: Value, extra: &[&str]| {
         let out = dir.path().join(name);
-        // A global batch of 8 completions (2 prompts): 4 x 2 micro-batches on 1 rank, 4 x 1 on each of 2.
-        let case = Case { algorithm: "grpo", conversational: false, grad_accum: 3 - ranks, options };
+        // A global batch of 8 completions (2 prompts): 4 x 2 micro-batches on 1 rank, 4 x 1 on each of 2 (or 2 x 2).
+        let grad_accum = if extra.contains(&"--batch-size") { 2 } else { 3 - ranks };
+        let case = Case { algorithm: "grpo", conversational: false, grad_accum, options };
         let output = train(&model, &prompts, &rewards, &out, &case, &[&["--nproc-per-node", &ranks.to_string()], extra].concat());
         assert!(output.status.success(), "{name}: {}", text(&output));
         (steps(&out), rollouts(&out))
@@ -284,7 +288,7 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
     let kl = json!({"beta": 0.04});
     let twice = json!({"beta": 0.04, "num_iterations": 2});
     let runs: [(&str, Value, &[&str], Vec<Vec<&str>>); 3] = [
-        ("plain", json!({}), &[], vec![vec![], vec!["--strategy", "full_shard", "--offload", "cpu"]]),
+        ("plain", json!({}), &[], vec![vec!["--batch-size", "2"], vec!["--strategy", "full_shard", "--offload", "cpu"]]),
         ("lora", kl, &lora, vec![[&lora[..], &sharded].concat()]),
         ("qlora", twice, &qlora, vec![[&qlora[..], &sharded].concat()]),
     ];
