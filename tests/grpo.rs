@@ -360,8 +360,9 @@ fn a_reward_function_that_raises_and_bad_prompts_and_batches_are_errors_naming_t
 /// uninterrupted run's steps and rollouts.jsonl rows, none repeated: at a
 /// window's boundary (killed after step 3, in the window of steps 3 and 4,
 /// resumed from step 2's checkpoint: that window is sampled again, its rows
-/// replaced), and inside a window (killed after step 2, resumed from step
-/// 1's: the window's samples, kept by each rank, are trained on again).
+/// replaced), and inside a window at 2 ranks (killed after step 2,
+/// resumed from step 1's: the window's samples, kept by each rank, are
+/// trained on again).
 /// Without them the window is sampled again from the resumed weights, as
 /// the warning says, and its rows replace the first ones.
 #[test]
@@ -374,9 +375,12 @@ fn a_killed_run_resumes_at_and_inside_a_rollout_window() {
     let (prompts, rewards) = (prompt_file(dir.path(), false), reward_file(dir.path()));
     // Windows of two steps of 4 completions (a prompt a step), each step saved; the reference's log-probabilities kept too.
     let case = Case { algorithm: "grpo", conversational: false, grad_accum: 1, options: json!({"steps_per_generation": 2, "beta": 0.04}) };
+    // Inside a window at 2 ranks (micro-batches of 2: every rank must have kept its samples), which
+    // train as 1 rank does (the test above).
     let run = |name: &str, resume: bool, fault: Option<&str>| {
         let out = dir.path().join(name);
-        let flags = [&["--max-steps", "4", "--save-every", "1"][..], if resume { &["--resume", "latest"] } else { &[] }].concat();
+        let ranks: &[&str] = if name == "boundary" || name == "whole" { &[] } else { &["--nproc-per-node", "2", "--batch-size", "2"] };
+        let flags = [&["--max-steps", "4", "--save-every", "1"][..], ranks, if resume { &["--resume", "latest"] } else { &[] }].concat();
         let mut command = train_command(&model, &prompts, &rewards, &out, &case, &flags);
         if let Some(fault) = fault {
             command.env("FT_FAULT_INJECT", fault);
@@ -388,8 +392,8 @@ fn a_killed_run_resumes_at_and_inside_a_rollout_window() {
     run("whole", false, None);
     let (whole, whole_rollouts) = (steps(&dir.path().join("whole")), rollouts(&dir.path().join("whole")));
     assert_eq!((whole.len(), whole_rollouts.len()), (4, 16));
-    for (name, killed_after) in [("boundary", 3), ("inside", 2)] {
-        run(name, false, Some(&format!("after-step:{killed_after}")));
+    for (name, killed_after, fault) in [("boundary", 3, "after-step:3"), ("inside", 2, "after-step:2")] {
+        run(name, false, Some(fault));
         if name == "inside" {
             let copy = std::process::Command::new("cp").arg("-a").arg(dir.path().join(name)).arg(dir.path().join("unkept")).status().unwrap();
             assert!(copy.success());
