@@ -7,8 +7,10 @@
 //! sequence-level weights, a window trained twice (the sampling policy's
 //! log-probabilities kept), batch-scaled rewards, the KL term against a
 //! frozen copy, conversational prompts and RLOO. 2 ranks sample the
-//! same completions and train the same steps as 1; bad options and reward
-//! files are errors naming them. The `arithmetic` preset's reward rises.
+//! same completions and train the same steps as 1 (under full_shard,
+//! offloaded, with LoRA and QLoRA); a killed run resumes to the same steps
+//! and rollouts, at and inside a window; a reward that raises, bad prompts
+//! and batches are errors naming them. The `arithmetic` preset's reward rises.
 
 use crate::common;
 
