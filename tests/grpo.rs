@@ -265,9 +265,9 @@ fn assert_equal_rollouts(ours: &[Value], theirs: &[Value], what: &str) {
 /// reference is their base, which the first step's KL of 0 shows, the
 /// adapters starting at zero), and with them over a 4-bit base, a window
 /// trained twice (the sampling policy's log-probabilities, taken over
-/// the gathered 4-bit base, weigh the second pass).
+/// the gathered 4-bit base, weigh the second pass); and RLOO under zero1.
 #[test]
-fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
+fn two_ranks_equal_one_under_each_strategy_with_lora_qlora_and_rloo() {
     if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
         return;
     }
@@ -278,7 +278,8 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
         let out = dir.path().join(name);
         // A global batch of 8 completions (2 prompts): 4 x 2 micro-batches on 1 rank, 4 x 1 on each of 2 (or 2 x 2).
         let grad_accum = if extra.contains(&"--batch-size") { 2 } else { 3 - ranks };
-        let case = Case { algorithm: "grpo", conversational: false, grad_accum, options };
+        let algorithm = if name.starts_with("rloo") { "rloo" } else { "grpo" };
+        let case = Case { algorithm, conversational: false, grad_accum, options };
         let output = train(&model, &prompts, &rewards, &out, &case, &[&["--nproc-per-node", &ranks.to_string()], extra].concat());
         assert!(output.status.success(), "{name}: {}", text(&output));
         (steps(&out), rollouts(&out))
@@ -289,8 +290,10 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
     let sharded = ["--strategy", "full_shard"];
     let kl = json!({"beta": 0.04});
     let twice = json!({"beta": 0.04, "num_iterations": 2});
-    let runs: [(&str, Value, &[&str], Vec<Vec<&str>>); 3] = [
+    let runs: [(&str, Value, &[&str], Vec<Vec<&str>>); 4] = [
         ("plain", json!({}), &[], vec![vec!["--batch-size", "2"], vec!["--strategy", "full_shard", "--offload", "cpu"]]),
+        // RLOO's KL penalty in the rewards, from every rank's log-ratios.
+        ("rloo", json!({}), &[], vec![vec!["--strategy", "zero1"]]),
         ("lora", kl, &lora, vec![[&lora[..], &sharded].concat()]),
         ("qlora", twice, &qlora, vec![[&qlora[..], &sharded].concat()]),
     ];
@@ -302,7 +305,7 @@ fn two_ranks_equal_one_under_full_shard_offload_lora_and_qlora() {
             assert_equal_rollouts(&two_rollouts, &one_rollouts, &what);
             assert_equal_steps(&two, &one, &figures, &what);
         }
-        if name != "plain" {
+        if name == "lora" || name == "qlora" {
             assert!(one[0]["kl"].as_f64().unwrap().abs() < 1e-7, "{name}: {}", one[0]);
         }
     }
