@@ -314,7 +314,8 @@ fn two_ranks_equal_one_under_each_strategy_with_lora_qlora_and_rloo() {
 
 /// What a user gets wrong stops the run with exit code 1 and a message
 /// naming it, never a Rust panic: a reward function that raises (its
-/// name and Python traceback, every rank stopped), one that returns too
+/// name and Python traceback, every rank stopped, though it raised on
+/// one rank's completions), one that returns too
 /// few rewards, a row without `prompt` (file and line), a missing reward
 /// file, no reward at all, and a generation that is not whole groups of
 /// `task.num_generations` (said before the first step).
@@ -327,7 +328,9 @@ fn a_reward_function_that_raises_and_bad_prompts_and_batches_are_errors_naming_t
     let model = common::tiny_chat_llama(dir.path());
     let prompts = prompt_file(dir.path(), false);
     let bad = dir.path().join("bad.py");
-    std::fs::write(&bad, "def raises(completions, **kwargs):\n    return 1 / 0\n\ndef short(completions, **kwargs):\n    return [0.0] * (len(completions) - 1)\n").unwrap();
+    // `raises` fails on one rank's prompts only: the other, waiting for its rewards, stops too.
+    let functions = "def raises(prompts, completions, **kwargs):\n    return [1 / ('plus' not in p) for p in prompts]\n\ndef short(completions, **kwargs):\n    return [0.0] * (len(completions) - 1)\n";
+    std::fs::write(&bad, functions).unwrap();
     let reward = |function: &str| format!("{}:{function}", bad.display());
     let no_prompt = dir.path().join("no-prompt.jsonl");
     std::fs::write(&no_prompt, "{\"prompt\": \"a\"}\n{\"question\": \"b\"}\n").unwrap();
@@ -342,11 +345,10 @@ fn a_reward_function_that_raises_and_bad_prompts_and_batches_are_errors_naming_t
         assert!(!log.contains("panicked") && !log.contains("internal error"), "{extra:?}: {log}");
         log
     };
-    let log = refusal(&prompts, &["--reward", &reward("raises"), "--nproc-per-node", "2", "--batch-size", "2"]);
-    for rank in 0..2 {
-        let said = format!("[rank {rank}] error: reward function {} raised an exception:", reward("raises"));
-        assert!(log.contains(&said), "{log}");
-    }
+    // Rank 0 scores the first prompt's completions, rank 1 the second's.
+    let log = refusal(&prompts, &["--reward", &reward("raises"), "--nproc-per-node", "2", "--batch-size", "4", "--set", "data.shuffle=false"]);
+    let said = |rank: usize| log.contains(&format!("[rank {rank}] error: reward function {} raised an exception:", reward("raises")));
+    assert!(said(0) && !said(1) && log.contains("ft launch: rank 0 exited with code 1; stopping the other ranks"), "{log}");
     assert!(log.contains("Traceback (most recent call last)") && log.contains("ZeroDivisionError: division by zero"), "{log}");
     let log = refusal(&prompts, &["--reward", &reward("short"), "--batch-size", "4"]);
     assert!(log.contains(&format!("reward function {} returned 3 rewards for 4 completions", reward("short"))), "{log}");
