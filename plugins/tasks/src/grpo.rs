@@ -28,8 +28,8 @@
 //! completions; a window of more than one step is kept by each rank in
 //! `OUTPUT/rollout_window/` (its samples, log-probabilities and advantages),
 //! which a run resumed inside it trains on again (without them, it samples
-//! again from the resumed weights and warns). A resumed run's first
-//! generation drops the rows rollouts.jsonl has of the windows it trains again.
+//! again from the resumed weights and warns). A run's first generation
+//! drops the rows rollouts.jsonl has of the windows it trains (again).
 
 use crate::rewards::{RewardBatch, RewardOptions, RewardSpec, Rewards, TrainerState};
 use anyhow::{bail, Context as _, Result};
@@ -791,11 +791,10 @@ impl OnlineRl {
             samples: self.train.samples.iter().map(|(&index, sample)| (index, sample.clone())).collect(),
             tokens_per_step: self.train.tokens_per_step,
         };
-        let path = KeptWindow::path(output, env.rank);
+        let (path, bytes) = (KeptWindow::path(output, env.rank), serde_json::to_vec(&kept)?);
         let partial = path.with_extension("json.partial");
-        std::fs::create_dir_all(path.parent().expect("a file in a directory")).and_then(|()| std::fs::write(&partial, serde_json::to_vec(&kept)?))
-            .and_then(|()| std::fs::rename(&partial, &path))
-            .with_context(|| format!("cannot write {}", path.display()))
+        let written = std::fs::create_dir_all(path.parent().expect("a file in a directory")).and_then(|()| std::fs::write(&partial, bytes));
+        written.and_then(|()| std::fs::rename(&partial, &path)).with_context(|| format!("cannot write {}", path.display()))
     }
 
     /// Takes back the samples kept for the window a run resumed inside,
