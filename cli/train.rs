@@ -181,10 +181,10 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     args.set(&mut overrides);
     // Every key is one of `ft train`'s.
     let config = args.settings.load(overrides, "ft train", None)?;
-    setup::validate(&config, &registry)?;
     let env = DistEnv::from_env()?;
-    setup::check_float8_devices(&config, &env)?;
     let (world, per_node) = setup::planned_ranks(&config, &env);
+    setup::validate(&config, &registry, world)?;
+    setup::check_float8_devices(&config, &env)?;
     if !config.uses_preset() {
         // A model directory without its weights is refused here, before any rank starts; so is its expert parallelism.
         let source = hf::ModelSource::resolve(&config.model.source)?;

@@ -50,9 +50,9 @@ pub fn backend_for(configured: Backend, device: Device) -> Result<Backend> {
     })
 }
 
-/// Refuses a configuration a run cannot start with, naming the key; the
-/// names it holds (strategy, offload, sinks, task) are looked up in `registry`.
-pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
+/// Refuses a configuration a run of `world` ranks cannot start with, naming
+/// the key; the names it holds (strategy, offload, sinks, task) are looked up in `registry`.
+pub fn validate(config: &Config, registry: &Registry, world: usize) -> Result<()> {
     let t = &config.train;
     if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 || t.eval_batch_size == 0 {
         bail!("train.epochs, train.batch_size, train.eval_batch_size and train.grad_accum must be at least 1");
@@ -103,7 +103,7 @@ pub fn validate(config: &Config, registry: &Registry) -> Result<()> {
     registry.check_comm(&config.comm)?;
     if let Some(name) = &config.task.name {
         let task = registry.task(Some(name), "")?;
-        (task.check_options)(&serde_json::Value::Object(config.task.options.clone()))?;
+        (task.check_options)(&serde_json::Value::Object(config.task.options.clone()), t, world)?;
     }
     if t.monitor.is_none() && (t.early_stopping_patience > 0 || t.save_best > 0) {
         bail!("train.early_stopping_patience and train.save_best need train.monitor (the score to judge epochs by, e.g. eval_f1 or eval_loss)");

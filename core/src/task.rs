@@ -286,8 +286,9 @@ pub struct TaskRegistration {
     pub build: fn(&TaskInputs) -> Result<Box<dyn Task>>,
     /// A task over random examples: what `ft bench` times a step with.
     pub synthetic: fn(&Synthetic) -> Result<Box<dyn Task>>,
-    /// Checks the task's `task.*` keys before any worker starts.
-    pub check_options: fn(&serde_json::Value) -> Result<()>,
+    /// Checks the task's `task.*` keys, and how they fit the run's batches
+    /// (`train.*` over the run's ranks), before any worker starts.
+    pub check_options: fn(&serde_json::Value, &crate::config::TrainConfig, usize) -> Result<()>,
     /// `ft tokenize`: writes the rows the task trains on, as JSON lines,
     /// and says what it wrote (None: the task has no such rows to give).
     pub tokenize: Option<fn(&Tokenize) -> Result<String>>,

@@ -367,7 +367,7 @@ inventory::submit! {
         head_kind: head::CAUSAL_LM,
         build,
         synthetic,
-        check_options: |value| task::options::<Options>(NAME, value).map(drop),
+        check_options: |value, _, _| task::options::<Options>(NAME, value).map(drop),
         tokenize: Some(tokenize),
     }
 }

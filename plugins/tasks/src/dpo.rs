@@ -906,7 +906,7 @@ inventory::submit! {
         head_kind: head::CAUSAL_LM,
         build,
         synthetic,
-        check_options: |value| Options::read(value).map(drop),
+        check_options: |value, _, _| Options::read(value).map(drop),
         tokenize: Some(tokenize),
     }
 }

@@ -359,7 +359,7 @@ inventory::submit! {
         head_kind: head::QUESTION_ANSWERING,
         build,
         synthetic,
-        check_options: |value| task::options::<Options>(NAME, value).map(drop),
+        check_options: |value, _, _| task::options::<Options>(NAME, value).map(drop),
         tokenize: None,
     }
 }

@@ -34,7 +34,7 @@
 use crate::rewards::{RewardBatch, RewardOptions, RewardSpec, Rewards, TrainerState};
 use anyhow::{bail, Context as _, Result};
 use ft_core::batches::to_device_async;
-use ft_core::config::Config;
+use ft_core::config::{Config, TrainConfig};
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::distributed::comm::Communicator;
 use ft_core::generate::{sample_batch, Decoding, Sampling};
@@ -234,6 +234,31 @@ impl Options {
             }
         }
         Ok(options)
+    }
+
+    /// Whether a generation (TRL's `generation_batch_size`: the completions
+    /// of `steps_per_generation` micro-batches on every one of `world` ranks)
+    /// serves whole optimizer steps and samples whole groups of `num_generations`.
+    fn check_batches(&self, train: &TrainConfig, world: usize) -> Result<()> {
+        let per_generation = self.window(train)?.steps * train.grad_accum;
+        let generation = train.batch_size * world * per_generation;
+        if generation % self.num_generations != 0 {
+            bail!(
+                "a generation of {generation} completions (batch_size {} x {world} ranks x task.steps_per_generation {per_generation}) is not a whole number of groups of task.num_generations {}: make one a multiple of the other",
+                train.batch_size,
+                self.num_generations
+            );
+        }
+        Ok(())
+    }
+
+    /// The steps a generation serves, and their passes.
+    fn window(&self, train: &TrainConfig) -> Result<RolloutWindow> {
+        let per_generation = self.steps_per_generation.unwrap_or(train.grad_accum);
+        if per_generation % train.grad_accum != 0 {
+            bail!("task.steps_per_generation {per_generation} is not a multiple of train.grad_accum {}: a generation serves whole optimizer steps", train.grad_accum);
+        }
+        Ok(RolloutWindow { steps: per_generation / train.grad_accum, passes: self.num_iterations })
     }
 
     fn sampling(&self) -> Result<Sampling> {
@@ -1019,11 +1044,7 @@ fn build(algorithm: Algorithm, inputs: &TaskInputs) -> Result<Box<dyn Task>> {
     if options.importance_sampling_level == Some(Level::Sequence) && matches!(options.loss_type, Some(LossType::Bnpo | LossType::DrGrpo | LossType::Dapo) | None) {
         tracing::warn!("task.importance_sampling_level=sequence with loss_type {:?}: TRL warns that these sum per-token losses; GSPO's paper uses loss_type=grpo", options.loss_type.unwrap_or(LossType::Dapo));
     }
-    let per_generation = options.steps_per_generation.unwrap_or(train.grad_accum);
-    if per_generation % train.grad_accum != 0 {
-        bail!("task.steps_per_generation {per_generation} is not a multiple of train.grad_accum {}: a generation serves whole optimizer steps", train.grad_accum);
-    }
-    let window = RolloutWindow { steps: per_generation / train.grad_accum, passes: options.num_iterations };
+    let window = options.window(train)?;
     let Some(path) = &data.train else { bail!("task `{name}` needs prompts: give them with --train-file (data.train)") };
     if !data.mixture.is_empty() {
         bail!("data.mixture is not read by task `{name}` yet: give one prompt file with --train-file");
@@ -1052,7 +1073,7 @@ inventory::submit! {
         head_kind: head::CAUSAL_LM,
         build: |inputs| build(Algorithm::Grpo, inputs),
         synthetic,
-        check_options: |value| Options::read(Algorithm::Grpo, value).map(drop),
+        check_options: |value, train, world| Options::read(Algorithm::Grpo, value)?.check_batches(train, world),
         tokenize: None,
     }
 }
@@ -1064,7 +1085,7 @@ inventory::submit! {
         head_kind: head::CAUSAL_LM,
         build: |inputs| build(Algorithm::Rloo, inputs),
         synthetic,
-        check_options: |value| Options::read(Algorithm::Rloo, value).map(drop),
+        check_options: |value, train, world| Options::read(Algorithm::Rloo, value)?.check_batches(train, world),
         tokenize: None,
     }
 }
