@@ -28,3 +28,28 @@ def record(peer, gpus, batch, seq, seconds, loss):
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
         "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "loss": loss.item(),
     }
+
+
+def trainer_step_times():
+    """A transformers TrainerCallback recording each optimizer step's seconds
+    between CUDA synchronisations (its `.seconds`): the Trainer-based peers' timer."""
+    from transformers import TrainerCallback
+
+    def synchronize():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds = []
+            self.start = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
+            self.seconds.append(time.perf_counter() - self.start)
+
+    return StepTimes()

@@ -19,32 +19,13 @@ import copy
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 from datasets import load_dataset
 from peft import LoraConfig
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from timing import trainer_step_times
 from trl import DPOConfig, DPOTrainer
-
-
-def synchronize():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-class StepTimes(TrainerCallback):
-    def __init__(self):
-        self.seconds = []
-        self.start = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        synchronize()
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        synchronize()
-        self.seconds.append(time.perf_counter() - self.start)
 
 
 def main():
@@ -70,7 +51,7 @@ def main():
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=args.tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     pairs = args.batch * (args.warmup + args.steps)
     dataset = load_dataset("json", data_files=args.data, split="train").select(range(pairs))
-    times = StepTimes()
+    times = trainer_step_times()
     with tempfile.TemporaryDirectory() as out:
         settings = DPOConfig(
             output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps, learning_rate=1e-6,

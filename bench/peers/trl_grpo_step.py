@@ -19,31 +19,17 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 from datasets import load_dataset
 from peft import LoraConfig
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from timing import trainer_step_times
 from trl import GRPOConfig, GRPOTrainer
 
 
 def ids_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
-
-
-class StepTimes(TrainerCallback):
-    def __init__(self):
-        self.seconds = []
-        self.start = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
-        self.seconds.append(time.perf_counter() - self.start)
 
 
 def main():
@@ -71,7 +57,7 @@ def main():
     steps = args.warmup + args.steps
     dataset = load_dataset("json", data_files=args.data, split="train").select(range(args.prompts * steps))
     completions = args.prompts * args.generations
-    times = StepTimes()
+    times = trainer_step_times()
     with tempfile.TemporaryDirectory() as out:
         settings = GRPOConfig(
             output_dir=out, per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_generations=args.generations,
