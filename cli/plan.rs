@@ -146,6 +146,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
         reference: plan::reference_planned(args.task.as_deref(), args.reference, model.model(), &registry, args.shape.loss_chunk_tokens)?,
         float8: float8.as_ref(),
         float8_gathers,
+        rollout: None,
     };
     if let Some((calibration, path)) = &calibration {
         cluster.use_calibration(calibration, &workload).with_context(|| format!("--calibration {}", path.display()))?;

@@ -228,7 +228,8 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
     let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
-    let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry, task.reference().as_ref())?;
+    let rollout = task.rollouts().map(|rollouts| plan::RolloutShape::of_run(&config, rollouts));
+    let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry, task.reference().as_ref(), rollout)?;
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();

@@ -3,7 +3,8 @@
 //! state against real CPU runs of every strategy at 1, 2 and 4 ranks, the
 //! ZeRO paper's closed form for Llama-2-70B on 64 GPUs, multi-node plans,
 //! the calibration rows measured on H200s, `ft train --strategy auto`, the
-//! out-of-memory report, a DPO run's reference model and float8 (`--fp8`).
+//! out-of-memory report, a DPO run's reference model, float8 (`--fp8`) and
+//! online RL's rollout.
 
 use crate::common;
 use common::{ft, shared, text};
@@ -54,7 +55,7 @@ fn model(config: &Path) -> Box<dyn Model> {
 }
 
 fn workload(model: &dyn Model, batch: i64, seq: i64) -> Workload<'_> {
-    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None, reference: None, float8: None, float8_gathers: false }
+    Workload { model, batch, seq, grad_accum: 1, dtype: Kind::BFloat16, reduce_dtype: ReduceDtype::Fp32, loss_chunk_tokens: 1024, shard_group_size: None, reference: None, float8: None, float8_gathers: false, rollout: None }
 }
 
 fn h100s(gpus: usize, nodes: usize) -> Cluster {
@@ -837,4 +838,34 @@ fn lora_on_a_mixture_of_experts_is_planned_by_the_parameters_a_token_runs() {
         let same = full.iter().find(|f| f["strategy"] == row["strategy"] && f["offload"] == row["offload"] && f["activation_checkpointing"] == row["activation_checkpointing"]).unwrap();
         assert!(seconds(row) > 0.0 && seconds(row) < seconds(same), "LoRA {row} against the full fine-tune's {same}");
     }
+}
+
+#[test]
+fn online_rls_rollout_holds_the_policy_whole_and_its_kv_cache_beside_the_state() {
+    if skipped_without_configs(&["codellama-7b"]) {
+        return;
+    }
+    let model = model(&shared_config("codellama-7b"));
+    let registry = Registry::builtin();
+    let cluster = h100s(1, 1);
+    let plain = workload(model.as_ref(), 4, 576);
+    // 32 completions a generation (4 x 8 micro-batches of one step), 512 new tokens after prompts of at most 64.
+    let rollout = plan::RolloutShape { rows: 32, new_tokens: 512, positions: 576, steps: 1 };
+    let with_rollout = Workload { rollout: Some(rollout), ..plain };
+    let setup = setup(&registry, "ddp", "none", true);
+    let (without, with) = (plan::predict(&plain, &cluster, &setup).unwrap(), plan::predict(&with_rollout, &cluster, &setup).unwrap());
+    // CodeLlama-7B: 6.738e9 parameters in bf16; its cache keeps 32 layers x (key + value) x 4096 bf16 values a token.
+    let parameters: i64 = model.units().iter().map(|unit| unit.numel()).sum();
+    assert!((parameters as f64 - 6.738e9).abs() < 1e7, "{parameters}");
+    let kv_cache = 32.0 * 576.0 * 32.0 * 2.0 * 4096.0 * 2.0;
+    let sampling = 32.0 * 32016.0 * 17.0;
+    let rollout_bytes = with.rollout_bytes.expect("a rollout is planned");
+    let expected = without.peak.state + parameters as f64 * 2.0 + kv_cache + sampling;
+    assert!((rollout_bytes - expected).abs() < 1e6, "{rollout_bytes} vs {expected}");
+    assert_eq!(with.peak_allocated_bytes, without.peak_allocated_bytes.max(rollout_bytes));
+    // Its time: each of the 512 decoding steps reads the policy and the cache at the mean context (320 positions).
+    let bytes_per_token = (parameters as f64 + 32.0 * 320.0 * 32.0 * 2.0 * 4096.0) * 2.0;
+    let seconds = 512.0 * bytes_per_token / cluster.memory_bandwidth;
+    assert!((with.time.rollout - seconds).abs() < 1e-9 && (with.step_seconds - without.step_seconds - seconds).abs() < 1e-9, "{:?}", with.time);
+    assert!(without.rollout_bytes.is_none() && without.time.rollout == 0.0);
 }

@@ -199,6 +199,9 @@ pub trait Rollouts {
 
     fn window(&self) -> RolloutWindow;
 
+    /// Tokens a completion generates at most (what `ft plan` counts the rollout by).
+    fn max_new_tokens(&self) -> usize;
+
     /// Whether `generate` compares with the reference model (a KL term):
     /// the trainer then keeps one (LoRA's base, or a frozen copy) and
     /// passes it in [`Rollout::reference`].

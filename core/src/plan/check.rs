@@ -97,6 +97,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             shard_group_size,
             // `ft bench --task dpo` times pairs with their reference log-probabilities given: nothing of it runs in a step.
             reference: None,
+            rollout: None,
             float8: float8.as_ref(),
             float8_gathers,
         };

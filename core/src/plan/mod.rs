@@ -196,6 +196,63 @@ pub struct Workload<'a> {
     /// Under tensorwise float8, sharded blocks whose weights all run in
     /// float8 gathered as float8 bytes (`train.fp8_gathers`).
     pub float8_gathers: bool,
+    /// Online RL's sampling before the steps it serves (None: none).
+    pub rollout: Option<RolloutShape>,
+}
+
+/// What online RL samples each generation (`Task::rollouts`), on each rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutShape {
+    /// Completions this rank samples a generation.
+    pub rows: i64,
+    /// Tokens a completion generates at most; its context's longest (prompt and completion).
+    pub new_tokens: i64,
+    pub positions: i64,
+    /// Optimizer steps one generation serves.
+    pub steps: usize,
+}
+
+impl RolloutShape {
+    /// What a run of `config` samples for `rollouts` on each rank.
+    pub fn of_run(config: &Config, rollouts: &dyn crate::task::Rollouts) -> RolloutShape {
+        let steps = rollouts.window().steps;
+        RolloutShape {
+            rows: (config.train.batch_size * config.train.grad_accum * steps) as i64,
+            new_tokens: rollouts.max_new_tokens() as i64,
+            positions: config.data.max_seq_len as i64,
+            steps,
+        }
+    }
+
+    /// What the rollout holds on the device beside the state kept between
+    /// steps: the policy whole in the compute dtype (`Trainer::compute_params`,
+    /// a 4-bit base unpacked too), every block's KV cache over the whole
+    /// context, and sampling's buffers over the vocabulary (the logits and
+    /// their softmax in float32, the cumulative distribution in float64, the
+    /// tokens seen).
+    pub fn device_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
+        let element = dtype.elt_size_in_bytes() as f64;
+        let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
+        (params as f64 + (self.rows * self.positions) as f64 * Self::kv_per_token(model)) * element + (self.rows * model.dims().vocab) as f64 * 17.0
+    }
+
+    /// Seconds a step spends sampling, at the memory-bandwidth roofline:
+    /// each decoding step reads the policy and the KV cache's mean context
+    /// once; a generation's share per step it serves. ft's decoding ran at
+    /// 12-29% of it on an H200 (bench/results/2026-11-28-h200-grpo.md).
+    pub fn seconds(&self, model: &dyn Model, dtype: Kind, memory_bandwidth: f64) -> f64 {
+        let element = dtype.elt_size_in_bytes() as f64;
+        let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
+        let mean_context = (self.positions - self.new_tokens / 2) as f64;
+        let bytes_per_token = (params as f64 + self.rows as f64 * mean_context * Self::kv_per_token(model)) * element;
+        self.new_tokens as f64 * bytes_per_token / memory_bandwidth / self.steps.max(1) as f64
+    }
+
+    /// Elements of keys and values a token keeps in the cache.
+    fn kv_per_token(model: &dyn Model) -> f64 {
+        let dims = model.dims();
+        (dims.layers * 2 * dims.kv_heads * (dims.hidden / dims.heads.max(1))) as f64
+    }
 }
 
 /// How a run keeps the reference model a preference task (`--task dpo`)
@@ -274,6 +331,7 @@ impl<'a> Workload<'a> {
             reference: None,
             float8: None,
             float8_gathers: false,
+            rollout: None,
         }
     }
 }
@@ -353,8 +411,13 @@ pub struct PlanRow {
     pub peak_gpu_bytes: f64,
     /// What the CUDA caching allocator's peak allocated counter reads.
     pub peak_allocated_bytes: f64,
-    /// The allocated bytes at the peak by what holds them.
+    /// The allocated bytes at the step's peak by what holds them.
     pub peak: PeakBreakdown,
+    /// Online RL: the allocated bytes while sampling (the state kept
+    /// between steps and what `RolloutShape::device_bytes` counts); the
+    /// row's peak is the larger of the two.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_bytes: Option<f64>,
     /// What the rank holds (the trainer's account: a run's `state_per_rank`).
     pub state: MemoryAccount,
     /// Host memory of a node: its ranks' offloaded state and processes.
@@ -584,7 +647,9 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let float8_gathered = float8_gathered(workload, &placements);
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
-    let peak_allocated_bytes = step.peak.total();
+    // Online RL's sampling holds the policy whole beside the state kept between steps.
+    let rollout_bytes = workload.rollout.map(|r| step.peak.state + r.device_bytes(workload.model, workload.dtype));
+    let peak_allocated_bytes = step.peak.total().max(rollout_bytes.unwrap_or(0.0));
     let peak_gpu_bytes = with_margins(peak_allocated_bytes);
 
     // Offloaded, the step's gradient pieces sit in pinned memory, and as
@@ -615,7 +680,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         let units = time::StepUnits { placements: &placements, copy: &copy, info: &units, float8_gathered: &float8_gathered };
         time::step_time(workload, cluster, setup, &units, group, step, reference_runs)
     };
-    let time = step_time(&step, reference.is_some());
+    let mut time = step_time(&step, reference.is_some());
+    time.rollout = workload.rollout.map_or(0.0, |r| r.seconds(workload.model, workload.dtype, cluster.memory_bandwidth));
     let step_seconds = time.total();
     let reference = workload.reference.map(|reference| {
         let forward_seconds = match reference {
@@ -650,6 +716,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         peak_gpu_bytes,
         peak_allocated_bytes,
         peak: step.peak,
+        rollout_bytes,
         state,
         host_bytes,
         step_seconds,

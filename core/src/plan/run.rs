@@ -53,9 +53,9 @@ impl Cluster {
 /// strategy, offload and activation checkpointing; on GPUs it explains an
 /// out-of-memory failure ([`explain_out_of_memory`]), and a run that did
 /// not ask for it goes on without it when it cannot be made. `reference`:
-/// the task's reference model (`Task::reference`), planned as it is kept.
-/// Collective.
-pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>) -> Result<Option<Plan>> {
+/// the task's reference model (`Task::reference`), planned as it is kept;
+/// `rollout`: online RL's sampling (`RolloutShape::of_run`). Collective.
+pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>, rollout: Option<super::RolloutShape>) -> Result<Option<Plan>> {
     let auto = config.train.strategy == AUTO;
     if !auto && !comm.device().is_cuda() {
         return Ok(None);
@@ -65,7 +65,7 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         // The run's float8 layers, as its trainer will choose them.
         let float8 = config.train.float8().map(|float8| anyhow::Ok(crate::train::float8_layers(model, float8, float8_kept(model, config)?.as_ref()))).transpose()?;
         let reference = reference.map(|reference| if reference.each_step { super::Reference::EachStep } else { super::Reference::Precomputed });
-        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.float8_gathers(), reference, ..Workload::of_run(model, config, dtype) };
+        let workload = Workload { float8: float8.as_ref(), float8_gathers: config.train.float8_gathers(), reference, rollout, ..Workload::of_run(model, config, dtype) };
         Plan::new(&workload, &cluster, registry, Checkpointing::Auto)
     });
     let plan = match planned {

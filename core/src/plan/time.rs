@@ -74,11 +74,14 @@ pub struct StepTime {
     /// recomputed), which nothing overlaps.
     #[serde(default)]
     pub all_to_all: f64,
+    /// Online RL's sampling, a generation's share per step it serves (`RolloutShape::seconds`).
+    #[serde(default)]
+    pub rollout: f64,
 }
 
 impl StepTime {
     pub fn total(&self) -> f64 {
-        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize + self.reference + self.all_to_all
+        self.compute + self.communication + self.optimizer + self.offload + self.compress + self.dequantize + self.reference + self.all_to_all + self.rollout
     }
 }
 
@@ -347,7 +350,7 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     let dequantized: f64 = step.gathers.iter().filter(|&&(u, _)| placements[u].packed).map(|&(u, buffer)| placements[u].shard.padded as f64 + buffer).sum();
     let dequantize = workload.grad_accum as f64 * dequantized / (cluster.memory_bandwidth * DEQUANTIZE_BANDWIDTH_FRACTION);
     let all_to_all = all_to_all_seconds(workload, setup, &network);
-    StepTime { compute, communication, optimizer, offload, compress, dequantize, reference, all_to_all }
+    StepTime { compute, communication, optimizer, offload, compress, dequantize, reference, all_to_all, rollout: 0.0 }
 }
 
 /// Expert parallelism's token exchanges of a step: per micro-batch and

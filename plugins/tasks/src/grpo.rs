@@ -712,6 +712,10 @@ impl Rollouts for OnlineRl {
         self.window
     }
 
+    fn max_new_tokens(&self) -> usize {
+        self.options.max_completion_length
+    }
+
     fn wants_reference(&self) -> bool {
         self.objective.beta != 0.0
     }
