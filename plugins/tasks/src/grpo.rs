@@ -570,6 +570,16 @@ struct Scored {
     completion_ids: Vec<i64>,
 }
 
+/// What one rank's generation gives the others: its completions' scores,
+/// what its reward functions logged (each name's sum and count), and its
+/// sampling's seconds.
+#[derive(Serialize, Deserialize)]
+struct RankRollout {
+    scored: Vec<Scored>,
+    logged: BTreeMap<String, (f64, f64)>,
+    sampled_seconds: f64,
+}
+
 /// TRL's `nanstd`: the standard deviation of the values that are not NaN, with Bessel's correction (NaN for fewer than 2).
 fn nanstd(values: &[f64]) -> f64 {
     let kept: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
@@ -661,6 +671,11 @@ impl KeptWindow {
 }
 
 impl OnlineRl {
+    /// As TRL: a completion is clipped unless it ends with the EOS or the padding token.
+    fn clipped(&self, completion: &[i64]) -> bool {
+        completion.last().is_none_or(|&last| Some(last) != self.eos && last != self.train.pad_id)
+    }
+
     /// A completion as reward functions see it: its text, or for a
     /// conversational prompt the assistant's message, as TRL passes it.
     fn completion_value(&self, prompt: &Json, ids: &[i64]) -> Result<Json> {
@@ -749,9 +764,7 @@ impl Rollouts for OnlineRl {
         let completions = sample_batch(rollout.model, rollout.params, &prompt_ids, &seeds, &self.options.sampling()?, &decoding)?;
         let sampled_seconds = started.elapsed().as_secs_f64();
         for (&index, completion) in mine.iter().zip(completions) {
-            // As TRL: a completion is clipped unless it ends with the EOS or the padding token.
-            let truncated = completion.last().is_none_or(|last| Some(*last) != self.eos && *last != self.train.pad_id);
-            let counted = !(self.options.mask_truncated_completions && truncated);
+            let counted = !(self.options.mask_truncated_completions && self.clipped(&completion));
             self.train.samples.insert(index, Sample { completion, counted, ..Sample::default() });
         }
         if self.objective.old_logps_kept {
@@ -768,9 +781,18 @@ impl Rollouts for OnlineRl {
         let state = TrainerState { global_step: rollout.step as u64, max_steps: rollout.last_step as u64, epoch: rollout.epoch };
         let (scored, logged) = self.score(&mine, state)?;
 
-        // Every rank's, in the window's order of examples (grouped by prompt).
+        // Every rank's, in one gather: the scores in the window's order of examples (grouped by prompt).
+        let gathered = task::all_gather_json(rollout.comm, &RankRollout { scored, logged, sampled_seconds })?;
+        // Sampling speed: every rank's tokens over the slowest rank's time.
+        let slowest = gathered.iter().map(|r| r.sampled_seconds).fold(0.0, f64::max);
+        // What the reward functions logged (`log_metric`): each name's mean over every rank's calls.
+        let mut logged_totals: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+        for (name, (sum, count)) in gathered.iter().flat_map(|r| &r.logged) {
+            let total = logged_totals.entry(name.clone()).or_default();
+            (total.0, total.1) = (total.0 + sum, total.1 + count);
+        }
         let order: BTreeMap<usize, usize> = rollout.examples.iter().enumerate().map(|(k, &index)| (index, k)).collect();
-        let mut all: Vec<Scored> = task::all_gather_json(rollout.comm, &scored)?.into_iter().flatten().collect();
+        let mut all: Vec<Scored> = gathered.into_iter().flat_map(|r| r.scored).collect();
         all.sort_by_key(|s| order.get(&s.index).copied().unwrap_or(usize::MAX));
         let per_function: Vec<Vec<f64>> = all.iter().map(|s| s.rewards.iter().map(|r| r.unwrap_or(f64::NAN)).collect()).collect();
         let weights = self.options.reward_weights.clone().unwrap_or_else(|| vec![1.0; self.rewards.names().len()]);
@@ -778,8 +800,9 @@ impl Rollouts for OnlineRl {
         // RLOO's KL penalty is in the reward: β times each completion's summed log-ratio to the reference.
         let penalties: Vec<f64> = all.iter().map(|s| if self.algorithm == Algorithm::Rloo { self.objective.beta * s.log_ratio } else { 0.0 }).collect();
         let (rewards, advantages, zero_std) = advantages(self.algorithm, &per_function, &weights, &penalties, group, scale, self.options.normalize_advantages.unwrap_or(false));
+        // The samples held are this rank's own.
         for (k, scored) in all.iter().enumerate() {
-            if let Some(sample) = self.train.samples.get_mut(&scored.index).filter(|_| mine.contains(&scored.index)) {
+            if let Some(sample) = self.train.samples.get_mut(&scored.index) {
                 sample.advantage = advantages[k];
             }
         }
@@ -789,19 +812,11 @@ impl Rollouts for OnlineRl {
             self.keep_window(&rollout, output)?;
         }
 
-        let slowest = rollout.comm.all_gather_bytes(&sampled_seconds.to_le_bytes())?.iter().map(|b| f64::from_le_bytes(b[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max);
         let mut figures = self.figures(&all, &per_function, &rewards, &zero_std);
-        // What the reward functions logged (`log_metric`): each name's mean over every rank's calls.
-        let mut logged_totals: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-        for (name, (sum, count)) in task::all_gather_json(rollout.comm, &logged)?.into_iter().flatten() {
-            let total = logged_totals.entry(name).or_default();
-            (total.0, total.1) = (total.0 + sum, total.1 + count);
-        }
         figures.extend(logged_totals.into_iter().map(|(name, (sum, count))| (name, sum / count.max(1.0))));
-        // Sampling speed: every rank's tokens over the slowest rank's time.
         figures.insert("rollout/tokens_per_second".to_string(), all.iter().map(|s| s.length).sum::<usize>() as f64 / slowest.max(1e-9));
         *self.objective.window_figures.lock().expect("figures lock") = Some(figures);
-        if let (0, Some(output)) = (rollout.comm.env().rank, rollout.output) {
+        if let (0, Some(output)) = (rank, rollout.output) {
             self.write_rollouts(&output.join(ROLLOUTS_FILE), rollout.step + 1, &all, &rewards, &advantages)?;
         }
         Ok(())
@@ -865,13 +880,12 @@ impl OnlineRl {
         let scores = self.rewards.score(&RewardBatch { prompts: &prompt_values, completions: &values, completion_ids: &completions, columns: &columns, trainer_state })?;
         let mut scored = vec![];
         for (k, (&index, sample)) in mine.iter().zip(&samples).enumerate() {
-            let truncated = sample.completion.last().is_none_or(|last| Some(*last) != self.eos && *last != self.train.pad_id);
             scored.push(Scored {
                 index,
                 rewards: scores.rewards.iter().map(|per_function| per_function[k]).collect(),
                 extra: scores.extra_columns.iter().map(|(column, values)| (column.clone(), values.get(k).cloned().unwrap_or(Json::Null))).collect(),
                 length: sample.completion.len(),
-                truncated,
+                truncated: self.clipped(&sample.completion),
                 counted_tokens: if sample.counted { sample.completion.len() } else { 0 },
                 log_ratio: sample.counted_sum(&sample.old_logps) - sample.counted_sum(&sample.ref_logps),
                 prompt: prompt_values[k].clone(),
