@@ -3,7 +3,7 @@
 //! applied over the file and the environment).
 
 use anyhow::Result;
-use ft_core::config::{Assignment, Overrides, Quantize};
+use ft_core::config::{parse_named, Assignment, Overrides, Quantize};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::Config;
 use ft_core::lora::RunModel;
@@ -132,21 +132,4 @@ impl LoraArgs {
         self.set(&mut overrides);
         ft_core::setup::run_model(base, &overrides)
     }
-}
-
-/// A plain enum the configuration reads with serde, by its name (`--fp8
-/// rowwise`); another name is refused with the names there are.
-pub fn parse_named<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
-    serde_json::from_value(serde_json::Value::from(text)).map_err(|e| format!("{text:?}: {}", e.to_string().replace('`', "")))
-}
-
-/// `--comm-option comm.NAME.KEY=VALUE`: a hook's option.
-pub fn parse_comm_option(text: &str) -> Result<ft_core::config::Assignment, String> {
-    ft_core::config::Assignment::parse(text, "--comm-option")
-}
-
-/// `--compress-rate NAME=ELEMENTS_PER_S`: a hook's measured compression rate.
-pub fn parse_compress_rate(text: &str) -> Result<(String, f64), String> {
-    let (name, rate) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=ELEMENTS_PER_S"))?;
-    Ok((name.to_string(), ft_core::units::parse_positive(rate)?))
 }

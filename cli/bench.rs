@@ -4,14 +4,14 @@
 //! table, JSON and a chart. Exposed communication is a configuration's step
 //! time minus the same model, batch and length on one GPU.
 
-use crate::args::{parse_named, LoraArgs};
+use crate::args::LoraArgs;
 use ft_core::config::Overrides;
 use ft_core::lora::RunModel;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Configuration, Row};
 use ft_core::{Config, Registry};
-use ft_core::config::Fp8;
+use ft_core::config::{parse_named, Fp8};
 use ft_core::device::{DType, DeviceSpec};
 use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::gpu::GpuSpec;
@@ -212,7 +212,7 @@ fn worker(args: &BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     let mut overrides = Overrides(vec![("train.device", args.device.to_string().into()), ("train.dtype", args.dtype.to_string().into())]);
     args.lora.set(&mut overrides);
     overrides.set("comm.name", args.comm.first().cloned());
-    let options = args.comm_options.iter().map(|o| ft_core::config::Assignment::parse(o, "--comm-option").map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let options = args.comm_options.iter().map(|o| ft_core::config::parse_comm_option(o).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     let config = Config::load(None, &overrides.0, &options)?;
     let (hook, _) = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let rank = Rank::start(&config, offload.as_ref())?;

@@ -1,12 +1,11 @@
 //! `ft plan`: flags → a workload and a cluster → ft_core::plan; table and JSON out.
 //! `ft calibrate`: flags → ft_core::plan::calibrate → the file `--calibration` reads.
 
-use crate::args::{parse_comm_option, parse_compress_rate, parse_named, LoraArgs, StepShape};
-use ft_core::config::{Fp8, Fp8Layers};
+use crate::args::{LoraArgs, StepShape};
+use ft_core::config::{parse_comm_option, parse_named, Assignment, Fp8, Fp8Layers};
 use ft_core::units::{parse_positive, parse_size};
 use anyhow::{Context, Result};
 use clap::Args;
-use ft_core::config::Assignment;
 use ft_core::device::DeviceSpec;
 use ft_core::distributed::strategy::ReduceDtype;
 use ft_core::plan::{self, CalibrateOptions, Calibration, Checkpointing, Cluster, ClusterFlags, Float8Flags, Plan, Workload};
@@ -76,7 +75,7 @@ pub struct PlanArgs {
     /// A hook's measured compression rate in elements per second, e.g.
     /// powersgd=2e10 (`ft bench` beside the built-in measures it; without it
     /// the hook's compute is left out of the step time).
-    #[arg(long = "compress-rate", value_name = "NAME=ELEMENTS_PER_S", value_parser = parse_compress_rate)]
+    #[arg(long = "compress-rate", value_name = "NAME=ELEMENTS_PER_S", value_parser = plan::parse_compress_rate)]
     compress_rates: Vec<(String, f64)>,
     /// The task trained (`ft list`; default: the one for the model's head):
     /// one that compares with a reference model (dpo) has it planned, kept as --reference says.
@@ -86,7 +85,7 @@ pub struct PlanArgs {
     /// log-probabilities once before training: dpo's task.precompute_ref=true,
     /// the default) or each-step (run with every micro-batch:
     /// task.precompute_ref=false; LoRA's base with --lora-r, else a frozen copy).
-    #[arg(long, value_name = "precomputed|each-step", value_parser = parse_reference)]
+    #[arg(long, value_name = "precomputed|each-step", value_parser = plan::Reference::parse)]
     reference: Option<plan::Reference>,
     /// Float8 linear layers in the blocks, tensorwise or rowwise (`ft train
     /// --fp8`): their GEMMs at the float8 rates of a --calibration made by
@@ -106,10 +105,6 @@ pub struct PlanArgs {
     json: Option<PathBuf>,
     #[command(flatten)]
     shape: StepShape,
-}
-
-fn parse_reference(text: &str) -> Result<plan::Reference, String> {
-    serde_json::from_value(serde_json::Value::from(text.replace('-', "_"))).map_err(|_| format!("{text:?}: expected precomputed or each-step"))
 }
 
 pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {

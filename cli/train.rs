@@ -1,8 +1,8 @@
 //! `ft train`: flags → configuration → the parts of a run (rank, model,
 //! task, sinks) → ft_core::fit. With no arguments: the embedded demo.
 
-use crate::args::{parse_named, LoraArgs, RankArgs, Settings};
-use ft_core::config::{ModelInit, Overrides};
+use crate::args::{LoraArgs, RankArgs, Settings};
+use ft_core::config::{parse_named, ModelInit, Overrides};
 use anyhow::Result;
 use clap::Args;
 use ft_core::{Config, Registry};
@@ -109,7 +109,7 @@ pub struct TrainArgs {
     /// Record optimizer steps FIRST:LAST (from 1) with PyTorch's profiler on
     /// rank 0: a Chrome trace and the GPU time per kernel in OUTPUT_DIR/profile
     /// (train.profile_steps).
-    #[arg(long, value_name = "FIRST:LAST", value_parser = parse_step_range)]
+    #[arg(long, value_name = "FIRST:LAST", value_parser = ft_core::units::parse_step_range)]
     profile_steps: Option<[usize; 2]>,
     /// A DeepSpeed ds_config.json; its settings apply under the flags, and
     /// fields ft does not act on are reported.
@@ -162,15 +162,6 @@ impl TrainArgs {
             .set("train.profile_steps", self.profile_steps.map(|range| range.to_vec()));
         self.ranks.set(o);
         self.lora.set(o);
-    }
-}
-
-fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
-    let parse = |part: Option<&str>| part.and_then(|p| p.trim().parse::<usize>().ok());
-    let mut parts = text.splitn(2, ':');
-    match (parse(parts.next()), parse(parts.next())) {
-        (Some(first), Some(last)) => Ok([first, last]),
-        _ => Err(format!("{text:?} is not FIRST:LAST, e.g. 10:12")),
     }
 }
 

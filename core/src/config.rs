@@ -909,6 +909,18 @@ pub fn parse_assignment(text: &str) -> Result<Assignment, String> {
     Assignment::parse(text, "--set")
 }
 
+/// `--comm-option comm.NAME.KEY=VALUE`: a hook's option (`ft plan`, `ft bench`).
+pub fn parse_comm_option(text: &str) -> Result<Assignment, String> {
+    Assignment::parse(text, "--comm-option")
+}
+
+/// A plain enum the configuration reads with serde, by its name (`--fp8
+/// rowwise`), as a flag's value: another name is refused with the names
+/// there are, as the configuration refuses it.
+pub fn parse_named<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::from(text)).map_err(|e| format!("{text:?}: {}", e.to_string().replace('`', "")))
+}
+
 /// A command's flags as configuration overrides: each flag given sets its
 /// dotted key (`Config::load`'s `flags`), applied over the file and the environment.
 #[derive(Default)]

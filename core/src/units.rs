@@ -1,5 +1,6 @@
 //! Quantities as users write them on a command line: memory sizes with
-//! their unit (`80GB`, `80GiB`) and positive rates (`2e10`).
+//! their unit (`80GB`, `80GiB`), positive rates (`2e10`) and ranges of
+//! optimizer steps (`10:12`).
 
 /// A memory size with its unit, in bytes: 80GB (10^9 bytes each), 80GiB (2^30), also KB/MB/TB and KiB/MiB/TiB.
 pub fn parse_size(text: &str) -> Result<f64, String> {
@@ -24,6 +25,16 @@ pub fn parse_size(text: &str) -> Result<f64, String> {
 /// A number above 0 (a rate or a bandwidth).
 pub fn parse_positive(text: &str) -> Result<f64, String> {
     positive(text, text.trim().parse().map_err(|_| format!("{text:?}: expected a number"))?)
+}
+
+/// Optimizer steps FIRST:LAST, both counted from 1 (`--profile-steps 10:12`).
+pub fn parse_step_range(text: &str) -> Result<[usize; 2], String> {
+    let parse = |part: Option<&str>| part.and_then(|p| p.trim().parse::<usize>().ok());
+    let mut parts = text.splitn(2, ':');
+    match (parse(parts.next()), parse(parts.next())) {
+        (Some(first), Some(last)) => Ok([first, last]),
+        _ => Err(format!("{text:?} is not FIRST:LAST, e.g. 10:12")),
+    }
 }
 
 fn positive(text: &str, value: f64) -> Result<f64, String> {

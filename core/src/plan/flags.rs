@@ -145,6 +145,12 @@ pub fn reference_planned(task: Option<&str>, reference: Option<Reference>, model
     }
 }
 
+/// `--compress-rate NAME=ELEMENTS_PER_S`: a hook's measured compression rate.
+pub fn parse_compress_rate(text: &str) -> Result<(String, f64), String> {
+    let (name, rate) = text.split_once('=').ok_or_else(|| format!("{text:?} is not NAME=ELEMENTS_PER_S"))?;
+    Ok((name.to_string(), crate::units::parse_positive(rate)?))
+}
+
 /// The hooks `names` (`--comm`), made with their `options`
 /// (`--comm-option`), each with its measured compression rate where `rates` has one.
 pub fn planned_comms(names: &[String], options: &[Assignment], rates: &BTreeMap<String, f64>, registry: &Registry) -> Result<Vec<(String, PlanComm)>> {

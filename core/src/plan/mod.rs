@@ -37,7 +37,7 @@ mod time;
 
 pub use calibrate::{calibrate, CalibrateOptions, Calibration, Gemm, GemmRate, CALIBRATION_VERSION, BLOCK_BYTES_PER_TOKEN_AND_HIDDEN, HEAD_BYTES_PER_TOKEN_AND_VOCAB};
 pub use check::{check_report, check_rows, check_table, BenchSettings, CheckedRow, MEMORY_TOLERANCE, TIME_TOLERANCE};
-pub use flags::{float8_planned, planned_comms, reference_planned, ClusterFlags, Float8Flags};
+pub use flags::{float8_planned, parse_compress_rate, planned_comms, reference_planned, ClusterFlags, Float8Flags};
 pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, float8_kept, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
@@ -274,6 +274,11 @@ pub enum Reference {
 impl Reference {
     /// Every option, in the order the plan lists them.
     pub const ALL: [Reference; 2] = [Reference::Precomputed, Reference::EachStep];
+
+    /// `--reference precomputed|each-step` (the flag's spelling of the serde names).
+    pub fn parse(text: &str) -> Result<Reference, String> {
+        serde_json::from_value(serde_json::Value::from(text.replace('-', "_"))).map_err(|_| format!("{text:?}: expected precomputed or each-step"))
+    }
 
     /// Whether the trainer keeps a frozen copy of `model` for it: run with
     /// each step and no adapters to turn off (as `TrainerBuilder::reference_copy` decides).
