@@ -1,11 +1,10 @@
 //! `ft init-model`, `ft generate`, `ft forward`: models from Hugging Face files.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
-use ft_core::generate::Sampling;
-use ft_models::trained::{self, Prompt, Sampled};
+use ft_models::trained::{self, Prompt, SamplingRequest};
 use std::path::PathBuf;
 use tch::{Device, Kind};
 
@@ -116,7 +115,8 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
         Some(text) => Prompt::Text(text),
         None => Prompt::Ids(&args.ids),
     };
-    let sampled = generate_sampling(&args)?;
+    let request = SamplingRequest { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, repetition_penalty: args.repetition_penalty, seed: args.seed, num_samples: args.num_samples };
+    let sampled = request.sampled(|name| format!("--{}", name.replace('_', "-")))?;
     let continuations = trained::generate(&hf::resolve(&args.model)?, prompt, args.max_new_tokens, args.eos, sampled.as_ref(), args.dtype.kind(device), device)?;
     for continuation in continuations {
         match (&args.num_samples, &args.prompt) {
@@ -126,32 +126,6 @@ pub fn generate(args: GenerateArgs) -> Result<i32> {
         }
     }
     Ok(0)
-}
-
-/// `ft generate`'s sampling options, or None for greedy decoding.
-fn generate_sampling(args: &GenerateArgs) -> Result<Option<Sampled>> {
-    let sampling_given = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some() || args.repetition_penalty.is_some();
-    if !sampling_given {
-        for (given, flag) in [(args.seed.is_some(), "--seed"), (args.num_samples.is_some(), "--num-samples")] {
-            if given {
-                bail!("{flag} is for sampling, and decoding is greedy without a sampling option: add --temperature 1.0 (or --top-k, --top-p, --min-p, --repetition-penalty)");
-            }
-        }
-        return Ok(None);
-    }
-    let defaults = Sampling::default();
-    let sampling = Sampling {
-        temperature: args.temperature.unwrap_or(defaults.temperature),
-        top_k: args.top_k.unwrap_or(defaults.top_k),
-        top_p: args.top_p.unwrap_or(defaults.top_p),
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty.unwrap_or(defaults.repetition_penalty),
-    };
-    sampling.check(|name| format!("--{}", name.replace('_', "-")))?;
-    if args.num_samples == Some(0) {
-        bail!("--num-samples must be at least 1");
-    }
-    Ok(Some(Sampled { sampling, seed: args.seed.unwrap_or(0), samples: args.num_samples.unwrap_or(1) }))
 }
 
 #[derive(Args)]

@@ -352,6 +352,53 @@ pub struct Sampled {
     pub samples: usize,
 }
 
+/// How `ft generate` is asked to sample, every option optional: the
+/// `Sampling` options left out take its defaults, and with none of them
+/// decoding is greedy.
+#[derive(Default)]
+pub struct SamplingRequest {
+    pub temperature: Option<f64>,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    /// Default 0.
+    pub seed: Option<u64>,
+    /// Default 1.
+    pub num_samples: Option<usize>,
+}
+
+impl SamplingRequest {
+    /// The sampling asked for, checked (`option` names a field as the user
+    /// gave it: `top_p` → `--top-p`), or None for greedy decoding, when a
+    /// seed or a number of samples is refused rather than ignored.
+    pub fn sampled(&self, option: impl Fn(&str) -> String) -> Result<Option<Sampled>> {
+        let sampling_given = self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some() || self.min_p.is_some() || self.repetition_penalty.is_some();
+        if !sampling_given {
+            for (given, name) in [(self.seed.is_some(), "seed"), (self.num_samples.is_some(), "num_samples")] {
+                if given {
+                    let [temperature, top_k, top_p, min_p, penalty] = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty"].map(&option);
+                    bail!("{} is for sampling, and decoding is greedy without a sampling option: add {temperature} 1.0 (or {top_k}, {top_p}, {min_p}, {penalty})", option(name));
+                }
+            }
+            return Ok(None);
+        }
+        let defaults = Sampling::default();
+        let sampling = Sampling {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        };
+        sampling.check(&option)?;
+        if self.num_samples == Some(0) {
+            bail!("{} must be at least 1", option("num_samples"));
+        }
+        Ok(Some(Sampled { sampling, seed: self.seed.unwrap_or(0), samples: self.num_samples.unwrap_or(1) }))
+    }
+}
+
 /// `ft generate`: the trained model in `dir` continues `prompt` greedily,
 /// or as `sampled` says, up to `max_new_tokens` or `eos` (default:
 /// config.json's eos_token_id); each continuation as text, or for ids as
