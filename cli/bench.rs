@@ -7,7 +7,7 @@
 use crate::args::LoraArgs;
 use ft_core::config::Overrides;
 use ft_core::lora::RunModel;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use ft_core::bench::{self, BenchCase, Configuration, Row};
 use ft_core::{Config, Registry};
@@ -125,25 +125,13 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs, plugins: &[PathBuf]) -> Result<i32> {
     if let Some(path) = &args.worker {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        return worker(&serde_json::from_str(&text)?, plugins);
+        return worker(&bench::worker_arguments(path)?, plugins);
     }
     if !args.from_json.is_empty() {
         return report(&args, bench::read_rows(&args.from_json)?, plugins);
     }
-    let mut rows: Vec<Row> = vec![];
-    let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)?;
-    for one in bench::matrix(&args.configs, &args.batch, &args.seq, &args.gpus, &args.strategy, &args.comm) {
-        let result = scratch.join(format!("row-{}.json", rows.len()));
-        let row = launch_one(&args, plugins, &one, &result).unwrap_or_else(|e| {
-            let comm = one.comm.as_deref().unwrap_or(ft_core::distributed::comm_hook::BUILTIN);
-            Row::failed(&one.model, &one.strategy, comm, &args.offload, &case(&args, one.batch, one.seq), one.gpus, format!("{e:#}"))
-        });
-        eprintln!("{}", row.describe());
-        rows.push(row);
-    }
-    let _ = std::fs::remove_dir_all(&scratch);
+    let matrix = bench::matrix(&args.configs, &args.batch, &args.seq, &args.gpus, &args.strategy, &args.comm);
+    let rows = bench::run_matrix(&matrix, &args.offload, |one| case(&args, one.batch, one.seq), |one, result| launch_one(&args, plugins, one, result))?;
     report(&args, rows, plugins)
 }
 
@@ -178,9 +166,8 @@ fn plan_check(args: &BenchArgs, rows: &[Row], plugins: &[PathBuf]) -> Result<()>
     Ok(())
 }
 
-/// Runs one configuration in fresh worker processes and reads rank 0's row.
+/// Runs one configuration in fresh workers, which get this command's own arguments with one value each.
 fn launch_one(args: &BenchArgs, plugins: &[PathBuf], one: &Configuration, result: &Path) -> Result<Row> {
-    // The workers get this command's own arguments with one value each.
     let one = BenchArgs {
         configs: vec![one.model.clone()],
         strategy: vec![one.strategy.clone()],
@@ -191,16 +178,7 @@ fn launch_one(args: &BenchArgs, plugins: &[PathBuf], one: &Configuration, result
         result_file: Some(result.into()),
         ..args.clone()
     };
-    let arguments = result.with_extension("args.json");
-    std::fs::write(&arguments, serde_json::to_string(&one)?).with_context(|| format!("cannot write {}", arguments.display()))?;
-    let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
-    argv.extend(["bench".into(), "--worker".into(), arguments.display().to_string()]);
-    let code = ft_core::distributed::launch::spawn_local(one.gpus[0], argv)?;
-    if code != 0 {
-        bail!("workers exited with code {code} (their output is above)");
-    }
-    let text = std::fs::read_to_string(result).with_context(|| format!("rank 0 wrote no result to {}", result.display()))?;
-    Ok(serde_json::from_str(&text)?)
+    bench::run_in_workers(&one, one.gpus[0], plugins, result)
 }
 
 /// One configuration, run by each of its workers.

@@ -1,8 +1,9 @@
 //! Training-step throughput and memory of one configuration (a model shape,
 //! strategy, offload, batch and length), with random weights and the task's
-//! random data: what `ft bench` runs in each configuration's workers. With
-//! `breakdown` it also times the phases apart and checks ft's kernels
-//! against ATen's (`kernels.rs`); `chart.rs` draws a matrix of rows.
+//! random data: what `ft bench` runs in each configuration's workers
+//! (`run_matrix`, `run_in_workers`: each in fresh ones). With `breakdown` it
+//! also times the phases apart and checks ft's kernels against ATen's
+//! (`kernels.rs`); `chart.rs` draws a matrix of rows.
 
 pub mod chart;
 mod kernels;
@@ -23,7 +24,7 @@ use crate::task::{Synthetic, Task, TaskRegistration};
 use crate::train::{Kernels, MicroBatch, TrainOptions, Trainer, TrainerBuilder};
 use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -485,6 +486,48 @@ pub fn matrix(models: &[String], batches: &[i64], seqs: &[i64], gpus: &[usize], 
         }
     }
     configurations
+}
+
+/// Runs each configuration with `run`, given the file its row goes to (in
+/// a scratch directory removed after), each row reported on stderr as it
+/// comes; a configuration that fails becomes a failed row (its settings from
+/// `case`), so one failure does not lose the others' rows.
+pub fn run_matrix(configurations: &[Configuration], offload: &str, case: impl Fn(&Configuration) -> BenchCase, mut run: impl FnMut(&Configuration, &Path) -> Result<Row>) -> Result<Vec<Row>> {
+    let mut rows: Vec<Row> = vec![];
+    let scratch = std::env::temp_dir().join(format!("ft-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    for one in configurations {
+        let result = scratch.join(format!("row-{}.json", rows.len()));
+        let row = run(one, &result).unwrap_or_else(|e| {
+            let comm = one.comm.as_deref().unwrap_or(crate::distributed::comm_hook::BUILTIN);
+            Row::failed(&one.model, &one.strategy, comm, offload, &case(one), one.gpus, format!("{e:#}"))
+        });
+        eprintln!("{}", row.describe());
+        rows.push(row);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok(rows)
+}
+
+/// Runs one configuration in `gpus` fresh local workers (`ft bench
+/// --worker FILE`, with `plugins`), so its memory figures are its own:
+/// `arguments` go to them as JSON in a file beside `result`, where their
+/// rank 0 writes its row, read back here.
+pub fn run_in_workers(arguments: &impl Serialize, gpus: usize, plugins: &[PathBuf], result: &Path) -> Result<Row> {
+    let file = result.with_extension("args.json");
+    std::fs::write(&file, serde_json::to_string(arguments)?).with_context(|| format!("cannot write {}", file.display()))?;
+    let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
+    argv.extend(["bench".into(), "--worker".into(), file.display().to_string()]);
+    let code = crate::distributed::launch::spawn_local(gpus, argv)?;
+    ensure!(code == 0, "workers exited with code {code} (their output is above)");
+    let text = std::fs::read_to_string(result).with_context(|| format!("rank 0 wrote no result to {}", result.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// A worker's arguments, as [`run_in_workers`] wrote them to `file`.
+pub fn worker_arguments<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    Ok(serde_json::from_str(&text)?)
 }
 
 /// Writes `rows` as JSON to `json` (what [`read_rows`] reads back) and
