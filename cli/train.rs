@@ -176,14 +176,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let (world, per_node) = setup::planned_ranks(&config, &env);
     setup::validate(&config, &registry, world)?;
     setup::check_float8_devices(&config, &env)?;
-    if !config.uses_preset() {
-        // A model directory without its weights is refused here, before any rank starts; so is its expert parallelism.
-        let source = hf::ModelSource::resolve(&config.model.source)?;
-        source.start(config.model.init)?;
-        if config.train.expert_parallel > 1 {
-            setup::check_expert_parallel(config.train.expert_parallel, world, source.model()?.as_ref(), config.train.lora.enabled(), &config.train.offload)?;
-        }
-    }
+    hf::check_before_ranks(&config, world)?;
     if let Some(deepspeed) = &deepspeed {
         deepspeed.check(&config.train, world, env.rank == 0)?;
     }
@@ -208,10 +201,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let rank = Rank::start(&config, configured_offload.as_ref())?;
     // Rank 0's lock made the directory.
     let output = config.output.dir.clone();
-    let source = match setup::prepare_preset(&mut config, &rank.comm)? {
-        Some(model_config) => hf::ModelSource { config: model_config, dir: None, config_file: None },
-        None => hf::ModelSource::resolve(&config.model.source)?,
-    };
+    let source = hf::ModelSource::of_run(&mut config, &rank.comm)?;
     let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
@@ -232,19 +222,8 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     }
     let base_dir = hf::base_weights_dir(&run_model, &start, seed, rank.device, &output, rank.dtype, &rank.comm)?;
     let params = hf::StartingParams::new(&run_model, &start, seed, rank.device)?;
-    let sinks = match rank.rank() {
-        0 => config.output.sinks()?.iter().map(|name| (registry.sink(name)?.create)(&output, resumed_step)).collect::<Result<_>>()?,
-        _ => vec![],
-    };
-    if rank.rank() == 0 {
-        tracing::info!("{}", rank.describe_run(task.as_ref(), model));
-        if let Some(lora) = run_model.lora() {
-            tracing::info!("{}", lora.describe());
-            if let Some(quantized) = lora.describe_quantized_base(rank.dtype) {
-                tracing::info!("{quantized}");
-            }
-        }
-    }
+    let sinks = if rank.rank() == 0 { registry.create_sinks(config.output.sinks()?, &output, resumed_step)? } else { vec![] };
+    rank.log_run(task.as_ref(), &run_model);
     let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.files_dir().as_deref());
     let fit = Fit {
         model,
@@ -262,12 +241,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
         float8_kept: plan::float8_kept(model, &config)?,
     };
     let trained = match fit::run(fit, params) {
-        Err(error) if error.is::<fit::Interrupted>() => {
-            if rank.rank() == 0 {
-                tracing::warn!("{error}; continue with: {}", run_dir::resume_command(std::env::args()));
-            }
-            return Ok(ft_core::signals::SAVED_AND_STOPPED);
-        }
+        Err(error) if error.is::<fit::Interrupted>() => return Ok(fit::Interrupted::exit_code(&error, rank.rank())),
         trained => trained.map_err(|error| match &prediction {
             Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
             None => error,

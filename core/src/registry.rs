@@ -328,6 +328,12 @@ impl Registry {
             unknown("metrics sink", name, &names)
         })
     }
+
+    /// The sinks `names` (`output.report_to`) of a run writing to `output`,
+    /// its metrics continuing from `resumed_step` (None: a fresh run).
+    pub fn create_sinks(&self, names: &[String], output: &Path, resumed_step: Option<u64>) -> Result<Vec<Box<dyn MetricsSink>>> {
+        names.iter().map(|name| (self.sink(name)?.create)(output, resumed_step)).collect()
+    }
 }
 
 #[cfg(test)]

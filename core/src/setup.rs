@@ -314,6 +314,21 @@ impl Rank {
         }
     }
 
+    /// Rank 0 logs what the run trains: [`Rank::describe_run`], and a LoRA
+    /// run's adapters and the 4-bit base they train on.
+    pub fn log_run(&self, task: &dyn crate::task::Task, run_model: &crate::lora::RunModel) {
+        if self.rank() != 0 {
+            return;
+        }
+        tracing::info!("{}", self.describe_run(task, run_model.model()));
+        if let Some(lora) = run_model.lora() {
+            tracing::info!("{}", lora.describe());
+            if let Some(quantized) = lora.describe_quantized_base(self.dtype) {
+                tracing::info!("{quantized}");
+            }
+        }
+    }
+
     /// A line saying what this job trains: the task, the model, the examples, the ranks, device and dtype.
     pub fn describe_run(&self, task: &dyn crate::task::Task, model: &dyn crate::Model) -> String {
         format!(

@@ -58,6 +58,18 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+impl Interrupted {
+    /// The exit code of a command whose run `error` (an `Interrupted`)
+    /// stopped: rank 0 first says how to continue, with this process's
+    /// command line and `--resume latest`.
+    pub fn exit_code(error: &anyhow::Error, rank: usize) -> i32 {
+        if rank == 0 {
+            tracing::warn!("{error}; continue with: {}", crate::run_dir::resume_command(std::env::args()));
+        }
+        crate::signals::SAVED_AND_STOPPED
+    }
+}
+
 /// Everything a run is made of.
 pub struct Fit<'a> {
     pub model: &'a dyn Model,

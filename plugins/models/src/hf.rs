@@ -4,7 +4,7 @@
 
 use crate::check;
 use anyhow::{bail, Context as _, Result};
-use ft_core::config::ModelInit;
+use ft_core::config::{Config, ModelInit};
 use ft_core::lora::RunModel;
 use ft_core::model::Model;
 use ft_core::train::InitialParams;
@@ -232,6 +232,34 @@ impl ModelSource {
             (ModelInit::Auto, None) => Ok(Start::Random(weightless)),
         }
     }
+}
+
+impl ModelSource {
+    /// The model a run trains (`model.source`): a preset's, once its files
+    /// are ready (`setup::prepare_preset`, which points `config` at them;
+    /// collective), else the directory, config.json or hub id it names.
+    pub fn of_run(config: &mut Config, comm: &Communicator) -> Result<ModelSource> {
+        Ok(match ft_core::setup::prepare_preset(config, comm)? {
+            Some(model_config) => ModelSource { config: model_config, dir: None, config_file: None },
+            None => ModelSource::resolve(&config.model.source)?,
+        })
+    }
+}
+
+/// What `ft train` refuses of a run's model before any rank starts, so it
+/// is said once: a model directory without its weights, and an expert
+/// parallelism its experts cannot be split by (over `world` ranks). A
+/// preset's model is made, and checked, by the ranks.
+pub fn check_before_ranks(config: &Config, world: usize) -> Result<()> {
+    if config.uses_preset() {
+        return Ok(());
+    }
+    let source = ModelSource::resolve(&config.model.source)?;
+    source.start(config.model.init)?;
+    if config.train.expert_parallel > 1 {
+        ft_core::setup::check_expert_parallel(config.train.expert_parallel, world, source.model()?.as_ref(), config.train.lora.enabled(), &config.train.offload)?;
+    }
+    Ok(())
 }
 
 /// The parameters a run starts from, a unit at a time (the trainer places
