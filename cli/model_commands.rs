@@ -6,7 +6,6 @@ use ft_core::device::{DType, DeviceSpec};
 use ft_models::hf;
 use ft_models::trained::{self, Prompt, SamplingRequest};
 use std::path::PathBuf;
-use tch::{Device, Kind};
 
 #[derive(Args)]
 pub struct InitModelArgs {
@@ -36,20 +35,9 @@ pub struct InitModelArgs {
 }
 
 pub fn init_model(args: InitModelArgs) -> Result<i32> {
-    let mut source = hf::ModelSource::resolve(&args.config)?.set_keys(&args.overrides)?;
-    let trained = args.train_tokenizer.as_deref().map(|file| ft_data::qa::wordpiece::train_on_file(file, args.vocab_size)).transpose()?;
-    if let Some(tokenizer) = &trained {
-        if source.config["model_type"] != "bert" {
-            anyhow::bail!("--train-tokenizer makes a BERT WordPiece vocabulary, and this config's model_type is {}", source.config["model_type"]);
-        }
-        source.config["vocab_size"] = tokenizer.get_vocab_size(true).into();
-    }
-    let model = source.model()?;
-    let params = ft_core::model::init_params(model.as_ref(), args.seed, Kind::Float, Device::Cpu)?;
-    hf::save(model.as_ref(), &params, &args.out, args.dtype.storage_kind())?;
-    if let Some(tokenizer) = trained {
-        tokenizer.save(args.out.join("tokenizer.json"), true).map_err(anyhow::Error::msg)?;
-    }
+    let source = hf::ModelSource::resolve(&args.config)?.set_keys(&args.overrides)?;
+    let vocabulary = args.train_tokenizer.as_deref().map(|file| ft_data::qa::wordpiece::train_on_file(file, args.vocab_size)).transpose()?;
+    let model = hf::write_random(source, args.seed, &args.out, args.dtype.storage_kind(), vocabulary)?;
     if let Some(tokenizer) = &args.tokenizer {
         ft_data::tokenizer::load(tokenizer, model.dims().vocab)?;
         std::fs::copy(tokenizer, args.out.join("tokenizer.json"))

@@ -150,7 +150,7 @@ pub fn run(args: PlanArgs, plugins: &[PathBuf]) -> Result<i32> {
     let plan = Plan::with_comms(&workload, &cluster, &registry, args.activation_checkpointing, &comms)?;
     print!("{}", plan.table());
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&plan)?).with_context(|| format!("cannot write {}", path.display()))?;
+        plan.save(path)?;
     }
     Ok(0)
 }

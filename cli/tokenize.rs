@@ -4,7 +4,7 @@
 
 use crate::args::Settings;
 use ft_core::config::Overrides;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use ft_core::task::Tokenize;
 use ft_core::Registry;
@@ -40,13 +40,7 @@ pub fn run(args: TokenizeArgs, plugins: &[PathBuf]) -> Result<i32> {
     overrides.set("model.source", args.model.clone()).set("task.name", args.task.clone()).train_files(&args.train_file);
     let config = args.settings.load(overrides, "ft tokenize", Some(READS))?;
     let tokenize = Registry::with_plugins(plugins)?.tokenize(config.task.name.as_deref())?;
-    let tokenizer = match &config.data.tokenizer {
-        Some(path) => path.clone(),
-        // The default preset's demo has no files until a run writes them.
-        None if config.uses_preset() => bail!("give the model whose tokenizer to use: --model DIR (or --tokenizer FILE)"),
-        // A model directory (or its config.json's) holds it; no config.json is read.
-        None => hf::resolve(&config.model.source)?.join("tokenizer.json"),
-    };
+    let tokenizer = hf::tokenizer_of(&config)?;
     println!("{}", tokenize(&Tokenize { config: &config, tokenizer: &tokenizer, out: &args.out })?);
     Ok(0)
 }

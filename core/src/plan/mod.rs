@@ -878,6 +878,11 @@ impl Plan {
         }
     }
 
+    /// Writes the rows and the recommendation as JSON (`ft plan --json`).
+    pub fn save(&self, path: &std::path::Path) -> Result<()> {
+        std::fs::write(path, serde_json::to_string_pretty(self)?).with_context(|| format!("cannot write {}", path.display()))
+    }
+
     /// The console table.
     pub fn table(&self) -> String {
         let gb = |bytes: f64| format!("{:.1}", bytes / 1e9);

@@ -739,6 +739,37 @@ pub fn save(model: &dyn Model, params: &[Vec<Tensor>], dir: &Path, dtype: Kind) 
     write_model(model, dir, dtype, DEFAULT_MAX_SHARD_BYTES, |unit| Ok(params[unit].iter().map(Tensor::shallow_clone).collect()))
 }
 
+/// `ft init-model`: `source`'s model with random weights drawn from
+/// `seed`, written to `dir` (config.json, the weights in `dtype`); with a
+/// `vocabulary` trained for it (`--train-tokenizer`: a BERT WordPiece
+/// one), its tokenizer.json too, the model's vocab_size made its size.
+pub fn write_random(mut source: ModelSource, seed: i64, dir: &Path, dtype: Kind, vocabulary: Option<tokenizers::Tokenizer>) -> Result<Box<dyn Model>> {
+    if let Some(tokenizer) = &vocabulary {
+        if source.config["model_type"] != "bert" {
+            bail!("--train-tokenizer makes a BERT WordPiece vocabulary, and this config's model_type is {}", source.config["model_type"]);
+        }
+        source.config["vocab_size"] = tokenizer.get_vocab_size(true).into();
+    }
+    let model = source.model()?;
+    let params = ft_core::model::init_params(model.as_ref(), seed, Kind::Float, Device::Cpu)?;
+    save(model.as_ref(), &params, dir, dtype)?;
+    if let Some(tokenizer) = vocabulary {
+        tokenizer.save(dir.join("tokenizer.json"), true).map_err(anyhow::Error::msg)?;
+    }
+    Ok(model)
+}
+
+/// The tokenizer.json a command reads without building the model (`ft
+/// tokenize`): data.tokenizer, else the one of the model `model.source`
+/// names (no config.json is read); a preset's demo has none until a run writes it.
+pub fn tokenizer_of(config: &Config) -> Result<PathBuf> {
+    match &config.data.tokenizer {
+        Some(path) => Ok(path.clone()),
+        None if config.uses_preset() => bail!("give the model whose tokenizer to use: --model DIR (or --tokenizer FILE)"),
+        None => Ok(resolve(&config.model.source)?.join("tokenizer.json")),
+    }
+}
+
 /// Writes `tensors` as safetensors file `file`: beside it, fsynced, then
 /// renamed, so a crash never leaves a half-written file under its name.
 pub(crate) fn write_weights(tensors: &[(String, Tensor)], file: &Path) -> Result<()> {
