@@ -75,13 +75,9 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
     let (model, params) = ft_models::trained::load_trained(&dir, rank.dtype, rank.device)?;
-    let inputs = TaskInputs { config: &config, tokenizer: &tokenizer, model: model.model(), device: rank.device };
-    let mut task = (registry.task(config.task.name.as_deref(), model.model().head_kind())?.build)(&inputs)?;
+    let mut task = registry.build_task(config.task.name.as_deref(), &TaskInputs { config: &config, tokenizer: &tokenizer, model: model.model(), device: rank.device })?;
     ft_models::trained::give_reference(task.as_mut(), args.ref_model.as_deref(), &args.model, &model, &params, &tokenizer, &rank)?;
-    let model = model.model();
-    let profile = args.profile.as_deref().filter(|_| rank.rank() == 0);
-    let evaluate = || ft_core::fit::evaluate(model, &params, task.as_mut(), &rank.comm, config.train.eval_batch_size, rank.dtype);
-    let evaluation = ft_core::profile::recorded(profile, "eval", rank.device.is_cuda(), evaluate)?;
+    let evaluation = ft_core::fit::evaluate_on(&rank, model.model(), &params, task.as_mut(), config.train.eval_batch_size, args.profile.as_deref())?;
     if rank.rank() == 0 {
         ft_core::run_dir::finish_eval(&config.output.dir, &args.eval_file, &evaluation, task.as_ref())?;
     }

@@ -105,11 +105,7 @@ enum Command {
 }
 
 fn main() {
-    // Variable-length batches fragment the CUDA caching allocator's fixed
-    // segments; expandable segments avoid that. A user's own setting wins.
-    if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
-        std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
-    }
+    ft_core::setup::default_cuda_allocator();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

@@ -126,7 +126,6 @@ pub struct TrainArgs {
     ranks: RankArgs,
 }
 
-
 impl TrainArgs {
     fn set(&self, o: &mut Overrides) {
         o.set("model.source", self.model.clone())
@@ -193,10 +192,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
 }
 
 fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32> {
-    let (_output_lock, resumed_step) = match env.rank {
-        0 => run_dir::claim_for_run(&config).map(|(lock, step)| (Some(lock), step))?,
-        _ => (None, None),
-    };
+    let (_output_lock, resumed_step) = run_dir::claim_for_run(&config, env.rank)?;
     let configured_offload = (registry.offload(&config.train.offload)?.create)();
     let rank = Rank::start(&config, configured_offload.as_ref())?;
     // Rank 0's lock made the directory.
@@ -206,8 +202,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
     setup::check_expert_parallel(config.train.expert_parallel, rank.world_size(), model, config.train.lora.enabled(), &config.train.offload)?;
-    let task_registration = registry.task(config.task.name.as_deref(), model.head_kind())?;
-    let mut task = (task_registration.build)(&TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
+    let mut task = registry.build_task(config.task.name.as_deref(), &TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
     let rollout = task.rollouts().map(|rollouts| plan::RolloutShape::of_run(&config, rollouts));
     let prediction = plan::for_run(&rank.comm, model, &mut config, rank.dtype, registry, task.reference().as_ref(), rollout)?;

@@ -11,7 +11,7 @@ use crate::metrics::{MetricsSink, SinkRegistration};
 use crate::model::ModelRegistration;
 use crate::names::{unknown, unknown_without_guess};
 use crate::offload::OffloadRegistration;
-use crate::task::TaskRegistration;
+use crate::task::{Task, TaskInputs, TaskRegistration};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -309,6 +309,11 @@ impl Registry {
                 format!("no registered task trains a {head_kind} head (registered: {}); choose one with --task", names.join(", "))
             }),
         }
+    }
+
+    /// The task `name` names (None: the one for the model's head), built from `inputs`.
+    pub fn build_task(&self, name: Option<&str>, inputs: &TaskInputs) -> Result<Box<dyn Task>> {
+        (self.task(name, inputs.model.head_kind())?.build)(inputs)
     }
 
     /// What `ft tokenize --task NAME` writes the rows with: task `name`'s

@@ -195,7 +195,11 @@ pub fn claim(output: &Path, resumes: bool, overwrite: bool) -> Result<()> {
 /// Rank 0's hold on the output directory for the run, taken before any
 /// rank writes there: its lock, and the step the run continues its
 /// metrics from (None: a fresh run, for which the directory is made ready).
-pub fn claim_for_run(config: &crate::Config) -> Result<(RunLock, Option<u64>)> {
+/// The other ranks hold nothing: rank 0's claim is the run's.
+pub fn claim_for_run(config: &crate::Config, rank: usize) -> Result<(Option<RunLock>, Option<u64>)> {
+    if rank != 0 {
+        return Ok((None, None));
+    }
     let output = &config.output.dir;
     let lock = RunLock::acquire(output)?;
     let resume = config.train.resume.as_deref();
@@ -205,7 +209,7 @@ pub fn claim_for_run(config: &crate::Config) -> Result<(RunLock, Option<u64>)> {
         Some(None) => Some(0), // `--resume auto` with nothing to resume: step 0 of the directory's run
         Some(Some(dir)) => Some(crate::checkpoint::read_manifest(&dir)?.step as u64),
     };
-    Ok((lock, resumed_step))
+    Ok((Some(lock), resumed_step))
 }
 
 /// Ends a finished run, on rank 0: writes OUTPUT/summary.json, prints the

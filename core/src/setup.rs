@@ -258,6 +258,16 @@ pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_n
     Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
 }
 
+/// Has the CUDA caching allocator grow expandable segments, unless the user
+/// set PYTORCH_CUDA_ALLOC_CONF: variable-length batches fragment its fixed
+/// ones. Before libtorch starts CUDA (first thing in `main`); the ranks a
+/// command starts inherit it.
+pub fn default_cuda_allocator() {
+    if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
+        std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+    }
+}
+
 /// Ends the process with `code` once everything of a command is dropped
 /// (files written and closed, sinks and ranks finished): its output
 /// flushed, without what `exit` would still do, libtorch's teardown —

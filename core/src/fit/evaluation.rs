@@ -4,8 +4,10 @@
 
 use crate::distributed::comm::Communicator;
 use crate::model::{self, Model};
+use crate::setup::Rank;
 use crate::task::{Scores, Task};
 use anyhow::{ensure, Result};
+use std::path::Path;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -35,6 +37,13 @@ pub fn evaluate(
 ) -> Result<Evaluation> {
     ensure!(batch_size >= 1, "train.eval_batch_size (ft eval's --batch-size) must be at least 1");
     crate::panic::libtorch_errors("evaluating", || evaluation(model, params, task, comm, batch_size, dtype))?
+}
+
+/// `ft eval`'s [`evaluate`] on `rank`, which rank 0 records with PyTorch's
+/// profiler into `profile` where given (the other ranks run alike, unrecorded).
+pub fn evaluate_on(rank: &Rank, model: &dyn Model, params: &[Vec<Tensor>], task: &mut dyn Task, batch_size: usize, profile: Option<&Path>) -> Result<Evaluation> {
+    let profile = profile.filter(|_| rank.rank() == 0);
+    crate::profile::recorded(profile, "eval", rank.device.is_cuda(), || evaluate(model, params, task, &rank.comm, batch_size, rank.dtype))
 }
 
 fn evaluation(model: &dyn Model, params: &[Vec<Tensor>], task: &mut dyn Task, comm: &Communicator, batch_size: usize, dtype: Kind) -> Result<Evaluation> {

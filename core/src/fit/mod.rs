@@ -14,7 +14,7 @@ mod profiling;
 mod summary;
 
 pub use checkpointing::CheckpointPlan;
-pub use evaluation::{evaluate, Evaluation};
+pub use evaluation::{evaluate, evaluate_on, Evaluation};
 pub use summary::{EpochResult, RankMemory, ReferenceMemory, Summary};
 
 use crate::batches::{epoch_order, BatchLayout};
