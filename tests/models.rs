@@ -757,7 +757,7 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let baseline = common::losses(&one);
     assert_eq!(baseline.len(), 2, "{baseline:?}");
     let mut saved = None;
-    for (name, strategy) in [("ep2-ddp", "ddp"), ("ep2-full-shard", "full_shard")] {
+    for (name, strategy) in [("ep2-ddp", "ddp"), ("ep2-full-shard", "full_shard"), ("ep2-shard-grad-op", "shard_grad_op")] {
         let dir = run(name, &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", strategy, "--expert-parallel", "2", "--save-every", "1"]);
         let losses = common::losses(&dir);
         assert_eq!(losses.len(), baseline.len(), "{name}");

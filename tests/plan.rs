@@ -477,6 +477,24 @@ fn recorded_h200_rows_are_within_the_calibration_bounds() {
     assert!(log.contains("plan check: 7 of 7 rows within ±10% peak memory and ±25% step time"), "{log}");
 }
 
+/// Mixture-of-experts rows on H200s (bench/results/2026-11-28-h200x4-moe-ep/):
+/// OLMoE's shape, 8 of its 16 layers, on 1 GPU, on 2 holding every expert
+/// and on 2 at expert-parallel degree 2 — each checked at the degree it ran
+/// at, where each rank holds half the experts' state.
+#[test]
+fn recorded_expert_parallel_rows_are_checked_at_their_degree() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan/h200-moe-rows.json");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/configs/olmoe-1b-7b-8layers.json");
+    let output = ft()
+        .args(["bench", "--from-json", fixture.to_str().unwrap(), "--plan-check", "--gpu", "h200", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("| ddp ep2 | none | off | 2 | 2x2048 | 35.54 / "), "{log}");
+    assert!(log.contains("plan check: 3 of 3 rows within ±10% peak memory and ±25% step time"), "{log}");
+}
+
 /// LoRA r16 on every linear layer over an NF4 base, as bench/gpu/qlora_7b.sh and qlora_70b_2gpu.sh ran it.
 const QLORA: [&str; 8] = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,o,gate,up,down", "--quantize", "nf4"];
 

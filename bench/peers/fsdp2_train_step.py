@@ -11,7 +11,7 @@ precomputed after each optimizer step). AdamW, clipping at 1.0, loss on every
 token of random batches. Prints one JSON line per run (rank 0).
 
     torchrun --nproc-per-node 2 bench/peers/fsdp2_train_step.py --config CONFIG.json \
-        --mode fsdp2|ddp [--no-reshard] [--offload] [--compile] [--float8 tensorwise] --batch 8 --seq 512
+        --mode fsdp2|ddp [--no-reshard] [--offload] [--compile] [--checkpointing] [--float8 tensorwise] --batch 8 --seq 512
 """
 import argparse
 import json
@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--compile-blocks", action="store_true", help="compile each transformer block, not the whole model (torchtitan's apply_compile)")
     parser.add_argument("--float8", choices=["tensorwise"], help="torchao float8 training with float8 all-gathers (fsdp2)")
     parser.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32", help="MixedPrecisionPolicy's reduce_dtype (ft's --reduce-dtype fp32|compute)")
+    parser.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing (non-reentrant), as a user turns it on when the activations do not fit")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)
@@ -68,6 +69,8 @@ def main():
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.float8:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -117,6 +120,7 @@ def main():
     if dist.get_rank() == 0:
         name = args.mode + ("-noreshard" if args.no_reshard else "") + ("-offload" if args.offload else "") + ("-compiled" if args.compile else "")
         name += "-blocks-compiled" if args.compile_blocks else ""
+        name += "-checkpointing" if args.checkpointing else ""
         name += "-reduce-bf16" if args.reduce_dtype == "bf16" else ""
         name += f"-float8-{args.float8}" if args.float8 else ""
         print(json.dumps(record(name, world, args.batch, args.seq, seconds, loss)), flush=True)

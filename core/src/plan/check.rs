@@ -20,6 +20,7 @@ pub const TIME_TOLERANCE: f64 = 0.25;
 pub struct CheckedRow {
     pub model: String,
     pub strategy: String,
+    pub expert_parallel: usize,
     pub offload: String,
     pub activation_checkpointing: bool,
     pub gpus: usize,
@@ -112,12 +113,13 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             offload_to_host: (offload.create)().to_host(),
             activation_checkpointing: row.activation_checkpointing,
             comm: None,
-            expert_parallel: 1,
+            expert_parallel: row.expert_parallel,
         };
         let predicted = predict(&workload, &cluster, &setup)?;
         checked.push(CheckedRow {
             model: row.model.clone(),
             strategy: row.strategy.clone(),
+            expert_parallel: row.expert_parallel,
             offload: row.offload.clone(),
             activation_checkpointing: row.activation_checkpointing,
             gpus: row.gpus,
@@ -142,7 +144,7 @@ pub fn check_table(rows: &[CheckedRow]) -> String {
         out += &format!(
             "| {} | {} | {} | {} | {} | {}x{} | {:.2} / {:.2} | {:+.1}% | {:.1} / {:.1} | {:+.1}% | {} |\n",
             r.model,
-            r.strategy,
+            r.strategy.clone() + &if r.expert_parallel > 1 { format!(" ep{}", r.expert_parallel) } else { String::new() },
             r.offload,
             if r.activation_checkpointing { "on" } else { "off" },
             r.gpus,

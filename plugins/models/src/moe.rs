@@ -303,32 +303,22 @@ impl Moe {
         let (ranks, local) = (exchange.size() as i64, projections[0].weight.size()[0]);
         // Rows per expert, then per rank holding it; what each member sends each rank, per local expert.
         let counts = sorted.bincount(None::<Tensor>, self.experts).to_kind(Kind::Int64);
-        let received_counts = exchange.exchange(&counts.view([self.experts, 1]), &vec![local; ranks as usize], &vec![local; ranks as usize])?;
-        let counts = Vec::<i64>::try_from(counts.to_device(Device::Cpu))?;
-        let received_counts = Vec::<i64>::try_from(received_counts.reshape([-1]).to_device(Device::Cpu))?;
+        let received_counts = exchange.exchange(&counts.view([self.experts, 1]), &vec![local; ranks as usize], &vec![local; ranks as usize])?.reshape([-1]);
+        // The splits on the host (c10d takes them there): the layer's one wait for the device, both counts in one copy.
+        let on_host = Vec::<i64>::try_from(Tensor::cat(&[&counts, &received_counts], 0).to_device(Device::Cpu))?;
+        let (counts, received_blocks) = on_host.split_at(self.experts as usize);
         let sent: Vec<i64> = counts.chunks(local as usize).map(|chunk| chunk.iter().sum()).collect();
-        let received: Vec<i64> = received_counts.chunks(local as usize).map(|chunk| chunk.iter().sum()).collect();
+        let received: Vec<i64> = received_blocks.chunks(local as usize).map(|chunk| chunk.iter().sum()).collect();
         let rows = exchange.exchange(inputs, &sent, &received)?;
-        // Received grouped by member, then by expert: regrouped by expert, as the GEMMs take them.
-        let starts: Vec<i64> = received.iter().scan(0, |start, &n| Some(std::mem::replace(start, *start + n))).collect();
-        let mut by_expert = Vec::with_capacity(rows.size()[0] as usize);
-        let mut ends = Vec::with_capacity(local as usize);
-        for expert in 0..local as usize {
-            for (member, start) in starts.iter().enumerate() {
-                let before: i64 = received_counts[member * local as usize..member * local as usize + expert].iter().sum();
-                by_expert.extend(start + before..start + before + received_counts[member * local as usize + expert]);
-            }
-            ends.push(by_expert.len() as i32);
-        }
-        let mut back = vec![0i64; by_expert.len()];
-        for (position, &row) in by_expert.iter().enumerate() {
-            back[row as usize] = position as i64;
-        }
-        let device = inputs.device();
-        let by_expert = Tensor::from_slice(&by_expert).to_device(device);
-        let ends = Tensor::from_slice(&ends).to_device(device);
+        // Received grouped by member, then by expert: regrouped by expert, as
+        // the GEMMs take them, on the device (a copy of indices from the host
+        // would wait for the device again).
+        let total: i64 = received.iter().sum();
+        let expert_of_row = Tensor::repeat_interleave(&received_counts, total).remainder(local);
+        let (_, by_expert) = expert_of_row.sort_stable(true, 0, false);
+        let ends = expert_of_row.bincount(None::<Tensor>, local).cumsum(0, Kind::Int);
         let outputs = self.mlps(projections, &rows.index_select(0, &by_expert), &ends, gemms);
-        let outputs = outputs.index_select(0, &Tensor::from_slice(&back).to_device(device));
+        let outputs = outputs.zeros_like().index_copy(0, &by_expert, &outputs);
         exchange.exchange(&outputs, &received, &sent)
     }
 
