@@ -168,7 +168,6 @@ fn ft_plan_counts_a_mixture_of_experts_and_recommends_an_expert_parallel_degree(
         assert!((held(row) / expected - 1.0).abs() < 1e-9, "ep{degree}: {} held, {expected} expected", held(row));
         assert!(row["time"]["all_to_all"].as_f64().unwrap() > 0.0, "{row}");
     }
-    assert!(rows.iter().all(|r| r["expert_parallel"].is_null() || r["offload"] == "none"), "expert parallelism keeps its state on the device");
     assert!(plan["recommended"]["expert_parallel"].as_u64().is_some_and(|degree| degree > 1), "{}", plan["recommended"]);
 }
 

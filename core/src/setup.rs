@@ -132,9 +132,8 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
 /// Checks an expert-parallel `degree` (`train.expert_parallel`) against the
 /// run's `world` and its `model`: a degree above 1 must divide both the
 /// world size and the experts of a mixture of experts, and trains the whole
-/// model on the device (not LoRA's adapters, nor state offloaded to the
-/// host by `offload`: not yet).
-pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model, lora: bool, offload: &str) -> Result<()> {
+/// model (not LoRA's adapters: not yet).
+pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model, lora: bool) -> Result<()> {
     if degree <= 1 {
         return Ok(());
     }
@@ -150,9 +149,6 @@ pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Mod
     }
     if lora {
         bail!("{flag} with LoRA (train.lora): expert parallelism trains the whole model for now; train LoRA with 1");
-    }
-    if offload != "none" {
-        bail!("{flag} with train.offload {offload}: expert parallelism keeps its state on the device for now; drop --offload, or train with 1");
     }
     Ok(())
 }

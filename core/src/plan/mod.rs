@@ -792,8 +792,7 @@ impl Plan {
                     if name.is_some() && comm.is_some_and(refused) {
                         continue;
                     }
-                    // Expert parallelism keeps its state on the device.
-                    for expert_parallel in expert_parallel_degrees(workload.model, cluster).into_iter().filter(|&degree| degree == 1 || !to_host) {
+                    for expert_parallel in expert_parallel_degrees(workload.model, cluster) {
                         for &activation_checkpointing in checkpointing.choices() {
                             let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, comm, expert_parallel };
                             rows.push(PlanRow { comm: name.map(str::to_string), ..predict(workload, cluster, &setup)? });

@@ -146,13 +146,18 @@ impl<'m> Trainer<'m> {
             } else {
                 AfterReduction::AddToShard { first_micro_batch: first, last_micro_batch: last }
             };
-            if self.parallel.is_none() {
+            let stage = match placement.grads_sharded {
+                true => Some(ReduceStage::Shard),
+                false => reduced_over.map(|_| ReduceStage::World),
+            };
+            let Some(stage) = stage else {
+                // No other rank computes it (one rank, or experts only this rank holds): straight to the host.
                 self.offload_stats.device_to_host_bytes += unit.send_to_host(&input)? as f64;
                 return Ok(());
-            }
-            let (stage, result) = match placement.grads_sharded {
-                true => (ReduceStage::Shard, Tensor::empty([placement.shard.len], (reduce_dtype, input.device()))),
-                false => (ReduceStage::World, input.shallow_clone()),
+            };
+            let result = match stage {
+                ReduceStage::Shard => Tensor::empty([placement.shard.len], (reduce_dtype, input.device())),
+                _ => input.shallow_clone(),
             };
             let work = self.start_reduction(u, stage, input, result.shallow_clone(), first && last)?;
             reductions.pending.push_back(PendingReduction { unit: u, work, result, then });
