@@ -82,8 +82,14 @@ pub fn param_offsets(spec: &UnitSpec) -> Vec<(usize, i64)> {
 /// shaped; padding past the parameters is left out. One `split_with_sizes`
 /// makes them all, so autograd returns the gradient of the buffer with one
 /// concatenation (a narrow per parameter would zero-fill a buffer-sized
-/// tensor per parameter).
+/// tensor per parameter). A unit that is one parameter filling the buffer
+/// (an embedding, a mixture of experts' fused experts) gets a plain view:
+/// its gradient then becomes the buffer's as it is, where the
+/// concatenation would copy it (a second gradient-sized tensor for a moment).
 fn split_views(spec: &UnitSpec, order: &[usize], flat: &Tensor) -> Vec<Tensor> {
+    if one_view(spec, flat.size()[0]) {
+        return vec![flat.view(spec.params[0].shape.as_slice())];
+    }
     let mut sizes: Vec<i64> = order.iter().map(|&i| spec.params[i].numel()).collect();
     let padding = flat.size()[0] - sizes.iter().sum::<i64>();
     if padding > 0 {
@@ -98,6 +104,12 @@ fn split_views(spec: &UnitSpec, order: &[usize], flat: &Tensor) -> Vec<Tensor> {
         .zip(&spec.params)
         .map(|(piece, p)| piece.expect("every parameter has a piece").view(p.shape.as_slice()))
         .collect()
+}
+
+/// Whether `spec` is one parameter filling a flat buffer of `len` elements,
+/// which the model then reads through a plain view ([`split_views`]).
+pub(crate) fn one_view(spec: &UnitSpec, len: i64) -> bool {
+    matches!(spec.params.as_slice(), [whole] if whole.numel() == len)
 }
 
 /// A unit's parameters (in `spec` order, shaped) as views of its flat buffer.
@@ -863,6 +875,29 @@ mod tests {
         let host = if unit.placement.offload { master + grads + optimizer_state + host_copy } else { 0.0 };
         let frozen = if unit.placement.frozen { compute + shard + host_copy } else { 0.0 };
         MemoryAccount { params: compute + master + shard + host_copy, grads, optimizer_state, gathered_peak: 0.0, host, frozen, comm_state: 0.0 }
+    }
+
+    /// A unit of one parameter filling its buffer hands autograd's gradient
+    /// of the parameter to the buffer as it is (no gradient-sized copy: a
+    /// mixture of experts' fused experts, an embedding); a unit of several,
+    /// or one padded for its shard group, gets it through the concatenation.
+    #[test]
+    fn a_unit_of_one_parameter_takes_its_gradient_without_a_copy() {
+        let param = |name: &str, shape: &[i64]| ParamSpec::new("", name, shape, Init::Zeros);
+        let cases = [(vec![param("experts", &[2, 3, 4])], 1, true), (vec![param("experts", &[2, 3, 5])], 4, false), (vec![param("w", &[4, 6]), param("b", &[6])], 1, false)];
+        for (params, group_size, as_it_is) in cases {
+            let spec = UnitSpec { name: "unit".into(), params };
+            let tensors: Vec<Tensor> = spec.params.iter().map(|p| p.initial(Kind::Float, tch::Device::Cpu)).collect();
+            let placement = UnitPlacement::new(&ShardingPolicy::replicated(false), spec.numel(), group_size, 0, false);
+            let unit = FlatUnit::new(&spec, &tensors, Kind::Float, placement, None).unwrap();
+            let views = unit.views();
+            let grads: Vec<Tensor> = views.iter().map(|v| v.randn_like()).collect();
+            ft_sys::backward(&views.iter().collect::<Vec<_>>(), &grads.iter().collect::<Vec<_>>()).unwrap();
+            let flat = unit.take_compute_grad().unwrap();
+            let expected = Tensor::cat(&grads.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(), 0);
+            assert!(flat.narrow(0, 0, spec.numel()).equal(&expected), "{spec:?}");
+            assert_eq!(flat.data_ptr() == grads[0].data_ptr(), as_it_is, "{spec:?} in a group of {group_size}");
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! forward when one runs with each step, and float8 layers' casts. It
 //! allocates nothing.
 
-use crate::distributed::flat::{MemoryAccount, UnitPlacement};
+use crate::distributed::flat::{one_view, MemoryAccount, UnitPlacement};
 use crate::model::{head, Float8Layers, Model, Stage, StageKind};
 use crate::train::reductions_in_flight;
 use serde::{Deserialize, Serialize};
@@ -128,6 +128,10 @@ struct Walk<'a> {
     copy: &'a [UnitPlacement],
     /// Each unit's parameter count.
     numels: Vec<i64>,
+    /// Whether autograd copies each unit's parameters' gradients into its
+    /// flat one: not for a unit of one parameter filling its buffer (an
+    /// expert-parallel rank's rows of its experts included), whose gradient is the flat one.
+    concatenated: Vec<bool>,
     micro: &'a MicroBatch,
     now: PeakBreakdown,
     peak: PeakBreakdown,
@@ -414,6 +418,7 @@ pub(super) fn walk(
         placements,
         copy,
         numels: model.units().iter().map(|unit| unit.numel()).collect(),
+        concatenated: model.units().iter().zip(placements).map(|(unit, placement)| placement.expert_rows.is_none() && !one_view(unit, placement.shard.padded)).collect(),
         micro,
         now: PeakBreakdown::default(),
         peak: PeakBreakdown::default(),
@@ -495,7 +500,7 @@ pub(super) fn walk(
         }
         // The parameters' gradients before autograd concatenates them into
         // the flat one, and the intermediates' gradients.
-        let parameter_grads: f64 = trained.iter().map(|&u| walk.unit_bytes(u)).sum();
+        let parameter_grads: f64 = trained.iter().filter(|&&u| walk.concatenated[u]).map(|&u| walk.unit_bytes(u)).sum();
         walk.briefly(parameter_grads + if stage.kind == StageKind::Block { block_backward } else { 0.0 });
         match stage.kind {
             StageKind::Embed => walk.now.activations -= embed,
