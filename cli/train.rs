@@ -201,7 +201,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let tokenizer = source.tokenizer(config.data.tokenizer.as_deref())?;
     let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
     let model = run_model.model();
-    setup::check_expert_parallel(config.train.expert_parallel, rank.world_size(), model, config.train.lora.enabled())?;
+    setup::check_expert_parallel(config.train.expert_parallel, rank.world_size(), model)?;
     let mut task = registry.build_task(config.task.name.as_deref(), &TaskInputs { config: &config, tokenizer: &tokenizer, model, device: rank.device })?;
     // `--strategy auto` takes the plan's choice; on a GPU, running out of memory is explained with it.
     let rollout = task.rollouts().map(|rollouts| plan::RolloutShape::of_run(&config, rollouts));

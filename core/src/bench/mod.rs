@@ -248,8 +248,7 @@ fn measure(
 ) -> Result<Option<Row>> {
     let (comm, device, dtype) = (&rank.comm, rank.device, rank.dtype);
     let world = rank.world_size();
-    // A frozen part is LoRA's base: the benchmark's model is the run's model.
-    crate::setup::check_expert_parallel(case.expert_parallel, world, model, model.frozen_numel() > 0)?;
+    crate::setup::check_expert_parallel(case.expert_parallel, world, model)?;
     let parallel = DataParallel::new(comm, strategy, case.shard_group_size, case.reduce_dtype, dtype, case.expert_parallel)?;
     // On one rank nothing is communicated, so there is nothing to refuse.
     if world > 1 {

@@ -379,7 +379,9 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
         .map(|(unit, spec)| {
             if let Some((degree, rank)) = experts.filter(|_| expert_units.contains(&unit)) {
                 let rows = spec.numel() / degree as i64;
-                return (UnitPlacement::expert_rows(rows, rows * rank as i64, offload), None);
+                let placement = UnitPlacement::expert_rows(rows, rows * rank as i64, offload);
+                // LoRA's base: this rank's experts, frozen.
+                return (if model.frozen(unit) { placement.frozen() } else { placement }, None);
             }
             let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
             let placement = match (model.frozen(unit), is_adapter(unit)) {

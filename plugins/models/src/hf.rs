@@ -257,7 +257,8 @@ pub fn check_before_ranks(config: &Config, world: usize) -> Result<()> {
     let source = ModelSource::resolve(&config.model.source)?;
     source.start(config.model.init)?;
     if config.train.expert_parallel > 1 {
-        ft_core::setup::check_expert_parallel(config.train.expert_parallel, world, source.model()?.as_ref(), config.train.lora.enabled())?;
+        let run_model = RunModel::new(source.model()?, &config.train.lora, config.model.quantization())?;
+        ft_core::setup::check_expert_parallel(config.train.expert_parallel, world, run_model.model())?;
     }
     Ok(())
 }
