@@ -142,6 +142,13 @@ pub struct ExpertAdapter {
     pub scale: f64,
 }
 
+impl ExpertAdapter {
+    /// The adapters of experts `start..start + len` (an expert-parallel rank's).
+    pub fn rows(&self, start: i64, len: i64) -> ExpertAdapter {
+        ExpertAdapter { a: self.a.narrow(0, start, len), b: self.b.narrow(0, start, len), scale: self.scale }
+    }
+}
+
 /// Which linear layers run in float8 (`Params::linear`): every block layer
 /// whose widths are multiples of 16 (any layer, emulated) in `float8`'s
 /// recipe, except those whose weight shape [out, in] `kept` lists, which
@@ -221,12 +228,14 @@ impl<'a> Params<'a> {
 
     /// The low-rank update of fused expert parameter `name` ([E, N, K]:
     /// expert e's GEMM is x·W[e]ᵀ) when an adapter targets it (LoRA's
-    /// `experts` target), for the experts' GEMMs to add.
-    pub fn expert_adapter(&self, name: &str) -> Option<ExpertAdapter> {
+    /// `experts` target), for the experts' GEMMs to add; `experts` is the
+    /// layer's E (an expert-parallel rank's `name` holds only its rows;
+    /// `ExpertAdapter::rows` takes theirs).
+    pub fn expert_adapter(&self, name: &str, experts: i64) -> Option<ExpertAdapter> {
         let adapters = self.adapters.as_ref()?;
         let a = adapters.params.maybe(&format!("{name}.lora_A.weight"))?;
         let b = adapters.params.get(&format!("{name}.lora_B.weight"));
-        let (a, b) = crate::lora::expert_factors(a, b, self.get(name).size()[0]);
+        let (a, b) = crate::lora::expert_factors(a, b, experts);
         Some(ExpertAdapter { a, b, scale: adapters.scaling.scale })
     }
 

@@ -132,9 +132,8 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
 /// Checks an expert-parallel `degree` (`train.expert_parallel`) against the
 /// run's `world` and the model it trains (`RunModel::model`): a degree above
 /// 1 must divide both the world size and the experts of a mixture of
-/// experts; LoRA's adapters may target the rest of the model, not the
-/// experts, over a base in the compute dtype (not yet: adapters and 4-bit
-/// blocks of the rows a rank holds).
+/// experts; LoRA trains over a base in the compute dtype (not yet: the
+/// 4-bit blocks of the rows a rank holds).
 pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model) -> Result<()> {
     if degree <= 1 {
         return Ok(());
@@ -148,10 +147,6 @@ pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Mod
     }
     if experts as usize % degree != 0 {
         bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
-    }
-    let adapted = |param: &crate::model::ParamSpec| model.expert_parameters().iter().any(|experts| param.name == format!("{experts}.lora_A.weight"));
-    if model.units().iter().flat_map(|unit| &unit.params).any(adapted) {
-        bail!("{flag} with LoRA on the experts (train.lora.targets {}): adapters on split experts are not built yet; target the other layers, or train with 1", crate::lora::EXPERTS);
     }
     if model.quantized_base().is_some() {
         bail!("{flag} with model.quantize (--quantize): a 4-bit base of split experts is not built yet; train LoRA over a bf16 base, or with 1");

@@ -257,7 +257,7 @@ impl Moe {
         let probs = logits.softmax(-1, Kind::Float);
         let (top, chosen) = probs.topk(self.top_k, -1, true, true);
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
-        let projections = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name) });
+        let projections = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name, self.experts) });
         let gemms = self.gemms(hidden, x.device(), x.kind());
         let mut out = self.experts(&projections, &tokens, &chosen, &top.to_kind(x.kind()), gemms, ctx.experts.as_deref());
         if self.shared_expert.is_some() {
@@ -294,13 +294,15 @@ impl Moe {
 
     /// The assignments' rows `inputs`, sorted by expert over all E, through
     /// this rank's experts (`projections`' weights hold rows `rank·E/N ..`
-    /// of the layer's, N the expert group's ranks; no adapters: LoRA is
-    /// refused with expert parallelism): each member's rows for the
+    /// of the layer's, N the expert group's ranks; their adapters, every
+    /// expert's, are narrowed to those rows): each member's rows for the
     /// experts a rank holds are sent to it — the counts first, so each
     /// knows what it receives — run through those experts, and sent back,
     /// in `inputs`' order.
     fn exchanged_mlps(&self, projections: &[Projection; 2], inputs: &Tensor, sorted: &Tensor, gemms: ExpertGemms, exchange: &dyn ExpertExchange) -> anyhow::Result<Tensor> {
         let (ranks, local) = (exchange.size() as i64, projections[0].weight.size()[0]);
+        let start = exchange.rank() as i64 * local;
+        let projections = projections.each_ref().map(|p| Projection { weight: p.weight, adapter: p.adapter.as_ref().map(|adapter| adapter.rows(start, local)) });
         // Rows per expert, then per rank holding it; what each member sends each rank, per local expert.
         let counts = sorted.bincount(None::<Tensor>, self.experts).to_kind(Kind::Int64);
         let received_counts = exchange.exchange(&counts.view([self.experts, 1]), &vec![local; ranks as usize], &vec![local; ranks as usize])?.reshape([-1]);
@@ -317,7 +319,7 @@ impl Moe {
         let expert_of_row = Tensor::repeat_interleave(&received_counts, total).remainder(local);
         let (_, by_expert) = expert_of_row.sort_stable(true, 0, false);
         let ends = expert_of_row.bincount(None::<Tensor>, local).cumsum(0, Kind::Int);
-        let outputs = self.mlps(projections, &rows.index_select(0, &by_expert), &ends, gemms);
+        let outputs = self.mlps(&projections, &rows.index_select(0, &by_expert), &ends, gemms);
         let outputs = outputs.zeros_like().index_copy(0, &by_expert, &outputs);
         exchange.exchange(&outputs, &received, &sent)
     }
