@@ -353,6 +353,13 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     StepTime { compute, communication, optimizer, offload, compress, dequantize, reference, all_to_all, rollout: 0.0 }
 }
 
+/// What an expert-parallel exchange costs beyond its bytes: its wait on
+/// the host for the splits (c10d takes them there, so the GPU's queue
+/// drains) and the passes that regroup and combine its rows. Fitted to the
+/// 2- and 4-GPU rows of bench/results/2026-11-28-h200x4-moe-ep.md (0.7–0.9
+/// ms an exchange, 2 × 2048 tokens of 8 experts each, hidden size 2048).
+const EXCHANGE_SECONDS: f64 = 0.75e-3;
+
 /// Expert parallelism's token exchanges of a step: per micro-batch and
 /// sparse layer, each assignment's hidden state to its expert's rank and
 /// back, in forward and again (their gradients) in backward, and forward's
@@ -363,7 +370,7 @@ fn all_to_all_seconds(workload: &Workload, setup: &Setup, network: &Network) -> 
     let element = workload.dtype.elt_size_in_bytes() as f64;
     let bytes = (workload.batch * workload.seq * experts.per_token * workload.model.dims().hidden) as f64 * element;
     let exchanges = if setup.activation_checkpointing { 6 } else { 4 } * experts.sparse_layers as usize * workload.grad_accum;
-    exchanges as f64 * network.seconds(&Transfer { collective: Collective::AllToAll, group: Group::Experts, bytes, exposed: true })
+    exchanges as f64 * (network.seconds(&Transfer { collective: Collective::AllToAll, group: Group::Experts, bytes, exposed: true }) + EXCHANGE_SECONDS)
 }
 
 #[cfg(test)]
