@@ -760,6 +760,20 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let baseline = common::losses(&one);
     assert_eq!(baseline.len(), 2, "{baseline:?}");
     let mut saved = None;
+    // What each rank holds, on the device and offloaded, is what `ft plan` predicts for the run's row.
+    let holds_what_ft_plan_predicts = |dir: &Path, name: &str, strategy: &str, offload: &str, extra: &[&str]| {
+        let json = dir.join("plan.json");
+        let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--dtype", "f32", "--json", json.to_str().unwrap()]).args(extra).output().unwrap();
+        assert!(plan.status.success(), "{}", common::text(&plan));
+        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let row = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == strategy && r["offload"] == offload && r["expert_parallel"] == 2 && r["comm"].is_null());
+        let row = row.unwrap_or_else(|| panic!("{name}: no plan row"));
+        for held in common::summary(dir)["state_per_rank"].as_array().unwrap() {
+            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
+                assert_eq!(row["state"][what], held[what], "{name}: {what}");
+            }
+        }
+    };
     let runs = [("ep2-ddp", "ddp", "none"), ("ep2-full-shard", "full_shard", "none"), ("ep2-shard-grad-op", "shard_grad_op", "none"), ("ep2-full-shard-offload", "full_shard", "cpu"), ("ep2-ddp-offload", "ddp", "cpu")];
     for (name, strategy, offload) in runs {
         let dir = run(name, &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", strategy, "--offload", offload, "--expert-parallel", "2", "--save-every", "1"]);
@@ -774,17 +788,7 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
         for (key, x) in &ours {
             assert!(relative(x, &theirs[key], 1e-6) <= 1e-4, "{name}: {key} differs from one rank's by {}", relative(x, &theirs[key], 1e-6));
         }
-        // What each rank holds, on the device and offloaded, is what `ft plan` predicts for the row.
-        let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--dtype", "f32", "--json", dir.join("plan.json").to_str().unwrap()]).output().unwrap();
-        assert!(plan.status.success(), "{}", common::text(&plan));
-        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
-        let row = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == strategy && r["offload"] == offload && r["expert_parallel"] == 2 && r["comm"].is_null());
-        let row = row.unwrap_or_else(|| panic!("{name}: no plan row"));
-        for held in common::summary(&dir)["state_per_rank"].as_array().unwrap() {
-            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak"] {
-                assert_eq!(row["state"][what], held[what], "{name}: {what}");
-            }
-        }
+        holds_what_ft_plan_predicts(&dir, name, strategy, offload, &[]);
         saved.get_or_insert(dir);
     }
     // Each rank holds half the experts (8 of [2·32, 64] and [64, 32]), and tokens crossed by all-to-all.
@@ -803,7 +807,9 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     // LoRA on attention and on the split, frozen experts (each rank's rows of their adapters): one rank's losses.
     let lora = ["--lora-r", "4", "--lora-targets", "q,experts"];
     let one = common::losses(&run("lora-one-rank", &[&["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"][..], &lora].concat()));
-    let split = common::losses(&run("lora-ep2", &[&["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--expert-parallel", "2"][..], &lora].concat()));
+    let split_run = run("lora-ep2", &[&["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--expert-parallel", "2"][..], &lora].concat());
+    holds_what_ft_plan_predicts(&split_run, "lora-ep2", "full_shard", "none", &lora);
+    let split = common::losses(&split_run);
     assert_eq!(split.len(), one.len());
     for (step, (x, y)) in split.iter().zip(&one).enumerate() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "LoRA at degree 2, step {}: loss {x} vs one rank's {y}", step + 1);
