@@ -282,10 +282,7 @@ impl Moe {
         let token_of = order.divide_scalar_mode(self.top_k, "floor");
         let inputs = tokens.index_select(0, &token_of);
         let outputs = match exchange {
-            None => {
-                let ends = Tensor::arange(self.experts, (sorted.kind(), sorted.device())).searchsorted(&sorted, true, true, "right", None::<Tensor>);
-                self.mlps(projections, &inputs, &ends, gemms)
-            }
+            None => self.mlps(projections, &inputs, &expert_ends(&sorted, self.experts, true), gemms),
             Some(exchange) => self.exchanged_mlps(projections, &inputs, &sorted, gemms, exchange).unwrap_or_else(|e| ft_core::panic::raise(e)),
         };
         let weighed = outputs * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
@@ -304,7 +301,8 @@ impl Moe {
         let start = exchange.rank() as i64 * local;
         let projections = projections.each_ref().map(|p| Projection { weight: p.weight, adapter: p.adapter.as_ref().map(|adapter| adapter.rows(start, local)) });
         // Rows per expert, then per rank holding it; what each member sends each rank, per local expert.
-        let counts = sorted.bincount(None::<Tensor>, self.experts).to_kind(Kind::Int64);
+        let ends = expert_ends(sorted, self.experts, false);
+        let counts = ends.diff(1, 0, Some(ends.zeros_like().narrow(0, 0, 1)), None::<Tensor>);
         let received_counts = exchange.exchange(&counts.view([self.experts, 1]), &vec![local; ranks as usize], &vec![local; ranks as usize])?.reshape([-1]);
         // The splits on the host (c10d takes them there): the layer's one wait for the device, both counts in one copy.
         let on_host = Vec::<i64>::try_from(Tensor::cat(&[&counts, &received_counts], 0).to_device(Device::Cpu))?;
@@ -317,9 +315,8 @@ impl Moe {
         // would wait for the device again).
         let total: i64 = received.iter().sum();
         let expert_of_row = Tensor::repeat_interleave(&received_counts, total).remainder(local);
-        let (_, by_expert) = expert_of_row.sort_stable(true, 0, false);
-        let ends = expert_of_row.bincount(None::<Tensor>, local).cumsum(0, Kind::Int);
-        let outputs = self.mlps(&projections, &rows.index_select(0, &by_expert), &ends, gemms);
+        let (by_expert_ids, by_expert) = expert_of_row.sort_stable(true, 0, false);
+        let outputs = self.mlps(&projections, &rows.index_select(0, &by_expert), &expert_ends(&by_expert_ids, local, true), gemms);
         let outputs = outputs.zeros_like().index_copy(0, &by_expert, &outputs);
         exchange.exchange(&outputs, &received, &sent)
     }
@@ -414,6 +411,14 @@ impl AuxiliaryLoss for Moe {
         figures.push(("moe/dropped_assignments".into(), tokens * self.top_k as f64 - assignments.sum(Kind::Float)));
         figures
     }
+}
+
+/// Where each of `experts` experts' rows end among assignments `sorted` by
+/// expert, int32 as the grouped GEMM takes them (`int32`) or int64: on the
+/// device, read nowhere on the host (a bincount would read its maximum
+/// there, a wait for the device).
+fn expert_ends(sorted: &Tensor, experts: i64, int32: bool) -> Tensor {
+    Tensor::arange(experts, (sorted.kind(), sorted.device())).searchsorted(sorted, int32, true, "right", None::<Tensor>)
 }
 
 /// The tensors the Hub's files store a fused expert parameter as: for
