@@ -79,7 +79,8 @@ impl ft_sys::Exchanger for Exchange {
         };
         let mut shape = input.size();
         shape[0] = output_splits.iter().sum();
-        let output = Tensor::empty(shape.as_slice(), (input.kind(), input.device()));
+        // Memory can run out here, at a step's peak: an error, not a panic.
+        let output = Tensor::f_empty(shape.as_slice(), (input.kind(), input.device())).map_err(|e| format!("an expert-parallel token exchange: {e}"))?;
         let request = TokenExchange { group: &self.group, input: input.contiguous(), output: output.shallow_clone(), input_splits, output_splits };
         // The trainer holds no borrow of the hook while a block computes or backward runs.
         let mut hook = self.hook.try_borrow_mut().map_err(|_| "the communication hook is busy elsewhere during a token exchange".to_string())?;

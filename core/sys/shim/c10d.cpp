@@ -176,10 +176,20 @@ void ft_group_free(FtGroup* group) {
   if (group == nullptr) {
     return;
   }
-  // NCCL communicators must be shut down before the backend is destroyed, or
-  // its watchdog reports the group as leaked. Errors at shutdown are moot.
+  // NCCL communicators must be torn down before the backend is destroyed, or
+  // its watchdog reports the group as leaked. They are aborted, not shut
+  // down: a group is dropped when its owner is done, ft having waited for
+  // every collective it needed, or on an error; there shutdown would wait
+  // for peers' collectives that never come (a rank out of memory inside an
+  // expert exchange hung its job so), where abort lets the error reach the
+  // user and the launcher. What PyTorch's own destructor does unless asked
+  // to shut down. Errors at teardown are moot.
   try {
-    group->backend->shutdown();
+    if (group->kind == kNccl) {
+      group->backend->abort();
+    } else {
+      group->backend->shutdown();
+    }
   } catch (...) {
   }
   delete group;

@@ -641,12 +641,22 @@ unsafe fn borrowed(tensors: *const *const RawTensor, count: i32) -> Vec<std::mem
     (0..count.max(0) as usize).map(|i| std::mem::ManuallyDrop::new(unsafe { Tensor::from_ptr(*tensors.add(i) as *mut RawTensor) })).collect()
 }
 
+/// A panic inside `report` as its message's first line (a tch panic's
+/// libtorch error without its C++ stack, e.g. running out of memory).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+    match text.and_then(|text| text.split("\\n").next()?.lines().next()) {
+        Some(first_line) => format!("ft's kernel panicked: {first_line}"),
+        None => "ft's kernel panicked".into(),
+    }
+}
+
 /// Runs `run` for the shim: 0, or 1 with its error (a panic's too) in `message`.
 ///
 /// # Safety
 /// `message` must hold `capacity` bytes.
 unsafe fn report(run: impl FnOnce() -> Result<()>, message: *mut c_char, capacity: usize) -> i32 {
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| Err(ShimError("ft's kernel panicked".into())));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|payload| Err(ShimError(panic_text(payload.as_ref()))));
     match result {
         Ok(()) => 0,
         Err(ShimError(text)) if capacity > 0 => {
