@@ -73,6 +73,9 @@ pub struct BenchArgs {
     reduce_dtype: ReduceDtype,
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Recompute only the first N blocks (`ft train --checkpoint-layers`).
+    #[arg(long, value_name = "N", requires = "activation_checkpointing")]
+    checkpoint_layers: Option<usize>,
     /// Float8 linear layers in the blocks: tensorwise or rowwise (torchao's recipes; `ft train --fp8`).
     #[arg(long, value_name = "tensorwise|rowwise", value_parser = parse_named::<Fp8>)]
     fp8: Option<Fp8>,
@@ -214,6 +217,7 @@ fn case(args: &BenchArgs, batch: i64, seq: i64) -> BenchCase {
         reduce_dtype: args.reduce_dtype,
         expert_parallel: args.expert_parallel,
         activation_checkpointing: args.activation_checkpointing,
+        checkpoint_layers: args.checkpoint_layers,
         loss_chunk_tokens: args.loss_chunk_tokens,
         breakdown: args.breakdown,
         profile: args.profile.clone(),

@@ -61,6 +61,9 @@ pub struct TrainArgs {
     seed: Option<u64>,
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Recompute only the first N blocks, keeping the others' activations (train.checkpoint_layers; `ft plan` finds the fewest that fit).
+    #[arg(long, value_name = "N", requires = "activation_checkpointing")]
+    checkpoint_layers: Option<usize>,
     #[arg(long)]
     output_dir: Option<PathBuf>,
     /// A run that does not resume may replace a previous run's outputs in
@@ -145,6 +148,7 @@ impl TrainArgs {
             .set("train.weight_decay", self.weight_decay)
             .set("train.seed", self.seed)
             .set("train.activation_checkpointing", self.activation_checkpointing.then_some(true))
+            .set("train.checkpoint_layers", self.checkpoint_layers)
             .set("train.save_every", self.save_every)
             .set("train.save_total_limit", self.save_total_limit)
             .set("train.resume", self.resume.clone())
@@ -238,7 +242,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let trained = match fit::run(fit, params) {
         Err(error) if error.is::<fit::Interrupted>() => return Ok(fit::Interrupted::exit_code(&error, rank.rank())),
         trained => trained.map_err(|error| match &prediction {
-            Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), config.train.activation_checkpointing),
+            Some(prediction) => plan::explain_out_of_memory(error, prediction, strategy.name(), offload.name(), &config.train),
             None => error,
         })?,
     };

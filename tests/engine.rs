@@ -71,8 +71,9 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
     for name in ["bloom", "llama-gqa"] {
         let (model, params, ids) = fixture(name);
         let (expected_loss, expected) = reference_grads(model.as_ref(), &params, &ids);
-        for checkpointing in [false, true] {
-            let options = TrainOptions { activation_checkpointing: checkpointing, max_grad_norm: None, ..Default::default() };
+        // None, all, and the first block alone recomputed (train.checkpoint_layers).
+        for (checkpointing, checkpoint_layers) in [(false, None), (true, None), (true, Some(1))] {
+            let options = TrainOptions { activation_checkpointing: checkpointing, checkpoint_layers, max_grad_norm: None, ..Default::default() };
             let mut trainer = TrainerBuilder::new(model.as_ref(), options).build(&params).unwrap();
             let count = ids.narrow(1, 1, ids.size()[1] - 1).numel() as f64;
             let loss = trainer.forward_backward(&lm_batch(&ids), &LM_LOSS, count, MicroBatch::ONLY).unwrap();
@@ -80,11 +81,16 @@ fn unit_by_unit_backward_equals_one_autograd_pass() {
             // The accumulated flat gradient, viewed per parameter, equals autograd's.
             for (unit, expected_unit) in trainer.units().iter().zip(&expected) {
                 for (grad, want) in unit.grad_views().iter().zip(expected_unit) {
-                    assert!(max_relative(grad, want) < 1e-5, "{name} checkpointing={checkpointing}");
+                    assert!(max_relative(grad, want) < 1e-5, "{name} checkpointing={checkpointing} layers={checkpoint_layers:?}");
                 }
             }
         }
     }
+    // More blocks than the model has is refused.
+    let (model, params, _) = fixture("llama");
+    let options = TrainOptions { activation_checkpointing: true, checkpoint_layers: Some(99), ..Default::default() };
+    let error = TrainerBuilder::new(model.as_ref(), options).build(&params).err().expect("99 blocks refused");
+    assert!(error.to_string().contains("train.checkpoint_layers (--checkpoint-layers) 99 is more than the model's"), "{error}");
 }
 
 #[test]

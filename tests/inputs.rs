@@ -173,6 +173,8 @@ fn options_that_need_another_are_errors_naming_both() {
     assert!(refused(&["--set", "train.warmup_ratio=0.1", "--set", "train.warmup_steps=5"]).contains("train.warmup_ratio is given, but train.warmup_steps is set too"));
     assert!(refused(&["--max-steps", "10", "--epochs", "2"]).contains("train.max_steps (--max-steps) and train.epochs (--epochs) both set how long the run trains"));
     assert!(refused(&["--max-steps", "0"]).contains("train.max_steps (--max-steps) must be at least 1"));
+    assert!(refused(&["--set", "train.checkpoint_layers=4"]).contains("train.checkpoint_layers (--checkpoint-layers) needs train.activation_checkpointing"));
+    assert!(refused(&["--activation-checkpointing", "--checkpoint-layers", "0"]).contains("train.checkpoint_layers (--checkpoint-layers) must be at least 1"));
     // With its partner each is taken.
     let (ok, message) = run(&["train", "--dry-run", "--output-dir", dir.path().to_str().unwrap(), "--lora-r", "8", "--lora-alpha", "32"]);
     assert!(ok && message.contains("\"alpha\": 32.0"), "{message}");

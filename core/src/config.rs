@@ -430,6 +430,10 @@ pub struct TrainConfig {
     pub device: DeviceSpec,
     pub seed: u64,
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, recompute only the first N blocks
+    /// and keep the others' activations (all blocks when unset): the
+    /// fewest that fit memory cost the least recomputation (`ft plan` picks N).
+    pub checkpoint_layers: Option<usize>,
     pub loss_chunk_tokens: i64,
     /// Optimizer steps between metrics records (the sinks' files).
     pub log_every: usize,
@@ -637,6 +641,7 @@ impl Default for TrainConfig {
             device: DeviceSpec::Auto,
             seed: 42,
             activation_checkpointing: false,
+            checkpoint_layers: None,
             loss_chunk_tokens: 1024,
             log_every: 1,
             log_seconds: 30.0,

@@ -713,6 +713,11 @@ pub fn block_units(model: &dyn Model) -> impl Iterator<Item = usize> + '_ {
     model.stages().iter().filter(|s| s.kind == StageKind::Block).flat_map(|s| s.units())
 }
 
+/// How many transformer blocks `model` has (its `Block` stages).
+pub fn block_count(model: &dyn Model) -> usize {
+    model.stages().iter().filter(|s| s.kind == StageKind::Block).count()
+}
+
 /// Fresh parameters for every unit of `model` as its specs ask (linear and
 /// embedding weights N(0, std), biases zero, norms one — transformers'
 /// `_init_weights`), seeded for reproducibility; libtorch's refusal (more

@@ -97,6 +97,11 @@ pub fn validate(config: &Config, registry: &Registry, world: usize) -> Result<()
         (strategy.create)().policy().validate(&strategy.name)?;
     }
     registry.offload(&t.offload)?;
+    match t.checkpoint_layers {
+        Some(_) if !t.activation_checkpointing => bail!("train.checkpoint_layers (--checkpoint-layers) needs train.activation_checkpointing (--activation-checkpointing): it says how many of the checkpointed blocks recompute"),
+        Some(0) => bail!("train.checkpoint_layers (--checkpoint-layers) must be at least 1: without recomputed blocks, turn train.activation_checkpointing off"),
+        _ => {}
+    }
     if t.expert_parallel == 0 {
         bail!("train.expert_parallel (--expert-parallel) must be at least 1: the ranks that split a mixture of experts' experts (1: each rank holds them all)");
     }

@@ -41,6 +41,8 @@ pub struct BenchCase {
     /// Ranks that split a mixture of experts' experts (`train.expert_parallel`; 1: each holds them all).
     pub expert_parallel: usize,
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, the blocks recomputed (`train.checkpoint_layers`; None: all).
+    pub checkpoint_layers: Option<usize>,
     pub loss_chunk_tokens: i64,
     /// On one GPU, time the phases apart and check ft's kernels against ATen's.
     pub breakdown: bool,
@@ -65,6 +67,9 @@ pub struct Row {
     /// Rows written before it was recorded ran without.
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, the blocks recomputed (None: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_layers: Option<usize>,
     #[serde(default)]
     pub reduce_dtype: ReduceDtype,
     /// Rows written before it was recorded ran with 1.
@@ -119,6 +124,7 @@ impl Row {
             comm: comm.into(),
             offload: offload.into(),
             activation_checkpointing: case.activation_checkpointing,
+            checkpoint_layers: case.checkpoint_layers,
             reduce_dtype: case.reduce_dtype,
             expert_parallel: case.expert_parallel,
             gpus,
@@ -266,6 +272,7 @@ fn measure(
         adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
         max_grad_norm: Some(1.0),
         activation_checkpointing: case.activation_checkpointing,
+        checkpoint_layers: case.checkpoint_layers,
         seed: 0,
         float8: case.float8,
         float8_gathers: case.float8_gathers,
@@ -333,6 +340,7 @@ fn measure(
         comm: comm_name,
         offload: offload.name().into(),
         activation_checkpointing: case.activation_checkpointing,
+        checkpoint_layers: case.checkpoint_layers,
         reduce_dtype: case.reduce_dtype,
         expert_parallel: case.expert_parallel,
         gpus: world,

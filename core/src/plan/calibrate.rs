@@ -389,12 +389,13 @@ impl Cluster {
     /// products at the measured rates: none without a calibration (the
     /// table's achieved fraction of the peak covers them). With activation
     /// checkpointing the blocks' forward, a third of theirs, runs again.
-    pub(super) fn memory_bound_seconds(&self, workload: &Workload, tokens: f64, activation_checkpointing: bool) -> f64 {
+    /// `recomputed`: the share of the blocks whose forward runs again.
+    pub(super) fn memory_bound_seconds(&self, workload: &Workload, tokens: f64, recomputed: f64) -> f64 {
         if self.calibration.is_none() {
             return 0.0;
         }
         let dims = workload.model.dims();
-        let recompute = if activation_checkpointing { 4.0 / 3.0 } else { 1.0 };
+        let recompute = 1.0 + recomputed / 3.0;
         let block = BLOCK_BYTES_PER_TOKEN_AND_HIDDEN * (dims.layers * dims.hidden) as f64 * recompute;
         let head = HEAD_BYTES_PER_TOKEN_AND_VOCAB * dims.vocab as f64;
         tokens * (block + head) / self.memory_bandwidth

@@ -23,6 +23,8 @@ pub struct CheckedRow {
     pub expert_parallel: usize,
     pub offload: String,
     pub activation_checkpointing: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_layers: Option<usize>,
     pub gpus: usize,
     pub batch: i64,
     pub seq: i64,
@@ -112,6 +114,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             offload: offload.name,
             offload_to_host: (offload.create)().to_host(),
             activation_checkpointing: row.activation_checkpointing,
+            checkpoint_layers: row.checkpoint_layers,
             comm: None,
             expert_parallel: row.expert_parallel,
         };
@@ -122,6 +125,7 @@ pub fn check_rows(rows: &[Row], models: &[&dyn Model], registry: &Registry, sett
             expert_parallel: row.expert_parallel,
             offload: row.offload.clone(),
             activation_checkpointing: row.activation_checkpointing,
+            checkpoint_layers: row.checkpoint_layers,
             gpus: row.gpus,
             batch: row.batch,
             seq: row.seq,
@@ -146,7 +150,7 @@ pub fn check_table(rows: &[CheckedRow]) -> String {
             r.model,
             r.strategy.clone() + &if r.expert_parallel > 1 { format!(" ep{}", r.expert_parallel) } else { String::new() },
             r.offload,
-            if r.activation_checkpointing { "on" } else { "off" },
+            super::checkpointing_label(r.activation_checkpointing, r.checkpoint_layers),
             r.gpus,
             r.batch,
             r.seq,

@@ -48,6 +48,13 @@ pub(super) struct MicroBatch {
     /// The dtype gradients are reduced in.
     pub reduce: Kind,
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, the first blocks recomputed (None: all).
+    pub checkpoint_layers: Option<usize>,
+    /// `train.expert_parallel` (1: none): exchanges hold rows of their own.
+    pub expert_parallel: usize,
+    /// Each expert is held by one rank alone (the expert group spans the
+    /// world), so its gradient is reduced over no replica.
+    pub experts_unreplicated: bool,
     /// Gradients of earlier micro-batches are already held (accumulation).
     pub accumulating: bool,
     /// The shard group or world has more than one rank, so gradients are reduced.
@@ -285,12 +292,14 @@ impl<'a> Walk<'a> {
         }
         // Whole gradients: accumulated in fp32, all-reduced on the last micro-batch.
         let gradient = padded * 4.0;
-        let whole = !self.micro.accumulating && !self.micro.data_parallel;
+        let unreduced = !self.micro.data_parallel || (placement.expert_rows.is_some() && self.micro.experts_unreplicated);
+        let whole = !self.micro.accumulating && unreduced;
         match (self.micro.accumulating, self.micro.dtype == Kind::Float) {
             // Added in place.
             (true, _) => self.now.transient -= flat,
             // The flat gradient becomes the step's: fp32 already, or (one
-            // micro-batch on one rank) kept in the compute dtype for AdamW.
+            // micro-batch on one rank, or of experts no other rank holds)
+            // kept in the compute dtype for AdamW.
             _ if whole => {
                 self.now.transient -= flat;
                 self.now.grads += flat;
@@ -392,6 +401,16 @@ impl Walk<'_> {
     }
 }
 
+/// What each sparse block keeps beyond its activations under expert
+/// parallelism, in rows of its assignments (each the hidden size, in the
+/// compute dtype): autograd saves no more than without exchanges, but the
+/// peaks measured at degrees 2 and 4 hold two such rows more per
+/// assignment and layer — the exchanges' buffers, which c10d keeps for the
+/// allocator's safety until its watchdog sees them complete, is the
+/// suspect. Fitted to bench/results/2026-11-28-h200x4-moe-ep.md's OLMoE
+/// rows and the Qwen3-30B-A3B rows of 2026-11-28-h200x4-moe-row5.md.
+const EXCHANGED_ROWS_PER_ASSIGNMENT: f64 = 2.0;
+
 /// Walks one micro-batch of `model` with its units placed as `placements`
 /// say, over `state` (what the rank holds between steps).
 pub(super) fn walk(
@@ -407,7 +426,11 @@ pub(super) fn walk(
     let element = Walk::element(micro.dtype);
     let tokens = (micro.batch * micro.seq) as f64;
     let pairs = (micro.batch * micro.seq * micro.seq) as f64;
-    let block = activations.block_bytes_per_token(element as i64) as f64 * tokens + activations.block_per_position_pair as f64 * element * pairs;
+    let exchanged = match model.experts().filter(|_| micro.expert_parallel > 1) {
+        Some(experts) => EXCHANGED_ROWS_PER_ASSIGNMENT * (experts.per_token * dims.hidden) as f64 * element * tokens,
+        None => 0.0,
+    };
+    let block = activations.block_bytes_per_token(element as i64) as f64 * tokens + activations.block_per_position_pair as f64 * element * pairs + exchanged;
     let output = dims.hidden as f64 * element * tokens;
     let embed = activations.embed as f64 * element * tokens;
     let block_backward = activations.block_backward as f64 * element * tokens;
@@ -442,6 +465,12 @@ pub(super) fn walk(
         walk.reference_forward(model, if reference.copy { Set::Copy } else { Set::Model }, reshard_after_forward);
     }
     let stages = model.stages();
+    let recomputed: Vec<bool> = (0..stages.len())
+        .map(|index| stages[index].kind == StageKind::Block && {
+            let layer = stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count();
+            crate::train::recomputes(micro.activation_checkpointing, micro.checkpoint_layers, layer)
+        })
+        .collect();
     // Whether ft's float8 kernels' input caches hold a cast: forward's, backward's.
     let (mut forward_cache, mut backward_cache) = (false, false);
     for (index, stage) in stages.iter().enumerate() {
@@ -454,7 +483,7 @@ pub(super) fn walk(
         match stage.kind {
             StageKind::Embed => walk.now.activations += embed,
             // Run without a graph: only the output is kept.
-            StageKind::Block if micro.activation_checkpointing => walk.now.activations += output,
+            StageKind::Block if recomputed[index] => walk.now.activations += output,
             StageKind::Block => walk.now.activations += block,
             StageKind::Head if causal_lm => {
                 walk.now.activations += output;
@@ -485,8 +514,7 @@ pub(super) fn walk(
         if stage.kind == StageKind::Block {
             walk.float8_casts(tokens, &mut backward_cache);
         }
-        let recomputed = stage.kind == StageKind::Block && micro.activation_checkpointing;
-        if recomputed {
+        if recomputed[index] {
             walk.now.activations += block - output;
             walk.note();
         }

@@ -389,6 +389,8 @@ pub struct Setup<'a> {
     pub offload: &'a str,
     pub offload_to_host: bool,
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, the first blocks recomputed (None: all).
+    pub checkpoint_layers: Option<usize>,
     /// The communication hook: the strategy's own, or one planned beside it (None: the built-in collectives).
     pub comm: Option<&'a PlanComm>,
     /// `train.expert_parallel`: the ranks that split a mixture of experts' experts (1: none).
@@ -404,6 +406,9 @@ pub struct PlanRow {
     pub comm: Option<String>,
     pub offload: String,
     pub activation_checkpointing: bool,
+    /// Under activation checkpointing, the first blocks recomputed (`train.checkpoint_layers`; None: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_layers: Option<usize>,
     pub shard_group_size: usize,
     /// `train.expert_parallel` above 1: the ranks that split the experts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -447,8 +452,10 @@ impl PlanRow {
         if self.offload != NoOffload.name() {
             label += &format!(" + {} offload", self.offload);
         }
-        if self.activation_checkpointing {
-            label += " + activation checkpointing";
+        match (self.activation_checkpointing, self.checkpoint_layers) {
+            (true, Some(layers)) => label += &format!(" + activation checkpointing of {layers} blocks"),
+            (true, None) => label += " + activation checkpointing",
+            (false, _) => {}
         }
         if let Some(degree) = self.expert_parallel {
             label += &format!(" + expert parallel {degree}");
@@ -457,8 +464,9 @@ impl PlanRow {
     }
 
     /// The row of the strategy with its own communication (and no expert parallelism).
-    fn is(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> bool {
-        self.strategy == strategy && self.comm.is_none() && self.offload == offload && self.activation_checkpointing == activation_checkpointing && self.expert_parallel.is_none()
+    fn is(&self, strategy: &str, offload: &str, activation_checkpointing: bool, checkpoint_layers: Option<usize>) -> bool {
+        let checkpointing = self.activation_checkpointing == activation_checkpointing && self.checkpoint_layers == checkpoint_layers;
+        self.strategy == strategy && self.comm.is_none() && self.offload == offload && checkpointing && self.expert_parallel.is_none()
     }
 }
 
@@ -573,6 +581,9 @@ fn device_peak(
         dtype: workload.dtype,
         reduce: workload.reduce_dtype.kind(workload.dtype),
         activation_checkpointing: setup.activation_checkpointing,
+        checkpoint_layers: setup.checkpoint_layers,
+        expert_parallel: setup.expert_parallel,
+        experts_unreplicated: setup.expert_parallel > 1 && setup.expert_parallel == cluster.gpus,
         accumulating: workload.grad_accum > 1,
         data_parallel: cluster.gpus > 1,
         loss_chunk_tokens: workload.loss_chunk_tokens,
@@ -714,6 +725,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         comm: None,
         offload: setup.offload.into(),
         activation_checkpointing: setup.activation_checkpointing,
+        checkpoint_layers: setup.checkpoint_layers,
         shard_group_size: group,
         expert_parallel: (setup.expert_parallel > 1).then_some(setup.expert_parallel),
         fits: exceeds.is_none(),
@@ -794,8 +806,14 @@ impl Plan {
                     }
                     for expert_parallel in expert_parallel_degrees(workload.model, cluster) {
                         for &activation_checkpointing in checkpointing.choices() {
-                            let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, comm, expert_parallel };
-                            rows.push(PlanRow { comm: name.map(str::to_string), ..predict(workload, cluster, &setup)? });
+                            let setup = Setup { strategy: &strategy.name, policy, offload: offload.name, offload_to_host: to_host, activation_checkpointing, checkpoint_layers: None, comm, expert_parallel };
+                            let row = predict(workload, cluster, &setup)?;
+                            let partial = match activation_checkpointing && row.fits {
+                                true => fewest_recomputed_blocks(workload, cluster, &setup)?,
+                                false => None,
+                            };
+                            rows.push(PlanRow { comm: name.map(str::to_string), ..row });
+                            rows.extend(partial.map(|row| PlanRow { comm: name.map(str::to_string), ..row }));
                         }
                     }
                 }
@@ -835,6 +853,7 @@ impl Plan {
             offload: &row.offload,
             offload_to_host: offload.to_host(),
             activation_checkpointing: row.activation_checkpointing,
+            checkpoint_layers: row.checkpoint_layers,
             comm: None,
             expert_parallel: row.expert_parallel.unwrap_or(1),
         };
@@ -848,8 +867,8 @@ impl Plan {
     }
 
     /// The row of one configuration.
-    pub fn row(&self, strategy: &str, offload: &str, activation_checkpointing: bool) -> Option<&PlanRow> {
-        self.rows.iter().find(|r| r.is(strategy, offload, activation_checkpointing))
+    pub fn row(&self, strategy: &str, offload: &str, activation_checkpointing: bool, checkpoint_layers: Option<usize>) -> Option<&PlanRow> {
+        self.rows.iter().find(|r| r.is(strategy, offload, activation_checkpointing, checkpoint_layers))
     }
 
     fn workload(&self) -> String {
@@ -896,7 +915,7 @@ impl Plan {
                 "{:<24} {:<8} {:<6} {:<5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10.3} {:>13.0} {:>10}{}\n",
                 r.comm.as_ref().map_or(r.strategy.clone(), |comm| format!("{}+{comm}", r.strategy)) + &r.expert_parallel.map_or(String::new(), |degree| format!(" ep{degree}")),
                 r.offload,
-                if r.activation_checkpointing { "on" } else { "off" },
+                checkpointing_label(r.activation_checkpointing, r.checkpoint_layers),
                 if r.fits { "yes" } else { "no" },
                 gb(r.peak_gpu_bytes),
                 gb(r.peak.state + r.peak.grads),
@@ -949,4 +968,37 @@ fn fastest<'r>(rows: impl Iterator<Item = &'r PlanRow>) -> Option<&'r PlanRow> {
         Some(b) if b.step_seconds <= r.step_seconds => Some(b),
         _ => Some(r),
     })
+}
+
+/// Under activation checkpointing that fits, the row recomputing the
+/// fewest blocks that still fit (`train.checkpoint_layers`), when fewer than
+/// all do: each block kept costs memory and saves its forward (and, in a
+/// mixture of experts, its exchanges) again. None when only all fit, or
+/// none need to (the row without checkpointing fits).
+fn fewest_recomputed_blocks(workload: &Workload, cluster: &Cluster, all: &Setup) -> Result<Option<PlanRow>> {
+    let blocks = crate::model::block_count(workload.model);
+    let predict_with = |layers: usize| predict(workload, cluster, &Setup { activation_checkpointing: layers > 0, checkpoint_layers: (layers > 0).then_some(layers), ..*all });
+    // The blocks' activations grow as fewer are recomputed: a bisection over 0..blocks.
+    let (mut fits, mut fails) = (blocks, 0);
+    if predict_with(0)?.fits {
+        return Ok(None);
+    }
+    while fits - fails > 1 {
+        let middle = (fits + fails) / 2;
+        match predict_with(middle)?.fits {
+            true => fits = middle,
+            false => fails = middle,
+        }
+    }
+    Ok((fits < blocks).then(|| predict_with(fits)).transpose()?)
+}
+
+/// The plan's and `ft bench --plan-check`'s "ckpt" column: on, off, or the
+/// number of blocks recomputed.
+fn checkpointing_label(activation_checkpointing: bool, checkpoint_layers: Option<usize>) -> String {
+    match (activation_checkpointing, checkpoint_layers) {
+        (true, Some(layers)) => format!("{layers} blk"),
+        (true, None) => "on".into(),
+        (false, _) => "off".into(),
+    }
 }

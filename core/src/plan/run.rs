@@ -87,6 +87,10 @@ pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtyp
         config.train.strategy = chosen.strategy.clone();
         config.train.offload = chosen.offload.clone();
         config.train.activation_checkpointing = chosen.activation_checkpointing;
+        // A count the run gave is kept (the plan's rows recompute all blocks or the fewest that fit).
+        if !config.given("train.checkpoint_layers") {
+            config.train.checkpoint_layers = chosen.checkpoint_layers;
+        }
         config.train.expert_parallel = chosen.expert_parallel.unwrap_or(1);
     }
     Ok(Some(plan))
@@ -109,13 +113,13 @@ impl Plan {
 /// memory (libtorch's message says "out of memory"): what the run's
 /// configuration was predicted to need, and the fastest configuration that
 /// fits with less.
-pub fn explain_out_of_memory(error: anyhow::Error, plan: &Plan, strategy: &str, offload: &str, activation_checkpointing: bool) -> anyhow::Error {
+pub fn explain_out_of_memory(error: anyhow::Error, plan: &Plan, strategy: &str, offload: &str, train: &crate::config::TrainConfig) -> anyhow::Error {
     if !format!("{error:#}").contains("out of memory") {
         return error;
     }
     let memory = plan.cluster.gpu_memory.map_or("this GPU's".into(), |m| format!("{:.0} GB", m / 1e9));
     let gb = |bytes: f64| format!("{:.0} GB", bytes / 1e9);
-    let failed = plan.row(strategy, offload, activation_checkpointing);
+    let failed = plan.row(strategy, offload, train.activation_checkpointing, train.checkpoint_layers);
     let predicted = match failed {
         Some(row) => format!("ft plan predicted {} needs {} of {memory}", row.label(), gb(row.peak_gpu_bytes)),
         None => format!("ft plan has no row for {strategy} with {offload} offload"),

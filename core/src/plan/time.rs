@@ -36,6 +36,14 @@ const OPTIMIZER_BANDWIDTH_FRACTION: f64 = 0.8;
 /// (bench/results/2026-11-26-qlora.md).
 const DEQUANTIZE_BANDWIDTH_FRACTION: f64 = 0.5;
 
+/// The share of the memory bandwidth LoRA's adapters on a mixture's fused
+/// experts run at (`expert_adapter_seconds`): rank-r grouped GEMMs over
+/// every assignment's row, bound by the rows they read and write, not by
+/// their FLOPs. Fitted to the bf16 row of
+/// bench/results/2026-11-28-h200-moe-lora.md (Qwen3-30B-A3B, r16, 255 ms
+/// a step beyond the FLOPs); its NF4 and offloaded rows are then within 15%.
+const EXPERT_ADAPTER_BANDWIDTH_FRACTION: f64 = 0.25;
+
 /// Bytes AdamW moves per element it updates: master, gradient and two
 /// moments read, master and moments written (28), and the gradient norm's read (4).
 const OPTIMIZER_BYTES: f64 = 32.0;
@@ -262,6 +270,36 @@ fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_par
 }
 
 /// Training FLOPs per token of the blocks alone (what recomputation repeats in forward).
+/// What LoRA's adapters on a mixture's fused experts (`lora::EXPERTS`)
+/// take beyond their FLOPs: for each assignment and adapted [E, N, K]
+/// parameter, a pass reads the row's K inputs and moves its N outputs about
+/// six times (the update's two products, its scale and its add; backward's
+/// likewise), once forward, again where the block is recomputed, and as
+/// two passes backward.
+fn expert_adapter_seconds(workload: &Workload, cluster: &Cluster, tokens: f64, recomputed: f64) -> f64 {
+    let model = workload.model;
+    let Some(experts) = model.experts() else { return 0.0 };
+    let params = || model.units().iter().flat_map(|unit| &unit.params);
+    let adapted = |name: &str| params().any(|p| p.name == format!("{name}.lora_A.weight"));
+    let per_assignment: i64 = params()
+        .filter(|p| model.expert_parameters().contains(&p.name.as_str()) && p.shape.len() == 3 && adapted(&p.name))
+        .map(|p| p.shape[2] + 6 * p.shape[1])
+        .sum();
+    let element = workload.dtype.elt_size_in_bytes() as f64;
+    let bytes = tokens * experts.per_token as f64 * per_assignment as f64 * element * (3.0 + recomputed);
+    bytes / (cluster.memory_bandwidth * EXPERT_ADAPTER_BANDWIDTH_FRACTION)
+}
+
+/// The share of the blocks whose forward runs again in backward.
+fn recomputed_share(workload: &Workload, setup: &Setup) -> f64 {
+    let blocks = crate::model::block_count(workload.model);
+    match (setup.activation_checkpointing, setup.checkpoint_layers) {
+        (false, _) => 0.0,
+        (true, None) => 1.0,
+        (true, Some(layers)) => layers.min(blocks) as f64 / blocks.max(1) as f64,
+    }
+}
+
 fn block_flops_per_token(workload: &Workload) -> f64 {
     let model = workload.model;
     let block_units: BTreeSet<usize> = crate::model::block_units(model).collect();
@@ -285,7 +323,7 @@ fn forward_flops_per_token(workload: &Workload) -> f64 {
 fn reference_seconds(workload: &Workload, cluster: &Cluster, copy: &[UnitPlacement], copy_gathers: &[(usize, f64)]) -> f64 {
     let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
     // A forward's share of the memory-bound kernels, as activation checkpointing's recomputation counts it.
-    let compute = tokens * forward_flops_per_token(workload) / cluster.flops + cluster.memory_bound_seconds(workload, tokens, false) / 3.0;
+    let compute = tokens * forward_flops_per_token(workload) / cluster.flops + cluster.memory_bound_seconds(workload, tokens, 0.0) / 3.0;
     let element = workload.dtype.elt_size_in_bytes() as f64;
     let uploaded: f64 = copy_gathers
         .iter()
@@ -303,11 +341,10 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     let (placements, copy) = (units.placements, units.copy);
     let tokens = (workload.batch * workload.seq) as f64 * workload.grad_accum as f64;
     let mut flops = tokens * workload.model.train_flops_per_token(workload.seq);
-    if setup.activation_checkpointing {
-        // Forward is a third of a block's training FLOPs.
-        flops += tokens * block_flops_per_token(workload) / 3.0;
-    }
-    let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, setup.activation_checkpointing);
+    let recomputed = recomputed_share(workload, setup);
+    // Forward is a third of a block's training FLOPs.
+    flops += recomputed * tokens * block_flops_per_token(workload) / 3.0;
+    let compute = flops / cluster.flops + cluster.memory_bound_seconds(workload, tokens, recomputed) + expert_adapter_seconds(workload, cluster, tokens, recomputed);
     let reference = if reference_runs { reference_seconds(workload, cluster, copy, &step.copy_gathers) } else { 0.0 };
 
     let groups = Groups { world: cluster.gpus, shard: shard_group, experts: setup.expert_parallel };
@@ -369,8 +406,8 @@ fn all_to_all_seconds(workload: &Workload, setup: &Setup, network: &Network) -> 
     let Some(experts) = workload.model.experts().filter(|_| setup.expert_parallel > 1) else { return 0.0 };
     let element = workload.dtype.elt_size_in_bytes() as f64;
     let bytes = (workload.batch * workload.seq * experts.per_token * workload.model.dims().hidden) as f64 * element;
-    let exchanges = if setup.activation_checkpointing { 6 } else { 4 } * experts.sparse_layers as usize * workload.grad_accum;
-    exchanges as f64 * (network.seconds(&Transfer { collective: Collective::AllToAll, group: Group::Experts, bytes, exposed: true }) + EXCHANGE_SECONDS)
+    let exchanges = (4.0 + 2.0 * recomputed_share(workload, setup)) * experts.sparse_layers as f64 * workload.grad_accum as f64;
+    exchanges * (network.seconds(&Transfer { collective: Collective::AllToAll, group: Group::Experts, bytes, exposed: true }) + EXCHANGE_SECONDS)
 }
 
 #[cfg(test)]

@@ -54,6 +54,12 @@ impl MicroBatch {
     }
 }
 
+/// Whether block `layer` (from 0) recomputes its forward in backward:
+/// every block under activation checkpointing, or its first `layers`.
+pub fn recomputes(activation_checkpointing: bool, layers: Option<usize>, layer: usize) -> bool {
+    activation_checkpointing && layers.is_none_or(|layers| layer < layers)
+}
+
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
     /// Compute dtype (fp32 masters are kept whatever this is).
@@ -62,6 +68,8 @@ pub struct TrainOptions {
     pub max_grad_norm: Option<f64>,
     /// Keep only each block's input and recompute the block in backward.
     pub activation_checkpointing: bool,
+    /// Only the first N blocks so (`train.checkpoint_layers`); None: all.
+    pub checkpoint_layers: Option<usize>,
     /// Seeds dropout, so recomputation repeats the same masks.
     pub seed: i64,
     /// fp16's first loss scale (dynamic: halved on overflow, doubled after
@@ -87,6 +95,7 @@ impl Default for TrainOptions {
             adamw: AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
             max_grad_norm: Some(1.0),
             activation_checkpointing: false,
+            checkpoint_layers: None,
             seed: 0,
             initial_loss_scale: 65536.0,
             float8: None,
@@ -97,6 +106,11 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
+    /// Whether block `layer` (from 0) is recomputed in backward.
+    pub fn recomputes(&self, layer: usize) -> bool {
+        recomputes(self.activation_checkpointing, self.checkpoint_layers, layer)
+    }
+
     /// A run's options from its `train.*` configuration.
     pub fn from_config(config: &TrainConfig, dtype: Kind) -> TrainOptions {
         TrainOptions {
@@ -110,6 +124,7 @@ impl TrainOptions {
             },
             max_grad_norm: (config.max_grad_norm > 0.0).then_some(config.max_grad_norm),
             activation_checkpointing: config.activation_checkpointing,
+            checkpoint_layers: config.checkpoint_layers,
             seed: config.seed as i64,
             initial_loss_scale: config.initial_loss_scale,
             float8: config.float8(),
@@ -261,6 +276,10 @@ impl<'m> TrainerBuilder<'m> {
     /// same ones and keeps what the policy assigns it).
     pub fn build(self, mut params: impl InitialParams) -> Result<Trainer<'m>> {
         let TrainerBuilder { model, options, parallel, mut hook, offload, reference_copy } = self;
+        let blocks = crate::model::block_count(model);
+        if let Some(layers) = options.checkpoint_layers.filter(|&layers| layers > blocks) {
+            anyhow::bail!("train.checkpoint_layers (--checkpoint-layers) {layers} is more than the model's {blocks} blocks");
+        }
         // One rank alone, or a policy that shards nothing, is a group of one.
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));

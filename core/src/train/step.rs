@@ -241,7 +241,7 @@ impl Trainer<'_> {
             self.reference_forward(batch, objective)?;
         }
         let inputs = &batch.inputs;
-        let (dtype, checkpoint) = (self.options.dtype, self.options.activation_checkpointing);
+        let dtype = self.options.dtype;
         let mut ctx = model.context(inputs, 0, dtype, true)?;
         ctx.experts = self.token_exchanger();
         let stages = model.stages();
@@ -278,7 +278,7 @@ impl Trainer<'_> {
                 StageKind::Block => {
                     let input = input.expect("a block follows the embedding");
                     let layer = block_number(stages, index);
-                    if checkpoint {
+                    if self.options.recomputes(layer) {
                         tch::manual_seed(seed_for(index));
                         let y = tch::no_grad(|| model.block(&params, &input, &ctx, layer, None));
                         x = Some(y);

@@ -655,19 +655,24 @@ impl Model for Llama {
             Saved::fp32("attention's log-sum-exp", self.config.num_attention_heads),
             Saved::compute("residual sum", d),
             Saved::compute("MLP norm's output", d),
-            Saved::compute("gate and up projections", 2 * i),
-            Saved::compute("SwiGLU output", i),
             Saved::fp32("two norms' reciprocal deviation", 2),
             Saved::compute("block output", d),
         ];
+        // And the MLP's; backward holds the gradients of the SwiGLU output, the
+        // gate and the up projection. A mixture of experts' blocks are
+        // counted as its sparse ones (the larger, and most).
+        let (mlp, mlp_backward) = match &self.experts {
+            Some(moe) => (moe.saved(d), moe.backward_per_token()),
+            None => (vec![Saved::compute("gate and up projections", 2 * i), Saved::compute("SwiGLU output", i)], 3 * i),
+        };
+        block.extend(mlp);
         if self.variant.qk_norm != QkNorm::None {
             // The per-head norms keep their inputs (the projections) and each head's reciprocal deviation.
             block.push(Saved::compute("query and key projections", q + kv));
             block.push(Saved::fp32("query and key norms' reciprocal deviation", self.config.num_attention_heads + self.kv_heads));
         }
-        // The gradients of the SwiGLU output, the gate and the up projection.
         let bias_per_position_pair = i64::from(self.variant.sliding_window.is_some());
-        Activations { block, block_backward: 3 * i, embed: d, bias_per_position_pair, block_per_position_pair: 0 }
+        Activations { block, block_backward: mlp_backward, embed: d, bias_per_position_pair, block_per_position_pair: 0 }
     }
 
     /// 6N plus attention's 12 FLOPs per query feature (heads × head_dim,

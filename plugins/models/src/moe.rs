@@ -26,7 +26,7 @@
 
 use crate::check;
 use anyhow::{bail, Result};
-use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, ExpertExchange, Init, ParamSpec, Params};
+use ft_core::model::{self, AuxiliaryLoss, AuxiliaryTerm, Context, ExpertExchange, Init, ParamSpec, Params, Saved};
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
@@ -240,6 +240,32 @@ impl Moe {
     /// Whether layer `layer`'s MLP is the experts.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.sparse.get(layer).copied().unwrap_or(false)
+    }
+
+    /// What a sparse layer's experts keep for backward per token (`ft
+    /// plan`'s activations), for hidden size `hidden`: the router's fp32
+    /// probabilities and top-k weights, and for each of the k assignments
+    /// its permuted input (the grouped GEMM's), its gate and up projections
+    /// (SwiGLU's), the SwiGLU output (the down GEMM's input) and the
+    /// expert's output (weighed by the router); a shared expert's MLP too.
+    pub(crate) fn saved(&self, hidden: i64) -> Vec<Saved> {
+        let k = self.top_k;
+        let mut saved = vec![
+            Saved::fp32("router probabilities and top-k weights", self.experts + k),
+            Saved::compute("each assignment's input and expert output", 2 * k * hidden),
+            Saved::compute("each assignment's gate and up projections and SwiGLU output", 3 * k * self.inner),
+        ];
+        if let Some(shared) = self.shared_expert {
+            saved.push(Saved::compute("the shared expert's projections, SwiGLU output and gate", 3 * shared + 1));
+        }
+        saved
+    }
+
+    /// Compute-dtype elements per token a sparse layer's backward holds at
+    /// once besides them: the gradients of the assignments' gate and up
+    /// projections and SwiGLU output.
+    pub(crate) fn backward_per_token(&self) -> i64 {
+        3 * self.top_k * self.inner
     }
 
     /// The parameters the experts add beyond the k a token uses, per sparse layer: what training FLOPs leave out.
