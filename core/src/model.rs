@@ -1015,6 +1015,28 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     ft_sys::swiglu(gate, up, fused).unwrap_or_else(|e| panic!("swiglu: {e}"))
 }
 
+/// SwiGLU over the gate and up halves of each row of `x` [rows, 2·width]
+/// (a mixture of experts' fused gate-and-up projection), the halves read in
+/// place and only `x` kept for backward (`ft_sys::swiglu_halves`): one
+/// kernel each way on a GPU where ft's kernels load. libtorch's errors
+/// (memory) are raised for `panic::libtorch_errors`.
+pub fn swiglu_halves(x: &Tensor) -> Tensor {
+    let fused = matches!(x.kind(), Kind::Float | Kind::BFloat16) && x.is_contiguous() && Kernels::loaded(x.device());
+    ft_sys::swiglu_halves(x, fused).unwrap_or_else(|e| crate::panic::raise(anyhow::anyhow!("the experts' SwiGLU: {e}")))
+}
+
+/// A mixture of experts' combine: each token's Σ_i weights[t,i] ·
+/// rows[at[t·k + i]] over its k assignments, from the experts' output
+/// `rows` [tokens·k, width], the router's `weights` [tokens, k] (fp32) and
+/// where each assignment's row is (`at`, int64) — one autograd node
+/// (`ft_sys::combine`), one kernel each way on a GPU where ft's kernels
+/// load, summed in fp32.
+pub fn combine_experts(rows: &Tensor, weights: &Tensor, at: &Tensor) -> Tensor {
+    let fits = matches!(rows.kind(), Kind::Float | Kind::BFloat16) && rows.is_contiguous() && weights.size().last().is_some_and(|&k| k <= crate::kernels::COMBINE_MAX_K);
+    let fused = fits && Kernels::loaded(rows.device());
+    ft_sys::combine(rows, &weights.to_kind(Kind::Float).contiguous(), at, fused).unwrap_or_else(|e| crate::panic::raise(anyhow::anyhow!("the experts' combine: {e}")))
+}
+
 /// Scaled-dot-product attention over [batch, heads, seq, head_dim] tensors:
 /// causal without a materialised mask when there is no bias and no cache.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: bool) -> Tensor {

@@ -71,6 +71,15 @@ pub struct KernelCheck {
     /// sums; `lm_label_logps`), on the batch's labels.
     #[serde(default)]
     pub label_logps: Option<Compared>,
+    /// A mixture of experts' SwiGLU over its fused gate-and-up rows, forward
+    /// and backward, over [batch · seq · k, 2 · intermediate]
+    /// (`model::swiglu_halves`).
+    #[serde(default)]
+    pub expert_swiglu: Option<Compared>,
+    /// A mixture of experts' combine of [batch · seq · k, hidden] rows into
+    /// its tokens, forward and backward (`model::combine_experts`).
+    #[serde(default)]
+    pub expert_combine: Option<Compared>,
 }
 
 /// One of ft's kernels beside ATen's ops on the same inputs, in the compute
@@ -96,7 +105,7 @@ impl KernelCheck {
         if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
             line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
         }
-        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps)];
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps), ("experts' SwiGLU forward+backward", &self.expert_swiglu), ("experts' combine forward+backward", &self.expert_combine)];
         for (what, c) in compared {
             if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
                 line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
@@ -233,6 +242,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         Ok(outputs)
     };
     let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize, mut label_logps) = (None, None, None, None, None, None);
+    let (mut expert_swiglu, mut expert_combine) = (None, None);
     if crate::kernels::available(device).is_ok() {
         let kernels = |fused| if fused { Kernels::Ft } else { Kernels::Aten };
         label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&TargetRows::of(&hidden, ids)?, &weight, chunk_tokens, None, kernels(fused))?]))?);
@@ -266,6 +276,18 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
             };
             with_grads(y, &grad, &[&x, &weight, &bias])
         })?);
+        if let Some(experts) = trainer.model().experts() {
+            // Each token's k assignments, in a random order as sorting by expert leaves them.
+            let (tokens, k) = (rows * seq, experts.per_token);
+            let assignments = leaf(&[tokens * k, 2 * dims.intermediate]);
+            let grad = Tensor::randn([tokens * k, dims.intermediate], (dtype, device));
+            expert_swiglu = Some(compare(&|fused| with_grads(ft_sys::swiglu_halves(&assignments, fused).map_err(anyhow::Error::msg)?, &grad, &[&assignments]))?);
+            let outputs = leaf(&[tokens * k, dims.hidden]);
+            let weights = Tensor::rand([tokens, k], (Kind::Float, device)).set_requires_grad(true);
+            let at = Tensor::randperm(tokens * k, (Kind::Int64, device));
+            let grad = Tensor::randn([tokens, dims.hidden], (dtype, device));
+            expert_combine = Some(compare(&|fused| with_grads(ft_sys::combine(&outputs, &weights, &at, fused).map_err(anyhow::Error::msg)?, &grad, &[&outputs, &weights]))?);
+        }
         let weight = Tensor::randn([dims.intermediate, dims.hidden], (dtype, device)) * 0.02;
         let quantized = crate::nf4::quantize(&weight, crate::nf4::QuantType::Nf4, crate::nf4::DEFAULT_BLOCKSIZE, true)?;
         nf4_dequantize = Some(compare(&|fused| {
@@ -294,6 +316,8 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         layer_norm,
         nf4_dequantize,
         label_logps,
+        expert_swiglu,
+        expert_combine,
     })
 }
 

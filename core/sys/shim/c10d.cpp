@@ -479,7 +479,8 @@ char* ft_profiler_stop(const char* trace_path, char** summary) {
 // operands, outputs last; non-zero means failure, with a message in
 // `message`. A null kernel leaves a node on ATen's ops.
 enum FusedOp : int {
-  kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3, kColumnSum = 4, kLayerNormParams = 5, kRmsNormForward = 6
+  kRope = 0, kRopeTranspose = 1, kSwiGluForward = 2, kSwiGluBackward = 3, kColumnSum = 4, kLayerNormParams = 5, kRmsNormForward = 6,
+  kSwiGluHalvesForward = 7, kSwiGluHalvesBackward = 8, kCombineForward = 9, kCombineBackward = 10
 };
 using FusedKernel = int (*)(int op, const at::Tensor* const* tensors, int count, char* message, size_t capacity);
 
@@ -838,6 +839,89 @@ struct SwiGlu : public torch::autograd::Function<SwiGlu> {
     return {grad_gate, grad_up, at::Tensor()};
   }
 };
+
+// SwiGLU over the gate and up halves of each row of x [rows, 2·width] (a
+// mixture's fused gate-and-up projection) as one autograd node saving only
+// x: without a kernel, silu and mul over the halves as views; with one, a
+// pass each way, backward writing x's gradient whole instead of two halves
+// that a concatenation would copy.
+struct SwiGluHalves : public torch::autograd::Function<SwiGluHalves> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t kernel) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["kernel"] = kernel;
+    const int64_t width = x.size(1) / 2;
+    if (kernel == 0) {
+      return at::silu(x.narrow(1, 0, width)).mul_(x.narrow(1, width, width));
+    }
+    at::Tensor out = at::empty({x.size(0), width}, x.options());
+    run_fused(kernel, kSwiGluHalvesForward, {&x, &out});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    const int64_t width = x.size(1) / 2;
+    int64_t kernel = ctx->saved_data["kernel"].toInt();
+    if (kernel == 0) {
+      const at::Tensor gate = x.narrow(1, 0, width), up = x.narrow(1, width, width);
+      return {at::cat({at::silu_backward(grads[0] * up, gate), at::silu(gate).mul_(grads[0])}, 1), at::Tensor()};
+    }
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
+    run_fused(kernel, kSwiGluHalvesBackward, {&x, &grad, &grad_x});
+    return {grad_x, at::Tensor()};
+  }
+};
+
+// A mixture of experts' combine as one autograd node: each token's output,
+// y[t] = Σ_i w[t,i]·rows[at[t·k + i]], from the experts' output rows
+// (sorted by expert), the router's fp32 weights [tokens, k] and where each
+// assignment's row is (`at`); saves the three. Without a kernel, ATen's
+// gather and weighted sum in fp32; with one, a pass each way, summed in
+// fp32 and rounded once.
+struct Combine : public torch::autograd::Function<Combine> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weights,
+                            const at::Tensor& at_rows, int64_t kernel) {
+    ctx->save_for_backward({rows, weights, at_rows});
+    ctx->saved_data["kernel"] = kernel;
+    const int64_t tokens = weights.size(0), k = weights.size(1), width = rows.size(1);
+    if (kernel == 0) {
+      at::Tensor gathered = rows.index_select(0, at_rows).view({tokens, k, width}).to(at::kFloat);
+      return (gathered * weights.unsqueeze(-1)).sum(1).to(rows.scalar_type());
+    }
+    at::Tensor out = at::empty({tokens, width}, rows.options());
+    run_fused(kernel, kCombineForward, {&rows, &weights, &at_rows, &out});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &rows = saved[0], &weights = saved[1], &at_rows = saved[2];
+    const int64_t tokens = weights.size(0), k = weights.size(1), width = rows.size(1);
+    int64_t kernel = ctx->saved_data["kernel"].toInt();
+    at::Tensor grad = grads[0].contiguous();
+    if (kernel == 0) {
+      at::Tensor dy = grad.to(at::kFloat).unsqueeze(1);
+      at::Tensor gathered = rows.index_select(0, at_rows).view({tokens, k, width}).to(at::kFloat);
+      at::Tensor grad_rows = at::empty_like(rows).index_copy_(0, at_rows, (weights.unsqueeze(-1) * dy).view({tokens * k, width}).to(rows.scalar_type()));
+      return {grad_rows, (gathered * dy).sum(-1), at::Tensor(), at::Tensor()};
+    }
+    at::Tensor grad_rows = at::empty_like(rows, at::MemoryFormat::Contiguous);
+    at::Tensor grad_weights = at::empty_like(weights, at::MemoryFormat::Contiguous);
+    run_fused(kernel, kCombineBackward, {&rows, &weights, &at_rows, &grad, &grad_rows, &grad_weights});
+    return {grad_rows, grad_weights, at::Tensor(), at::Tensor()};
+  }
+};
+
+char* ft_swiglu_halves(at::Tensor* x, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(SwiGluHalves::apply(*x, reinterpret_cast<int64_t>(kernel))); });
+}
+
+char* ft_combine(at::Tensor* rows, at::Tensor* weights, at::Tensor* at_rows, FusedKernel kernel, at::Tensor** out) {
+  return guarded([&] { *out = new at::Tensor(Combine::apply(*rows, *weights, *at_rows, reinterpret_cast<int64_t>(kernel))); });
+}
 
 // An exchange of rows between ranks (expert parallelism's dispatch and
 // combine) as one autograd node: Rust runs the exchange forward and its

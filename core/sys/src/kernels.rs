@@ -82,6 +82,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/int8.cu"),
     include_str!("kernels/lowrank.cu"),
     include_str!("kernels/rope_swiglu.cu"),
+    include_str!("kernels/moe.cu"),
     include_str!("kernels/column_sum.cu"),
     include_str!("kernels/float8.cu"),
     include_str!("kernels/nf4.cu"),
@@ -107,6 +108,8 @@ struct Functions {
     /// By the values' kind: [fp32, bf16].
     rope: [sys::CUfunction; 2],
     swiglu: [sys::CUfunction; 2],
+    swiglu_halves: [sys::CUfunction; 2],
+    combine: [sys::CUfunction; 2],
     rms_norm: [sys::CUfunction; 2],
     column_sum_partial: [sys::CUfunction; 2],
     column_sum_finish: [sys::CUfunction; 2],
@@ -189,6 +192,8 @@ fn load(device_index: usize) -> Result<Functions> {
             lowrank_expand: [function("lowrank_expand_f32")?, function("lowrank_expand_bf16")?],
             rope: [function("rope_f32")?, function("rope_bf16")?],
             swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
+            swiglu_halves: [function("swiglu_halves_f32")?, function("swiglu_halves_bf16")?],
+            combine: [function("combine_f32")?, function("combine_bf16")?],
             rms_norm: [function("rms_norm_f32")?, function("rms_norm_bf16")?],
             column_sum_partial: [function("column_sum_partial_f32")?, function("column_sum_partial_bf16")?],
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
@@ -708,6 +713,101 @@ pub fn swiglu_(gate: &Tensor, up: &Tensor, grad: Option<&Tensor>, out: &mut Tens
     unsafe { launch(functions.swiglu[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
 }
 
+/// SwiGLU over the halves of each row of `x` ([rows, 2·width], contiguous,
+/// fp32 or bf16 on a GPU: a mixture's fused gate-and-up projection, gate
+/// first): with `grad` None, `out` [rows, width] = silu(gate)·up; with
+/// `grad` (dy, [rows, width]), `out` [rows, 2·width] = the gradient of x,
+/// gate's half then up's (moe.cu's `swiglu_halves`).
+pub fn swiglu_halves_(x: &Tensor, grad: Option<&Tensor>, out: &mut Tensor) -> Result<()> {
+    let Device::Cuda(index) = x.device() else {
+        return Err(error("unsupported", "SwiGLU's input is not on a GPU"));
+    };
+    let (rows, doubled) = x.size2().map_err(|e| error("SwiGLU's fused input", e))?;
+    if doubled % 2 != 0 {
+        return Err(error("SwiGLU's fused input", format!("{doubled} columns do not split into gate and up halves")));
+    }
+    let (kind, width) = (x.kind(), doubled / 2);
+    let which = by_kind(kind)?;
+    expect(x, "SwiGLU's fused input", x, &[rows, doubled], kind)?;
+    let mut grad_ptr = match grad {
+        Some(grad) => expect(grad, "SwiGLU's output gradient", x, &[rows, width], kind).map(|()| grad.data_ptr())?,
+        None => std::ptr::null_mut(),
+    };
+    expect(out, "SwiGLU's output", x, &[rows, if grad.is_some() { doubled } else { width }], kind)?;
+    if rows * width == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let pack = packing(kind, width, [x, &*out].into_iter().chain(grad));
+    let blocks = ((rows * width / pack) as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut x_ptr, mut out_ptr, mut rows, mut width, mut packed) = (x.data_ptr(), out.data_ptr(), rows, width as i32, i32::from(pack > 1));
+    let mut params = [arg(&mut x_ptr), arg(&mut grad_ptr), arg(&mut out_ptr), arg(&mut rows), arg(&mut width), arg(&mut packed)];
+    // SAFETY: the arguments match swiglu_halves_*'s signature and the tensors
+    // were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.swiglu_halves[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
+}
+
+/// The most assignments per token `combine_` takes (moe.cu's COMBINE_MAX_K).
+pub const COMBINE_MAX_K: i64 = 16;
+const COMBINE_THREADS: u32 = 256;
+
+/// A mixture of experts' combine (moe.cu's `combine`): `rows` [tokens·k,
+/// width] (the experts' outputs, sorted by expert; contiguous, fp32 or
+/// bf16 on a GPU), `weights` [tokens, k] (fp32), `at` [tokens·k] (int64:
+/// where each token's assignment sits among the rows). With `grad` None,
+/// `out` [tokens, width] = Σ_i w[t,i]·rows[at[t·k+i]]; with `grad` (dy,
+/// [tokens, width]), `out` [tokens·k, width] = the rows' gradient and
+/// `grad_weights` [tokens, k] (fp32) the weights'.
+pub fn combine_(rows: &Tensor, weights: &Tensor, at: &Tensor, grad: Option<&Tensor>, out: &mut Tensor, grad_weights: Option<&mut Tensor>) -> Result<()> {
+    let Device::Cuda(index) = rows.device() else {
+        return Err(error("unsupported", "the experts' outputs are not on a GPU"));
+    };
+    let (kind, (tokens, k), width) = (rows.kind(), weights.size2().map_err(|e| error("the router's weights", e))?, rows.size().last().copied().unwrap_or(0));
+    let which = by_kind(kind)?;
+    if k > COMBINE_MAX_K {
+        return Err(error("combine", format!("{k} experts a token is more than the kernel's {COMBINE_MAX_K}")));
+    }
+    expect(rows, "the experts' outputs", rows, &[tokens * k, width], kind)?;
+    expect(weights, "the router's weights", rows, &[tokens, k], Kind::Float)?;
+    expect(at, "the assignments' rows", rows, &[tokens * k], Kind::Int64)?;
+    let (mut grad_ptr, mut grad_weights_ptr) = match (grad, grad_weights) {
+        (Some(grad), Some(grad_weights)) => {
+            expect(grad, "the combined gradient", rows, &[tokens, width], kind)?;
+            expect(grad_weights, "the weights' gradient", rows, &[tokens, k], Kind::Float)?;
+            expect(out, "the outputs' gradient", rows, &[tokens * k, width], kind)?;
+            (grad.data_ptr(), grad_weights.data_ptr())
+        }
+        (None, None) => {
+            expect(out, "the combined rows", rows, &[tokens, width], kind)?;
+            (std::ptr::null_mut(), std::ptr::null_mut())
+        }
+        _ => return Err(error("combine", "backward takes both the combined gradient and the weights' gradient")),
+    };
+    if tokens * width == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let pack = packing(kind, width, [rows, &*out].into_iter().chain(grad));
+    let blocks = (tokens as u64).min(functions.multiprocessors as u64 * 32) as u32;
+    let (mut rows_ptr, mut weights_ptr, mut at_ptr, mut out_ptr) = (rows.data_ptr(), weights.data_ptr(), at.data_ptr(), out.data_ptr());
+    let (mut tokens, mut k, mut width, mut packed) = (tokens, k as i32, width as i32, i32::from(pack > 1));
+    let mut params = [
+        arg(&mut rows_ptr),
+        arg(&mut weights_ptr),
+        arg(&mut at_ptr),
+        arg(&mut grad_ptr),
+        arg(&mut out_ptr),
+        arg(&mut grad_weights_ptr),
+        arg(&mut tokens),
+        arg(&mut k),
+        arg(&mut width),
+        arg(&mut packed),
+    ];
+    // SAFETY: the arguments match combine_*'s signature and the tensors were
+    // checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.combine[which], index, blocks, COMBINE_THREADS, &mut params) }
+}
+
 /// Words (16 bytes, or one value where unpacked) an `rms_norm_*` thread
 /// holds in registers (rms_norm.cu's RMS_NORM_HELD).
 const RMS_NORM_HELD: u32 = 4;
@@ -1179,7 +1279,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

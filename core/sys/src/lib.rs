@@ -111,6 +111,8 @@ extern "C" {
     fn ft_pin_memory_exact(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_copy_async(dst: *mut RawTensor, src: *mut RawTensor) -> *mut c_char;
     fn ft_swiglu(gate: *mut RawTensor, up: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_swiglu_halves(x: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
+    fn ft_combine(rows: *mut RawTensor, weights: *mut RawTensor, at: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_lora_linear(
         x: *mut RawTensor,
         weight: *mut RawTensor,
@@ -524,6 +526,31 @@ pub fn swiglu(gate: &Tensor, up: &Tensor, fused: bool) -> Result<Tensor> {
     Ok(unsafe { Tensor::from_ptr(raw) })
 }
 
+/// SwiGLU over the gate and up halves of each row of `x` [rows, 2·width]
+/// (a mixture of experts' fused gate-and-up projection) as one autograd
+/// node saving only `x`, the halves read in place; with `fused` (on a GPU,
+/// fp32 or bf16, contiguous), ft's kernel each way (`kernels::swiglu_halves_`).
+pub fn swiglu_halves(x: &Tensor, fused: bool) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    let kernel = fused.then_some(fused_kernel as FusedKernel);
+    check(unsafe { ft_swiglu_halves(tensor_ptr(x), kernel, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// A mixture of experts' combine as one autograd node: each token's
+/// Σ_i weights[t,i]·rows[at[t·k + i]] ([tokens, width]) from the experts'
+/// output `rows` [tokens·k, width], the router's fp32 `weights` [tokens, k]
+/// and `at` (int64, where each assignment's row is); with `fused` (on a GPU,
+/// k ≤ `kernels::COMBINE_MAX_K`), ft's kernel each way (`kernels::combine_`).
+pub fn combine(rows: &Tensor, weights: &Tensor, at: &Tensor, fused: bool) -> Result<Tensor> {
+    let mut raw = std::ptr::null_mut();
+    let kernel = fused.then_some(fused_kernel as FusedKernel);
+    check(unsafe { ft_combine(tensor_ptr(rows), tensor_ptr(weights), tensor_ptr(at), kernel, &mut raw) })?;
+    // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
+    Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
 /// Rotary embeddings of `x` ([batch, seq, heads, head_dim] on a GPU) with
 /// `cos` and `sin` ([batch, seq, 1, head_dim], sin carrying rotate_half's
 /// sign) as one autograd node of one kernel each way (`kernels::rope_`),
@@ -594,6 +621,10 @@ mod fused_op {
     pub const COLUMN_SUM: i32 = 4;
     pub const LAYER_NORM_PARAMS: i32 = 5;
     pub const RMS_NORM_FORWARD: i32 = 6;
+    pub const SWIGLU_HALVES_FORWARD: i32 = 7;
+    pub const SWIGLU_HALVES_BACKWARD: i32 = 8;
+    pub const COMBINE_FORWARD: i32 = 9;
+    pub const COMBINE_BACKWARD: i32 = 10;
 }
 
 /// The shim's `FusedOp` onto `kernels`.
@@ -623,6 +654,10 @@ unsafe extern "C" fn fused_kernel(op: i32, tensors: *const *const RawTensor, cou
                 Ok(())
             }
             (fused_op::SWIGLU_BACKWARD, [gate, up, grad, grad_gate, grad_up]) => kernels::swiglu_(gate, up, Some(grad), grad_gate, Some(grad_up), None),
+            (fused_op::SWIGLU_HALVES_FORWARD, [x, out]) => kernels::swiglu_halves_(x, None, out),
+            (fused_op::SWIGLU_HALVES_BACKWARD, [x, grad, grad_x]) => kernels::swiglu_halves_(x, Some(grad), grad_x),
+            (fused_op::COMBINE_FORWARD, [rows, weights, at, out]) => kernels::combine_(rows, weights, at, None, out, None),
+            (fused_op::COMBINE_BACKWARD, [rows, weights, at, grad, grad_rows, grad_weights]) => kernels::combine_(rows, weights, at, Some(grad), grad_rows, Some(grad_weights)),
             (fused_op::COLUMN_SUM, [x, out]) => kernels::column_sum(x, None, out),
             (fused_op::LAYER_NORM_PARAMS, [grad, x, mean, rstd, sums]) => kernels::column_sum(grad, Some((x, mean, rstd)), sums),
             _ => Err(ShimError(format!("no fused op {op} over {count} tensors"))),

@@ -285,7 +285,7 @@ impl Moe {
         let top = if self.norm_topk_prob { &top / top.sum_dim_intlist(-1, true, Kind::Float) } else { top };
         let projections = EXPERT_PARAMETERS.map(|name| Projection { weight: p.get(name), adapter: p.expert_adapter(name, self.experts) });
         let gemms = self.gemms(hidden, x.device(), x.kind());
-        let mut out = self.experts(&projections, &tokens, &chosen, &top.to_kind(x.kind()), gemms, ctx.experts.as_deref());
+        let mut out = self.experts(&projections, &tokens, &chosen, &top, gemms, ctx.experts.as_deref());
         if self.shared_expert.is_some() {
             let gated = model::swiglu(&p.linear(&tokens, "mlp.shared_expert.gate_proj"), &p.linear(&tokens, "mlp.shared_expert.up_proj"));
             out += p.linear(&tokens, "mlp.shared_expert_gate").sigmoid() * p.linear(&gated, "mlp.shared_expert.down_proj");
@@ -299,8 +299,9 @@ impl Moe {
     /// Every token's k experts, weighed: the assignments sorted by expert, so
     /// each expert's tokens are one contiguous slice, one SwiGLU MLP per
     /// slice through `gemms` (`gate_up` then `down`, each with its adapter's
-    /// update where LoRA adapts it), then each output weighed and added back
-    /// to its token. Under expert parallelism (`exchange`), the slices go to
+    /// update where LoRA adapts it), then each token's outputs weighed by
+    /// `weights` ([tokens, k], fp32) and summed in one pass
+    /// (`model::combine_experts`). Under expert parallelism (`exchange`), the slices go to
     /// the ranks holding their experts and the outputs come back
     /// ([`Self::exchanged_mlps`]). Only the GEMMs differ by `gemms`.
     fn experts(&self, projections: &[Projection; 2], tokens: &Tensor, chosen: &Tensor, weights: &Tensor, gemms: ExpertGemms, exchange: Option<&dyn ExpertExchange>) -> Tensor {
@@ -311,8 +312,9 @@ impl Moe {
             None => self.mlps(projections, &inputs, &expert_ends(&sorted, self.experts, true), gemms),
             Some(exchange) => self.exchanged_mlps(projections, &inputs, &sorted, gemms, exchange).unwrap_or_else(|e| ft_core::panic::raise(e)),
         };
-        let weighed = outputs * weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
-        tokens.zeros_like().index_add(0, &token_of, &weighed)
+        // Where each assignment's row is among the sorted ones: `order`'s inverse.
+        let at = order.zeros_like().scatter(0, &order, &Tensor::arange(order.size()[0], (Kind::Int64, order.device())));
+        model::combine_experts(&outputs, weights, &at)
     }
 
     /// The assignments' rows `inputs`, sorted by expert over all E, through
@@ -377,8 +379,7 @@ impl Moe {
             None => gemm(x, projection.weight),
             Some(adapter) => gemm(x, projection.weight) + gemm(&gemm(x, &adapter.a), &adapter.b) * adapter.scale,
         };
-        let projected = project(inputs, gate_up);
-        let gated = model::swiglu(&projected.narrow(1, 0, self.inner).contiguous(), &projected.narrow(1, self.inner, self.inner).contiguous());
+        let gated = model::swiglu_halves(&project(inputs, gate_up));
         project(&gated, down)
     }
 

@@ -62,11 +62,22 @@ extern "C" __global__ void rope_bf16(const bf16* x, const bf16* cos, const bf16*
   rope(x, cos, sin, y, rows, heads, half, transpose, packed);
 }
 
-// SwiGLU: y = silu(g)·u forward; backward du = silu(g)·dy and
-// dg = dy·u·σ(g)·(1 + g·(1 − σ(g))), silu recomputed from g. A thread per
-// W values (as `rope_pairs`). Returns the largest |y| as stored (NaN if
-// any), which the forward folds into `amax` when asked: a float8 layer
-// reading y then needs no pass of its own (float8.cu's fp8_amax).
+// SwiGLU of one value: y = silu(g)·u forward; backward du = silu(g)·dy and
+// dg = dy·u·σ(g)·(1 + g·(1 − σ(g))), silu recomputed from g (`dg` in `y`'s place).
+__device__ __forceinline__ void swiglu_one(float g, float u, const float* dy, float* y, float* du) {
+  const float sigmoid = 1.f / (1.f + __expf(-g));
+  if (dy == nullptr) {
+    *y = g * sigmoid * u;
+  } else {
+    *du = g * sigmoid * *dy;
+    *y = *dy * u * sigmoid * fmaf(g, 1.f - sigmoid, 1.f);
+  }
+}
+
+// SwiGLU over `gate` and `up` (`swiglu_one`). A thread per W values (as
+// `rope_pairs`). Returns the largest |y| as stored (NaN if any), which the
+// forward folds into `amax` when asked: a float8 layer reading y then
+// needs no pass of its own (float8.cu's fp8_amax).
 template <typename T, int W>
 __device__ float swiglu_values(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ grad,
                                T* __restrict__ out, T* __restrict__ grad_up, long long n) {
@@ -82,13 +93,14 @@ __device__ float swiglu_values(const T* __restrict__ gate, const T* __restrict__
     }
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const float gk = g.get(k), sigmoid = 1.f / (1.f + __expf(-gk));
+      const float dyk = grad != nullptr ? dy.get(k) : 0.f;
+      float ok, duk = 0.f;
+      swiglu_one(g.get(k), u.get(k), grad != nullptr ? &dyk : nullptr, &ok, &duk);
+      o.set(k, ok);
       if (grad == nullptr) {
-        o.set(k, gk * sigmoid * u.get(k));
         m = max_keeping_nan(m, fabsf(o.get(k)));
       } else {
-        du.set(k, gk * sigmoid * dy.get(k));
-        o.set(k, dy.get(k) * u.get(k) * sigmoid * fmaf(gk, 1.f - sigmoid, 1.f));
+        du.set(k, duk);
       }
     }
     if (W == 1) {
