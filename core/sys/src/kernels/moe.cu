@@ -15,27 +15,15 @@ __device__ void swiglu_halves_values(const T* __restrict__ x, const T* __restric
     const int j = (int)(i - row * groups) * W;
     const long long gate_at = row * 2 * width + j, up_at = gate_at + width, y_at = row * width + j;
     Pack<T> g, u, dy, o, du;
-    if (W == 1) {
-      g.set(0, load(x, gate_at)); u.set(0, load(x, up_at));
-      if (grad != nullptr) dy.set(0, load(grad, y_at));
-    } else {
-      g.read(x, gate_at); u.read(x, up_at);
-      if (grad != nullptr) dy.read(grad, y_at);
-    }
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const float dyk = grad != nullptr ? dy.get(k) : 0.f;
-      float ok, duk = 0.f;
-      swiglu_one(g.get(k), u.get(k), grad != nullptr ? &dyk : nullptr, &ok, &duk);
-      o.set(k, ok);
-      du.set(k, duk);
-    }
+    read_values<T, W>(g, x, gate_at);
+    read_values<T, W>(u, x, up_at);
+    if (grad != nullptr) read_values<T, W>(dy, grad, y_at);
+    swiglu_pack<T, W>(g, u, grad != nullptr ? &dy : nullptr, o, du);
     if (grad == nullptr) {
-      if (W == 1) store(out, y_at, o.get(0)); else o.write(out, y_at);
-    } else if (W == 1) {
-      store(out, gate_at, o.get(0)); store(out, up_at, du.get(0));
+      write_values<T, W>(o, out, y_at);
     } else {
-      o.write(out, gate_at); du.write(out, up_at);
+      write_values<T, W>(o, out, gate_at);
+      write_values<T, W>(du, out, up_at);
     }
   }
 }
@@ -82,30 +70,30 @@ __device__ void combine_rows(const T* __restrict__ rows, const float* __restrict
         for (int i = 0; i < k; ++i) {
           const float w = weights[t * k + i];
           Pack<T> v;
-          if (W == 1) v.set(0, load(rows, at[t * k + i] * width + j)); else v.read(rows, at[t * k + i] * width + j);
+          read_values<T, W>(v, rows, at[t * k + i] * width + j);
 #pragma unroll
           for (int c = 0; c < W; ++c) sum[c] = fmaf(w, v.get(c), sum[c]);
         }
         Pack<T> y;
 #pragma unroll
         for (int c = 0; c < W; ++c) y.set(c, sum[c]);
-        if (W == 1) store(out, t * width + j, y.get(0)); else y.write(out, t * width + j);
+        write_values<T, W>(y, out, t * width + j);
       } else {
         Pack<T> dy;
-        if (W == 1) dy.set(0, load(grad, t * width + j)); else dy.read(grad, t * width + j);
+        read_values<T, W>(dy, grad, t * width + j);
 #pragma unroll
         for (int i = 0; i < COMBINE_MAX_K; ++i) {
           if (i >= k) break;
           const long long row = at[t * k + i] * width + j;
           const float w = weights[t * k + i];
           Pack<T> v, d;
-          if (W == 1) v.set(0, load(rows, row)); else v.read(rows, row);
+          read_values<T, W>(v, rows, row);
 #pragma unroll
           for (int c = 0; c < W; ++c) {
             dot[i] = fmaf(v.get(c), dy.get(c), dot[i]);
             d.set(c, w * dy.get(c));
           }
-          if (W == 1) store(out, row, d.get(0)); else d.write(out, row);
+          write_values<T, W>(d, out, row);
         }
       }
     }

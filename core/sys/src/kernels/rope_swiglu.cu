@@ -13,6 +13,14 @@ template <typename T> struct Pack {
   __device__ __forceinline__ void set(int k, float v) { store(reinterpret_cast<T*>(&word), k, v); }
 };
 
+// W values at x[i..]: a whole word when W is a Pack's, else one value.
+template <typename T, int W> __device__ __forceinline__ void read_values(Pack<T>& p, const T* x, long long i) {
+  if (W == 1) p.set(0, load(x, i)); else p.read(x, i);
+}
+template <typename T, int W> __device__ __forceinline__ void write_values(const Pack<T>& p, T* x, long long i) {
+  if (W == 1) store(x, i, p.get(0)); else p.write(x, i);
+}
+
 // Rotary embeddings over rows of head_dim = 2·half: y[j] = x[j]·cos[j] +
 // x[j ⊕ half]·sin[j], j ⊕ half being j's partner in the other half (sin
 // carries rotate_half's sign); one cos/sin row per `heads` rows of x. With
@@ -74,6 +82,23 @@ __device__ __forceinline__ void swiglu_one(float g, float u, const float* dy, fl
   }
 }
 
+// `swiglu_one` over W values: y (dg in backward, `dy` given) into `o`, du into `du`;
+// returns the largest |y| (forward).
+template <typename T, int W>
+__device__ __forceinline__ float swiglu_pack(const Pack<T>& g, const Pack<T>& u, const Pack<T>* dy, Pack<T>& o, Pack<T>& du) {
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    const float dyk = dy != nullptr ? dy->get(k) : 0.f;
+    float ok, duk = 0.f;
+    swiglu_one(g.get(k), u.get(k), dy != nullptr ? &dyk : nullptr, &ok, &duk);
+    o.set(k, ok);
+    du.set(k, duk);
+    m = max_keeping_nan(m, fabsf(o.get(k)));
+  }
+  return m;
+}
+
 // SwiGLU over `gate` and `up` (`swiglu_one`). A thread per W values (as
 // `rope_pairs`). Returns the largest |y| as stored (NaN if any), which the
 // forward folds into `amax` when asked: a float8 layer reading y then
@@ -84,31 +109,15 @@ __device__ float swiglu_values(const T* __restrict__ gate, const T* __restrict__
   float m = 0.f;
   for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += (long long)gridDim.x * blockDim.x * W) {
     Pack<T> g, u, dy, o, du;
-    if (W == 1) {
-      g.set(0, load(gate, i)); u.set(0, load(up, i));
-      if (grad != nullptr) dy.set(0, load(grad, i));
+    read_values<T, W>(g, gate, i);
+    read_values<T, W>(u, up, i);
+    if (grad != nullptr) read_values<T, W>(dy, grad, i);
+    const float pack_max = swiglu_pack<T, W>(g, u, grad != nullptr ? &dy : nullptr, o, du);
+    write_values<T, W>(o, out, i);
+    if (grad == nullptr) {
+      m = max_keeping_nan(m, pack_max);
     } else {
-      g.read(gate, i); u.read(up, i);
-      if (grad != nullptr) dy.read(grad, i);
-    }
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const float dyk = grad != nullptr ? dy.get(k) : 0.f;
-      float ok, duk = 0.f;
-      swiglu_one(g.get(k), u.get(k), grad != nullptr ? &dyk : nullptr, &ok, &duk);
-      o.set(k, ok);
-      if (grad == nullptr) {
-        m = max_keeping_nan(m, fabsf(o.get(k)));
-      } else {
-        du.set(k, duk);
-      }
-    }
-    if (W == 1) {
-      store(out, i, o.get(0));
-      if (grad != nullptr) store(grad_up, i, du.get(0));
-    } else {
-      o.write(out, i);
-      if (grad != nullptr) du.write(grad_up, i);
+      write_values<T, W>(du, grad_up, i);
     }
   }
   return m;
