@@ -3,7 +3,7 @@
 //! fastest configuration predicted to need less.
 
 use super::{fastest, Checkpointing, Cluster, Plan, PlanRow, Workload};
-use crate::config::Config;
+use crate::config::{Config, RolloutGather};
 use crate::distributed::comm::{Communicator, Reduction};
 use crate::distributed::strategy::AUTO;
 use crate::gpu::{self, GpuSpec};
@@ -56,6 +56,34 @@ impl Cluster {
 /// the task's reference model (`Task::reference`), planned as it is kept;
 /// `rollout`: online RL's sampling (`RolloutShape::of_run`). Collective.
 pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>, rollout: Option<super::RolloutShape>) -> Result<Option<Plan>> {
+    let plan = plan_for_run(comm, model, config, dtype, registry, reference, rollout)?;
+    if rollout.is_some() {
+        settle_rollout_gather(config, plan.as_ref(), comm.env().rank == 0);
+    }
+    Ok(plan)
+}
+
+/// Settles `train.rollout_gather=auto` as `whole`, and says on rank 0 how
+/// the rollouts hold the policy and why.
+fn settle_rollout_gather(config: &mut Config, _plan: Option<&Plan>, lead: bool) {
+    let why = match config.train.rollout_gather {
+        RolloutGather::Auto => {
+            config.train.rollout_gather = RolloutGather::Whole;
+            "train.rollout_gather=auto".to_string()
+        }
+        given => format!("train.rollout_gather={given}"),
+    };
+    if lead {
+        let how = match config.train.rollout_gather {
+            RolloutGather::PerUnit => "gathered a unit at a time",
+            _ => "gathered whole",
+        };
+        tracing::info!("rollouts: sampled from the policy {how} ({why})");
+    }
+}
+
+/// [`for_run`]'s plan.
+fn plan_for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>, rollout: Option<super::RolloutShape>) -> Result<Option<Plan>> {
     let auto = config.train.strategy == AUTO;
     if !auto && !comm.device().is_cuda() {
         return Ok(None);
