@@ -514,7 +514,8 @@ pub struct TrainConfig {
     /// `fp8=tensorwise` ([`TrainConfig::float8_gathers`]).
     pub fp8_gathers: Option<bool>,
     /// How online RL's rollouts hold the policy while decoding: `whole`,
-    /// `per_unit`, or `auto` (whole).
+    /// `per_unit`, or `auto` (whole where `ft plan` predicts the policy
+    /// whole and its KV cache fit the GPU, else per unit; whole without a plan).
     pub rollout_gather: RolloutGather,
 }
 
