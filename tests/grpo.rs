@@ -311,6 +311,69 @@ fn two_ranks_equal_one_under_each_strategy_with_lora_qlora_and_rloo() {
     }
 }
 
+/// Under full_shard on 2 ranks, the rollouts decoded from the policy
+/// gathered a unit at a time for each stage (`train.rollout_gather=per_unit`)
+/// are those decoded from it gathered whole, bit for bit, and the run
+/// trains the same steps: on the tiny Llama, prompts of different lengths
+/// prefilled in step with the other rank's, the sampling policy's
+/// log-probabilities (a window trained twice) taken through the same
+/// gathers, the KL term's frozen copy beside them; on the `arithmetic`
+/// preset (13 tokens, one completion a rank), a rank whose row ends early
+/// stepping on with the other. A value the key does not know is refused, naming it.
+#[test]
+fn rollouts_gathered_a_unit_at_a_time_equal_the_whole_policys() {
+    if shared::skipped_without(&[shared::GPT2_TOKENIZER]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::tiny_chat_llama(dir.path());
+    let (prompts, rewards) = (prompt_file(dir.path(), false), reward_file(dir.path()));
+    let case = Case { algorithm: "grpo", conversational: false, grad_accum: 1, options: json!({"beta": 0.04, "num_iterations": 2}) };
+    let sharded = ["--nproc-per-node", "2", "--strategy", "full_shard"];
+    // Each way's steps and rollouts, checked to say how it sampled.
+    let run = |name: &str, gather: &str, command: &dyn Fn(&Path) -> std::process::Command| {
+        let out = dir.path().join(format!("{name}-{gather}"));
+        let output = command(&out).args(sharded).args(["--set", &format!("train.rollout_gather={gather}")]).output().unwrap();
+        let log = text(&output);
+        assert!(output.status.success(), "{name} {gather}: {log}");
+        let how = if gather == "whole" { "whole" } else { "a unit at a time" };
+        assert!(log.contains(&format!("rollouts: sampled from the policy gathered {how} (train.rollout_gather={gather})")), "{log}");
+        (steps(&out), rollouts(&out))
+    };
+    let arithmetic = |gather: &str| {
+        let command = |out: &Path| {
+            let mut command = ft();
+            command.args(["train", "--model", "arithmetic", "--device", "cpu", "--max-steps", "3", "--batch-size", "1", "--max-seq-len", "12", "--report-to", "jsonl"]);
+            command.args(["--set", "task.num_generations=2", "--set", "task.max_completion_length=6", "--output-dir", out.to_str().unwrap()]);
+            command
+        };
+        run("arithmetic", gather, &command)
+    };
+    let llama = |gather: &str| run("llama", gather, &|out: &Path| train_command(&model, &prompts, &rewards, out, &case, &[]));
+    for (name, ways) in [("llama", &llama as &dyn Fn(&str) -> (Vec<Value>, Vec<Value>)), ("arithmetic", &arithmetic)] {
+        let ((whole, whole_rollouts), (per_unit, per_unit_rollouts)) = (ways("whole"), ways("per_unit"));
+        assert!(!per_unit_rollouts.is_empty() && per_unit_rollouts.len() == whole_rollouts.len(), "{name}");
+        for (k, (a, b)) in per_unit_rollouts.iter().zip(&whole_rollouts).enumerate() {
+            assert_eq!(a, b, "{name}: rollout {k}");
+        }
+        assert_eq!(per_unit.len(), whole.len(), "{name}");
+        for (k, (a, b)) in per_unit.iter().zip(&whole).enumerate() {
+            for key in ["loss", "grad_norm", "kl", "entropy", "completions/mean_length"] {
+                assert_eq!(a.get(key), b.get(key), "{name}: step {}'s {key}", k + 1);
+            }
+        }
+        if name == "arithmetic" {
+            // Some step's two rows (one a rank) end apart: one at the end token, the other later.
+            let ends = |step: &[Value]| step.iter().map(|row| row["completion_ids"].as_array().unwrap().len()).collect::<Vec<_>>();
+            assert!(per_unit_rollouts.chunks(2).map(ends).any(|lengths| lengths[0] != lengths[1]), "{per_unit_rollouts:?}");
+        }
+    }
+
+    let refused = train(&model, &prompts, &rewards, &dir.path().join("bad"), &case, &["--set", "train.rollout_gather=sharded"]);
+    let said = text(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{said}");
+    assert!(said.contains("config key `train.rollout_gather`: unknown variant: found `sharded`") && said.contains("`auto`, `whole`, `per_unit`"), "{said}");
+}
 
 /// What a user gets wrong stops the run with exit code 1 and a message
 /// naming it, never a Rust panic: a reward function that raises (its

@@ -9,7 +9,7 @@
 use crate::common;
 use common::{ft, shared, text};
 use ft_core::distributed::strategy::ReduceDtype;
-use ft_core::config::TrainConfig;
+use ft_core::config::{RolloutGather, TrainConfig};
 use ft_core::{Model, Registry};
 use ft_core::plan::{self, Checkpointing, Cluster, CommTestReport, Plan, PlanRow, Setup, Workload};
 use ft_models::hf;
@@ -941,7 +941,7 @@ fn online_rls_rollout_holds_the_policy_whole_and_its_kv_cache_beside_the_state()
     let cluster = h100s(1, 1);
     let plain = workload(model.as_ref(), 4, 576);
     // 32 completions a generation (4 x 8 micro-batches of one step), 512 new tokens after prompts of at most 64.
-    let rollout = plan::RolloutShape { rows: 32, new_tokens: 512, positions: 576, steps: 1 };
+    let rollout = plan::RolloutShape { rows: 32, new_tokens: 512, positions: 576, steps: 1, gather: RolloutGather::Auto };
     let with_rollout = Workload { rollout: Some(rollout), ..plain };
     let setup = setup(&registry, "ddp", "none", true);
     let (without, with) = (plan::predict(&plain, &cluster, &setup).unwrap(), plan::predict(&with_rollout, &cluster, &setup).unwrap());
@@ -959,4 +959,46 @@ fn online_rls_rollout_holds_the_policy_whole_and_its_kv_cache_beside_the_state()
     let seconds = 512.0 * bytes_per_token / cluster.memory_bandwidth;
     assert!((with.time.rollout - seconds).abs() < 1e-9 && (with.step_seconds - without.step_seconds - seconds).abs() < 1e-9, "{:?}", with.time);
     assert!(without.rollout_bytes.is_none() && without.time.rollout == 0.0);
+}
+
+/// Where the policy whole and its KV cache do not fit beside full_shard's
+/// state but each stage's units gathered in turn do, `train.rollout_gather=auto`
+/// plans the row per unit: it fits, its rollout holds the two largest
+/// stages' units instead of the policy, and each of its decoding's 512
+/// forwards gathers every unit over the 2 GPUs' NVLink. With room for the
+/// policy whole, auto plans whole, as `whole` does; one GPU, which gathers
+/// nothing, plans whole even when asked per unit.
+#[test]
+fn online_rls_rollout_is_planned_per_unit_where_the_whole_policy_does_not_fit() {
+    if skipped_without_configs(&["codellama-7b"]) {
+        return;
+    }
+    let model = model(&shared_config("codellama-7b"));
+    let registry = Registry::builtin();
+    let mut cluster = h100s(2, 1);
+    let rollout = |gather| Some(plan::RolloutShape { rows: 16, new_tokens: 512, positions: 2048, steps: 1, gather });
+    let plain = workload(model.as_ref(), 1, 576);
+    let planned = |gather, cluster: &Cluster, strategy| plan::predict(&Workload { rollout: rollout(gather), ..plain }, cluster, &setup(&registry, strategy, "none", true)).unwrap();
+    let (whole, per_unit) = (planned(RolloutGather::Whole, &cluster, "full_shard"), planned(RolloutGather::PerUnit, &cluster, "full_shard"));
+    assert_eq!((whole.rollout_gather, per_unit.rollout_gather), (Some(RolloutGather::Whole), Some(RolloutGather::PerUnit)));
+    let parameters: i64 = model.units().iter().map(|unit| unit.numel()).sum();
+    let largest_unit = model.units().iter().map(|unit| unit.numel()).max().unwrap();
+    let (whole_bytes, per_unit_bytes) = (whole.rollout_bytes.unwrap(), per_unit.rollout_bytes.unwrap());
+    // The same state, cache and sampling buffers: the policy whole (bf16) against two blocks of it.
+    assert!((whole_bytes - per_unit_bytes - (parameters - 2 * largest_unit) as f64 * 2.0).abs() < 1e6, "{whole_bytes} vs {per_unit_bytes}");
+    // 512 forwards, each gathering every unit's bf16 values, half of them from the other GPU.
+    let gathers = 512.0 * parameters as f64 * 2.0 * 0.5 / cluster.node_bus_bandwidth;
+    assert!((per_unit.time.rollout - whole.time.rollout - gathers).abs() < 1e-3 * gathers, "{:?} vs {:?}", per_unit.time, whole.time);
+
+    // A GPU between the two: auto samples per unit, and fits.
+    assert!(per_unit.peak_gpu_bytes < whole.peak_gpu_bytes && whole.peak_gpu_bytes > whole.peak.total() * 1.05, "{per_unit:?}");
+    cluster.gpu_memory = Some((whole.peak_gpu_bytes + per_unit.peak_gpu_bytes) / 2.0);
+    let auto = planned(RolloutGather::Auto, &cluster, "full_shard");
+    assert!(auto.fits && auto.rollout_gather == Some(RolloutGather::PerUnit) && auto.rollout_bytes == Some(per_unit_bytes), "{auto:?}");
+    assert!(!planned(RolloutGather::Whole, &cluster, "full_shard").fits);
+    cluster.gpu_memory = Some(whole.peak_gpu_bytes);
+    let auto = planned(RolloutGather::Auto, &cluster, "full_shard");
+    assert!(auto.fits && auto.rollout_gather == Some(RolloutGather::Whole) && auto.rollout_bytes == Some(whole_bytes), "{auto:?}");
+    let one = h100s(1, 1);
+    assert_eq!(planned(RolloutGather::PerUnit, &one, "ddp").rollout_gather, Some(RolloutGather::Whole));
 }

@@ -513,6 +513,33 @@ pub struct TrainConfig {
     /// tensor's scale as the layer would cast it. Unset: on under
     /// `fp8=tensorwise` ([`TrainConfig::float8_gathers`]).
     pub fp8_gathers: Option<bool>,
+    /// How online RL's rollouts hold the policy while decoding: `whole`,
+    /// `per_unit`, or `auto` (whole where `ft plan` predicts the policy
+    /// whole and its KV cache fit the GPU, else per unit; whole without a plan).
+    pub rollout_gather: RolloutGather,
+}
+
+/// `train.rollout_gather`: how online RL's rollouts hold the policy while decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutGather {
+    #[default]
+    Auto,
+    /// Gathered whole in the compute dtype once a generation, decoded with CUDA graphs.
+    Whole,
+    /// Each unit gathered for the stage that uses it and freed after, at
+    /// every decoding step (collective: the ranks step together), without CUDA graphs.
+    PerUnit,
+}
+
+impl std::fmt::Display for RolloutGather {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            RolloutGather::Auto => "auto",
+            RolloutGather::Whole => "whole",
+            RolloutGather::PerUnit => "per_unit",
+        })
+    }
 }
 
 /// `train.fp8_layers`: which block linear layers a float8 run casts.
@@ -670,6 +697,7 @@ impl Default for TrainConfig {
             fp8_gathers: None,
             fp8_layers: Fp8Layers::Auto,
             fp8_calibration: None,
+            rollout_gather: RolloutGather::Auto,
         }
     }
 }

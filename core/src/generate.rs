@@ -1,10 +1,12 @@
 //! Decoding with a KV cache, greedy or sampled (`sampling`): the prompts
 //! run once, then one token a step. Every step after the prompt has the
-//! same shapes (the cache's whole capacity under a mask), so on a GPU it is
-//! recorded once as a CUDA graph and replayed: one launch a token instead
-//! of one per kernel, which is what bounds decoding at small batches.
+//! same shapes (the cache's whole capacity under a mask), so on a GPU, with
+//! the parameters held whole, it is recorded once as a CUDA graph and
+//! replayed: one launch a token instead of one per kernel, which is what
+//! bounds decoding at small batches. Parameters gathered a stage at a time
+//! (`model::UnitSource::gathers`) are decoded eagerly, in step with the other ranks.
 
-use crate::model::{check_token_ids, forward, lm_outputs, Inputs, KvCache, Model, StageKind};
+use crate::model::{check_token_ids, forward_from, lm_outputs, Held, Inputs, KvCache, Model, StageKind, UnitSource};
 use crate::panic::libtorch_errors;
 use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
@@ -53,7 +55,7 @@ static GRAPHS_FAILED: AtomicBool = AtomicBool::new(false);
 /// row a step; a row stops after `eos` or `max_new_tokens` tokens, the
 /// batch when every row has.
 pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
-    generate_batch(model, params, prompts, decoding, None)
+    generate_batch(model, &mut Held(params), prompts, decoding, None)
 }
 
 /// `greedy_batch`, each token drawn as transformers' `generate` draws it
@@ -62,15 +64,23 @@ pub fn greedy_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i6
 /// model alone (not on the other rows, nor on how many there are), and the
 /// same seed draws them again.
 pub fn sample_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], row_seeds: &[u64], sampling: &Sampling, decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
+    sample_batch_from(model, &mut Held(params), prompts, row_seeds, sampling, decoding)
+}
+
+/// [`sample_batch`] over the parameters `source` fetches stage by stage
+/// (online RL's rollouts from the policy gathered a unit at a time:
+/// collective then, every rank stepping until every rank is done). The
+/// same parameters draw the same tokens.
+pub fn sample_batch_from(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec<i64>], row_seeds: &[u64], sampling: &Sampling, decoding: &Decoding) -> Result<Vec<Vec<i64>>> {
     sampling.check(str::to_string)?;
     if row_seeds.len() != prompts.len() {
         bail!("sampling takes one seed per prompt: {} seeds for {} prompts", row_seeds.len(), prompts.len());
     }
-    generate_batch(model, params, prompts, decoding, Some((sampling, row_seeds)))
+    generate_batch(model, source, prompts, decoding, Some((sampling, row_seeds)))
 }
 
 /// `greedy_batch`, or `sample_batch` given its options and seeds.
-fn generate_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
+fn generate_batch(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
     if model.head_kind() != crate::model::head::CAUSAL_LM {
         bail!("generation needs a causal LM head; this {} model has a {} head", model.model_type(), model.head_kind());
     }
@@ -79,17 +89,21 @@ fn generate_batch(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>
     if longest.checked_add(decoding.max_new_tokens).is_none_or(|positions| i64::try_from(positions).is_err()) {
         bail!("{} new tokens after a prompt of {longest} tokens take more positions than a model can have", decoding.max_new_tokens);
     }
+    if prompts.is_empty() && source.gathers() {
+        // It would leave the other ranks' gathers waiting; online RL gives every rank whole batches.
+        bail!("decoding from parameters gathered a stage at a time needs prompts on every rank, and this rank has none");
+    }
     if decoding.max_new_tokens == 0 || prompts.is_empty() {
         return Ok(vec![vec![]; prompts.len()]);
     }
-    libtorch_errors("generating", || decode(model, params, prompts, decoding, sampled))?
+    libtorch_errors("generating", || decode(model, source, prompts, decoding, sampled))?
 }
 
 /// `generate_batch` on checked prompts.
-fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
+fn decode(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
     let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
     let _no_grad = tch::no_grad_guard();
-    let mut step = Step::after_prompts(model, params, prompts, decoding, sampled)?;
+    let mut step = Step::after_prompts(model, source, prompts, decoding, sampled)?;
     let mut graph: Option<ft_sys::CudaGraph> = None;
     let mut finished = vec![false; prompts.len()];
     loop {
@@ -99,7 +113,10 @@ fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decod
                 *done = Some(token) == decoding.eos || row.len() == decoding.max_new_tokens;
             }
         }
-        if finished.iter().all(|&f| f) {
+        // Fetching collectively, every rank steps until all are done (one
+        // small reduction a step, against a gather of every unit), rather
+        // than always `max_new_tokens` steps: early stops save whole steps.
+        if step.source.all_done(finished.iter().all(|&f| f))? {
             return Ok(generated);
         }
         match &graph {
@@ -110,7 +127,8 @@ fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decod
                 // Tokens so far: the rows still decoding hold the most (the prompt's next token, then one a step).
                 let produced = generated.iter().map(Vec::len).max().unwrap_or(0);
                 let steps_left = decoding.max_new_tokens - produced - 1;
-                if decoding.cuda_graph && model.graph_capturable(step.tokens.device(), step.dtype) && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
+                let replayable = decoding.cuda_graph && !step.source.gathers() && model.graph_capturable(step.tokens.device(), step.dtype);
+                if replayable && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
                     graph = step.capture();
                 }
             }
@@ -123,7 +141,7 @@ fn decode(model: &dyn Model, params: &[Vec<Tensor>], prompts: &[Vec<i64>], decod
 /// real token), and the slot the next token goes to, all on the device.
 struct Step<'a> {
     model: &'a dyn Model,
-    params: &'a [Vec<Tensor>],
+    source: &'a mut dyn UnitSource,
     caches: Vec<KvCache>,
     tokens: Tensor,
     mask: Tensor,
@@ -146,8 +164,8 @@ struct Draws {
 impl<'a> Step<'a> {
     /// Runs the prompts (without padding, with no mask: plain causal
     /// attention) and fixes the caches' shapes for the steps after.
-    fn after_prompts(model: &'a dyn Model, params: &'a [Vec<Tensor>], prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Step<'a>> {
-        let device = params[0][0].device();
+    fn after_prompts(model: &'a dyn Model, source: &'a mut dyn UnitSource, prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Step<'a>> {
+        let device = source.device();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // The prompt's positions and one per step after the first token.
         let capacity = (longest + decoding.max_new_tokens - 1) as i64;
@@ -160,7 +178,7 @@ impl<'a> Step<'a> {
         let input_ids = Tensor::from_slice2(&left_padded).to_device(device);
         let inputs = Inputs { input_ids: input_ids.shallow_clone(), attention_mask: padded.then(|| mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
         let ctx = model.context(&inputs, 0, decoding.dtype, false)?;
-        let (hidden, weight) = lm_outputs(forward(model, params, &inputs, &ctx, Some(&mut caches)))?;
+        let (hidden, weight) = lm_outputs(forward_from(model, source, &inputs, &ctx, Some(&mut caches))?.0)?;
         let last_logits = logits(&hidden.narrow(1, longest as i64 - 1, 1), &weight);
         let mut draws = sampled.map(|(sampling, row_seeds)| {
             let seeds: Vec<i64> = row_seeds.iter().map(|&seed| seed as i64).collect();
@@ -174,7 +192,7 @@ impl<'a> Step<'a> {
         }
         let unwritten = Tensor::zeros([prompts.len() as i64, capacity - longest as i64], (Kind::Int64, device));
         let tokens = next_tokens(model, &last_logits, draws.as_mut(), &Tensor::zeros([1], (Kind::Int64, device)));
-        Ok(Step { model, params, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, longest: longest as i64, dtype: decoding.dtype, draws })
+        Ok(Step { model, source, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, longest: longest as i64, dtype: decoding.dtype, draws })
     }
 
     /// One token per row: marks the slot real, runs the model on the last
@@ -186,7 +204,7 @@ impl<'a> Step<'a> {
         let inputs = Inputs { input_ids: self.tokens.shallow_clone(), attention_mask: Some(self.mask.shallow_clone()), token_type_ids: None, documents: None, branches: None, token_mask: None };
         let capacity = self.mask.size()[1];
         let ctx = self.model.context(&inputs, capacity - 1, self.dtype, false)?;
-        let (hidden, weight) = lm_outputs(forward(self.model, self.params, &inputs, &ctx, Some(&mut self.caches)))?;
+        let (hidden, weight) = lm_outputs(forward_from(self.model, self.source, &inputs, &ctx, Some(&mut self.caches))?.0)?;
         // The token at slot `longest` is the completion's second (index 1).
         let index = self.slot.g_sub_scalar(self.longest - 1);
         self.tokens.copy_(&next_tokens(self.model, &logits(&hidden, &weight), self.draws.as_mut(), &index));

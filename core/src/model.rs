@@ -922,19 +922,85 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
 /// [`forward`], and the model's auxiliary loss over this batch alone
 /// (`Model::auxiliary_loss`, its coefficient applied; None where the model
 /// adds none): differentiable as the loss it joins.
-pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> (Vec<Tensor>, Option<Tensor>) {
+pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, caches: Option<&mut [KvCache]>) -> (Vec<Tensor>, Option<Tensor>) {
+    forward_from(model, &mut Held(params), inputs, ctx, caches).expect("held parameters are fetched without fail")
+}
+
+/// Where a forward takes each unit's parameters (shaped as the model
+/// declares them, in the compute dtype): held whole ([`Held`]), or fetched
+/// for the stage that computes with them and dropped after it (the
+/// trainer's `train::GatheredPolicy`, which gathers a sharded unit: a
+/// collective, so every rank of the job fetches the same units in the same order).
+pub trait UnitSource {
+    /// Makes `units` ready for one stage (collective when they are gathered).
+    fn fetch(&mut self, units: &[usize]) -> Result<()>;
+    /// A fetched unit's tensors.
+    fn tensors(&self, unit: usize) -> &[Tensor];
+    /// The stage that fetched `units` is done with them (outputs that are views of them keep their storage).
+    fn done(&mut self, units: &[usize]);
+    /// Whether `fetch` is a collective: decoding then steps in lockstep
+    /// with the other ranks ([`Self::all_done`]) and records no CUDA graph
+    /// (a graph cannot replay gathers).
+    fn gathers(&self) -> bool;
+    /// Whether every rank's decoding is `done`, this rank's being `done`:
+    /// one small reduction when `fetch` is collective.
+    fn all_done(&mut self, done: bool) -> Result<bool>;
+    /// Where the parameters are.
+    fn device(&self) -> Device;
+}
+
+/// Parameters held whole, `params[unit]`.
+pub struct Held<'a>(pub &'a [Vec<Tensor>]);
+
+impl UnitSource for Held<'_> {
+    fn fetch(&mut self, _units: &[usize]) -> Result<()> {
+        Ok(())
+    }
+
+    fn tensors(&self, unit: usize) -> &[Tensor] {
+        &self.0[unit]
+    }
+
+    fn done(&mut self, _units: &[usize]) {}
+
+    fn gathers(&self) -> bool {
+        false
+    }
+
+    fn all_done(&mut self, done: bool) -> Result<bool> {
+        Ok(done)
+    }
+
+    fn device(&self) -> Device {
+        self.0.iter().flatten().next().map_or(Device::Cpu, Tensor::device)
+    }
+}
+
+/// The units stage `stage` computes with: its own, its experts' and its adapters'.
+pub fn stage_units(stage: &Stage) -> Vec<usize> {
+    stage.units().chain(stage.adapter).collect()
+}
+
+/// [`forward_with_auxiliary`] over the parameters `source` fetches stage by stage.
+pub fn forward_from(model: &dyn Model, source: &mut dyn UnitSource, inputs: &Inputs, ctx: &Context, mut caches: Option<&mut [KvCache]>) -> Result<(Vec<Tensor>, Option<Tensor>)> {
     let mut x = None;
     let mut block = 0;
     let mut terms = vec![];
     for stage in model.stages() {
-        let p = stage_params(model, stage, |unit| &params[unit], ctx.train);
-        match stage.kind {
-            StageKind::Embed => x = Some(model.embed(&p, inputs, ctx)),
+        let units = stage_units(stage);
+        source.fetch(&units)?;
+        let p = stage_params(model, stage, |unit| source.tensors(unit), ctx.train);
+        let head = match stage.kind {
+            StageKind::Embed => {
+                x = Some(model.embed(&p, inputs, ctx));
+                None
+            }
             StageKind::Block => {
                 let cache = caches.as_deref_mut().map(|c| &mut c[block]);
                 x = Some(model.block(&p, x.as_ref().expect("embed runs first"), ctx, block, cache));
                 terms.extend(ctx.auxiliary.take());
                 block += 1;
+                None
             }
             StageKind::Head => {
                 let outputs = model.head(&p, x.as_ref().expect("embed runs first"));
@@ -943,8 +1009,13 @@ pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs:
                     let values = Tensor::stack(&terms.iter().map(|t| t.values.shallow_clone()).collect::<Vec<_>>(), 0);
                     (loss.weights(&statistics) * &values).sum(values.kind()) * loss.coefficient()
                 });
-                return (outputs, auxiliary);
+                Some((outputs, auxiliary))
             }
+        };
+        drop(p);
+        source.done(&units);
+        if let Some(head) = head {
+            return Ok(head);
         }
     }
     panic!("model {} has no head stage", model.model_type());

@@ -8,7 +8,7 @@
 use crate::config::{Config, DataConfig};
 use crate::dataset::{Batch, Dataset};
 use crate::distributed::comm::Communicator;
-use crate::model::Model;
+use crate::model::{Held, Model, UnitSource};
 use anyhow::{bail, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -106,9 +106,22 @@ pub struct WholeModel<'a> {
 
 impl StartingModel for WholeModel<'_> {
     fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
+        SourcedModel { model: self.model, source: &mut Held(self.params), dtype: self.dtype }.forward_head(batch, head)
+    }
+}
+
+/// A model whose parameters `source` gives stage by stage, in the compute dtype.
+pub struct SourcedModel<'a> {
+    pub model: &'a dyn Model,
+    pub source: &'a mut dyn UnitSource,
+    pub dtype: Kind,
+}
+
+impl StartingModel for SourcedModel<'_> {
+    fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         let ctx = self.model.context(&batch.inputs, 0, self.dtype, false)?;
-        let outputs = crate::panic::libtorch_errors("the reference model", || crate::model::forward(self.model, self.params, &batch.inputs, &ctx, None))?;
+        let (outputs, _) = crate::panic::libtorch_errors("a forward without gradients", || crate::model::forward_from(self.model, self.source, &batch.inputs, &ctx, None))??;
         head(&outputs)
     }
 }
@@ -228,8 +241,10 @@ pub struct RolloutWindow {
 /// What [`Rollouts::generate`] samples with.
 pub struct Rollout<'a> {
     pub model: &'a dyn Model,
-    /// The policy: the trainer's current parameters, whole, in `dtype`.
-    pub params: &'a [Vec<Tensor>],
+    /// The policy: the trainer's current parameters in `dtype`, held whole
+    /// (`model::Held`) or gathered a stage at a time (`train::GatheredPolicy`:
+    /// collective, `train.rollout_gather`).
+    pub policy: &'a mut dyn UnitSource,
     pub dtype: Kind,
     /// This rank's examples of the window, a list per micro-batch in the
     /// order they train.

@@ -273,8 +273,9 @@ fn train_step(
 
 /// Samples the rollouts of the window of global batch `batch` (of
 /// `order`), which starts after `step` steps (`resumed_at`: a resumed run
-/// starts inside it, at that step): the policy gathered whole, this rank's
-/// micro-batches of the window's steps given to the task (collective).
+/// starts inside it, at that step): the policy gathered whole, or a unit
+/// at a time (`per_unit`), this rank's micro-batches of the window's
+/// steps given to the task (collective).
 #[allow(clippy::too_many_arguments)]
 fn generate_rollouts(
     trainer: &mut Trainer,
@@ -284,6 +285,7 @@ fn generate_rollouts(
     order: &[usize],
     batch: usize,
     (step, last_step, epoch, resumed_at): (usize, usize, f64, Option<usize>),
+    per_unit: bool,
     rank: usize,
     output: &std::path::Path,
     config: &TrainConfig,
@@ -296,11 +298,26 @@ fn generate_rollouts(
         .flat_map(|b| (0..plan.layout.micro_steps(order, b)).map(move |micro| plan.layout.micro(order, b, rank, micro).to_vec()))
         .collect();
     let examples = (first..first + window.steps).flat_map(|b| plan.layout.global(order, b).to_vec()).collect();
-    let params = trainer.compute_params()?;
+    let whole = if per_unit { vec![] } else { trainer.compute_params()? };
+    let trainer = std::cell::RefCell::new(trainer);
+    let (mut held, mut gathered) = (crate::model::Held(&whole), crate::train::GatheredPolicy::new(&trainer));
+    let policy: &mut dyn crate::model::UnitSource = if per_unit { &mut gathered } else { &mut held };
     let rollouts = task.rollouts().expect("a task with a rollout window has rollouts");
-    let mut reference = crate::train::ReferenceModel(trainer);
+    let mut reference = crate::train::ReferenceModel(&trainer);
     let reference = rollouts.wants_reference().then_some(&mut reference as &mut dyn crate::task::StartingModel);
-    rollouts.generate(crate::task::Rollout { model, params: &params, dtype, micro_batches, examples, step, resumed_at, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
+    rollouts.generate(crate::task::Rollout { model, policy, dtype, micro_batches, examples, step, resumed_at, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
+}
+
+/// Whether online RL's rollouts gather the policy a unit at a time
+/// (`train.rollout_gather`, which `plan::for_run` settles and logs; `auto`
+/// left unsettled: whole). Where every unit is already held whole, per
+/// unit would gather nothing and only lose the CUDA graphs: whole then, said on rank 0.
+fn rollouts_per_unit(config: &TrainConfig, trainer: &Trainer, rank: usize) -> bool {
+    let asked = config.rollout_gather == crate::config::RolloutGather::PerUnit;
+    if asked && trainer.holds_compute_whole() && rank == 0 {
+        tracing::warn!("train.rollout_gather=per_unit: {} holds every unit whole already, so the rollouts decode from the units as held (as `whole` does, with CUDA graphs)", config.strategy);
+    }
+    asked && !trainer.holds_compute_whole()
 }
 
 /// Evaluates the trainer's current parameters (collective).
@@ -337,6 +354,7 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
     let mut trainer = builder.build(params)?;
     // Before the checkpoint is restored: the trainer holds the starting model.
     task.before_training(&mut crate::task::Start { model: &mut trainer, comm, output: Some(checkpoints.output), resuming })?;
+    let per_unit_rollouts = task.rollouts().is_some() && rollouts_per_unit(config, &trainer, rank);
     let reference = task.reference();
     if let (Some(reference), 0) = (&reference, rank) {
         let held = summary::reference_held(summary::ReferenceMemory::of_this_rank(reference, &trainer));
@@ -412,7 +430,7 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
                 let rollout = Instant::now();
                 let epoch_done = epoch as f64 + (epoch_step - into) as f64 / plan.steps_per_epoch as f64;
                 let window = (step - into, last_step, epoch_done, (into > 0).then_some(step));
-                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, window, rank, checkpoints.output, config, dtype, comm)?;
+                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, window, per_unit_rollouts, rank, checkpoints.output, config, dtype, comm)?;
                 rollout_seconds = Some(rollout.elapsed().as_secs_f64());
             }
             let mut outcome =

@@ -42,7 +42,7 @@ pub use memory::PeakBreakdown;
 pub use run::{explain_out_of_memory, float8_kept, for_run};
 pub use time::{StepTime, ACHIEVED_FRACTION};
 
-use crate::config::Config;
+use crate::config::{Config, RolloutGather};
 use crate::distributed::collectives_bench::{Collective, CommTestRow};
 use crate::distributed::comm_hook::{CommHook, UnitInfo};
 use crate::distributed::flat::{param_offsets, MemoryAccount, UnitPlacement};
@@ -210,6 +210,9 @@ pub struct RolloutShape {
     pub positions: i64,
     /// Optimizer steps one generation serves.
     pub steps: usize,
+    /// How decoding holds the policy (`train.rollout_gather`; `auto`: the
+    /// plan decides each row, [`PlanRow::rollout_gather`]).
+    pub gather: RolloutGather,
 }
 
 impl RolloutShape {
@@ -221,6 +224,7 @@ impl RolloutShape {
             new_tokens: rollouts.max_new_tokens() as i64,
             positions: config.data.max_seq_len as i64,
             steps,
+            gather: config.train.rollout_gather,
         }
     }
 
@@ -231,9 +235,24 @@ impl RolloutShape {
     /// their softmax in float32, the cumulative distribution in float64, the
     /// tokens seen).
     pub fn device_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
-        let element = dtype.elt_size_in_bytes() as f64;
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
-        (params as f64 + (self.rows * self.positions) as f64 * Self::kv_per_token(model)) * element + (self.rows * model.dims().vocab) as f64 * 17.0
+        params as f64 * dtype.elt_size_in_bytes() as f64 + self.cache_and_sampling_bytes(model, dtype)
+    }
+
+    /// [`Self::device_bytes`] when decoding gathers the policy a unit at a
+    /// time (`train::GatheredPolicy`): of `fetched` (what each stage's units
+    /// take gathered, [`fetched_stage_bytes`]) the largest stage's, and the
+    /// next largest as margin for a gather's own buffers and the head's
+    /// weight kept to the logits; the KV cache and sampling's buffers alike.
+    pub fn per_unit_device_bytes(&self, model: &dyn Model, dtype: Kind, fetched: &[f64]) -> f64 {
+        let mut largest = fetched.to_vec();
+        largest.sort_by(|a, b| b.total_cmp(a));
+        largest.iter().take(2).sum::<f64>() + self.cache_and_sampling_bytes(model, dtype)
+    }
+
+    /// Every block's KV cache over the whole context, and sampling's buffers over the vocabulary.
+    fn cache_and_sampling_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
+        (self.rows * self.positions) as f64 * Self::kv_per_token(model) * dtype.elt_size_in_bytes() as f64 + (self.rows * model.dims().vocab) as f64 * 17.0
     }
 
     /// Seconds a step spends sampling, at the memory-bandwidth roofline:
@@ -428,6 +447,11 @@ pub struct PlanRow {
     /// row's peak is the larger of the two.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout_bytes: Option<f64>,
+    /// Online RL: how its decoding holds the policy — `whole`, or
+    /// `per_unit` where `auto` finds the policy whole and its KV cache do
+    /// not fit and some unit is gathered (sharded, 4-bit, experts' rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_gather: Option<RolloutGather>,
     /// What the rank holds (the trainer's account: a run's `state_per_rank`).
     pub state: MemoryAccount,
     /// Host memory of a node: its ranks' offloaded state and processes.
@@ -663,8 +687,28 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     let float8_gathered = float8_gathered(workload, &placements);
     let step = device_peak(workload, setup, &placements, &state, cluster, workload.batch, reference);
     let state = MemoryAccount { gathered_peak: step.gathered_peak, ..state };
-    // Online RL's sampling holds the policy whole beside the state kept between steps.
-    let rollout_bytes = workload.rollout.map(|r| step.peak.state + r.device_bytes(workload.model, workload.dtype));
+    let gpu_fits = |bytes: f64| cluster.gpu_memory.is_none_or(|memory| bytes <= memory);
+    // Online RL's sampling holds the policy beside the state kept between
+    // steps: whole, or each stage's units gathered in turn.
+    let fetched = fetched_stage_bytes(workload, &placements);
+    let rollout_gather = workload.rollout.map(|r| {
+        let gathers = fetched.iter().any(|&bytes| bytes > 0.0);
+        let whole_fits = gpu_fits(with_margins(step.peak.total().max(step.peak.state + r.device_bytes(workload.model, workload.dtype))));
+        let per_unit = gathers
+            && match r.gather {
+                RolloutGather::Auto => !whole_fits,
+                RolloutGather::PerUnit => true,
+                RolloutGather::Whole => false,
+            };
+        if per_unit { RolloutGather::PerUnit } else { RolloutGather::Whole }
+    });
+    let rollout_bytes = workload.rollout.zip(rollout_gather).map(|(r, gather)| {
+        step.peak.state
+            + match gather {
+                RolloutGather::PerUnit => r.per_unit_device_bytes(workload.model, workload.dtype, &fetched),
+                _ => r.device_bytes(workload.model, workload.dtype),
+            }
+    });
     let peak_allocated_bytes = step.peak.total().max(rollout_bytes.unwrap_or(0.0));
     let peak_gpu_bytes = with_margins(peak_allocated_bytes);
 
@@ -677,7 +721,6 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
 
     let gb = |bytes: f64| bytes / 1e9;
     let host_fits = host_bytes <= cluster.host_memory;
-    let gpu_fits = |bytes: f64| cluster.gpu_memory.is_none_or(|memory| bytes <= memory);
     let exceeds = match (gpu_fits(peak_gpu_bytes), host_fits) {
         (true, true) => None,
         (false, _) => Some(format!("GPU: {:.1} GB of {:.1} GB", gb(peak_gpu_bytes), gb(cluster.gpu_memory.unwrap_or_default()))),
@@ -698,6 +741,10 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
     };
     let mut time = step_time(&step, reference.is_some());
     time.rollout = workload.rollout.map_or(0.0, |r| r.seconds(workload.model, workload.dtype, cluster.memory_bandwidth));
+    if let (Some(r), Some(RolloutGather::PerUnit)) = (workload.rollout, rollout_gather) {
+        // Each forward of the decoding (the prompts', then one a token) gathers every unit again.
+        time.rollout += r.new_tokens as f64 * time::per_unit_gather_seconds(workload, cluster, setup, &placements, group) / r.steps.max(1) as f64;
+    }
     let step_seconds = time.total();
     let reference = workload.reference.map(|reference| {
         let forward_seconds = match reference {
@@ -734,6 +781,7 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         peak_allocated_bytes,
         peak: step.peak,
         rollout_bytes,
+        rollout_gather,
         state,
         host_bytes,
         step_seconds,
@@ -742,6 +790,21 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         max_batch,
         reference,
     })
+}
+
+/// What each stage's units take gathered whole in the compute dtype where
+/// fetching them allocates (`Trainer::compute_unit`: a sharded unit, a
+/// 4-bit one unpacked, experts' rows gathered), in the stages' order; 0
+/// where every unit of the stage is held whole and read in place.
+pub fn fetched_stage_bytes(workload: &Workload, placements: &[UnitPlacement]) -> Vec<f64> {
+    let element = workload.dtype.elt_size_in_bytes() as f64;
+    let specs = workload.model.units();
+    let fetched = |u: usize| {
+        let p = &placements[u];
+        let allocates = p.params_sharded || p.packed || p.expert_rows.is_some();
+        if allocates { specs[u].numel() as f64 * element } else { 0.0 }
+    };
+    workload.model.stages().iter().map(|stage| crate::model::stage_units(stage).into_iter().map(fetched).sum()).collect()
 }
 
 /// The largest n ≥ 1 with `fits(n)` (memory grows with n), or 0.

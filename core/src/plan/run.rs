@@ -3,7 +3,7 @@
 //! fastest configuration predicted to need less.
 
 use super::{fastest, Checkpointing, Cluster, Plan, PlanRow, Workload};
-use crate::config::Config;
+use crate::config::{Config, RolloutGather};
 use crate::distributed::comm::{Communicator, Reduction};
 use crate::distributed::strategy::AUTO;
 use crate::gpu::{self, GpuSpec};
@@ -56,6 +56,48 @@ impl Cluster {
 /// the task's reference model (`Task::reference`), planned as it is kept;
 /// `rollout`: online RL's sampling (`RolloutShape::of_run`). Collective.
 pub fn for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>, rollout: Option<super::RolloutShape>) -> Result<Option<Plan>> {
+    let plan = plan_for_run(comm, model, config, dtype, registry, reference, rollout)?;
+    if rollout.is_some() {
+        settle_rollout_gather(config, plan.as_ref(), comm.env().rank == 0);
+    }
+    Ok(plan)
+}
+
+/// Settles `train.rollout_gather=auto` as the plan's row of the run's
+/// configuration does (`PlanRow::rollout_gather`), or `whole` without a
+/// plan, and says on rank 0 how the rollouts hold the policy and why.
+fn settle_rollout_gather(config: &mut Config, plan: Option<&Plan>, lead: bool) {
+    let train = &config.train;
+    let row = plan.and_then(|plan| plan.row(&train.strategy, &train.offload, train.activation_checkpointing, train.checkpoint_layers));
+    let why = match (train.rollout_gather, row.and_then(|row| Some((row, row.rollout_gather?, row.rollout_bytes?)))) {
+        (RolloutGather::Auto, Some((row, gather, bytes))) => {
+            config.train.rollout_gather = gather;
+            let memory = plan.and_then(|plan| plan.cluster.gpu_memory).map_or("no memory limit".into(), |m| format!("{:.1} GB", m / 1e9));
+            let whole = match (gather, row.fits) {
+                (RolloutGather::Whole, true) => "fit",
+                (RolloutGather::Whole, false) => "do not fit, and no unit is sharded to gather a stage at a time,",
+                _ => "do not fit",
+            };
+            let (bytes, peak, label) = (bytes / 1e9, row.peak_gpu_bytes / 1e9, row.label());
+            format!("train.rollout_gather=auto: the policy whole and its KV cache {whole} under {label}; ft plan: {bytes:.1} GB allocated while sampling, {peak:.1} GB at the peak, of {memory}")
+        }
+        (RolloutGather::Auto, None) => {
+            config.train.rollout_gather = RolloutGather::Whole;
+            "train.rollout_gather=auto without ft plan's prediction, which a run makes on GPUs or under --strategy auto".into()
+        }
+        (given, _) => format!("train.rollout_gather={given}"),
+    };
+    if lead {
+        let how = match config.train.rollout_gather {
+            RolloutGather::PerUnit => "gathered a unit at a time",
+            _ => "gathered whole",
+        };
+        tracing::info!("rollouts: sampled from the policy {how} ({why})");
+    }
+}
+
+/// [`for_run`]'s plan.
+fn plan_for_run(comm: &Communicator, model: &dyn Model, config: &mut Config, dtype: Kind, registry: &Registry, reference: Option<&crate::task::Reference>, rollout: Option<super::RolloutShape>) -> Result<Option<Plan>> {
     let auto = config.train.strategy == AUTO;
     if !auto && !comm.device().is_cuda() {
         return Ok(None);

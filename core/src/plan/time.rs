@@ -390,6 +390,28 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
     StepTime { compute, communication, optimizer, offload, compress, dequantize, reference, all_to_all, rollout: 0.0 }
 }
 
+/// Seconds one forward of decoding spends gathering when it gathers the
+/// policy a unit at a time (`RolloutGather::PerUnit`, as
+/// `Trainer::compute_unit` does): each stage's sharded units over the shard
+/// group (4-bit ones as their bytes), experts' rows over the expert group;
+/// nothing runs beside them to hide them.
+pub(super) fn per_unit_gather_seconds(workload: &Workload, cluster: &Cluster, setup: &Setup, placements: &[UnitPlacement], shard_group: usize) -> f64 {
+    let network = Network { cluster, groups: Groups { world: cluster.gpus, shard: shard_group, experts: setup.expert_parallel } };
+    let element = workload.dtype.elt_size_in_bytes() as f64;
+    let specs = workload.model.units();
+    let gather = |u: usize| {
+        let p = &placements[u];
+        let (group, bytes) = match (p.expert_rows, p.params_sharded, p.packed) {
+            (Some(_), ..) => (Group::Experts, specs[u].numel() as f64 * element),
+            (None, true, true) => (Group::Shard, p.shard.padded as f64),
+            (None, true, false) => (Group::Shard, p.shard.padded as f64 * element),
+            (None, false, _) => return 0.0,
+        };
+        network.seconds(&Transfer { collective: Collective::AllGather, group, bytes, exposed: true })
+    };
+    workload.model.stages().iter().flat_map(crate::model::stage_units).map(gather).sum()
+}
+
 /// What an expert-parallel exchange costs beyond its bytes: its wait on
 /// the host for the splits (c10d takes them there, so the GPU's queue
 /// drains) and the passes that regroup and combine its rows. Fitted to the

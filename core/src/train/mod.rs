@@ -14,7 +14,7 @@ mod step;
 pub use crate::distributed::flat::unflatten;
 /// Which kernels the step runs: the engine's choice, made below the models (`crate::kernels`).
 pub use crate::kernels::Kernels;
-pub use step::ReferenceModel;
+pub use step::{GatheredPolicy, ReferenceModel};
 pub(crate) use reduce::reductions_in_flight;
 
 use crate::config::TrainConfig;
@@ -684,8 +684,32 @@ impl<'m> Trainer<'m> {
     /// The whole parameters in the compute dtype, detached, per unit
     /// (gathered when sharded; collective then).
     pub fn compute_params(&self) -> Result<Vec<Vec<Tensor>>> {
-        let group = self.shard_group();
-        (0..self.units.len()).map(|u| self.model_shaped(u, self.units[u].whole_compute(group)?.detach())).collect()
+        (0..self.units.len()).map(|u| self.compute_unit(u)).collect()
+    }
+
+    /// Unit `u`'s whole parameters in the compute dtype, detached
+    /// (gathered when sharded or split among experts: collective then).
+    pub fn compute_unit(&self, u: usize) -> Result<Vec<Tensor>> {
+        self.model_shaped(u, self.units[u].whole_compute(self.shard_group())?.detach())
+    }
+
+    /// Whether every unit's whole compute parameters are already held
+    /// (none sharded, split among experts or packed in 4 bits), so that
+    /// `compute_params` allocates and gathers nothing.
+    pub fn holds_compute_whole(&self) -> bool {
+        self.units.iter().all(|unit| {
+            let placement = unit.placement();
+            !placement.params_sharded && !placement.packed && placement.expert_rows.is_none()
+        })
+    }
+
+    /// Whether every rank is `done` (this one's answer): one reduction
+    /// over the world, or `done` alone on one rank. Collective.
+    pub fn all_ranks_done(&self, done: bool) -> Result<bool> {
+        let Some(parallel) = self.parallel else { return Ok(done) };
+        let mut not_done = Tensor::from_slice(&[f32::from(u8::from(!done))]).to_device(self.units[0].device());
+        parallel.world.all_reduce(&mut not_done, crate::distributed::comm::Reduction::Max)?.wait()?;
+        Ok(not_done.double_value(&[0]) == 0.0)
     }
 
     /// The current fp32 parameters of the trained units, per unit, shaped

@@ -15,9 +15,10 @@ use super::{MicroBatch, Trainer};
 use crate::dataset::Batch;
 use crate::distributed::comm_hook::GatherPhase;
 use crate::distributed::flat::FlatUnit;
-use crate::model::{Float8Layers, Params, Stage, StageKind};
+use crate::model::{Float8Layers, Params, Stage, StageKind, UnitSource};
 use crate::task::Objective;
 use anyhow::Result;
+use std::cell::RefCell;
 use tch::{Kind, Tensor};
 
 /// What forward keeps of one stage for backward.
@@ -398,13 +399,64 @@ impl Trainer<'_> {
 }
 
 /// The reference model the trainer holds (its frozen copy, or LoRA's
-/// base), for a task that runs it outside a step: online RL's rollouts.
-pub struct ReferenceModel<'t, 'm>(pub &'t mut Trainer<'m>);
+/// base), for a task that runs it outside a step: online RL's rollouts,
+/// whose policy (`GatheredPolicy`) may share the trainer.
+pub struct ReferenceModel<'c, 't, 'm>(pub &'c RefCell<&'t mut Trainer<'m>>);
 
-impl crate::task::StartingModel for ReferenceModel<'_, '_> {
+impl crate::task::StartingModel for ReferenceModel<'_, '_, '_> {
     fn forward_head(&mut self, batch: &Batch, head: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<()> {
-        self.0.refresh_float8_amaxes()?;
-        self.0.reference_head(batch, head)
+        let mut trainer = self.0.borrow_mut();
+        trainer.refresh_float8_amaxes()?;
+        trainer.reference_head(batch, head)
+    }
+}
+
+/// The trainer's policy a unit at a time, for decoding online RL's
+/// rollouts without holding it whole (`train.rollout_gather=per_unit`):
+/// each stage's units gathered whole in the compute dtype as
+/// `Trainer::compute_params` gathers them (so the same values, whatever
+/// the communication hook), and dropped when the stage is done.
+pub struct GatheredPolicy<'c, 't, 'm> {
+    trainer: &'c RefCell<&'t mut Trainer<'m>>,
+    held: Vec<Option<Vec<Tensor>>>,
+}
+
+impl<'c, 't, 'm> GatheredPolicy<'c, 't, 'm> {
+    pub fn new(trainer: &'c RefCell<&'t mut Trainer<'m>>) -> Self {
+        let units = trainer.borrow().units.len();
+        GatheredPolicy { trainer, held: (0..units).map(|_| None).collect() }
+    }
+}
+
+impl UnitSource for GatheredPolicy<'_, '_, '_> {
+    fn fetch(&mut self, units: &[usize]) -> Result<()> {
+        let trainer = self.trainer.borrow();
+        for &unit in units {
+            self.held[unit] = Some(trainer.compute_unit(unit)?);
+        }
+        Ok(())
+    }
+
+    fn tensors(&self, unit: usize) -> &[Tensor] {
+        self.held[unit].as_deref().expect("a stage's units are fetched before it runs")
+    }
+
+    fn done(&mut self, units: &[usize]) {
+        for &unit in units {
+            self.held[unit] = None;
+        }
+    }
+
+    fn gathers(&self) -> bool {
+        true
+    }
+
+    fn all_done(&mut self, done: bool) -> Result<bool> {
+        self.trainer.borrow().all_ranks_done(done)
+    }
+
+    fn device(&self) -> tch::Device {
+        self.trainer.borrow().units[0].device()
     }
 }
 

@@ -37,9 +37,9 @@ use ft_core::batches::to_device_async;
 use ft_core::config::{Config, TrainConfig};
 use ft_core::dataset::{Batch, Dataset};
 use ft_core::distributed::comm::Communicator;
-use ft_core::generate::{sample_batch, Decoding, Sampling};
+use ft_core::generate::{sample_batch_from, Decoding, Sampling};
 use ft_core::model::{head, lm_outputs, Inputs, Model};
-use ft_core::task::{self, Objective, Rollout, RolloutWindow, Rollouts, Scores, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, WholeModel};
+use ft_core::task::{self, Objective, Rollout, RolloutWindow, Rollouts, Scores, StartingModel, StepMetrics, Synthetic, Task, TaskInputs, TaskRegistration, SourcedModel};
 use ft_core::train::loss::{lm_head_weighted_loss_and_grads, lm_label_logps_and_entropies, TargetRows, IGNORE_INDEX};
 use ft_core::train::Kernels;
 use ft_data::chat::{ChatTemplate, Conversation};
@@ -761,14 +761,14 @@ impl Rollouts for OnlineRl {
         let prompt_ids: Vec<Vec<i64>> = mine.iter().map(|&i| self.train.prompts[i / group].ids.clone()).collect();
         let seeds: Vec<u64> = mine.iter().map(|&i| row_seed(rollout.seed, rollout.step, i)).collect();
         let decoding = Decoding { pad_id: self.train.pad_id, ..Decoding::greedy(self.options.max_completion_length, self.eos, rollout.dtype) };
-        let completions = sample_batch(rollout.model, rollout.params, &prompt_ids, &seeds, &self.options.sampling()?, &decoding)?;
+        let completions = sample_batch_from(rollout.model, &mut *rollout.policy, &prompt_ids, &seeds, &self.options.sampling()?, &decoding)?;
         let sampled_seconds = started.elapsed().as_secs_f64();
         for (&index, completion) in mine.iter().zip(completions) {
             let counted = !(self.options.mask_truncated_completions && self.clipped(&completion));
             self.train.samples.insert(index, Sample { completion, counted, ..Sample::default() });
         }
         if self.objective.old_logps_kept {
-            let policy = self.completion_logps(&mut WholeModel { model: rollout.model, params: rollout.params, dtype: rollout.dtype }, &rollout.micro_batches, device)?;
+            let policy = self.completion_logps(&mut SourcedModel { model: rollout.model, source: &mut *rollout.policy, dtype: rollout.dtype }, &rollout.micro_batches, device)?;
             for (index, logps) in policy {
                 self.train.samples.get_mut(&index).expect("sampled above").old_logps = Some(logps);
             }
