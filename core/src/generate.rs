@@ -6,7 +6,7 @@
 //! bounds decoding at small batches. Parameters gathered a stage at a time
 //! (`model::UnitSource::gathers`) are decoded eagerly, in step with the other ranks.
 
-use crate::model::{check_token_ids, forward_from, lm_outputs, Held, Inputs, KvCache, Model, StageKind, UnitSource};
+use crate::model::{check_token_ids, forward_from, lm_outputs, Held, Inputs, KvCache, Model, UnitSource};
 use crate::panic::libtorch_errors;
 use crate::train::loss::{logits, softcapped};
 use anyhow::{bail, Result};
@@ -169,7 +169,7 @@ impl<'a> Step<'a> {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // The prompt's positions and one per step after the first token.
         let capacity = (longest + decoding.max_new_tokens - 1) as i64;
-        let blocks = model.stages().iter().filter(|s| s.kind == StageKind::Block).count();
+        let blocks = crate::model::block_count(model);
         let mut caches: Vec<KvCache> = (0..blocks).map(|_| KvCache::with_capacity(capacity)).collect();
         let left_padded: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![decoding.pad_id; longest - p.len()], p.clone()].concat()).collect();
         let real: Vec<Vec<i64>> = prompts.iter().map(|p| [vec![0; longest - p.len()], vec![1; p.len()]].concat()).collect();

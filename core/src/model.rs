@@ -718,6 +718,11 @@ pub fn block_count(model: &dyn Model) -> usize {
     model.stages().iter().filter(|s| s.kind == StageKind::Block).count()
 }
 
+/// Which block of the model stage `index` of `stages` is (the blocks before it).
+pub fn block_number(stages: &[Stage], index: usize) -> usize {
+    stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count()
+}
+
 /// Fresh parameters for every unit of `model` as its specs ask (linear and
 /// embedding weights N(0, std), biases zero, norms one — transformers'
 /// `_init_weights`), seeded for reproducibility; libtorch's refusal (more

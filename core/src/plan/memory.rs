@@ -466,10 +466,7 @@ pub(super) fn walk(
     }
     let stages = model.stages();
     let recomputed: Vec<bool> = (0..stages.len())
-        .map(|index| stages[index].kind == StageKind::Block && {
-            let layer = stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count();
-            crate::train::recomputes(micro.activation_checkpointing, micro.checkpoint_layers, layer)
-        })
+        .map(|index| stages[index].kind == StageKind::Block && crate::train::recomputes(micro.activation_checkpointing, micro.checkpoint_layers, crate::model::block_number(stages, index)))
         .collect();
     // Whether ft's float8 kernels' input caches hold a cast: forward's, backward's.
     let (mut forward_cache, mut backward_cache) = (false, false);

@@ -1041,19 +1041,22 @@ fn fastest<'r>(rows: impl Iterator<Item = &'r PlanRow>) -> Option<&'r PlanRow> {
 fn fewest_recomputed_blocks(workload: &Workload, cluster: &Cluster, all: &Setup) -> Result<Option<PlanRow>> {
     let blocks = crate::model::block_count(workload.model);
     let predict_with = |layers: usize| predict(workload, cluster, &Setup { activation_checkpointing: layers > 0, checkpoint_layers: (layers > 0).then_some(layers), ..*all });
-    // The blocks' activations grow as fewer are recomputed: a bisection over 0..blocks.
-    let (mut fits, mut fails) = (blocks, 0);
+    // The blocks' activations grow as fewer are recomputed: a bisection over
+    // 0..blocks, keeping the fewest's row that fits.
+    let (mut fits, mut fails, mut fewest) = (blocks, 0, None);
     if predict_with(0)?.fits {
         return Ok(None);
     }
     while fits - fails > 1 {
         let middle = (fits + fails) / 2;
-        match predict_with(middle)?.fits {
-            true => fits = middle,
-            false => fails = middle,
+        let row = predict_with(middle)?;
+        if row.fits {
+            (fits, fewest) = (middle, Some(row));
+        } else {
+            fails = middle;
         }
     }
-    Ok((fits < blocks).then(|| predict_with(fits)).transpose()?)
+    Ok(fewest)
 }
 
 /// The plan's and `ft bench --plan-check`'s "ckpt" column: on, off, or the

@@ -15,7 +15,7 @@ use super::{MicroBatch, Trainer};
 use crate::dataset::Batch;
 use crate::distributed::comm_hook::GatherPhase;
 use crate::distributed::flat::FlatUnit;
-use crate::model::{Float8Layers, Params, Stage, StageKind, UnitSource};
+use crate::model::{block_number, Float8Layers, Params, Stage, StageKind, UnitSource};
 use crate::task::Objective;
 use anyhow::Result;
 use std::cell::RefCell;
@@ -56,11 +56,6 @@ enum Units {
 /// Whether the stage after `index` computes with unit `unit` too (a tied embedding's head).
 fn used_next(stages: &[Stage], index: usize, unit: usize) -> bool {
     stages.get(index + 1).is_some_and(|next| next.units().any(|u| u == unit))
-}
-
-/// Which block of the model stage `index` is (the blocks before it).
-fn block_number(stages: &[Stage], index: usize) -> usize {
-    stages[..index].iter().filter(|stage| stage.kind == StageKind::Block).count()
 }
 
 impl Trainer<'_> {
