@@ -100,16 +100,35 @@ pub fn sampling_logits(logits: &Tensor, seen: &Tensor, sampling: &Sampling) -> T
 /// the completion of the token drawn, a one-element int64 tensor on the
 /// device), nothing else. A few passes over the logits, in floats: the
 /// Gumbel-max trick's noise per vocabulary entry cost as much as a step's
-/// weights at 64 rows of a 150k vocabulary.
+/// weights at 64 rows of a 150k vocabulary. The distribution is inverted in
+/// two levels — blocks of tokens, then the tokens of the one block — since
+/// a scan over a whole row is one thread block's work: on a GPU, at a few
+/// dozen rows, longer than the step's head.
 pub fn draw(scores: &Tensor, row_seeds: &Tensor, index: &Tensor) -> Tensor {
-    let vocab = scores.size()[1];
+    let (rows, vocab) = (scores.size()[0], scores.size()[1]);
     let uniform = uniform(&splitmix64(&splitmix64(row_seeds).bitwise_xor_tensor(index)));
-    let cdf = scores.softmax(-1, Kind::Float).cumsum(-1, Kind::Double);
-    // The first token whose cumulative probability reaches the uniform's share of the total (a
-    // filtered token adds nothing, so it is never the first): how many stay below it.
-    let target = uniform * cdf.narrow(1, vocab - 1, 1);
-    cdf.lt_tensor(&target).sum_dim_intlist(-1, true, Kind::Int64).clamp_max(vocab - 1)
+    let width = DRAW_BLOCK.min(vocab);
+    let blocks = (vocab + width - 1) / width;
+    let probabilities = scores.softmax(-1, Kind::Float).constant_pad_nd([0, blocks * width - vocab]).view([rows, blocks, width]);
+    let ends = probabilities.sum_dim_intlist(-1, false, Kind::Double).cumsum(-1, Kind::Double);
+    let target = uniform * ends.narrow(1, blocks - 1, 1);
+    // The token is the first whose cumulative probability reaches the
+    // target (a filtered token adds nothing, so it is never the first):
+    // in the first block whose end reaches it, after the blocks before it.
+    let block = ends.lt_tensor(&target).sum_dim_intlist(-1, true, Kind::Int64).clamp_max(blocks - 1);
+    let before = Tensor::cat(&[ends.zeros_like().narrow(1, 0, 1), ends.narrow(1, 0, blocks - 1)], 1).gather(1, &block, false);
+    let within = probabilities.gather(1, &block.unsqueeze(2).expand([rows, 1, width], false), false).squeeze_dim(1);
+    let cdf = within.cumsum(-1, Kind::Double) + before;
+    // Summed in another order than `ends`, a block may end a rounding short
+    // of the target: its last token with any probability is then the one.
+    let offsets = Tensor::arange(width, (Kind::Int64, scores.device())).unsqueeze(0);
+    let last_likely = offsets.where_self(&within.gt(0.0), &offsets.zeros_like()).amax(-1, true);
+    let offset = cdf.lt_tensor(&target).sum_dim_intlist(-1, true, Kind::Int64).minimum(&last_likely);
+    block * width + offset
 }
+
+/// Tokens a block of `draw`'s first level holds: √(150k vocabularies).
+const DRAW_BLOCK: i64 = 512;
 
 /// A float64 uniform strictly inside (0, 1) from random int64 bits: the top 52 bits plus ½, over 2^52 (with 53 the largest would round to 1).
 fn uniform(bits: &Tensor) -> Tensor {
@@ -187,6 +206,28 @@ mod tests {
         // A row's draw does not depend on the rows beside it.
         let alone: Vec<i64> = (10..20).flat_map(|seed| draws(&logits, seed..seed + 1, 2)).collect();
         assert_eq!(draws(&logits, 10..20, 2), alone);
+    }
+
+    #[test]
+    fn the_two_level_draw_is_the_whole_rows_inverse_distribution() {
+        // Three and a bit blocks, tokens filtered out at block edges and a whole block of them.
+        let vocab = 3 * DRAW_BLOCK + 77;
+        let rows = 4096;
+        let logits = (Tensor::randn([vocab], (Kind::Float, tch::Device::Cpu)) * 3.0).unsqueeze(0).expand([rows, vocab], false).contiguous();
+        for filtered in [0, DRAW_BLOCK - 1, DRAW_BLOCK, vocab - 1] {
+            let _ = logits.narrow(1, filtered, 1).fill_(f64::NEG_INFINITY);
+        }
+        let _ = logits.narrow(1, 2 * DRAW_BLOCK, DRAW_BLOCK).fill_(f64::NEG_INFINITY);
+        let seeds = Tensor::arange(rows, (Kind::Int64, tch::Device::Cpu)).unsqueeze(1);
+        let index = Tensor::from_slice(&[5i64]);
+        // The inversion over each row's whole cumulative distribution.
+        let uniform = uniform(&splitmix64(&splitmix64(&seeds).bitwise_xor_tensor(&index)));
+        let cdf = logits.softmax(-1, Kind::Float).cumsum(-1, Kind::Double);
+        let whole = cdf.lt_tensor(&(uniform * cdf.narrow(1, vocab - 1, 1))).sum_dim_intlist(-1, true, Kind::Int64);
+        let drawn = draw(&logits, &seeds, &index);
+        assert_eq!(Vec::<i64>::try_from(drawn.reshape([-1])).unwrap(), Vec::<i64>::try_from(whole.reshape([-1])).unwrap());
+        let blocks_drawn = Vec::<i64>::try_from(drawn.floor_divide_scalar(DRAW_BLOCK).reshape([-1]).bincount::<Tensor>(None, 4)).unwrap();
+        assert!(blocks_drawn[0] > 0 && blocks_drawn[1] > 0 && blocks_drawn[3] > 0 && blocks_drawn[2] == 0, "draws per block {blocks_drawn:?}");
     }
 
     #[test]
