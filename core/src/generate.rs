@@ -3,7 +3,8 @@
 //! same shapes (the cache's whole capacity under a mask), so on a GPU, with
 //! the parameters held whole, it is recorded once as a CUDA graph and
 //! replayed: one launch a token instead of one per kernel, which is what
-//! bounds decoding at small batches. Parameters gathered a stage at a time
+//! bounds decoding at small batches; the host looks at the tokens every few
+//! replays rather than after each, so the GPU never waits for it. Parameters gathered a stage at a time
 //! (`model::UnitSource::gathers`) are decoded eagerly, in step with the other ranks.
 
 use crate::model::{check_token_ids, forward_from, lm_outputs, Held, Inputs, KvCache, Model, UnitSource};
@@ -99,36 +100,42 @@ fn generate_batch(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec
     libtorch_errors("generating", || decode(model, source, prompts, decoding, sampled))?
 }
 
+/// Steps replayed between two looks at the tokens drawn: a look waits for
+/// the GPU, and the graphs launched ahead of it keep the GPU busy while the
+/// host launches the next. A batch that ends between looks runs at most
+/// this many steps more than it needed.
+const REPLAYS_PER_LOOK: usize = 8;
+
 /// `generate_batch` on checked prompts.
 fn decode(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec<i64>], decoding: &Decoding, sampled: Option<(&Sampling, &[u64])>) -> Result<Vec<Vec<i64>>> {
-    let mut generated: Vec<Vec<i64>> = vec![vec![]; prompts.len()];
     let _no_grad = tch::no_grad_guard();
     let mut step = Step::after_prompts(model, source, prompts, decoding, sampled)?;
     let mut graph: Option<ft_sys::CudaGraph> = None;
-    let mut finished = vec![false; prompts.len()];
+    // Tokens every row has drawn (each step draws one a row, after a row's end too: dropped below).
+    let mut drawn = 1;
     loop {
-        for ((row, token), done) in generated.iter_mut().zip(Vec::<i64>::try_from(step.tokens.reshape([-1]))?).zip(&mut finished) {
-            if !*done {
-                row.push(token);
-                *done = Some(token) == decoding.eos || row.len() == decoding.max_new_tokens;
-            }
-        }
+        let generated = step.generated(drawn, decoding.eos)?;
+        let done = drawn == decoding.max_new_tokens || generated.iter().all(|row| row.last().copied() == decoding.eos);
         // Fetching collectively, every rank steps until all are done (one
-        // small reduction a step, against a gather of every unit), rather
+        // small reduction a look, against a gather of every unit), rather
         // than always `max_new_tokens` steps: early stops save whole steps.
-        if step.source.all_done(finished.iter().all(|&f| f))? {
+        if step.source.all_done(done)? {
             return Ok(generated);
         }
         match &graph {
-            Some(graph) => graph.replay()?,
+            Some(graph) => {
+                let steps = REPLAYS_PER_LOOK.min(decoding.max_new_tokens - drawn);
+                for _ in 0..steps {
+                    graph.replay()?;
+                }
+                drawn += steps;
+            }
             None => {
                 step.run()?;
+                drawn += 1;
                 // After one eager step (lazy initialisations done), when at least two steps follow.
-                // Tokens so far: the rows still decoding hold the most (the prompt's next token, then one a step).
-                let produced = generated.iter().map(Vec::len).max().unwrap_or(0);
-                let steps_left = decoding.max_new_tokens - produced - 1;
                 let replayable = decoding.cuda_graph && !step.source.gathers() && model.graph_capturable(step.tokens.device(), step.dtype);
-                if replayable && steps_left >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
+                if replayable && decoding.max_new_tokens - drawn >= 2 && !GRAPHS_FAILED.load(Ordering::Relaxed) {
                     graph = step.capture();
                 }
             }
@@ -137,13 +144,16 @@ fn decode(model: &dyn Model, source: &mut dyn UnitSource, prompts: &[Vec<i64>], 
 }
 
 /// A decoding step of fixed shapes over its buffers: the last token of each
-/// row, the attention mask over the cache's capacity (1 where a slot holds a
-/// real token), and the slot the next token goes to, all on the device.
+/// row, every token drawn so far, the attention mask over the cache's
+/// capacity (1 where a slot holds a real token), and the slot the next
+/// token goes to, all on the device.
 struct Step<'a> {
     model: &'a dyn Model,
     source: &'a mut dyn UnitSource,
     caches: Vec<KvCache>,
     tokens: Tensor,
+    /// `[rows, max_new_tokens]`: column i holds the completions' i-th tokens once drawn.
+    drawn: Tensor,
     mask: Tensor,
     slot: Tensor,
     /// The longest prompt's length: the slot of a row's first generated token.
@@ -192,7 +202,9 @@ impl<'a> Step<'a> {
         }
         let unwritten = Tensor::zeros([prompts.len() as i64, capacity - longest as i64], (Kind::Int64, device));
         let tokens = next_tokens(model, &last_logits, draws.as_mut(), &Tensor::zeros([1], (Kind::Int64, device)));
-        Ok(Step { model, source, caches, tokens, mask: Tensor::cat(&[mask, unwritten], 1), slot, longest: longest as i64, dtype: decoding.dtype, draws })
+        let drawn = Tensor::zeros([prompts.len() as i64, decoding.max_new_tokens as i64], (Kind::Int64, device));
+        let _ = drawn.narrow(1, 0, 1).copy_(&tokens);
+        Ok(Step { model, source, caches, tokens, drawn, mask: Tensor::cat(&[mask, unwritten], 1), slot, longest: longest as i64, dtype: decoding.dtype, draws })
     }
 
     /// One token per row: marks the slot real, runs the model on the last
@@ -208,8 +220,24 @@ impl<'a> Step<'a> {
         // The token at slot `longest` is the completion's second (index 1).
         let index = self.slot.g_sub_scalar(self.longest - 1);
         self.tokens.copy_(&next_tokens(self.model, &logits(&hidden, &weight), self.draws.as_mut(), &index));
+        let _ = self.drawn.index_copy_(1, &index, &self.tokens);
         let _ = self.slot.g_add_scalar_(1);
         Ok(())
+    }
+
+    /// The first `count` tokens each row drew, each row cut after its first `eos`.
+    fn generated(&self, count: usize, eos: Option<i64>) -> Result<Vec<Vec<i64>>> {
+        // One copy to the host (converting a device tensor copies row by row).
+        let drawn = Vec::<Vec<i64>>::try_from(self.drawn.narrow(1, 0, count as i64).to_device(Device::Cpu))?;
+        Ok(drawn
+            .into_iter()
+            .map(|mut row| {
+                if let Some(end) = row.iter().position(|&token| Some(token) == eos) {
+                    row.truncate(end + 1);
+                }
+                row
+            })
+            .collect())
     }
 
     /// Records `run` as a CUDA graph; None on the CPU, or (with a warning,
