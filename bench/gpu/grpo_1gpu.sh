@@ -76,9 +76,10 @@ for run in ${RUNS:-ft-1.5b ft-1.5b-8x8 ft-7b-lora trl-1.5b trl-7b-lora}; do
     ft-1.5b-8x8) ft_grpo $run $QWEN 8 ;;
     ft-7b-lora) ft_grpo $run $LLAMA 4 --lora-r 16 --lora-alpha 32 --lora-targets all-linear ;;
     ft-1.5b-profile)
-      # Step 3's GPU time per kernel (the rollout's 512 decoding steps and the update).
+      # Step 3's GPU time per kernel (the rollout's 512 decoding steps and the update), and where the GPU idles.
       ft_grpo $run $QWEN 4 --profile-steps 3:3
-      head -16 $OUT/$run/profile/*.kernels.tsv | cut -c1-160; rm -f $OUT/$run/profile/*.trace.json ;;
+      head -16 $OUT/$run/profile/*.kernels.tsv | cut -c1-160
+      python3 bench/gpu/trace_gaps.py $OUT/$run/profile/*.trace.json | head -40 | cut -c1-160; rm -f $OUT/$run/profile/*.trace.json ;;
     trl-1.5b) trl_grpo $run --config $QWEN --prompts 4 ;;
     trl-1.5b-paged) trl_grpo $run --config $QWEN --prompts 4 --paged ;;
     trl-1.5b-8x8) trl_grpo $run --config $QWEN --prompts 8 ;;
