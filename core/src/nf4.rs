@@ -704,6 +704,22 @@ mod tests {
             }
         }
 
+        // An expert-parallel rank's part of a fused expert tensor ([8, 96, 32]:
+        // 384 blocks, the parts of 4 ranks 96 each, some entering a nested
+        // block mid-way): the kernel gives the whole tensor's experts.
+        let scales = Tensor::logspace(-2.0, 1.0, 8, 10.0, (Kind::Float, Device::Cpu)).view([-1, 1, 1]);
+        let experts = Tensor::randn([8, 96, 32], (Kind::Float, Device::Cpu)) * scales;
+        for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+            let q = quantize(&experts, quant_type, DEFAULT_BLOCKSIZE, true).unwrap();
+            let whole = q.dequantize();
+            for rank in 0..4 {
+                let part = moved(&q.rows(2 * rank..2 * rank + 2).unwrap(), gpu, 0);
+                let by_kernel = Tensor::empty([2 * 96 * 32], (Kind::Float, gpu));
+                part.dequantize_by_kernel(&by_kernel).unwrap();
+                assert_same_bits(&by_kernel, &whole.narrow(0, 2 * rank, 2).reshape([-1]), &format!("{quant_type:?}: rank {rank} of 4's experts"));
+            }
+        }
+
         // Bandwidth on Llama-7B's MLP weight and the 70B's largest: bytes
         // read (packed, absmaxes) and written, per second of each path.
         for (rows, cols) in [(4096, 11008), (8192, 28672)] {
