@@ -744,6 +744,23 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
     }
 }
 
+/// What each rank of the run in `dir` (of `model`, named `name`, at
+/// expert-parallel degree 2 under `strategy` and `offload`, with `flags`)
+/// holds, on the device and offloaded, is what `ft plan` predicts for its row.
+fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, (strategy, offload): (&str, &str), flags: &[&str]) {
+    let json = dir.join("plan.json");
+    let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--dtype", "f32", "--json", json.to_str().unwrap()]).args(flags).output().unwrap();
+    assert!(plan.status.success(), "{}", common::text(&plan));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let row = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == strategy && r["offload"] == offload && r["expert_parallel"] == 2 && r["comm"].is_null());
+    let row = row.unwrap_or_else(|| panic!("{name}: no plan row"));
+    for held in common::summary(dir)["state_per_rank"].as_array().unwrap() {
+        for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
+            assert_eq!(row["state"][what], held[what], "{name}: {what}");
+        }
+    }
+}
+
 /// Expert parallelism: two ranks each holding 4 of the 8 experts of the
 /// sparse layer, tokens exchanged by all-to-all, train to one rank's
 /// losses at every step (ddp, shard_grad_op and full_shard placing the
@@ -760,20 +777,7 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let baseline = common::losses(&one);
     assert_eq!(baseline.len(), 2, "{baseline:?}");
     let mut saved = None;
-    // What each rank holds, on the device and offloaded, is what `ft plan` predicts for the run's row.
-    let holds_what_ft_plan_predicts = |dir: &Path, name: &str, strategy: &str, offload: &str, extra: &[&str]| {
-        let json = dir.join("plan.json");
-        let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--dtype", "f32", "--json", json.to_str().unwrap()]).args(extra).output().unwrap();
-        assert!(plan.status.success(), "{}", common::text(&plan));
-        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-        let row = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == strategy && r["offload"] == offload && r["expert_parallel"] == 2 && r["comm"].is_null());
-        let row = row.unwrap_or_else(|| panic!("{name}: no plan row"));
-        for held in common::summary(dir)["state_per_rank"].as_array().unwrap() {
-            for what in ["params", "grads", "optimizer_state", "host", "gathered_peak", "frozen"] {
-                assert_eq!(row["state"][what], held[what], "{name}: {what}");
-            }
-        }
-    };
+    let holds_what_ft_plan_predicts = |dir: &Path, name: &str, strategy: &str, offload: &str, extra: &[&str]| holds_what_ft_plan_predicts(&model, dir, name, (strategy, offload), extra);
     let runs = [("ep2-ddp", "ddp", "none"), ("ep2-full-shard", "full_shard", "none"), ("ep2-shard-grad-op", "shard_grad_op", "none"), ("ep2-full-shard-offload", "full_shard", "cpu"), ("ep2-ddp-offload", "ddp", "cpu")];
     for (name, strategy, offload) in runs {
         let dir = run(name, &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", strategy, "--offload", offload, "--expert-parallel", "2", "--save-every", "1"]);
@@ -816,10 +820,52 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     }
 }
 
+/// QLoRA under expert parallelism: two ranks each holding their 4 experts'
+/// part of the whole fused expert tensors' 4-bit blocks (the whole
+/// tensors' quantization, as bitsandbytes makes it: see
+/// `moe_4bit_experts_equal_bitsandbytes_bit_for_bit`) train LoRA on the
+/// attention and the experts to one rank's losses at every step, each rank
+/// holding what `ft plan` predicts; the adapters they save and their
+/// merged export equal one rank's, and their checkpoint resumes on one
+/// rank to the uninterrupted run's last loss.
+#[test]
+fn moe_qlora_expert_parallel_ranks_train_save_and_merge_as_one() {
+    let scratch = tempfile::tempdir().unwrap();
+    let (model, _, run) = moe_trainer(scratch.path());
+    let qlora = ["--lora-r", "4", "--lora-targets", "q,experts", "--quantize", "nf4", "--save-every", "1"];
+    let one = run("one-rank", &[&["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"][..], &qlora].concat());
+    let split = run("ep2", &[&["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--expert-parallel", "2"][..], &qlora].concat());
+    let (baseline, losses) = (common::losses(&one), common::losses(&split));
+    assert_eq!((baseline.len(), losses.len()), (2, 2), "{baseline:?} {losses:?}");
+    for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "QLoRA at degree 2, step {}: loss {x} vs one rank's {y}", step + 1);
+    }
+    holds_what_ft_plan_predicts(&model, &split, "qlora-ep2", ("full_shard", "none"), &qlora[..6]);
+    let same = |ours: &Path, theirs: &Path, what: &str| {
+        let (ours, theirs) = (tensors(ours), tensors(theirs));
+        assert!(!ours.is_empty() && ours.len() == theirs.len(), "{what}");
+        for (key, x) in &ours {
+            assert!(relative(x, &theirs[key], 1e-6) <= 1e-4, "{what}: {key} differs from one rank's by {}", relative(x, &theirs[key], 1e-6));
+        }
+    };
+    same(&split.join("final/adapter_model.safetensors"), &one.join("final/adapter_model.safetensors"), "the adapters");
+    let merged = |dir: &Path| {
+        let out = dir.join("merged");
+        let export = common::ft().args(["export", "--checkpoint", dir.join("final").to_str().unwrap(), "--out", out.to_str().unwrap(), "--merge"]).output().unwrap();
+        assert!(export.status.success(), "{}", common::text(&export));
+        out.join("model.safetensors")
+    };
+    same(&merged(&split), &merged(&one), "the merged export");
+    let checkpoint = split.join("checkpoints/step-00000001");
+    let resumed = run("resumed-ep1", &[&["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--resume", checkpoint.to_str().unwrap()][..], &qlora[..6]].concat());
+    let (x, y) = (*common::losses(&resumed).last().unwrap(), baseline[1]);
+    assert!((x - y).abs() <= 1e-5 * y.abs(), "QLoRA resumed at degree 1, step 2: loss {x} vs the uninterrupted {y}");
+}
+
 /// `--expert-parallel N` is checked before any rank starts, each bad degree
 /// refused in one line naming what it must divide: the world size, the
-/// experts; a dense model has none to split; a degree that fits is refused
-/// with QLoRA, whose 4-bit blocks split experts do not carry yet.
+/// experts; a dense model has none to split; over QLoRA's 4-bit base, a
+/// degree whose ranks' experts would cut a 4-bit block of the whole tensor.
 #[test]
 fn expert_parallel_degrees_are_checked_in_one_line() {
     let scratch = tempfile::tempdir().unwrap();
@@ -845,8 +891,11 @@ fn expert_parallel_degrees_are_checked_in_one_line() {
     assert_eq!(refused(scratch.path(), &["--expert-parallel", "3", "--nproc-per-node", "3"]), format!("{flag} 3 must divide the model's 8 experts, so that each rank of a group holds as many"));
     assert_eq!(refused(&fixture("llama"), &["--expert-parallel", "2", "--nproc-per-node", "2"]), format!("{flag} 2: model_type llama is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)"));
     assert!(refused(scratch.path(), &["--expert-parallel", "0"]).starts_with(&format!("{flag} must be at least 1")));
-    let qlora = ["--expert-parallel", "2", "--nproc-per-node", "2", "--lora-r", "4", "--quantize", "nf4"];
-    assert!(refused(scratch.path(), &qlora).starts_with(&format!("{flag} 2 with model.quantize")));
+    let qlora = ["--expert-parallel", "8", "--nproc-per-node", "8", "--lora-r", "4", "--quantize", "nf4", "--set", "model.quant_blocksize=4096"];
+    assert_eq!(
+        refused(scratch.path(), &qlora),
+        format!("{flag} 8 with model.quantize (--quantize) nf4: a rank's share of model.layers.0.mlp.experts.down_proj [8, 64, 32] (1 of its 8 experts) is 2048 values, not a whole number of 4-bit blocks of 4096 (model.quant_blocksize), so a block of the whole tensor would straddle two ranks; choose a degree or block size that divides it")
+    );
 }
 
 /// Generation runs the experts through the KV cache as a forward does:
@@ -1042,8 +1091,10 @@ fn moe_lora_training_on_experts_exports_for_peft_and_transformers() {
 /// FP4 but for the sign of zero; on an AVX512 processor that comparison is
 /// skipped and listed: its kernel dequantizes otherwise there,
 /// `common::bitsandbytes_runs_kernels_of_its_own`).
-/// The router and norms, which bitsandbytes leaves, stay as they are. NF4
-/// double quantized and FP4.
+/// The router and norms, which bitsandbytes leaves, stay as they are; an
+/// expert-parallel rank's part of each fused expert tensor
+/// (`PackedLayout::expert_part`) dequantizes to bitsandbytes' experts of
+/// its rows. NF4 double quantized and FP4.
 #[test]
 fn moe_4bit_experts_equal_bitsandbytes_bit_for_bit() {
     use ft_core::lora::RunModel;
@@ -1097,7 +1148,24 @@ fn moe_4bit_experts_equal_bitsandbytes_bit_for_bit() {
                         QuantType::Fp4 => assert!(by_trainer.eq_tensor(&theirs[unit][param]).all().int64_value(&[]) == 1, "{what}"),
                     }
                 }
-                experts_held += usize::from(held && original.dim() == 3);
+                if held && original.dim() == 3 {
+                    experts_held += 1;
+                    // Under expert parallelism, each rank's part of the whole tensor's blocks: bitsandbytes' experts of its rows.
+                    for degree in [2, 8] {
+                        let mut local = spec.clone();
+                        local.params[0].shape[0] /= degree as i64;
+                        let local_offsets = ft_core::distributed::flat::param_offsets(&local);
+                        let rows = local.params[0].shape[0];
+                        for rank in 0..degree {
+                            let mut part = PackedLayout::expert_part(spec, Kind::Float, quantization, |param| qlora.held_in_4bit(param), (degree, rank));
+                            let bytes = part.pack(spec, &local_offsets, &params[unit], part.bytes()).unwrap();
+                            let unpacked = Tensor::zeros([local.numel()], (Kind::Float, Device::Cpu));
+                            part.unpack_into(&bytes, &unpacked);
+                            let theirs = expected.narrow(0, rows * rank as i64, rows);
+                            same_bits(&unpacked.view(theirs.size().as_slice()), &theirs, &format!("{quant_type:?}: {name}, rank {rank} of {degree}'s experts"));
+                        }
+                    }
+                }
             }
         }
         assert_eq!(experts_held, 2, "layer 0's gate_up_proj and down_proj");

@@ -155,6 +155,14 @@ pub struct Quantization {
     pub double_quant: bool,
 }
 
+/// Whether each of `parts` equal slices of a tensor of `shape` along its
+/// first dimension starts and ends on a block of `blocksize` values, so
+/// that a rank holding one slice holds whole blocks of the whole tensor's
+/// quantization ([`Quantized4bit::rows`]).
+pub fn rows_hold_whole_blocks(shape: &[i64], parts: i64, blocksize: i64) -> bool {
+    parts == 1 || (shape[0] % parts == 0 && (shape.iter().product::<i64>() / parts) % blocksize == 0)
+}
+
 /// How many blocks of `blocksize` values hold `numel` values.
 pub fn blocks(numel: i64, blocksize: i64) -> i64 {
     (numel + blocksize - 1) / blocksize
@@ -185,8 +193,10 @@ pub enum Absmax {
     Plain(Tensor),
     /// Double quantization: 8-bit indices into `code`, one per block, with
     /// an fp32 absmax per `blocksize` of them; the value is
-    /// `code[index] · absmax + offset`.
-    Nested { indices: Tensor, absmax: Tensor, code: Tensor, blocksize: i64, offset: f32 },
+    /// `code[index] · absmax + offset`. `first`: where the first index
+    /// sits in the first nested block — 0 for a whole tensor's state, the
+    /// place a slice of it starts at ([`Quantized4bit::rows`]).
+    Nested { indices: Tensor, absmax: Tensor, code: Tensor, blocksize: i64, offset: f32, first: i64 },
 }
 
 /// How to read a packed tensor back: bitsandbytes' `QuantState`.
@@ -285,7 +295,7 @@ fn nested(absmax: &Tensor) -> Absmax {
     let offset = absmax.mean(None::<Kind>);
     let code = dynamic_code(absmax.device());
     let (indices, nested_absmax) = quantize_8bit(&(absmax - &offset), &code, NESTED_BLOCKSIZE);
-    Absmax::Nested { indices, absmax: nested_absmax, code, blocksize: NESTED_BLOCKSIZE, offset: offset.double_value(&[]) as f32 }
+    Absmax::Nested { indices, absmax: nested_absmax, code, blocksize: NESTED_BLOCKSIZE, offset: offset.double_value(&[]) as f32, first: 0 }
 }
 
 /// bitsandbytes' signed dynamic map (`create_dynamic_map()`): 256 sorted
@@ -348,11 +358,11 @@ impl Absmax {
     pub fn values(&self) -> Tensor {
         match self {
             Absmax::Plain(absmax) => absmax.shallow_clone(),
-            Absmax::Nested { indices, absmax, code, blocksize, offset } => {
+            Absmax::Nested { indices, absmax, code, blocksize, offset, first } => {
                 let n = indices.numel() as i64;
                 let blocks = absmax.numel() as i64;
-                let values = code.index_select(0, &indices.to_kind(Kind::Int64)).constant_pad_nd([0, blocks * blocksize - n]);
-                let values = (values.view([blocks, *blocksize]) * absmax.view([-1, 1])).reshape([-1]).narrow(0, 0, n);
+                let values = code.index_select(0, &indices.to_kind(Kind::Int64)).constant_pad_nd([*first, blocks * blocksize - n - first]);
+                let values = (values.view([blocks, *blocksize]) * absmax.view([-1, 1])).reshape([-1]).narrow(0, *first, n);
                 // A scalar, not a tensor made on the host: no copy to the device to wait for.
                 values + *offset as f64
             }
@@ -427,7 +437,9 @@ impl Quantized4bit {
         let launch = |absmax: Absmax4bit<'_>| ft_sys::kernels::dequantize_4bit(&packed, absmax, code, state.blocksize, state.dtype, &mut out.shallow_clone());
         match &state.absmax {
             Absmax::Plain(absmax) => launch(Absmax4bit::Plain(&absmax.contiguous())),
-            Absmax::Nested { indices, absmax, code, blocksize, offset } => launch(Absmax4bit::Nested {
+            // The kernel reads whole nested blocks: a slice's absmaxes starting inside one are computed first.
+            nested @ Absmax::Nested { first, .. } if *first != 0 => launch(Absmax4bit::Plain(&nested.values())),
+            Absmax::Nested { indices, absmax, code, blocksize, offset, .. } => launch(Absmax4bit::Nested {
                 indices: &indices.contiguous(),
                 absmax: &absmax.contiguous(),
                 code: &code.contiguous(),
@@ -438,8 +450,45 @@ impl Quantized4bit {
         Ok(())
     }
 
+    /// The part of this quantization that holds rows `rows` of the
+    /// tensor's first dimension, as a rank holding only those rows keeps
+    /// it (an expert-parallel rank's experts of a fused expert tensor):
+    /// their packed bytes and their blocks' absmaxes — double quantized,
+    /// their 8-bit indices, the nested absmaxes of the nested blocks those
+    /// fall in (shared with a neighbouring slice where one straddles) and
+    /// the whole tensor's offset. The rows must start on a block
+    /// ([`rows_hold_whole_blocks`]); dequantized, the part gives the whole
+    /// tensor's dequantized rows bit for bit.
+    pub fn rows(&self, rows: std::ops::Range<i64>) -> Result<Quantized4bit> {
+        let state = &self.state;
+        let row: i64 = state.shape[1..].iter().product();
+        let (start, len) = (rows.start * row, (rows.end - rows.start) * row);
+        ensure!(
+            start % state.blocksize == 0 && (len % state.blocksize == 0 || rows.end == state.shape[0]) && len > 0 && rows.end <= state.shape[0],
+            "rows {rows:?} of a 4-bit tensor of shape {:?} do not hold whole blocks of {} values",
+            state.shape,
+            state.blocksize
+        );
+        let (first_block, count) = (start / state.blocksize, blocks(len, state.blocksize));
+        let absmax = match &state.absmax {
+            Absmax::Plain(absmax) => Absmax::Plain(absmax.narrow(0, first_block, count)),
+            Absmax::Nested { indices, absmax, code, blocksize, offset, first } => {
+                let at = first + first_block;
+                let first = at % blocksize;
+                let absmax = absmax.narrow(0, at / blocksize, blocks(first + count, *blocksize));
+                Absmax::Nested { indices: indices.narrow(0, first_block, count), absmax, code: code.shallow_clone(), blocksize: *blocksize, offset: *offset, first }
+            }
+        };
+        let mut shape = state.shape.clone();
+        shape[0] = rows.end - rows.start;
+        // A block holds an even number of values, so the slice starts on a byte.
+        let packed = self.packed.narrow(0, start / 2, (len + 1) / 2);
+        Ok(Quantized4bit { packed, state: QuantState { quant_type: state.quant_type, blocksize: state.blocksize, shape, dtype: state.dtype, absmax } })
+    }
+
     /// The tensors bitsandbytes' `QuantState.as_dict(packed=True)` and
-    /// transformers save for a weight named `weight`, by name.
+    /// transformers save for a weight named `weight`, by name (a whole
+    /// tensor's state: a part of one, [`Quantized4bit::rows`], is none).
     pub fn state_dict(&self, weight: &str) -> Vec<(String, Tensor)> {
         let state = &self.state;
         let mut blob = json!({
@@ -452,7 +501,7 @@ impl Quantized4bit {
         let mut tensors = vec![(weight.to_string(), self.packed.shallow_clone())];
         match &state.absmax {
             Absmax::Plain(absmax) => tensors.push((format!("{weight}.absmax"), absmax.shallow_clone())),
-            Absmax::Nested { indices, absmax, code, blocksize, offset } => {
+            Absmax::Nested { indices, absmax, code, blocksize, offset, .. } => {
                 tensors.push((format!("{weight}.absmax"), indices.shallow_clone()));
                 tensors.push((format!("{weight}.nested_absmax"), absmax.shallow_clone()));
                 tensors.push((format!("{weight}.nested_quant_map"), code.shallow_clone()));
@@ -529,7 +578,7 @@ impl Quantized4bit {
             let nested_blocks = (blocks + nested_blocksize - 1) / nested_blocksize;
             let absmax = float_tensor(&tensor, &format!("{weight}.nested_absmax"), nested_blocks)?;
             let code = float_tensor(&tensor, &format!("{weight}.nested_quant_map"), 256)?;
-            Absmax::Nested { indices, absmax, code, blocksize: nested_blocksize, offset: offset as f32 }
+            Absmax::Nested { indices, absmax, code, blocksize: nested_blocksize, offset: offset as f32, first: 0 }
         } else {
             Absmax::Plain(float_tensor(&tensor, &absmax_name, blocks)?)
         };
@@ -589,12 +638,13 @@ mod tests {
         packed.copy_(&q.packed.reshape([-1]));
         let absmax = match &q.state.absmax {
             Absmax::Plain(absmax) => Absmax::Plain(absmax.to_device(device)),
-            Absmax::Nested { indices, absmax, code, blocksize, offset } => Absmax::Nested {
+            Absmax::Nested { indices, absmax, code, blocksize, offset, first } => Absmax::Nested {
                 indices: indices.to_device(device),
                 absmax: absmax.to_device(device),
                 code: code.to_device(device),
                 blocksize: *blocksize,
                 offset: *offset,
+                first: *first,
             },
         };
         let QuantState { quant_type, blocksize, ref shape, dtype, .. } = q.state;
@@ -651,6 +701,22 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+
+        // An expert-parallel rank's part of a fused expert tensor ([8, 96, 32]:
+        // 384 blocks, the parts of 4 ranks 96 each, some entering a nested
+        // block mid-way): the kernel gives the whole tensor's experts.
+        let scales = Tensor::logspace(-2.0, 1.0, 8, 10.0, (Kind::Float, Device::Cpu)).view([-1, 1, 1]);
+        let experts = Tensor::randn([8, 96, 32], (Kind::Float, Device::Cpu)) * scales;
+        for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+            let q = quantize(&experts, quant_type, DEFAULT_BLOCKSIZE, true).unwrap();
+            let whole = q.dequantize();
+            for rank in 0..4 {
+                let part = moved(&q.rows(2 * rank..2 * rank + 2).unwrap(), gpu, 0);
+                let by_kernel = Tensor::empty([2 * 96 * 32], (Kind::Float, gpu));
+                part.dequantize_by_kernel(&by_kernel).unwrap();
+                assert_same_bits(&by_kernel, &whole.narrow(0, 2 * rank, 2).reshape([-1]), &format!("{quant_type:?}: rank {rank} of 4's experts"));
             }
         }
 

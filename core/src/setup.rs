@@ -137,8 +137,9 @@ pub fn planned_ranks(config: &Config, env: &DistEnv) -> (usize, usize) {
 /// Checks an expert-parallel `degree` (`train.expert_parallel`) against the
 /// run's `world` and the model it trains (`RunModel::model`): a degree above
 /// 1 must divide both the world size and the experts of a mixture of
-/// experts; LoRA trains over a base in the compute dtype (not yet: the
-/// 4-bit blocks of the rows a rank holds).
+/// experts; over a 4-bit base (QLoRA) each rank's experts of each fused
+/// expert tensor must hold whole 4-bit blocks of the whole tensor, which a
+/// rank holds as bitsandbytes blocks it (`PackedLayout::expert_part`).
 pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Model) -> Result<()> {
     if degree <= 1 {
         return Ok(());
@@ -153,8 +154,22 @@ pub fn check_expert_parallel(degree: usize, world: usize, model: &dyn crate::Mod
     if experts as usize % degree != 0 {
         bail!("{flag} must divide the model's {experts} experts, so that each rank of a group holds as many");
     }
-    if model.quantized_base().is_some() {
-        bail!("{flag} with model.quantize (--quantize): a 4-bit base of split experts is not built yet; train LoRA over a bf16 base, or with 1");
+    if let Some(quantization) = model.quantized_base() {
+        let units = model.units();
+        let split = crate::train::expert_units(model).into_iter().flat_map(|unit| &units[unit].params).filter(|param| model.held_in_4bit(param));
+        for param in split {
+            let blocksize = quantization.blocksize;
+            if !crate::nf4::rows_hold_whole_blocks(&param.shape, degree as i64, blocksize) {
+                let per_rank = param.numel() / degree as i64;
+                bail!(
+                    "{flag} with model.quantize (--quantize) {}: a rank's share of {} {:?} ({} of its {experts} experts) is {per_rank} values, not a whole number of 4-bit blocks of {blocksize} (model.quant_blocksize), so a block of the whole tensor would straddle two ranks; choose a degree or block size that divides it",
+                    quantization.quant_type.name(),
+                    param.hf_name,
+                    param.shape,
+                    experts as usize / degree
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -133,7 +133,7 @@ struct Walk<'a> {
     placements: &'a [UnitPlacement],
     /// The reference's frozen copy, unit by unit (empty without one).
     copy: &'a [UnitPlacement],
-    /// Each unit's parameter count.
+    /// Each unit's parameter count on a rank (an expert-parallel rank's rows of an experts unit).
     numels: Vec<i64>,
     /// Whether autograd copies each unit's parameters' gradients into its
     /// flat one: not for a unit of one parameter filling its buffer (an
@@ -440,7 +440,7 @@ pub(super) fn walk(
     let mut walk = Walk {
         placements,
         copy,
-        numels: model.units().iter().map(|unit| unit.numel()).collect(),
+        numels: model.units().iter().zip(placements).map(|(unit, placement)| unit.numel() / if placement.expert_rows.is_some() { micro.expert_parallel.max(1) as i64 } else { 1 }).collect(),
         concatenated: model.units().iter().zip(placements).map(|(unit, placement)| placement.expert_rows.is_none() && !one_view(unit, placement.shard.padded)).collect(),
         micro,
         now: PeakBreakdown::default(),

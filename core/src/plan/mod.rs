@@ -541,12 +541,13 @@ impl ExpertParameters {
 }
 
 /// The expert-parallel degrees a plan weighs for `model` on `cluster`:
-/// 1, and for a mixture of experts (not over QLoRA's 4-bit base), each
-/// degree within a node that divides the node's GPUs and the experts.
+/// 1, and for a mixture of experts each degree within a node that `ft
+/// train` takes there (`setup::check_expert_parallel`): it divides the
+/// node's GPUs and the experts, and over QLoRA's 4-bit base each rank's
+/// experts hold whole 4-bit blocks.
 fn expert_parallel_degrees(model: &dyn Model, cluster: &Cluster) -> Vec<usize> {
-    let experts = model.experts().filter(|_| model.quantized_base().is_none()).map_or(1, |experts| experts.count as usize);
     let node = cluster.gpus_per_node();
-    (1..=node).filter(|&degree| degree == 1 || (node % degree == 0 && experts % degree == 0 && experts > 1)).collect()
+    (1..=node).filter(|&degree| crate::setup::check_expert_parallel(degree, node, model).is_ok()).collect()
 }
 
 /// The placements of `workload`'s units under `setup` in a shard group of `group`.

@@ -26,7 +26,7 @@ use crate::distributed::float8_gather::Float8Amaxes;
 use crate::distributed::packed_base::PackedLayout;
 use crate::distributed::parallel::DataParallel;
 use crate::distributed::strategy::{ParamPlacement, ShardingPolicy};
-use crate::model::{Float8Layers, Model};
+use crate::model::{Float8Layers, Model, ParamSpec};
 use crate::offload::Offload;
 use anyhow::Result;
 use std::cell::RefCell;
@@ -292,9 +292,14 @@ impl<'m> TrainerBuilder<'m> {
             if let (Some(groups), Some(_)) = (experts, placement.expert_rows) {
                 // This rank's experts: its rows of the unit's parameter, held whole.
                 let rows = groups.rows(spec.params[0].shape[0]);
-                let t: Vec<Tensor> = t.iter().map(|t| t.narrow(0, rows.start, rows.end - rows.start)).collect();
                 let mut local = spec.clone();
                 local.params[0].shape[0] = rows.end - rows.start;
+                if let Some(layout) = packed {
+                    // Its part of the whole tensor's 4-bit blocks, cut from the whole.
+                    units.push(FlatUnit::new_packed(&local, &t, options.dtype, placement, layout)?);
+                    continue;
+                }
+                let t: Vec<Tensor> = t.iter().map(|t| t.narrow(0, rows.start, rows.end - rows.start)).collect();
                 if reference_copy {
                     reference.push(FlatUnit::new(&local, &t, options.dtype, placement.frozen_copy(), offload)?);
                 }
@@ -386,7 +391,10 @@ impl<'m> TrainerBuilder<'m> {
 /// the base is held in 4 bits (`Model::quantized_base`), the frozen blocks
 /// as the bytes of their `PackedLayout` (what `Model::held_in_4bit` picks:
 /// the blocks' linear layers, as bitsandbytes quantizes them, and a mixture
-/// of experts' fused experts; the embeddings and the head keep the compute dtype).
+/// of experts' fused experts; the embeddings and the head keep the compute
+/// dtype). Under expert parallelism (`experts`: the group's size and this
+/// rank in it) a rank holds its rows of the experts units whole — of a
+/// 4-bit one, its part of the whole tensor's blocks (`PackedLayout::expert_part`).
 pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind, experts: Option<(usize, usize)>) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
     let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
     let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
@@ -396,13 +404,14 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
         .iter()
         .enumerate()
         .map(|(unit, spec)| {
-            if let Some((degree, rank)) = experts.filter(|_| expert_units.contains(&unit)) {
-                let rows = spec.numel() / degree as i64;
-                let placement = UnitPlacement::expert_rows(rows, rows * rank as i64, offload);
-                // LoRA's base: this rank's experts, frozen.
-                return (if model.frozen(unit) { placement.frozen() } else { placement }, None);
-            }
-            let placement = UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload);
+            let part = experts.filter(|_| expert_units.contains(&unit));
+            let placement = match part {
+                Some((degree, rank)) => {
+                    let rows = spec.numel() / degree as i64;
+                    UnitPlacement::expert_rows(rows, rows * rank as i64, offload)
+                }
+                None => UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload),
+            };
             let placement = match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),
                 (false, true) => placement.whole_params(),
@@ -410,7 +419,11 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
             };
             match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
                 Some(quantization) => {
-                    let layout = PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization, |param| model.held_in_4bit(param));
+                    let held_in_4bit = |param: &ParamSpec| model.held_in_4bit(param);
+                    let layout = match part {
+                        Some(part) => PackedLayout::expert_part(spec, dtype, quantization, held_in_4bit, part),
+                        None => PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization, held_in_4bit),
+                    };
                     (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
                 }
                 None => (placement, None),
