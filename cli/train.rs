@@ -222,7 +222,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let base_dir = hf::base_weights_dir(&run_model, &start, seed, rank.device, &output, rank.dtype, &rank.comm)?;
     let params = hf::StartingParams::new(&run_model, &start, seed, rank.device)?;
     let sinks = if rank.rank() == 0 { registry.create_sinks(config.output.sinks()?, &output, resumed_step)? } else { vec![] };
-    rank.log_run(task.as_ref(), &run_model);
+    rank.log_run(task.as_ref(), &run_model, config.train.expert_parallel);
     let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.files_dir().as_deref());
     let fit = Fit {
         model,

@@ -683,6 +683,8 @@ fn moe_trainer(scratch: &Path) -> (PathBuf, PathBuf, impl Fn(&str, &[&str]) -> P
             .output()
             .unwrap();
         assert!(output.status.success(), "{name}: {}", common::text(&output));
+        // What the run printed, for the tests that read its log.
+        std::fs::write(dir.join("output.txt"), common::text(&output)).unwrap();
         dir
     };
     (model, data, run)
@@ -841,6 +843,8 @@ fn moe_qlora_expert_parallel_ranks_train_save_and_merge_as_one() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "QLoRA at degree 2, step {}: loss {x} vs one rank's {y}", step + 1);
     }
     holds_what_ft_plan_predicts(&model, &split, "qlora-ep2", ("full_shard", "none"), &qlora[..6]);
+    let log = std::fs::read_to_string(split.join("output.txt")).unwrap();
+    assert!(log.contains("and 2 fused expert tensors (a rank's 1/2 of the experts, --expert-parallel 2) of the base's blocks"), "{log}");
     let same = |ours: &Path, theirs: &Path, what: &str| {
         let (ours, theirs) = (tensors(ours), tensors(theirs));
         assert!(!ours.is_empty() && ours.len() == theirs.len(), "{what}");

@@ -290,22 +290,29 @@ impl LoraModel {
         )
     }
 
-    /// What QLoRA holds in 4 bits, in one line (None when the base is not
-    /// quantized): the frozen blocks' weight matrices and fused experts,
+    /// What QLoRA holds in 4 bits on a rank, in one line (None when the
+    /// base is not quantized): the frozen blocks' weight matrices and fused
+    /// experts (a rank of `expert_parallel` holding its share of each),
     /// how they are quantized, and the bytes that saves against holding
     /// them in `dtype`, the compute dtype (the blocks' vectors, and a
     /// router, stay in it either way).
-    pub fn describe_quantized_base(&self, dtype: Kind) -> Option<String> {
+    pub fn describe_quantized_base(&self, dtype: Kind, expert_parallel: usize) -> Option<String> {
         let quantization = self.quantization?;
         let units = self.units();
         let quantized: Vec<&ParamSpec> =
             model::block_units(self).filter(|&unit| self.frozen(unit)).flat_map(|unit| units[unit].params.iter().filter(|p| self.held_in_4bit(p))).collect();
-        let params: i64 = quantized.iter().map(|p| p.numel()).sum();
-        let held: i64 = quantized.iter().map(|p| quantization.bytes(p.numel())).sum();
+        let is_experts = |p: &ParamSpec| self.expert_parameters().contains(&p.name.as_str());
+        let held_here = |p: &ParamSpec| if is_experts(p) { p.numel() / expert_parallel as i64 } else { p.numel() };
+        let params: i64 = quantized.iter().map(|p| held_here(p)).sum();
+        let held: i64 = quantized.iter().map(|p| quantization.bytes(held_here(p))).sum();
         let unquantized = params * dtype.elt_size_in_bytes() as i64;
         let megabytes = |bytes: i64| format!("{:.2} MB", bytes as f64 / 1e6);
-        let expert_tensors = quantized.iter().filter(|p| self.expert_parameters().contains(&p.name.as_str())).count();
-        let experts = if expert_tensors == 0 { String::new() } else { format!(" and {expert_tensors} fused expert tensors (every expert)") };
+        let expert_tensors = quantized.iter().filter(|p| is_experts(p)).count();
+        let experts = match (expert_tensors, expert_parallel) {
+            (0, _) => String::new(),
+            (_, 1) => format!(" and {expert_tensors} fused expert tensors (every expert)"),
+            (_, degree) => format!(" and {expert_tensors} fused expert tensors (a rank's 1/{degree} of the experts, --expert-parallel {degree})"),
+        };
         Some(format!(
             "QLoRA: {} weight matrices{experts} of the base's blocks ({params} parameters) held in {}, blocks of {} values{}: {} instead of {} in {}, {} saved",
             quantized.len() - expert_tensors,

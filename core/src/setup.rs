@@ -342,15 +342,16 @@ impl Rank {
     }
 
     /// Rank 0 logs what the run trains: [`Rank::describe_run`], and a LoRA
-    /// run's adapters and the 4-bit base they train on.
-    pub fn log_run(&self, task: &dyn crate::task::Task, run_model: &crate::lora::RunModel) {
+    /// run's adapters and the 4-bit base they train on (a rank's share of
+    /// the experts under `expert_parallel`).
+    pub fn log_run(&self, task: &dyn crate::task::Task, run_model: &crate::lora::RunModel, expert_parallel: usize) {
         if self.rank() != 0 {
             return;
         }
         tracing::info!("{}", self.describe_run(task, run_model.model()));
         if let Some(lora) = run_model.lora() {
             tracing::info!("{}", lora.describe());
-            if let Some(quantized) = lora.describe_quantized_base(self.dtype) {
+            if let Some(quantized) = lora.describe_quantized_base(self.dtype, expert_parallel) {
                 tracing::info!("{quantized}");
             }
         }
