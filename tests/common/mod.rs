@@ -196,9 +196,13 @@ pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
 /// skipped, and listed as such. Found on 2026-11-27 on a Sapphire
 /// Rapids-class machine; CI's processor runs bitsandbytes' generic path.
 pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
-    let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
-    let probe = Command::new("python").args(["-c", check]).output();
-    let native = probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True");
+    // Probed once for the binary's tests (a python importing torch and bitsandbytes); each skip is still listed.
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let native = *NATIVE.get_or_init(|| {
+        let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
+        let probe = Command::new("python").args(["-c", check]).output();
+        probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True")
+    });
     native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
 }
 
