@@ -49,25 +49,29 @@ pub fn demo_files(dir: &Path) -> [PathBuf; 3] {
 }
 
 /// A small BERT (no dropout when `deterministic`) with a WordPiece
-/// vocabulary trained on the shared SQuAD file (the test checks it is there).
+/// vocabulary trained on the shared SQuAD file (the test checks it is there),
+/// in `dir`/bert.
 pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
-    let config = dir.join("bert-config.json");
-    let dropout = if deterministic { 0.0 } else { 0.1 };
-    let json = serde_json::json!({
-        "model_type": "bert", "architectures": ["BertForQuestionAnswering"], "vocab_size": 30522,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
-        "max_position_embeddings": 256, "type_vocab_size": 2, "hidden_dropout_prob": dropout,
-        "attention_probs_dropout_prob": dropout, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0
+    // Made once per binary for each dropout (the tokenizer's training and an init-model), copied into each test's `dir`.
+    static MADE: [std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    made_once(&MADE[usize::from(deterministic)], dir, |dir| {
+        let config = dir.join("bert-config.json");
+        let dropout = if deterministic { 0.0 } else { 0.1 };
+        let json = serde_json::json!({
+            "model_type": "bert", "architectures": ["BertForQuestionAnswering"], "vocab_size": 30522,
+            "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
+            "max_position_embeddings": 256, "type_vocab_size": 2, "hidden_dropout_prob": dropout,
+            "attention_probs_dropout_prob": dropout, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0
+        });
+        std::fs::write(&config, json.to_string()).unwrap();
+        let output = ft()
+            .args(["init-model", "--config", config.to_str().unwrap(), "--out", dir.join("bert").to_str().unwrap()])
+            .args(["--train-tokenizer", shared::path(shared::SQUAD).to_str().unwrap(), "--vocab-size", "3000"])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
     });
-    std::fs::write(&config, json.to_string()).unwrap();
-    let model = dir.join("bert");
-    let output = ft()
-        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-        .args(["--train-tokenizer", shared::path(shared::SQUAD).to_str().unwrap(), "--vocab-size", "3000"])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    model
+    dir.join("bert")
 }
 
 /// Each optimizer step's loss in a run's metrics.jsonl.
