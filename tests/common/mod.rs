@@ -224,7 +224,6 @@ pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
             .output()
             .unwrap();
         assert!(output.status.success(), "{}", text(&output));
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
         // Llama 3's template with a fixed date in place of today's (`strftime_now`): the pairs' tokens, and so
         // the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day the test runs.
         let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
@@ -233,12 +232,8 @@ pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
         let template = dir.join("llama3-dated.jinja");
         std::fs::write(&template, dated).unwrap();
         let gpt2 = shared::path(shared::GPT2_TOKENIZER);
-        let output = Command::new("python")
-            .arg(&script)
-            .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", text(&output));
+        let make = ["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()];
+        reference_job("chat_reference.py", &make.map(std::ffi::OsStr::new));
     });
     dir.join("model")
 }
