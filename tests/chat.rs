@@ -17,7 +17,6 @@ use crate::common;
 
 use common::{ft, shared, text};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat").join(name)
@@ -165,20 +164,10 @@ fn prompt_completion_puts_the_loss_on_the_completion() {
     let out = dir.path().join("tokens.jsonl");
     let output = tokenize(dir.path(), &data, &out, &[]);
     assert!(output.status.success(), "{}", text(&output));
-    // transformers' tokenizer for the expected ids: the prompt, the completion, its eos_token (here <|im_end|>; GPT-2 adds no BOS).
-    let script = format!(
-        "import json\nfrom transformers import AutoTokenizer\nt = AutoTokenizer.from_pretrained({dir:?})\n\
-         for line in open({out:?}):\n    e = json.loads(line)\n    print(json.dumps(e))\n\
-         for p, c in [('The sky is', ' blue.'), ('2 + 2 =', ' 4')]:\n    p, c = t(p)['input_ids'], t(c, add_special_tokens=False)['input_ids'] + [t.eos_token_id]\n    print(json.dumps({{'input_ids': p + c, 'labels': [-100] * len(p) + c}}))\n",
-        dir = dir.path().to_str().unwrap(),
-        out = out.to_str().unwrap()
-    );
-    let output = Command::new("python").args(["-c", &script]).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    let lines: Vec<&str> = std::str::from_utf8(&output.stdout).unwrap().lines().collect();
-    assert_eq!(lines.len(), 4);
-    let parse = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap();
-    assert_eq!((parse(lines[0]), parse(lines[1])), (parse(lines[2]), parse(lines[3])));
+    // transformers' tokenizer for the expected ids (chat_reference.py's `check`): the prompt, the completion, its
+    // eos_token (here <|im_end|>; GPT-2 adds no BOS), labels on the completion alone.
+    let checked = python(&["check", dir.path().to_str().unwrap(), data.to_str().unwrap(), out.to_str().unwrap()]);
+    assert!(checked.contains("2 examples equal"), "{checked}");
 }
 
 #[test]
@@ -418,13 +407,10 @@ fn sharegpt_alpaca_and_trl_rows_tokenize_as_the_peers_format_them() {
     assert!(!output.status.success() && text(&output).contains("bad.jsonl line 2: turn 1 is from \"bot\""), "{}", text(&output));
 }
 
-/// tests/python/export_reference.py's `check` of exported directories:
-/// each `{"export", "config"[, "conversations", "tokens"]}` in `cases`.
+/// chat_reference.py's `export` check of exported directories: each
+/// `{"export", "config"[, "conversations", "tokens"]}` in `cases`.
 fn check_exports(cases: &serde_json::Value) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/export_reference.py");
-    let output = Command::new("python").arg(&script).args(["check", &cases.to_string()]).output().unwrap_or_else(|error| panic!("cannot run python: {error}"));
-    assert!(output.status.success(), "export_reference.py on {cases}: {}", text(&output));
-    eprintln!("{}", String::from_utf8_lossy(&output.stdout));
+    eprintln!("{}", python(&["export", &cases.to_string()]));
 }
 
 /// An export is whole: transformers loads it in the dtype its config.json

@@ -17,11 +17,9 @@ use std::process::{Command, Output};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/data_sources.py");
 
-/// data_sources.py with `args`, its cache kept inside `dir`; its standard output.
-fn python(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("python").arg(SCRIPT).args(args).env("HF_HOME", dir.join("hf")).output().unwrap_or_else(|e| panic!("cannot run python: {e}"));
-    assert!(output.status.success(), "data_sources.py {args:?}: {}", text(&output));
-    String::from_utf8_lossy(&output.stdout).into_owned()
+/// data_sources.py's job `args`, in the binary's one process of it; its standard output.
+fn python(args: &[&str]) -> String {
+    common::reference_job("data_sources.py", &args.iter().map(std::ffi::OsStr::new).collect::<Vec<_>>())
 }
 
 /// The demo's tokenizer (no shared files needed), in `dir`.
@@ -72,7 +70,7 @@ fn parquet_arrow_and_json_arrays_read_as_the_same_rows_in_json_lines_in_every_fo
         std::fs::create_dir(&out).unwrap();
         let jsonl = out.join("rows.jsonl");
         write_rows(&jsonl, rows);
-        python(dir.path(), &["write", jsonl.to_str().unwrap(), out.to_str().unwrap()]);
+        python(&["write", jsonl.to_str().unwrap(), out.to_str().unwrap()]);
         let expected = examples(&tokenizer, &jsonl, &flags);
         assert!(!expected.is_empty());
         let glob = out.join("hub/data/train-*.parquet");
@@ -100,7 +98,7 @@ fn columns_read_other_names_and_an_unknown_column_lists_the_files_columns() {
     let (jsonl, plain) = (dir.path().join("rows.jsonl"), dir.path().join("texts.jsonl"));
     write_rows(&jsonl, &rows);
     write_rows(&plain, &texts);
-    python(dir.path(), &["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    python(&["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
     let expected = examples(&tokenizer, &plain, &["--max-seq-len", "16"]);
     for source in [&jsonl, &dir.path().join("rows.parquet"), &dir.path().join("saved")] {
         assert_eq!(examples(&tokenizer, source, &["--max-seq-len", "16", "--set", "data.columns.text=abstract"]), expected, "{}", source.display());
@@ -120,7 +118,7 @@ fn a_file_of_another_kind_or_a_missing_split_is_named_in_the_error() {
     let tokenizer = tokenizer(dir.path());
     let jsonl = dir.path().join("rows.jsonl");
     write_rows(&jsonl, &[serde_json::json!({"text": "one"}), serde_json::json!({"text": "two"})]);
-    python(dir.path(), &["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    python(&["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
     let fails = |data: &Path, extra: &[&str], expected: &[&str]| {
         let output = tokenize(&tokenizer, data, &dir.path().join("x"), extra);
         let log = text(&output);
@@ -160,8 +158,8 @@ fn a_large_parquet_file_is_read_in_bounded_memory() {
     let tokenizer = tokenizer(dir.path());
     let (large, small) = (dir.path().join("large.parquet"), dir.path().join("small.parquet"));
     let rows = 120_000;
-    let text_bytes: u64 = python(dir.path(), &["big", large.to_str().unwrap(), &rows.to_string()]).trim().parse().unwrap();
-    python(dir.path(), &["big", small.to_str().unwrap(), "2000"]);
+    let text_bytes: u64 = python(&["big", large.to_str().unwrap(), &rows.to_string()]).trim().parse().unwrap();
+    python(&["big", small.to_str().unwrap(), "2000"]);
     let peak = |data: &Path, range: &str| -> u64 {
         let out = dir.path().join("tokens.jsonl");
         let args = ["tokenize", "--tokenizer", tokenizer.to_str().unwrap(), "--train-file", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-seq-len", "4096"];
@@ -192,7 +190,7 @@ fn a_mixture_takes_its_weights_shares_in_a_seeded_order() {
     write_rows(&a, &labelled_rows("alpha", 200));
     write_rows(&b, &labelled_rows("beta", 200));
     // One source as Parquet: each source is read as what it is.
-    python(dir.path(), &["write", b.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    python(&["write", b.to_str().unwrap(), dir.path().to_str().unwrap()]);
     let b_parquet = dir.path().join("rows.parquet");
     let (alone_a, alone_b) = (examples(&tokenizer, &a, &[]), examples(&tokenizer, &b, &[]));
     let config = dir.path().join("mixture.toml");
@@ -382,7 +380,7 @@ fn a_dataset_directory_evaluates_on_its_test_split_when_no_eval_file_is_given() 
     let dir = tempfile::tempdir().unwrap();
     let jsonl = dir.path().join("rows.jsonl");
     write_rows(&jsonl, &labelled_rows("alpha", 8));
-    python(dir.path(), &["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    python(&["write", jsonl.to_str().unwrap(), dir.path().to_str().unwrap()]);
     let train = |data: &Path, name: &str, extra: &[&str]| {
         let out = dir.path().join(name);
         let output = ft()

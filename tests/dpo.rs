@@ -413,9 +413,7 @@ fn every_source_reads_preference_pairs_and_a_range_takes_them_in_order() {
     let [_, conversational, _] = preference_files(dir.path());
     let written = dir.path().join("written");
     std::fs::create_dir(&written).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/data_sources.py");
-    let output = Command::new("python").arg(&script).args(["write", conversational.to_str().unwrap(), written.to_str().unwrap()]).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
+    common::reference_job("data_sources.py", &["write".as_ref(), conversational.as_os_str(), written.as_os_str()]);
     let reference = |name: &str, data: &Path, extra: &[&str]| -> Value {
         let out = dir.path().join(name);
         let output = train(&model, data, &out, &[&["--max-seq-len", "64", "--max-steps", "1", "--batch-size", "2"], extra].concat());

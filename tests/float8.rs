@@ -17,7 +17,6 @@ use ft_sys::float8::{self, Float8, Recipe};
 use ft_tasks::causal_lm::CausalLmLoss;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 use crate::common;
@@ -29,13 +28,9 @@ fn emulated(recipe: Recipe) -> Float8 {
     Float8 { recipe, emulate: true }
 }
 
-/// Runs tests/python/float8_reference.py with `args`; returns the tensors of each OUT it wrote.
+/// Runs tests/python/float8_reference.py with `args`, in the binary's one process of it; returns the tensors of each OUT it wrote.
 fn reference(args: &[&str], outs: &[&Path]) -> HashMap<String, Tensor> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/float8_reference.py");
-    let output = Command::new("python").arg(&script).args(args).output().unwrap_or_else(|error| {
-        panic!("cannot run `python` ({error}): these tests compare with torchao; `source scripts/env.sh` first, which puts the venv's python on PATH")
-    });
-    assert!(output.status.success(), "{}", text(&output));
+    common::reference_job("float8_reference.py", &args.iter().map(std::ffi::OsStr::new).collect::<Vec<_>>());
     outs.iter().flat_map(|out| Tensor::read_safetensors(out.join("reference.safetensors")).unwrap()).collect()
 }
 

@@ -18,7 +18,6 @@ use ft_models::{hf, peft};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 use crate::common;
@@ -150,19 +149,9 @@ fn adapters_load_in_peft_and_match_its_logits_loss_and_gradients() {
 #[test]
 fn all_linear_adapts_what_peft_adapts() {
     let names = ["llama-gqa", "qwen3", "gemma2", "gemma3", "phi3", "opt", "bloom"];
-    let script = r#"
-import sys, torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-for fixture in sys.argv[1:]:
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32), LoraConfig(r=4, target_modules="all-linear"))
-    modules = sorted(name.removeprefix("base_model.model.") for name, module in model.named_modules() if hasattr(module, "lora_A"))
-    print(" ".join(modules))
-"#;
     let dirs: Vec<PathBuf> = names.iter().map(|name| fixture(name)).collect();
-    let output = Command::new("python").args(["-c", script]).args(&dirs).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let job: Vec<&std::ffi::OsStr> = dirs.iter().flat_map(|dir| ["--all-linear".as_ref(), dir.as_os_str()]).collect();
+    let stdout = common::reference_job("peft_reference.py", &job);
     let peft_modules: Vec<&str> = stdout.lines().collect();
     assert_eq!(peft_modules.len(), names.len(), "{stdout}");
     for (name, expected) in names.iter().zip(peft_modules) {

@@ -65,6 +65,8 @@ impl MlflowServer {
             .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
             .args(["--serve-artifacts", "--artifacts-destination"])
             .arg(dir.join("artifacts"))
+            // Without MLflow 3's job runner (GenAI jobs, nothing a tracking client asks for): three more pythons importing MLflow.
+            .env("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             // Its own process group, so that killing it kills its workers too.
@@ -122,37 +124,12 @@ fn file_store(dir: &Path) -> String {
 }
 
 /// Every run of the experiment "ft" at `tracking_uri` as MLflow's client reads
-/// it: status, times, params, tags, metric names, artifacts, the summary
+/// it (tests/python/mlflow_reference.py, in the binary's one process of it):
+/// status, times, params, tags, metric names, artifacts, the summary
 /// artifact's contents, and the `loss` and `eval_loss` histories as [step, value].
 fn runs_as_mlflow_reads_them(tracking_uri: &str) -> Vec<Value> {
-    let script = r#"
-import json, sys, tempfile
-from mlflow import MlflowClient
-client = MlflowClient(tracking_uri=sys.argv[1])
-experiment = client.get_experiment_by_name("ft")
-def history(run, key):
-    return [[m.step, m.value] for m in client.get_metric_history(run.info.run_id, key)]
-def summary(run):
-    if not any(a.path == "summary.json" for a in client.list_artifacts(run.info.run_id)):
-        return None
-    return json.load(open(client.download_artifacts(run.info.run_id, "summary.json", tempfile.mkdtemp())))
-print(json.dumps([{
-    "id": run.info.run_id, "status": run.info.status, "start": run.info.start_time, "end": run.info.end_time,
-    "params": run.data.params, "tags": run.data.tags, "metrics": sorted(run.data.metrics),
-    "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)], "summary": summary(run),
-    "loss": history(run, "loss"), "eval_loss": history(run, "eval_loss"),
-} for run in client.search_runs([experiment.experiment_id])]))
-"#;
-    let output = Command::new(python())
-        .args(["-c", script, tracking_uri])
-        // MLflow 3 reads a file store only when asked to (it prefers a database now).
-        .env("MLFLOW_ALLOW_FILE_STORE", "true")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}; scripts/setup.sh makes the venv", python().display()));
-    let log = text(&output);
-    assert!(!log.contains("No module named 'mlflow'"), "this test reads ft's runs with MLflow's client: run scripts/setup.sh to install mlflow into .venv\n{log}");
-    assert!(output.status.success(), "{log}");
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {log}"))
+    let printed = common::reference_job("mlflow_reference.py", &[tracking_uri.as_ref()]);
+    serde_json::from_str(&printed).unwrap_or_else(|e| panic!("{e}: {printed}"))
 }
 
 /// metrics.jsonl's `key` values as [step, value].

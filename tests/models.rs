@@ -565,16 +565,15 @@ fn moe_models(dir: &Path) -> Vec<&'static str> {
     });
     static MADE: std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>> = std::sync::OnceLock::new();
     common::made_once(&MADE, dir, |made| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
-        let output = std::process::Command::new(python()).arg(script).arg("make").arg(made).arg(cases.to_string()).output().unwrap();
-        assert!(output.status.success(), "{}", common::text(&output));
+        moe_reference(&["make".as_ref(), made.as_os_str(), cases.to_string().as_ref()]);
         std::fs::copy(&tokenizer_file, made.join("qwen3_moe_train/hub/tokenizer.json")).unwrap();
     });
     vec!["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"]
 }
 
-fn python() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+/// Runs a job of tests/python/moe_reference.py, in the binary's one process of it; returns what it printed.
+fn moe_reference(args: &[&std::ffi::OsStr]) -> String {
+    common::reference_job("moe_reference.py", args)
 }
 
 fn tensors(path: &Path) -> std::collections::HashMap<String, Tensor> {
@@ -650,9 +649,7 @@ fn moe_weights_load_from_either_layout_and_export_in_the_hubs() {
         assert_eq!(written, hubs, "{name}: the export names what save_pretrained names");
         pairs.push([out.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string()]);
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
-    let output = std::process::Command::new(python()).arg(script).arg("check").arg(serde_json::json!(pairs).to_string()).output().unwrap();
-    assert!(output.status.success(), "{}", common::text(&output));
+    moe_reference(&["check".as_ref(), serde_json::json!(pairs).to_string().as_ref()]);
 }
 
 /// `ft train` of a tiny Qwen3-MoE with the load-balancing loss: its first
@@ -704,12 +701,10 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", common::text(&output));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/moe_reference.py");
     // The whole first batch, and its halves (the micro-batches of a run accumulating two).
     let slices = serde_json::json!([[0, 4], [0, 2], [2, 2]]).to_string();
-    let output = std::process::Command::new(python()).arg(script).arg("loss").arg(&model).arg(&tokenized).arg(slices).output().unwrap();
-    assert!(output.status.success(), "{}", common::text(&output));
-    let expected: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&output.stdout).lines().last().unwrap()).unwrap();
+    let printed = moe_reference(&["loss".as_ref(), model.as_os_str(), tokenized.as_os_str(), slices.as_ref()]);
+    let expected: serde_json::Value = serde_json::from_str(printed.lines().last().unwrap()).unwrap();
     for key in ["loss", "aux_loss"] {
         let (ours, theirs) = (first[key].as_f64().unwrap(), expected[0][key].as_f64().unwrap());
         assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");

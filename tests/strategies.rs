@@ -213,8 +213,14 @@ fn every_strategy_equals_the_baseline(workload: Workload) {
     let baseline = if workload == Workload::Bloom { bloom_baseline(scratch.path()) } else { train(workload, scratch.path(), "baseline", 1, &[]) };
     let mut held: HashMap<String, Value> = HashMap::new();
     for ranks in [2, 4] {
-        // Four ranks of every strategy once (BLOOM's); the other models at four ranks in the one layout two cannot make.
-        let runs = strategies(ranks, &ds_config).into_iter().filter(|(name, _)| ranks == 2 || workload == Workload::Bloom || name.starts_with("hybrid"));
+        let wanted = |name: &str| match name {
+            // The DeepSpeed config (ZeRO-2: shard_grad_op, clipping at 1.0 as ft does) once, BLOOM's at 2 ranks:
+            // the same config at 4 ranks or for another model would make shard_grad_op's run again.
+            "ds_zero2" => ranks == 2 && workload == Workload::Bloom,
+            // Four ranks of every strategy once (BLOOM's); the other models at four ranks in the one layout two cannot make.
+            _ => ranks == 2 || workload == Workload::Bloom || name.starts_with("hybrid"),
+        };
+        let runs = strategies(ranks, &ds_config).into_iter().filter(|(name, _)| wanted(name));
         for (name, flags) in runs {
             let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
             let run_name = format!("{name}-{ranks}");
@@ -480,11 +486,12 @@ fn offloaded_runs_equal_the_baseline_for_every_sharded_strategy() {
     let scratch = tempfile::tempdir().unwrap();
     let baseline = bloom_baseline(scratch.path());
     let mut runs: Vec<(usize, Vec<&str>)> = vec![];
-    for ranks in [2, 4] {
-        for strategy in ["zero1", "shard_grad_op", "full_shard"] {
-            runs.push((ranks, vec!["--strategy", strategy]));
-        }
+    for strategy in ["zero1", "shard_grad_op", "full_shard"] {
+        runs.push((2, vec!["--strategy", strategy]));
     }
+    // At 4 ranks, the widest sharding (a quarter of every unit on the host) and the hybrid layout; zero1's and
+    // shard_grad_op's sharding at 4 ranks is every_strategy_trains_bloom_like_the_single_process_baseline's.
+    runs.push((4, vec!["--strategy", "full_shard"]));
     runs.push((4, vec!["--strategy", "hybrid_shard", "--shard-group-size", "2"]));
     // Host-side accumulation of two micro-batches, and one process alone.
     runs.push((2, vec!["--strategy", "full_shard", "--grad-accum", "2"]));

@@ -438,21 +438,12 @@ fn an_exported_model_loads_in_transformers_with_equal_logits() {
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
 
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    let script = "import json, sys, torch\n\
-from safetensors.torch import load_file\n\
-from transformers import AutoModelForCausalLM\n\
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n\
-ids = torch.tensor(json.load(open(sys.argv[2])))\n\
-with torch.no_grad(): theirs = model(input_ids=ids).logits\n\
-ours = load_file(sys.argv[3])['logits']\n\
-print(((ours - theirs).abs().max() / theirs.abs().max()).item())";
-    let output = Command::new(python)
-        .args(["-c", script, exported.to_str().unwrap(), ids_file.to_str().unwrap(), ours.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    let error: f64 = String::from_utf8_lossy(&output.stdout).trim().lines().last().unwrap().parse().unwrap();
+    // transformers' logits (fp32, eval mode): peft_reference.py's `--logits`, in the binary's one process of it.
+    let theirs = dir.path().join("transformers");
+    common::reference_job("peft_reference.py", &["--logits".as_ref(), exported.as_os_str(), ids_file.as_os_str(), theirs.as_os_str()]);
+    let logits = |file: &Path| tch::Tensor::read_safetensors(file).unwrap().into_iter().find(|(name, _)| name == "logits").unwrap().1.to_kind(tch::Kind::Float);
+    let (ours, theirs) = (logits(&ours), logits(&theirs.join("reference.safetensors")));
+    let error = (&ours - &theirs).abs().max().double_value(&[]) / theirs.abs().max().double_value(&[]);
     assert!(error < 1e-5, "transformers' logits differ from ft's by {error:e}");
 }
 

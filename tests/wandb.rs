@@ -56,52 +56,14 @@ fn descendants(pid: u32) -> Vec<(u32, String)> {
     found
 }
 
-/// The offline run in `dir` as W&B's reader sees it, over every file it was
-/// written in: the run record, the config, each history row, the summary's
-/// last values, the last exit code and the number of files.
+/// The offline run in `dir` as W&B's reader sees it (tests/python/wandb_reference.py,
+/// in the binary's one process of it), over every file it was written in: the run
+/// record, the config, each history row, the summary's last values, the last exit
+/// code and the number of files.
 fn run_as_wandb_reads_it(dir: &Path) -> Value {
-    let script = r#"
-import glob, json, sys, types, zipfile
-import wandb
-from wandb.proto import wandb_internal_pb2 as pb
-[wheel] = glob.glob(sys.argv[1] + "/wandb-0.19.11-*.whl")
-datastore = types.ModuleType("datastore")
-exec(compile(zipfile.ZipFile(wheel).read("wandb/sdk/internal/datastore.py"), "datastore.py", "exec"), datastore.__dict__)
-# DataStore checks it runs in wandb's internal process, which 0.2x no longer has.
-wandb._assert_is_internal_process = lambda: None
-run = {"history": [], "summary": {}, "config": {}, "files": 0}
-def key(item):
-    return item.key or "/".join(item.nested_key)
-def records():
-    # A run continued (a client started again) is one file per start, in time order.
-    for path in sorted(glob.glob(sys.argv[2] + "/wandb/offline-run-*/run-*.wandb")):
-        run["files"] += 1
-        store = datastore.DataStore()
-        store.open_for_scan(path)
-        while (data := store.scan_data()) is not None:
-            yield data
-for data in records():
-    record = pb.Record()
-    record.ParseFromString(data)
-    kind = record.WhichOneof("record_type")
-    if kind == "run":
-        run.update(id=record.run.run_id, project=record.run.project, name=record.run.display_name)
-        run["config"].update({key(i): json.loads(i.value_json) for i in record.run.config.update})
-    elif kind == "config":
-        run["config"].update({key(i): json.loads(i.value_json) for i in record.config.update})
-    elif kind == "history":
-        run["history"].append({key(i): json.loads(i.value_json) for i in record.history.item})
-    elif kind == "summary":
-        run["summary"].update({key(i): json.loads(i.value_json) for i in record.summary.update})
-    elif kind == "exit":
-        run["exit_code"] = record.exit.exit_code
-print(json.dumps(run))
-"#;
     let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/reference");
-    let output = Command::new(venv_bin().join("python")).args(["-c", script]).arg(reference).arg(dir).output().unwrap();
-    let log = text(&output);
-    assert!(output.status.success(), "W&B's reader failed (scripts/setup.sh installs wandb and keeps the 0.19 wheel in .venv/reference):\n{log}");
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {log}"))
+    let printed = common::reference_job("wandb_reference.py", &[reference.as_os_str(), dir.as_os_str()]);
+    serde_json::from_str(&printed).unwrap_or_else(|e| panic!("{e}: {printed}"))
 }
 
 /// Every value ft logged (metrics.jsonl in `out`), at its step: a W&B history row of that step holds each record's values.

@@ -49,25 +49,29 @@ pub fn demo_files(dir: &Path) -> [PathBuf; 3] {
 }
 
 /// A small BERT (no dropout when `deterministic`) with a WordPiece
-/// vocabulary trained on the shared SQuAD file (the test checks it is there).
+/// vocabulary trained on the shared SQuAD file (the test checks it is there),
+/// in `dir`/bert.
 pub fn small_bert(dir: &Path, deterministic: bool) -> PathBuf {
-    let config = dir.join("bert-config.json");
-    let dropout = if deterministic { 0.0 } else { 0.1 };
-    let json = serde_json::json!({
-        "model_type": "bert", "architectures": ["BertForQuestionAnswering"], "vocab_size": 30522,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
-        "max_position_embeddings": 256, "type_vocab_size": 2, "hidden_dropout_prob": dropout,
-        "attention_probs_dropout_prob": dropout, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0
+    // Made once per binary for each dropout (the tokenizer's training and an init-model), copied into each test's `dir`.
+    static MADE: [std::sync::OnceLock<Vec<(PathBuf, Vec<u8>)>>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    made_once(&MADE[usize::from(deterministic)], dir, |dir| {
+        let config = dir.join("bert-config.json");
+        let dropout = if deterministic { 0.0 } else { 0.1 };
+        let json = serde_json::json!({
+            "model_type": "bert", "architectures": ["BertForQuestionAnswering"], "vocab_size": 30522,
+            "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
+            "max_position_embeddings": 256, "type_vocab_size": 2, "hidden_dropout_prob": dropout,
+            "attention_probs_dropout_prob": dropout, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0
+        });
+        std::fs::write(&config, json.to_string()).unwrap();
+        let output = ft()
+            .args(["init-model", "--config", config.to_str().unwrap(), "--out", dir.join("bert").to_str().unwrap()])
+            .args(["--train-tokenizer", shared::path(shared::SQUAD).to_str().unwrap(), "--vocab-size", "3000"])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
     });
-    std::fs::write(&config, json.to_string()).unwrap();
-    let model = dir.join("bert");
-    let output = ft()
-        .args(["init-model", "--config", config.to_str().unwrap(), "--out", model.to_str().unwrap()])
-        .args(["--train-tokenizer", shared::path(shared::SQUAD).to_str().unwrap(), "--vocab-size", "3000"])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    model
+    dir.join("bert")
 }
 
 /// Each optimizer step's loss in a run's metrics.jsonl.
@@ -196,9 +200,13 @@ pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
 /// skipped, and listed as such. Found on 2026-11-27 on a Sapphire
 /// Rapids-class machine; CI's processor runs bitsandbytes' generic path.
 pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
-    let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
-    let probe = Command::new("python").args(["-c", check]).output();
-    let native = probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True");
+    // Probed once for the binary's tests (a python importing torch and bitsandbytes); each skip is still listed.
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let native = *NATIVE.get_or_init(|| {
+        let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
+        let probe = Command::new("python").args(["-c", check]).output();
+        probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True")
+    });
     native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
 }
 
@@ -216,7 +224,6 @@ pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
             .output()
             .unwrap();
         assert!(output.status.success(), "{}", text(&output));
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_reference.py");
         // Llama 3's template with a fixed date in place of today's (`strftime_now`): the pairs' tokens, and so
         // the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day the test runs.
         let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
@@ -225,12 +232,8 @@ pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
         let template = dir.join("llama3-dated.jinja");
         std::fs::write(&template, dated).unwrap();
         let gpt2 = shared::path(shared::GPT2_TOKENIZER);
-        let output = Command::new("python")
-            .arg(&script)
-            .args(["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", text(&output));
+        let make = ["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()];
+        reference_job("chat_reference.py", &make.map(std::ffi::OsStr::new));
     });
     dir.join("model")
 }

@@ -13,6 +13,9 @@ pyarrow) for tests/data_sources.rs:
   data_sources.py peak COMMAND…
       runs COMMAND and prints its peak resident memory in KiB (its
       ru_maxrss: this process has no other child) after its own output
+  data_sources.py --serve
+      write and big jobs from stdin, one process for a whole test binary
+      (serve.py); peak stays a process of its own, whose only child is COMMAND
 """
 
 import json
@@ -20,11 +23,14 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 
-from datasets import Dataset, DatasetDict
+import serve
 
 
 def write(rows_path, out):
+    from datasets import Dataset, DatasetDict
+
     with open(rows_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     dataset = Dataset.from_list(rows)
@@ -43,6 +49,8 @@ def write(rows_path, out):
 
 
 def big(out, n):
+    from datasets import Dataset
+
     prompts = [f"Question {i}: what is {i} plus {i}, written out in words and in digits? " * 12 for i in range(n)]
     completions = [f" It is {2 * i}, twice {i}." for i in range(n)]
     Dataset.from_dict({"prompt": prompts, "completion": completions}).to_parquet(out, batch_size=10_000)
@@ -56,13 +64,24 @@ def peak(command):
     sys.exit(result.returncode)
 
 
-if __name__ == "__main__":
-    match sys.argv[1:]:
+def run(args):
+    match args:
         case ["write", rows, out]:
             write(rows, out)
         case ["big", out, n]:
             big(out, int(n))
-        case ["peak", *command]:
-            peak(command)
         case _:
             sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    match sys.argv[1:]:
+        case ["peak", *command]:
+            peak(command)
+        case ["--serve"]:
+            # `datasets` reads HF_HOME when first imported: a cache of the process's own (these jobs write none), not the user's.
+            with tempfile.TemporaryDirectory() as cache:
+                os.environ["HF_HOME"] = cache
+                serve.serve(run)
+        case args:
+            run(args)

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 
+import serve
 import torch
 from safetensors.torch import load_file, save_file
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -101,24 +102,23 @@ def llama_step(model_dir, ids_path, recipe, out):
     save(tensors, out)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--casts", nargs=2, metavar=("IN", "OUT"))
-    parser.add_argument("--linear", nargs=2, metavar=("IN", "OUT"))
-    parser.add_argument("--llama-step", nargs=4, metavar=("MODEL", "IDS", "RECIPE", "OUT"))
-    args = parser.parse_args()
+def run(args):
     if not (args.casts or args.linear or args.llama_step):
-        parser.error("give --casts, --linear or --llama-step (each given one runs)")
+        raise SystemExit("give --casts, --linear or --llama-step (each given one runs)")
     if args.casts:
         casts(*args.casts)
     if args.linear:
         linear(*args.linear)
     if args.llama_step:
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
         llama_step(*args.llama_step)
 
 
 if __name__ == "__main__":
-    main()
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--casts", nargs=2, metavar=("IN", "OUT"))
+    parser.add_argument("--linear", nargs=2, metavar=("IN", "OUT"))
+    parser.add_argument("--llama-step", nargs=4, metavar=("MODEL", "IDS", "RECIPE", "OUT"))
+    serve.main(parser, run)

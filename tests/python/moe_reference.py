@@ -28,10 +28,11 @@ check PAIRS_JSON
     with no key missing, unexpected or mis-shaped, and its logits on the
     reference's rows equal the reference's at the real tokens (1e-5).
 """
+import argparse
 import json
 import os
-import sys
 
+import serve
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -114,12 +115,19 @@ def check(pairs):
         print(export, "logits within", error)
 
 
+def run(args):
+    if args.command == "make":
+        make(args.arguments[0], json.loads(args.arguments[1]))
+    elif args.command == "loss":
+        loss(args.arguments[0], args.arguments[1], json.loads(args.arguments[2]))
+    else:
+        check(json.loads(args.arguments[0]))
+
+
 if __name__ == "__main__":
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    if sys.argv[1] == "make":
-        make(sys.argv[2], json.loads(sys.argv[3]))
-    elif sys.argv[1] == "loss":
-        loss(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
-    else:
-        check(json.loads(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", choices=["make", "loss", "check"])
+    parser.add_argument("arguments", nargs="*")
+    serve.main(parser, run)

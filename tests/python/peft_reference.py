@@ -29,6 +29,9 @@ the transformers model, run forward and backward.
     tensor's packed bytes and quant state as transformers saves them
     (`QuantState.as_dict(packed=True)`, under the parameter's name) to
     OUT.states.safetensors.
+--all-linear MODEL
+    prints the modules peft's LoraConfig(target_modules="all-linear") adapts
+    on MODEL, sorted, on one line (without peft's `base_model.model.`).
 Each option may be given several times.
 --serve
     jobs from stdin, one process for a whole test binary (serve.py).
@@ -106,6 +109,13 @@ def logits(model_dir, ids_path, out):
     save_file({"logits": result.contiguous()}, os.path.join(out, "reference.safetensors"))
 
 
+def all_linear(model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(r=4, target_modules="all-linear"))
+    print(" ".join(sorted(name.removeprefix("base_model.model.") for name, module in model.named_modules() if hasattr(module, "lora_A"))))
+
+
 def round_to_4bit(base, quant_type, double_quant, out):
     import bitsandbytes.functional as F
 
@@ -137,6 +147,7 @@ def main():
     parser.add_argument("--qa-logits", nargs=4, action="append", default=[], metavar=("BASE", "ADAPTER", "IDS", "OUT"))
     parser.add_argument("--logits", nargs=3, action="append", default=[], metavar=("MODEL", "IDS", "OUT"))
     parser.add_argument("--round", nargs=4, action="append", default=[], metavar=("BASE", "QUANT_TYPE", "DOUBLE_QUANT", "OUT"))
+    parser.add_argument("--all-linear", action="append", default=[], metavar="MODEL")
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     serve.main(parser, run)
@@ -153,6 +164,8 @@ def run(args):
         qa_logits(*job)
     for job in args.logits:
         logits(*job)
+    for model in args.all_linear:
+        all_linear(model)
 
 
 if __name__ == "__main__":
