@@ -43,7 +43,7 @@ fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() 
     let output = ft()
         .args(["train", "--task", "extractive_qa", "--model", model.to_str().unwrap()])
         .args(["--train-file", squad.to_str().unwrap(), "--eval-file", squad.to_str().unwrap(), "--train-samples", "64", "--eval-samples", "64"])
-        .args(["--max-seq-len", "256", "--set", "task.doc_stride=64", "--epochs", "40", "--batch-size", "8", "--lr", "5e-4"])
+        .args(["--max-seq-len", "256", "--set", "task.doc_stride=64", "--epochs", "16", "--batch-size", "8", "--lr", "2e-3"])
         .args(["--nproc-per-node", "2", "--output-dir", out.to_str().unwrap(), "--set", "train.warmup_ratio=0.05"])
         .output()
         .unwrap();
@@ -54,6 +54,10 @@ fn a_small_bert_learns_squad_v2_and_its_scores_follow_the_official_evaluation() 
     let f1 = |e: &Value| e["scores"]["f1"].as_f64().unwrap();
     let last = epochs.last().unwrap();
     assert!(f1(last) > f1(&epochs[0]) + 5.0, "eval F1 did not rise: {:?}", epochs.iter().map(f1).collect::<Vec<_>>());
+    // Answering "no answer" everywhere raises F1 too (to 59 here, the share of unanswerable questions): the
+    // answerable questions' F1 must rise as well (0-4 after the first epoch, 54-69 after the last with seeds 0, 7, 123).
+    let answered = |e: &Value| e["scores"]["HasAns_f1"].as_f64().unwrap();
+    assert!(answered(last) > answered(&epochs[0]) + 30.0, "answerable questions' F1 did not rise: {:?}", epochs.iter().map(answered).collect::<Vec<_>>());
     let scores = &last["scores"];
     for key in ["exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1", "best_f1", "best_f1_thresh"] {
         assert!(scores[key].is_number(), "summary scores lack {key}: {scores}");
