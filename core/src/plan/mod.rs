@@ -200,6 +200,17 @@ pub struct Workload<'a> {
     pub rollout: Option<RolloutShape>,
 }
 
+/// What a decoding step costs beyond reading its bytes, fitted to ft's
+/// rollouts on an H200 (bench/results/2026-11-28-h200-grpo-rollout.md: the
+/// 1.5B row at 32 and 64 rows, the 7B LoRA row; CUDA graphs, so no launch
+/// costs): per block, ~60 kernels of a few µs (norms, RoPE, the cache's
+/// writes, the attention's batched GEMMs and softmax, the small GEMMs'
+/// latency); per row of a block, the attention's and GEMMs' growth with the
+/// rows; per LoRA-adapted layer, its two low-rank GEMMs and the add.
+const DECODE_SECONDS_PER_BLOCK: f64 = 92.6e-6;
+const DECODE_SECONDS_PER_ROW_BLOCK: f64 = 0.655e-6;
+const DECODE_SECONDS_PER_ADAPTER: f64 = 14.4e-6;
+
 /// What online RL samples each generation (`Task::rollouts`), on each rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RolloutShape {
@@ -232,8 +243,8 @@ impl RolloutShape {
     /// steps: the policy whole in the compute dtype (`Trainer::compute_params`,
     /// a 4-bit base unpacked too), every block's KV cache over the whole
     /// context, and sampling's buffers over the vocabulary (the logits and
-    /// their softmax in float32, the cumulative distribution in float64, the
-    /// tokens seen).
+    /// their softmax and its copy padded to whole blocks in float32, the
+    /// tokens seen: `generate::sampling::draw`).
     pub fn device_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
         params as f64 * dtype.elt_size_in_bytes() as f64 + self.cache_and_sampling_bytes(model, dtype)
@@ -252,19 +263,23 @@ impl RolloutShape {
 
     /// Every block's KV cache over the whole context, and sampling's buffers over the vocabulary.
     fn cache_and_sampling_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
-        (self.rows * self.positions) as f64 * Self::kv_per_token(model) * dtype.elt_size_in_bytes() as f64 + (self.rows * model.dims().vocab) as f64 * 17.0
+        (self.rows * self.positions) as f64 * Self::kv_per_token(model) * dtype.elt_size_in_bytes() as f64 + (self.rows * model.dims().vocab) as f64 * 13.0
     }
 
-    /// Seconds a step spends sampling, at the memory-bandwidth roofline:
-    /// each decoding step reads the policy and the KV cache's mean context
-    /// once; a generation's share per step it serves. ft's decoding ran at
-    /// 12-29% of it on an H200 (bench/results/2026-11-28-h200-grpo.md).
+    /// Seconds a step spends sampling (a generation's share per step it
+    /// serves): each decoding step reads the policy and the KV cache's mean
+    /// context once, at the memory bandwidth (the roofline), and pays what
+    /// its small kernels cost beyond their bytes — per block, per row of a
+    /// block, per LoRA-adapted layer of a block ([`DECODE_SECONDS_PER_BLOCK`] …).
     pub fn seconds(&self, model: &dyn Model, dtype: Kind, memory_bandwidth: f64) -> f64 {
         let element = dtype.elt_size_in_bytes() as f64;
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
         let mean_context = (self.positions - self.new_tokens / 2) as f64;
         let bytes_per_token = (params as f64 + self.rows as f64 * mean_context * Self::kv_per_token(model)) * element;
-        self.new_tokens as f64 * bytes_per_token / memory_bandwidth / self.steps.max(1) as f64
+        let blocks = crate::model::block_count(model) as f64;
+        let adapted: usize = model.units().iter().flat_map(|unit| &unit.params).filter(|p| p.name.ends_with(".lora_A.weight")).count();
+        let kernels = blocks * (DECODE_SECONDS_PER_BLOCK + self.rows as f64 * DECODE_SECONDS_PER_ROW_BLOCK) + adapted as f64 * DECODE_SECONDS_PER_ADAPTER;
+        self.new_tokens as f64 * (bytes_per_token / memory_bandwidth + kernels) / self.steps.max(1) as f64
     }
 
     /// Elements of keys and values a token keeps in the cache.
