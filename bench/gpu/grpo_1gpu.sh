@@ -9,7 +9,8 @@
 # (a bf16 base; GPT-2's vocabulary). The rollout row is ft's sampling alone (its
 # rollout/tokens_per_second) against the HBM roofline: the bytes of the
 # weights and of the KV cache (at the rows' mean length) read per decode
-# step over 4.8 TB/s. RUNS picks rows (default: all); LIMIT per run (s).
+# step over 4.8 TB/s. The 2gpu rows (not in the default set) need two GPUs.
+# RUNS picks rows (default: all); LIMIT per run (s).
 # TRL, datasets, dill and multiprocess travel in .whl (`pip download --no-deps`).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -80,6 +81,9 @@ for run in ${RUNS:-ft-1.5b ft-1.5b-8x8 ft-7b-lora trl-1.5b trl-7b-lora}; do
       ft_grpo $run $QWEN 4 --profile-steps 3:3
       head -16 $OUT/$run/profile/*.kernels.tsv | cut -c1-160
       python3 bench/gpu/trace_gaps.py $OUT/$run/profile/*.trace.json | head -40 | cut -c1-160; rm -f $OUT/$run/profile/*.trace.json ;;
+    # Two GPUs, full_shard: the rollouts from the policy held whole through the rollout, or gathered a unit at a time.
+    ft-1.5b-2gpu-whole) ft_grpo $run $QWEN 4 --nproc-per-node 2 --strategy full_shard --set train.rollout_gather=whole ;;
+    ft-1.5b-2gpu-per-unit) ft_grpo $run $QWEN 4 --nproc-per-node 2 --strategy full_shard --set train.rollout_gather=per_unit ;;
     trl-1.5b) trl_grpo $run --config $QWEN --prompts 4 ;;
     trl-1.5b-paged) trl_grpo $run --config $QWEN --prompts 4 --paged ;;
     trl-1.5b-8x8) trl_grpo $run --config $QWEN --prompts 8 ;;

@@ -289,6 +289,45 @@ impl<'a> Params<'a> {
         ft_sys::lora_linear(x, weight, bias, a, b, adapters.scaling.scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
     }
 
+    /// The linear layers `names` over the same `x` (`linear` each), from
+    /// one GEMM where [`Self::joined_linear`] can run them as one: each
+    /// output then a view of its columns.
+    pub fn linears<const N: usize>(&self, x: &Tensor, names: [&str; N]) -> [Tensor; N] {
+        let Some(joined) = self.joined_linear(x, &names) else {
+            return names.map(|name| self.linear(x, name));
+        };
+        let mut start = 0;
+        names.map(|name| {
+            let width = self.get(&format!("{name}.weight")).size()[0];
+            start += width;
+            joined.narrow(-1, start - width, width)
+        })
+    }
+
+    /// The outputs of the linear layers `names` over the same `x`, side by
+    /// side on the last dimension, from one GEMM over their weights as one
+    /// matrix — where no gradient is taken, no adapter or float8 changes
+    /// their GEMMs, and their weights (and biases, if every one has one)
+    /// lie one after another in one buffer, as a unit's flat buffer lays
+    /// its matrices out: a view, nothing copied. None otherwise. Decoding
+    /// runs a few rows a step, where each GEMM is bound by its launch and
+    /// latency more than its bytes: q/k/v and gate/up joined ran a
+    /// Qwen2.5-1.5B step's GEMMs in 1.18 ms instead of 1.50 on an H200
+    /// (bench/results/2026-11-28-h200-gemm-choices.md).
+    pub fn joined_linear(&self, x: &Tensor, names: &[&str]) -> Option<Tensor> {
+        if self.adapters.is_some() || self.float8.is_some() || ft_sys::grad_enabled() {
+            return None;
+        }
+        let weights: Vec<&Tensor> = names.iter().map(|name| self.get(&format!("{name}.weight"))).collect();
+        let biases: Option<Vec<&Tensor>> = names.iter().map(|name| self.maybe(&format!("{name}.bias"))).collect();
+        let bias = match biases {
+            Some(biases) => Some(adjacent(&biases)?),
+            None if names.iter().any(|name| self.maybe(&format!("{name}.bias")).is_some()) => return None,
+            None => None,
+        };
+        Some(x.linear(&adjacent(&weights)?, bias.as_ref()))
+    }
+
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.
     /// On a GPU where ft's kernels load, the weight's and bias's gradients
     /// come from ft's kernel (`ft_sys::layer_norm`).
@@ -300,6 +339,26 @@ impl<'a> Params<'a> {
         }
         x.layer_norm(weight.size(), Some(weight), Some(bias), eps, true)
     }
+}
+
+/// `tensors` as one tensor along their first dimension — a view — when
+/// each starts where the one before it ends in one storage (contiguous,
+/// one kind and device, the same other dimensions); None otherwise.
+fn adjacent(tensors: &[&Tensor]) -> Option<Tensor> {
+    let first = tensors.first()?;
+    let (kind, device, dims) = (first.kind(), first.device(), first.size());
+    let trailing = &dims[1..];
+    let mut next = first.data_ptr() as usize;
+    for t in tensors {
+        if !t.is_contiguous() || t.kind() != kind || t.device() != device || &t.size()[1..] != trailing || t.data_ptr() as usize != next {
+            return None;
+        }
+        next += t.numel() * kind.elt_size_in_bytes();
+    }
+    let mut size = first.size();
+    size[0] = tensors.iter().map(|t| t.size()[0]).sum();
+    // Adjacent allocations of separate storages fail as_strided's bounds check.
+    first.f_as_strided(size.as_slice(), first.stride().as_slice(), None).ok()
 }
 
 /// A batch's inputs, each [batch, seq] of int64.
@@ -1278,6 +1337,46 @@ pub fn positions(input_ids: &Tensor, past: i64, padding_mask: Option<&Tensor>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Three linear layers (the second without a bias where `biased` is
+    /// partial) laid out as a unit's flat buffer lays them: matrices, then
+    /// vectors.
+    fn three_layers(biased: [bool; 3]) -> (UnitSpec, Vec<Tensor>) {
+        let widths = [6, 2, 2];
+        let mut params: Vec<ParamSpec> = widths.iter().enumerate().map(|(i, &w)| ParamSpec::new("", &format!("l{i}.weight"), &[w, 4], Init::Zeros)).collect();
+        params.extend(widths.iter().enumerate().filter(|&(i, _)| biased[i]).map(|(i, &w)| ParamSpec::new("", &format!("l{i}.bias"), &[w], Init::Zeros)));
+        let sizes: Vec<i64> = params.iter().map(ParamSpec::numel).collect();
+        let flat = Tensor::randn([sizes.iter().sum::<i64>()], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let tensors = flat.split_with_sizes(&sizes, 0).into_iter().zip(&params).map(|(t, p)| t.view(p.shape.as_slice())).collect();
+        (UnitSpec { name: "block 0".into(), params }, tensors)
+    }
+
+    #[test]
+    fn adjacent_linear_layers_run_as_one_gemm_without_gradients_and_give_each_layers_output() {
+        let names = ["l0", "l1", "l2"];
+        let x = Tensor::randn([2, 3, 4], (Kind::Float, Device::Cpu));
+        let (spec, tensors) = three_layers([true; 3]);
+        let p = Params::new(&spec, &tensors);
+        let alone = names.map(|name| p.linear(&x, name).detach());
+        let joined = tch::no_grad(|| {
+            assert!(p.joined_linear(&x, &names).is_some(), "one buffer, no gradient: one GEMM");
+            p.linears(&x, names)
+        });
+        for ((joined, alone), name) in joined.iter().zip(&alone).zip(names) {
+            assert_eq!(joined.size(), alone.size(), "{name}");
+            assert!(joined.allclose(alone, 1e-6, 1e-6, false), "{name}'s columns of the joined GEMM equal its own GEMM");
+        }
+        assert!(p.joined_linear(&x, &names).is_none(), "a gradient is taken: each layer alone");
+        tch::no_grad(|| {
+            let (spec, tensors) = three_layers([true, false, true]);
+            assert!(Params::new(&spec, &tensors).joined_linear(&x, &names).is_none(), "one layer has no bias");
+            let (spec, tensors) = three_layers([false; 3]);
+            assert!(Params::new(&spec, &tensors).joined_linear(&x, &names).is_some(), "no layer has a bias");
+            let apart: Vec<Tensor> = tensors.iter().map(Tensor::copy).collect();
+            assert!(Params::new(&spec, &apart).joined_linear(&x, &names).is_none(), "weights in storages of their own");
+            assert!(p.joined_linear(&x, &["l0", "l2"]).is_none(), "weights with another between them");
+        });
+    }
 
     #[test]
     fn a_cache_of_fixed_shapes_writes_at_its_slot_and_returns_every_slot() {

@@ -369,6 +369,10 @@ char* ft_cuda_stream_synchronize(int device) {
   return guarded([&] { c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).synchronize(); });
 }
 
+// Whether autograd records operations on this thread now (outside a
+// no-grad scope).
+bool ft_grad_enabled() { return at::GradMode::is_enabled(); }
+
 // The raw cudaStream_t of `device`'s current stream: where kernels ft
 // launches itself must go to stay ordered with ATen's.
 char* ft_cuda_current_stream(int device, void** out) {

@@ -105,6 +105,7 @@ extern "C" {
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
     fn ft_cuda_stream_synchronize(device: i32) -> *mut c_char;
+    fn ft_grad_enabled() -> bool;
     fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
     fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_pin_memory(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
@@ -462,6 +463,14 @@ pub fn storage_alias(tensor: &Tensor) -> Result<Tensor> {
     check(unsafe { ft_storage_alias(tensor_ptr(tensor), &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
+}
+
+/// Whether autograd records operations on this thread (false inside
+/// `tch::no_grad`): what may read a buffer through a view that a gradient
+/// could not flow back through cheaply.
+pub fn grad_enabled() -> bool {
+    // SAFETY: reads a thread-local flag.
+    unsafe { ft_grad_enabled() }
 }
 
 /// Blocks until the current CUDA stream of `device_index` has drained.

@@ -449,14 +449,15 @@ impl Model for Gemma {
         let (cos, signed_sin) = rope.as_ref().expect("Gemma's context has RoPE");
         let h = self.norm(x, p.get("input_layernorm.weight"));
         let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]);
-        let (mut q, mut k) = (split(p.linear(&h, "self_attn.q_proj"), heads), split(p.linear(&h, "self_attn.k_proj"), kv_heads));
+        let [q, k, v] = p.linears(&h, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]);
+        let (mut q, mut k) = (split(q, heads), split(k, kv_heads));
         if self.family.qk_norm {
             q = self.norm(&q, p.get("self_attn.q_norm.weight"));
             k = self.norm(&k, p.get("self_attn.k_norm.weight"));
         }
         let q = llama::rotate(&q, cos, signed_sin).transpose(1, 2);
         let mut k = llama::rotate(&k, cos, signed_sin).transpose(1, 2);
-        let mut v = split(p.linear(&h, "self_attn.v_proj"), kv_heads).transpose(1, 2);
+        let mut v = split(v, kv_heads).transpose(1, 2);
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
@@ -467,7 +468,8 @@ impl Model for Gemma {
         let attn = attn.transpose(1, 2).reshape([batch, seq, heads * head_dim]);
         let x = x + self.norm(&p.linear(&attn, "self_attn.o_proj"), p.get("post_attention_layernorm.weight"));
         let h = self.norm(&x, p.get("pre_feedforward_layernorm.weight"));
-        let gated = p.linear(&h, "mlp.gate_proj").gelu("tanh") * p.linear(&h, "mlp.up_proj");
+        let [gate, up] = p.linears(&h, ["mlp.gate_proj", "mlp.up_proj"]);
+        let gated = gate.gelu("tanh") * up;
         &x + self.norm(&p.linear(&gated, "mlp.down_proj"), p.get("post_feedforward_layernorm.weight"))
     }
 

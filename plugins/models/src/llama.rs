@@ -728,12 +728,12 @@ impl Model for Llama {
         let (heads, head_dim) = (self.config.num_attention_heads, self.head_dim);
         let h = self.rms_norm(x, p.get("input_layernorm.weight"));
         let split = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]);
-        let (q, k, v) = match self.variant.fused {
-            false => (p.linear(&h, "self_attn.q_proj"), p.linear(&h, "self_attn.k_proj"), p.linear(&h, "self_attn.v_proj")),
+        let [q, k, v] = match self.variant.fused {
+            false => p.linears(&h, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
             true => {
                 let qkv = p.linear(&h, "self_attn.qkv_proj");
                 let (q, kv) = (heads * head_dim, self.kv_heads * head_dim);
-                (qkv.narrow(2, 0, q), qkv.narrow(2, q, kv), qkv.narrow(2, q + kv, kv))
+                [qkv.narrow(2, 0, q), qkv.narrow(2, q, kv), qkv.narrow(2, q + kv, kv)]
             }
         };
         let eps = Some(self.config.rms_norm_eps);
@@ -765,7 +765,11 @@ impl Model for Llama {
             return x + moe.forward(p, &h, ctx);
         }
         let gated = match self.variant.fused {
-            false => model::swiglu(&p.linear(&h, "mlp.gate_proj"), &p.linear(&h, "mlp.up_proj")),
+            false => match p.joined_linear(&h, &["mlp.gate_proj", "mlp.up_proj"]) {
+                // The gate and up halves read in place, as a mixture's experts read theirs.
+                Some(gate_up) => model::swiglu_halves(&gate_up.view([batch * seq, -1])).view([batch, seq, -1]),
+                None => model::swiglu(&p.linear(&h, "mlp.gate_proj"), &p.linear(&h, "mlp.up_proj")),
+            },
             true => {
                 let gate_up = p.linear(&h, "mlp.gate_up_proj");
                 let inner = self.config.intermediate_size;

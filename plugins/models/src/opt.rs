@@ -216,9 +216,7 @@ impl Model for Opt {
 
         let h = if pre_norm { p.layer_norm(x, "self_attn_layer_norm", 1e-5) } else { x.shallow_clone() };
         let split_heads = |t: Tensor| t.view([batch, seq, heads, d / heads]).transpose(1, 2);
-        let q = split_heads(p.linear(&h, "self_attn.q_proj"));
-        let mut k = split_heads(p.linear(&h, "self_attn.k_proj"));
-        let mut v = split_heads(p.linear(&h, "self_attn.v_proj"));
+        let [q, mut k, mut v] = p.linears(&h, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]).map(split_heads);
         if let Some(cache) = cache {
             (k, v) = cache.extend(k, v);
         }
