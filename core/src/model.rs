@@ -1184,7 +1184,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &Context, grouped_kv: 
 pub fn scaled_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor>, train: bool, grouped_kv: bool, scale: Option<f64>) -> Tensor {
     let (seq, keys) = (q.size()[2], k.size()[2]);
     if seq == 1 && !train {
-        return single_query_attention(q, k, v, bias.as_ref(), grouped_kv, scale);
+        let fused = Kernels::loaded(q.device()) && decode_kernel_fits(q, k, bias.as_ref());
+        return decode_attention(q, k, v, bias.as_ref(), grouped_kv, scale, fused);
     }
     match bias {
         Some(bias) => Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, scale, grouped_kv),
@@ -1198,16 +1199,41 @@ pub fn scaled_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Option<Tensor
     }
 }
 
-/// One query per row over cached keys (a decoding step): two matrix-vector
-/// products and a softmax. SDPA's GPU backends would pick cuDNN, which
-/// plans anew for every key length — milliseconds of host time per call,
-/// more than the step's arithmetic.
-/// Grouped keys and values (GQA) are never repeated per head: each key
-/// head's queries go through it together, as [groups, head_dim] rows —
-/// copying the cache for every head each step would cost more than the
-/// step's weights.
-fn single_query_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool, scale: Option<f64>) -> Tensor {
+/// Whether ft's decoding kernel takes these shapes: contiguous, 16-byte
+/// aligned keys, a head size and grouping it has, a bias of one row per row
+/// (broadcast over the heads, or one per head).
+fn decode_kernel_fits(q: &Tensor, k: &Tensor, bias: Option<&Tensor>) -> bool {
+    let (heads, kv_heads, head_dim) = (q.size()[1], k.size()[1], q.size()[3]);
+    let grouping = kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= crate::kernels::DECODE_MAX_GROUPS;
+    let bias_fits = bias.is_none_or(|bias| matches!(bias.size().as_slice(), &[rows, h, 1, _] if rows == q.size()[0] && (h == 1 || h == heads)));
+    let aligned = k.is_contiguous() && k.data_ptr() as usize % 16 == 0;
+    matches!(q.kind(), Kind::Float | Kind::BFloat16) && aligned && grouping && bias_fits && crate::kernels::DECODE_HEAD_DIMS.contains(&head_dim)
+}
+
+/// One query per row over cached keys (a decoding step). With `fused`
+/// (on a GPU, shapes `decode_kernel_fits` takes), ft's flash-decoding kernel
+/// (`kernels::decode_attention_`): each row's keys read once, a hidden slot
+/// not at all, split among blocks that fill the GPU. Else two
+/// matrix-vector products and a softmax: SDPA's GPU backends would pick
+/// cuDNN, which plans anew for every key length — milliseconds of host time
+/// per call, more than the step's arithmetic. Grouped keys and values
+/// (GQA) are never repeated per head: each key head's queries go through
+/// it together, as [groups, head_dim] rows — copying the cache for every
+/// head each step would cost more than the step's weights.
+pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, grouped_kv: bool, scale: Option<f64>, fused: bool) -> Tensor {
     let (batch, heads, kv_heads, head_dim) = (q.size()[0], q.size()[1], k.size()[1], q.size()[3]);
+    if fused {
+        let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
+        let capacity = k.size()[2];
+        let bias = match bias {
+            Some(bias) => bias.to_kind(q.kind()).reshape([batch, -1, capacity]).contiguous(),
+            None => Tensor::zeros([batch, 1, capacity], (q.kind(), q.device())),
+        };
+        let mut out = Tensor::empty([batch, heads, head_dim], (q.kind(), q.device()));
+        let queries = q.reshape([batch, heads, head_dim]).contiguous();
+        crate::kernels::decode_attention_(&queries, k, &v.contiguous(), &bias, scale, &mut out).unwrap_or_else(|e| crate::panic::raise(anyhow::anyhow!("decoding's attention: {e}")));
+        return out.reshape([batch, heads, 1, head_dim]);
+    }
     let groups = if grouped_kv { heads / kv_heads } else { 1 };
     // [batch, kv_heads, groups, head_dim]: the queries of each key head.
     let q = q.reshape([batch, kv_heads, groups, head_dim]);

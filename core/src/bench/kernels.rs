@@ -80,6 +80,11 @@ pub struct KernelCheck {
     /// its tokens, forward and backward (`model::combine_experts`).
     #[serde(default)]
     pub expert_combine: Option<Compared>,
+    /// Decoding's attention: one query per row and head over a KV cache of
+    /// 32 rows and 576 slots, the first 16 hidden as left padding and the
+    /// last 256 as not yet written (`model::decode_attention`).
+    #[serde(default)]
+    pub decode_attention: Option<Compared>,
 }
 
 /// One of ft's kernels beside ATen's ops on the same inputs, in the compute
@@ -105,7 +110,7 @@ impl KernelCheck {
         if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
             line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
         }
-        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps), ("experts' SwiGLU forward+backward", &self.expert_swiglu), ("experts' combine forward+backward", &self.expert_combine)];
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps), ("experts' SwiGLU forward+backward", &self.expert_swiglu), ("experts' combine forward+backward", &self.expert_combine), ("decoding attention", &self.decode_attention)];
         for (what, c) in compared {
             if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
                 line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
@@ -242,7 +247,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         Ok(outputs)
     };
     let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize, mut label_logps) = (None, None, None, None, None, None);
-    let (mut expert_swiglu, mut expert_combine) = (None, None);
+    let (mut expert_swiglu, mut expert_combine, mut decode_attention) = (None, None, None);
     if crate::kernels::available(device).is_ok() {
         let kernels = |fused| if fused { Kernels::Ft } else { Kernels::Aten };
         label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&TargetRows::of(&hidden, ids)?, &weight, chunk_tokens, None, kernels(fused))?]))?);
@@ -288,6 +293,18 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
             let grad = Tensor::randn([tokens, dims.hidden], (dtype, device));
             expert_combine = Some(compare(&|fused| with_grads(ft_sys::combine(&outputs, &weights, &at, fused).map_err(anyhow::Error::msg)?, &grad, &[&outputs, &weights]))?);
         }
+        let (kv_heads, head_dim) = (dims.kv_heads, dims.hidden / dims.heads);
+        if crate::kernels::DECODE_HEAD_DIMS.contains(&head_dim) && dims.heads % kv_heads == 0 && dims.heads / kv_heads <= crate::kernels::DECODE_MAX_GROUPS {
+            // Online RL's rollout halfway: 32 rows, a cache of 64 prompt and 512 completion slots, 16 of them padding, the last 256 not written yet.
+            let (rows, capacity) = (32, 576);
+            let q = Tensor::randn([rows, dims.heads, 1, head_dim], (dtype, device));
+            let [k, v] = [0; 2].map(|_| Tensor::randn([rows, kv_heads, capacity, head_dim], (dtype, device)));
+            let slots = Tensor::arange(capacity, (Kind::Int64, device));
+            let hidden = slots.lt(16).logical_or(&slots.ge(capacity - 256)).view([1, 1, 1, capacity]).expand([rows, 1, 1, capacity], false);
+            let bias = Tensor::zeros([rows, 1, 1, capacity], (dtype, device)).masked_fill(&hidden, f64::NEG_INFINITY);
+            let grouped = kv_heads != dims.heads;
+            decode_attention = Some(compare(&|fused| Ok(vec![crate::model::decode_attention(&q, &k, &v, Some(&bias), grouped, None, fused)]))?);
+        }
         let weight = Tensor::randn([dims.intermediate, dims.hidden], (dtype, device)) * 0.02;
         let quantized = crate::nf4::quantize(&weight, crate::nf4::QuantType::Nf4, crate::nf4::DEFAULT_BLOCKSIZE, true)?;
         nf4_dequantize = Some(compare(&|fused| {
@@ -318,6 +335,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         label_logps,
         expert_swiglu,
         expert_combine,
+        decode_attention,
     })
 }
 

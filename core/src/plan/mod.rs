@@ -201,15 +201,15 @@ pub struct Workload<'a> {
 }
 
 /// What a decoding step costs beyond reading its bytes, fitted to ft's
-/// rollouts on an H200 (bench/results/2026-11-28-h200-grpo-rollout.md: the
-/// 1.5B row at 32 and 64 rows, the 7B LoRA row; CUDA graphs, so no launch
+/// rollouts on an H200 (bench/results/2026-11-28-h200-gemm-choices.md: the
+/// 1.5B row at 32 and 64 rows, the 7B LoRA row, one call; CUDA graphs, so no launch
 /// costs): per block, ~60 kernels of a few µs (norms, RoPE, the cache's
 /// writes, the attention's batched GEMMs and softmax, the small GEMMs'
 /// latency); per row of a block, the attention's and GEMMs' growth with the
 /// rows; per LoRA-adapted layer, its two low-rank GEMMs and the add.
-const DECODE_SECONDS_PER_BLOCK: f64 = 92.6e-6;
-const DECODE_SECONDS_PER_ROW_BLOCK: f64 = 0.655e-6;
-const DECODE_SECONDS_PER_ADAPTER: f64 = 14.4e-6;
+const DECODE_SECONDS_PER_BLOCK: f64 = 89.9e-6;
+const DECODE_SECONDS_PER_ROW_BLOCK: f64 = 0.494e-6;
+const DECODE_SECONDS_PER_ADAPTER: f64 = 22.9e-6;
 
 /// What online RL samples each generation (`Task::rollouts`), on each rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

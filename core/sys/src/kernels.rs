@@ -83,6 +83,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels/lowrank.cu"),
     include_str!("kernels/rope_swiglu.cu"),
     include_str!("kernels/moe.cu"),
+    include_str!("kernels/decode_attention.cu"),
     include_str!("kernels/column_sum.cu"),
     include_str!("kernels/float8.cu"),
     include_str!("kernels/nf4.cu"),
@@ -110,6 +111,8 @@ struct Functions {
     swiglu: [sys::CUfunction; 2],
     swiglu_halves: [sys::CUfunction; 2],
     combine: [sys::CUfunction; 2],
+    decode_attention_split: [sys::CUfunction; 2],
+    decode_attention_merge: [sys::CUfunction; 2],
     rms_norm: [sys::CUfunction; 2],
     column_sum_partial: [sys::CUfunction; 2],
     column_sum_finish: [sys::CUfunction; 2],
@@ -194,6 +197,8 @@ fn load(device_index: usize) -> Result<Functions> {
             swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
             swiglu_halves: [function("swiglu_halves_f32")?, function("swiglu_halves_bf16")?],
             combine: [function("combine_f32")?, function("combine_bf16")?],
+            decode_attention_split: [function("decode_attention_split_f32")?, function("decode_attention_split_bf16")?],
+            decode_attention_merge: [function("decode_attention_merge_f32")?, function("decode_attention_merge_bf16")?],
             rms_norm: [function("rms_norm_f32")?, function("rms_norm_bf16")?],
             column_sum_partial: [function("column_sum_partial_f32")?, function("column_sum_partial_bf16")?],
             column_sum_finish: [function("column_sum_finish_f32")?, function("column_sum_finish_bf16")?],
@@ -808,6 +813,74 @@ pub fn combine_(rows: &Tensor, weights: &Tensor, at: &Tensor, grad: Option<&Tens
     unsafe { launch(functions.combine[which], index, blocks, COMBINE_THREADS, &mut params) }
 }
 
+/// The most query heads a key head serves that `decode_attention_` takes
+/// (decode_attention.cu's DECODE_MAX_GROUPS), and the head sizes it takes.
+pub const DECODE_MAX_GROUPS: i64 = 8;
+pub const DECODE_HEAD_DIMS: [i64; 2] = [64, 128];
+/// Keys a block of `decode_attention_split_*` takes, a thread each (DECODE_CHUNK).
+const DECODE_CHUNK: i64 = 128;
+
+/// Decoding's attention (decode_attention.cu): `q` [rows, heads, head_dim]
+/// (one query per row and head) over the cache's `k` and `v` [rows,
+/// kv_heads, capacity, head_dim] (heads a multiple of kv_heads, at most
+/// `DECODE_MAX_GROUPS` times; head_dim one of `DECODE_HEAD_DIMS`; 16-byte
+/// aligned), plus `bias` [rows, 1 or heads, capacity] (-inf where a key is
+/// hidden), scores scaled by `scale`, into `out` [rows, heads, head_dim];
+/// all contiguous, of one kind, fp32 or bf16, on a GPU. A block per
+/// `DECODE_CHUNK` keys of a row's key head, then one per row and head to
+/// merge them.
+pub fn decode_attention_(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64, out: &mut Tensor) -> Result<()> {
+    let Device::Cuda(index) = q.device() else {
+        return Err(error("unsupported", "decoding's attention is not on a GPU"));
+    };
+    let (rows, heads, head_dim) = q.size3().map_err(|e| error("decoding's queries", e))?;
+    let (_, kv_heads, capacity, _) = k.size4().map_err(|e| error("decoding's keys", e))?;
+    let kind = q.kind();
+    let which = by_kind(kind)?;
+    if kv_heads == 0 || heads % kv_heads != 0 || heads / kv_heads > DECODE_MAX_GROUPS || !DECODE_HEAD_DIMS.contains(&head_dim) {
+        return Err(error("decoding's attention", format!("{heads} query heads over {kv_heads} key heads of {head_dim} dimensions")));
+    }
+    let bias_heads = bias.size().get(1).copied().unwrap_or(0);
+    expect(k, "decoding's keys", q, &[rows, kv_heads, capacity, head_dim], kind)?;
+    expect(v, "decoding's values", q, &[rows, kv_heads, capacity, head_dim], kind)?;
+    expect(bias, "decoding's attention bias", q, &[rows, if bias_heads == heads { heads } else { 1 }, capacity], kind)?;
+    expect(out, "decoding's attention output", q, &[rows, heads, head_dim], kind)?;
+    if k.data_ptr() as usize % 16 != 0 {
+        return Err(error("decoding's keys", "not 16-byte aligned"));
+    }
+    if rows * capacity == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let groups = heads / kv_heads;
+    let chunks = (capacity + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    let blocks = rows * kv_heads * chunks;
+    let partial = Tensor::empty([blocks * groups * (head_dim + 2)], (Kind::Float, q.device()));
+    let (mut q_ptr, mut k_ptr, mut v_ptr, mut bias_ptr, mut partial_ptr, mut out_ptr) = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), partial.data_ptr(), out.data_ptr());
+    let (mut kv_heads, mut groups, mut capacity, mut chunks_arg, mut bias_heads, mut scale, mut head_dim) = (kv_heads as i32, groups as i32, capacity, chunks as i32, bias_heads as i32, scale as f32, head_dim as i32);
+    let mut params = [
+        arg(&mut q_ptr),
+        arg(&mut k_ptr),
+        arg(&mut v_ptr),
+        arg(&mut bias_ptr),
+        arg(&mut partial_ptr),
+        arg(&mut kv_heads),
+        arg(&mut groups),
+        arg(&mut capacity),
+        arg(&mut chunks_arg),
+        arg(&mut bias_heads),
+        arg(&mut scale),
+        arg(&mut head_dim),
+    ];
+    // SAFETY: the arguments match decode_attention_split_*'s signature and
+    // the tensors were checked above (see `adamw_` on their lifetime;
+    // `partial` lives to the merge's launch, on the same stream).
+    unsafe { launch(functions.decode_attention_split[which], index, blocks as u32, DECODE_CHUNK as u32, &mut params)? };
+    let mut params = [arg(&mut partial_ptr), arg(&mut out_ptr), arg(&mut kv_heads), arg(&mut groups), arg(&mut chunks_arg), arg(&mut head_dim)];
+    // SAFETY: as above, for decode_attention_merge_*.
+    unsafe { launch(functions.decode_attention_merge[which], index, (rows * heads as i64) as u32, head_dim as u32, &mut params) }
+}
+
 /// Words (16 bytes, or one value where unpacked) an `rms_norm_*` thread
 /// holds in registers (rms_norm.cu's RMS_NORM_HELD).
 const RMS_NORM_HELD: u32 = 4;
@@ -1279,7 +1352,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16", "decode_attention_split_bf16", "decode_attention_merge_f32"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }
