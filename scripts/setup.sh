@@ -38,11 +38,18 @@ if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejav
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev fonts-dejavu-core >/dev/null
 fi
 
+# Whether .venv holds PACKAGE at VERSION (a local version such as +cu130
+# aside), from its installed metadata: importing torch and the libraries
+# built on it to ask took 18 s of every `make` target's set-up.
+installed() {
+  .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]).split('+')[0] != sys.argv[2])" "$1" "$2" 2>/dev/null
+}
+
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null \
+if ! installed torch "$TORCH_VERSION" \
    || [ ! -d .venv/lib/python3*/site-packages/nvidia/cu13/include/crt ]; then
   echo "setup: installing torch==$TORCH_VERSION and CUDA headers into .venv (several GB, a few minutes)"
   .venv/bin/pip install --quiet --disable-pip-version-check \
@@ -50,7 +57,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 # The tests check ft's outputs with the reference readers: TensorBoard's for
 # event files, transformers' for exported models.
-if ! .venv/bin/python -c "import tensorboard, transformers" 2>/dev/null; then
+if ! installed tensorboard "$TENSORBOARD_VERSION" || ! installed transformers "$TRANSFORMERS_VERSION"; then
   echo "setup: installing tensorboard and transformers into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check \
     "tensorboard==$TENSORBOARD_VERSION" "transformers==$TRANSFORMERS_VERSION"
@@ -58,42 +65,42 @@ fi
 # The MLflow sink's tests read ft's runs with MLflow's own client, from its
 # mlruns/ and from a tracking server they start: the full `mlflow` package
 # (mlflow-skinny, the client alone, has no server).
-if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('mlflow') != '$MLFLOW_VERSION')" 2>/dev/null; then
+if ! installed mlflow "$MLFLOW_VERSION"; then
   echo "setup: installing mlflow==$MLFLOW_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
 fi
 # The float8 tests compare ft's casts, scales, linear layers and a model's
 # step with torchao's float8 training, emulated on CPU.
-if ! .venv/bin/python -c "import torchao, sys; sys.exit(torchao.__version__ != '$TORCHAO_VERSION')" 2>/dev/null; then
+if ! installed torchao "$TORCHAO_VERSION"; then
   echo "setup: installing torchao==$TORCHAO_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "torchao==$TORCHAO_VERSION"
 fi
 # The LoRA tests load ft's adapters with peft and compare.
-if ! .venv/bin/python -c "import peft, sys; sys.exit(peft.__version__ != '$PEFT_VERSION')" 2>/dev/null; then
+if ! installed peft "$PEFT_VERSION"; then
   echo "setup: installing peft==$PEFT_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "peft==$PEFT_VERSION"
 fi
 # The DPO tests train with TRL's DPOTrainer and compare losses and figures.
-if ! .venv/bin/python -c "import trl, sys; sys.exit(trl.__version__ != '$TRL_VERSION')" 2>/dev/null; then
+if ! installed trl "$TRL_VERSION"; then
   echo "setup: installing trl==$TRL_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "trl==$TRL_VERSION"
 fi
 # The QLoRA tests compare ft's 4-bit quantization (NF4, FP4) and the state
 # dicts it reads and writes with bitsandbytes', on CPU.
-if ! .venv/bin/python -c "import bitsandbytes, sys; sys.exit(bitsandbytes.__version__ != '$BITSANDBYTES_VERSION')" 2>/dev/null; then
+if ! installed bitsandbytes "$BITSANDBYTES_VERSION"; then
   echo "setup: installing bitsandbytes==$BITSANDBYTES_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "bitsandbytes==$BITSANDBYTES_VERSION"
 fi
 # The data readers' tests write Parquet and Arrow files with Hugging Face's
 # `datasets` (to_parquet, save_to_disk) and pyarrow, and compare.
-if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('datasets') != '$DATASETS_VERSION' or m.version('pyarrow') != '$PYARROW_VERSION')" 2>/dev/null; then
+if ! installed datasets "$DATASETS_VERSION" || ! installed pyarrow "$PYARROW_VERSION"; then
   echo "setup: installing datasets==$DATASETS_VERSION and pyarrow==$PYARROW_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "datasets==$DATASETS_VERSION" "pyarrow==$PYARROW_VERSION"
 fi
 # The wandb sink drives W&B's own client; its test reads the offline run back
 # with wandb's DataStore, which only the 0.19 wheel (kept, not installed, in
 # .venv/reference) still has in Python.
-if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('wandb') != '$WANDB_VERSION')" 2>/dev/null; then
+if ! installed wandb "$WANDB_VERSION"; then
   echo "setup: installing wandb==$WANDB_VERSION into .venv (for the tests)"
   .venv/bin/pip install --quiet --disable-pip-version-check "wandb==$WANDB_VERSION"
 fi

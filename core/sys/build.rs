@@ -4,6 +4,7 @@
 //! (installed by scripts/setup.sh); NCCL's and CUDA's come from the wheel's
 //! own nvidia-* dependencies plus nvidia-cuda-crt / nvidia-cuda-cccl.
 
+use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -53,8 +54,8 @@ fn main() {
         panic!("gloo headers missing (/usr/include/gloo): run scripts/setup.sh (it installs Debian's libgloo-dev)");
     }
 
-    cc::Build::new()
-        .cpp(true)
+    let mut shim = cc::Build::new();
+    shim.cpp(true)
         .pic(true)
         .warnings(false)
         .flag("-std=c++17")
@@ -65,8 +66,8 @@ fn main() {
         .include(nvidia.join("cu13/include"))
         .include(nvidia.join("cu13/include/cccl"))
         .include(nvidia.join("nccl/include"))
-        .file("shim/c10d.cpp")
-        .compile("ft_shim");
+        .file("shim/c10d.cpp");
+    compile_once(&shim, "ft_shim");
 
     let torch_lib = torch.join("lib");
     println!("cargo:rustc-link-search=native={}", torch_lib.display());
@@ -75,4 +76,39 @@ fn main() {
     }
     // Read by dependents' build scripts as DEP_FT_SHIM_TORCH_LIB.
     println!("cargo:torch_lib={}", torch_lib.display());
+}
+
+/// Compiles `build` into OUT_DIR's lib`name`.a, or copies the archive a
+/// build in this target directory made from the same preprocessed source
+/// (the shim with every header it includes) and the same compiler command.
+/// A plug-in built outside ft's workspace into ft's target directory (the
+/// template) has an ft-sys of its own, under another hash, whose C++ was 17
+/// of its 22 s; the preprocessing costs about 1 s.
+fn compile_once(build: &cc::Build, name: &str) {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let compiler = build.get_compiler();
+    let mut key = std::hash::DefaultHasher::new();
+    build.expand().hash(&mut key);
+    compiler.path().hash(&mut key);
+    compiler.args().hash(&mut key);
+    Command::new(compiler.path()).arg("--version").output().map(|o| o.stdout).unwrap_or_default().hash(&mut key);
+    // OUT_DIR is <target>/<profile>/build/<crate>-<hash>/out: the archives are kept beside the crates' build directories.
+    let kept = out.join(format!("../../{name}-compiled/{:016x}.a", key.finish()));
+    let archive = out.join(format!("lib{name}.a"));
+    if std::fs::copy(&kept, &archive).is_ok() {
+        // What cc::Build::compile tells cargo.
+        println!("cargo:rustc-link-lib=static={name}");
+        println!("cargo:rustc-link-search=native={}", out.display());
+        println!("cargo:rustc-link-lib=stdc++");
+        return;
+    }
+    build.compile(name);
+    // Written under a name of its own, then renamed: a build beside this one reads all of it or nothing.
+    let partial = kept.with_extension(format!("{}.partial", std::process::id()));
+    let kept_ok = std::fs::create_dir_all(kept.parent().unwrap())
+        .and_then(|()| std::fs::copy(&archive, &partial))
+        .and_then(|_| std::fs::rename(&partial, &kept));
+    if let Err(error) = kept_ok {
+        println!("cargo:warning={name} is not kept for other builds in this target directory ({}): {error}", kept.display());
+    }
 }
