@@ -214,7 +214,7 @@ fn bad_lines_are_errors_naming_the_file_and_line_and_nothing_is_written() {
 }
 
 /// A random tiny Llama in `dir`/model with GPT-2's 50,257 tokens and the
-/// Llama 3 template's special tokens, `positions` long.
+/// Llama 3 template (dated: `common::dated_llama3_template`), `positions` long.
 fn tiny_llama(dir: &Path, positions: usize) -> PathBuf {
     let model = dir.join("model");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/config.json");
@@ -224,7 +224,7 @@ fn tiny_llama(dir: &Path, positions: usize) -> PathBuf {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text(&output));
-    tokenizer_dir(&model, "llama3", "<|begin_of_text|>", "<|eot_id|>", false);
+    tokenizer_dir_for(&model, &common::dated_llama3_template(dir), "<|begin_of_text|>", "<|eot_id|>", false);
     model
 }
 
@@ -259,7 +259,7 @@ fn a_tiny_llama_trains_on_conversations_with_the_loss_only_on_the_assistant() {
     let out = dir.path().join("run");
     let output = ft()
         .args(["train", "--model", model.to_str().unwrap(), "--train-file", conversations.to_str().unwrap(), "--device", "cpu"])
-        .args(["--chat-template", fixture("llama3.jinja").to_str().unwrap()])
+        .args(["--chat-template", dir.path().join("llama3-dated.jinja").to_str().unwrap()])
         .args(["--epochs", "8", "--batch-size", "2", "--lr", "1e-2", "--report-to", "jsonl", "--output-dir", out.to_str().unwrap()])
         .output()
         .unwrap();

@@ -210,6 +210,19 @@ pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
     native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
 }
 
+/// Llama 3's chat template (tests/fixtures/chat/llama3.jinja) with a fixed
+/// date in place of today's (`strftime_now`), written into `dir`: what it
+/// tokenizes is the same on every day the tests run, and on both sides of
+/// a midnight one of them runs across.
+pub fn dated_llama3_template(dir: &Path) -> PathBuf {
+    let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
+    let dated = fixture.replace(r#"strftime_now("%d %b %Y")"#, r#""26 Nov 2026""#);
+    assert_ne!(dated, fixture, "the fixture's template reads today's date with strftime_now");
+    let template = dir.join("llama3-dated.jinja");
+    std::fs::write(&template, dated).unwrap();
+    template
+}
+
 /// A random tiny Llama in `dir`/model with GPT-2's tokens and Llama 3's
 /// chat template (dated, so its tokens are the same every day) and special tokens.
 pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
@@ -224,13 +237,8 @@ pub fn tiny_chat_llama(dir: &Path) -> PathBuf {
             .output()
             .unwrap();
         assert!(output.status.success(), "{}", text(&output));
-        // Llama 3's template with a fixed date in place of today's (`strftime_now`): the pairs' tokens, and so
-        // the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day the test runs.
-        let fixture = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/llama3.jinja")).unwrap();
-        let dated = fixture.replace(r#"strftime_now("%d %b %Y")"#, r#""26 Nov 2026""#);
-        assert_ne!(dated, fixture, "the fixture's template reads today's date with strftime_now");
-        let template = dir.join("llama3-dated.jinja");
-        std::fs::write(&template, dated).unwrap();
+        // The pairs' tokens, and so the losses compared to 1e-5 after a step at lr 1e-2, are the same on every day.
+        let template = dated_llama3_template(dir);
         let gpt2 = shared::path(shared::GPT2_TOKENIZER);
         let make = ["make", gpt2.to_str().unwrap(), template.to_str().unwrap(), "<|begin_of_text|>", "<|eot_id|>", model.to_str().unwrap()];
         reference_job("chat_reference.py", &make.map(std::ffi::OsStr::new));
