@@ -53,33 +53,17 @@ if [ "$status" -eq 0 ]; then
     # the test processes alone by the runner, so nothing is rebuilt) puts
     # each test's seconds on its line, for the times below; the criterion
     # benches (`--bench '*'`: `--benches` would run the libraries' unit
-    # tests again), run once each in test mode, take no libtest flags.
+    # tests again), run once each in test mode, take no libtest flags. They
+    # run first: the plug-in template's test builds in this target directory
+    # with features of its own, and a cargo run after it would rebuild.
+    cargo test --workspace --bench '*' --no-fail-fast 2>&1 | tee -a "$log"
+    status=${PIPESTATUS[0]}
     runner="CARGO_TARGET_$(rustc -vV | sed -n 's/^host: //p' | tr 'a-z-' 'A-Z_')_RUNNER"
     export "$runner=env RUSTC_BOOTSTRAP=1"
-    report_time=(-- -Z unstable-options --report-time)
-    # ft's own tests (the integration binary: most of the suite) leave an
-    # eighth of the two cores idle (their tests wait on Python's imports and
-    # on one another's ranks). Every other test binary runs beside them, one
-    # after another at the lowest priority, in that idle time; its output
-    # follows theirs. (The plug-in template's test builds in this target
-    # directory too, beside these cargo runs: it compiles ft's own path
-    # crates under hashes of their own and, as it checks, nothing else.)
-    others_log="$(mktemp)"
-    (
-        renice -n 19 "$BASHPID" >/dev/null
-        others_status=0
-        cargo test --workspace --bench '*' --no-fail-fast || others_status=1
-        cargo test --workspace --exclude ft --lib --bins --tests --examples --no-fail-fast "${report_time[@]}" || others_status=1
-        exit "$others_status"
-    ) >"$others_log" 2>&1 &
-    others=$!
-    cargo test -p ft --bins --tests --examples --no-fail-fast "${report_time[@]}" 2>&1 | tee -a "$log"
-    status=${PIPESTATUS[0]}
-    wait "$others" || status=1
-    tee -a "$log" <"$others_log"
+    cargo test --workspace --lib --bins --tests --examples --no-fail-fast -- -Z unstable-options --report-time 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     unset "$runner"
     scripts/test-times.sh "$log"
-    rm -f "$others_log"
 fi
 # A skipped test passed as far as cargo knows: it is counted as skipped, not passed.
 skipped="$(sort -u "$FT_TEST_SKIPS" | grep -c .)"
