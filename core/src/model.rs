@@ -319,11 +319,11 @@ impl<'a> Params<'a> {
             return None;
         }
         let weights: Vec<&Tensor> = names.iter().map(|name| self.get(&format!("{name}.weight"))).collect();
-        let biases: Option<Vec<&Tensor>> = names.iter().map(|name| self.maybe(&format!("{name}.bias"))).collect();
-        let bias = match biases {
-            Some(biases) => Some(adjacent(&biases)?),
-            None if names.iter().any(|name| self.maybe(&format!("{name}.bias")).is_some()) => return None,
-            None => None,
+        let biases: Vec<Option<&Tensor>> = names.iter().map(|name| self.maybe(&format!("{name}.bias"))).collect();
+        let bias = match biases.iter().all(Option::is_none) {
+            true => None,
+            // Every layer's bias, or none: one layer without one stays apart.
+            false => Some(adjacent(&biases.into_iter().collect::<Option<Vec<_>>>()?)?),
         };
         Some(x.linear(&adjacent(&weights)?, bias.as_ref()))
     }
@@ -355,7 +355,7 @@ fn adjacent(tensors: &[&Tensor]) -> Option<Tensor> {
         }
         next += t.numel() * kind.elt_size_in_bytes();
     }
-    let mut size = first.size();
+    let mut size = dims.clone();
     size[0] = tensors.iter().map(|t| t.size()[0]).sum();
     // Adjacent allocations of separate storages fail as_strided's bounds check.
     first.f_as_strided(size.as_slice(), first.stride().as_slice(), None).ok()

@@ -878,7 +878,7 @@ pub fn decode_attention_(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scal
     unsafe { launch(functions.decode_attention_split[which], index, blocks as u32, DECODE_CHUNK as u32, &mut params)? };
     let mut params = [arg(&mut partial_ptr), arg(&mut out_ptr), arg(&mut kv_heads), arg(&mut groups), arg(&mut chunks_arg), arg(&mut head_dim)];
     // SAFETY: as above, for decode_attention_merge_*.
-    unsafe { launch(functions.decode_attention_merge[which], index, (rows * heads as i64) as u32, head_dim as u32, &mut params) }
+    unsafe { launch(functions.decode_attention_merge[which], index, (rows * heads) as u32, head_dim as u32, &mut params) }
 }
 
 /// Words (16 bytes, or one value where unpacked) an `rms_norm_*` thread
