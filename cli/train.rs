@@ -177,7 +177,7 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     let config = args.settings.load(overrides, "ft train", None)?;
     let env = DistEnv::from_env()?;
     let (world, per_node) = setup::planned_ranks(&config, &env);
-    setup::validate(&config, &registry, world)?;
+    setup::validate(&config, &registry, world, per_node)?;
     setup::check_float8_devices(&config, &env)?;
     hf::check_before_ranks(&config, world)?;
     if let Some(deepspeed) = &deepspeed {

@@ -741,12 +741,13 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
     }
 }
 
-/// What each rank of the run in `dir` (of `model`, named `name`, at
-/// expert-parallel degree 2 under `strategy` and `offload`, with `flags`)
-/// holds, on the device and offloaded, is what `ft plan` predicts for its row.
-fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, (strategy, offload): (&str, &str), flags: &[&str]) {
+/// What each rank of the run in `dir` (of `model`, named `name`, on
+/// `ranks` ranks at expert-parallel degree 2 under `strategy` and
+/// `offload`, with `flags`) holds, on the device and offloaded, is what
+/// `ft plan` predicts for its row.
+fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, ranks: &str, (strategy, offload): (&str, &str), flags: &[&str]) {
     let json = dir.join("plan.json");
-    let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", "2", "--gpu", "h100", "--dtype", "f32", "--json", json.to_str().unwrap()]).args(flags).output().unwrap();
+    let plan = common::ft().args(["plan", "--model", model.to_str().unwrap(), "--gpus", ranks, "--gpu", "h100", "--dtype", "f32", "--json", json.to_str().unwrap()]).args(flags).output().unwrap();
     assert!(plan.status.success(), "{}", common::text(&plan));
     let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let row = plan["rows"].as_array().unwrap().iter().find(|r| r["strategy"] == strategy && r["offload"] == offload && r["expert_parallel"] == 2 && r["comm"].is_null());
@@ -763,9 +764,10 @@ fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, (strategy, 
 /// losses at every step (ddp, shard_grad_op and full_shard placing the
 /// rest; ddp and full_shard with the optimizer state on the host), each
 /// rank holding what `ft plan` predicts, LoRA's adapters on the attention
-/// and the split frozen experts too, and a
-/// checkpoint saved at degree 2 resumes on one rank holding every expert
-/// to the uninterrupted run's last loss.
+/// and the split frozen experts too; on four ranks under full_shard the
+/// two holders of each expert split its state. A checkpoint saved by the
+/// four resumes on one rank holding every expert to the uninterrupted
+/// run's last loss.
 #[test]
 fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let scratch = tempfile::tempdir().unwrap();
@@ -773,11 +775,19 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let one = run("one-rank", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"]);
     let baseline = common::losses(&one);
     assert_eq!(baseline.len(), 2, "{baseline:?}");
-    let mut saved = None;
-    let holds_what_ft_plan_predicts = |dir: &Path, name: &str, strategy: &str, offload: &str, extra: &[&str]| holds_what_ft_plan_predicts(&model, dir, name, (strategy, offload), extra);
-    let runs = [("ep2-ddp", "ddp", "none"), ("ep2-full-shard", "full_shard", "none"), ("ep2-shard-grad-op", "shard_grad_op", "none"), ("ep2-full-shard-offload", "full_shard", "cpu"), ("ep2-ddp-offload", "ddp", "cpu")];
-    for (name, strategy, offload) in runs {
-        let dir = run(name, &["--nproc-per-node", "2", "--batch-size", "2", "--strategy", strategy, "--offload", offload, "--expert-parallel", "2", "--save-every", "1"]);
+    let mut dirs = vec![];
+    let holds_what_ft_plan_predicts = |dir: &Path, name: &str, ranks: &str, strategy: &str, offload: &str, extra: &[&str]| holds_what_ft_plan_predicts(&model, dir, name, ranks, (strategy, offload), extra);
+    let runs = [
+        ("ep2-ddp", "2", "ddp", "none"),
+        ("ep2-full-shard", "2", "full_shard", "none"),
+        ("ep2-shard-grad-op", "2", "shard_grad_op", "none"),
+        ("ep2-full-shard-offload", "2", "full_shard", "cpu"),
+        ("ep2-ddp-offload", "2", "ddp", "cpu"),
+        ("ep2-full-shard-4-ranks", "4", "full_shard", "none"),
+    ];
+    for (name, ranks, strategy, offload) in runs {
+        let batch = (4 / ranks.parse::<usize>().unwrap()).to_string();
+        let dir = run(name, &["--nproc-per-node", ranks, "--batch-size", &batch, "--strategy", strategy, "--offload", offload, "--expert-parallel", "2", "--save-every", "1"]);
         let losses = common::losses(&dir);
         assert_eq!(losses.len(), baseline.len(), "{name}");
         for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
@@ -789,17 +799,35 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
         for (key, x) in &ours {
             assert!(relative(x, &theirs[key], 1e-6) <= 1e-4, "{name}: {key} differs from one rank's by {}", relative(x, &theirs[key], 1e-6));
         }
-        holds_what_ft_plan_predicts(&dir, name, strategy, offload, &[]);
-        saved.get_or_insert(dir);
+        holds_what_ft_plan_predicts(&dir, name, ranks, strategy, offload, &[]);
+        dirs.push(dir);
     }
-    // Each rank holds half the experts (8 of [2·32, 64] and [64, 32]), and tokens crossed by all-to-all.
-    let summary = common::summary(saved.as_ref().unwrap());
+    // Under ddp each rank holds half the experts (8 of [2·32, 64] and [64, 32]) and the rest whole; tokens crossed by all-to-all.
+    let summary = common::summary(&dirs[0]);
     let (trained, experts) = (summary["trainable_params"].as_f64().unwrap(), 8.0 * (2.0 * 32.0 * 64.0 + 64.0 * 32.0));
     for held in summary["state_per_rank"].as_array().unwrap() {
         assert_eq!(held["params"].as_f64().unwrap(), 4.0 * (trained - experts / 2.0), "{summary}");
     }
     assert!(summary["comm_bytes_per_step"]["all_to_all"].as_f64().unwrap() > 0.0, "{summary}");
-    let checkpoint = saved.unwrap().join("checkpoints/step-00000001");
+    // Sharded over four ranks, each holds a quarter of the rest and half of its half of the experts (the padding apart).
+    let holds_a_quarter = |dir: &Path| {
+        let summary = common::summary(dir);
+        for held in summary["state_per_rank"].as_array().unwrap() {
+            let (params, expected) = (held["params"].as_f64().unwrap(), 4.0 * ((trained - experts) / 4.0 + experts / 4.0));
+            assert!((params - expected).abs() <= 4.0 * 64.0, "{params} bytes of parameters, not about {expected}: {summary}");
+        }
+    };
+    holds_a_quarter(dirs.last().unwrap());
+    // hybrid_shard over two groups of four ranks: each expert's two holders in a group split its state, and the groups sum their shards.
+    let eight = common::losses(&run("one-rank-batch-8", &["--nproc-per-node", "1", "--batch-size", "8", "--strategy", "ddp"]));
+    let hybrid_run = run("ep2-hybrid-8-ranks", &["--nproc-per-node", "8", "--batch-size", "1", "--strategy", "hybrid_shard", "--shard-group-size", "4", "--expert-parallel", "2"]);
+    holds_a_quarter(&hybrid_run);
+    let hybrid = common::losses(&hybrid_run);
+    assert_eq!(hybrid.len(), eight.len());
+    for (step, (x, y)) in hybrid.iter().zip(&eight).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "hybrid_shard on eight ranks, step {}: loss {x} vs one rank's {y}", step + 1);
+    }
+    let checkpoint = dirs.last().unwrap().join("checkpoints/step-00000001");
     let resumed = run("resumed-ep1", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--resume", checkpoint.to_str().unwrap()]);
     let losses = common::losses(&resumed);
     let (x, y) = (*losses.last().unwrap(), baseline[1]);
@@ -809,7 +837,7 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let lora = ["--lora-r", "4", "--lora-targets", "q,experts"];
     let one = common::losses(&run("lora-one-rank", &[&["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"][..], &lora].concat()));
     let split_run = run("lora-ep2", &[&["--nproc-per-node", "2", "--batch-size", "2", "--strategy", "full_shard", "--expert-parallel", "2"][..], &lora].concat());
-    holds_what_ft_plan_predicts(&split_run, "lora-ep2", "full_shard", "none", &lora);
+    holds_what_ft_plan_predicts(&split_run, "lora-ep2", "2", "full_shard", "none", &lora);
     let split = common::losses(&split_run);
     assert_eq!(split.len(), one.len());
     for (step, (x, y)) in split.iter().zip(&one).enumerate() {
@@ -837,7 +865,7 @@ fn moe_qlora_expert_parallel_ranks_train_save_and_merge_as_one() {
     for (step, (x, y)) in losses.iter().zip(&baseline).enumerate() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "QLoRA at degree 2, step {}: loss {x} vs one rank's {y}", step + 1);
     }
-    holds_what_ft_plan_predicts(&model, &split, "qlora-ep2", ("full_shard", "none"), &qlora[..6]);
+    holds_what_ft_plan_predicts(&model, &split, "qlora-ep2", "2", ("full_shard", "none"), &qlora[..6]);
     let log = std::fs::read_to_string(split.join("output.txt")).unwrap();
     assert!(log.contains("and 2 fused expert tensors (a rank's 1/2 of the experts, --expert-parallel 2) of the base's blocks"), "{log}");
     let same = |ours: &Path, theirs: &Path, what: &str| {
@@ -890,6 +918,11 @@ fn expert_parallel_degrees_are_checked_in_one_line() {
     assert_eq!(refused(scratch.path(), &["--expert-parallel", "3", "--nproc-per-node", "3"]), format!("{flag} 3 must divide the model's 8 experts, so that each rank of a group holds as many"));
     assert_eq!(refused(&fixture("llama"), &["--expert-parallel", "2", "--nproc-per-node", "2"]), format!("{flag} 2: model_type llama is not a mixture of experts, so it has no experts to split over ranks (leave it at 1)"));
     assert!(refused(scratch.path(), &["--expert-parallel", "0"]).starts_with(&format!("{flag} must be at least 1")));
+    let hybrid = ["--expert-parallel", "2", "--nproc-per-node", "6", "--strategy", "hybrid_shard", "--shard-group-size", "3"];
+    assert_eq!(
+        refused(scratch.path(), &hybrid),
+        format!("{flag} 2 with a shard group of 3 ranks: one must divide the other, so that the ranks of a shard group holding the same experts split their state evenly (choose the degree or --shard-group-size so)")
+    );
     let qlora = ["--expert-parallel", "8", "--nproc-per-node", "8", "--lora-r", "4", "--quantize", "nf4", "--set", "model.quant_blocksize=4096"];
     assert_eq!(
         refused(scratch.path(), &qlora),

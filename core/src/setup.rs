@@ -50,9 +50,10 @@ pub fn backend_for(configured: Backend, device: Device) -> Result<Backend> {
     })
 }
 
-/// Refuses a configuration a run of `world` ranks cannot start with, naming
-/// the key; the names it holds (strategy, offload, sinks, task) are looked up in `registry`.
-pub fn validate(config: &Config, registry: &Registry, world: usize) -> Result<()> {
+/// Refuses a configuration a run of `world` ranks, `per_node` on a node,
+/// cannot start with, naming the key; the names it holds (strategy,
+/// offload, sinks, task) are looked up in `registry`.
+pub fn validate(config: &Config, registry: &Registry, world: usize, per_node: usize) -> Result<()> {
     let t = &config.train;
     if t.epochs == 0 || t.batch_size == 0 || t.grad_accum == 0 || t.eval_batch_size == 0 {
         bail!("train.epochs, train.batch_size, train.eval_batch_size and train.grad_accum must be at least 1");
@@ -104,6 +105,12 @@ pub fn validate(config: &Config, registry: &Registry, world: usize) -> Result<()
     }
     if t.expert_parallel == 0 {
         bail!("train.expert_parallel (--expert-parallel) must be at least 1: the ranks that split a mixture of experts' experts (1: each rank holds them all)");
+    }
+    // The degree against the world and the model: `check_expert_parallel`; here, against the strategy's shard groups.
+    if t.expert_parallel > 1 && world % t.expert_parallel == 0 && t.strategy != crate::distributed::strategy::AUTO {
+        let strategy = registry.strategy(&t.strategy)?;
+        let shard_size = (strategy.create)().policy().shard_group_size(&strategy.name, world, per_node, t.shard_group_size)?;
+        crate::distributed::experts::expert_shard_size(t.expert_parallel, shard_size)?;
     }
     registry.check_comm(&config.comm)?;
     if let Some(name) = &config.task.name {

@@ -194,8 +194,9 @@ pub struct UnitPlacement {
     /// unit's `PackedLayout`, not its elements.
     pub packed: bool,
     /// An expert-parallel rank's rows of an experts unit, which its
-    /// buffers hold whole: where they start in the unit as the model
-    /// declares it. None for every other unit.
+    /// buffers hold (split over the experts' shard group when the policy
+    /// shards): where they start in the unit as the model declares it.
+    /// None for every other unit.
     pub expert_rows: Option<i64>,
 }
 
@@ -217,11 +218,11 @@ impl UnitPlacement {
         }
     }
 
-    /// An expert-parallel rank's rows of an experts unit, `numel` elements
-    /// from `origin` on: whole on this rank (its replicas hold the same),
-    /// never gathered.
-    pub fn expert_rows(numel: i64, origin: i64, offload: bool) -> UnitPlacement {
-        UnitPlacement { expert_rows: Some(origin), ..UnitPlacement::new(&ShardingPolicy::replicated(false), numel, 1, 0, offload) }
+    /// This placement for an expert-parallel rank's rows of an experts
+    /// unit, from element `origin` of the unit on (the other holders of
+    /// these experts hold the same rows).
+    pub fn at_expert_rows(self, origin: i64) -> UnitPlacement {
+        UnitPlacement { expert_rows: Some(origin), ..self }
     }
 
     /// This placement for a frozen unit: its parameters where the policy

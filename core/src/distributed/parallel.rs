@@ -43,9 +43,9 @@ impl<'c> DataParallel<'c> {
         let env = comm.env();
         let world = env.world_size;
         let reduce_dtype = reduce.kind(compute);
-        let experts = (expert_parallel > 1).then(|| ExpertGroups::new(comm, expert_parallel)).transpose()?;
-        let mut parallel = DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype, experts };
         let size = policy.shard_group_size(strategy.name(), world, env.local_world_size, size_override)?;
+        let experts = (expert_parallel > 1).then(|| ExpertGroups::new(comm, expert_parallel, size)).transpose()?;
+        let mut parallel = DataParallel { policy, world: comm.world(), shard_size: 1, sub_group: None, replicas: None, reduce_dtype, experts };
         if size == 1 {
             return Ok(parallel);
         }
@@ -70,4 +70,27 @@ impl<'c> DataParallel<'c> {
     pub fn replicas(&self) -> Option<&ProcessGroup> {
         self.replicas.as_ref()
     }
+
+    /// The groups a unit's state is split and summed over: the strategy's,
+    /// or for an expert-parallel unit (`experts`) its experts' holders' —
+    /// split over the replicas in this rank's shard group, and summed over
+    /// all replicas when whole. Hybrid sharding's replica groups serve both:
+    /// an expert group within a shard group repeats in every one.
+    pub fn groups(&self, experts: bool) -> UnitGroups<'_> {
+        match self.experts.as_ref().filter(|_| experts) {
+            Some(experts) => UnitGroups { shard: experts.shard.as_ref(), replicas: experts.shard.as_ref().and(self.replicas()), world: experts.replicas.as_ref() },
+            None => UnitGroups { shard: self.shard(), replicas: self.replicas(), world: Some(self.world) },
+        }
+    }
+}
+
+/// The ranks a unit's state is split and summed over ([`DataParallel::groups`]).
+#[derive(Clone, Copy)]
+pub struct UnitGroups<'g> {
+    /// The ranks splitting the unit's state (None: held whole).
+    pub shard: Option<&'g ProcessGroup>,
+    /// The ranks holding the same shard, over which reduced gradient shards are summed.
+    pub replicas: Option<&'g ProcessGroup>,
+    /// The ranks computing the unit's whole gradient, over which it is summed (None: this rank alone).
+    pub world: Option<&'g ProcessGroup>,
 }

@@ -567,7 +567,11 @@ fn expert_parallel_degrees(model: &dyn Model, cluster: &Cluster) -> Vec<usize> {
 
 /// The placements of `workload`'s units under `setup` in a shard group of `group`.
 fn placements(workload: &Workload, setup: &Setup, group: usize) -> Vec<UnitPlacement> {
-    let experts = (setup.expert_parallel > 1).then_some((setup.expert_parallel, 0));
+    // The plan's degrees divide a node's GPUs (`expert_parallel_degrees`), so every shard group.
+    let experts = (setup.expert_parallel > 1).then(|| {
+        let shard_size = crate::distributed::experts::expert_shard_size(setup.expert_parallel, group).unwrap_or(1);
+        crate::distributed::experts::ExpertSeat { degree: setup.expert_parallel, rank: 0, shard_size, shard_rank: 0 }
+    });
     let placed = crate::train::unit_placements(workload.model, &setup.policy, group, 0, setup.offload_to_host, workload.dtype, experts);
     placed.into_iter().map(|(placement, _)| placement).collect()
 }

@@ -106,6 +106,15 @@ enum Group {
     Experts,
     /// The ranks holding the same experts in the other expert groups.
     ExpertReplicas,
+    /// Those of them in a shard group, which split the experts' state.
+    ExpertShard,
+}
+
+impl Group {
+    /// The group splitting the state of a unit placed as `placement`.
+    fn shard_of(placement: &UnitPlacement) -> Group {
+        if placement.expert_rows.is_some() { Group::ExpertShard } else { Group::Shard }
+    }
 }
 
 /// A cluster's groups: how many ranks each has.
@@ -124,6 +133,7 @@ impl Groups {
             Group::Replicas => self.world / self.shard,
             Group::Experts => self.experts,
             Group::ExpertReplicas => self.world / self.experts,
+            Group::ExpertShard => crate::distributed::experts::expert_shard_size(self.experts, self.shard).unwrap_or(1),
         }
     }
 }
@@ -147,7 +157,7 @@ impl Network<'_> {
     fn seconds(&self, transfer: &Transfer) -> f64 {
         let ranks = self.groups.size(transfer.group);
         let across_nodes = match transfer.group {
-            Group::Shard => self.groups.shard > self.cluster.gpus_per_node(),
+            Group::Shard | Group::ExpertShard => self.groups.shard > self.cluster.gpus_per_node(),
             Group::Experts => self.groups.experts > self.cluster.gpus_per_node(),
             Group::World | Group::Replicas | Group::ExpertReplicas => self.cluster.nodes > 1,
         };
@@ -213,8 +223,8 @@ fn gather_transfers(placements: &[UnitPlacement], gathers: &[(usize, f64)], floa
             // A whole 4-bit unit is dequantized where it is, a whole frozen copy uploaded: nothing moves between ranks.
             (false, _) => {}
             // 4-bit bytes go through the built-in all-gather, never a hook (`distributed/packed_base.rs`).
-            (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64, exposed: i == 0 }),
-            (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, dtype, Group::Shard, i == 0, float8)),
+            (true, true) => out.push(Transfer { collective: Collective::AllGather, group: Group::shard_of(placement), bytes: placement.shard.padded as f64, exposed: i == 0 }),
+            (true, false) => out.extend(wires.transfers(u, Wire::Gather, placement.shard.len, dtype, Group::shard_of(placement), i == 0, float8)),
         }
     }
 }
@@ -248,7 +258,7 @@ fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_par
             let exposed = u == first_unit;
             let (padded, shard) = (placement.shard.padded, placement.shard.len);
             if placement.grads_sharded {
-                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Shard), padded, reduce, Group::Shard, exposed, false));
+                out.extend(wires.transfers(u, Wire::Reduce(ReduceStage::Shard), padded, reduce, Group::shard_of(placement), exposed, false));
                 // Replicas sum their shards: each micro-batch's when it goes to the host.
                 let replica = if placement.offload { Some(reduce) } else { last.then_some(Kind::Float) };
                 if let Some(dtype) = replica {
@@ -264,7 +274,7 @@ fn transfers(workload: &Workload, units: &StepUnits, step: &StepMemory, data_par
     // zero1: each rank updated its slice of the replicated parameters.
     let compute = compute.elt_size_in_bytes() as f64;
     for placement in placements.iter().filter(|p| p.optimizer_sharded && !p.params_sharded && !p.frozen) {
-        out.push(Transfer { collective: Collective::AllGather, group: Group::Shard, bytes: placement.shard.padded as f64 * compute, exposed: true });
+        out.push(Transfer { collective: Collective::AllGather, group: Group::shard_of(placement), bytes: placement.shard.padded as f64 * compute, exposed: true });
     }
     out
 }
@@ -393,21 +403,22 @@ pub(super) fn step_time(workload: &Workload, cluster: &Cluster, setup: &Setup, u
 /// Seconds one forward of decoding spends gathering when it gathers the
 /// policy a unit at a time (`RolloutGather::PerUnit`, as
 /// `Trainer::compute_unit` does): each stage's sharded units over the shard
-/// group (4-bit ones as their bytes), experts' rows over the expert group;
-/// nothing runs beside them to hide them.
+/// group (4-bit ones as their bytes; experts' over their shard group),
+/// then experts' rows over the expert group; nothing runs beside them to
+/// hide them.
 pub(super) fn per_unit_gather_seconds(workload: &Workload, cluster: &Cluster, setup: &Setup, placements: &[UnitPlacement], shard_group: usize) -> f64 {
     let network = Network { cluster, groups: Groups { world: cluster.gpus, shard: shard_group, experts: setup.expert_parallel } };
     let element = workload.dtype.elt_size_in_bytes() as f64;
     let specs = workload.model.units();
     let gather = |u: usize| {
         let p = &placements[u];
-        let (group, bytes) = match (p.expert_rows, p.params_sharded, p.packed) {
-            (Some(_), ..) => (Group::Experts, specs[u].numel() as f64 * element),
-            (None, true, true) => (Group::Shard, p.shard.padded as f64),
-            (None, true, false) => (Group::Shard, p.shard.padded as f64 * element),
-            (None, false, _) => return 0.0,
+        let all_gather = |group: Group, bytes: f64| network.seconds(&Transfer { collective: Collective::AllGather, group, bytes, exposed: true });
+        let shards = match (p.params_sharded, p.packed) {
+            (true, true) => all_gather(Group::shard_of(p), p.shard.padded as f64),
+            (true, false) => all_gather(Group::shard_of(p), p.shard.padded as f64 * element),
+            (false, _) => 0.0,
         };
-        network.seconds(&Transfer { collective: Collective::AllGather, group, bytes, exposed: true })
+        shards + p.expert_rows.map_or(0.0, |_| all_gather(Group::Experts, specs[u].numel() as f64 * element))
     };
     workload.model.stages().iter().flat_map(crate::model::stage_units).map(gather).sum()
 }

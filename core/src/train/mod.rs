@@ -18,13 +18,12 @@ pub use step::{GatheredPolicy, ReferenceModel};
 pub(crate) use reduce::reductions_in_flight;
 
 use crate::config::TrainConfig;
-use crate::distributed::comm::ProcessGroup;
 use crate::distributed::comm_hook::{Builtin, CommHook, Restored, UnitInfo, Workspace, WorldChange};
-use crate::distributed::experts::{ExpertGroups, SharedHook};
+use crate::distributed::experts::{ExpertGroups, ExpertSeat, SharedHook};
 use crate::distributed::flat::{FlatUnit, MemoryAccount, ShardLayout, UnitPlacement};
 use crate::distributed::float8_gather::Float8Amaxes;
 use crate::distributed::packed_base::PackedLayout;
-use crate::distributed::parallel::DataParallel;
+use crate::distributed::parallel::{DataParallel, UnitGroups};
 use crate::distributed::strategy::{ParamPlacement, ShardingPolicy};
 use crate::model::{Float8Layers, Model, ParamSpec};
 use crate::offload::Offload;
@@ -284,13 +283,12 @@ impl<'m> TrainerBuilder<'m> {
         let policy = parallel.map_or(ShardingPolicy::replicated(false), |p| p.policy);
         let (group_size, group_rank) = parallel.and_then(DataParallel::shard).map_or((1, 0), |group| (group.size(), group.rank()));
         let experts = parallel.and_then(|p| p.experts.as_ref());
-        let expert_group = experts.map(|groups| (groups.group.size(), groups.group.rank()));
-        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype, expert_group);
+        let placed = unit_placements(model, &policy, group_size, group_rank, offload.is_some(), options.dtype, experts.map(ExpertGroups::seat));
         let (mut units, mut reference) = (vec![], vec![]);
         for (unit, (spec, (placement, packed))) in model.units().iter().zip(placed).enumerate() {
             let t = params.unit(unit)?;
             if let (Some(groups), Some(_)) = (experts, placement.expert_rows) {
-                // This rank's experts: its rows of the unit's parameter, held whole.
+                // This rank's experts: its rows of the unit's parameter, placed over their shard group.
                 let rows = groups.rows(spec.params[0].shape[0]);
                 let mut local = spec.clone();
                 local.params[0].shape[0] = rows.end - rows.start;
@@ -392,10 +390,11 @@ impl<'m> TrainerBuilder<'m> {
 /// as the bytes of their `PackedLayout` (what `Model::held_in_4bit` picks:
 /// the blocks' linear layers, as bitsandbytes quantizes them, and a mixture
 /// of experts' fused experts; the embeddings and the head keep the compute
-/// dtype). Under expert parallelism (`experts`: the group's size and this
-/// rank in it) a rank holds its rows of the experts units whole — of a
-/// 4-bit one, its part of the whole tensor's blocks (`PackedLayout::expert_part`).
-pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind, experts: Option<(usize, usize)>) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
+/// dtype). Under expert parallelism (`experts`: where this rank sits) a
+/// rank holds its rows of the experts units — of a 4-bit one, its part of
+/// the whole tensor's blocks (`PackedLayout::expert_part`) — placed as the
+/// policy places a unit over the experts' shard group.
+pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: usize, group_rank: usize, offload: bool, dtype: Kind, experts: Option<ExpertSeat>) -> Vec<(UnitPlacement, Option<PackedLayout>)> {
     let is_adapter = |unit: usize| model.stages().iter().any(|s| s.adapter == Some(unit));
     let blocks: BTreeSet<usize> = crate::model::block_units(model).collect();
     let expert_units = expert_units(model);
@@ -404,13 +403,14 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
         .iter()
         .enumerate()
         .map(|(unit, spec)| {
-            let part = experts.filter(|_| expert_units.contains(&unit));
-            let placement = match part {
-                Some((degree, rank)) => {
-                    let rows = spec.numel() / degree as i64;
-                    UnitPlacement::expert_rows(rows, rows * rank as i64, offload)
+            let seat = experts.filter(|_| expert_units.contains(&unit));
+            let (placement, (group_size, group_rank)) = match seat {
+                Some(seat) => {
+                    let rows = spec.numel() / seat.degree as i64;
+                    let placement = UnitPlacement::new(policy, rows, seat.shard_size, seat.shard_rank, offload).at_expert_rows(rows * seat.rank as i64);
+                    (placement, (seat.shard_size, seat.shard_rank))
                 }
-                None => UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload),
+                None => (UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload), (group_size, group_rank)),
             };
             let placement = match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),
@@ -420,8 +420,8 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
             match model.quantized_base().filter(|_| model.frozen(unit) && blocks.contains(&unit)) {
                 Some(quantization) => {
                     let held_in_4bit = |param: &ParamSpec| model.held_in_4bit(param);
-                    let layout = match part {
-                        Some(part) => PackedLayout::expert_part(spec, dtype, quantization, held_in_4bit, part),
+                    let layout = match seat {
+                        Some(seat) => PackedLayout::expert_part(spec, dtype, quantization, held_in_4bit, (seat.degree, seat.rank)),
                         None => PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization, held_in_4bit),
                     };
                     (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
@@ -557,8 +557,12 @@ impl<'m> Trainer<'m> {
         &self.units
     }
 
-    fn shard_group(&self) -> Option<&'m ProcessGroup> {
-        self.parallel.and_then(DataParallel::shard)
+    /// The ranks unit `u`'s state is split and summed over (none on one rank).
+    fn groups_of(&self, u: usize) -> UnitGroups<'m> {
+        match self.parallel {
+            Some(parallel) => parallel.groups(self.units[u].placement().expert_rows.is_some()),
+            None => UnitGroups { shard: None, replicas: None, world: None },
+        }
     }
 
     fn reshard_after_forward(&self) -> bool {
@@ -604,11 +608,6 @@ impl<'m> Trainer<'m> {
         Some(Rc::new(crate::distributed::experts::TokenExchanger { group: groups.group.clone(), hook: self.hook.clone() }))
     }
 
-    /// How many ranks hold this rank's experts, and which of them this rank is.
-    fn expert_replicas(&self) -> (usize, usize) {
-        self.experts().and_then(|e| e.replicas.as_ref()).map_or((1, 0), |r| (r.size(), r.rank()))
-    }
-
     /// Unit `index`'s parameters from `whole`, this rank's whole flat
     /// buffer of them, shaped as the model declares them: an
     /// expert-parallel unit's rows gathered from its expert group
@@ -625,15 +624,14 @@ impl<'m> Trainer<'m> {
         }
     }
 
-    /// How many ranks hold the same copy of a unit's optimizer state and
+    /// How many ranks hold the same copy of unit `u`'s optimizer state and
     /// which of them this rank is: a sharded state's replicas (hybrid
-    /// sharding's other shard groups), or every rank when it is whole.
-    fn holders(&self, sharded: bool) -> (usize, usize) {
-        match self.parallel {
-            None => (1, 0),
-            Some(p) if sharded => p.replicas().map_or((1, 0), |r| (r.size(), r.rank())),
-            Some(p) => (p.world.size(), p.world.rank()),
-        }
+    /// sharding's other shard groups), or every rank computing the whole
+    /// unit when it is whole.
+    fn holders(&self, u: usize) -> (usize, usize) {
+        let groups = self.groups_of(u);
+        let holders = if self.units[u].placement().optimizer_sharded { groups.replicas } else { groups.world };
+        holders.map_or((1, 0), |group| (group.size(), group.rank()))
     }
 
     /// What this rank writes of each unit to a checkpoint: where its range
@@ -646,16 +644,14 @@ impl<'m> Trainer<'m> {
     pub fn checkpoint_part(&self) -> Vec<(i64, [Tensor; 3])> {
         self.units
             .iter()
-            .map(|u| {
+            .enumerate()
+            .map(|(index, u)| {
                 let placement = u.placement();
                 if !u.trainable() {
                     let empty = || Tensor::empty([0], (Kind::Float, tch::Device::Cpu));
                     return (0, [empty(), empty(), empty()]);
                 }
-                let (copies, index) = match placement.expert_rows {
-                    Some(_) => self.expert_replicas(),
-                    None => self.holders(placement.optimizer_sharded),
-                };
+                let (copies, index) = self.holders(index);
                 let owned_start = placement.owned_start();
                 let valid = (u.numel() - owned_start).clamp(0, placement.owned_len());
                 let split = ShardLayout::new(valid, copies, index);
@@ -681,11 +677,14 @@ impl<'m> Trainer<'m> {
         micro_steps: i64,
         loss_scale: Option<&Tensor>,
     ) -> Result<()> {
-        let group = self.shard_group();
-        for (index, unit) in self.units.iter_mut().enumerate().filter(|(_, u)| u.trainable()) {
-            let placement = *unit.placement();
+        for index in 0..self.units.len() {
+            if !self.units[index].trainable() {
+                continue;
+            }
+            let group = self.groups_of(index).shard;
+            let placement = *self.units[index].placement();
             let state = read(index, placement.expert_rows.unwrap_or(0) + placement.owned_start(), placement.owned_len())?;
-            unit.restore(&state, group)?;
+            self.units[index].restore(&state, group)?;
         }
         if let Some(amaxes) = &mut self.float8_amaxes {
             amaxes.shards_changed();
@@ -709,7 +708,7 @@ impl<'m> Trainer<'m> {
     /// Unit `u`'s whole parameters in the compute dtype, detached
     /// (gathered when sharded or split among experts: collective then).
     pub fn compute_unit(&self, u: usize) -> Result<Vec<Tensor>> {
-        self.model_shaped(u, self.units[u].whole_compute(self.shard_group())?.detach())
+        self.model_shaped(u, self.units[u].whole_compute(self.groups_of(u).shard)?.detach())
     }
 
     /// Whether every unit's whole compute parameters are already held
@@ -737,7 +736,7 @@ impl<'m> Trainer<'m> {
     pub fn params(&self) -> Result<Vec<Vec<Tensor>>> {
         (0..self.units.len())
             .map(|u| match self.units[u].trainable() {
-                true => self.model_shaped(u, self.units[u].whole(&self.units[u].master, self.shard_group())?),
+                true => self.model_shaped(u, self.units[u].whole(&self.units[u].master, self.groups_of(u).shard)?),
                 false => Ok(vec![]),
             })
             .collect()

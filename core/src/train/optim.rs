@@ -89,12 +89,16 @@ impl Trainer<'_> {
             let parts: Vec<&Tensor> = squares.iter().zip(&trained).filter(|(_, u)| u.placement().expert_rows.is_some() == experts).map(|(s, _)| s).collect();
             if parts.is_empty() { Tensor::zeros([], (Kind::Float, device)) } else { Tensor::stack(&parts, 0).sum(Kind::Float) }
         };
+        let sharded = |experts: bool| trained.iter().find(|u| u.placement().expert_rows.is_some() == experts).is_some_and(|u| u.placement().optimizer_sharded);
         let mut sum_of_squares = of_experts(false);
-        if let Some(group) = self.shard_group().filter(|_| trained[0].placement().optimizer_sharded) {
+        if let Some(group) = self.parallel.and_then(|p| p.groups(false).shard).filter(|_| sharded(false)) {
             group.all_reduce(&mut sum_of_squares, Reduction::Sum)?.wait()?;
         }
-        if let Some(experts) = self.experts() {
+        if let (Some(experts), Some(parallel)) = (self.experts(), self.parallel) {
             let mut of_experts = of_experts(true);
+            if let Some(shard) = parallel.groups(true).shard.filter(|_| sharded(true)) {
+                shard.all_reduce(&mut of_experts, Reduction::Sum)?.wait()?;
+            }
             experts.group.all_reduce(&mut of_experts, Reduction::Sum)?.wait()?;
             sum_of_squares += of_experts;
         }
@@ -160,9 +164,10 @@ impl Trainer<'_> {
         if offloaded {
             self.offload_stats.cpu_step_seconds += host_started.elapsed().as_secs_f64();
         }
-        let shard_group = self.shard_group();
         let mut gathers = vec![];
-        for unit in &mut self.units {
+        for u in 0..self.units.len() {
+            let shard_group = self.groups_of(u).shard;
+            let unit = &mut self.units[u];
             unit.release_grad();
             if unit.offloaded_to_host() {
                 self.offload_stats.host_to_device_bytes += (unit.master.numel() * 4) as f64;

@@ -5,9 +5,7 @@
 //! result is needed.
 
 use super::Trainer;
-use crate::distributed::comm::ProcessGroup;
 use crate::distributed::comm_hook::{GradReduce, Pending, ReduceStage, Wire, WireRequest};
-use crate::distributed::parallel::DataParallel;
 use anyhow::Result;
 use std::collections::VecDeque;
 use tch::{Kind, Tensor};
@@ -74,11 +72,11 @@ impl<'m> Trainer<'m> {
     /// Starts stage `stage` of unit `u`'s reduction over `group` through the
     /// communication hook: `input` in, the sum in `output`.
     fn start_reduction(&mut self, u: usize, stage: ReduceStage, input: Tensor, output: Tensor, accumulated: bool) -> Result<Pending> {
-        let parallel = self.parallel.expect("reductions run data-parallel");
+        let groups = self.groups_of(u);
         let group = match stage {
-            ReduceStage::World => self.world_of(u).expect("a world stage has ranks to reduce over"),
-            ReduceStage::Shard => parallel.shard().expect("sharded gradients have a shard group"),
-            ReduceStage::Replica => parallel.replicas().expect("a replica stage has replica groups"),
+            ReduceStage::World => groups.world.expect("a world stage has ranks to reduce over"),
+            ReduceStage::Shard => groups.shard.expect("sharded gradients have a shard group"),
+            ReduceStage::Replica => groups.replicas.expect("a replica stage has replica groups"),
         };
         let mut hook = self.hook.borrow_mut();
         let (name, unit, step) = (hook.name().to_string(), &self.unit_info[u].name, self.steps);
@@ -91,17 +89,6 @@ impl<'m> Trainer<'m> {
             hook.reduce(GradReduce { unit: info, stage, group, input, offset, output, accumulated, step, seed, workspace })
         });
         work.map_err(|e| e.context(format!("comm `{name}`: {} of unit {}", stage.name(), info.name)))
-    }
-
-    /// The ranks unit `u`'s whole gradient is summed over: the world, or an
-    /// expert-parallel unit's replicas (its experts' other holders); None
-    /// where no other rank computes it.
-    fn world_of(&self, u: usize) -> Option<&'m ProcessGroup> {
-        let parallel = self.parallel?;
-        match self.units[u].placement().expert_rows {
-            Some(_) => parallel.experts.as_ref().and_then(|experts| experts.replicas.as_ref()),
-            None => Some(parallel.world),
-        }
     }
 
     /// The dtype gradients are reduced in: the data-parallel policy's, else
@@ -124,7 +111,7 @@ impl<'m> Trainer<'m> {
     pub(super) fn reduce(&mut self, u: usize, first: bool, last: bool, reductions: &mut Reductions) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         // One micro-batch on one rank (or experts no other rank holds): the whole gradient, which AdamW reads in the compute dtype.
-        let reduced_over = self.world_of(u);
+        let reduced_over = self.groups_of(u).world;
         let whole = reduced_over.is_none() && self.gradient_as_it_is(first, last);
         let reduce_dtype = self.reduce_dtype();
         let unit = &mut self.units[u];
@@ -204,7 +191,7 @@ impl<'m> Trainer<'m> {
         let _no_grad = tch::no_grad_guard();
         reduction.work.wait()?;
         let u = reduction.unit;
-        let has_replicas = self.parallel.and_then(DataParallel::replicas).is_some();
+        let has_replicas = self.groups_of(u).replicas.is_some();
         match reduction.then {
             AfterReduction::AddToShard { first_micro_batch, last_micro_batch } => {
                 // One micro-batch: the reduced shard is the step's gradient, in the

@@ -66,7 +66,8 @@ impl Trainer<'_> {
 
     /// [`Self::prefetch`] of unit `u` of `set`.
     fn prefetch_in(&mut self, set: Units, u: usize, phase: GatherPhase) -> Result<()> {
-        let group = self.shard_group();
+        // A reference copy's unit is placed as the model's unit of its index.
+        let group = self.groups_of(u).shard;
         let (units, info) = match set {
             Units::Model => (&mut self.units, &self.unit_info),
             Units::Reference => (&mut self.reference, &self.reference_info),
@@ -102,7 +103,8 @@ impl Trainer<'_> {
     /// in one reduction, when the shards have changed (the first step, after
     /// an optimizer step or a restore).
     fn refresh_float8_amaxes(&mut self) -> Result<()> {
-        let group = self.shard_group();
+        // Float8 gathers are the dense blocks' (`float8_gathered_units`), over the strategy's shard group.
+        let group = self.parallel.and_then(|p| p.shard());
         if let (Some(amaxes), Some(group)) = (&mut self.float8_amaxes, group) {
             let units = &self.units;
             amaxes.refresh(|unit| units[unit].held_shard().shallow_clone(), group)?;
