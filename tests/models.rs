@@ -765,9 +765,10 @@ fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, ranks: &str
 /// rest; ddp and full_shard with the optimizer state on the host), each
 /// rank holding what `ft plan` predicts, LoRA's adapters on the attention
 /// and the split frozen experts too; on four ranks under full_shard the
-/// two holders of each expert split its state. A checkpoint saved by the
-/// four resumes on one rank holding every expert to the uninterrupted
-/// run's last loss.
+/// two holders of each expert split its state (and under hybrid_shard on
+/// eight, in groups of four). A checkpoint saved by the four resumes on
+/// one rank holding every expert, and one saved by two on the four, to the
+/// uninterrupted run's last loss.
 #[test]
 fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     let scratch = tempfile::tempdir().unwrap();
@@ -827,11 +828,15 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
     for (step, (x, y)) in hybrid.iter().zip(&eight).enumerate() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "hybrid_shard on eight ranks, step {}: loss {x} vs one rank's {y}", step + 1);
     }
-    let checkpoint = dirs.last().unwrap().join("checkpoints/step-00000001");
-    let resumed = run("resumed-ep1", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--resume", checkpoint.to_str().unwrap()]);
-    let losses = common::losses(&resumed);
-    let (x, y) = (*losses.last().unwrap(), baseline[1]);
-    assert!((x - y).abs() <= 1e-5 * y.abs(), "resumed at degree 1, step 2: loss {x} vs the uninterrupted {y} ({losses:?})");
+    // The four's checkpoint (each expert's state split between its holders) resumes on one rank, and two ranks' (whole) on the four.
+    let resumes = [(dirs.last().unwrap(), "resumed-ep1", ["1", "4", "ddp"]), (&dirs[0], "resumed-4-ranks", ["4", "1", "full_shard"])];
+    for (saved, name, [ranks, batch, strategy]) in resumes {
+        let checkpoint = saved.join("checkpoints/step-00000001");
+        let resumed = run(name, &["--nproc-per-node", ranks, "--batch-size", batch, "--strategy", strategy, "--expert-parallel", if ranks == "1" { "1" } else { "2" }, "--resume", checkpoint.to_str().unwrap()]);
+        let losses = common::losses(&resumed);
+        let (x, y) = (*losses.last().unwrap(), baseline[1]);
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}, step 2: loss {x} vs the uninterrupted {y} ({losses:?})");
+    }
 
     // LoRA on attention and on the split, frozen experts (each rank's rows of their adapters): one rank's losses.
     let lora = ["--lora-r", "4", "--lora-targets", "q,experts"];
