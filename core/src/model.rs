@@ -627,6 +627,34 @@ impl KvCache {
         (keys.narrow(2, 0, self.len), values.narrow(2, 0, self.len))
     }
 
+    /// Attention's inputs from a block's `q`, `k` and `v` ([batch, seq,
+    /// heads, head_dim]: the projections' views): the queries and keys
+    /// rotated by `rotate`, the keys and values appended to the cache, each
+    /// transposed to [batch, heads, positions, head_dim]. A decoding step
+    /// after `fix_shapes` whose RoPE (`cos`, `signed_sin`) covers each head
+    /// whole runs as one kernel on a GPU where ft's kernels load, without
+    /// gradients (`kernels::rope_cache_`: the same values as `rotate` and
+    /// `extend`, in one launch where they take six).
+    pub fn rotate_and_extend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, rope: (&Tensor, &Tensor), rotate: impl Fn(&Tensor) -> Tensor) -> [Tensor; 3] {
+        self.rotate_and_extend_with(q, k, v, rope, rotate, Kernels::loaded(q.device()))
+    }
+
+    /// [`Self::rotate_and_extend`] with ft's kernel only when `fused`: `ft
+    /// bench --breakdown` compares the two.
+    pub fn rotate_and_extend_with(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, (cos, signed_sin): (&Tensor, &Tensor), rotate: impl Fn(&Tensor) -> Tensor, fused: bool) -> [Tensor; 3] {
+        if let (Some(slot), Some((keys, values))) = (&self.slot, &mut self.buffers) {
+            let [rows, seq, heads, head_dim] = q.size()[..] else { panic!("a block's queries are [batch, seq, heads, head_dim], not {:?}", q.size()) };
+            let kernel = fused && seq == 1 && cos.size().last() == Some(&head_dim) && !ft_sys::grad_enabled();
+            if kernel && matches!(q.kind(), Kind::Float | Kind::BFloat16) && [k, v, keys, values].iter().all(|t| t.kind() == q.kind()) && cos.is_contiguous() && signed_sin.is_contiguous() {
+                let mut queries = Tensor::empty([rows, heads, head_dim], (q.kind(), q.device()));
+                crate::kernels::rope_cache_(q, k, v, cos, signed_sin, slot, &mut queries, keys, values).unwrap_or_else(|e| crate::panic::raise(anyhow::anyhow!("decoding's RoPE and cache write: {e}")));
+                return [queries.unsqueeze(2), keys.shallow_clone(), values.shallow_clone()];
+            }
+        }
+        let (keys, values) = self.extend(rotate(k).transpose(1, 2), v.transpose(1, 2));
+        [rotate(q).transpose(1, 2), keys, values]
+    }
+
     pub fn len(&self) -> i64 {
         self.len
     }

@@ -85,6 +85,12 @@ pub struct KernelCheck {
     /// last 256 as not yet written (`model::decode_attention`).
     #[serde(default)]
     pub decode_attention: Option<Compared>,
+    /// Decoding's RoPE and cache write: a step's queries, keys and values
+    /// (views of one joined projection) rotated and written at a slot of a
+    /// cache of the same shape (`KvCache::rotate_and_extend`); ATen's side
+    /// is ATen's RoPE and `index_copy_`.
+    #[serde(default)]
+    pub rope_cache: Option<Compared>,
 }
 
 /// One of ft's kernels beside ATen's ops on the same inputs, in the compute
@@ -110,7 +116,7 @@ impl KernelCheck {
         if let (Some(ft), Some(aten), Some(diff)) = (self.lowrank_ft_ms, self.lowrank_aten_ms, self.lowrank_relative_diff) {
             line += &format!("; low-rank products over 64M: ft {ft:.2} ms vs ATen {aten:.2} (differ by {diff:.1e})");
         }
-        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps), ("experts' SwiGLU forward+backward", &self.expert_swiglu), ("experts' combine forward+backward", &self.expert_combine), ("decoding attention", &self.decode_attention)];
+        let compared = [("RoPE forward+backward", &self.rope), ("SwiGLU forward+backward", &self.swiglu), ("bias gradient", &self.bias_grad), ("LayerNorm forward+backward", &self.layer_norm), ("NF4 dequantization", &self.nf4_dequantize), ("label log-probabilities", &self.label_logps), ("experts' SwiGLU forward+backward", &self.expert_swiglu), ("experts' combine forward+backward", &self.expert_combine), ("decoding attention", &self.decode_attention), ("decoding's RoPE and cache write", &self.rope_cache)];
         for (what, c) in compared {
             if let Some(Compared { ft_ms, aten_ms, relative_diff }) = c {
                 line += &format!("; {what}: ft {ft_ms:.3} ms vs ATen {aten_ms:.3} (differ by {relative_diff:.1e})");
@@ -247,7 +253,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         Ok(outputs)
     };
     let (mut rope, mut swiglu, mut bias_grad, mut layer_norm, mut nf4_dequantize, mut label_logps) = (None, None, None, None, None, None);
-    let (mut expert_swiglu, mut expert_combine, mut decode_attention) = (None, None, None);
+    let (mut expert_swiglu, mut expert_combine, mut decode_attention, mut rope_cache) = (None, None, None, None);
     if crate::kernels::available(device).is_ok() {
         let kernels = |fused| if fused { Kernels::Ft } else { Kernels::Aten };
         label_logps = Some(compare(&|fused| Ok(vec![lm_label_logps(&TargetRows::of(&hidden, ids)?, &weight, chunk_tokens, None, kernels(fused))?]))?);
@@ -304,6 +310,23 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
             let bias = Tensor::zeros([rows, 1, 1, capacity], (dtype, device)).masked_fill(&hidden, f64::NEG_INFINITY);
             let grouped = kv_heads != dims.heads;
             decode_attention = Some(compare(&|fused| Ok(vec![crate::model::decode_attention(&q, &k, &v, Some(&bias), grouped, None, fused)]))?);
+            // The step's queries, keys and values as views of one joined projection, rotated and written at slot 300.
+            let joined = Tensor::randn([rows, 1, (dims.heads + 2 * kv_heads) * head_dim], (dtype, device));
+            let view = |start: i64, heads: i64| joined.narrow(2, start * head_dim, heads * head_dim).view([rows, 1, heads, head_dim]);
+            let (q, k, v) = (view(0, dims.heads), view(dims.heads, kv_heads), view(dims.heads + kv_heads, kv_heads));
+            let angles = Tensor::rand([rows, 1, 1, head_dim], (Kind::Float, device)) * 100.0;
+            let (cos, sin) = (angles.cos().to_kind(dtype), angles.sin().to_kind(dtype));
+            let cache = || -> Result<std::cell::RefCell<crate::model::KvCache>> {
+                let mut cache = crate::model::KvCache::with_capacity(capacity);
+                let [keys, values] = [0; 2].map(|_| Tensor::randn([rows, kv_heads, 64, head_dim], (dtype, device)));
+                let _ = cache.extend(keys, values);
+                cache.fix_shapes(&Tensor::from_slice(&[300i64]).to_device(device))?;
+                Ok(std::cell::RefCell::new(cache))
+            };
+            let caches = [cache()?, cache()?];
+            let rotate = |x: &Tensor| crate::model::rotary_with(x, &cos, &sin, false);
+            let _no_grad = tch::no_grad_guard();
+            rope_cache = Some(compare(&|fused| Ok(caches[usize::from(fused)].borrow_mut().rotate_and_extend_with(&q, &k, &v, (&cos, &sin), rotate, fused).into()))?);
         }
         let weight = Tensor::randn([dims.intermediate, dims.hidden], (dtype, device)) * 0.02;
         let quantized = crate::nf4::quantize(&weight, crate::nf4::QuantType::Nf4, crate::nf4::DEFAULT_BLOCKSIZE, true)?;
@@ -336,6 +359,7 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
         expert_swiglu,
         expert_combine,
         decode_attention,
+        rope_cache,
     })
 }
 

@@ -108,6 +108,7 @@ struct Functions {
     lowrank_expand: [sys::CUfunction; 2],
     /// By the values' kind: [fp32, bf16].
     rope: [sys::CUfunction; 2],
+    rope_cache: [sys::CUfunction; 2],
     swiglu: [sys::CUfunction; 2],
     swiglu_halves: [sys::CUfunction; 2],
     combine: [sys::CUfunction; 2],
@@ -194,6 +195,7 @@ fn load(device_index: usize) -> Result<Functions> {
             lowrank_orthonormalize: function("lowrank_orthonormalize")?,
             lowrank_expand: [function("lowrank_expand_f32")?, function("lowrank_expand_bf16")?],
             rope: [function("rope_f32")?, function("rope_bf16")?],
+            rope_cache: [function("rope_cache_f32")?, function("rope_cache_bf16")?],
             swiglu: [function("swiglu_f32")?, function("swiglu_bf16")?],
             swiglu_halves: [function("swiglu_halves_f32")?, function("swiglu_halves_bf16")?],
             combine: [function("combine_f32")?, function("combine_bf16")?],
@@ -665,6 +667,73 @@ pub fn rope_(x: &Tensor, cos: &Tensor, sin: &Tensor, out: &mut Tensor, transpose
     // SAFETY: the arguments match rope_*'s signature and the tensors were
     // checked above (see `adamw_` on their lifetime).
     unsafe { launch(functions.rope[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
+}
+
+/// A decoding step's `q` [rows, 1, heads, head_dim], `k` and `v` [rows, 1,
+/// kv_heads, head_dim] (each head's values contiguous, the rows at any
+/// stride: views of one joined projection) into attention's inputs: `q`
+/// rotated into `q_out` [rows, heads, head_dim] (contiguous), `k` rotated
+/// and `v` as it is written at cache slot `slot` (one int64 on the device,
+/// read there: a CUDA graph replays it) of `keys` and `values` [rows,
+/// kv_heads, capacity, head_dim] (contiguous). The rotation is `rope_`'s
+/// (`cos`, `sin` [rows, 1, 1, head_dim]), to the bit.
+#[allow(clippy::too_many_arguments)] // each tensor a separate operand of the one kernel
+pub fn rope_cache_(q: &Tensor, k: &Tensor, v: &Tensor, cos: &Tensor, sin: &Tensor, slot: &Tensor, q_out: &mut Tensor, keys: &mut Tensor, values: &mut Tensor) -> Result<()> {
+    let Device::Cuda(index) = q.device() else {
+        return Err(error("unsupported", "decoding's RoPE and cache write is not on a GPU"));
+    };
+    let (rows, _, heads, head_dim) = q.size4().map_err(|e| error("decoding's queries", e))?;
+    let (_, kv_heads, capacity, _) = keys.size4().map_err(|e| error("the key cache", e))?;
+    let kind = q.kind();
+    let which = by_kind(kind)?;
+    // Rows at a stride, each row's heads one after another.
+    let token_rows = |t: &Tensor, name: &str, heads: i64| {
+        let (size, stride) = (t.size(), t.stride());
+        let fits = size == [rows, 1, heads, head_dim] && stride[2] == head_dim && stride[3] == 1 && t.kind() == kind && t.device() == q.device();
+        if fits { Ok(stride[0]) } else { Err(error(name, format!("expected {kind:?} [{rows}, 1, {heads}, {head_dim}] with each row's heads contiguous, got {:?} {size:?} strides {stride:?}", t.kind()))) }
+    };
+    let (mut q_stride, mut k_stride, mut v_stride) = (token_rows(q, "decoding's queries", heads)?, token_rows(k, "decoding's keys", kv_heads)?, token_rows(v, "decoding's values", kv_heads)?);
+    if head_dim % 2 != 0 {
+        return Err(error("decoding's queries", format!("head_dim {head_dim} is odd")));
+    }
+    expect(cos, "cos", q, &[rows, 1, 1, head_dim], kind)?;
+    expect(sin, "sin", q, &[rows, 1, 1, head_dim], kind)?;
+    expect(slot, "the cache slot", q, &[1], Kind::Int64)?;
+    expect(q_out, "the rotated queries", q, &[rows, heads, head_dim], kind)?;
+    expect(keys, "the key cache", q, &[rows, kv_heads, capacity, head_dim], kind)?;
+    expect(values, "the value cache", q, &[rows, kv_heads, capacity, head_dim], kind)?;
+    let half = head_dim / 2;
+    let work = rows * (heads + 2 * kv_heads) * half;
+    if work == 0 {
+        return Ok(());
+    }
+    let functions = functions(index)?;
+    let blocks = (work as u64).div_ceil(ELEMENTWISE_THREADS as u64).min(functions.multiprocessors as u64 * 16) as u32;
+    let (mut q_ptr, mut k_ptr, mut v_ptr, mut cos_ptr, mut sin_ptr, mut slot_ptr) = (q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot.data_ptr());
+    let (mut q_out_ptr, mut keys_ptr, mut values_ptr) = (q_out.data_ptr(), keys.data_ptr(), values.data_ptr());
+    let (mut rows, mut heads, mut kv_heads, mut half, mut capacity) = (rows as i32, heads as i32, kv_heads as i32, half as i32, capacity);
+    let mut params = [
+        arg(&mut q_ptr),
+        arg(&mut k_ptr),
+        arg(&mut v_ptr),
+        arg(&mut cos_ptr),
+        arg(&mut sin_ptr),
+        arg(&mut slot_ptr),
+        arg(&mut q_out_ptr),
+        arg(&mut keys_ptr),
+        arg(&mut values_ptr),
+        arg(&mut rows),
+        arg(&mut heads),
+        arg(&mut kv_heads),
+        arg(&mut half),
+        arg(&mut q_stride),
+        arg(&mut k_stride),
+        arg(&mut v_stride),
+        arg(&mut capacity),
+    ];
+    // SAFETY: the arguments match rope_cache_*'s signature and the tensors
+    // were checked above (see `adamw_` on their lifetime).
+    unsafe { launch(functions.rope_cache[which], index, blocks, ELEMENTWISE_THREADS, &mut params) }
 }
 
 /// SwiGLU's gating of `gate` and `up` (same shape, contiguous, fp32 or bf16
@@ -1352,7 +1421,7 @@ mod tests {
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
         super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
         let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
-        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16", "decode_attention_split_bf16", "decode_attention_merge_f32"] {
+        for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16", "decode_attention_split_bf16", "decode_attention_merge_f32", "rope_cache_bf16", "rope_cache_f32"] {
             assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
         }
     }

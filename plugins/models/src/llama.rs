@@ -751,12 +751,12 @@ impl Model for Llama {
         }
         let (cos, signed_sin) = ctx.rope.as_ref().expect("Llama's context has RoPE");
         // RoPE in the projections' own [batch, seq, heads, head_dim] layout.
-        let q = rotate(&q, cos, signed_sin).transpose(1, 2);
-        let mut k = rotate(&k, cos, signed_sin).transpose(1, 2);
-        let mut v = split(v, self.kv_heads).transpose(1, 2);
-        if let Some(cache) = cache {
-            (k, v) = cache.extend(k, v);
-        }
+        let rotated = |t: &Tensor| rotate(t, cos, signed_sin);
+        let v = split(v, self.kv_heads);
+        let [q, k, v] = match cache {
+            Some(cache) => cache.rotate_and_extend(&q, &k, &v, (cos, signed_sin), rotated),
+            None => [rotated(&q).transpose(1, 2), rotated(&k).transpose(1, 2), v.transpose(1, 2)],
+        };
         let grouped = self.kv_heads != heads;
         let attn = model::attention(&q, &k, &v, ctx, grouped).transpose(1, 2).reshape([batch, seq, heads * head_dim]);
         let x = x + p.linear(&attn, "self_attn.o_proj");

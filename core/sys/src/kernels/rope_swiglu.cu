@@ -139,3 +139,55 @@ extern "C" __global__ void swiglu_bf16(const bf16* gate, const bf16* up, const b
                                        unsigned int* amax) {
   swiglu(gate, up, grad, out, grad_up, n, packed, amax);
 }
+
+// A decoding step's queries, keys and values (one token a row, each row's
+// heads at a stride of the joined q/k/v projection's width: views of it,
+// never copied) into what attention reads: the queries rotated into `q_out`
+// [rows, heads, head_dim], the keys rotated and the values as they are
+// written at cache slot `*slot` of `keys`/`values` [rows, kv_heads,
+// capacity, head_dim]. One kernel where RoPE's two, their inputs' copies
+// and the cache's two index copies were six; the rotation is `rope_pairs`'
+// arithmetic, so its outputs are the same bits. A thread per pair (j, j +
+// half) of a query or key head, or per two values of a value head.
+template <typename T>
+__device__ void rope_cache(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ cos,
+                           const T* __restrict__ sin, const long long* __restrict__ slot, T* __restrict__ q_out, T* __restrict__ keys,
+                           T* __restrict__ values, int rows, int heads, int kv_heads, int half, long long q_stride, long long k_stride,
+                           long long v_stride, long long capacity) {
+  const long long at_slot = *slot;
+  const long long per_row = (long long)(heads + 2 * kv_heads) * half;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * per_row; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / per_row;
+    long long head = (i - row * per_row) / half;
+    const int j = (int)(i - row * per_row - head * half);
+    const long long angle = row * 2 * half + j;
+    if (head < heads + kv_heads) {
+      const bool query = head < heads;
+      if (!query) head -= heads;
+      const T* x = query ? q + row * q_stride : k + row * k_stride;
+      const float a = load(x, head * 2 * half + j), b = load(x, head * 2 * half + j + half);
+      const float y1 = fmaf(a, load(cos, angle), b * load(sin, angle));
+      const float y2 = fmaf(b, load(cos, angle + half), a * load(sin, angle + half));
+      T* y = query ? q_out + (row * heads + head) * 2 * half : keys + ((row * kv_heads + head) * capacity + at_slot) * 2 * half;
+      store(y, j, y1);
+      store(y, j + half, y2);
+    } else {
+      head -= heads + kv_heads;
+      T* y = values + ((row * kv_heads + head) * capacity + at_slot) * 2 * half;
+      const T* x = v + row * v_stride + head * 2 * half;
+      store(y, j, load(x, j));
+      store(y, j + half, load(x, j + half));
+    }
+  }
+}
+
+extern "C" __global__ void rope_cache_f32(const float* q, const float* k, const float* v, const float* cos, const float* sin, const long long* slot,
+                                          float* q_out, float* keys, float* values, int rows, int heads, int kv_heads, int half,
+                                          long long q_stride, long long k_stride, long long v_stride, long long capacity) {
+  rope_cache(q, k, v, cos, sin, slot, q_out, keys, values, rows, heads, kv_heads, half, q_stride, k_stride, v_stride, capacity);
+}
+extern "C" __global__ void rope_cache_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* cos, const bf16* sin, const long long* slot,
+                                           bf16* q_out, bf16* keys, bf16* values, int rows, int heads, int kv_heads, int half,
+                                           long long q_stride, long long k_stride, long long v_stride, long long capacity) {
+  rope_cache(q, k, v, cos, sin, slot, q_out, keys, values, rows, heads, kv_heads, half, q_stride, k_stride, v_stride, capacity);
+}
