@@ -316,10 +316,11 @@ pub(super) fn check(trainer: &Trainer, batch: &Batch, normalizer: f64, chunk_tok
             let (q, k, v) = (view(0, dims.heads), view(dims.heads, kv_heads), view(dims.heads + kv_heads, kv_heads));
             let angles = Tensor::rand([rows, 1, 1, head_dim], (Kind::Float, device)) * 100.0;
             let (cos, sin) = (angles.cos().to_kind(dtype), angles.sin().to_kind(dtype));
+            // Both paths' caches start from the same 64 prompt positions.
+            let prompt = [0; 2].map(|_| Tensor::randn([rows, kv_heads, 64, head_dim], (dtype, device)));
             let cache = || -> Result<std::cell::RefCell<crate::model::KvCache>> {
                 let mut cache = crate::model::KvCache::with_capacity(capacity);
-                let [keys, values] = [0; 2].map(|_| Tensor::randn([rows, kv_heads, 64, head_dim], (dtype, device)));
-                let _ = cache.extend(keys, values);
+                let _ = cache.extend(prompt[0].copy(), prompt[1].copy());
                 cache.fix_shapes(&Tensor::from_slice(&[300i64]).to_device(device))?;
                 Ok(std::cell::RefCell::new(cache))
             };
