@@ -606,9 +606,9 @@ fn moe_logits_loss_aux_loss_and_gradients_match_transformers() {
         let labels = ids.masked_fill(&mask.eq(0), -100);
         let aux = aux.expect("output_router_logits adds the load-balancing loss");
         let coefficient = model.auxiliary_loss().unwrap().coefficient();
-        let error = relative(&(&aux / coefficient), &reference["aux_loss"], 0.0);
-        assert!(error <= 1e-5, "{name}: aux loss {} vs {}", aux.double_value(&[]) / coefficient, reference["aux_loss"].double_value(&[]));
-        let loss = lm_loss(&hidden, &weight, &labels, 7, None).unwrap() + aux;
+        let error = relative(&aux, &reference["aux_loss"], 0.0);
+        assert!(error <= 1e-5, "{name}: aux loss {} vs {}", aux.double_value(&[]), reference["aux_loss"].double_value(&[]));
+        let loss = lm_loss(&hidden, &weight, &labels, 7, None).unwrap() + aux * coefficient;
         let error = relative(&loss, &reference["loss"], 0.0);
         assert!(error <= 1e-5, "{name}: loss {} vs {}", loss.double_value(&[]), reference["loss"].double_value(&[]));
         loss.backward();
@@ -691,7 +691,7 @@ fn moe_trainer(scratch: &Path) -> (PathBuf, PathBuf, impl Fn(&str, &[&str]) -> P
 fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
     let scratch = tempfile::tempdir().unwrap();
     let (model, data, run) = moe_trainer(scratch.path());
-    let one = run("one-rank", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp"]);
+    let one = run("one-rank", &["--nproc-per-node", "1", "--batch-size", "4", "--strategy", "ddp", "--eval-file", data.to_str().unwrap()]);
     let records: Vec<serde_json::Value> = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let first = records.iter().find(|r| r.get("loss").is_some()).unwrap();
 
@@ -708,6 +708,14 @@ fn moe_training_matches_transformers_and_two_ranks_train_as_one() {
     for key in ["loss", "aux_loss"] {
         let (ours, theirs) = (first[key].as_f64().unwrap(), expected[0][key].as_f64().unwrap());
         assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "step 1's {key}: {ours} vs transformers' {theirs}");
+    }
+    // The evaluation after the last step (the 8 examples, one batch): transformers' loss with the trained weights, aux included.
+    let evaluated = records.iter().find(|r| r.get("eval_loss").is_some()).unwrap();
+    let printed = moe_reference(&["loss".as_ref(), one.join("final").as_os_str(), tokenized.as_os_str(), "[[0, 8]]".as_ref()]);
+    let theirs: serde_json::Value = serde_json::from_str(printed.lines().last().unwrap()).unwrap();
+    for (key, their_key) in [("eval_loss", "loss"), ("eval_aux_loss", "aux_loss")] {
+        let (ours, theirs) = (evaluated[key].as_f64().unwrap(), theirs[0][their_key].as_f64().unwrap());
+        assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "{key}: {ours} vs transformers' {theirs} after training");
     }
     // Accumulating two micro-batches, a step's auxiliary loss is the mean of theirs.
     let accumulated = run("accumulated", &["--nproc-per-node", "1", "--batch-size", "2", "--grad-accum", "2", "--strategy", "ddp"]);
@@ -998,7 +1006,8 @@ fn moe_lora_on_experts_loads_in_peft_and_merges_in_transformers() {
                 let ctx = lora.context(&inputs, 0, Kind::Float, false).unwrap();
                 let (outputs, aux) = ft_core::model::forward_with_auxiliary(lora, params, &inputs, &ctx, None);
                 let (hidden, weight) = lm_outputs(outputs).unwrap();
-                let loss = lm_loss(&hidden, &weight, &ids, 7, None).unwrap() + aux.expect("output_router_logits adds the load-balancing loss");
+                let coefficient = lora.auxiliary_loss().unwrap().coefficient();
+                let loss = lm_loss(&hidden, &weight, &ids, 7, None).unwrap() + aux.expect("output_router_logits adds the load-balancing loss") * coefficient;
                 (logits(&hidden, &weight), loss)
             };
             let (ft_logits, loss) = logits_and_loss(&lora, &params);

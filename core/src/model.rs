@@ -1012,8 +1012,9 @@ pub fn forward(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: 
 }
 
 /// [`forward`], and the model's auxiliary loss over this batch alone
-/// (`Model::auxiliary_loss`, its coefficient applied; None where the model
-/// adds none): differentiable as the loss it joins.
+/// (`Model::auxiliary_loss`, before its coefficient, as transformers
+/// reports `aux_loss`; None where the model adds none): differentiable as
+/// the loss it joins.
 pub fn forward_with_auxiliary(model: &dyn Model, params: &[Vec<Tensor>], inputs: &Inputs, ctx: &Context, caches: Option<&mut [KvCache]>) -> (Vec<Tensor>, Option<Tensor>) {
     forward_from(model, &mut Held(params), inputs, ctx, caches).expect("held parameters are fetched without fail")
 }
@@ -1099,7 +1100,7 @@ pub fn forward_from(model: &dyn Model, source: &mut dyn UnitSource, inputs: &Inp
                 let auxiliary = model.auxiliary_loss().filter(|_| !terms.is_empty()).map(|loss| {
                     let statistics = Tensor::stack(&terms.iter().map(|t| t.statistics.shallow_clone()).collect::<Vec<_>>(), 0);
                     let values = Tensor::stack(&terms.iter().map(|t| t.values.shallow_clone()).collect::<Vec<_>>(), 0);
-                    (loss.weights(&statistics) * &values).sum(values.kind()) * loss.coefficient()
+                    (loss.weights(&statistics) * &values).sum(values.kind())
                 });
                 Some((outputs, auxiliary))
             }

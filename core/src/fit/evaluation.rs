@@ -1,6 +1,8 @@
 //! An epoch's evaluation, also what `ft eval` runs: the objective's loss
 //! over the task's evaluation set (each rank its share, summed over ranks)
-//! and the task's own scores (EM/F1, …).
+//! plus the model's auxiliary loss where it adds one in training (a
+//! mixture of experts' load balancing, as transformers' eval loss includes
+//! it), and the task's own scores (EM/F1, …).
 
 use crate::distributed::comm::Communicator;
 use crate::model::{self, Model};
@@ -48,26 +50,32 @@ pub fn evaluate_on(rank: &Rank, model: &dyn Model, params: &[Vec<Tensor>], task:
 
 fn evaluation(model: &dyn Model, params: &[Vec<Tensor>], task: &mut dyn Task, comm: &Communicator, batch_size: usize, dtype: Kind) -> Result<Evaluation> {
     let started = Instant::now();
-    let (loss, loss_examples) = match task.eval_set() {
+    let (loss, loss_examples, auxiliary) = match task.eval_set() {
         Some(data) if !data.is_empty() => {
             let _no_grad = tch::no_grad_guard();
             let mine = crate::task::rank_share(comm, data.len());
-            let (mut sum, mut weight) = (0.0, 0.0);
+            let (mut sum, mut weight, mut auxiliary) = (0.0, 0.0, 0.0);
             for indices in mine.chunks(batch_size) {
                 let batch = data.collate(indices, comm.device())?;
                 let ctx = model.context(&batch.inputs, 0, dtype, false)?;
-                let outputs = model::forward(model, params, &batch.inputs, &ctx, None);
+                let (outputs, batch_auxiliary) = model::forward_with_auxiliary(model, params, &batch.inputs, &ctx, None);
                 let (s, w) = task.objective().loss_sum(&outputs, &batch)?;
                 sum += s;
                 weight += w;
+                // Each batch's, weighed by its examples (as transformers' evaluation loop averages batch losses).
+                auxiliary += batch_auxiliary.map_or(0.0, |a| a.double_value(&[]) * indices.len() as f64);
             }
-            let totals = comm.sum_over_ranks(&[sum, weight, mine.len() as f64])?;
-            (Some(totals[0] / totals[1].max(1.0)), totals[2] as usize)
+            let totals = comm.sum_over_ranks(&[sum, weight, mine.len() as f64, auxiliary])?;
+            let examples = totals[2].max(1.0);
+            let auxiliary = model.auxiliary_loss().map(|loss| (totals[3] / examples, loss.coefficient()));
+            (Some(totals[0] / totals[1].max(1.0) + auxiliary.map_or(0.0, |(value, coefficient)| value * coefficient)), totals[2] as usize, auxiliary.map(|(value, _)| value))
         }
-        _ => (None, 0),
+        _ => (None, 0, None),
     };
     let scoring_started = Instant::now();
-    let scores = task.score(model, params, dtype, comm)?;
+    let mut scores = task.score(model, params, dtype, comm)?;
+    // Logged as `eval_aux_loss`, beside the training log's `aux_loss` (both before the coefficient).
+    scores.values.extend(auxiliary.map(|value| ("aux_loss".to_string(), value)));
     let examples = if scores.examples > 0 { scores.examples } else { loss_examples };
     Ok(Evaluation { loss, scores, examples, seconds: started.elapsed().as_secs_f64(), scoring_seconds: scoring_started.elapsed().as_secs_f64() })
 }
