@@ -404,14 +404,13 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
         .enumerate()
         .map(|(unit, spec)| {
             let seat = experts.filter(|_| expert_units.contains(&unit));
-            let (placement, (group_size, group_rank)) = match seat {
-                Some(seat) => {
-                    let rows = spec.numel() / seat.degree as i64;
-                    let placement = UnitPlacement::new(policy, rows, seat.shard_size, seat.shard_rank, offload).at_expert_rows(rows * seat.rank as i64);
-                    (placement, (seat.shard_size, seat.shard_rank))
-                }
-                None => (UnitPlacement::new(policy, spec.numel(), group_size, group_rank, offload), (group_size, group_rank)),
+            // An experts unit's rows of this rank, split over the experts' shard group; any other unit over the shard group.
+            let (numel, (shard_size, shard_rank)) = match seat {
+                Some(seat) => (spec.numel() / seat.degree as i64, (seat.shard_size, seat.shard_rank)),
+                None => (spec.numel(), (group_size, group_rank)),
             };
+            let placement = UnitPlacement::new(policy, numel, shard_size, shard_rank, offload);
+            let placement = seat.map_or(placement, |seat| placement.at_expert_rows(numel * seat.rank as i64));
             let placement = match (model.frozen(unit), is_adapter(unit)) {
                 (true, _) => placement.frozen(),
                 (false, true) => placement.whole_params(),
@@ -424,7 +423,7 @@ pub fn unit_placements(model: &dyn Model, policy: &ShardingPolicy, group_size: u
                         Some(seat) => PackedLayout::expert_part(spec, dtype, quantization, held_in_4bit, (seat.degree, seat.rank)),
                         None => PackedLayout::new(spec, &crate::distributed::flat::param_offsets(spec), dtype, quantization, held_in_4bit),
                     };
-                    (placement.packed(layout.bytes(), group_size, group_rank), Some(layout))
+                    (placement.packed(layout.bytes(), shard_size, shard_rank), Some(layout))
                 }
                 None => (placement, None),
             }
