@@ -772,8 +772,9 @@ fn holds_what_ft_plan_predicts(model: &Path, dir: &Path, name: &str, ranks: &str
 /// losses at every step (ddp, shard_grad_op and full_shard placing the
 /// rest; ddp and full_shard with the optimizer state on the host), each
 /// rank holding what `ft plan` predicts, LoRA's adapters on the attention
-/// and the split frozen experts too; on four ranks under full_shard the
-/// two holders of each expert split its state (and under hybrid_shard on
+/// and the split frozen experts too; on four ranks under zero1,
+/// shard_grad_op and full_shard the two holders of each expert split its
+/// state as each strategy splits a unit's (and under hybrid_shard on
 /// eight, in groups of four). A checkpoint saved by the four resumes on
 /// one rank holding every expert, and one saved by two on the four, to the
 /// uninterrupted run's last loss.
@@ -792,6 +793,8 @@ fn moe_expert_parallel_ranks_train_as_one_and_resume_at_another_degree() {
         ("ep2-shard-grad-op", "2", "shard_grad_op", "none"),
         ("ep2-full-shard-offload", "2", "full_shard", "cpu"),
         ("ep2-ddp-offload", "2", "ddp", "cpu"),
+        ("ep2-zero1-4-ranks", "4", "zero1", "none"),
+        ("ep2-shard-grad-op-4-ranks", "4", "shard_grad_op", "none"),
         ("ep2-full-shard-4-ranks", "4", "full_shard", "none"),
     ];
     for (name, ranks, strategy, offload) in runs {
