@@ -6,8 +6,11 @@
 // ALiBi's, one per head). Block (row·kv_heads + kv)·chunks + chunk takes
 // DECODE_CHUNK keys: a thread per key for the scores (its key's dimensions
 // loaded at once, so a warp has many loads in flight rather than one key's
-// at a time), the chunk's softmax in shared memory, then a warp per quarter
-// of the keys for the values, each lane holding head_dim / 32 dimensions.
+// at a time, and every query head's dot product side by side), the chunk's
+// softmax in shared memory, then a warp per quarter of the keys for the
+// values, each lane holding head_dim / 32 dimensions in one load a key.
+// The block is latency-bound (a wave of blocks covers the GPU), so the
+// loops never branch: their loads all issue before the first is waited on.
 // It writes its maximum, sum and weighted values per query head to
 // `partial` ([rows·kv_heads, chunks, groups, head_dim + 2]);
 // `decode_attention_merge` combines the chunks. A key hidden from every
@@ -28,51 +31,77 @@ __device__ __forceinline__ void load8(const bf16* x, float* out) {
   out[4] = bf16_lo(w.z); out[5] = bf16_hi(w.z); out[6] = bf16_lo(w.w); out[7] = bf16_hi(w.w);
 }
 
-template <typename T, int HD>
+// A lane's N consecutive values (N · sizeof(T) bytes, that aligned) as fp32, in one load.
+template <int N> __device__ __forceinline__ void load_lane(const float* x, float* out) {
+  if constexpr (N == 4) {
+    const float4 a = *(const float4*)x;
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  } else {
+    const float2 a = *(const float2*)x;
+    out[0] = a.x; out[1] = a.y;
+  }
+}
+template <int N> __device__ __forceinline__ void load_lane(const bf16* x, float* out) {
+  if constexpr (N == 4) {
+    const uint2 w = *(const uint2*)x;
+    out[0] = bf16_lo(w.x); out[1] = bf16_hi(w.x); out[2] = bf16_lo(w.y); out[3] = bf16_hi(w.y);
+  } else {
+    const unsigned int w = *(const unsigned int*)x;
+    out[0] = bf16_lo(w); out[1] = bf16_hi(w);
+  }
+}
+
+// G: the query heads a key head serves (`groups`) rounded up to 1, 2, 4 or
+// 8. Every loop runs all G heads, the padding ones with zero queries and
+// no visible key, so that no loop branches: its loads are all issued
+// before their arithmetic waits on any of them.
+template <typename T, int HD, int G>
 __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                              const T* __restrict__ bias, float* __restrict__ partial, int kv_heads, int groups,
-                                             long long capacity, int chunks, int bias_heads, float scale) {
-  constexpr int E = HD / 32;
-  __shared__ float queries[DECODE_MAX_GROUPS][HD];
-  __shared__ float weights[DECODE_MAX_GROUPS][DECODE_CHUNK];  // scores, then exp(score - max)
-  __shared__ float top[DECODE_MAX_GROUPS], total[DECODE_MAX_GROUPS];
-  __shared__ float sums[DECODE_WARPS][DECODE_MAX_GROUPS][HD];
+                                             long long capacity, int chunks, int bias_heads, float scale, float* space) {
+  constexpr int E = HD / 32, KEYS_PER_WARP = DECODE_CHUNK / DECODE_WARPS;
+  float(*queries)[HD] = reinterpret_cast<float(*)[HD]>(space);
+  float(*weights)[DECODE_CHUNK] = reinterpret_cast<float(*)[DECODE_CHUNK]>(space + G * HD);  // scores, then exp(score - max)
+  float *top = space + G * (HD + DECODE_CHUNK), *total = top + G;
+  float(*sums)[G][HD] = reinterpret_cast<float(*)[G][HD]>(total + G);
   const long long row_kv = blockIdx.x / chunks, row = row_kv / kv_heads;
   const int kv = (int)(row_kv % kv_heads), chunk = (int)(blockIdx.x % chunks);
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const long long start = (long long)chunk * DECODE_CHUNK, cache = row_kv * capacity * HD;
-  for (int i = t; i < groups * HD; i += DECODE_CHUNK) queries[i / HD][i % HD] = load(q, (row_kv * groups) * HD + i) * scale;
+  for (int i = t; i < G * HD; i += DECODE_CHUNK) queries[i / HD][i % HD] = i / HD < groups ? load(q, (row_kv * groups) * HD + i) * scale : 0.f;
   __syncthreads();
 
-  // Scores: thread t takes key start + t.
+  // Scores: thread t takes key start + t, eight of its dimensions at a time.
   const long long j = start + t;
-  float s[DECODE_MAX_GROUPS];
+  float s[G];
   bool seen = false;
 #pragma unroll
-  for (int g = 0; g < DECODE_MAX_GROUPS; ++g) {
+  for (int g = 0; g < G; ++g) {
     s[g] = g < groups && j < capacity ? load(bias, (row * bias_heads + (bias_heads == 1 ? 0 : kv * groups + g)) * capacity + j) : NEG_INF;
     seen |= s[g] > NEG_INF;
   }
   if (seen) {
-    float key[HD];
+    float dot[G];
 #pragma unroll
-    for (int c = 0; c < HD / 8; ++c) load8(k + cache + j * HD + c * 8, key + c * 8);
+    for (int g = 0; g < G; ++g) dot[g] = 0.f;
 #pragma unroll
-    for (int g = 0; g < DECODE_MAX_GROUPS; ++g) {
-      if (g >= groups || s[g] == NEG_INF) continue;
-      float dot = 0.f;
+    for (int c = 0; c < HD / 8; ++c) {
+      float key[8];
+      load8(k + cache + j * HD + c * 8, key);
 #pragma unroll
-      for (int d = 0; d < HD; ++d) dot = fmaf(queries[g][d], key[d], dot);
-      s[g] += dot;
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int d = 0; d < 8; ++d) dot[g] = fmaf(queries[g][c * 8 + d], key[d], dot[g]);
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] += dot[g];
   }
 #pragma unroll
-  for (int g = 0; g < DECODE_MAX_GROUPS; ++g)
-    if (g < groups) weights[g][t] = s[g];
+  for (int g = 0; g < G; ++g) weights[g][t] = s[g];
   __syncthreads();
 
   // The chunk's softmax per query head, a warp a head.
-  for (int g = warp; g < groups; g += DECODE_WARPS) {
+  for (int g = warp; g < G; g += DECODE_WARPS) {
     float m = NEG_INF;
     for (int i = lane; i < DECODE_CHUNK; i += 32) m = fmaxf(m, weights[g][i]);
     for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
@@ -89,24 +118,24 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
   bool any = false;
   for (int g = 0; g < groups; ++g) any |= total[g] > 0.f;
 
-  // Values: warp w takes the chunk's w-th quarter of the keys, lane the dimensions lane·E … lane·E + E - 1.
-  float acc[DECODE_MAX_GROUPS][E];
+  // Values: warp w takes the chunk's w-th quarter of the keys, lane the
+  // dimensions lane·E … lane·E + E - 1. A key past the cache's end reads
+  // its last slot under a weight of 0, again so that the loop never
+  // branches.
+  float acc[G][E];
 #pragma unroll
-  for (int g = 0; g < DECODE_MAX_GROUPS; ++g)
+  for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   if (any) {
-    const int first = warp * (DECODE_CHUNK / DECODE_WARPS);
+    const int first = warp * KEYS_PER_WARP;
 #pragma unroll 8
-    for (int i = 0; i < DECODE_CHUNK / DECODE_WARPS; ++i) {
+    for (int i = 0; i < KEYS_PER_WARP; ++i) {
       const int key = first + i;
-      if (start + key >= capacity) break;
       float value[E];
+      load_lane<E>(v + cache + min(start + key, capacity - 1) * HD + lane * E, value);
 #pragma unroll
-      for (int e = 0; e < E; ++e) value[e] = load(v, cache + (start + key) * HD + lane * E + e);
-#pragma unroll
-      for (int g = 0; g < DECODE_MAX_GROUPS; ++g) {
-        if (g >= groups) break;
+      for (int g = 0; g < G; ++g) {
         const float p = weights[g][key];
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, value[e], acc[g][e]);
@@ -114,11 +143,9 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
     }
   }
 #pragma unroll
-  for (int g = 0; g < DECODE_MAX_GROUPS; ++g) {
-    if (g >= groups) break;
+  for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int e = 0; e < E; ++e) sums[warp][g][lane * E + e] = acc[g][e];
-  }
   __syncthreads();
   for (int i = t; i < groups * HD; i += DECODE_CHUNK) {
     const int g = i / HD, d = i % HD;
@@ -131,19 +158,34 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
   }
 }
 
+// The shared memory of the largest instance (8 heads of 128 dimensions):
+// one buffer that every instance carves, where each instance's own arrays
+// would add up in the kernel.
+#define DECODE_SPACE (DECODE_MAX_GROUPS * (128 + DECODE_CHUNK + 2 + DECODE_WARPS * 128))
+
+template <typename T, int HD>
+__device__ void decode_attention_split_heads(const T* q, const T* k, const T* v, const T* bias, float* partial, int kv_heads, int groups,
+                                             long long capacity, int chunks, int bias_heads, float scale, float* space) {
+  if (groups == 1) decode_attention_split_chunk<T, HD, 1>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
+  else if (groups == 2) decode_attention_split_chunk<T, HD, 2>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
+  else if (groups <= 4) decode_attention_split_chunk<T, HD, 4>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
+  else decode_attention_split_chunk<T, HD, DECODE_MAX_GROUPS>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
+}
+
 template <typename T>
 __device__ void decode_attention_split(const T* q, const T* k, const T* v, const T* bias, float* partial, int kv_heads, int groups,
                                        long long capacity, int chunks, int bias_heads, float scale, int head_dim) {
-  if (head_dim == 128) decode_attention_split_chunk<T, 128>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale);
-  else decode_attention_split_chunk<T, 64>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale);
+  __shared__ float space[DECODE_SPACE];
+  if (head_dim == 128) decode_attention_split_heads<T, 128>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
+  else decode_attention_split_heads<T, 64>(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, space);
 }
 
-extern "C" __global__ void __launch_bounds__(DECODE_CHUNK) decode_attention_split_f32(const float* q, const float* k, const float* v, const float* bias, float* partial,
+extern "C" __global__ void __launch_bounds__(DECODE_CHUNK, 4) decode_attention_split_f32(const float* q, const float* k, const float* v, const float* bias, float* partial,
                                                                                    int kv_heads, int groups, long long capacity, int chunks, int bias_heads,
                                                                                    float scale, int head_dim) {
   decode_attention_split(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, head_dim);
 }
-extern "C" __global__ void __launch_bounds__(DECODE_CHUNK) decode_attention_split_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* bias, float* partial,
+extern "C" __global__ void __launch_bounds__(DECODE_CHUNK, 4) decode_attention_split_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* bias, float* partial,
                                                                                     int kv_heads, int groups, long long capacity, int chunks, int bias_heads,
                                                                                     float scale, int head_dim) {
   decode_attention_split(q, k, v, bias, partial, kv_heads, groups, capacity, chunks, bias_heads, scale, head_dim);
