@@ -31,7 +31,7 @@ fn plugin() -> PathBuf {
 }
 
 /// A small model and its data: the demo BLOOM, or a tiny Llama (GQA,
-/// untied head) on the shared SQuAD file with the GPT-2 tokenizer.
+/// untied head) on the demo's questions with its 500-token tokenizer.
 #[derive(Clone, Copy, PartialEq)]
 enum Workload {
     Bloom,
@@ -45,7 +45,7 @@ impl Workload {
     fn shared_files(self) -> &'static [&'static str] {
         match self {
             Workload::Bloom => &[],
-            Workload::Llama => &[shared::SQUAD, shared::GPT2_TOKENIZER],
+            Workload::Llama => &[],
             Workload::Bert => &[shared::SQUAD],
         }
     }
@@ -56,14 +56,21 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
     let mut args: Vec<String> =
         ["--epochs", "1", "--train-samples", &samples, "--eval-samples", "4", "--seed", "3"].map(String::from).to_vec();
     if workload == Workload::Llama {
-        // Short sequences (48 tokens): a run's cost is mostly the head over
-        // GPT-2's 50,257 tokens, and the comparisons need no longer ones.
+        // The demo's questions and tokenizer (500 tokens), in short sequences
+        // (48 tokens): with GPT-2's 50,257 tokens a run's cost was mostly the
+        // head, and no comparison here needs a larger vocabulary or longer rows.
+        let demo = scratch.join("demo");
+        if !demo.exists() {
+            ft_data::demo::write(&demo, 50, 1, 0).unwrap();
+        }
+        let tokenizer = demo.join("tokenizer.json");
+        let vocab = ft_data::demo::model_for(&tokenizer).unwrap()["vocab_size"].clone();
         let config = scratch.join("llama-config.json");
         let json = serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 50257, "hidden_size": 32,
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 32,
             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
-            "hidden_act": "silu", "bos_token_id": 50256, "eos_token_id": 50256
+            "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 0
         });
         std::fs::write(&config, json.to_string()).unwrap();
         args.extend(
@@ -71,9 +78,9 @@ fn workload_args(workload: Workload, scratch: &Path) -> Vec<String> {
                 "--model",
                 config.to_str().unwrap(),
                 "--train-file",
-                shared::path(shared::SQUAD).to_str().unwrap(),
+                demo.join("demo-train.json").to_str().unwrap(),
                 "--tokenizer",
-                shared::path(shared::GPT2_TOKENIZER).to_str().unwrap(),
+                tokenizer.to_str().unwrap(),
                 "--max-seq-len",
                 "48",
                 "--lr",
@@ -292,9 +299,6 @@ fn every_strategy_trains_bert_question_answering_like_the_single_process_baselin
 /// checkpoint refused by a run without adapters.
 #[test]
 fn every_strategy_trains_lora_adapters_like_the_single_process_baseline() {
-    if shared::skipped_without(Workload::Llama.shared_files()) {
-        return;
-    }
     let scratch = tempfile::tempdir().unwrap();
     let lora = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down"];
     let with = |flags: &[&str]| -> Vec<String> { lora.iter().chain(flags).map(|f| f.to_string()).collect() };
@@ -336,7 +340,8 @@ fn every_strategy_trains_lora_adapters_like_the_single_process_baseline() {
     let manifest: Value = serde_json::from_str(&std::fs::read_to_string(checkpoint.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["lora"]["r"], 4);
     let saved = std::fs::metadata(checkpoint.join("rank-00000-of-00001.safetensors")).unwrap().len() as f64;
-    assert!(saved < 16.0 * trainable + 1e5, "the checkpoint holds {saved} bytes: the adapters' state, not the base");
+    // Room for the file's header, less than a copy of the base or of any one of its layers would add.
+    assert!(saved < 16.0 * trainable + 1e4, "the checkpoint holds {saved} bytes: the adapters' state, not the base");
     let resumed = losses(&run("resumed-full_shard-2", 2, &["--strategy", "full_shard", "--resume", checkpoint.to_str().unwrap()]));
     let expected = losses(&baseline);
     assert_eq!(resumed.len(), STEPS - 10);

@@ -19,6 +19,7 @@ bf16 is off: DPOConfig turns it on by default, and on a CPU its autocast
 would compute the model in bfloat16.
 """
 
+import gc
 import json
 import sys
 import tempfile
@@ -27,6 +28,11 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer
+
+# What the imports made, out of the collector's sight: the Trainer's
+# gc.collect() at the end of each case (accelerate's free_memory) then walks
+# only what the case made (5.5 of the script's 30 s before).
+gc.freeze()
 
 KEYS = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"]
 
