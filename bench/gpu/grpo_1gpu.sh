@@ -60,7 +60,7 @@ print(json.dumps({"ft": d.split("/")[-1], "steps": len(rows) + 1, "step_ms": ste
   "mean_completion_length": length, "peak_allocated_gb": s["memory_per_rank"][0]["peak"] / 1e9, "reward": rows[-1].get("reward")}))
 PY
   grep -m2 -iE "graph|warn" $OUT/$name.log
-  rm -rf $OUT/$name/final $OUT/$name/checkpoints
+  rm -rf $OUT/$name/final $OUT/$name/checkpoints $OUT/$name/base-model
 }
 
 trl_grpo() {
