@@ -20,13 +20,6 @@ __device__ __forceinline__ void adamw(float& p, float g, float& m, float& v, flo
   p -= step_size * m / denom;
 }
 
-// Four gradients from one aligned word: a float4, or four bf16 in a uint2.
-__device__ __forceinline__ float4 load4(const float* g, long long i) { return reinterpret_cast<const float4*>(g)[i]; }
-__device__ __forceinline__ float4 load4(const bf16* g, long long i) {
-  const uint2 w = reinterpret_cast<const uint2*>(g)[i];
-  return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
-}
-
 template <typename G>
 __device__ void adamw_all(
     float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,

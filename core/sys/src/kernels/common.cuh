@@ -16,6 +16,18 @@ __device__ __forceinline__ float load(const float* x, long long i) { return x[i]
 __device__ __forceinline__ float load(const bf16* x, long long i) { return __uint_as_float(((unsigned int)x[i]) << 16); }
 __device__ __forceinline__ void store(float* x, long long i, float v) { x[i] = v; }
 __device__ __forceinline__ void store(bf16* x, long long i, float v) { x[i] = (bf16)to_bf16(v); }
+// Word i of four values (a float4, or four bf16 in a uint2), or of two (a
+// float2, or two bf16 in 32 bits), as fp32: one aligned load.
+__device__ __forceinline__ float4 load4(const float* x, long long i) { return reinterpret_cast<const float4*>(x)[i]; }
+__device__ __forceinline__ float4 load4(const bf16* x, long long i) {
+  const uint2 w = reinterpret_cast<const uint2*>(x)[i];
+  return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+}
+__device__ __forceinline__ float2 load2(const float* x, long long i) { return reinterpret_cast<const float2*>(x)[i]; }
+__device__ __forceinline__ float2 load2(const bf16* x, long long i) {
+  const unsigned int w = reinterpret_cast<const unsigned int*>(x)[i];
+  return make_float2(bf16_lo(w), bf16_hi(w));
+}
 
 // NaN-propagating max, as torch's max and amax: once NaN, stays NaN.
 __device__ __forceinline__ float max_keeping_nan(float m, float v) { return (v > m || v != v) ? v : m; }

@@ -31,23 +31,14 @@ __device__ __forceinline__ void load8(const bf16* x, float* out) {
   out[4] = bf16_lo(w.z); out[5] = bf16_hi(w.z); out[6] = bf16_lo(w.w); out[7] = bf16_hi(w.w);
 }
 
-// A lane's N consecutive values (N · sizeof(T) bytes, that aligned) as fp32, in one load.
-template <int N> __device__ __forceinline__ void load_lane(const float* x, float* out) {
+// A lane's N (4 or 2) consecutive values as fp32, in one load (`load4`, `load2`).
+template <int N, typename T> __device__ __forceinline__ void load_lane(const T* x, float* out) {
   if constexpr (N == 4) {
-    const float4 a = *(const float4*)x;
+    const float4 a = load4(x, 0);
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
   } else {
-    const float2 a = *(const float2*)x;
+    const float2 a = load2(x, 0);
     out[0] = a.x; out[1] = a.y;
-  }
-}
-template <int N> __device__ __forceinline__ void load_lane(const bf16* x, float* out) {
-  if constexpr (N == 4) {
-    const uint2 w = *(const uint2*)x;
-    out[0] = bf16_lo(w.x); out[1] = bf16_hi(w.x); out[2] = bf16_lo(w.y); out[3] = bf16_hi(w.y);
-  } else {
-    const unsigned int w = *(const unsigned int*)x;
-    out[0] = bf16_lo(w); out[1] = bf16_hi(w);
   }
 }
 
