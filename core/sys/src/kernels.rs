@@ -138,15 +138,80 @@ fn error(context: &str, detail: impl std::fmt::Display) -> ShimError {
     ShimError(format!("ft's CUDA kernels: {context}: {detail}"))
 }
 
-/// NVRTC's PTX of the kernels for compute capability `arch` (e.g. "compute_90").
-pub fn compile(arch: &str) -> Result<String> {
+/// NVRTC's machine code (a cubin) of the kernels for GPUs of `arch` (e.g.
+/// "sm_90"). Machine code rather than PTX: the driver compiles PTX again in
+/// every process whose driver cache (~/.nv/ComputeCache) lacks it — every
+/// process of a fresh machine or container.
+pub fn compile(arch: &str) -> Result<Vec<u8>> {
     // SAFETY: only probes whether the library can be opened.
     if !unsafe { nvrtc::sys::is_culib_present() } {
         return Err(error("NVRTC", "libnvrtc.so.13 not found (it ships in the nvidia-cuda-nvrtc wheel; put its lib directory on LD_LIBRARY_PATH)"));
     }
-    let options = nvrtc::CompileOptions { options: vec![format!("--gpu-architecture={arch}")], ..Default::default() };
-    let ptx = nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(|e| error("NVRTC compilation", format!("{e:?}")))?;
-    Ok(ptx.to_src())
+    let source = std::ffi::CString::new(SOURCE).expect("the kernels' source holds no NUL");
+    let program = nvrtc::result::create_program(&source, None).map_err(|e| error("nvrtcCreateProgram", format!("{e:?}")))?;
+    // SAFETY: `program` is valid until destroyed below; the size is read before the buffer is filled.
+    let cubin = unsafe {
+        match nvrtc::result::compile_program(program, &[format!("--gpu-architecture={arch}")]) {
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc::sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(|e| error("nvrtcGetCUBINSize", format!("{e:?}"))).and_then(|()| {
+                    let mut cubin = vec![0u8; size];
+                    nvrtc::sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr() as *mut std::ffi::c_char).result().map_err(|e| error("nvrtcGetCUBIN", format!("{e:?}")))?;
+                    Ok(cubin)
+                })
+            }
+            Err(e) => {
+                let log = nvrtc::result::get_program_log(program).map(|log| std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned()).unwrap_or_default();
+                Err(error("NVRTC compilation", format!("{e:?}: {log}")))
+            }
+        }
+    };
+    // SAFETY: created above, used no more.
+    let _ = unsafe { nvrtc::result::destroy_program(program) };
+    cubin
+}
+
+/// Where compiled kernels are kept between processes: `FT_KERNEL_CACHE`
+/// (empty: nowhere), else `$XDG_CACHE_HOME/ft/kernels`, else
+/// `~/.cache/ft/kernels`. NVRTC takes seconds of CPU for them.
+fn cache_directory() -> Option<std::path::PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    match std::env::var_os("FT_KERNEL_CACHE") {
+        Some(dir) => (!dir.is_empty()).then(|| dir.into()),
+        None => var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|home| home.join(".cache"))).map(|cache| cache.join("ft/kernels")),
+    }
+}
+
+/// The cubin for `arch` and where it is cached: named by a hash of the
+/// source, the target and NVRTC's version, so a changed kernel or NVRTC
+/// never reads an old one.
+fn cache_path(arch: &str) -> Option<std::path::PathBuf> {
+    use sha2::{Digest, Sha256};
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters.
+    unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result().ok()?;
+    let hash = Sha256::new().chain_update(SOURCE).chain_update(format!("\0{arch}\0nvrtc {major}.{minor}")).finalize();
+    let name: String = hash[..16].iter().map(|byte| format!("{byte:02x}")).collect();
+    Some(cache_directory()?.join(format!("{arch}-{name}.cubin")))
+}
+
+/// The cubin for `arch`, `fresh` from NVRTC or from the `cached` file; a
+/// fresh one is written there (renamed into place, so a process never reads
+/// half a file). A cache that cannot be written only costs the next process
+/// the compilation.
+fn cubin(arch: &str, cached: Option<&std::path::Path>, fresh: bool) -> Result<Vec<u8>> {
+    if let (false, Some(cubin)) = (fresh, cached.and_then(|path| std::fs::read(path).ok())) {
+        return Ok(cubin);
+    }
+    let cubin = compile(arch)?;
+    if let Some(path) = cached {
+        let partial = path.with_extension(format!("{}.partial", std::process::id()));
+        let written = path.parent().is_some_and(|dir| std::fs::create_dir_all(dir).is_ok()) && std::fs::write(&partial, &cubin).is_ok();
+        if !written || std::fs::rename(&partial, path).is_err() {
+            let _ = std::fs::remove_file(&partial);
+        }
+    }
+    Ok(cubin)
 }
 
 /// GPU `device_index` through the driver, and a reader of its attributes.
@@ -174,13 +239,19 @@ fn load(device_index: usize) -> Result<Functions> {
     let (device, attribute) = driver_device(device_index)?;
     let (major, minor) = compute_capability(device_index)?;
     let multiprocessors = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-    let ptx = std::ffi::CString::new(compile(&format!("compute_{major}{minor}"))?).map_err(|e| error("PTX", e))?;
+    let arch = format!("sm_{major}{minor}");
+    let cached = cache_path(&arch);
     // SAFETY: PyTorch runs on the device's primary context; retaining it and
     // making it current lets the module load where PyTorch's tensors live.
     unsafe {
         let context = driver::primary_ctx::retain(device).map_err(|e| error("primary context", e))?;
         driver::ctx::set_current(context).map_err(|e| error("cuCtxSetCurrent", e))?;
-        let module = driver::module::load_data(ptx.as_ptr() as *const c_void).map_err(|e| error("cuModuleLoadData", e))?;
+        // A cached cubin the driver refuses (a damaged file) is compiled afresh.
+        let load = |cubin: Vec<u8>| driver::module::load_data(cubin.as_ptr() as *const c_void);
+        let module = match load(cubin(&arch, cached.as_deref(), false)?) {
+            Ok(module) => module,
+            Err(_) => load(cubin(&arch, cached.as_deref(), true)?).map_err(|e| error("cuModuleLoadData", e))?,
+        };
         let function = |name: &str| {
             let name = std::ffi::CString::new(name).expect("no NUL");
             driver::module::get_function(module, name).map_err(|e| error("cuModuleGetFunction", e))
@@ -1416,13 +1487,25 @@ pub fn dequantize_4bit(packed: &Tensor, absmax: Absmax4bit, code: &[f32; 16], bl
 #[cfg(test)]
 mod tests {
     #[test]
-    fn kernel_source_compiles_with_nvrtc() {
+    fn kernel_source_compiles_with_nvrtc_and_is_cached() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
-        super::compile("compute_80").expect("NVRTC compiles the kernels for Ampere");
-        let ptx = super::compile("compute_90").expect("NVRTC compiles the kernels");
+        super::compile("sm_80").expect("NVRTC compiles the kernels for Ampere");
+        let cache = std::env::temp_dir().join(format!("ft-kernel-cache-test-{}", std::process::id()));
+        let path = cache.join("sm_90.cubin");
+        let cubin = super::cubin("sm_90", Some(&path), false).expect("NVRTC compiles the kernels");
+        // The machine code names every kernel in its symbol table.
+        let names = String::from_utf8_lossy(&cubin);
         for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16", "decode_attention_split_bf16", "decode_attention_merge_f32", "rope_cache_bf16", "rope_cache_f32"] {
-            assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} missing from {}", &ptx[..ptx.len().min(400)]);
+            assert!(names.contains(&format!("{kernel}\0")), "{kernel} missing from the cubin");
         }
+        // The next process reads the file instead of compiling: what it holds is what was compiled.
+        assert_eq!(std::fs::read(&path).unwrap(), cubin);
+        std::fs::write(&path, b"written by the test").unwrap();
+        assert_eq!(super::cubin("sm_90", Some(&path), false).unwrap(), b"written by the test");
+        std::fs::remove_dir_all(&cache).unwrap();
+        // The source, the target and NVRTC's version name the file.
+        let (a, b) = (super::cache_path("sm_90").unwrap(), super::cache_path("sm_80").unwrap());
+        assert!(a != b && a.file_name().unwrap().to_str().unwrap().starts_with("sm_90-"), "{a:?} {b:?}");
     }
 }
