@@ -31,6 +31,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -381,7 +382,7 @@ char* ft_cuda_current_stream(int device, void** out) {
 
 // A CUDA graph with the stream it is captured on: PyTorch captures only on
 // a stream other than the default one, so capture switches the thread's
-// current stream to a pool stream (ordered after the work queued so far)
+// current stream to a pool stream (`capture_stream`, ordered after the work queued so far)
 // and back when it ends; replays run on the current stream again.
 struct FtGraph {
   at::cuda::CUDAGraph graph;
@@ -389,13 +390,28 @@ struct FtGraph {
   c10::cuda::CUDAStream capture;
 };
 
+// The one pool stream every capture on `device` records on. cuBLAS keeps a
+// workspace for each stream it has run on (32 MiB on Hopper) as long as the
+// process lives: a stream taken afresh from the pool for each capture left
+// one more workspace after every rollout, up to the pool's 32 streams.
+static c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = streams.find(device);
+  if (found == streams.end()) {
+    found = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+  }
+  return found->second;
+}
+
 // Starts recording what this thread launches on `device`; nothing runs until
 // a replay. ThreadLocal mode: other threads' CUDA calls stay legal.
 char* ft_graph_capture_begin(int device, FtGraph** out) {
   return guarded([&] {
     auto index = static_cast<c10::DeviceIndex>(device);
     auto previous = c10::cuda::getCurrentCUDAStream(index);
-    auto capture = c10::cuda::getStreamFromPool(false, index);
+    auto capture = capture_stream(index);
     // c10's device-generic event: at::cuda::CUDAEvent would link the CUDA runtime into ft itself.
     c10::Event queued(c10::DeviceType::CUDA);
     queued.record(previous);
