@@ -225,7 +225,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     rank.log_run(task.as_ref(), &run_model, config.train.expert_parallel);
     let model_files = ft_models::trained::model_files(&tokenizer, config.data.chat_template.as_deref(), source.files_dir().as_deref());
     let fit = Fit {
-        model,
+        model: &run_model,
         task: task.as_mut(),
         comm: &rank.comm,
         strategy: strategy.as_ref(),

@@ -245,6 +245,12 @@ pub struct Rollout<'a> {
     /// (`model::Held`) or gathered a stage at a time (`train::GatheredPolicy`:
     /// collective, `train.rollout_gather`).
     pub policy: &'a mut dyn UnitSource,
+    /// What sampling decodes with, where it differs from `model` over
+    /// `policy`: LoRA's base model over the policy's weights with the
+    /// adapters folded in (`lora::LoraModel::merged_base`), the same function
+    /// to rounding at fewer GEMMs a step. Scoring (log-probabilities) stays
+    /// on `model` and `policy`, as training computes them.
+    pub sampler: Option<(&'a dyn Model, &'a mut dyn UnitSource)>,
     pub dtype: Kind,
     /// This rank's examples of the window, a list per micro-batch in the
     /// order they train.

@@ -72,7 +72,7 @@ impl Interrupted {
 
 /// Everything a run is made of.
 pub struct Fit<'a> {
-    pub model: &'a dyn Model,
+    pub model: &'a crate::lora::RunModel,
     pub task: &'a mut dyn Task,
     pub comm: &'a Communicator,
     pub strategy: &'a dyn ShardingStrategy,
@@ -279,7 +279,7 @@ fn train_step(
 #[allow(clippy::too_many_arguments)]
 fn generate_rollouts(
     trainer: &mut Trainer,
-    model: &dyn Model,
+    run_model: &crate::lora::RunModel,
     task: &mut dyn Task,
     plan: &StepPlan,
     order: &[usize],
@@ -292,6 +292,7 @@ fn generate_rollouts(
     dtype: Kind,
     comm: &Communicator,
 ) -> Result<()> {
+    let model = run_model.model();
     let window = plan.window.expect("rollouts have a window");
     let first = batch - batch % window.steps;
     let micro_batches = (first..first + window.steps)
@@ -299,13 +300,21 @@ fn generate_rollouts(
         .collect();
     let examples = (first..first + window.steps).flat_map(|b| plan.layout.global(order, b).to_vec()).collect();
     let whole = if per_unit { vec![] } else { trainer.compute_params()? };
+    // LoRA on a base held whole in the compute dtype samples from the base with the adapters folded in
+    // (`LoraModel::merged_base`); a 4-bit base's unpacked copy is already the rollout's largest buffer.
+    let folded = match run_model.lora() {
+        Some(lora) if !per_unit && lora.quantized_base().is_none() => Some((lora, lora.merged_base(&whole))),
+        _ => None,
+    };
+    let mut folded_source = folded.as_ref().map(|(_, merged)| crate::model::Held(merged));
+    let sampler = folded.as_ref().map(|(lora, _)| lora.base()).zip(folded_source.as_mut().map(|source| source as &mut dyn crate::model::UnitSource));
     let trainer = std::cell::RefCell::new(trainer);
     let (mut held, mut gathered) = (crate::model::Held(&whole), crate::train::GatheredPolicy::new(&trainer));
     let policy: &mut dyn crate::model::UnitSource = if per_unit { &mut gathered } else { &mut held };
     let rollouts = task.rollouts().expect("a task with a rollout window has rollouts");
     let mut reference = crate::train::ReferenceModel(&trainer);
     let reference = rollouts.wants_reference().then_some(&mut reference as &mut dyn crate::task::StartingModel);
-    rollouts.generate(crate::task::Rollout { model, policy, dtype, micro_batches, examples, step, resumed_at, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
+    rollouts.generate(crate::task::Rollout { model, policy, sampler, dtype, micro_batches, examples, step, resumed_at, last_step, epoch, seed: config.seed, comm, output: Some(output), reference })
 }
 
 /// Whether online RL's rollouts gather the policy a unit at a time
@@ -336,7 +345,8 @@ pub fn run(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<
 }
 
 fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Vec<Tensor>>)>> {
-    let Fit { model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
+    let Fit { model: run_model, task, comm, strategy, comm_hook: (hook, comm_record), offload, config, data, dtype, sinks, mut resolved_config, checkpoints, float8_kept } = fit;
+    let model = run_model.model();
     let (rank, world, device) = (comm.env().rank, comm.env().world_size, comm.device());
     let rollout_shape = task.rollouts().map(|r| (r.group_size(), r.window()));
     let plan = StepPlan::new(config, data, world, task.train_set().len(), rollout_shape)?;
@@ -430,7 +440,7 @@ fn train(fit: Fit, params: impl InitialParams) -> Result<Option<(Summary, Vec<Ve
                 let rollout = Instant::now();
                 let epoch_done = epoch as f64 + (epoch_step - into) as f64 / plan.steps_per_epoch as f64;
                 let window = (step - into, last_step, epoch_done, (into > 0).then_some(step));
-                generate_rollouts(&mut trainer, model, task, &plan, &order, batch, window, per_unit_rollouts, rank, checkpoints.output, config, dtype, comm)?;
+                generate_rollouts(&mut trainer, run_model, task, &plan, &order, batch, window, per_unit_rollouts, rank, checkpoints.output, config, dtype, comm)?;
                 rollout_seconds = Some(rollout.elapsed().as_secs_f64());
             }
             let mut outcome =

@@ -201,15 +201,15 @@ pub struct Workload<'a> {
 }
 
 /// What a decoding step costs beyond reading its bytes, fitted to ft's
-/// rollouts on an H200 (bench/results/2026-11-28-h200-gemm-choices.md: the
-/// 1.5B row at 32 and 64 rows, the 7B LoRA row, one call; CUDA graphs, so no launch
-/// costs): per block, ~60 kernels of a few µs (norms, RoPE, the cache's
-/// writes, the attention's batched GEMMs and softmax, the small GEMMs'
+/// rollouts on an H200 (bench/results/2026-11-29-h200-grpo-kernel-cache.md:
+/// the 1.5B row at 32 and 64 rows, the 7B LoRA row with its adapters apart, one call; CUDA
+/// graphs, so no launch costs): per block, ~60 kernels of a few µs (norms, RoPE, the cache's
+/// writes, the attention, the small GEMMs'
 /// latency); per row of a block, the attention's and GEMMs' growth with the
 /// rows; per LoRA-adapted layer, its two low-rank GEMMs and the add.
-const DECODE_SECONDS_PER_BLOCK: f64 = 89.9e-6;
-const DECODE_SECONDS_PER_ROW_BLOCK: f64 = 0.494e-6;
-const DECODE_SECONDS_PER_ADAPTER: f64 = 22.9e-6;
+const DECODE_SECONDS_PER_BLOCK: f64 = 70.5e-6;
+const DECODE_SECONDS_PER_ROW_BLOCK: f64 = 0.329e-6;
+const DECODE_SECONDS_PER_ADAPTER: f64 = 15.0e-6;
 
 /// What online RL samples each generation (`Task::rollouts`), on each rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -245,9 +245,22 @@ impl RolloutShape {
     /// context, and sampling's buffers over the vocabulary (the logits and
     /// their softmax and its copy padded to whole blocks in float32, the
     /// tokens seen: `generate::sampling::draw`).
+    /// LoRA over a base in the compute dtype decodes from copies of the
+    /// adapted units with the adapters folded in (`Self::folds_adapters`): their bytes too.
     pub fn device_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
-        params as f64 * dtype.elt_size_in_bytes() as f64 + self.cache_and_sampling_bytes(model, dtype)
+        let folded: i64 = match Self::folds_adapters(model, false) {
+            true => model.layout().stages.iter().filter(|stage| stage.adapter.is_some()).flat_map(|stage| stage.units()).map(|u| model.units()[u].numel()).sum(),
+            false => 0,
+        };
+        (params + folded) as f64 * dtype.elt_size_in_bytes() as f64 + self.cache_and_sampling_bytes(model, dtype)
+    }
+
+    /// Whether sampling folds LoRA's adapters into copies of the base units
+    /// they adapt (`lora::LoraModel::merged_base`, as the rollouts do): a
+    /// LoRA model over a base in the compute dtype, held whole.
+    fn folds_adapters(model: &dyn Model, per_unit: bool) -> bool {
+        !per_unit && model.adapter_scaling().is_some() && model.quantized_base().is_none()
     }
 
     /// [`Self::device_bytes`] when decoding gathers the policy a unit at a
@@ -270,14 +283,18 @@ impl RolloutShape {
     /// serves): each decoding step reads the policy and the KV cache's mean
     /// context once, at the memory bandwidth (the roofline), and pays what
     /// its small kernels cost beyond their bytes — per block, per row of a
-    /// block, per LoRA-adapted layer of a block ([`DECODE_SECONDS_PER_BLOCK`] …).
-    pub fn seconds(&self, model: &dyn Model, dtype: Kind, memory_bandwidth: f64) -> f64 {
+    /// block, per LoRA-adapted layer of a block where the adapters stay
+    /// apart ([`DECODE_SECONDS_PER_BLOCK`] …; `per_unit`: the policy gathered a unit at a time).
+    pub fn seconds(&self, model: &dyn Model, dtype: Kind, memory_bandwidth: f64, per_unit: bool) -> f64 {
         let element = dtype.elt_size_in_bytes() as f64;
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
         let mean_context = (self.positions - self.new_tokens / 2) as f64;
         let bytes_per_token = (params as f64 + self.rows as f64 * mean_context * Self::kv_per_token(model)) * element;
         let blocks = crate::model::block_count(model) as f64;
-        let adapted: usize = model.units().iter().flat_map(|unit| &unit.params).filter(|p| p.name.ends_with(".lora_A.weight")).count();
+        let adapted: usize = match Self::folds_adapters(model, per_unit) {
+            true => 0,
+            false => model.units().iter().flat_map(|unit| &unit.params).filter(|p| p.name.ends_with(".lora_A.weight")).count(),
+        };
         let kernels = blocks * (DECODE_SECONDS_PER_BLOCK + self.rows as f64 * DECODE_SECONDS_PER_ROW_BLOCK) + adapted as f64 * DECODE_SECONDS_PER_ADAPTER;
         self.new_tokens as f64 * (bytes_per_token / memory_bandwidth + kernels) / self.steps.max(1) as f64
     }
@@ -760,7 +777,8 @@ pub fn predict(workload: &Workload, cluster: &Cluster, setup: &Setup) -> Result<
         time::step_time(workload, cluster, setup, &units, group, step, reference_runs)
     };
     let mut time = step_time(&step, reference.is_some());
-    time.rollout = workload.rollout.map_or(0.0, |r| r.seconds(workload.model, workload.dtype, cluster.memory_bandwidth));
+    let per_unit = rollout_gather == Some(RolloutGather::PerUnit);
+    time.rollout = workload.rollout.map_or(0.0, |r| r.seconds(workload.model, workload.dtype, cluster.memory_bandwidth, per_unit));
     if let (Some(r), Some(RolloutGather::PerUnit)) = (workload.rollout, rollout_gather) {
         // Each forward of the decoding (the prompts', then one a token) gathers every unit again.
         time.rollout += r.new_tokens as f64 * time::per_unit_gather_seconds(workload, cluster, setup, &placements, group) / r.steps.max(1) as f64;
