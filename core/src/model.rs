@@ -188,6 +188,32 @@ pub struct Params<'a> {
     joined: Option<Box<Params<'a>>>,
 }
 
+/// bf16 and fp16 matrices on a CPU: ATen multiplies them in oneDNN only
+/// with AVX-512, elsewhere one dot product at a time (`cpublas_gemm_impl`:
+/// the demo BLOOM's bf16 step took 6 times its fp32 step on a 2-core AVX2
+/// EPYC). [`linear`] and [`matmul`] run them in fp32 over the exactly widened
+/// operands and round the product once to its kind, as ATen's own reduced
+/// GEMM accumulates in fp32 and rounds once (in another order).
+fn widened_on_cpu(x: &Tensor) -> Option<Kind> {
+    (x.device() == Device::Cpu && matches!(x.kind(), Kind::BFloat16 | Kind::Half)).then(|| x.kind())
+}
+
+/// `x·wᵀ + b`, ATen's `linear` ([`widened_on_cpu`] on a CPU).
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    match widened_on_cpu(x) {
+        Some(kind) => x.to_kind(Kind::Float).linear(&w.to_kind(Kind::Float), b.map(|b| b.to_kind(Kind::Float)).as_ref()).to_kind(kind),
+        None => x.linear(w, b),
+    }
+}
+
+/// `a·b`, ATen's `matmul` ([`widened_on_cpu`] on a CPU).
+pub fn matmul(a: &Tensor, b: &Tensor) -> Tensor {
+    match widened_on_cpu(a) {
+        Some(kind) => a.to_kind(Kind::Float).matmul(&b.to_kind(Kind::Float)).to_kind(kind),
+        None => a.matmul(b),
+    }
+}
+
 impl<'a> Params<'a> {
     pub fn new(spec: &'a UnitSpec, tensors: &'a [Tensor]) -> Params<'a> {
         assert_eq!(spec.params.len(), tensors.len(), "unit {} needs one tensor per parameter", spec.name);
@@ -279,11 +305,11 @@ impl<'a> Params<'a> {
         let Some((adapters, a)) = adapter else {
             return match bias {
                 Some(bias) if fused => ft_sys::bias_linear(x, weight, bias).unwrap_or_else(|e| panic!("linear {name}: {e}")),
-                _ => x.linear(weight, bias),
+                _ => linear(x, weight, bias),
             };
         };
         if adapters.drops_out() {
-            return x.linear(weight, bias) + adapters.delta(x, a, name);
+            return linear(x, weight, bias) + adapters.delta(x, a, name);
         }
         let b = adapters.params.get(&format!("{name}.lora_B.weight"));
         ft_sys::lora_linear(x, weight, bias, a, b, adapters.scaling.scale, fused).unwrap_or_else(|e| panic!("LoRA linear {name}: {e}"))
@@ -325,7 +351,7 @@ impl<'a> Params<'a> {
             // Every layer's bias, or none: one layer without one stays apart.
             false => Some(adjacent(&biases.into_iter().collect::<Option<Vec<_>>>()?)?),
         };
-        Some(x.linear(&adjacent(&weights)?, bias.as_ref()))
+        Some(linear(x, &adjacent(&weights)?, bias.as_ref()))
     }
 
     /// LayerNorm over the last dimension with `{name}.weight` and `{name}.bias`.

@@ -4,7 +4,7 @@
 //! bf16 logits, ATen's ops elsewhere.
 
 use super::Kernels;
-use crate::model::{forward, lm_outputs, token_batch, Inputs, Model};
+use crate::model::{forward, linear, lm_outputs, matmul, token_batch, Inputs, Model};
 use crate::panic::libtorch_errors;
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
@@ -127,7 +127,7 @@ impl TargetRows {
         let rows = self.len();
         (0..rows).step_by(chunk.max(1) as usize).map(move |start| {
             let len = chunk.min(rows - start);
-            (start, self.inputs.narrow(0, start, len).matmul(&weight.tr()), self.targets.narrow(0, start, len))
+            (start, linear(&self.inputs.narrow(0, start, len), weight, None), self.targets.narrow(0, start, len))
         })
     }
 
@@ -139,7 +139,7 @@ impl TargetRows {
 
 /// Full logits [batch, seq, vocab] in fp32 (for inspection and generation).
 pub fn logits(hidden: &Tensor, weight: &Tensor) -> Tensor {
-    hidden.matmul(&weight.tr()).to_kind(Kind::Float)
+    matmul(hidden, &weight.tr()).to_kind(Kind::Float)
 }
 
 /// A chunk of logits in fp32, soft-capped (what ATen's losses read).
@@ -249,10 +249,10 @@ pub fn lm_head_weighted_loss_and_grads(
             let _ = grad_logits.g_mul_(&row_scale.to_kind(weight.kind()).unsqueeze(1));
             grad_logits
         };
-        grad_inputs.push(grad_logits.matmul(weight));
+        grad_inputs.push(matmul(&grad_logits, weight));
         if weight_grad {
             grad_weight = Some(match grad_weight {
-                None => grad_logits.tr().matmul(&h),
+                None => matmul(&grad_logits.tr(), &h),
                 Some(mut sum) => {
                     let _ = sum.addmm_(&grad_logits.tr(), &h);
                     sum
