@@ -238,9 +238,9 @@ fn a_tracking_server_gets_the_run_and_a_resumed_run_continues_it() {
     check_resume(Some(&server));
 }
 
-/// Starts `ft train` on the demo for 6 epochs (36 steps) to `server`, and returns it once it has logged 3 steps.
-fn start_training(dir: &Path, server: &MlflowServer) -> Child {
-    let mut training = train_command(dir, Some(server), &["--epochs", "6"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+/// Starts `ft train` on the demo for 6 epochs (36 steps) to `server`, with `env`, and returns it once it has logged 3 steps.
+fn start_training(dir: &Path, server: &MlflowServer, env: &[(&str, &str)]) -> Child {
+    let mut training = train_command(dir, Some(server), &["--epochs", "6"]).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let started = Instant::now();
     while std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default().matches("\"loss\"").count() < 3 {
         assert!(started.elapsed() < Duration::from_secs(120) && training.try_wait().unwrap().is_none(), "training ended before 3 steps");
@@ -254,10 +254,10 @@ fn a_tracking_server_that_stalls_gets_everything_when_it_answers_again() {
     let server_dir = tempfile::tempdir().unwrap();
     let server = MlflowServer::start(server_dir.path());
     let dir = tempfile::tempdir().unwrap();
-    let training = start_training(dir.path(), &server);
-    // Stopped past ft's request timeout (10 s), so a request fails and what it carried waits.
+    let training = start_training(dir.path(), &server, &[("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")]);
+    // Stopped past the request timeout MLflow's variable sets (2 s), so a request fails and what it carried waits.
     server.signal("-STOP");
-    std::thread::sleep(Duration::from_secs(12));
+    std::thread::sleep(Duration::from_secs(4));
     server.signal("-CONT");
     let output = training.wait_with_output().unwrap();
     let log = text(&output);
@@ -269,6 +269,10 @@ fn a_tracking_server_that_stalls_gets_everything_when_it_answers_again() {
     assert_eq!(run["status"], "FINISHED");
     assert_eq!(run["loss"].as_array().unwrap(), &jsonl_history(dir.path(), "loss"), "every loss reached the server once it answered");
     assert_eq!(run["eval_loss"].as_array().unwrap(), &jsonl_history(dir.path(), "eval_loss"));
+    // A timeout that is no number of seconds is refused at the start, by name.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let output = train_command(elsewhere.path(), Some(&server), &[]).env("MLFLOW_HTTP_REQUEST_TIMEOUT", "soon").output().unwrap();
+    assert!(!output.status.success() && text(&output).contains("MLFLOW_HTTP_REQUEST_TIMEOUT=soon: a request's timeout is a positive number of seconds"), "{}", text(&output));
 }
 
 #[test]
@@ -276,7 +280,7 @@ fn training_outlives_a_tracking_server_that_goes_away() {
     let server_dir = tempfile::tempdir().unwrap();
     let mut server = MlflowServer::start(server_dir.path());
     let dir = tempfile::tempdir().unwrap();
-    let training = start_training(dir.path(), &server);
+    let training = start_training(dir.path(), &server, &[]);
     server.kill();
     let output = training.wait_with_output().unwrap();
     let log = text(&output);

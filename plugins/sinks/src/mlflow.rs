@@ -406,7 +406,7 @@ inventory::submit! {
         name: "mlflow",
         summary: "an MLflow run: on the tracking server MLFLOW_TRACKING_URI=http(s)://… names, else in <output>/mlruns/ (file store); experiment: output.mlflow_experiment",
         create: |dir, resumed| match server::tracking_server()? {
-            Some(url) => Ok(Box::new(server::MlflowServerSink::new(url, dir, resumed.is_some()))),
+            Some(url) => Ok(Box::new(server::MlflowServerSink::new(url, server::request_timeout()?, dir, resumed.is_some()))),
             None => Ok(Box::new(MlflowSink::new(dir, resumed.is_some()))),
         },
     }

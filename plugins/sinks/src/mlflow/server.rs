@@ -30,7 +30,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const RUN_FILE: &str = ".ft-mlflow-run.json";
-/// A request's whole time, and a connection's: short, as training waits for them.
+/// A request's whole time unless `MLFLOW_HTTP_REQUEST_TIMEOUT` says (MLflow's
+/// client waits 120 s), and a connection's: short, as training waits for them.
 const TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// After a failed request the next waits this long, doubling per failure up to the last.
@@ -59,6 +60,17 @@ pub(super) fn tracking_server() -> Result<Option<String>> {
     }
 }
 
+/// A request's whole time: `MLFLOW_HTTP_REQUEST_TIMEOUT` (seconds, as MLflow's client reads it), else [`TIMEOUT`].
+pub(super) fn request_timeout() -> Result<Duration> {
+    match std::env::var("MLFLOW_HTTP_REQUEST_TIMEOUT") {
+        Err(_) => Ok(TIMEOUT),
+        Ok(value) => match value.trim().parse::<f64>() {
+            Ok(seconds) if seconds > 0.0 && seconds.is_finite() => Ok(Duration::from_secs_f64(seconds)),
+            _ => bail!("MLFLOW_HTTP_REQUEST_TIMEOUT={value}: a request's timeout is a positive number of seconds"),
+        },
+    }
+}
+
 /// Why a request failed: the server did not answer (worth retrying), or it
 /// answered with a refusal (not).
 enum Failure {
@@ -80,9 +92,9 @@ struct Server {
 }
 
 impl Server {
-    fn new(url: String) -> Server {
+    fn new(url: String, timeout: Duration) -> Server {
         let agent = ureq::Agent::config_builder()
-            .timeout_global(Some(TIMEOUT))
+            .timeout_global(Some(timeout))
             .timeout_connect(Some(CONNECT_TIMEOUT))
             // MLflow explains a refusal in the body of a 4xx, which ft reports.
             .http_status_as_error(false)
@@ -188,9 +200,9 @@ pub(super) struct MlflowServerSink {
 }
 
 impl MlflowServerSink {
-    pub(super) fn new(url: String, output: &Path, resume: bool) -> MlflowServerSink {
+    pub(super) fn new(url: String, timeout: Duration, output: &Path, resume: bool) -> MlflowServerSink {
         MlflowServerSink {
-            server: Server::new(url),
+            server: Server::new(url, timeout),
             output: output.to_path_buf(),
             resume,
             experiment: EXPERIMENT_KEY_DEFAULT.into(),
