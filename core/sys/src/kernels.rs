@@ -138,10 +138,12 @@ fn error(context: &str, detail: impl std::fmt::Display) -> ShimError {
     ShimError(format!("ft's CUDA kernels: {context}: {detail}"))
 }
 
-/// NVRTC's machine code (a cubin) of the kernels for GPUs of `arch` (e.g.
-/// "sm_90"). Machine code rather than PTX: the driver compiles PTX again in
-/// every process whose driver cache (~/.nv/ComputeCache) lacks it — every
-/// process of a fresh machine or container.
+/// NVRTC's output for the kernels: for a real GPU (`arch` "sm_90") its
+/// machine code (a cubin), for a virtual one ("compute_80") PTX, which
+/// checks the source for that GPU without the machine code's compilation.
+/// Machine code rather than PTX is what loads: the driver compiles PTX again
+/// in every process whose driver cache (~/.nv/ComputeCache) lacks it —
+/// every process of a fresh machine or container.
 pub fn compile(arch: &str) -> Result<Vec<u8>> {
     // SAFETY: only probes whether the library can be opened.
     if !unsafe { nvrtc::sys::is_culib_present() } {
@@ -152,6 +154,7 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
     // SAFETY: `program` is valid until destroyed below; the size is read before the buffer is filled.
     let cubin = unsafe {
         match nvrtc::result::compile_program(program, &[format!("--gpu-architecture={arch}")]) {
+            Ok(()) if arch.starts_with("compute_") => nvrtc::result::get_ptx(program).map(|ptx| ptx.iter().map(|&c| c as u8).collect()).map_err(|e| error("nvrtcGetPTX", format!("{e:?}"))),
             Ok(()) => {
                 let mut size = 0usize;
                 nvrtc::sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(|e| error("nvrtcGetCUBINSize", format!("{e:?}"))).and_then(|()| {
@@ -1490,10 +1493,15 @@ mod tests {
     fn kernel_source_compiles_with_nvrtc_and_is_cached() {
         // No GPU is needed to compile: this catches a broken kernel on CPU-only CI.
         // Before Ada the float8 conversion is compiled out (float8 is refused there), the rest stays.
-        super::compile("sm_80").expect("NVRTC compiles the kernels for Ampere");
+        // Two threads, as NVRTC takes ~20 s of one core a compilation.
         let cache = std::env::temp_dir().join(format!("ft-kernel-cache-test-{}", std::process::id()));
         let path = cache.join("sm_90.cubin");
-        let cubin = super::cubin("sm_90", Some(&path), false).expect("NVRTC compiles the kernels");
+        let cubin = std::thread::scope(|scope| {
+            let ampere = scope.spawn(|| super::compile("compute_80"));
+            let cubin = super::cubin("sm_90", Some(&path), false).expect("NVRTC compiles the kernels");
+            ampere.join().unwrap().expect("NVRTC compiles the kernels for Ampere");
+            cubin
+        });
         // The machine code names every kernel in its symbol table.
         let names = String::from_utf8_lossy(&cubin);
         for kernel in [super::XENT, super::ADAMW, "quantize_int8_bf16", "dequantize_int8_f32", "lowrank_project_bf16", "lowrank_project_t", "lowrank_orthonormalize", "lowrank_expand_f32", "rope_bf16", "swiglu_f32", "adamw_fp32_grad_bf16", "column_sum_partial_bf16", "column_sum_finish_f32", "fp8_amax_bf16", "fp8_cast_f32", "fp8_transpose", "fp8_amax_rows_bf16", "fp8_amax_cols_f32", "fp8_scales", "dequantize_4bit_f16", "widen_bf16", "rms_norm_bf16", "fp8_scale_outer_bf16", "swiglu_halves_bf16", "combine_f32", "combine_bf16", "decode_attention_split_bf16", "decode_attention_merge_f32", "rope_cache_bf16", "rope_cache_f32"] {
