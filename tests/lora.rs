@@ -296,27 +296,33 @@ fn merged_weights_are_the_adapted_model() {
 
 /// What online RL samples from: the base units with the adapters folded
 /// into copies laid out as the flat buffers are — the adapted model's
-/// logits, a block's q/k/v still one GEMM — and the trained units untouched.
+/// logits, a block's q/k/v still one GEMM (with Qwen2's biases too) — and
+/// the trained units untouched.
 #[test]
 fn folded_base_units_are_the_adapted_model_with_joined_projections() {
-    let (lora, params) = adapted("llama", &[ALL_LINEAR]);
-    let params: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(Tensor::detach).collect()).collect();
-    let before: Vec<Tensor> = params.iter().flatten().map(Tensor::copy).collect();
-    let ids = fixture_ids("llama");
-    let (adapted_logits, _) = logits_and_loss(&lora, &params, &ids);
-    let folded = lora.merged_base(&params);
-    assert_eq!(folded.len(), lora.base_units());
-    let (folded_logits, _) = logits_and_loss(lora.base(), &folded, &ids);
-    let error = relative(&folded_logits, &adapted_logits, 0.0);
-    assert!(error <= 1e-5, "folded logits differ by {error:e}");
-    assert!(params.iter().flatten().zip(&before).all(|(now, was)| now.equal(was)), "folding changed the policy's own tensors");
-    let _no_grad = tch::no_grad_guard();
-    let block = lora.base().layout().stages.iter().find(|stage| stage.kind == ft_core::model::StageKind::Block).unwrap().unit;
-    let unit = ft_core::model::Params::new(&lora.base().units()[block], &folded[block]);
-    let x = Tensor::randn([1, 2, lora.dims().hidden], (Kind::Float, Device::Cpu));
-    let joined = unit.joined_linear(&x, &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]).expect("q/k/v lie one after another");
-    let q = x.linear::<Tensor>(unit.get("self_attn.q_proj.weight"), None);
-    assert!(joined.narrow(-1, 0, q.size()[2]).allclose(&q, 1e-6, 1e-6, false));
+    for fixture in ["llama", "qwen2"] {
+        let (lora, params) = adapted(fixture, &[ALL_LINEAR]);
+        let params: Vec<Vec<Tensor>> = params.iter().map(|u| u.iter().map(Tensor::detach).collect()).collect();
+        let before: Vec<Tensor> = params.iter().flatten().map(Tensor::copy).collect();
+        let ids = fixture_ids(fixture);
+        let (adapted_logits, _) = logits_and_loss(&lora, &params, &ids);
+        let folded = lora.merged_base(&params);
+        assert_eq!(folded.len(), lora.base_units());
+        // What `ft plan` counts as copied, from the layout alone, is the units the targets adapt.
+        let targeted: std::collections::BTreeSet<usize> = lora.targets().iter().map(|target| target.base_unit).collect();
+        assert_eq!(ft_core::lora::adapted_units(&lora), targeted, "{fixture}");
+        let (folded_logits, _) = logits_and_loss(lora.base(), &folded, &ids);
+        let error = relative(&folded_logits, &adapted_logits, 0.0);
+        assert!(error <= 1e-5, "{fixture}: folded logits differ by {error:e}");
+        assert!(params.iter().flatten().zip(&before).all(|(now, was)| now.equal(was)), "{fixture}: folding changed the policy's own tensors");
+        let _no_grad = tch::no_grad_guard();
+        let block = lora.base().layout().stages.iter().find(|stage| stage.kind == ft_core::model::StageKind::Block).unwrap().unit;
+        let unit = ft_core::model::Params::new(&lora.base().units()[block], &folded[block]);
+        let x = Tensor::randn([1, 2, lora.dims().hidden], (Kind::Float, Device::Cpu));
+        let joined = unit.joined_linear(&x, &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]).unwrap_or_else(|| panic!("{fixture}: q/k/v lie one after another"));
+        let q = x.linear(unit.get("self_attn.q_proj.weight"), unit.maybe("self_attn.q_proj.bias"));
+        assert!(joined.narrow(-1, 0, q.size()[2]).allclose(&q, 1e-6, 1e-6, false), "{fixture}");
+    }
 }
 
 fn tensors(file: &Path) -> HashMap<String, Tensor> {

@@ -339,27 +339,25 @@ impl LoraModel {
     }
 
     /// The base model's units with the adapters folded in, for decoding
-    /// alone (online RL's rollouts): each adapted unit copied into one
-    /// buffer laid out as its flat buffer is (so `Params::joined_linear`
-    /// still runs q/k/v as one GEMM), W + (alpha / r) · B A rounded once
-    /// into it; the other units are `params`' own. Each adapted layer's two
-    /// low-rank GEMMs and add cost ~15 µs a decoding step on an H200
-    /// (`plan`'s fit): 3.4 of a Llama-7B step's 10 ms with every linear
-    /// layer adapted. The copies take the adapted units' bytes again.
+    /// alone (online RL's rollouts, where [`samples_folded`]): each adapted
+    /// unit ([`adapted_units`]) copied into one buffer laid out as its flat
+    /// buffer is (`flat::unflatten`, so `Params::joined_linear` still runs
+    /// q/k/v as one GEMM), W + (alpha / r) · B A rounded once into it; the
+    /// other units are `params`' own. Each adapted layer's two low-rank GEMMs
+    /// and add cost ~15 µs a decoding step on an H200 (`plan`'s fit): 3.4 of
+    /// a Llama-7B step's 10 ms with every linear layer adapted. The copies
+    /// take the adapted units' bytes again.
     pub fn merged_base(&self, params: &[Vec<Tensor>]) -> Vec<Vec<Tensor>> {
+        use crate::distributed::flat;
         let _no_grad = tch::no_grad_guard();
         let mut base: Vec<Vec<Tensor>> = params[..self.base_units()].iter().map(|unit| unit.iter().map(Tensor::shallow_clone).collect()).collect();
-        for (u, unit) in base.iter_mut().enumerate() {
-            let targets: Vec<&Target> = self.targets.iter().filter(|target| target.base_unit == u).collect();
-            if targets.is_empty() {
-                continue;
-            }
-            let flat = Tensor::cat(&unit.iter().map(|t| t.reshape(-1)).collect::<Vec<_>>(), 0);
-            let numels: Vec<i64> = unit.iter().map(|t| t.numel() as i64).collect();
-            *unit = flat.split_with_sizes(&numels, 0).into_iter().zip(unit.iter()).map(|(part, t)| part.view(t.size().as_slice())).collect();
-            for target in targets {
+        for u in adapted_units(self) {
+            let spec = &self.layout.units[u];
+            let laid_out: Vec<Tensor> = flat::param_offsets(spec).into_iter().map(|(i, _)| base[u][i].reshape(-1)).collect();
+            base[u] = flat::unflatten(spec, &Tensor::cat(&laid_out, 0));
+            for target in self.targets.iter().filter(|target| target.base_unit == u) {
                 let (index, merged) = self.merged_weight(target, params);
-                unit[index].copy_(&merged);
+                base[u][index].copy_(&merged);
             }
         }
         base
@@ -383,6 +381,30 @@ impl LoraModel {
         };
         (index, weight.to_kind(Kind::Float) + update * self.scaling.scale)
     }
+}
+
+/// Whether online RL samples from the base with the adapters folded in
+/// ([`LoraModel::merged_base`]): a LoRA model over a base in the compute
+/// dtype, held whole (not gathered a unit at a time: `per_unit`). A 4-bit
+/// base's unpacked copy is already the rollout's largest buffer.
+pub fn samples_folded(model: &dyn Model, per_unit: bool) -> bool {
+    !per_unit && model.adapter_scaling().is_some() && model.quantized_base().is_none()
+}
+
+/// The base units `model`'s adapters adapt, from its layout alone (what
+/// `ft plan` sees): a stage's units holding a weight its adapter unit
+/// names — `{module}.lora_A.weight` adapts `{module}.weight`, or the fused
+/// expert parameter `{module}`.
+pub fn adapted_units(model: &dyn Model) -> BTreeSet<usize> {
+    let units = model.units();
+    let adapts = |u: usize, modules: &[&str]| units[u].params.iter().any(|p| modules.contains(&p.name.strip_suffix(".weight").unwrap_or(&p.name)));
+    let mut adapted = BTreeSet::new();
+    for stage in &model.layout().stages {
+        let Some(adapter) = stage.adapter else { continue };
+        let modules: Vec<&str> = units[adapter].params.iter().filter_map(|p| p.name.strip_suffix(".lora_A.weight")).collect();
+        adapted.extend(stage.units().filter(|&u| adapts(u, &modules)));
+    }
+    adapted
 }
 
 /// The model a run trains: every parameter of it, or LoRA adapters on it.

@@ -300,14 +300,10 @@ fn generate_rollouts(
         .collect();
     let examples = (first..first + window.steps).flat_map(|b| plan.layout.global(order, b).to_vec()).collect();
     let whole = if per_unit { vec![] } else { trainer.compute_params()? };
-    // LoRA on a base held whole in the compute dtype samples from the base with the adapters folded in
-    // (`LoraModel::merged_base`); a 4-bit base's unpacked copy is already the rollout's largest buffer.
-    let folded = match run_model.lora() {
-        Some(lora) if !per_unit && lora.quantized_base().is_none() => Some((lora, lora.merged_base(&whole))),
-        _ => None,
-    };
-    let mut folded_source = folded.as_ref().map(|(_, merged)| crate::model::Held(merged));
-    let sampler = folded.as_ref().map(|(lora, _)| lora.base()).zip(folded_source.as_mut().map(|source| source as &mut dyn crate::model::UnitSource));
+    // LoRA samples from its base with the adapters folded in, where `lora::samples_folded`.
+    let folded = run_model.lora().filter(|&lora| crate::lora::samples_folded(lora, per_unit)).map(|lora| (lora.base(), lora.merged_base(&whole)));
+    let mut folded_source = folded.as_ref().map(|(base, merged)| (*base, crate::model::Held(merged)));
+    let sampler = folded_source.as_mut().map(|(base, source)| (*base, source as &mut dyn crate::model::UnitSource));
     let trainer = std::cell::RefCell::new(trainer);
     let (mut held, mut gathered) = (crate::model::Held(&whole), crate::train::GatheredPolicy::new(&trainer));
     let policy: &mut dyn crate::model::UnitSource = if per_unit { &mut gathered } else { &mut held };

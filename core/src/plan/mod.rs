@@ -245,22 +245,15 @@ impl RolloutShape {
     /// context, and sampling's buffers over the vocabulary (the logits and
     /// their softmax and its copy padded to whole blocks in float32, the
     /// tokens seen: `generate::sampling::draw`).
-    /// LoRA over a base in the compute dtype decodes from copies of the
-    /// adapted units with the adapters folded in (`Self::folds_adapters`): their bytes too.
+    /// Where sampling folds LoRA's adapters in (`lora::samples_folded`), the
+    /// copies of the adapted units too (`lora::adapted_units`).
     pub fn device_bytes(&self, model: &dyn Model, dtype: Kind) -> f64 {
         let params: i64 = model.units().iter().map(|unit| unit.numel()).sum();
-        let folded: i64 = match Self::folds_adapters(model, false) {
-            true => model.layout().stages.iter().filter(|stage| stage.adapter.is_some()).flat_map(|stage| stage.units()).map(|u| model.units()[u].numel()).sum(),
+        let folded: i64 = match crate::lora::samples_folded(model, false) {
+            true => crate::lora::adapted_units(model).into_iter().map(|u| model.units()[u].numel()).sum(),
             false => 0,
         };
         (params + folded) as f64 * dtype.elt_size_in_bytes() as f64 + self.cache_and_sampling_bytes(model, dtype)
-    }
-
-    /// Whether sampling folds LoRA's adapters into copies of the base units
-    /// they adapt (`lora::LoraModel::merged_base`, as the rollouts do): a
-    /// LoRA model over a base in the compute dtype, held whole.
-    fn folds_adapters(model: &dyn Model, per_unit: bool) -> bool {
-        !per_unit && model.adapter_scaling().is_some() && model.quantized_base().is_none()
     }
 
     /// [`Self::device_bytes`] when decoding gathers the policy a unit at a
@@ -291,7 +284,7 @@ impl RolloutShape {
         let mean_context = (self.positions - self.new_tokens / 2) as f64;
         let bytes_per_token = (params as f64 + self.rows as f64 * mean_context * Self::kv_per_token(model)) * element;
         let blocks = crate::model::block_count(model) as f64;
-        let adapted: usize = match Self::folds_adapters(model, per_unit) {
+        let adapted: usize = match crate::lora::samples_folded(model, per_unit) {
             true => 0,
             false => model.units().iter().flat_map(|unit| &unit.params).filter(|p| p.name.ends_with(".lora_A.weight")).count(),
         };

@@ -761,11 +761,11 @@ impl Rollouts for OnlineRl {
         let prompt_ids: Vec<Vec<i64>> = mine.iter().map(|&i| self.train.prompts[i / group].ids.clone()).collect();
         let seeds: Vec<u64> = mine.iter().map(|&i| row_seed(rollout.seed, rollout.step, i)).collect();
         let decoding = Decoding { pad_id: self.train.pad_id, ..Decoding::greedy(self.options.max_completion_length, self.eos, rollout.dtype) };
-        let sampling = self.options.sampling()?;
-        let completions = match rollout.sampler.as_mut() {
-            Some((model, source)) => sample_batch_from(*model, &mut **source, &prompt_ids, &seeds, &sampling, &decoding)?,
-            None => sample_batch_from(rollout.model, &mut *rollout.policy, &prompt_ids, &seeds, &sampling, &decoding)?,
+        let (model, source) = match rollout.sampler.as_mut() {
+            Some((model, source)) => (*model, &mut **source),
+            None => (rollout.model, &mut *rollout.policy),
         };
+        let completions = sample_batch_from(model, source, &prompt_ids, &seeds, &self.options.sampling()?, &decoding)?;
         let sampled_seconds = started.elapsed().as_secs_f64();
         for (&index, completion) in mine.iter().zip(completions) {
             let counted = !(self.options.mask_truncated_completions && self.clipped(&completion));
