@@ -7,7 +7,8 @@ use anyhow::Result;
 use clap::Args;
 use ft_core::device::DType;
 use ft_core::env::DistEnv;
-use ft_core::Registry;
+use ft_core::distributed::launch;
+use ft_core::{Config, Registry};
 use ft_core::setup::Rank;
 use ft_core::task::TaskInputs;
 use ft_models::hf;
@@ -69,13 +70,19 @@ pub fn eval(args: EvalArgs, plugins: &[PathBuf]) -> Result<i32> {
     config.launch.validate()?;
     let registry = Registry::with_plugins(plugins)?;
     if let Some(workers) = ft_core::setup::local_workers(&config, &DistEnv::from_env()?) {
-        return ft_core::distributed::launch::spawn_local(workers, std::env::args().skip(1).collect());
+        let run = || evaluate(&args, &config, &registry);
+        return launch::spawn_local(workers, launch::Work::Fork { run: &run, arguments: std::env::args().skip(1).collect() });
     }
-    let rank = Rank::start(&config, &ft_core::offload::NoOffload)?;
+    evaluate(&args, &config, &registry)
+}
+
+/// One rank's evaluation.
+fn evaluate(args: &EvalArgs, config: &Config, registry: &Registry) -> Result<i32> {
+    let rank = Rank::start(config, &ft_core::offload::NoOffload)?;
     let dir = hf::resolve(&config.model.source)?;
     let tokenizer = config.data.tokenizer.clone().unwrap_or(dir.join("tokenizer.json"));
     let (model, params) = ft_models::trained::load_trained(&dir, rank.dtype, rank.device)?;
-    let mut task = registry.build_task(config.task.name.as_deref(), &TaskInputs { config: &config, tokenizer: &tokenizer, model: model.model(), device: rank.device })?;
+    let mut task = registry.build_task(config.task.name.as_deref(), &TaskInputs { config, tokenizer: &tokenizer, model: model.model(), device: rank.device })?;
     ft_models::trained::give_reference(task.as_mut(), args.ref_model.as_deref(), &args.model, &model, &params, &tokenizer, &rank)?;
     let evaluation = ft_core::fit::evaluate_on(&rank, model.model(), &params, task.as_mut(), config.train.eval_batch_size, args.profile.as_deref())?;
     if rank.rank() == 0 {

@@ -6,6 +6,7 @@ use ft_core::config::{parse_named, ModelInit, Overrides};
 use anyhow::Result;
 use clap::Args;
 use ft_core::{Config, Registry};
+use ft_core::distributed::launch;
 use ft_core::env::DistEnv;
 use ft_core::fit::{self, CheckpointPlan, Fit};
 use ft_core::plan;
@@ -190,7 +191,8 @@ pub fn run(args: TrainArgs, plugins: &[PathBuf]) -> Result<i32> {
     }
     if let Some(workers) = setup::local_workers(&config, &env) {
         // Not started by a launcher: become one, with the same arguments.
-        return ft_core::distributed::launch::spawn_local(workers, std::env::args().skip(1).collect());
+        let run = || worker(config.clone(), &registry, &DistEnv::from_env()?);
+        return launch::spawn_local(workers, launch::Work::Fork { run: &run, arguments: std::env::args().skip(1).collect() });
     }
     worker(config, &registry, &env)
 }

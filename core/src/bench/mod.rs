@@ -525,7 +525,9 @@ pub fn run_in_workers(arguments: &impl Serialize, gpus: usize, plugins: &[PathBu
     std::fs::write(&file, serde_json::to_string(arguments)?).with_context(|| format!("cannot write {}", file.display()))?;
     let mut argv: Vec<String> = plugins.iter().flat_map(|p| ["--plugin".to_string(), p.display().to_string()]).collect();
     argv.extend(["bench".into(), "--worker".into(), file.display().to_string()]);
-    let code = crate::distributed::launch::spawn_local(gpus, argv)?;
+    // New processes, not forks: each worker's memory figures are its own.
+    let program = std::env::current_exe().context("cannot find the ft executable")?;
+    let code = crate::distributed::launch::spawn_local(gpus, crate::distributed::launch::Work::Exec { program, arguments: argv })?;
     ensure!(code == 0, "workers exited with code {code} (their output is above)");
     let text = std::fs::read_to_string(result).with_context(|| format!("rank 0 wrote no result to {}", result.display()))?;
     Ok(serde_json::from_str(&text)?)

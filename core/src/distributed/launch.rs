@@ -8,14 +8,24 @@
 //! and exit with `signals::SAVED_AND_STOPPED`, given `save_grace_secs` to do
 //! so; a second signal stops them at once. The launcher's own exit code
 //! tells a scheduler which of these happened (`exit_code`).
+//!
+//! `ft train` and `ft eval` starting their own ranks on a host without
+//! GPUs fork them (`Work::Fork`) rather than start `ft` again: a new process
+//! spends ~0.5 s of CPU registering libtorch's operators before it reads its
+//! first argument, most of a short CPU run's start, and a copy of this one
+//! has done that. A fork is taken only while it is safe: this process runs
+//! one thread and has not loaded the CUDA driver. GPU ranks, whose start is
+//! CUDA's and NCCL's, are new processes.
 
 use crate::progress::{self, Update};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, PipeReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use crate::signals::{self, SAVED_AND_STOPPED};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// One node's part of a job, as torchrun's flags describe it.
@@ -142,33 +152,150 @@ fn exit_code(failed: Option<i32>, forced: Option<i32>, saved_and_stopped: bool) 
     }
 }
 
+/// One running worker: its process (led its own process group) and, once
+/// it ended, how.
+struct Worker {
+    rank: usize,
+    pid: i32,
+    status: Option<ExitStatus>,
+}
+
+impl Worker {
+    /// How the worker ended, once it has (reaped here, whether forked or spawned).
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our own child, without blocking.
+            match unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) } {
+                0 => {}
+                -1 => return Err(std::io::Error::last_os_error()).context(format!("cannot wait for rank {}", self.rank)),
+                _ => self.status = Some(ExitStatus::from_raw(status)),
+            }
+        }
+        Ok(self.status)
+    }
+}
+
 /// Signals each worker's whole process group, so that programs a worker
 /// started (and which hold its output pipes) stop with it.
-fn signal_all(children: &mut [(usize, Child)], signal: i32) {
-    for (_, child) in children.iter_mut() {
-        // SAFETY: kill(2) on a process group led by our own child.
-        unsafe { libc::kill(-(child.id() as i32), signal) };
+fn signal_all(workers: &mut [Worker], signal: i32) {
+    for worker in workers.iter() {
+        // SAFETY: kill(2) on a process group our own child made (its members outlive a reaped leader).
+        unsafe { libc::kill(-worker.pid, signal) };
     }
 }
 
 /// Passes `signal` on to each worker still running (the worker alone: it
 /// decides what its own children do while it saves).
-fn pass_on(children: &mut [(usize, Child)], signal: i32) {
-    for (_, child) in children.iter_mut() {
-        if matches!(child.try_wait(), Ok(None)) {
+fn pass_on(workers: &mut [Worker], signal: i32) {
+    for worker in workers.iter_mut() {
+        if matches!(worker.try_wait(), Ok(None)) {
             // SAFETY: kill(2) on our own running child.
-            unsafe { libc::kill(child.id() as i32, signal) };
+            unsafe { libc::kill(worker.pid, signal) };
         }
     }
+}
+
+/// What each local worker runs.
+pub enum Work<'a> {
+    /// `program arguments…` in a new process: `ft launch`'s command, or
+    /// `--exec`'s program.
+    Exec { program: PathBuf, arguments: Vec<String> },
+    /// `run` in a copy of this process, which then exits with its code; where
+    /// workers are not forked (`forks_workers`), `ft arguments…` in a new process.
+    Fork { run: &'a dyn Fn() -> Result<i32>, arguments: Vec<String> },
+}
+
+/// Whether workers are forked (the module's note): no GPU on this host,
+/// and a copy of this process may go on running Rust and libtorch — a fork
+/// copies only the calling thread (locks other threads held stay held),
+/// and a CUDA context does not survive one.
+fn forks_workers() -> bool {
+    let gpus = ["/dev/nvidiactl", "/proc/driver/nvidia"].iter().any(|path| std::path::Path::new(path).exists());
+    let one_thread = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| s.lines().any(|l| l.split_whitespace().eq(["Threads:", "1"])));
+    let cuda_driver = std::fs::read_to_string("/proc/self/maps").map_or(true, |maps| maps.contains("libcuda.so"));
+    !gpus && one_thread && !cuda_driver
+}
+
+/// Makes this process its worker's: its own process group, dying with the
+/// launcher, stdin from /dev/null. What a spawned worker does before exec.
+fn become_worker() -> std::io::Result<()> {
+    // SAFETY: setpgid and prctl are async-signal-safe calls on this process.
+    unsafe {
+        libc::setpgid(0, 0);
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+    }
+    Ok(())
+}
+
+/// A worker's environment: variables set, or (`None`) removed.
+type Env<'a> = [(&'a str, Option<String>)];
+
+/// Starts one worker with `env`; returns it and its stdout and stderr.
+fn start(work: &Work, rank: usize, env: &Env, fork: bool) -> Result<(Worker, PipeReader, PipeReader)> {
+    let (stdout, stdout_writer) = std::io::pipe()?;
+    let (stderr, stderr_writer) = std::io::pipe()?;
+    let pid = match work {
+        Work::Fork { run, .. } if fork => {
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            // SAFETY: this process runs one thread (`forks_workers`), so the child's copy of
+            // it holds no lock another thread held; the child never returns from this block.
+            match unsafe { libc::fork() } {
+                -1 => return Err(std::io::Error::last_os_error()).context("cannot fork a worker"),
+                0 => {
+                    let stdin = std::fs::File::open("/dev/null");
+                    // SAFETY: dup2 onto this process's own standard descriptors.
+                    let redirected = stdin.map(|stdin| unsafe {
+                        libc::dup2(stdin.as_raw_fd(), 0) >= 0 && libc::dup2(stdout_writer.as_raw_fd(), 1) >= 0 && libc::dup2(stderr_writer.as_raw_fd(), 2) >= 0
+                    });
+                    drop((stdout, stderr, stdout_writer, stderr_writer));
+                    let code = if redirected.unwrap_or(false) && become_worker().is_ok() {
+                        for (name, value) in env {
+                            match value {
+                                Some(value) => std::env::set_var(name, value),
+                                None => std::env::remove_var(name),
+                            }
+                        }
+                        crate::panic::run_command(&std::env::args_os().collect::<Vec<_>>(), run)
+                    } else {
+                        1
+                    };
+                    crate::setup::exit_without_teardown(code)
+                }
+                pid => pid,
+            }
+        }
+        Work::Fork { arguments, .. } => spawn(&std::env::current_exe().context("cannot find the ft executable")?, arguments, env, stdout_writer, stderr_writer)?,
+        Work::Exec { program, arguments } => spawn(program, arguments, env, stdout_writer, stderr_writer)?,
+    };
+    Ok((Worker { rank, pid, status: None }, stdout, stderr))
+}
+
+/// `program arguments…` as a new process with `env` added.
+fn spawn(program: &std::path::Path, arguments: &[String], env: &Env, stdout: std::io::PipeWriter, stderr: std::io::PipeWriter) -> Result<i32> {
+    let mut command = Command::new(program);
+    command.args(arguments).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    // SAFETY: become_worker makes only async-signal-safe calls.
+    unsafe { command.pre_exec(become_worker) };
+    // Reaped by `Worker::try_wait`: std's handle is not needed past the spawn.
+    let child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
+    Ok(child.id() as i32)
 }
 
 /// How long workers get by default to save and exit after a stopping signal.
 pub const DEFAULT_SAVE_GRACE_SECS: u64 = 300;
 
-/// Starts `nproc` local workers running `ft <arguments>` (what `ft train`
-/// does when no launcher started it).
-pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
-    run(LaunchOptions {
+/// Starts `nproc` local workers for a command that was not started by a
+/// launcher (what `ft train` and `ft eval` do): each runs `work`.
+pub fn spawn_local(nproc: usize, work: Work) -> Result<i32> {
+    let options = LaunchOptions {
         nproc_per_node: nproc,
         nnodes: 1,
         node_rank: 0,
@@ -177,11 +304,23 @@ pub fn spawn_local(nproc: usize, arguments: Vec<String>) -> Result<i32> {
         grace_secs: 5,
         save_grace_secs: DEFAULT_SAVE_GRACE_SECS,
         exec: false,
-        command: arguments,
-    })
+        command: vec![],
+    };
+    launch(&options, work)
 }
 
-pub fn run(args: LaunchOptions) -> Result<i32> {
+/// `ft launch`: the workers run `options.command`, an `ft` subcommand or
+/// (`exec`) a program.
+pub fn run(options: LaunchOptions) -> Result<i32> {
+    let work = if options.exec {
+        Work::Exec { program: PathBuf::from(&options.command[0]), arguments: options.command[1..].to_vec() }
+    } else {
+        Work::Exec { program: std::env::current_exe().context("cannot find the ft executable")?, arguments: options.command.clone() }
+    };
+    launch(&options, work)
+}
+
+fn launch(args: &LaunchOptions, work: Work) -> Result<i32> {
     if args.nproc_per_node == 0 || args.nnodes == 0 {
         bail!("--nproc-per-node and --nnodes must be at least 1");
     }
@@ -194,52 +333,34 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
         None => 29500,
     };
     let world_size = args.nproc_per_node * args.nnodes;
-    let (program, program_args) = if args.exec {
-        (std::path::PathBuf::from(&args.command[0]), &args.command[1..])
-    } else {
-        (std::env::current_exe().context("cannot find the ft executable")?, &args.command[..])
-    };
-
-    let mut received = signal_hook::iterator::Signals::new(signals::STOPPING)?;
-
     let console = Console::new();
+    // Decided once, before any worker: the forwarding threads below make this process unsafe to fork.
+    let fork = matches!(work, Work::Fork { .. }) && forks_workers();
     let mut children = vec![];
-    let mut forwarders = vec![];
+    let mut outputs = vec![];
     for local_rank in 0..args.nproc_per_node {
         let rank = args.node_rank * args.nproc_per_node + local_rank;
-        let mut command = Command::new(&program);
-        command
-            .args(program_args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
-            .env("MASTER_PORT", master_port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if console.draws_progress {
-            command.env(progress::LAUNCHER_DRAWS, "1");
-        } else {
-            command.env_remove(progress::LAUNCHER_DRAWS);
-        }
-        // SAFETY: setpgid and prctl are async-signal-safe. Each worker leads
-        // its own process group (stopped as one), and dies with the launcher,
-        // so a killed launcher never leaves ranks waiting on a dead job.
-        unsafe {
-            command.pre_exec(|| {
-                libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
-        forwarders.push(forward(rank, child.stdout.take().expect("piped"), false, console.clone()));
-        forwarders.push(forward(rank, child.stderr.take().expect("piped"), true, console.clone()));
-        children.push((rank, child));
+        let env = [
+            ("RANK", Some(rank.to_string())),
+            ("LOCAL_RANK", Some(local_rank.to_string())),
+            ("WORLD_SIZE", Some(world_size.to_string())),
+            ("LOCAL_WORLD_SIZE", Some(args.nproc_per_node.to_string())),
+            ("GROUP_RANK", Some(args.node_rank.to_string())),
+            ("MASTER_ADDR", Some(args.master_addr.clone())),
+            ("MASTER_PORT", Some(master_port.to_string())),
+            (progress::LAUNCHER_DRAWS, console.draws_progress.then(|| "1".into())),
+        ];
+        let (worker, stdout, stderr) = start(&work, rank, &env, fork)?;
+        outputs.push((rank, stdout, stderr));
+        children.push(worker);
     }
+    // After the forks: a copy of this process made while it had a signal
+    // handler would pass the signals its rank gets to this launcher.
+    let mut received = signal_hook::iterator::Signals::new(signals::STOPPING)?;
+    let forwarders: Vec<_> = outputs
+        .into_iter()
+        .flat_map(|(rank, stdout, stderr)| [forward(rank, stdout, false, console.clone()), forward(rank, stderr, true, console.clone())])
+        .collect();
 
     // A rank's own failure, the first: its code is the job's.
     let mut failed: Option<i32> = None;
@@ -265,8 +386,9 @@ pub fn run(args: LaunchOptions) -> Result<i32> {
             pass_on(&mut children, signal);
         }
         running = 0;
-        for (rank, child) in children.iter_mut() {
-            match child.try_wait()? {
+        for worker in children.iter_mut() {
+            let rank = worker.rank;
+            match worker.try_wait()? {
                 None => running += 1,
                 // The ranks agreed to stop: each saved its part and exits so.
                 Some(status) if status.code() == Some(SAVED_AND_STOPPED) => {
