@@ -17,15 +17,7 @@ source "$(dirname "$0")/lib.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/trl-*.whl .whl/datasets-*.whl \
   .whl/dill-*.whl .whl/multiprocess-*.whl || { echo "FAILED install"; exit 1; }
 python3 -c 'import torch; print("== GPU:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-python3 - <<'PY'
-import json, random
-random.seed(0)
-words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
-with open("/tmp/prompts.jsonl", "w") as f:
-    for _ in range(256):
-        f.write(json.dumps({"prompt": " ".join(random.choice(words) for _ in range(48))}) + "\n")
-PY
-printf 'def ids_reward(completion_ids, **kwargs):\n    return [float(sum(ids) %% 7) for ids in completion_ids]\n' > /tmp/reward.py
+make_grpo_prompts
 # CodeLlama-7B's blocks with GPT-2's vocabulary (the tokenizer both sides read).
 QWEN=bench/configs/qwen2.5-1.5b.json LLAMA=bench/configs/llama-7b-gpt2-vocab.json
 

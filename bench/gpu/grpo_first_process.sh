@@ -12,15 +12,7 @@
 # first run (into the page cache). OUT gets each run's metrics and smi.csv.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
-python3 - <<'PY'
-import json, random
-random.seed(0)
-words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
-with open("/tmp/prompts.jsonl", "w") as f:
-    for _ in range(256):
-        f.write(json.dumps({"prompt": " ".join(random.choice(words) for _ in range(48))}) + "\n")
-PY
-printf 'def ids_reward(completion_ids, **kwargs):\n    return [float(sum(ids) %% 7) for ids in completion_ids]\n' > /tmp/reward.py
+make_grpo_prompts
 if [ "${PREREAD:-}" = 1 ]; then
   date +"== reading the libraries %s.%N"
   cat "$SITE"/torch/lib/*.so* "$SITE"/nvidia/*/lib/*.so* > /dev/null

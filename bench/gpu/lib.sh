@@ -14,6 +14,20 @@ for _ in range(12000):
 PY
 }
 
+# GRPO's rows: 256 prompts of 48 random words (/tmp/prompts.jsonl) and a
+# reward of the completion's ids alone (/tmp/reward.py:ids_reward).
+make_grpo_prompts() {
+  python3 - <<'PY'
+import json, random
+random.seed(0)
+words = [w for w in open(".device/squad.json").read().split() if w.isalpha()][:20000]
+with open("/tmp/prompts.jsonl", "w") as f:
+    for _ in range(256):
+        f.write(json.dumps({"prompt": " ".join(random.choice(words) for _ in range(48))}) + "\n")
+PY
+  printf 'def ids_reward(completion_ids, **kwargs):\n    return [float(sum(ids) %% 7) for ids in completion_ids]\n' > /tmp/reward.py
+}
+
 # ft_run NAME GPUS CONFIG_DIR SEQ BATCH STEPS [ft train flags…]: one JSON line,
 # step time = median after 5 warm-up steps.
 ft_run() {
