@@ -28,7 +28,12 @@ impl Kernels {
             return Kernels::Aten;
         }
         match ft_sys::kernels::available(device) {
-            Ok(()) => Kernels::Ft,
+            Ok(()) => {
+                if let Some(note) = ft_sys::kernels::cache_note(device) {
+                    tracing::warn!("{note}");
+                }
+                Kernels::Ft
+            }
             Err(why) => {
                 if device.is_cuda() {
                     tracing::warn!("{why}; using ATen's cross-entropy and AdamW instead (slower, more memory)");
