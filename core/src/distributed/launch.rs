@@ -217,8 +217,10 @@ fn forks_workers() -> bool {
     !gpus && one_thread && !cuda_driver
 }
 
-/// Makes this process its worker's: its own process group, dying with the
-/// launcher, stdin from /dev/null. What a spawned worker does before exec.
+/// Makes this process its worker's: the leader of its own process group
+/// (stopped as one), killed when the launcher dies (so a killed launcher
+/// never leaves ranks waiting on a dead job). What a spawned worker does
+/// before exec, and a forked one first.
 fn become_worker() -> std::io::Result<()> {
     // SAFETY: setpgid and prctl are async-signal-safe calls on this process.
     unsafe {

@@ -92,7 +92,7 @@ const SOURCE: &str = concat!(
 );
 
 /// The kernels, loaded into one device's (primary) context.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct Functions {
     xent: sys::CUfunction,
     /// By the gradient's kind: [fp32, bf16].
@@ -130,8 +130,6 @@ struct Functions {
     /// By the output's kind: [fp32, bf16, fp16].
     dequantize_4bit: [sys::CUfunction; 3],
     multiprocessors: u32,
-    /// Why the compiled kernels were not cached (`store`), if they were not.
-    cache_note: Option<String>,
 }
 // SAFETY: CUfunction handles are valid in every thread of the process.
 unsafe impl Send for Functions {}
@@ -253,7 +251,9 @@ pub fn compute_capability(device_index: usize) -> Result<(i32, i32)> {
     ))
 }
 
-fn load(device_index: usize) -> Result<Functions> {
+/// The kernels loaded on `device_index`, and why they could not be cached
+/// for the next process (`store`), if they could not.
+fn load(device_index: usize) -> Result<(Functions, Option<String>)> {
     let (device, attribute) = driver_device(device_index)?;
     let (major, minor) = compute_capability(device_index)?;
     let multiprocessors = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
@@ -279,7 +279,7 @@ fn load(device_index: usize) -> Result<Functions> {
             let name = std::ffi::CString::new(name).expect("no NUL");
             driver::module::get_function(module, name).map_err(|e| error("cuModuleGetFunction", e))
         };
-        Ok(Functions {
+        let functions = Functions {
             xent: function(XENT)?,
             adamw: [function(ADAMW)?, function("adamw_fp32_grad_bf16")?],
             quantize: [function("quantize_int8_f32")?, function("quantize_int8_bf16")?],
@@ -308,23 +308,32 @@ fn load(device_index: usize) -> Result<Functions> {
             widen_bf16: function("widen_bf16")?,
             dequantize_4bit: [function("dequantize_4bit_f32")?, function("dequantize_4bit_bf16")?, function("dequantize_4bit_f16")?],
             multiprocessors,
-            cache_note,
-        })
+        };
+        Ok((functions, cache_note))
     }
 }
 
 /// The kernels for `device_index`, compiled and loaded on first use.
 fn functions(device_index: usize) -> Result<Functions> {
-    static LOADED: OnceLock<Mutex<HashMap<usize, std::result::Result<Functions, String>>>> = OnceLock::new();
+    with_loaded(device_index, |(functions, _)| *functions)
+}
+
+/// `read` of what `load` gave for `device_index`, loading on first use: the
+/// kernels (copied out at every launch) and the cache's note.
+fn with_loaded<T>(device_index: usize, read: impl FnOnce(&(Functions, Option<String>)) -> T) -> Result<T> {
+    static LOADED: OnceLock<Mutex<HashMap<usize, std::result::Result<(Functions, Option<String>), String>>>> = OnceLock::new();
     let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    loaded.entry(device_index).or_insert_with(|| load(device_index).map_err(|e| e.0)).clone().map_err(ShimError)
+    match loaded.entry(device_index).or_insert_with(|| load(device_index).map_err(|e| e.0)) {
+        Ok(kernels) => Ok(read(kernels)),
+        Err(why) => Err(ShimError(why.clone())),
+    }
 }
 
 /// Why the kernels `device` loaded could not be cached for the next
 /// process, if they could not (`store`).
 pub fn cache_note(device: Device) -> Option<String> {
     match device {
-        Device::Cuda(index) => functions(index).ok()?.cache_note,
+        Device::Cuda(index) => with_loaded(index, |(_, note)| note.clone()).ok()?,
         _ => None,
     }
 }
