@@ -20,6 +20,7 @@ python3 -c 'import torch; print("== GPU:", torch.cuda.get_device_name(0), "torch
 make_grpo_prompts
 # CodeLlama-7B's blocks with GPT-2's vocabulary (the tokenizer both sides read).
 QWEN=bench/configs/qwen2.5-1.5b.json LLAMA=bench/configs/llama-7b-gpt2-vocab.json
+LORA="--lora-r 16 --lora-alpha 32 --lora-targets all-linear"
 
 # ft_grpo NAME CONFIG PROMPTS [flags…]: a step a generation of PROMPTS x 8 completions (micro-batches of 8), 5 steps.
 ft_grpo() {
@@ -55,6 +56,14 @@ PY
   rm -rf $OUT/$name/final $OUT/$name/checkpoints $OUT/$name/base-model
 }
 
+# profiled NAME CONFIG PROMPTS [flags…]: ft_grpo with step 3 profiled; its kernels' table and trace_gaps.py's summary.
+profiled() {
+  local name=$1; shift
+  ft_grpo $name "$@" --profile-steps 3:3
+  head -24 $OUT/$name/profile/*.kernels.tsv | cut -c1-160
+  python3 bench/gpu/trace_gaps.py $OUT/$name/profile/*.trace.json | head -40 | cut -c1-160; rm -f $OUT/$name/profile/*.trace.json
+}
+
 trl_grpo() {
   local name=$1; shift
   PYTHONPATH=/tmp/site timeout ${LIMIT:-300} python3 bench/peers/trl_grpo_step.py --tokenizer $D/gpt2-tokenizer.json --data /tmp/prompts.jsonl \
@@ -67,12 +76,12 @@ for run in ${RUNS:-ft-1.5b ft-1.5b-8x8 ft-7b-lora trl-1.5b trl-7b-lora}; do
   case $run in
     ft-1.5b) ft_grpo $run $QWEN 4 ;;
     ft-1.5b-8x8) ft_grpo $run $QWEN 8 ;;
-    ft-7b-lora) ft_grpo $run $LLAMA 4 --lora-r 16 --lora-alpha 32 --lora-targets all-linear ;;
-    ft-1.5b-profile)
-      # Step 3's GPU time per kernel (the rollout's 512 decoding steps and the update), and where the GPU idles.
-      ft_grpo $run $QWEN 4 --profile-steps 3:3
-      head -16 $OUT/$run/profile/*.kernels.tsv | cut -c1-160
-      python3 bench/gpu/trace_gaps.py $OUT/$run/profile/*.trace.json | head -40 | cut -c1-160; rm -f $OUT/$run/profile/*.trace.json ;;
+    ft-7b-lora) ft_grpo $run $LLAMA 4 $LORA ;;
+    ft-7b-lora-8x8) ft_grpo $run $LLAMA 8 $LORA ;;
+    # Step 3's GPU time per kernel (the rollout's 512 decoding steps and the update), and where the GPU idles.
+    ft-1.5b-profile) profiled $run $QWEN 4 ;;
+    ft-1.5b-8x8-profile) profiled $run $QWEN 8 ;;
+    ft-7b-lora-profile) profiled $run $LLAMA 4 $LORA ;;
     # Two GPUs, full_shard: the rollouts from the policy held whole through the rollout, or gathered a unit at a time.
     ft-1.5b-2gpu-whole) ft_grpo $run $QWEN 4 --nproc-per-node 2 --strategy full_shard --set train.rollout_gather=whole ;;
     ft-1.5b-2gpu-per-unit) ft_grpo $run $QWEN 4 --nproc-per-node 2 --strategy full_shard --set train.rollout_gather=per_unit ;;
