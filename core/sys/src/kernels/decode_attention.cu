@@ -51,6 +51,9 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
                                              const T* __restrict__ bias, float* __restrict__ partial, int kv_heads, int groups,
                                              long long capacity, int chunks, int bias_heads, float scale, float* space) {
   constexpr int E = HD / 32, KEYS_PER_WARP = DECODE_CHUNK / DECODE_WARPS;
+  // Keys whose values a lane loads before it waits on the first: all of its
+  // warp's where few query heads leave the registers room.
+  constexpr int UNROLL = G <= 2 ? KEYS_PER_WARP : 8;
   float(*queries)[HD] = reinterpret_cast<float(*)[HD]>(space);
   float(*weights)[DECODE_CHUNK] = reinterpret_cast<float(*)[DECODE_CHUNK]>(space + G * HD);  // scores, then exp(score - max)
   float *top = space + G * (HD + DECODE_CHUNK), *total = top + G;
@@ -89,7 +92,14 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
   }
 #pragma unroll
   for (int g = 0; g < G; ++g) weights[g][t] = s[g];
-  __syncthreads();
+  // A chunk no query head sees ends here, as its softmax would: no weight,
+  // no values. The grid covers the cache's capacity, so while a rollout is
+  // young most chunks are slots not yet written.
+  if (!__syncthreads_or(seen)) {
+    float* out = partial + (row_kv * chunks + chunk) * groups * (HD + 2);
+    for (int i = t; i < groups * (HD + 2); i += DECODE_CHUNK) out[i] = i % (HD + 2) == HD ? NEG_INF : 0.f;
+    return;
+  }
 
   // The chunk's softmax per query head, a warp a head.
   for (int g = warp; g < G; g += DECODE_WARPS) {
@@ -120,7 +130,7 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   if (any) {
     const int first = warp * KEYS_PER_WARP;
-#pragma unroll 8
+#pragma unroll UNROLL
     for (int i = 0; i < KEYS_PER_WARP; ++i) {
       const int key = first + i;
       float value[E];
