@@ -15,7 +15,7 @@
 // `partial` ([rows·kv_heads, chunks, groups, head_dim + 2]);
 // `decode_attention_merge` combines the chunks. A key hidden from every
 // query head (a padding or unwritten slot) is not read for its scores, and a
-// chunk hidden whole reads no values either.
+// chunk hidden whole ends once its masks are read.
 #define DECODE_MAX_GROUPS 8
 #define DECODE_CHUNK 128
 #define DECODE_WARPS (DECODE_CHUNK / 32)
