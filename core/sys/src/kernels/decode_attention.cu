@@ -52,8 +52,9 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
                                              long long capacity, int chunks, int bias_heads, float scale, float* space) {
   constexpr int E = HD / 32, KEYS_PER_WARP = DECODE_CHUNK / DECODE_WARPS;
   // Keys whose values a lane loads before it waits on the first: all of its
-  // warp's where few query heads leave the registers room.
-  constexpr int UNROLL = G <= 2 ? KEYS_PER_WARP : 8;
+  // warp's where the registers have room for them (few query heads, 2-byte
+  // values: 64 registers of loads).
+  constexpr int UNROLL = G <= 2 && sizeof(T) == 2 ? KEYS_PER_WARP : 8;
   float(*queries)[HD] = reinterpret_cast<float(*)[HD]>(space);
   float(*weights)[DECODE_CHUNK] = reinterpret_cast<float(*)[DECODE_CHUNK]>(space + G * HD);  // scores, then exp(score - max)
   float *top = space + G * (HD + DECODE_CHUNK), *total = top + G;
