@@ -63,6 +63,8 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
   const int kv = (int)(row_kv % kv_heads), chunk = (int)(blockIdx.x % chunks);
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const long long start = (long long)chunk * DECODE_CHUNK, cache = row_kv * capacity * HD;
+  // This chunk's results: per query head, its weighted values, maximum and sum.
+  float* const out = partial + (row_kv * chunks + chunk) * groups * (HD + 2);
   for (int i = t; i < G * HD; i += DECODE_CHUNK) queries[i / HD][i % HD] = i / HD < groups ? load(q, (row_kv * groups) * HD + i) * scale : 0.f;
   __syncthreads();
 
@@ -97,7 +99,6 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
   // no values. The grid covers the cache's capacity, so while a rollout is
   // young most chunks are slots not yet written.
   if (!__syncthreads_or(seen)) {
-    float* out = partial + (row_kv * chunks + chunk) * groups * (HD + 2);
     for (int i = t; i < groups * (HD + 2); i += DECODE_CHUNK) out[i] = i % (HD + 2) == HD ? NEG_INF : 0.f;
     return;
   }
@@ -154,9 +155,9 @@ __device__ void decode_attention_split_chunk(const T* __restrict__ q, const T* _
     float value = 0.f;
 #pragma unroll
     for (int w = 0; w < DECODE_WARPS; ++w) value += sums[w][g][d];
-    float* out = partial + ((row_kv * chunks + chunk) * groups + g) * (HD + 2);
-    out[d] = value;
-    if (d == 0) { out[HD] = top[g]; out[HD + 1] = total[g]; }
+    float* head = out + g * (HD + 2);
+    head[d] = value;
+    if (d == 0) { head[HD] = top[g]; head[HD + 1] = total[g]; }
   }
 }
 
