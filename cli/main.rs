@@ -105,7 +105,6 @@ enum Command {
 }
 
 fn main() {
-    ft_core::setup::default_cuda_allocator();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -114,6 +113,7 @@ fn main() {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    ft_core::setup::prepare_cuda();
     let args = with_default_command(std::env::args_os().collect());
     let cli = Cli::parse_from(&args);
     let code = ft_core::panic::run_command(&args, || run(cli));

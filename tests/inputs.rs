@@ -334,7 +334,7 @@ fn malformed_input_to_every_subcommand_is_an_error_not_a_panic() {
         (forward("[]"), "no rows of token ids".into()),
         (forward("[[]]"), "row 0 of the token ids is empty".into()),
         (forward("{\"ids\": [1]}"), "must hold [[id, ...], ...]".into()),
-        ([forward("[[1]]"), words(&["--device", "cuda:99"])].concat(), "device cuda:99 is CUDA GPU 99, but libtorch sees".into()),
+        ([forward("[[1]]"), words(&["--device", "cuda:99"])].concat(), "device cuda:99 is CUDA GPU 99, but ".into()),
         ([words(&["forward", "--model", opt, "--ids"]), vec![file("long.json", &long_row)], words(&["--out", &out("o.safetensors")])].concat(), "row 0's 65 token ids take 65 positions, more than this opt model's max_position_embeddings (64".into()),
         (words(&["bench", "--config", bloom, "--device", "cpu", "--dtype", "f32", "--warmup", "0", "--steps", "1", "--batch", "0", "--seq", "8"]), "--batch 0: it must be at least 1".into()),
         (words(&["bench", "--from-json", &not_json]), "is not `ft bench --json` output".into()),

@@ -87,6 +87,9 @@ impl DeviceSpec {
         if let Device::Cuda(index) = device {
             let visible = tch::Cuda::device_count().max(0) as usize;
             if index >= visible {
+                if let Err(why) = ft_sys::cuda::init() {
+                    bail!("device {self} is CUDA GPU {index}, but {why}: use --device cpu");
+                }
                 bail!("device {self} is CUDA GPU {index}, but libtorch sees {visible} GPU(s) here (a driver missing, or CUDA_VISIBLE_DEVICES hiding them?): use a GPU it sees, or --device cpu");
             }
         }

@@ -661,9 +661,8 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU (bench/gpu/nf4_kernel.sh runs it)"]
     fn kernel_dequantizes_as_atens_ops_bit_for_bit_on_a_gpu() {
-        // This test binary uses no symbol of libtorch_cuda, so the linker left it out; its CUDA ops register when it loads.
-        // SAFETY: loading PyTorch's own library, found on LD_LIBRARY_PATH, runs only its registrations.
-        std::mem::forget(unsafe { libloading::Library::new("libtorch_cuda.so") }.expect("libtorch_cuda.so on LD_LIBRARY_PATH"));
+        // Before any libtorch call: its CUDA ops register as CUDA opens.
+        ft_sys::cuda::init().expect("CUDA opens on a host with a GPU");
         let gpu = Device::Cuda(0);
         ft_sys::kernels::available(gpu).expect("ft's kernels load");
         tch::manual_seed(5);

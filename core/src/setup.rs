@@ -282,13 +282,19 @@ pub fn check_comm_hook(config: &Config, registry: &Registry, world: usize, per_n
     Ok(format!("communication: comm `{}` serves this run (its check accepts it)", hook.name()))
 }
 
-/// Has the CUDA caching allocator grow expandable segments, unless the user
-/// set PYTORCH_CUDA_ALLOC_CONF: variable-length batches fragment its fixed
-/// ones. Before libtorch starts CUDA (first thing in `main`); the ranks a
-/// command starts inherit it.
-pub fn default_cuda_allocator() {
+/// Readies CUDA, first thing in `main` (after the log, before any libtorch
+/// call): has the caching allocator grow expandable segments unless the
+/// user set PYTORCH_CUDA_ALLOC_CONF (variable-length batches fragment its
+/// fixed ones; the ranks a command starts inherit it), then opens CUDA if
+/// the host has GPUs. GPUs whose CUDA does not open are a warning: the
+/// process goes on without them, and a run that asks for one is refused
+/// with the reason.
+pub fn prepare_cuda() {
     if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
         std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+    }
+    if let Err(failed @ ft_sys::cuda::Unavailable::Failed(_)) = ft_sys::cuda::init() {
+        tracing::warn!("{failed}; going on without the GPUs");
     }
 }
 

@@ -1,11 +1,13 @@
-//! Compiles the c10d shim against the headers of the PyTorch wheel that
-//! torch-sys links (LIBTORCH_USE_PYTORCH=1, the venv's python first on PATH).
-//! Gloo's headers are not in the wheel: they come from Debian's libgloo-dev
-//! (installed by scripts/setup.sh); NCCL's and CUDA's come from the wheel's
-//! own nvidia-* dependencies plus nvidia-cuda-crt / nvidia-cuda-cccl.
+//! Compiles the shim against the headers of the PyTorch wheel that torch-sys
+//! links (LIBTORCH_USE_PYTORCH=1, the venv's python first on PATH): c10d.cpp
+//! into the archive ft links, cuda.cpp into libft_cuda.so, which
+//! `ft_sys::cuda` carries and opens on hosts with GPUs. Gloo's headers are
+//! not in the wheel: they come from Debian's libgloo-dev (installed by
+//! scripts/setup.sh); NCCL's and CUDA's come from the wheel's own nvidia-*
+//! dependencies plus nvidia-cuda-crt / nvidia-cuda-cccl.
 
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const FIND_TORCH: &str = "import os, sys, torch; \
@@ -20,7 +22,7 @@ fn python() -> PathBuf {
 }
 
 fn main() {
-    println!("cargo:rerun-if-changed=shim/c10d.cpp");
+    println!("cargo:rerun-if-changed=shim");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     let python = python();
     let output = Command::new(&python)
@@ -54,59 +56,79 @@ fn main() {
         panic!("gloo headers missing (/usr/include/gloo): run scripts/setup.sh (it installs Debian's libgloo-dev)");
     }
 
-    let mut shim = cc::Build::new();
-    shim.cpp(true)
+    let mut cxx = cc::Build::new();
+    cxx.cpp(true)
         .pic(true)
         .warnings(false)
+        .cargo_metadata(false)
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"))
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .include(torch.join("include"))
-        .include(torch.join("include/torch/csrc/api/include"))
+        .include(torch.join("include/torch/csrc/api/include"));
+    let torch_lib = torch.join("lib");
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+
+    let shim = cxx.clone().file("shim/c10d.cpp").clone();
+    made_once(&shim, &out.join("libft_shim.a"), || shim.compile("ft_shim"));
+    println!("cargo:rustc-link-lib=static=ft_shim");
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-lib=stdc++");
+    println!("cargo:rustc-link-search=native={}", torch_lib.display());
+    for lib in ["torch_cpu", "c10"] {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
+
+    // The CUDA half: a shared library that `ft_sys::cuda` carries (include_bytes!) and opens where there are GPUs.
+    let cuda = cxx
         .include(nvidia.join("cu13/include"))
         .include(nvidia.join("cu13/include/cccl"))
         .include(nvidia.join("nccl/include"))
-        .file("shim/c10d.cpp");
-    compile_once(&shim, "ft_shim");
-
-    let torch_lib = torch.join("lib");
-    println!("cargo:rustc-link-search=native={}", torch_lib.display());
-    for lib in ["torch_cuda", "c10_cuda", "torch_cpu", "c10"] {
-        println!("cargo:rustc-link-lib=dylib={lib}");
-    }
+        .file("shim/cuda.cpp")
+        .clone();
+    let library = out.join("libft_cuda.so");
+    made_once(&cuda, &library, || {
+        let objects = cuda.compile_intermediates();
+        let status = cuda
+            .get_compiler()
+            .to_command()
+            .args(["-shared", "-Wl,-soname,libft_cuda.so", "-o"])
+            .arg(&library)
+            .args(&objects)
+            .arg(format!("-L{}", torch_lib.display()))
+            .args(["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10"])
+            .status()
+            .expect("cannot run the C++ compiler to link libft_cuda.so");
+        assert!(status.success(), "linking libft_cuda.so failed");
+    });
     // Read by dependents' build scripts as DEP_FT_SHIM_TORCH_LIB.
     println!("cargo:torch_lib={}", torch_lib.display());
 }
 
-/// Compiles `build` into OUT_DIR's lib`name`.a, or copies the archive a
-/// build in this target directory made from the same preprocessed source
-/// (the shim with every header it includes) and the same compiler command.
-/// A plug-in built outside ft's workspace into ft's target directory (the
-/// template) has an ft-sys of its own, under another hash, whose C++ was 17
-/// of its 22 s; the preprocessing costs about 1 s.
-fn compile_once(build: &cc::Build, name: &str) {
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+/// Makes `artifact` with `make`, or copies the one a build in this target
+/// directory made from the same preprocessed source (the shim with every
+/// header it includes) and the same compiler command. A plug-in built
+/// outside ft's workspace into ft's target directory (the template) has an
+/// ft-sys of its own, under another hash, whose C++ was 17 of its 22 s; the
+/// preprocessing costs about 1 s.
+fn made_once(build: &cc::Build, artifact: &Path, make: impl FnOnce()) {
     let compiler = build.get_compiler();
     let mut key = std::hash::DefaultHasher::new();
     build.expand().hash(&mut key);
     compiler.path().hash(&mut key);
     compiler.args().hash(&mut key);
     Command::new(compiler.path()).arg("--version").output().map(|o| o.stdout).unwrap_or_default().hash(&mut key);
-    // OUT_DIR is <target>/<profile>/build/<crate>-<hash>/out: the archives are kept beside the crates' build directories.
-    let kept = out.join(format!("../../{name}-compiled/{:016x}.a", key.finish()));
-    let archive = out.join(format!("lib{name}.a"));
-    if std::fs::copy(&kept, &archive).is_ok() {
-        // What cc::Build::compile tells cargo.
-        println!("cargo:rustc-link-lib=static={name}");
-        println!("cargo:rustc-link-search=native={}", out.display());
-        println!("cargo:rustc-link-lib=stdc++");
+    let name = artifact.file_name().expect("an artifact's file name").to_string_lossy();
+    // The artifact is in <target>/<profile>/build/<crate>-<hash>/out: the copies are kept beside the crates' build directories.
+    let kept = artifact.with_file_name(format!("../../{name}-compiled/{:016x}", key.finish()));
+    if std::fs::copy(&kept, artifact).is_ok() {
         return;
     }
-    build.compile(name);
+    make();
     // Written under a name of its own, then renamed: a build beside this one reads all of it or nothing.
     let partial = kept.with_extension(format!("{}.partial", std::process::id()));
     let kept_ok = std::fs::create_dir_all(kept.parent().unwrap())
-        .and_then(|()| std::fs::copy(&archive, &partial))
+        .and_then(|()| std::fs::copy(artifact, &partial))
         .and_then(|_| std::fs::rename(&partial, &kept));
     if let Err(error) = kept_ok {
         println!("cargo:warning={name} is not kept for other builds in this target directory ({}): {error}", kept.display());

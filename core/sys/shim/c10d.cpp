@@ -1,5 +1,6 @@
-// C ABI over PyTorch's c10d and the few ATen/autograd calls tch lacks: TCPStore rendezvous, ProcessGroupGloo (CPU) and
-// ProcessGroupNCCL (CUDA) backends, and their asynchronous collectives.
+// C ABI over PyTorch's c10d and the few ATen/autograd calls tch lacks: TCPStore rendezvous, ProcessGroupGloo
+// backends and their asynchronous collectives. What calls libtorch_cuda (NCCL groups, streams, graphs, the CUDA
+// allocator's counters) is cuda.cpp, a library of its own that ft opens only on a host with GPUs.
 //
 // Every entry point catches every C++ exception and returns its message as a
 // malloc'd string (NULL on success) so that Rust turns it into an error instead
@@ -7,64 +8,32 @@
 // `Tensor::as_ptr()` points at.
 
 #define USE_C10D_GLOO 1
-#define USE_C10D_NCCL 1
+
+#include "common.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/core/Event.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <ATen/ATen.h>
 
 #include <chrono>
-#include <exception>
 #include <dlfcn.h>
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-enum BackendKind : int { kGloo = 0, kNccl = 1 };
 enum Reduction : int { kSum = 0, kAvg = 1, kMax = 2, kMin = 3 };
 
-char* copy_message(const char* message) {
-  size_t length = std::strlen(message);
-  char* copy = static_cast<char*>(std::malloc(length + 1));
-  if (copy != nullptr) {
-    std::memcpy(copy, message, length + 1);
-  }
-  return copy;
-}
-
-// Runs `body`; returns NULL or the exception's message. c10::Error carries a
-// C++ backtrace in what(); the short form is what a user needs to read.
-template <typename Body>
-char* guarded(Body&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& error) {
-    return copy_message(error.what_without_backtrace());
-  } catch (const std::exception& error) {
-    return copy_message(error.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
+using ft_shim::copy_message;
+using ft_shim::guarded;
 
 // Calls Rust through `call(message, capacity)`, which returns non-zero with
 // a message on failure; that becomes an exception (an autograd node's error).
@@ -92,16 +61,6 @@ c10d::ReduceOp to_reduce_op(int reduction) {
 
 }  // namespace
 
-struct FtStore {
-  c10::intrusive_ptr<c10d::Store> store;
-};
-
-struct FtGroup {
-  c10::intrusive_ptr<c10d::Backend> backend;
-  int kind;
-  int size;
-};
-
 // Gloo has no AVG reduction: it sums, and `wait` divides afterwards.
 struct FtWork {
   c10::intrusive_ptr<c10d::Work> work;
@@ -112,6 +71,20 @@ struct FtWork {
 extern "C" {
 
 void ft_free_error(char* error) { std::free(error); }
+
+// Opens libtorch_cuda.so, from the directory of the libtorch_cpu.so this
+// process runs (the same wheel), before libft_cuda.so that needs it. Global:
+// its CUDA runtime is where ft_pin_memory_exact finds cudaHostAlloc.
+char* ft_open_torch_cuda() {
+  return guarded([&] {
+    Dl_info info;
+    TORCH_CHECK(dladdr(reinterpret_cast<void*>(&at::globalContext), &info) != 0 && info.dli_fname != nullptr,
+                "cannot tell where libtorch_cpu.so was loaded from");
+    std::string path(info.dli_fname);
+    path = path.substr(0, path.rfind('/') + 1) + "libtorch_cuda.so";
+    TORCH_CHECK(dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr, dlerror());
+  });
+}
 
 char* ft_store_create(const char* host, uint16_t port, bool is_server,
                       int64_t world_size, int64_t timeout_ms, FtStore** out) {
@@ -138,38 +111,20 @@ void ft_store_free(FtStore* store) { delete store; }
 
 // `gloo_hostname`: the address this rank's Gloo device binds to; empty means
 // Gloo's own default (GLOO_SOCKET_IFNAME, else the host name's address).
-char* ft_group_create(FtStore* store, int kind, int rank, int size, int64_t timeout_ms,
-                      int device_index, const char* gloo_hostname, FtGroup** out) {
+// NCCL groups are cuda.cpp's (ft_nccl_group_create).
+char* ft_gloo_group_create(FtStore* store, int rank, int size, int64_t timeout_ms, const char* gloo_hostname,
+                           FtGroup** out) {
   return guarded([&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    c10::intrusive_ptr<c10d::Backend> backend;
-    if (kind == kGloo) {
-      c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options;
-      if (std::strlen(gloo_hostname) == 0) {
-        options = c10d::ProcessGroupGloo::Options::create_default(timeout);
-      } else {
-        options = c10d::ProcessGroupGloo::Options::create(timeout);
-        options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForHostname(gloo_hostname));
-      }
-      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store->store, rank, size, options);
-    } else if (kind == kNccl) {
-      // What Python's init_process_group(device_id=...) does: bind the group
-      // to one device and connect eagerly, so that every rank does not open a
-      // context on GPU 0 and the first collective does not pay for set-up.
-      c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index));
-      auto options = c10d::ProcessGroupNCCL::Options::create();
-      options->timeout = timeout;
-      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store->store, rank, size, options);
-      at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
-      nccl->setBoundDeviceId(device);
-      nccl->setSequenceNumberForGroup();
-      nccl->eagerConnectSingleDevice(device);
-      backend = nccl;
+    c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options;
+    if (std::strlen(gloo_hostname) == 0) {
+      options = c10d::ProcessGroupGloo::Options::create_default(timeout);
     } else {
-      throw std::invalid_argument("unknown backend kind " + std::to_string(kind));
+      options = c10d::ProcessGroupGloo::Options::create(timeout);
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(gloo_hostname));
     }
-    *out = new FtGroup{backend, kind, size};
+    auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store->store, rank, size, options);
+    *out = new FtGroup{backend, kGloo, size};
   });
 }
 
@@ -194,10 +149,6 @@ void ft_group_free(FtGroup* group) {
   } catch (...) {
   }
   delete group;
-}
-
-char* ft_cuda_set_device(int device_index) {
-  return guarded([&] { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index)); });
 }
 
 char* ft_all_reduce(FtGroup* group, at::Tensor* tensor, int reduction, FtWork** out) {
@@ -310,8 +261,8 @@ char* ft_copy_async(at::Tensor* dst, at::Tensor* src) {
 // whole run (offloaded masters and gradients): the caching host allocator
 // behind pin_memory() rounds every block up to a power of two, so a 0.8 GB
 // unit would pin 1.07 GB — tens of GB at 7B parameters. cudaHostAlloc is
-// looked up in the CUDA runtime libtorch loaded; without one (a CPU build)
-// this is pin_memory().
+// looked up in the CUDA runtime ft_open_torch_cuda loaded; without one (a
+// host without GPUs) this is pin_memory().
 char* ft_pin_memory_exact(at::Tensor* tensor, at::Tensor** out) {
   return guarded([&] {
     using HostAlloc = int (*)(void**, size_t, unsigned int);
@@ -363,99 +314,9 @@ char* ft_storage_alias(at::Tensor* tensor, at::Tensor** out) {
   });
 }
 
-// Waits on the host until `device`'s current stream has finished its queued
-// work (what an offloaded step needs before reading copied-back gradients;
-// unlike a device synchronisation it ignores NCCL's and other streams).
-char* ft_cuda_stream_synchronize(int device) {
-  return guarded([&] { c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).synchronize(); });
-}
-
 // Whether autograd records operations on this thread now (outside a
 // no-grad scope).
 bool ft_grad_enabled() { return at::GradMode::is_enabled(); }
-
-// The raw cudaStream_t of `device`'s current stream: where kernels ft
-// launches itself must go to stay ordered with ATen's.
-char* ft_cuda_current_stream(int device, void** out) {
-  return guarded([&] { *out = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(); });
-}
-
-// A CUDA graph with the stream it is captured on: PyTorch captures only on
-// a stream other than the default one, so capture switches the thread's
-// current stream to a pool stream (`capture_stream`, ordered after the work queued so far)
-// and back when it ends; replays run on the current stream again.
-struct FtGraph {
-  at::cuda::CUDAGraph graph;
-  c10::cuda::CUDAStream previous;
-  c10::cuda::CUDAStream capture;
-};
-
-// The one pool stream every capture on `device` records on. cuBLAS keeps a
-// workspace for each stream it has run on (32 MiB on Hopper) as long as the
-// process lives: a stream taken afresh from the pool for each capture left
-// one more workspace after every rollout, up to the pool's 32 streams.
-static c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
-  static std::mutex mutex;
-  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = streams.find(device);
-  if (found == streams.end()) {
-    found = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
-  }
-  return found->second;
-}
-
-// Starts recording what this thread launches on `device`; nothing runs until
-// a replay. ThreadLocal mode: other threads' CUDA calls stay legal.
-char* ft_graph_capture_begin(int device, FtGraph** out) {
-  return guarded([&] {
-    auto index = static_cast<c10::DeviceIndex>(device);
-    auto previous = c10::cuda::getCurrentCUDAStream(index);
-    auto capture = capture_stream(index);
-    // c10's device-generic event: at::cuda::CUDAEvent would link the CUDA runtime into ft itself.
-    c10::Event queued(c10::DeviceType::CUDA);
-    queued.record(previous);
-    queued.block(capture);
-    auto* graph = new FtGraph{at::cuda::CUDAGraph(), previous, capture};
-    c10::cuda::setCurrentCUDAStream(capture);
-    try {
-      graph->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-    } catch (...) {
-      c10::cuda::setCurrentCUDAStream(previous);
-      delete graph;
-      throw;
-    }
-    *out = graph;
-  });
-}
-
-// Ends the recording (it fails if something in it cannot be captured, such
-// as a copy to the host) and restores the thread's stream, in every case.
-char* ft_graph_capture_end(FtGraph* graph) {
-  return guarded([&] {
-    std::exception_ptr failure;
-    try {
-      graph->graph.capture_end();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    c10::cuda::setCurrentCUDAStream(graph->previous);
-    c10::Event captured(c10::DeviceType::CUDA);
-    captured.record(graph->capture);
-    captured.block(graph->previous);
-    if (failure) {
-      std::rethrow_exception(failure);
-    }
-  });
-}
-
-char* ft_graph_replay(FtGraph* graph) {
-  return guarded([&] { graph->graph.replay(); });
-}
-
-void ft_graph_free(FtGraph* graph) {
-  delete graph;
-}
 
 // Starts PyTorch's Kineto profiler on this thread: host-side ATen calls, and
 // CUDA kernels, copies and memsets through CUPTI when `cuda` is set.
@@ -1037,23 +898,6 @@ char* ft_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, FusedKernel kerne
 // writes a fresh gradient instead of adding into a zeroed one.
 char* ft_clear_grad(at::Tensor* tensor) {
   return guarded([&] { tensor->mutable_grad() = at::Tensor(); });
-}
-
-// The CUDA caching allocator's counters for `device`: bytes allocated now and
-// at peak, reserved now and at peak. `reset_peak` starts a new peak window.
-char* ft_cuda_memory_stats(int device, bool reset_peak, int64_t* out) {
-  return guarded([&] {
-    auto index = static_cast<c10::DeviceIndex>(device);
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-    constexpr size_t kAggregate = 0;
-    out[0] = stats.allocated_bytes[kAggregate].current;
-    out[1] = stats.allocated_bytes[kAggregate].peak;
-    out[2] = stats.reserved_bytes[kAggregate].current;
-    out[3] = stats.reserved_bytes[kAggregate].peak;
-    if (reset_peak) {
-      c10::cuda::CUDACachingAllocator::resetPeakStats(index);
-    }
-  });
 }
 
 // torch::autograd::backward(outputs, grad_outputs): tch's run_backward

@@ -700,9 +700,8 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU of compute capability 8.9+ (bench/gpu/llama7b_fp8_1gpu.sh runs it)"]
     fn fused_casts_equal_atens_bit_for_bit_on_a_gpu() {
-        // This test binary uses no symbol of libtorch_cuda, so the linker left it out; its CUDA ops register when it loads.
-        // SAFETY: loading PyTorch's own library, found on LD_LIBRARY_PATH, runs only its registrations.
-        std::mem::forget(unsafe { libloading::Library::new("libtorch_cuda.so") }.expect("libtorch_cuda.so on LD_LIBRARY_PATH"));
+        // Before any libtorch call: its CUDA ops register as CUDA opens.
+        crate::cuda::init().expect("CUDA opens on a host with a GPU");
         let gpu = Device::Cuda(0);
         tch::manual_seed(11);
         // 300 tokens: the weight gradient's inner dimension is padded to 304.

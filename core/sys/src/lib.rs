@@ -1,17 +1,20 @@
 //! The only crate of `ft` with `unsafe` and C++: a thin, safe face over the
-//! c10d shim (`shim/c10d.cpp`). Every fallible call returns the C++
-//! exception's message as `ShimError`; nothing here aborts the process.
+//! shim (`shim/c10d.cpp`; `shim/cuda.cpp` through `cuda`). Every fallible
+//! call returns the C++ exception's message as `ShimError`; nothing here
+//! aborts the process.
 //!
 //! Ownership mirrors c10d's: a `Group` keeps its store alive, a `Work` keeps
 //! its tensors alive until it is dropped (c10d holds references), so dropping
 //! Rust handles early never frees memory a collective still uses.
 
+pub mod cuda;
 pub mod float8;
 pub mod kernels;
 pub mod host_bytes;
 
+pub use cuda::{cuda_current_stream, cuda_memory, cuda_set_device, cuda_stream_synchronize, CudaGraph, CudaMemory};
 
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, CStr, CString};
 use std::fmt;
 use std::time::Duration;
 use tch::Tensor;
@@ -47,18 +50,15 @@ extern "C" {
     ) -> *mut c_char;
     fn ft_store_prefixed(base: *mut RawStore, prefix: *const c_char, out: *mut *mut RawStore) -> *mut c_char;
     fn ft_store_free(store: *mut RawStore);
-    fn ft_group_create(
+    fn ft_gloo_group_create(
         store: *mut RawStore,
-        kind: i32,
         rank: i32,
         size: i32,
         timeout_ms: i64,
-        device_index: i32,
         gloo_hostname: *const c_char,
         out: *mut *mut RawGroup,
     ) -> *mut c_char;
     fn ft_group_free(group: *mut RawGroup);
-    fn ft_cuda_set_device(device_index: i32) -> *mut c_char;
     fn ft_all_reduce(group: *mut RawGroup, tensor: *mut RawTensor, reduction: i32, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_all_gather_into_tensor(
         group: *mut RawGroup,
@@ -86,7 +86,6 @@ extern "C" {
     fn ft_barrier(group: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     fn ft_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
     fn ft_work_free(work: *mut RawWork);
-    fn ft_cuda_memory_stats(device: i32, reset_peak: bool, out: *mut i64) -> *mut c_char;
     fn ft_backward(outputs: *const *mut RawTensor, grad_outputs: *const *mut RawTensor, count: i32) -> *mut c_char;
     fn ft_fused_adamw(
         params: *const *mut RawTensor,
@@ -104,7 +103,6 @@ extern "C" {
         found_inf: *mut RawTensor,
     ) -> *mut c_char;
     fn ft_clear_grad(tensor: *mut RawTensor) -> *mut c_char;
-    fn ft_cuda_stream_synchronize(device: i32) -> *mut c_char;
     fn ft_grad_enabled() -> bool;
     fn ft_resize_storage(tensor: *mut RawTensor, nbytes: i64) -> *mut c_char;
     fn ft_storage_alias(tensor: *mut RawTensor, out: *mut *mut RawTensor) -> *mut c_char;
@@ -130,11 +128,6 @@ extern "C" {
     fn ft_float8_linear(x: *mut RawTensor, weight: *mut RawTensor, a: *mut RawTensor, b: *mut RawTensor, scale: f64, gemms: Float8Gemms, code: i64, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_rope(x: *mut RawTensor, cos: *mut RawTensor, sin: *mut RawTensor, kernel: Option<FusedKernel>, out: *mut *mut RawTensor) -> *mut c_char;
     fn ft_exchange(input: *mut RawTensor, handle: i64, run: ExchangeFn, release: ReleaseFn, out: *mut *mut RawTensor) -> *mut c_char;
-    fn ft_cuda_current_stream(device: i32, out: *mut *mut c_void) -> *mut c_char;
-    fn ft_graph_capture_begin(device: i32, out: *mut *mut RawGraph) -> *mut c_char;
-    fn ft_graph_capture_end(graph: *mut RawGraph) -> *mut c_char;
-    fn ft_graph_replay(graph: *mut RawGraph) -> *mut c_char;
-    fn ft_graph_free(graph: *mut RawGraph);
     fn ft_profiler_start(cuda: bool) -> *mut c_char;
     fn ft_profiler_stop(trace_path: *const c_char, summary: *mut *mut c_char) -> *mut c_char;
 }
@@ -250,20 +243,17 @@ pub struct GroupOptions<'a> {
 
 impl Group {
     pub fn new(store: &Store, options: &GroupOptions<'_>) -> Result<Group> {
-        let hostname = c_string(options.gloo_hostname)?;
-        let mut raw = std::ptr::null_mut();
-        check(unsafe {
-            ft_group_create(
-                store.raw,
-                options.kind as i32,
-                options.rank as i32,
-                options.size as i32,
-                millis(options.timeout),
-                options.device_index as i32,
-                hostname.as_ptr(),
-                &mut raw,
-            )
-        })?;
+        let raw = match options.kind {
+            BackendKind::Nccl => cuda::nccl_group(store, options.rank, options.size, options.timeout, options.device_index)?,
+            BackendKind::Gloo => {
+                let hostname = c_string(options.gloo_hostname)?;
+                let mut raw = std::ptr::null_mut();
+                check(unsafe {
+                    ft_gloo_group_create(store.raw, options.rank as i32, options.size as i32, millis(options.timeout), hostname.as_ptr(), &mut raw)
+                })?;
+                raw
+            }
+        };
         Ok(Group { raw })
     }
 
@@ -341,11 +331,6 @@ impl Drop for Work {
     }
 }
 
-/// Makes `device_index` the current CUDA device of this thread (tch has no such call).
-pub fn cuda_set_device(device_index: usize) -> Result<()> {
-    check(unsafe { ft_cuda_set_device(device_index as i32) })
-}
-
 fn pointers(tensors: &[&Tensor]) -> Vec<*mut RawTensor> {
     tensors.iter().map(|t| tensor_ptr(t)).collect()
 }
@@ -410,22 +395,6 @@ pub fn clear_grad(tensor: &Tensor) -> Result<()> {
     check(unsafe { ft_clear_grad(tensor_ptr(tensor)) })
 }
 
-/// The CUDA caching allocator's view of one device, in bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CudaMemory {
-    pub allocated: i64,
-    pub peak_allocated: i64,
-    pub reserved: i64,
-    pub peak_reserved: i64,
-}
-
-/// Reads the allocator's counters; `reset_peak` starts a new peak window.
-pub fn cuda_memory(device_index: usize, reset_peak: bool) -> Result<CudaMemory> {
-    let mut out = [0i64; 4];
-    check(unsafe { ft_cuda_memory_stats(device_index as i32, reset_peak, out.as_mut_ptr()) })?;
-    Ok(CudaMemory { allocated: out[0], peak_allocated: out[1], reserved: out[2], peak_reserved: out[3] })
-}
-
 /// A page-locked (pinned) copy of a host tensor.
 pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
     let mut raw = std::ptr::null_mut();
@@ -471,11 +440,6 @@ pub fn storage_alias(tensor: &Tensor) -> Result<Tensor> {
 pub fn grad_enabled() -> bool {
     // SAFETY: reads a thread-local flag.
     unsafe { ft_grad_enabled() }
-}
-
-/// Blocks until the current CUDA stream of `device_index` has drained.
-pub fn cuda_stream_synchronize(device_index: usize) -> Result<()> {
-    check(unsafe { ft_cuda_stream_synchronize(device_index as i32) })
 }
 
 /// A low-rank adapted linear layer, x·Wᵀ + bias + scale·(x·Aᵀ)·Bᵀ, as one
@@ -770,54 +734,6 @@ fn float8_linear(x: &Tensor, weight: &Tensor, adapter: Option<(&Tensor, &Tensor,
     check(unsafe { ft_float8_linear(tensor_ptr(x), tensor_ptr(weight), a, b, scale, float8_gemms, code, &mut raw) })?;
     // SAFETY: the shim returns a heap-allocated at::Tensor, which is what tch's tensors own.
     Ok(unsafe { Tensor::from_ptr(raw) })
-}
-
-/// The raw `cudaStream_t` of `device_index`'s current stream.
-pub fn cuda_current_stream(device_index: usize) -> Result<*mut c_void> {
-    let mut stream = std::ptr::null_mut();
-    check(unsafe { ft_cuda_current_stream(device_index as i32, &mut stream) })?;
-    Ok(stream)
-}
-
-/// A recorded sequence of CUDA work that replays with one launch
-/// (PyTorch's `torch.cuda.CUDAGraph`): the tensors it touched keep their
-/// addresses, so inputs change by writing into them in place. Memory
-/// allocated while recording stays the graph's until it is dropped.
-pub struct CudaGraph {
-    raw: *mut RawGraph,
-}
-
-impl CudaGraph {
-    /// Records what `body` launches on CUDA device `device_index` without
-    /// running it, and returns the graph with `body`'s result. Fails, with
-    /// the recording discarded and the thread's stream restored, when
-    /// `body` panics or launches something a graph cannot hold (a copy to
-    /// the host, a synchronisation).
-    pub fn capture<T>(device_index: usize, body: impl FnOnce() -> T) -> Result<(CudaGraph, T)> {
-        let mut raw = std::ptr::null_mut();
-        check(unsafe { ft_graph_capture_begin(device_index as i32, &mut raw) })?;
-        let graph = CudaGraph { raw };
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
-        let ended = check(unsafe { ft_graph_capture_end(graph.raw) });
-        match outcome {
-            Ok(value) => ended.map(|()| (graph, value)),
-            Err(panic) => {
-                let message = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
-                Err(ShimError(format!("capture failed: {}", message.unwrap_or_else(|| "the recorded code panicked".into()))))
-            }
-        }
-    }
-
-    /// Runs the recorded work again on the current stream.
-    pub fn replay(&self) -> Result<()> {
-        check(unsafe { ft_graph_replay(self.raw) })
-    }
-}
-
-impl Drop for CudaGraph {
-    fn drop(&mut self) {
-        unsafe { ft_graph_free(self.raw) }
-    }
 }
 
 /// One event name's totals over a profiled span.
