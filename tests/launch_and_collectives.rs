@@ -42,6 +42,21 @@ fn assert_all_checked(rows: &[Value], groups: &[&str]) {
     }
 }
 
+/// ft links no CUDA library: where the host has no NVIDIA device nodes none
+/// loads (they were 40% of each process's start), and where it has them ft
+/// opens them first thing (core/sys/src/cuda.rs).
+#[test]
+fn cuda_libraries_load_only_where_there_are_gpus() {
+    let output = ft(&["--version"]).env("LD_DEBUG", "files").output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let loader = String::from_utf8_lossy(&output.stderr);
+    let gpus = ["/dev/nvidiactl", "/dev/dxg"].iter().any(|node| Path::new(node).exists());
+    for library in ["libtorch_cuda.so", "libc10_cuda.so", "libcublas.so", "libnccl.so"] {
+        assert_eq!(loader.contains(library), gpus, "{library} loaded: {}; GPUs here: {gpus}", loader.contains(library));
+    }
+    assert!(loader.contains("libtorch_cpu.so"), "the loader's trace names what it loads:\n{loader}");
+}
+
 #[test]
 fn collectives_are_correct_on_2_ranks() {
     let dir = tempfile::tempdir().unwrap();
