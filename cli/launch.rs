@@ -36,7 +36,9 @@ pub struct LaunchArgs {
     command: Vec<String>,
 }
 
-pub fn run(args: LaunchArgs) -> Result<i32> {
+/// `run_ft` runs an `ft` command line in a worker (`cli/main.rs`).
+pub fn run(args: LaunchArgs, run_ft: &dyn Fn(&[String]) -> Result<i32>) -> Result<i32> {
     let LaunchArgs { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command } = args;
-    ft_core::distributed::launch::run(LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command })
+    let options = LaunchOptions { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_secs, save_grace_secs, exec, command };
+    ft_core::distributed::launch::run(options, run_ft)
 }

@@ -121,9 +121,17 @@ fn main() {
     ft_core::setup::exit_without_teardown(code)
 }
 
+/// An `ft` command line run in this process: what `ft launch` forks its
+/// workers to. A bad one ends the worker as it would end `ft` (clap's
+/// message and exit code).
+fn run_arguments(arguments: &[String]) -> Result<i32> {
+    let args = std::iter::once(OsString::from("ft")).chain(arguments.iter().map(OsString::from)).collect();
+    run(Cli::try_parse_from(with_default_command(args)).unwrap_or_else(|error| error.exit()))
+}
+
 fn run(cli: Cli) -> Result<i32> {
     match cli.command {
-        Command::Launch(args) => launch::run(args),
+        Command::Launch(args) => launch::run(args, &run_arguments),
         Command::CommTest(args) => comm_test::run(args, &cli.plugins),
         Command::List(config) => {
             Config::load(config.path.as_deref(), &[], &[])?;

@@ -9,8 +9,9 @@
 //! so; a second signal stops them at once. The launcher's own exit code
 //! tells a scheduler which of these happened (`exit_code`).
 //!
-//! `ft train` and `ft eval` starting their own ranks on a host without
-//! GPUs fork them (`Work::Fork`) rather than start `ft` again: a new process
+//! On a host without GPUs, `ft launch`'s `ft` commands and the ranks `ft
+//! train` and `ft eval` start for themselves are forked (`Work::Fork`)
+//! rather than `ft` started again: a new process
 //! spends ~0.5 s of CPU registering libtorch's operators before it reads its
 //! first argument, most of a short CPU run's start, and a copy of this one
 //! has done that. A fork is taken only while it is safe: this process runs
@@ -198,8 +199,7 @@ fn pass_on(workers: &mut [Worker], signal: i32) {
 
 /// What each local worker runs.
 pub enum Work<'a> {
-    /// `program arguments…` in a new process: `ft launch`'s command, or
-    /// `--exec`'s program.
+    /// `program arguments…` in a new process: `ft launch --exec`'s program.
     Exec { program: PathBuf, arguments: Vec<String> },
     /// `run` in a copy of this process, which then exits with its code; where
     /// workers are not forked (`forks_workers`), `ft arguments…` in a new process.
@@ -311,15 +311,15 @@ pub fn spawn_local(nproc: usize, work: Work) -> Result<i32> {
     launch(&options, work)
 }
 
-/// `ft launch`: the workers run `options.command`, an `ft` subcommand or
-/// (`exec`) a program.
-pub fn run(options: LaunchOptions) -> Result<i32> {
-    let work = if options.exec {
-        Work::Exec { program: PathBuf::from(&options.command[0]), arguments: options.command[1..].to_vec() }
-    } else {
-        Work::Exec { program: std::env::current_exe().context("cannot find the ft executable")?, arguments: options.command.clone() }
-    };
-    launch(&options, work)
+/// `ft launch`: the workers run `options.command`, a program (`exec`) or an
+/// `ft` command line, which `run_ft` runs in a forked worker (`Work::Fork`).
+pub fn run(options: LaunchOptions, run_ft: &dyn Fn(&[String]) -> Result<i32>) -> Result<i32> {
+    if options.exec {
+        let work = Work::Exec { program: PathBuf::from(&options.command[0]), arguments: options.command[1..].to_vec() };
+        return launch(&options, work);
+    }
+    let run = || run_ft(&options.command);
+    launch(&options, Work::Fork { run: &run, arguments: options.command.clone() })
 }
 
 fn launch(args: &LaunchOptions, work: Work) -> Result<i32> {
