@@ -77,23 +77,12 @@ fn cuda() -> std::result::Result<&'static Cuda, &'static Unavailable> {
 }
 
 /// Opens libtorch_cuda (beside the libtorch_cpu this process runs), then
-/// the carried libft_cuda.so from a memory file: nothing is written to disk.
+/// the carried libft_cuda.so: from a memory file, else (a kernel that
+/// refuses executable memory files: vm.memfd_noexec=2) from a file in the
+/// temporary directory, removed once open.
 fn open() -> std::result::Result<Cuda, String> {
     check(unsafe { ft_open_torch_cuda() }).map_err(|e| e.0)?;
-    let name = c"libft_cuda.so";
-    // SAFETY: a name and flags; the descriptor returned is ours.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just created and nothing else owns it.
-    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-    file.write_all(LIBRARY).map_err(|e| format!("writing libft_cuda.so to a memory file: {e}"))?;
-    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    // SAFETY: the library's initialisers are libtorch's headers' statics, safe to run once libtorch_cuda is loaded.
-    let library: libloading::Library = unsafe { libloading::os::unix::Library::open(Some(&path), libc::RTLD_NOW | libc::RTLD_LOCAL) }
-        .map_err(|e| format!("opening libft_cuda.so: {e}"))?
-        .into();
+    let library = from_memory().or_else(|memory| from_file().map_err(|file| format!("{memory}; {file}")))?;
     // SAFETY: each name is an extern "C" function of shim/cuda.cpp with the type its field declares.
     unsafe {
         Ok(Cuda {
@@ -109,6 +98,42 @@ fn open() -> std::result::Result<Cuda, String> {
             _library: library,
         })
     }
+}
+
+/// libft_cuda.so from a memory file. MFD_EXEC: where vm.memfd_noexec=1,
+/// memory files are otherwise sealed non-executable; a kernel before 6.3
+/// knows no such flag (EINVAL), and every memory file is executable there.
+fn from_memory() -> std::result::Result<libloading::Library, String> {
+    let name = c"libft_cuda.so";
+    // SAFETY: a name and flags; the descriptor returned is ours.
+    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_EXEC) };
+    if fd < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        // SAFETY: as above.
+        fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    }
+    if fd < 0 {
+        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(LIBRARY).map_err(|e| format!("writing libft_cuda.so to a memory file: {e}"))?;
+    open_library(&format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
+/// libft_cuda.so from a file of this process's own in the temporary directory.
+fn from_file() -> std::result::Result<libloading::Library, String> {
+    let path = std::env::temp_dir().join(format!("libft_cuda-{}.so", std::process::id()));
+    std::fs::write(&path, LIBRARY).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    let library = open_library(&path.to_string_lossy());
+    let _ = std::fs::remove_file(&path);
+    library
+}
+
+fn open_library(path: &str) -> std::result::Result<libloading::Library, String> {
+    // SAFETY: the library's initialisers are libtorch's headers' statics, safe to run once libtorch_cuda is loaded.
+    unsafe { libloading::os::unix::Library::open(Some(path), libc::RTLD_NOW | libc::RTLD_LOCAL) }
+        .map(Into::into)
+        .map_err(|e| format!("opening libft_cuda.so from {path}: {e}"))
 }
 
 /// CUDA's entry points, or why this process has none.
@@ -208,6 +233,8 @@ mod tests {
     #[test]
     fn the_cuda_half_opens_and_its_calls_reach_cuda() {
         let cuda = super::open().unwrap();
+        // The way a kernel that refuses executable memory files takes.
+        super::from_file().unwrap();
         let set = super::check(unsafe { (cuda.set_device)(0) });
         if super::GPU_NODES.iter().any(|node| std::path::Path::new(node).exists()) {
             set.unwrap();
