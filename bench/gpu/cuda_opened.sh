@@ -5,7 +5,9 @@
 # (--offload cpu), the allocator's counters (every summary), CUDA graphs
 # (GRPO's rollout, 1.5B row) — with the binary from before the change
 # (OLD, xz-compressed) beside the offload row: equal losses and memory.
-# Then the ft-sys unit tests (TESTS, xz) with the GPU ones.
+# Then the ft-sys unit tests (TESTS, xz) with the GPU ones, one at a time:
+# a GPU test opens CUDA before libtorch is asked about it, which another
+# test running beside it may do first.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 OLD=${OLD:-.device/ft-old.xz} TESTS=${TESTS:-.device/ft-sys-tests.xz}
@@ -21,4 +23,4 @@ cmp <(grep -oE '"loss": ?[0-9.e+-]+' $OUT/bloom-offload-old/metrics.jsonl) <(gre
   && echo "== the offloaded runs' losses are equal step for step" || echo "== the offloaded runs' losses differ"
 RUNS=ft-1.5b LIMIT=240 bash "$(dirname "$0")/grpo_1gpu.sh"
 xz -dc "$TESTS" > /tmp/ft-sys-tests && chmod +x /tmp/ft-sys-tests
-/tmp/ft-sys-tests --include-ignored 2>&1 | tail -12
+/tmp/ft-sys-tests --include-ignored --test-threads 1 2>&1 | tail -12

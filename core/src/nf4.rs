@@ -663,6 +663,7 @@ mod tests {
     fn kernel_dequantizes_as_atens_ops_bit_for_bit_on_a_gpu() {
         // Before any libtorch call: its CUDA ops register as CUDA opens.
         ft_sys::cuda::init().expect("CUDA opens on a host with a GPU");
+        assert!(tch::Cuda::is_available(), "libtorch was asked about CUDA before it opened (another test ran first): run GPU tests with --test-threads 1");
         let gpu = Device::Cuda(0);
         ft_sys::kernels::available(gpu).expect("ft's kernels load");
         tch::manual_seed(5);

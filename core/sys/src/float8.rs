@@ -702,6 +702,7 @@ mod tests {
     fn fused_casts_equal_atens_bit_for_bit_on_a_gpu() {
         // Before any libtorch call: its CUDA ops register as CUDA opens.
         crate::cuda::init().expect("CUDA opens on a host with a GPU");
+        assert!(tch::Cuda::is_available(), "libtorch was asked about CUDA before it opened (another test ran first): run GPU tests with --test-threads 1");
         let gpu = Device::Cuda(0);
         tch::manual_seed(11);
         // 300 tokens: the weight gradient's inner dimension is padded to 304.
