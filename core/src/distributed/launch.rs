@@ -211,10 +211,9 @@ pub enum Work<'a> {
 /// copies only the calling thread (locks other threads held stay held),
 /// and a CUDA context does not survive one.
 fn forks_workers() -> bool {
-    let gpus = ["/dev/nvidiactl", "/proc/driver/nvidia"].iter().any(|path| std::path::Path::new(path).exists());
     let one_thread = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| s.lines().any(|l| l.split_whitespace().eq(["Threads:", "1"])));
     let cuda_driver = std::fs::read_to_string("/proc/self/maps").map_or(true, |maps| maps.contains("libcuda.so"));
-    !gpus && one_thread && !cuda_driver
+    !ft_sys::cuda::host_has_gpus() && one_thread && !cuda_driver
 }
 
 /// Makes this process its worker's: the leader of its own process group

@@ -66,9 +66,14 @@ pub fn init() -> std::result::Result<(), &'static Unavailable> {
     cuda().map(|_| ())
 }
 
+/// Whether this host has NVIDIA GPUs: their device nodes exist.
+pub fn host_has_gpus() -> bool {
+    GPU_NODES.iter().any(|node| std::path::Path::new(node).exists())
+}
+
 fn cuda() -> std::result::Result<&'static Cuda, &'static Unavailable> {
     CUDA.get_or_init(|| {
-        if !GPU_NODES.iter().any(|node| std::path::Path::new(node).exists()) {
+        if !host_has_gpus() {
             return Err(Unavailable::NoGpus);
         }
         open().map_err(Unavailable::Failed)
@@ -236,7 +241,7 @@ mod tests {
         // The way a kernel that refuses executable memory files takes.
         super::from_file().unwrap();
         let set = super::check(unsafe { (cuda.set_device)(0) });
-        if super::GPU_NODES.iter().any(|node| std::path::Path::new(node).exists()) {
+        if super::host_has_gpus() {
             set.unwrap();
         } else {
             let error = set.unwrap_err();
