@@ -23,7 +23,6 @@ use ft_sys::float8::{Float8, Recipe};
 use ft_tasks::causal_lm::CausalLmLoss;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use tch::{Device, Kind, Tensor};
 
 use crate::common;
@@ -97,12 +96,8 @@ fn four_bit_quantization_and_state_dicts_equal_bitsandbytes_bit_for_bit() {
     Tensor::write_safetensors(&named(&ft_states), inputs_dir.join("ft.safetensors")).unwrap();
     std::fs::write(inputs_dir.join("cases.json"), serde_json::Value::from(cases).to_string()).unwrap();
 
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/bnb_reference.py");
     let llama = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
-    let output = Command::new("python").arg(&script).arg(&inputs_dir).arg(&out).arg(&llama).output().unwrap_or_else(|error| {
-        panic!("cannot run `python` ({error}): these tests compare with bitsandbytes; `source scripts/env.sh` first, which puts the venv's python on PATH")
-    });
-    assert!(output.status.success(), "{}", text(&output));
+    common::reference_job("bnb_reference.py", &[inputs_dir.as_os_str(), out.as_os_str(), llama.as_os_str()]);
     let bnb = tensors_of(&out.join("bnb.safetensors"));
     let reference = tensors_of(&out.join("reference.safetensors"));
 
@@ -331,11 +326,7 @@ fn qlora_loss_and_adapter_gradients_equal_peft_over_bitsandbytes() {
             (step, out)
         })
         .collect();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");
-    let output = Command::new("python").arg(&script).args(&jobs).output().unwrap_or_else(|error| {
-        panic!("cannot run `python` ({error}): this test compares with peft and bitsandbytes; `source scripts/env.sh` first, which puts the venv's python on PATH")
-    });
-    assert!(output.status.success(), "{}", text(&output));
+    common::reference_job("peft_reference.py", &jobs.iter().map(std::ffi::OsStr::new).collect::<Vec<_>>());
     let worst = |step: &Step, reference: &HashMap<String, Tensor>| step.grads.iter().map(|(name, grad)| relative(grad, &reference[&format!("grad.{name}")])).fold(0.0, f64::max);
     for (&(quant_type, double_quant), (step, out)) in cases.iter().zip(&ours) {
         let case = format!("{} double_quant={double_quant}", quant_type.name());
@@ -483,10 +474,8 @@ fn qlora_trains_alike_under_every_strategy_and_a_killed_run_resumes() {
     let error = relative(&logits(&merged), &ours);
     assert!(error <= 1e-5, "the merged export's logits differ from the adapter's on its 4-bit base by {error:e}");
     let out = scratch.path().join("peft");
-    let job = [one.join("base-model"), one.join("final"), ids, out.clone()].map(|p| p.to_str().unwrap().to_string());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/peft_reference.py");
-    let output = Command::new("python").arg(&script).arg("--qlora").args(job).args(["nf4", "true"]).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
+    let [base, adapter] = [one.join("base-model"), one.join("final")];
+    common::reference_job("peft_reference.py", &["--qlora".as_ref(), base.as_os_str(), adapter.as_os_str(), ids.as_os_str(), out.as_os_str(), "nf4".as_ref(), "true".as_ref()]);
     let theirs = &tensors_of(&out.join("reference.safetensors"))["logits"];
     let error = relative(&ours, theirs);
     assert!(error <= 1e-4, "ft forward on final/ vs peft over bitsandbytes: logits differ by {error:e}");

@@ -2,7 +2,7 @@
 `bitsandbytes.functional`, on CPU) of the inputs ft quantized, and its
 reading of the state dicts ft wrote.
 
-bnb_reference.py IN OUT MODEL
+bnb_reference.py IN OUT MODEL  (or --serve: jobs from stdin, serve.py)
     IN/inputs.safetensors holds the tensors; IN/cases.json lists the cases,
     each {"name", "input", "quant_type", "double_quant", "blocksize"};
     IN/ft.safetensors holds ft's state dict of each case's weight, named
@@ -23,18 +23,20 @@ bnb_reference.py IN OUT MODEL
 """
 
 import os
-import sys
 
 # bitsandbytes wraps its CPU fallbacks (odd last dimensions) in
 # torch.compile; without a compiler pass they run as written, and quickly.
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
+import argparse  # noqa: E402
 import json  # noqa: E402
 
 import bitsandbytes.functional as F  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+import serve  # noqa: E402
 
 
 def main(inp, out, model_dir):
@@ -80,4 +82,7 @@ def main(inp, out, model_dir):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Optional here, so that --serve alone parses; each run needs all three.
+    parser.add_argument("job", nargs="*", metavar="IN OUT MODEL")
+    serve.main(parser, lambda args: main(*args.job) if len(args.job) == 3 else parser.error("give IN OUT MODEL"))
