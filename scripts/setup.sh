@@ -82,10 +82,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   [ -z "${PIP_FIND_LINKS:-}" ] || uv_settings+=("UV_FIND_LINKS=$PIP_FIND_LINKS")
   [ -z "${PIP_CERT:-}" ] || uv_settings+=("SSL_CERT_FILE=$PIP_CERT")
   [ -z "${PIP_DEFAULT_TIMEOUT:-}" ] || uv_settings+=("UV_HTTP_TIMEOUT=$PIP_DEFAULT_TIMEOUT")
-  # --compile-bytecode: pip compiles the .pyc files as it installs, uv only
-  # when asked; without them every test's first import of a module compiled
-  # it (the clean run's Python-heavy tests took a fifth longer).
-  env "${uv_settings[@]}" .venv/bin/uv pip install --quiet --compile-bytecode --python .venv/bin/python "${missing[@]}"
+  # No bytecode is compiled here (uv's --compile-bytecode): all of .venv's
+  # 20,000 modules took 125 s of CPU, where the ~5,000 the tests import
+  # take 26 s as scripts/test.sh's first imports write them.
+  env "${uv_settings[@]}" .venv/bin/uv pip install --quiet --python .venv/bin/python "${missing[@]}"
 fi
 # wandb's sink test reads the offline run back with wandb's DataStore, which
 # only the 0.19 wheel (kept, not installed, in .venv/reference) still has in
