@@ -91,18 +91,27 @@ fn open() -> std::result::Result<Cuda, String> {
     // SAFETY: each name is an extern "C" function of shim/cuda.cpp with the type its field declares.
     unsafe {
         Ok(Cuda {
-            nccl_group_create: *library.get(b"ft_nccl_group_create\0").map_err(|e| e.to_string())?,
-            set_device: *library.get(b"ft_cuda_set_device\0").map_err(|e| e.to_string())?,
-            stream_synchronize: *library.get(b"ft_cuda_stream_synchronize\0").map_err(|e| e.to_string())?,
-            current_stream: *library.get(b"ft_cuda_current_stream\0").map_err(|e| e.to_string())?,
-            memory_stats: *library.get(b"ft_cuda_memory_stats\0").map_err(|e| e.to_string())?,
-            graph_capture_begin: *library.get(b"ft_graph_capture_begin\0").map_err(|e| e.to_string())?,
-            graph_capture_end: *library.get(b"ft_graph_capture_end\0").map_err(|e| e.to_string())?,
-            graph_replay: *library.get(b"ft_graph_replay\0").map_err(|e| e.to_string())?,
-            graph_free: *library.get(b"ft_graph_free\0").map_err(|e| e.to_string())?,
+            nccl_group_create: entry(&library, b"ft_nccl_group_create\0")?,
+            set_device: entry(&library, b"ft_cuda_set_device\0")?,
+            stream_synchronize: entry(&library, b"ft_cuda_stream_synchronize\0")?,
+            current_stream: entry(&library, b"ft_cuda_current_stream\0")?,
+            memory_stats: entry(&library, b"ft_cuda_memory_stats\0")?,
+            graph_capture_begin: entry(&library, b"ft_graph_capture_begin\0")?,
+            graph_capture_end: entry(&library, b"ft_graph_capture_end\0")?,
+            graph_replay: entry(&library, b"ft_graph_replay\0")?,
+            graph_free: entry(&library, b"ft_graph_free\0")?,
             _library: library,
         })
     }
+}
+
+/// The entry point `name` (NUL-terminated) of libft_cuda.so, as the field's type.
+///
+/// # Safety
+/// `T` must be the type of the function the library exports under `name`.
+unsafe fn entry<T: Copy>(library: &libloading::Library, name: &[u8]) -> std::result::Result<T, String> {
+    // SAFETY: the caller's.
+    unsafe { library.get::<T>(name) }.map(|symbol| *symbol).map_err(|e| e.to_string())
 }
 
 /// libft_cuda.so from a memory file. MFD_EXEC: where vm.memfd_noexec=1,
