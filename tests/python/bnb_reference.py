@@ -85,4 +85,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Optional here, so that --serve alone parses; each run needs all three.
     parser.add_argument("job", nargs="*", metavar="IN OUT MODEL")
-    serve.main(parser, lambda args: main(*args.job) if len(args.job) == 3 else parser.error("give IN OUT MODEL"))
+
+    def run(args):
+        if len(args.job) != 3:
+            parser.error("give IN OUT MODEL")
+        main(*args.job)
+
+    serve.main(parser, run)
