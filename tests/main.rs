@@ -12,6 +12,7 @@ mod chat;
 mod comm_plugins;
 mod config_fuzz;
 mod data_sources;
+mod demo;
 mod dpo;
 mod engine;
 mod extractive_qa;

@@ -1,11 +1,11 @@
 //! `ft train` end to end over real processes: determinism, gradient
-//! accumulation and data parallelism against the single-batch baseline, the
-//! embedded demo, data slices resumed one after another, and the SQuAD
-//! loader on the shared real data.
+//! accumulation and data parallelism against the single-batch baseline, data
+//! slices resumed one after another, and the SQuAD loader on the shared real
+//! data (the embedded demo's whole run is tests/demo.rs).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
 
 use crate::common;
@@ -76,47 +76,6 @@ fn accumulating_four_micro_batches_equals_one_four_times_larger() {
 #[test]
 fn two_data_parallel_ranks_equal_one_rank_with_the_whole_batch() {
     assert_close(&losses_of(two_ranks_of_4), &losses_of(one_rank_of_8), 1e-5);
-}
-
-/// `make demo` as a newcomer runs it: every default, the whole schedule.
-#[test]
-fn the_demo_learns_to_read_answers_from_the_context_and_writes_its_outputs() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = ft().args(["train", "--output-dir", dir.path().to_str().unwrap()]).output().unwrap();
-    let log = text(&output);
-    assert!(output.status.success(), "{log}");
-    assert!(log.contains("== ft train summary ==") && log.contains("memory rank 1 (process RSS)"), "{log}");
-    let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
-    assert_eq!(summary["world_size"], 2);
-    let epochs = summary["epochs"].as_array().unwrap();
-    let eval_loss = |e: &Value| e["eval_loss"].as_f64().unwrap();
-    assert!(eval_loss(&epochs[1]) < eval_loss(&epochs[0]), "eval loss did not fall: {epochs:?}");
-    // Evaluation questions are about countries, names and rivers that never
-    // occur in training: an exact answer is read from the context.
-    let em = epochs.last().unwrap()["scores"]["em"].as_f64().unwrap();
-    assert!(em >= 50.0, "the demo's final EM is {em}, below 50: {epochs:?}");
-    let predictions: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("predictions.json")).unwrap()).unwrap();
-    assert!(predictions.as_object().unwrap().len() > 100, "every eval question has a prediction");
-    // TensorBoard's own reader sees the same losses as metrics.jsonl.
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    let script = "import json, sys\n\
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
-ea = EventAccumulator(sys.argv[1]); ea.Reload()\n\
-print(json.dumps([[e.step, e.value] for e in ea.Scalars('loss')]))";
-    let output = Command::new(python).args(["-c", script, dir.path().join("tensorboard").to_str().unwrap()]).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    let scalars: Vec<(u64, f64)> = serde_json::from_slice(&output.stdout).unwrap();
-    let expected = losses(dir.path());
-    assert_eq!(scalars.len(), expected.len());
-    for ((step, value), loss) in scalars.iter().zip(&expected) {
-        assert!((value - loss).abs() <= 1e-6 * loss.abs(), "step {step}: {value} vs {loss}");
-    }
-    assert_eq!(scalars.last().unwrap().0, expected.len() as u64);
-
-    // The exported model loads back and has the demo's architecture.
-    let model = ft_models::hf::load_model(&dir.path().join("final")).unwrap();
-    assert_eq!(model.model_type(), "bloom");
-    assert!(dir.path().join("final/tokenizer.json").exists());
 }
 
 #[test]
