@@ -132,6 +132,23 @@ struct ServedScript {
 }
 
 impl ServedScript {
+    /// Starts tests/python/`script` in its `--serve` mode under the `python` on PATH.
+    fn start(script: &str) -> ServedScript {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
+        let log = tempfile::tempfile().unwrap();
+        let mut process = Command::new("python")
+            .arg(&path)
+            .arg("--serve")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(log.try_clone().unwrap())
+            .spawn()
+            .unwrap_or_else(|error| panic!("cannot run `python` ({error}): `source scripts/env.sh` first, which puts the venv's python on PATH"));
+        let jobs = process.stdin.take().unwrap();
+        let answers = std::io::BufReader::new(process.stdout.take().unwrap());
+        ServedScript { _process: process, jobs, answers, log }
+    }
+
     /// What the script wrote to stderr so far.
     fn log(&mut self) -> String {
         use std::io::{Read, Seek};
@@ -145,28 +162,25 @@ impl ServedScript {
 /// Runs a job of tests/python/`script` with `args` (as its command line
 /// takes them) in the binary's one process of that script, started by the
 /// first job under the `python` on PATH; returns what the job printed, and
-/// panics with the script's error.
+/// panics with the script's error. A script's process takes one job at a
+/// time; tests asking different scripts do not wait for one another.
 pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
     use std::io::{BufRead, Write};
-    static SERVED: std::sync::Mutex<Vec<(String, ServedScript)>> = std::sync::Mutex::new(Vec::new());
-    // A test that failed while holding the lock leaves the processes as they were.
-    let mut served = SERVED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !served.iter().any(|(name, _)| name == script) {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
-        let log = tempfile::tempfile().unwrap();
-        let mut process = Command::new("python")
-            .arg(&path)
-            .arg("--serve")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(log.try_clone().unwrap())
-            .spawn()
-            .unwrap_or_else(|error| panic!("cannot run `python` ({error}): `source scripts/env.sh` first, which puts the venv's python on PATH"));
-        let jobs = process.stdin.take().unwrap();
-        let answers = std::io::BufReader::new(process.stdout.take().unwrap());
-        served.push((script.to_string(), ServedScript { _process: process, jobs, answers, log }));
-    }
-    let (_, served) = served.iter_mut().find(|(name, _)| name == script).unwrap();
+    use std::sync::{Arc, Mutex};
+    static SERVED: Mutex<Vec<(String, Arc<Mutex<ServedScript>>)>> = Mutex::new(Vec::new());
+    // A test that failed while holding a lock leaves the processes as they were.
+    let served = {
+        let mut all = SERVED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match all.iter().find(|(name, _)| name == script) {
+            Some((_, served)) => served.clone(),
+            None => {
+                let served = Arc::new(Mutex::new(ServedScript::start(script)));
+                all.push((script.to_string(), served.clone()));
+                served
+            }
+        }
+    };
+    let mut served = served.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let job: Vec<String> = args.iter().map(|arg| arg.to_str().unwrap().to_string()).collect();
     if writeln!(served.jobs, "{}", serde_json::to_string(&job).unwrap()).is_err() {
         panic!("{script} ended: {}", served.log());
@@ -200,13 +214,9 @@ pub fn reference_job(script: &str, args: &[&std::ffi::OsStr]) -> String {
 /// skipped, and listed as such. Found on 2026-11-27 on a Sapphire
 /// Rapids-class machine; CI's processor runs bitsandbytes' generic path.
 pub fn bitsandbytes_runs_kernels_of_its_own() -> bool {
-    // Probed once for the binary's tests (a python importing torch and bitsandbytes); each skip is still listed.
+    // Asked once for the binary's tests, of the process that answers their bitsandbytes jobs; each skip is still listed.
     static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let native = *NATIVE.get_or_init(|| {
-        let check = "import torch, bitsandbytes.functional as F; print(torch.backends.cpu.get_cpu_capability() == 'AVX512' or bool(F.has_avx512bf16()))";
-        let probe = Command::new("python").args(["-c", check]).output();
-        probe.is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "True")
-    });
+    let native = *NATIVE.get_or_init(|| reference_job("bnb_reference.py", &["kernels".as_ref()]).trim() == "True");
     native && shared::skipped_because("bitsandbytes 0.50.2 runs 4-bit kernels of its own on this AVX512 processor")
 }
 

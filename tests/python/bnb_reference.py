@@ -2,6 +2,12 @@
 `bitsandbytes.functional`, on CPU) of the inputs ft quantized, and its
 reading of the state dicts ft wrote.
 
+bnb_reference.py kernels
+    prints True where bitsandbytes runs 4-bit CPU kernels of its own (a
+    processor PyTorch runs at AVX512, or one with AVX512-BF16), False where
+    it runs its generic path (tests/common's
+    `bitsandbytes_runs_kernels_of_its_own`).
+
 bnb_reference.py IN OUT MODEL  (or --serve: jobs from stdin, serve.py)
     IN/inputs.safetensors holds the tensors; IN/cases.json lists the cases,
     each {"name", "input", "quant_type", "double_quant", "blocksize"};
@@ -84,11 +90,14 @@ def main(inp, out, model_dir):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Optional here, so that --serve alone parses; each run needs all three.
-    parser.add_argument("job", nargs="*", metavar="IN OUT MODEL")
+    parser.add_argument("job", nargs="*", metavar="IN OUT MODEL | kernels")
 
     def run(args):
-        if len(args.job) != 3:
-            parser.error("give IN OUT MODEL")
-        main(*args.job)
+        if args.job == ["kernels"]:
+            print(torch.backends.cpu.get_cpu_capability() == "AVX512" or bool(F.has_avx512bf16()))
+        elif len(args.job) == 3:
+            main(*args.job)
+        else:
+            parser.error("give IN OUT MODEL, or kernels")
 
     serve.main(parser, run)
