@@ -215,7 +215,7 @@ fn worker(mut config: Config, registry: &Registry, env: &DistEnv) -> Result<i32>
     let strategy = (registry.strategy(&config.train.strategy)?.create)();
     let comm_hook = registry.comm_hook(&config.comm, strategy.as_ref())?;
     let offload = (registry.offload(&config.train.offload)?.create)();
-    rank.share_cores_with(offload.as_ref(), configured_offload.as_ref());
+    rank.share_cores_with(offload.as_ref(), configured_offload.as_ref())?;
     let seed = config.train.seed as i64;
     let start = source.start(config.model.init)?;
     if let (hf::Start::Random(why), 0) = (&start, rank.rank()) {

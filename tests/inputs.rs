@@ -267,6 +267,32 @@ fn max_steps_ends_the_run_and_eval_every_adds_evaluations_keyed_by_step() {
     assert!(log.contains("nothing left to train: checkpoint step-00000008 already completed 8 step(s) and train.max_steps is 8"), "{log}");
 }
 
+/// OMP_NUM_THREADS, where set, is each rank's count of ATen threads (as
+/// torch takes it), and the log says it; unset, the host's cores are
+/// shared among its ranks; a value that is no count is refused, naming the
+/// variable.
+#[test]
+fn omp_num_threads_sets_each_ranks_threads_and_a_bad_value_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let one_step = |name: &str, threads: Option<&str>| {
+        let mut command = demo_run(&dir.path().join(name), &["--max-steps", "1", "--report-to", "none"]);
+        match threads {
+            Some(threads) => command.env("OMP_NUM_THREADS", threads),
+            None => command.env_remove("OMP_NUM_THREADS"),
+        };
+        command.output().unwrap()
+    };
+    let log = succeeded(one_step("three", Some("3")));
+    assert!(log.contains("Cpu (3 thread(s) a rank)"), "{log}");
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let log = succeeded(one_step("shared", None));
+    assert!(log.contains(&format!("Cpu ({cores} thread(s) a rank)")), "{log}");
+    let output = one_step("bad", Some("many"));
+    let log = text(&output);
+    assert!(!output.status.success() && log.contains("environment variable OMP_NUM_THREADS=\"many\" is not a number of threads"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
 #[test]
 fn report_to_none_writes_no_metrics() {
     let dir = tempfile::tempdir().unwrap();

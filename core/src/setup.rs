@@ -14,14 +14,25 @@ use tch::{Device, Kind};
 /// Splits this host's cores among its `local_ranks` workers (as torchrun
 /// does) instead of oversubscribing them: ATen's threads when computing on
 /// the CPU, the host optimizer's when `offload` keeps state off the device.
-pub fn share_host_cores(local_ranks: usize, device: Device, offload: &dyn Offload) {
-    let share = (std::thread::available_parallelism().map_or(1, |n| n.get()) / local_ranks.max(1)).max(1);
+/// `OMP_NUM_THREADS`, where set, is each worker's count instead, as torch
+/// takes it (the first of OpenMP's comma-separated levels).
+pub fn share_host_cores(local_ranks: usize, device: Device, offload: &dyn Offload) -> Result<()> {
+    let share = match std::env::var("OMP_NUM_THREADS") {
+        Ok(value) => value
+            .split(',')
+            .next()
+            .and_then(|first| first.trim().parse::<usize>().ok())
+            .filter(|&threads| threads > 0)
+            .ok_or_else(|| anyhow::anyhow!("environment variable OMP_NUM_THREADS={value:?} is not a number of threads (a whole number from 1): set it so, or unset it to share the host's cores among its ranks"))?,
+        Err(_) => (std::thread::available_parallelism().map_or(1, |n| n.get()) / local_ranks.max(1)).max(1),
+    };
     if device == Device::Cpu {
         tch::set_num_threads(share as i32);
     }
     if offload.to_host() {
         offload.use_cores(share);
     }
+    Ok(())
 }
 
 /// The model config.json of the preset `config.model.source` names, once
@@ -331,7 +342,7 @@ impl Rank {
     pub fn start(config: &Config, offload: &dyn Offload) -> Result<Rank> {
         let env = DistEnv::from_env()?;
         let device = config.train.device.device(env.local_rank)?;
-        share_host_cores(env.local_world_size, device, offload);
+        share_host_cores(env.local_world_size, device, offload)?;
         let options = CommOptions {
             backend: backend_for(config.dist.backend, device)?,
             timeout: Duration::from_secs(config.dist.timeout_secs),
@@ -348,10 +359,11 @@ impl Rank {
     /// Gives `offload`, when the plan chose it (`--strategy auto`) over the
     /// `configured` one, its host optimizer's share of the cores, as
     /// [`Rank::start`] gives an offloaded run.
-    pub fn share_cores_with(&self, offload: &dyn Offload, configured: &dyn Offload) {
+    pub fn share_cores_with(&self, offload: &dyn Offload, configured: &dyn Offload) -> Result<()> {
         if offload.to_host() && !configured.to_host() {
-            share_host_cores(self.comm.env().local_world_size, self.device, offload);
+            share_host_cores(self.comm.env().local_world_size, self.device, offload)?;
         }
+        Ok(())
     }
 
     /// Rank 0 logs what the run trains: [`Rank::describe_run`], and a LoRA
@@ -372,8 +384,13 @@ impl Rank {
 
     /// A line saying what this job trains: the task, the model, the examples, the ranks, device and dtype.
     pub fn describe_run(&self, task: &dyn crate::task::Task, model: &dyn crate::Model) -> String {
+        // On the CPU, ATen's threads a rank too: the host's cores shared, or OMP_NUM_THREADS.
+        let threads = match self.device {
+            Device::Cpu => format!(" ({} thread(s) a rank)", tch::get_num_threads()),
+            _ => String::new(),
+        };
         format!(
-            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}, {:?}",
+            "{}: a {:.1}M-parameter {} on {} examples, {} rank(s), {:?}{threads}, {:?}",
             task.name(),
             model.numel() as f64 / 1e6,
             model.model_type(),
