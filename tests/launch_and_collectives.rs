@@ -261,9 +261,14 @@ fn torchrun_no_python_launches_ft_workers() {
     assert!(!log.contains("failed to bind"), "{log}");
 }
 
-/// `ft launch` of two workers running `script`, started once each printed "ready".
+/// `ft launch` of two workers running `script`, started once each printed
+/// "ready". It is started as a script's background job (`&`) is, with
+/// SIGINT ignored, which its workers must not inherit.
 fn launched_until_ready(extra: &[&str], script: &str) -> std::process::Child {
-    let mut command = ft(&[&["launch", "--nproc-per-node", "2"], extra, &["--exec", "--", "sh", "-c", script]].concat());
+    let mut command = Command::new("sh");
+    command.args(["-c", "trap '' INT QUIT; exec \"$@\"", "sh", common::FT]);
+    command.args(&[&["launch", "--nproc-per-node", "2"], extra, &["--exec", "--", "sh", "-c", script]].concat());
+    without_launcher_env(&mut command).env("RUST_LOG", "info");
     let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut ready = 0;

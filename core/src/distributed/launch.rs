@@ -218,13 +218,20 @@ fn forks_workers() -> bool {
 
 /// Makes this process its worker's: the leader of its own process group
 /// (stopped as one), killed when the launcher dies (so a killed launcher
-/// never leaves ranks waiting on a dead job). What a spawned worker does
-/// before exec, and a forked one first.
+/// never leaves ranks waiting on a dead job), and taking the stopping
+/// signals the launcher passes on as a program does by default: a launcher
+/// that a script started in the background (`&`) inherited SIGINT ignored,
+/// and so would its workers, which then ran on through a second signal
+/// until killed. What a spawned worker does before exec, and a forked one
+/// first.
 fn become_worker() -> std::io::Result<()> {
-    // SAFETY: setpgid and prctl are async-signal-safe calls on this process.
+    // SAFETY: setpgid, prctl and signal are async-signal-safe calls on this process.
     unsafe {
         libc::setpgid(0, 0);
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        for signal in signals::STOPPING {
+            libc::signal(signal, libc::SIG_DFL);
+        }
     }
     Ok(())
 }
