@@ -2,7 +2,8 @@
 # Sets up everything the build needs, from the registries only:
 #   - Debian's libgloo-dev: Gloo's headers (the torch wheel ships c10d's
 #     headers but not Gloo's; Debian's 2022 headers match libtorch's layout),
-#     and fonts-dejavu-core (the text of `ft bench --chart`);
+#     fonts-dejavu-core (the text of `ft bench --chart`) and eatmydata
+#     (the tests run under it: scripts/test.sh);
 #   - .venv with the pinned Python packages listed below: the libtorch the
 #     build links, the CUDA headers it compiles against, and the reference
 #     libraries the tests compare ft with; installed by uv.
@@ -27,12 +28,12 @@ WANDB_READER_VERSION=0.19.11
 REFERENCE_TRANSFORMERS_VERSION=4.46.3
 UV_VERSION=0.13.9
 
-if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
-  echo "setup: installing Gloo headers and a font (Debian libgloo-dev, fonts-dejavu-core)"
+if [ ! -f /usr/include/gloo/config.h ] || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || ! command -v eatmydata >/dev/null; then
+  echo "setup: installing Gloo headers, a font and eatmydata (Debian libgloo-dev, fonts-dejavu-core, eatmydata)"
   SUDO=""
   if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev fonts-dejavu-core >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgloo-dev fonts-dejavu-core eatmydata >/dev/null
 fi
 
 # Whether .venv holds PACKAGE at VERSION (a local version such as +cu130

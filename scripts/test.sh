@@ -37,6 +37,27 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 # system time.
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 
+# One thread a process (ATen's and MKL's, in ft and in the reference
+# pythons; a run's ranks already share the cores): the tests' models are too
+# small for a second thread to pay. A one-rank epoch of the demo took 24.6 s
+# of CPU and 24.6 s of wall time with one, 34.5 s and 25.9 s with two.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Three tests at once on two cores (libtest's default is one a core): a test
+# leaves its core idle part of the time (its processes starting, its Python
+# references importing, its ranks waiting on one another). The integration
+# binary with two kept 1.67 cores busy and took 1,086 s; with three, 1.71 and
+# 1,029 s (2026-11-30, the EPYC README names).
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$(( $(nproc) * 3 / 2 ))}"
+# fsync returns at once (eatmydata, which set-up installs): ft syncs every
+# checkpoint file it writes, the tests' runs save hundreds of checkpoints,
+# and each sync waited on the disk with the core idle (the integration
+# binary: 990 s against 1,029). A test's crash is a process's, which loses
+# nothing the page cache holds, so what the tests prove is unchanged.
+nosync=()
+if command -v eatmydata >/dev/null; then
+    nosync=(eatmydata)
+fi
+
 # The Python references' modules are compiled to bytecode by their first
 # import, into .venv, once (set-up compiles none of them). Where the
 # environment asks Python not to write bytecode, every reference process
@@ -63,11 +84,11 @@ if [ "$status" -eq 0 ]; then
     # tests again), run once each in test mode, take no libtest flags. They
     # run first: the plug-in template's test builds in this target directory
     # with features of its own, and a cargo run after it would rebuild.
-    cargo test --workspace --bench '*' --no-fail-fast 2>&1 | tee -a "$log"
+    "${nosync[@]}" cargo test --workspace --bench '*' --no-fail-fast 2>&1 | tee -a "$log"
     status=${PIPESTATUS[0]}
     runner="CARGO_TARGET_$(rustc -vV | sed -n 's/^host: //p' | tr 'a-z-' 'A-Z_')_RUNNER"
     export "$runner=env RUSTC_BOOTSTRAP=1"
-    cargo test --workspace --lib --bins --tests --examples --no-fail-fast -- -Z unstable-options --report-time 2>&1 | tee -a "$log"
+    "${nosync[@]}" cargo test --workspace --lib --bins --tests --examples --no-fail-fast -- -Z unstable-options --report-time 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     unset "$runner"
     scripts/test-times.sh "$log"
