@@ -47,7 +47,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # references importing, its ranks waiting on one another). The integration
 # binary with two kept 1.67 cores busy and took 1,086 s; with three, 1.71 and
 # 1,029 s (2026-11-30, the EPYC README names).
-export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$(( $(nproc) * 3 / 2 ))}"
+# (nproc counts cores unless OMP_NUM_THREADS is set, which it then prints.)
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$(( cores * 3 / 2 ))}"
 # fsync returns at once (eatmydata, which set-up installs): ft syncs every
 # checkpoint file it writes, the tests' runs save hundreds of checkpoints,
 # and each sync waited on the disk with the core idle (the integration
