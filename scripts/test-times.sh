@@ -32,7 +32,7 @@ awk '
         for (i = 1; i <= n; i++) { total += seconds[order[i]]; if (seconds[order[i]] >= 1) printf "%s %s %.0f", (i == 1 ? "" : ","), order[i], seconds[order[i]] }
         printf " (%.0f s in all)\n", total
         n = by_size(files, order)
-        printf "the integration tests'"'"' seconds by file (summed over tests run two at a time):"
+        printf "the integration tests'"'"' seconds by file (summed over tests run several at a time):"
         for (i = 1; i <= n; i++) printf "%s %s %.0f", (i == 1 ? "" : ","), order[i], files[order[i]]
         printf "\n"
         m = by_size(tests, slow)
