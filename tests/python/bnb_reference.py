@@ -89,7 +89,7 @@ def main(inp, out, model_dir):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Optional here, so that --serve alone parses; each run needs all three.
+    # Optional here, so that --serve alone parses; a run needs all three, or the one word `kernels`.
     parser.add_argument("job", nargs="*", metavar="IN OUT MODEL | kernels")
 
     def run(args):
