@@ -281,21 +281,21 @@ impl CommHook for PowerSgd {
         let p_factors = state.p_factors.clone();
         let matrices: Vec<Tensor> = layout.matrices.iter().map(|m| m.of(&x)).collect();
 
-        // The plain elements go exactly, beside all the P = X Q at once.
+        // One all-reduce, in fp32, of the plain elements (summed exactly)
+        // followed by every P = X Q: each collective is a round trip.
         let group = request.group.clone();
-        let mut plain = match layout.plain.is_empty() {
-            true => Tensor::new(),
-            false => Tensor::cat(&layout.plain.iter().map(|&(start, len)| request.input.narrow(0, start, len)).collect::<Vec<_>>(), 0),
-        };
-        let mut pending = Pending::done();
-        if plain.defined() {
-            pending = pending.and(group.all_reduce(&mut plain, Reduction::Sum)?);
+        let plain_len: i64 = layout.plain.iter().map(|(_, len)| len).sum();
+        let mut sent = Tensor::empty([plain_len + layout.p_len], (Kind::Float, device));
+        let mut at = 0;
+        for &(start, len) in &layout.plain {
+            sent.narrow(0, at, len).f_copy_(&request.input.narrow(0, start, len))?;
+            at += len;
         }
-        let mut p_all = Tensor::empty([layout.p_len], (Kind::Float, device));
+        let (plain, p_all) = (sent.narrow(0, 0, plain_len), sent.narrow(0, plain_len, layout.p_len));
         for (m, x_m) in layout.matrices.iter().zip(&matrices) {
             lowrank::project(add.map(|g| m.of(g)).as_ref(), x_m, &m.q(&q_state), &m.p(&p_all))?;
         }
-        pending = pending.and(group.all_reduce(&mut p_all, Reduction::Sum)?);
+        let pending = Pending::of(group.all_reduce(&mut sent, Reduction::Sum)?);
 
         let output = request.output;
         Ok(pending.then(move || {
