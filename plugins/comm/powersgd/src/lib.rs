@@ -9,7 +9,7 @@
 //!   built-in all-reduce), as torch's `start_powerSGD_iter`.
 //! - `min_compression_rate` (default 2): a matrix is compressed only when
 //!   nm / (r(n+m)) reaches it; smaller ones, and every vector (biases,
-//!   norms), are summed exactly in one all-reduce beside the factors.
+//!   norms), are summed exactly, in fp32, in the all-reduce of the Ps.
 //! - `error_feedback` (default true): what a rank's compressed part lost,
 //!   M_i − P̂Qᵀ/N, is added to its next gradient, so nothing is lost for good.
 //! - `warm_start` (default true): each matrix's Q starts from the last
