@@ -5,6 +5,7 @@
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -265,10 +266,16 @@ fn torchrun_no_python_launches_ft_workers() {
 /// "ready". It is started as a script's background job (`&`) is, with
 /// SIGINT ignored, which its workers must not inherit.
 fn launched_until_ready(extra: &[&str], script: &str) -> std::process::Child {
-    let mut command = Command::new("sh");
-    command.args(["-c", "trap '' INT QUIT; exec \"$@\"", "sh", common::FT]);
-    command.args(&[&["launch", "--nproc-per-node", "2"], extra, &["--exec", "--", "sh", "-c", script]].concat());
-    without_launcher_env(&mut command).env("RUST_LOG", "info");
+    let mut command = ft(&[&["launch", "--nproc-per-node", "2"], extra, &["--exec", "--", "sh", "-c", script]].concat());
+    // SAFETY: signal is async-signal-safe; an ignored disposition survives exec.
+    unsafe {
+        command.pre_exec(|| {
+            for signal in [libc::SIGINT, libc::SIGQUIT] {
+                libc::signal(signal, libc::SIG_IGN);
+            }
+            Ok(())
+        });
+    }
     let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut ready = 0;
