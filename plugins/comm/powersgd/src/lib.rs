@@ -109,6 +109,8 @@ struct Layout {
     matrices: Vec<Matrix>,
     /// (start, length) ranges summed exactly.
     plain: Vec<(i64, i64)>,
+    /// Elements of all the plain ranges, packed together ahead of the Ps.
+    plain_len: i64,
     /// Elements of all the Ps, and of all the Qs.
     p_len: i64,
     q_len: i64,
@@ -155,7 +157,8 @@ impl Layout {
         if at < len {
             plain.push((at, len - at));
         }
-        Layout { matrices, plain, p_len, q_len }
+        let plain_len = plain.iter().map(|(_, len)| len).sum();
+        Layout { matrices, plain, plain_len, p_len, q_len }
     }
 
     /// Where each matrix's P lies among all the Ps, for `lowrank::orthonormalize`.
@@ -165,7 +168,15 @@ impl Layout {
 
     /// Elements on the wire: the factors and the plain part.
     fn wire_elements(&self) -> i64 {
-        self.matrices.iter().map(|m| m.rank * (m.rows + m.cols)).sum::<i64>() + self.plain.iter().map(|(_, len)| len).sum::<i64>()
+        self.matrices.iter().map(|m| m.rank * (m.rows + m.cols)).sum::<i64>() + self.plain_len
+    }
+
+    /// Each plain range (start, length) and where it lies among the plain elements packed together.
+    fn packed_plain(&self) -> impl Iterator<Item = (i64, i64, i64)> + '_ {
+        self.plain.iter().scan(0, |at, &(start, len)| {
+            *at += len;
+            Some((start, len, *at - len))
+        })
     }
 }
 
@@ -284,14 +295,11 @@ impl CommHook for PowerSgd {
         // One all-reduce, in fp32, of the plain elements (summed exactly)
         // followed by every P = X Q: each collective is a round trip.
         let group = request.group.clone();
-        let plain_len: i64 = layout.plain.iter().map(|(_, len)| len).sum();
-        let mut sent = Tensor::empty([plain_len + layout.p_len], (Kind::Float, device));
-        let mut at = 0;
-        for &(start, len) in &layout.plain {
+        let mut sent = Tensor::empty([layout.plain_len + layout.p_len], (Kind::Float, device));
+        for (start, len, at) in layout.packed_plain() {
             sent.narrow(0, at, len).f_copy_(&request.input.narrow(0, start, len))?;
-            at += len;
         }
-        let (plain, p_all) = (sent.narrow(0, 0, plain_len), sent.narrow(0, plain_len, layout.p_len));
+        let (plain, p_all) = (sent.narrow(0, 0, layout.plain_len), sent.narrow(0, layout.plain_len, layout.p_len));
         for (m, x_m) in layout.matrices.iter().zip(&matrices) {
             lowrank::project(add.map(|g| m.of(g)).as_ref(), x_m, &m.q(&q_state), &m.p(&p_all))?;
         }
@@ -316,10 +324,8 @@ impl CommHook for PowerSgd {
             }
             // Warm start: the next step begins from this one's Q.
             q_state.shallow_clone().f_copy_(&q_all)?;
-            let mut at = 0;
-            for &(start, len) in &layout.plain {
+            for (start, len, at) in layout.packed_plain() {
                 output.narrow(0, start, len).f_copy_(&plain.narrow(0, at, len))?;
-                at += len;
             }
             Ok(())
         }))
@@ -420,6 +426,10 @@ mod tests {
         let shard = Layout::new(&unit(), 40, 72, &options);
         assert_eq!((shard.matrices[0].start, shard.matrices[0].rows), (8, 4), "rows 3..7 are elements 48..112, 8 into the shard");
         assert_eq!(shard.plain, vec![(0, 8)]);
+        // Plain ranges on both sides of the matrix pack together, in order, ahead of the Ps.
+        let both = Layout::new(&unit(), 40, 104, &options);
+        assert_eq!(both.packed_plain().collect::<Vec<_>>(), vec![(0, 8, 0), (88, 16, 8)]);
+        assert_eq!(both.plain_len, 24);
         // Not worth it at a high minimum rate.
         let strict = Options { min_compression_rate: 10.0, ..options };
         assert!(Layout::new(&unit(), 0, 144, &strict).matrices.is_empty());
