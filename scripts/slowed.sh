@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs a command as it would run on a machine RATIO times slower than this
+# one: a busy loop a core, in a cgroup of its own, takes 1 - 1/RATIO of the
+# cores whenever the command keeps them all busy (CPU weights: the command's
+# group 1, the loops' RATIO - 1), and the command sees every core (a CPU
+# quota would make cargo and libtest count fewer). What README's test-time
+# budget is measured with where the slow machine itself is not at hand:
+#
+#   scripts/slowed.sh 1.32 bash .ci/run
+#
+# Where the command leaves cores idle, the loops take more of what it does
+# not use, so a one-thread stretch is slowed less than RATIO: the result is a
+# lower bound for a machine that is uniformly slower. Needs root and the cgroup
+# cpu controller (v1 or v2).
+set -euo pipefail
+if [ $# -lt 2 ] || ! awk -v r="$1" 'BEGIN { exit !(r + 0 > 1) }'; then
+    echo "usage: scripts/slowed.sh RATIO COMMAND [ARGS...]  (RATIO > 1, e.g. 1.32)" >&2
+    exit 2
+fi
+ratio="$1"
+shift
+name="ft-slowed-$$"
+if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+    root=/sys/fs/cgroup weight=cpu.weight unit=100
+    grep -qw cpu "$root/cgroup.subtree_control" || echo +cpu > "$root/cgroup.subtree_control"
+elif [ -d /sys/fs/cgroup/cpu ]; then
+    root=/sys/fs/cgroup/cpu weight=cpu.shares unit=1024
+else
+    echo "scripts/slowed.sh: no cgroup cpu controller under /sys/fs/cgroup" >&2
+    exit 1
+fi
+mkdir "$root/$name-command" "$root/$name-loops"
+echo "$unit" > "$root/$name-command/$weight"
+awk -v r="$ratio" -v u="$unit" 'BEGIN { printf "%d\n", u * (r - 1) + 0.5 }' > "$root/$name-loops/$weight"
+loops=()
+for _ in $(seq "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"); do
+    (echo "$BASHPID" > "$root/$name-loops/cgroup.procs" && exec sh -c 'while :; do :; done') &
+    loops+=("$!")
+done
+finish() {
+    kill "${loops[@]}" 2>/dev/null || true
+    wait "${loops[@]}" 2>/dev/null || true
+    rmdir "$root/$name-command" "$root/$name-loops" 2>/dev/null || true
+}
+trap finish EXIT
+status=0
+(echo "$BASHPID" > "$root/$name-command/cgroup.procs" && exec "$@") || status=$?
+exit "$status"
