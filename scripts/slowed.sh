@@ -40,7 +40,15 @@ done
 finish() {
     kill "${loops[@]}" 2>/dev/null || true
     wait "${loops[@]}" 2>/dev/null || true
-    rmdir "$root/$name-command" "$root/$name-loops" 2>/dev/null || true
+    # A process the command left behind may still be exiting: its group is removed once it is empty.
+    for _ in $(seq 50); do
+        for group in "$root/$name-command" "$root/$name-loops"; do
+            [ ! -d "$group" ] || rmdir "$group" 2>/dev/null || true
+        done
+        [ -d "$root/$name-command" ] || [ -d "$root/$name-loops" ] || return 0
+        sleep 0.1
+    done
+    echo "scripts/slowed.sh: $root/$name-command or $name-loops still holds processes: remove it with rmdir once they end" >&2
 }
 trap finish EXIT
 status=0
