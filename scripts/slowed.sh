@@ -29,14 +29,10 @@ else
     echo "scripts/slowed.sh: no cgroup cpu controller under /sys/fs/cgroup" >&2
     exit 1
 fi
-mkdir "$root/$name-command" "$root/$name-loops"
-echo "$unit" > "$root/$name-command/$weight"
-awk -v r="$ratio" -v u="$unit" 'BEGIN { printf "%d\n", u * (r - 1) + 0.5 }' > "$root/$name-loops/$weight"
-loops=()
-for _ in $(seq "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"); do
-    (echo "$BASHPID" > "$root/$name-loops/cgroup.procs" && exec sh -c 'while :; do :; done') &
-    loops+=("$!")
-done
+if [ ! -w "$root" ]; then
+    echo "scripts/slowed.sh: cannot make cgroups under $root: run it as root" >&2
+    exit 1
+fi
 finish() {
     kill "${loops[@]}" 2>/dev/null || true
     wait "${loops[@]}" 2>/dev/null || true
@@ -50,7 +46,15 @@ finish() {
     done
     echo "scripts/slowed.sh: $root/$name-command or $name-loops still holds processes: remove it with rmdir once they end" >&2
 }
+mkdir "$root/$name-command" "$root/$name-loops"
+loops=()
 trap finish EXIT
+echo "$unit" > "$root/$name-command/$weight"
+awk -v r="$ratio" -v u="$unit" 'BEGIN { printf "%d\n", u * (r - 1) + 0.5 }' > "$root/$name-loops/$weight"
+for _ in $(seq "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"); do
+    (echo "$BASHPID" > "$root/$name-loops/cgroup.procs" && exec sh -c 'while :; do :; done') &
+    loops+=("$!")
+done
 status=0
 (echo "$BASHPID" > "$root/$name-command/cgroup.procs" && exec "$@") || status=$?
 exit "$status"

@@ -98,17 +98,18 @@ if [ "$status" -eq 0 ]; then
     # the others' cargo has checked the build and runs its tests, so the two
     # never wait on the target directory's lock for long. (`--tests` takes
     # every target whose tests are on; `--bins` would also build ft's, which
-    # has none: Cargo.toml turns them off.)
-    # In a process group of their own, stopped with this script: a command
-    # started in the background ignores Ctrl-C.
+    # has none: Cargo.toml turns them off.) The others run in a process group
+    # of their own, stopped with this script: a command started in the
+    # background ignores Ctrl-C.
+    flags=(--tests --examples --no-fail-fast -- -Z unstable-options --report-time)
     others="$(mktemp)"
-    "${nosync[@]}" setsid cargo test --workspace --exclude ft --lib --tests --examples --no-fail-fast -- -Z unstable-options --report-time > "$others" 2>&1 &
+    "${nosync[@]}" setsid cargo test --workspace --exclude ft --lib "${flags[@]}" > "$others" 2>&1 &
     others_pid=$!
     trap 'kill -TERM -- "-$others_pid" 2>/dev/null' EXIT
     trap 'exit 130' INT
     trap 'exit 143' TERM
     until grep -q '^     Running ' "$others" || ! kill -0 "$others_pid" 2>/dev/null; do sleep 0.2; done
-    "${nosync[@]}" cargo test -p ft --tests --examples --no-fail-fast -- -Z unstable-options --report-time 2>&1 | tee -a "$log"
+    "${nosync[@]}" cargo test -p ft "${flags[@]}" 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     wait "$others_pid" || status=1
     trap - EXIT INT TERM
