@@ -115,7 +115,7 @@ fn main() {
         .init();
     ft_core::setup::prepare_cuda();
     let args = with_default_command(std::env::args_os().collect());
-    let cli = Cli::parse_from(&args);
+    let cli = parse(args.iter().cloned());
     let code = ft_core::panic::run_command(&args, || run(cli));
     // Everything of the run is dropped by now (files written and closed, sinks and ranks finished).
     ft_core::setup::exit_without_teardown(code)
@@ -126,7 +126,17 @@ fn main() {
 /// message and exit code).
 fn run_arguments(arguments: &[String]) -> Result<i32> {
     let args = std::iter::once(OsString::from("ft")).chain(arguments.iter().map(OsString::from)).collect();
-    run(Cli::try_parse_from(with_default_command(args)).unwrap_or_else(|error| error.exit()))
+    run(parse(with_default_command(args)))
+}
+
+/// The command line, or clap's help, version or error printed and the
+/// process ended with clap's exit code — without libtorch's teardown, as
+/// `main` ends (`ft plan --help` took 0.36 s of CPU with it, 0.26 s without).
+fn parse(args: impl IntoIterator<Item = OsString>) -> Cli {
+    Cli::try_parse_from(args).unwrap_or_else(|error| {
+        let _ = error.print();
+        ft_core::setup::exit_without_teardown(error.exit_code())
+    })
 }
 
 fn run(cli: Cli) -> Result<i32> {
