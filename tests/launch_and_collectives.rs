@@ -1,6 +1,7 @@
-//! Real processes over c10d Gloo: collective values on 2 and 4 ranks (with
-//! hybrid sub-groups and as two "nodes"), failure propagation, dead peers,
-//! and bad input rejected with clear messages.
+//! Real processes over c10d Gloo and over shared memory between the ranks
+//! of a host: collective values on 2 and 4 ranks (with hybrid sub-groups
+//! and as two "nodes"), training through either, failure propagation, dead
+//! peers, and bad input rejected with clear messages.
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -58,17 +59,47 @@ fn cuda_libraries_load_only_where_there_are_gpus() {
     assert!(loader.contains("libtorch_cpu.so"), "the loader's trace names what it loads:\n{loader}");
 }
 
+/// What `ft comm-test` says of a group of ranks on one host that exchange through shared memory.
+const THROUGH_SHARED_MEMORY: &str = "backend gloo (shared memory within this host)";
+
 #[test]
-fn collectives_are_correct_on_2_ranks() {
+fn collectives_are_correct_on_2_ranks_through_shared_memory_and_through_gloo() {
+    for shared_memory in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("out.json");
+        let setting = format!("dist.shared_memory={shared_memory}");
+        let mut args = vec!["launch", "--nproc-per-node", "2", "--"];
+        args.extend_from_slice(SMALL_SWEEP);
+        args.extend_from_slice(&["--set", &setting, "--json", json.to_str().unwrap()]);
+        let output = ft(&args).output().unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        assert!(text(&output).contains("all collectives gave the expected values on all 2 ranks"));
+        assert_eq!(text(&output).contains(THROUGH_SHARED_MEMORY), shared_memory, "{}", text(&output));
+        assert_all_checked(&rows(&json), &["world"]);
+    }
+}
+
+/// Two ranks sum in either order to the same bits: a run through shared
+/// memory is the run through Gloo's sockets, loss for loss and weight for weight.
+#[test]
+fn training_through_shared_memory_equals_training_through_gloo() {
     let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("out.json");
-    let mut args = vec!["launch", "--nproc-per-node", "2", "--"];
-    args.extend_from_slice(SMALL_SWEEP);
-    args.extend_from_slice(&["--json", json.to_str().unwrap()]);
-    let output = ft(&args).output().unwrap();
-    assert!(output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("all collectives gave the expected values on all 2 ranks"));
-    assert_all_checked(&rows(&json), &["world"]);
+    let run = |name: &str, shared_memory: bool| {
+        let out = dir.path().join(name);
+        let output = common::ft()
+            .args(["train", "--output-dir", out.to_str().unwrap(), "--train-samples", "48", "--eval-samples", "4", "--epochs", "1"])
+            .args(["--nproc-per-node", "2", "--batch-size", "4", "--set", &format!("dist.shared_memory={shared_memory}")])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        out
+    };
+    let (shared, sockets) = (run("shared", true), run("sockets", false));
+    let losses = common::losses(&shared);
+    assert!(losses.len() >= 6, "{losses:?}");
+    assert_eq!(losses, common::losses(&sockets));
+    let weights = |dir: &Path| std::fs::read(dir.join("final/model.safetensors")).unwrap();
+    assert!(weights(&shared) == weights(&sockets), "the final weights differ");
 }
 
 #[test]
@@ -141,10 +172,10 @@ fn launch_stops_the_others_and_propagates_a_failing_exit_code() {
 }
 
 /// Starts one comm-test worker by hand (as torchrun would) with a long timed loop.
-fn worker(rank: usize, port: u16, timeout_secs: &str) -> std::process::Child {
+fn worker(rank: usize, port: u16, timeout_secs: &str, shared_memory: bool) -> std::process::Child {
     ft(&[
         "comm-test", "--backend", "gloo", "--timeout-secs", timeout_secs, "--min-bytes", "1M", "--max-bytes", "1M",
-        "--ops", "all_reduce", "--iters", "100000000",
+        "--ops", "all_reduce", "--iters", "100000000", "--set", &format!("dist.shared_memory={shared_memory}"),
     ])
     .env("RANK", rank.to_string())
     .env("WORLD_SIZE", "2")
@@ -158,10 +189,17 @@ fn worker(rank: usize, port: u16, timeout_secs: &str) -> std::process::Child {
 
 #[test]
 fn a_killed_rank_makes_the_others_fail_with_a_clear_error_not_hang() {
+    // Gloo finds the closed socket; through shared memory, the peer's process gone.
+    for (shared_memory, within) in [(false, 20), (true, 2)] {
+        a_killed_rank_is_found(shared_memory, Duration::from_secs(within));
+    }
+}
+
+fn a_killed_rank_is_found(shared_memory: bool, within: Duration) {
     let port = free_port();
     let timeout_secs = 10;
-    let survivor = worker(0, port, &timeout_secs.to_string());
-    let mut victim = worker(1, port, &timeout_secs.to_string());
+    let survivor = worker(0, port, &timeout_secs.to_string(), shared_memory);
+    let mut victim = worker(1, port, &timeout_secs.to_string(), shared_memory);
     // Kill the victim once it is inside the collectives loop.
     let mut victim_log = BufReader::new(victim.stderr.take().unwrap());
     let mut line = String::new();
@@ -169,6 +207,7 @@ fn a_killed_rank_makes_the_others_fail_with_a_clear_error_not_hang() {
         line.clear();
         assert!(victim_log.read_line(&mut line).unwrap() > 0, "rank 1 ended before rendezvous");
     }
+    assert_eq!(line.contains(THROUGH_SHARED_MEMORY), shared_memory, "{line}");
     std::thread::sleep(Duration::from_millis(500));
     victim.kill().unwrap();
     victim.wait().unwrap();
@@ -176,15 +215,18 @@ fn a_killed_rank_makes_the_others_fail_with_a_clear_error_not_hang() {
     let output = survivor.wait_with_output().unwrap();
     let waited = killed_at.elapsed();
     assert!(!output.status.success());
-    assert!(waited < Duration::from_secs(timeout_secs + 10), "rank 0 took {waited:?} to notice");
+    assert!(waited < within, "rank 0 took {waited:?} to notice");
     let message = String::from_utf8_lossy(&output.stderr);
     assert!(message.contains("on group 'world' failed on rank 0 of 2"), "{message}");
+    if shared_memory {
+        assert!(message.contains("group rank 1 (process ") && message.contains(") ended while the others waited for it in shared memory"), "{message}");
+    }
 }
 
 #[test]
 fn a_missing_rank_fails_rendezvous_within_the_timeout() {
     let started = Instant::now();
-    let mut lonely = worker(0, free_port(), "3");
+    let mut lonely = worker(0, free_port(), "3", true);
     let status = lonely.wait().unwrap();
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut lonely.stderr.take().unwrap(), &mut stderr).unwrap();

@@ -39,10 +39,11 @@ use tch::{Kind, Tensor};
 /// (3: tables of entry points instead of trait objects; 4: `wire_bytes`
 /// names its collectives, the sizes a hook declares get the request's
 /// group size and dtype, `load_state` says what it kept, `tolerance` is a
-/// curve over steps).
-pub const ABI_MAJOR: u32 = 4;
-/// Counts the defaulted entries appended since the major changed (1: `all_to_all`).
-pub const ABI_MINOR: u32 = 1;
+/// curve over steps; 5: a `ProcessGroup` carries its shared-memory
+/// transport, which a plug-in's copy of ft-core runs too).
+pub const ABI_MAJOR: u32 = 5;
+/// Counts the defaulted entries appended since the major changed.
+pub const ABI_MINOR: u32 = 0;
 
 /// The crates whose types or allocations cross the boundary, at the
 /// versions this ft-core is built with: "tch 0.24.0, anyhow 1.0.104, …".
@@ -80,8 +81,8 @@ pub const BOUNDARY: u64 = {
         (size_of::<CommDeclaration>(), align_of::<CommDeclaration>()),
         (size_of::<StrategyDeclaration>(), align_of::<StrategyDeclaration>()),
         // The tables as this major's first minor has them (later minors append, changing no offset here;
-    // what their entries pass, `TokenExchange`, is made of the types above and std's, whose shapes rustc's version fixes).
-        (offset_of!(HookTable, workspace_bytes), 0),
+        // what their entries pass, `TokenExchange`, is made of the types above and std's, whose shapes rustc's version fixes).
+        (offset_of!(HookTable, all_to_all), 0),
         (offset_of!(StrategyTable, comm_hook), 0),
     ];
     // FNV-1a over the numbers.
@@ -119,7 +120,6 @@ pub struct HookTable {
     wire_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> Vec<CollectiveBytes>,
     reshard_state: unsafe fn(*mut Hook, WorldChange, State) -> Result<Restored>,
     workspace_bytes: unsafe fn(*const Hook, &UnitInfo, &WireRequest) -> i64,
-    // 4.1
     all_to_all: unsafe fn(*mut Hook, TokenExchange) -> Result<Pending>,
 }
 

@@ -778,11 +778,15 @@ pub struct DistConfig {
     /// debugging a communication plug-in (`ft plugin check` turns it on).
     /// Doubles the collectives.
     pub verify_collectives: bool,
+    /// On the CPU, the collectives of a group whose ranks all run on this
+    /// host go through shared memory instead of Gloo's TCP sockets (across
+    /// hosts, and for the all-to-all of rows, Gloo carries them).
+    pub shared_memory: bool,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        DistConfig { backend: Backend::Auto, timeout_secs: 300, verify_collectives: false }
+        DistConfig { backend: Backend::Auto, timeout_secs: 300, verify_collectives: false, shared_memory: true }
     }
 }
 
@@ -1109,7 +1113,7 @@ mod tests {
     fn layers_apply_in_order() {
         let (_dir, path) = file("ft.toml", "[dist]\nbackend = 'gloo'\ntimeout_secs = 10\n");
         let config = Config::load_with_env(Some(&path), &[], &[], no_env()).unwrap();
-        assert_eq!(config.dist, DistConfig { backend: Backend::Gloo, timeout_secs: 10, verify_collectives: false });
+        assert_eq!(config.dist, DistConfig { backend: Backend::Gloo, timeout_secs: 10, verify_collectives: false, shared_memory: true });
         let config = Config::load_with_env(Some(&path), &[("dist.timeout_secs", 42.into())], &[], no_env()).unwrap();
         assert_eq!(config.dist.timeout_secs, 42);
         // A prefix of its own keeps this test off other tests' environment.

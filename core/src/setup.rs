@@ -347,6 +347,7 @@ impl Rank {
             backend: backend_for(config.dist.backend, device)?,
             timeout: Duration::from_secs(config.dist.timeout_secs),
             verify_collectives: config.dist.verify_collectives,
+            shared_memory: config.dist.shared_memory,
         };
         let comm = Communicator::init(env, &options)?;
         Ok(Rank { comm, device, dtype: config.train.dtype.kind(device) })

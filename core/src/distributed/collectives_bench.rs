@@ -327,7 +327,8 @@ pub struct JobReport {
 /// With a `hook`, its all-to-all is what runs as `all_to_all`.
 pub fn run_command(config: &crate::Config, options: &CommTestOptions, dtypes: &[Kind], group_size: Option<usize>, json: Option<&std::path::Path>, mut hook: Option<Box<dyn CommHook>>) -> Result<()> {
     let rank = crate::setup::Rank::start(config, &crate::offload::NoOffload)?;
-    tracing::info!("rendezvous complete: rank {} of {}, backend {}", rank.rank(), rank.world_size(), rank.comm.backend_name());
+    let through = if rank.comm.world().shared_memory() { " (shared memory within this host)" } else { "" };
+    tracing::info!("rendezvous complete: rank {} of {}, backend {}{through}", rank.rank(), rank.world_size(), rank.comm.backend_name());
     let report = run_job(&rank.comm, options, dtypes, group_size, &mut hook)?;
     report.finish(&rank.comm, options, json)
 }

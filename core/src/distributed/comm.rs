@@ -1,7 +1,9 @@
 //! The communicator: PyTorch's own c10d (TCPStore rendezvous, Gloo on CPU,
 //! NCCL on CUDA) behind a small Rust API with asynchronous work handles and
-//! sub-groups.
+//! sub-groups; on the CPU, the ranks of one host exchange tensors through
+//! shared memory instead (`shm`, `dist.shared_memory`).
 
+use super::shm::SharedMemory;
 use crate::env::DistEnv;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -128,6 +130,8 @@ pub struct ProcessGroup {
     sent: Arc<ByteCounters>,
     /// `dist.verify_collectives`: this group's calls so far, and what the rank is doing.
     verifier: Option<Arc<Verifier>>,
+    /// Every member on this host: CPU tensors go through shared memory, not Gloo.
+    local: Option<Arc<SharedMemory>>,
 }
 
 /// What `dist.verify_collectives` keeps per group. Plain data behind an
@@ -144,7 +148,8 @@ struct Verifier {
 const VERIFIED_KINDS: [tch::Kind; 8] =
     [tch::Kind::Float, tch::Kind::BFloat16, tch::Kind::Half, tch::Kind::Double, tch::Kind::Int8, tch::Kind::Uint8, tch::Kind::Int, tch::Kind::Int64];
 
-/// A collective in flight. Do not read or write its tensors before `wait`.
+/// A collective in flight (through shared memory: already done). Do not
+/// read or write its tensors before `wait`.
 #[must_use = "a collective's result is only valid after wait()"]
 pub struct Work {
     inner: ft_sys::Work,
@@ -156,7 +161,7 @@ pub struct Work {
 
 impl Work {
     /// Gloo: blocks until done. NCCL: orders the current CUDA stream after the
-    /// collective and returns at once. Errors (a dead peer, a timeout) come back
+    /// collective and returns at once. Shared memory: returns at once. Errors (a dead peer, a timeout) come back
     /// as `CommError`.
     pub fn wait(self) -> Result<(), CommError> {
         let Work { inner, op, group, rank, size } = self;
@@ -233,6 +238,28 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Whether this group's CPU collectives go through shared memory (`dist.shared_memory`).
+    pub fn shared_memory(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// Runs a collective: through shared memory where the group has it and
+    /// the collective's tensors are `on_cpu` (done as it returns), else
+    /// `launch`es it on the c10d group.
+    fn run(
+        &self,
+        op: &'static str,
+        on_cpu: bool,
+        local: impl FnOnce(&SharedMemory) -> std::result::Result<(), String>,
+        launch: impl FnOnce(&ft_sys::Group) -> ft_sys::Result<ft_sys::Work>,
+    ) -> Result<Work, CommError> {
+        let launched = match self.local.as_deref().filter(|_| on_cpu) {
+            Some(memory) => local(memory).map(|()| ft_sys::Work::done()).map_err(ft_sys::ShimError),
+            None => launch(&self.inner),
+        };
+        self.work(op, launched)
+    }
+
     fn work(&self, op: &'static str, launched: ft_sys::Result<ft_sys::Work>) -> Result<Work, CommError> {
         let (group, rank, size) = (self.name.clone(), self.rank, self.size());
         match launched {
@@ -245,14 +272,14 @@ impl ProcessGroup {
     pub fn all_reduce(&self, tensor: &mut Tensor, reduction: Reduction) -> Result<Work, CommError> {
         self.verify(Collective::AllReduce, tensor)?;
         self.sent.add(Collective::AllReduce, tensor, self.size());
-        self.work("all_reduce", self.inner.all_reduce(tensor, reduction))
+        self.run("all_reduce", tensor.device() == Device::Cpu, |memory| memory.all_reduce(tensor, reduction), |group| group.all_reduce(tensor, reduction))
     }
 
     /// `output` (size × input's length) receives every member's `input`, in group-rank order.
     pub fn all_gather_into_tensor(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, CommError> {
         self.verify(Collective::AllGather, input)?;
         self.sent.add(Collective::AllGather, input, self.size());
-        self.work("all_gather", self.inner.all_gather_into_tensor(output, input))
+        self.run("all_gather", input.device() == Device::Cpu, |memory| memory.all_gather_into_tensor(output, input), |group| group.all_gather_into_tensor(output, input))
     }
 
     /// `output` receives this rank's chunk of the reduction of all members' `input`.
@@ -264,7 +291,7 @@ impl ProcessGroup {
     ) -> Result<Work, CommError> {
         self.verify(Collective::ReduceScatter, input)?;
         self.sent.add(Collective::ReduceScatter, input, self.size());
-        self.work("reduce_scatter", self.inner.reduce_scatter_tensor(output, input, reduction))
+        self.run("reduce_scatter", input.device() == Device::Cpu, |memory| memory.reduce_scatter_tensor(output, input, reduction), |group| group.reduce_scatter_tensor(output, input, reduction))
     }
 
     /// `output` receives chunk r of every member r's `input` in group-rank
@@ -302,11 +329,11 @@ impl ProcessGroup {
 
     /// Every member's `tensor` becomes the group-rank `root`'s.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<Work, CommError> {
-        self.work("broadcast", self.inner.broadcast(tensor, root))
+        self.run("broadcast", tensor.device() == Device::Cpu, |memory| memory.broadcast(tensor, root), |group| group.broadcast(tensor, root))
     }
 
     pub fn barrier(&self) -> Result<Work, CommError> {
-        self.work("barrier", self.inner.barrier())
+        self.run("barrier", true, SharedMemory::barrier_all, ft_sys::Group::barrier)
     }
 }
 
@@ -317,11 +344,13 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Check before each collective that every rank issues the same (`dist.verify_collectives`).
     pub verify_collectives: bool,
+    /// The CPU collectives of a group whose members share this host go through shared memory (`dist.shared_memory`).
+    pub shared_memory: bool,
 }
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions { backend: Backend::Auto, timeout: Duration::from_secs(300), verify_collectives: false }
+        CommOptions { backend: Backend::Auto, timeout: Duration::from_secs(300), verify_collectives: false, shared_memory: true }
     }
 }
 
@@ -344,6 +373,7 @@ struct GroupBuilder {
     global_rank: usize,
     sent: Arc<ByteCounters>,
     verify: bool,
+    shared_memory: bool,
 }
 
 impl GroupBuilder {
@@ -364,7 +394,10 @@ impl GroupBuilder {
             .map_err(anyhow::Error::msg)
             .with_context(|| format!("creating process group '{name}' (ranks {members:?})"))?;
         let verifier = self.verify.then(Arc::default);
-        Ok(ProcessGroup { inner: Arc::new(inner), name: name.to_string(), rank, ranks: members.to_vec(), sent: self.sent.clone(), verifier })
+        let local = (self.shared_memory && self.kind == ft_sys::BackendKind::Gloo && members.len() > 1)
+            .then(|| SharedMemory::join(&inner, rank, members.len(), self.timeout).map(Arc::new))
+            .flatten();
+        Ok(ProcessGroup { inner: Arc::new(inner), name: name.to_string(), rank, ranks: members.to_vec(), sent: self.sent.clone(), verifier, local })
     }
 }
 
@@ -419,6 +452,7 @@ impl Communicator {
             global_rank: env.rank,
             sent: Arc::default(),
             verify: options.verify_collectives,
+            shared_memory: options.shared_memory,
         };
         let everyone: Vec<usize> = (0..env.world_size).collect();
         let world = groups.build("world", "ft/world/", &everyone)?;

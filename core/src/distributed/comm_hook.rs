@@ -333,7 +333,7 @@ pub trait CommHook {
     /// Exchanges rows between the ranks of `request.group` (expert
     /// parallelism's dispatch and combine): `request.output` holds every
     /// rank's rows for this one, in rank order, once the work is done.
-    /// Appended in 4.1: a plug-in built before gets `Builtin`'s.
+    /// Since ABI 4.1; by default `Builtin`'s.
     fn all_to_all(&mut self, request: TokenExchange) -> Result<Pending> {
         Builtin.all_to_all(request)
     }

@@ -309,8 +309,9 @@ impl Drop for Group {
     }
 }
 
-/// An asynchronous collective in flight.
+/// An asynchronous collective in flight, or one already done.
 pub struct Work {
+    /// Null for a collective that completed as it was issued.
     raw: *mut RawWork,
 }
 
@@ -318,16 +319,26 @@ pub struct Work {
 unsafe impl Send for Work {}
 
 impl Work {
+    /// A collective that completed as it was issued (ft's own transports).
+    pub fn done() -> Work {
+        Work { raw: std::ptr::null_mut() }
+    }
+
     /// Gloo: blocks until done. NCCL: orders the current CUDA stream after the
     /// collective without blocking the CPU. `timeout` of zero defers to the group's.
     pub fn wait(self, timeout: Duration) -> Result<()> {
+        if self.raw.is_null() {
+            return Ok(());
+        }
         check(unsafe { ft_work_wait(self.raw, millis(timeout)) })
     }
 }
 
 impl Drop for Work {
     fn drop(&mut self) {
-        unsafe { ft_work_free(self.raw) }
+        if !self.raw.is_null() {
+            unsafe { ft_work_free(self.raw) }
+        }
     }
 }
 
