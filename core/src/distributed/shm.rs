@@ -9,13 +9,15 @@
 //! larger than a slot). Every collective completes as it is issued; every
 //! member reduces in group-rank order, so all members get the same bits.
 //!
-//! A group uses it when every member maps the segment its rank 0 made and
+//! A group uses it when every member maps the segment its rank 0 made (its
+//! pages reserved first: a /dev/shm too small means Gloo, not a crash) and
 //! sees the others' processes (one host, one /dev/shm, one PID namespace);
 //! otherwise it stays on Gloo, as across hosts. A member that ends while
 //! the others wait is found within a tenth of a second (its process gone),
 //! as Gloo finds a closed socket; the group's timeout bounds the rest.
 
 use ft_sys::Reduction;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -65,7 +67,15 @@ impl SharedMemory {
         let len = header + 2 * size * SLOT_BYTES;
         let path = segment_path(name);
         let opened = std::fs::OpenOptions::new().read(true).write(true).create_new(create).mode(0o600).open(&path);
-        let sized = opened.and_then(|file| if create { file.set_len(len as u64).map(|()| file) } else { Ok(file) });
+        // Its pages reserved now: a /dev/shm too small (a container's 64 MiB) fails here, not as SIGBUS at a write.
+        let sized = opened.and_then(|file| match create {
+            // SAFETY: a system call on the file's own descriptor.
+            true => match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+                0 => Ok(file),
+                error => Err(std::io::Error::from_raw_os_error(error)),
+            },
+            false => Ok(file),
+        });
         // SAFETY: a file of ft's own under a name no one else uses, its size fixed before any member maps it.
         let map = sized.and_then(|file| unsafe { memmap2::MmapMut::map_mut(&file) }).ok().filter(|map| map.len() == len);
         let Some(mut map) = map else {
