@@ -1,6 +1,6 @@
 //! Criterion: one training step of each strategy, and of the in-tree
 //! communication plug-ins under the strategies they serve, for the tiny
-//! BLOOM fixture over 2 local Gloo ranks, with the bytes each step sends as
+//! BLOOM fixture over 2 local CPU ranks (through shared memory), with the bytes each step sends as
 //! the throughput (criterion's "thrpt" is then bytes sent per second); and
 //! the sharding mechanism's hot paths in one process: flattening a unit
 //! into (sharded) flat buffers. Steps are timed inside `ft bench`'s workers
@@ -30,7 +30,7 @@ fn plugin(name: &str) -> Option<PathBuf> {
 }
 
 /// Mean step time of `iterations` steps of `strategy` (through `comm`'s
-/// hook when given) on 2 Gloo ranks, as `ft bench` measures it, and the
+/// hook when given) on 2 local CPU ranks, as `ft bench` measures it, and the
 /// bytes rank 0 sent per step.
 fn step(strategy: &str, comm: Option<(&str, &Path)>, iterations: u64) -> (Duration, f64) {
     let dir = tempfile::tempdir().unwrap();
@@ -57,7 +57,7 @@ fn step(strategy: &str, comm: Option<(&str, &Path)>, iterations: u64) -> (Durati
 }
 
 fn strategies(c: &mut Criterion) {
-    let mut group = c.benchmark_group("train_step_2_gloo_ranks");
+    let mut group = c.benchmark_group("train_step_2_cpu_ranks");
     group.sample_size(10);
     let runs = [
         ("ddp", None),

@@ -30,7 +30,7 @@ use ft_strategy_zero1 as _;
 
 /// What `ft` alone prints first: where to start.
 const START_HERE: &str = "Start here: `ft train` fine-tunes the embedded demo (a small BLOOM learning to answer \
-questions about invented countries, with its own data and tokenizer, on two CPU ranks, about 2 minutes 20 s on 2 cores). \
+questions about invented countries, with its own data and tokenizer, on two CPU ranks, about a minute on 2 cores). \
 `ft train --model arithmetic`: online RL (GRPO) learning additions from rewards alone. \
 Flags without a command are `ft train`'s: `ft --strategy hybrid_shard --offload cpu --model DIR --train-file F`.";
 

@@ -1,5 +1,5 @@
 //! `ft bench` runs its matrix in its own workers and reports each row, over
-//! real Gloo ranks on the CPU, with a JSON file and a PNG chart; a
+//! real ranks on the CPU, with a JSON file and a PNG chart; a
 //! configuration that fails is reported as a failed row and the command
 //! exits non-zero. `--plan-check` sets each row beside `ft plan`'s prediction.
 

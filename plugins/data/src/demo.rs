@@ -169,7 +169,7 @@ pub fn model_config(vocab: usize) -> serde_json::Value {
 
 /// The demo's settings, between the defaults and the user's layers: the
 /// small BLOOM learning to answer questions about invented countries on two
-/// CPU ranks in about two minutes. Reading the answer from the context takes
+/// CPU ranks in about a minute. Reading the answer from the context takes
 /// the model copying names it has never seen: the loss on the prompt's tokens
 /// too (the country names repeat within each context) and many small steps
 /// bring that ability within seven epochs, where the answers' loss alone at
