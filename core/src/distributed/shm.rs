@@ -109,18 +109,15 @@ impl SharedMemory {
             name[..made.len()].copy_from_slice(made.as_bytes());
         }
         let shared = Tensor::from_slice(&name);
-        if group.broadcast(&shared, 0).and_then(|work| work.wait(Duration::ZERO)).is_err() {
-            return None;
-        }
-        let bytes = Vec::<u8>::try_from(&shared).ok()?;
-        let name = String::from_utf8_lossy(&bytes[..bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len())]).into_owned();
-        if rank != 0 && !name.is_empty() {
-            memory = SharedMemory::map(&name, rank, size, timeout, false);
+        let received = group.broadcast(&shared, 0).and_then(|work| work.wait(Duration::ZERO)).ok().and_then(|()| Vec::<u8>::try_from(&shared).ok());
+        let name = received.map_or(String::new(), |bytes| String::from_utf8_lossy(&bytes[..bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len())]).into_owned());
+        if rank != 0 {
+            memory = (!name.is_empty()).then(|| SharedMemory::map(&name, rank, size, timeout, false)).flatten();
         }
         let mapped = agree(memory.is_some());
         // Every member has mapped it (or given up): the name is no longer needed, nor left behind by a crash.
-        if rank == 0 && !name.is_empty() {
-            let _ = std::fs::remove_file(segment_path(&name));
+        if rank == 0 && memory.is_some() {
+            let _ = std::fs::remove_file(segment_path(&made));
         }
         if !mapped {
             return None;
