@@ -1,8 +1,8 @@
 //! Collectives between the ranks of one host through shared memory
 //! (`dist.shared_memory`): on the CPU, Gloo carries every collective over
-//! TCP sockets, each through its worker and event-loop threads — 0.6–0.7 ms
+//! TCP sockets, each through its worker and event-loop threads — 0.7–0.9 ms
 //! for a 4 KiB all-reduce between two ranks of one 2-core host, most of it
-//! in the kernel. Here each member copies its part into its slot of a
+//! in the kernel (README, "Sharding strategies", has the figures). Here each member copies its part into its slot of a
 //! mapped segment, waits at a barrier (a futex in the segment, so a waiting
 //! rank sleeps instead of spinning on cores its peers need), and reads the
 //! others' parts: one barrier a collective (a chunk of it, for tensors
