@@ -58,6 +58,11 @@ fn segment_path(name: &str) -> String {
     format!("/dev/shm/{name}")
 }
 
+/// `from`'s elements into `into` (a slot's view, or a chunk of a tensor).
+fn copy(mut into: Tensor, from: &Tensor) -> Result<(), String> {
+    into.f_copy_(from).map_err(|e| e.to_string())
+}
+
 impl SharedMemory {
     /// Maps `name` (made by rank 0 with `create`): two sets of `size`
     /// slots (`SlotSets`), and records this member's process id. None where
@@ -198,10 +203,11 @@ impl SharedMemory {
         SLOT_BYTES / kind.elt_size_in_bytes()
     }
 
-    /// `out` becomes the reduction of `parts`, in their order.
-    fn reduce(out: &Tensor, mut parts: impl Iterator<Item = Tensor>, reduction: Reduction) -> Result<(), String> {
+    /// `out` becomes the reduction of this group's `parts`, in their order
+    /// (`Avg`: their sum divided by the group's size, as Gloo's is).
+    fn reduce(&self, out: &Tensor, mut parts: impl Iterator<Item = Tensor>, reduction: Reduction) -> Result<(), String> {
         let mut out = out.shallow_clone();
-        out.f_copy_(&parts.next().expect("a group has members")).map_err(|e| e.to_string())?;
+        copy(out.shallow_clone(), &parts.next().expect("a group has members"))?;
         for part in parts {
             let reduced = match reduction {
                 Reduction::Sum | Reduction::Avg => out.f_add_(&part),
@@ -209,6 +215,9 @@ impl SharedMemory {
                 Reduction::Min => out.f_minimum_out(&out, &part),
             };
             drop(reduced.map_err(|e| e.to_string())?);
+        }
+        if reduction == Reduction::Avg {
+            drop(out.f_div_scalar_(self.size as f64).map_err(|e| e.to_string())?);
         }
         Ok(())
     }
@@ -224,7 +233,7 @@ impl SharedMemory {
         collective(&outs, &ins, &mut sets)?;
         for (output, flat) in outputs.iter().zip(&outs) {
             if !output.is_contiguous() {
-                output.shallow_clone().f_copy_(&flat.f_view_as(output).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+                copy(output.shallow_clone(), &flat.f_view_as(output).map_err(|e| e.to_string())?)?;
             }
         }
         Ok(())
@@ -266,13 +275,9 @@ impl SharedMemory {
         let kind = tensor.kind();
         self.in_place(
             tensor,
-            |chunk, set| self.slot(set, self.rank, 0, chunk.numel(), kind).f_copy_(chunk).map_err(|e| e.to_string()),
-            |chunk, set| Self::reduce(chunk, (0..self.size).map(|member| self.slot(set, member, 0, chunk.numel(), kind)), reduction),
-        )?;
-        if reduction == Reduction::Avg {
-            drop(tensor.shallow_clone().f_div_scalar_(self.size as f64).map_err(|e| e.to_string())?);
-        }
-        Ok(())
+            |chunk, set| copy(self.slot(set, self.rank, 0, chunk.numel(), kind), chunk),
+            |chunk, set| self.reduce(chunk, (0..self.size).map(|member| self.slot(set, member, 0, chunk.numel(), kind)), reduction),
+        )
     }
 
     /// `output` (members × input's length) receives every member's `input`, in group-rank order.
@@ -287,12 +292,8 @@ impl SharedMemory {
                 sets,
                 total,
                 Self::chunk_elements(kind),
-                |at, count, set| self.slot(set, self.rank, 0, count, kind).f_copy_(&input.narrow(0, at as i64, count as i64)).map_err(|e| e.to_string()),
-                |at, count, set| {
-                    (0..self.size).try_for_each(|member| {
-                        output.narrow(0, (member * total + at) as i64, count as i64).f_copy_(&self.slot(set, member, 0, count, kind)).map_err(|e| e.to_string())
-                    })
-                },
+                |at, count, set| copy(self.slot(set, self.rank, 0, count, kind), &input.narrow(0, at as i64, count as i64)),
+                |at, count, set| (0..self.size).try_for_each(|member| copy(output.narrow(0, (member * total + at) as i64, count as i64), &self.slot(set, member, 0, count, kind))),
             )
         })
     }
@@ -311,20 +312,12 @@ impl SharedMemory {
                 sets,
                 total,
                 most,
-                |at, count, set| {
-                    (0..self.size).try_for_each(|member| {
-                        self.slot(set, self.rank, member * count, count, kind).f_copy_(&input.narrow(0, (member * total + at) as i64, count as i64)).map_err(|e| e.to_string())
-                    })
-                },
+                |at, count, set| (0..self.size).try_for_each(|member| copy(self.slot(set, self.rank, member * count, count, kind), &input.narrow(0, (member * total + at) as i64, count as i64))),
                 |at, count, set| {
                     let mine = output.narrow(0, at as i64, count as i64);
-                    Self::reduce(&mine, (0..self.size).map(|member| self.slot(set, member, self.rank * count, count, kind)), reduction)
+                    self.reduce(&mine, (0..self.size).map(|member| self.slot(set, member, self.rank * count, count, kind)), reduction)
                 },
-            )?;
-            if reduction == Reduction::Avg {
-                drop(output.shallow_clone().f_div_scalar_(self.size as f64).map_err(|e| e.to_string())?);
-            }
-            Ok(())
+            )
         })
     }
 
@@ -336,8 +329,8 @@ impl SharedMemory {
         let (kind, sends) = (tensor.kind(), self.rank == root);
         self.in_place(
             tensor,
-            |chunk, set| if sends { self.slot(set, root, 0, chunk.numel(), kind).f_copy_(chunk).map_err(|e| e.to_string()) } else { Ok(()) },
-            |chunk, set| if sends { Ok(()) } else { chunk.shallow_clone().f_copy_(&self.slot(set, root, 0, chunk.numel(), kind)).map_err(|e| e.to_string()) },
+            |chunk, set| if sends { copy(self.slot(set, root, 0, chunk.numel(), kind), chunk) } else { Ok(()) },
+            |chunk, set| if sends { Ok(()) } else { copy(chunk.shallow_clone(), &self.slot(set, root, 0, chunk.numel(), kind)) },
         )
     }
 
