@@ -46,7 +46,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # leaves its core idle part of the time (its processes starting, its Python
 # references importing, its ranks waiting on one another). The integration
 # binary with two kept 1.67 cores busy and took 1,086 s; with three, 1.71 and
-# 1,029 s (2026-11-30, the EPYC README names).
+# 1,029 s (2026-11-30, the EPYC of bench/results/test-suite-times.md).
 # (nproc counts cores unless OMP_NUM_THREADS is set, which it then prints.)
 cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-$(( cores * 3 / 2 ))}"
