@@ -73,13 +73,10 @@ impl SharedMemory {
         let path = segment_path(name);
         let opened = std::fs::OpenOptions::new().read(true).write(true).create_new(create).mode(0o600).open(&path);
         // Its pages reserved now: a /dev/shm too small (a container's 64 MiB) fails here, not as SIGBUS at a write.
-        let sized = opened.and_then(|file| match create {
+        let sized = opened.and_then(|file| {
             // SAFETY: a system call on the file's own descriptor.
-            true => match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
-                0 => Ok(file),
-                error => Err(std::io::Error::from_raw_os_error(error)),
-            },
-            false => Ok(file),
+            let error = if create { unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } } else { 0 };
+            if error == 0 { Ok(file) } else { Err(std::io::Error::from_raw_os_error(error)) }
         });
         // SAFETY: a file of ft's own under a name no one else uses, its size fixed before any member maps it.
         let map = sized.and_then(|file| unsafe { memmap2::MmapMut::map_mut(&file) }).ok().filter(|map| map.len() == len);
